@@ -1,0 +1,194 @@
+"""Validated engine configuration, built once from `EngineArgs` and shared read-only.
+
+These are plain dataclasses: the driver builds them and ships them to workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+# Config keys that bound the context length, in the order transformers models use them.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def hf_config_dtype(hf_config: Any) -> torch.dtype | None:
+    """The checkpoint dtype: transformers 5.x writes `dtype`, 4.x wrote `torch_dtype`."""
+    for key in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, str) and value in _DTYPES:
+            return _DTYPES[value]
+    return None
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:
+    """vLLM's rule: "auto" takes the checkpoint's dtype, but fp32 checkpoints run in fp16
+    on GPUs; CPUs run half-precision checkpoints in bf16 (fp16 matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        config_dtype = hf_config_dtype(hf_config) or torch.float32
+        if device == "cpu":
+            return torch.float32 if config_dtype == torch.float32 else torch.bfloat16
+        return torch.float16 if config_dtype == torch.float32 else config_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(repr(d) for d in _DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    max_model_len: int
+    hf_config: Any = field(repr=False)
+    seed: int = 0
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.num_attention_heads
+
+    def num_kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        # KV heads are replicated, never split below one, when ranks outnumber them.
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+
+def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    from transformers import AutoConfig
+
+    if not Path(model).is_dir():
+        raise ValueError(f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
+                         f"tokenizer files); {model!r} is not a folder. raylm does not download weights.")
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"model folder {model!r} has no config.json.")
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
+
+
+def derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
+    limit = next((getattr(hf_config, k) for k in _MAX_LEN_KEYS if getattr(hf_config, k, None)), None)
+    if limit is None:
+        limit = 2048
+        logger.warning("config.json names no context length; assuming %d tokens.", limit)
+    if max_model_len is None:
+        return int(limit)
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {limit} "
+                         f"(from config.json).")
+    return max_model_len
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # CPU only: bytes of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE, in GiB there).
+    cpu_kv_cache_space_bytes: int = 4 * 1024**3
+    num_gpu_blocks_override: int | None = None
+    # Set after the workers have measured memory.
+    num_gpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        # Prompts are prefilled whole, so one step must fit the longest prompt.
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}): the longest prompt could never be scheduled. Raise "
+                f"max_num_batched_tokens or lower max_model_len.")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # None: in process for one worker, Ray for more. "ray" forces Ray; "mp"/"uni" in process.
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        allowed = (None, "ray", "uni", "mp")
+        if self.distributed_executor_backend not in allowed:
+            raise ValueError(f"distributed_executor_backend must be one of {allowed}, "
+                             f"got {self.distributed_executor_backend!r}.")
+
+    @property
+    def use_ray(self) -> bool:
+        if self.distributed_executor_backend == "ray":
+            return True
+        return self.distributed_executor_backend is None and self.tensor_parallel_size > 1
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "cpu"
+
+    @staticmethod
+    def detect(device: str = "auto") -> "DeviceConfig":
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+        return DeviceConfig(device)
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig

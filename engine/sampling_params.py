@@ -1,0 +1,154 @@
+"""Sampling parameters of one request, with vLLM's field names, defaults and meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+# Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    Args:
+        n: Number of output sequences returned for the prompt.
+        best_of: Number of sequences generated; the ``n`` with the highest cumulative
+            logprob are returned. Defaults to ``n``. Must be >= ``n``.
+        presence_penalty: Added to the negated logit of every token that already
+            appeared in the output (> 0 favours new tokens). Range [-2, 2].
+        frequency_penalty: Like ``presence_penalty`` but scaled by how often the token
+            appeared in the output. Range [-2, 2].
+        repetition_penalty: Multiplicative penalty (CTRL-style) for tokens in the prompt
+            or output: logits > 0 are divided by it, logits < 0 multiplied. 1 disables it.
+        temperature: Softmax temperature; 0 means greedy decoding.
+        top_p: Keep the smallest set of tokens whose cumulative probability >= top_p.
+        top_k: Keep the ``top_k`` most likely tokens; 0 or -1 keeps all.
+        min_p: Drop tokens whose probability is below ``min_p`` times the top one.
+        seed: Seed of this request's own random generator, so the same request gives
+            the same text whatever else runs in the batch.
+        stop: Strings that end generation; they are cut from the text unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: Token ids that end generation; kept in ``token_ids`` and, unless
+            special, in the text.
+        include_stop_str_in_output: Keep the matched stop string in the text.
+        ignore_eos: Keep generating past the end-of-sequence token.
+        max_tokens: Most tokens generated per sequence; ``None`` fills the context.
+        min_tokens: Fewest tokens generated before EOS or ``stop_token_ids`` may end it.
+        logprobs: Number of most likely tokens whose logprobs are returned at each
+            generated position, besides the sampled token.
+        prompt_logprobs: Same, for each prompt position.
+        skip_special_tokens: Leave special tokens out of the text.
+        spaces_between_special_tokens: Put spaces around special tokens in the text.
+        logit_bias: Token id -> value added to its logit before sampling (-100 to 100).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    # Filled by the engine: EOS plus stop_token_ids, the tokens that min_tokens holds back.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
+
+    def _verify(self) -> None:
+        _check(self.n >= 1, "n", self.n, "must be at least 1")
+        _check(self.best_of >= self.n, "best_of", self.best_of, f"must be at least n ({self.n})")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be greater than 0")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be non-negative")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (disable) or at least 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be at most max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check(self.logprobs >= 0, "logprobs", self.logprobs, "must be non-negative")
+        if self.prompt_logprobs is not None:
+            _check(self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs, "must be non-negative")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        for stop in self.stop:
+            _check(isinstance(stop, str) and stop != "", "stop", stop, "must be non-empty strings")
+        for token_id in self.stop_token_ids:
+            _check(isinstance(token_id, int) and token_id >= 0, "stop_token_ids", token_id,
+                   "must be non-negative integers")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(-100.0 <= bias <= 100.0, "logit_bias", f"{{{token_id}: {bias}}}", "values must be in [-100, 100]")
+        if self.best_of > 1 and self.sampling_type == SamplingType.GREEDY:
+            # Greedy samples would all be identical: vLLM rejects this too.
+            _check(False, "best_of", self.best_of, "must be 1 when using greedy sampling (temperature 0)")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks the token ids the request names against the model's vocabulary."""
+        for token_id in self.stop_token_ids:
+            _check(token_id < vocab_size, "stop_token_ids", token_id, f"must be below the vocabulary size {vocab_size}")
+        for token_id in (self.logit_bias or {}):
+            _check(0 <= token_id < vocab_size, "logit_bias", token_id,
+                   f"token ids must be in [0, {vocab_size})")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _GREEDY_TEMPERATURE:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {allowed}, got {value!r}.")

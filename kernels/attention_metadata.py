@@ -1,0 +1,42 @@
+"""What every attention layer needs to know about the current step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner; read by every attention layer.
+
+    Tokens of all sequences are packed along one dimension, sequence after sequence.
+    Sequence i owns rows query_start_loc[i]:query_start_loc[i+1] of the packed query;
+    its queries sit at positions seq_lens[i] - query_len_i ... seq_lens[i] - 1 and attend
+    causally to all seq_lens[i] tokens, which are in the KV cache once this step's new
+    keys and values have been written to it.
+    """
+
+    # [num_tokens] int64: flat cache slot (block_id * block_size + offset) of each new
+    # token; -1 for padding tokens, which are not written.
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: prefix sums of query lengths.
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: tokens in context after this step (computed + new).
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32: physical block ids, padded with 0.
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Python-side copies, so the PyTorch path needs no device sync to loop or pad.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,114 @@
+"""Builds tiny Hugging Face-format models (random weights, trained BPE tokenizer) on disk.
+
+Nothing can be downloaded, so every test model is made here: a transformers config,
+random weights saved with safetensors, and a byte-level BPE tokenizer trained with
+`tokenizers` on a little text, with a chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join a running batch at every step.",
+    "import os\nimport sys\nprint(os.getcwd())\n",
+    "Ray places one worker actor on each GPU of the cluster.",
+    "Once upon a time there was a tiny language model that loved numbers: 1 2 3 4 5 6 7 8 9 10.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Tensor parallelism splits attention heads and MLP columns across devices.",
+    "Hello, world! How are you today? I am fine, thank you.",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|end|>"]
+
+
+def build_tokenizer(path: Path, vocab_size: int) -> None:
+    """Trains a byte-level BPE tokenizer and saves it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def _llama_like_config(arch: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        common["tie_word_embeddings"] = True  # Qwen2's small models tie them
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "mistral":
+        return MistralConfig(**common)
+    raise ValueError(f"unknown test architecture {arch!r}")
+
+
+def build_tiny_model(path: Path, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
+    """Writes config.json, model.safetensors and tokenizer files for a tiny random model."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, vocab_size)
+    config = _llama_like_config(arch, vocab_size, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Larger-than-default init makes next-token distributions less flat, so greedy
+    # decoding does not hinge on near-ties and tests compare meaningful tokens.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
