@@ -1,0 +1,23 @@
+"""raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine` and the outputs."""
+
+from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+
+# Imported on first use, so that workers importing the plain step types do not pull in
+# the engine, the scheduler and transformers.
+_LAZY = {
+    "LLM": "raylm.engine.llm",
+    "LLMEngine": "raylm.engine.llm_engine",
+    "EngineArgs": "raylm.engine.arg_utils",
+}
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestOutputKind"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raylm.engine' has no attribute {name!r}")

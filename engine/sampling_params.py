@@ -9,6 +9,14 @@ from enum import IntEnum
 _GREEDY_TEMPERATURE = 1e-5
 
 
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request carries (vLLM's output_kind)."""
+
+    CUMULATIVE = 0  # all text and tokens so far, at every step
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -49,6 +57,7 @@ class SamplingParams:
         skip_special_tokens: Leave special tokens out of the text.
         spaces_between_special_tokens: Put spaces around special tokens in the text.
         logit_bias: Token id -> value added to its logit before sampling (-100 to 100).
+        output_kind: Whether outputs are cumulative (default), deltas, or final only.
     """
 
     n: int = 1
@@ -72,6 +81,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: EOS plus stop_token_ids, the tokens that min_tokens holds back.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -1,0 +1,131 @@
+"""`EngineArgs`: the one place where engine settings, their defaults and help live.
+
+Its fields are the keyword arguments of `LLM(...)`, and `add_cli_args` turns the same
+fields into the flags of `raylm serve` / `raylm bench`, so no setting is spelled twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, derive_max_model_len, load_hf_config, resolve_dtype)
+
+_GiB = 1024**3
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class EngineArgs:
+    model: str = field(default="", metadata=_help("Path of a Hugging Face model folder (config.json, "
+                                                  "*.safetensors, tokenizer files)."))
+    tokenizer: str | None = field(default=None, metadata=_help("Tokenizer folder; defaults to the model folder."))
+    tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
+                                                               "Python one."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "
+                                                                    "ids and outputs carry no text."))
+    trust_remote_code: bool = field(default=False, metadata=_help("Allow code from the model folder."))
+    revision: str | None = field(default=None, metadata=_help("Model revision (for hub-style folders)."))
+    dtype: str = field(default="auto", metadata=_help("Weights and activations dtype: auto, float32, float16, "
+                                                      "bfloat16. 'auto' follows config.json (fp32 runs as "
+                                                      "fp16 on GPUs)."))
+    seed: int = field(default=0, metadata=_help("Seed of the global random state."))
+    max_model_len: int | None = field(default=None, metadata=_help("Context length (prompt + output); defaults "
+                                                                   "to the model's."))
+    block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help("Fraction of GPU memory for weights, "
+                                                                      "activations and KV cache."))
+    kv_cache_space: float = field(default=4.0, metadata=_help("CPU only: GiB of memory for the KV cache."))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Use this many KV-cache blocks "
+                                                                             "instead of measuring (tests)."))
+    max_num_seqs: int = field(default=256, metadata=_help("Most sequences in one batch."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help("Most tokens in one step; defaults "
+                                                                            "to max(max_model_len, 2048)."))
+    tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
+    distributed_executor_backend: str | None = field(default=None, metadata=_help("'ray' runs workers as Ray "
+                                                                                  "actors even for one; "
+                                                                                  "default: Ray when "
+                                                                                  "tensor_parallel_size > 1."))
+    device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
+    enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
+                                                              "runs eagerly (no CUDA graphs yet)."))
+    disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Builds EngineArgs, naming unknown keyword arguments (and near misses) in the error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"Unknown engine argument(s): {', '.join(hints)}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        if not self.model:
+            raise ValueError("model must name a Hugging Face model folder.")
+        device_config = DeviceConfig.detect(self.device)
+        hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
+        max_model_len = derive_max_model_len(hf_config, self.max_model_len)
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            dtype=resolve_dtype(self.dtype, hf_config, device_config.device),
+            max_model_len=max_model_len,
+            hf_config=hf_config,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            revision=self.revision,
+            tokenizer_mode=self.tokenizer_mode,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cpu_kv_cache_space_bytes=int(self.kv_cache_space * _GiB),
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or max(max_model_len, 2048),
+            max_model_len=max_model_len,
+        )
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Adds one flag per field (`--max-model-len`), with the field's help and default."""
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _cli_type(hints[f.name])
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f.metadata.get("help"))
+            else:
+                parser.add_argument(flag, type=kind, default=f.default, help=f.metadata.get("help"))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _cli_type(hint: Any) -> type:
+    """The argparse type of a field: its hint with `| None` taken off."""
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    return args[0] if args else hint

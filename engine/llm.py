@@ -1,0 +1,152 @@
+"""`LLM`: offline batched generation, the way vLLM users write it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.outputs import RequestOutput
+from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline generation over a batch of prompts.
+
+    Args:
+        model: Hugging Face model folder (config.json, *.safetensors, tokenizer files).
+            When omitted, raylm's bundled demo model.
+        **kwargs: Engine arguments with vLLM's names and defaults (see `EngineArgs`):
+            `dtype="auto"`, `max_model_len=None` (the model's), `block_size=16`,
+            `seed=0`, `max_num_seqs=256`, `max_num_batched_tokens=None`,
+            `gpu_memory_utilization=0.9`, `tensor_parallel_size=1`,
+            `trust_remote_code=False`, `num_gpu_blocks_override=None`, `kv_cache_space=4`
+            (GiB, CPU). An unknown argument is a TypeError naming it.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is None:
+            from raylm.models.bundled import default_model_path
+
+            model = default_model_path()
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions for prompts, returned in prompt order.
+
+        prompts: a string, a list of token ids, a dict with "prompt" or
+        "prompt_token_ids", or a list of any of these. sampling_params: one for all
+        prompts or one per prompt; default `SamplingParams()`.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(self, messages: ChatMessages | list[ChatMessages],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generates replies to conversations rendered with the tokenizer's chat template
+        (or `chat_template`). messages: one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message)
+            # The template already holds any BOS it wants: do not add special tokens again.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._request_counter))
+                params = _final_only(params)
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            # A bad prompt in the list, Ctrl-C or a worker failure: leave nothing queued.
+            engine.abort_request(request_ids)
+            raise
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                        disable=not use_tqdm)
+        prompt_tokens = output_tokens = 0
+        with progress:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    prompt_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    progress.update(1)
+                    elapsed = progress.format_dict["elapsed"] or 1e-9
+                    progress.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                             f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+        return [finished[request_id] for request_id in request_ids]
+
+    def shutdown(self) -> None:
+        """Releases the workers (Ray actors and placement group, when used)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, token ids, a dict or a list of these; "
+                     f"got {type(prompts).__name__}.")
+
+
+def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"Got {len(params)} sampling_params for {count} prompts: give one, or one per prompt.")
+    return params
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """LLM.generate reads only finished outputs; a private copy keeps the caller's object
+    untouched (it may be shared with other prompts)."""
+    import copy
+
+    params = copy.copy(params)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params

@@ -1,0 +1,39 @@
+"""The interface the engine drives workers through, whatever runs them (in process, Ray)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from raylm.engine.config import EngineConfig
+from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+
+
+class Executor(ABC):
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.parallel_config = engine_config.parallel_config
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Starts the workers, loads the model on each."""
+
+    @abstractmethod
+    def determine_num_available_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocates num_blocks KV blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
+        """Runs one step on every worker and returns rank 0's sampler output."""
+
+    def check_health(self) -> None:
+        """Raises if a worker is no longer able to run steps."""
+
+    def shutdown(self) -> None:
+        """Releases the workers; safe to call twice."""

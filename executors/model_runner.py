@@ -1,0 +1,300 @@
+"""Runs one scheduled step on one rank: builds the input tensors, runs the model over the
+paged KV cache, and samples.
+
+The request carries only each sequence's new tokens and block table; what the sampler
+needs across steps (token history for penalties and min_tokens, seeded generators) is
+kept here, keyed by ``seq_id``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raylm.engine.config import EngineConfig
+from raylm.engine.step import ExecuteModelRequest, SamplerOutput, ScheduledSequence, TokenLogprobs
+from raylm.executors.sampler import Sampler, token_logprobs
+from raylm.executors.sampling_metadata import (SamplingMetadata, SequenceSamplingState, needs_token_history,
+                                               sibling_generator)
+from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.models import get_model
+from raylm.models.attention import Attention
+from raylm.models.forward_context import set_forward_context
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, rank: int = 0, device: torch.device | str = "cpu") -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.parallel_config = engine_config.parallel_config
+        self.rank = rank
+        self.device = torch.device(device)
+        self.block_size = self.cache_config.block_size
+        self.num_kv_heads = self.model_config.num_kv_heads_per_rank(self.parallel_config.tensor_parallel_size)
+        self.model: nn.Module | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler()
+        self._seq_states: dict[int, SequenceSamplingState] = {}
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.device)
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def get_cache_block_size_bytes(self) -> int:
+        dtype_size = torch.tensor([], dtype=self.model_config.dtype).element_size()
+        return (2 * self.model_config.num_layers * self.block_size * self.num_kv_heads
+                * self.model_config.head_size * dtype_size)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak bytes of a forward over a full token budget (CUDA), without a KV cache."""
+        num_tokens = min(self.scheduler_config.max_num_batched_tokens,
+                         self.scheduler_config.max_num_seqs * self.model_config.max_model_len)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        # Positions stay within the context length the rotary tables cover.
+        positions = torch.arange(num_tokens, device=self.device) % self.model_config.max_model_len
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+        num_rows = min(num_tokens, self.scheduler_config.max_num_seqs)
+        self.model.compute_logits(hidden[:num_rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def determine_num_available_blocks(self) -> int:
+        """KV blocks this rank can hold: num_gpu_blocks_override if set; on CPU,
+        cpu_kv_cache_space_bytes; on CUDA, what a profiled peak forward leaves of
+        total * gpu_memory_utilization."""
+        block_bytes = self.get_cache_block_size_bytes()
+        if self.cache_config.num_gpu_blocks_override is not None:
+            return self.cache_config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            peak = self.profile_run()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            free = int(total * self.cache_config.gpu_memory_utilization) - peak
+            num_blocks = max(0, free // block_bytes)
+        else:
+            num_blocks = self.cache_config.cpu_kv_cache_space_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"No memory is left for the KV cache: one block needs {block_bytes} bytes. Raise "
+                f"gpu_memory_utilization ({self.cache_config.gpu_memory_utilization}) or, on CPU, "
+                f"cpu_kv_cache_space_bytes ({self.cache_config.cpu_kv_cache_space_bytes}).")
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.model_config.head_size)
+        layers = self._attention_layers()
+        self.kv_caches = []
+        for layer in layers:
+            kv = (torch.zeros(shape, dtype=self.model_config.dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.model_config.dtype, device=self.device))
+            layer.kv_cache = kv
+            self.kv_caches.append(kv)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput | None:
+        """Runs one step; rank 0 returns the drawn tokens (and prompt logprobs), other
+        tensor-parallel ranks return None."""
+        for seq_id in req.finished_seq_ids:
+            self._seq_states.pop(seq_id, None)
+        if req.blocks_to_copy:
+            self._copy_blocks(req.blocks_to_copy)
+        if not req.seqs:
+            return SamplerOutput() if self.rank == 0 else None
+        self._update_states(req.seqs)
+
+        input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.seqs)
+        with set_forward_context(attn_metadata):
+            hidden_states = self.model(input_ids, positions)
+
+        # Rows to turn into logits: the last of each sampled sequence, then prompt rows.
+        sample_rows: list[int] = []
+        sample_repeats: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[ScheduledSequence, int]] = []
+        for seq, last in zip(req.seqs, last_rows):
+            if seq.do_sample:
+                sample_rows.append(last)
+                sample_repeats.append(len(seq.sample_seq_ids))
+            if seq.compute_prompt_logprobs:
+                num_prompt = min(len(seq.token_ids), seq.num_prompt_tokens - seq.num_computed_tokens)
+                if num_prompt > 1:
+                    first = last - len(seq.token_ids) + 1
+                    prompt_rows.extend(range(first, first + num_prompt - 1))
+                    prompt_spans.append((seq, num_prompt))
+        rows = sample_rows + prompt_rows
+        if not rows:
+            return SamplerOutput() if self.rank == 0 else None
+        if not prompt_rows and len(sample_rows) == hidden_states.shape[0]:
+            # Pure decode, every sequence sampled: the rows are all rows, in order.
+            selected = hidden_states
+        else:
+            selected = hidden_states.index_select(0, torch.tensor(rows, device=hidden_states.device))
+        logits = self.model.compute_logits(selected)
+        if logits is None:  # tensor parallel: only rank 0 holds the logits
+            return None
+        logits = logits.float()
+
+        output = SamplerOutput()
+        if sample_rows:
+            sample_logits = logits[:len(sample_rows)]
+            if any(r != 1 for r in sample_repeats):
+                sample_logits = sample_logits.repeat_interleave(
+                    torch.tensor(sample_repeats, device=logits.device), dim=0)
+            metadata = self._sampling_metadata([s for s in req.seqs if s.do_sample])
+            # The drawn tokens come back as the next step's token_ids, which is when
+            # _update_states appends them to the histories.
+            output.outputs = self.sampler(sample_logits, metadata)
+        if prompt_rows:
+            output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_spans)
+        return output
+
+    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in blocks_to_copy], device=self.device)
+        dst = torch.tensor([d for _, d in blocks_to_copy], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def _prepare_inputs(self, seqs: list[ScheduledSequence]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Packed input tensors plus, per sequence, the row of its last token."""
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        last_rows: list[int] = []
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            n = len(seq.token_ids)
+            end = start + n
+            table = seq.block_table
+            input_ids.extend(seq.token_ids)
+            if n == 1:
+                positions.append(start)
+                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                span = range(start, end)
+                positions.extend(span)
+                slot_mapping.extend([table[p // block_size] * block_size + p % block_size for p in span])
+            query_lens.append(n)
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + n)
+            last_rows.append(query_start_loc[-1] - 1)
+            block_tables.append(table)
+        width = max(len(t) for t in block_tables)
+        padded_tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in block_tables]
+
+        device = self.device
+        attn_metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device), attn_metadata, last_rows)
+
+    # ---- sampler state -----------------------------------------------------------------
+
+    def _update_states(self, seqs: list[ScheduledSequence]) -> None:
+        """Brings each tracked history up to date with this step's tokens, before sampling."""
+        states = self._seq_states
+        for seq in seqs:
+            params = seq.sampling_params
+            if not needs_token_history(params):
+                continue
+            state = states.get(seq.seq_id)
+            if state is None:
+                state = states[seq.seq_id] = SequenceSamplingState()
+            if seq.num_computed_tokens == 0:
+                # (Re)start: the tokens are the whole history; a kept generator continues
+                # its stream, so a recomputed sequence does not replay its draws.
+                state.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+                state.output_token_ids = seq.token_ids[seq.num_prompt_tokens:]
+            else:
+                split = seq.num_prompt_tokens - seq.num_computed_tokens
+                if split <= 0:
+                    state.output_token_ids.extend(seq.token_ids)
+                else:
+                    state.prompt_token_ids.extend(seq.token_ids[:split])
+                    state.output_token_ids.extend(seq.token_ids[split:])
+
+    def _sampling_metadata(self, seqs: list[ScheduledSequence]) -> SamplingMetadata:
+        """One row per drawn sequence; siblings of an n > 1 prefill fork its state here."""
+        seq_ids: list[int] = []
+        params_list = []
+        prompts: list[list[int]] = []
+        outputs: list[list[int]] = []
+        generators: list[torch.Generator | None] = []
+        states = self._seq_states
+        no_history: list[int] = []
+        for seq in seqs:
+            params = seq.sampling_params
+            tracked = needs_token_history(params)
+            seeded = params.seed is not None and not params.is_greedy
+            if not (tracked or seeded):
+                # The common case: nothing remembered between steps.
+                for seq_id in seq.sample_seq_ids:
+                    seq_ids.append(seq_id)
+                    params_list.append(params)
+                    prompts.append(no_history)
+                    outputs.append(no_history)
+                    generators.append(None)
+                continue
+            parent = states.get(seq.seq_id)
+            if parent is None:
+                parent = states[seq.seq_id] = SequenceSamplingState()
+            for index, seq_id in enumerate(seq.sample_seq_ids):
+                if seq_id == seq.seq_id:
+                    state = parent
+                else:
+                    # A sibling starts from the prefilled sequence's history, with its own
+                    # random stream (kept if it already had one).
+                    previous = states.get(seq_id)
+                    state = states[seq_id] = parent.fork()
+                    state.generator = previous.generator if previous is not None else None
+                if seeded and state.generator is None:
+                    state.generator = sibling_generator(params.seed, index, self.device)
+                seq_ids.append(seq_id)
+                params_list.append(params)
+                prompts.append(state.prompt_token_ids)
+                outputs.append(state.output_token_ids)
+                generators.append(state.generator if seeded else None)
+        return SamplingMetadata(seq_ids, params_list, prompts, outputs, generators)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[ScheduledSequence, int]]
+                         ) -> dict[int, list[TokenLogprobs]]:
+        targets: list[int] = []
+        top_ks: list[int] = []
+        for seq, num_prompt in spans:
+            targets.extend(seq.token_ids[1:num_prompt])
+            top_ks.extend([seq.sampling_params.prompt_logprobs or 0] * (num_prompt - 1))
+        entries = token_logprobs(logits, torch.tensor(targets, device=logits.device), top_ks)
+        result: dict[int, list[TokenLogprobs]] = {}
+        offset = 0
+        for seq, num_prompt in spans:
+            result[seq.seq_id] = entries[offset:offset + num_prompt - 1]
+            offset += num_prompt - 1
+        return result

@@ -1,0 +1,67 @@
+"""Attention backend choice: the Triton kernels (GPU) or the PyTorch reference (CPU).
+
+Both backends share one contract (see `raylm.kernels.torch_attention`):
+`write_kv_cache(key, value, k_cache, v_cache, slot_mapping)` and
+`paged_attention(query, k_cache, v_cache, attn_metadata, scale) -> out`.
+Triton is imported only when the Triton backend is asked for, so a CPU machine without
+triton installed still runs the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from raylm.kernels.attention_metadata import AttentionMetadata
+
+ENV_VAR = "RAYLM_ATTENTION_BACKEND"
+BACKEND_NAMES = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    write_kv_cache: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    paged_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def default_backend_name() -> str:
+    """RAYLM_ATTENTION_BACKEND if set, else Triton on a CUDA machine and PyTorch otherwise."""
+    name = os.environ.get(ENV_VAR)
+    if name:
+        return name
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def get_attention_backend(name: str | None = None) -> AttentionBackend:
+    """The backend called `name` ("triton" or "torch"); None means `default_backend_name()`."""
+    source = "name" if name is not None else ENV_VAR
+    name = name if name is not None else default_backend_name()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention backend {source} must be one of {BACKEND_NAMES}, got {name!r}.")
+    if name == "torch":
+        from raylm.kernels import torch_attention
+        return AttentionBackend("torch", torch_attention.write_kv_cache, torch_attention.paged_attention)
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"attention backend 'triton' needs the triton package, which is not importable "
+                         f"({error}); install triton or use the 'torch' backend.") from error
+    from raylm.kernels.triton_kv_cache import write_kv_cache
+    return AttentionBackend("triton", write_kv_cache, _triton_paged_attention)
+
+
+def _triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            attn_metadata: AttentionMetadata, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    # Decode-only steps take the kernel built for one query row per sequence (with its
+    # split-K choice); anything with a longer chunk takes the prefill kernel, which also
+    # serves the decode rows of a mixed batch.
+    from raylm.kernels.triton_decode_attention import paged_decode_attention
+    from raylm.kernels.triton_prefill_attention import paged_prefill_attention
+    if attn_metadata.max_query_len <= 1:
+        return paged_decode_attention(query, k_cache, v_cache, attn_metadata, scale, out=out)
+    return paged_prefill_attention(query, k_cache, v_cache, attn_metadata, scale, out=out)

@@ -1,0 +1,226 @@
+"""Triton paged decode attention: one query token per sequence over its cached context.
+
+Same semantics as `raylm.kernels.torch_attention.paged_attention` for a decode-only step
+(every query_len is 1). One program handles one (sequence, KV head) pair and all the query
+heads that share that KV head (GQA), so each K/V tile is read from memory once for the whole
+group. The group is padded to 16 rows because `tl.dot` operands must be at least 16 wide to
+compile on a GPU.
+
+Long contexts with few sequences leave most of a GPU idle at one program per (sequence, KV
+head); the split-K (flash-decoding) variant also splits the context into partitions, each
+program writes a partial output and its log-sum-exp, and a second kernel merges them.
+`paged_decode_attention` picks the variant.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from raylm.kernels.attention_metadata import AttentionMetadata
+
+# Tokens per K/V tile; independent of the cache block size (each token finds its block).
+_BLOCK_N = 64
+# Split-K partitions are at least this many tokens: below it the merge costs more than the
+# parallelism gains.
+_MIN_PARTITION = 512
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh,
+    stride_kc_block, stride_kc_token, stride_kc_head,
+    stride_vc_block, stride_vc_token, stride_vc_head,
+    stride_bt, stride_ot, stride_oh,
+    stride_po_seq, stride_po_head, stride_po_split,
+    stride_pl_seq, stride_pl_head,
+    partition_size,
+    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - row
+    start = split * partition_size
+    end = tl.minimum(seq_len, start + partition_size)
+    if (start >= end) | (query_len == 0):
+        # Shorter than this split (the merge never reads this partition), or no query row.
+        return
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < NUM_QUERIES_PER_KV
+    d_mask = d < HEAD_SIZE
+    heads = kv_head * NUM_QUERIES_PER_KV + g
+    q = tl.load(query_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        physical = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        # Masked loads keep never-written slots (garbage, NaN) out of the arithmetic.
+        k = tl.load(k_cache_ptr + physical[:, None] * stride_kc_block + offset[:, None] * stride_kc_token
+                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + physical[:, None] * stride_vc_block + offset[:, None] * stride_vc_token
+                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, -float("inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT_K:
+        po = (partial_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
+              + split * stride_po_split + d[None, :])
+        tl.store(po, out, mask=out_mask)
+        tl.store(partial_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split,
+                 m_i + tl.log2(l_i), mask=g_mask)
+    else:
+        o = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    stride_po_seq, stride_po_head, stride_po_split,
+    stride_pl_seq, stride_pl_head,
+    stride_ot, stride_oh,
+    partition_size,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (sequence, query head): rescale each partition's normalised output by
+    # its share of the total softmax mass, 2^(lse_s - lse_total).
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    if tl.load(query_start_loc_ptr + seq + 1) == row:
+        return
+    num_partitions = tl.cdiv(seq_len, partition_size)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_partitions
+    lse = tl.load(partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + s, mask=s_mask,
+                  other=-float("inf"))
+    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    weight = weight / tl.sum(weight, axis=0)
+    partial = tl.load(partial_out_ptr + seq * stride_po_seq + head * stride_po_head + s[:, None] * stride_po_split
+                      + d[None, :], mask=s_mask[:, None] & (d[None, :] < HEAD_SIZE), other=0.0)
+    out = tl.sum(partial * weight[:, None], axis=0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_SIZE)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many context partitions per (sequence, KV head): enough programs to fill the GPU
+    about twice over, but no partition shorter than _MIN_PARTITION tokens."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    by_occupancy = -(-2 * num_sms // programs)
+    by_length = max(1, max_seq_len // _MIN_PARTITION)
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter has no SMs; this only keeps the heuristic meaningful on CPU.
+    return 16
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           attn_metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Decode step (every query_len is 1): query [T, Hq, D] -> [T, Hq, D] in the query's dtype.
+
+    Sequence i's query is row query_start_loc[i]; rows past the last sequence (padding) are
+    zero. `out`, if given, is written in place and returned. `num_splits` None lets the
+    dispatcher choose between the single-pass kernel (1) and split-K (more than 1).
+    """
+    md = attn_metadata
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = md.num_seqs
+    assert md.max_query_len <= 1, "paged_decode_attention takes decode-only steps"
+    assert num_heads % num_kv_heads == 0 and query.stride(2) == 1 and k_cache.stride(3) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens > num_seqs:
+        out[num_seqs:].zero_()
+    if num_seqs == 0 or md.max_seq_len == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, md.max_seq_len, _num_sms(query.device))
+    partition_size = triton.cdiv(triton.cdiv(md.max_seq_len, num_splits), _BLOCK_N) * _BLOCK_N
+    num_splits = triton.cdiv(md.max_seq_len, partition_size)
+
+    group = num_heads // num_kv_heads
+    # CPU means the interpreter, which gets low-precision dots wrong; fp32 caches need
+    # fp32 dots on a GPU too (the default would be TF32).
+    dot_fp32 = query.device.type != "cuda" or k_cache.dtype == torch.float32
+    common = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+                  BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+                  BLOCK_N=_BLOCK_N, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4)
+    qk_scale = scale * math.log2(math.e)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _paged_decode_kernel[grid](
+            query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            out, out, out, qk_scale,
+            query.stride(0), query.stride(1), *cache_strides,
+            md.block_tables.stride(0), out.stride(0), out.stride(1),
+            0, 0, 0, 0, 0, partition_size, SPLIT_K=False, **common)
+        return out
+
+    partial_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
+                              device=query.device)
+    partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    _paged_decode_kernel[grid](
+        query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+        out, partial_out, partial_lse, qk_scale,
+        query.stride(0), query.stride(1), *cache_strides,
+        md.block_tables.stride(0), out.stride(0), out.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), partition_size, SPLIT_K=True, **common)
+    _merge_partitions_kernel[(num_seqs, num_heads)](
+        partial_out, partial_lse, md.seq_lens, md.query_start_loc, out,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1), partition_size,
+        HEAD_SIZE=head_size, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out

@@ -1,0 +1,141 @@
+"""Triton paged prefill / extend attention: a chunk of new queries per sequence, causal,
+over the tokens already in the cache plus the new ones (written there first).
+
+Same semantics as `raylm.kernels.torch_attention.paged_attention` for any step, prefill,
+chunked prefill, prefix-cache hits and decode rows mixed in one batch: sequence i's queries,
+rows query_start_loc[i]:query_start_loc[i+1], sit at the last query_len_i of its seq_lens[i]
+positions and read every key and value through block_tables[i].
+
+One program handles one (sequence, block of queries, KV head). Its BLOCK_M rows are
+(query token, query head of the group) pairs, so the query heads that share a KV head share
+every K/V tile load, and a decode row with GQA still fills a 16-row dot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from raylm.kernels.attention_metadata import AttentionMetadata
+
+_BLOCK_N = 64
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh,
+    stride_kc_block, stride_kc_token, stride_kc_head,
+    stride_vc_block, stride_vc_token, stride_vc_head,
+    stride_bt, stride_ot, stride_oh,
+    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    query_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    if q_block * BLOCK_Q >= query_len:
+        # The grid is sized for the longest query chunk of the batch.
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    q_index = q_block * BLOCK_Q + r // NUM_QUERIES_PER_KV  # within this sequence's chunk
+    heads = kv_head * NUM_QUERIES_PER_KV + r % NUM_QUERIES_PER_KV
+    d_mask = d < HEAD_SIZE
+    row_mask = (r < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_index < query_len)
+    q = tl.load(query_ptr + (q_start + q_index)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # Padding rows get positions past the end, so they see every valid key: their softmax
+    # stays finite (no -inf - -inf) and is simply not stored.
+    q_pos = context_len + q_index
+
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Causal: no key after this block's last query.
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = pos < kv_end
+        physical = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        # Masked loads keep never-written slots (garbage, NaN) out of the arithmetic.
+        k = tl.load(k_cache_ptr + physical[:, None] * stride_kc_block + offset[:, None] * stride_kc_token
+                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + physical[:, None] * stride_vc_block + offset[:, None] * stride_vc_token
+                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, -float("inf"))
+        # Key 0 is in the first tile and visible to every row, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + q_index)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            attn_metadata: AttentionMetadata, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its whole context in the cache.
+
+    query [T, Hq, D] -> [T, Hq, D] in the query's dtype; rows past the last sequence
+    (padding) are zero. `out`, if given, is written in place and returned.
+    """
+    md = attn_metadata
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0 and query.stride(2) == 1 and k_cache.stride(3) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    num_packed = sum(md.query_lens_list)
+    if num_tokens > num_packed:
+        out[num_packed:].zero_()
+    if md.num_seqs == 0 or md.max_query_len == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    # Rows are (query, head of the group) pairs: at least 16 for the dot, at most 64 unless
+    # the group alone is larger; few rows when the chunks are short (decode rows).
+    block_m = max(triton.next_power_of_2(group), min(64, max(16, triton.next_power_of_2(md.max_query_len * group))))
+    block_q = block_m // group
+    # CPU means the interpreter, which gets low-precision dots wrong; fp32 caches need
+    # fp32 dots on a GPU too (the default would be TF32).
+    dot_fp32 = query.device.type != "cuda" or k_cache.dtype == torch.float32
+    grid = (md.num_seqs, triton.cdiv(md.max_query_len, block_q), num_kv_heads)
+    _paged_prefill_kernel[grid](
+        query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        md.block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_N=_BLOCK_N,
+        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4,
+    )
+    return out

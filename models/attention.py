@@ -1,0 +1,46 @@
+"""The attention layer: stores the step's keys/values in this layer's paged KV cache and
+attends over each sequence's cached context."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.kernels.backend import get_attention_backend
+from raylm.models.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Takes q [T, Hq * D], k and v [T, Hkv * D] (this rank's heads) and returns
+    [T, Hq * D]. The runner sets `kv_cache` to this layer's (k_cache, v_cache) pair, each
+    [num_blocks, block_size, Hkv, D], after allocating the caches."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Triton on CUDA machines, the PyTorch reference otherwise (RAYLM_ATTENTION_BACKEND overrides).
+        self.backend = get_attention_backend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
+        else:
+            assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
+            k_cache, v_cache = self.kv_cache
+            self.backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+            out = self.backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_size)

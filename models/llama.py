@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2), written against the parallel layers so
+the same code runs sharded under tensor parallelism.
+
+Qwen2 is Llama with biases on q/k/v; Mistral is Llama (its sliding window is not
+implemented: see `sliding_window`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from raylm.models.activation import SiluAndMul
+from raylm.models.attention import Attention
+from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.rmsnorm import RMSNorm
+from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
+from raylm.models.weight_utils import default_weight_loader
+from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                            VocabParallelEmbedding, get_tensor_model_parallel_world_size)
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for Llama-family models, got {hidden_act!r}.")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_size, self.total_num_heads,
+                                          self.total_num_kv_heads, bias=qkv_bias)
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qk, v = self.qkv_proj(hidden_states).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias,
+                                        o_bias=bool(getattr(config, "attention_bias", False)))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # One cos/sin table shared by every layer.
+        rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names fused into one parameter: (our name, checkpoint name, shard id).
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+    default_qkv_bias = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = bool(getattr(config, "attention_bias", self.default_qkv_bias)) or self.default_qkv_bias
+        self.model = LlamaModel(config, qkv_bias=qkv_bias)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.sliding_window = self._sliding_window(config)
+
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        """The window the checkpoint was trained with, or None. raylm attends to the whole
+        context, which equals windowed attention only while contexts fit the window, so the
+        engine should cap max_model_len at this value."""
+        window = getattr(config, "sliding_window", None)
+        if not window or getattr(config, "use_sliding_window", True) is False:
+            return None
+        if window < config.max_position_embeddings:
+            logger.warning("sliding_window=%d is smaller than max_position_embeddings=%d; raylm ignores the window "
+                           "and attends to the full context, so max_model_len should be capped at %d.",
+                           window, config.max_position_embeddings, window)
+        return int(window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] fp32 logits; None on tensor-parallel ranks other than 0."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors into their (sharded) parameters; returns the names of
+        the parameters it loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # some tied checkpoints store the shared matrix twice
+            for param_suffix, checkpoint_suffix, shard_id in self.stacked_params_mapping:
+                if checkpoint_suffix in name:
+                    target = name.replace(checkpoint_suffix, param_suffix)
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks.")
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)
+                    break
+            else:
+                target = name
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}.")
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    default_qkv_bias = True

@@ -1,0 +1,37 @@
+"""Builds a model from its config and loads its checkpoint: what the worker calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from raylm.models.registry import resolve_model_class
+from raylm.models.weight_utils import safetensors_weights_iterator
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model(model_config, device: torch.device | str) -> nn.Module:
+    """The model named by model_config.hf_config.architectures, with parameters in
+    model_config.dtype on `device` (this rank's shards under tensor parallel), loaded from
+    the safetensors files in model_config.model, in eval mode."""
+    hf_config = model_config.hf_config
+    model_class = resolve_model_class(getattr(hf_config, "architectures", None))
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = model_class(hf_config)
+    loaded = model.load_weights(safetensors_weights_iterator(model_config.model))
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
+    return model.eval()

@@ -1,0 +1,26 @@
+"""Maps Hugging Face `architectures` names to raylm model classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class of the first supported name in config.json's `architectures`."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(f"config.json architectures {architectures!r} name no supported model; raylm supports "
+                     f"{', '.join(supported_architectures())}.")

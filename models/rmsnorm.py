@@ -1,0 +1,25 @@
+"""RMSNorm, with the residual add of the next block fused in (vLLM's layer layout)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or, given a residual, (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        # One fused op; it normalises in fp32 like Hugging Face, which differs only in
+        # rounding to the model dtype before (not after) the weight multiply.
+        out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,101 @@
+"""Rotary position embeddings (GPT-NeoX layout: the two halves of each head rotate
+together), with the Llama-3 and linear frequency scalings.
+
+cos/sin for every position up to max_position are computed once in fp32 (as Hugging
+Face does) and stored in the model dtype; a forward only indexes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_from_config(config: Any) -> dict[str, Any]:
+    """The rope settings as one dict with at least "rope_type" and "rope_theta".
+
+    transformers 5.x keeps them in `config.rope_parameters`; 4.x in `config.rope_theta`
+    plus an optional `config.rope_scaling` dict whose type key was "type" before "rope_type".
+    """
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    params.pop("type", None)
+    return params
+
+
+def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        # Scaling positions by 1/factor is the same as scaling the frequencies.
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low_freq_factor = float(params["low_freq_factor"])
+        high_freq_factor = float(params["high_freq_factor"])
+        old_context_len = float(params.get("original_max_position_embeddings") or max_position)
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by factor, short ones kept, the band in between
+        # interpolated smoothly (Meta's reference, as transformers writes it).
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}.")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        inv_freq = _inverse_frequencies(rotary_dim, rope_parameters, max_position)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # [max_position, rotary_dim]: cos of every frequency, then sin.
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.get_default_dtype())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates query [T, Hq * D] and key [T, Hkv * D] by their tokens' positions."""
+        return self.rotate(positions, query), self.rotate(positions, key)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotates every head of x [T, H * D]; the layers pass q and k as one tensor, which
+        halves the number of (small, overhead-bound) ops per layer."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        if self.rotary_dim == self.head_size:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+        x1, x2 = x[..., :self.rotary_dim].chunk(2, dim=-1)
+        rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., self.rotary_dim:]]
+        return torch.cat(rotated, dim=-1).view(shape)
+
+
+def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
+    partial = float(rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_size * partial)
+    return RotaryEmbedding(head_size, rotary_dim, max_position, rope_parameters)

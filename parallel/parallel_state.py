@@ -1,0 +1,63 @@
+"""Tensor-parallel group state: which rank this process is and how many share the model.
+
+Without `initialize_model_parallel` (one process, no torch.distributed) the rank is 0 and
+the world size 1, so every parallel layer degenerates to its plain PyTorch counterpart.
+Workers that run tensor parallel create a torch.distributed group (NCCL on GPU, gloo on
+CPU) and hand it to `initialize_model_parallel` before building the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+_TP_GROUP: dist.ProcessGroup | None = None
+_TP_RANK: int = 0
+_TP_WORLD_SIZE: int = 1
+
+
+def initialize_model_parallel(group: dist.ProcessGroup | None = None) -> None:
+    """Makes `group` (default: the whole default process group) the tensor-parallel group."""
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group first.")
+    group = group if group is not None else dist.group.WORLD
+    _TP_GROUP = group
+    _TP_RANK = dist.get_rank(group)
+    _TP_WORLD_SIZE = dist.get_world_size(group)
+
+
+def destroy_model_parallel() -> None:
+    """Back to one rank; the group itself belongs to whoever created it."""
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
+    _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, 0, 1
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup | None:
+    return _TP_GROUP
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _TP_RANK
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _TP_WORLD_SIZE
+
+
+@contextmanager
+def override_tensor_parallel(rank: int, world_size: int) -> Iterator[None]:
+    """Pretends to be `rank` of `world_size` without a process group, so that tests can
+    build every rank's shard of a layer in one process and check the shard math. Layers
+    built here must not run their collectives (there is no group to run them on)."""
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+    saved = (_TP_GROUP, _TP_RANK, _TP_WORLD_SIZE)
+    _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, rank, world_size
+    try:
+        yield
+    finally:
+        _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE = saved

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny Hugging Face models on disk, built once per test session."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Keep tests on one thread per process: the machine has 2 cores and Ray workers share them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+logging.getLogger("raylm").setLevel(logging.INFO)
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random model per architecture: llama (GQA), qwen2 (qkv bias, tied
+    embeddings), mistral."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_model(root / arch, arch, seed=index) for index, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs["llama"]

@@ -1,0 +1,172 @@
+"""Behaviour of the `LLM` / `LLMEngine` API: sampling, stops, n, errors, no leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from raylm.engine import LLM, SamplingParams
+from test_llm_vs_hf import assert_all_blocks_free, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    engine = LLM(model=str(llama_dir), dtype="float32", max_model_len=128)
+    yield engine
+    engine.shutdown()
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_or_in_a_batch(llm):
+    prompt = random_prompts(1, 512, seed=10, min_len=8, max_len=8)[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(token_prompts([prompt]), seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(5, 512, seed=11)
+    batch_params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in (None, 7, None, 9, None)]
+    batch = llm.generate(token_prompts(others[:3] + [prompt] + others[3:]), batch_params[:3] + [seeded] + batch_params[3:],
+                         use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    assert_all_blocks_free(llm)
+
+
+def test_different_seeds_give_different_samples(llm):
+    prompt = token_prompts(random_prompts(1, 512, seed=12, min_len=8, max_len=8))
+    a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+
+
+def test_top_k_1_sampling_equals_greedy(llm):
+    prompts = token_prompts(random_prompts(8, 512, seed=13))
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    top1 = llm.generate(prompts, SamplingParams(temperature=0.9, top_k=1, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_the_text_exactly(llm, include):
+    prompt = token_prompts(random_prompts(1, 512, seed=14, min_len=6, max_len=6))
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = full[10:14]
+    assert len(stop) == 4 and stop.strip(), f"the greedy text is too short to pick a stop string: {full!r}"
+    cut = full.find(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                              include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+    assert out.text == (full[:cut + len(stop)] if include else full[:cut])
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert_all_blocks_free(llm)
+
+
+def test_stop_token_id_ends_the_sequence_and_is_reported(llm):
+    prompt = token_prompts(random_prompts(1, 512, seed=15, min_len=6, max_len=6))
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = full[5]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                              stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[:full.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_max_tokens_ends_with_length_and_min_tokens_holds_back_eos(llm):
+    prompt = token_prompts(random_prompts(1, 512, seed=16, min_len=6, max_len=6))
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
+    # With EOS as a logit-biased certainty, min_tokens alone decides the length.
+    eos = llm.llm_engine.eos_token_id
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, logit_bias={eos: 100}),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    engine = llm.llm_engine
+    block_size = engine.engine_config.cache_config.block_size
+    total = engine.engine_config.cache_config.num_gpu_blocks
+    prompt = random_prompts(1, 512, seed=17, min_len=40, max_len=40)[0]
+    engine.add_request("n4", {"prompt_token_ids": prompt},
+                       SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prompt is prefilled once for all four samples
+    prompt_blocks = math.ceil(len(prompt) / block_size)
+    assert total - engine.scheduler.block_manager.get_num_free_blocks() == prompt_blocks
+    engine.step()  # each sample writes position 40 into the shared third block: 3 copy on write
+    assert total - engine.scheduler.block_manager.get_num_free_blocks() == prompt_blocks + 3
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert len(outputs[0].outputs) == 4
+    assert all(len(c.token_ids) == 8 for c in outputs[0].outputs)
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1
+    assert_all_blocks_free(llm)
+
+
+def test_best_of_returns_the_n_most_likely_samples(llm):
+    prompt = token_prompts(random_prompts(1, 512, seed=18, min_len=5, max_len=5))
+    out = llm.generate(prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=6,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+
+
+def test_too_long_prompt_is_a_value_error_and_the_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="max_model_len = 128"):
+        llm.generate(token_prompts([[5] * 129]), SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(token_prompts([[5, 100000]]), use_tqdm=False)
+    out = llm.generate(token_prompts([[5, 6, 7]]), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert_all_blocks_free(llm)
+
+
+def test_a_bad_prompt_in_a_batch_leaves_no_request_behind(llm):
+    with pytest.raises(ValueError):
+        llm.generate(token_prompts([[5, 6, 7], [5] * 500]), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_aborted_requests_return_their_blocks(llm):
+    engine = llm.llm_engine
+    for i, prompt in enumerate(random_prompts(4, 512, seed=19, min_len=20, max_len=30)):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request(["abort-1", "abort-3"])
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert sorted(finished) == ["abort-0", "abort-2"]
+    assert_all_blocks_free(llm)
+
+
+def test_text_prompts_and_outputs_keep_prompt_order(llm):
+    prompts = ["Hello, world!", "def add(a, b):", "The quick brown fox"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    assert [o.prompt for o in outputs] == prompts
+    assert [o.prompt_token_ids for o in outputs] == [tokenizer.encode(p) for p in prompts]
+    for output in outputs:
+        completion = output.outputs[0]
+        # Bytes of an unfinished UTF-8 character are held back, never shown as U+FFFD.
+        full_text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.text == full_text.rstrip("\ufffd")
+
+
+def test_chat_renders_the_tokenizer_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=4),
+                   use_tqdm=False)[0]
+    assert out.prompt == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_unknown_engine_argument_is_named_in_the_error(llama_dir):
+    with pytest.raises(TypeError, match="max_num_seq'.*max_num_seqs"):
+        LLM(model=str(llama_dir), max_num_seq=4)

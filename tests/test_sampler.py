@@ -1,0 +1,230 @@
+"""The sampler against plain PyTorch and arithmetic references."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from raylm.engine.sampling_params import SamplingParams
+from raylm.executors.sampler import Sampler
+from raylm.executors.sampling_metadata import SamplingMetadata, sibling_generator
+
+VOCAB = 64
+
+
+def _logits(rows: int, seed: int = 0, vocab: int = VOCAB, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _sample(logits, params, **kwargs):
+    return Sampler()(logits, SamplingMetadata.from_params(params, **kwargs))
+
+
+def _counts(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    """Token counts over many independent draws, batched as identical rows."""
+    logits = logits_row.unsqueeze(0).expand(draws, -1).contiguous()
+    outputs = _sample(logits, [params] * draws)
+    return torch.bincount(torch.tensor([o.token_id for o in outputs]), minlength=logits_row.numel())
+
+
+def test_greedy_takes_argmax():
+    logits = _logits(8)
+    outputs = _sample(logits, [SamplingParams(temperature=0.0)] * 8)
+    assert [o.token_id for o in outputs] == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_1_equals_greedy():
+    logits = _logits(16, seed=1)
+    outputs = _sample(logits, [SamplingParams(temperature=0.8, top_k=1)] * 16)
+    assert [o.token_id for o in outputs] == logits.argmax(dim=-1).tolist()
+
+
+def test_mixed_greedy_and_random_rows_keep_greedy_rows_exact():
+    logits = _logits(6, seed=2)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    outputs = _sample(logits, params)
+    expected = logits.argmax(dim=-1).tolist()
+    assert [outputs[i].token_id for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
+
+
+def test_sampled_logprob_is_raw_log_softmax():
+    # Bias, penalties and temperature change the draw, never the reported logprob.
+    logits = _logits(4, seed=3)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+              SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=1.0)]
+    outputs = _sample(logits, params, output_token_ids=[[], [], [], [1, 2, 3]])
+    reference = torch.log_softmax(logits, dim=-1)
+    for i, out in enumerate(outputs):
+        assert out.logprob == pytest.approx(reference[i, out.token_id].item(), abs=1e-6)
+        assert out.logprobs is None
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_requested_logprobs_give_rank_and_top_k(k):
+    logits = _logits(3, seed=4)
+    outputs = _sample(logits, [SamplingParams(temperature=1.0, logprobs=k)] * 3)
+    reference = torch.log_softmax(logits, dim=-1)
+    for i, out in enumerate(outputs):
+        entry = out.logprobs
+        assert entry.token_id == out.token_id
+        assert entry.logprob == pytest.approx(reference[i, out.token_id].item(), abs=1e-6)
+        assert entry.rank == int((reference[i] > reference[i, out.token_id]).sum()) + 1
+        top_values, top_ids = torch.topk(reference[i], k)
+        assert [t for t, _ in entry.top] == top_ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-6)
+
+
+def test_greedy_logprobs_rank_is_one():
+    logits = _logits(2, seed=5)
+    outputs = _sample(logits, [SamplingParams(temperature=0.0, logprobs=2)] * 2)
+    assert [o.logprobs.rank for o in outputs] == [1, 1]
+
+
+def _reference_penalties(logits: list[float], prompt: list[int], output: list[int],
+                         repetition: float, frequency: float, presence: float) -> list[float]:
+    penalised = []
+    for token, value in enumerate(logits):
+        if token in prompt or token in output:
+            value = value / repetition if value > 0 else value * repetition
+        count = output.count(token)
+        value -= frequency * count + presence * (count > 0)
+        penalised.append(value)
+    return penalised
+
+
+def test_penalised_greedy_matches_reference_formula():
+    rows, vocab = 64, 12
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    prompts = [torch.randint(vocab, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(rows)]
+    outputs = [torch.randint(vocab, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(rows)]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 2.0][i % 3],
+                             frequency_penalty=[0.0, 0.4, -0.3, 1.0][i % 4],
+                             presence_penalty=[0.5, 0.0, -0.5][i % 3]) for i in range(rows)]
+    sampled = _sample(logits, params, prompt_token_ids=prompts, output_token_ids=outputs)
+    for i in range(rows):
+        p = params[i]
+        reference = _reference_penalties(logits[i].tolist(), prompts[i], outputs[i],
+                                         p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        assert sampled[i].token_id == max(range(vocab), key=lambda t: reference[t]), i
+
+
+def test_penalised_logits_equal_reference_formula():
+    from raylm.executors import sampler as sampler_module
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=-0.2)
+    metadata = SamplingMetadata.from_params([params], prompt_token_ids=[[0, 1, 1]], output_token_ids=[[2, 2, 5]])
+    penalised = logits.clone()
+    sampler_module._apply_penalties(penalised, metadata, [0], 6)
+    expected = _reference_penalties(logits[0].tolist(), [0, 1, 1], [2, 2, 5], 1.5, 0.3, -0.2)
+    torch.testing.assert_close(penalised, torch.tensor([expected]))
+
+
+def test_logit_bias_forces_token():
+    logits = _logits(3, seed=6)
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0}),
+              SamplingParams(temperature=1.0, logit_bias={9: 100.0}),
+              SamplingParams(temperature=0.0)]
+    outputs = _sample(logits, params)
+    assert outputs[0].token_id == 7
+    assert outputs[1].token_id == 9
+    assert outputs[2].token_id == logits[2].argmax().item()
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    eos = 2
+    logits = torch.zeros(2, VOCAB)
+    logits[:, eos] = 50.0
+    logits[:, 11] = 10.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, all_stop_token_ids={eos})
+    outputs = _sample(logits, [params, params], output_token_ids=[[5, 6], [5, 6, 7]])
+    assert outputs[0].token_id == 11  # 2 tokens so far < 3: EOS is held back
+    assert outputs[1].token_id == eos  # 3 tokens reached: EOS allowed
+
+
+def test_min_tokens_masks_stop_token_ids_too():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 30] = 50.0
+    logits[0, 31] = 40.0
+    params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[30, 31])
+    assert _sample(logits, [params])[0].token_id not in (30, 31)
+
+
+def test_top_k_never_samples_outside_top_k():
+    row = _logits(1, seed=7, scale=1.0)[0]
+    counts = _counts(row, SamplingParams(temperature=1.5, top_k=5), draws=4000)
+    allowed = set(torch.topk(row, 5).indices.tolist())
+    assert set(counts.nonzero().flatten().tolist()) <= allowed
+
+
+def test_top_p_never_samples_outside_nucleus():
+    row = _logits(1, seed=8, scale=1.0)[0]
+    top_p = 0.6
+    counts = _counts(row, SamplingParams(temperature=1.0, top_p=top_p), draws=4000)
+    probs, order = torch.softmax(row, -1).sort(descending=True)
+    # Smallest prefix whose mass reaches top_p.
+    keep = int((probs.cumsum(0) < top_p).sum()) + 1
+    assert set(counts.nonzero().flatten().tolist()) <= set(order[:keep].tolist())
+
+
+def test_min_p_never_samples_below_threshold():
+    row = _logits(1, seed=9, scale=1.5)[0]
+    min_p = 0.1
+    counts = _counts(row, SamplingParams(temperature=1.0, min_p=min_p), draws=4000)
+    probs = torch.softmax(row, -1)
+    allowed = set((probs >= min_p * probs.max()).nonzero().flatten().tolist())
+    assert set(counts.nonzero().flatten().tolist()) <= allowed
+
+
+def test_temperature_sampling_matches_softmax_distribution():
+    vocab, draws, temperature = 8, 20000, 0.7
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 0.2, -1.0, 0.8])
+    counts = _counts(row, SamplingParams(temperature=temperature), draws=draws).double()
+    expected = torch.softmax(row.double() / temperature, -1) * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    # 7 degrees of freedom: P(chi2 > 24.3) is about 0.001.
+    assert chi_square < 24.3, (counts, expected)
+
+
+def test_seeded_row_same_alone_or_batched():
+    logits = _logits(5, seed=10, scale=1.0)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone, batched = [], []
+    g_alone, g_batched = sibling_generator(1234, 0), sibling_generator(1234, 0)
+    other = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=0.9, seed=99, top_p=0.9)]
+    g_other = sibling_generator(99, 0)
+    for _ in range(20):
+        alone.append(_sample(logits[2:3], [seeded], generators=[g_alone])[0].token_id)
+        outputs = _sample(logits[[0, 2, 1, 3]], [other[0], seeded, other[1], other[2]],
+                          generators=[None, g_batched, None, g_other])
+        batched.append(outputs[1].token_id)
+    assert alone == batched
+    assert len(set(alone)) > 1  # really random, not greedy
+
+
+def test_same_seed_repeats_and_sibling_seeds_differ():
+    logits = _logits(1, seed=11, scale=0.5)
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def draw(generator):
+        return [_sample(logits, [params], generators=[generator])[0].token_id for _ in range(30)]
+
+    assert draw(sibling_generator(7, 0)) == draw(torch.Generator().manual_seed(7))
+    assert draw(sibling_generator(7, 0)) != draw(sibling_generator(7, 1))
+
+
+def test_top_k_and_top_p_together_keep_only_their_intersection():
+    row = _logits(1, seed=13, scale=1.0)[0]
+    counts = _counts(row, SamplingParams(temperature=1.0, top_k=6, top_p=0.5), draws=4000)
+    top6 = torch.topk(row, 6).values
+    probs, order = torch.softmax(top6, -1).sort(descending=True)  # top-p over the top-k survivors
+    keep = int((probs.cumsum(0) < 0.5).sum()) + 1
+    allowed = set(torch.topk(row, 6).indices[order[:keep]].tolist())
+    assert set(counts.nonzero().flatten().tolist()) <= allowed
+    assert len(set(counts.nonzero().flatten().tolist())) > 1
