@@ -54,6 +54,9 @@ class EngineArgs:
                                                                                   "default: Ray when "
                                                                                   "tensor_parallel_size > 1."))
     device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
+    attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton' or 'torch'; "
+                                                                       "default RAYLM_ATTENTION_BACKEND, else "
+                                                                       "triton on CUDA and torch on CPU."))
     enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
                                                               "runs eagerly (no CUDA graphs yet)."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
@@ -88,6 +91,7 @@ class EngineArgs:
             revision=self.revision,
             tokenizer_mode=self.tokenizer_mode,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            attention_backend=self.attention_backend,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -62,6 +62,8 @@ class ModelConfig:
     revision: str | None = None
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
+    # "triton" | "torch" | None (RAYLM_ATTENTION_BACKEND, else triton on CUDA, torch on CPU).
+    attention_backend: str | None = None
 
     @property
     def vocab_size(self) -> int:

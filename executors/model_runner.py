@@ -17,6 +17,7 @@ from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (SamplingMetadata, SequenceSamplingState, needs_token_history,
                                                sibling_generator)
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context
@@ -42,6 +43,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
+        backend = get_attention_backend(self.model_config.attention_backend)
+        for layer in self._attention_layers():
+            layer.attn_backend = backend
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -25,8 +25,9 @@ class Attention(nn.Module):
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Triton on CUDA machines, the PyTorch reference otherwise (RAYLM_ATTENTION_BACKEND overrides).
-        self.backend = get_attention_backend()
+        # Triton on CUDA machines, the PyTorch reference otherwise (RAYLM_ATTENTION_BACKEND
+        # overrides); the runner sets the engine's choice after building the model.
+        self.attn_backend = get_attention_backend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -41,6 +42,6 @@ class Attention(nn.Module):
         else:
             assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
             k_cache, v_cache = self.kv_cache
-            self.backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-            out = self.backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
+            self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+            out = self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
