@@ -1,4 +1,9 @@
-"""The `raylm` command line."""
+"""The `raylm` command line.
+
+    raylm serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--ray-serve] [engine flags]
+    raylm bench throughput MODEL_DIR ...
+    raylm bench serving --base-url http://127.0.0.1:8000 ...
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="raylm: LLM inference and serving on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (uvicorn, or Ray Serve with "
+                                              "--ray-serve).")
+    from raylm.deploy import api_server
+    from raylm.engine.arg_utils import EngineArgs
+
+    api_server.add_server_cli_args(serve)
+    serve.add_argument("--ray-serve", action="store_true",
+                       help="Run as a Ray Serve application (replicas with their own placement groups).")
+    serve.add_argument("--min-replicas", type=int, default=1, help="Ray Serve: fewest replicas (autoscaling).")
+    serve.add_argument("--max-replicas", type=int, default=1, help="Ray Serve: most replicas (autoscaling).")
+    EngineArgs.add_cli_args(serve, skip=("model",))
+    serve.set_defaults(handler=_serve)
+
     bench = commands.add_parser("bench", help="Benchmarks.")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from raylm.cluster import bench_throughput
+    from raylm.cluster import bench_serving, bench_throughput
 
     throughput = bench_kinds.add_parser("throughput", help="Offline generation throughput, optionally against "
                                                            "Hugging Face transformers.")
     bench_throughput.add_cli_args(throughput)
     throughput.set_defaults(handler=bench_throughput.run)
+
+    serving = bench_kinds.add_parser("serving", help="Load-test an OpenAI-compatible server over HTTP.")
+    bench_serving.add_cli_args(serving)
+    serving.set_defaults(handler=bench_serving.run)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> None:
+    if args.ray_serve:
+        from raylm.deploy import serve_app
+
+        serve_app.run_cli(args)
+    else:
+        from raylm.deploy import api_server
+
+        api_server.run_server(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,10 @@ _LAZY = {
     "LLM": "raylm.engine.llm",
     "LLMEngine": "raylm.engine.llm_engine",
     "EngineArgs": "raylm.engine.arg_utils",
+    "AsyncLLMEngine": "raylm.engine.async_llm_engine",
 }
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestOutputKind"]
 
 

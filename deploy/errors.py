@@ -1,0 +1,88 @@
+"""OpenAI-shaped error bodies and the exception handlers that produce them.
+
+Every error the server returns reads `{"error": {"message", "type", "param", "code"}}`
+(vLLM's ErrorResponse): 400 for bad parameters, malformed JSON and prompts over the
+context (FastAPI's 422 for a body that fails validation becomes 400, as in vLLM), 401
+for a missing or wrong API key, 404 for an unknown model, 500 when the engine fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from raylm.deploy.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error a route raises to answer with `status` and an OpenAI error body."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = HTTPStatus(status)
+        self.param = param
+
+
+def error_body(message: str, status: HTTPStatus, param: str | None = None) -> ErrorResponse:
+    status = HTTPStatus(status)
+    return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, status.phrase.replace(" ", "")
+                                                                               + "Error"),
+                                         param=param, code=int(status)))
+
+
+def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence from pydantic's error list, and the field it names."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}.", None
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = first.get("msg", "Invalid value")
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors[:5])
+    return (f"{message} ({details})" if param is None or len(errors) > 1 else f"{param}: {message}"), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, HTTPStatus.BAD_REQUEST, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), HTTPStatus(exc.status_code))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(str(exc), HTTPStatus.BAD_REQUEST)

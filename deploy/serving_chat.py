@@ -1,0 +1,150 @@
+"""`POST /v1/chat/completions`: messages rendered with the chat template, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from raylm.deploy.errors import OpenAIError
+from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
+                                   ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                   ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
+                                   ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
+from raylm.deploy.serving_engine import SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error
+from raylm.engine.outputs import Logprob, RequestOutput
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """`--chat-template`: a file holding a Jinja template, or the template itself."""
+    if template is None:
+        return None
+    path = Path(template)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if "{" not in template:
+        raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template.")
+    return template
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False,
+               chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation as the prompt text the model was trained on."""
+        if self.tokenizer is None:
+            raise OpenAIError("Chat needs a tokenizer; this server runs without one.")
+        template = chat_template or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise OpenAIError("The model's tokenizer has no chat template: start the server with --chat-template.")
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
+            raise OpenAIError(f"The chat template failed on these messages: {exc}", param="messages") from None
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        model_name = self.check_model(request.model)
+        text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
+                           request.chat_template, request.chat_template_kwargs)
+        token_ids = self.tokenize(text, request.add_special_tokens)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if len(token_ids) > self.max_model_len:
+            self.check_context(len(token_ids), max_tokens, noun="messages")
+        params = self.sampling_params(request.to_sampling_params, len(token_ids), max_tokens)
+        request_id = random_id("chatcmpl")
+        created = int(time.time())
+        (stream,) = await self.add_requests(request_id, [{"prompt": text, "prompt_token_ids": token_ids}], [params])
+        echo = self._echo_text(request)
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo))
+        final: RequestOutput | None = None
+        async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
+            final = output
+        assert final is not None and final.finished
+        choices = []
+        for completion in final.outputs:
+            logprobs = None
+            if request.logprobs:
+                logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs)
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index, message=ChatResponseMessage(content=echo + completion.text),
+                logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
+                          total_tokens=len(token_ids) + completion_tokens)
+        response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                          usage=usage)
+        return JSONResponse(response.model_dump())
+
+    @staticmethod
+    def _echo_text(request: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the last message's content, when it is the assistant's."""
+        last = request.messages[-1]
+        return last.text() if request.echo and last.role == "assistant" else ""
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                      stream: AsyncIterator[RequestOutput], echo: str) -> AsyncIterator[str]:
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                    choices=[choice]))
+
+        prompt_tokens = completion_tokens = 0
+        try:
+            # vLLM opens every choice with the assistant role and empty content (or the echo).
+            for index in range(request.n):
+                yield chunk(ChatCompletionResponseStreamChoice(
+                    index=index, delta=DeltaMessage(role="assistant", content=echo)))
+            async for _, output in merge_async_iterators([stream]):
+                prompt_tokens = len(output.prompt_token_ids)
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    logprobs = None
+                    if request.logprobs:
+                        logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
+                                                      request.top_logprobs)
+                    delta = DeltaMessage(content=completion.text) if completion.text or not completion.finished() \
+                        else DeltaMessage()
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=completion.index, delta=delta, logprobs=logprobs,
+                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens)
+                yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                       usage=usage))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
+            yield sse_error(exc)
+        yield SSE_DONE
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
+                      top_logprobs: int | None) -> ChatCompletionLogProbs:
+        """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the
+        `top_logprobs` most likely alternatives, most likely first."""
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            chosen = entry.get(token_id)
+            token = self.token_text(token_id, chosen)
+            ranked = sorted((alt for alt in entry.items() if alt[1].rank is not None), key=lambda alt: alt[1].rank)
+            top = [ChatLogProb(token=(text := self.token_text(alt_id, alt)), logprob=max(alt.logprob, -9999.0),
+                               bytes=list(text.encode("utf-8", errors="replace")))
+                   for alt_id, alt in ranked[:top_logprobs or 0]]
+            content.append(ChatLogProbsContent(
+                token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
+                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)

@@ -1,0 +1,138 @@
+"""`POST /v1/completions`: text or token-id prompts (one or many), streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from raylm.deploy.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                   CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
+                                   UsageInfo, random_id)
+from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse,
+                                         sse_error)
+from raylm.engine.outputs import Logprob, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        model_name = self.check_model(request.model)
+        prompts, params = [], []
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                token_ids = self.tokenize(prompt, request.add_special_tokens)
+                text: str | None = prompt
+            else:
+                token_ids, text = list(prompt), None
+            params.append(self.sampling_params(request.to_sampling_params, len(token_ids), request.max_tokens))
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids} if text is not None
+                           else {"prompt_token_ids": token_ids})
+        request_id = random_id("cmpl")
+        created = int(time.time())
+        streams = await self.add_requests(request_id, prompts, params)
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, created, model_name, streams))
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
+            finals[index] = output
+        return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
+
+    # ------------------------------------------------------------ full response
+    def _response(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
+                  finals: list[RequestOutput | None]) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        prompt_tokens = completion_tokens = 0
+        for prompt_index, output in enumerate(finals):
+            assert output is not None and output.finished
+            prompt_tokens += len(output.prompt_token_ids)
+            prompt_text = self._prompt_text(output) if request.echo else ""
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    token_ids, entries = list(completion.token_ids), list(completion.logprobs or [])
+                    if request.echo:
+                        token_ids = output.prompt_token_ids + token_ids
+                        entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + entries
+                    logprobs = self.completion_logprobs(token_ids, entries, request.logprobs, 0)
+                choices.append(CompletionResponseChoice(
+                    index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
+                    logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        return output.prompt if output.prompt is not None else self.decode(output.prompt_token_ids)
+
+    # --------------------------------------------------------------- streaming
+    async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
+                      streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        n = request.n
+        text_lens = [0] * (len(streams) * n)  # characters sent per choice, for text_offset
+        echoed = [False] * (len(streams) * n)
+        completion_tokens = 0
+        prompt_tokens = [0] * len(streams)
+        try:
+            async for prompt_index, output in merge_async_iterators(streams):
+                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                for completion in output.outputs:
+                    choice_index = prompt_index * n + completion.index
+                    text, token_ids = completion.text, list(completion.token_ids)
+                    entries: list[Any] = list(completion.logprobs or [])
+                    if request.echo and not echoed[choice_index]:
+                        echoed[choice_index] = True
+                        text = self._prompt_text(output) + text
+                        token_ids = output.prompt_token_ids + token_ids
+                        entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + entries
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self.completion_logprobs(token_ids, entries, request.logprobs,
+                                                            text_lens[choice_index])
+                    text_lens[choice_index] += len(text)
+                    completion_tokens += len(completion.token_ids)
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=model_name,
+                        choices=[CompletionResponseStreamChoice(
+                            index=choice_index, text=text, logprobs=logprobs,
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)])
+                    yield sse(chunk)
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage = UsageInfo(prompt_tokens=sum(prompt_tokens), completion_tokens=completion_tokens,
+                                  total_tokens=sum(prompt_tokens) + completion_tokens)
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                   usage=usage))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
+            yield sse_error(exc)
+        yield SSE_DONE
+
+    # ---------------------------------------------------------------- logprobs
+    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], num_logprobs: int,
+                            initial_text_offset: int) -> CompletionLogProbs:
+        """OpenAI's completions logprobs: per token its text, logprob, offset in the
+        choice's text, and the top `num_logprobs` alternatives (plus the chosen one)."""
+        result = CompletionLogProbs()
+        offset = initial_text_offset
+        for position, token_id in enumerate(token_ids):
+            entry = entries[position] if position < len(entries) else None
+            if entry is None:
+                token = self.token_text(token_id)
+                result.tokens.append(token)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                chosen = entry.get(token_id)
+                token = self.token_text(token_id, chosen)
+                result.tokens.append(token)
+                result.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen is not None else None)
+                top: dict[str, float] = {}
+                for alt_id, alt in entry.items():
+                    if alt_id == token_id or (alt.rank is not None and alt.rank <= num_logprobs):
+                        top.setdefault(self.token_text(alt_id, alt), max(alt.logprob, -9999.0))
+                result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result

@@ -1,0 +1,187 @@
+"""What the completions and chat routes share: model-name checks, tokenization, the
+context-length rule, turning engine outputs into logprob entries, and streaming helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from raylm.deploy.errors import OpenAIError, error_body
+from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from raylm.engine.outputs import Logprob, RequestOutput
+from raylm.engine.sampling_params import SamplingParams
+
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 1.0
+
+
+class OpenAIServing:
+    """Holds the engine and the frontend's own tokenizer (the engine's belongs to the
+    engine thread: a tokenizer is not shared across threads)."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.tokenizer = tokenizer
+        self.max_model_len: int = engine.model_config.max_model_len
+
+    # ------------------------------------------------------------ validation
+    def check_model(self, model: str | None) -> str:
+        if model and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+        return self.model_name
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError("This server runs without a tokenizer: send prompts as token ids.", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def check_context(self, prompt_len: int, max_tokens: int | None, noun: str = "prompt") -> int:
+        """vLLM's rule: the prompt and max_tokens must fit in the context. Returns the
+        max_tokens to use (the rest of the context when the request gave none)."""
+        if prompt_len > self.max_model_len:
+            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your {noun} has {prompt_len} tokens. Please reduce the length of the {noun}.",
+                              param="prompt" if noun == "prompt" else "messages")
+        if max_tokens is None:
+            return max(1, self.max_model_len - prompt_len)
+        if prompt_len + max_tokens > self.max_model_len:
+            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {noun}, "
+                              f"{max_tokens} in the completion). Please reduce the length of the {noun} or "
+                              f"completion.", param="max_tokens")
+        return max_tokens
+
+    def sampling_params(self, build: Callable[[int], SamplingParams], prompt_len: int,
+                        max_tokens: int | None) -> SamplingParams:
+        default_max_tokens = self.check_context(prompt_len, max_tokens)
+        try:
+            return build(default_max_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from None
+
+    async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams]
+                           ) -> list[AsyncIterator[RequestOutput]]:
+        """Adds one engine request per prompt; a rejected prompt aborts the others."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for index, (prompt, sampling_params) in enumerate(zip(prompts, params)):
+                streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params))
+        except BaseException as exc:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(exc, ValueError):
+                raise OpenAIError(str(exc)) from None
+            if isinstance(exc, AsyncEngineDeadError):
+                raise OpenAIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR) from None
+            raise
+        return streams
+
+    # -------------------------------------------------------------- logprobs
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.decode([token_id])
+
+
+async def merge_async_iterators(iterators: list[AsyncIterator[Any]],
+                                is_cancelled: Callable[[], Awaitable[bool]] | None = None
+                                ) -> AsyncIterator[tuple[int, Any]]:
+    """Yields (index, item) from several iterators as items arrive. With `is_cancelled`
+    (the client's disconnect check), stops and closes them all once it says True."""
+    if len(iterators) == 1 and is_cancelled is None:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def drain(index: int, iterator: AsyncIterator[Any]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, finished))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, exc))
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await is_cancelled():
+                queue.put_nowait((-1, asyncio.CancelledError("client disconnected")))
+                return
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    watcher = asyncio.create_task(watch()) if is_cancelled is not None else None
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is finished:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        # Cancelling a drain task closes its iterator (the request is aborted) once the
+        # task runs; wait for that, then close any iterator that never started.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for iterator in iterators:
+            await iterator.aclose()
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event. Chat deltas leave out their empty fields, as OpenAI's do."""
+    body = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+    for choice in body.get("choices") or ():
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            choice["delta"] = {k: v for k, v in delta.items() if v is not None}
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    if isinstance(exc, OpenAIError):
+        body = error_body(exc.message, exc.status, exc.param)
+    elif isinstance(exc, ValueError):
+        body = error_body(str(exc), HTTPStatus.BAD_REQUEST)
+    else:
+        body = error_body(f"The request failed: {exc!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    return sse(body)
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose body generator is always closed, whatever ended the
+    response (a client disconnect included), so the request behind it is aborted."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

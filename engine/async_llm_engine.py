@@ -1,0 +1,427 @@
+"""`AsyncLLMEngine`: an `LLMEngine` stepped by a background task, for servers.
+
+Many coroutines call `generate()` at once; each gets an async iterator of its own
+`RequestOutput`s. One background task owns the engine: between steps it adds the queued
+requests and applies the queued aborts, then runs `LLMEngine.step()` in a worker thread
+(so the event loop keeps serving HTTP while the model runs) and routes each output to its
+request's stream. The engine is never touched from two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.outputs import CompletionOutput, RequestOutput
+from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngineDeadError(RuntimeError):
+    """The engine loop stopped on an error: no request can run until a restart."""
+
+
+@dataclass
+class FinishedRequestStats:
+    """What the metrics need to know about a request when it ends."""
+
+    request_id: str
+    finish_reasons: list[str | None]
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+
+
+@dataclass
+class _SeqCursor:
+    """How much of one sample a DELTA stream has sent."""
+
+    num_tokens: int = 0
+    num_chars: int = 0
+    finish_sent: bool = False
+
+
+@dataclass
+class _RequestState:
+    """One request as the async layer sees it: its queue of outputs for the caller and
+    what it has streamed so far."""
+
+    request_id: str
+    output_kind: RequestOutputKind
+    # Characters of text held back while the request runs: the longest stop string
+    # minus one, so a stop string that the engine later cuts is never streamed.
+    holdback: int
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cursors: dict[int, _SeqCursor] = field(default_factory=dict)
+    num_generation_tokens: int = 0
+    first_output_seen: bool = False
+    first_token_time: float | None = None
+    finished: bool = False
+
+
+class _GuardedDetokenizer:
+    """Wraps one sequence's incremental detokenizer so that an exception there fails
+    only its own request: the error is recorded and the step goes on."""
+
+    def __init__(self, inner: Any, request_id: str, failures: dict[str, BaseException]) -> None:
+        self._inner = inner
+        self._request_id = request_id
+        self._failures = failures
+
+    def step(self, token_id: int) -> str:
+        if self._request_id in self._failures:
+            return ""
+        try:
+            return self._inner.step(token_id)
+        except Exception as exc:  # noqa: BLE001 - any detokenizer bug is this request's failure
+            self._failures[self._request_id] = exc
+            return ""
+
+
+_STREAM_END = object()
+
+
+class AsyncLLMEngine:
+    """Serves many concurrent requests from one `LLMEngine`.
+
+    Args:
+        engine: The engine to drive. The async engine owns it from now on.
+        step_in_thread: Run each `step()` in a worker thread (default) so the event loop
+            stays responsive; False runs it on the loop itself, yielding between steps.
+
+    Use `generate()` from any coroutine of one event loop; the background loop starts on
+    the first request. `check_health()` raises once the loop has died; from then on every
+    waiting and new request fails with `AsyncEngineDeadError`.
+    """
+
+    def __init__(self, engine: LLMEngine, step_in_thread: bool = True) -> None:
+        self.engine = engine
+        self.step_in_thread = step_in_thread
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]] = []
+        self._pending_aborts: set[str] = set()
+        self._detokenizer_failures: dict[str, BaseException] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._thread_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raylm-engine-step")
+        self._dead_error: BaseException | None = None
+        self._stats_listeners: list[Callable[[FinishedRequestStats], None]] = []
+        # Counters since start, read by the metrics endpoint.
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self._shutdown = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, step_in_thread: bool = True) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(engine_args), step_in_thread=step_in_thread)
+
+    # --------------------------------------------------------------- properties
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def scheduler(self) -> Any:
+        return self.engine.scheduler
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def add_stats_listener(self, listener: Callable[[FinishedRequestStats], None]) -> None:
+        """Calls `listener` on the event loop each time a request finishes (not aborted)."""
+        self._stats_listeners.append(listener)
+
+    # ----------------------------------------------------------------- requests
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                          arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Queues a request and waits until the engine has accepted it.
+
+        Raises ValueError for a bad request (the engine's validation) and
+        AsyncEngineDeadError when the engine is dead; otherwise returns the iterator of
+        its outputs. Leaving that iterator early (break, cancellation) aborts the request.
+        """
+        self._raise_if_dead()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running.")
+        params = SamplingParams() if params is None else params
+        state = _RequestState(request_id, params.output_kind, _holdback(params), arrival_time or time.time())
+        engine_params = copy.copy(params)
+        # The engine streams cumulative outputs; this layer cuts the deltas itself so it
+        # can hold back text that a stop string may still remove.
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            engine_params.output_kind = RequestOutputKind.CUMULATIVE
+            if params.best_of > params.n:  # which n samples win is known only at the end
+                engine_params.output_kind = RequestOutputKind.FINAL_ONLY
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._requests[request_id] = state
+        self._pending_adds.append((state, prompt, engine_params, accepted))
+        self._start_loop()
+        try:
+            await accepted
+        except BaseException:
+            self._requests.pop(request_id, None)
+            if not accepted.done():  # cancelled while queued
+                accepted.cancel()
+            self._abort_nowait(request_id)
+            raise
+        return self._iterate(state)
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as the engine produces them, the last one with
+        `finished=True`. `sampling_params.output_kind` picks cumulative outputs
+        (default), deltas, or only the final one. Raises ValueError for a bad request."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        async for output in stream:
+            yield output
+
+    async def _iterate(self, state: _RequestState) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await state.queue.get()
+                if item is _STREAM_END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not state.finished:
+                self._abort_nowait(state.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stops a request; its blocks return to the pool before the next step.
+        Its output iterator ends without a finished output."""
+        self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None and not state.finished:
+            state.finished = True
+            state.queue.put_nowait(_STREAM_END)
+        self._pending_aborts.add(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # ------------------------------------------------------------------- health
+    async def check_health(self) -> None:
+        """Raises AsyncEngineDeadError if the loop died, or the executor's error if a
+        worker is gone."""
+        self._raise_if_dead()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.check_health)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise AsyncEngineDeadError(f"The engine loop has stopped: {self._dead_error!r}") from self._dead_error
+        if self._shutdown:
+            raise AsyncEngineDeadError("The engine has been shut down.")
+
+    def shutdown(self) -> None:
+        """Stops the loop, fails the waiting requests and releases the workers."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._fail_all(AsyncEngineDeadError("The engine has been shut down."))
+        self._thread_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
+
+    # --------------------------------------------------------------------- loop
+    def _start_loop(self) -> None:
+        if self._loop_task is None:
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="raylm-engine-loop")
+        self._wakeup.set()
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if not self._pending_adds and not self._pending_aborts:
+                        await self._wakeup.wait()
+                    continue
+                if self.step_in_thread:
+                    outputs = await loop.run_in_executor(self._thread_pool, self.engine.step)
+                else:
+                    outputs = self.engine.step()
+                    await asyncio.sleep(0)
+                self._dispatch(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure of the loop kills the engine
+            logger.exception("The engine loop died; failing all requests.")
+            self._dead_error = exc
+            self._fail_all(AsyncEngineDeadError(f"The engine loop has stopped: {exc!r}"))
+
+    def _apply_pending(self) -> None:
+        if self._pending_aborts:
+            aborts, self._pending_aborts = self._pending_aborts, set()
+            self.engine.abort_request(list(aborts))
+            for request_id in aborts:
+                self._detokenizer_failures.pop(request_id, None)
+        adds, self._pending_adds = self._pending_adds, []
+        for state, prompt, params, accepted in adds:
+            if accepted.done() or state.finished:  # cancelled or aborted while queued
+                continue
+            try:
+                self.engine.add_request(state.request_id, prompt, params, state.arrival_time)
+            except Exception as exc:  # noqa: BLE001 - bad input fails this request only
+                accepted.set_exception(exc)
+                continue
+            self._guard_detokenizers(state.request_id)
+            accepted.set_result(None)
+
+    def _guard_detokenizers(self, request_id: str) -> None:
+        """Wraps the detokenizers of the request just added (the newest waiting group)."""
+        detokenizers = getattr(self.engine, "_detokenizers", None)
+        waiting = getattr(self.engine.scheduler, "waiting", None)
+        if detokenizers is None or not waiting or waiting[-1].request_id != request_id:
+            return
+        for seq in waiting[-1].seqs:
+            inner = detokenizers.get(seq.seq_id)
+            if inner is not None:
+                detokenizers[seq.seq_id] = _GuardedDetokenizer(inner, request_id, self._detokenizer_failures)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        for output in outputs:
+            state = self._requests.get(output.request_id)
+            if state is None or state.finished:
+                continue
+            try:
+                self._deliver(state, output, now)
+            except Exception as exc:  # noqa: BLE001 - a bug in one request's output fails it alone
+                logger.exception("Request %s failed while building its output.", output.request_id)
+                self._fail_request(state, exc)
+        if self._detokenizer_failures:
+            failures, self._detokenizer_failures = self._detokenizer_failures, {}
+            for request_id, exc in failures.items():
+                logger.error("Request %s failed in the detokenizer: %r", request_id, exc)
+                state = self._requests.get(request_id)
+                if state is not None:
+                    self._fail_request(state, exc)
+                else:
+                    self._pending_aborts.add(request_id)
+
+    def _deliver(self, state: _RequestState, output: RequestOutput, now: float) -> None:
+        new_tokens = 0
+        for completion in output.outputs:
+            cursor = state.cursors.setdefault(completion.index, _SeqCursor())
+            new_tokens += max(0, len(completion.token_ids) - cursor.num_tokens)
+        if not state.first_output_seen:
+            state.first_output_seen = True
+            self.num_prompt_tokens_total += len(output.prompt_token_ids)
+        if new_tokens and state.first_token_time is None:
+            state.first_token_time = now
+        state.num_generation_tokens += new_tokens
+        self.num_generation_tokens_total += new_tokens
+        shaped = self._shape(state, output)
+        if shaped is not None:
+            state.queue.put_nowait(shaped)
+        if output.finished:
+            state.finished = True
+            self._requests.pop(state.request_id, None)
+            self._notify_finished(state, output, now)
+
+    def _shape(self, state: _RequestState, output: RequestOutput) -> RequestOutput | None:
+        """Turns the engine's cumulative output into the caller's kind, holding back the
+        tail of the text that a stop string could still remove."""
+        if state.output_kind == RequestOutputKind.FINAL_ONLY:
+            return output if output.finished else None
+        completions = []
+        for completion in output.outputs:
+            cursor = state.cursors[completion.index]
+            if cursor.finish_sent and state.output_kind == RequestOutputKind.DELTA:
+                continue
+            text = completion.text
+            visible = len(text) if completion.finished() else max(cursor.num_chars, len(text) - state.holdback)
+            if state.output_kind == RequestOutputKind.DELTA:
+                token_ids = completion.token_ids[cursor.num_tokens:]
+                logprobs = completion.logprobs[cursor.num_tokens:] if completion.logprobs is not None else None
+                shown = text[cursor.num_chars:visible]
+                if not token_ids and not shown and not completion.finished():
+                    continue
+            else:
+                token_ids, logprobs, shown = completion.token_ids, completion.logprobs, text[:visible]
+            completions.append(CompletionOutput(completion.index, shown, token_ids, completion.cumulative_logprob,
+                                                logprobs, completion.finish_reason, completion.stop_reason))
+            cursor.num_tokens = len(completion.token_ids)
+            cursor.num_chars = visible
+            cursor.finish_sent = completion.finished()
+        if not completions and not output.finished:
+            return None
+        return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, output.prompt_logprobs,
+                             completions, output.finished, output.metrics)
+
+    def _notify_finished(self, state: _RequestState, output: RequestOutput, now: float) -> None:
+        if not self._stats_listeners:
+            return
+        metrics = output.metrics
+        stats = FinishedRequestStats(
+            request_id=state.request_id,
+            finish_reasons=[c.finish_reason for c in output.outputs],
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_generation_tokens=state.num_generation_tokens,
+            arrival_time=state.arrival_time,
+            first_token_time=(metrics.first_token_time if metrics and metrics.first_token_time
+                              else state.first_token_time),
+            finished_time=metrics.finished_time if metrics and metrics.finished_time else now,
+        )
+        for listener in self._stats_listeners:
+            try:
+                listener(stats)
+            except Exception:  # noqa: BLE001 - metrics must never fail a request
+                logger.exception("A stats listener failed.")
+
+    def _fail_request(self, state: _RequestState, exc: BaseException) -> None:
+        if not state.finished:
+            state.finished = True
+            state.queue.put_nowait(exc)
+        self._requests.pop(state.request_id, None)
+        self._pending_aborts.add(state.request_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for state in list(self._requests.values()):
+            if not state.finished:
+                state.finished = True
+                state.queue.put_nowait(exc)
+        self._requests.clear()
+        for _, _, _, accepted in self._pending_adds:
+            if not accepted.done():
+                accepted.set_exception(exc)
+        self._pending_adds.clear()
+
+
+def _holdback(params: SamplingParams) -> int:
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1

@@ -1,0 +1,359 @@
+"""The OpenAI-compatible server, as a real `raylm serve` process driven by the official
+`openai` client: results equal `LLM.generate`'s, errors have OpenAI's shape and leave the
+server serving, many streams run at once, and disconnected clients leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from raylm.engine.llm import LLM
+from raylm.engine.sampling_params import SamplingParams
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+ENGINE_KWARGS = dict(num_gpu_blocks_override=512)
+PROMPTS = ["The quick brown fox", "Paged attention stores", "Hello, world!", "for i in range(10):"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
+               "--api-key", API_KEY, "--served-model-name", MODEL,
+               "--num-gpu-blocks-override", str(ENGINE_KWARGS["num_gpu_blocks_override"])]
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process)
+        yield base_url
+    except BaseException:
+        print(log.read_text()[-5000:])
+        raise
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    llm = LLM(str(llama_dir), **ENGINE_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+def greedy(llm: LLM, prompts, max_tokens: int = 16, **kwargs) -> list:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def stream_text(stream) -> tuple[dict[int, str], dict[int, str | None], object]:
+    """Joins a completion or chat stream: text and finish reason per choice, and usage."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            if choice.finish_reason is not None:
+                assert reasons.get(choice.index) is None, "a choice finished twice"
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, usage
+
+
+# ----------------------------------------------------------------- basics
+def test_models_health_version_and_tokenize(server, client, llm):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server + "/version").json()["version"]
+    tokens = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert tokens["tokens"] == llm.get_tokenizer().encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
+    text = httpx.post(server + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == PROMPTS[0]
+
+
+def test_greedy_completion_equals_llm_generate(client, llm):
+    expected = greedy(llm, PROMPTS)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0)
+    assert response.object == "text_completion"
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in expected]
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert response.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in expected)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streamed_completion_equals_llm_generate_and_reports_usage(client, llm):
+    expected = greedy(llm, PROMPTS[1])[0].outputs[0]
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, reasons, usage = stream_text(stream)
+    assert texts == {0: expected.text} and reasons == {0: expected.finish_reason}
+    assert usage.completion_tokens == len(expected.token_ids)
+
+
+def test_token_id_prompt_equals_text_prompt(client, llm):
+    token_ids = llm.get_tokenizer().encode(PROMPTS[2])
+    expected = greedy(llm, PROMPTS[2])[0].outputs[0].text
+    response = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=16, temperature=0)
+    assert response.choices[0].text == expected
+    batch = client.completions.create(model=MODEL, prompt=[token_ids, token_ids[:3]], max_tokens=4, temperature=0)
+    assert len(batch.choices) == 2 and batch.choices[0].text == expected[:len(batch.choices[0].text)]
+
+
+def test_greedy_chat_equals_llm_chat_streamed_and_not(client, llm):
+    messages = [{"role": "user", "content": "Hello, how are you?"}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    texts, reasons, usage = stream_text(iter(chunks))
+    assert texts == {0: expected.text} and reasons == {0: expected.finish_reason}
+    assert usage.prompt_tokens == response.usage.prompt_tokens
+
+
+def test_n_samples_each_finish_once_streamed_and_not(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3,
+                                         seed=1)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    assert len(response.choices) <= response.usage.completion_tokens <= 3 * 8
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3,
+                                            max_tokens=8, temperature=1.0, seed=1, stream=True)
+    texts, reasons, _ = stream_text(stream)
+    assert sorted(reasons) == [0, 1, 2] and all(reasons.values())
+
+
+def test_completion_logprobs_match_llm_generate(client, llm):
+    expected = greedy(llm, PROMPTS[3], max_tokens=6, logprobs=2)[0].outputs[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    # Tokens are decoded one by one (a lone byte of a UTF-8 character reads as U+FFFD),
+    # and text_offset counts the characters of those token strings, as in vLLM.
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    for position, (token_id, entry) in enumerate(zip(expected.token_ids, expected.logprobs)):
+        assert logprobs.token_logprobs[position] == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert 1 <= len(logprobs.top_logprobs[position]) <= 3
+        assert max(logprobs.top_logprobs[position].values()) == pytest.approx(logprobs.token_logprobs[position],
+                                                                              abs=1e-4)  # greedy: the top one
+
+
+def test_echo_prepends_the_prompt_with_prompt_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                         logprobs=1)
+    choice = response.choices[0]
+    assert choice.text.startswith(PROMPTS[0])
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.token_logprobs[-1] is not None
+    assert len(choice.logprobs.tokens) == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_chat_logprobs_have_openai_shape(client):
+    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_stop_string_cuts_the_text_streamed_and_not(client, llm):
+    full = greedy(llm, PROMPTS[0], max_tokens=24, ignore_eos=True)[0].outputs[0].text
+    stop = full[5:9]
+    expected = full[:full.index(stop)]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop,
+                                         extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (expected, "stop", stop)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop],
+                                       stream=True, extra_body={"ignore_eos": True})
+    texts, reasons, _ = stream_text(stream)
+    assert texts == {0: expected} and reasons == {0: "stop"}
+
+
+# ----------------------------------------------------------------- errors
+LONG_PROMPT = [5] * 300  # the tiny model's context is 256 tokens
+
+BAD_REQUESTS = {
+    "negative temperature": ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400),
+    "n zero": ("/v1/completions", {"prompt": "Hi", "n": 0}, 400),
+    "top_p above one": ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400),
+    "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1, "temperature": 1}, 400),
+    "prompt over context": ("/v1/completions", {"prompt": LONG_PROMPT}, 400),
+    "prompt plus max_tokens over context": ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, 400),
+    "token id outside vocabulary": ("/v1/completions", {"prompt": [10**6]}, 400),
+    "logit_bias out of range": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 500}}, 400),
+    "missing prompt": ("/v1/completions", {"max_tokens": 4}, 400),
+    "prompt of wrong type": ("/v1/completions", {"prompt": {"a": 1}}, 400),
+    "empty messages": ("/v1/chat/completions", {"messages": []}, 400),
+    "top_logprobs above 20": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                        "logprobs": True, "top_logprobs": 21}, 400),
+    "chat over context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi " * 300}]}, 400),
+    "unknown model": ("/v1/completions", {"prompt": "Hi", "model": "gpt-17"}, 404),
+}
+
+
+def _check_error(response: httpx.Response, status: int) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["code"] == status
+    assert "param" in error
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_openai_error_and_server_keeps_serving(server, client, case):
+    path, body, status = BAD_REQUESTS[case]
+    body = {"model": MODEL, **body}
+    response = httpx.post(server + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    _check_error(response, status)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_malformed_json_is_400(server, client):
+    response = httpx.post(server + "/v1/completions", content=b'{"prompt": "Hi",',
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    _check_error(response, 400)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_missing_or_wrong_api_key_is_401_and_openai_client_raises(server, client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        _check_error(httpx.post(server + "/v1/completions", json={"prompt": "Hi"}, headers=headers), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=LONG_PROMPT)
+    assert httpx.get(server + "/health").status_code == 200  # not behind the key
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+# ------------------------------------------------------------- under load
+def test_64_concurrent_streams_are_complete_and_correct(server, llm):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(64)]
+    expected = [o.outputs[0].text for o in greedy(llm, prompts, max_tokens=16, ignore_eos=True)]
+    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(prompt: str) -> tuple[str, str | None, int]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, reason, tokens = "", None, 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                text += choice.text
+                reason = choice.finish_reason or reason
+        return text, reason, tokens
+
+    async def main():
+        try:
+            return await asyncio.gather(*[one(p) for p in prompts])
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == expected
+    assert all(r[1] == "length" and r[2] == 16 for r in results)
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_disconnected_clients_leave_no_running_request_and_no_block(server):
+    async def start_and_leave(http: httpx.AsyncClient, index: int) -> None:
+        body = {"model": MODEL, "prompt": f"{PROMPTS[0]} {index}", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        async with http.stream("POST", server + "/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            assert response.status_code == 200
+            events = 0
+            async for line in response.aiter_lines():
+                events += line.startswith("data:")
+                if events >= 3:
+                    return  # leaving the block closes the connection mid-stream
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            await asyncio.gather(*[start_and_leave(http, i) for i in range(8)])
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = httpx.get(server + "/metrics").text
+        running = _metric(metrics, "raylm:num_requests_running")
+        waiting = _metric(metrics, "raylm:num_requests_waiting")
+        used = _metric(metrics, "raylm:num_kv_cache_blocks_used")
+        if running == waiting == used == 0:
+            break
+        assert time.monotonic() < deadline, f"still running={running} waiting={waiting} blocks={used}"
+        time.sleep(0.2)
+    assert _metric(metrics, "raylm:kv_cache_usage_perc") == 0
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    metrics = httpx.get(server + "/metrics").text
+    assert _metric(metrics, "raylm:prompt_tokens_total") > 0
+    assert _metric(metrics, "raylm:generation_tokens_total") >= 4
+    assert _metric(metrics, "raylm:time_to_first_token_seconds_count") >= 1
+    assert _metric(metrics, "raylm:e2e_request_latency_seconds_count") >= 1
+    assert _metric(metrics, "raylm:time_per_output_token_seconds_count") >= 1
+    assert _metric(metrics, "raylm:num_preemptions_total") >= 0
+    assert 'finished_reason="length"' in metrics
+    json.dumps(metrics)  # plain text

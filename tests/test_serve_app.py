@@ -1,0 +1,109 @@
+"""The Ray Serve application: a replica owning two tensor-parallel CPU workers serves the
+same greedy results as `LLM.generate`, and a replica whose worker dies fails its health
+check and is replaced by a working one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from test_api_server import free_port, stream_text
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+APP_NAME = "raylm-test"
+MODEL = "tiny-llama-tp2"
+PROMPTS = ["The quick brown fox", "Hello, world!"]
+
+
+@pytest.fixture(scope="module")
+def session_ray(request: pytest.FixtureRequest):
+    """The test session's Ray (conftest's `ray_cluster`); a local one if it has none."""
+    try:
+        return request.getfixturevalue("ray_cluster")
+    except pytest.FixtureLookupError:
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, num_cpus=4)
+        return None
+
+
+@pytest.fixture(scope="module")
+def serve_url(session_ray, llama_dir: Path):
+    from raylm.deploy.serve_app import build_serve_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_serve_app(
+        dict(model=str(llama_dir), tensor_parallel_size=2, num_gpu_blocks_override=256, device="cpu"),
+        dict(served_model_name=MODEL),
+        num_replicas=1, replica_cpus=0.25, worker_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=20.0)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete(APP_NAME)
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir: Path) -> list[str]:
+    from raylm.engine.llm import LLM
+    from raylm.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(llama_dir), num_gpu_blocks_override=64)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0].text for o in outputs]
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_serve_app_with_tp2_matches_llm_generate(serve_url, expected):
+    client = _client(serve_url)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, reasons, usage = stream_text(stream)
+    assert texts == {0: expected[1]} and usage.completion_tokens == 12
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[5] * 300)
+    assert httpx.get(serve_url + "/health").status_code == 200
+
+
+def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, expected):
+    handle = serve.get_deployment_handle("RaylmDeployment", app_name=APP_NAME)
+    workers = handle.worker_actors.remote().result(timeout_s=30)
+    assert len(workers) == 2
+    old_ids = {w._actor_id for w in workers}
+    ray.kill(workers[1], no_restart=True)
+
+    # The dying replica reports unhealthy (or Serve has already taken it out).
+    deadline = time.monotonic() + 30
+    while httpx.get(serve_url + "/health", timeout=30).status_code == 200:
+        assert time.monotonic() < deadline, "/health kept answering 200 after a worker died"
+        time.sleep(0.2)
+
+    # Serve starts a new replica with new workers; then requests succeed again.
+    deadline = time.monotonic() + 150
+    while True:
+        try:
+            if httpx.get(serve_url + "/health", timeout=30).status_code == 200:
+                new_workers = handle.worker_actors.remote().result(timeout_s=30)
+                if new_workers and not {w._actor_id for w in new_workers} & old_ids:
+                    break
+        except Exception:  # noqa: BLE001 - the replica is being replaced
+            pass
+        assert time.monotonic() < deadline, "Serve did not bring up a healthy replica"
+        time.sleep(1.0)
+    response = _client(serve_url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
