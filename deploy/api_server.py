@@ -61,7 +61,24 @@ class ServerArgs:
                    chat_template=values.get("chat_template"))
 
     def model_names(self, engine: AsyncLLMEngine) -> list[str]:
-        return list(self.served_model_name or [self.model or engine.model_config.model])
+        if self.served_model_name:
+            return list(self.served_model_name)
+        return [_default_model_name(self.model or engine.model_config.model)]
+
+
+def _default_model_name(model: str) -> str:
+    """vLLM names a served model by its path; the bundled demo model gets its short name
+    so that requests (and the README's curl) need not spell a path inside the package."""
+    from pathlib import Path
+
+    from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path
+
+    try:
+        if Path(model).resolve() == Path(default_model_path()).resolve():
+            return DEMO_MODEL_NAME
+    except FileNotFoundError:
+        pass
+    return model
 
 
 class _ApiKeyMiddleware:
