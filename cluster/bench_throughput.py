@@ -2,9 +2,9 @@
 
 Every request produces exactly ``--output-len`` tokens (greedy, EOS ignored), so each
 system does the same work and tokens/s compare directly. raylm is timed over one
-``generate`` of all prompts after a short warm-up; with ``--compare-hf`` the same prompts
-also run through transformers, batched and one request at a time (see
-`raylm.cluster.hf_reference`).
+``generate`` of all prompts after a short warm-up (the fastest of ``--num-iters`` such
+runs); with ``--compare-hf`` the same prompts also run through transformers, batched and
+one request at a time (see `raylm.cluster.hf_reference`).
 
     raylm bench throughput MODEL_DIR --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
     python -m raylm.cluster.bench_throughput MODEL_DIR --compare-hf
@@ -16,6 +16,7 @@ model details, goes to ``--output-json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -28,14 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# Engine keyword arguments the benchmark passes through to `LLM(...)` when given.
-ENGINE_ARG_NAMES = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "tensor_parallel_size",
-    "num_gpu_blocks_override",
-)
+# EngineArgs fields the benchmark defines itself: the model is positional, the seed also
+# draws the prompts, and dtype defaults to float32 on CPU rather than "auto".
+OWN_ENGINE_FIELDS = ("model", "dtype", "seed")
 
 # raylm's warm-up: enough to run prefill and decode once each, too short to matter.
 WARMUP_PROMPTS = 2
@@ -171,14 +167,17 @@ def default_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """The engine flags (EngineArgs fields) whose value differs from the engine's default."""
+    from raylm.engine import EngineArgs
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+            if f.name not in OWN_ENGINE_FIELDS and getattr(args, f.name) != f.default}
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments for `LLM(...)`: the model, dtype, seed and the engine flags given."""
-    kwargs = dict(model=args.model, dtype=args.dtype, seed=args.seed)
-    for name in ENGINE_ARG_NAMES:
-        value = getattr(args, name)
-        if value is not None:
-            kwargs[name] = value
-    return kwargs
+    return dict(model=args.model, dtype=args.dtype, seed=args.seed, **engine_overrides(args))
 
 
 def bench_raylm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[ThroughputResult, list[list[int]]]:
@@ -331,7 +330,7 @@ def run(args: argparse.Namespace) -> dict:
         temperature=args.temperature,
         seed=args.seed,
         num_iters=args.num_iters,
-        engine_args={k: getattr(args, k) for k in ENGINE_ARG_NAMES if getattr(args, k) is not None},
+        engine_args=engine_overrides(args),
         hf_batch_size=args.hf_batch_size or len(prompts),
         hf_sequential_prompts=min(args.hf_sequential_prompts, len(prompts)),
         mean_prompt_len=sum(len(p) for p in prompts) / len(prompts),
@@ -414,13 +413,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           help="timed runs of the whole workload (raylm and HF batched); the fastest "
                                "counts (default 1)")
     workload.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default=None, help="model dtype (default float32 on CPU, bfloat16 on CUDA)")
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    engine.add_argument("--block-size", type=_positive_int, default=None)
-    engine.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
-    engine.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None)
+    from raylm.engine import EngineArgs
+
+    engine = parser.add_argument_group("engine (passed to LLM(...))")
+    engine.add_argument("--dtype", default=None,
+                        help="model dtype for raylm and HF (default float32 on CPU, bfloat16 on CUDA)")
+    EngineArgs.add_cli_args(engine, skip=OWN_ENGINE_FIELDS)
     hf = parser.add_argument_group("Hugging Face baselines")
     hf.add_argument("--compare-hf", action="store_true", help="also run the workload through transformers")
     hf.add_argument("--hf-only", action="store_true", help="run only the transformers baselines")

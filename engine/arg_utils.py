@@ -53,6 +53,18 @@ class EngineArgs:
                                                                                   "actors even for one; "
                                                                                   "default: Ray when "
                                                                                   "tensor_parallel_size > 1."))
+    ray_span_nodes: bool = field(default=False, metadata=_help("Ray: let the workers span several nodes "
+                                                               "(placement strategy PACK); by default they "
+                                                               "must fit on one node (STRICT_PACK)."))
+    ray_cpus_per_worker: float = field(default=0.5, metadata=_help("Ray on CPU: CPUs each worker's placement "
+                                                                   "bundle reserves (fractions share a core)."))
+    placement_group_timeout_s: float = field(default=60.0, metadata=_help("Ray: seconds to wait for the "
+                                                                          "workers' placement group before "
+                                                                          "failing with what the cluster "
+                                                                          "has."))
+    worker_timeout_s: float = field(default=600.0, metadata=_help("Ray: seconds one worker call (model load, "
+                                                                  "a step, a collective) may take before the "
+                                                                  "workers are declared hung."))
     device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
     attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton' or 'torch'; "
                                                                        "default RAYLM_ATTENTION_BACKEND, else "
@@ -104,7 +116,14 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens or max(max_model_len, 2048),
             max_model_len=max_model_len,
         )
-        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_span_nodes=self.ray_span_nodes,
+            ray_cpus_per_worker=self.ray_cpus_per_worker,
+            placement_group_timeout_s=self.placement_group_timeout_s,
+            worker_timeout_s=self.worker_timeout_s,
+        )
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
 
     @classmethod

@@ -107,6 +107,14 @@ def derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
     if limit is None:
         limit = 2048
         logger.warning("config.json names no context length; assuming %d tokens.", limit)
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) and sliding_window and sliding_window < limit:
+        # Attention here is full, not windowed: beyond the window the outputs would differ
+        # from the model's, so the context stops at the window (as vLLM does without
+        # sliding-window kernels).
+        logger.warning("Sliding-window attention is not implemented; capping the context at the window, "
+                       "%d tokens.", sliding_window)
+        limit = sliding_window
     if max_model_len is None:
         return int(limit)
     if max_model_len < 1:
@@ -158,6 +166,18 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # None: in process for one worker, Ray for more. "ray" forces Ray; "mp"/"uni" in process.
     distributed_executor_backend: str | None = None
+    # Ray only. Let the workers' placement group span nodes (PACK) instead of keeping
+    # them on one node (STRICT_PACK).
+    ray_span_nodes: bool = False
+    # Ray on CPU only: the CPU share each worker's bundle reserves (fractions let several
+    # workers share a core).
+    ray_cpus_per_worker: float = 0.5
+    # Ray only: how long to wait for the placement group before failing with what the
+    # cluster has.
+    placement_group_timeout_s: float = 60.0
+    # Ray only: the longest a worker call (loading the model, one step, a collective) may
+    # take before the workers are declared hung.
+    worker_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -166,6 +186,11 @@ class ParallelConfig:
         if self.distributed_executor_backend not in allowed:
             raise ValueError(f"distributed_executor_backend must be one of {allowed}, "
                              f"got {self.distributed_executor_backend!r}.")
+        if not self.ray_cpus_per_worker > 0:
+            raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}.")
+        for name in ("placement_group_timeout_s", "worker_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}.")
 
     @property
     def use_ray(self) -> bool:

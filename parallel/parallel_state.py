@@ -14,29 +14,46 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+# A gloo group over the same ranks, for small CPU-side metadata whatever the device
+# backend is (NCCL cannot move CPU tensors).
+_TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK: int = 0
 _TP_WORLD_SIZE: int = 1
 
 
-def initialize_model_parallel(group: dist.ProcessGroup | None = None) -> None:
-    """Makes `group` (default: the whole default process group) the tensor-parallel group."""
-    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
+def initialize_model_parallel(group: dist.ProcessGroup | None = None,
+                              cpu_group: dist.ProcessGroup | None = None) -> None:
+    """Makes `group` (default: the whole default process group) the tensor-parallel group,
+    and `cpu_group` (default: `group`, which must then be gloo) its metadata group."""
+    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group first.")
     group = group if group is not None else dist.group.WORLD
     _TP_GROUP = group
+    _TP_CPU_GROUP = cpu_group if cpu_group is not None else group
     _TP_RANK = dist.get_rank(group)
     _TP_WORLD_SIZE = dist.get_world_size(group)
 
 
 def destroy_model_parallel() -> None:
     """Back to one rank; the group itself belongs to whoever created it."""
-    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
-    _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, 0, 1
+    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE
+    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, None, 0, 1
+
+
+def destroy_distributed_environment() -> None:
+    """Forgets the tensor-parallel groups and tears down torch.distributed, if it is up."""
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def get_tensor_model_parallel_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
+
+
+def get_tensor_model_parallel_cpu_group() -> dist.ProcessGroup | None:
+    return _TP_CPU_GROUP
 
 
 def get_tensor_model_parallel_rank() -> int:

@@ -32,3 +32,18 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_dirs: dict[str, Path]) -> Path:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One private local Ray for the whole test run (never someone else's cluster).
+    4 logical CPUs: a tensor-parallel size of 4 at 0.5 CPU per worker fits with room
+    to spare, whatever the machine has."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(address="local", include_dashboard=False, num_cpus=4)
+    yield ray
+    ray.shutdown()

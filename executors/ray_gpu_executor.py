@@ -1,0 +1,390 @@
+"""`RayGPUExecutor`: one worker actor per tensor-parallel rank, placed by Ray.
+
+Set-up, in order:
+1. Join the Ray cluster this process is in (`ray.init` already called, or RAY_ADDRESS),
+   else start a local one.
+2. Reserve one bundle per worker in a placement group (`{"GPU": 1}` on CUDA, a
+   `ray_cpus_per_worker` share of a CPU otherwise; STRICT_PACK on one node, PACK with
+   `ray_span_nodes`). Inside a placement group already (a Ray Serve replica), use its
+   bundles 1..N instead: bundle 0 is the replica's own.
+3. Start the actors, learn where each landed, and give ranks node by node (the driver's
+   node first) so each node's ranks are contiguous.
+4. Rendezvous at rank 0's node; every worker loads its shard.
+
+Each step the same request, serialized once, goes to every worker (inline when small,
+through the object store when big);
+rank 0 answers with the sampled tokens. Every wait on a worker is bounded, and a worker
+that dies or fails turns into a RuntimeError naming its rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raylm.engine.config import EngineConfig
+from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+from raylm.executors.executor_base import Executor
+from raylm.executors.ray_worker import HEALTH_GROUP, RayWorkerWrapper, snapshot_hf_config
+
+logger = logging.getLogger(__name__)
+
+# How long check_health waits for the workers' pings (they answer even mid-step).
+HEALTH_CHECK_TIMEOUT_S = 10.0
+# Once one worker has failed, how long to wait for the others to report, so that the
+# error names the rank that caused it rather than the ones it took down.
+FAILURE_GRACE_S = 2.0
+# Steps serialized to at most this many bytes are sent inline with each worker call
+# (Ray's own inline limit is 100 KiB).
+INLINE_STEP_BYTES = 64 * 1024
+# A worker's exception is quoted in the error up to this many characters.
+_MAX_CAUSE_CHARS = 200
+
+
+@dataclass
+class WorkerPlacement:
+    """Where one worker actor landed."""
+
+    node_id: str
+    node_ip: str
+    gpu_ids: list[str]
+    bundle_index: int
+
+
+@dataclass
+class _RayResources:
+    """What the executor holds in Ray, kept apart from it so that a finalizer can release
+    it without keeping the executor alive."""
+
+    actors: list[Any] = field(default_factory=list)
+    placement_group: PlacementGroup | None = None
+    owns_placement_group: bool = False
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if not ray.is_initialized():
+            return
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self.placement_group is not None and self.owns_placement_group:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+        self.placement_group = None
+
+
+class RayGPUExecutor(Executor):
+    def _init_executor(self) -> None:
+        self._failure: str | None = None
+        self._resources = _RayResources()
+        # Releases the actors and placement group when the engine is garbage-collected or
+        # the interpreter exits, if shutdown() was never called.
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self.workers: list[Any] = []
+        self.placements: list[WorkerPlacement] = []
+        _connect_to_ray()
+        try:
+            self._start_workers()
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def placement_group(self) -> PlacementGroup | None:
+        """The group the workers run in (None after shutdown)."""
+        return self._resources.placement_group
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def _is_cuda(self) -> bool:
+        return self.engine_config.device_config.device == "cuda"
+
+    def _start_workers(self) -> None:
+        num_workers = self.parallel_config.tensor_parallel_size
+        group, bundle_indices = self._reserve_bundles(num_workers)
+        actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(RayWorkerWrapper)
+        actors = []
+        for bundle_index in bundle_indices:
+            spec = group.bundle_specs[bundle_index]
+            actor = actor_class.options(
+                num_cpus=spec.get("CPU", 0),
+                num_gpus=spec.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=bundle_index),
+            ).remote()
+            actors.append(actor)
+            self._resources.actors.append(actor)
+
+        infos = self._wait_all([a.get_node_info.remote() for a in actors], "start", ranks_known=False)
+        placements = [WorkerPlacement(node_id, ip, gpu_ids, bundle_index)
+                      for (node_id, ip, gpu_ids), bundle_index in zip(infos, bundle_indices)]
+        driver_node = ray.get_runtime_context().get_node_id()
+
+        def rank_order(i: int) -> tuple:
+            p = placements[i]
+            return (p.node_id != driver_node, p.node_ip, p.node_id, [int(g) for g in p.gpu_ids if g.isdigit()],
+                    p.bundle_index)
+
+        order = sorted(range(num_workers), key=rank_order)
+        self.workers = [actors[i] for i in order]
+        self.placements = [placements[i] for i in order]
+        local_ranks = self._set_node_environments()
+
+        rank0_ip = self.placements[0].node_ip
+        port = self._wait_all([self.workers[0].find_free_port.remote()], "find a free port")[0]
+        init_method = f"tcp://{rank0_ip}:{port}"
+        config_ref = ray.put(self._worker_engine_config())
+        self._wait_all([worker.init_worker.remote(config_ref, rank, local_rank, init_method)
+                        for rank, (worker, local_rank) in enumerate(zip(self.workers, local_ranks))],
+                       "create its Worker")
+        nodes = sorted({p.node_ip for p in self.placements})
+        logger.info("Ray executor: %d workers on %d node(s) %s, placement group bundles %s, rendezvous %s.",
+                    num_workers, len(nodes), nodes, [p.bundle_index for p in self.placements], init_method)
+
+    def _worker_engine_config(self) -> EngineConfig:
+        """The engine config the workers get: the same, with the Hugging Face config as a
+        plain snapshot so that worker processes never import transformers."""
+        model_config = dataclasses.replace(self.model_config,
+                                           hf_config=snapshot_hf_config(self.model_config.hf_config))
+        return dataclasses.replace(self.engine_config, model_config=model_config)
+
+    def _reserve_bundles(self, num_workers: int) -> tuple[PlacementGroup, list[int]]:
+        """The placement group and the bundle index of each worker."""
+        current = ray.util.get_current_placement_group()
+        if current is not None:
+            # A Ray Serve replica: bundle 0 holds the replica, 1..N are for its workers.
+            available = len(current.bundle_specs) - 1
+            if available < num_workers:
+                raise ValueError(
+                    f"This process runs in a placement group with {len(current.bundle_specs)} bundles; "
+                    f"tensor_parallel_size {num_workers} needs {num_workers + 1} (bundle 0 for this process, "
+                    f"1..{num_workers} for the workers).")
+            self._resources.placement_group = current
+            self._resources.owns_placement_group = False
+            return current, list(range(1, num_workers + 1))
+
+        bundle = {"GPU": 1.0} if self._is_cuda else {"CPU": float(self.parallel_config.ray_cpus_per_worker)}
+        strategy = "PACK" if self.parallel_config.ray_span_nodes else "STRICT_PACK"
+        group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
+        self._resources.placement_group = group
+        self._resources.owns_placement_group = True
+        timeout = self.parallel_config.placement_group_timeout_s
+        ready, _ = ray.wait([group.ready()], timeout=timeout)
+        if not ready:
+            message = _placement_error(num_workers, bundle, strategy, timeout)
+            remove_placement_group(group)
+            self._resources.placement_group = None
+            raise RuntimeError(message)
+        return group, list(range(num_workers))
+
+    def _set_node_environments(self) -> list[int]:
+        """Local rank of each worker; on CUDA, also shows each worker all of its node's
+        GPUs, so that local_rank indexes the same device list on every rank of a node."""
+        by_node: dict[str, list[int]] = {}
+        for rank, p in enumerate(self.placements):
+            by_node.setdefault(p.node_id, []).append(rank)
+        local_ranks = [0] * len(self.placements)
+        if not self._is_cuda:
+            for ranks in by_node.values():
+                for local_rank, rank in enumerate(ranks):
+                    local_ranks[rank] = local_rank
+            return local_ranks
+        envs: list[dict[str, str]] = [{} for _ in self.placements]
+        for ranks in by_node.values():
+            for rank in ranks:
+                if not self.placements[rank].gpu_ids:
+                    raise ValueError(f"device is 'cuda' but Ray gave worker rank {rank} no GPU: its bundle "
+                                     f"{self.placements[rank].bundle_index} must hold {{'GPU': 1}}.")
+            gpus = sorted({g for r in ranks for g in self.placements[r].gpu_ids}, key=_gpu_sort_key)
+            for rank in ranks:
+                local_ranks[rank] = gpus.index(self.placements[rank].gpu_ids[0])
+                envs[rank] = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+        self._wait_all([worker.set_environment.remote(env) for worker, env in zip(self.workers, envs)],
+                       "set its environment")
+        return local_ranks
+
+    # ------------------------------------------------------------ worker calls
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Calls `Worker.<method>(*args)` on every rank at once; the results in rank order."""
+        self._raise_if_failed()
+        refs = [worker.execute_method.remote(method, *args) for worker in self.workers]
+        return self._wait_all(refs, method, timeout=timeout)
+
+    def determine_num_available_blocks(self) -> int:
+        # Every rank holds the same block ids, so the smallest partition decides.
+        return min(self.collective_rpc("determine_num_available_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.cache_config.num_gpu_blocks = num_blocks
+        self.collective_rpc("initialize_cache", num_blocks)
+
+    def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
+        self._raise_if_failed()
+        # Serialized once for all workers. Small steps (decodes) travel inline with each
+        # call, which measured twice as fast as ray.put; big ones (long prefills) go to the
+        # object store once and every worker reads the same copy.
+        payload = pickle.dumps(req, protocol=pickle.HIGHEST_PROTOCOL)
+        arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
+        refs = [worker.execute_model.remote(arg) for worker in self.workers]
+        return self._wait_all(refs, "a step")[0]
+
+    def check_health(self) -> None:
+        """Raises naming the ranks that are dead or do not answer a ping, or the failure
+        that already stopped the engine."""
+        if self._resources.released:
+            raise RuntimeError("The Ray executor has been shut down.")
+        refs = [worker.ping.remote() for worker in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_CHECK_TIMEOUT_S)
+        ready_set = set(ready)
+        dead, silent = [], []
+        for rank, ref in enumerate(refs):
+            if ref not in ready_set:
+                silent.append(rank)
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayError:
+                dead.append(rank)
+        problems = []
+        if dead:
+            problems.append(f"worker rank(s) {dead} ({self._where(dead)}) are dead")
+        if silent:
+            problems.append(f"worker rank(s) {silent} ({self._where(silent)}) did not answer a ping within "
+                            f"{HEALTH_CHECK_TIMEOUT_S:g} s")
+        if self._failure is not None:
+            problems.append(f"an earlier failure stopped the engine ({self._failure.rstrip('.')})")
+        if problems:
+            raise RuntimeError("The Ray executor is unhealthy: " + "; ".join(problems) + ".")
+
+    def shutdown(self) -> None:
+        """Kills the worker actors and removes the placement group if this executor made it."""
+        self._finalizer()
+        self.workers = []
+
+    # --------------------------------------------------------------- plumbing
+    def _raise_if_failed(self) -> None:
+        if self._resources.released:
+            raise RuntimeError("The Ray executor has been shut down; create a new LLM.")
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+
+    def _where(self, ranks: Sequence[int]) -> str:
+        if not self.placements:
+            return "placement unknown"
+        return ", ".join(f"rank {r} on node {self.placements[r].node_ip}" for r in ranks)
+
+    def _wait_all(self, refs: list[ray.ObjectRef], what: str, timeout: float | None = None,
+                  ranks_known: bool = True) -> list[Any]:
+        """The results of one call per worker, in order. Raises a RuntimeError naming the
+        ranks (bundles, before ranks are given) that died, raised or did not answer within
+        `timeout` (default worker_timeout_s)."""
+        timeout = self.parallel_config.worker_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pending = {ref: index for index, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        errors: dict[int, Exception] = {}
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=deadline - now)
+            for ref in ready:
+                index = pending.pop(ref)
+                try:
+                    results[index] = ray.get(ref, timeout=0)
+                except (RayError, GetTimeoutError) as e:
+                    errors[index] = e
+            if errors and deadline > time.monotonic() + FAILURE_GRACE_S:
+                deadline = time.monotonic() + FAILURE_GRACE_S
+        if not errors and not pending:
+            return results
+        self._failure = self._describe_failure(what, errors, sorted(pending.values()), timeout, ranks_known)
+        first = next(iter(errors.values()), None)
+        raise RuntimeError(self._failure) from first
+
+    def _describe_failure(self, what: str, errors: dict[int, Exception], silent: list[int], timeout: float,
+                          ranks_known: bool) -> str:
+        name = "rank" if ranks_known else "number"
+        where = self._where if ranks_known else (lambda ids: "placement unknown")
+        dead = sorted(i for i, e in errors.items() if isinstance(e, RayActorError))
+        raised = sorted(i for i, e in errors.items() if not isinstance(e, RayActorError))
+        parts = []
+        if dead:
+            parts.append(f"worker {name}(s) {dead} died ({where(dead)})")
+        for i in raised:
+            cause = errors[i]
+            if isinstance(cause, RayTaskError) and cause.cause is not None:
+                cause = cause.cause
+            last_line = (str(cause).strip().splitlines() or [""])[-1]
+            if len(last_line) > _MAX_CAUSE_CHARS:
+                last_line = last_line[:_MAX_CAUSE_CHARS] + "..."
+            parts.append(f"worker {name} {i} raised {type(cause).__name__}: {last_line}")
+        if silent:
+            waited = f"{FAILURE_GRACE_S:g} s after that" if errors else f"{timeout:g} s (worker_timeout_s)"
+            parts.append(f"worker {name}(s) {silent} did not answer within {waited}")
+        return (f"Tensor-parallel workers failed during {what}: " + "; ".join(parts)
+                + ". The engine cannot continue; shut it down and create a new one.")
+
+
+def _connect_to_ray() -> None:
+    """Joins the Ray this process already belongs to (ray.init called, RAY_ADDRESS set,
+    or a Ray task/actor), else starts a private local instance."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(address="local", include_dashboard=False)
+
+
+def _gpu_sort_key(gpu_id: str) -> tuple:
+    return (0, int(gpu_id), "") if gpu_id.isdigit() else (1, 0, gpu_id)
+
+
+def _schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """The resources a reader cares about: no per-node markers, memory in GiB."""
+    shown = {}
+    for key, value in sorted(resources.items()):
+        if key.startswith("node:") or key.startswith("accelerator_type:"):
+            continue
+        if key in ("memory", "object_store_memory"):
+            continue
+        shown[key] = round(value, 2)
+    return shown
+
+
+def _placement_error(num_workers: int, bundle: dict[str, float], strategy: str, timeout: float) -> str:
+    total = _schedulable(ray.cluster_resources())
+    free = _schedulable(ray.available_resources())
+    nodes = [f"{n['NodeManagerAddress']} {_schedulable(n['Resources'])}" for n in ray.nodes() if n.get("Alive")]
+    hint = ("STRICT_PACK puts every worker on one node; set ray_span_nodes=True to let them span nodes. "
+            if strategy == "STRICT_PACK" else "")
+    knob = "tensor_parallel_size" if "GPU" in bundle else "tensor_parallel_size or ray_cpus_per_worker"
+    return (f"Ray could not place {num_workers} tensor-parallel workers within {timeout:g} s "
+            f"(placement_group_timeout_s): asked for {num_workers} bundle(s) of {bundle} with strategy "
+            f"{strategy}. The cluster has {total} in total and {free} free; alive nodes: {'; '.join(nodes)}. "
+            f"{hint}Lower {knob}, free or add resources, or raise placement_group_timeout_s if nodes are "
+            f"still joining.")

@@ -1,0 +1,93 @@
+"""`RayWorkerWrapper`: the Ray actor around one `Worker` (one per tensor-parallel rank).
+
+The actor is created before its rank is known (ranks follow node placement), so it
+starts empty, reports where it landed, and builds its `Worker` when the executor says
+which rank it is. Health pings run in their own concurrency group so that they answer
+while a long step is running.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+
+from raylm.engine.config import EngineConfig
+from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+
+HEALTH_GROUP = "health"
+
+
+class HFConfigSnapshot(SimpleNamespace):
+    """A Hugging Face config's attributes as a plain object, for the workers.
+
+    Unpickling the transformers config class would import transformers in every worker
+    process, which costs more than importing torch (seconds per worker) for an object the
+    models only read attributes from. The driver keeps the real config.
+    """
+
+    def get_text_config(self, decoder: bool = False) -> "HFConfigSnapshot":
+        return getattr(self, "text_config", None) or self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def snapshot_hf_config(config: Any) -> HFConfigSnapshot:
+    """The instance attributes of a transformers config (nested configs too), plus its
+    attribute aliases and model_type, which transformers resolves on the class."""
+    from transformers import PretrainedConfig
+
+    values = {key: snapshot_hf_config(value) if isinstance(value, PretrainedConfig) else value
+              for key, value in vars(config).items()}
+    for alias, target in getattr(config, "attribute_map", {}).items():
+        if target in values:
+            values.setdefault(alias, values[target])
+    values.setdefault("model_type", getattr(config, "model_type", ""))
+    return HFConfigSnapshot(**values)
+
+
+class RayWorkerWrapper:
+    def __init__(self) -> None:
+        self.worker = None
+
+    def get_node_info(self) -> tuple[str, str, list[str]]:
+        """(node id, node IP, accelerator ids Ray gave this actor)."""
+        context = ray.get_runtime_context()
+        gpu_ids = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
+        return context.get_node_id(), ray.util.get_node_ip_address(), gpu_ids
+
+    def set_environment(self, env: dict[str, str]) -> None:
+        # Before torch touches CUDA: every rank of a node sees all of the node's GPUs
+        # (same ordinal for local_rank on every rank), which NCCL needs for P2P.
+        os.environ.update(env)
+
+    def find_free_port(self) -> int:
+        """A TCP port free on this node now, for the rendezvous store rank 0 will host."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def init_worker(self, engine_config: EngineConfig, rank: int, local_rank: int,
+                    distributed_init_method: str | None) -> None:
+        from raylm.executors.worker import Worker
+
+        self.worker = Worker(engine_config, rank=rank, local_rank=local_rank,
+                             distributed_init_method=distributed_init_method)
+
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute_model(self, payload: bytes) -> SamplerOutput | None:
+        """Runs one step; `payload` is the pickled ExecuteModelRequest (pickled once by
+        the driver for all ranks)."""
+        req: ExecuteModelRequest = pickle.loads(payload)
+        return self.worker.execute_model(req)
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def ping(self) -> bool:
+        return True

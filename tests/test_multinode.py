@@ -1,0 +1,85 @@
+"""Tensor parallelism across two Ray nodes: one worker on each, same tokens as one worker.
+
+A driver can belong to one Ray at a time and the test session already holds one, so
+the two-node cluster (`ray.cluster_utils.Cluster`: a head and a second node, one CPU
+each, so that PACK must put one worker on each) lives in a child process: this file run
+as a script. It prints its results as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raylm.engine import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 64], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+MAX_TOKENS = 12
+RESULT_PREFIX = "MULTINODE_RESULT "
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def run_on_two_nodes(model_dir: str) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Separate node addresses (127.0.0.2) do not work in every sandbox; two raylets on
+    # one address are still two nodes with their own ids and resources.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes(timeout=60)
+        llm = LLM(model=model_dir, dtype="float32", tensor_parallel_size=2, ray_span_nodes=True,
+                  ray_cpus_per_worker=1.0, num_gpu_blocks_override=64, placement_group_timeout_s=30)
+        executor = llm.llm_engine.executor
+        result = {
+            "tokens": greedy(llm),
+            "worker_nodes": [p.node_id for p in executor.placements],
+            "driver_node": ray.get_runtime_context().get_node_id(),
+            "strategy": ray.util.placement_group_table(executor.placement_group)["strategy"],
+        }
+        llm.shutdown()
+        return result
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_result(llama_dir) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, __file__, str(llama_dir)], capture_output=True, text=True, timeout=240,
+                          env=env, cwd=str(Path(__file__).parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert proc.returncode == 0 and lines, f"two-node run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def test_two_workers_on_two_nodes_give_the_tokens_of_one_worker(two_node_result, llama_dir):
+    llm = LLM(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    expected = greedy(llm)
+    llm.shutdown()
+    assert two_node_result["tokens"] == expected
+
+
+def test_pack_puts_one_worker_on_each_node_with_rank_0_on_the_drivers_node(two_node_result):
+    nodes = two_node_result["worker_nodes"]
+    assert two_node_result["strategy"] == "PACK"
+    assert len(set(nodes)) == 2
+    assert nodes[0] == two_node_result["driver_node"]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(RESULT_PREFIX + json.dumps(run_on_two_nodes(sys.argv[1])), flush=True)

@@ -1,0 +1,136 @@
+"""The Ray executor fails loudly and cleanly: a dead worker is an error naming its rank
+(never a hang), an unplaceable request says what was asked and what the cluster has,
+and nothing is left running once an engine is closed or collected."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import time
+
+import pytest
+import ray
+from ray.exceptions import RayActorError
+
+from raylm.engine import LLM, SamplingParams
+from raylm.engine.arg_utils import EngineArgs
+from raylm.executors.worker import Worker
+
+PROMPTS = [{"prompt_token_ids": [5 + i, 17, 42 + i, 99, 7]} for i in range(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def placement_group_state(group) -> str:
+    return ray.util.placement_group_table(group)["state"]
+
+
+def worker_is_dead(actor) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=10)
+    except RayActorError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def killed_during_generate(ray_cluster, llama_dir):
+    """A tensor-parallel LLM whose rank 1 was killed at its third step of a generate
+    call: (llm, the error generate raised, seconds from the kill to the error)."""
+    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    executor = llm.llm_engine.executor
+    run_step = executor.execute_model
+    steps = 0
+    killed_at = None
+
+    def kill_at_third_step(req):
+        nonlocal steps, killed_at
+        steps += 1
+        if steps == 3:
+            ray.kill(executor.workers[1], no_restart=True)
+            killed_at = time.monotonic()
+        return run_step(req)
+
+    executor.execute_model = kill_at_third_step
+    with pytest.raises(RuntimeError) as excinfo:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    elapsed = time.monotonic() - killed_at
+    yield llm, excinfo.value, elapsed
+    llm.shutdown()
+
+
+def test_a_killed_worker_makes_generate_raise_naming_its_rank_within_30_s(killed_during_generate):
+    _, error, elapsed = killed_during_generate
+    assert elapsed < 30
+    assert "rank(s) [1] died" in str(error)
+
+
+def test_check_health_names_the_dead_rank(killed_during_generate):
+    llm, _, _ = killed_during_generate
+    with pytest.raises(RuntimeError, match=r"worker rank\(s\) \[1\] .* dead"):
+        llm.llm_engine.check_health()
+
+
+def test_steps_after_a_failure_raise_at_once(killed_during_generate):
+    llm, _, _ = killed_during_generate
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 5
+
+
+def test_shutdown_kills_the_workers_and_removes_the_placement_group(killed_during_generate):
+    llm, _, _ = killed_during_generate
+    executor = llm.llm_engine.executor
+    workers, group = list(executor.workers), executor.placement_group
+    llm.shutdown()
+    assert all(worker_is_dead(w) for w in workers)
+    assert placement_group_state(group) == "REMOVED"
+
+
+def test_a_new_llm_runs_after_a_failure_and_a_collected_one_leaves_nothing_running(killed_during_generate,
+                                                                                    llama_dir):
+    reference = LLM(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    expected = [o.outputs[0].token_ids for o in reference.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    reference.shutdown()
+
+    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected
+    llm.llm_engine.check_health()
+
+    executor = llm.llm_engine.executor
+    workers, group = list(executor.workers), executor.placement_group
+    del llm, executor
+    gc.collect()
+    assert all(worker_is_dead(w) for w in workers)
+    assert placement_group_state(group) == "REMOVED"
+
+
+def test_more_workers_than_the_cluster_can_place_fail_within_the_timeout_naming_the_resources(ray_cluster,
+                                                                                              llama_dir):
+    total_cpus = ray.cluster_resources()["CPU"]
+    num_workers = int(total_cpus / 0.5) + 2
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as excinfo:
+        LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=num_workers, ray_cpus_per_worker=0.5,
+            placement_group_timeout_s=2.0)
+    assert time.monotonic() - start < 2.0 + 10
+    message = str(excinfo.value)
+    assert f"asked for {num_workers} bundle(s) of {{'CPU': 0.5}} with strategy STRICT_PACK" in message
+    assert f"'CPU': {total_cpus}" in message  # what the cluster has
+    assert "ray_span_nodes" in message
+    pending = [g for g in ray.util.placement_group_table().values() if g["state"] not in ("REMOVED", "CREATED")]
+    assert pending == []
+
+
+def test_a_rank_missing_from_the_rendezvous_is_named_within_the_timeout(llama_dir):
+    # Rank 0 alone: it hosts the rendezvous store and waits for rank 1, which never comes.
+    config = EngineArgs(model=str(llama_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
+                        worker_timeout_s=2.0).create_engine_config()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = Worker(config, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of 2 did not join the rendezvous"):
+        worker.init_device()
+    assert time.monotonic() - start < 2.0 + 5
