@@ -66,9 +66,10 @@ class EngineArgs:
                                                                   "a step, a collective) may take before the "
                                                                   "workers are declared hung."))
     device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
-    attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton' or 'torch'; "
-                                                                       "default RAYLM_ATTENTION_BACKEND, else "
-                                                                       "triton on CUDA and torch on CPU."))
+    attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton', 'cpu' (native "
+                                                                       "C++ decode) or 'torch' (reference); default "
+                                                                       "RAYLM_ATTENTION_BACKEND, else triton on CUDA, "
+                                                                       "cpu on CPU."))
     enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
                                                               "runs eagerly (no CUDA graphs yet)."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))

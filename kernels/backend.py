@@ -1,10 +1,12 @@
-"""Attention backend choice: the Triton kernels (GPU) or the PyTorch reference (CPU).
+"""Attention backend choice: the Triton kernels (GPU), the native CPU kernel, or the
+PyTorch reference.
 
-Both backends share one contract (see `raylm.kernels.torch_attention`):
+All backends share one contract (see `raylm.kernels.torch_attention`):
 `write_kv_cache(key, value, k_cache, v_cache, slot_mapping)` and
 `paged_attention(query, k_cache, v_cache, attn_metadata, scale) -> out`.
 Triton is imported only when the Triton backend is asked for, so a CPU machine without
-triton installed still runs the PyTorch path.
+triton installed still runs the PyTorch path. The "cpu" backend compiles its C++ kernel at
+first use (`raylm.kernels.cpu_attention`) and runs the PyTorch reference if it cannot.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from raylm.kernels.attention_metadata import AttentionMetadata
 
 ENV_VAR = "RAYLM_ATTENTION_BACKEND"
-BACKEND_NAMES = ("triton", "torch")
+BACKEND_NAMES = ("triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -29,15 +31,19 @@ class AttentionBackend:
 
 
 def default_backend_name() -> str:
-    """RAYLM_ATTENTION_BACKEND if set, else Triton on a CUDA machine and PyTorch otherwise."""
+    """RAYLM_ATTENTION_BACKEND if set, else Triton on a CUDA machine, else the native CPU
+    kernel when it builds here and the PyTorch reference when it does not."""
     name = os.environ.get(ENV_VAR)
     if name:
         return name
-    return "triton" if torch.cuda.is_available() else "torch"
+    if torch.cuda.is_available():
+        return "triton"
+    from raylm.kernels import cpu_attention
+    return "cpu" if cpu_attention.is_available() else "torch"
 
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
-    """The backend called `name` ("triton" or "torch"); None means `default_backend_name()`."""
+    """The backend called `name` ("triton", "cpu" or "torch"); None means `default_backend_name()`."""
     source = "name" if name is not None else ENV_VAR
     name = name if name is not None else default_backend_name()
     if name not in BACKEND_NAMES:
@@ -45,6 +51,9 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
     if name == "torch":
         from raylm.kernels import torch_attention
         return AttentionBackend("torch", torch_attention.write_kv_cache, torch_attention.paged_attention)
+    if name == "cpu":
+        from raylm.kernels import cpu_attention
+        return AttentionBackend("cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention)
     try:
         import triton  # noqa: F401
     except ImportError as error:

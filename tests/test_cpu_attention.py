@@ -1,0 +1,173 @@
+"""The native CPU paged attention against the PyTorch reference, on NaN-poisoned caches."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from raylm.kernels import cpu_attention, torch_attention
+from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.backend import get_attention_backend
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not cpu_attention.is_available():
+        pytest.skip("the native CPU attention kernel cannot be built here (no compiler or ninja?)")
+
+
+def build_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int,
+               block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0, padding_tokens: int = 0):
+    """A step after its KV write: every sequence's context at shuffled blocks of a cache whose
+    other slots are NaN, block tables padded with a NaN block; returns the query, caches
+    and metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    poisoned_block = free_blocks.pop()  # never written: what padded table entries point at
+    block_tables = torch.full((len(seq_lens), max(blocks_needed) + 1), poisoned_block, dtype=torch.int32)
+    for i, seq_len in enumerate(seq_lens):
+        blocks = [free_blocks.pop() for _ in range(blocks_needed[i])]
+        block_tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(seq_len)])
+        k_cache.view(-1, num_kv_heads, head_size)[slots] = torch.randn(
+            seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_size)[slots] = torch.randn(
+            seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+    num_tokens = sum(query_lens) + padding_tokens
+    query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # unused: the cache is already written
+        query_start_loc=torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+    )
+    return query, k_cache, v_cache, metadata
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def compare_with_reference(query_lens, seq_lens, num_heads=8, num_kv_heads=4, head_size=32, block_size=16,
+                           dtype=torch.float32, seed=0, padding_tokens=0, query_dtype=None):
+    query, k_cache, v_cache, md = build_step(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
+                                             dtype, seed, padding_tokens)
+    query = query.to(query_dtype or dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, scale)
+    expected = torch_attention.paged_attention(query, k_cache, v_cache, md, scale)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert not out.isnan().any()
+    return out, expected
+
+
+# Lengths 1 .. several blocks of 16, on and off block boundaries.
+DECODE_LENS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 130, 257]
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 128, 80])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (8, 2)])
+def test_fp32_decode_matches_reference_for_each_gqa_ratio_and_head_size(native, num_heads, num_kv_heads,
+                                                                           head_size):
+    out, expected = compare_with_reference([1] * len(DECODE_LENS), DECODE_LENS, num_heads, num_kv_heads, head_size)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_fp32_decode_matches_reference_for_other_block_sizes(native, block_size):
+    out, expected = compare_with_reference([1] * len(DECODE_LENS), DECODE_LENS, block_size=block_size, seed=1)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (8, 2)])
+def test_bf16_cache_with_fp32_queries_matches_reference_in_fp32_precision(native, num_heads, num_kv_heads,
+                                                                           head_size):
+    # Both read the same bf16 values and accumulate in fp32, so they agree to fp32 rounding.
+    out, expected = compare_with_reference([1] * len(DECODE_LENS), DECODE_LENS, num_heads, num_kv_heads, head_size,
+                                           dtype=torch.bfloat16, seed=2, query_dtype=torch.float32)
+    assert relative_error(out, expected) < 1e-5
+
+
+def test_bf16_queries_give_bf16_outputs_within_one_rounding(native):
+    out, expected = compare_with_reference([1] * len(DECODE_LENS), DECODE_LENS, dtype=torch.bfloat16, seed=3)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, expected) < 1e-2
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (8, 2)])
+def test_mixed_prefill_and_decode_batch_matches_reference(native, num_heads, num_kv_heads):
+    # Decode rows between a full prefill (6 of 6) and chunked prefills reading earlier chunks.
+    query_lens = [1, 6, 1, 5, 1, 20]
+    seq_lens = [40, 6, 17, 37, 1, 52]
+    out, expected = compare_with_reference(query_lens, seq_lens, num_heads, num_kv_heads, seed=4)
+    assert relative_error(out, expected) < 1e-5
+
+
+def test_mixed_batch_with_bf16_cache_matches_reference(native):
+    out, expected = compare_with_reference([3, 1, 1], [19, 33, 8], dtype=torch.bfloat16, seed=5,
+                                           query_dtype=torch.float32)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1], [5, 18, 40]), ([4, 1], [20, 9])])
+def test_padding_rows_past_the_last_sequence_are_zero(native, query_lens, seq_lens):
+    out, expected = compare_with_reference(query_lens, seq_lens, seed=6, padding_tokens=3)
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+    assert relative_error(out, expected) < 1e-5
+
+
+def test_results_do_not_depend_on_the_thread_count(native):
+    query, k_cache, v_cache, md = build_step([1] * 16, list(range(5, 85, 5)), 8, 2, 64, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_block_table_too_short_for_its_sequence_is_an_error_not_a_read_out_of_bounds(native):
+    query, k_cache, v_cache, md = build_step([1], [20], 4, 2, 32, seed=8)
+    with pytest.raises(ValueError, match="block table"):
+        cpu_attention.paged_decode_attention(query, k_cache, v_cache, md.block_tables[:, :1], md.seq_lens, 0.5)
+
+
+def test_cpu_backend_is_the_default_on_a_cpu_machine(native, monkeypatch):
+    monkeypatch.delenv("RAYLM_ATTENTION_BACKEND", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machines default to the Triton backend")
+    backend = get_attention_backend()
+    assert backend.name == "cpu" and backend.paged_attention is cpu_attention.paged_attention
+    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "torch")
+    assert get_attention_backend().name == "torch"
+
+
+def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, caplog):
+    def failing_build():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_attention, "_kernel", None)
+    monkeypatch.setattr(cpu_attention, "_build", failing_build)
+    query, k_cache, v_cache, md = build_step([1, 3], [9, 3], 4, 2, 32, seed=9)
+    with caplog.at_level(logging.WARNING, logger="raylm.kernels.cpu_attention"):
+        outs = [cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.5) for _ in range(2)]
+        assert not cpu_attention.is_available()
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    expected = torch_attention.paged_attention(query, k_cache, v_cache, md, 0.5)
+    assert all(torch.equal(out, expected) for out in outs)
