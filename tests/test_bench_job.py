@@ -1,0 +1,129 @@
+"""The cluster benchmark job, submitted through Ray's job client to a two-node cluster.
+
+The cluster (`ray.cluster_utils.Cluster`: a head and a second node on one address, one
+CPU each) lives in a child process, this file run as a script, because the test session
+already holds a Ray of its own. With one CPU per node and one CPU per worker bundle,
+tensor parallel 2 under PACK (`--ray-span-nodes`) can only place one worker on each node.
+Token authentication is on, as on a `ray up` cluster: the child sets RAY_AUTH_MODE=token
+and one RAY_AUTH_TOKEN that the cluster's processes and the JobSubmissionClient share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raylm.cluster.bench_job import LATENCY_PLOT, RESULT_FILE, SUMMARY_PREFIX, THROUGHPUT_PLOT, plot_latency
+
+RESULT_PREFIX = "BENCH_JOB_RESULT "
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BATCH_SIZES = (1, 2)
+JOB_TIMEOUT_S = 150
+
+
+def submit_on_two_nodes(model_dir: str, out_dir: str) -> dict:
+    """Starts the two-node cluster, submits the job, waits; returns status and logs."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes(timeout=60)
+        context = ray.init(address=cluster.address)
+        dashboard = "http://" + context.dashboard_url
+        ray.shutdown()
+        client = _job_client(dashboard, JobSubmissionClient)
+        entrypoint = " ".join([
+            sys.executable, "-m", "raylm.cluster.bench_job", "--model", model_dir, "--tp-sizes", "2",
+            "--batch-sizes", ",".join(map(str, BATCH_SIZES)), "--input-len", "8", "--output-len", "4",
+            "--out", out_dir, "--", "--ray-span-nodes", "--ray-cpus-per-worker", "1",
+            "--num-gpu-blocks-override", "64", "--placement-group-timeout-s", "60"])
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        status = client.get_job_status(job_id)
+        while not status.is_terminal() and time.monotonic() < deadline:
+            time.sleep(1)
+            status = client.get_job_status(job_id)
+        if not status.is_terminal():
+            client.stop_job(job_id)
+        return {"status": str(status.value if isinstance(status, JobStatus) else status),
+                "logs": client.get_job_logs(job_id), "num_nodes": len([n for n in _nodes(cluster) if n])}
+    finally:
+        cluster.shutdown()
+
+
+def _job_client(address: str, client_class):
+    # The dashboard's job endpoint comes up a little after the head node on a busy machine.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return client_class(address)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _nodes(cluster) -> list:
+    return [cluster.head_node, *cluster.worker_nodes]
+
+
+@pytest.fixture(scope="module")
+def job_run(llama_dir, tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("bench_job_out")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, str(llama_dir), str(out_dir)], capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S + 90, env=env, cwd=str(Path(__file__).parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert proc.returncode == 0 and lines, f"cluster run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    run = json.loads(lines[-1][len(RESULT_PREFIX):])
+    assert run["status"] == "SUCCEEDED", f"job {run['status']}:\n{run['logs'][-5000:]}"
+    return dict(run, out_dir=out_dir)
+
+
+def test_job_reports_tp2_throughput_for_every_batch_size_on_two_nodes(job_run):
+    report = json.loads((job_run["out_dir"] / RESULT_FILE).read_text())
+    assert report["cluster"]["num_nodes"] == 2
+    assert [(p["tensor_parallel_size"], p["batch_size"]) for p in report["throughput"]] == [(2, b) for b in BATCH_SIZES]
+    for point in report["throughput"]:
+        assert point["settings"]["engine_args"]["ray_span_nodes"] is True
+        assert point["settings"]["num_prompts"] == point["batch_size"]
+        assert point["output_tokens_per_s"] > 0
+    assert report["model"]["architectures"] and report["machine"]["python"]
+
+
+def test_job_writes_the_throughput_plot_as_png(job_run):
+    data = (job_run["out_dir"] / THROUGHPUT_PLOT).read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_job_logs_end_with_a_parseable_summary_line(job_run):
+    lines = [line for line in job_run["logs"].splitlines() if line.startswith(SUMMARY_PREFIX)]
+    assert len(lines) == 1
+    summary = json.loads(lines[0][len(SUMMARY_PREFIX):])
+    assert set(summary["output_tokens_per_s"]) == {f"tp2_bs{b}" for b in BATCH_SIZES}
+    assert summary["result_json"] == str(job_run["out_dir"] / RESULT_FILE)
+    assert summary["num_nodes"] == 2
+
+
+def test_latency_plot_is_a_png_with_infinite_rate_last(tmp_path):
+    keys = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms")
+    points = [dict({k: 10.0 * rate for k in keys}, request_rate=rate) for rate in (4.0, 1.0)]
+    points.append(dict({k: 100.0 for k in keys}, request_rate="inf"))
+    data = plot_latency(points, tmp_path / LATENCY_PLOT).read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+if __name__ == "__main__":
+    print(RESULT_PREFIX + json.dumps(submit_on_two_nodes(sys.argv[1], sys.argv[2])), flush=True)
