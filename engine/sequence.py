@@ -85,7 +85,7 @@ class SequenceData:
 
 
 class Sequence:
-    """One sample of a request: its tokens, status, text and detokenizer state."""
+    """One sample of a request: its tokens, status and text (the engine holds its incremental detokenizer)."""
 
     def __init__(self, seq_id: int, prompt: str | None, prompt_token_ids: list[int], block_size: int) -> None:
         self.seq_id = seq_id
@@ -99,10 +99,6 @@ class Sequence:
         self.output_logprobs: list[Any] = []
         # The stop string or stop token id that ended the sequence; None for EOS/length.
         self.stop_reason: int | str | None = None
-        # Incremental detokenizer state (vLLM's names).
-        self.tokens: list[str] | None = None
-        self.prefix_offset = 0
-        self.read_offset = 0
         # (tokens, characters) already streamed in DELTA mode.
         self.delta_offsets: tuple[int, int] = (0, 0)
 
