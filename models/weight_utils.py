@@ -9,10 +9,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
 
-def safetensors_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in model_dir, one
-    tensor in memory at a time."""
+
+def safetensors_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """(name, checkpoint slice) for every tensor of every *.safetensors file in
+    model_dir. Nothing is read until a weight loader copies its part, so a
+    tensor-parallel worker reads only its shard."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(model_dir)!r} has no *.safetensors files; raylm loads only safetensors "
@@ -20,7 +23,8 @@ def safetensors_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, t
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                source = f.get_slice(name)
+                yield name, CheckpointSlice(source, tuple(source.get_shape()))
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -28,4 +32,4 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
     if param.shape != loaded_weight.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, the model expects "
                          f"{tuple(param.shape)}.")
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_weight(loaded_weight))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.communication import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from raylm.parallel.utils import divide
@@ -29,7 +30,7 @@ def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, name: str) ->
     if param_slice.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, "
                          f"the model expects {tuple(param_slice.shape)}.")
-    param_slice.copy_(loaded)
+    param_slice.copy_(read_weight(loaded))
 
 
 class LinearBase(nn.Module):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.communication import tensor_model_parallel_all_reduce
 from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -41,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
                              f"the model expects {(self.num_embeddings, self.embedding_dim)}.")
         # The last rank's shard may run past the real vocabulary into padding rows.
         real_rows = max(0, min(self.vocab_end_index, self.num_embeddings) - self.vocab_start_index)
-        param.data[:real_rows].copy_(loaded_weight[self.vocab_start_index:self.vocab_start_index + real_rows])
+        param.data[:real_rows].copy_(read_weight(loaded_weight[self.vocab_start_index:self.vocab_start_index + real_rows]))
         param.data[real_rows:].zero_()
 
     def lookup_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         real_rows = max(0, min(self.vocab_end_index, self.num_embeddings) - self.vocab_start_index)
-        param.data[:real_rows].copy_(loaded_weight[self.vocab_start_index:self.vocab_start_index + real_rows])
+        param.data[:real_rows].copy_(read_weight(loaded_weight[self.vocab_start_index:self.vocab_start_index + real_rows]))
         param.data[real_rows:].zero_()
 
     def logits_shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
