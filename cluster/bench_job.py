@@ -29,7 +29,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 SUMMARY_PREFIX = "RAYLM_BENCH_SUMMARY "
 RESULT_FILE = "bench_result.json"

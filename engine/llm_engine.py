@@ -11,7 +11,7 @@ from typing import Any
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.config import EngineConfig
 from raylm.engine.detokenizer import IncrementalDetokenizer, TokenTextCache, find_stop_string
-from raylm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 from raylm.engine.scheduler import Scheduler
 from raylm.engine.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -30,3 +30,26 @@ def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def assert_logprobs_match_hf(model_dir: Path, prompts: list[list[int]], outputs, top_k: int,
+                             abs_tol: float = 1e-4) -> None:
+    """Each sampled token's logprob, the top-k alternatives (with their ranks) and every
+    prompt logprob equal HF's log-softmax on the same tokens within abs_tol."""
+    import pytest
+
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        reference = hf_log_softmax(model_dir, prompt + completion.token_ids)
+        for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[len(prompt) - 1 + step]
+            assert entry[token_id].logprob == pytest.approx(row[token_id].item(), abs=abs_tol)
+            top = torch.topk(row, top_k)
+            for rank, (ref_id, ref_logprob) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+                assert entry[ref_id].logprob == pytest.approx(ref_logprob, abs=abs_tol)
+                assert entry[ref_id].rank == rank
+        assert output.prompt_logprobs[0] is None
+        assert len(output.prompt_logprobs) == len(prompt)
+        for position in range(1, len(prompt)):
+            expected = reference[position - 1, prompt[position]].item()
+            assert output.prompt_logprobs[position][prompt[position]].logprob == pytest.approx(expected, abs=abs_tol)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import platform
 import re
-import sys
 import sysconfig
 from pathlib import Path
 

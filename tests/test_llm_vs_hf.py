@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from hf_reference import hf_greedy, hf_log_softmax
+from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -52,24 +51,12 @@ def test_sampled_and_top_logprobs_match_hf_log_softmax(arch_llm):
     prompts = random_prompts(6, 512, seed=2, min_len=3, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=5)
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
         reference = hf_log_softmax(model_dir, prompt + completion.token_ids)
-        for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            row = reference[len(prompt) - 1 + step]
-            assert entry[token_id].logprob == pytest.approx(row[token_id].item(), abs=1e-4)
-            top = torch.topk(row, 5)
-            for rank, (ref_id, ref_logprob) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
-                assert entry[ref_id].logprob == pytest.approx(ref_logprob, abs=1e-4)
-                assert entry[ref_id].rank == rank
         assert completion.cumulative_logprob == pytest.approx(
             sum(reference[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion.token_ids)), abs=1e-3)
-        assert output.prompt_logprobs[0] is None
-        assert len(output.prompt_logprobs) == len(prompt)
-        for position in range(1, len(prompt)):
-            entry = output.prompt_logprobs[position]
-            expected = reference[position - 1, prompt[position]].item()
-            assert entry[prompt[position]].logprob == pytest.approx(expected, abs=1e-4)
     assert_all_blocks_free(llm)
 
 

@@ -8,10 +8,9 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors import safe_open
 
-from hf_reference import hf_greedy, hf_log_softmax
+from hf_reference import assert_logprobs_match_hf, hf_greedy
 from raylm.engine import LLM, SamplingParams
 from tiny_models import build_tiny_model
 
@@ -74,18 +73,7 @@ def test_sampled_and_prompt_logprobs_match_hf_within_1e_4(tp_llm):
     prompts = random_prompts(4, seed=8, min_len=3, max_len=30)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
-        reference = hf_log_softmax(model_dir, prompt + completion.token_ids)
-        for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            row = reference[len(prompt) - 1 + step]
-            top = torch.topk(row, 3)
-            for ref_id, ref_logprob in zip(top.indices.tolist(), top.values.tolist()):
-                assert entry[ref_id].logprob == pytest.approx(ref_logprob, abs=1e-4)
-            assert entry[token_id].logprob == pytest.approx(row[token_id].item(), abs=1e-4)
-        for position in range(1, len(prompt)):
-            expected = reference[position - 1, prompt[position]].item()
-            assert output.prompt_logprobs[position][prompt[position]].logprob == pytest.approx(expected, abs=1e-4)
+    assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=3)
 
 
 @pytest.fixture(scope="module")
