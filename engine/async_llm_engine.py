@@ -71,25 +71,6 @@ class _RequestState:
     finished: bool = False
 
 
-class _GuardedDetokenizer:
-    """Wraps one sequence's incremental detokenizer so that an exception there fails
-    only its own request: the error is recorded and the step goes on."""
-
-    def __init__(self, inner: Any, request_id: str, failures: dict[str, BaseException]) -> None:
-        self._inner = inner
-        self._request_id = request_id
-        self._failures = failures
-
-    def step(self, token_id: int) -> str:
-        if self._request_id in self._failures:
-            return ""
-        try:
-            return self._inner.step(token_id)
-        except Exception as exc:  # noqa: BLE001 - any detokenizer bug is this request's failure
-            self._failures[self._request_id] = exc
-            return ""
-
-
 _STREAM_END = object()
 
 
@@ -112,7 +93,6 @@ class AsyncLLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]] = []
         self._pending_aborts: set[str] = set()
-        self._detokenizer_failures: dict[str, BaseException] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._thread_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raylm-engine-step")
@@ -286,8 +266,6 @@ class AsyncLLMEngine:
         if self._pending_aborts:
             aborts, self._pending_aborts = self._pending_aborts, set()
             self.engine.abort_request(list(aborts))
-            for request_id in aborts:
-                self._detokenizer_failures.pop(request_id, None)
         adds, self._pending_adds = self._pending_adds, []
         for state, prompt, params, accepted in adds:
             if accepted.done() or state.finished:  # cancelled or aborted while queued
@@ -297,19 +275,7 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 - bad input fails this request only
                 accepted.set_exception(exc)
                 continue
-            self._guard_detokenizers(state.request_id)
             accepted.set_result(None)
-
-    def _guard_detokenizers(self, request_id: str) -> None:
-        """Wraps the detokenizers of the request just added (the newest waiting group)."""
-        detokenizers = getattr(self.engine, "_detokenizers", None)
-        waiting = getattr(self.engine.scheduler, "waiting", None)
-        if detokenizers is None or not waiting or waiting[-1].request_id != request_id:
-            return
-        for seq in waiting[-1].seqs:
-            inner = detokenizers.get(seq.seq_id)
-            if inner is not None:
-                detokenizers[seq.seq_id] = _GuardedDetokenizer(inner, request_id, self._detokenizer_failures)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
@@ -322,15 +288,11 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 - a bug in one request's output fails it alone
                 logger.exception("Request %s failed while building its output.", output.request_id)
                 self._fail_request(state, exc)
-        if self._detokenizer_failures:
-            failures, self._detokenizer_failures = self._detokenizer_failures, {}
-            for request_id, exc in failures.items():
-                logger.error("Request %s failed in the detokenizer: %r", request_id, exc)
-                state = self._requests.get(request_id)
-                if state is not None:
-                    self._fail_request(state, exc)
-                else:
-                    self._pending_aborts.add(request_id)
+        # Requests the engine failed (and already aborted) during the step fail alone.
+        for request_id, exc in self.engine.pop_failed_requests().items():
+            state = self._requests.get(request_id)
+            if state is not None:
+                self._fail_request(state, exc)
 
     def _deliver(self, state: _RequestState, output: RequestOutput, now: float) -> None:
         new_tokens = 0

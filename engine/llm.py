@@ -97,7 +97,12 @@ class LLM:
         prompt_tokens = output_tokens = 0
         with progress:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = engine.step()
+                failed = engine.pop_failed_requests()
+                if failed:
+                    request_id, error = next(iter(failed.items()))
+                    raise RuntimeError(f"Request {request_id} failed: {error!r}") from error
+                for output in outputs:
                     if not output.finished:
                         continue
                     finished[output.request_id] = output

@@ -45,6 +45,11 @@ class LLMEngine:
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
         self._seq_counter = itertools.count()
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        # Unfinished requests by id: a set lookup, not a scan of the queues, per add_request.
+        self._request_ids: set[str] = set()
+        # Requests that failed inside the engine (a detokenizer error): aborted at the end of
+        # the step, reported through pop_failed_requests(); the rest of the batch goes on.
+        self._failed_requests: dict[str, BaseException] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._token_text = TokenTextCache(self.tokenizer) if self.tokenizer is not None else None
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
@@ -84,7 +89,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Validates a request and queues it; raises ValueError for bad input."""
         params = SamplingParams() if params is None else params
-        if self.scheduler.has_request(request_id):
+        if request_id in self._request_ids:
             raise ValueError(f"request_id {request_id!r} is already running.")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         self._validate_request(prompt_token_ids, params)
@@ -101,6 +106,7 @@ class LLMEngine:
                     self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                     params.spaces_between_special_tokens)
         self.scheduler.add_seq_group(group)
+        self._request_ids.add(request_id)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -148,6 +154,12 @@ class LLMEngine:
         for group in self.scheduler.abort_seq_group(ids):
             self._forget_group(group)
 
+    def pop_failed_requests(self) -> dict[str, BaseException]:
+        """Requests that failed inside the engine since the last call, with their errors.
+        They are already aborted: their blocks are back in the pool."""
+        failed, self._failed_requests = self._failed_requests, {}
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
 
@@ -177,6 +189,9 @@ class LLMEngine:
                 outputs.append(output)
         for group in self.scheduler.free_finished_seq_groups():
             self._forget_group(group)
+        if self._failed_requests:
+            self.abort_request(list(self._failed_requests))
+            outputs = [o for o in outputs if o.request_id not in self._failed_requests]
         if self.stat_logger is not None:
             self.stat_logger.record_step(sched_out, len(sampler_output.outputs))
         return outputs
@@ -197,7 +212,14 @@ class LLMEngine:
         new_char_count = 0
         detokenizer = self._detokenizers.get(seq.seq_id)
         if detokenizer is not None:
-            new_text = detokenizer.step(out.token_id)
+            if group.request_id in self._failed_requests:
+                return
+            try:
+                new_text = detokenizer.step(out.token_id)
+            except Exception as exc:  # noqa: BLE001 - a detokenizer bug fails its own request only
+                logger.exception("Request %s failed in the detokenizer.", group.request_id)
+                self._failed_requests[group.request_id] = exc
+                return
             seq.output_text += new_text
             new_char_count = len(new_text)
         self._check_stop(seq, params, new_char_count)
@@ -271,6 +293,7 @@ class LLMEngine:
                                 SequenceStatus.get_finished_reason(seq.status), seq.stop_reason)
 
     def _forget_group(self, group: SequenceGroup) -> None:
+        self._request_ids.discard(group.request_id)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
             self._detokenizers.pop(seq.seq_id, None)

@@ -170,3 +170,52 @@ def test_chat_renders_the_tokenizer_template(llm):
 def test_unknown_engine_argument_is_named_in_the_error(llama_dir):
     with pytest.raises(TypeError, match="max_num_seq'.*max_num_seqs"):
         LLM(model=str(llama_dir), max_num_seq=4)
+
+
+def test_a_running_request_id_cannot_be_reused_until_it_finishes(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("dup", {"prompt_token_ids": [5, 6, 7]}, params)
+    with pytest.raises(ValueError, match="'dup' is already running"):
+        engine.add_request("dup", {"prompt_token_ids": [8, 9]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("dup", {"prompt_token_ids": [8, 9]}, params)  # finished: the id is free again
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.prompt_token_ids for o in finished] == [[8, 9]]
+    assert_all_blocks_free(llm)
+
+
+def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, monkeypatch):
+    from raylm.engine import detokenizer
+
+    original_step = detokenizer.IncrementalDetokenizer.step
+
+    def step(self, token_id):
+        if getattr(self, "poisoned", False):
+            raise RuntimeError("detokenizer bug")
+        return original_step(self, token_id)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+    engine.add_request("broken", {"prompt_token_ids": [9, 10, 11]}, params)
+    for seq, group in engine._seqs.values():
+        if group.request_id == "broken":
+            engine._detokenizers[seq.seq_id].poisoned = True
+    finished, failed = [], {}
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        failed.update(engine.pop_failed_requests())
+    assert finished == ["healthy"]
+    assert list(failed) == ["broken"] and "detokenizer bug" in str(failed["broken"])
+    assert_all_blocks_free(llm)
+    with pytest.raises(RuntimeError, match="failed"):
+        engine.add_request("broken-again", {"prompt_token_ids": [9, 10, 11]}, params)
+        for seq, group in engine._seqs.values():
+            engine._detokenizers[seq.seq_id].poisoned = True
+        llm._run_engine(["broken-again"], use_tqdm=False)
+    assert_all_blocks_free(llm)

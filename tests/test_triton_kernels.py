@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from raylm.kernels import AttentionMetadata  # noqa: E402
+from paged_steps import build_cached_step as build_step  # noqa: E402
 from raylm.kernels import torch_attention as reference  # noqa: E402
 
 KERNEL_MODULES = ("raylm.kernels.triton_kv_cache", "raylm.kernels.triton_decode_attention",
@@ -44,44 +44,6 @@ def kernels():
         module = importlib.reload(importlib.import_module(name))
         modules[name.rsplit(".", 1)[1]] = module
     return modules
-
-
-def build_step(query_lens: list[int], seq_lens: list[int], *, num_heads: int, num_kv_heads: int, head_size: int,
-               block_size: int, dtype: torch.dtype, seed: int, padding_tokens: int = 0):
-    """A step after its keys and values were written: each sequence's seq_len tokens sit in
-    shuffled blocks of NaN-filled caches, the padded block-table entries point at blocks
-    holding other sequences' tokens (or NaN), and the query rows are random."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    for i, (seq_len, num_seq_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
-        blocks = [free_blocks.pop() for _ in range(num_seq_blocks)]
-        block_tables[i, :num_seq_blocks] = torch.tensor(blocks, dtype=torch.int32)
-        # Padding entries point at a random (maybe foreign, maybe NaN) block, not just 0.
-        block_tables[i, num_seq_blocks:] = free_blocks[0]
-        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(seq_len)])
-        k_cache.view(-1, num_kv_heads, head_size)[slots] = torch.randn(seq_len, num_kv_heads, head_size,
-                                                                        generator=gen).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_size)[slots] = torch.randn(seq_len, num_kv_heads, head_size,
-                                                                        generator=gen).to(dtype)
-    num_tokens = sum(query_lens) + padding_tokens
-    query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
-    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),  # unused by attention
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_list=list(query_lens),
-        seq_lens_list=list(seq_lens),
-    )
-    return query, k_cache, v_cache, metadata
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
