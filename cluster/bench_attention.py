@@ -12,8 +12,8 @@ next to the copy bandwidth the same device reaches in a plain `torch` copy of a 
 bandwidth for long-context decode on a GPU.
 
     python -m raylm.cluster.bench_attention                  # CUDA: triton backend, 1k..32k x 1..256
-    python -m raylm.cluster.bench_attention --quick          # CPU smoke test: torch backend, small sizes
-    python -m raylm.cluster.bench_attention --backend torch --output-json attn.json
+    python -m raylm.cluster.bench_attention --quick          # CPU smoke test: default backend, small sizes
+    python -m raylm.cluster.bench_attention --backend cpu --contexts 192 1024 --batches 1 64 --num-heads 8 --num-kv-heads 4 --head-size 32
 
 Block tables are shuffled permutations of the cache, as after a while of serving. Cases whose
 KV cache would not fit in ``--max-kv-gib`` are skipped and listed. The last line printed is
@@ -114,8 +114,9 @@ def build_decode_step(batch: int, context_len: int, num_heads: int, num_kv_heads
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("triton", "torch"), default=None,
-                        help="Attention backend; default RAYLM_ATTENTION_BACKEND, else triton on CUDA, torch on CPU.")
+    parser.add_argument("--backend", choices=("triton", "cpu", "torch"), default=None,
+                        help="Attention backend; default RAYLM_ATTENTION_BACKEND, else triton on CUDA, the native "
+                             "cpu kernel on CPU (torch if it cannot be built).")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--num-heads", type=int, default=32)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     backend_name = args.backend or default_backend_name()
     if backend_name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--backend triton needs a CUDA device (or TRITON_INTERPRET=1, far too slow to "
-                         "benchmark); use --backend torch on CPU.")
+                         "benchmark); use --backend cpu or torch on CPU.")
     backend = get_attention_backend(backend_name)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.max_kv_gib is not None:

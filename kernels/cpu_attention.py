@@ -2,10 +2,12 @@
 
 The PyTorch reference (`raylm.kernels.torch_attention`) gathers every decoding sequence's
 whole context into a padded [B, Hkv, L, D] tensor each layer each step before two batched
-matmuls: three passes over the context plus the allocations. The C++ kernel here, like
-vLLM's CPU backend, walks each sequence's block table instead and reads every key and value
-row once: one task per (sequence, KV head) computes all query heads of that KV head
-together, with an online softmax in fp32 (fp32 or bf16 cache, fp32 accumulation).
+matmuls: three passes over the context plus the allocations. The C++ kernel
+(`csrc/cpu_attention.cpp`), like vLLM's CPU backend, walks each sequence's block table
+instead and reads every key and value row once: one task per sequence computes all its
+query heads block by block (one task per KV head when there are few sequences), with an
+online softmax in fp32 (fp32 or bf16 cache, fp32 accumulation), register-blocked with AVX2
+where the CPU has it.
 
 `paged_attention` keeps the reference's contract: decode rows (query_len 1) take the
 kernel, prefill rows take the reference's per-sequence path, padding rows are zero.
@@ -34,185 +36,8 @@ from raylm.kernels.torch_attention import write_kv_cache  # noqa: F401  (the bac
 
 logger = logging.getLogger(__name__)
 
-_CPP_SOURCE = r"""
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <vector>
-
-namespace {
-
-// exp(x) for x <= 0 (scores minus their running max), written without calls or branches so
-// the loop around it vectorizes (no memcpy either): Cephes' expf, 2^n built from the
-// exponent bits.
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return underflow ? 0.0f : p * two_n;
-}
-
-// A cache row as fp32: fp32 rows are used in place, bf16 rows are widened into `buffer`.
-inline const float* as_float(const float* row, float*, int) { return row; }
-
-inline const float* as_float(const uint16_t* row, float* buffer, int head_size) {
-#pragma omp simd
-  for (int d = 0; d < head_size; ++d) {
-    buffer[d] = __builtin_bit_cast(float, static_cast<uint32_t>(row[d]) << 16);
-  }
-  return buffer;
-}
-
-// kHeadSize > 0 fixes the head size at compile time (unrolled inner loops); 0 reads it
-// from head_size_arg.
-template <typename cache_t, int kHeadSize>
-void decode(const float* query, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
-            const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_size_arg, int64_t block_size, int64_t max_blocks, float scale) {
-  const int D = kHeadSize > 0 ? kHeadSize : static_cast<int>(head_size_arg);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * D;
-  const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * D), acc(group * D), scores(group * block_size), k_row(D), v_row(D);
-    std::vector<float> running_max(group), running_sum(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t seq_len = seq_lens[seq];
-      const float* q_src = query + (seq * num_heads + kv_head * group) * D;
-      float* out_dst = out + (seq * num_heads + kv_head * group) * D;
-      if (seq_len <= 0) {
-        std::fill(out_dst, out_dst + group * D, 0.0f);
-        continue;
-      }
-      for (int64_t i = 0; i < group * D; ++i) q[i] = q_src[i] * scale;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
-      const int32_t* table = block_tables + seq * max_blocks;
-      for (int64_t first = 0; first < seq_len; first += block_size) {
-        const int64_t n = std::min(block_size, seq_len - first);
-        const int64_t offset = table[first / block_size] * block_stride + kv_head * D;
-        const cache_t* k_block = k_cache + offset;
-        const cache_t* v_block = v_cache + offset;
-        if (first + block_size < seq_len) {
-          // The next block lies anywhere in the cache, beyond the hardware prefetcher's guess.
-          const int64_t next = table[first / block_size + 1] * block_stride + kv_head * D;
-          const int64_t next_n = std::min(block_size, seq_len - first - block_size);
-          for (int64_t t = 0; t < next_n; ++t) {
-            for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * token_stride) + byte);
-              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * token_stride) + byte);
-            }
-          }
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const float* k = as_float(k_block + t * token_stride, k_row.data(), D);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * D;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int d = 0; d < D; ++d) s += qg[d] * k[d];
-            scores[g * block_size + t] = s;
-          }
-        }
-        // Online softmax: rescale what was accumulated so far to this block's new maximum.
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * block_size;
-          float block_max = running_max[g];
-#pragma omp simd reduction(max : block_max)
-          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
-          float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - block_max);
-            block_sum += sg[t];
-          }
-          if (block_max != running_max[g]) {
-            const float alpha = std::exp(running_max[g] - block_max);
-            float* ag = acc.data() + g * D;
-            for (int d = 0; d < D; ++d) ag[d] *= alpha;
-            running_sum[g] *= alpha;
-            running_max[g] = block_max;
-          }
-          running_sum[g] += block_sum;
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const float* v = as_float(v_block + t * token_stride, v_row.data(), D);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * block_size + t];
-            float* ag = acc.data() + g * D;
-#pragma omp simd
-            for (int d = 0; d < D; ++d) ag[d] += p * v[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.0f / running_sum[g];
-        for (int d = 0; d < D; ++d) out_dst[g * D + d] = acc[g * D + d] * inv;
-      }
-    }
-  });
-}
-
-template <typename cache_t>
-void dispatch_head_size(const float* query, const cache_t* k, const cache_t* v, const int32_t* tables,
-                        const int32_t* lens, float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t block_size, int64_t max_blocks, float scale) {
-  switch (D) {
-    case 32: return decode<cache_t, 32>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    case 64: return decode<cache_t, 64>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    case 128: return decode<cache_t, 128>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    default: return decode<cache_t, 0>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-  }
-}
-
-}  // namespace
-
-// query and out [B, Hq, D] fp32; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
-// bf16 (cache_is_bf16); block_tables [B, max_blocks] int32; seq_lens [B] int32; all
-// contiguous. Returns 0, or 1 + the first sequence whose table does not hold its seq_len
-// tokens in valid blocks (nothing computed), or -1 if the kernel threw.
-extern "C" int64_t raylm_paged_decode_attention(const float* query, const void* k_cache, const void* v_cache,
-                                                const int32_t* block_tables, const int32_t* seq_lens, float* out,
-                                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                                int64_t max_blocks, int64_t num_blocks, float scale,
-                                                int32_t cache_is_bf16) {
-  // The kernel trusts the tables; check them once here rather than read out of bounds.
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t used = (static_cast<int64_t>(seq_lens[b]) + block_size - 1) / block_size;
-    if (seq_lens[b] < 0 || used > max_blocks) return b + 1;
-    for (int64_t i = 0; i < used; ++i) {
-      const int32_t block = block_tables[b * max_blocks + i];
-      if (block < 0 || block >= num_blocks) return b + 1;
-    }
-  }
-  try {
-    if (cache_is_bf16) {
-      dispatch_head_size<uint16_t>(query, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
-                                   block_tables, seq_lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    } else {
-      dispatch_head_size<float>(query, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
-                                block_tables, seq_lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    }
-  } catch (...) {
-    return -1;
-  }
-  return 0;
-}
-"""
+# The kernel's C++ source, next to this file.
+_CPP_SOURCE_PATH = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
@@ -250,15 +75,16 @@ def _build():
                           if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    key = "\n".join([_CPP_SOURCE, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, platform.machine(), cpu_flags])
+    cpp_source = _CPP_SOURCE_PATH.read_text()
+    key = "\n".join([cpp_source, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, platform.machine(), cpu_flags])
     name = "raylm_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache_home / "raylm" / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     source = build_dir / "cpu_attention.cpp"
-    if not source.exists() or source.read_text() != _CPP_SOURCE:
+    if not source.exists() or source.read_text() != cpp_source:
         partial = source.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(_CPP_SOURCE)
+        partial.write_text(cpp_source)
         partial.replace(source)  # atomic: concurrent workers never compile half a file
     start = time.perf_counter()
     # A plain shared library behind a C entry point rather than a pybind module: the source

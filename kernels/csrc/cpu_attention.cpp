@@ -1,0 +1,413 @@
+// Paged decode attention on the CPU: one query row per sequence, keys and values read
+// straight from the paged cache through the sequence's block table.
+//
+// A task computes all query heads of one sequence (or, with few sequences, the query heads
+// of one KV head), block by block, with an online softmax in fp32 (the cache is fp32 or bf16). On x86 with
+// AVX2 and FMA, the two inner products are register-blocked: scores of 8 keys at a time
+// (8 accumulators, reduced together by one transposing horizontal sum), and the weighted
+// sum of values for two query heads at a time over 32 channels held in registers. Elsewhere
+// plain loops that the compiler vectorizes as it can.
+//
+// Built by raylm/kernels/cpu_attention.py with -O3 -march=native -fopenmp.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RAYLM_AVX2 1
+#else
+#define RAYLM_AVX2 0
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 (scores minus their running max), written without calls or branches so
+// the loop around it vectorizes (no memcpy either): Cephes' expf, 2^n built from the
+// exponent bits.
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : p * two_n;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+#if RAYLM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are the high half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane j of the result is the sum of the 8 lanes of a[j].
+inline __m256 transpose_sum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
+  // Low 128 bits: partial sums of a0..a3 (resp. a4..a7) over lanes 0-3; high: over 4-7.
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23);
+  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// exp_nonpositive on 8 lanes.
+inline __m256 exp8_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+}
+
+// All lanes below `count` set.
+inline __m256 lanes_below(int count) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+inline float max8(__m256 v) {
+  const __m128 quad = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#endif
+
+// scores[t] = q . k_t for the n keys at k (rows token_stride apart). `padded` says that rows
+// up to n rounded up to 8 exist (inside the same block), so whole groups of 8 may be read;
+// scores beyond n are then garbage that the caller never reads.
+template <typename cache_t>
+void score_block(const float* q, const cache_t* k, int64_t token_stride, int n, int D, bool padded, float* scores) {
+#if RAYLM_AVX2
+  if (D % 8 == 0) {
+    int t = 0;
+    for (; t + 8 <= n || (padded && t < n); t += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k + (t + j) * token_stride + d), acc[j]);
+      }
+      _mm256_storeu_ps(scores + t, transpose_sum8(acc));
+    }
+    for (; t < n; ++t) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + t * token_stride + d), acc);
+      scores[t] = sum8(acc);
+    }
+    return;
+  }
+#endif
+  (void)padded;
+  for (int t = 0; t < n; ++t) {
+    const cache_t* row = k + t * token_stride;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int d = 0; d < D; ++d) s += q[d] * to_float(row[d]);
+    scores[t] = s;
+  }
+}
+
+#if RAYLM_AVX2
+// out[0:8W] += sum_t probs[t] * v_t[0:8W] for one query head: even and odd keys go to
+// separate accumulators, so W = 4 still gives 8 independent FMA chains.
+template <int W, typename cache_t>
+void accumulate_one_head_chunk(const float* probs, const cache_t* v, int64_t token_stride, int n, float* out) {
+  __m256 even[W], odd[W];
+  for (int i = 0; i < W; ++i) {
+    even[i] = _mm256_loadu_ps(out + 8 * i);
+    odd[i] = _mm256_setzero_ps();
+  }
+  int t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const __m256 w0 = _mm256_set1_ps(probs[t]), w1 = _mm256_set1_ps(probs[t + 1]);
+    const cache_t* row0 = v + t * token_stride;
+    const cache_t* row1 = row0 + token_stride;
+    for (int i = 0; i < W; ++i) {
+      even[i] = _mm256_fmadd_ps(w0, load8(row0 + 8 * i), even[i]);
+      odd[i] = _mm256_fmadd_ps(w1, load8(row1 + 8 * i), odd[i]);
+    }
+  }
+  if (t < n) {
+    const __m256 w = _mm256_set1_ps(probs[t]);
+    for (int i = 0; i < W; ++i) even[i] = _mm256_fmadd_ps(w, load8(v + t * token_stride + 8 * i), even[i]);
+  }
+  for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(even[i], odd[i]));
+}
+
+template <typename cache_t>
+void accumulate_values_one_head(const float* probs, const cache_t* v, int64_t token_stride, int n, int D,
+                                float* out) {
+  int d = 0;
+  for (; d + 32 <= D; d += 32) accumulate_one_head_chunk<4>(probs, v + d, token_stride, n, out + d);
+  for (; d < D; d += 8) accumulate_one_head_chunk<1>(probs, v + d, token_stride, n, out + d);
+}
+#endif
+
+// out_g += sum_t p_g[t] * v_t for each of `count` (1 or 2) query heads g, over the n values
+// at v (rows token_stride apart); p_g = probs + g * probs_stride, out_g = out + g * D.
+template <typename cache_t>
+void accumulate_values(const float* probs, int64_t probs_stride, int count, const cache_t* v, int64_t token_stride,
+                       int n, int D, float* out) {
+#if RAYLM_AVX2
+  if (D % 8 == 0) {
+    if (count == 1) {
+      accumulate_values_one_head(probs, v, token_stride, n, D, out);
+      return;
+    }
+    const float* p0 = probs;
+    const float* p1 = probs + probs_stride;
+    float* out1 = out + D;
+    int d = 0;
+    // 32 channels of two heads: 8 independent accumulators keep both FMA pipes busy.
+    for (; d + 32 <= D; d += 32) {
+      __m256 a0[4], a1[4];
+      for (int i = 0; i < 4; ++i) {
+        a0[i] = _mm256_loadu_ps(out + d + 8 * i);
+        a1[i] = _mm256_loadu_ps(out1 + d + 8 * i);
+      }
+      for (int t = 0; t < n; ++t) {
+        const __m256 w0 = _mm256_set1_ps(p0[t]), w1 = _mm256_set1_ps(p1[t]);
+        const cache_t* row = v + t * token_stride + d;
+        for (int i = 0; i < 4; ++i) {
+          const __m256 value = load8(row + 8 * i);
+          a0[i] = _mm256_fmadd_ps(w0, value, a0[i]);
+          a1[i] = _mm256_fmadd_ps(w1, value, a1[i]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(out + d + 8 * i, a0[i]);
+        _mm256_storeu_ps(out1 + d + 8 * i, a1[i]);
+      }
+    }
+    for (; d < D; d += 8) {
+      __m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out1 + d);
+      for (int t = 0; t < n; ++t) {
+        const __m256 value = load8(v + t * token_stride + d);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[t]), value, a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[t]), value, a1);
+      }
+      _mm256_storeu_ps(out + d, a0);
+      _mm256_storeu_ps(out1 + d, a1);
+    }
+    return;
+  }
+#endif
+  for (int g = 0; g < count; ++g) {
+    const float* p = probs + g * probs_stride;
+    float* o = out + g * D;
+    for (int t = 0; t < n; ++t) {
+      const cache_t* row = v + t * token_stride;
+      const float w = p[t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) o[d] += w * to_float(row[d]);
+    }
+  }
+}
+
+// The block's part of the online softmax for one query head: raises *running_max to the
+// block's maximum score, turns scores[0:n] into exp(score - new max) in place and returns
+// their sum. `scores` has room for n rounded up to 8.
+inline float exponentiate_block(float* scores, int n, float* running_max) {
+#if RAYLM_AVX2
+  __m256 lane_max = _mm256_set1_ps(*running_max);
+  for (int t = 0; t < n; t += 8) {
+    __m256 x = _mm256_loadu_ps(scores + t);
+    if (t + 8 > n) x = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), x, lanes_below(n - t));
+    lane_max = _mm256_max_ps(lane_max, x);
+  }
+  const float block_max = max8(lane_max);
+  const __m256 shift = _mm256_set1_ps(block_max);
+  __m256 lane_sum = _mm256_setzero_ps();
+  for (int t = 0; t < n; t += 8) {
+    __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
+    if (t + 8 > n) e = _mm256_and_ps(e, lanes_below(n - t));
+    _mm256_storeu_ps(scores + t, e);
+    lane_sum = _mm256_add_ps(lane_sum, e);
+  }
+  *running_max = block_max;
+  return sum8(lane_sum);
+#else
+  float block_max = *running_max;
+#pragma omp simd reduction(max : block_max)
+  for (int t = 0; t < n; ++t) block_max = std::max(block_max, scores[t]);
+  float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+  for (int t = 0; t < n; ++t) {
+    scores[t] = exp_nonpositive(scores[t] - block_max);
+    block_sum += scores[t];
+  }
+  *running_max = block_max;
+  return block_sum;
+#endif
+}
+
+template <typename cache_t>
+void prefetch_rows(const cache_t* k, const cache_t* v, int64_t token_stride, int n, int width) {
+  for (int t = 0; t < n; ++t) {
+    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + t * token_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + t * token_stride) + byte);
+    }
+  }
+}
+
+// kHeadSize > 0 fixes the head size at compile time, so the helpers inlined here unroll
+// their channel loops; 0 reads it from head_size.
+template <typename cache_t, int kHeadSize>
+void decode(const float* query, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
+            const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+            int head_size, int64_t block_size, int64_t max_blocks, float scale) {
+  const int D = kHeadSize > 0 ? kHeadSize : head_size;
+  const int group = static_cast<int>(num_heads / num_kv_heads);
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  // Whole groups of 8 keys never cross a block's end.
+  const bool padded = block_size % 8 == 0;
+  const int64_t scores_stride = (block_size + 7) / 8 * 8;
+  // A task is one sequence with all its KV heads, so each block is read front to back (the
+  // hardware prefetcher follows); with few sequences, one KV head, to use every thread.
+  const int64_t heads_per_task = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int task_heads = static_cast<int>(heads_per_task * group);  // query heads of one task
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(task_heads * D), acc(task_heads * D), scores(task_heads * scores_stride);
+    std::vector<float> running_max(task_heads), running_sum(task_heads);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / tasks_per_seq;
+      const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
+      const int64_t seq_len = seq_lens[seq];
+      const float* q_src = query + (seq * num_heads + first_kv_head * group) * D;
+      float* out_dst = out + (seq * num_heads + first_kv_head * group) * D;
+      if (seq_len <= 0) {
+        std::fill(out_dst, out_dst + task_heads * D, 0.0f);
+        continue;
+      }
+      for (int i = 0; i < task_heads * D; ++i) q[i] = q_src[i] * scale;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+      const int32_t* table = block_tables + seq * max_blocks;
+      for (int64_t first = 0; first < seq_len; first += block_size) {
+        const int n = static_cast<int>(std::min(block_size, seq_len - first));
+        const int64_t offset = table[first / block_size] * block_stride + first_kv_head * D;
+        if (first + block_size < seq_len) {
+          // The next block lies anywhere in the cache, beyond the hardware prefetcher's guess
+          // (prefetching two or three blocks ahead measured no better).
+          const int64_t next = table[first / block_size + 1] * block_stride + first_kv_head * D;
+          prefetch_rows(k_cache + next, v_cache + next, token_stride,
+                        static_cast<int>(std::min(block_size, seq_len - first - block_size)),
+                        static_cast<int>(heads_per_task * D));
+        }
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          const cache_t* k_block = k_cache + offset + h * D;
+          const cache_t* v_block = v_cache + offset + h * D;
+          const int64_t head0 = h * group;  // this KV head's first query head within the task
+          for (int64_t g = head0; g < head0 + group; ++g) {
+            float* sg = scores.data() + g * scores_stride;
+            score_block(q.data() + g * D, k_block, token_stride, n, D, padded, sg);
+            // Online softmax: rescale what was accumulated so far to this block's new maximum.
+            const float previous_max = running_max[g];
+            const float block_sum = exponentiate_block(sg, n, &running_max[g]);
+            if (running_max[g] != previous_max) {
+              const float alpha = std::exp(previous_max - running_max[g]);
+              float* ag = acc.data() + g * D;
+#pragma omp simd
+              for (int d = 0; d < D; ++d) ag[d] *= alpha;
+              running_sum[g] *= alpha;
+            }
+            running_sum[g] += block_sum;
+          }
+          for (int64_t g = head0; g < head0 + group; g += 2) {
+            accumulate_values(scores.data() + g * scores_stride, scores_stride,
+                              static_cast<int>(std::min<int64_t>(2, head0 + group - g)), v_block, token_stride, n, D,
+                              acc.data() + g * D);
+          }
+        }
+      }
+      for (int g = 0; g < task_heads; ++g) {
+        const float inv = 1.0f / running_sum[g];
+        for (int d = 0; d < D; ++d) out_dst[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+template <typename cache_t>
+void dispatch_head_size(const float* query, const cache_t* k, const cache_t* v, const int32_t* tables,
+                        const int32_t* lens, float* out, int64_t B, int64_t Hq, int64_t Hkv, int D,
+                        int64_t block_size, int64_t max_blocks, float scale) {
+  switch (D) {
+    case 32: return decode<cache_t, 32>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    case 64: return decode<cache_t, 64>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    case 128: return decode<cache_t, 128>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    default: return decode<cache_t, 0>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
+  }
+}
+
+}  // namespace
+
+// query and out [B, Hq, D] fp32; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
+// bf16 (cache_is_bf16); block_tables [B, max_blocks] int32; seq_lens [B] int32; all
+// contiguous. Returns 0, or 1 + the first sequence whose table does not hold its seq_len
+// tokens in valid blocks (nothing computed), or -1 if the kernel threw.
+extern "C" int64_t raylm_paged_decode_attention(const float* query, const void* k_cache, const void* v_cache,
+                                                const int32_t* block_tables, const int32_t* seq_lens, float* out,
+                                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                                int64_t max_blocks, int64_t num_blocks, float scale,
+                                                int32_t cache_is_bf16) {
+  // The kernel trusts the tables; check them once here rather than read out of bounds.
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = (static_cast<int64_t>(seq_lens[b]) + block_size - 1) / block_size;
+    if (seq_lens[b] < 0 || used > max_blocks) return b + 1;
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = block_tables[b * max_blocks + i];
+      if (block < 0 || block >= num_blocks) return b + 1;
+    }
+  }
+  try {
+    const int head_size = static_cast<int>(D);
+    if (cache_is_bf16) {
+      dispatch_head_size<uint16_t>(query, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
+                       block_tables, seq_lens, out, B, Hq, Hkv, head_size, block_size, max_blocks, scale);
+    } else {
+      dispatch_head_size<float>(query, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_tables,
+                    seq_lens, out, B, Hq, Hkv, head_size, block_size, max_blocks, scale);
+    }
+  } catch (...) {
+    return -1;
+  }
+  return 0;
+}
