@@ -11,36 +11,21 @@ where the CPU has it.
 
 `paged_attention` keeps the reference's contract: decode rows (query_len 1) take the
 kernel, prefill rows take the reference's per-sequence path, padding rows are zero.
-`write_kv_cache` is the reference's. The kernel is compiled at first use with
-`torch.utils.cpp_extension.load` (needs a C++ compiler and ninja) into a build directory
-under ~/.cache keyed by source, flags, torch version and CPU, so later processes only load
-it. If it cannot be built, everything falls back to the reference after one warning.
+`write_kv_cache` is the fused C++ copy of `cpu_ops` (the reference's where it cannot run). The kernel is compiled at first use
+(`raylm.kernels.native_build`); if it cannot be built, everything falls back to the
+reference after one warning.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from raylm.kernels import torch_attention
+from raylm.kernels import cpu_ops, torch_attention
 from raylm.kernels.attention_metadata import AttentionMetadata
-from raylm.kernels.torch_attention import write_kv_cache  # noqa: F401  (the backend's writer)
-
-logger = logging.getLogger(__name__)
-
-# The kernel's C++ source, next to this file.
-_CPP_SOURCE_PATH = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
-
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+from raylm.kernels.native_build import load_native_library
 
 # None: not tried yet; False: the build failed (warned once); else the kernel's entry point.
 _kernel = None
@@ -51,12 +36,13 @@ def load_kernel():
     cache; None when it cannot be built, after one warning."""
     global _kernel
     if _kernel is None:
-        try:
-            _kernel = _build()
-        except Exception as error:  # no compiler, no ninja, a compile error: keep serving
-            logger.warning("The native CPU attention kernel could not be built (%s: %s); using the PyTorch "
-                           "reference attention instead.", type(error).__name__, str(error).strip()[-2000:])
+        library = load_native_library("cpu_attention")
+        if library is None:
             _kernel = False
+        else:
+            _kernel = library.raylm_paged_decode_attention
+            _kernel.restype = ctypes.c_int64
+            _kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int32]
     return _kernel or None
 
 
@@ -65,38 +51,13 @@ def is_available() -> bool:
     return load_kernel() is not None
 
 
-def _build():
-    from torch.utils.cpp_extension import load
-
-    # -march=native code must not be reused on another CPU, nor a build against another torch.
-    cpu_flags = ""
-    try:
-        cpu_flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    cpp_source = _CPP_SOURCE_PATH.read_text()
-    key = "\n".join([cpp_source, " ".join(_CFLAGS + _LDFLAGS), torch.__version__, platform.machine(), cpu_flags])
-    name = "raylm_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    build_dir = cache_home / "raylm" / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    source = build_dir / "cpu_attention.cpp"
-    if not source.exists() or source.read_text() != cpp_source:
-        partial = source.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(cpp_source)
-        partial.replace(source)  # atomic: concurrent workers never compile half a file
-    start = time.perf_counter()
-    # A plain shared library behind a C entry point rather than a pybind module: the source
-    # then includes only ATen/Parallel.h, not torch/extension.h, which cuts the first build
-    # from minutes to seconds on a small machine.
-    load(name=name, sources=[str(source)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
-    kernel = ctypes.CDLL(str(build_dir / f"{name}.so")).raylm_paged_decode_attention
-    kernel.restype = ctypes.c_int64
-    kernel.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int32])
-    logger.info("Native CPU attention kernel ready in %.1f s (%s).", time.perf_counter() - start, build_dir)
-    return kernel
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """The reference's `write_kv_cache` contract, in one C++ pass for fp32 caches."""
+    if cpu_ops.usable(key, value, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        cpu_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        torch_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

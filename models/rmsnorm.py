@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -15,7 +17,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or, given a residual, (norm(x + residual), x + residual)."""
+        """norm(x), or, given a residual, (norm(x + residual), x + residual). On the CPU in
+        fp32 the fused op reuses x and residual for the two results."""
+        if cpu_ops.usable(x, self.weight) and x.is_contiguous():
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.eps)
+            if cpu_ops.usable(residual) and residual.is_contiguous():
+                return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

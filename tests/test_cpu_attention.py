@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from raylm.kernels import cpu_attention, torch_attention
+from raylm.kernels import cpu_attention, native_build, torch_attention
 from raylm.kernels.backend import get_attention_backend
 from paged_steps import build_cached_step as build_step
 
@@ -121,14 +121,14 @@ def test_cpu_backend_is_the_default_on_a_cpu_machine(native, monkeypatch):
     assert get_attention_backend().name == "torch"
 
 
-def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, caplog):
-    def failing_build():
-        raise RuntimeError("no compiler")
-
+def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, caplog, tmp_path):
+    # A real failed compile: the kernel's source, broken, in a fresh source folder.
+    (tmp_path / "cpu_attention.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(native_build, "CSRC_DIR", tmp_path)
+    monkeypatch.setattr(native_build, "_libraries", {})
     monkeypatch.setattr(cpu_attention, "_kernel", None)
-    monkeypatch.setattr(cpu_attention, "_build", failing_build)
     query, k_cache, v_cache, md = build_step([1, 3], [9, 3], 4, 2, 32, seed=9)
-    with caplog.at_level(logging.WARNING, logger="raylm.kernels.cpu_attention"):
+    with caplog.at_level(logging.WARNING, logger="raylm.kernels.native_build"):
         outs = [cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.5) for _ in range(2)]
         assert not cpu_attention.is_available()
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1

@@ -1,0 +1,101 @@
+// Small vector helpers shared by the native CPU kernels: AVX2 + FMA where the compiler
+// targets them (-march=native), scalar forms for the fallbacks.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RAYLM_AVX2 1
+#else
+#define RAYLM_AVX2 0
+#endif
+
+namespace raylm {
+
+// exp(x) for x <= 0 (scores minus their running max), written without calls or branches so
+// the loop around it vectorizes (no memcpy either): Cephes' expf, 2^n built from the
+// exponent bits.
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : p * two_n;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+#if RAYLM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are the high half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane j of the result is the sum of the 8 lanes of a[j].
+inline __m256 transpose_sum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
+  // Low 128 bits: partial sums of a0..a3 (resp. a4..a7) over lanes 0-3; high: over 4-7.
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23);
+  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// exp(x) on 8 lanes, Cephes' expf as exp_nonpositive below; inputs beyond +-87 are clamped
+// there (exp(87) ~ 6e37), which the callers (softmax weights, SiLU) do not notice.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+// exp(x) for x <= 0, 0 below -87 (as exp_nonpositive).
+inline __m256 exp8_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(underflow, exp8(x));
+}
+
+// All lanes below `count` set.
+inline __m256 lanes_below(int count) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+inline float max8(__m256 v) {
+  const __m128 quad = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#endif
+
+}  // namespace raylm
