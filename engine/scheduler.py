@@ -108,11 +108,15 @@ class Scheduler:
 
     def free_finished_seq_groups(self) -> list[SequenceGroup]:
         """Drops finished groups from the running queue and returns them."""
-        finished = [group for group in self.running if group.is_finished()]
-        for group in finished:
-            for seq in group.seqs:
-                self.free_seq(seq)
-        self.running = deque(group for group in self.running if not group.is_finished())
+        finished: list[SequenceGroup] = []
+        still_running: deque[SequenceGroup] = deque()
+        for group in self.running:
+            (finished if group.is_finished() else still_running).append(group)
+        if finished:
+            for group in finished:
+                for seq in group.seqs:
+                    self.free_seq(seq)
+            self.running = still_running
         return finished
 
     # ---------------------------------------------------------------- state

@@ -16,7 +16,9 @@ from raylm.engine.outputs import RequestMetrics
 from raylm.engine.sampling_params import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
+class SequenceStatus(enum.IntEnum):
+    # Ordered: every status after RUNNING is a finished one. An IntEnum hashes and compares
+    # in C, and the engine asks these questions for every sequence every step.
     WAITING = enum.auto()
     RUNNING = enum.auto()
     # EOS, a stop token id or a stop string.
@@ -29,7 +31,7 @@ class SequenceStatus(enum.Enum):
 
     @staticmethod
     def is_finished(status: "SequenceStatus") -> bool:
-        return status in _FINISH_REASONS
+        return status > SequenceStatus.RUNNING
 
     @staticmethod
     def get_finished_reason(status: "SequenceStatus") -> str | None:
@@ -136,7 +138,7 @@ class Sequence:
         return self.data.cumulative_logprob
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        return self.status > SequenceStatus.RUNNING
 
     def fork(self, new_seq_id: int) -> "Sequence":
         """A copy with its own id and its own (deep-copied) token lists."""
@@ -196,7 +198,10 @@ class SequenceGroup:
         self.seqs.append(seq)
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        for seq in self.seqs:
+            if seq.status <= SequenceStatus.RUNNING:
+                return False
+        return True
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
