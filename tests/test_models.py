@@ -194,3 +194,17 @@ def test_sliding_window_below_context_length_is_noted_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
         assert MistralForCausalLM._sliding_window(config) == 16
     assert "sliding_window=16" in caplog.text
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_auto_dtype_on_cpu_runs_half_precision_checkpoints_in_bf16_only_where_bf16_is_native(key):
+    from types import SimpleNamespace
+
+    from raylm.engine.config import cpu_has_fast_bf16, resolve_dtype
+    bf16_config = SimpleNamespace(**{key: "bfloat16"})
+    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    assert resolve_dtype("auto", bf16_config, "cpu") == expected
+    assert resolve_dtype("auto", SimpleNamespace(**{key: "float16"}), "cpu") == expected
+    assert resolve_dtype("auto", SimpleNamespace(**{key: "float32"}), "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", bf16_config, "cpu") == torch.bfloat16  # asked for: kept
+    assert resolve_dtype("auto", bf16_config, "cuda") == torch.bfloat16
