@@ -208,9 +208,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutputs, decodes: list[SequenceGroup],
                           unscheduled: list[SequenceGroup]) -> list[tuple[SequenceGroup, list[Sequence]]]:
         """Step 2: FCFS admission. Returns (group, the sequences it prefills)."""
+        prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
+        if not self.waiting:
+            return prefills
         config = self.scheduler_config
         num_seqs = sum(group.num_seqs(SequenceStatus.RUNNING) for group in (*decodes, *unscheduled))
-        prefills: list[tuple[SequenceGroup, list[Sequence]]] = []
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
