@@ -95,6 +95,30 @@ void accumulate_values_one_head(const float* probs, const cache_t* v, int64_t to
 }
 #endif
 
+#if RAYLM_AVX2
+// score_block for two query heads sharing the keys: each key row is loaded once for both.
+// Needs D % 8 == 0 and rows up to n rounded up to 4 (the caller's `padded`).
+template <typename cache_t>
+void score_block_pair(const float* q0, const float* q1, const cache_t* k, int64_t token_stride, int n, int D,
+                      float* scores0, float* scores1) {
+  for (int t = 0; t < n; t += 4) {
+    __m256 acc[8];  // acc[j]: key t + j against q0; acc[4 + j]: against q1
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      const __m256 a = _mm256_loadu_ps(q0 + d), b = _mm256_loadu_ps(q1 + d);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 key = load8(k + (t + j) * token_stride + d);
+        acc[j] = _mm256_fmadd_ps(a, key, acc[j]);
+        acc[4 + j] = _mm256_fmadd_ps(b, key, acc[4 + j]);
+      }
+    }
+    const __m256 sums = transpose_sum8(acc);
+    _mm_storeu_ps(scores0 + t, _mm256_castps256_ps128(sums));
+    _mm_storeu_ps(scores1 + t, _mm256_extractf128_ps(sums, 1));
+  }
+}
+#endif
+
 // out_g += sum_t p_g[t] * v_t for each of `count` (1 or 2) query heads g, over the n values
 // at v (rows token_stride apart); p_g = probs + g * probs_stride, out_g = out + g * D.
 template <typename cache_t>
@@ -193,10 +217,12 @@ inline float exponentiate_block(float* scores, int n, float* running_max) {
 #endif
 }
 
+// Every other cache line: the hardware's adjacent-line prefetch fetches the rest, and half
+// the prefetch instructions measured faster on a hot cache and no slower on a cold one.
 template <typename cache_t>
 void prefetch_rows(const cache_t* k, const cache_t* v, int64_t token_stride, int n, int width) {
   for (int t = 0; t < n; ++t) {
-    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
+    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(cache_t)); byte += 128) {
       __builtin_prefetch(reinterpret_cast<const char*>(k + t * token_stride) + byte);
       __builtin_prefetch(reinterpret_cast<const char*>(v + t * token_stride) + byte);
     }
@@ -254,9 +280,18 @@ void decode(const float* query, const cache_t* k_cache, const cache_t* v_cache, 
           const cache_t* k_block = k_cache + offset + h * D;
           const cache_t* v_block = v_cache + offset + h * D;
           const int64_t head0 = h * group;  // this KV head's first query head within the task
+          int64_t scored = head0;  // heads whose scores are computed
+#if RAYLM_AVX2
+          if (padded && D % 8 == 0) {
+            for (; scored + 2 <= head0 + group; scored += 2) {
+              score_block_pair(q.data() + scored * D, q.data() + (scored + 1) * D, k_block, token_stride, n, D,
+                               scores.data() + scored * scores_stride, scores.data() + (scored + 1) * scores_stride);
+            }
+          }
+#endif
           for (int64_t g = head0; g < head0 + group; ++g) {
             float* sg = scores.data() + g * scores_stride;
-            score_block(q.data() + g * D, k_block, token_stride, n, D, padded, sg);
+            if (g >= scored) score_block(q.data() + g * D, k_block, token_stride, n, D, padded, sg);
             // Online softmax: rescale what was accumulated so far to this block's new maximum.
             const float previous_max = running_max[g];
             const float block_sum = exponentiate_block(sg, n, &running_max[g]);
