@@ -263,6 +263,17 @@ def bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[T
     return [batched_result, sequential_result], sequential.output_token_ids
 
 
+def measure_floors(args: argparse.Namespace, model_config: dict, prompts: list[list[int]]) -> dict:
+    """The workload's matmul and KV-read floors (`raylm.cluster.workload_floors`) in the
+    benchmark's dtype, with raylm's prefill token budget."""
+    from raylm.cluster.workload_floors import workload_floors
+    from raylm.engine import EngineArgs
+    config = EngineArgs(**engine_kwargs(args)).create_engine_config()
+    return workload_floors(model_config, [len(p) for p in prompts], args.output_len,
+                           config.scheduler_config.max_num_batched_tokens, config.model_config.dtype,
+                           config.device_config.device)
+
+
 # ---------------------------------------------------------------------------- report
 
 def machine_info() -> dict:
@@ -359,6 +370,13 @@ def run(args: argparse.Namespace) -> dict:
     seconds_per_step = {f"{name}_seconds_per_step": by_name[name].elapsed_s / args.output_len
                         for name in ("raylm", "hf_batched") if name in by_name}
 
+    floors = None
+    if args.floors:
+        floors = measure_floors(args, model_config, prompts)
+        for name in ("hf_batched", "hf_sequential"):
+            if name in by_name:
+                ratios[f"floors_over_{name}_ceiling"] = by_name[name].elapsed_s / floors["total_s"]
+
     report = dict(
         machine=machine_info(),
         model=model_summary(args.model, model_config),
@@ -367,6 +385,8 @@ def run(args: argparse.Namespace) -> dict:
         ratios=ratios,
         seconds_per_step=seconds_per_step,
     )
+    if floors is not None:
+        report["floors"] = floors
     if raylm_tokens is not None and hf_sequential_tokens is not None:
         report["raylm_hf_sequential_token_agreement"] = token_agreement(
             hf_sequential_tokens, raylm_tokens[:len(hf_sequential_tokens)])
@@ -374,6 +394,10 @@ def run(args: argparse.Namespace) -> dict:
     print(format_table(results))
     for name, value in seconds_per_step.items():
         print(f"{name}: {value * 1000:.1f} ms")
+    if floors is not None:
+        print(f"floors: matmuls {floors['matmul_s']:.2f} s (prefill {floors['matmul_prefill_s']:.2f}, decode "
+              f"{floors['matmul_decode_s']:.2f}) + KV reads {floors['kv_read_s']:.2f} s "
+              f"({floors['kv_bytes'] / 1e9:.1f} GB at {floors['read_gbps']:.1f} GB/s) = {floors['total_s']:.2f} s")
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     if args.output_json:
@@ -426,6 +450,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="requests per batched generate call (default: all at once)")
     hf.add_argument("--hf-sequential-prompts", type=_positive_int, default=8,
                     help="requests timed one at a time, scaled to the workload (default 8)")
+    parser.add_argument("--floors", action="store_true",
+                        help="also time the workload's floors (its matmuls alone, and reading the KV cache at "
+                             "memory bandwidth) and print the speed-up over each baseline that they allow")
     parser.add_argument("--output-json", default="bench_results/throughput.json",
                         help="where the report goes (default bench_results/throughput.json; empty: nowhere)")
     return parser
