@@ -104,6 +104,21 @@ def test_hf_only_report_counts_num_prompts_times_output_len_tokens(tmp_path, mod
     assert report["model"]["vocab_size"] == 512
 
 
+def test_floors_report_their_sum_and_the_ceiling_they_put_on_each_baseline(tmp_path, model_dir):
+    out = tmp_path / "throughput.json"
+    run(parse(model_dir, "--hf-only", "--floors", "--num-prompts", str(NUM_PROMPTS), "--input-len",
+              str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--hf-sequential-prompts", "1",
+              "--output-json", str(out)))
+    report = json.loads(out.read_text())
+    floors = report["floors"]
+    assert floors["matmul_prefill_s"] > 0 and floors["matmul_decode_s"] > 0 and floors["kv_read_s"] > 0
+    assert floors["matmul_s"] == pytest.approx(floors["matmul_prefill_s"] + floors["matmul_decode_s"])
+    assert floors["total_s"] == pytest.approx(floors["matmul_s"] + floors["kv_read_s"])
+    batched = report["results"]["hf_batched"]
+    assert report["ratios"]["floors_over_hf_batched_ceiling"] == pytest.approx(
+        batched["elapsed_s"] / floors["total_s"])
+
+
 def test_compare_hf_report_counts_num_prompts_times_output_len_tokens_for_every_system(tmp_path, model_dir):
     out = tmp_path / "throughput.json"
     run(parse(model_dir, "--compare-hf", "--num-prompts", str(NUM_PROMPTS),
