@@ -10,8 +10,10 @@ byte-level BPE trained on the training files, and the model is trained with plai
 output is a normal Hugging Face folder (config.json, model.safetensors, tokenizer files,
 generation_config.json, README.md model card with the losses and the time it took).
 
-Matmuls run under bf16 autocast (about 2x faster on CPUs with AMX or AVX512-BF16); the
-master weights, the evaluation and the saved checkpoint are float32.
+On CPUs with native bf16 matmul (AMX, AVX512-BF16, Arm BF16) matmuls run under bf16
+autocast, about 2x faster; elsewhere (`--autocast auto`) they run in float32, since bf16
+autocast is then several times slower. The master weights, the evaluation and the saved
+checkpoint are float32.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 is fastest on a 2-core machine that others share)")
+    p.add_argument("--autocast", choices=("auto", "bf16", "none"), default="auto",
+                   help="bf16 autocast for matmuls; auto: only where the CPU multiplies bf16 natively")
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--eval-windows", type=int, default=96, help="held-out windows of --context tokens to score")
     return p.parse_args(argv)
@@ -184,6 +188,9 @@ def build_model(args: argparse.Namespace, tokenizer):
 
 def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
+    from raylm.engine.config import cpu_has_fast_bf16
+    use_bf16 = args.autocast == "bf16" or (args.autocast == "auto" and cpu_has_fast_bf16())
+    args.autocast = "bf16" if use_bf16 else "none"  # what ran, for the model card
     started = time.time()
     root, train_files, held_out_files = stdlib_files()
     train_texts, held_out_texts = read_texts(train_files), read_texts(held_out_files)
@@ -213,7 +220,7 @@ def train(args: argparse.Namespace) -> dict:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(0, len(train_stream) - args.context - 1, (args.batch_size,), generator=generator)
         batch = train_stream[starts[:, None] + offsets]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             logits = model(input_ids=batch[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -329,7 +336,7 @@ Plain PyTorch: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak learni
 {a['lr']}, {a['warmup_steps']} warmup steps then cosine decay to 10%, gradient clipping at 1.0,
 {r['steps']} steps of {a['batch_size']} random windows of {a['context']} tokens
 ({r['tokens_seen']:,} tokens, about {r['tokens_seen'] / r['train_tokens']:.1f} passes over the training
-text), bf16 autocast for matmuls with float32 master weights, seed {a['seed']}, torch
+text), {'bf16 autocast for matmuls with float32 master weights' if a.get('autocast') == 'bf16' else 'float32'}, seed {a['seed']}, torch
 {r['torch']} on CPU with {r['threads']} thread(s).
 
 | | |
