@@ -59,6 +59,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual [T, H] contiguous."""
     assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
     hidden = x.shape[-1]
+    assert weight.is_contiguous() and weight.numel() == hidden
     _load().raylm_fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden,
                                      hidden, eps)
     return x, residual
@@ -69,6 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     hidden = x.shape[-1]
+    assert weight.is_contiguous() and weight.numel() == hidden
     _load().raylm_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden, eps)
     return out
 

@@ -7,8 +7,23 @@ import torch
 from raylm.kernels.attention_metadata import AttentionMetadata
 
 
+def step_metadata(query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                  slot_mapping: list[int]) -> AttentionMetadata:
+    """The metadata of a step whose sequences have these query and context lengths."""
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+    )
+
+
 def build_cached_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int,
-               block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0, padding_tokens: int = 0):
+                      block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0, padding_tokens: int = 0):
     """A step after its KV write: every sequence's context at shuffled blocks of a cache whose
     other slots are NaN, block tables padded with a NaN block; returns the query, caches
     and metadata."""
@@ -31,14 +46,6 @@ def build_cached_step(query_lens: list[int], seq_lens: list[int], num_heads: int
             seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
     num_tokens = sum(query_lens) + padding_tokens
     query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # unused: the cache is already written
-        query_start_loc=torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_list=list(query_lens),
-        seq_lens_list=list(seq_lens),
-    )
+    # slot_mapping is unused: the cache is already written.
+    metadata = step_metadata(query_lens, seq_lens, block_tables, [0] * num_tokens)
     return query, k_cache, v_cache, metadata

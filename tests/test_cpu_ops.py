@@ -126,3 +126,17 @@ def test_ops_decline_other_dtypes_and_autograd():
     assert not cpu_ops.usable(torch.zeros(2, dtype=torch.bfloat16))
     assert not cpu_ops.usable(torch.zeros(2, requires_grad=True))
     assert cpu_ops.usable(torch.zeros(2), torch.ones(3))
+
+
+def test_every_native_source_is_package_data():
+    # A wheel without a header builds nothing: the CPU kernels would silently fall back.
+    import tomllib
+    from pathlib import Path
+
+    import raylm.kernels
+    kernels_dir = Path(raylm.kernels.__file__).parent
+    pyproject = tomllib.loads((kernels_dir.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["raylm.kernels"]
+    packaged = {path for pattern in patterns for path in kernels_dir.glob(pattern)}
+    sources = {path for path in (kernels_dir / "csrc").iterdir() if path.is_file()}
+    assert sources and sources <= packaged

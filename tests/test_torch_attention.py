@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from raylm.kernels import AttentionMetadata, paged_attention, write_kv_cache
+from raylm.kernels import paged_attention, write_kv_cache
+from paged_steps import step_metadata
 
 BLOCK_SIZE = 4
 HEAD_SIZE = 8
@@ -45,17 +46,7 @@ def build_step(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, nu
     new_key = torch.cat(new_keys + [torch.randn(padding_tokens, num_kv_heads, HEAD_SIZE, generator=gen)])
     new_value = torch.cat(new_values + [torch.randn(padding_tokens, num_kv_heads, HEAD_SIZE, generator=gen)])
     slot_mapping += [-1] * padding_tokens
-    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_list=list(query_lens),
-        seq_lens_list=list(seq_lens),
-    )
+    metadata = step_metadata(query_lens, seq_lens, block_tables, slot_mapping)
     return query, new_key, new_value, k_cache, v_cache, metadata, keys, values
 
 
