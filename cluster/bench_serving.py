@@ -4,10 +4,20 @@ Sends `--num-prompts` streaming completion requests, arriving as a Poisson proce
 `--request-rate` per second (default: all at once) and/or capped at `--max-concurrency`
 in flight, and measures per request the time to first token (TTFT), the time per
 output token after the first (TPOT) and the gaps between streamed chunks (ITL).
-Prompts are random token ids of exactly `--input-len` tokens (sent as token-id prompts,
-so no tokenizer is needed on either side) or lines of a text/JSONL file.
+Generated prompts are sent as token ids (so no tokenizer is needed on either side):
+- `random`: random token ids, exactly `--input-len` of them;
+- `shared-prefix` (vLLM's `prefix_repetition`): one of `--num-prefixes` random prefixes of
+  exactly `--prefix-len` token ids followed by a random suffix of exactly `--suffix-len`,
+  no two suffixes alike: the workload of many requests behind one system prompt, for
+  prefix caching. The warm-up request (`--num-warmups`, default 1) is the first prompt, so,
+  as with vLLM's test run, its prefix is cached before the measured run starts; pass
+  `--num-warmups 0` to measure from a cold cache;
+or come from a file:
+- `file`: lines of a text/JSONL file, sent as they are.
 
     raylm bench serving --base-url http://127.0.0.1:8000 --num-prompts 64 --input-len 128 --output-len 128
+    raylm bench serving --base-url http://127.0.0.1:8000 --dataset shared-prefix --prefix-len 1000 \
+        --suffix-len 32 --num-prefixes 1 --num-prompts 64 --output-len 64
 
 Prints a table, then ``RESULT {json}``; `--output-json` writes the same JSON to a file.
 """
@@ -95,15 +105,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", default="/v1/completions", help="Completions route to call.")
     parser.add_argument("--model", default=None, help="Model name to send; default: the first of /v1/models.")
     parser.add_argument("--api-key", default=None, help="Bearer token, if the server wants one.")
-    parser.add_argument("--dataset", choices=("random", "file"), default="random",
-                        help="'random': random token ids; 'file': prompts from --dataset-path.")
+    parser.add_argument("--dataset", choices=("random", "shared-prefix", "prefix_repetition", "file"),
+                        default="random",
+                        help="'random': random token ids; 'shared-prefix' (or vLLM's name, "
+                             "'prefix_repetition'): random shared prefixes plus random suffixes; "
+                             "'file': prompts from --dataset-path.")
     parser.add_argument("--dataset-path", default=None,
                         help="Text file (one prompt per line) or JSONL with a 'prompt' field.")
     parser.add_argument("--num-prompts", type=int, default=64, help="Requests to send.")
     parser.add_argument("--input-len", type=int, default=128, help="Random prompts: tokens per prompt.")
-    parser.add_argument("--output-len", type=int, default=128, help="max_tokens of every request.")
+    parser.add_argument("--output-len", "--prefix-repetition-output-len", type=int, default=128,
+                        help="max_tokens of every request.")
+    parser.add_argument("--prefix-len", "--prefix-repetition-prefix-len", type=int, default=256,
+                        help="Shared-prefix prompts: tokens in each shared prefix.")
+    parser.add_argument("--suffix-len", "--prefix-repetition-suffix-len", type=int, default=256,
+                        help="Shared-prefix prompts: tokens in each prompt's own suffix.")
+    parser.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", type=int, default=10,
+                        help="Shared-prefix prompts: distinct prefixes; prompt i gets prefix i mod this.")
     parser.add_argument("--random-vocab-size", type=int, default=1000,
-                        help="Random prompts: token ids are drawn from [0, this).")
+                        help="Random and shared-prefix prompts: token ids are drawn from [0, this).")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="Poisson arrival rate in requests/s; inf sends all at once.")
     parser.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight at once.")
@@ -117,11 +137,40 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def sample_shared_prefix_prompts(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                                 vocab_size: int, seed: int) -> list[list[int]]:
+    """Prompts of exactly ``prefix_len + suffix_len`` token ids: prompt i starts with random
+    prefix ``i % num_prefixes`` (so requests for different prefixes interleave) and ends
+    with a random suffix no other prompt has."""
+    for name, value, least in (("--num-prompts", num_prompts, 1), ("--prefix-len", prefix_len, 0),
+                               ("--suffix-len", suffix_len, 0), ("--num-prefixes", num_prefixes, 1),
+                               ("--random-vocab-size", vocab_size, 1)):
+        if value < least:
+            raise SystemExit(f"{name} is {value}; it must be at least {least}.")
+    if vocab_size ** suffix_len < num_prompts:
+        raise SystemExit(f"--suffix-len {suffix_len} over --random-vocab-size {vocab_size} allows only "
+                         f"{vocab_size ** suffix_len} distinct suffixes, fewer than --num-prompts {num_prompts}.")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    suffixes: set[tuple[int, ...]] = set()
+    prompts = []
+    for i in range(num_prompts):
+        suffix = tuple(rng.randrange(vocab_size) for _ in range(suffix_len))
+        while suffix in suffixes:  # a repeated suffix would be a whole-prompt cache hit
+            suffix = tuple(rng.randrange(vocab_size) for _ in range(suffix_len))
+        suffixes.add(suffix)
+        prompts.append(prefixes[i % num_prefixes] + list(suffix))
+    return prompts
+
+
 def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     rng = random.Random(args.seed)
     if args.dataset == "random":
         return [[rng.randrange(args.random_vocab_size) for _ in range(args.input_len)]
                 for _ in range(args.num_prompts)]
+    if args.dataset in ("shared-prefix", "prefix_repetition"):
+        return sample_shared_prefix_prompts(args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
+                                            args.random_vocab_size, args.seed)
     if not args.dataset_path:
         raise SystemExit("--dataset file needs --dataset-path.")
     prompts: list[str | list[int]] = []
