@@ -47,9 +47,9 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
         scheduler = engine.scheduler
-        block_manager = scheduler.block_manager
-        total_blocks = block_manager.num_total_blocks
-        free_blocks = block_manager.get_num_free_blocks()
+        kv_cache_manager = scheduler.kv_cache_manager
+        total_blocks = kv_cache_manager.num_blocks
+        free_blocks = kv_cache_manager.get_num_free_blocks()
         yield self._gauge("num_requests_running", "Requests in the running batch.", scheduler.num_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
                           scheduler.num_waiting)
@@ -62,6 +62,11 @@ class _EngineCollector(Collector):
                             scheduler.num_preemptions)
         yield self._counter("prompt_tokens", "Prompt tokens processed since start.", engine.num_prompt_tokens_total)
         yield self._counter("generation_tokens", "Tokens generated since start.", engine.num_generation_tokens_total)
+        # vLLM's names: prompt tokens looked up in the prefix cache, and those found there.
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache since start.",
+                            kv_cache_manager.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache since start.",
+                            kv_cache_manager.prefix_cache_hits)
 
 
 class ServerMetrics:

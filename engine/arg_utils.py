@@ -12,8 +12,9 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                 SchedulerConfig, derive_max_model_len, load_hf_config, resolve_dtype)
+from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
+                                 ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
+                                 resolve_dtype)
 
 _GiB = 1024**3
 
@@ -42,12 +43,20 @@ class EngineArgs:
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help("Fraction of GPU memory for weights, "
                                                                       "activations and KV cache."))
-    kv_cache_space: float = field(default=4.0, metadata=_help("CPU only: GiB of memory for the KV cache."))
+    kv_cache_space: float | None = field(default=None, metadata=_help(
+        "CPU only: GiB of memory for the KV cache. Default: what max_num_seqs requests of max_model_len "
+        "tokens can fill, at most 4 GiB."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Use this many KV-cache blocks "
                                                                              "instead of measuring (tests)."))
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences in one batch."))
-    max_num_batched_tokens: int | None = field(default=None, metadata=_help("Most tokens in one step; defaults "
-                                                                            "to max(max_model_len, 2048)."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
+        "Most tokens in one step (the step's token budget). Default: 2048 with chunked prefill, else "
+        "max(max_model_len, 2048)."))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+        "Split long prompts over several steps, so that decoding requests keep a token per step while they "
+        "prefill."))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
     distributed_executor_backend: str | None = field(default=None, metadata=_help("'ray' runs workers as Ray "
                                                                                   "actors even for one; "
@@ -109,13 +118,17 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            cpu_kv_cache_space_bytes=int(self.kv_cache_space * _GiB),
+            cpu_kv_cache_space_bytes=None if self.kv_cache_space is None else int(self.kv_cache_space * _GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
+        default_budget = (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                          else max(max_model_len, 2048))
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(max_model_len, 2048),
+            max_num_batched_tokens=self.max_num_batched_tokens or default_budget,
             max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

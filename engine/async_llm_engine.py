@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,8 +19,8 @@ from typing import Any
 
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.llm_engine import LLMEngine, PromptType
-from raylm.engine.outputs import CompletionOutput, RequestOutput
-from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.outputs import RequestOutput
+from raylm.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,30 +43,13 @@ class FinishedRequestStats:
 
 
 @dataclass
-class _SeqCursor:
-    """How much of one sample a DELTA stream has sent."""
-
-    num_tokens: int = 0
-    num_chars: int = 0
-    finish_sent: bool = False
-
-
-@dataclass
 class _RequestState:
     """One request as the async layer sees it: its queue of outputs for the caller and
     what it has streamed so far."""
 
     request_id: str
-    output_kind: RequestOutputKind
-    # Characters of text held back while the request runs: the longest stop string
-    # minus one, so a stop string that the engine later cuts is never streamed.
-    holdback: int
     arrival_time: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cursors: dict[int, _SeqCursor] = field(default_factory=dict)
-    num_generation_tokens: int = 0
-    first_output_seen: bool = False
-    first_token_time: float | None = None
     finished: bool = False
 
 
@@ -98,9 +80,6 @@ class AsyncLLMEngine:
         self._thread_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raylm-engine-step")
         self._dead_error: BaseException | None = None
         self._stats_listeners: list[Callable[[FinishedRequestStats], None]] = []
-        # Counters since start, read by the metrics endpoint.
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
         self._shutdown = False
 
     @classmethod
@@ -115,6 +94,16 @@ class AsyncLLMEngine:
     @property
     def scheduler(self) -> Any:
         return self.engine.scheduler
+
+    @property
+    def num_prompt_tokens_total(self) -> int:
+        """Prompt tokens of the requests accepted since start (for the metrics endpoint)."""
+        return self.engine.num_prompt_tokens_total
+
+    @property
+    def num_generation_tokens_total(self) -> int:
+        """Tokens generated since start (for the metrics endpoint)."""
+        return self.engine.engine_core.num_generation_tokens_total
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
@@ -148,17 +137,10 @@ class AsyncLLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running.")
         params = SamplingParams() if params is None else params
-        state = _RequestState(request_id, params.output_kind, _holdback(params), arrival_time or time.time())
-        engine_params = copy.copy(params)
-        # The engine streams cumulative outputs; this layer cuts the deltas itself so it
-        # can hold back text that a stop string may still remove.
-        if params.output_kind != RequestOutputKind.FINAL_ONLY:
-            engine_params.output_kind = RequestOutputKind.CUMULATIVE
-            if params.best_of > params.n:  # which n samples win is known only at the end
-                engine_params.output_kind = RequestOutputKind.FINAL_ONLY
+        state = _RequestState(request_id, arrival_time or time.time())
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._requests[request_id] = state
-        self._pending_adds.append((state, prompt, engine_params, accepted))
+        self._pending_adds.append((state, prompt, params, accepted))
         self._start_loop()
         try:
             await accepted
@@ -295,54 +277,12 @@ class AsyncLLMEngine:
                 self._fail_request(state, exc)
 
     def _deliver(self, state: _RequestState, output: RequestOutput, now: float) -> None:
-        new_tokens = 0
-        for completion in output.outputs:
-            cursor = state.cursors.setdefault(completion.index, _SeqCursor())
-            new_tokens += max(0, len(completion.token_ids) - cursor.num_tokens)
-        if not state.first_output_seen:
-            state.first_output_seen = True
-            self.num_prompt_tokens_total += len(output.prompt_token_ids)
-        if new_tokens and state.first_token_time is None:
-            state.first_token_time = now
-        state.num_generation_tokens += new_tokens
-        self.num_generation_tokens_total += new_tokens
-        shaped = self._shape(state, output)
-        if shaped is not None:
-            state.queue.put_nowait(shaped)
+        # The engine's OutputProcessor already shaped the output for its kind.
+        state.queue.put_nowait(output)
         if output.finished:
             state.finished = True
             self._requests.pop(state.request_id, None)
             self._notify_finished(state, output, now)
-
-    def _shape(self, state: _RequestState, output: RequestOutput) -> RequestOutput | None:
-        """Turns the engine's cumulative output into the caller's kind, holding back the
-        tail of the text that a stop string could still remove."""
-        if state.output_kind == RequestOutputKind.FINAL_ONLY:
-            return output if output.finished else None
-        completions = []
-        for completion in output.outputs:
-            cursor = state.cursors[completion.index]
-            if cursor.finish_sent and state.output_kind == RequestOutputKind.DELTA:
-                continue
-            text = completion.text
-            visible = len(text) if completion.finished() else max(cursor.num_chars, len(text) - state.holdback)
-            if state.output_kind == RequestOutputKind.DELTA:
-                token_ids = completion.token_ids[cursor.num_tokens:]
-                logprobs = completion.logprobs[cursor.num_tokens:] if completion.logprobs is not None else None
-                shown = text[cursor.num_chars:visible]
-                if not token_ids and not shown and not completion.finished():
-                    continue
-            else:
-                token_ids, logprobs, shown = completion.token_ids, completion.logprobs, text[:visible]
-            completions.append(CompletionOutput(completion.index, shown, token_ids, completion.cumulative_logprob,
-                                                logprobs, completion.finish_reason, completion.stop_reason))
-            cursor.num_tokens = len(completion.token_ids)
-            cursor.num_chars = visible
-            cursor.finish_sent = completion.finished()
-        if not completions and not output.finished:
-            return None
-        return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, output.prompt_logprobs,
-                             completions, output.finished, output.metrics)
 
     def _notify_finished(self, state: _RequestState, output: RequestOutput, now: float) -> None:
         if not self._stats_listeners:
@@ -352,10 +292,9 @@ class AsyncLLMEngine:
             request_id=state.request_id,
             finish_reasons=[c.finish_reason for c in output.outputs],
             num_prompt_tokens=len(output.prompt_token_ids),
-            num_generation_tokens=state.num_generation_tokens,
+            num_generation_tokens=metrics.num_generation_tokens if metrics else 0,
             arrival_time=state.arrival_time,
-            first_token_time=(metrics.first_token_time if metrics and metrics.first_token_time
-                              else state.first_token_time),
+            first_token_time=metrics.first_token_time if metrics else None,
             finished_time=metrics.finished_time if metrics and metrics.finished_time else now,
         )
         for listener in self._stats_listeners:
@@ -382,8 +321,3 @@ class AsyncLLMEngine:
                 accepted.set_exception(exc)
         self._pending_adds.clear()
 
-
-def _holdback(params: SamplingParams) -> int:
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1

@@ -113,6 +113,13 @@ class ModelConfig:
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
 
+def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, tensor_parallel_size: int) -> int:
+    """Bytes of one KV-cache block on one worker: keys and values of every layer."""
+    dtype_size = torch.tensor([], dtype=model_config.dtype).element_size()
+    return (2 * model_config.num_layers * block_size * model_config.num_kv_heads_per_rank(tensor_parallel_size)
+            * model_config.head_size * dtype_size)
+
+
 def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     from transformers import AutoConfig
 
@@ -151,9 +158,12 @@ def derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
 class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    # CPU only: bytes of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE, in GiB there).
-    cpu_kv_cache_space_bytes: int = 4 * 1024**3
+    # CPU only: bytes of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE, in GiB
+    # there); None sizes it to what max_num_seqs requests of max_model_len tokens can fill.
+    cpu_kv_cache_space_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # Keep full blocks cached after their request ends, and reuse them for equal prefixes.
+    enable_prefix_caching: bool = True
     # Set after the workers have measured memory.
     num_gpu_blocks: int | None = None
 
@@ -166,21 +176,31 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
 
 
+# The token budget of a step when none is given: with chunked prefill a budget bounds the
+# time of a step (and so every running request's inter-token latency) while staying large
+# enough for efficient matmuls; vLLM's V1 server uses the same default on most GPUs.
+DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048
+    # Split prompts longer than the step's remaining budget over several steps.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
-        # Prompts are prefilled whole, so one step must fit the longest prompt.
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        # Without chunking a prompt is prefilled whole, so one step must fit the longest.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}): the longest prompt could never be scheduled. Raise "
-                f"max_num_batched_tokens or lower max_model_len.")
+                f"({self.max_model_len}) with chunked prefill off: the longest prompt could never be "
+                f"scheduled. Raise max_num_batched_tokens, lower max_model_len or enable chunked prefill.")
 
 
 @dataclass

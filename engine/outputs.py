@@ -42,11 +42,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """Times (time.time()) and token counts of one request, over all its samples."""
+
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = 0
 
 
 @dataclass

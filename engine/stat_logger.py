@@ -22,7 +22,7 @@ class StatLogger:
         self.total_generation_tokens = 0
 
     def record_step(self, sched_out: Any, num_generated: int) -> None:
-        prompt_tokens = sched_out.num_batched_tokens - sched_out.num_decode_tokens
+        prompt_tokens = sched_out.num_prefill_tokens
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += num_generated
         self.total_prompt_tokens += prompt_tokens
@@ -32,10 +32,12 @@ class StatLogger:
         if elapsed < self._interval_s:
             return
         scheduler = self._scheduler
+        kv = scheduler.kv_cache_manager
+        hit_rate = 100.0 * kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, avg generation throughput: %.1f tokens/s, running: %d, "
-            "waiting: %d, KV cache usage: %.1f%%, preemptions: %d",
+            "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%, preemptions: %d",
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed, scheduler.num_running,
-            scheduler.num_waiting, 100.0 * scheduler.kv_cache_usage, scheduler.num_preemptions)
+            scheduler.num_waiting, 100.0 * scheduler.kv_cache_usage, hit_rate, scheduler.num_preemptions)
         self._prompt_tokens = self._generation_tokens = 0
         self._last_log = now

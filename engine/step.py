@@ -2,8 +2,8 @@
 
 The scheduler builds an ``ExecuteModelRequest``; the executor sends the same object to
 every worker; each worker builds its input tensors from it locally. It is kept small on
-purpose: a decoding sequence carries its one new token and its block table, not its
-history (workers keep what the sampler needs between steps, keyed by ``seq_id``).
+purpose: a decoding request carries its one new token and its block table, not its
+history (workers keep what the sampler needs between steps, keyed by ``req_id``).
 """
 
 from __future__ import annotations
@@ -14,43 +14,41 @@ from raylm.engine.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledSequence:
-    """One sequence's share of a step."""
+class ScheduledRequest:
+    """One request's share of a step: a chunk of its prompt, or its last sampled token."""
 
-    seq_id: int
-    # Tokens whose KV is computed this step: the whole prompt (plus any earlier outputs
-    # when recomputing after preemption) for a prefill, the last sampled token for a decode.
+    # The request's small integer name on the workers.
+    req_id: int
+    # Tokens whose KV is computed this step; token_ids[i] sits at position
+    # num_computed_tokens + i.
     token_ids: list[int]
-    # Tokens of this sequence already in the KV cache; token_ids[i] sits at position
-    # num_computed_tokens + i. 0 means the worker must forget any state it held for seq_id.
+    # Tokens of this request already in the KV cache (its own earlier steps, or a
+    # prefix-cache hit).
     num_computed_tokens: int
     block_table: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    # Whether the last position's logits are sampled this step.
+    # Whether the last position's logits are sampled: the chunk reaches the last known
+    # token (a prefill chunk that does not is computed for its KV only).
     do_sample: bool = True
-    # The sequences that each draw one token from this step's last logits: [seq_id] as a
-    # rule; every sibling of an n > 1 request at the end of its shared prompt prefill.
-    sample_seq_ids: list[int] = field(default_factory=list)
-    # Return logprobs of the prompt tokens of this chunk (first prefill only).
-    compute_prompt_logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.sample_seq_ids:
-            self.sample_seq_ids = [self.seq_id]
-
-    @property
-    def is_prefill(self) -> bool:
-        return len(self.token_ids) > 1 or self.num_computed_tokens == 0
+    # The first step since the request was admitted or readmitted after preemption: the
+    # worker rebuilds its sampler state from `context_token_ids` (sent only when the
+    # request's sampling reads its history) plus `token_ids`, and keeps its random stream.
+    resumed: bool = False
+    context_token_ids: list[int] | None = None
+    # Which child of an n > 1 request this is: its seeded random stream depends on it.
+    sample_index: int = 0
+    # Prompt logprobs wanted from this chunk: the rows from `prompt_logprobs_start`
+    # (a position) on, each scored against the next prompt token, in `prompt_logprobs_targets`.
+    prompt_logprobs_start: int = 0
+    prompt_logprobs_targets: list[int] | None = None
 
 
 @dataclass
 class ExecuteModelRequest:
-    seqs: list[ScheduledSequence]
-    # (source block, destination block) copies to do before the forward: copy-on-write.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Sequences that ended since the last step: workers drop their sampler state.
-    finished_seq_ids: list[int] = field(default_factory=list)
+    requests: list[ScheduledRequest]
+    # Requests that ended since the last step: workers drop their sampler state.
+    finished_req_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,10 +65,10 @@ class TokenLogprobs:
 
 
 @dataclass
-class SequenceOutput:
-    """The token one sequence drew this step."""
+class SampledToken:
+    """The token one request drew this step."""
 
-    seq_id: int
+    req_id: int
     token_id: int
     # Raw log-softmax of the model's logits for the drawn token (vLLM's default,
     # before temperature, penalties or truncation).
@@ -81,6 +79,6 @@ class SequenceOutput:
 
 @dataclass
 class SamplerOutput:
-    outputs: list[SequenceOutput] = field(default_factory=list)
-    # seq_id -> one entry per prompt token from the second on (the first has no context).
+    outputs: list[SampledToken] = field(default_factory=list)
+    # req_id -> one entry per prompt row scored this step (see ScheduledRequest).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

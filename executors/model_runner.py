@@ -1,9 +1,9 @@
 """Runs one scheduled step on one rank: builds the input tensors, runs the model over the
 paged KV cache, and samples.
 
-The request carries only each sequence's new tokens and block table; what the sampler
-needs across steps (token history for penalties and min_tokens, seeded generators) is
-kept here, keyed by ``seq_id``.
+The step carries only each request's new tokens and block table; what the sampler needs
+across steps (token history for penalties and min_tokens, seeded generators) is kept
+here, keyed by ``req_id``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,20 @@ import torch
 from torch import nn
 
 from raylm.engine.config import EngineConfig
-from raylm.engine.step import ExecuteModelRequest, SamplerOutput, ScheduledSequence, TokenLogprobs
+from raylm.engine.config import kv_cache_block_bytes
+from raylm.engine.step import ExecuteModelRequest, SamplerOutput, ScheduledRequest, TokenLogprobs
 from raylm.executors.sampler import Sampler, token_logprobs
-from raylm.executors.sampling_metadata import (SamplingMetadata, SequenceSamplingState, needs_token_history,
+from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
 from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context
+
+
+# The CPU KV cache's default ceiling (vLLM's CPU backend takes 4 GiB by default too).
+_DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 
 
 class ModelRunner:
@@ -37,7 +42,7 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
-        self._seq_states: dict[int, SequenceSamplingState] = {}
+        self._states: dict[int, RequestSamplingState] = {}
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -51,9 +56,7 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def get_cache_block_size_bytes(self) -> int:
-        dtype_size = torch.tensor([], dtype=self.model_config.dtype).element_size()
-        return (2 * self.model_config.num_layers * self.block_size * self.num_kv_heads
-                * self.model_config.head_size * dtype_size)
+        return kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size)
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -76,9 +79,10 @@ class ModelRunner:
         return peak
 
     def determine_num_available_blocks(self) -> int:
-        """KV blocks this rank can hold: num_gpu_blocks_override if set; on CPU,
-        cpu_kv_cache_space_bytes; on CUDA, what a profiled peak forward leaves of
-        total * gpu_memory_utilization."""
+        """KV blocks this rank can hold: num_gpu_blocks_override if set; on CUDA, what a
+        profiled peak forward leaves of total * gpu_memory_utilization; on CPU,
+        cpu_kv_cache_space_bytes, or by default what max_num_seqs requests of max_model_len
+        tokens can fill (plus a tenth for the prefix cache), at most 4 GiB."""
         block_bytes = self.get_cache_block_size_bytes()
         if self.cache_config.num_gpu_blocks_override is not None:
             return self.cache_config.num_gpu_blocks_override
@@ -87,22 +91,29 @@ class ModelRunner:
             total = torch.cuda.get_device_properties(self.device).total_memory
             free = int(total * self.cache_config.gpu_memory_utilization) - peak
             num_blocks = max(0, free // block_bytes)
-        else:
+        elif self.cache_config.cpu_kv_cache_space_bytes is not None:
             num_blocks = self.cache_config.cpu_kv_cache_space_bytes // block_bytes
+        else:
+            blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
+            fillable = self.scheduler_config.max_num_seqs * blocks_per_seq
+            num_blocks = min(fillable + fillable // 10, _DEFAULT_CPU_KV_CACHE_BYTES // block_bytes)
         if num_blocks < 1:
             raise ValueError(
                 f"No memory is left for the KV cache: one block needs {block_bytes} bytes. Raise "
                 f"gpu_memory_utilization ({self.cache_config.gpu_memory_utilization}) or, on CPU, "
-                f"cpu_kv_cache_space_bytes ({self.cache_config.cpu_kv_cache_space_bytes}).")
+                f"kv_cache_space ({self.cache_config.cpu_kv_cache_space_bytes} bytes).")
         return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.model_config.head_size)
         layers = self._attention_layers()
         self.kv_caches = []
+        # On the CPU, untouched pages cost no memory: the process grows with the blocks
+        # actually used. Every kernel reads only the slots of a sequence's own tokens.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         for layer in layers:
-            kv = (torch.zeros(shape, dtype=self.model_config.dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.model_config.dtype, device=self.device))
+            kv = (alloc(shape, dtype=self.model_config.dtype, device=self.device),
+                  alloc(shape, dtype=self.model_config.dtype, device=self.device))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
 
@@ -112,38 +123,36 @@ class ModelRunner:
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput | None:
         """Runs one step; rank 0 returns the drawn tokens (and prompt logprobs), other
         tensor-parallel ranks return None."""
-        for seq_id in req.finished_seq_ids:
-            self._seq_states.pop(seq_id, None)
-        if req.blocks_to_copy:
-            self._copy_blocks(req.blocks_to_copy)
-        if not req.seqs:
+        for req_id in req.finished_req_ids:
+            self._states.pop(req_id, None)
+        if not req.requests:
             return SamplerOutput() if self.rank == 0 else None
-        self._update_states(req.seqs)
+        self._update_states(req.requests)
 
-        input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.seqs)
+        input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
         with set_forward_context(attn_metadata):
             hidden_states = self.model(input_ids, positions)
 
-        # Rows to turn into logits: the last of each sampled sequence, then prompt rows.
+        # Rows to turn into logits: the last of each sampled request, then prompt rows.
+        sampled: list[ScheduledRequest] = []
         sample_rows: list[int] = []
-        sample_repeats: list[int] = []
         prompt_rows: list[int] = []
-        prompt_spans: list[tuple[ScheduledSequence, int]] = []
-        for seq, last in zip(req.seqs, last_rows):
-            if seq.do_sample:
+        prompt_requests: list[ScheduledRequest] = []
+        for scheduled, last in zip(req.requests, last_rows):
+            if scheduled.do_sample:
+                sampled.append(scheduled)
                 sample_rows.append(last)
-                sample_repeats.append(len(seq.sample_seq_ids))
-            if seq.compute_prompt_logprobs:
-                num_prompt = min(len(seq.token_ids), seq.num_prompt_tokens - seq.num_computed_tokens)
-                if num_prompt > 1:
-                    first = last - len(seq.token_ids) + 1
-                    prompt_rows.extend(range(first, first + num_prompt - 1))
-                    prompt_spans.append((seq, num_prompt))
+            if scheduled.prompt_logprobs_targets:
+                # Row of position p: last - (end - 1 - p), end the chunk's end position.
+                end = scheduled.num_computed_tokens + len(scheduled.token_ids)
+                first = last - (end - 1 - scheduled.prompt_logprobs_start)
+                prompt_rows.extend(range(first, first + len(scheduled.prompt_logprobs_targets)))
+                prompt_requests.append(scheduled)
         rows = sample_rows + prompt_rows
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
         if not prompt_rows and len(sample_rows) == hidden_states.shape[0]:
-            # Pure decode, every sequence sampled: the rows are all rows, in order.
+            # Pure decode, every request sampled: the rows are all rows, in order.
             selected = hidden_states
         else:
             selected = hidden_states.index_select(0, torch.tensor(rows, device=hidden_states.device))
@@ -154,28 +163,16 @@ class ModelRunner:
 
         output = SamplerOutput()
         if sample_rows:
-            sample_logits = logits[:len(sample_rows)]
-            if any(r != 1 for r in sample_repeats):
-                sample_logits = sample_logits.repeat_interleave(
-                    torch.tensor(sample_repeats, device=logits.device), dim=0)
-            metadata = self._sampling_metadata([s for s in req.seqs if s.do_sample])
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.
-            output.outputs = self.sampler(sample_logits, metadata)
+            output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
         if prompt_rows:
-            output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_spans)
+            output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
 
-    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in blocks_to_copy], device=self.device)
-        dst = torch.tensor([d for _, d in blocks_to_copy], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-
-    def _prepare_inputs(self, seqs: list[ScheduledSequence]
+    def _prepare_inputs(self, requests: list[ScheduledRequest]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Packed input tensors plus, per sequence, the row of its last token."""
+        """Packed input tensors plus, per request, the row of its last token."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -185,12 +182,12 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         last_rows: list[int] = []
-        for seq in seqs:
-            start = seq.num_computed_tokens
-            n = len(seq.token_ids)
+        for scheduled in requests:
+            start = scheduled.num_computed_tokens
+            n = len(scheduled.token_ids)
             end = start + n
-            table = seq.block_table
-            input_ids.extend(seq.token_ids)
+            table = scheduled.block_table
+            input_ids.extend(scheduled.token_ids)
             if n == 1:
                 positions.append(start)
                 slot_mapping.append(table[start // block_size] * block_size + start % block_size)
@@ -222,83 +219,72 @@ class ModelRunner:
 
     # ---- sampler state -----------------------------------------------------------------
 
-    def _update_states(self, seqs: list[ScheduledSequence]) -> None:
+    def _update_states(self, requests: list[ScheduledRequest]) -> None:
         """Brings each tracked history up to date with this step's tokens, before sampling."""
-        states = self._seq_states
-        for seq in seqs:
-            params = seq.sampling_params
-            if not needs_token_history(params):
+        states = self._states
+        for scheduled in requests:
+            if not needs_token_history(scheduled.sampling_params):
                 continue
-            state = states.get(seq.seq_id)
+            state = states.get(scheduled.req_id)
             if state is None:
-                state = states[seq.seq_id] = SequenceSamplingState()
-            if seq.num_computed_tokens == 0:
-                # (Re)start: the tokens are the whole history; a kept generator continues
-                # its stream, so a recomputed sequence does not replay its draws.
-                state.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
-                state.output_token_ids = seq.token_ids[seq.num_prompt_tokens:]
+                state = states[scheduled.req_id] = RequestSamplingState()
+            if scheduled.resumed:
+                # (Re)admitted: rebuild the whole history; a kept generator continues its
+                # stream, so a recomputed request does not replay its draws.
+                history = (scheduled.context_token_ids or []) + scheduled.token_ids
+                state.prompt_token_ids = history[:scheduled.num_prompt_tokens]
+                state.output_token_ids = history[scheduled.num_prompt_tokens:]
+                continue
+            split = scheduled.num_prompt_tokens - scheduled.num_computed_tokens
+            if split <= 0:
+                state.output_token_ids.extend(scheduled.token_ids)
             else:
-                split = seq.num_prompt_tokens - seq.num_computed_tokens
-                if split <= 0:
-                    state.output_token_ids.extend(seq.token_ids)
-                else:
-                    state.prompt_token_ids.extend(seq.token_ids[:split])
-                    state.output_token_ids.extend(seq.token_ids[split:])
+                state.prompt_token_ids.extend(scheduled.token_ids[:split])
+                state.output_token_ids.extend(scheduled.token_ids[split:])
 
-    def _sampling_metadata(self, seqs: list[ScheduledSequence]) -> SamplingMetadata:
-        """One row per drawn sequence; siblings of an n > 1 prefill fork its state here."""
-        seq_ids: list[int] = []
+    def _sampling_metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
+        """One row per sampled request."""
+        req_ids: list[int] = []
         params_list = []
         prompts: list[list[int]] = []
         outputs: list[list[int]] = []
         generators: list[torch.Generator | None] = []
-        states = self._seq_states
+        states = self._states
         no_history: list[int] = []
-        for seq in seqs:
-            params = seq.sampling_params
+        for scheduled in requests:
+            params = scheduled.sampling_params
+            req_ids.append(scheduled.req_id)
+            params_list.append(params)
             tracked = needs_token_history(params)
             seeded = params.seed is not None and not params.is_greedy
             if not (tracked or seeded):
                 # The common case: nothing remembered between steps.
-                for seq_id in seq.sample_seq_ids:
-                    seq_ids.append(seq_id)
-                    params_list.append(params)
-                    prompts.append(no_history)
-                    outputs.append(no_history)
-                    generators.append(None)
+                prompts.append(no_history)
+                outputs.append(no_history)
+                generators.append(None)
                 continue
-            parent = states.get(seq.seq_id)
-            if parent is None:
-                parent = states[seq.seq_id] = SequenceSamplingState()
-            for index, seq_id in enumerate(seq.sample_seq_ids):
-                if seq_id == seq.seq_id:
-                    state = parent
-                else:
-                    # A sibling starts from the prefilled sequence's history, with its own
-                    # random stream (kept if it already had one).
-                    previous = states.get(seq_id)
-                    state = states[seq_id] = parent.fork()
-                    state.generator = previous.generator if previous is not None else None
-                if seeded and state.generator is None:
-                    state.generator = sibling_generator(params.seed, index, self.device)
-                seq_ids.append(seq_id)
-                params_list.append(params)
-                prompts.append(state.prompt_token_ids)
-                outputs.append(state.output_token_ids)
-                generators.append(state.generator if seeded else None)
-        return SamplingMetadata(seq_ids, params_list, prompts, outputs, generators)
+            state = states.get(scheduled.req_id)
+            if state is None:
+                state = states[scheduled.req_id] = RequestSamplingState()
+            if seeded and state.generator is None:
+                state.generator = sibling_generator(params.seed, scheduled.sample_index, self.device)
+            prompts.append(state.prompt_token_ids)
+            outputs.append(state.output_token_ids)
+            generators.append(state.generator if seeded else None)
+        return SamplingMetadata(req_ids, params_list, prompts, outputs, generators)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[ScheduledSequence, int]]
+    def _prompt_logprobs(self, logits: torch.Tensor, requests: list[ScheduledRequest]
                          ) -> dict[int, list[TokenLogprobs]]:
         targets: list[int] = []
         top_ks: list[int] = []
-        for seq, num_prompt in spans:
-            targets.extend(seq.token_ids[1:num_prompt])
-            top_ks.extend([seq.sampling_params.prompt_logprobs or 0] * (num_prompt - 1))
+        for scheduled in requests:
+            targets.extend(scheduled.prompt_logprobs_targets)
+            top_ks.extend([scheduled.sampling_params.prompt_logprobs or 0] * len(scheduled.prompt_logprobs_targets))
         entries = token_logprobs(logits, torch.tensor(targets, device=logits.device), top_ks)
         result: dict[int, list[TokenLogprobs]] = {}
         offset = 0
-        for seq, num_prompt in spans:
-            result[seq.seq_id] = entries[offset:offset + num_prompt - 1]
-            offset += num_prompt - 1
+        for scheduled in requests:
+            count = len(scheduled.prompt_logprobs_targets)
+            result[scheduled.req_id] = entries[offset:offset + count]
+            offset += count
         return result

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from raylm.engine.step import SequenceOutput, TokenLogprobs
+from raylm.engine.step import SampledToken, TokenLogprobs
 from raylm.executors.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -26,10 +26,10 @@ _TOPK_INSTEAD_OF_SORT = 1024
 class Sampler:
     """Stateless: all per-sequence state arrives in the ``SamplingMetadata``."""
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SequenceOutput]:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampledToken]:
         return self.forward(logits, metadata)
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SequenceOutput]:
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampledToken]:
         """logits: [N, V] float32, one row per entry of ``metadata``."""
         num_rows, vocab_size = logits.shape
         assert num_rows == metadata.num_rows, f"{num_rows} logits rows for {metadata.num_rows} sequences"
@@ -86,8 +86,8 @@ class Sampler:
             extra = _requested_logprobs(raw_logprobs, sampled, metadata, logprobs_rows)
 
         token_ids = sampled.tolist()
-        seq_ids = metadata.seq_ids
-        return [SequenceOutput(seq_ids[i], token_ids[i], logprob_values[i], extra.get(i))
+        req_ids = metadata.req_ids
+        return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i))
                 for i in range(num_rows)]
 
 

@@ -20,13 +20,14 @@ def sibling_generator(seed: int, index: int, device: torch.device | str = "cpu")
     ``torch.Generator().manual_seed(s)`` draws; siblings get distinct, reproducible seeds.
     """
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed if index == 0 else (seed + index * _SEED_STRIDE) % 2**64)
+    # Reduced mod 2**64: any integer seed is valid (torch's own range is 64 bits).
+    generator.manual_seed((seed + index * _SEED_STRIDE) % 2**64)
     return generator
 
 
 @dataclass
-class SequenceSamplingState:
-    """A sequence's sampler state, kept by the worker between steps (keyed by seq_id).
+class RequestSamplingState:
+    """A request's sampler state, kept by the worker between steps (keyed by req_id).
 
     The token history is tracked only for requests that read it (penalties, min_tokens),
     so plain decoding costs no list appends.
@@ -36,10 +37,6 @@ class SequenceSamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     # The request's own random stream (seeded requests only); it survives a recompute.
     generator: torch.Generator | None = None
-
-    def fork(self) -> "SequenceSamplingState":
-        """A sibling's copy of the history; the sibling gets its own generator."""
-        return SequenceSamplingState(list(self.prompt_token_ids), list(self.output_token_ids))
 
 
 def needs_token_history(params: SamplingParams) -> bool:
@@ -54,14 +51,14 @@ class SamplingMetadata:
     parameters read no history; ``generators`` is None for unseeded rows.
     """
 
-    seq_ids: list[int]
+    req_ids: list[int]
     sampling_params: list[SamplingParams]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
 
     def __post_init__(self) -> None:
-        n = len(self.seq_ids)
+        n = len(self.req_ids)
         assert len(self.sampling_params) == len(self.prompt_token_ids) == len(self.output_token_ids) \
             == len(self.generators) == n, "SamplingMetadata lists must have one entry per row"
 
@@ -70,11 +67,11 @@ class SamplingMetadata:
                     prompt_token_ids: list[list[int]] | None = None,
                     output_token_ids: list[list[int]] | None = None,
                     generators: list[torch.Generator | None] | None = None,
-                    seq_ids: list[int] | None = None) -> "SamplingMetadata":
+                    req_ids: list[int] | None = None) -> "SamplingMetadata":
         """Convenience constructor: missing histories are empty, missing generators None."""
         n = len(sampling_params)
         return cls(
-            seq_ids=list(range(n)) if seq_ids is None else seq_ids,
+            req_ids=list(range(n)) if req_ids is None else req_ids,
             sampling_params=sampling_params,
             prompt_token_ids=prompt_token_ids if prompt_token_ids is not None else [[] for _ in range(n)],
             output_token_ids=output_token_ids if output_token_ids is not None else [[] for _ in range(n)],
@@ -83,4 +80,4 @@ class SamplingMetadata:
 
     @property
     def num_rows(self) -> int:
-        return len(self.seq_ids)
+        return len(self.req_ids)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from engine_checks import ENGINE_MODES, assert_engine_idle
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
 
@@ -21,16 +22,18 @@ def random_prompts(count: int, vocab_size: int, seed: int, min_len: int = 1, max
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    scheduler = llm.llm_engine.scheduler
-    num_blocks = llm.llm_engine.engine_config.cache_config.num_gpu_blocks
-    assert scheduler.block_manager.get_num_free_blocks() == num_blocks
-    assert not llm.llm_engine.has_unfinished_requests()
+    assert_engine_idle(llm.llm_engine)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# Every architecture under the defaults; Llama under every scheduler mode.
+ARCH_MODES = [(arch, "default") for arch in ARCHS] + [("llama", mode) for mode in ENGINE_MODES if mode != "default"]
+
+
+@pytest.fixture(scope="module", params=ARCH_MODES, ids=[f"{a}-{m}" for a, m in ARCH_MODES])
 def arch_llm(request, tiny_model_dirs):
-    model_dir = tiny_model_dirs[request.param]
-    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=64)
+    arch, mode = request.param
+    model_dir = tiny_model_dirs[arch]
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=64, **ENGINE_MODES[mode])
     yield model_dir, llm
     llm.shutdown()
 
@@ -60,11 +63,12 @@ def test_sampled_and_top_logprobs_match_hf_log_softmax(arch_llm):
     assert_all_blocks_free(llm)
 
 
-def test_preemption_under_a_small_kv_pool_keeps_greedy_outputs_equal_to_hf(llama_dir):
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_preemption_under_a_small_kv_pool_keeps_greedy_outputs_equal_to_hf(llama_dir, mode):
     # 24 prompts of ~30 tokens growing to ~54 need 4 blocks each (96 in all); 20 blocks
     # force the scheduler to preempt and recompute.
     llm = LLM(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=20, max_model_len=128,
-              max_num_seqs=32)
+              max_num_seqs=32, **ENGINE_MODES[mode])
     prompts = random_prompts(24, 512, seed=3, min_len=20, max_len=40)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)

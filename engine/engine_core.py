@@ -1,0 +1,147 @@
+"""`EngineCore`: the scheduler, the KV-cache manager and the executor, stepping tokens.
+
+It knows token ids only: each `step()` schedules a batch, runs it on the workers, appends
+the sampled tokens, applies the token-level stops (EOS ids, stop token ids, max_tokens,
+max_model_len, min_tokens) and frees the blocks of the requests that finished. Text, stop
+strings and the shape of outputs belong to the `OutputProcessor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from raylm.engine.config import EngineConfig, kv_cache_block_bytes
+from raylm.engine.output_processor import EngineCoreOutput
+from raylm.engine.request import Request, RequestStatus
+from raylm.engine.scheduler import Scheduler, SchedulerOutput
+from raylm.engine.stat_logger import StatLogger
+from raylm.engine.step import SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, engine_config: EngineConfig, eos_token_ids: Iterable[int] = (),
+                 log_stats: bool = True) -> None:
+        self.engine_config = engine_config
+        self.max_model_len = engine_config.model_config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        start = time.perf_counter()
+        self.executor = _executor_class(engine_config)(engine_config)
+        logger.info("Workers ready, model loaded in %.1f s.", time.perf_counter() - start)
+        self._initialize_kv_caches()
+        self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
+        self.stat_logger = StatLogger(self.scheduler) if log_stats else None
+        self.num_generation_tokens_total = 0
+
+    def _initialize_kv_caches(self) -> None:
+        cache_config = self.engine_config.cache_config
+        num_blocks = self.executor.determine_num_available_blocks()
+        if cache_config.num_gpu_blocks_override is not None:
+            num_blocks = cache_config.num_gpu_blocks_override
+        if num_blocks * cache_config.block_size < self.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {cache_config.block_size} tokens "
+                f"({num_blocks * cache_config.block_size} tokens), fewer than max_model_len ({self.max_model_len}): "
+                f"one full-length sequence would not fit. Give the cache more memory or lower max_model_len.")
+        cache_config.num_gpu_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        block_bytes = kv_cache_block_bytes(self.engine_config.model_config, cache_config.block_size,
+                                           self.engine_config.parallel_config.tensor_parallel_size)
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB per worker); %.2fx max_model_len (%d tokens) "
+                    "fits at once; prefix caching %s, chunked prefill %s.", num_blocks, cache_config.block_size,
+                    num_blocks * block_bytes / 2**20, num_blocks * cache_config.block_size / self.max_model_len,
+                    self.max_model_len, "on" if cache_config.enable_prefix_caching else "off",
+                    "on" if self.engine_config.scheduler_config.enable_chunked_prefill else "off")
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stops the requests and frees their blocks at once; unknown ids are skipped."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids: Iterable[str]) -> None:
+        """Ends requests that a stop string finished (found by the output processor)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[EngineCoreOutput]:
+        """Runs one batch; returns one output per request that gained tokens, prompt
+        logprobs or a finish."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty():
+            return []
+        sampler_output: SamplerOutput = self.executor.execute_model(scheduler_output.step)
+        outputs = self._update_from_output(scheduler_output, sampler_output)
+        self.num_generation_tokens_total += len(sampler_output.outputs)
+        if self.stat_logger is not None:
+            self.stat_logger.record_step(scheduler_output, len(sampler_output.outputs))
+        return outputs
+
+    def _update_from_output(self, scheduler_output: SchedulerOutput,
+                            sampler_output: SamplerOutput) -> list[EngineCoreOutput]:
+        sampled = {token.req_id: token for token in sampler_output.outputs}
+        prompt_logprobs = sampler_output.prompt_logprobs
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for request in scheduler_output.scheduled:
+            token = sampled.get(request.worker_id)
+            new_prompt_logprobs = prompt_logprobs.get(request.worker_id) if prompt_logprobs else None
+            if token is None and new_prompt_logprobs is None:
+                continue  # a prefill chunk short of the prompt's end
+            output = EngineCoreOutput(request.request_id, [], [], new_prompt_logprobs=new_prompt_logprobs,
+                                      num_cached_tokens=request.num_cached_tokens)
+            if token is not None:
+                request.append_output_token(token.token_id)
+                output.new_token_ids.append(token.token_id)
+                output.new_token_logprobs.append(token.logprob)
+                if token.logprobs is not None:
+                    output.new_logprobs = [token.logprobs]
+                if self._check_stop(request, token.token_id):
+                    output.finish_reason = RequestStatus.get_finished_reason(request.status)
+                    output.stop_reason = request.stop_reason
+                    finished.append(request)
+            outputs.append(output)
+        self.scheduler.free_finished(finished)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """vLLM's stop rules, in order: min_tokens holds back everything but length; then
+        EOS, stop token ids, and the two length limits. Sets the request's status."""
+        params = request.sampling_params
+        # all_stop_token_ids: the EOS ids (unless ignore_eos) and stop_token_ids, one set.
+        if token_id in params.all_stop_token_ids and request.num_output_tokens >= params.min_tokens:
+            request.status = RequestStatus.FINISHED_STOPPED
+            is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+            request.stop_reason = None if is_eos else token_id
+            return True
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # --------------------------------------------------------------- lifecycle
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _executor_class(engine_config: EngineConfig) -> type:
+    if engine_config.parallel_config.use_ray:
+        from raylm.executors.ray_gpu_executor import RayGPUExecutor
+
+        return RayGPUExecutor
+    if engine_config.parallel_config.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size > 1 needs the Ray executor (distributed_executor_backend='ray').")
+    from raylm.executors.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor

@@ -1,0 +1,107 @@
+"""`Request`: the driver-side state of one sequence being generated.
+
+A request is one prompt and one stream of output tokens; the scheduler advances its
+`num_computed_tokens` toward its length (a chunk of the prompt, or one token per decode
+step) and the engine core appends the sampled tokens. `n > 1` and `best_of` are not a
+request's business: the front end fans them out into child requests that share the prompt
+through the prefix cache. Workers never see these objects, only `raylm.engine.step` types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from raylm.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    # Ordered: every status after PREEMPTED is a finished one. An IntEnum compares in C,
+    # and the core asks these questions for every request every step.
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Its blocks were taken back; it waits to be recomputed from what is still cached.
+    PREEMPTED = enum.auto()
+    # EOS, a stop token id or a stop string.
+    FINISHED_STOPPED = enum.auto()
+    # max_tokens or max_model_len reached.
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> str | None:
+        """The OpenAI finish_reason: "stop", "length", "abort", or None while running."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt and its output tokens, as the scheduler and the KV-cache manager see it.
+
+    `sampling_params` is the engine's private copy (its stop ids and max_tokens filled in);
+    `sample_index` tells the children of an `n > 1` request apart (their seeded random
+    streams differ by it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    sample_index: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Prompt then outputs, appended as tokens arrive (never rebuilt by concatenation).
+    all_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache or is written by the step already scheduled.
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when the request was last admitted.
+    num_cached_tokens: int = 0
+    # Prompt positions whose logprobs were already returned (they are never recomputed).
+    num_prompt_logprobs_done: int = 0
+    # The hash of each full block of all_token_ids, in order (filled by the KV-cache manager).
+    block_hashes: list[bytes] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    # Scheduled since it was last admitted: the first step after (re)admission tells the
+    # workers to rebuild what they keep about it.
+    resumed: bool = True
+    # A small int that names the request on the workers (cheaper to send than the id).
+    worker_id: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
