@@ -56,6 +56,10 @@ class LLMEngine:
         return self.engine_core.scheduler
 
     @property
+    def executor(self) -> Any:
+        return self.engine_core.executor
+
+    @property
     def stat_logger(self) -> Any:
         return self.engine_core.stat_logger
 

@@ -85,7 +85,7 @@ class _TextStream:
                 return stop_str
         held = 0 if self.include_stop else min(self._window, len(window))
         self._commit(window[committed:len(window) - held])
-        self._recent = window[len(window) - self._window:] if self._window else ""
+        self._recent = window[max(0, len(window) - self._window):] if self._window else ""
         self._num_held = min(held, len(self._recent))
         return None
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
 _GREEDY_TEMPERATURE = 1e-5
+
+# The most samples one request may ask for (n and best_of), vLLM's limit; each sample is a
+# request of its own inside the engine. RAYLM_MAX_N_SEQUENCES changes it.
+MAX_N_SEQUENCES = int(os.environ.get("RAYLM_MAX_N_SEQUENCES", "16384"))
 
 
 class RequestOutputKind(IntEnum):
@@ -103,8 +108,10 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     def _verify(self) -> None:
-        _check(self.n >= 1, "n", self.n, "must be at least 1")
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N_SEQUENCES, "n", self.n,
+               f"must be an integer from 1 to {MAX_N_SEQUENCES}")
         _check(self.best_of >= self.n, "best_of", self.best_of, f"must be at least n ({self.n})")
+        _check(self.best_of <= MAX_N_SEQUENCES, "best_of", self.best_of, f"must be at most {MAX_N_SEQUENCES}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be greater than 0")

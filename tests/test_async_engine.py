@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_checks import assert_engine_idle
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.llm import LLM
@@ -79,7 +80,6 @@ def test_delta_stream_never_sends_text_that_a_stop_string_removes(llama_dir, ref
 
 def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(llama_dir):
     engine = _engine(llama_dir)
-    block_manager = engine.scheduler.block_manager
 
     async def main():
         stream = await engine.add_request("early", "Hello",
@@ -93,7 +93,7 @@ def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(llama_di
         return engine.engine.has_unfinished_requests()
 
     assert asyncio.run(main()) is False
-    assert block_manager.get_num_free_blocks() == block_manager.num_total_blocks
+    assert_engine_idle(engine.engine)
     engine.shutdown()
 
 

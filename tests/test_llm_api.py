@@ -91,13 +91,18 @@ def test_n_samples_share_the_prompt_blocks(llm):
     block_size = engine.engine_config.cache_config.block_size
     total = engine.engine_config.cache_config.num_gpu_blocks
     prompt = random_prompts(1, 512, seed=17, min_len=40, max_len=40)[0]
+    kv = engine.scheduler.kv_cache_manager
+    hits_before = kv.prefix_cache_hits
     engine.add_request("n4", {"prompt_token_ids": prompt},
                        SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
-    engine.step()  # the prompt is prefilled once for all four samples
-    prompt_blocks = math.ceil(len(prompt) / block_size)
-    assert total - engine.scheduler.block_manager.get_num_free_blocks() == prompt_blocks
-    engine.step()  # each sample writes position 40 into the shared third block: 3 copy on write
-    assert total - engine.scheduler.block_manager.get_num_free_blocks() == prompt_blocks + 3
+    engine.step()
+    # The first sample fills the two full prompt blocks; the other three find them in the
+    # prefix cache; each sample computes the partial third block (and its samples) itself.
+    full_blocks = len(prompt) // block_size
+    assert total - kv.get_num_free_blocks() == full_blocks + 4
+    assert kv.prefix_cache_hits - hits_before == 3 * full_blocks * block_size
+    engine.step()  # position 40 still fits each sample's own third block
+    assert total - kv.get_num_free_blocks() == full_blocks + 4
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
@@ -203,9 +208,7 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, params)
     engine.add_request("broken", {"prompt_token_ids": [9, 10, 11]}, params)
-    for seq, group in engine._seqs.values():
-        if group.request_id == "broken":
-            engine._detokenizers[seq.seq_id].poisoned = True
+    engine.output_processor.request_states["broken"].detokenizer.poisoned = True
     finished, failed = [], {}
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -215,7 +218,6 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
     assert_all_blocks_free(llm)
     with pytest.raises(RuntimeError, match="failed"):
         engine.add_request("broken-again", {"prompt_token_ids": [9, 10, 11]}, params)
-        for seq, group in engine._seqs.values():
-            engine._detokenizers[seq.seq_id].poisoned = True
+        engine.output_processor.request_states["broken-again"].detokenizer.poisoned = True
         llm._run_engine(["broken-again"], use_tqdm=False)
     assert_all_blocks_free(llm)

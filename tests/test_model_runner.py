@@ -12,7 +12,7 @@ import torch
 from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, load_hf_config)
 from raylm.engine.sampling_params import SamplingParams
-from raylm.engine.step import ExecuteModelRequest, ScheduledSequence
+from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.model_runner import ModelRunner
 from tests.tiny_models import build_tiny_model
 
@@ -55,19 +55,19 @@ def runner(model_path):
     return runner
 
 
-def _table(seq_id: int) -> list[int]:
-    return list(range(seq_id * BLOCKS_PER_SEQ, (seq_id + 1) * BLOCKS_PER_SEQ))
+def _table(req_id: int) -> list[int]:
+    return list(range(req_id * BLOCKS_PER_SEQ, (req_id + 1) * BLOCKS_PER_SEQ))
 
 
-def _prefill(seq_id: int, prompt: list[int], params: SamplingParams = GREEDY, **kwargs) -> ScheduledSequence:
-    return ScheduledSequence(seq_id=seq_id, token_ids=list(prompt), num_computed_tokens=0,
-                             block_table=_table(seq_id), num_prompt_tokens=len(prompt),
+def _prefill(req_id: int, prompt: list[int], params: SamplingParams = GREEDY, **kwargs) -> ScheduledRequest:
+    return ScheduledRequest(req_id=req_id, token_ids=list(prompt), num_computed_tokens=0,
+                             block_table=_table(req_id), num_prompt_tokens=len(prompt),
                              sampling_params=params, **kwargs)
 
 
-def _decode(seq_id: int, tokens: list[int], num_prompt: int, params: SamplingParams = GREEDY) -> ScheduledSequence:
-    return ScheduledSequence(seq_id=seq_id, token_ids=[tokens[-1]], num_computed_tokens=len(tokens) - 1,
-                             block_table=_table(seq_id), num_prompt_tokens=num_prompt, sampling_params=params)
+def _decode(req_id: int, tokens: list[int], num_prompt: int, params: SamplingParams = GREEDY) -> ScheduledRequest:
+    return ScheduledRequest(req_id=req_id, token_ids=[tokens[-1]], num_computed_tokens=len(tokens) - 1,
+                             block_table=_table(req_id), num_prompt_tokens=num_prompt, sampling_params=params)
 
 
 @torch.no_grad()
@@ -88,10 +88,10 @@ def _run_greedy(runner: ModelRunner, prompts: list[list[int]], steps: int):
     req = ExecuteModelRequest([_prefill(i, p) for i, p in enumerate(prompts)])
     for step in range(steps):
         out = runner.execute_model(req)
-        assert [o.seq_id for o in out.outputs] == list(range(len(prompts)))
+        assert [o.req_id for o in out.outputs] == list(range(len(prompts)))
         for o in out.outputs:
-            histories[o.seq_id].append(o.token_id)
-            logprobs[o.seq_id].append(o.logprob)
+            histories[o.req_id].append(o.token_id)
+            logprobs[o.req_id].append(o.logprob)
         req = ExecuteModelRequest([_decode(i, h, len(prompts[i])) for i, h in enumerate(histories)])
     return [h[len(p):] for h, p in zip(histories, prompts)], logprobs
 
@@ -127,7 +127,7 @@ def test_mixed_prefill_and_decode_batch_matches_hf(runner, hf_model):
 @torch.no_grad()
 def test_prompt_logprobs_match_hf(runner, hf_model):
     params = SamplingParams(temperature=0.0, prompt_logprobs=3)
-    seqs = [_prefill(i, p, params, compute_prompt_logprobs=True) for i, p in enumerate(PROMPTS)]
+    seqs = [_prefill(i, p, params, prompt_logprobs_targets=p[1:]) for i, p in enumerate(PROMPTS)]
     out = runner.execute_model(ExecuteModelRequest(seqs))
     for i, prompt in enumerate(PROMPTS):
         reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
@@ -140,40 +140,50 @@ def test_prompt_logprobs_match_hf(runner, hf_model):
             assert [t for t, _ in entry.top] == torch.topk(reference[pos], 3).indices.tolist()
 
 
-def test_blocks_to_copy_copies_every_layer_cache(runner):
-    runner.execute_model(ExecuteModelRequest([_prefill(0, PROMPTS[2])]))  # fills blocks 0..2
-    src, dst = 1, 40
-    before = [(k[src].clone(), v[src].clone()) for k, v in runner.kv_caches]
-    assert all(k.abs().sum() > 0 for k, _ in before)
-    runner.execute_model(ExecuteModelRequest([], blocks_to_copy=[(src, dst)]))
-    assert len(runner.kv_caches) == runner.model_config.num_layers
-    for (k, v), (k_src, v_src) in zip(runner.kv_caches, before):
-        assert torch.equal(k[dst], k_src) and torch.equal(v[dst], v_src)
+def test_prefill_in_chunks_attends_to_the_cached_chunks(runner, hf_model):
+    # The prompt's KV is computed in three chunks (one not block-aligned); only the last
+    # chunk samples, and its token equals HF's greedy continuation of the whole prompt.
+    prompt = PROMPTS[2]
+    cuts = [0, 3, 8, len(prompt)]
+    for start, end in zip(cuts, cuts[1:]):
+        chunk = ScheduledRequest(req_id=0, token_ids=prompt[start:end], num_computed_tokens=start,
+                                 block_table=_table(0), num_prompt_tokens=len(prompt), sampling_params=GREEDY,
+                                 do_sample=end == len(prompt))
+        out = runner.execute_model(ExecuteModelRequest([chunk]))
+        assert len(out.outputs) == (1 if end == len(prompt) else 0)
+    assert out.outputs[0].token_id == _hf_greedy(hf_model, prompt, 1)[0][0]
 
 
-def test_forked_sequence_decodes_from_copied_block(runner, hf_model):
-    # Copy-on-write: sequence 1 shares sequence 0's full first block and gets a copy of
-    # its partly filled last block, then decodes on its own.
-    prompt = PROMPTS[0]  # 7 tokens: block 0 full, block 1 holds 3
-    out = runner.execute_model(ExecuteModelRequest([_prefill(0, prompt)]))
-    history = prompt + [out.outputs[0].token_id]
-    forked_table = [0, 20] + list(range(21, 27))
-    seq = ScheduledSequence(seq_id=1, token_ids=[history[-1]], num_computed_tokens=len(history) - 1,
-                            block_table=forked_table, num_prompt_tokens=len(prompt), sampling_params=GREEDY)
-    out = runner.execute_model(ExecuteModelRequest([seq], blocks_to_copy=[(1, 20)]))
-    assert [history[-1], out.outputs[0].token_id] == _hf_greedy(hf_model, prompt, 2)[0]
+@torch.no_grad()
+def test_prompt_logprobs_of_a_later_chunk_score_its_rows(runner, hf_model):
+    # Second chunk of a prompt: rows 5..8 score prompt tokens 6..9.
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    runner.execute_model(ExecuteModelRequest([ScheduledRequest(
+        req_id=0, token_ids=prompt[:5], num_computed_tokens=0, block_table=_table(0),
+        num_prompt_tokens=len(prompt), sampling_params=params, do_sample=False)]))
+    out = runner.execute_model(ExecuteModelRequest([ScheduledRequest(
+        req_id=0, token_ids=prompt[5:], num_computed_tokens=5, block_table=_table(0),
+        num_prompt_tokens=len(prompt), sampling_params=params, prompt_logprobs_start=5,
+        prompt_logprobs_targets=prompt[6:])]))
+    reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    entries = out.prompt_logprobs[0]
+    assert [e.token_id for e in entries] == prompt[6:]
+    for pos, entry in zip(range(5, len(prompt) - 1), entries):
+        assert entry.logprob == pytest.approx(reference[pos, prompt[pos + 1]].item(), abs=1e-4)
 
 
-def test_siblings_of_seeded_prefill_draw_like_their_own_generators(runner):
+def test_children_of_a_seeded_request_draw_from_their_own_streams(runner):
     params = SamplingParams(n=3, temperature=1.0, seed=123)
-    seq = _prefill(0, PROMPTS[1], params, sample_seq_ids=[0, 1, 2])
-    out = runner.execute_model(ExecuteModelRequest([seq]))
-    assert [o.seq_id for o in out.outputs] == [0, 1, 2]
-    # Sibling 0 draws what a lone n=1 request with the same seed draws.
+    children = [_prefill(i, PROMPTS[1], params, sample_index=i) for i in range(3)]
+    out = runner.execute_model(ExecuteModelRequest(children))
+    assert [o.req_id for o in out.outputs] == [0, 1, 2]
+    # Child 0 draws what a lone n=1 request with the same seed draws: the exponential
+    # race of torch.Generator().manual_seed(123) over the same logits.
     lone = ModelRunner(runner.engine_config, 0, "cpu")
     lone.model = runner.model
     lone.kv_caches = runner.kv_caches
-    single = lone.execute_model(ExecuteModelRequest([_prefill(0, PROMPTS[1], SamplingParams(temperature=1.0,
+    single = lone.execute_model(ExecuteModelRequest([_prefill(5, PROMPTS[1], SamplingParams(temperature=1.0,
                                                                                             seed=123))]))
     assert single.outputs[0].token_id == out.outputs[0].token_id
 
@@ -181,9 +191,9 @@ def test_siblings_of_seeded_prefill_draw_like_their_own_generators(runner):
 def test_finished_sequences_drop_sampler_state(runner):
     params = SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.2)
     runner.execute_model(ExecuteModelRequest([_prefill(0, PROMPTS[0], params)]))
-    assert 0 in runner._seq_states
-    runner.execute_model(ExecuteModelRequest([], finished_seq_ids=[0]))
-    assert 0 not in runner._seq_states
+    assert 0 in runner._states
+    runner.execute_model(ExecuteModelRequest([], finished_req_ids=[0]))
+    assert 0 not in runner._states
 
 
 def test_cpu_kv_cache_sizing_follows_cpu_kv_cache_space(model_path):
@@ -201,5 +211,14 @@ def test_cpu_kv_cache_sizing_follows_cpu_kv_cache_space(model_path):
     assert num_blocks == (1 << 20) // block_bytes
     executor.initialize_cache(num_blocks)
     out = executor.execute_model(ExecuteModelRequest([_prefill(0, PROMPTS[0])]))
-    assert out.outputs[0].seq_id == 0
+    assert out.outputs[0].req_id == 0
     executor.shutdown()
+
+
+def test_default_cpu_kv_cache_holds_what_max_num_seqs_full_requests_can_fill(model_path):
+    config = _engine_config(model_path)
+    config.cache_config.num_gpu_blocks_override = None
+    runner = ModelRunner(config, rank=0, device="cpu")
+    runner.load_model()
+    # 8 requests of 256 tokens in blocks of 4: 512 blocks, plus a tenth for the prefix cache.
+    assert runner.determine_num_available_blocks() == 512 + 51
