@@ -1,4 +1,4 @@
-"""Turns each sequence's new token into new text, incrementally, and finds stop strings."""
+"""Turns each request's new token into new text, incrementally."""
 
 from __future__ import annotations
 
@@ -49,23 +49,6 @@ class IncrementalDetokenizer:
             return ""
         new_text, self._text = text[len(self._text):], text
         return new_text
-
-
-def find_stop_string(output_text: str, new_char_count: int, stop: list[str],
-                     include_stop_str_in_output: bool) -> tuple[str, int] | None:
-    """Looks for a stop string that ends within the last new_char_count characters.
-
-    Returns the stop string and the length the output text must be cut to, or None.
-    Only the new characters (plus the overlap a stop string can straddle) are searched,
-    so the check costs the same at every step.
-    """
-    for stop_str in stop:
-        start = max(0, len(output_text) - new_char_count - len(stop_str) + 1)
-        index = output_text.find(stop_str, start)
-        if index == -1:
-            continue
-        return stop_str, index + len(stop_str) if include_stop_str_in_output else index
-    return None
 
 
 class TokenTextCache:

@@ -24,10 +24,13 @@ class LLM:
             When omitted, raylm's bundled demo model.
         **kwargs: Engine arguments with vLLM's names and defaults (see `EngineArgs`):
             `dtype="auto"`, `max_model_len=None` (the model's), `block_size=16`,
-            `seed=0`, `max_num_seqs=256`, `max_num_batched_tokens=None`,
+            `seed=0`, `max_num_seqs=256`, `max_num_batched_tokens=None` (2048 with chunked prefill),
             `gpu_memory_utilization=0.9`, `tensor_parallel_size=1`,
-            `trust_remote_code=False`, `num_gpu_blocks_override=None`, `kv_cache_space=4`
-            (GiB, CPU). An unknown argument is a TypeError naming it.
+            `trust_remote_code=False`, `num_gpu_blocks_override=None`,
+            `enable_prefix_caching=True`, `enable_chunked_prefill=True`,
+            `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
+            requests of max_model_len tokens can fill). An unknown argument is a
+            TypeError naming it.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -228,6 +228,8 @@ LONG_PROMPT = [5] * 300  # the tiny model's context is 256 tokens
 BAD_REQUESTS = {
     "negative temperature": ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400),
     "n zero": ("/v1/completions", {"prompt": "Hi", "n": 0}, 400),
+    "n above the limit": ("/v1/completions", {"prompt": "x", "n": 1_000_000, "temperature": 1}, 400),
+    "best_of above the limit": ("/v1/completions", {"prompt": "x", "best_of": 20_000, "temperature": 1}, 400),
     "top_p above one": ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400),
     "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1, "temperature": 1}, 400),
     "prompt over context": ("/v1/completions", {"prompt": LONG_PROMPT}, 400),
@@ -357,3 +359,15 @@ def test_metrics_count_tokens_and_latencies(server, client):
     assert _metric(metrics, "raylm:num_preemptions_total") >= 0
     assert 'finished_reason="length"' in metrics
     json.dumps(metrics)  # plain text
+
+
+def test_metrics_show_prefix_cache_hits_of_a_repeated_prompt(server, client):
+    # 40 tokens: two full blocks of 16 can be found in the cache the second time.
+    prompt = list(range(100, 140))
+    before = httpx.get(server + "/metrics").text
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = httpx.get(server + "/metrics").text
+    queries = _metric(after, "raylm:prefix_cache_queries_total") - _metric(before, "raylm:prefix_cache_queries_total")
+    hits = _metric(after, "raylm:prefix_cache_hits_total") - _metric(before, "raylm:prefix_cache_hits_total")
+    assert queries == 2 * len(prompt) and hits == 32

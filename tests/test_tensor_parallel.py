@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from engine_checks import ENGINE_MODES
 from hf_reference import assert_logprobs_match_hf, hf_greedy
 from raylm.engine import LLM, SamplingParams
 from tiny_models import build_tiny_model
@@ -50,10 +51,15 @@ def references(request, tiny_model_dirs, greedy_prompts):
     return model_dir, tokens, hf_tokens
 
 
-@pytest.fixture(scope="module", params=(2, 4), ids=lambda n: f"tp{n}")
+TP_MODES = [(2, "default"), (4, "default"), (2, "no-cache-no-chunk")]
+
+
+@pytest.fixture(scope="module", params=TP_MODES, ids=[f"tp{n}-{mode}" for n, mode in TP_MODES])
 def tp_llm(request, ray_cluster, references):
     model_dir = references[0]
-    llm = LLM(model=str(model_dir), dtype="float32", tensor_parallel_size=request.param, **SMALL_KV_POOL)
+    tensor_parallel_size, mode = request.param
+    llm = LLM(model=str(model_dir), dtype="float32", tensor_parallel_size=tensor_parallel_size,
+              **SMALL_KV_POOL, **ENGINE_MODES[mode])
     yield references, llm
     llm.shutdown()
 
