@@ -18,6 +18,13 @@ bandwidth for long-context decode on a GPU.
 Block tables are shuffled permutations of the cache, as after a while of serving. Cases whose
 KV cache would not fit in ``--max-kv-gib`` are skipped and listed. The last line printed is
 ``RESULT {json}``.
+
+``--prefill CASE ...`` times prefill steps instead, each CASE ``SEQSxNEW`` (prompts of NEW
+tokens) or ``SEQSxNEW+CACHED`` (NEW tokens after CACHED ones already in the cache, as a chunk
+of a chunked prefill or a prompt with a cached prefix), on the backend and on the PyTorch
+reference, with the speedup and the backend's causal-attention GFLOP/s:
+
+    python -m raylm.cluster.bench_attention --backend cpu --prefill 4x512 1x128+1900 --num-heads 8 --num-kv-heads 4 --head-size 32
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels import torch_attention
 from raylm.kernels.backend import default_backend_name, get_attention_backend
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -47,6 +55,17 @@ class DecodeResult:
     kv_bytes: int
     kv_gbps: float
     fraction_of_copy: float
+
+
+@dataclass
+class PrefillResult:
+    seqs: int
+    query_len: int
+    cached: int
+    time_ms: float
+    reference_ms: float
+    speedup: float
+    gflops: float  # 4 * head_size flops per query head per causal (query, key) pair, per second
 
 
 def _sync(device: torch.device) -> None:
@@ -112,6 +131,63 @@ def build_decode_step(batch: int, context_len: int, num_heads: int, num_kv_heads
     return query, key, value, k_cache, v_cache, metadata
 
 
+def parse_prefill_case(text: str) -> tuple[int, int, int]:
+    """'4x512' -> (4, 512, 0); '1x128+1900' -> (1, 128, 1900): sequences, new tokens, cached tokens."""
+    try:
+        seqs, rest = text.split("x")
+        new, _, cached = rest.partition("+")
+        case = int(seqs), int(new), int(cached or 0)
+    except ValueError:
+        case = None
+    if case is None or case[0] < 1 or case[1] < 1 or case[2] < 0:
+        raise argparse.ArgumentTypeError(f"a prefill case is SEQSxNEW or SEQSxNEW+CACHED (e.g. 4x512, 1x128+1900), "
+                                         f"got {text!r}")
+    return case
+
+
+def build_prefill_step(seqs: int, query_len: int, cached: int, num_heads: int, num_kv_heads: int, head_size: int,
+                       block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A prefill step after its KV write: `seqs` sequences of `query_len` new tokens after
+    `cached` ones, their blocks scattered over the cache."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    context_len = cached + query_len
+    blocks_per_seq = -(-context_len // block_size)
+    num_blocks = seqs * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, generator=gen).view(seqs, blocks_per_seq).to(torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(seqs * query_len, dtype=torch.int64, device=device),  # unused: already written
+        query_start_loc=torch.arange(0, seqs * query_len + 1, query_len, dtype=torch.int32, device=device),
+        seq_lens=torch.full((seqs,), context_len, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=query_len,
+        max_seq_len=context_len,
+        query_lens_list=[query_len] * seqs,
+        seq_lens_list=[context_len] * seqs,
+    )
+    query = torch.randn(seqs * query_len, num_heads, head_size, dtype=dtype, device=device)
+    return query, k_cache, v_cache, metadata
+
+
+def run_prefill(args: argparse.Namespace, backend, dtype: torch.dtype, device: torch.device) -> list[PrefillResult]:
+    """Times `paged_attention` on each prefill case, on the backend and on the reference."""
+    scale = args.head_size ** -0.5
+    results = []
+    for seqs, query_len, cached in args.prefill:
+        query, k_cache, v_cache, md = build_prefill_step(seqs, query_len, cached, args.num_heads, args.num_kv_heads,
+                                                         args.head_size, args.block_size, dtype, device)
+        seconds = time_call(lambda: backend.paged_attention(query, k_cache, v_cache, md, scale), device,
+                            args.warmup, args.iters)
+        reference = time_call(lambda: torch_attention.paged_attention(query, k_cache, v_cache, md, scale), device,
+                              args.warmup, args.iters)
+        pairs = seqs * (query_len * cached + query_len * (query_len + 1) // 2)
+        flops = 4 * args.head_size * args.num_heads * pairs
+        results.append(PrefillResult(seqs, query_len, cached, seconds * 1e3, reference * 1e3, reference / seconds,
+                                     flops / seconds / 1e9))
+    return results
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("triton", "cpu", "torch"), default=None,
@@ -131,6 +207,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--quick", action="store_true",
                         help="Small sizes for a smoke test on CPU: contexts 256 1024, batches 1 8, 8/2 heads of 64.")
+    parser.add_argument("--prefill", type=parse_prefill_case, nargs="+", default=None, metavar="CASE",
+                        help="Time prefill steps instead of decode: each CASE SEQSxNEW or SEQSxNEW+CACHED "
+                             "(e.g. 4x512 1x128+1900), against the PyTorch reference.")
     parser.add_argument("--output-json", default=None, help="Also write the report to this file.")
     # --quick changes the defaults only: sizes given explicitly still win.
     if "--quick" in (sys.argv[1:] if argv is None else argv):
@@ -148,6 +227,25 @@ def main(argv: list[str] | None = None) -> dict:
                          "benchmark); use --backend cpu or torch on CPU.")
     backend = get_attention_backend(backend_name)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    header = (f"device: {device_name} | backend: {backend.name} | dtype: {str(dtype).removeprefix('torch.')} | "
+              f"heads {args.num_heads}/{args.num_kv_heads} x {args.head_size} | block size {args.block_size}")
+    report = {
+        "device": device_name, "backend": backend.name, "dtype": str(dtype).removeprefix("torch."),
+        "num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size,
+        "block_size": args.block_size,
+    }
+    if args.prefill:
+        prefill_results = run_prefill(args, backend, dtype, device)
+        print(header + f" | threads {torch.get_num_threads()}")
+        print(f"{'seqs':>5} {'new':>6} {'cached':>7} {'time ms':>9} {'torch ms':>9} {'speedup':>8} {'GFLOP/s':>8}")
+        for r in prefill_results:
+            print(f"{r.seqs:>5} {r.query_len:>6} {r.cached:>7} {r.time_ms:>9.2f} {r.reference_ms:>9.2f} "
+                  f"{r.speedup:>7.2f}x {r.gflops:>8.1f}")
+        report.update(threads=torch.get_num_threads(), prefill=[asdict(r) for r in prefill_results])
+        _write_report(report, args.output_json)
+        return report
+
     if args.max_kv_gib is not None:
         max_kv_bytes = int(args.max_kv_gib * 2**30)
     elif device.type == "cuda":
@@ -182,9 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {device_name} | backend: {backend.name} | dtype: {str(dtype).removeprefix('torch.')} | "
-          f"heads {args.num_heads}/{args.num_kv_heads} x {args.head_size} | block size {args.block_size}")
+    print(header)
     print(f"copy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s")
     print(f"{'context':>8} {'batch':>6} {'time us':>10} {'KV MB':>9} {'KV GB/s':>9} {'of copy':>8}")
     for r in results:
@@ -193,17 +289,17 @@ def main(argv: list[str] | None = None) -> dict:
     if skipped:
         print(f"skipped (KV cache over {max_kv_bytes / 2**30:.1f} GiB): "
               + ", ".join(f"{c}x{b}" for c, b in skipped))
-    report = {
-        "device": device_name, "backend": backend.name, "dtype": str(dtype).removeprefix("torch."),
-        "num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size,
-        "block_size": args.block_size, "copy_gbps": copy_bps / 1e9,
-        "results": [asdict(r) for r in results], "skipped": [list(s) for s in skipped],
-    }
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+    report.update(copy_gbps=copy_bps / 1e9, results=[asdict(r) for r in results],
+                  skipped=[list(s) for s in skipped])
+    _write_report(report, args.output_json)
+    return report
+
+
+def _write_report(report: dict, output_json: str | None) -> None:
+    if output_json:
+        with open(output_json, "w") as f:
             json.dump(report, f, indent=2)
     print("RESULT " + json.dumps(report))
-    return report
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""Native CPU paged attention: decode rows read K/V straight from the paged cache.
+"""Native CPU paged attention: keys and values read straight from the paged cache.
 
 The PyTorch reference (`raylm.kernels.torch_attention`) gathers every decoding sequence's
 whole context into a padded [B, Hkv, L, D] tensor each layer each step before two batched
-matmuls: three passes over the context plus the allocations. The C++ kernel
-(`csrc/cpu_attention.cpp`), like vLLM's CPU backend, walks each sequence's block table
-instead and reads every key and value row once: one task per sequence computes all its
-query heads block by block (one task per KV head when there are few sequences), with an
-online softmax in fp32 (fp32 or bf16 cache, fp32 accumulation), register-blocked with AVX2
-where the CPU has it.
+matmuls, and runs each prefilling sequence through its own gather and SDPA call. Two C++
+kernels, like vLLM's CPU backend, walk each sequence's block table instead, with an online
+softmax in fp32 over an fp32 or bf16 cache:
 
-`paged_attention` keeps the reference's contract: decode rows (query_len 1) take the
-kernel, prefill rows take the reference's per-sequence path, padding rows are zero.
-`write_kv_cache` is the fused C++ copy of `cpu_ops` (the reference's where it cannot run). The kernel is compiled at first use
-(`raylm.kernels.native_build`); if it cannot be built, everything falls back to the
-reference after one warning.
+- decode rows (query_len 1), `csrc/cpu_attention.cpp`: read every key and value row once;
+  one task per sequence computes all its query heads block by block (one task per KV head
+  when there are few sequences), register-blocked with AVX2 where the CPU has it.
+- prefill rows (query_len > 1: prompts, chunks of a chunked prefill, prompts whose prefix
+  is cached), `csrc/cpu_prefill_attention.cpp`: flash-attention tiles of queries over the
+  query heads that share a KV head, causal mask on the diagonal chunks only, AVX-512 or
+  AVX2 microkernels (portable loops elsewhere), threads taking tiles from a shared counter.
+
+`paged_attention` keeps the reference's contract: padding rows are zero, decode rows of a
+mixed batch go to the decode kernel (which runs them about 1.6x faster than the prefill
+kernel would). `write_kv_cache` is the fused C++ copy of `cpu_ops`
+(the reference's where it cannot run). The kernels are compiled at first use
+(`raylm.kernels.native_build`); one that cannot be built is reported once and its rows fall
+back to the reference.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from raylm.kernels.native_build import load_native_library
 
 # None: not tried yet; False: the build failed (warned once); else the kernel's entry point.
 _kernel = None
+_prefill_kernel = None
 
 
 def load_kernel():
@@ -44,6 +51,21 @@ def load_kernel():
             _kernel.restype = ctypes.c_int64
             _kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int32]
     return _kernel or None
+
+
+def load_prefill_kernel():
+    """The compiled prefill kernel (a ctypes function), as `load_kernel`."""
+    global _prefill_kernel
+    if _prefill_kernel is None:
+        library = load_native_library("cpu_prefill_attention")
+        if library is None:
+            _prefill_kernel = False
+        else:
+            _prefill_kernel = library.raylm_paged_prefill_attention
+            _prefill_kernel.restype = ctypes.c_int64
+            _prefill_kernel.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8
+                                        + [ctypes.c_float, ctypes.c_int32, ctypes.c_int64])
+    return _prefill_kernel or None
 
 
 def is_available() -> bool:
@@ -90,11 +112,53 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.to(query.dtype)
 
 
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1) -> torch.Tensor:
+    """The reference's `paged_attention` contract for the sequences with at least
+    min_query_len queries; the rows of the others, and of padding tokens, are zero.
+    k_cache, v_cache fp32 or bf16 on the CPU; returns [T, Hq, D] in the query's dtype.
+    Needs the prefill kernel (see `load_prefill_kernel`)."""
+    kernel = load_prefill_kernel()
+    assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
+    md = attn_metadata
+    num_tokens, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
+    assert k_cache.shape[3] == head_size and num_heads % num_kv_heads == 0
+    num_seqs = md.seq_lens.shape[0]
+    assert md.block_tables.shape[0] == num_seqs and md.query_start_loc.shape == (num_seqs + 1,)
+    query32 = query.float().contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    block_tables = md.block_tables.to(torch.int32).contiguous()
+    seq_lens = md.seq_lens.to(torch.int32).contiguous()
+    query_start_loc = md.query_start_loc.to(torch.int32).contiguous()
+    out = torch.empty_like(query32)
+    status = kernel(query32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                    seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), num_seqs, num_tokens, num_heads,
+                    num_kv_heads, head_size, block_size, block_tables.shape[1], num_blocks, scale,
+                    k_cache.dtype == torch.bfloat16, min_query_len)
+    if status > 0:
+        seq = status - 1
+        begin, end, seq_len = int(query_start_loc[seq]), int(query_start_loc[seq + 1]), int(seq_lens[seq])
+        if not 0 <= begin <= end <= num_tokens or end - begin > seq_len:
+            raise ValueError(f"Sequence {seq} has query rows query_start_loc[{seq}:{seq + 2}] = {begin}..{end} "
+                             f"of {num_tokens} and seq_lens[{seq}] = {seq_len}; its queries must be rows of the "
+                             f"query and at most seq_len of them.")
+        raise ValueError(f"seq_lens[{seq}] = {seq_len} does not fit its block table "
+                         f"({block_tables.shape[1]} entries of {block_size} tokens, blocks below {num_blocks}).")
+    if status < 0:
+        raise RuntimeError("the native CPU prefill attention kernel failed")
+    return out.to(query.dtype)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
-    with the decode rows on the native kernel. Falls back to the reference when the kernel
-    is unavailable or the cache is not an fp32/bf16 CPU tensor."""
+    on the native kernels: decode rows on the decode kernel, the other sequences' rows on
+    the prefill kernel. Falls back to the reference when the decode kernel is unavailable
+    or the cache is not an fp32/bf16 CPU tensor, and for prefill rows when only the prefill
+    kernel is unavailable."""
     md = attn_metadata
     if (k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
             or load_kernel() is None):
@@ -103,13 +167,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if md.max_query_len == 1 and md.num_seqs == num_tokens:
         return paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
 
-    out = query.new_zeros(query.shape)
-    start = 0
-    for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
-        if query_len > 1:
-            out[start:start + query_len] = torch_attention._prefill_one(
-                query[start:start + query_len], k_cache, v_cache, md.block_tables[i], seq_len, scale)
-        start += query_len
+    if md.max_query_len > 1 and load_prefill_kernel() is not None:
+        out = paged_prefill_attention(query, k_cache, v_cache, md, scale, min_query_len=2)
+    else:
+        out = query.new_zeros(query.shape)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
+            if query_len > 1:
+                out[start:start + query_len] = torch_attention._prefill_one(
+                    query[start:start + query_len], k_cache, v_cache, md.block_tables[i], seq_len, scale)
+            start += query_len
     plan = _decode_rows(md)
     if plan is not None:
         out[plan.rows] = paged_decode_attention(query[plan.rows], k_cache, v_cache, plan.block_tables,

@@ -1,5 +1,6 @@
 // Small vector helpers shared by the native CPU kernels: AVX2 + FMA where the compiler
-// targets them (-march=native), scalar forms for the fallbacks.
+// targets them (-march=native), scalar forms for the fallbacks; and, at the end, `vfloat`,
+// one vector type of whatever width the target has, for kernels written once for all.
 #pragma once
 
 #include <cmath>
@@ -10,6 +11,12 @@
 #define RAYLM_AVX2 1
 #else
 #define RAYLM_AVX2 0
+#endif
+
+#if defined(__AVX512F__) && RAYLM_AVX2  // immintrin.h is included above
+#define RAYLM_AVX512 1
+#else
+#define RAYLM_AVX512 0
 #endif
 
 namespace raylm {
@@ -29,6 +36,24 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : p * two_n;
+}
+
+// 2^x for x <= 0, 0 below -126 (no subnormals, which are slow to multiply): a degree-5
+// polynomial for 2^f, f in [-1/2, 1/2] (relative error 8e-8, about fp32's rounding), scaled
+// by 2^n from the exponent bits. Cheaper than exp_nonpositive; for softmaxes whose scores
+// are already in log2 units.
+constexpr float kExp2Coefficients[6] = {1.0000000710f, 0.69314694916f, 0.24022121754f, 0.055507426160f,
+                                        0.0096754597455f, 0.0013266970386f};
+
+inline float exp2_nonpositive(float x) {
+  const bool underflow = x < -126.0f;
+  x = underflow ? -126.0f : x;
+  const float n = std::floor(x + 0.5f);
+  const float f = x - n;
+  float p = kExp2Coefficients[5];
+  for (int i = 4; i >= 0; --i) p = p * f + kExp2Coefficients[i];
   const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
   return underflow ? 0.0f : p * two_n;
 }
@@ -96,6 +121,79 @@ inline float sum8(__m256 v) {
   const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
+#endif
+
+// vfloat: 16 fp32 lanes with AVX-512, 8 with AVX2 + FMA, one (a plain float) elsewhere;
+// kVecWidth says which. The ops mirror the intrinsics they wrap.
+#if RAYLM_AVX512
+constexpr int kVecWidth = 16;
+using vfloat = __m512;
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vload(const uint16_t* p) {  // 16 bf16 -> 16 fp32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+// Lane by lane, a > b ? if_greater : otherwise.
+inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), otherwise, if_greater);
+}
+// 2^x for x <= 0, 0 below -126, as exp2_nonpositive.
+inline vfloat vexp2_nonpositive(vfloat x) {
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Coefficients[5]);
+  for (int i = 4; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Coefficients[i]));
+  return _mm512_maskz_scalef_ps(in_range, p, n);
+}
+#elif RAYLM_AVX2
+constexpr int kVecWidth = 8;
+using vfloat = __m256;
+inline vfloat vload(const float* p) { return load8(p); }
+inline vfloat vload(const uint16_t* p) { return load8(p); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
+  return _mm256_blendv_ps(otherwise, if_greater, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+}
+inline vfloat vexp2_nonpositive(vfloat x) {
+  const __m256 in_range = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(kExp2Coefficients[5]);
+  for (int i = 4; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Coefficients[i]));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(in_range, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+#else
+constexpr int kVecWidth = 1;
+using vfloat = float;
+inline vfloat vload(const float* p) { return *p; }
+inline vfloat vload(const uint16_t* p) { return to_float(*p); }
+inline void vstore(float* p, vfloat v) { *p = v; }
+inline vfloat vset1(float x) { return x; }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return a * b + c; }
+inline vfloat vadd(vfloat a, vfloat b) { return a + b; }
+inline vfloat vsub(vfloat a, vfloat b) { return a - b; }
+inline vfloat vmul(vfloat a, vfloat b) { return a * b; }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
+  return a > b ? if_greater : otherwise;
+}
+inline vfloat vexp2_nonpositive(vfloat x) { return exp2_nonpositive(x); }
 #endif
 
 }  // namespace raylm

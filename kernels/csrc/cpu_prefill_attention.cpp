@@ -1,0 +1,441 @@
+// Paged prefill attention on the CPU: the queries of sequences that add several tokens in a
+// step (a prompt, a chunk of a chunked prefill, the uncached tail of a prefix-cached prompt),
+// each attending causally to its whole context, read straight from the paged cache.
+//
+// Flash-attention style. A task is one tile of a sequence's queries for one KV head: rows
+// are (query position, query head) pairs over the query heads that share the KV head, so
+// every key and value read serves all of them. The task walks the block table kChunk keys
+// at a time: copies the chunk's keys and values to fp32 scratch (which also converts a bf16
+// cache), scores the chunk against the tile and folds it into an online softmax in fp32.
+// Only keys up to the tile's last position are read, so cache slots past seq_len and padded
+// table entries never are; chunks that cross the tile's diagonal are masked, and rows whose
+// position lies before a chunk skip it.
+//
+// The tile's queries are kept transposed, [D][rows], so scores come out [keys][rows] with the
+// rows along the vector lanes: the score microkernel broadcasts a key element against vectors
+// of rows, the softmax runs lane-wise (a lane is a row), and the value microkernel broadcasts
+// a probability against vectors of channels. Each microkernel holds a block of accumulators
+// in registers. Scores are kept in log2 units (the queries are scaled by log2(e)) for a
+// cheaper exp2. All of it is written once over `vfloat` (cpu_vec.h): 16 lanes with AVX-512,
+// 8 with AVX2, plain floats elsewhere.
+//
+// Causal tiles at the end of a long sequence cost many times those at its start, so threads
+// take tiles from a shared counter, in an order that keeps the keys and values they read
+// in cache (see make_tasks).
+//
+// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace raylm;
+
+constexpr int W = kVecWidth;
+
+// Unrolls a register block's loop completely, so its accumulators live in registers.
+#define RAYLM_UNROLL _Pragma("GCC unroll 16")
+// Accumulator registers a microkernel may hold: of AVX-512's 32 registers (AVX2's 16), the
+// rest hold the operands.
+constexpr int kAccumulators = W == 16 ? 24 : 12;
+// Vectors per microkernel row: 64 lanes with AVX-512, 16 with AVX2.
+constexpr int kVectors = W == 16 ? 4 : W == 8 ? 2 : 4;
+constexpr int kChunk = 64;     // keys per step of the online softmax
+constexpr int kTileRows = 128;  // rows of a query tile, when there are enough tasks
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Calls f(std::integral_constant<int, count>) for a count in 1..N known only at run time.
+template <int N, typename F>
+inline void with_count(int count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) return with_count<N - 1>(count, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+// scores[t][0:NV*W] = sum_d keys[t][d] * qt[d][0:NV*W] for T keys; keys rows are D apart,
+// qt and scores rows `stride` apart.
+template <int T, int NV>
+inline void score_block(const float* keys, const float* qt, int D, int64_t stride, float* scores) {
+  vfloat acc[T][NV];
+  RAYLM_UNROLL
+  for (int t = 0; t < T; ++t)
+    RAYLM_UNROLL
+    for (int j = 0; j < NV; ++j) acc[t][j] = vset1(0.0f);
+  for (int d = 0; d < D; ++d) {
+    vfloat q[NV];
+    RAYLM_UNROLL
+    for (int j = 0; j < NV; ++j) q[j] = vload(qt + d * stride + j * W);
+    RAYLM_UNROLL
+    for (int t = 0; t < T; ++t) {
+      const vfloat k = vset1(keys[t * D + d]);
+      RAYLM_UNROLL
+      for (int j = 0; j < NV; ++j) acc[t][j] = vfmadd(k, q[j], acc[t][j]);
+    }
+  }
+  RAYLM_UNROLL
+  for (int t = 0; t < T; ++t)
+    RAYLM_UNROLL
+    for (int j = 0; j < NV; ++j) vstore(scores + t * stride + j * W, acc[t][j]);
+}
+
+template <int NV>
+void score_keys(const float* keys, int n, const float* qt, int D, int64_t stride, float* scores) {
+  constexpr int T = std::min(12, kAccumulators / NV);
+  int t = 0;
+  for (; t + T <= n; t += T) score_block<T, NV>(keys + t * D, qt, D, stride, scores + t * stride);
+  if (t < n) {
+    with_count<T - 1>(n - t, [&](auto rest) {
+      score_block<decltype(rest)::value, NV>(keys + t * D, qt, D, stride, scores + t * stride);
+    });
+  }
+}
+
+// scores[t][r] = keys[t] . queries[r] for keys t < n and rows r of vectors [first_vector,
+// num_vectors).
+void score_chunk(const float* keys, int n, const float* qt, int D, int64_t stride, int first_vector, int num_vectors,
+                 float* scores) {
+  int v = first_vector;
+  for (; v + kVectors <= num_vectors; v += kVectors) score_keys<kVectors>(keys, n, qt + v * W, D, stride, scores + v * W);
+  if (v < num_vectors) {
+    with_count<kVectors - 1>(num_vectors - v, [&](auto rest) {
+      score_keys<decltype(rest)::value>(keys, n, qt + v * W, D, stride, scores + v * W);
+    });
+  }
+}
+
+// The chunk's step of the online softmax for the rows of vectors [first_vector, num_vectors):
+// masks the scores of keys past each row's position (only on the diagonal), raises the running
+// maxima, turns scores into exp(score - max) in place, and leaves in alpha the factor that
+// rescales what each row accumulated so far. A row's running maximum is finite after the
+// first chunk, which holds key 0, so no lane ever computes -inf - -inf.
+void softmax_chunk(float* scores, int64_t stride, int n, int64_t first_key, bool diagonal, const float* positions,
+                   int first_vector, int num_vectors, float* running_max, float* running_sum, float* alpha) {
+  const vfloat minus_inf = vset1(-std::numeric_limits<float>::infinity());
+  for (int v = first_vector; v < num_vectors; ++v) {
+    float* s = scores + v * W;
+    const vfloat old_max = vload(running_max + v * W);
+    vfloat new_max = old_max;
+    if (diagonal) {
+      const vfloat position = vload(positions + v * W);
+      for (int t = 0; t < n; ++t) {
+        const vfloat x = vselect_greater(vset1(static_cast<float>(first_key + t)), position, minus_inf,
+                                         vload(s + t * stride));
+        vstore(s + t * stride, x);
+        new_max = vmax(new_max, x);
+      }
+    } else {
+      // Four chains: one vmax waits for the last, so a single chain runs at its latency.
+      vfloat partial[4] = {new_max, new_max, new_max, new_max};
+      int t = 0;
+      for (; t + 4 <= n; t += 4)
+        for (int u = 0; u < 4; ++u) partial[u] = vmax(partial[u], vload(s + (t + u) * stride));
+      for (; t < n; ++t) partial[0] = vmax(partial[0], vload(s + t * stride));
+      new_max = vmax(vmax(partial[0], partial[1]), vmax(partial[2], partial[3]));
+    }
+    vfloat sum = vset1(0.0f);
+    for (int t = 0; t < n; ++t) {
+      const vfloat p = vexp2_nonpositive(vsub(vload(s + t * stride), new_max));
+      vstore(s + t * stride, p);
+      sum = vadd(sum, p);
+    }
+    const vfloat rescale = vexp2_nonpositive(vsub(old_max, new_max));
+    vstore(alpha + v * W, rescale);
+    vstore(running_sum + v * W, vfmadd(vload(running_sum + v * W), rescale, sum));
+    vstore(running_max + v * W, new_max);
+  }
+}
+
+// out[r][0:NV*W] = alpha[r] * out[r][0:NV*W] + sum_t probs[t][r] * values[t][0:NV*W] for R
+// rows and n keys; probs rows are `stride` apart, values and out rows `value_stride`.
+template <int R, int NV>
+inline void accumulate_block(const float* probs, int64_t stride, int n, const float* values, int64_t value_stride,
+                             const float* alpha, float* out) {
+  vfloat acc[R][NV];
+  RAYLM_UNROLL
+  for (int r = 0; r < R; ++r) {
+    const vfloat a = vset1(alpha[r]);
+    RAYLM_UNROLL
+    for (int j = 0; j < NV; ++j) acc[r][j] = vmul(vload(out + r * value_stride + j * W), a);
+  }
+  for (int t = 0; t < n; ++t) {
+    vfloat v[NV];
+    RAYLM_UNROLL
+    for (int j = 0; j < NV; ++j) v[j] = vload(values + t * value_stride + j * W);
+    RAYLM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const vfloat p = vset1(probs[t * stride + r]);
+      RAYLM_UNROLL
+      for (int j = 0; j < NV; ++j) acc[r][j] = vfmadd(p, v[j], acc[r][j]);
+    }
+  }
+  RAYLM_UNROLL
+  for (int r = 0; r < R; ++r)
+    RAYLM_UNROLL
+    for (int j = 0; j < NV; ++j) vstore(out + r * value_stride + j * W, acc[r][j]);
+}
+
+template <int NV>
+void accumulate_rows(const float* probs, int64_t stride, int n, const float* values, int64_t value_stride,
+                     const float* alpha, int first_row, int rows, float* out) {
+  constexpr int R = std::min(12, kAccumulators / NV);
+  int r = first_row;
+  for (; r + R <= rows; r += R) {
+    accumulate_block<R, NV>(probs + r, stride, n, values, value_stride, alpha + r, out + r * value_stride);
+  }
+  if (r < rows) {
+    with_count<R - 1>(rows - r, [&](auto rest) {
+      accumulate_block<decltype(rest)::value, NV>(probs + r, stride, n, values, value_stride, alpha + r,
+                                                  out + r * value_stride);
+    });
+  }
+}
+
+// out[r] = alpha[r] * out[r] + sum_t probs[t][r] * values[t] for rows [first_row, rows); the
+// rows and values are padded_d = D rounded up to W channels wide.
+void accumulate_chunk(const float* probs, int64_t stride, int n, const float* values, int padded_d, const float* alpha,
+                      int first_row, int rows, float* out) {
+  const int channel_vectors = padded_d / W;
+  int v = 0;
+  for (; v + kVectors <= channel_vectors; v += kVectors) {
+    accumulate_rows<kVectors>(probs, stride, n, values + v * W, padded_d, alpha, first_row, rows, out + v * W);
+  }
+  if (v < channel_vectors) {
+    with_count<kVectors - 1>(channel_vectors - v, [&](auto rest) {
+      accumulate_rows<decltype(rest)::value>(probs, stride, n, values + v * W, padded_d, alpha, first_row, rows,
+                                            out + v * W);
+    });
+  }
+}
+
+template <typename cache_t>
+inline void copy_row(const cache_t* src, int D, float* dst) {
+  int d = 0;
+  for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
+  for (; d < D; ++d) dst[d] = to_float(src[d]);
+}
+
+struct Task {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t first_query;  // the tile's first query, counted within its sequence
+  int64_t seq_cost;     // the sequence's causal (query, key) pairs: its work per KV head
+};
+
+struct Problem {
+  const float* query;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  float* out;
+  int64_t num_heads, num_kv_heads, block_size, max_blocks;
+  int head_size;
+  float scale;
+};
+
+template <typename cache_t>
+class TileWorker {
+ public:
+  TileWorker(const Problem& p, const cache_t* k_cache, const cache_t* v_cache, int tile_positions)
+      : p_(p), k_cache_(k_cache), v_cache_(v_cache), tile_positions_(tile_positions) {
+    const int D = p.head_size;
+    group_ = static_cast<int>(p.num_heads / p.num_kv_heads);
+    padded_d_ = static_cast<int>(round_up(D, W));
+    const int64_t max_stride = round_up(static_cast<int64_t>(tile_positions) * group_, W);
+    qt_.resize(D * max_stride);
+    scores_.resize(kChunk * max_stride);
+    keys_.resize(kChunk * D);
+    values_.assign(kChunk * padded_d_, 0.0f);  // channels D.. stay zero
+    acc_.resize(max_stride * padded_d_);
+    positions_.resize(max_stride);
+    running_max_.resize(max_stride);
+    running_sum_.resize(max_stride);
+    alpha_.resize(max_stride);
+  }
+
+  void run(const Task& task) {
+    const int D = p_.head_size;
+    const int64_t query_begin = p_.query_start_loc[task.seq];
+    const int64_t query_len = p_.query_start_loc[task.seq + 1] - query_begin;
+    const int64_t seq_len = p_.seq_lens[task.seq];
+    const int positions = static_cast<int>(std::min<int64_t>(tile_positions_, query_len - task.first_query));
+    const int64_t first_position = seq_len - query_len + task.first_query;
+    const int64_t first_token = query_begin + task.first_query;  // its row of query and out
+    const int64_t first_head = task.kv_head * group_;
+    const int rows = positions * group_;
+    const int row_vectors = static_cast<int>(round_up(rows, W) / W);
+    const int64_t stride = static_cast<int64_t>(row_vectors) * W;
+
+    // Scores in log2 units, for exp2.
+    const float scale = p_.scale * 1.44269504088896341f;
+    // Rows are position-major: row i * group + g is position first_position + i, head g.
+    std::fill(qt_.begin(), qt_.begin() + D * stride, 0.0f);
+    for (int i = 0; i < positions; ++i) {
+      for (int g = 0; g < group_; ++g) {
+        const float* src = p_.query + ((first_token + i) * p_.num_heads + first_head + g) * D;
+        const int r = i * group_ + g;
+        for (int d = 0; d < D; ++d) qt_[d * stride + r] = src[d] * scale;
+        positions_[r] = static_cast<float>(first_position + i);
+      }
+    }
+    // Padding lanes score 0 against every key: finite, never masked, never written out.
+    std::fill(positions_.begin() + rows, positions_.begin() + stride, std::numeric_limits<float>::max());
+    std::fill(running_max_.begin(), running_max_.begin() + stride, -std::numeric_limits<float>::infinity());
+    std::fill(running_sum_.begin(), running_sum_.begin() + stride, 0.0f);
+    std::fill(acc_.begin(), acc_.begin() + rows * padded_d_, 0.0f);
+
+    const int32_t* table = p_.block_tables + task.seq * p_.max_blocks;
+    const int64_t end = first_position + positions;  // keys 0 .. the tile's last position
+    for (int64_t first_key = 0; first_key < end; first_key += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, end - first_key));
+      for_each_key(table, task.kv_head, first_key, n, [&](int t, int64_t offset) {
+        copy_row(k_cache_ + offset, D, keys_.data() + t * D);
+        copy_row(v_cache_ + offset, D, values_.data() + t * padded_d_);
+      });
+      const bool diagonal = first_key + n - 1 > first_position;
+      // Rows at positions before this chunk see none of it: leave them as they are.
+      const int first_row = static_cast<int>(std::max<int64_t>(0, first_key - first_position) * group_);
+      const int first_vector = first_row / W;
+      score_chunk(keys_.data(), n, qt_.data(), D, stride, first_vector, row_vectors, scores_.data());
+      softmax_chunk(scores_.data(), stride, n, first_key, diagonal, positions_.data(), first_vector, row_vectors,
+                    running_max_.data(), running_sum_.data(), alpha_.data());
+      accumulate_chunk(scores_.data(), stride, n, values_.data(), padded_d_, alpha_.data(), first_row, rows,
+                       acc_.data());
+    }
+
+    for (int i = 0; i < positions; ++i) {
+      for (int g = 0; g < group_; ++g) {
+        const int r = i * group_ + g;
+        const float inv = 1.0f / running_sum_[r];
+        float* dst = p_.out + ((first_token + i) * p_.num_heads + first_head + g) * D;
+        for (int d = 0; d < D; ++d) dst[d] = acc_[r * padded_d_ + d] * inv;
+      }
+    }
+  }
+
+ private:
+  // Calls f(t, offset) for the keys first_key + t, t < n, with the offset of the key's row
+  // for this KV head in the cache. One division, not one per key.
+  template <typename F>
+  void for_each_key(const int32_t* table, int64_t kv_head, int64_t first_key, int n, F&& f) const {
+    const int64_t token_stride = p_.num_kv_heads * p_.head_size;
+    int64_t block = first_key / p_.block_size, in_block = first_key % p_.block_size;
+    for (int t = 0; t < n; ++t) {
+      f(t, (table[block] * p_.block_size + in_block) * token_stride + kv_head * p_.head_size);
+      if (++in_block == p_.block_size) {
+        in_block = 0;
+        ++block;
+      }
+    }
+  }
+
+  const Problem& p_;
+  const cache_t* k_cache_;
+  const cache_t* v_cache_;
+  int tile_positions_, group_ = 1, padded_d_ = 0;
+  // qt_ [D][stride]: the tile's queries, scaled; scores_ [kChunk][stride]; keys_ [kChunk][D];
+  // values_ [kChunk][padded_d_]; acc_ [rows][padded_d_]; the rest one float per row.
+  std::vector<float> qt_, scores_, keys_, values_, acc_, positions_, running_max_, running_sum_, alpha_;
+};
+
+// The tiles in the order threads take them: the costliest sequence first, and within it one KV
+// head after the other, its last tile (the costliest) first. A thread's next tile then mostly
+// reads the keys and values its last one left in cache, and the last tiles handed out are
+// small ones, which evens out the threads' finishing times.
+std::vector<Task> make_tasks(const Problem& p, int64_t num_seqs, int64_t min_query_len, int tile_positions) {
+  std::vector<Task> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    if (query_len < std::max<int64_t>(1, min_query_len)) continue;
+    const int64_t context = p.seq_lens[seq] - query_len;  // keys before the first query
+    const int64_t seq_cost = query_len * context + query_len * (query_len + 1) / 2;
+    const int64_t last_tile = (query_len - 1) / tile_positions * tile_positions;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      for (int64_t first = last_tile; first >= 0; first -= tile_positions) tasks.push_back({seq, h, first, seq_cost});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.seq_cost > b.seq_cost; });
+  return tasks;
+}
+
+template <typename cache_t>
+void prefill(const Problem& p, const cache_t* k_cache, const cache_t* v_cache, int64_t num_seqs,
+             int64_t min_query_len) {
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int64_t threads = at::get_num_threads();
+  // Tiles of kTileRows rows, halved (down to one vector of rows) while that leaves fewer
+  // than two tasks per thread.
+  int tile_positions = std::max(1, kTileRows / group);
+  std::vector<Task> tasks = make_tasks(p, num_seqs, min_query_len, tile_positions);
+  while (tile_positions > 1 && tile_positions / 2 * group >= W && static_cast<int64_t>(tasks.size()) < 2 * threads) {
+    tile_positions /= 2;
+    tasks = make_tasks(p, num_seqs, min_query_len, tile_positions);
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min(threads, num_tasks), 1, [&](int64_t, int64_t) {
+    TileWorker<cache_t> worker(p, k_cache, v_cache, tile_positions);
+    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) worker.run(tasks[i]);
+  });
+}
+
+}  // namespace
+
+// query and out [T, Hq, D] fp32; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
+// bf16 (cache_is_bf16); block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1]
+// int32; all contiguous. Computes the rows of every sequence with at least min_query_len
+// queries and zeroes all other rows (other sequences', padding tokens'). Returns 0, or 1 + the
+// first sequence whose query rows or seq_len do not fit (rows outside 0..T, more queries than
+// seq_len, a block table too short or naming a block outside the cache; nothing computed),
+// or -1 if the kernel threw.
+extern "C" int64_t raylm_paged_prefill_attention(const float* query, const void* k_cache, const void* v_cache,
+                                                 const int32_t* block_tables, const int32_t* seq_lens,
+                                                 const int32_t* query_start_loc, float* out, int64_t S, int64_t T,
+                                                 int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                                 int64_t max_blocks, int64_t num_blocks, float scale,
+                                                 int32_t cache_is_bf16, int64_t min_query_len) {
+  // The kernel trusts the metadata; check it once here rather than read out of bounds.
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t begin = query_start_loc[s], end = query_start_loc[s + 1];
+    const int64_t used = (static_cast<int64_t>(seq_lens[s]) + block_size - 1) / block_size;
+    if (begin < 0 || end < begin || end > T || end - begin > seq_lens[s] || used > max_blocks) return s + 1;
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = block_tables[s * max_blocks + i];
+      if (block < 0 || block >= num_blocks) return s + 1;
+    }
+  }
+  try {
+    // Rows no task computes (sequences below min_query_len, padding tokens) are zero.
+    const int64_t row = Hq * D;
+    int64_t computed_until = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t begin = query_start_loc[s], end = query_start_loc[s + 1];
+      if (end - begin >= std::max<int64_t>(1, min_query_len)) {
+        std::fill(out + computed_until * row, out + begin * row, 0.0f);
+        computed_until = end;
+      }
+    }
+    std::fill(out + computed_until * row, out + T * row, 0.0f);
+    const Problem problem{query, block_tables, seq_lens, query_start_loc, out, Hq, Hkv, block_size, max_blocks,
+                          static_cast<int>(D), scale};
+    if (cache_is_bf16) {
+      prefill(problem, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), S, min_query_len);
+    } else {
+      prefill(problem, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), S, min_query_len);
+    }
+  } catch (...) {
+    return -1;
+  }
+  return 0;
+}
