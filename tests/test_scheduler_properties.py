@@ -1,146 +1,262 @@
-"""Random traffic through the real Scheduler and BlockSpaceManager with a small cache:
-the block bookkeeping stays exact and every step's request is one a worker can run."""
+"""Random traffic through the real Scheduler and KVCacheManager with a small pool.
 
-import random
-from collections import Counter
+Requests share prefixes (so the prefix cache hits, on running and on freed blocks), the
+pool is small (so requests are preempted and resumed from what is still cached), and
+requests are aborted at random. The machine stands in for the workers: it writes each
+scheduled token's KV into a simulated cache through the block table, and checks that every
+scheduled request then reads back the KV of exactly its own tokens. Its "model" samples a
+deterministic function of the prefix read from that cache, so each request's outputs must
+equal `reference_outputs`: nothing lost, duplicated or read from another request's KV.
+"""
 
-from hypothesis import given, settings
+from __future__ import annotations
+
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from raylm.engine.config import CacheConfig, SchedulerConfig
+from raylm.engine.request import Request, RequestStatus
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.scheduler import Scheduler
-from raylm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 12
-MAX_MODEL_LEN = 40
-MAX_NUM_BATCHED_TOKENS = 48
-MAX_NUM_SEQS = 6
+VOCAB = 5
+# Distinct tokens (>= VOCAB) so prefixes only match on purpose; the second extends the first.
+PREFIXES = ([], [10, 11, 12, 13, 14, 15, 16, 17], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+            [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41])
+
+
+def model_token(prefix: tuple[int, ...]) -> int:
+    """The stand-in model: the next token is a function of the whole prefix. A small vocab
+    makes equal prompts produce equal outputs, so blocks of outputs are shared too."""
+    return (sum(prefix) * 31 + len(prefix) * 7 + prefix[-1]) % VOCAB
+
+
+def reference_outputs(prompt: list[int], num_outputs: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(num_outputs):
+        tokens.append(model_token(tuple(tokens)))
+    return tokens[len(prompt):]
+
+
+def expected_num_outputs(request: Request, max_model_len: int) -> int:
+    # At least one token is sampled; then max_tokens or max_model_len ends the request.
+    return max(1, min(request.sampling_params.max_tokens, max_model_len - request.num_prompt_tokens))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        cache_config = CacheConfig(block_size=BLOCK_SIZE)
-        cache_config.num_gpu_blocks = NUM_BLOCKS
-        self.scheduler = Scheduler(SchedulerConfig(MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN),
-                                   cache_config)
-        self.groups: dict[str, SequenceGroup] = {}
-        self.next_seq_id = 0
-        self.time = 0.0
+    @initialize(num_blocks=st.integers(8, 40), budget=st.integers(8, 64), max_num_seqs=st.integers(1, 8),
+                chunked=st.booleans(), caching=st.booleans(), data=st.data())
+    def configure(self, num_blocks: int, budget: int, max_num_seqs: int, chunked: bool, caching: bool,
+                  data: st.DataObject) -> None:
+        # The engine makes the pool hold max_model_len tokens; without chunking a whole
+        # prompt must fit one step's budget.
+        max_model_len = data.draw(st.integers(8, num_blocks * BLOCK_SIZE), label="max_model_len")
+        if not chunked:
+            max_model_len = min(max_model_len, budget)
+        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      max_model_len=max_model_len, enable_chunked_prefill=chunked)
+        cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching)
+        cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(self.config, cache_config)
+        self.num_blocks = num_blocks
+        self.all_requests: list[Request] = []
+        # The simulated KV cache: (block id, offset) -> the token prefix whose last KV it holds.
+        self.kv_slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        # Worker state: request worker id -> position its last step ended at.
+        self.worker_positions: dict[int, int] = {}
+        # Worker ids of requests that ended while the workers held state for them.
+        self.unreported_finished: set[int] = set()
+        self.reported_finished: set[int] = set()
+        # Worker id -> prompt positions whose logprobs were asked for, in order.
+        self.prompt_logprob_positions: dict[int, list[int]] = {}
 
     @property
-    def manager(self):
-        return self.scheduler.block_manager
+    def kv(self):
+        return self.scheduler.kv_cache_manager
 
-    @rule(prompt_len=st.integers(1, 60), n=st.integers(1, 3), max_tokens=st.integers(1, 20))
-    def add(self, prompt_len: int, n: int, max_tokens: int) -> None:
-        seqs = [Sequence(self.next_seq_id + i, None, [3] * prompt_len, BLOCK_SIZE) for i in range(n)]
-        self.next_seq_id += n
-        self.time += 1.0
-        request_id = f"r{len(self.groups)}"
-        group = SequenceGroup(request_id, seqs, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens),
-                              self.time)
-        self.groups[request_id] = group
-        self.scheduler.add_seq_group(group)
+    def live_requests(self) -> list[Request]:
+        return list(self.scheduler.requests.values())
 
-    @rule(rnd=st.randoms(use_true_random=False), finish_chance=st.sampled_from([0.0, 0.1, 0.5]))
-    def step(self, rnd, finish_chance: float) -> None:
-        request, out = self.scheduler.schedule()
-        self._check_request(request, out)
-        seqs = {seq.seq_id: seq for group in out.scheduled_seq_groups for seq in group.get_seqs()}
-        for scheduled in request.seqs:
-            for seq_id in scheduled.sample_seq_ids:
-                seq = seqs[seq_id]
-                seq.append_token_id(rnd.randrange(100), -1.0)
-                max_tokens = scheduled.sampling_params.max_tokens
-                if seq.get_output_len() >= max_tokens or seq.get_len() >= MAX_MODEL_LEN:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                elif rnd.random() < finish_chance:
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                if seq.is_finished():
-                    self.scheduler.free_seq(seq)
-        for group in self.scheduler.free_finished_seq_groups():
-            assert group.is_finished()
+    # ------------------------------------------------------------------- rules
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, VOCAB - 1), max_size=24),
+          max_tokens=st.integers(1, 24), prompt_logprobs=st.sampled_from([None, None, None, 1]),
+          copies=st.integers(1, 3))
+    def add(self, prefix: list[int], suffix: list[int], max_tokens: int, prompt_logprobs: int | None,
+            copies: int) -> None:
+        """Adds `copies` requests with one prompt (as the children of an n > 1 request)."""
+        prompt = (prefix + suffix)[:self.config.max_model_len] or [0]
+        for _ in range(copies):
+            self._add(prompt, SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs))
 
+    def _add(self, prompt: list[int], params: SamplingParams) -> None:
+        index = len(self.all_requests)
+        request = Request(f"r{index}", list(prompt), params, arrival_time=float(index))
+        self.all_requests.append(request)
+        self.scheduler.add_request(request)
+
+    @precondition(lambda self: self.all_requests)
+    @rule(data=st.data(), suffix=st.lists(st.integers(0, VOCAB - 1), max_size=8), max_tokens=st.integers(1, 24))
+    def add_follow_up(self, data: st.DataObject, suffix: list[int], max_tokens: int) -> None:
+        """A next chat turn: an earlier request's tokens so far (running, finished or
+        aborted), then more; its prompt extends one that is cached or being computed."""
+        earlier = data.draw(st.sampled_from(self.all_requests))
+        prompt = (earlier.all_token_ids + suffix)[:self.config.max_model_len]
+        self._add(prompt, SamplingParams(max_tokens=max_tokens))
+
+    @rule(num_steps=st.integers(1, 4))
+    def step(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            self._step()
+
+    @precondition(lambda self: self.scheduler.has_unfinished_requests())
     @rule(data=st.data())
-    def abort(self, data) -> None:
-        unfinished = sorted(rid for rid, group in self.groups.items() if not group.is_finished())
-        if not unfinished:
-            return
-        request_id = data.draw(st.sampled_from(unfinished))
-        self.scheduler.abort_seq_group(request_id)
-        assert all(seq.is_finished() for seq in self.groups[request_id].get_seqs())
+    def abort(self, data: st.DataObject) -> None:
+        request = data.draw(st.sampled_from(sorted(self.live_requests(), key=lambda r: r.worker_id)))
+        self._abort(request)
 
-    def _check_request(self, request, out) -> None:
-        decode_tokens = sum(len(s.token_ids) for s in request.seqs if s.num_computed_tokens > 0)
-        tokens = sum(len(s.token_ids) for s in request.seqs)
-        assert tokens == out.num_batched_tokens and decode_tokens == out.num_decode_tokens
-        if len(out.scheduled_seq_groups) > 1:
-            # Only a lone group may exceed the limits (so that it can never block the queue).
-            assert tokens <= MAX_NUM_BATCHED_TOKENS
-        if out.preempted:
-            assert out.num_prefill_groups == 0
-        ref_counts = self.manager.get_ref_counts()
-        written = Counter()
-        for s in request.seqs:
-            assert len(s.block_table) * BLOCK_SIZE >= s.num_computed_tokens + len(s.token_ids)
-            for pos in range(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)):
-                block_id = s.block_table[pos // BLOCK_SIZE]
-                written[block_id * BLOCK_SIZE + pos % BLOCK_SIZE] += 1
-                if s.num_computed_tokens > 0:
-                    assert ref_counts[block_id] == 1, "a decode writes into a block another sequence reads"
-        assert all(count == 1 for count in written.values()), "two sequences write the same slot"
-        running_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.scheduler.running)
-        if len(self.scheduler.running) > 1:
-            assert running_seqs <= MAX_NUM_SEQS
+    @precondition(lambda self: any(r.num_computed_tokens < r.num_prompt_tokens for r in self.scheduler.running))
+    @rule(data=st.data())
+    def abort_mid_prefill(self, data: st.DataObject) -> None:
+        """Aborts a request whose prompt is partly computed: a block its tokens fill but
+        whose KV no step has written yet must not stay behind in the prefix cache."""
+        candidates = [r for r in self.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens]
+        self._abort(data.draw(st.sampled_from(candidates)))
+
+    def _abort(self, request: Request) -> None:
+        assert self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED) == [request]
+        assert request.status == RequestStatus.FINISHED_ABORTED
+        assert self.kv.get_block_ids(request.request_id) == []
+        self._ended(request)
+
+    # ----------------------------------------------------------- one engine step
+    def _step(self) -> None:
+        had_requests = self.scheduler.has_unfinished_requests()
+        out = self.scheduler.schedule()
+        assert out.is_empty() != had_requests, "a step with live requests scheduled nothing"
+        self._check_finished_ids(out.step.finished_req_ids, out.is_empty())
+        assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.step.requests)
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(out.step.requests) <= self.config.max_num_seqs
+        assert len({s.req_id for s in out.step.requests}) == len(out.step.requests)
+        written: set[tuple[int, int]] = set()
+        for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
+            self._check_chunk(request, scheduled)
+            for offset, _ in enumerate(scheduled.token_ids):
+                position = scheduled.num_computed_tokens + offset
+                slot = (scheduled.block_table[position // BLOCK_SIZE], position % BLOCK_SIZE)
+                assert slot not in written, f"two tokens of one step write KV slot {slot}"
+                written.add(slot)
+                self.kv_slots[slot] = tuple(request.all_token_ids[:position + 1])
+        # Every layer writes the step's KV before it attends: read after all the writes.
+        finished = []
+        for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
+            end = scheduled.num_computed_tokens + len(scheduled.token_ids)
+            for position in range(end):
+                slot = (scheduled.block_table[position // BLOCK_SIZE], position % BLOCK_SIZE)
+                assert self.kv_slots.get(slot) == tuple(request.all_token_ids[:position + 1]), (
+                    f"{request} reads position {position} from block {slot[0]}, which holds other KV")
+            self.worker_positions[request.worker_id] = end
+            if scheduled.do_sample:
+                last_slot = (scheduled.block_table[(end - 1) // BLOCK_SIZE], (end - 1) % BLOCK_SIZE)
+                request.append_output_token(model_token(self.kv_slots[last_slot]))
+                if (request.num_output_tokens >= request.sampling_params.max_tokens
+                        or request.num_tokens >= self.config.max_model_len):
+                    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    finished.append(request)
+        self.scheduler.free_finished(finished)
+        for request in finished:
+            self._ended(request)
+
+    def _check_chunk(self, request: Request, scheduled) -> None:
+        start = scheduled.num_computed_tokens
+        end = start + len(scheduled.token_ids)
+        assert scheduled.req_id == request.worker_id
+        assert scheduled.req_id not in self.reported_finished | self.unreported_finished
+        assert len(scheduled.token_ids) > 0
+        assert scheduled.token_ids == request.all_token_ids[start:end]
+        assert request.num_computed_tokens == end
+        assert scheduled.do_sample == (end == request.num_tokens)
+        assert len(scheduled.block_table) == -(-end // BLOCK_SIZE), "the block table does not cover the tokens"
+        if scheduled.resumed:
+            # (Re)admitted: it starts after its cached prefix, a whole number of blocks.
+            assert start == request.num_cached_tokens and start % BLOCK_SIZE == 0
+        else:
+            assert start == self.worker_positions[request.worker_id], "a chunk skips or repeats tokens"
+        if scheduled.prompt_logprobs_targets is not None:
+            first = scheduled.prompt_logprobs_start
+            targets = scheduled.prompt_logprobs_targets
+            assert start <= first and first + len(targets) <= min(end, request.num_prompt_tokens - 1)
+            assert targets == request.prompt_token_ids[first + 1:first + 1 + len(targets)]
+            self.prompt_logprob_positions.setdefault(request.worker_id, []).extend(
+                range(first + 1, first + 1 + len(targets)))
+
+    def _check_finished_ids(self, finished_ids: list[int], empty_step: bool) -> None:
+        if empty_step:
+            assert finished_ids == []
+            return
+        assert len(finished_ids) == len(set(finished_ids))
+        assert set(finished_ids) == self.unreported_finished, "finished ids not sent to workers exactly once"
+        self.reported_finished |= self.unreported_finished
+        self.unreported_finished = set()
+
+    def _ended(self, request: Request) -> None:
+        assert request.request_id not in self.scheduler.requests
+        if request.worker_id in self.worker_positions:
+            self.unreported_finished.add(request.worker_id)
+
+    # -------------------------------------------------------------- invariants
+    @invariant()
+    def block_bookkeeping_is_exact(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        live = self.live_requests()
+        self.kv.check_invariants(live)
+        assert sorted(r.worker_id for r in self.scheduler.running + list(self.scheduler.waiting)) == \
+            sorted(r.worker_id for r in live)
+        assert len(self.scheduler.running) <= self.config.max_num_seqs
+        for request in self.scheduler.running:
+            assert request.status == RequestStatus.RUNNING
+            assert len(self.kv.get_block_ids(request.request_id)) == -(-request.num_computed_tokens // BLOCK_SIZE)
+        # Preempted requests wait in front of new ones; new ones in arrival order.
+        statuses = [r.status for r in self.scheduler.waiting]
+        assert statuses == sorted(statuses, key=lambda s: s != RequestStatus.PREEMPTED)
+        new = [r.worker_id for r in self.scheduler.waiting if r.status == RequestStatus.WAITING]
+        assert new == sorted(new)
+        for request in self.scheduler.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.num_computed_tokens == 0 and self.kv.get_block_ids(request.request_id) == []
+        if not live:
+            assert self.kv.req_to_blocks == {}
+            assert self.kv.get_num_free_blocks() == self.num_blocks
 
     @invariant()
-    def bookkeeping_is_exact(self) -> None:
-        self.manager.check_invariants()
-        free = set(self.manager.allocator.free_block_ids)
-        for group in self.scheduler.waiting:
-            for seq in group.get_seqs():
-                assert not self.manager.has_block_table(seq), "a waiting sequence holds blocks"
-        for group in self.scheduler.running:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                table = self.manager.get_block_table(seq)
-                assert not free & set(table)
-                assert len(table) == -(-seq.data.num_computed_tokens // BLOCK_SIZE)
-        for group in self.groups.values():
-            for seq in group.get_finished_seqs():
-                assert not self.manager.has_block_table(seq), "a finished sequence holds blocks"
+    def outputs_follow_the_reference(self) -> None:
+        for request in getattr(self, "all_requests", ()):
+            assert request.output_token_ids == reference_outputs(request.prompt_token_ids, request.num_output_tokens)
 
     def teardown(self) -> None:
-        self.scheduler.abort_seq_group(list(self.groups))
-        self.manager.check_invariants()
-        assert self.manager.get_num_free_blocks() == NUM_BLOCKS
-        assert not self.scheduler.has_unfinished_seqs()
-
-
-SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
-test_scheduler_keeps_block_bookkeeping_exact = SchedulerMachine.TestCase
-
-
-def test_random_traffic_always_drains():
-    """No deadlock: with nothing new arriving, every request ends (finished or ignored)."""
-    @settings(max_examples=30, deadline=None)
-    @given(requests=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 3), st.integers(1, 20)),
-                             min_size=1, max_size=8))
-    def run(requests):
-        machine = SchedulerMachine()
-        for prompt_len, n, max_tokens in requests:
-            machine.add(prompt_len, n, max_tokens)
-        rnd = random.Random(0)
-        for _ in range(1000):
-            if not machine.scheduler.has_unfinished_seqs():
+        """With nothing new arriving, every request finishes with all its tokens."""
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(10_000):
+            if not self.scheduler.has_unfinished_requests():
                 break
-            machine.step(rnd, 0.0)
-            machine.bookkeeping_is_exact()
-        assert not machine.scheduler.has_unfinished_seqs()
-        assert all(group.is_finished() for group in machine.groups.values())
-        assert machine.manager.get_num_free_blocks() == NUM_BLOCKS
+            self._step()
+        self.block_bookkeeping_is_exact()
+        assert not self.scheduler.has_unfinished_requests()
+        assert self.kv.get_num_free_blocks() == self.num_blocks
+        for request in self.all_requests:
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            assert request.output_token_ids == reference_outputs(
+                request.prompt_token_ids, expected_num_outputs(request, self.config.max_model_len))
+            if request.sampling_params.prompt_logprobs is not None:
+                positions = self.prompt_logprob_positions.get(request.worker_id, [])
+                assert positions == list(range(1, request.num_prompt_tokens))
 
-    run()
+
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+test_scheduler_and_kv_cache_manager_under_random_traffic = SchedulerMachine.TestCase
