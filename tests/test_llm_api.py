@@ -221,3 +221,10 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
         engine.output_processor.request_states["broken-again"].detokenizer.poisoned = True
         llm._run_engine(["broken-again"], use_tqdm=False)
     assert_all_blocks_free(llm)
+
+
+def test_the_callers_sampling_params_are_never_changed(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=None, stop_token_ids=[7])
+    before = repr(params)
+    llm.generate([[5, 6, 7, 8], [9, 10]], params, use_tqdm=False)
+    assert repr(params) == before and params.max_tokens is None and params.all_stop_token_ids == {7}
