@@ -82,6 +82,10 @@ class EngineArgs:
     enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
                                                               "runs eagerly (no CUDA graphs yet)."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
+    generation_config: str = field(default="auto", metadata=_help(
+        "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
+        "that leave them unset, and all its EOS ids stop generation; 'vllm' ignores the file; a folder path "
+        "reads the file from there."))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -114,6 +118,7 @@ class EngineArgs:
             tokenizer_mode=self.tokenizer_mode,
             skip_tokenizer_init=self.skip_tokenizer_init,
             attention_backend=self.attention_backend,
+            generation_config=self.generation_config,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -86,6 +86,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # "triton" | "torch" | None (RAYLM_ATTENTION_BACKEND, else triton on CUDA, torch on CPU).
     attention_backend: str | None = None
+    # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
+    generation_config: str = "auto"
 
     @property
     def vocab_size(self) -> int:

@@ -31,7 +31,9 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = _executor_class(engine_config)(engine_config)
         logger.info("Workers ready, model loaded in %.1f s.", time.perf_counter() - start)
+        start = time.perf_counter()
         self._initialize_kv_caches()
+        logger.info("KV cache allocated in %.1f s.", time.perf_counter() - start)
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0
@@ -63,6 +65,8 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stops the requests and frees their blocks at once; unknown ids are skipped."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.stat_logger is not None and not self.scheduler.has_unfinished_requests():
+            self.stat_logger.flush()
 
     def stop_requests(self, request_ids: Iterable[str]) -> None:
         """Ends requests that a stop string finished (found by the output processor)."""
@@ -75,6 +79,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Runs one batch; returns one output per request that gained tokens, prompt
         logprobs or a finish."""
+        step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty():
             return []
@@ -82,7 +87,9 @@ class EngineCore:
         outputs = self._update_from_output(scheduler_output, sampler_output)
         self.num_generation_tokens_total += len(sampler_output.outputs)
         if self.stat_logger is not None:
-            self.stat_logger.record_step(scheduler_output, len(sampler_output.outputs))
+            self.stat_logger.record_step(scheduler_output, len(sampler_output.outputs), step_start)
+            if not self.scheduler.has_unfinished_requests():
+                self.stat_logger.flush()
         return outputs
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,

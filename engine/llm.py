@@ -45,6 +45,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling_params: vLLM's defaults, overridden
+        by the sampling fields of the model's generation_config.json (unless the engine
+        argument generation_config='vllm')."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -52,9 +58,11 @@ class LLM:
 
         prompts: a string, a list of token ids, a dict with "prompt" or
         "prompt_token_ids", or a list of any of these. sampling_params: one for all
-        prompts or one per prompt; default `SamplingParams()`.
+        prompts or one per prompt; default `get_default_sampling_params()`.
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 

@@ -11,6 +11,7 @@ from typing import Any
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.config import EngineConfig
 from raylm.engine.engine_core import EngineCore
+from raylm.engine.generation_config import load_generation_defaults
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import Request
@@ -35,9 +36,13 @@ class LLMEngine:
     def __init__(self, engine_config: EngineConfig, log_stats: bool = True) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
+        start = time.perf_counter()
         self.tokenizer = None if self.model_config.skip_tokenizer_init else get_tokenizer(
             self.model_config.tokenizer, self.model_config.trust_remote_code, self.model_config.revision,
             self.model_config.tokenizer_mode)
+        logger.info("Tokenizer loaded in %.1f s.", time.perf_counter() - start)
+        self.generation_defaults = load_generation_defaults(self.model_config.model,
+                                                            self.model_config.generation_config)
         self.eos_token_ids = self._find_eos_token_ids()
         self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -64,12 +69,18 @@ class LLMEngine:
         return self.engine_core.stat_logger
 
     def _find_eos_token_ids(self) -> list[int]:
-        """Every EOS id the model names: config.json's (an int or a list), else the tokenizer's."""
+        """Every EOS id the model names: config.json's (an int or a list) and
+        generation_config.json's, else the tokenizer's."""
         eos = getattr(self.model_config.hf_config, "eos_token_id", None)
         ids = [eos] if isinstance(eos, int) else list(eos or [])
+        ids += [t for t in self.generation_defaults.eos_token_ids if t not in ids]
         if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids = [self.tokenizer.eos_token_id]
         return ids
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by what the model's generation config sets."""
+        return SamplingParams(**self.generation_defaults.sampling)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -80,7 +91,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Validates a request and queues it; raises ValueError for bad input. The
         caller's `params` is never changed: the engine works on its own copy."""
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
