@@ -13,16 +13,18 @@ class StatLogger:
     """Counts tokens per step and logs rates over the time the engine worked.
 
     A line is logged once `interval_s` of work has passed, and when the engine runs out of
-    requests (so a burst shorter than the interval is logged too). Rates are taken over
-    the time from the first step of the interval to the end of its last, never over idle
-    time, which would make a busy burst look like a trickle.
+    requests at least `interval_s` after the last line (so a burst shorter than the
+    interval is logged too, and many small bursts share one line). Rates are taken over
+    the time the engine spent in steps, never over idle time, which would make a busy
+    burst look like a trickle.
     """
 
     def __init__(self, scheduler: Any, interval_s: float = 5.0) -> None:
         self._scheduler = scheduler
         self._interval_s = interval_s
-        self._work_start: float | None = None
-        self._last_step_end = 0.0
+        # Seconds spent in steps since the last line, and when that line was logged.
+        self._work_s = 0.0
+        self._last_log = float("-inf")
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.total_prompt_tokens = 0
@@ -35,19 +37,20 @@ class StatLogger:
         self._generation_tokens += num_generated
         self.total_prompt_tokens += prompt_tokens
         self.total_generation_tokens += num_generated
-        if self._work_start is None:
-            self._work_start = step_start
-        self._last_step_end = time.monotonic()
-        if self._last_step_end - self._work_start >= self._interval_s:
-            self._log()
+        now = time.monotonic()
+        self._work_s += now - step_start
+        if self._work_s >= self._interval_s:
+            self._log(now)
 
     def flush(self) -> None:
-        """Logs the work not logged yet (the engine has gone idle)."""
-        if self._work_start is not None:
-            self._log()
+        """The engine has gone idle: logs the work not logged yet, unless a line was
+        logged less than interval_s ago (the next one will carry it)."""
+        now = time.monotonic()
+        if self._work_s > 0.0 and now - self._last_log >= self._interval_s:
+            self._log(now)
 
-    def _log(self) -> None:
-        elapsed = max(self._last_step_end - self._work_start, 1e-9)
+    def _log(self, now: float) -> None:
+        elapsed = max(self._work_s, 1e-9)
         scheduler = self._scheduler
         kv = scheduler.kv_cache_manager
         hit_rate = 100.0 * kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
@@ -57,4 +60,5 @@ class StatLogger:
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed, elapsed, scheduler.num_running,
             scheduler.num_waiting, 100.0 * scheduler.kv_cache_usage, hit_rate, scheduler.num_preemptions)
         self._prompt_tokens = self._generation_tokens = 0
-        self._work_start = None
+        self._work_s = 0.0
+        self._last_log = now

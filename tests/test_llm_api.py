@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import re
 import time
 
@@ -233,14 +231,15 @@ def test_the_callers_sampling_params_are_never_changed(llm):
     assert repr(params) == before and params.max_tokens is None and params.all_stop_token_ids == {7}
 
 
-def test_a_burst_shorter_than_the_log_interval_is_logged_at_its_end(llm, caplog):
+def test_a_burst_shorter_than_the_log_interval_is_logged_at_its_end(llama_dir, caplog):
     # The stat line comes every 5 s of work, and when the engine runs out of requests; its
     # rates are over the time the engine worked, not since the last line.
     caplog.set_level("INFO", logger="raylm.engine.stat_logger")
-    start = time.monotonic()
-    llm.generate([[5, 6, 7, 8]] * 16, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
-    elapsed = time.monotonic() - start
+    with LLM(model=str(llama_dir), dtype="float32") as fresh:
+        start = time.monotonic()
+        fresh.generate([[5, 6, 7, 8]] * 16, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+        elapsed = time.monotonic() - start
     lines = [r.getMessage() for r in caplog.records if r.name == "raylm.engine.stat_logger"]
     assert len(lines) == 1, lines
     rate = float(re.search(r"avg generation throughput: ([0-9.]+) tokens/s", lines[0]).group(1))

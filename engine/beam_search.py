@@ -1,0 +1,191 @@
+"""Beam search over the engine: each step scores every live beam with a one-token request.
+
+The algorithm is Hugging Face transformers' `generate(num_beams=k, do_sample=False)`, step
+for step: every beam's top candidates are ranked by accumulated log-probability; of the
+best `beams_to_keep` (2k, or (1 + number of EOS ids) * k), those among the first k that end
+(an EOS id, or max_tokens reached) become finished hypotheses scored by the sum of their
+logprobs over (generated length ** length_penalty); the best k that do not end go on.
+`early_stopping` has HF's three meanings (True, False, "never").
+
+The engine needs no beam-aware code: a beam is a request for one token with the top-K
+logprobs, and beams with a common history share its KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_NEG = -1.0e9
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, plus HF's `early_stopping`.
+
+    Args:
+        beam_width: Beams kept at each step, and sequences returned.
+        max_tokens: Most tokens generated per beam.
+        ignore_eos: Keep extending beams past the end-of-sequence token.
+        temperature: Must be 0: beams are ranked by the model's raw log-probabilities.
+        length_penalty: Finished beams are scored by sum(logprobs) / length ** length_penalty.
+        early_stopping: True stops as soon as beam_width beams have finished; False stops
+            when no running beam can (heuristically) beat the finished ones; "never" only
+            when none can under the most optimistic length.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search, got {self.temperature!r}.")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: the prompt's tokens plus the generated ones."""
+
+    tokens: list[int]
+    # The generated tokens' raw logprobs, one per token.
+    logprobs: list[float]
+    cum_logprob: float
+    # The beam's final score: cum_logprob / generated_length ** length_penalty.
+    score: float
+    text: str | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best score first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    logprobs: list[float]
+    score: float
+
+
+class BeamSearch:
+    """The beam state of one prompt; a driver asks `pending()` for the sequences to score,
+    gets each one's top `candidates_per_beam` next-token logprobs from the engine, and
+    hands them to `advance()` until `finished`."""
+
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: list[int]) -> None:
+        self.prompt = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        k = params.beam_width
+        self.beams_to_keep = max(2, 1 + len(eos_token_ids)) * k
+        # HF starts with k copies of the prompt, all but one at -1e9, so the first step
+        # draws its candidates from one beam.
+        self.running = [_Beam([], [], 0.0)] + [_Beam([], [], _NEG) for _ in range(k - 1)]
+        self.finished: list[tuple[float, _Beam | None, bool]] = [(_NEG, None, False)] * k
+        self.num_generated = 0
+        self.improvement_possible = True
+        self.finished_search = False
+
+    @property
+    def candidates_per_beam(self) -> int:
+        return self.beams_to_keep
+
+    def pending(self) -> list[list[int]]:
+        """The token ids (prompt + beam) whose next-token distribution is needed. Beams that
+        start at -1e9 are copies of the prompt; scoring the first beam covers them."""
+        return [self.prompt + beam.tokens for beam in self.running[:1 if self.num_generated == 0 else None]]
+
+    def advance(self, top_logprobs: list[dict[int, float]]) -> None:
+        """top_logprobs[i]: the top candidates_per_beam {token: logprob} of pending()[i]."""
+        params = self.params
+        k = params.beam_width
+        beams = self.running[:len(top_logprobs)] if self.num_generated == 0 else self.running
+        # Every beam's best continuations; the dummy beams of the first step add -1e9 ones.
+        candidates = [(beam.score + logprob, index, token_id, logprob)
+                      for index, (beam, top) in enumerate(zip(beams, top_logprobs)) for token_id, logprob in top.items()]
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        candidates = candidates[:self.beams_to_keep]
+        last_step = self.num_generated + 1 >= params.max_tokens
+        ends = [last_step or token_id in self.eos_token_ids for _, _, token_id, _ in candidates]
+        extended = [_Beam(beams[index].tokens + [token_id], beams[index].logprobs + [logprob], score)
+                    for score, index, token_id, logprob in candidates]
+
+        # Running beams: the best k, finished candidates pushed to the back by -1e9.
+        order = sorted(range(len(candidates)), key=lambda i: -(candidates[i][0] + (_NEG if ends[i] else 0.0)))[:k]
+        self.running = [_Beam(extended[i].tokens, extended[i].logprobs,
+                              candidates[i][0] + (_NEG if ends[i] else 0.0)) for i in order]
+
+        # Finished hypotheses: candidates among the first k that end, length-normalized.
+        length = self.num_generated + 1
+        all_full = all(done for _, _, done in self.finished) and params.early_stopping is True
+        merged = list(self.finished)
+        for i in range(len(candidates)):
+            score = candidates[i][0] / (length ** params.length_penalty)
+            if all_full:
+                score += _NEG
+            if not self.improvement_possible:
+                score += _NEG
+            just_finished = i < k and ends[i]
+            if not just_finished:
+                score += _NEG
+            merged.append((score, extended[i], just_finished))
+        merged.sort(key=lambda entry: -entry[0])
+        self.finished = merged[:k]
+
+        self.num_generated += 1
+        self._check_early_stop()
+        self.finished_search = not (self.improvement_possible
+                                    and not (all(done for _, _, done in self.finished) and params.early_stopping is True)
+                                    and not all(ends))
+
+    def _check_early_stop(self) -> None:
+        params = self.params
+        if params.early_stopping == "never" and params.length_penalty > 0.0:
+            best_length = params.max_tokens
+        else:
+            best_length = self.num_generated
+        best_running = self.running[0].score / (best_length ** params.length_penalty)
+        if not any(best_running > (score if done else _NEG) for score, _, done in self.finished):
+            self.improvement_possible = False
+
+    def results(self) -> list[BeamSearchSequence]:
+        """The k best finished beams, best first."""
+        sequences = []
+        for score, beam, done in self.finished:
+            if not done:
+                continue
+            last = beam.tokens[-1]
+            reason = "stop" if last in self.eos_token_ids else "length"
+            sequences.append(BeamSearchSequence(self.prompt + beam.tokens, beam.logprobs, sum(beam.logprobs),
+                                                score, finish_reason=reason, num_prompt_tokens=len(self.prompt)))
+        return sequences
+
+
+def beam_search_sampling_params(search: BeamSearch):
+    """The one-token request that scores a beam: greedy, the top candidates' logprobs."""
+    from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=search.candidates_per_beam,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def top_logprobs(output) -> dict[int, float]:
+    """{token: logprob} of a one-token RequestOutput's first (only) position."""
+    return {token_id: entry.logprob for token_id, entry in output.outputs[0].logprobs[0].items()}
