@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_sampling_params,
+                                      top_logprobs)
 from raylm.engine.llm_engine import LLMEngine, PromptType
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import SamplingParams
@@ -160,6 +162,26 @@ class AsyncLLMEngine:
         stream = await self.add_request(request_id, prompt, sampling_params)
         async for output in stream:
             yield output
+
+    async def beam_search(self, prompt_token_ids: list[int], request_id: str,
+                          params: BeamSearchParams) -> BeamSearchOutput:
+        """`LLM.beam_search` for one prompt, on the running engine: each step's beams are
+        one-token requests that run alongside everything else. Cancelling it aborts them."""
+        search = BeamSearch(prompt_token_ids, params, self.engine.eos_token_ids)
+        step = 0
+        while not search.finished_search:
+            streams = [await self.add_request(f"{request_id}-beam-{step}-{i}", {"prompt_token_ids": tokens},
+                                              beam_search_sampling_params(search))
+                       for i, tokens in enumerate(search.pending())]
+            finals = await asyncio.gather(*(_last(stream) for stream in streams))
+            search.advance([top_logprobs(output) for output in finals])
+            step += 1
+        tokenizer = self.get_tokenizer()
+        sequences = search.results()
+        for sequence in sequences:
+            if tokenizer is not None:
+                sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
+        return BeamSearchOutput(sequences)
 
     async def _iterate(self, state: _RequestState) -> AsyncIterator[RequestOutput]:
         try:
@@ -321,3 +343,15 @@ class AsyncLLMEngine:
                 accepted.set_exception(exc)
         self._pending_adds.clear()
 
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The final output of a stream (closing it aborts the request if it ends early)."""
+    final = None
+    try:
+        async for output in stream:
+            final = output
+    finally:
+        await stream.aclose()
+    if final is None or not final.finished:
+        raise AsyncEngineDeadError("A beam-search request ended without a final output.")
+    return final

@@ -90,3 +90,25 @@ def test_beam_search_rejects_sampling_settings():
         SamplingParams(use_beam_search=True, best_of=2, temperature=0.7)
     with pytest.raises(ValueError, match="best_of must be greater than 1 when using beam search"):
         SamplingParams(use_beam_search=True, temperature=0)
+
+
+def test_async_engine_beam_search_equals_the_offline_one(llm, llama_dir):
+    import asyncio
+
+    from raylm.engine.arg_utils import EngineArgs
+    from raylm.engine.async_llm_engine import AsyncLLMEngine
+
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS)
+    offline = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32"))
+
+    async def run():
+        return await asyncio.gather(*(engine.beam_search(PROMPTS[0], f"b{i}", params) for i in range(2)))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    for result in results:
+        assert [s.tokens for s in result.sequences] == [s.tokens for s in offline.sequences]
+        assert [s.score for s in result.sequences] == pytest.approx([s.score for s in offline.sequences], abs=1e-5)
