@@ -1,4 +1,5 @@
-"""Gated activations."""
+"""Activations: gated (SiLU-and-mul of the fused gate_up projection) and plain ones named
+by a config's `activation_function` / `hidden_act`."""
 
 from __future__ import annotations
 
@@ -17,3 +18,23 @@ class SiluAndMul(nn.Module):
             return cpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+# Hugging Face activation names (transformers.activations.ACT2FN) -> modules with the same
+# arithmetic. gelu_new is GPT-2's tanh approximation.
+_ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+}
+
+
+def get_act_fn(name: str) -> nn.Module:
+    """The elementwise activation a config names (`activation_function`, `hidden_act`)."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation function {name!r} is not supported; raylm supports "
+                         f"{', '.join(sorted(_ACTIVATIONS))}.")
+    return _ACTIVATIONS[name]()

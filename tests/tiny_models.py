@@ -112,3 +112,48 @@ def build_tiny_model(path: Path, arch: str = "llama", vocab_size: int = 512, see
 
 def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def _save_random_model(path: Path, config, vocab_size: int, seed: int, dtype: torch.dtype) -> Path:
+    """Tokenizer, config and random weights, initialised like `build_tiny_model` (norm
+    weights, including GPT-2's `ln_*`, keep their ones)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm = "norm" in name or ".ln_" in name
+            if not is_norm:
+                param.normal_(0.0, 0.08)
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def build_tiny_opt(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   **config_overrides) -> Path:
+    """A tiny random OPTForCausalLM (pre-norm like opt-125m unless overridden, e.g.
+    do_layer_norm_before=False, word_embed_proj_dim=32 for an opt-350m-like layout)."""
+    from transformers import OPTConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, word_embed_proj_dim=64, activation_function="relu",
+                  do_layer_norm_before=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common.update(config_overrides)
+    return _save_random_model(path, OPTConfig(**common), vocab_size, seed, dtype)
+
+
+def build_tiny_gpt2(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **config_overrides) -> Path:
+    """A tiny random GPT2LMHeadModel (gelu_new, tied embeddings)."""
+    from transformers import GPT2Config
+
+    common = dict(vocab_size=vocab_size, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=256,
+                  activation_function="gelu_new", bos_token_id=1, eos_token_id=2)
+    common.update(config_overrides)
+    return _save_random_model(path, GPT2Config(**common), vocab_size, seed, dtype)
