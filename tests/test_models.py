@@ -180,11 +180,13 @@ def test_rope_settings_read_from_transformers_4_and_5_configs_agree():
 def test_unsupported_architecture_is_a_value_error_listing_supported_ones(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama"]
     hf_config = load_hf_config(str(model_dir))
-    hf_config.architectures = ["GPT2LMHeadModel"]
+    hf_config.architectures = ["FalconForCausalLM"]
     config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype=torch.float32, max_model_len=256,
                          hf_config=hf_config)
-    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match=r"\['FalconForCausalLM'\] name no supported model.*LlamaForCausalLM") as error:
         get_model(config, torch.device("cpu"))
+    from raylm.models.registry import supported_architectures
+    assert all(name in str(error.value) for name in supported_architectures())
 
 
 def test_sliding_window_below_context_length_is_noted_with_a_warning(caplog):
