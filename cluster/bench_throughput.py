@@ -6,7 +6,7 @@ system does the same work and tokens/s compare directly. raylm is timed over one
 runs); with ``--compare-hf`` the same prompts also run through transformers, batched and
 one request at a time (see `raylm.cluster.hf_reference`).
 
-    raylm bench throughput MODEL_DIR --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
+    raylm bench throughput [MODEL_DIR] --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
     python -m raylm.cluster.bench_throughput MODEL_DIR --compare-hf
 
 The last line printed is ``RESULT {json}`` for scripts; the full report, with machine and
@@ -81,6 +81,9 @@ class ThroughputResult:
 # ---------------------------------------------------------------------------- workload
 
 def read_model_config(model_dir: str) -> dict:
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model {model_dir!r} is not a folder; pass a Hugging Face model folder or "
+                         f"'raylm-demo-code' (the bundled demo model)")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"model {model_dir!r} has no config.json; pass a Hugging Face model folder")
@@ -330,6 +333,9 @@ def run(args: argparse.Namespace) -> dict:
     if compare_hf and args.temperature != 0.0:
         # The HF baselines are greedy; sampling would compare different work.
         raise ValueError(f"temperature is {args.temperature}; --compare-hf and --hf-only need 0 (greedy)")
+    from raylm.models.bundled import resolve_model_path
+
+    args.model = resolve_model_path(args.model)
     model_config = read_model_config(args.model)
     prompts = build_workload(args, model_config)
     settings = dict(
@@ -422,7 +428,9 @@ def _positive_int(text: str) -> int:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the benchmark's flags to ``parser`` (used by `raylm bench throughput` too)."""
-    parser.add_argument("model", help="Hugging Face model folder")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face model folder, or 'raylm-demo-code'; default: raylm's bundled demo "
+                             "model, 'raylm-demo-code'")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--num-prompts", type=_positive_int, default=64, help="number of requests (default 64)")
     workload.add_argument("--input-len", type=_positive_int, default=128,

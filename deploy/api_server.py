@@ -177,7 +177,7 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
         if bad is not None:
             raise OpenAIError(f"Token id {bad} is outside the vocabulary [0, {vocab_size}).", param="tokens")
         if tokenizer is None:
-            raise OpenAIError("This server runs without a tokenizer.")
+            raise OpenAIError("This server runs without a tokenizer.", param="tokens")
         return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump())
 
     return app
@@ -197,24 +197,28 @@ def _frontend_tokenizer(engine: AsyncLLMEngine) -> Any:
 def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`raylm serve`'s own flags; the engine's come from `EngineArgs.add_cli_args`."""
     parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model folder; default: raylm's bundled demo model.")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: loopback only).")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    parser.add_argument("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 routes.")
+                        help="Hugging Face model folder, or 'raylm-demo-code'; default: raylm's bundled demo "
+                             "model, 'raylm-demo-code'.")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to listen on (default: %(default)s, loopback only).")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
+    parser.add_argument("--api-key", default=None,
+                        help="Require `Authorization: Bearer KEY` on /v1 routes (default: no key).")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="Model name(s) clients use; the first is reported. Default: the model path.")
+                        help="Model name(s) clients use; the first is reported. Default: the model path "
+                             "('raylm-demo-code' for the demo model).")
     parser.add_argument("--chat-template", default=None,
                         help="Chat template (a Jinja file or the template itself) instead of the tokenizer's.")
-    parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level.")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        help="uvicorn's log level (default: %(default)s).")
     return parser
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from raylm.models.bundled import default_model_path
+    """The model folder `raylm serve` loads: no model or `raylm-demo-code` is the bundled demo."""
+    from raylm.models.bundled import resolve_model_path
 
-    return str(default_model_path())
+    return resolve_model_path(args.model)
 
 
 def run_server(args: argparse.Namespace) -> None:

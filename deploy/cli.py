@@ -1,15 +1,28 @@
 """The `raylm` command line.
 
     raylm serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--ray-serve] [engine flags]
-    raylm bench throughput MODEL_DIR ...
+    raylm bench throughput [MODEL_DIR] ...
     raylm bench serving --base-url http://127.0.0.1:8000 ...
+
+MODEL_DIR is a Hugging Face model folder, or `raylm-demo-code` (also what no MODEL_DIR
+means): raylm's bundled demo model.
+
+A mistake in the command's input (a wrong path, a value out of range) ends the command with
+one line, `raylm: error: ...`, and exit status 2, as argparse does for a bad flag; set
+RAYLM_TRACEBACK=1 to see where such an error was raised. Other exceptions are bugs and keep
+their traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+# What raylm raises for bad input: engine arguments and sampling parameters out of range
+# (ValueError), unknown arguments (TypeError), missing model or dataset files.
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     api_server.add_server_cli_args(serve)
     serve.add_argument("--ray-serve", action="store_true",
                        help="Run as a Ray Serve application (replicas with their own placement groups).")
-    serve.add_argument("--min-replicas", type=int, default=1, help="Ray Serve: fewest replicas (autoscaling).")
-    serve.add_argument("--max-replicas", type=int, default=1, help="Ray Serve: most replicas (autoscaling).")
+    serve.add_argument("--min-replicas", type=int, default=1,
+                       help="Ray Serve: fewest replicas (autoscaling) (default: %(default)s).")
+    serve.add_argument("--max-replicas", type=int, default=1,
+                       help="Ray Serve: most replicas (autoscaling) (default: %(default)s).")
     EngineArgs.add_cli_args(serve, skip=("model",))
     serve.set_defaults(handler=_serve)
 
@@ -57,8 +72,15 @@ def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    args.handler(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except USER_ERRORS as exc:
+        if os.environ.get("RAYLM_TRACEBACK"):
+            raise
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

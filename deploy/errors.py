@@ -51,6 +51,16 @@ def error_response(message: str, status: HTTPStatus, param: str | None = None) -
     return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
 
 
+def _error_param(error: dict) -> str | None:
+    """The request field a pydantic error is about: the top-level field of its location
+    (`loc` also holds list indices and union members, `prompt.list[int].0`), or, for a
+    check across fields (a model validator), the `param` its ParameterError names."""
+    location = [part for part in error.get("loc", ()) if part != "body"]
+    if location:
+        return str(location[0])
+    return getattr((error.get("ctx") or {}).get("error"), "param", None)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence from pydantic's error list, and the field it names."""
     errors = exc.errors()
@@ -59,14 +69,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}.", None
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = _error_param(first)
+    location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     message = first.get("msg", "Invalid value")
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
     details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors[:5])
-    return (f"{message} ({details})" if param is None or len(errors) > 1 else f"{param}: {message}"), param
+    if len(errors) > 1:
+        return f"{message} ({details})", param
+    return (f"{location}: {message}" if location else message), param
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,4 +97,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), HTTPStatus.BAD_REQUEST)
+        return error_response(str(exc), HTTPStatus.BAD_REQUEST, getattr(exc, "param", None))

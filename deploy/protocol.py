@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 
 # Chat logprobs: OpenAI allows at most 20 alternatives per position.
 MAX_TOP_LOGPROBS = 20
@@ -114,14 +114,15 @@ class _SamplingFields(OpenAIBaseModel):
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options may only be set when stream is true.")
+            raise ParameterError("stream_options may only be set when stream is true.", "stream_options")
         if self.stream and self.best_of is not None and self.best_of > self.n:
-            raise ValueError("best_of must equal n when streaming: the best samples are known only at the end.")
+            raise ParameterError("best_of must equal n when streaming: the best samples are known only at the end.",
+                                 "best_of")
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int,
                          prompt_logprobs: int | None) -> SamplingParams:
-        """Builds the engine's SamplingParams; raises ValueError naming a bad field."""
+        """Builds the engine's SamplingParams; raises ParameterError naming a bad field."""
         if max_tokens is None:
             max_tokens = default_max_tokens
         logit_bias = None
@@ -129,8 +130,8 @@ class _SamplingFields(OpenAIBaseModel):
             try:
                 logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids (integers as strings), got "
-                                 f"{list(self.logit_bias)!r}.") from None
+                raise ParameterError(f"logit_bias keys must be token ids (integers as strings), got "
+                                     f"{list(self.logit_bias)!r}.", "logit_bias") from None
         return SamplingParams(
             n=self.n,
             best_of=self.best_of,
@@ -169,11 +170,11 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
         if self.suffix is not None:
-            raise ValueError("suffix is not supported.")
+            raise ParameterError("suffix is not supported.", "suffix")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be an empty list.")
+            raise ParameterError("prompt must not be an empty list.", "prompt")
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+            raise ParameterError(f"logprobs must be non-negative, got {self.logprobs}.", "logprobs")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -249,7 +250,8 @@ class ChatMessage(OpenAIBaseModel):
         texts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise ValueError(f"Only text content parts are supported, got type {part.get('type')!r}.")
+                raise ParameterError(f"Only text content parts are supported, got type {part.get('type')!r}.",
+                                     "messages")
             texts.append(part.get("text", ""))
         return "\n".join(texts)
 
@@ -270,15 +272,17 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if not self.messages:
-            raise ValueError("messages must hold at least one message.")
+            raise ParameterError("messages must hold at least one message.", "messages")
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise ValueError("top_logprobs needs logprobs set to true.")
+                raise ParameterError("top_logprobs needs logprobs set to true.", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}.")
+                raise ParameterError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}.",
+                                     "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             # vLLM's rule: continuing the last message and opening a new one contradict.
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+            raise ParameterError("continue_final_message and add_generation_prompt cannot both be true.",
+                                 "continue_final_message")
         return self
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -358,7 +362,7 @@ class TokenizeRequest(OpenAIBaseModel):
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("Give exactly one of prompt and messages.")
+            raise ParameterError("Give exactly one of prompt and messages.", "prompt")
         return self
 
 

@@ -43,10 +43,11 @@ class OpenAIServingChat(OpenAIServing):
                chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation as the prompt text the model was trained on."""
         if self.tokenizer is None:
-            raise OpenAIError("Chat needs a tokenizer; this server runs without one.")
+            raise OpenAIError("Chat needs a tokenizer; this server runs without one.", param="messages")
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise OpenAIError("The model's tokenizer has no chat template: start the server with --chat-template.")
+            raise OpenAIError("The model's tokenizer has no chat template: send chat_template, or start the server "
+                              "with --chat-template.", param="chat_template")
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as exc:

@@ -65,11 +65,20 @@ class OpenAIServing:
 
     def sampling_params(self, build: Callable[[int], SamplingParams], prompt_len: int,
                         max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams; a value out of range is a 400 naming its field."""
         default_max_tokens = self.check_context(prompt_len, max_tokens)
         try:
-            return build(default_max_tokens)
+            params = build(default_max_tokens)
         except ValueError as exc:
-            raise OpenAIError(str(exc)) from None
+            raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
+        # The engine checks these too, but its error could not say which field it was.
+        vocab_size = self.engine.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab_size:
+                raise OpenAIError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.",
+                                  param=name)
+        return params
 
     async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams]
                            ) -> list[AsyncIterator[RequestOutput]]:
@@ -82,7 +91,9 @@ class OpenAIServing:
             for stream in streams:
                 await stream.aclose()
             if isinstance(exc, ValueError):
-                raise OpenAIError(str(exc)) from None
+                # The sampling fields were checked when the params were built; what the
+                # engine still rejects without naming a field is the prompt (its token ids).
+                raise OpenAIError(str(exc), param=getattr(exc, "param", None) or "prompt") from None
             if isinstance(exc, AsyncEngineDeadError):
                 raise OpenAIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR) from None
             raise
@@ -163,7 +174,7 @@ def sse_error(exc: BaseException) -> str:
     if isinstance(exc, OpenAIError):
         body = error_body(exc.message, exc.status, exc.param)
     elif isinstance(exc, ValueError):
-        body = error_body(str(exc), HTTPStatus.BAD_REQUEST)
+        body = error_body(str(exc), HTTPStatus.BAD_REQUEST, getattr(exc, "param", None))
     else:
         body = error_body(f"The request failed: {exc!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
     return sse(body)

@@ -15,6 +15,7 @@ from typing import Any, get_type_hints
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
                                  ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
+from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 
 _GiB = 1024**3
 
@@ -25,8 +26,9 @@ def _help(text: str) -> dict[str, str]:
 
 @dataclass
 class EngineArgs:
-    model: str = field(default="", metadata=_help("Path of a Hugging Face model folder (config.json, "
-                                                  "*.safetensors, tokenizer files)."))
+    model: str = field(default="", metadata=_help(f"Path of a Hugging Face model folder (config.json, "
+                                                  f"*.safetensors, tokenizer files), or {DEMO_MODEL_NAME!r}; "
+                                                  f"default: raylm's bundled demo model, {DEMO_MODEL_NAME!r}."))
     tokenizer: str | None = field(default=None, metadata=_help("Tokenizer folder; defaults to the model folder."))
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
@@ -101,8 +103,9 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        if not self.model:
-            raise ValueError("model must name a Hugging Face model folder.")
+        # The one place a model argument is resolved: no model, or the demo model's short
+        # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
+        self.model = resolve_model_path(self.model)
         device_config = DeviceConfig.detect(self.device)
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
         max_model_len = derive_max_model_len(hf_config, self.max_model_len)
@@ -147,18 +150,27 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        """Adds one flag per field (`--max-model-len`), with the field's help and default."""
+        """Adds one flag per field (`--max-model-len`), with the field's help and default.
+
+        The help shows the default as vLLM's does, "(default: 256)"; a None default is
+        described by the field's help text itself ("default: the model's"), so that the help
+        never reads "default: None".
+        """
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = _cli_type(hints[f.name])
+            help_text = f.metadata.get("help", "").replace("%", "%%")
+            if f.default is not None:
+                help_text += " (default: %(default)s)"
+            elif "default" not in help_text.lower():
+                help_text += " (default: none)"
             if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=f.metadata.get("help"))
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             else:
-                parser.add_argument(flag, type=kind, default=f.default, help=f.metadata.get("help"))
+                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
         return parser
 
     @classmethod

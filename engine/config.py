@@ -127,7 +127,8 @@ def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | 
 
     if not Path(model).is_dir():
         raise ValueError(f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
-                         f"tokenizer files); {model!r} is not a folder. raylm does not download weights.")
+                         f"tokenizer files) or 'raylm-demo-code' (the bundled demo model); {model!r} is not a "
+                         f"folder. raylm does not download weights.")
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"model folder {model!r} has no config.json.")
     return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)

@@ -21,7 +21,8 @@ class LLM:
 
     Args:
         model: Hugging Face model folder (config.json, *.safetensors, tokenizer files).
-            When omitted, raylm's bundled demo model.
+            When omitted, or given as its short name "raylm-demo-code", raylm's bundled
+            demo model.
         **kwargs: Engine arguments with vLLM's names and defaults (see `EngineArgs`):
             `dtype="auto"`, `max_model_len=None` (the model's), `block_size=16`,
             `seed=0`, `max_num_seqs=256`, `max_num_batched_tokens=None` (2048 with chunked prefill),
@@ -34,10 +35,6 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        if model is None:
-            from raylm.models.bundled import default_model_path
-
-            model = default_model_path()
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()

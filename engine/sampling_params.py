@@ -166,6 +166,15 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+class ParameterError(ValueError):
+    """A parameter out of range: a ValueError whose `param` names the field, so that the
+    server's OpenAI error body can name it too."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {allowed}, got {value!r}.")
+        raise ParameterError(f"{name} {allowed}, got {value!r}.", param=name)

@@ -1,4 +1,5 @@
-"""raylm's bundled demo model: what `LLM()`, `raylm serve` and the examples run when no model is named.
+"""raylm's bundled demo model: what `LLM()`, `raylm serve` and the examples run when no model is named,
+or when the model is named by its short name `raylm-demo-code`.
 
 The folder `models/assets/raylm-demo-code/` is a tiny Llama that continues Python code,
 trained offline on the Python standard library by `scripts/train_demo_model.py`; its
@@ -29,3 +30,15 @@ def default_model_path() -> str:
             f"explicitly (LLM(model=...) or `raylm serve MODEL_DIR`), or recreate the demo model with "
             f"`python scripts/train_demo_model.py`.")
     return str(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The folder a user's model argument means: no model (None or "") and the demo model's
+    short name mean the bundled demo model's folder; anything else is returned as given.
+
+    A folder that is really called `raylm-demo-code` in the working directory wins over
+    the short name, as a path always does.
+    """
+    if not model or (model == DEMO_MODEL_NAME and not Path(model).is_dir()):
+        return default_model_path()
+    return model

@@ -225,42 +225,78 @@ def test_stop_string_cuts_the_text_streamed_and_not(client, llm):
 # ----------------------------------------------------------------- errors
 LONG_PROMPT = [5] * 300  # the tiny model's context is 256 tokens
 
+CHAT = [{"role": "user", "content": "Hi"}]
+
+# case: (route, body, status, the error's "param": the request field it names)
 BAD_REQUESTS = {
-    "negative temperature": ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400),
-    "n zero": ("/v1/completions", {"prompt": "Hi", "n": 0}, 400),
-    "n above the limit": ("/v1/completions", {"prompt": "x", "n": 1_000_000, "temperature": 1}, 400),
-    "best_of above the limit": ("/v1/completions", {"prompt": "x", "best_of": 20_000, "temperature": 1}, 400),
-    "top_p above one": ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400),
-    "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1, "temperature": 1}, 400),
-    "prompt over context": ("/v1/completions", {"prompt": LONG_PROMPT}, 400),
-    "prompt plus max_tokens over context": ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, 400),
-    "token id outside vocabulary": ("/v1/completions", {"prompt": [10**6]}, 400),
-    "logit_bias out of range": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 500}}, 400),
-    "missing prompt": ("/v1/completions", {"max_tokens": 4}, 400),
-    "prompt of wrong type": ("/v1/completions", {"prompt": {"a": 1}}, 400),
-    "empty messages": ("/v1/chat/completions", {"messages": []}, 400),
-    "top_logprobs above 20": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                        "logprobs": True, "top_logprobs": 21}, 400),
-    "chat over context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi " * 300}]}, 400),
-    "unknown model": ("/v1/completions", {"prompt": "Hi", "model": "gpt-17"}, 404),
+    "negative temperature": ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    "n zero": ("/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+    "n above the limit": ("/v1/completions", {"prompt": "x", "n": 1_000_000, "temperature": 1}, 400, "n"),
+    "best_of above the limit": ("/v1/completions", {"prompt": "x", "best_of": 20_000, "temperature": 1}, 400,
+                                "best_of"),
+    "top_p above one": ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    "top_k below -1": ("/v1/completions", {"prompt": "Hi", "top_k": -2}, 400, "top_k"),
+    "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1, "temperature": 1}, 400, "best_of"),
+    "negative max_tokens": ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    "min_tokens above max_tokens": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400,
+                                    "min_tokens"),
+    "empty stop string": ("/v1/completions", {"prompt": "Hi", "stop": [""]}, 400, "stop"),
+    "prompt over context": ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    "100,000-character prompt": ("/v1/completions", {"prompt": "Hello world " * 8_334}, 400, "prompt"),
+    "prompt plus max_tokens over context": ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, 400,
+                                            "max_tokens"),
+    "token id outside vocabulary": ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
+    "empty prompt list": ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    "logit_bias out of range": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    "logit_bias key not a token id": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"a": 1}}, 400,
+                                      "logit_bias"),
+    "logit_bias token outside vocabulary": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"100000": 1}}, 400,
+                                            "logit_bias"),
+    "logprobs above the vocabulary": ("/v1/completions", {"prompt": "Hi", "logprobs": 100_000}, 400, "logprobs"),
+    "stream_options without stream": ("/v1/completions", {"prompt": "Hi", "stream_options": {}}, 400,
+                                      "stream_options"),
+    "suffix": ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, 400, "suffix"),
+    "missing prompt": ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    "prompt of wrong type": ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    "max_tokens of wrong type": ("/v1/completions", {"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    "empty messages": ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    "message without a role": ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}, 400, "messages"),
+    "image content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    "top_logprobs above 20": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+                              "top_logprobs"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400,
+                                      "top_logprobs"),
+    "chat negative temperature": ("/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, "temperature"),
+    "chat over context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi " * 300}]}, 400,
+                          "messages"),
+    "unknown model": ("/v1/completions", {"prompt": "Hi", "model": "gpt-17"}, 404, "model"),
 }
 
 
-def _check_error(response: httpx.Response, status: int) -> None:
+def _check_error(response: httpx.Response, status: int, param: str | None = None) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["code"] == status
     assert "param" in error
+    if param is not None:
+        assert error["param"] == param, error
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_bad_request_gets_openai_error_and_server_keeps_serving(server, client, case):
-    path, body, status = BAD_REQUESTS[case]
+def test_bad_request_gets_openai_error_naming_its_field_and_server_keeps_serving(server, client, case):
+    path, body, status, param = BAD_REQUESTS[case]
     body = {"model": MODEL, **body}
     response = httpx.post(server + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
-    _check_error(response, status)
+    _check_error(response, status, param)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_bad_streamed_request_names_its_field_too(server):
+    body = {"model": MODEL, "prompt": "Hi", "stream": True, "n": 2, "best_of": 3, "temperature": 1}
+    response = httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    _check_error(response, 400, "best_of")
 
 
 def test_malformed_json_is_400(server, client):

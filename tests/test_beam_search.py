@@ -23,6 +23,19 @@ def llm(llama_dir):
         yield llm
 
 
+@pytest.fixture(scope="module")
+def opt_dir(tmp_path_factory):
+    from tiny_models import build_tiny_opt
+
+    return build_tiny_opt(tmp_path_factory.mktemp("beam_opt") / "opt", seed=3)
+
+
+@pytest.fixture(scope="module")
+def opt_llm(opt_dir):
+    with LLM(model=str(opt_dir), dtype="float32") as llm:
+        yield llm
+
+
 def hf_beams(model_dir, prompt: list[int], k: int, length_penalty: float, early_stopping) -> list[tuple[list[int], float]]:
     """HF's beams and their scores; with k = 1 HF decodes greedily and reports no score, so
     the score is computed from its log-softmax as beam search defines it."""
@@ -59,6 +72,19 @@ def test_beams_equal_hf_generate(llm, llama_dir, k, length_penalty, early_stoppi
             assert sequence.score == pytest.approx(score, abs=1e-4)
             assert sequence.tokens[:len(prompt)] == prompt
     assert_engine_idle(llm.llm_engine)
+
+
+@pytest.mark.parametrize("k,length_penalty,early_stopping", [(2, 1.0, False), (4, 0.5, True), (4, 2.0, "never")])
+def test_opt_beams_equal_hf_generate(opt_llm, opt_dir, k, length_penalty, early_stopping):
+    params = BeamSearchParams(beam_width=k, max_tokens=MAX_TOKENS, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
+    outputs = opt_llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, output in zip(PROMPTS, outputs):
+        reference = hf_beams(opt_dir, prompt, k, length_penalty, early_stopping)
+        width = len(reference[0][0])
+        assert [_padded(s.output_tokens, width) for s in output.sequences] == [tokens for tokens, _ in reference]
+        assert [s.score for s in output.sequences] == pytest.approx([score for _, score in reference], abs=1e-4)
+    assert_engine_idle(opt_llm.llm_engine)
 
 
 def test_beams_share_their_prompts_blocks_and_return_every_block(llm):

@@ -14,7 +14,8 @@ import torch
 
 from hf_reference import hf_greedy, hf_model
 from raylm.engine import LLM, SamplingParams
-from raylm.models.bundled import default_model_path
+from raylm.engine.arg_utils import EngineArgs
+from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path, resolve_model_path
 
 PROMPTS = ["import", "def", "class Foo:\n    def", "    return", "for i in", "from collections import"]
 MAX_TOKENS = 32
@@ -47,6 +48,28 @@ def test_default_model_path_is_a_complete_model_folder_under_30_mb(model_dir):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json", "README.md"} <= names
     assert sum(p.stat().st_size for p in model_dir.iterdir()) < 30 * 2**20
+
+
+@pytest.mark.parametrize("model", ["", None, DEMO_MODEL_NAME])
+def test_engine_config_of_no_model_or_the_short_name_is_the_demo_folder(model):
+    model_config = EngineArgs(model=model).create_engine_config().model_config
+    assert model_config.model == model_config.tokenizer == default_model_path()
+
+
+def test_llm_takes_the_demo_models_short_name(greedy_outputs):
+    llm = LLM(model=DEMO_MODEL_NAME, dtype="float32")
+    try:
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy_outputs[:2]]
+
+
+def test_a_folder_named_like_the_demo_model_wins_over_the_short_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path(DEMO_MODEL_NAME) == default_model_path()
+    (tmp_path / DEMO_MODEL_NAME).mkdir()
+    assert resolve_model_path(DEMO_MODEL_NAME) == DEMO_MODEL_NAME
 
 
 def test_greedy_tokens_equal_hf_generate_on_code_prompts(model_dir, greedy_outputs):
