@@ -133,9 +133,11 @@ def app_builder(args: dict[str, Any]) -> Application:
     from raylm.engine.arg_utils import EngineArgs
 
     args = dict(args or {})
-    if not args.get("model"):
-        from raylm.models.bundled import default_model_path
+    from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path
 
+    # No model, or the demo model's short name (what deploy/serve_config.yaml ships with),
+    # means the bundled demo model's folder.
+    if not args.get("model") or args["model"] == DEMO_MODEL_NAME:
         args["model"] = str(default_model_path())
     engine_fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(args) - set(engine_fields) - set(DEPLOYMENT_KEYS) - set(SERVER_KEYS))

@@ -1,11 +1,38 @@
 #!/usr/bin/env bash
 # Creates .venv and installs raylm with its test dependencies. torch is pinned to the
 # 2.13.0 CPU build (an unpinned torch would pull a multi-GB CUDA build).
+# One line per step; a step's own output (pip's) shows only when it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+TORCH="torch==2.13.0"
+START=$SECONDS
+
+# step LABEL COMMAND...: runs COMMAND quietly, prints LABEL with its time; on failure
+# prints the command's output and exits with its status.
+step() {
+  local label=$1 start=$SECONDS log status
+  shift
+  log=$(mktemp)
+  printf '%s ... ' "$label"
+  if "$@" >"$log" 2>&1; then
+    printf 'done (%ds)\n' $((SECONDS - start))
+    rm -f "$log"
+    return 0
+  else
+    status=$?
+  fi
+  printf 'FAILED (%ds, exit status %d): %s\n' $((SECONDS - start)) "$status" "$*"
+  cat "$log" >&2
+  rm -f "$log"
+  exit "$status"
+}
+
+if [ -x .venv/bin/python ]; then
+  echo "using the existing .venv"
+else
+  step "creating .venv" python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+step "upgrading pip" .venv/bin/python -m pip install --upgrade pip
+step "installing $TORCH (CPU)" .venv/bin/python -m pip install "$TORCH"
+step "installing raylm[test] (editable)" .venv/bin/python -m pip install -e ".[test]"
+echo "ready in $((SECONDS - START))s: .venv/bin/raylm serve, ./scripts/test.sh"

@@ -6,13 +6,17 @@ already holds a Ray of its own. With one CPU per node and one CPU per worker bun
 tensor parallel 2 under PACK (`--ray-span-nodes`) can only place one worker on each node.
 Token authentication is on, as on a `ray up` cluster: the child sets RAY_AUTH_MODE=token
 and one RAY_AUTH_TOKEN that the cluster's processes and the JobSubmissionClient share.
+The cluster takes free ports: the job runs while Ray's default ports are held, as they
+are when the user already runs a Ray of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +30,8 @@ RESULT_PREFIX = "BENCH_JOB_RESULT "
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BATCH_SIZES = (1, 2)
 JOB_TIMEOUT_S = 150
+# What `ray start --head` binds by default: GCS, dashboard, Ray client server, dashboard agent.
+RAY_DEFAULT_PORTS = (6379, 8265, 10001, 52365)
 
 
 def submit_on_two_nodes(model_dir: str, out_dir: str) -> dict:
@@ -34,8 +40,11 @@ def submit_on_two_nodes(model_dir: str, out_dir: str) -> dict:
     from ray.cluster_utils import Cluster
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    # Ray's defaults (dashboard 8265, dashboard agent 52365) belong to whatever Ray the
+    # user already runs: take a free dashboard port and let the agent pick its own.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),
+        "dashboard_agent_listen_port": 0})
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes(timeout=60)
@@ -62,6 +71,12 @@ def submit_on_two_nodes(model_dir: str, out_dir: str) -> dict:
         cluster.shutdown()
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _job_client(address: str, client_class):
     # The dashboard's job endpoint comes up a little after the head node on a busy machine.
     deadline = time.monotonic() + 60
@@ -78,13 +93,33 @@ def _nodes(cluster) -> list:
     return [cluster.head_node, *cluster.worker_nodes]
 
 
+@contextlib.contextmanager
+def ray_default_ports_taken():
+    """Listens on those of Ray's default ports that are free, as another Ray would."""
+    held = []
+    try:
+        for port in RAY_DEFAULT_PORTS:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
+                held.append(sock)
+            except OSError:  # taken already: just as good
+                sock.close()
+        yield
+    finally:
+        for sock in held:
+            sock.close()
+
+
 @pytest.fixture(scope="module")
 def job_run(llama_dir, tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("bench_job_out")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, str(llama_dir), str(out_dir)], capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S + 90, env=env, cwd=str(Path(__file__).parent))
+    with ray_default_ports_taken():
+        proc = subprocess.run([sys.executable, __file__, str(llama_dir), str(out_dir)], capture_output=True,
+                              text=True, timeout=JOB_TIMEOUT_S + 90, env=env, cwd=str(Path(__file__).parent))
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert proc.returncode == 0 and lines, f"cluster run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     run = json.loads(lines[-1][len(RESULT_PREFIX):])

@@ -35,7 +35,9 @@ def run_on_two_nodes(model_dir: str) -> dict:
 
     # Separate node addresses (127.0.0.2) do not work in every sandbox; two raylets on
     # one address are still two nodes with their own ids and resources.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    # The dashboard agent's default port (52365) belongs to whatever Ray the user already runs.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "dashboard_agent_listen_port": 0})
     try:
         cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address)

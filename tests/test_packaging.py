@@ -1,0 +1,43 @@
+"""The wheel `pip wheel .` builds: no setuptools warnings on the way, and the data files
+raylm needs at run time inside (the native kernels' sources, the bundled demo model).
+It is built from a copy of the source tree, so a build folder of the checkout is untouched."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+                                     ".hypothesis", "bench_results")
+
+
+@pytest.fixture(scope="module")
+def wheel_build(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    tmp = tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT, tmp / "src", ignore=NOT_SOURCES)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
+                           "-w", str(tmp / "out"), str(tmp / "src")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (wheel,) = (tmp / "out").glob("raylm-*.whl")
+    return proc, wheel
+
+
+def test_wheel_build_prints_no_setuptools_warnings(wheel_build):
+    proc, _ = wheel_build
+    output = proc.stdout + proc.stderr
+    assert "Warning" not in output and "would be ignored" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("folder, package_folder", [("kernels/csrc", "raylm/kernels/csrc"),
+                                                    ("models/assets", "raylm/models/assets")])
+def test_wheel_ships_every_data_file(wheel_build, folder, package_folder):
+    _, wheel = wheel_build
+    sources = {f"{package_folder}/{path.relative_to(ROOT / folder).as_posix()}"
+               for path in (ROOT / folder).rglob("*") if path.is_file() and "__pycache__" not in path.parts}
+    assert sources and sources <= set(zipfile.ZipFile(wheel).namelist())
