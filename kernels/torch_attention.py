@@ -33,32 +33,35 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    attn_metadata: AttentionMetadata, scale: float,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its whole context in the cache.
 
     Called after `write_kv_cache` for the step. Sequence i's queries, rows
     query_start_loc[i]:query_start_loc[i+1] of `query` [T, Hq, D], sit at the last
     query_len_i of its seq_lens[i] positions. Query head h reads KV head h // (Hq // Hkv).
     Returns [T, Hq, D] in the query's dtype; rows of padding tokens past the last
-    sequence are zero. Softmax runs in fp32.
+    sequence are zero. Softmax runs in fp32. `logits_soft_cap` (Gemma 2; off by default,
+    and only this reference backend implements it) maps the scaled scores s to
+    cap * tanh(s / cap) before the mask and softmax.
     """
     md = attn_metadata
     num_tokens = query.shape[0]
     plan = _decode_plan(md, k_cache)
     if md.max_query_len == 1 and plan is not None and plan.rows is None and plan.batch == num_tokens:
-        return _batched_decode(query, k_cache, v_cache, plan, scale)
+        return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap)
 
     out = query.new_zeros(query.shape)
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
         if query_len > 1:
             out[start:start + query_len] = _prefill_one(query[start:start + query_len], k_cache, v_cache,
-                                                        md.block_tables[i], seq_len, scale)
+                                                        md.block_tables[i], seq_len, scale, logits_soft_cap)
         start += query_len
     if plan is not None:
         # Decoding sequences go through one batched call, also in mixed batches.
         rows = plan.rows if plan.rows is not None else slice(0, plan.batch)
-        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale)
+        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap)
     return out
 
 
@@ -121,7 +124,7 @@ def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int
 
 
 def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan,
-                    scale: float) -> torch.Tensor:
+                    scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
     """One query row per sequence [B, Hq, D]: every sequence's context gathered into a
     padded [B, Hkv, max_seq_len, D] tensor, the tail masked, one batched matmul per side."""
     batch, num_heads, head_size = query.shape
@@ -132,13 +135,15 @@ def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # Query heads of one KV head are consecutive: fold them into the matmul's row dim.
     q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size).float()
     scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
+    if logits_soft_cap is not None:
+        scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
     probs = scores.masked_fill_(plan.beyond_end, float("-inf")).softmax(dim=-1)
     out = torch.matmul(probs, value.float())  # [B, Hkv, G, D]
     return out.view(batch, num_heads, head_size).to(query.dtype)
 
 
 def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_len: int, scale: float) -> torch.Tensor:
+                 seq_len: int, scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
     """One sequence's [Lq, Hq, D] queries over its seq_len cached tokens, causal with the
     queries aligned to the end of the context (chunked prefill reads earlier chunks)."""
     query_len, num_heads, _ = query.shape
@@ -151,11 +156,38 @@ def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = key.transpose(0, 1).unsqueeze(0).float()
     v = value.transpose(0, 1).unsqueeze(0).float()
     gqa = num_heads != key.shape[1]
-    if query_len == seq_len:
+    if query_len == seq_len and logits_soft_cap is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # SDPA's is_causal aligns to the top-left; with earlier context the diagonal shifts.
         query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            out = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                           logits_soft_cap: float) -> torch.Tensor:
+    """SDPA's math with the scores capped (SDPA has no cap): q [1, Hq, Lq, D], k and v
+    [1, Hkv, L, D], mask [Lq, L] (True where a query may attend)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, v)
+
+
+def soft_capped_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                                 logits_soft_cap: float) -> torch.Tensor:
+    """Causal attention with capped scores over one whole sequence without a cache (the
+    runner's profiling forward): query [T, Hq, D], key and value [T, Hkv, D] -> [T, Hq, D]
+    in the query's dtype."""
+    num_tokens = query.shape[0]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0).float() for x in (query, key, value))
+    mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=query.device).tril_()
+    return _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)[0].transpose(0, 1).to(query.dtype)

@@ -20,6 +20,19 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(nn.Module):
+    """gelu(x[..., :d]) * x[..., d:] (GeGLU, Gemma's MLP); approximate="tanh" is Hugging
+    Face's gelu_pytorch_tanh."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
 # Hugging Face activation names (transformers.activations.ACT2FN) -> modules with the same
 # arithmetic. gelu_new is GPT-2's tanh approximation.
 _ACTIVATIONS = {

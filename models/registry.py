@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from raylm.models.opt import OPTForCausalLM
+from raylm.models.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }

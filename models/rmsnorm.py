@@ -31,3 +31,18 @@ class RMSNorm(nn.Module):
         # rounding to the model dtype before (not after) the weight multiply.
         out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight) (the checkpoint stores the offset from 1),
+    normalising and scaling in fp32 and rounding to the input dtype once at the end, as
+    Hugging Face does."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())
+        out = out.to(x.dtype)
+        return out if residual is None else (out, residual)

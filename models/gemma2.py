@@ -1,0 +1,173 @@
+"""Gemma 2, on the Llama pieces where they fit (attention projections, rotary, weight
+loading, the model's forward).
+
+What differs from Llama: embeddings scaled by sqrt(hidden_size) in the model dtype; RMSNorm
+with (1 + weight) in fp32 (`GemmaRMSNorm`); norms before and after both attention and MLP;
+a GeGLU MLP; attention scaled by query_pre_attn_scalar ** -0.5 with scores soft-capped at
+`attn_logit_softcapping`; final logits soft-capped at `final_logit_softcapping`; tied
+embeddings. Every other layer is sliding-window in the checkpoint; raylm attends to the
+full context, which is exact because the engine caps max_model_len at the window
+(`derive_max_model_len`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from raylm.kernels import torch_attention
+from raylm.models.activation import GeluAndMul
+from raylm.models.attention import Attention
+from raylm.models.forward_context import get_forward_context
+from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.rmsnorm import GemmaRMSNorm
+from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
+from raylm.parallel import MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face activation names -> F.gelu's `approximate`.
+_GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class SoftCappedAttention(Attention):
+    """Attention whose scaled scores s become cap * tanh(s / cap) before the softmax.
+
+    Only the PyTorch reference implements the cap (the native CPU and Triton kernels do
+    not), so this layer always runs it, whatever backend the runner assigns to
+    `attn_backend`."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 logits_soft_cap: float) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        self.logits_soft_cap = float(logits_soft_cap)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None:
+            out = torch_attention.soft_capped_causal_attention(q, k, v, self.scale, self.logits_soft_cap)
+        else:
+            assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
+            k_cache, v_cache = self.kv_cache
+            torch_attention.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+            out = torch_attention.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
+                                                  logits_soft_cap=self.logits_soft_cap)
+        return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+
+class Gemma2Attention(LlamaAttention):
+    """Llama's projections and rotary; Gemma's scale and score soft-cap."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias)
+        scale = float(config.query_pre_attn_scalar) ** -0.5
+        soft_cap = getattr(config, "attn_logit_softcapping", None)
+        if soft_cap:
+            self.attn = SoftCappedAttention(self.num_heads, self.head_size, scale, self.num_kv_heads, soft_cap)
+        else:
+            self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads)
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        if act not in _GELU_APPROXIMATIONS:
+            raise ValueError(f"hidden_activation must be one of {sorted(_GELU_APPROXIMATIONS)} for Gemma 2, "
+                             f"got {act!r}.")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act_fn = GeluAndMul(_GELU_APPROXIMATIONS[act])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Gemma2Attention(config, rotary_emb)
+        self.mlp = Gemma2MLP(config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each block is fused into the next block's pre-norm (as in
+        # Llama); the post-norms act on the block's output alone, before that add.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """Embeddings times sqrt(hidden_size), the factor rounded to the model dtype first (as
+    Hugging Face does: in bf16 sqrt(3072) is 55.5, not 55.43)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.register_buffer("normalizer", torch.tensor(embedding_dim ** 0.5, dtype=self.weight.dtype),
+                             persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.normalizer
+
+
+class Gemma2Model(LlamaModel):
+    """Llama's forward (embed, layers with the residual fused into the norms, final norm)
+    over Gemma 2's modules."""
+
+    def __init__(self, config: Any) -> None:
+        nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError("use_bidirectional_attention=True is not supported; raylm's attention is causal.")
+        if getattr(config, "attn_logit_softcapping", None):
+            logger.info("Gemma 2 attention soft-capping (attn_logit_softcapping=%s) is implemented only by the "
+                        "PyTorch reference attention; the model's attention layers run it whatever the attention "
+                        "backend.", config.attn_logit_softcapping)
+        self.embed_tokens = ScaledVocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Llama's forward and weight loading (same checkpoint names) over Gemma 2's model, and
+    soft-capped logits."""
+
+    def __init__(self, config: Any) -> None:
+        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama model
+        self.config = config
+        self.model = Gemma2Model(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.sliding_window = self._sliding_window(config)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] fp32 logits, soft-capped; None on ranks other than 0."""
+        logits = super().compute_logits(hidden_states)
+        cap = self.final_logit_softcapping
+        if logits is None or not cap:
+            return logits
+        return torch.tanh(logits / cap) * cap

@@ -1,0 +1,38 @@
+"""Qwen3: Llama with an RMSNorm over each head of q and k before rotary (q_norm, k_norm),
+`head_dim` free of hidden_size / num_heads, and no qkv bias unless `attention_bias`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raylm.models.llama import LlamaAttention, LlamaForCausalLM
+from raylm.models.rmsnorm import RMSNorm
+from raylm.models.rotary_embedding import RotaryEmbedding
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+        bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias)
+        # One weight of head_dim shared by all heads, so no tensor-parallel sharding.
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
+        k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        # The Llama layers build LlamaAttention by name; swapping each for Qwen3's frees the
+        # old one (empty, never loaded), so this costs one layer's projections of memory at
+        # most. The rest of the layer (MLP, norms, residual order) is Llama's.
+        for layer in self.model.layers:
+            layer.self_attn = Qwen3Attention(config, layer.self_attn.rotary_emb)
