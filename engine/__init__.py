@@ -1,5 +1,6 @@
 """raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine` and the outputs."""
 
+from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -13,7 +14,7 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind"]
+           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name: str):

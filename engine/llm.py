@@ -9,8 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_sampling_params,
+                                      top_logprobs)
 from raylm.engine.llm_engine import LLMEngine, PromptType
-from raylm.engine.outputs import RequestOutput
+from raylm.engine.outputs import CompletionOutput, RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -61,7 +63,62 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        if any(params.use_beam_search for params in params_list):
+            return self._generate_with_beam_search(prompt_list, params_list, use_tqdm)
         return self._run(prompt_list, params_list, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (Hugging Face's algorithm) for each prompt; returns its beam_width
+        best beams, best first, with their tokens, text and scores. Beams are one-token
+        requests to the engine, so the prompts' and the beams' common prefixes share KV
+        blocks through the prefix cache."""
+        engine = self.llm_engine
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            _, prompt_token_ids = engine._tokenize_prompt(prompt)
+            searches.append(BeamSearch(prompt_token_ids, params, engine.eos_token_ids))
+        progress = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        with progress:
+            while active := [search for search in searches if not search.finished_search]:
+                batch = [(search, tokens) for search in active for tokens in search.pending()]
+                step_params = [beam_search_sampling_params(search) for search, _ in batch]
+                outputs = self._run([{"prompt_token_ids": tokens} for _, tokens in batch], step_params, False)
+                for search in active:
+                    search.advance([top_logprobs(o) for (owner, _), o in zip(batch, outputs) if owner is search])
+                progress.update(1)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for search in searches:
+            sequences = search.results()
+            for sequence in sequences:
+                if tokenizer is not None:
+                    sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _generate_with_beam_search(self, prompts: list[PromptType], params_list: list[SamplingParams],
+                                   use_tqdm: bool) -> list[RequestOutput]:
+        """vLLM 0.4's `SamplingParams(use_beam_search=True)`: each prompt's n best of
+        best_of beams as its completions."""
+        outputs = []
+        max_model_len = self.llm_engine.model_config.max_model_len
+        for prompt, params in zip(prompts, params_list):
+            if not params.use_beam_search:
+                outputs += self._run([prompt], [params], use_tqdm)
+                continue
+            prompt_text, prompt_token_ids = self.llm_engine._tokenize_prompt(prompt)
+            max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
+            beam_params = BeamSearchParams(beam_width=params.best_of, max_tokens=max_tokens,
+                                           ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+                                           early_stopping=params.early_stopping)
+            (result,) = self.beam_search([{"prompt_token_ids": prompt_token_ids}], beam_params, use_tqdm)
+            completions = [CompletionOutput(index, sequence.text or "", sequence.output_tokens, sequence.cum_logprob,
+                                            None, sequence.finish_reason)
+                           for index, sequence in enumerate(result.sequences[:params.n])]
+            request_id = str(next(self._request_counter))
+            outputs.append(RequestOutput(request_id, prompt_text, prompt_token_ids, None, completions, True))
+        return outputs
 
     def chat(self, messages: ChatMessages | list[ChatMessages],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,

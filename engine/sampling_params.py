@@ -63,6 +63,12 @@ class SamplingParams:
         spaces_between_special_tokens: Put spaces around special tokens in the text.
         logit_bias: Token id -> value added to its logit before sampling (-100 to 100).
         output_kind: Whether outputs are cumulative (default), deltas, or final only.
+        use_beam_search: vLLM 0.4's beam search: `best_of` beams (more than 1), greedy
+            (temperature 0, top_p 1, top_k off), the `n` best returned.
+        length_penalty: Beam search: finished beams are scored by
+            sum(logprobs) / length ** length_penalty.
+        early_stopping: Beam search: True stops when `best_of` beams have finished, False
+            when no running beam can heuristically beat them, "never" when none can at all.
     """
 
     n: int = 1
@@ -87,6 +93,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Filled by the engine: EOS plus stop_token_ids, the tokens that min_tokens holds back.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -138,9 +147,21 @@ class SamplingParams:
                    "must be non-negative integers")
         for token_id, bias in (self.logit_bias or {}).items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"{{{token_id}: {bias}}}", "values must be in [-100, 100]")
-        if self.best_of > 1 and self.sampling_type == SamplingType.GREEDY:
+        if self.use_beam_search:
+            self._verify_beam_search()
+        elif self.best_of > 1 and self.sampling_type == SamplingType.GREEDY:
             # Greedy samples would all be identical: vLLM rejects this too.
             _check(False, "best_of", self.best_of, "must be 1 when using greedy sampling (temperature 0)")
+
+    def _verify_beam_search(self) -> None:
+        # vLLM 0.4's rules: beam search ranks by the model's own probabilities.
+        _check(self.best_of > 1, "best_of", self.best_of, "must be greater than 1 when using beam search")
+        _check(self.temperature < _GREEDY_TEMPERATURE, "temperature", self.temperature,
+               "must be 0 when using beam search")
+        _check(self.top_p == 1.0, "top_p", self.top_p, "must be 1 when using beam search")
+        _check(self.top_k == 0, "top_k", self.top_k, "must be -1 when using beam search")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
+               "must be True, False or 'never'")
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Checks the token ids the request names against the model's vocabulary."""

@@ -3,6 +3,7 @@ transformers and raylm generate the same greedy text from it, and that text is P
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import re
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from hf_reference import hf_greedy, hf_model
-from raylm.engine import LLM, SamplingParams
+from raylm.engine import LLM
 from raylm.engine.arg_utils import EngineArgs
 from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path, resolve_model_path
 
@@ -37,8 +38,12 @@ def results(model_dir) -> dict:
 @pytest.fixture(scope="module")
 def greedy_outputs(model_dir):
     llm = LLM(model=str(model_dir), dtype="float32")
+    # Greedy with the model's own defaults (its generation_config.json's repetition
+    # penalty), which HF's generate applies too.
+    params = dataclasses.replace(llm.get_default_sampling_params(), temperature=0.0, max_tokens=MAX_TOKENS)
+    assert params.repetition_penalty == 1.3
     try:
-        yield llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        yield llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         llm.shutdown()
 
@@ -59,7 +64,8 @@ def test_engine_config_of_no_model_or_the_short_name_is_the_demo_folder(model):
 def test_llm_takes_the_demo_models_short_name(greedy_outputs):
     llm = LLM(model=DEMO_MODEL_NAME, dtype="float32")
     try:
-        outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        params = dataclasses.replace(llm.get_default_sampling_params(), temperature=0.0, max_tokens=MAX_TOKENS)
+        outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy_outputs[:2]]
