@@ -121,8 +121,17 @@ class _SamplingFields(OpenAIBaseModel):
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int,
-                         prompt_logprobs: int | None) -> SamplingParams:
-        """Builds the engine's SamplingParams; raises ParameterError naming a bad field."""
+                         prompt_logprobs: int | None, model_defaults: dict[str, Any] | None = None,
+                         **beam_search: Any) -> SamplingParams:
+        """Builds the engine's SamplingParams; raises ParameterError naming a bad field.
+        Sampling fields the request leaves unset take `model_defaults` (the model's
+        generation_config.json, as vLLM's --generation-config auto), else vLLM's defaults."""
+        defaults = {**_VLLM_SAMPLING_DEFAULTS, **(model_defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return defaults[name] if value is None else value
+
         if max_tokens is None:
             max_tokens = default_max_tokens
         logit_bias = None
@@ -137,11 +146,11 @@ class _SamplingFields(OpenAIBaseModel):
             best_of=self.best_of,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=pick("repetition_penalty"),
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -155,7 +164,12 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            **beam_search,
         )
+
+
+# The sampling fields a request may leave unset, and vLLM's values for them.
+_VLLM_SAMPLING_DEFAULTS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
 # ------------------------------------------------------------- completions
@@ -166,6 +180,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
+    # vLLM 0.4's beam search fields: best_of beams, the n best returned (not streamed).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
@@ -186,11 +204,14 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None
+                           ) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs
-        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens, prompt_logprobs,
+                                     model_defaults, use_beam_search=self.use_beam_search,
+                                     length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -285,10 +306,11 @@ class ChatCompletionRequest(_SamplingFields):
                                  "continue_final_message")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None
+                           ) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, default_max_tokens, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, default_max_tokens, self.prompt_logprobs, model_defaults)
 
 
 class ChatLogProb(OpenAIBaseModel):

@@ -32,6 +32,8 @@ class OpenAIServing:
         self.model_name = served_model_names[0]
         self.tokenizer = tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
+        # The sampling defaults of the model's generation_config.json, for fields a request leaves unset.
+        self.model_defaults: dict[str, Any] = dict(engine.engine.generation_defaults.sampling)
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> str:
@@ -63,12 +65,12 @@ class OpenAIServing:
                               f"completion.", param="max_tokens")
         return max_tokens
 
-    def sampling_params(self, build: Callable[[int], SamplingParams], prompt_len: int,
+    def sampling_params(self, build: Callable[[int, dict[str, Any]], SamplingParams], prompt_len: int,
                         max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; a value out of range is a 400 naming its field."""
         default_max_tokens = self.check_context(prompt_len, max_tokens)
         try:
-            params = build(default_max_tokens)
+            params = build(default_max_tokens, self.model_defaults)
         except ValueError as exc:
             raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
         # The engine checks these too, but its error could not say which field it was.

@@ -178,6 +178,24 @@ class BeamSearch:
         return sequences
 
 
+def beam_search_request_output(request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                               result: BeamSearchOutput, n: int):
+    """vLLM 0.4's shape of a beam search: a finished RequestOutput whose completions are
+    the n best beams (cumulative_logprob: the raw sum of their logprobs)."""
+    from raylm.engine.outputs import CompletionOutput, RequestOutput
+
+    completions = [CompletionOutput(index, sequence.text or "", sequence.output_tokens, sequence.cum_logprob,
+                                    None, sequence.finish_reason)
+                   for index, sequence in enumerate(result.sequences[:n])]
+    return RequestOutput(request_id, prompt, prompt_token_ids, None, completions, True)
+
+
+def beam_search_params_from(params, max_tokens: int) -> BeamSearchParams:
+    """The BeamSearchParams of a SamplingParams(use_beam_search=True)."""
+    return BeamSearchParams(beam_width=params.best_of, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                            length_penalty=params.length_penalty, early_stopping=params.early_stopping)
+
+
 def beam_search_sampling_params(search: BeamSearch):
     """The one-token request that scores a beam: greedy, the top candidates' logprobs."""
     from raylm.engine.sampling_params import RequestOutputKind, SamplingParams

@@ -9,10 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from raylm.engine.arg_utils import EngineArgs
-from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_sampling_params,
-                                      top_logprobs)
+from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_params_from,
+                                      beam_search_request_output, beam_search_sampling_params, top_logprobs)
 from raylm.engine.llm_engine import LLMEngine, PromptType
-from raylm.engine.outputs import CompletionOutput, RequestOutput
+from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -109,15 +109,10 @@ class LLM:
                 continue
             prompt_text, prompt_token_ids = self.llm_engine._tokenize_prompt(prompt)
             max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
-            beam_params = BeamSearchParams(beam_width=params.best_of, max_tokens=max_tokens,
-                                           ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
-                                           early_stopping=params.early_stopping)
-            (result,) = self.beam_search([{"prompt_token_ids": prompt_token_ids}], beam_params, use_tqdm)
-            completions = [CompletionOutput(index, sequence.text or "", sequence.output_tokens, sequence.cum_logprob,
-                                            None, sequence.finish_reason)
-                           for index, sequence in enumerate(result.sequences[:params.n])]
-            request_id = str(next(self._request_counter))
-            outputs.append(RequestOutput(request_id, prompt_text, prompt_token_ids, None, completions, True))
+            (result,) = self.beam_search([{"prompt_token_ids": prompt_token_ids}],
+                                         beam_search_params_from(params, max_tokens), use_tqdm)
+            outputs.append(beam_search_request_output(str(next(self._request_counter)), prompt_text,
+                                                      prompt_token_ids, result, params.n))
         return outputs
 
     def chat(self, messages: ChatMessages | list[ChatMessages],

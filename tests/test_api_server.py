@@ -407,3 +407,37 @@ def test_metrics_show_prefix_cache_hits_of_a_repeated_prompt(server, client):
     queries = _metric(after, "raylm:prefix_cache_queries_total") - _metric(before, "raylm:prefix_cache_queries_total")
     hits = _metric(after, "raylm:prefix_cache_hits_total") - _metric(before, "raylm:prefix_cache_hits_total")
     assert queries == 2 * len(prompt) and hits == 32
+
+
+def test_use_beam_search_returns_the_n_best_beams(server, llm):
+    from raylm.engine import BeamSearchParams
+
+    prompt = [5, 17, 300, 42, 9, 77]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2, "best_of": 3,
+            "use_beam_search": True}
+    response = httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    expected = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    assert [c["text"] for c in choices] == [s.text for s in expected.sequences[:2]]
+    assert [c["index"] for c in choices] == [0, 1]
+
+
+def test_use_beam_search_with_sampling_settings_is_a_400_naming_the_field(server):
+    body = {"model": MODEL, "prompt": "Hi", "best_of": 2, "temperature": 0.8, "use_beam_search": True}
+    response = httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    _check_error(response, 400)
+    assert response.json()["error"]["param"] == "temperature"
+
+
+def test_unset_sampling_fields_take_the_models_generation_config_defaults():
+    from raylm.deploy.protocol import CompletionRequest
+
+    model_defaults = {"repetition_penalty": 1.3, "temperature": 0.6, "top_k": 20}
+    params = CompletionRequest(prompt="x", top_k=5).to_sampling_params(16, model_defaults)
+    # Unset fields take the model's defaults; set ones keep the request's; the rest vLLM's.
+    assert (params.repetition_penalty, params.temperature, params.top_k, params.top_p) == (1.3, 0.6, 5, 1.0)
+    plain = CompletionRequest(prompt="x").to_sampling_params(16, {})
+    assert (plain.repetition_penalty, plain.temperature, plain.top_k) == (1.0, 1.0, 0)
