@@ -132,13 +132,12 @@ def app_builder(args: dict[str, Any]) -> Application:
     deployment. Values given on the `serve run` command line arrive as strings."""
     from raylm.engine.arg_utils import EngineArgs
 
-    args = dict(args or {})
-    from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path
+    from raylm.models.bundled import resolve_model_path
 
+    args = dict(args or {})
     # No model, or the demo model's short name (what deploy/serve_config.yaml ships with),
     # means the bundled demo model's folder.
-    if not args.get("model") or args["model"] == DEMO_MODEL_NAME:
-        args["model"] = str(default_model_path())
+    args["model"] = resolve_model_path(args.get("model"))
     engine_fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(args) - set(engine_fields) - set(DEPLOYMENT_KEYS) - set(SERVER_KEYS))
     if unknown:

@@ -5,6 +5,7 @@ with a free HTTP port instead of the config's 8000."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_shipped_config_serves_the_bundled_demo_model(config):
 
 
 def test_shipped_config_answers_a_completion_as_llm_generate_does(served):
-    from raylm.engine import LLM, SamplingParams
+    from raylm.engine import LLM
 
     url, model = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -58,7 +59,9 @@ def test_shipped_config_answers_a_completion_as_llm_generate_does(served):
     response = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
 
     llm = LLM()
-    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+    # The server fills the fields a request leaves unset from the model's generation_config.
+    params = dataclasses.replace(llm.get_default_sampling_params(), temperature=0.0, max_tokens=MAX_TOKENS)
+    expected = llm.generate([PROMPT], params, use_tqdm=False)[0]
     llm.shutdown()
     assert response.choices[0].text == expected.outputs[0].text
     assert response.choices[0].text and response.usage.completion_tokens == len(expected.outputs[0].token_ids)
