@@ -47,10 +47,14 @@ class KVCacheManager:
             if block is None:
                 break
             computed.append(block)
-        num_computed_tokens = len(computed) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_computed_tokens
-        return computed, num_computed_tokens
+        return computed, len(computed) * self.block_size
+
+    def record_admission(self, request: Request, num_computed_tokens: int) -> None:
+        """Counts a lookup that led to admission (a request that waits and looks again
+        next step is counted once, when it gets in)."""
+        if self.enable_caching and not _needs_prompt_logprobs(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed_tokens
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

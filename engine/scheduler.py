@@ -178,6 +178,7 @@ class Scheduler:
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_computed_tokens) is None:
                 break
             self.waiting.popleft()
+            kv.record_admission(request, num_computed_tokens)
             request.num_computed_tokens = num_computed_tokens
             request.num_cached_tokens = num_computed_tokens
             request.status = RequestStatus.RUNNING

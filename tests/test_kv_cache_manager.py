@@ -26,6 +26,7 @@ def admit(kv: KVCacheManager, request: Request) -> list[int]:
     and computed: look up the cached prefix, allocate, advance. Returns the block ids."""
     blocks, num_cached = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens - num_cached, blocks, num_cached) is not None
+    kv.record_admission(request, num_cached)
     request.num_computed_tokens = request.num_tokens
     return kv.get_block_ids(request.request_id)
 

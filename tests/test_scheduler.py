@@ -408,3 +408,20 @@ def test_prompt_logprob_targets_cover_every_prompt_position_once_across_a_preemp
     assert prompt_logprob_positions(outputs, prompt) == list(range(1, 20))
     assert prompt.output_token_ids == reference_outputs(prompt.prompt_token_ids, 2)
     assert decoder.output_token_ids == reference_outputs(decoder.prompt_token_ids, 16)
+
+
+def test_prefix_cache_stats_count_each_admission_once_however_long_it_waited() -> None:
+    # Two 40-token prompts with the same first 16 tokens, in a pool of 4 blocks of 16: the
+    # first takes 3 blocks, so the second (one block found in the cache, two new) waits
+    # until the first is done, looking up its prefix at every step; only its admission
+    # counts.
+    scheduler = make_scheduler(num_blocks=4, max_model_len=64)
+    first = make_request("first", list(range(40)), max_tokens=8)
+    second = make_request("second", list(range(16)) + list(range(100, 124)), max_tokens=2)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    outputs = run_to_completion(scheduler)
+    admitted_at = next(i for i, out in enumerate(outputs) if second in out.scheduled)
+    assert admitted_at >= 8  # it waited while the first decoded
+    kv = scheduler.kv_cache_manager
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40 + 40, 16)
