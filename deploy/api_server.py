@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body, error_response, install_error_handlers
+from raylm.deploy.limits import RequestLimits
 from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -108,8 +109,9 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     model_config = engine.model_config
     tokenizer = _frontend_tokenizer(engine)
     chat_template = load_chat_template(server_args.chat_template)
-    completions = OpenAIServingCompletion(engine, model_names, tokenizer)
-    chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template)
+    limits = RequestLimits.from_args(args)
+    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits)
+    chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits)
     metrics = ServerMetrics(engine, model_names[0])
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
@@ -211,6 +213,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Chat template (a Jinja file or the template itself) instead of the tokenizer's.")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's log level (default: %(default)s).")
+    RequestLimits.add_cli_args(parser)
     return parser
 
 

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 
-# Chat logprobs: OpenAI allows at most 20 alternatives per position.
-MAX_TOP_LOGPROBS = 20
-# Completions logprobs: OpenAI allows at most 5; vLLM lifts that, so do we (up to the vocabulary).
+# Logprobs: OpenAI allows at most 20 alternatives per position in chat and 5 in completions;
+# vLLM bounds both by its max_logprobs engine argument (default 20), and so does raylm's
+# server (OpenAIServing.check_logprobs), with the other request limits (deploy/limits.py).
 
 
 def random_id(prefix: str) -> str:
@@ -297,9 +297,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ParameterError("top_logprobs needs logprobs set to true.", "top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ParameterError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}.",
-                                     "top_logprobs")
+            if self.top_logprobs < 0:
+                raise ParameterError(f"top_logprobs must be non-negative, got {self.top_logprobs}.", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             # vLLM's rule: continuing the last message and opening a new one contradict.
             raise ParameterError("continue_final_message and add_generation_prompt cannot both be true.",

@@ -44,6 +44,7 @@ class OpenAIServingChat(OpenAIServing):
         """The conversation as the prompt text the model was trained on."""
         if self.tokenizer is None:
             raise OpenAIError("Chat needs a tokenizer; this server runs without one.", param="messages")
+        self.limits.check_messages(messages, self.max_model_len)
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError("The model's tokenizer has no chat template: send chat_template, or start the server "
@@ -61,9 +62,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)
-        text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
-                           request.chat_template, request.chat_template_kwargs)
-        token_ids = self.tokenize(text, request.add_special_tokens)
+        self.limits.check_messages(request.messages, self.max_model_len)
+        self.limits.check_sampling(request)
+        self.check_logprobs(request)
+        text, token_ids = await self.off_loop(self._render_and_tokenize, request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
             self.check_context(len(token_ids), max_tokens, noun="messages")
@@ -92,6 +94,12 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                           usage=usage)
         return JSONResponse(response.model_dump())
+
+    def _render_and_tokenize(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt text and its token ids (on the tokenizer thread)."""
+        text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
+                           request.chat_template, request.chat_template_kwargs)
+        return text, self.tokenize(text, request.add_special_tokens, param="messages")
 
     @staticmethod
     def _echo_text(request: ChatCompletionRequest) -> str:

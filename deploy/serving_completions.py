@@ -16,23 +16,21 @@ from raylm.deploy.protocol import (CompletionLogProbs, CompletionRequest, Comple
                                    UsageInfo, random_id)
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse,
                                          sse_error)
-from raylm.engine.beam_search import beam_search_params_from, beam_search_request_output
+from raylm.engine.beam_search import beam_search_params_from, beam_search_request_output, beams_to_keep
 from raylm.engine.outputs import Logprob, RequestOutput
-from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.sampling_params import MAX_N_SEQUENCES, SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)
+        requested = request.prompts()
+        self.check_limits(request, requested)
+        token_ids_list = await self.off_loop(self._tokenize_all, requested, request.add_special_tokens)
         prompts, params = [], []
-        for prompt in request.prompts():
-            if isinstance(prompt, str):
-                token_ids = self.tokenize(prompt, request.add_special_tokens)
-                text: str | None = prompt
-            else:
-                token_ids, text = list(prompt), None
+        for prompt, token_ids in zip(requested, token_ids_list):
             params.append(self.sampling_params(request.to_sampling_params, len(token_ids), request.max_tokens))
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids} if text is not None
+            prompts.append({"prompt": prompt, "prompt_token_ids": token_ids} if isinstance(prompt, str)
                            else {"prompt_token_ids": token_ids})
         request_id = random_id("cmpl")
         created = int(time.time())
@@ -46,6 +44,35 @@ class OpenAIServingCompletion(OpenAIServing):
         async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
             finals[index] = output
         return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
+
+    def check_limits(self, request: CompletionRequest, prompts: list[str | list[int]]) -> None:
+        """Every size the request asks for, before anything is tokenized or allocated."""
+        num_prompts = len(prompts)
+        self.limits.check_num_prompts(num_prompts)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.limits.check_prompt_chars(len(prompt), self.max_model_len)
+        self.limits.check_sampling(request)
+        self.check_logprobs(request)
+        width = request.best_of if request.best_of is not None else request.n
+        if num_prompts * width > MAX_N_SEQUENCES:
+            param = "best_of" if request.best_of is not None else "n"
+            raise OpenAIError(f"This request asks for {num_prompts} prompts x {param} {width} = {num_prompts * width} "
+                              f"sequences; at most {MAX_N_SEQUENCES} are allowed in one request "
+                              f"(RAYLM_MAX_N_SEQUENCES).", param=param)
+        max_logprobs = self.engine.model_config.max_logprobs
+        if request.use_beam_search and max_logprobs >= 0:
+            # Each beam's step is a request for beams_to_keep logprobs (vLLM: 2 x beam_width).
+            per_beam = beams_to_keep(1, len(self.engine.engine.eos_token_ids))
+            if per_beam * width > max_logprobs:
+                raise OpenAIError(f"best_of (the beam width) must be at most {max_logprobs // per_beam} with "
+                                  f"use_beam_search: each step asks for {per_beam} x best_of logprobs and the "
+                                  f"server's --max-logprobs is {max_logprobs}; got {width}.", param="best_of")
+
+    def _tokenize_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+        """Each prompt's token ids (on the tokenizer thread)."""
+        return [self.tokenize(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+                for prompt in prompts]
 
     async def _beam_search(self, request: CompletionRequest, request_id: str, prompts: list[dict],
                            params: list[SamplingParams]) -> list[RequestOutput]:

@@ -4,8 +4,10 @@ context-length rule, turning engine outputs into logprob entries, and streaming 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
 
@@ -14,6 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body
+from raylm.deploy.limits import RequestLimits
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import SamplingParams
@@ -23,17 +26,26 @@ DISCONNECT_POLL_S = 1.0
 
 
 class OpenAIServing:
-    """Holds the engine and the frontend's own tokenizer (the engine's belongs to the
-    engine thread: a tokenizer is not shared across threads)."""
+    """Holds the engine, the request limits and the frontend's own tokenizer (the
+    engine's belongs to the engine thread). Tokenizing and chat templating run on a
+    thread of their own, as in vLLM, so a long prompt never stalls the event loop."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
+                 limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = tokenizer
+        self.limits = limits or RequestLimits()
         self.max_model_len: int = engine.model_config.max_model_len
         # The sampling defaults of the model's generation_config.json, for fields a request leaves unset.
         self.model_defaults: dict[str, Any] = dict(engine.engine.generation_defaults.sampling)
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-tokenizer")
+
+    async def off_loop(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`function(*args, **kwargs)` on the tokenizer thread (tokenizing, chat templates)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(function, *args, **kwargs))
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> str:
@@ -41,10 +53,28 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return self.model_name
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """The text's token ids; text too long for any context is refused before tokenizing."""
         if self.tokenizer is None:
-            raise OpenAIError("This server runs without a tokenizer: send prompts as token ids.", param="prompt")
+            raise OpenAIError("This server runs without a tokenizer: send prompts as token ids.", param=param)
+        self.limits.check_prompt_chars(len(text), self.max_model_len, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_logprobs(self, request: Any) -> None:
+        """vLLM's max_logprobs (an engine argument) for logprobs, chat's top_logprobs and
+        prompt_logprobs; checked here too so the error names the request's field."""
+        vocab_size = self.engine.model_config.vocab_size
+        max_logprobs = self.engine.model_config.max_logprobs
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(request, name, None)
+            if value is None or isinstance(value, bool):  # chat's logprobs is a switch
+                continue
+            if 0 <= max_logprobs < value:
+                raise OpenAIError(f"{name} must be at most {max_logprobs} (the server's --max-logprobs), "
+                                  f"got {value}.", param=name)
+            if value > vocab_size:
+                raise OpenAIError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.",
+                                  param=name)
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
@@ -70,17 +100,9 @@ class OpenAIServing:
         """The request's SamplingParams; a value out of range is a 400 naming its field."""
         default_max_tokens = self.check_context(prompt_len, max_tokens)
         try:
-            params = build(default_max_tokens, self.model_defaults)
+            return build(default_max_tokens, self.model_defaults)
         except ValueError as exc:
             raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
-        # The engine checks these too, but its error could not say which field it was.
-        vocab_size = self.engine.model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > vocab_size:
-                raise OpenAIError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.",
-                                  param=name)
-        return params
 
     async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams]
                            ) -> list[AsyncIterator[RequestOutput]]:

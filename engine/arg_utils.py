@@ -88,6 +88,10 @@ class EngineArgs:
         "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
         "that leave them unset, and all its EOS ids stop generation; 'vllm' ignores the file; a folder path "
         "reads the file from there."))
+    max_logprobs: int = field(default=20, metadata=_help(
+        "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
+        "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
+        "with several EOS ids), so this also bounds the beam width (10 by default)."))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -122,6 +126,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             attention_backend=self.attention_backend,
             generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

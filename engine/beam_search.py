@@ -51,6 +51,12 @@ class BeamSearchParams:
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")
 
 
+def beams_to_keep(beam_width: int, num_eos_token_ids: int) -> int:
+    """Candidates ranked per step, HF's rule; also the logprobs each beam's one-token
+    request asks for, so the engine's max_logprobs bounds the beam width."""
+    return max(2, 1 + num_eos_token_ids) * beam_width
+
+
 @dataclass
 class BeamSearchSequence:
     """One finished beam: the prompt's tokens plus the generated ones."""
@@ -94,7 +100,7 @@ class BeamSearch:
         self.params = params
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         k = params.beam_width
-        self.beams_to_keep = max(2, 1 + len(eos_token_ids)) * k
+        self.beams_to_keep = beams_to_keep(k, len(eos_token_ids))
         # HF starts with k copies of the prompt, all but one at -1e9, so the first step
         # draws its candidates from one beam.
         self.running = [_Beam([], [], 0.0)] + [_Beam([], [], _NEG) for _ in range(k - 1)]

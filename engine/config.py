@@ -88,6 +88,9 @@ class ModelConfig:
     attention_backend: str | None = None
     # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"
+    # vLLM's max_logprobs: the most logprobs / prompt_logprobs a request may ask for
+    # (-1: up to the vocabulary). Each one is a Logprob object per position and sequence.
+    max_logprobs: int = 20
 
     @property
     def vocab_size(self) -> int:

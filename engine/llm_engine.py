@@ -15,7 +15,7 @@ from raylm.engine.generation_config import load_generation_defaults
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import Request
-from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.sampling_params import ParameterError, SamplingParams
 from raylm.engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -132,10 +132,19 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
         params.verify_vocab(vocab_size)
+        # vLLM's max_logprobs: every request counts, beam search's one-token steps too
+        # (they ask for 2 x beam_width), so it bounds the beam width as in vLLM.
+        max_logprobs = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.")
+            if value is None:
+                continue
+            if 0 <= max_logprobs < value:
+                beams = "; beam search asks for 2 x beam_width" if name == "logprobs" else ""
+                raise ParameterError(f"{name} must be at most max_logprobs = {max_logprobs} (the engine argument "
+                                     f"max_logprobs, --max-logprobs{beams}), got {value}.", name)
+            if value > vocab_size:
+                raise ParameterError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.", name)
 
     def _with_engine_defaults(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """The engine's private copy of the request's parameters, with what depends on the

@@ -1,0 +1,124 @@
+"""`RequestLimits`: the most one request to the OpenAI server may ask for, in one place.
+
+Every size a request names is bounded, and checked before anything is tokenized or
+allocated for it: past a limit the answer is a 400 whose OpenAI error body names the
+field (`param`) and the limit. Where vLLM has a limit raylm keeps it, where vLLM has it:
+`n` / `best_of` (at most RAYLM_MAX_N_SEQUENCES, 16384, engine/sampling_params.py) and
+`logprobs` / `prompt_logprobs` / `top_logprobs` (the engine argument `max_logprobs`, 20).
+The limits below are the server's own; each field is a `raylm serve` flag
+(`max_stop_strings` is `--max-stop-strings`), with the field's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylm.deploy.errors import OpenAIError
+
+# Characters of text allowed per token of context before tokenizing, when
+# --max-prompt-chars is not given. Text averages 3 to 5 characters per token and few
+# tokens are longer than 16 characters, so a prompt past this could never fit the
+# context; the bound keeps a huge prompt from costing seconds of tokenizer time first.
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server's bounds on one request (vLLM has none of these)."""
+
+    max_prompts_per_request: int = field(default=1024, metadata=_help(
+        "Most prompts in one /v1/completions request (a list of texts or of token-id lists)."))
+    max_stop_strings: int = field(default=64, metadata=_help(
+        "Most strings in a request's `stop` (OpenAI allows 4); each is searched for in the text at every token."))
+    max_stop_string_chars: int = field(default=256, metadata=_help("Most characters in one stop string."))
+    max_stop_token_ids: int = field(default=1024, metadata=_help("Most ids in a request's `stop_token_ids`."))
+    max_logit_bias: int = field(default=1024, metadata=_help("Most entries in a request's `logit_bias`."))
+    max_chat_messages: int = field(default=4096, metadata=_help("Most messages in one chat request."))
+    max_prompt_chars: int | None = field(default=None, metadata=_help(
+        f"Most characters of one text prompt, or of a chat request's messages together, before tokenization; "
+        f"default: {PROMPT_CHARS_PER_TOKEN} x max_model_len (longer text could not fit the context)."))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}.")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One flag per field (`--max-stop-strings`), with its help and default."""
+        for f in dataclasses.fields(cls):
+            help_text = f.metadata["help"].replace("%", "%%")
+            if f.default is not None:
+                help_text += " (default: %(default)s)"
+            parser.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_args(cls, args: Any) -> "RequestLimits":
+        """The limits in an argparse namespace, a dict or a `ServerArgs` (its `extra`);
+        fields they leave out or set to None keep their defaults."""
+        if isinstance(args, RequestLimits):
+            return args
+        if isinstance(args, argparse.Namespace):
+            values = vars(args)
+        elif isinstance(args, dict):
+            values = args
+        else:
+            values = getattr(args, "extra", None) or {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: int(v) for k, v in values.items() if k in names and v is not None})
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+    # ---------------------------------------------------------------- checks
+    def check_sampling(self, request: Any) -> None:
+        """`stop`, `stop_token_ids` and `logit_bias` of a completions or chat request."""
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or ())
+        _check_count(len(stops), self.max_stop_strings, "stop", "strings", "max_stop_strings")
+        longest = max((len(stop) for stop in stops), default=0)
+        if longest > self.max_stop_string_chars:
+            raise OpenAIError(f"stop strings may have at most {self.max_stop_string_chars} characters "
+                              f"(--max-stop-string-chars), got one of {longest}.", param="stop")
+        _check_count(len(request.stop_token_ids or ()), self.max_stop_token_ids, "stop_token_ids", "ids",
+                     "max_stop_token_ids")
+        _check_count(len(request.logit_bias or {}), self.max_logit_bias, "logit_bias", "entries", "max_logit_bias")
+
+    def check_num_prompts(self, count: int) -> None:
+        _check_count(count, self.max_prompts_per_request, "prompt", "prompts", "max_prompts_per_request")
+
+    def check_prompt_chars(self, chars: int, max_model_len: int, param: str = "prompt") -> None:
+        limit = self.prompt_chars(max_model_len)
+        if chars > limit:
+            raise OpenAIError(f"The {param} has {chars} characters; at most {limit} are allowed before tokenization "
+                              f"(--max-prompt-chars; this model's maximum context length is {max_model_len} "
+                              f"tokens).", param=param)
+
+    def check_messages(self, messages: list[Any], max_model_len: int) -> None:
+        """The number of chat messages and the characters of their content together."""
+        _check_count(len(messages), self.max_chat_messages, "messages", "messages", "max_chat_messages")
+        self.check_prompt_chars(sum(_content_chars(m.content) for m in messages), max_model_len, "messages")
+
+
+def _check_count(count: int, limit: int, param: str, noun: str, flag: str) -> None:
+    if count > limit:
+        raise OpenAIError(f"{param} may have at most {limit} {noun} (--{flag.replace('_', '-')}), got {count}.",
+                          param=param)
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a message's content: a string, or the text of its content parts."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    texts = (part.get("text") for part in content)
+    return sum(len(text) for text in texts if isinstance(text, str))

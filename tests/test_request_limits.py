@@ -1,0 +1,236 @@
+"""Request limits: every size a request can ask for is bounded and refused before anything
+is allocated, with a 400 naming the field; hostile requests leave the server's memory
+flat and the server serving; tokenizing and chat templates run off the event loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from raylm.deploy.cli import build_parser
+from raylm.deploy.limits import PROMPT_CHARS_PER_TOKEN, RequestLimits
+from raylm.engine import LLM, BeamSearchParams, SamplingParams
+from raylm.engine.sampling_params import MAX_N_SEQUENCES
+from test_api_server import free_port, wait_healthy
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 256  # the tiny model's context
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`raylm serve` with its default limits; yields (base_url, pid)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("limits_server") / "server.log"
+    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
+               "--served-model-name", MODEL, "--num-gpu-blocks-override", "256"]
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process)
+        yield base_url, process.pid
+    except BaseException:
+        print(log.read_text()[-5000:])
+        raise
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def post(base_url: str, path: str, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(base_url + path, json={"model": MODEL, **body}, timeout=timeout)
+
+
+def assert_served(base_url: str) -> None:
+    response = post(base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# case: (route, body, the error's "param")
+HOSTILE = {
+    "n of a million": ("/v1/completions", {"prompt": "x", "n": 1_000_000, "temperature": 1}, "n"),
+    "best_of of a million": ("/v1/completions", {"prompt": "x", "best_of": 1_000_000, "temperature": 1}, "best_of"),
+    "chat n of a million": ("/v1/chat/completions", {"messages": CHAT, "n": 1_000_000, "temperature": 1}, "n"),
+    "20,000 prompts": ("/v1/completions", {"prompt": ["Hi"] * 20_000, "max_tokens": 1}, "prompt"),
+    "20,000 token-id prompts": ("/v1/completions", {"prompt": [[5, 6]] * 20_000, "max_tokens": 1}, "prompt"),
+    "prompts x n over the sequence limit": ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 1000,
+                                                                "temperature": 1, "max_tokens": 1}, "n"),
+    "logprobs of a million": ("/v1/completions", {"prompt": "Hi", "logprobs": 1_000_000}, "logprobs"),
+    "prompt_logprobs of a million": ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1_000_000},
+                                     "prompt_logprobs"),
+    "chat top_logprobs of a million": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True,
+                                                                "top_logprobs": 1_000_000}, "top_logprobs"),
+    "beam width of a thousand": ("/v1/completions", {"prompt": "Hi", "best_of": 1000, "use_beam_search": True,
+                                                     "temperature": 0}, "best_of"),
+    "10,000 stop strings": ("/v1/completions", {"prompt": "Hi", "stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+    "a 100,000-character stop string": ("/v1/completions", {"prompt": "Hi", "stop": "s" * 100_000}, "stop"),
+    "100,000 stop_token_ids": ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [5] * 100_000},
+                               "stop_token_ids"),
+    "100,000-entry logit_bias": ("/v1/completions", {"prompt": "Hi", "logit_bias": {str(i): 1 for i in
+                                                                                   range(100_000)}}, "logit_bias"),
+    "10,000 chat messages": ("/v1/chat/completions", {"messages": CHAT * 10_000}, "messages"),
+    "a 2,000,000-character chat message": ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "Hi " * 700_000}]}, "messages"),
+    "a 2,000,000-character prompt": ("/v1/completions", {"prompt": "Hi " * 700_000}, "prompt"),
+    "a 2,000,000-character /tokenize prompt": ("/tokenize", {"prompt": "Hi " * 700_000}, "prompt"),
+    "max_tokens of 10**18": ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**18}, "max_tokens"),
+    "chat max_tokens of 10**18": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**18}, "max_tokens"),
+}
+
+
+def test_hostile_requests_are_4xx_naming_their_field_and_leave_memory_flat(server):
+    base_url, pid = server
+    assert_served(base_url)
+    start = rss_mb(pid)
+    wrong = {}
+    for case, (path, body, param) in HOSTILE.items():
+        response = post(base_url, path, body)
+        error = response.json().get("error") if response.headers.get("content-type") == "application/json" else None
+        if not (400 <= response.status_code < 500 and error and error.get("param") == param):
+            wrong[case] = (response.status_code, response.text[:300])
+    grown = rss_mb(pid) - start
+    assert not wrong, wrong
+    assert grown < 200, f"RSS grew {grown:.0f} MB over the hostile requests (from {start:.0f} MB)"
+    assert_served(base_url)
+    print(f"RSS {start:.0f} MB before the {len(HOSTILE)} hostile requests, +{grown:.1f} MB after")
+
+
+def test_limit_errors_name_the_limit(server):
+    base_url, _ = server
+    checks = {
+        "/v1/completions": [({"prompt": "Hi", "logprobs": 21}, "20"), ({"prompt": ["Hi"] * 1025}, "1024"),
+                            ({"prompt": "Hi", "stop": ["s"] * 65}, "64"),
+                            ({"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "1024")],
+        "/v1/chat/completions": [({"messages": CHAT * 4097}, "4096")],
+    }
+    for path, cases in checks.items():
+        for body, limit in cases:
+            response = post(base_url, path, body)
+            assert response.status_code == 400, response.text
+            assert limit in response.json()["error"]["message"], response.text
+
+
+def test_logprobs_up_to_vllms_max_logprobs_of_20_are_served(server):
+    base_url, _ = server
+    response = post(base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": 20,
+                                                  "prompt_logprobs": 20})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["logprobs"]["top_logprobs"]) == 2
+    chat = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "logprobs": True,
+                                                   "top_logprobs": 20})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+def test_sizes_just_under_the_limits_are_served(server):
+    base_url, _ = server
+    body = {"prompt": ["Hi"] * 64, "max_tokens": 1, "stop": [f"s{i}" for i in range(64)],
+            "stop_token_ids": list(range(3, 503)), "logit_bias": {str(i): 0.5 for i in range(512)}}
+    response = post(base_url, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 64
+
+
+@pytest.mark.parametrize("seed", [2**100, -5, 2**64 - 1])
+def test_any_integer_seed_is_served(server, seed):
+    base_url, _ = server
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0, "seed": seed}
+    first, second = post(base_url, "/v1/completions", body), post(base_url, "/v1/completions", body)
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]  # the seed still seeds
+    assert httpx.get(base_url + "/health").status_code == 200
+    assert_served(base_url)
+
+
+def test_health_answers_while_a_chat_template_renders(server):
+    """Chat templates (and tokenizing) run on a thread of their own: a template that takes
+    seconds to render leaves /health answering at once."""
+    base_url, _ = server
+    slow = ("{% set ns = namespace(x=0) %}{% for i in range(600) %}{% for j in range(1000) %}"
+            "{% set ns.x = ns.x + 1 %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}")
+    result = {}
+
+    def chat() -> None:
+        started = time.monotonic()
+        result["response"] = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                                     "chat_template": slow})
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=chat)
+    thread.start()
+    time.sleep(0.3)
+    latencies = []
+    while thread.is_alive():
+        started = time.monotonic()
+        assert httpx.get(base_url + "/health", timeout=5).status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.1)
+    thread.join()
+    assert result["response"].status_code == 200, result["response"].text
+    assert result["seconds"] > 1.0, "the template rendered too fast to show anything"
+    assert latencies and max(latencies) < 1.0, latencies
+
+
+# ------------------------------------------------------------- unit level
+def test_limits_are_serve_flags_with_documented_defaults():
+    args = build_parser().parse_args(["serve", "--max-stop-strings", "3", "--max-logprobs", "5"])
+    limits = RequestLimits.from_args(args)
+    assert limits.max_stop_strings == 3 and args.max_logprobs == 5
+    assert RequestLimits() == RequestLimits.from_args(build_parser().parse_args(["serve"]))
+    defaults = RequestLimits()
+    assert (defaults.max_prompts_per_request, defaults.max_stop_strings, defaults.max_stop_string_chars,
+            defaults.max_stop_token_ids, defaults.max_logit_bias, defaults.max_chat_messages) == \
+        (1024, 64, 256, 1024, 1024, 4096)
+    assert defaults.prompt_chars(MAX_MODEL_LEN) == PROMPT_CHARS_PER_TOKEN * MAX_MODEL_LEN
+    assert RequestLimits(max_prompt_chars=10).prompt_chars(MAX_MODEL_LEN) == 10
+    assert MAX_N_SEQUENCES == 16384
+
+
+def test_a_limit_must_be_positive():
+    with pytest.raises(ValueError, match="max_logit_bias must be a positive integer"):
+        RequestLimits(max_logit_bias=0)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    with LLM(model=str(llama_dir), dtype="float32", max_logprobs=4) as llm:
+        yield llm
+
+
+def test_llm_generate_refuses_logprobs_above_max_logprobs(llm):
+    assert len(llm.generate(["Hi"], SamplingParams(max_tokens=1, logprobs=4), use_tqdm=False)
+               [0].outputs[0].logprobs[0]) >= 4
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name} must be at most max_logprobs = 4") as error:
+            llm.generate(["Hi"], SamplingParams(max_tokens=1, **{name: 5}), use_tqdm=False)
+        assert error.value.param == name
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_max_logprobs_bounds_the_beam_width_at_half(llm):
+    (output,) = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(output.sequences) == 2
+    with pytest.raises(ValueError, match="beam search asks for 2 x beam_width"):
+        llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=3, max_tokens=2))
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
