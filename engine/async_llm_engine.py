@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,15 +48,81 @@ class FinishedRequestStats:
 @dataclass
 class _RequestState:
     """One request as the async layer sees it: its queue of outputs for the caller and
-    what it has streamed so far."""
+    whether it has ended.
+
+    `engine_request_id` is the id the `LLMEngine` knows it by, unique per add: a caller may
+    reuse `request_id` after an abort while the engine still steps the old request, and
+    the old request's outputs must not reach the new stream.
+    """
 
     request_id: str
+    engine_request_id: str
     arrival_time: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
 
 
 _STREAM_END = object()
+
+
+class RequestStream:
+    """The outputs of one request, an async iterator that `AsyncLLMEngine.add_request`
+    returns.
+
+    Closing it (`aclose()`), dropping it, or cancelling a task that waits on it before the
+    request finished aborts the request, whether or not it was ever read: its blocks go
+    back to the pool before the next step. After a finished output, or after an abort or
+    an error, iteration stops.
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine", state: _RequestState) -> None:
+        self._engine = engine
+        self._state = state
+        self._loop = asyncio.get_running_loop()
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._state.queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if item is _STREAM_END:
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        """Stops reading; aborts the request unless it already ended."""
+        self._done = True
+        if not self._state.finished:
+            self._engine._abort_state(self._state)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # The last reference may go on any thread (a GC run in the engine's step thread),
+        # so the abort is handed to the event loop.
+        if not self._state.finished:
+            try:
+                self._loop.call_soon_threadsafe(self._engine._abort_state, self._state)
+            except RuntimeError:  # the loop is closed: nothing runs the request any more
+                pass
 
 
 class AsyncLLMEngine:
@@ -74,7 +141,10 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_in_thread: bool = True) -> None:
         self.engine = engine
         self.step_in_thread = step_in_thread
+        # Unfinished requests by the caller's id and by the engine's (see _RequestState).
         self._requests: dict[str, _RequestState] = {}
+        self._engine_requests: dict[str, _RequestState] = {}
+        self._add_counter = itertools.count()
         self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]] = []
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
@@ -128,31 +198,33 @@ class AsyncLLMEngine:
 
     # ----------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                          arrival_time: float | None = None) -> RequestStream:
         """Queues a request and waits until the engine has accepted it.
 
         Raises ValueError for a bad request (the engine's validation) and
-        AsyncEngineDeadError when the engine is dead; otherwise returns the iterator of
-        its outputs. Leaving that iterator early (break, cancellation) aborts the request.
+        AsyncEngineDeadError when the engine is dead; otherwise returns the stream of
+        its outputs. Closing or dropping that stream before the request finished (break,
+        cancellation, `aclose()`, even before reading it) aborts the request. The id may be
+        reused once the request has ended or been aborted.
         """
         self._raise_if_dead()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running.")
         params = SamplingParams() if params is None else params
-        state = _RequestState(request_id, arrival_time or time.time())
+        state = _RequestState(request_id, f"{request_id}@{next(self._add_counter)}", arrival_time or time.time())
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._requests[request_id] = state
+        self._engine_requests[state.engine_request_id] = state
         self._pending_adds.append((state, prompt, params, accepted))
         self._start_loop()
         try:
             await accepted
         except BaseException:
-            self._requests.pop(request_id, None)
             if not accepted.done():  # cancelled while queued
                 accepted.cancel()
-            self._abort_nowait(request_id)
+            self._abort_state(state)
             raise
-        return self._iterate(state)
+        return RequestStream(self, state)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -160,8 +232,11 @@ class AsyncLLMEngine:
         `finished=True`. `sampling_params.output_kind` picks cumulative outputs
         (default), deltas, or only the final one. Raises ValueError for a bad request."""
         stream = await self.add_request(request_id, prompt, sampling_params)
-        async for output in stream:
-            yield output
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
 
     async def beam_search(self, prompt_token_ids: list[int], request_id: str,
                           params: BeamSearchParams) -> BeamSearchOutput:
@@ -183,34 +258,28 @@ class AsyncLLMEngine:
                 sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
         return BeamSearchOutput(sequences)
 
-    async def _iterate(self, state: _RequestState) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await state.queue.get()
-                if item is _STREAM_END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not state.finished:
-                self._abort_nowait(state.request_id)
-
     async def abort(self, request_id: str) -> None:
         """Stops a request; its blocks return to the pool before the next step.
-        Its output iterator ends without a finished output."""
-        self._abort_nowait(request_id)
+        Its output stream ends without a finished output."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._abort_state(state)
 
-    def _abort_nowait(self, request_id: str) -> None:
-        state = self._requests.pop(request_id, None)
-        if state is not None and not state.finished:
-            state.finished = True
-            state.queue.put_nowait(_STREAM_END)
-        self._pending_aborts.add(request_id)
+    def _abort_state(self, state: _RequestState) -> None:
+        """Ends this one incarnation of a request (never a later one that reuses its id)."""
+        self._forget(state)
+        if state.finished:
+            return
+        state.finished = True
+        state.queue.put_nowait(_STREAM_END)
+        self._pending_aborts.add(state.engine_request_id)
         if self._wakeup is not None:
             self._wakeup.set()
+
+    def _forget(self, state: _RequestState) -> None:
+        if self._requests.get(state.request_id) is state:
+            del self._requests[state.request_id]
+        self._engine_requests.pop(state.engine_request_id, None)
 
     # ------------------------------------------------------------------- health
     async def check_health(self) -> None:
@@ -275,7 +344,7 @@ class AsyncLLMEngine:
             if accepted.done() or state.finished:  # cancelled or aborted while queued
                 continue
             try:
-                self.engine.add_request(state.request_id, prompt, params, state.arrival_time)
+                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time)
             except Exception as exc:  # noqa: BLE001 - bad input fails this request only
                 accepted.set_exception(exc)
                 continue
@@ -284,17 +353,20 @@ class AsyncLLMEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         for output in outputs:
-            state = self._requests.get(output.request_id)
+            # Outputs of an aborted request (stepped before the abort reached the engine)
+            # find no state, even when a new request reuses its caller's id.
+            state = self._engine_requests.get(output.request_id)
             if state is None or state.finished:
                 continue
+            output.request_id = state.request_id
             try:
                 self._deliver(state, output, now)
             except Exception as exc:  # noqa: BLE001 - a bug in one request's output fails it alone
                 logger.exception("Request %s failed while building its output.", output.request_id)
                 self._fail_request(state, exc)
         # Requests the engine failed (and already aborted) during the step fail alone.
-        for request_id, exc in self.engine.pop_failed_requests().items():
-            state = self._requests.get(request_id)
+        for engine_request_id, exc in self.engine.pop_failed_requests().items():
+            state = self._engine_requests.get(engine_request_id)
             if state is not None:
                 self._fail_request(state, exc)
 
@@ -303,7 +375,7 @@ class AsyncLLMEngine:
         state.queue.put_nowait(output)
         if output.finished:
             state.finished = True
-            self._requests.pop(state.request_id, None)
+            self._forget(state)
             self._notify_finished(state, output, now)
 
     def _notify_finished(self, state: _RequestState, output: RequestOutput, now: float) -> None:
@@ -329,8 +401,8 @@ class AsyncLLMEngine:
         if not state.finished:
             state.finished = True
             state.queue.put_nowait(exc)
-        self._requests.pop(state.request_id, None)
-        self._pending_aborts.add(state.request_id)
+        self._forget(state)
+        self._pending_aborts.add(state.engine_request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for state in list(self._requests.values()):
@@ -338,6 +410,7 @@ class AsyncLLMEngine:
                 state.finished = True
                 state.queue.put_nowait(exc)
         self._requests.clear()
+        self._engine_requests.clear()
         for _, _, _, accepted in self._pending_adds:
             if not accepted.done():
                 accepted.set_exception(exc)

@@ -194,3 +194,101 @@ def test_event_loop_stays_responsive_while_the_engine_steps(llama_dir):
     engine.shutdown()
     # Steps run in a worker thread: the loop wakes many times during generation.
     assert len(gaps) > 10
+
+
+def _count_steps(engine: AsyncLLMEngine) -> dict[str, int]:
+    """Counts the engine's steps (the async loop calls `engine.engine.step`)."""
+    counter = {"steps": 0}
+    original = engine.engine.step
+
+    def step():
+        counter["steps"] += 1
+        return original()
+
+    engine.engine.step = step
+    return counter
+
+
+async def _steps_until_idle(engine: AsyncLLMEngine, counter: dict[str, int], start: int) -> int:
+    """Waits (at most 10 s) until the engine holds no request; returns the steps taken since `start`."""
+    for _ in range(1000):
+        if not engine.engine.has_unfinished_requests() and not engine._pending_aborts:
+            return counter["steps"] - start
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine still runs a request after {counter['steps'] - start} steps")
+
+
+@pytest.mark.parametrize("how", ["aclose", "drop", "cancel"])
+def test_closing_a_stream_before_reading_it_aborts_the_request(llama_dir, how):
+    engine = _engine(llama_dir)
+    counter = _count_steps(engine)
+
+    async def main():
+        stream = await engine.add_request("unread", "Hello",
+                                          SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        start = counter["steps"]
+        if how == "aclose":
+            await stream.aclose()
+        elif how == "drop":
+            del stream
+        else:
+            waiter = asyncio.ensure_future(stream.__anext__())
+            del stream
+            await asyncio.sleep(0)  # the waiter is inside queue.get() now
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+        return await _steps_until_idle(engine, counter, start)
+
+    # The abort is applied before the next step, so at most the step already under way
+    # runs (200 would run if it were not).
+    assert asyncio.run(main()) <= 1
+    assert_engine_idle(engine.engine)
+    assert engine.num_unfinished_requests == 0
+    engine.shutdown()
+
+
+def test_a_reused_request_id_never_gets_the_aborted_requests_outputs(llama_dir):
+    import threading
+
+    engine = _engine(llama_dir)
+    old_prompt, new_prompt = [5, 6, 7, 8, 9, 10], [40, 41, 42]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    original_step = engine.engine.step
+    gate = {"armed": False}
+    entered, release = threading.Event(), threading.Event()
+
+    def gated_step():
+        # Holds one step in the engine thread until the test has aborted and re-added.
+        if gate["armed"]:
+            gate["armed"] = False
+            entered.set()
+            release.wait(10)
+        return original_step()
+
+    engine.engine.step = gated_step
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        old = await engine.add_request("reused", {"prompt_token_ids": old_prompt},
+                                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        await old.__anext__()
+        gate["armed"] = True
+        assert await loop.run_in_executor(None, entered.wait, 10)
+        # The engine thread is inside a step that will output a token of the old request.
+        await engine.abort("reused")
+        adding = asyncio.ensure_future(engine.add_request("reused", {"prompt_token_ids": new_prompt}, params))
+        await asyncio.sleep(0)  # the new request is registered under the old id
+        release.set()
+        new = await adding
+        outputs = [output async for output in new]
+        reference = [output async for output in engine.generate({"prompt_token_ids": new_prompt}, params, "fresh")]
+        return outputs, reference
+
+    outputs, reference = asyncio.run(main())
+    assert all(o.prompt_token_ids == new_prompt and o.request_id == "reused" for o in outputs), \
+        [o.prompt_token_ids for o in outputs]
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference[-1].outputs[0].token_ids
+    assert len(outputs) == 8
+    assert_engine_idle(engine.engine)
+    engine.shutdown()
