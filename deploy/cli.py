@@ -1,6 +1,8 @@
 """The `raylm` command line.
 
-    raylm serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--ray-serve] [engine flags]
+    raylm serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--root-path /prefix]
+                [--max-concurrent-requests N] [--max-request-body-bytes N] [--shutdown-timeout S]
+                [--ray-serve] [engine flags]
     raylm bench throughput [MODEL_DIR] ...
     raylm bench serving --base-url http://127.0.0.1:8000 ...
 
@@ -10,7 +12,8 @@ means): raylm's bundled demo model.
 A mistake in the command's input (a wrong path, a value out of range) ends the command with
 one line, `raylm: error: ...`, and exit status 2, as argparse does for a bad flag; set
 RAYLM_TRACEBACK=1 to see where such an error was raised. Other exceptions are bugs and keep
-their traceback.
+their traceback. `raylm serve` exits 0 after SIGTERM or Ctrl-C has drained it, and 1 when its
+engine died, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ def _serve(args: argparse.Namespace) -> None:
     else:
         from raylm.deploy import api_server
 
-        api_server.run_server(args)
+        status = api_server.run_server(args)
+        if status:
+            # The engine died: a non-zero status tells a supervisor to restart the server.
+            sys.exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,10 @@
 Every error the server returns reads `{"error": {"message", "type", "param", "code"}}`
 (vLLM's ErrorResponse): 400 for bad parameters, malformed JSON and prompts over the
 context (FastAPI's 422 for a body that fails validation becomes 400, as in vLLM), 401
-for a missing or wrong API key, 404 for an unknown model, 500 when the engine fails.
+for a missing or wrong API key, 404 for an unknown model, 413 for a body over
+--max-request-body-bytes, 429 past --max-concurrent-requests, 500 when the engine fails.
+A 5xx body says only INTERNAL_ERROR_MESSAGE: the message a caller gives it (an exception's
+text, which can hold file paths or a worker's traceback) goes to the server log.
 """
 
 from __future__ import annotations
@@ -25,9 +28,15 @@ _ERROR_TYPES = {
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
+    HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
+
+
+# gloo's errors, for one, name its source files; a client needs only to know it was not its fault.
+INTERNAL_ERROR_MESSAGE = "Internal server error; the server log has the details."
 
 
 class OpenAIError(Exception):
@@ -41,7 +50,11 @@ class OpenAIError(Exception):
 
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> ErrorResponse:
+    """The OpenAI error body; for a 5xx, INTERNAL_ERROR_MESSAGE, and `message` is logged."""
     status = HTTPStatus(status)
+    if status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+        logger.error("Answered %d: %s", int(status), message)
+        message = INTERNAL_ERROR_MESSAGE
     return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, status.phrase.replace(" ", "")
                                                                                + "Error"),
                                          param=param, code=int(status)))
@@ -94,6 +107,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), HTTPStatus(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises `exc` after this answer, so uvicorn logs its traceback.
+        return error_response(f"Unhandled {type(exc).__name__}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:

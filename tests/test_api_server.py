@@ -109,10 +109,11 @@ def stream_text(stream) -> tuple[dict[int, str], dict[int, str | None], object]:
 # ----------------------------------------------------------------- basics
 def test_models_health_version_and_tokenize(server, client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server + "/version").json()["version"]
-    tokens = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0]}).json()
+    auth = {"Authorization": f"Bearer {API_KEY}"}  # every route but /health and /metrics needs it
+    assert httpx.get(server + "/version", headers=auth).json()["version"]
+    tokens = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0]}, headers=auth).json()
     assert tokens["tokens"] == llm.get_tokenizer().encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
-    text = httpx.post(server + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    text = httpx.post(server + "/detokenize", json={"tokens": tokens["tokens"]}, headers=auth).json()["prompt"]
     assert text == PROMPTS[0]
 
 
