@@ -279,13 +279,14 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
         completions.check_model(request.model)
+        # Templating and tokenizing run on the tokenizer's thread, off the event loop.
         if request.messages is not None:
-            text = chat.render(request.messages, request.add_generation_prompt)
+            text = await chat.off_loop(chat.render, request.messages, request.add_generation_prompt)
             add_special = False if request.add_special_tokens is None else request.add_special_tokens
         else:
             text = request.prompt
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
-        tokens = completions.tokenize(text, add_special)
+        tokens = await completions.off_loop(completions.tokenize, text, add_special)
         return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=model_config.max_model_len,
                                              tokens=tokens).model_dump())
 
@@ -298,7 +299,8 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
             raise OpenAIError(f"Token id {bad} is outside the vocabulary [0, {vocab_size}).", param="tokens")
         if tokenizer is None:
             raise OpenAIError("This server runs without a tokenizer.", param="tokens")
-        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump())
+        text = await completions.off_loop(tokenizer.decode, request.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     return app
 

@@ -40,7 +40,9 @@ class OpenAIServing:
         self.max_model_len: int = engine.model_config.max_model_len
         # The sampling defaults of the model's generation_config.json, for fields a request leaves unset.
         self.model_defaults: dict[str, Any] = dict(engine.engine.generation_defaults.sampling)
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-tokenizer")
+        # One thread per tokenizer, shared by every route that uses it: a fast tokenizer
+        # must not encode on two threads at once.
+        self._tokenizer_thread = _tokenizer_thread(tokenizer)
 
     async def off_loop(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`function(*args, **kwargs)` on the tokenizer thread (tokenizing, chat templates)."""
@@ -128,6 +130,16 @@ class OpenAIServing:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.decode([token_id])
+
+
+_TOKENIZER_THREADS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _tokenizer_thread(tokenizer: Any) -> ThreadPoolExecutor:
+    key = id(tokenizer)
+    if key not in _TOKENIZER_THREADS:
+        _TOKENIZER_THREADS[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-tokenizer")
+    return _TOKENIZER_THREADS[key]
 
 
 async def merge_async_iterators(iterators: list[AsyncIterator[Any]],
