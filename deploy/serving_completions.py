@@ -108,7 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self.completion_logprobs(token_ids, entries, request.logprobs, 0)
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
-                    logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                    logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    prompt_logprobs=_prompt_logprobs_body(output)))
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
@@ -184,3 +185,14 @@ class OpenAIServingCompletion(OpenAIServing):
             result.text_offset.append(offset)
             offset += len(token)
         return result
+
+
+def _prompt_logprobs_body(output: RequestOutput) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: per prompt position (None for the first), token id
+    -> {logprob, rank, decoded_token}."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()}
+            for entry in output.prompt_logprobs]

@@ -442,3 +442,22 @@ def test_unset_sampling_fields_take_the_models_generation_config_defaults():
     assert (params.repetition_penalty, params.temperature, params.top_k, params.top_p) == (1.3, 0.6, 5, 1.0)
     plain = CompletionRequest(prompt="x").to_sampling_params(16, {})
     assert (plain.repetition_penalty, plain.temperature, plain.top_k) == (1.0, 1.0, 0)
+
+
+def test_prompt_logprobs_are_in_the_completion_body(server, llm):
+    prompt = [5, 17, 300, 42, 9]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    response = httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    served = response.json()["choices"][0]["prompt_logprobs"]
+    expected = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1,
+                                                                           prompt_logprobs=2),
+                            use_tqdm=False)[0].prompt_logprobs
+    assert served[0] is None and len(served) == len(prompt)
+    for position in range(1, len(prompt)):
+        # JSON object keys are strings; each entry holds the prompt token and the top 2.
+        entry = {int(token): value for token, value in served[position].items()}
+        assert set(entry) == set(expected[position])
+        assert entry[prompt[position]]["logprob"] == pytest.approx(expected[position][prompt[position]].logprob,
+                                                                  abs=1e-5)
