@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
@@ -20,6 +21,8 @@ from raylm.deploy.limits import RequestLimits
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 1.0
@@ -196,6 +199,9 @@ async def merge_async_iterators(iterators: list[AsyncIterator[Any]],
             await iterator.aclose()
 
 
+_UNICODE_LINE_BREAKS = (("\u0085", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
 def sse(payload: BaseModel | dict) -> str:
     """One server-sent event. Chat deltas leave out their empty fields, as OpenAI's do."""
     body = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
@@ -203,7 +209,12 @@ def sse(payload: BaseModel | dict) -> str:
         delta = choice.get("delta")
         if isinstance(delta, dict):
             choice["delta"] = {k: v for k, v in delta.items() if v is not None}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    # Line separators other than CR/LF (U+0085, U+2028, U+2029) stay escaped: clients that
+    # split the stream with str.splitlines() would otherwise cut a token's JSON in two.
+    text = json.dumps(body, ensure_ascii=False)
+    for separator, escaped in _UNICODE_LINE_BREAKS:
+        text = text.replace(separator, escaped)
+    return f"data: {text}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:
@@ -212,7 +223,8 @@ def sse_error(exc: BaseException) -> str:
     elif isinstance(exc, ValueError):
         body = error_body(str(exc), HTTPStatus.BAD_REQUEST, getattr(exc, "param", None))
     else:
-        body = error_body(f"The request failed: {exc!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
+        logger.error("A streamed request failed: %r", exc)
+        body = error_body("The request failed inside the server.", HTTPStatus.INTERNAL_SERVER_ERROR)
     return sse(body)
 
 

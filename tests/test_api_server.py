@@ -461,3 +461,14 @@ def test_prompt_logprobs_are_in_the_completion_body(server, llm):
         assert set(entry) == set(expected[position])
         assert entry[prompt[position]]["logprob"] == pytest.approx(expected[position][prompt[position]].logprob,
                                                                   abs=1e-5)
+
+
+def test_stream_events_keep_unicode_line_separators_escaped():
+    import json as json_module
+
+    from raylm.deploy.serving_engine import sse
+
+    event = sse({"choices": [{"index": 0, "text": "a\u2028b\u0085c\u2029d é"}]})
+    # One line of JSON per event even for clients that split on every Unicode line break.
+    assert len(event.strip("\n").splitlines()) == 1
+    assert json_module.loads(event[len("data: "):])["choices"][0]["text"] == "a\u2028b\u0085c\u2029d é"
