@@ -85,7 +85,15 @@ def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, ex
     workers = handle.worker_actors.remote().result(timeout_s=30)
     assert len(workers) == 2
     old_ids = {w._actor_id for w in workers}
+    # A long stream is in flight when the worker dies: it must end with an error, not hang.
+    in_flight = _InFlightStream(serve_url)
+    assert in_flight.started.wait(timeout=60), "the stream never started"
+    killed_at = time.monotonic()
     ray.kill(workers[1], no_restart=True)
+    in_flight.thread.join(timeout=35)
+    assert not in_flight.thread.is_alive(), "the in-flight stream hung after its worker died"
+    assert in_flight.ended_at - killed_at < 30
+    assert not in_flight.done, "the in-flight stream finished normally although its worker died mid-way"
 
     # The dying replica reports unhealthy (or Serve has already taken it out).
     deadline = time.monotonic() + 30
@@ -107,3 +115,36 @@ def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, ex
         time.sleep(1.0)
     response = _client(serve_url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
+
+
+class _InFlightStream:
+    """A streaming completion of 16 prompts x 240 tokens read in a thread: `started` is set
+    at its first token; `done` says whether it ended normally ([DONE] and no error event)."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.started = threading.Event()
+        self.done = False
+        self.ended_at = float("inf")
+        self._url = url
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        body = {"model": MODEL, "prompt": [[5, 6, 7]] * 16, "max_tokens": 240, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        saw_done = saw_error = False
+        try:
+            with httpx.stream("POST", self._url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and '"text"' in line:
+                        self.started.set()
+                    saw_error = saw_error or '"error"' in line
+                    saw_done = saw_done or line == "data: [DONE]"
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.done = saw_done and not saw_error
+            self.started.set()
+            self.ended_at = time.monotonic()
