@@ -21,13 +21,16 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from raylm.deploy.limits import RequestLimits
+
 logger = logging.getLogger(__name__)
 
 # Keys of app_builder's args that configure the deployment, not the engine or the server.
 DEPLOYMENT_KEYS = ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus",
                    "worker_cpus", "use_gpu", "health_check_period_s", "health_check_timeout_s",
                    "max_ongoing_requests", "name")
-SERVER_KEYS = ("served_model_name", "api_key", "chat_template")
+SERVER_KEYS = ("served_model_name", "api_key", "chat_template", "max_concurrent_requests",
+               "max_request_body_bytes") + tuple(f.name for f in dataclasses.fields(RequestLimits))
 
 
 @serve.ingress()

@@ -40,7 +40,7 @@ def serve_url(session_ray, llama_dir: Path):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_serve_app(
         dict(model=str(llama_dir), tensor_parallel_size=2, num_gpu_blocks_override=256, device="cpu"),
-        dict(served_model_name=MODEL),
+        dict(served_model_name=MODEL, max_stop_strings=2),
         num_replicas=1, replica_cpus=0.25, worker_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=20.0)
     serve.run(app, name=APP_NAME, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -78,6 +78,14 @@ def test_serve_app_with_tp2_matches_llm_generate(serve_url, expected):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=[5] * 300)
     assert httpx.get(serve_url + "/health").status_code == 200
+
+
+def test_serve_app_applies_the_request_limits_it_is_given(serve_url):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stop": ["a", "b", "c"]}
+    response = httpx.post(serve_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop", response.text
+    body["stop"] = ["a", "b"]
+    assert httpx.post(serve_url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, expected):
