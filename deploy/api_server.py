@@ -68,6 +68,8 @@ class ServerArgs:
         responses. Default: the model path, as vLLM does.
     api_key: when set, every route but OPEN_ROUTES needs `Authorization: Bearer <api_key>`.
     chat_template: a Jinja template, or a file holding one, instead of the tokenizer's.
+    trust_request_chat_template: accept a `chat_template` sent with a chat request (off, as
+        in vLLM: a template is code that runs on the server's tokenizer thread).
     max_concurrent_requests: requests in flight (received, not yet fully answered) past
         which a new one gets 429 at once; OPEN_ROUTES do not count.
     max_request_body_bytes: the largest request body; a larger one gets 413, before it
@@ -78,6 +80,7 @@ class ServerArgs:
     served_model_name: list[str] | None = None
     api_key: str | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     extra: dict[str, Any] = field(default_factory=dict)
@@ -99,7 +102,8 @@ class ServerArgs:
         limits = {name: int(values[name]) for name in ("max_concurrent_requests", "max_request_body_bytes")
                   if values.get(name) is not None}
         return cls(model=values.get("model") or "", served_model_name=names or None, api_key=values.get("api_key"),
-                   chat_template=values.get("chat_template"), **limits)
+                   chat_template=values.get("chat_template"),
+                   trust_request_chat_template=bool(values.get("trust_request_chat_template")), **limits)
 
     def model_names(self, engine: AsyncLLMEngine) -> list[str]:
         if self.served_model_name:
@@ -228,7 +232,8 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     chat_template = load_chat_template(server_args.chat_template)
     limits = RequestLimits.from_args(args)
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits)
-    chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits)
+    chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
+                             trust_request_chat_template=server_args.trust_request_chat_template)
     metrics = ServerMetrics(engine, model_names[0])
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
@@ -335,6 +340,9 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "('raylm-demo-code' for the demo model).")
     parser.add_argument("--chat-template", default=None,
                         help="Chat template (a Jinja file or the template itself) instead of the tokenizer's.")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="Accept a chat_template sent with a chat request (default: off, as in vLLM; a "
+                             "template is code the server runs).")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's log level (default: %(default)s).")
     parser.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,

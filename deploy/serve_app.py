@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEPLOYMENT_KEYS = ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus",
                    "worker_cpus", "use_gpu", "health_check_period_s", "health_check_timeout_s",
                    "max_ongoing_requests", "name")
-SERVER_KEYS = ("served_model_name", "api_key", "chat_template", "max_concurrent_requests",
+SERVER_KEYS = ("served_model_name", "api_key", "chat_template", "trust_request_chat_template", "max_concurrent_requests",
                "max_request_body_bytes") + tuple(f.name for f in dataclasses.fields(RequestLimits))
 
 

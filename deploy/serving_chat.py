@@ -35,9 +35,11 @@ def load_chat_template(template: str | None) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False,
                chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
@@ -97,6 +99,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render_and_tokenize(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and its token ids (on the tokenizer thread)."""
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is not accepted: this server was not started with "
+                              "--trust-request-chat-template.", param="chat_template")
         text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
                            request.chat_template, request.chat_template_kwargs)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")

@@ -472,3 +472,14 @@ def test_stream_events_keep_unicode_line_separators_escaped():
     # One line of JSON per event even for clients that split on every Unicode line break.
     assert len(event.strip("\n").splitlines()) == 1
     assert json_module.loads(event[len("data: "):])["choices"][0]["text"] == "a\u2028b\u0085c\u2029d é"
+
+
+def test_a_request_chat_template_is_refused_unless_the_server_trusts_it(server):
+    # The shared server runs without --trust-request-chat-template (tests/test_request_limits.py
+    # runs one with it, where such a template is rendered).
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "chat_template": "{{ messages[0]['content'] }}"}
+    response = httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    _check_error(response, 400)
+    assert response.json()["error"]["param"] == "chat_template"

@@ -31,7 +31,7 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     log = tmp_path_factory.mktemp("limits_server") / "server.log"
     command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
-               "--served-model-name", MODEL, "--num-gpu-blocks-override", "256"]
+               "--served-model-name", MODEL, "--num-gpu-blocks-override", "256", "--trust-request-chat-template"]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
