@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from server_process import free_port, running_server  # noqa: F401 - free_port is imported by other tests
 
 from raylm.engine.llm import LLM
 from raylm.engine.sampling_params import SamplingParams
@@ -27,49 +24,12 @@ ENGINE_KWARGS = dict(num_gpu_blocks_override=512)
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Hello, world!", "for i in range(10):"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
-               "--api-key", API_KEY, "--served-model-name", MODEL,
-               "--num-gpu-blocks-override", str(ENGINE_KWARGS["num_gpu_blocks_override"])]
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-        yield base_url
-    except BaseException:
-        print(log.read_text()[-5000:])
-        raise
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with running_server([str(llama_dir), "--api-key", API_KEY, "--served-model-name", MODEL,
+                         "--num-gpu-blocks-override", str(ENGINE_KWARGS["num_gpu_blocks_override"])], log) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,47 +13,15 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
-
-from test_api_server import free_port, wait_healthy
+from server_process import rss_kib, start_server, stop_server
 
 SEED = 13
 EXAMPLES_PER_ROUTE = 100
 
 
-def rss_kib(pid: int) -> int:
-    """The process's resident set size (VmRSS), in KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def start_server(llama_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_tiny_server(llama_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """`raylm serve` of the tiny llama with a 256-token context, once it answers /health."""
-    port = free_port()
-    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
-               "--max-model-len", "256", *extra]
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-    except BaseException:
-        stop_server(process)
-        print(log.read_text()[-5000:])
-        raise
-    return process, base_url
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    return start_server([str(llama_dir), "--max-model-len", "256", *extra], log)
 
 
 def interactions(ndjson: Path):
@@ -77,7 +45,7 @@ def describe(request: dict, response: dict | None) -> str:
 
 
 def test_no_request_from_the_openapi_spec_gets_a_server_error(llama_dir, tmp_path):
-    process, base_url = start_server(llama_dir, tmp_path / "server.log")
+    process, base_url = start_tiny_server(llama_dir, tmp_path / "server.log")
     try:
         start_rss = rss_kib(process.pid)
         report = tmp_path / "schemathesis.ndjson"

@@ -11,8 +11,8 @@ import re
 import time
 
 import httpx
-
-from test_fuzz_server import rss_kib, start_server, stop_server
+from server_process import rss_kib, stop_server
+from test_fuzz_server import start_tiny_server
 
 MODEL = "tiny-llama"
 TEXTS = ["The quick brown fox", "Paged attention stores keys and values", "Hello, world!", "for i in range(10):",
@@ -153,7 +153,7 @@ async def mixed_round(client: httpx.AsyncClient, rng: random.Random, count: int)
 
 
 def test_concurrent_streams_arrive_whole_and_hung_up_clients_leave_nothing_behind(llama_dir, tmp_path):
-    process, base_url = start_server(llama_dir, tmp_path / "server.log", "--served-model-name", MODEL)
+    process, base_url = start_tiny_server(llama_dir, tmp_path / "server.log", "--served-model-name", MODEL)
     rng = random.Random(0)
 
     async def main() -> None:

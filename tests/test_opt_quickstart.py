@@ -3,14 +3,8 @@ requests rendered with that template (OPT's tokenizer has none of its own)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import httpx
-
-from readme_samples import _free_port
+from server_process import running_server
 from tiny_models import build_tiny_opt
 
 TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -23,21 +17,7 @@ def test_serve_an_opt_folder_with_a_chat_template_file(tmp_path):
     model_dir = build_tiny_opt(tmp_path / "opt", seed=5)
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "raylm.deploy.cli", "serve", str(model_dir), "--port",
-                                str(port), "--chat-template", str(template), "--dtype", "float32"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, "raylm serve exited"
-            time.sleep(0.2)
+    with running_server([str(model_dir), "--chat-template", str(template), "--dtype", "float32"]) as (_, base_url):
         messages = [{"role": "user", "content": "Hello there"}]
         response = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
             "model": str(model_dir), "messages": messages, "max_tokens": 5, "temperature": 0})
@@ -50,6 +30,3 @@ def test_serve_an_opt_folder_with_a_chat_template_file(tmp_path):
         assert rendered == "user: Hello there\nassistant:"
         assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
         assert body["choices"][0]["message"]["role"] == "assistant"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)

@@ -4,21 +4,17 @@ flat and the server serving; tokenizing and chat templates run off the event loo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-
 from raylm.deploy.cli import build_parser
 from raylm.deploy.limits import PROMPT_CHARS_PER_TOKEN, RequestLimits
 from raylm.engine import LLM, BeamSearchParams, SamplingParams
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
-from test_api_server import free_port, wait_healthy
+from server_process import rss_kib, running_server
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256  # the tiny model's context
@@ -28,33 +24,14 @@ CHAT = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """`raylm serve` with its default limits; yields (base_url, pid)."""
-    port = free_port()
     log = tmp_path_factory.mktemp("limits_server") / "server.log"
-    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
-               "--served-model-name", MODEL, "--num-gpu-blocks-override", "256", "--trust-request-chat-template"]
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
+    with running_server([str(llama_dir), "--served-model-name", MODEL, "--num-gpu-blocks-override", "256",
+                         "--trust-request-chat-template"], log) as (process, base_url):
         yield base_url, process.pid
-    except BaseException:
-        print(log.read_text()[-5000:])
-        raise
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss_kib(pid) / 1024
 
 
 def post(base_url: str, path: str, body: dict, timeout: float = 60) -> httpx.Response:

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,10 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
-from test_api_server import free_port, wait_healthy
-
 from raylm.deploy.errors import INTERNAL_ERROR_MESSAGE
+from server_process import start_server
+from server_process import stop_server as stop
 
 API_KEY = "lifecycle-key"
 MODEL = "tiny-llama"
@@ -30,32 +28,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
 
 
-def start_server(llama_dir: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port", str(port),
-               "--served-model-name", MODEL, "--num-gpu-blocks-override", "512", *flags]
-    # A private Ray for a tensor-parallel server, never the test session's.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-    except BaseException:
-        stop(process)
-        print(log.read_text()[-5000:])
-        raise
-    return process, base_url
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def start(llama_dir: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    return start_server([str(llama_dir), "--served-model-name", MODEL, "--num-gpu-blocks-override", "512", *flags],
+                        log)
 
 
 @pytest.fixture
@@ -68,7 +43,7 @@ def guarded(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A server behind a proxy's root path, with a key, 2 requests in flight at most and a
     1 MB body limit."""
     log = tmp_path_factory.mktemp("guarded") / "server.log"
-    process, base_url = start_server(llama_dir, log, "--api-key", API_KEY, "--root-path", "/raylm",
+    process, base_url = start(llama_dir, log, "--api-key", API_KEY, "--root-path", "/raylm",
                                      "--max-concurrent-requests", "2", "--max-request-body-bytes", "1000000")
     yield base_url
     stop(process)
@@ -186,7 +161,7 @@ def test_a_chunked_body_gets_413_once_the_bytes_read_pass_the_limit(guarded):
 
 
 def test_the_default_body_limit_refuses_20_mb_and_takes_1_mb(llama_dir, log):
-    process, base_url = start_server(llama_dir, log)
+    process, base_url = start(llama_dir, log)
     try:
         response = httpx.post(base_url + "/v1/completions", json={**COMPLETION, "prompt": "a" * 20_000_000},
                               timeout=60)
@@ -248,7 +223,7 @@ def refuses_connections(base_url: str, timeout: float) -> bool:
 
 
 def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(llama_dir, log):
-    process, base_url = start_server(llama_dir, log, "--max-num-seqs", "1", "--shutdown-timeout", "30")
+    process, base_url = start(llama_dir, log, "--max-num-seqs", "1", "--shutdown-timeout", "30")
     try:
         streams = start_streams(base_url, 16)
         process.send_signal(signal.SIGTERM)
@@ -263,7 +238,7 @@ def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(llama_dir, log)
 
 
 def test_sigterm_aborts_what_still_runs_after_the_shutdown_timeout_and_exits_0(llama_dir, log):
-    process, base_url = start_server(llama_dir, log, "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    process, base_url = start(llama_dir, log, "--max-num-seqs", "1", "--shutdown-timeout", "1")
     try:
         streams = start_streams(base_url, 16)
         signalled = time.monotonic()
@@ -308,7 +283,7 @@ def descendants(pid: int) -> dict[int, str]:
 def test_a_killed_worker_fails_its_stream_without_internals_and_the_server_exits_1(llama_dir, log):
     """A fault of the engine itself (a tensor-parallel worker killed mid-stream): the
     stream ends in an error within 30 s, /health fails, the process exits 1."""
-    process, base_url = start_server(llama_dir, log, "--tensor-parallel-size", "2")
+    process, base_url = start(llama_dir, log, "--tensor-parallel-size", "2")
     try:
         workers = [pid for pid, command in descendants(process.pid).items()
                    if command.startswith("ray::RayWorkerWrapper")]

@@ -1,0 +1,91 @@
+"""`raylm serve` as a real subprocess for the HTTP tests: a free port, a log file, a wait
+for `/health`, and a stop that never leaves the process behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")
+
+
+def rss_kib(pid: int) -> int:
+    """The process's resident set size (VmRSS), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def start_server(args: list[str], log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts `raylm serve ARGS` on a free port with one OpenMP thread and a private Ray
+    (never the test session's); returns (process, base_url) once /health answers. Its
+    output goes to `log` (shown if it fails to come up), or nowhere."""
+    port = free_port()
+    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", *args, "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    output = open(log, "w") if log is not None else subprocess.DEVNULL
+    try:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    finally:
+        if log is not None:
+            output.close()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process)
+    except BaseException:
+        stop_server(process)
+        if log is not None:
+            print(log.read_text()[-5000:])
+        raise
+    return process, base_url
+
+
+def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def running_server(args: list[str], log: Path | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`start_server` for the length of a with-block (or a yield fixture)."""
+    process, base_url = start_server(args, log)
+    try:
+        yield process, base_url
+    except BaseException:
+        if log is not None:
+            print(log.read_text()[-5000:])
+        raise
+    finally:
+        stop_server(process)
