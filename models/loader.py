@@ -34,4 +34,10 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
+    for module in model.modules():
+        # vLLM's hook: layers repack or convert what they loaded (the CPU linear layers'
+        # packed GEMM weights) once, now that every weight is in.
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return model.eval()

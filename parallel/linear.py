@@ -10,9 +10,9 @@ shard, so the checkpoint loader never needs to know how a layer is split.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from raylm.parallel import cpu_gemm
 from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.communication import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -41,6 +41,16 @@ class LinearBase(nn.Module):
         self.params_dtype = params_dtype
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Packs the loaded weight once for the CPU GEMM (`parallel/cpu_gemm.py`); called by
+        the loader after the checkpoint is in. `weight` stays as loaded; weights loaded again
+        later need this called again."""
+        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.packed_weight, bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -57,7 +67,7 @@ class ReplicatedLinear(LinearBase):
         _copy_checked(param.data, loaded_weight, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -82,7 +92,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self._linear(x, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -189,5 +199,5 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel and self.tp_size > 1:
             x = x.narrow(-1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
         bias = self.bias if self.tp_rank == 0 else None
-        out = F.linear(x, self.weight, bias)
+        out = self._linear(x, bias)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out

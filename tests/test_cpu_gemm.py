@@ -1,0 +1,102 @@
+"""The packed CPU GEMM computes what F.linear computes, and the linear layers use it only
+once packed, on CPU, with the switch on."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raylm.parallel import ColumnParallelLinear, RowParallelLinear
+from raylm.parallel.cpu_gemm import cpu_linear, maybe_pack_linear_weight, pack_linear_weight
+
+TOKENS = (16, 64, 256, 1024)
+SHAPES = ((256, 768), (768, 256), (1024, 2816), (2816, 1024), (1024, 1536))
+# fp32: the issue's bound; bf16: about one bf16 rounding (8 significant bits) of an O(1) output.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+needs_packing = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _operands(num_tokens, in_features, out_features, dtype, bias):
+    generator = torch.Generator().manual_seed(num_tokens * 7 + in_features)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(dtype)
+    x = torch.randn(num_tokens, in_features, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    return x, weight, b
+
+
+def _packed(weight):
+    return pack_linear_weight(weight)
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features,out_features", SHAPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_packed_linear_equals_f_linear_on_2d_input(num_tokens, in_features, out_features, bias, dtype):
+    x, weight, b = _operands(num_tokens, in_features, out_features, dtype, bias)
+    torch.testing.assert_close(cpu_linear(x, _packed(weight), b), F.linear(x, weight, b), **TOLERANCE[dtype])
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features,out_features", SHAPES)
+def test_packed_linear_equals_f_linear_on_1d_input(in_features, out_features, bias, dtype):
+    x, weight, b = _operands(1, in_features, out_features, dtype, bias)
+    out = cpu_linear(x[0], _packed(weight), b)
+    assert out.shape == (out_features,)
+    torch.testing.assert_close(out, F.linear(x[0], weight, b), **TOLERANCE[dtype])
+
+
+@needs_packing
+def test_packed_linear_handles_3d_and_non_contiguous_input():
+    x, weight, b = _operands(24, 1536, 256, torch.float32, True)
+    packed = _packed(weight[:, 768:].contiguous())
+    sliced = x[:, 768:]  # what RowParallelLinear's narrow hands it
+    torch.testing.assert_close(cpu_linear(sliced, packed, b), F.linear(sliced, weight[:, 768:], b),
+                               **TOLERANCE[torch.float32])
+    batched = sliced.contiguous().view(4, 6, 768)
+    assert cpu_linear(batched, packed, b).shape == (4, 6, 256)
+
+
+def test_switch_off_packs_nothing(monkeypatch):
+    monkeypatch.setenv("RAYLM_CPU_PACKED_LINEAR", "0")
+    assert maybe_pack_linear_weight(torch.randn(1536, 1024)) is None
+
+
+def test_half_precision_and_small_fp32_weights_are_not_packed():
+    assert maybe_pack_linear_weight(torch.randn(1536, 1024, dtype=torch.float16)) is None
+    assert maybe_pack_linear_weight(torch.randn(768, 256)) is None
+
+
+@needs_packing
+@pytest.mark.parametrize("layer_class", [ColumnParallelLinear, RowParallelLinear])
+def test_layer_after_loading_uses_packed_weight_and_matches_f_linear(layer_class):
+    layer = layer_class(1024, 1536, bias=True, params_dtype=torch.float32)
+    x, weight, b = _operands(16, 1024, 1536, torch.float32, True)
+    layer.weight.weight_loader(layer.weight, weight)
+    layer.bias.weight_loader(layer.bias, b)
+    layer.process_weights_after_loading()
+    assert layer.packed_weight is not None
+    out = layer(x)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(out, F.linear(x, weight, b), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(layer.weight.data, weight, rtol=0, atol=0)  # the parameter stays as loaded
+
+
+@needs_packing
+def test_layer_runs_an_fp32_single_row_through_f_linear():
+    layer = ColumnParallelLinear(1024, 1536, params_dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.process_weights_after_loading()
+    x = torch.randn(1, 1024)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)
+
+
+def test_layer_not_yet_loaded_uses_f_linear():
+    layer = ColumnParallelLinear(64, 32, params_dtype=torch.float32)
+    layer.weight.data.normal_()
+    x = torch.randn(3, 64)
+    assert layer.packed_weight is None
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)
