@@ -8,7 +8,7 @@ implemented: see `sliding_window`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from raylm.models.attention import Attention
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
-from raylm.models.weight_utils import default_weight_loader
+from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 
@@ -152,29 +152,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors into their (sharded) parameters; returns the names of
         the parameters it loaded."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        return load_stacked_weights(self, self._checkpoint_tensors(weights), self.stacked_params_mapping)
+
+    def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # some tied checkpoints store the shared matrix twice
-            for param_suffix, checkpoint_suffix, shard_id in self.stacked_params_mapping:
-                if checkpoint_suffix in name:
-                    target = name.replace(checkpoint_suffix, param_suffix)
-                    if target not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks.")
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard_id)
-                    break
-            else:
-                target = name
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}.")
-                param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(target)
-        return loaded
+            yield name, tensor
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -3,8 +3,9 @@ own `load_weights`; parameters cut their shards in their `weight_loader`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -33,3 +34,34 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, the model expects "
                          f"{tuple(param.shape)}.")
     param.data.copy_(read_weight(loaded_weight))
+
+
+def load_stacked_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         stacked_params_mapping: Iterable[tuple[str, str, Any]]) -> set[str]:
+    """The loading loop every model shares: a checkpoint tensor whose name holds a
+    `checkpoint_suffix` of `stacked_params_mapping` goes to the stacked parameter
+    (`param_suffix`) with its shard id (q/k/v into qkv_proj, gate/up into gate_up_proj);
+    any other goes to the parameter of its own name. Each parameter's `weight_loader`
+    cuts its rank's shard. Returns the names of the parameters loaded; a tensor that
+    matches no parameter is an error naming it. Models rename or skip tensors before
+    handing them here."""
+    params = dict(model.named_parameters())
+    mapping = list(stacked_params_mapping)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        for param_suffix, checkpoint_suffix, shard_id in mapping:
+            if checkpoint_suffix in name:
+                target = name.replace(checkpoint_suffix, param_suffix)
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks.")
+                param = params[target]
+                param.weight_loader(param, tensor, shard_id)
+                break
+        else:
+            target = name
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}.")
+            param = params[target]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        loaded.add(target)
+    return loaded
