@@ -232,7 +232,7 @@ kept = [c.replace("$HOME/raylm-venv", venv).replace("~/raylm-venv", venv) for c 
         if "pip install" not in c and "-m venv" not in c]
 assert kept, "local-onprem.yaml no longer puts its venv on PATH"
 setup = [f"{venv}/bin/python -c 'import raylm.deploy.serve_app, ray; assert ray.__version__ == \"2.60.0\", ray.__version__'",
-         *kept, "test -f ~/raylm/cluster/bench_job.py && test -s ~/.ray/auth_token"]
+         *kept, "test -f ~/raylm/cluster/benchmarks/bench_job.py && test -s ~/.ray/auth_token"]
 if e.get("BREAK_SETUP"):
     setup.append("false")
 config["setup_commands"] = setup
@@ -295,7 +295,7 @@ step4() {
     timeout 600 env -u RAY_ADDRESS HOME="$LHOME" RAY_AUTH_MODE=token "$VENV/bin/ray" job submit \
         --address "http://127.0.0.1:$DASH_PORT" --submission-id "$job" \
         --runtime-env-json '{"env_vars": {"OMP_NUM_THREADS": "1"}}' -- \
-        "$VENV/bin/python" -m raylm.cluster.bench_job --model "$REPO/models/assets/raylm-demo-code" \
+        "$VENV/bin/python" -m raylm.cluster.benchmarks.bench_job --model "$REPO/models/assets/raylm-demo-code" \
         --tp-sizes 1 --batch-sizes 1,2 --input-len 8 --output-len 4 --out "$out" -- --num-gpu-blocks-override 64
     lray ray job status --address "http://127.0.0.1:$DASH_PORT" "$job" | tee "$WORK/job_status.txt"
     grep -qi succeeded "$WORK/job_status.txt"

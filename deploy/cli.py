@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="Benchmarks.")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    from raylm.cluster import bench_serving, bench_throughput
+    from raylm.cluster.benchmarks import bench_serving, bench_throughput
 
     throughput = bench_kinds.add_parser("throughput", help="Offline generation throughput, optionally against "
                                                            "Hugging Face transformers.")

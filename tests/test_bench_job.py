@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from raylm.cluster.bench_job import LATENCY_PLOT, RESULT_FILE, SUMMARY_PREFIX, THROUGHPUT_PLOT, plot_latency
+from raylm.cluster.benchmarks.bench_job import (LATENCY_PLOT, RESULT_FILE, SUMMARY_PREFIX, THROUGHPUT_PLOT, plot_latency,
+                                                plot_throughput)
 
 RESULT_PREFIX = "BENCH_JOB_RESULT "
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -53,7 +54,7 @@ def submit_on_two_nodes(model_dir: str, out_dir: str) -> dict:
         ray.shutdown()
         client = _job_client(dashboard, JobSubmissionClient)
         entrypoint = " ".join([
-            sys.executable, "-m", "raylm.cluster.bench_job", "--model", model_dir, "--tp-sizes", "2",
+            sys.executable, "-m", "raylm.cluster.benchmarks.bench_job", "--model", model_dir, "--tp-sizes", "2",
             "--batch-sizes", ",".join(map(str, BATCH_SIZES)), "--input-len", "8", "--output-len", "4",
             "--out", out_dir, "--", "--ray-span-nodes", "--ray-cpus-per-worker", "1",
             "--num-gpu-blocks-override", "64", "--placement-group-timeout-s", "60"])
@@ -158,6 +159,12 @@ def test_latency_plot_is_a_png_with_infinite_rate_last(tmp_path):
     points.append(dict({k: 100.0 for k in keys}, request_rate="inf"))
     data = plot_latency(points, tmp_path / LATENCY_PLOT).read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_a_plot_without_matplotlib_is_an_import_error_naming_the_bench_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'raylm\[bench\]'"):
+        plot_throughput([dict(tensor_parallel_size=1, batch_size=1, output_tokens_per_s=1.0)], tmp_path / THROUGHPUT_PLOT)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from raylm.cluster.bench_serving import (RequestResult, add_cli_args, load_prompts, run,
+from raylm.cluster.benchmarks.bench_serving import (RequestResult, add_cli_args, load_prompts, run,
                                          sample_shared_prefix_prompts, summarize)
 
 NUM_PROMPTS = 12

@@ -53,7 +53,7 @@ def test_a_value_error_from_a_command_returns_2_with_one_line_on_stderr(monkeypa
     def bad_input(args):
         raise ValueError("num_prompts is 0; it must be at least 1")
 
-    monkeypatch.setattr("raylm.cluster.bench_throughput.run", bad_input)
+    monkeypatch.setattr("raylm.cluster.benchmarks.bench_throughput.run", bad_input)
     assert cli.main(["bench", "throughput", "x"]) == 2
     assert capsys.readouterr().err == "raylm: error: num_prompts is 0; it must be at least 1\n"
 
@@ -62,7 +62,7 @@ def test_a_bug_in_a_command_keeps_its_traceback(monkeypatch):
     def bug(args):
         raise KeyError("not a user's mistake")
 
-    monkeypatch.setattr("raylm.cluster.bench_throughput.run", bug)
+    monkeypatch.setattr("raylm.cluster.benchmarks.bench_throughput.run", bug)
     with pytest.raises(KeyError):
         cli.main(["bench", "throughput", "x"])
 
@@ -71,7 +71,7 @@ def test_raylm_traceback_shows_where_a_user_error_was_raised(monkeypatch):
     def bad_input(args):
         raise ValueError("bad")
 
-    monkeypatch.setattr("raylm.cluster.bench_throughput.run", bad_input)
+    monkeypatch.setattr("raylm.cluster.benchmarks.bench_throughput.run", bad_input)
     monkeypatch.setenv("RAYLM_TRACEBACK", "1")
     with pytest.raises(ValueError):
         cli.main(["bench", "throughput", "x"])

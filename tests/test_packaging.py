@@ -41,3 +41,21 @@ def test_wheel_ships_every_data_file(wheel_build, folder, package_folder):
     sources = {f"{package_folder}/{path.relative_to(ROOT / folder).as_posix()}"
                for path in (ROOT / folder).rglob("*") if path.is_file() and "__pycache__" not in path.parts}
     assert sources and sources <= set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_wheel_ships_the_benchmarks_package(wheel_build):
+    _, wheel = wheel_build
+    modules = {f"raylm/cluster/benchmarks/{path.name}" for path in (ROOT / "cluster" / "benchmarks").glob("*.py")}
+    assert "raylm/cluster/benchmarks/__init__.py" in modules
+    assert modules <= set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_matplotlib_is_only_in_the_bench_extra(wheel_build):
+    _, wheel = wheel_build
+    with zipfile.ZipFile(wheel) as z:
+        (metadata,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [line.removeprefix("Requires-Dist: ") for line in z.read(metadata).decode().splitlines()
+                    if line.startswith("Requires-Dist: ")]
+    matplotlib = [r for r in requires if r.startswith("matplotlib")]
+    assert matplotlib and all("extra == \"bench\"" in r for r in matplotlib), requires
+    assert any(r.startswith("raylm[bench]") and "extra == \"test\"" in r for r in requires), requires

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from raylm.cluster.workload_floors import (kv_bytes_read, linear_shapes, prefill_batches, time_matmul,
-                                           workload_matmuls)
+from raylm.cluster.benchmarks.workload_floors import (kv_bytes_read, linear_shapes, prefill_batches, time_matmul,
+                                                      workload_matmuls)
 
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=100)

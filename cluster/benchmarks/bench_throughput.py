@@ -4,10 +4,10 @@ Every request produces exactly ``--output-len`` tokens (greedy, EOS ignored), so
 system does the same work and tokens/s compare directly. raylm is timed over one
 ``generate`` of all prompts after a short warm-up (the fastest of ``--num-iters`` such
 runs); with ``--compare-hf`` the same prompts also run through transformers, batched and
-one request at a time (see `raylm.cluster.hf_reference`).
+one request at a time (see `raylm.cluster.benchmarks.hf_reference`).
 
     raylm bench throughput [MODEL_DIR] --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
-    python -m raylm.cluster.bench_throughput MODEL_DIR --compare-hf
+    python -m raylm.cluster.benchmarks.bench_throughput MODEL_DIR --compare-hf
 
 The last line printed is ``RESULT {json}`` for scripts; the full report, with machine and
 model details, goes to ``--output-json``.
@@ -223,7 +223,7 @@ def bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[T
     Returns both results and the sequential run's tokens (unpadded greedy, the closest
     reference for raylm's output).
     """
-    from raylm.cluster.hf_reference import load_hf_model, time_hf_batched, time_hf_sequential
+    from raylm.cluster.benchmarks.hf_reference import load_hf_model, time_hf_batched, time_hf_sequential
     from raylm.engine.config import load_hf_config, resolve_dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype(args.dtype, load_hf_config(args.model), device)
@@ -267,9 +267,9 @@ def bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[T
 
 
 def measure_floors(args: argparse.Namespace, model_config: dict, prompts: list[list[int]]) -> dict:
-    """The workload's matmul and KV-read floors (`raylm.cluster.workload_floors`) in the
+    """The workload's matmul and KV-read floors (`raylm.cluster.benchmarks.workload_floors`) in the
     benchmark's dtype, with raylm's prefill token budget."""
-    from raylm.cluster.workload_floors import workload_floors
+    from raylm.cluster.benchmarks.workload_floors import workload_floors
     from raylm.engine import EngineArgs
     config = EngineArgs(**engine_kwargs(args)).create_engine_config()
     return workload_floors(model_config, [len(p) for p in prompts], args.output_len,
@@ -468,7 +468,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = add_cli_args(argparse.ArgumentParser(
-        prog="python -m raylm.cluster.bench_throughput", description=__doc__.split("\n\n")[0]))
+        prog="python -m raylm.cluster.benchmarks.bench_throughput", description=__doc__.split("\n\n")[0]))
     return run(parser.parse_args(argv))
 
 

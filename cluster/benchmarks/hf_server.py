@@ -5,7 +5,7 @@ time, greedy decoding with the KV cache, tokens streamed as they come. It speaks
 of the completions API (token-id or text prompts, max_tokens, ignore_eos, stream,
 stream_options.include_usage) for `raylm bench serving` to measure it like raylm.
 
-    python -m raylm.cluster.hf_server MODEL_DIR --port 8001
+    python -m raylm.cluster.benchmarks.hf_server MODEL_DIR --port 8001
 """
 
 from __future__ import annotations

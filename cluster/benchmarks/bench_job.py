@@ -4,7 +4,7 @@ optionally a serving sweep over request rates; a JSON report, PNG plots, one sum
 Meant for `ray job submit` on a `ray up` cluster (see cluster/README.md), where the
 driver runs on the head node and the workers land wherever the placement group puts them:
 
-    ray job submit -- python -m raylm.cluster.bench_job --model /models/llama-8b \\
+    ray job submit -- python -m raylm.cluster.benchmarks.bench_job --model /models/llama-8b \\
         --tp-sizes 1,2,4,8 --batch-sizes 8,32,128 --serve --request-rates 1,4,16,inf \\
         --out /tmp/raylm-bench -- --ray-span-nodes
 
@@ -42,7 +42,7 @@ LATENCY_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"
 
 def throughput_point(job: argparse.Namespace, passthrough: list[str], tp: int, batch_size: int) -> dict:
     """One offline throughput run through `bench_throughput.run` at this TP and batch size."""
-    from raylm.cluster import bench_throughput
+    from raylm.cluster.benchmarks import bench_throughput
 
     argv = [job.model, "--num-prompts", str(batch_size), "--input-len", str(job.input_len),
             "--output-len", str(job.output_len), "--num-iters", str(job.num_iters), "--output-json", "",
@@ -64,7 +64,7 @@ def serving_point(job: argparse.Namespace, base_url: str, rate: float, vocab_siz
     """One `bench_serving.run` at this request rate."""
     from dataclasses import asdict
 
-    from raylm.cluster import bench_serving
+    from raylm.cluster.benchmarks import bench_serving
 
     argv = ["--base-url", base_url, "--num-prompts", str(job.serving_num_prompts),
             "--input-len", str(job.input_len), "--output-len", str(job.output_len),
@@ -81,7 +81,7 @@ def start_serve_deployment(job: argparse.Namespace, passthrough: list[str]) -> s
     """Deploys the model on the cluster with Ray Serve; returns the HTTP root to bench."""
     from ray import serve
 
-    from raylm.cluster import bench_throughput
+    from raylm.cluster.benchmarks import bench_throughput
     from raylm.deploy.serve_app import build_serve_app
 
     # The same engine flags as the throughput sweep, read by the same parser.
@@ -112,13 +112,25 @@ def cluster_info() -> dict:
     )
 
 
-def plot_throughput(points: list[dict], path: Path) -> Path:
-    """Output tokens/s against tensor-parallel size, one line per batch size."""
-    import matplotlib
+# ---------------------------------------------------------------------------- plots
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. matplotlib is the optional `bench`
+    extra, so a missing one is a one-sentence error rather than an ImportError mid-job."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("the benchmark job's plots need matplotlib, which raylm installs only with its "
+                           "bench extra: pip install 'raylm[bench]'") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_throughput(points: list[dict], path: Path) -> Path:
+    """Output tokens/s against tensor-parallel size, one line per batch size."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for batch_size in sorted({p["batch_size"] for p in points}):
         line = sorted((p["tensor_parallel_size"], p["output_tokens_per_s"]) for p in points
@@ -138,11 +150,7 @@ def plot_throughput(points: list[dict], path: Path) -> Path:
 
 def plot_latency(points: list[dict], path: Path) -> Path:
     """TTFT, TPOT and ITL percentiles against request rate ("inf" last, evenly spaced)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     points = sorted(points, key=lambda p: float(p["request_rate"]))
     xs = range(len(points))
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -175,10 +183,11 @@ def run(job: argparse.Namespace, passthrough: list[str]) -> dict:
     """Runs the sweeps the flags describe, writes the report and plots; returns the report."""
     import ray
 
-    from raylm.cluster.bench_throughput import machine_info, model_summary, read_model_config
+    from raylm.cluster.benchmarks.bench_throughput import machine_info, model_summary, read_model_config
 
     if (job.serve or job.base_url) and not job.request_rates:
         raise ValueError("a serving sweep needs --request-rates (e.g. 1,4,inf)")
+    pyplot()  # fails before the sweeps, not after an hour of them, when matplotlib is missing
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     model_config = read_model_config(job.model)  # fails fast on a wrong path
@@ -246,7 +255,8 @@ def _rate_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m raylm.cluster.bench_job", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m raylm.cluster.benchmarks.bench_job",
+                                     description=__doc__.split("\n\n")[0],
                                      epilog="Flags after -- go to the throughput benchmark (engine flags).")
     parser.add_argument("--model", required=True, help="Hugging Face model folder, on every node at this path")
     parser.add_argument("--tp-sizes", type=_int_list, default=[1], help="tensor-parallel sizes, e.g. 1,2,4 (default 1)")

@@ -11,9 +11,9 @@ next to the copy bandwidth the same device reaches in a plain `torch` copy of a 
 (bytes read + bytes written / time). The issue's goal is KV bandwidth >= 70% of copy
 bandwidth for long-context decode on a GPU.
 
-    python -m raylm.cluster.bench_attention                  # CUDA: triton backend, 1k..32k x 1..256
-    python -m raylm.cluster.bench_attention --quick          # CPU smoke test: default backend, small sizes
-    python -m raylm.cluster.bench_attention --backend cpu --contexts 192 1024 --batches 1 64 --num-heads 8 --num-kv-heads 4 --head-size 32
+    python -m raylm.cluster.benchmarks.bench_attention                  # CUDA: triton backend, 1k..32k x 1..256
+    python -m raylm.cluster.benchmarks.bench_attention --quick          # CPU smoke test: default backend, small sizes
+    python -m raylm.cluster.benchmarks.bench_attention --backend cpu --contexts 192 1024 --batches 1 64 --num-heads 8 --num-kv-heads 4 --head-size 32
 
 Block tables are shuffled permutations of the cache, as after a while of serving. Cases whose
 KV cache would not fit in ``--max-kv-gib`` are skipped and listed. The last line printed is
@@ -24,7 +24,7 @@ tokens) or ``SEQSxNEW+CACHED`` (NEW tokens after CACHED ones already in the cach
 of a chunked prefill or a prompt with a cached prefix), on the backend and on the PyTorch
 reference, with the speedup and the backend's causal-attention GFLOP/s:
 
-    python -m raylm.cluster.bench_attention --backend cpu --prefill 4x512 1x128+1900 --num-heads 8 --num-kv-heads 4 --head-size 32
+    python -m raylm.cluster.benchmarks.bench_attention --backend cpu --prefill 4x512 1x128+1900 --num-heads 8 --num-kv-heads 4 --head-size 32
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ steps, each decode step is timed, whole (scheduler, executor, output processing)
 the executor's share alone (`execute_model`: sending the step, the workers' forward and
 sampling, the answer coming back).
 
-    python -m raylm.cluster.bench_step_latency                  # a tiny random Llama
-    python -m raylm.cluster.bench_step_latency MODEL_DIR --batch-size 64 --tp-sizes 2,4
+    python -m raylm.cluster.benchmarks.bench_step_latency                  # a tiny random Llama
+    python -m raylm.cluster.benchmarks.bench_step_latency MODEL_DIR --batch-size 64 --tp-sizes 2,4
 
 Without a model folder it builds a tiny random Llama (hidden 64, 2 layers, vocab 512,
 the shape of the test models) in a temporary folder. Ray is joined if RAY_ADDRESS is set,

@@ -13,7 +13,7 @@ Methods (each only where this torch build offers it):
 
 Methods are timed in interleaved rounds (median per method), so a noisy neighbour slows
 them alike and the ratio to `F.linear` stays comparable. Run with
-`python -m raylm.cluster.bench_linear [--threads 1 2] [--dtypes float32 bfloat16]`.
+`python -m raylm.cluster.benchmarks.bench_linear [--threads 1 2] [--dtypes float32 bfloat16]`.
 """
 
 from __future__ import annotations
