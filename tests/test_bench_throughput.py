@@ -104,19 +104,29 @@ def test_hf_only_report_counts_num_prompts_times_output_len_tokens(tmp_path, mod
     assert report["model"]["vocab_size"] == 512
 
 
-def test_floors_report_their_sum_and_the_ceiling_they_put_on_each_baseline(tmp_path, model_dir):
+def test_floors_report_their_sum_and_the_ceiling_they_put_on_each_baseline(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr("raylm.cluster.benchmarks.workload_floors.PEAK_GEMM_SIZES", (128,))  # fast, not a peak
+    monkeypatch.setattr("raylm.cluster.benchmarks.workload_floors.COPY_BYTES", 2**22)
     out = tmp_path / "throughput.json"
-    run(parse(model_dir, "--hf-only", "--floors", "--num-prompts", str(NUM_PROMPTS), "--input-len",
+    run(parse(model_dir, "--compare-hf", "--floors", "--num-prompts", str(NUM_PROMPTS), "--input-len",
               str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--hf-sequential-prompts", "1",
               "--output-json", str(out)))
     report = json.loads(out.read_text())
     floors = report["floors"]
     assert floors["matmul_prefill_s"] > 0 and floors["matmul_decode_s"] > 0 and floors["kv_read_s"] > 0
     assert floors["matmul_s"] == pytest.approx(floors["matmul_prefill_s"] + floors["matmul_decode_s"])
+    assert floors["matmul_s"] <= min(floors["matmul_f_linear_s"], floors["matmul_packed_s"]) * (1 + 1e-9)
     assert floors["total_s"] == pytest.approx(floors["matmul_s"] + floors["kv_read_s"])
+    assert floors["peak_flops_s"] == pytest.approx(floors["matmul_flops"] / (floors["peak_gflops_per_s"] * 1e9))
+    assert floors["memory_s"] == pytest.approx((floors["weight_bytes"] + floors["kv_bytes"])
+                                               / (floors["copy_gbps"] * 1e9))
     batched = report["results"]["hf_batched"]
     assert report["ratios"]["floors_over_hf_batched_ceiling"] == pytest.approx(
         batched["elapsed_s"] / floors["total_s"])
+    raylm_s = report["results"]["raylm"]["elapsed_s"]
+    for name, key in [("gemm", "matmul_s"), ("floors", "total_s"), ("peak_flops", "peak_flops_s"),
+                      ("memory", "memory_s")]:
+        assert report["ratios"][f"raylm_time_over_{name}_floor"] == pytest.approx(raylm_s / floors[key])
 
 
 def test_compare_hf_report_counts_num_prompts_times_output_len_tokens_for_every_system(tmp_path, model_dir):

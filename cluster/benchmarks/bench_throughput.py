@@ -267,14 +267,20 @@ def bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[T
 
 
 def measure_floors(args: argparse.Namespace, model_config: dict, prompts: list[list[int]]) -> dict:
-    """The workload's matmul and KV-read floors (`raylm.cluster.benchmarks.workload_floors`) in the
-    benchmark's dtype, with raylm's prefill token budget."""
+    """The workload's floors (`raylm.cluster.benchmarks.workload_floors`: best GEMMs, KV
+    reads, peak FLOP/s, weight and KV bytes) in the benchmark's dtype, with raylm's prefill
+    token budget."""
     from raylm.cluster.benchmarks.workload_floors import workload_floors
     from raylm.engine import EngineArgs
     config = EngineArgs(**engine_kwargs(args)).create_engine_config()
     return workload_floors(model_config, [len(p) for p in prompts], args.output_len,
                            config.scheduler_config.max_num_batched_tokens, config.model_config.dtype,
                            config.device_config.device)
+
+
+# Each floor of `workload_floors`, by the name its ratio in the report carries.
+FLOOR_KEYS = dict(gemm="matmul_s", floors="total_s", peak_flops="peak_flops_s",
+                  nominal_peak_flops="nominal_peak_flops_s", memory="memory_s")
 
 
 # ---------------------------------------------------------------------------- report
@@ -382,6 +388,10 @@ def run(args: argparse.Namespace) -> dict:
         for name in ("hf_batched", "hf_sequential"):
             if name in by_name:
                 ratios[f"floors_over_{name}_ceiling"] = by_name[name].elapsed_s / floors["total_s"]
+        if "raylm" in by_name:
+            for name, key in FLOOR_KEYS.items():
+                if floors[key]:
+                    ratios[f"raylm_time_over_{name}_floor"] = by_name["raylm"].elapsed_s / floors[key]
 
     report = dict(
         machine=machine_info(),
@@ -401,9 +411,9 @@ def run(args: argparse.Namespace) -> dict:
     for name, value in seconds_per_step.items():
         print(f"{name}: {value * 1000:.1f} ms")
     if floors is not None:
-        print(f"floors: matmuls {floors['matmul_s']:.2f} s (prefill {floors['matmul_prefill_s']:.2f}, decode "
-              f"{floors['matmul_decode_s']:.2f}) + KV reads {floors['kv_read_s']:.2f} s "
-              f"({floors['kv_bytes'] / 1e9:.1f} GB at {floors['read_gbps']:.1f} GB/s) = {floors['total_s']:.2f} s")
+        from raylm.cluster.benchmarks.workload_floors import floor_lines
+
+        print("\n".join(floor_lines(floors, by_name["raylm"].elapsed_s if "raylm" in by_name else None)))
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     if args.output_json:
@@ -459,8 +469,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     hf.add_argument("--hf-sequential-prompts", type=_positive_int, default=8,
                     help="requests timed one at a time, scaled to the workload (default 8)")
     parser.add_argument("--floors", action="store_true",
-                        help="also time the workload's floors (its matmuls alone, and reading the KV cache at "
-                             "memory bandwidth) and print the speed-up over each baseline that they allow")
+                        help="also time the workload's floors (its matmuls alone at the best GEMM measured "
+                             "here, and at the peak FLOP/s; reading the KV cache and weights at the copy "
+                             "bandwidth) and print raylm's time over each and the speed-up over each "
+                             "baseline that they allow")
     parser.add_argument("--output-json", default="bench_results/throughput.json",
                         help="where the report goes (default bench_results/throughput.json; empty: nowhere)")
     return parser

@@ -1,26 +1,43 @@
-"""Floors of a throughput workload: the time its linear layers alone take, and the time
-decode attention needs just to read the KV cache.
+"""Floors of a throughput workload: times no engine can beat on this machine, each from a
+limit measured here, so that an engine's time over each says how far it is from it.
 
 Every engine, raylm and Hugging Face alike, multiplies the same activations by the same
 weights: per layer the q/k/v, output, gate/up and down projections of every prompt token
 (prefill) and of every generated token (decode), and the LM head once per sequence per
-step. Timed here as bare `F.linear` calls on random tensors of those shapes, with warm
-caches and nothing else running, their sum is a lower bound on any engine's time for the
-workload. Decode attention must besides read every cached key and value of every
-sequence at every step: those bytes over the memory's streaming read bandwidth (a `sum`
-over a buffer far larger than any cache) are a second floor, which adds to the first on a
-CPU (the same cores do both). `baseline seconds / (floors)` then bounds the speed-up over
-that baseline that an engine can reach on this machine, however little else it does.
+step. The floors:
+
+- GEMMs: those matmuls alone, each shape timed (random tensors, warm caches, nothing else
+  running) as `F.linear` and as raylm's oneDNN GEMM on a weight packed once
+  (`raylm.parallel.cpu_gemm`), the faster of the two per shape.
+- KV reads: decode attention must read every cached key and value of every sequence at
+  every step; those bytes at the measured copy bandwidth. On a CPU the same cores do
+  both, so `total_s` = GEMMs + KV reads: `baseline seconds / total_s` bounds the speed-up
+  over a baseline that any engine can reach here, however little else it does.
+- Peak FLOP/s: the same matmuls' FLOPs at the best rate a large square GEMM reaches on
+  all threads (the rate the workload's small, skinny GEMMs would reach if they were
+  perfect), with the nominal peak from the CPU's flags and clock beside it.
+- Memory: every step reads every weight (and decode its KV); those bytes at the copy
+  bandwidth (a streaming copy of a buffer far larger than the caches). Weights that fit
+  in the last-level cache can be read faster; the printout says when they do.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+# Square GEMM sizes tried for the peak; a larger one only while a call stays short.
+PEAK_GEMM_SIZES = (1024, 2048, 4096)
+PEAK_GEMM_MAX_CALL_S = 0.25
+COPY_BYTES = 2**30
+
+
+# ---------------------------------------------------------------------------- counts
 
 def linear_shapes(model_config: dict) -> list[tuple[int, int]]:
     """(in_features, out_features) of one decoder layer's projections, Llama layout."""
@@ -65,44 +82,26 @@ def workload_matmuls(model_config: dict, prompt_lens: list[int], output_len: int
     return prefill, decode
 
 
-def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: str,
-                min_seconds: float = 0.05) -> float:
-    """Seconds per `F.linear` of [rows, in] by [out, in], warm, best of five batches."""
-    x = torch.randn(rows, in_features, dtype=dtype, device=device)
-    weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    F.linear(x, weight)
-    sync()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_seconds / 5:
-        F.linear(x, weight)
-        calls += 1
-    sync()
-    calls = max(1, calls)
-    best = float("inf")
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            F.linear(x, weight)
-        sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+def matmul_flops(counts: Counter) -> int:
+    """FLOPs of the matmuls `workload_matmuls` counted: a multiply and an add per weight
+    element per row."""
+    return sum(2 * rows * in_features * out_features * n for (rows, in_features, out_features), n in counts.items())
 
 
-def matmul_floor_seconds(model_config: dict, prompt_lens: list[int], output_len: int,
-                         max_num_batched_tokens: int, dtype: torch.dtype, device: str) -> dict:
-    """The workload's matmul time, prefill and decode, in seconds."""
-    prefill, decode = workload_matmuls(model_config, prompt_lens, output_len, max_num_batched_tokens)
-    with torch.inference_mode():
-        per_call = {shape: time_matmul(*shape, dtype=dtype, device=device) for shape in prefill | decode}
-    prefill_s = sum(per_call[shape] * n for shape, n in prefill.items())
-    decode_s = sum(per_call[shape] * n for shape, n in decode.items())
-    return dict(total_s=prefill_s + decode_s, prefill_s=prefill_s, decode_s=decode_s)
+def weight_bytes_per_step(model_config: dict, element_size: int) -> int:
+    """Bytes of linear weights, every layer's projections and the LM head, that one step
+    reads (each once)."""
+    per_layer = sum(in_features * out_features for in_features, out_features in linear_shapes(model_config))
+    lm_head = model_config["hidden_size"] * model_config["vocab_size"]
+    return (per_layer * model_config["num_hidden_layers"] + lm_head) * element_size
+
+
+def weight_bytes_read(model_config: dict, prompt_lens: list[int], output_len: int, max_num_batched_tokens: int,
+                      element_size: int) -> int:
+    """Bytes of linear weights that the workload's steps read: one step per prefill batch
+    and output_len - 1 decode steps."""
+    steps = len(prefill_batches(prompt_lens, max_num_batched_tokens)) + output_len - 1
+    return steps * weight_bytes_per_step(model_config, element_size)
 
 
 def kv_bytes_read(model_config: dict, prompt_lens: list[int], output_len: int, element_size: int) -> int:
@@ -117,25 +116,238 @@ def kv_bytes_read(model_config: dict, prompt_lens: list[int], output_len: int, e
     return tokens * per_token
 
 
-def read_bandwidth(device: str, num_bytes: int = 256 * 2**20) -> float:
-    """Bytes per second of a streaming read (`sum`) of a buffer far larger than the caches."""
-    buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+# ---------------------------------------------------------------------------- timings
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best_seconds(call: Callable[[], object], device: str, min_seconds: float) -> float:
+    """Seconds per call, warm, at its fastest. On a CPU the fastest single call of at least
+    five over about min_seconds: a floor is what the machine can do, and on a shared one a
+    call that another process preempts one OpenMP thread of (every thread then waits for it)
+    can take a thousand times longer. On a GPU the best of five synchronized batches."""
+    call()
+    _sync(device)
+    if device == "cpu":
+        best, calls, deadline = float("inf"), 0, time.perf_counter() + min_seconds
+        while calls < 5 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - start)
+            calls += 1
+        return best
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds / 5:
+        call()
+        calls += 1
+    _sync(device)
+    calls = max(1, calls)
     best = float("inf")
     for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
-        buffer.sum().item()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
+        for _ in range(calls):
+            call()
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
+
+def packed_gemm_available(dtype: torch.dtype, device: str) -> bool:
+    """Whether raylm's packed oneDNN GEMM can run this dtype here (it may be emulated: bf16
+    on a CPU without bf16 instructions)."""
+    return device == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: str,
+                min_seconds: float = 0.05, packed: bool = False) -> float:
+    """Seconds per [rows, in] by [out, in] matmul, warm: `F.linear`, or with packed=True
+    raylm's oneDNN GEMM on the weight packed once (`raylm.parallel.cpu_gemm.cpu_linear`)."""
+    x = torch.randn(rows, in_features, dtype=dtype, device=device)
+    weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
+    with torch.inference_mode():
+        if packed:
+            from raylm.parallel.cpu_gemm import cpu_linear, pack_linear_weight
+
+            packed_weight = pack_linear_weight(weight)
+            return _best_seconds(lambda: cpu_linear(x, packed_weight, None), device, min_seconds)
+        return _best_seconds(lambda: F.linear(x, weight), device, min_seconds)
+
+
+def matmul_floor_seconds(model_config: dict, prompt_lens: list[int], output_len: int,
+                         max_num_batched_tokens: int, dtype: torch.dtype, device: str) -> dict:
+    """The workload's matmul time in seconds, prefill and decode, each shape at the faster
+    of `F.linear` and the packed GEMM; and the whole workload with each kernel alone."""
+    prefill, decode = workload_matmuls(model_config, prompt_lens, output_len, max_num_batched_tokens)
+    shapes = prefill | decode
+    f_linear = {shape: time_matmul(*shape, dtype=dtype, device=device) for shape in shapes}
+    packed = ({shape: time_matmul(*shape, dtype=dtype, device=device, packed=True) for shape in shapes}
+              if packed_gemm_available(dtype, device) else None)
+    best = {shape: min(f_linear[shape], packed[shape]) if packed else f_linear[shape] for shape in shapes}
+
+    def total(per_call: dict, counts: Counter) -> float:
+        return sum(per_call[shape] * n for shape, n in counts.items())
+
+    return dict(total_s=total(best, prefill) + total(best, decode), prefill_s=total(best, prefill),
+                decode_s=total(best, decode), f_linear_s=total(f_linear, prefill + decode),
+                packed_s=total(packed, prefill + decode) if packed else None)
+
+
+def peak_gemm(dtype: torch.dtype, device: str) -> dict:
+    """The best FLOP/s of a large square GEMM on all threads, `F.linear` or the packed GEMM
+    (oneDNN: AMX or AVX512-BF16 for bf16 where the CPU has them), over PEAK_GEMM_SIZES."""
+    kernels = ["F.linear"] + (["oneDNN packed"] if packed_gemm_available(dtype, device) else [])
+    best = dict(flops_per_s=0.0, n=None, kernel=None)
+    for n in PEAK_GEMM_SIZES:
+        slowest = 0.0
+        for kernel in kernels:
+            seconds = time_matmul(n, n, n, dtype, device, min_seconds=0.0, packed=kernel != "F.linear")
+            slowest = max(slowest, seconds)
+            if 2 * n**3 / seconds > best["flops_per_s"]:
+                best = dict(flops_per_s=2 * n**3 / seconds, n=n, kernel=kernel)
+        if slowest > PEAK_GEMM_MAX_CALL_S:
+            break
+    return best
+
+
+def _cpuinfo() -> dict:
+    """flags, clock (MHz) and physical core count from /proc/cpuinfo ({} elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    cores = set()
+    for block in text.strip().split("\n\n"):
+        entry = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        entry = {k.strip(): v.strip() for k, v in entry.items()}
+        fields = fields or entry
+        cores.add((entry.get("physical id"), entry.get("core id")))
+    if "cpu MHz" not in fields:
+        return {}
+    return dict(flags=set(fields.get("flags", "").split()), mhz=float(fields["cpu MHz"]), physical_cores=len(cores))
+
+
+def nominal_peak_flops(dtype: torch.dtype, cpuinfo: dict | None = None,
+                       threads: int | None = None) -> tuple[float, str] | None:
+    """The CPU's nominal peak FLOP/s for this dtype on the threads torch uses, and how it
+    was reckoned: physical cores x FLOPs per cycle per core x the clock /proc/cpuinfo
+    reports. Nominal, not a bound: the FMA port count is not in the flags (2 assumed, as on
+    server cores), and the clock is the base one (turbo raises it, AVX-512 and AMX
+    lower it). None where the flags or clock are unknown (not Linux, not x86, a GPU)."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    if not info:
+        return None
+    flags = info["flags"]
+    if "avx512f" in flags:
+        fp32 = (64, "AVX-512 fp32 FMA: 2 ports x 16 lanes x 2")
+    elif "avx2" in flags and "fma" in flags:
+        fp32 = (32, "AVX2 fp32 FMA: 2 ports x 8 lanes x 2")
+    else:
+        return None
+    if dtype == torch.float32:
+        per_cycle, unit = fp32
+    elif dtype == torch.bfloat16:
+        if "amx_bf16" in flags:
+            per_cycle, unit = 1024, "AMX bf16: 512 MACs x 2"
+        elif "avx512_bf16" in flags:
+            per_cycle, unit = 128, "AVX512-BF16 dot products: 2 ports x 32 MACs x 2"
+        else:
+            per_cycle, unit = fp32[0], fp32[1] + " (bf16 widened to fp32: no bf16 instructions)"
+    else:
+        return None
+    cores = min(info["physical_cores"], threads or torch.get_num_threads())
+    ghz = info["mhz"] / 1000
+    return cores * per_cycle * ghz * 1e9, f"{cores} cores x {per_cycle} FLOP/cycle ({unit}) x {ghz:.2f} GHz"
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's last-level cache as Linux reports it (a VM may report its host's),
+    or None where unknown."""
+    caches = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        if size.rstrip("KMG").isdigit():
+            caches[level] = int(size.rstrip("KMG")) * scale
+    return caches[max(caches)] if caches else None
+
+
+def copy_bandwidth(device: str, num_bytes: int | None = None) -> float:
+    """Bytes per second a streaming copy moves (read plus written, as STREAM counts them),
+    from a buffer far larger than the caches (COPY_BYTES), on all threads."""
+    num_bytes = num_bytes or COPY_BYTES
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / _best_seconds(lambda: dst.copy_(src), device, min_seconds=0.0)
+
+
+# ---------------------------------------------------------------------------- floors
 
 def workload_floors(model_config: dict, prompt_lens: list[int], output_len: int, max_num_batched_tokens: int,
                     dtype: torch.dtype, device: str) -> dict:
-    """Both floors of the workload, in seconds, and their sum."""
-    floors = matmul_floor_seconds(model_config, prompt_lens, output_len, max_num_batched_tokens, dtype, device)
-    kv_bytes = kv_bytes_read(model_config, prompt_lens, output_len, torch.tensor([], dtype=dtype).element_size())
-    bandwidth = read_bandwidth(device)
-    return dict(matmul_s=floors["total_s"], matmul_prefill_s=floors["prefill_s"], matmul_decode_s=floors["decode_s"],
-                kv_read_s=kv_bytes / bandwidth, kv_bytes=kv_bytes, read_gbps=bandwidth / 1e9,
-                total_s=floors["total_s"] + kv_bytes / bandwidth)
+    """Every floor of the workload in seconds, with the counts and measured rates behind
+    them; `total_s` is the GEMM floor plus the KV-read floor."""
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    matmuls = matmul_floor_seconds(model_config, prompt_lens, output_len, max_num_batched_tokens, dtype, device)
+    prefill, decode = workload_matmuls(model_config, prompt_lens, output_len, max_num_batched_tokens)
+    flops = matmul_flops(prefill + decode)
+    peak = peak_gemm(dtype, device)
+    nominal = nominal_peak_flops(dtype) if device == "cpu" else None
+    kv_bytes = kv_bytes_read(model_config, prompt_lens, output_len, element_size)
+    weight_bytes = weight_bytes_read(model_config, prompt_lens, output_len, max_num_batched_tokens, element_size)
+    bandwidth = copy_bandwidth(device)
+    return dict(
+        dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads() if device == "cpu" else None,
+        matmul_s=matmuls["total_s"], matmul_prefill_s=matmuls["prefill_s"], matmul_decode_s=matmuls["decode_s"],
+        matmul_f_linear_s=matmuls["f_linear_s"], matmul_packed_s=matmuls["packed_s"],
+        matmul_flops=flops, matmul_gflops_per_s=flops / matmuls["total_s"] / 1e9,
+        kv_read_s=kv_bytes / bandwidth, kv_bytes=kv_bytes, copy_gbps=bandwidth / 1e9,
+        total_s=matmuls["total_s"] + kv_bytes / bandwidth,
+        peak_flops_s=flops / peak["flops_per_s"], peak_gflops_per_s=peak["flops_per_s"] / 1e9,
+        peak_gemm_n=peak["n"], peak_gemm_kernel=peak["kernel"],
+        nominal_peak_gflops_per_s=nominal[0] / 1e9 if nominal else None,
+        nominal_peak_basis=nominal[1] if nominal else None,
+        nominal_peak_flops_s=flops / nominal[0] if nominal else None,
+        weight_bytes=weight_bytes, memory_s=(weight_bytes + kv_bytes) / bandwidth,
+        weight_bytes_per_step=weight_bytes_per_step(model_config, element_size),
+        last_level_cache_bytes=last_level_cache_bytes() if device == "cpu" else None,
+    )
+
+
+def floor_lines(floors: dict, seconds: float | None, name: str = "raylm") -> list[str]:
+    """The floors as printed lines, each with `seconds / floor` where an engine's time is
+    given."""
+    def over(floor_s: float | None) -> str:
+        return f"   {name} {seconds / floor_s:.1f}x" if seconds is not None and floor_s else ""
+
+    f = floors
+    kernels = f"F.linear {f['matmul_f_linear_s']:.3f} s" + (
+        f", oneDNN packed {f['matmul_packed_s']:.3f} s" if f["matmul_packed_s"] is not None else "")
+    threads = f", {f['threads']} threads" if f["threads"] else ""
+    lines = [
+        f"floors ({f['dtype']}{threads})" + (f", and {name}'s time over each:" if seconds is not None else ":"),
+        f"  GEMMs, best kernel per shape   {f['matmul_s']:.3f} s (prefill {f['matmul_prefill_s']:.3f}, decode "
+        f"{f['matmul_decode_s']:.3f}; {kernels}; {f['matmul_gflops_per_s']:.1f} GFLOP/s){over(f['matmul_s'])}",
+        f"  + KV reads at copy bandwidth   {f['kv_read_s']:.3f} s ({f['kv_bytes'] / 1e9:.2f} GB at "
+        f"{f['copy_gbps']:.1f} GB/s)",
+        f"  = GEMMs + KV reads             {f['total_s']:.3f} s{over(f['total_s'])}",
+        f"  GEMM FLOPs at measured peak    {f['peak_flops_s']:.3f} s ({f['matmul_flops'] / 1e9:.1f} GFLOP at "
+        f"{f['peak_gflops_per_s']:.0f} GFLOP/s, {f['peak_gemm_n']}^2 {f['peak_gemm_kernel']}){over(f['peak_flops_s'])}",
+    ]
+    if f["nominal_peak_flops_s"] is not None:
+        lines.append(f"  GEMM FLOPs at nominal peak     {f['nominal_peak_flops_s']:.3f} s "
+                     f"({f['nominal_peak_gflops_per_s']:.0f} GFLOP/s = {f['nominal_peak_basis']})"
+                     f"{over(f['nominal_peak_flops_s'])}")
+    lines.append(f"  weight + KV bytes at copy bw   {f['memory_s']:.3f} s ({f['weight_bytes'] / 1e9:.2f} GB weights + "
+                 f"{f['kv_bytes'] / 1e9:.2f} GB KV at {f['copy_gbps']:.1f} GB/s){over(f['memory_s'])}")
+    cache = f["last_level_cache_bytes"]
+    if cache and f["weight_bytes_per_step"] <= cache:
+        lines.append(f"    (a step's {f['weight_bytes_per_step'] / 2**20:.0f} MiB of weights fit in the "
+                     f"{cache / 2**20:.0f} MiB last-level cache: steps may read them faster than that)")
+    return lines
