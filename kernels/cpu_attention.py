@@ -4,7 +4,8 @@ The PyTorch reference (`raylm.kernels.torch_attention`) gathers every decoding s
 whole context into a padded [B, Hkv, L, D] tensor each layer each step before two batched
 matmuls, and runs each prefilling sequence through its own gather and SDPA call. Two C++
 kernels, like vLLM's CPU backend, walk each sequence's block table instead, with an online
-softmax in fp32 over an fp32 or bf16 cache:
+softmax in fp32 over fp32 or bf16 queries and cache (outputs in the query's dtype). They are
+PyTorch operators, `torch.ops.raylm.paged_decode_attention` and `paged_prefill_attention`:
 
 - decode rows (query_len 1), `csrc/cpu_attention.cpp`: read every key and value row once;
   one task per sequence computes all its query heads block by block (one task per KV head
@@ -24,7 +25,6 @@ back to the reference.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -33,38 +33,28 @@ from raylm.kernels import cpu_ops, torch_attention
 from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.native_build import load_native_library
 
-# None: not tried yet; False: the build failed (warned once); else the kernel's entry point.
+_DTYPES = (torch.float32, torch.bfloat16)
+
+# None: not tried yet; False: the build failed (warned once); else the kernel's operator.
 _kernel = None
 _prefill_kernel = None
 
 
 def load_kernel():
-    """The compiled kernel (a ctypes function), built on first call or loaded from the build
-    cache; None when it cannot be built, after one warning."""
+    """The decode kernel, `torch.ops.raylm.paged_decode_attention`, built on first call or
+    loaded from the build cache; None when it cannot be built, after one warning."""
     global _kernel
     if _kernel is None:
-        library = load_native_library("cpu_attention")
-        if library is None:
-            _kernel = False
-        else:
-            _kernel = library.raylm_paged_decode_attention
-            _kernel.restype = ctypes.c_int64
-            _kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int32]
+        _kernel = load_native_library("cpu_attention") is not None and torch.ops.raylm.paged_decode_attention
     return _kernel or None
 
 
 def load_prefill_kernel():
-    """The compiled prefill kernel (a ctypes function), as `load_kernel`."""
+    """The prefill kernel, `torch.ops.raylm.paged_prefill_attention`, as `load_kernel`."""
     global _prefill_kernel
     if _prefill_kernel is None:
-        library = load_native_library("cpu_prefill_attention")
-        if library is None:
-            _prefill_kernel = False
-        else:
-            _prefill_kernel = library.raylm_paged_prefill_attention
-            _prefill_kernel.restype = ctypes.c_int64
-            _prefill_kernel.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8
-                                        + [ctypes.c_float, ctypes.c_int32, ctypes.c_int64])
+        _prefill_kernel = (load_native_library("cpu_prefill_attention") is not None
+                           and torch.ops.raylm.paged_prefill_attention)
     return _prefill_kernel or None
 
 
@@ -75,8 +65,10 @@ def is_available() -> bool:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """The reference's `write_kv_cache` contract, in one C++ pass for fp32 caches."""
-    if cpu_ops.usable(key, value, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous():
+    """The reference's `write_kv_cache` contract, in one C++ pass for fp32 and bf16 caches."""
+    if (key.dtype == k_cache.dtype and value.dtype == k_cache.dtype and cpu_ops.usable(key, value, k_cache, v_cache)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1
+            and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]):
         cpu_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     else:
         torch_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
@@ -84,32 +76,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row per sequence, query [B, Hq, D], over its seq_lens[b] cached tokens at
-    block_tables[b] of k_cache, v_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, CPU);
-    returns [B, Hq, D] in the query's dtype. Needs the kernel (see `is_available`)."""
+    """One query row per sequence, query [B, Hq, D] (fp32 or bf16), over its seq_lens[b]
+    cached tokens at block_tables[b] of k_cache, v_cache [num_blocks, block_size, Hkv, D]
+    (fp32 or bf16, CPU); returns [B, Hq, D] in the query's dtype. A table that does not hold
+    its sequence is a ValueError. Needs the kernel (see `is_available`)."""
     kernel = load_kernel()
     assert kernel is not None, "paged_decode_attention needs the native kernel; check is_available()"
-    batch, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
-    assert k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
-    assert k_cache.shape[3] == head_size and num_heads % num_kv_heads == 0
-    assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
-    query32 = query.float().contiguous()
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(query32)
-    status = kernel(query32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                    seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_size, block_size,
-                    block_tables.shape[1], num_blocks, scale, k_cache.dtype == torch.bfloat16)
-    if status > 0:
-        seq = status - 1
-        raise ValueError(f"seq_lens[{seq}] = {int(seq_lens[seq])} does not fit its block table "
-                         f"({block_tables.shape[1]} entries of {block_size} tokens, blocks below {num_blocks}).")
-    if status < 0:
-        raise RuntimeError("the native CPU attention kernel failed")
-    return out.to(query.dtype)
+    return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,35 +94,12 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     kernel = load_prefill_kernel()
     assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
     md = attn_metadata
-    num_tokens, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
-    assert k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
-    assert k_cache.shape[3] == head_size and num_heads % num_kv_heads == 0
-    num_seqs = md.seq_lens.shape[0]
-    assert md.block_tables.shape[0] == num_seqs and md.query_start_loc.shape == (num_seqs + 1,)
-    query32 = query.float().contiguous()
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    block_tables = md.block_tables.to(torch.int32).contiguous()
-    seq_lens = md.seq_lens.to(torch.int32).contiguous()
-    query_start_loc = md.query_start_loc.to(torch.int32).contiguous()
-    out = torch.empty_like(query32)
-    status = kernel(query32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                    seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(), num_seqs, num_tokens, num_heads,
-                    num_kv_heads, head_size, block_size, block_tables.shape[1], num_blocks, scale,
-                    k_cache.dtype == torch.bfloat16, min_query_len)
-    if status > 0:
-        seq = status - 1
-        begin, end, seq_len = int(query_start_loc[seq]), int(query_start_loc[seq + 1]), int(seq_lens[seq])
-        if not 0 <= begin <= end <= num_tokens or end - begin > seq_len:
-            raise ValueError(f"Sequence {seq} has query rows query_start_loc[{seq}:{seq + 2}] = {begin}..{end} "
-                             f"of {num_tokens} and seq_lens[{seq}] = {seq_len}; its queries must be rows of the "
-                             f"query and at most seq_len of them.")
-        raise ValueError(f"seq_lens[{seq}] = {seq_len} does not fit its block table "
-                         f"({block_tables.shape[1]} entries of {block_size} tokens, blocks below {num_blocks}).")
-    if status < 0:
-        raise RuntimeError("the native CPU prefill attention kernel failed")
-    return out.to(query.dtype)
+    return kernel(query, k_cache, v_cache, _int32(md.block_tables), _int32(md.seq_lens), _int32(md.query_start_loc),
+                  scale, min_query_len)
+
+
+def _int32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dtype == torch.int32 and tensor.is_contiguous() else tensor.to(torch.int32).contiguous()
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -157,10 +107,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
     on the native kernels: decode rows on the decode kernel, the other sequences' rows on
     the prefill kernel. Falls back to the reference when the decode kernel is unavailable
-    or the cache is not an fp32/bf16 CPU tensor, and for prefill rows when only the prefill
-    kernel is unavailable."""
+    or the query or cache is not an fp32/bf16 CPU tensor, and for prefill rows when only the
+    prefill kernel is unavailable."""
     md = attn_metadata
-    if (k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
         return torch_attention.paged_attention(query, k_cache, v_cache, md, scale)
     num_tokens = query.shape[0]

@@ -1,17 +1,25 @@
-"""Builds the native CPU kernels (C++ in `csrc/`) at first use and loads them with ctypes.
+"""Builds the native CPU kernels (C++ in `csrc/`) at first use and loads them as PyTorch
+operators (`torch.ops.raylm.*`).
 
-Each library is a plain shared object behind C entry points rather than a pybind module: its
-sources include only ATen/Parallel.h, not torch/extension.h, which cuts the first build from
-minutes to seconds on a small machine. `torch.utils.cpp_extension.load` compiles it (needs a
-C++ compiler and ninja) into a directory under ~/.cache keyed by the sources, flags, torch
-version and CPU, so later processes only load it; -march=native code is never reused on
-another CPU. A library that cannot be built is reported once and its callers fall back to
-PyTorch.
+Each library registers its ops with a `TORCH_LIBRARY_FRAGMENT(raylm, ...)` block and is
+loaded with `torch.ops.load_library`, so the dispatcher calls the kernels directly: about
+1 us a call, the same as a ctypes call, where a Python `torch.library.custom_op` wrapper
+costs about 16 us. The sources include torch/library.h and ATen's per-op headers, not
+torch/extension.h (no pybind), which keeps the first build to seconds on a small machine.
+`torch.utils.cpp_extension.load` compiles it (needs a C++ compiler and ninja) into a
+directory under ~/.cache keyed by the sources, flags, torch version and CPU, so later
+processes only load it; -march=native code is never reused on another CPU. A library that
+cannot be built is reported once and its callers fall back to PyTorch.
+
+RAYLM_CPU_ISA narrows the instruction set the kernels are compiled for, so that one machine
+can test every path of cpu_vec.h: "avx512" (the default where the CPU has AVX-512), "avx2"
+(AVX2 + FMA, no AVX-512), "scalar" (the portable loops; the compiler may still use SSE).
+Each choice is a separate library in the cache. A process loads one build of each library:
+the ops are registered by name, so tests of other ISAs run in a subprocess.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -26,14 +34,22 @@ logger = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).parent / "csrc"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+ISA_ENV_VAR = "RAYLM_CPU_ISA"
+# RAYLM_CPU_ISA -> the flags added to _CFLAGS, and the /proc/cpuinfo flags it needs (x86).
+_ISA_FLAGS = {
+    "avx512": ([], ("avx512f",)),
+    "avx2": (["-mno-avx512f"], ("avx2", "fma")),  # also turns off every AVX-512 extension
+    "scalar": (["-mno-avx"], ()),  # no AVX at all: cpu_vec.h's portable path
+}
 
-# name -> the loaded library, or None when its build failed (warned once).
-_libraries: dict[str, ctypes.CDLL | None] = {}
+# name -> the loaded library's path, or None when its build failed (warned once).
+_libraries: dict[str, str | None] = {}
 
 
-def load_native_library(name: str) -> ctypes.CDLL | None:
-    """The library built from csrc/<name>.cpp (and the csrc headers), or None when it
-    cannot be built here, after one warning."""
+def load_native_library(name: str) -> str | None:
+    """Builds csrc/<name>.cpp (with the csrc headers) and loads it, registering its
+    `torch.ops.raylm` operators; returns the library's path, or None when it cannot be
+    built here, after one warning."""
     if name not in _libraries:
         try:
             _libraries[name] = _build(name)
@@ -52,12 +68,37 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(name: str) -> ctypes.CDLL:
+def isa() -> str | None:
+    """The instruction set RAYLM_CPU_ISA asks for, or None for -march=native as it is.
+    A value this CPU cannot run is a ValueError (which load_native_library reports)."""
+    name = os.environ.get(ISA_ENV_VAR) or None
+    if name is None:
+        return None
+    if name not in _ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV_VAR} must be one of {', '.join(_ISA_FLAGS)}, got {name!r}.")
+    if name != "scalar":
+        cpu_flags = _cpu_flags().split()
+        if platform.machine() not in ("x86_64", "AMD64") or not all(f in cpu_flags for f in _ISA_FLAGS[name][1]):
+            raise ValueError(f"{ISA_ENV_VAR}={name} needs an x86 CPU with {', '.join(_ISA_FLAGS[name][1])}; "
+                             f"this one has not.")
+    return name
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags of the native libraries, RAYLM_CPU_ISA applied."""
+    name = isa()
+    if name is None or platform.machine() not in ("x86_64", "AMD64"):
+        return list(_CFLAGS)
+    return [*_CFLAGS, *_ISA_FLAGS[name][0]]
+
+
+def _build(name: str) -> str:
     from torch.utils.cpp_extension import load
 
     source_text = (CSRC_DIR / f"{name}.cpp").read_text()
     headers = sorted(CSRC_DIR.glob("*.h"))
-    key = "\n".join([source_text, *(h.read_text() for h in headers), " ".join(_CFLAGS + _LDFLAGS),
+    cflags = compile_flags()
+    key = "\n".join([source_text, *(h.read_text() for h in headers), " ".join(cflags + _LDFLAGS),
                      torch.__version__, platform.machine(), _cpu_flags()])
     module_name = f"raylm_{name}_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -70,9 +111,10 @@ def _build(name: str) -> ctypes.CDLL:
             partial.write_text(text)
             partial.replace(path)  # atomic: concurrent workers never compile half a file
     start = time.perf_counter()
-    load(name=module_name, sources=[str(build_dir / f"{name}.cpp")], extra_cflags=_CFLAGS,
+    load(name=module_name, sources=[str(build_dir / f"{name}.cpp")], extra_cflags=cflags,
          extra_ldflags=_LDFLAGS, extra_include_paths=[str(build_dir)], build_directory=str(build_dir),
          is_python_module=False, verbose=False)
-    library = ctypes.CDLL(str(build_dir / f"{module_name}.so"))
+    # is_python_module=False: load() has loaded it with torch.ops.load_library, registering its ops.
+    path = str(build_dir / f"{module_name}.so")
     logger.info("Native CPU library %r ready in %.1f s (%s).", name, time.perf_counter() - start, build_dir)
-    return library
+    return path

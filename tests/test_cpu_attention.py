@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import platform
 
 import pytest
 import torch
@@ -270,29 +269,6 @@ def test_more_queries_than_seq_len_is_an_error(native_prefill):
     md.seq_lens = torch.tensor([6, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 2"):
         cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.5)
-
-
-def _cpu_has(*flags: str) -> bool:
-    cpu_flags = native_build._cpu_flags().split()
-    return all(flag in cpu_flags for flag in flags)
-
-
-@pytest.mark.parametrize("march,flags", [("haswell", ("avx2", "fma")), ("x86-64", ())])
-def test_avx2_and_portable_builds_match_float64(native_prefill, monkeypatch, march, flags):
-    # The kernel is written once over cpu_vec.h's vfloat; this builds it for 8-lane AVX2 and
-    # for plain floats (no vector extension at all), whatever this machine's -march=native is.
-    if platform.machine() != "x86_64" or not _cpu_has(*flags):
-        pytest.skip(f"-march={march} code cannot run on this CPU")
-    monkeypatch.setattr(native_build, "_CFLAGS", ["-O3", f"-march={march}", "-fopenmp"])
-    monkeypatch.setattr(native_build, "_libraries", {})
-    monkeypatch.setattr(cpu_attention, "_prefill_kernel", None)
-    assert cpu_attention.load_prefill_kernel() is not None
-    for head_size, num_heads, num_kv_heads in [(32, 8, 2), (80, 4, 4), (36, 8, 4)]:
-        out, exact = compare_with_float64([70, 1, 20], [70, 30, 150], num_heads, num_kv_heads, head_size, seed=21)
-        assert relative_error(out, exact) < 1e-5
-    out, expected = compare_with_reference([40, 3], [300, 9], dtype=torch.bfloat16, seed=22,
-                                           query_dtype=torch.float32)
-    assert relative_error(out, expected) < 1e-5
 
 
 def test_prefill_falls_back_to_the_reference_when_only_its_kernel_fails_to_build(native, monkeypatch, caplog,

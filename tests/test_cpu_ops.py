@@ -1,4 +1,5 @@
-"""The fused CPU ops against PyTorch written out in float64, and the layers that use them."""
+"""The fused CPU ops against PyTorch written out in float64, and the layers that use them.
+Every kernel in fp32 and bf16, on each instruction set, is in test_cpu_kernel_isa.py."""
 
 from __future__ import annotations
 
@@ -108,24 +109,47 @@ def test_write_kv_cache_matches_the_reference_skips_padding_and_rejects_bad_slot
     assert all(torch.equal(a, b) for a, b in zip(caches, before))  # nothing written
 
 
-def test_layers_give_the_same_results_with_and_without_the_fused_ops(monkeypatch):
-    gen = torch.Generator().manual_seed(11)
-    norm = RMSNorm(64, 1e-6)
-    norm.weight.data = torch.rand(64, generator=gen) + 0.5
-    x, residual = torch.randn(10, 64, generator=gen), torch.randn(10, 64, generator=gen)
-    gate_up = torch.randn(10, 2 * 48, generator=gen)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+def test_layers_give_the_same_results_with_and_without_the_fused_ops_in_each_dtype(monkeypatch, dtype, tolerance):
+    # In bf16 within two roundings of the inputs' scale (~1): PyTorch rounds after each op
+    # (the rotary embedding's products before they cancel), the fused ops once at the end.
+    gen = torch.Generator().manual_seed(12)
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(64, generator=gen) + 0.5).to(dtype)
+    rope = get_rope(32, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(dtype)
+    x, residual = torch.randn(10, 64, generator=gen).to(dtype), torch.randn(10, 64, generator=gen).to(dtype)
+    gate_up = torch.randn(10, 2 * 48, generator=gen).to(dtype)
+    positions = torch.randint(0, 64, (10,), generator=gen)
 
-    fused = (norm(x.clone()), *norm(x.clone(), residual.clone()), SiluAndMul()(gate_up))
-    monkeypatch.setattr(cpu_ops, "usable", lambda *tensors: False)  # the layers' PyTorch code
-    plain = (norm(x.clone()), *norm(x.clone(), residual.clone()), SiluAndMul()(gate_up))
-    for a, b in zip(fused, plain):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    def run_layers():
+        return (norm(x.clone()), *norm(x.clone(), residual.clone()), SiluAndMul()(gate_up),
+                rope.rotate(positions, x.clone()))
+
+    fused = run_layers()
+    monkeypatch.setattr(cpu_ops, "usable", lambda *tensors: False)
+    for a, b in zip(fused, run_layers()):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
-def test_ops_decline_other_dtypes_and_autograd():
-    assert not cpu_ops.usable(torch.zeros(2, dtype=torch.bfloat16))
+def test_ops_take_fp32_and_bf16_and_decline_other_dtypes_and_autograd():
+    assert cpu_ops.usable(torch.zeros(2), torch.ones(3, dtype=torch.bfloat16))
+    assert not cpu_ops.usable(torch.zeros(2, dtype=torch.float16))
     assert not cpu_ops.usable(torch.zeros(2, requires_grad=True))
-    assert cpu_ops.usable(torch.zeros(2), torch.ones(3))
+
+
+def test_ops_are_pytorch_operators_that_the_profiler_names():
+    gen = torch.Generator().manual_seed(13)
+    x, weight = torch.randn(4, 64, generator=gen).to(torch.bfloat16), torch.rand(64, generator=gen) + 0.5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = torch.ops.raylm.rms_norm(x, weight, 1e-6)
+        gated = torch.ops.raylm.silu_and_mul(x)
+    names = {event.name for event in profile.events()}
+    assert {"raylm::rms_norm", "raylm::silu_and_mul"} <= names
+    rtol = 2 ** -8
+    torch.testing.assert_close(out.double(), rms_norm_reference(x.float(), weight, 1e-6).double(), rtol=rtol, atol=1e-5)
+    expected = F.silu(x[:, :32].double()) * x[:, 32:].double()
+    torch.testing.assert_close(gated.double(), expected, rtol=rtol, atol=1e-5)
 
 
 def test_every_native_source_is_package_data():

@@ -8,9 +8,16 @@
 // sum of values for two query heads at a time over 32 channels held in registers. Elsewhere
 // plain loops that the compiler vectorizes as it can.
 //
-// Built by raylm/kernels/cpu_attention.py with -O3 -march=native -fopenmp.
+// Queries and outputs are fp32 or bf16 (converted in the task's own copy of its queries and
+// when it writes its rows), the cache fp32 or bf16; everything is computed in fp32. The
+// kernel is the PyTorch operator torch.ops.raylm.paged_decode_attention (registered below).
+//
+// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -231,10 +238,11 @@ void prefetch_rows(const cache_t* k, const cache_t* v, int64_t token_stride, int
 
 // kHeadSize > 0 fixes the head size at compile time, so the helpers inlined here unroll
 // their channel loops; 0 reads it from head_size.
+// query and out are fp32, or bf16 when io_bf16.
 template <typename cache_t, int kHeadSize>
-void decode(const float* query, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
-            const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int head_size, int64_t block_size, int64_t max_blocks, float scale) {
+void decode(const void* query, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
+            const int32_t* seq_lens, void* out, bool io_bf16, int64_t num_seqs, int64_t num_heads,
+            int64_t num_kv_heads, int head_size, int64_t block_size, int64_t max_blocks, float scale) {
   const int D = kHeadSize > 0 ? kHeadSize : head_size;
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const int64_t token_stride = num_kv_heads * D;
@@ -254,13 +262,22 @@ void decode(const float* query, const cache_t* k_cache, const cache_t* v_cache, 
       const int64_t seq = task / tasks_per_seq;
       const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
       const int64_t seq_len = seq_lens[seq];
-      const float* q_src = query + (seq * num_heads + first_kv_head * group) * D;
-      float* out_dst = out + (seq * num_heads + first_kv_head * group) * D;
+      const int64_t first_element = (seq * num_heads + first_kv_head * group) * D;
       if (seq_len <= 0) {
-        std::fill(out_dst, out_dst + task_heads * D, 0.0f);
+        if (io_bf16) {
+          std::fill_n(static_cast<uint16_t*>(out) + first_element, task_heads * D, uint16_t{0});
+        } else {
+          std::fill_n(static_cast<float*>(out) + first_element, task_heads * D, 0.0f);
+        }
         continue;
       }
-      for (int i = 0; i < task_heads * D; ++i) q[i] = q_src[i] * scale;
+      if (io_bf16) {
+        const uint16_t* q_src = static_cast<const uint16_t*>(query) + first_element;
+        for (int i = 0; i < task_heads * D; ++i) q[i] = to_float(q_src[i]) * scale;
+      } else {
+        const float* q_src = static_cast<const float*>(query) + first_element;
+        for (int i = 0; i < task_heads * D; ++i) q[i] = q_src[i] * scale;
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);
@@ -313,55 +330,94 @@ void decode(const float* query, const cache_t* k_cache, const cache_t* v_cache, 
       }
       for (int g = 0; g < task_heads; ++g) {
         const float inv = 1.0f / running_sum[g];
-        for (int d = 0; d < D; ++d) out_dst[g * D + d] = acc[g * D + d] * inv;
+        if (io_bf16) {
+          uint16_t* dst = static_cast<uint16_t*>(out) + first_element + g * D;
+          for (int d = 0; d < D; ++d) dst[d] = to_bf16(acc[g * D + d] * inv);
+        } else {
+          float* dst = static_cast<float*>(out) + first_element + g * D;
+          for (int d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+        }
       }
     }
   });
 }
 
 template <typename cache_t>
-void dispatch_head_size(const float* query, const cache_t* k, const cache_t* v, const int32_t* tables,
-                        const int32_t* lens, float* out, int64_t B, int64_t Hq, int64_t Hkv, int D,
+void dispatch_head_size(const void* query, const cache_t* k, const cache_t* v, const int32_t* tables,
+                        const int32_t* lens, void* out, bool io_bf16, int64_t B, int64_t Hq, int64_t Hkv, int D,
                         int64_t block_size, int64_t max_blocks, float scale) {
   switch (D) {
-    case 32: return decode<cache_t, 32>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    case 64: return decode<cache_t, 64>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    case 128: return decode<cache_t, 128>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    default: return decode<cache_t, 0>(query, k, v, tables, lens, out, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    case 32:
+      return decode<cache_t, 32>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    case 64:
+      return decode<cache_t, 64>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    case 128:
+      return decode<cache_t, 128>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks,
+                                  scale);
+    default:
+      return decode<cache_t, 0>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks, scale);
   }
+}
+
+bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+// query [B, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
+// bf16; block_tables [B, max_blocks] and seq_lens [B] int32; returns [B, Hq, D] in the query's
+// dtype. A sequence whose table does not hold its seq_len tokens in valid blocks is a
+// ValueError, and nothing is computed.
+at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const at::Tensor query = query_in.contiguous();
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "raylm::paged_decode_attention takes CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "raylm::paged_decode_attention takes query [B, Hq, D] and contiguous caches [num_blocks, block_size, "
+              "Hkv, D] of one dtype");
+  TORCH_CHECK(is_float_or_bf16(query) && is_float_or_bf16(k_cache),
+              "raylm::paged_decode_attention takes fp32 or bf16 queries and caches");
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
+              "raylm::paged_decode_attention: the caches' head size must be the query's, Hq a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == B && seq_lens.numel() == B,
+              "raylm::paged_decode_attention takes contiguous int32 block_tables [B, max_blocks] and seq_lens [B]");
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = static_cast<const int32_t*>(block_tables.data_ptr());
+  const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
+  // The kernel trusts the tables; check them once here rather than read out of bounds.
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = (static_cast<int64_t>(lens[b]) + block_size - 1) / block_size;
+    bool fits = lens[b] >= 0 && used <= max_blocks;
+    for (int64_t i = 0; fits && i < used; ++i) fits = tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks;
+    TORCH_CHECK_VALUE(fits, "seq_lens[", b, "] = ", lens[b], " does not fit its block table (", max_blocks,
+                      " entries of ", block_size, " tokens, blocks below ", num_blocks, ").");
+  }
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  const bool io_bf16 = query.scalar_type() == at::kBFloat16;
+  const int head_size = static_cast<int>(D);
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    dispatch_head_size<uint16_t>(query.data_ptr(), static_cast<const uint16_t*>(k_cache.data_ptr()),
+                                 static_cast<const uint16_t*>(v_cache.data_ptr()), tables, lens, out.data_ptr(),
+                                 io_bf16, B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale));
+  } else {
+    dispatch_head_size<float>(query.data_ptr(), static_cast<const float*>(k_cache.data_ptr()),
+                              static_cast<const float*>(v_cache.data_ptr()), tables, lens, out.data_ptr(), io_bf16, B,
+                              Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale));
+  }
+  return out;
 }
 
 }  // namespace
 
-// query and out [B, Hq, D] fp32; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
-// bf16 (cache_is_bf16); block_tables [B, max_blocks] int32; seq_lens [B] int32; all
-// contiguous. Returns 0, or 1 + the first sequence whose table does not hold its seq_len
-// tokens in valid blocks (nothing computed), or -1 if the kernel threw.
-extern "C" int64_t raylm_paged_decode_attention(const float* query, const void* k_cache, const void* v_cache,
-                                                const int32_t* block_tables, const int32_t* seq_lens, float* out,
-                                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                                int64_t max_blocks, int64_t num_blocks, float scale,
-                                                int32_t cache_is_bf16) {
-  // The kernel trusts the tables; check them once here rather than read out of bounds.
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t used = (static_cast<int64_t>(seq_lens[b]) + block_size - 1) / block_size;
-    if (seq_lens[b] < 0 || used > max_blocks) return b + 1;
-    for (int64_t i = 0; i < used; ++i) {
-      const int32_t block = block_tables[b * max_blocks + i];
-      if (block < 0 || block >= num_blocks) return b + 1;
-    }
-  }
-  try {
-    const int head_size = static_cast<int>(D);
-    if (cache_is_bf16) {
-      dispatch_head_size<uint16_t>(query, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
-                       block_tables, seq_lens, out, B, Hq, Hkv, head_size, block_size, max_blocks, scale);
-    } else {
-      dispatch_head_size<float>(query, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_tables,
-                    seq_lens, out, B, Hq, Hkv, head_size, block_size, max_blocks, scale);
-    }
-  } catch (...) {
-    return -1;
-  }
-  return 0;
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

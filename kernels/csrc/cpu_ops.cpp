@@ -1,13 +1,19 @@
 // The small per-layer ops of a decoder on the CPU, fused: RMSNorm with its residual add,
 // SiLU-and-multiply, rotary embedding in place, and the KV-cache write. In PyTorch each is
 // several elementwise ops, each a pass over memory plus dispatch overhead, which at decode
-// batch sizes costs more than the arithmetic; here each is one pass. fp32 only (the Python
-// side keeps PyTorch for other dtypes). Rows are split across threads only when there are
-// enough of them to pay for waking the threads.
+// batch sizes costs more than the arithmetic; here each is one pass. Tensors are fp32 or bf16
+// (uint16_t here), computed in fp32 and rounded once to the output's dtype. Rows are split
+// across threads only when there are enough of them to pay for waking the threads.
 //
-// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp.
+// The ops are PyTorch operators (`torch.ops.raylm.*`, registered below), so the dispatcher
+// calls them with no Python in between and the profiler names them.
+//
+// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,71 +25,73 @@
 namespace {
 
 using namespace raylm;
+using bf16 = uint16_t;
 
 // Rows per thread chunk so that a chunk holds at least ~16K elements.
 int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements)); }
 
 // out = x / sqrt(mean(x^2) + eps) * weight for one row of n, accumulated in fp32 as in
-// Hugging Face's LlamaRMSNorm.
-inline void rms_norm_row(float* out, const float* x, const float* weight, int64_t n, float eps) {
-  float sum_squares = 0.0f;
+// Hugging Face's LlamaRMSNorm. out may be x.
+template <typename out_t, typename in_t, typename weight_t>
+inline void rms_norm_row(out_t* out, const in_t* x, const weight_t* weight, int64_t n, float eps) {
+  vfloat acc = vset1(0.0f);
   int64_t i = 0;
-#if RAYLM_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
+  for (; i + kVecWidth <= n; i += kVecWidth) {
+    const vfloat v = vload(x + i);
+    acc = vfmadd(v, v, acc);
   }
-  sum_squares = sum8(acc);
-#endif
-  for (; i < n; ++i) sum_squares += x[i] * x[i];
+  float sum_squares = vsum(acc);
+  for (; i < n; ++i) sum_squares += to_float(x[i]) * to_float(x[i]);
   const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * inv_rms * weight[j];
+  const vfloat scale = vset1(inv_rms);
+  for (i = 0; i + kVecWidth <= n; i += kVecWidth) vstore(out + i, vmul(vmul(vload(x + i), scale), vload(weight + i)));
+  for (; i < n; ++i) store_scalar(out + i, to_float(x[i]) * inv_rms * to_float(weight[i]));
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-
-}  // namespace
-
-// residual[t] += x[t]; x[t] = rms_norm(residual[t]) * weight, for T rows of H (contiguous).
-extern "C" void raylm_fused_add_rms_norm(float* x, float* residual, const float* weight, int64_t T, int64_t H,
-                                         float eps) {
+template <typename scalar_t, typename weight_t>
+void fused_add_rms_norm_kernel(scalar_t* x, scalar_t* residual, const weight_t* weight, int64_t T, int64_t H,
+                               float eps) {
   at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float* xr = x + t * H;
-      float* rr = residual + t * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
+      scalar_t* xr = x + t * H;
+      scalar_t* rr = residual + t * H;
+      // The sum is rounded to the residual's dtype before it is normalised, as in PyTorch.
+      int64_t i = 0;
+      for (; i + kVecWidth <= H; i += kVecWidth) vstore(rr + i, vadd(vload(rr + i), vload(xr + i)));
+      for (; i < H; ++i) store_scalar(rr + i, to_float(rr[i]) + to_float(xr[i]));
       rms_norm_row(xr, rr, weight, H, eps);
     }
   });
 }
 
-// out[t] = rms_norm(x[t]) * weight, for T rows of H (contiguous).
-extern "C" void raylm_rms_norm(float* out, const float* x, const float* weight, int64_t T, int64_t H, float eps) {
+template <typename scalar_t, typename weight_t>
+void rms_norm_kernel(scalar_t* out, const scalar_t* x, const weight_t* weight, int64_t T, int64_t H, float eps) {
   at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) rms_norm_row(out + t * H, x + t * H, weight, H, eps);
   });
 }
 
-// out[t, :d] = silu(x[t, :d]) * x[t, d:2d], for T rows of x [T, 2d] (contiguous).
-extern "C" void raylm_silu_and_mul(float* out, const float* x, int64_t T, int64_t d) {
+// silu(x) = x * sigmoid(x), with e = exp(-|x|) <= 1 so nothing overflows: sigmoid is
+// 1 / (1 + e) for x >= 0 and e / (1 + e) below.
+inline vfloat vsilu(vfloat x) {
+  const vfloat e = vexp2_nonpositive(vmul(vneg_abs(x), vset1(1.44269504088896341f)));
+  const vfloat inv = vdiv(vset1(1.0f), vadd(vset1(1.0f), e));
+  return vmul(x, vselect_greater(vset1(0.0f), x, vmul(e, inv), inv));
+}
+
+template <typename scalar_t>
+void silu_and_mul_kernel(scalar_t* out, const scalar_t* x, int64_t T, int64_t d) {
   at::parallel_for(0, T, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* gate = x + t * 2 * d;
-      const float* up = gate + d;
-      float* o = out + t * d;
+      const scalar_t* gate = x + t * 2 * d;
+      const scalar_t* up = gate + d;
+      scalar_t* o = out + t * d;
       int64_t i = 0;
-#if RAYLM_AVX2
-      const __m256 one = _mm256_set1_ps(1.0f);
-      for (; i + 8 <= d; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+      for (; i + kVecWidth <= d; i += kVecWidth) vstore(o + i, vmul(vsilu(vload(gate + i)), vload(up + i)));
+      for (; i < d; ++i) {
+        const float g = to_float(gate[i]);
+        store_scalar(o + i, g / (1.0f + std::exp(-g)) * to_float(up[i]));
       }
-#endif
-      for (; i < d; ++i) o[i] = silu(gate[i]) * up[i];
     }
   });
 }
@@ -92,41 +100,196 @@ extern "C" void raylm_silu_and_mul(float* out, const float* x, int64_t T, int64_
 // apart) of each of the T rows of x (row_stride apart) by the row's position, in the
 // GPT-NeoX layout Llama uses: channel i pairs with i + rot_dim / 2. cos_sin holds, per
 // position, rot_dim / 2 cosines then rot_dim / 2 sines.
-extern "C" void raylm_rotary_embedding(float* x, int64_t row_stride, const int64_t* positions, const float* cos_sin,
-                                       int64_t T, int64_t num_heads, int64_t head_size, int64_t rot_dim) {
+template <typename scalar_t, typename table_t>
+void rotary_embedding_kernel(scalar_t* x, int64_t row_stride, const int64_t* positions, const table_t* cos_sin,
+                             int64_t T, int64_t num_heads, int64_t head_size, int64_t rot_dim) {
   const int64_t half = rot_dim / 2;
   at::parallel_for(0, T, grain_rows(num_heads * head_size), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cos_sin + positions[t] * rot_dim;
-      const float* sin = cos + half;
+      const table_t* cos = cos_sin + positions[t] * rot_dim;
+      const table_t* sin = cos + half;
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* x1 = x + t * row_stride + h * head_size;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * cos[i] - b * sin[i];
-          x2[i] = b * cos[i] + a * sin[i];
+        scalar_t* x1 = x + t * row_stride + h * head_size;
+        scalar_t* x2 = x1 + half;
+        int64_t i = 0;
+        for (; i + kVecWidth <= half; i += kVecWidth) {
+          const vfloat a = vload(x1 + i), b = vload(x2 + i), c = vload(cos + i), s = vload(sin + i);
+          vstore(x1 + i, vsub(vmul(a, c), vmul(b, s)));
+          vstore(x2 + i, vfmadd(a, s, vmul(b, c)));
+        }
+        for (; i < half; ++i) {
+          const float a = to_float(x1[i]), b = to_float(x2[i]), c = to_float(cos[i]), s = to_float(sin[i]);
+          store_scalar(x1 + i, a * c - b * s);
+          store_scalar(x2 + i, b * c + a * s);
         }
       }
     }
   });
 }
 
-// Copies each of the T rows of key and value (row_size floats, key_stride / value_stride
-// apart) to its flat slot of k_cache / v_cache (num_slots rows of row_size); slot -1 skips
-// the row. Returns 0, or 1 + the first row whose slot is out of range (nothing written).
-extern "C" int64_t raylm_write_kv_cache(const float* key, int64_t key_stride, const float* value,
-                                        int64_t value_stride, float* k_cache, float* v_cache,
-                                        const int64_t* slot_mapping, int64_t T, int64_t row_size, int64_t num_slots) {
-  for (int64_t t = 0; t < T; ++t) {
-    if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t + 1;
+// ---- The operators: checks, dtype dispatch, the calls above ----
+
+bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+void check_cpu(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->device().is_cpu(), "raylm::", op, " takes CPU tensors, got one on ", t->device());
   }
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slot_mapping[t];
-    if (slot < 0) continue;
-    std::memcpy(k_cache + slot * row_size, key + t * key_stride, row_size * sizeof(float));
-    std::memcpy(v_cache + slot * row_size, value + t * value_stride, row_size * sizeof(float));
+}
+
+// Calls f(scalar_t*, weight_t*) with x's and weight's types (each fp32 or bf16).
+template <typename F>
+void dispatch_two(const char* op, const at::Tensor& x, const at::Tensor& weight, F&& f) {
+  TORCH_CHECK(is_float_or_bf16(x) && is_float_or_bf16(weight), "raylm::", op, " takes fp32 or bf16 tensors, got ",
+              x.scalar_type(), " and ", weight.scalar_type());
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16, w_bf16 = weight.scalar_type() == at::kBFloat16;
+  if (x_bf16 && w_bf16) return f(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
+  if (x_bf16) return f(static_cast<bf16*>(nullptr), static_cast<float*>(nullptr));
+  if (w_bf16) return f(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
+  f(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// residual += x; x = rms_norm(residual) * weight, over the last dimension, in place.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_cpu("fused_add_rms_norm", {&x, &residual, &weight});
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() && x.sizes() == residual.sizes() &&
+                  x.scalar_type() == residual.scalar_type() && x.dim() >= 1 && weight.numel() == x.size(-1),
+              "raylm::fused_add_rms_norm takes contiguous x and residual of one shape and dtype, and a weight of "
+              "their last dimension");
+  const int64_t H = x.size(-1), T = H ? x.numel() / H : 0;
+  dispatch_two("fused_add_rms_norm", x, weight, [&](auto* s, auto* w) {
+    using scalar_t = std::remove_pointer_t<decltype(s)>;
+    using weight_t = std::remove_pointer_t<decltype(w)>;
+    fused_add_rms_norm_kernel(ptr<scalar_t>(x), ptr<scalar_t>(residual), ptr<const weight_t>(weight), T, H,
+                              static_cast<float>(eps));
+  });
+}
+
+// rms_norm(x) * weight over the last dimension, in a new tensor.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  check_cpu("rms_norm", {&x_in, &weight});
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(weight.is_contiguous() && x.dim() >= 1 && weight.numel() == x.size(-1),
+              "raylm::rms_norm takes a contiguous weight of x's last dimension");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t H = x.size(-1), T = H ? x.numel() / H : 0;
+  dispatch_two("rms_norm", x, weight, [&](auto* s, auto* w) {
+    using scalar_t = std::remove_pointer_t<decltype(s)>;
+    using weight_t = std::remove_pointer_t<decltype(w)>;
+    rms_norm_kernel(ptr<scalar_t>(out), ptr<const scalar_t>(x), ptr<const weight_t>(weight), T, H,
+                    static_cast<float>(eps));
+  });
+  return out;
+}
+
+// silu(x[..., :d]) * x[..., d:] for x [..., 2d], in a new tensor.
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  check_cpu("silu_and_mul", {&x_in});
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "raylm::silu_and_mul takes x [..., 2d]");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  const int64_t d = shape.back() / 2;
+  shape.back() = d;
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t T = d ? x.numel() / (2 * d) : 0;
+  dispatch_two("silu_and_mul", x, x, [&](auto* s, auto*) {
+    using scalar_t = std::remove_pointer_t<decltype(s)>;
+    silu_and_mul_kernel(ptr<scalar_t>(out), ptr<const scalar_t>(x), T, d);
+  });
+  return out;
+}
+
+// Rotates x [T, H * head_size] in place; x's rows may be strided (a column slice of qkv).
+void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache, int64_t head_size,
+                      int64_t rotary_dim) {
+  check_cpu("rotary_embedding", {&x, &positions, &cos_sin_cache});
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && head_size > 0 && x.size(1) % head_size == 0,
+              "raylm::rotary_embedding takes x [T, H * head_size] with unit column stride");
+  TORCH_CHECK(cos_sin_cache.is_contiguous() && cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == rotary_dim &&
+                  rotary_dim % 2 == 0 && rotary_dim <= head_size,
+              "raylm::rotary_embedding takes a contiguous cos_sin_cache [max_position, rotary_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "raylm::rotary_embedding takes contiguous int64 positions, one per row of x");
+  const int64_t* pos = ptr<const int64_t>(positions);
+  const int64_t table_rows = cos_sin_cache.size(0);
+  for (int64_t t = 0; t < positions.numel(); ++t) {
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < table_rows, "position ", pos[t], " is beyond the rotary table's ",
+                      table_rows, " positions.");
   }
-  return 0;
+  dispatch_two("rotary_embedding", x, cos_sin_cache, [&](auto* s, auto* c) {
+    using scalar_t = std::remove_pointer_t<decltype(s)>;
+    using table_t = std::remove_pointer_t<decltype(c)>;
+    rotary_embedding_kernel(ptr<scalar_t>(x), x.stride(0), pos, ptr<const table_t>(cos_sin_cache), x.size(0),
+                            x.size(1) / head_size, head_size, rotary_dim);
+  });
+}
+
+// Stores key, value [T, Hkv, D] (rows may be strided) at their flat slots of the caches
+// [num_blocks, block_size, Hkv, D]; slot -1 skips a row. A slot out of range is a ValueError
+// and nothing is written.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  check_cpu("write_kv_cache", {&key, &value, &k_cache, &v_cache, &slot_mapping});
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "raylm::write_kv_cache takes contiguous caches [num_blocks, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && is_float_or_bf16(k_cache),
+              "raylm::write_kv_cache takes keys, values and caches of one dtype, fp32 or bf16");
+  const int64_t rows = key.size(0);
+  const int64_t row_size = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(key.numel() == rows * row_size && value.numel() == rows * row_size && value.size(0) == rows,
+              "raylm::write_kv_cache takes key and value [T, Hkv, D] matching the caches");
+  // A row's Hkv * D elements must be one run of memory (heads and channels contiguous).
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "raylm::write_kv_cache takes key and value rows whose heads are contiguous");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == rows,
+              "raylm::write_kv_cache takes contiguous int64 slot_mapping, one per row");
+  const int64_t* slots = ptr<const int64_t>(slot_mapping);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK_VALUE(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                      " is outside the KV cache's ", num_slots, " slots.");
+  }
+  const int64_t element = k_cache.element_size();
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < rows; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * row_size * element, k + t * key.stride(0) * element, row_size * element);
+    std::memcpy(vc + slots[t] * row_size * element, v + t * value.stride(0) * element, row_size * element);
+  }
+}
+
+// fp32 lanes of cpu_vec.h's vfloat in this build: 16 (AVX-512), 8 (AVX2), 1 (portable).
+int64_t vector_width() { return kVecWidth; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("vector_width() -> int", &vector_width);
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos_sin_cache, int head_size, int rotary_dim) -> ()");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) {
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("write_kv_cache", &write_kv_cache);
 }

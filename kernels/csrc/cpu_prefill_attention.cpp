@@ -23,9 +23,16 @@
 // take tiles from a shared counter, in an order that keeps the keys and values they read
 // in cache (see make_tasks).
 //
-// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp.
+// Queries and outputs are fp32 or bf16 (converted when a tile copies its queries and writes
+// its rows). The kernel is the PyTorch operator torch.ops.raylm.paged_prefill_attention
+// (registered below).
+//
+// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -234,11 +241,12 @@ struct Task {
 };
 
 struct Problem {
-  const float* query;
+  const void* query;  // fp32, or bf16 when io_bf16; so is out
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
-  float* out;
+  void* out;
+  bool io_bf16;
   int64_t num_heads, num_kv_heads, block_size, max_blocks;
   int head_size;
   float scale;
@@ -283,9 +291,15 @@ class TileWorker {
     std::fill(qt_.begin(), qt_.begin() + D * stride, 0.0f);
     for (int i = 0; i < positions; ++i) {
       for (int g = 0; g < group_; ++g) {
-        const float* src = p_.query + ((first_token + i) * p_.num_heads + first_head + g) * D;
+        const int64_t first_element = ((first_token + i) * p_.num_heads + first_head + g) * D;
         const int r = i * group_ + g;
-        for (int d = 0; d < D; ++d) qt_[d * stride + r] = src[d] * scale;
+        if (p_.io_bf16) {
+          const uint16_t* src = static_cast<const uint16_t*>(p_.query) + first_element;
+          for (int d = 0; d < D; ++d) qt_[d * stride + r] = to_float(src[d]) * scale;
+        } else {
+          const float* src = static_cast<const float*>(p_.query) + first_element;
+          for (int d = 0; d < D; ++d) qt_[d * stride + r] = src[d] * scale;
+        }
         positions_[r] = static_cast<float>(first_position + i);
       }
     }
@@ -318,8 +332,14 @@ class TileWorker {
       for (int g = 0; g < group_; ++g) {
         const int r = i * group_ + g;
         const float inv = 1.0f / running_sum_[r];
-        float* dst = p_.out + ((first_token + i) * p_.num_heads + first_head + g) * D;
-        for (int d = 0; d < D; ++d) dst[d] = acc_[r * padded_d_ + d] * inv;
+        const int64_t first_element = ((first_token + i) * p_.num_heads + first_head + g) * D;
+        if (p_.io_bf16) {
+          uint16_t* dst = static_cast<uint16_t*>(p_.out) + first_element;
+          for (int d = 0; d < D; ++d) dst[d] = to_bf16(acc_[r * padded_d_ + d] * inv);
+        } else {
+          float* dst = static_cast<float*>(p_.out) + first_element;
+          for (int d = 0; d < D; ++d) dst[d] = acc_[r * padded_d_ + d] * inv;
+        }
       }
     }
   }
@@ -390,52 +410,87 @@ void prefill(const Problem& p, const cache_t* k_cache, const cache_t* v_cache, i
   });
 }
 
-}  // namespace
+bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
 
-// query and out [T, Hq, D] fp32; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
-// bf16 (cache_is_bf16); block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1]
-// int32; all contiguous. Computes the rows of every sequence with at least min_query_len
-// queries and zeroes all other rows (other sequences', padding tokens'). Returns 0, or 1 + the
-// first sequence whose query rows or seq_len do not fit (rows outside 0..T, more queries than
-// seq_len, a block table too short or naming a block outside the cache; nothing computed),
-// or -1 if the kernel threw.
-extern "C" int64_t raylm_paged_prefill_attention(const float* query, const void* k_cache, const void* v_cache,
-                                                 const int32_t* block_tables, const int32_t* seq_lens,
-                                                 const int32_t* query_start_loc, float* out, int64_t S, int64_t T,
-                                                 int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                                 int64_t max_blocks, int64_t num_blocks, float scale,
-                                                 int32_t cache_is_bf16, int64_t min_query_len) {
+// query [T, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
+// bf16; block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1] int32. Returns
+// [T, Hq, D] in the query's dtype: the rows of every sequence with at least min_query_len
+// queries, zeros in all other rows (other sequences', padding tokens'). A sequence whose query
+// rows or seq_len do not fit (rows outside 0..T, more queries than seq_len, a block table too
+// short or naming a block outside the cache) is a ValueError, and nothing is computed.
+at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   const at::Tensor& query_start_loc, double scale, int64_t min_query_len) {
+  const at::Tensor query = query_in.contiguous();
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
+              "raylm::paged_prefill_attention takes CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "raylm::paged_prefill_attention takes query [T, Hq, D] and contiguous caches [num_blocks, block_size, "
+              "Hkv, D] of one dtype");
+  TORCH_CHECK(is_float_or_bf16(query) && is_float_or_bf16(k_cache),
+              "raylm::paged_prefill_attention takes fp32 or bf16 queries and caches");
+  const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
+              "raylm::paged_prefill_attention: the caches' head size must be the query's, Hq a multiple of Hkv");
+  const int64_t S = seq_lens.numel();
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous() && query_start_loc.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == S && query_start_loc.numel() == S + 1,
+              "raylm::paged_prefill_attention takes contiguous int32 block_tables [S, max_blocks], seq_lens [S] and "
+              "query_start_loc [S + 1]");
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = static_cast<const int32_t*>(block_tables.data_ptr());
+  const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
+  const int32_t* starts = static_cast<const int32_t*>(query_start_loc.data_ptr());
   // The kernel trusts the metadata; check it once here rather than read out of bounds.
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t begin = query_start_loc[s], end = query_start_loc[s + 1];
-    const int64_t used = (static_cast<int64_t>(seq_lens[s]) + block_size - 1) / block_size;
-    if (begin < 0 || end < begin || end > T || end - begin > seq_lens[s] || used > max_blocks) return s + 1;
-    for (int64_t i = 0; i < used; ++i) {
-      const int32_t block = block_tables[s * max_blocks + i];
-      if (block < 0 || block >= num_blocks) return s + 1;
+    const int64_t begin = starts[s], end = starts[s + 1];
+    TORCH_CHECK_VALUE(0 <= begin && begin <= end && end <= T && end - begin <= lens[s], "Sequence ", s,
+                      " has query rows query_start_loc[", s, ":", s + 2, "] = ", begin, "..", end, " of ", T,
+                      " and seq_lens[", s, "] = ", lens[s],
+                      "; its queries must be rows of the query and at most seq_len of them.");
+    const int64_t used = (static_cast<int64_t>(lens[s]) + block_size - 1) / block_size;
+    bool fits = used <= max_blocks;
+    for (int64_t i = 0; fits && i < used; ++i) fits = tables[s * max_blocks + i] >= 0 && tables[s * max_blocks + i] < num_blocks;
+    TORCH_CHECK_VALUE(fits, "seq_lens[", s, "] = ", lens[s], " does not fit its block table (", max_blocks,
+                      " entries of ", block_size, " tokens, blocks below ", num_blocks, ").");
+  }
+  // Rows no task computes (sequences below min_query_len, padding tokens) are zero.
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  const int64_t row_bytes = Hq * D * query.element_size();
+  char* out_bytes = static_cast<char*>(out.data_ptr());
+  int64_t computed_until = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t begin = starts[s], end = starts[s + 1];
+    if (end - begin >= std::max<int64_t>(1, min_query_len)) {
+      std::fill(out_bytes + computed_until * row_bytes, out_bytes + begin * row_bytes, 0);
+      computed_until = end;
     }
   }
-  try {
-    // Rows no task computes (sequences below min_query_len, padding tokens) are zero.
-    const int64_t row = Hq * D;
-    int64_t computed_until = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t begin = query_start_loc[s], end = query_start_loc[s + 1];
-      if (end - begin >= std::max<int64_t>(1, min_query_len)) {
-        std::fill(out + computed_until * row, out + begin * row, 0.0f);
-        computed_until = end;
-      }
-    }
-    std::fill(out + computed_until * row, out + T * row, 0.0f);
-    const Problem problem{query, block_tables, seq_lens, query_start_loc, out, Hq, Hkv, block_size, max_blocks,
-                          static_cast<int>(D), scale};
-    if (cache_is_bf16) {
-      prefill(problem, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), S, min_query_len);
-    } else {
-      prefill(problem, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), S, min_query_len);
-    }
-  } catch (...) {
-    return -1;
+  std::fill(out_bytes + computed_until * row_bytes, out_bytes + T * row_bytes, 0);
+  const Problem problem{query.data_ptr(), tables, lens, starts, out.data_ptr(), query.scalar_type() == at::kBFloat16,
+                        Hq, Hkv, block_size, max_blocks, static_cast<int>(D), static_cast<float>(scale)};
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    prefill(problem, static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()),
+            S, min_query_len);
+  } else {
+    prefill(problem, static_cast<const float*>(k_cache.data_ptr()), static_cast<const float*>(v_cache.data_ptr()), S,
+            min_query_len);
   }
-  return 0;
+  return out;
 }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int min_query_len) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

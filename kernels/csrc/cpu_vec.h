@@ -1,6 +1,8 @@
 // Small vector helpers shared by the native CPU kernels: AVX2 + FMA where the compiler
-// targets them (-march=native), scalar forms for the fallbacks; and, at the end, `vfloat`,
-// one vector type of whatever width the target has, for kernels written once for all.
+// targets them (-march=native, narrowed by RAYLM_CPU_ISA: see native_build.py), scalar forms
+// for the fallbacks; and, at the end, `vfloat`, one vector type of whatever width the target
+// has, for kernels written once for all. bf16 tensors are `uint16_t` here: loads widen them
+// to fp32 with a shift, stores round to nearest even as PyTorch does.
 #pragma once
 
 #include <cmath>
@@ -60,6 +62,17 @@ inline float exp2_nonpositive(float x) {
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+// fp32 -> bf16 bits, rounded to nearest even; any NaN becomes 0x7FC0 (c10::BFloat16's rule).
+inline uint16_t to_bf16(float x) {
+  if (x != x) return 0x7FC0;
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// *p = x in p's type.
+inline void store_scalar(float* p, float x) { *p = x; }
+inline void store_scalar(uint16_t* p, float x) { *p = to_bf16(x); }
 
 #if RAYLM_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -121,6 +134,18 @@ inline float sum8(__m256 v) {
   const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
+
+// 8 fp32 -> 8 bf16 at p, rounded as to_bf16, with integer ops (AVX2 has no bf16 instructions).
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  // packus works within 128-bit halves: the 4 + 4 results land in 64-bit lanes 0 and 2.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 #endif
 
 // vfloat: 16 fp32 lanes with AVX-512, 8 with AVX2 + FMA, one (a plain float) elsewhere;
@@ -134,12 +159,32 @@ inline vfloat vload(const uint16_t* p) {  // 16 bf16 -> 16 fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+#if defined(__AVX512BF16__)
+// One instruction, rounding to nearest even like to_bf16 (it flushes fp32 subnormals, below
+// 1.2e-38, to zero, where to_bf16 keeps them).
+inline void vstore(uint16_t* p, vfloat v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#else
+inline void vstore(uint16_t* p, vfloat v) {  // as store8, 16 lanes
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+#endif
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+inline vfloat vneg_abs(vfloat x) {  // -|x|: the sign bit set
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
 // Lane by lane, a > b ? if_greater : otherwise.
 inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), otherwise, if_greater);
@@ -159,12 +204,16 @@ using vfloat = __m256;
 inline vfloat vload(const float* p) { return load8(p); }
 inline vfloat vload(const uint16_t* p) { return load8(p); }
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline void vstore(uint16_t* p, vfloat v) { store8(p, v); }
 inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline float vsum(vfloat v) { return sum8(v); }
+inline vfloat vneg_abs(vfloat x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
 inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
   return _mm256_blendv_ps(otherwise, if_greater, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
 }
@@ -184,12 +233,16 @@ using vfloat = float;
 inline vfloat vload(const float* p) { return *p; }
 inline vfloat vload(const uint16_t* p) { return to_float(*p); }
 inline void vstore(float* p, vfloat v) { *p = v; }
+inline void vstore(uint16_t* p, vfloat v) { *p = to_bf16(v); }
 inline vfloat vset1(float x) { return x; }
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return a * b + c; }
 inline vfloat vadd(vfloat a, vfloat b) { return a + b; }
 inline vfloat vsub(vfloat a, vfloat b) { return a - b; }
 inline vfloat vmul(vfloat a, vfloat b) { return a * b; }
+inline vfloat vdiv(vfloat a, vfloat b) { return a / b; }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+inline float vsum(vfloat v) { return v; }
+inline vfloat vneg_abs(vfloat x) { return -std::fabs(x); }
 inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
   return a > b ? if_greater : otherwise;
 }

@@ -1,0 +1,186 @@
+"""Every native CPU kernel, in fp32 and bf16, against PyTorch in float64 — on every instruction
+set this CPU can run.
+
+In this process the tests run the default build (-march=native). `test_narrower_isa_passes`
+reruns this file in a subprocess per narrower path of cpu_vec.h (RAYLM_CPU_ISA=avx2, scalar),
+each a separate library, so a machine with AVX-512 also tests the AVX2 and portable code that
+other machines run. Tolerances: fp32 outputs to fp32 rounding; bf16 outputs to one bf16
+rounding (2^-8 relative) of a result computed in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raylm.kernels import cpu_attention, cpu_ops, native_build
+from paged_steps import build_cached_step
+from test_cpu_attention import float64_attention
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (rtol, atol) of an output in this dtype against float64.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -8, 1e-5)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if (not cpu_ops.usable(torch.zeros(1)) or not cpu_attention.is_available()
+            or cpu_attention.load_prefill_kernel() is None):
+        pytest.skip("the native CPU kernels cannot be built here (no compiler or ninja?)")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+def test_the_build_uses_the_isa_asked_for():
+    expected = {"avx512": 16, "avx2": 8, "scalar": 1}.get(os.environ.get(native_build.ISA_ENV_VAR, ""))
+    if expected is None:
+        pytest.skip("default build: whatever -march=native gives")
+    assert torch.ops.raylm.vector_width() == expected
+
+
+# Widths with and without a tail past the last whole vector (16 or 8 lanes).
+@pytest.mark.parametrize("hidden", [256, 100, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x, residual = torch.randn(5, hidden, generator=gen).to(dtype), (torch.randn(5, hidden, generator=gen) * 3).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    # The sum is rounded to the model dtype, then normalised: PyTorch's order.
+    expected_residual = (x.double() + residual.double()).to(dtype).double()
+    expected = expected_residual * torch.rsqrt(expected_residual.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    torch.ops.raylm.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert_close(residual, expected_residual, dtype)
+    assert_close(x, expected, dtype)
+
+
+@pytest.mark.parametrize("hidden", [256, 37])
+def test_bf16_sums_round_to_nearest_even_as_pytorch_does(hidden):
+    # Sums of two bf16 values are exact in fp32 and often ties in bf16: the residual must be
+    # bit for bit PyTorch's rounding, in the vector body and the scalar tail alike.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, hidden, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(64, hidden, generator=gen).to(torch.bfloat16)
+    expected = (x.float() + residual.float()).to(torch.bfloat16)
+    torch.ops.raylm.fused_add_rms_norm(x, residual, torch.ones(hidden, dtype=torch.bfloat16), 1e-6)
+    assert torch.equal(residual, expected)
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype, weight_dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, weight = (torch.randn(9, 100, generator=gen) * 10).to(dtype), torch.randn(100, generator=gen).to(weight_dtype)
+    expected = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    assert_close(torch.ops.raylm.rms_norm(x, weight, 1e-5), expected, dtype)
+
+
+@pytest.mark.parametrize("d", [688, 11])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_including_inputs_where_exp_overflows(dtype, d):
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 2 * d, generator=gen) * 4
+    x[0, :4] = torch.tensor([-200.0, -88.0, 88.0, 200.0])
+    x[0, d - 4:d] = torch.tensor([-200.0, -88.0, 88.0, 200.0])  # in the tail too
+    x = x.to(dtype)
+    expected = F.silu(x[:, :d].double()) * x[:, d:].double()
+    assert_close(torch.ops.raylm.silu_and_mul(x), expected, dtype)
+
+
+@pytest.mark.parametrize("head_size,rotary_dim", [(64, 64), (32, 16), (36, 36)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_of_a_column_slice(dtype, head_size, rotary_dim):
+    num_heads, rows = 3, 7
+    gen = torch.Generator().manual_seed(head_size + rotary_dim)
+    qkv = torch.randn(rows, (num_heads + 1) * head_size, generator=gen).to(dtype)
+    x = qkv[:, :num_heads * head_size]
+    positions = torch.randint(0, 100, (rows,), generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    freqs = torch.arange(100, dtype=torch.float64)[:, None] * inv_freq
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)  # as the model stores it
+    cos, sin = table.double()[positions].unsqueeze(1).chunk(2, dim=-1)
+    heads = x.double().view(rows, num_heads, head_size)
+    x1, x2 = heads[..., :rotary_dim // 2], heads[..., rotary_dim // 2:rotary_dim]
+    expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads[..., rotary_dim:]], dim=-1).view(rows, -1)
+    untouched = qkv[:, num_heads * head_size:].clone()
+    torch.ops.raylm.rotary_embedding(x, positions, table, head_size, rotary_dim)
+    assert_close(x, expected, dtype)
+    assert torch.equal(qkv[:, num_heads * head_size:], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_copies_rows_to_their_slots(dtype):
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(4, 2 * 2 * 8, generator=gen).to(dtype)
+    key, value = kv[:, :16].view(4, 2, 8), kv[:, 16:].view(4, 2, 8)
+    caches = [torch.zeros(3, 4, 2, 8, dtype=dtype) for _ in range(2)]
+    torch.ops.raylm.write_kv_cache(key, value, *caches, torch.tensor([0, 11, -1, 5]))
+    for cache, rows in zip(caches, (key, value)):
+        flat = cache.view(12, 2, 8)
+        assert torch.equal(flat[[0, 11, 5]], rows[[0, 1, 3]])
+        assert not flat[[1, 2, 3, 4, 6, 7, 8, 9, 10]].any()
+
+
+# (head_size, num_heads, num_kv_heads): head sizes with their own specialisations (32, 64,
+# 128), one without (80) and one that is not a multiple of 8 (36); MHA and GQA.
+ATTENTION_SHAPES = [(32, 8, 2), (64, 4, 4), (128, 4, 2), (80, 4, 4), (36, 8, 4)]
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
+def test_decode_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtype):
+    seq_lens = [1, 15, 16, 17, 100, 257]
+    query, k_cache, v_cache, md = build_cached_step([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads,
+                                                    head_size, dtype=cache_dtype, seed=head_size)
+    query = query.to(dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, scale), dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
+def test_prefill_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtype):
+    # A whole prompt, an extend after cached tokens, a short chunk mid-block.
+    query_lens, seq_lens = [70, 20, 3], [70, 150, 21]
+    query, k_cache, v_cache, md = build_cached_step(query_lens, seq_lens, num_heads, num_kv_heads, head_size,
+                                                    dtype=cache_dtype, seed=head_size + 1)
+    query = query.to(dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, scale, 1)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, scale), dtype)
+
+
+def _isas_this_cpu_runs() -> list[str]:
+    cpu_flags = native_build._cpu_flags().split()
+    return [isa for isa, (_, needs) in native_build._ISA_FLAGS.items()
+            if isa == "scalar" or (sys.platform == "linux" and all(flag in cpu_flags for flag in needs))]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_narrower_isa_passes(isa):
+    if os.environ.get(native_build.ISA_ENV_VAR):
+        pytest.skip("already a subprocess of one ISA")
+    if isa not in _isas_this_cpu_runs():
+        pytest.skip(f"this CPU cannot run {isa} code")
+    if isa == _isas_this_cpu_runs()[0]:
+        pytest.skip(f"{isa} is this process's own build (-march=native)")
+    env = {**os.environ, native_build.ISA_ENV_VAR: isa}
+    result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
+                             "-k", "not narrower_isa"], env=env, cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
