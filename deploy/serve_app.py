@@ -60,6 +60,10 @@ class RaylmDeployment:
         """The tensor-parallel worker actors behind this replica (operations, tests)."""
         return list(getattr(self.engine.engine.executor, "workers", []))
 
+    def uses_compiled_graph(self) -> bool:
+        """Whether this replica's steps reach its workers through a Ray compiled graph."""
+        return bool(getattr(self.engine.engine.executor, "uses_compiled_graph", False))
+
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:

@@ -60,10 +60,14 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
-    distributed_executor_backend: str | None = field(default=None, metadata=_help("'ray' runs workers as Ray "
-                                                                                  "actors even for one; "
-                                                                                  "default: Ray when "
-                                                                                  "tensor_parallel_size > 1."))
+    distributed_executor_backend: str | None = field(default=None, metadata=_help(
+        "'uni' runs the one worker in this process; 'ray' runs the workers as Ray actors, even one. Default: "
+        "'uni' for tensor_parallel_size 1, 'ray' above. ('mp', vLLM's multiprocessing executor, does not exist "
+        "in raylm.)"))
+    ray_compiled_graph: bool = field(default=True, metadata=_help(
+        "Ray: send each step to the workers through a Ray compiled graph (shared-memory channels set up once; "
+        "falls back to actor calls, with a warning, where it cannot be built); off sends one actor call per "
+        "worker and step."))
     ray_span_nodes: bool = field(default=False, metadata=_help("Ray: let the workers span several nodes "
                                                                "(placement strategy PACK); by default they "
                                                                "must fit on one node (STRICT_PACK)."))
@@ -146,6 +150,7 @@ class EngineArgs:
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            ray_compiled_graph=self.ray_compiled_graph,
             ray_span_nodes=self.ray_span_nodes,
             ray_cpus_per_worker=self.ray_cpus_per_worker,
             placement_group_timeout_s=self.placement_group_timeout_s,

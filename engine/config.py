@@ -212,8 +212,12 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # None: in process for one worker, Ray for more. "ray" forces Ray; "mp"/"uni" in process.
+    # vLLM's meanings: "uni" runs the one worker in process, "ray" runs the workers as Ray
+    # actors (even one); None is "uni" for one worker, "ray" for more. There is no "mp".
     distributed_executor_backend: str | None = None
+    # Ray only: send each step to the workers through a Ray compiled graph (shared-memory
+    # channels, built once) instead of one actor call per worker and step.
+    ray_compiled_graph: bool = True
     # Ray only. Let the workers' placement group span nodes (PACK) instead of keeping
     # them on one node (STRICT_PACK).
     ray_span_nodes: bool = False
@@ -230,10 +234,18 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        allowed = (None, "ray", "uni", "mp")
-        if self.distributed_executor_backend not in allowed:
-            raise ValueError(f"distributed_executor_backend must be one of {allowed}, "
-                             f"got {self.distributed_executor_backend!r}.")
+        backend = self.distributed_executor_backend
+        if backend == "mp":
+            raise ValueError("distributed_executor_backend 'mp' (vLLM's multiprocessing executor) does not exist "
+                             "in raylm: use 'uni' to run one worker in this process or 'ray' to run the workers "
+                             "as Ray actors (on one machine too).")
+        allowed = (None, "uni", "ray")
+        if backend not in allowed:
+            raise ValueError(f"distributed_executor_backend must be one of {allowed}, got {backend!r}.")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one worker in process, but "
+                             f"tensor_parallel_size is {self.tensor_parallel_size}: use 'ray' (or leave it unset) "
+                             f"for more than one worker.")
         if not self.ray_cpus_per_worker > 0:
             raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}.")
         for name in ("placement_group_timeout_s", "worker_timeout_s"):

@@ -11,10 +11,17 @@ Set-up, in order:
    node first) so each node's ranks are contiguous.
 4. Rendezvous at rank 0's node; every worker loads its shard.
 
-Each step the same request, serialized once, goes to every worker (inline when small,
-through the object store when big);
-rank 0 answers with the sampled tokens. Every wait on a worker is bounded, and a worker
-that dies or fails turns into a RuntimeError naming its rank.
+Each step the same request, serialized once, goes to every worker, and rank 0 answers
+with the sampled tokens (the other ranks with None). By default (`ray_compiled_graph`) the
+step travels through a Ray compiled graph built once the KV cache is allocated: the
+driver writes the request into a shared-memory channel every worker reads, and reads
+every rank's answer back, with no task submission per step. Without it, each step is one
+actor call per worker (the request inline when small, through the object store when
+big). Set-up calls (`collective_rpc`) are always actor calls; the graph's loop runs on
+its own thread in each actor, so they and the health pings work while it is compiled.
+
+Every wait on a worker is bounded, and a worker that dies or fails turns into a
+RuntimeError naming its rank.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -49,6 +56,9 @@ FAILURE_GRACE_S = 2.0
 # Steps serialized to at most this many bytes are sent inline with each worker call
 # (Ray's own inline limit is 100 KiB).
 INLINE_STEP_BYTES = 64 * 1024
+# Writing a step into the compiled graph waits only for every worker to have read the
+# previous one, which they have once its answers are back; longer means a worker is stuck.
+GRAPH_SUBMIT_TIMEOUT_S = 10.0
 # A worker's exception is quoted in the error up to this many characters.
 _MAX_CAUSE_CHARS = 200
 
@@ -71,6 +81,10 @@ class _RayResources:
     actors: list[Any] = field(default_factory=list)
     placement_group: PlacementGroup | None = None
     owns_placement_group: bool = False
+    compiled_graph: Any = None
+    # Set once a worker has failed: the graph's loops may then be stuck (in a collective
+    # with a dead peer), so the actors are killed before the graph is torn down.
+    workers_failed: bool = False
     released: bool = False
 
     def release(self) -> None:
@@ -79,12 +93,20 @@ class _RayResources:
         self.released = True
         if not ray.is_initialized():
             return
+        graph, self.compiled_graph = self.compiled_graph, None
+        if graph is not None and not self.workers_failed:
+            # Healthy loops exit when their channels close; killing first would leave Ray
+            # cancelling loops of dead actors, which it logs as errors.
+            _teardown_graph(graph)
+            graph = None
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 pass
         self.actors = []
+        if graph is not None:
+            _teardown_graph(graph)  # every loop is gone with its actor: closes the driver's channels
         if self.placement_group is not None and self.owns_placement_group:
             try:
                 remove_placement_group(self.placement_group)
@@ -115,6 +137,11 @@ class RayGPUExecutor(Executor):
     def placement_group(self) -> PlacementGroup | None:
         """The group the workers run in (None after shutdown)."""
         return self._resources.placement_group
+
+    @property
+    def uses_compiled_graph(self) -> bool:
+        """Whether steps go through the compiled graph (False: one actor call per worker)."""
+        return self._resources.compiled_graph is not None
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -239,13 +266,21 @@ class RayGPUExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_blocks
         self.collective_rpc("initialize_cache", num_blocks)
+        # The workers are complete now: from here on they only run steps.
+        if self.parallel_config.ray_compiled_graph and self._resources.compiled_graph is None:
+            self._compile_step_graph()
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
         self._raise_if_failed()
-        # Serialized once for all workers. Small steps (decodes) travel inline with each
-        # call, which measured twice as fast as ray.put; big ones (long prefills) go to the
-        # object store once and every worker reads the same copy.
+        # Serialized once for all workers (bytes cross the graph's channel without another
+        # pickling pass).
         payload = pickle.dumps(req, protocol=pickle.HIGHEST_PROTOCOL)
+        graph = self._resources.compiled_graph
+        if graph is not None:
+            return self._execute_compiled(graph, payload)
+        # Small steps (decodes) travel inline with each call, which measured twice as fast
+        # as ray.put; big ones (long prefills) go to the object store once and every
+        # worker reads the same copy.
         arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
         refs = [worker.execute_model.remote(arg) for worker in self.workers]
         return self._wait_all(refs, "a step")[0]
@@ -255,18 +290,8 @@ class RayGPUExecutor(Executor):
         that already stopped the engine."""
         if self._resources.released:
             raise RuntimeError("The Ray executor has been shut down.")
-        refs = [worker.ping.remote() for worker in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_CHECK_TIMEOUT_S)
-        ready_set = set(ready)
-        dead, silent = [], []
-        for rank, ref in enumerate(refs):
-            if ref not in ready_set:
-                silent.append(rank)
-                continue
-            try:
-                ray.get(ref, timeout=0)
-            except RayError:
-                dead.append(rank)
+        dead_errors, silent = self._ping_workers()
+        dead = sorted(dead_errors)
         problems = []
         if dead:
             problems.append(f"worker rank(s) {dead} ({self._where(dead)}) are dead")
@@ -279,11 +304,79 @@ class RayGPUExecutor(Executor):
             raise RuntimeError("The Ray executor is unhealthy: " + "; ".join(problems) + ".")
 
     def shutdown(self) -> None:
-        """Kills the worker actors and removes the placement group if this executor made it."""
+        """Tears down the compiled graph, kills the worker actors and removes the placement
+        group if this executor made it."""
         self._finalizer()
         self.workers = []
 
+    # ---------------------------------------------------------- compiled graph
+    def _compile_step_graph(self) -> None:
+        """Builds the step graph: the pickled request from the driver to every worker's
+        `execute_model`, and every rank's answer back. Only rank 0's answer is the step's,
+        but all are read, so that an error on any rank surfaces. If Ray cannot build it,
+        steps stay actor calls."""
+        from ray.dag import InputNode, MultiOutputNode
+
+        try:
+            with InputNode() as step:
+                graph = MultiOutputNode([worker.execute_model.bind(step) for worker in self.workers])
+            self._resources.compiled_graph = graph.experimental_compile(_submit_timeout=GRAPH_SUBMIT_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any reason Ray gives is a reason to fall back
+            logger.warning("Ray could not compile the step graph (%s: %s); steps go to the %d workers as actor "
+                           "calls instead (ray_compiled_graph=False chooses that without trying).",
+                           type(e).__name__, _last_line(e), len(self.workers))
+            return
+        logger.info("Ray executor: steps go to the %d workers through a compiled graph.", len(self.workers))
+
+    def _execute_compiled(self, graph: Any, payload: bytes) -> SamplerOutput:
+        timeout = self.parallel_config.worker_timeout_s
+        try:
+            outputs = ray.get(graph.execute(payload), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - whatever broke the graph ends the engine, named below
+            self._resources.workers_failed = True
+            self._failure = self._describe_graph_failure(e, timeout)
+            raise RuntimeError(self._failure) from e
+        return outputs[0]
+
+    def _describe_graph_failure(self, error: Exception, timeout: float) -> str:
+        """The compiled graph reports one error for the whole step (a worker's exception,
+        a closed channel when Ray tore the graph down after an actor died, a timeout):
+        pinging every rank tells which ones died, and the exception carries the rank that
+        raised it."""
+        dead, silent = self._ping_workers()
+        errors: dict[int, Exception] = dict(dead)
+        raised_by = getattr(getattr(error, "cause", None), "raylm_worker_rank", None)
+        if isinstance(raised_by, int) and raised_by not in errors:
+            errors[raised_by] = error
+        if errors or silent:
+            return self._describe_failure("a step", errors, silent, timeout, ranks_known=True,
+                                          silent_means=f"did not answer a ping within {HEALTH_CHECK_TIMEOUT_S:g} s")
+        if isinstance(error, (RayChannelTimeoutError, GetTimeoutError, TimeoutError)):
+            cause = f"the step did not finish within {timeout:g} s (worker_timeout_s)"
+        else:
+            cause = f"the compiled graph failed with {type(error).__name__}: {_last_line(error)}"
+        return (f"Tensor-parallel workers failed during a step: {cause}, although every rank answers a ping. "
+                f"The engine cannot continue; shut it down and create a new one.")
+
     # --------------------------------------------------------------- plumbing
+    def _ping_workers(self) -> tuple[dict[int, Exception], list[int]]:
+        """Pings every rank at once (the pings run beside a step): the ranks whose ping
+        failed (dead) with the error, and the ranks that did not answer in time."""
+        refs = [worker.ping.remote() for worker in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_CHECK_TIMEOUT_S)
+        ready_set = set(ready)
+        dead: dict[int, Exception] = {}
+        silent = []
+        for rank, ref in enumerate(refs):
+            if ref not in ready_set:
+                silent.append(rank)
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayError as e:
+                dead[rank] = e
+        return dead, silent
+
     def _raise_if_failed(self) -> None:
         if self._resources.released:
             raise RuntimeError("The Ray executor has been shut down; create a new LLM.")
@@ -320,12 +413,13 @@ class RayGPUExecutor(Executor):
                 deadline = time.monotonic() + FAILURE_GRACE_S
         if not errors and not pending:
             return results
+        self._resources.workers_failed = True
         self._failure = self._describe_failure(what, errors, sorted(pending.values()), timeout, ranks_known)
         first = next(iter(errors.values()), None)
         raise RuntimeError(self._failure) from first
 
     def _describe_failure(self, what: str, errors: dict[int, Exception], silent: list[int], timeout: float,
-                          ranks_known: bool) -> str:
+                          ranks_known: bool, silent_means: str | None = None) -> str:
         name = "rank" if ranks_known else "number"
         where = self._where if ranks_known else (lambda ids: "placement unknown")
         dead = sorted(i for i, e in errors.items() if isinstance(e, RayActorError))
@@ -337,13 +431,12 @@ class RayGPUExecutor(Executor):
             cause = errors[i]
             if isinstance(cause, RayTaskError) and cause.cause is not None:
                 cause = cause.cause
-            last_line = (str(cause).strip().splitlines() or [""])[-1]
-            if len(last_line) > _MAX_CAUSE_CHARS:
-                last_line = last_line[:_MAX_CAUSE_CHARS] + "..."
-            parts.append(f"worker {name} {i} raised {type(cause).__name__}: {last_line}")
-        if silent:
+            parts.append(f"worker {name} {i} raised {type(cause).__name__}: {_last_line(cause)}")
+        if silent and silent_means is None:
             waited = f"{FAILURE_GRACE_S:g} s after that" if errors else f"{timeout:g} s (worker_timeout_s)"
-            parts.append(f"worker {name}(s) {silent} did not answer within {waited}")
+            silent_means = f"did not answer within {waited}"
+        if silent:
+            parts.append(f"worker {name}(s) {silent} {silent_means}")
         return (f"Tensor-parallel workers failed during {what}: " + "; ".join(parts)
                 + ". The engine cannot continue; shut it down and create a new one.")
 
@@ -358,6 +451,19 @@ def _connect_to_ray() -> None:
         ray.init(address=address)
     else:
         ray.init(address="local", include_dashboard=False)
+
+
+def _last_line(error: BaseException) -> str:
+    """The last line of an exception's message (Ray's carry the remote traceback first)."""
+    line = (str(error).strip().splitlines() or [""])[-1]
+    return line if len(line) <= _MAX_CAUSE_CHARS else line[:_MAX_CAUSE_CHARS] + "..."
+
+
+def _teardown_graph(graph: Any) -> None:
+    try:
+        graph.teardown()
+    except Exception as e:  # noqa: BLE001 - releasing what is left matters more
+        logger.warning("Tearing down the Ray compiled graph failed: %s: %s", type(e).__name__, _last_line(e))
 
 
 def _gpu_sort_key(gpu_id: str) -> tuple:

@@ -4,6 +4,10 @@ The actor is created before its rank is known (ranks follow node placement), so 
 starts empty, reports where it landed, and builds its `Worker` when the executor says
 which rank it is. Health pings run in their own concurrency group so that they answer
 while a long step is running.
+
+Steps arrive either as actor calls (on the actor's default thread) or through the
+executor's compiled graph, whose loop runs `execute_model` on Ray's own `_ray_system`
+thread; the default thread stays free for set-up calls and the health group for pings.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,6 +59,7 @@ def snapshot_hf_config(config: Any) -> HFConfigSnapshot:
 class RayWorkerWrapper:
     def __init__(self) -> None:
         self.worker = None
+        self._step_thread: int | None = None
 
     def get_node_info(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, accelerator ids Ray gave this actor)."""
@@ -85,8 +91,29 @@ class RayWorkerWrapper:
     def execute_model(self, payload: bytes) -> SamplerOutput | None:
         """Runs one step; `payload` is the pickled ExecuteModelRequest (pickled once by
         the driver for all ranks)."""
-        req: ExecuteModelRequest = pickle.loads(payload)
-        return self.worker.execute_model(req)
+        try:
+            if self._step_thread != threading.get_ident():
+                self._enter_step_thread()
+            req: ExecuteModelRequest = pickle.loads(payload)
+            return self.worker.execute_model(req)
+        except Exception as e:
+            # The compiled graph reports one rank's exception for the whole step: the
+            # rank travels with it (exception attributes survive pickling).
+            try:
+                e.raylm_worker_rank = self.worker.rank
+            except Exception:  # noqa: BLE001 - an exception type without attributes stays unnamed
+                pass
+            raise
+
+    def _enter_step_thread(self) -> None:
+        # The current CUDA device is per thread: the compiled graph's loop thread is not the
+        # one init_device ran on, and would otherwise run on device 0.
+        self._step_thread = threading.get_ident()
+        device = self.worker.device
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def ping(self) -> bool:

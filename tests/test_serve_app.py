@@ -1,6 +1,6 @@
-"""The Ray Serve application: a replica owning two tensor-parallel CPU workers serves the
-same greedy results as `LLM.generate`, and a replica whose worker dies fails its health
-check and is replaced by a working one."""
+"""The Ray Serve application: a replica owning two tensor-parallel CPU workers, stepped
+through a Ray compiled graph, serves the same greedy results as `LLM.generate`, and a
+replica whose worker dies fails its health check and is replaced by a working one."""
 
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def test_serve_app_with_tp2_matches_llm_generate(serve_url, expected):
+    handle = serve.get_deployment_handle("RaylmDeployment", app_name=APP_NAME)
+    assert handle.uses_compiled_graph.remote().result(timeout_s=30)
     client = _client(serve_url)
     assert [m.id for m in client.models.list().data] == [MODEL]
     response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
@@ -123,6 +125,7 @@ def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, ex
         time.sleep(1.0)
     response = _client(serve_url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
+    assert handle.uses_compiled_graph.remote().result(timeout_s=30)
 
 
 class _InFlightStream:
