@@ -164,6 +164,20 @@ def test_prefill_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtyp
     assert_close(out, float64_attention(query, k_cache, v_cache, md, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
+    # q as the attention layer passes it: a column slice of [T, (Hq + 2 Hkv) * D].
+    query, k_cache, v_cache, md = build_cached_step([1, 1, 5], [9, 30, 5], 4, 2, 32, seed=7)
+    qkv = torch.cat([query.flatten(1), torch.randn(query.shape[0], 2 * 2 * 32)], dim=1).to(dtype)
+    q = qkv[:, :4 * 32].view(-1, 4, 32)
+    decode = torch.ops.raylm.paged_decode_attention
+    decode_args = (k_cache, v_cache, md.block_tables[:2], md.seq_lens[:2], 0.2)
+    assert torch.equal(decode(q[:2], *decode_args), decode(q[:2].contiguous(), *decode_args))
+    prefill = torch.ops.raylm.paged_prefill_attention
+    prefill_args = (k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.2, 1)
+    assert torch.equal(prefill(q, *prefill_args), prefill(q.contiguous(), *prefill_args))
+
+
 def _isas_this_cpu_runs() -> list[str]:
     cpu_flags = native_build._cpu_flags().split()
     return [isa for isa, (_, needs) in native_build._ISA_FLAGS.items()

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -238,10 +239,12 @@ void prefetch_rows(const cache_t* k, const cache_t* v, int64_t token_stride, int
 
 // kHeadSize > 0 fixes the head size at compile time, so the helpers inlined here unroll
 // their channel loops; 0 reads it from head_size.
-// query and out are fp32, or bf16 when io_bf16.
+// query and out are fp32, or bf16 when io_bf16; query rows are query_stride apart, out's
+// contiguous.
 template <typename cache_t, int kHeadSize>
-void decode(const void* query, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
-            const int32_t* seq_lens, void* out, bool io_bf16, int64_t num_seqs, int64_t num_heads,
+void decode(const void* query, int64_t query_stride, const cache_t* k_cache, const cache_t* v_cache,
+            const int32_t* block_tables, const int32_t* seq_lens, void* out, bool io_bf16, int64_t num_seqs,
+            int64_t num_heads,
             int64_t num_kv_heads, int head_size, int64_t block_size, int64_t max_blocks, float scale) {
   const int D = kHeadSize > 0 ? kHeadSize : head_size;
   const int group = static_cast<int>(num_heads / num_kv_heads);
@@ -262,7 +265,8 @@ void decode(const void* query, const cache_t* k_cache, const cache_t* v_cache, c
       const int64_t seq = task / tasks_per_seq;
       const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
       const int64_t seq_len = seq_lens[seq];
-      const int64_t first_element = (seq * num_heads + first_kv_head * group) * D;
+      const int64_t first_element = (seq * num_heads + first_kv_head * group) * D;  // of out
+      const int64_t first_query = seq * query_stride + first_kv_head * group * D;
       if (seq_len <= 0) {
         if (io_bf16) {
           std::fill_n(static_cast<uint16_t*>(out) + first_element, task_heads * D, uint16_t{0});
@@ -272,10 +276,10 @@ void decode(const void* query, const cache_t* k_cache, const cache_t* v_cache, c
         continue;
       }
       if (io_bf16) {
-        const uint16_t* q_src = static_cast<const uint16_t*>(query) + first_element;
+        const uint16_t* q_src = static_cast<const uint16_t*>(query) + first_query;
         for (int i = 0; i < task_heads * D; ++i) q[i] = to_float(q_src[i]) * scale;
       } else {
-        const float* q_src = static_cast<const float*>(query) + first_element;
+        const float* q_src = static_cast<const float*>(query) + first_query;
         for (int i = 0; i < task_heads * D; ++i) q[i] = q_src[i] * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -343,19 +347,18 @@ void decode(const void* query, const cache_t* k_cache, const cache_t* v_cache, c
 }
 
 template <typename cache_t>
-void dispatch_head_size(const void* query, const cache_t* k, const cache_t* v, const int32_t* tables,
-                        const int32_t* lens, void* out, bool io_bf16, int64_t B, int64_t Hq, int64_t Hkv, int D,
-                        int64_t block_size, int64_t max_blocks, float scale) {
+void dispatch_head_size(const void* query, int64_t query_stride, const cache_t* k, const cache_t* v,
+                        const int32_t* tables, const int32_t* lens, void* out, bool io_bf16, int64_t B, int64_t Hq,
+                        int64_t Hkv, int D, int64_t block_size, int64_t max_blocks, float scale) {
+  auto run = [&](auto head_size) {
+    decode<cache_t, decltype(head_size)::value>(query, query_stride, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D,
+                                                block_size, max_blocks, scale);
+  };
   switch (D) {
-    case 32:
-      return decode<cache_t, 32>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    case 64:
-      return decode<cache_t, 64>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks, scale);
-    case 128:
-      return decode<cache_t, 128>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks,
-                                  scale);
-    default:
-      return decode<cache_t, 0>(query, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D, block_size, max_blocks, scale);
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 128: return run(std::integral_constant<int, 128>{});
+    default: return run(std::integral_constant<int, 0>{});
   }
 }
 
@@ -369,7 +372,9 @@ bool is_float_or_bf16(const at::Tensor& t) {
 // ValueError, and nothing is computed.
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  const at::Tensor query = query_in.contiguous();
+  // Rows may be strided (q, a column slice of the qkv projection): no copy.
+  const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
+  const at::Tensor query = rows_packed ? query_in : query_in.contiguous();
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
               "raylm::paged_decode_attention takes CPU tensors");
@@ -398,15 +403,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
     TORCH_CHECK_VALUE(fits, "seq_lens[", b, "] = ", lens[b], " does not fit its block table (", max_blocks,
                       " entries of ", block_size, " tokens, blocks below ", num_blocks, ").");
   }
-  at::Tensor out = at::empty(query.sizes(), query.options());
+  at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   const bool io_bf16 = query.scalar_type() == at::kBFloat16;
   const int head_size = static_cast<int>(D);
   if (k_cache.scalar_type() == at::kBFloat16) {
-    dispatch_head_size<uint16_t>(query.data_ptr(), static_cast<const uint16_t*>(k_cache.data_ptr()),
+    dispatch_head_size<uint16_t>(query.data_ptr(), query.stride(0), static_cast<const uint16_t*>(k_cache.data_ptr()),
                                  static_cast<const uint16_t*>(v_cache.data_ptr()), tables, lens, out.data_ptr(),
                                  io_bf16, B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale));
   } else {
-    dispatch_head_size<float>(query.data_ptr(), static_cast<const float*>(k_cache.data_ptr()),
+    dispatch_head_size<float>(query.data_ptr(), query.stride(0), static_cast<const float*>(k_cache.data_ptr()),
                               static_cast<const float*>(v_cache.data_ptr()), tables, lens, out.data_ptr(), io_bf16, B,
                               Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale));
   }

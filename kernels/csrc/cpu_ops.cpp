@@ -75,7 +75,7 @@ void rms_norm_kernel(scalar_t* out, const scalar_t* x, const weight_t* weight, i
 // 1 / (1 + e) for x >= 0 and e / (1 + e) below.
 inline vfloat vsilu(vfloat x) {
   const vfloat e = vexp2_nonpositive(vmul(vneg_abs(x), vset1(1.44269504088896341f)));
-  const vfloat inv = vdiv(vset1(1.0f), vadd(vset1(1.0f), e));
+  const vfloat inv = vreciprocal(vadd(vset1(1.0f), e));
   return vmul(x, vselect_greater(vset1(0.0f), x, vmul(e, inv), inv));
 }
 

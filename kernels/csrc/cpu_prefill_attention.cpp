@@ -241,7 +241,8 @@ struct Task {
 };
 
 struct Problem {
-  const void* query;  // fp32, or bf16 when io_bf16; so is out
+  const void* query;  // fp32, or bf16 when io_bf16, rows query_stride apart; out as query, contiguous
+  int64_t query_stride;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -291,7 +292,7 @@ class TileWorker {
     std::fill(qt_.begin(), qt_.begin() + D * stride, 0.0f);
     for (int i = 0; i < positions; ++i) {
       for (int g = 0; g < group_; ++g) {
-        const int64_t first_element = ((first_token + i) * p_.num_heads + first_head + g) * D;
+        const int64_t first_element = (first_token + i) * p_.query_stride + (first_head + g) * D;
         const int r = i * group_ + g;
         if (p_.io_bf16) {
           const uint16_t* src = static_cast<const uint16_t*>(p_.query) + first_element;
@@ -423,7 +424,9 @@ bool is_float_or_bf16(const at::Tensor& t) {
 at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                    const at::Tensor& query_start_loc, double scale, int64_t min_query_len) {
-  const at::Tensor query = query_in.contiguous();
+  // Rows may be strided (q, a column slice of the qkv projection): no copy.
+  const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
+  const at::Tensor query = rows_packed ? query_in : query_in.contiguous();
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
               "raylm::paged_prefill_attention takes CPU tensors");
@@ -462,7 +465,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
                       " entries of ", block_size, " tokens, blocks below ", num_blocks, ").");
   }
   // Rows no task computes (sequences below min_query_len, padding tokens) are zero.
-  at::Tensor out = at::empty(query.sizes(), query.options());
+  at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t row_bytes = Hq * D * query.element_size();
   char* out_bytes = static_cast<char*>(out.data_ptr());
   int64_t computed_until = 0;
@@ -474,7 +477,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
     }
   }
   std::fill(out_bytes + computed_until * row_bytes, out_bytes + T * row_bytes, 0);
-  const Problem problem{query.data_ptr(), tables, lens, starts, out.data_ptr(), query.scalar_type() == at::kBFloat16,
+  const Problem problem{query.data_ptr(), query.stride(0), tables, lens, starts, out.data_ptr(), query.scalar_type() == at::kBFloat16,
                         Hq, Hkv, block_size, max_blocks, static_cast<int>(D), static_cast<float>(scale)};
   if (k_cache.scalar_type() == at::kBFloat16) {
     prefill(problem, static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()),
