@@ -1,6 +1,8 @@
 """The Ray executor fails loudly and cleanly: a dead worker is an error naming its rank
 (never a hang), an unplaceable request says what was asked and what the cluster has,
-and nothing is left running once an engine is closed or collected."""
+and nothing is left running once an engine is closed or collected. Steps reach the
+workers through a Ray compiled graph or, with ray_compiled_graph=False, as actor calls;
+the failure tests run on both paths."""
 
 from __future__ import annotations
 
@@ -32,12 +34,20 @@ def worker_is_dead(actor) -> bool:
     return False
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["compiled-graph", "actor-calls"])
+def compiled(request) -> bool:
+    """ray_compiled_graph: whether steps go through the compiled graph."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def killed_during_generate(ray_cluster, llama_dir):
+def killed_during_generate(ray_cluster, llama_dir, compiled):
     """A tensor-parallel LLM whose rank 1 was killed at its third step of a generate
     call: (llm, the error generate raised, seconds from the kill to the error)."""
-    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64,
+              ray_compiled_graph=compiled)
     executor = llm.llm_engine.executor
+    assert executor.uses_compiled_graph is compiled
     run_step = executor.execute_model
     steps = 0
     killed_at = None
@@ -88,12 +98,14 @@ def test_shutdown_kills_the_workers_and_removes_the_placement_group(killed_durin
 
 
 def test_a_new_llm_runs_after_a_failure_and_a_collected_one_leaves_nothing_running(killed_during_generate,
-                                                                                    llama_dir):
+                                                                                    llama_dir, compiled):
     reference = LLM(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64)
     expected = [o.outputs[0].token_ids for o in reference.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
     reference.shutdown()
 
-    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64,
+              ray_compiled_graph=compiled)
+    assert llm.llm_engine.executor.uses_compiled_graph is compiled
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected
     llm.llm_engine.check_health()
 
@@ -101,6 +113,32 @@ def test_a_new_llm_runs_after_a_failure_and_a_collected_one_leaves_nothing_runni
     workers, group = list(executor.workers), executor.placement_group
     del llm, executor
     gc.collect()
+    assert all(worker_is_dead(w) for w in workers)
+    assert placement_group_state(group) == "REMOVED"
+
+
+def test_a_worker_that_raises_in_a_compiled_step_is_named_with_its_exception(ray_cluster, llama_dir):
+    llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    executor = llm.llm_engine.executor
+    assert executor.uses_compiled_graph
+
+    def break_rank(wrapper):
+        def execute_model(req):
+            raise ValueError("broken on purpose")
+        wrapper.worker.execute_model = execute_model
+
+    # Rank 1 raises while rank 0 waits for it in the step's first all-reduce.
+    ray.get(executor.workers[1].__ray_call__.remote(break_rank), timeout=30)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"worker rank 1 raised ValueError: broken on purpose"):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        with pytest.raises(RuntimeError, match="an earlier failure stopped the engine"):
+            llm.llm_engine.check_health()
+    finally:
+        workers, group = list(executor.workers), executor.placement_group
+        llm.shutdown()
     assert all(worker_is_dead(w) for w in workers)
     assert placement_group_state(group) == "REMOVED"
 

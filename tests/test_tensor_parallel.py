@@ -1,5 +1,7 @@
 """Tensor parallelism on Ray (CPU, gloo, fp32): N workers give the same tokens as one
-worker in process and as Hugging Face transformers, and each holds 1/N of the model."""
+worker in process and as Hugging Face transformers, and each holds 1/N of the model.
+Steps reach the workers through a Ray compiled graph unless `ray_compiled_graph=False`
+asks for actor calls; both paths are checked against Hugging Face."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from safetensors import safe_open
 from engine_checks import ENGINE_MODES
 from hf_reference import assert_logprobs_match_hf, hf_greedy
 from raylm.engine import LLM, SamplingParams
+from raylm.engine.config import ParallelConfig
 from tiny_models import build_tiny_model
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -51,21 +54,29 @@ def references(request, tiny_model_dirs, greedy_prompts):
     return model_dir, tokens, hf_tokens
 
 
-TP_MODES = [(2, "default"), (4, "default"), (2, "no-cache-no-chunk")]
+# (tensor_parallel_size, scheduler mode, steps through the compiled graph): one Ray worker
+# is the control path alone; the actor-call path stays covered by one mode.
+TP_MODES = [(1, "default", True), (2, "default", True), (4, "default", True), (2, "no-cache-no-chunk", False)]
 
 
-@pytest.fixture(scope="module", params=TP_MODES, ids=[f"tp{n}-{mode}" for n, mode in TP_MODES])
+@pytest.fixture(scope="module", params=TP_MODES,
+                ids=[f"tp{n}-{mode}-{'compiled' if compiled else 'actor-calls'}" for n, mode, compiled in TP_MODES])
 def tp_llm(request, ray_cluster, references):
     model_dir = references[0]
-    tensor_parallel_size, mode = request.param
+    tensor_parallel_size, mode, compiled = request.param
     llm = LLM(model=str(model_dir), dtype="float32", tensor_parallel_size=tensor_parallel_size,
-              **SMALL_KV_POOL, **ENGINE_MODES[mode])
-    yield references, llm
+              distributed_executor_backend="ray", ray_compiled_graph=compiled, **SMALL_KV_POOL, **ENGINE_MODES[mode])
+    yield references, llm, compiled
     llm.shutdown()
 
 
+def test_steps_take_the_path_ray_compiled_graph_chose(tp_llm):
+    _, llm, compiled = tp_llm
+    assert llm.llm_engine.executor.uses_compiled_graph is compiled
+
+
 def test_greedy_tokens_equal_one_worker_and_hf_while_a_small_kv_pool_preempts(tp_llm, greedy_prompts):
-    (_, single_worker_tokens, hf_tokens), llm = tp_llm
+    (_, single_worker_tokens, hf_tokens), llm, _ = tp_llm
     tokens = greedy_token_ids(llm, greedy_prompts)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert tokens == single_worker_tokens
@@ -75,7 +86,7 @@ def test_greedy_tokens_equal_one_worker_and_hf_while_a_small_kv_pool_preempts(tp
 
 
 def test_sampled_and_prompt_logprobs_match_hf_within_1e_4(tp_llm):
-    (model_dir, _, _), llm = tp_llm
+    (model_dir, _, _), llm, _ = tp_llm
     prompts = random_prompts(4, seed=8, min_len=3, max_len=30)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -139,3 +150,16 @@ def test_an_engine_inside_a_placement_group_puts_its_workers_in_bundles_1_to_n(r
     assert result["bundles"] == [1, 2]
     assert result["tokens"] == expected
     assert result["group_alive"] == "CREATED"
+
+
+def test_distributed_executor_backend_mp_is_an_error_that_names_uni_and_ray():
+    with pytest.raises(ValueError, match=r"'mp' .* does not exist in raylm: use 'uni' .* or 'ray'"):
+        ParallelConfig(distributed_executor_backend="mp")
+
+
+def test_distributed_executor_backend_uni_runs_one_worker_in_process_and_ray_any_number():
+    with pytest.raises(ValueError, match=r"'uni' runs one worker in process, but tensor_parallel_size is 2"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    assert not ParallelConfig(distributed_executor_backend="uni").use_ray
+    assert ParallelConfig(distributed_executor_backend="ray").use_ray
+    assert ParallelConfig(tensor_parallel_size=2).use_ray and not ParallelConfig().use_ray
