@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.parallel import cpu_gemm
 from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.communication import tensor_model_parallel_all_reduce
 from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -73,6 +74,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self._bias_loader
         else:
             self.bias = None
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Packs the loaded weight once for the CPU GEMM, like the linear layers: the LM head
+        is the largest single matmul of a small model's decode step. A tied weight keeps its
+        one copy for the embedding lookup; the packed copy serves only the logits."""
+        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         real_rows = max(0, min(self.vocab_end_index, self.num_embeddings) - self.vocab_start_index)
@@ -81,7 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits_shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, V_pad / tp] logits of the vocabulary rows this rank owns."""
-        return F.linear(hidden_states, self.weight, self.bias)
+        return cpu_gemm.linear(hidden_states, self.weight, self.packed_weight, self.bias)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not called; compute logits with LogitsProcessor.")

@@ -100,3 +100,21 @@ def test_layer_not_yet_loaded_uses_f_linear():
     x = torch.randn(3, 64)
     assert layer.packed_weight is None
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+def test_lm_head_after_loading_uses_packed_weight_and_matches_f_linear(bias):
+    from raylm.parallel.vocab_parallel_embedding import ParallelLMHead
+
+    vocab_size, hidden_size = 4096, 1024  # 2^22 weights: packed in fp32 too
+    head = ParallelLMHead(vocab_size, hidden_size, bias=bias, params_dtype=torch.float32)
+    x, weight, b = _operands(16, hidden_size, vocab_size, torch.float32, bias)
+    head.weight.weight_loader(head.weight, weight)
+    if bias:
+        head.bias.weight_loader(head.bias, b)
+    head.process_weights_after_loading()
+    assert head.packed_weight is not None
+    torch.testing.assert_close(head.logits_shard(x), F.linear(x, weight, b), **TOLERANCE[torch.float32])
+    # The embedding lookup (tied embeddings share this weight) still reads the loaded rows.
+    torch.testing.assert_close(head.lookup_shard(torch.tensor([0, 4095])), weight[[0, 4095]], rtol=0, atol=0)
