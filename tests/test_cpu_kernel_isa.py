@@ -132,8 +132,9 @@ def test_write_kv_cache_copies_rows_to_their_slots(dtype):
 
 
 # (head_size, num_heads, num_kv_heads): head sizes with their own specialisations (32, 64,
-# 128), one without (80) and one that is not a multiple of 8 (36); MHA and GQA.
-ATTENTION_SHAPES = [(32, 8, 2), (64, 4, 4), (128, 4, 2), (80, 4, 4), (36, 8, 4)]
+# 128), others with (80) and without (40) a whole number of 16-channel groups, one that is
+# not a multiple of 8 (36); MHA and GQA.
+ATTENTION_SHAPES = [(32, 8, 2), (64, 4, 4), (128, 4, 2), (80, 4, 4), (40, 8, 4), (36, 8, 4)]
 
 
 @pytest.mark.parametrize("cache_dtype", DTYPES)

@@ -32,6 +32,48 @@ namespace {
 
 using namespace raylm;
 
+#if RAYLM_AVX2
+// Channel order. With a bf16 cache the AVX2 code reads 16 channels with one load and splits
+// them into the even channels (a shift) and the odd ones (a mask), which saves the widening
+// shuffle of load8; queries and accumulators are then kept in that order: within each whole
+// group of 16 channels the 8 even ones, then the 8 odd ones (a trailing group of 8 stays as
+// it is). Dot products do not depend on the order; queries are permuted on the way in and
+// outputs back on the way out (kernel_channel).
+inline void load16(const float* p, __m256& first, __m256& second) {
+  first = _mm256_loadu_ps(p);
+  second = _mm256_loadu_ps(p + 8);
+}
+
+inline void load16(const uint16_t* p, __m256& even, __m256& odd) {
+  // 32-bit lane i holds channel 2i in its low half and 2i + 1 in its high half.
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// v[0:W] = the W * 8 channels at p, in kernel order (W even, or 1).
+template <int W, typename cache_t>
+inline void load_channels(const cache_t* p, __m256* v) {
+  if constexpr (W == 1) {
+    v[0] = load8(p);
+  } else {
+    for (int i = 0; i < W; i += 2) load16(p + 8 * i, v[i], v[i + 1]);
+  }
+}
+#endif
+
+// Whether the kernel keeps channels in the split order above: a bf16 cache on the AVX2 path.
+template <typename cache_t>
+constexpr bool kSplitOrder = RAYLM_AVX2 && std::is_same_v<cache_t, uint16_t>;
+
+// The channel held at position d (of D) in kernel order.
+template <typename cache_t>
+inline int kernel_channel(int d, int D) {
+  if (!kSplitOrder<cache_t> || D % 8 != 0 || d >= D / 16 * 16) return d;
+  const int in_group = d % 16;
+  return d - in_group + (in_group < 8 ? 2 * in_group : 2 * (in_group - 8) + 1);
+}
+
 // scores[t] = q . k_t for the n keys at k (rows token_stride apart). `padded` says that rows
 // up to n rounded up to 8 exist (inside the same block), so whole groups of 8 may be read;
 // scores beyond n are then garbage that the caller never reads.
@@ -43,7 +85,16 @@ void score_block(const float* q, const cache_t* k, int64_t token_stride, int n, 
     for (; t + 8 <= n || (padded && t < n); t += 8) {
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 8) {
+      int d = 0;
+      for (; d + 16 <= D; d += 16) {
+        const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+        for (int j = 0; j < 8; ++j) {
+          __m256 k0, k1;
+          load16(k + (t + j) * token_stride + d, k0, k1);
+          acc[j] = _mm256_fmadd_ps(q1, k1, _mm256_fmadd_ps(q0, k0, acc[j]));
+        }
+      }
+      if (d < D) {
         const __m256 qv = _mm256_loadu_ps(q + d);
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k + (t + j) * token_stride + d), acc[j]);
       }
@@ -51,7 +102,13 @@ void score_block(const float* q, const cache_t* k, int64_t token_stride, int n, 
     }
     for (; t < n; ++t) {
       __m256 acc = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + t * token_stride + d), acc);
+      int d = 0;
+      for (; d + 16 <= D; d += 16) {
+        __m256 k0, k1;
+        load16(k + t * token_stride + d, k0, k1);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), k1, _mm256_fmadd_ps(_mm256_loadu_ps(q + d), k0, acc));
+      }
+      if (d < D) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + t * token_stride + d), acc);
       scores[t] = sum8(acc);
     }
     return;
@@ -82,14 +139,19 @@ void accumulate_one_head_chunk(const float* probs, const cache_t* v, int64_t tok
     const __m256 w0 = _mm256_set1_ps(probs[t]), w1 = _mm256_set1_ps(probs[t + 1]);
     const cache_t* row0 = v + t * token_stride;
     const cache_t* row1 = row0 + token_stride;
+    __m256 values0[W], values1[W];
+    load_channels<W>(row0, values0);
+    load_channels<W>(row1, values1);
     for (int i = 0; i < W; ++i) {
-      even[i] = _mm256_fmadd_ps(w0, load8(row0 + 8 * i), even[i]);
-      odd[i] = _mm256_fmadd_ps(w1, load8(row1 + 8 * i), odd[i]);
+      even[i] = _mm256_fmadd_ps(w0, values0[i], even[i]);
+      odd[i] = _mm256_fmadd_ps(w1, values1[i], odd[i]);
     }
   }
   if (t < n) {
     const __m256 w = _mm256_set1_ps(probs[t]);
-    for (int i = 0; i < W; ++i) even[i] = _mm256_fmadd_ps(w, load8(v + t * token_stride + 8 * i), even[i]);
+    __m256 values[W];
+    load_channels<W>(v + t * token_stride, values);
+    for (int i = 0; i < W; ++i) even[i] = _mm256_fmadd_ps(w, values[i], even[i]);
   }
   for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(even[i], odd[i]));
 }
@@ -99,7 +161,8 @@ void accumulate_values_one_head(const float* probs, const cache_t* v, int64_t to
                                 float* out) {
   int d = 0;
   for (; d + 32 <= D; d += 32) accumulate_one_head_chunk<4>(probs, v + d, token_stride, n, out + d);
-  for (; d < D; d += 8) accumulate_one_head_chunk<1>(probs, v + d, token_stride, n, out + d);
+  for (; d + 16 <= D; d += 16) accumulate_one_head_chunk<2>(probs, v + d, token_stride, n, out + d);
+  if (d < D) accumulate_one_head_chunk<1>(probs, v + d, token_stride, n, out + d);
 }
 #endif
 
@@ -112,7 +175,18 @@ void score_block_pair(const float* q0, const float* q1, const cache_t* k, int64_
   for (int t = 0; t < n; t += 4) {
     __m256 acc[8];  // acc[j]: key t + j against q0; acc[4 + j]: against q1
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8) {
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m256 a0 = _mm256_loadu_ps(q0 + d), a1 = _mm256_loadu_ps(q0 + d + 8);
+      const __m256 b0 = _mm256_loadu_ps(q1 + d), b1 = _mm256_loadu_ps(q1 + d + 8);
+      for (int j = 0; j < 4; ++j) {
+        __m256 key0, key1;
+        load16(k + (t + j) * token_stride + d, key0, key1);
+        acc[j] = _mm256_fmadd_ps(a1, key1, _mm256_fmadd_ps(a0, key0, acc[j]));
+        acc[4 + j] = _mm256_fmadd_ps(b1, key1, _mm256_fmadd_ps(b0, key0, acc[4 + j]));
+      }
+    }
+    if (d < D) {
       const __m256 a = _mm256_loadu_ps(q0 + d), b = _mm256_loadu_ps(q1 + d);
       for (int j = 0; j < 4; ++j) {
         const __m256 key = load8(k + (t + j) * token_stride + d);
@@ -151,11 +225,11 @@ void accumulate_values(const float* probs, int64_t probs_stride, int count, cons
       }
       for (int t = 0; t < n; ++t) {
         const __m256 w0 = _mm256_set1_ps(p0[t]), w1 = _mm256_set1_ps(p1[t]);
-        const cache_t* row = v + t * token_stride + d;
+        __m256 values[4];
+        load_channels<4>(v + t * token_stride + d, values);
         for (int i = 0; i < 4; ++i) {
-          const __m256 value = load8(row + 8 * i);
-          a0[i] = _mm256_fmadd_ps(w0, value, a0[i]);
-          a1[i] = _mm256_fmadd_ps(w1, value, a1[i]);
+          a0[i] = _mm256_fmadd_ps(w0, values[i], a0[i]);
+          a1[i] = _mm256_fmadd_ps(w1, values[i], a1[i]);
         }
       }
       for (int i = 0; i < 4; ++i) {
@@ -163,7 +237,27 @@ void accumulate_values(const float* probs, int64_t probs_stride, int count, cons
         _mm256_storeu_ps(out1 + d + 8 * i, a1[i]);
       }
     }
-    for (; d < D; d += 8) {
+    for (; d + 16 <= D; d += 16) {
+      __m256 a0[2], a1[2];
+      for (int i = 0; i < 2; ++i) {
+        a0[i] = _mm256_loadu_ps(out + d + 8 * i);
+        a1[i] = _mm256_loadu_ps(out1 + d + 8 * i);
+      }
+      for (int t = 0; t < n; ++t) {
+        const __m256 w0 = _mm256_set1_ps(p0[t]), w1 = _mm256_set1_ps(p1[t]);
+        __m256 values[2];
+        load_channels<2>(v + t * token_stride + d, values);
+        for (int i = 0; i < 2; ++i) {
+          a0[i] = _mm256_fmadd_ps(w0, values[i], a0[i]);
+          a1[i] = _mm256_fmadd_ps(w1, values[i], a1[i]);
+        }
+      }
+      for (int i = 0; i < 2; ++i) {
+        _mm256_storeu_ps(out + d + 8 * i, a0[i]);
+        _mm256_storeu_ps(out1 + d + 8 * i, a1[i]);
+      }
+    }
+    if (d < D) {
       __m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out1 + d);
       for (int t = 0; t < n; ++t) {
         const __m256 value = load8(v + t * token_stride + d);
@@ -275,12 +369,12 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
         }
         continue;
       }
-      if (io_bf16) {
-        const uint16_t* q_src = static_cast<const uint16_t*>(query) + first_query;
-        for (int i = 0; i < task_heads * D; ++i) q[i] = to_float(q_src[i]) * scale;
-      } else {
-        const float* q_src = static_cast<const float*>(query) + first_query;
-        for (int i = 0; i < task_heads * D; ++i) q[i] = q_src[i] * scale;
+      for (int g = 0; g < task_heads; ++g) {
+        for (int d = 0; d < D; ++d) {
+          const int64_t i = first_query + g * D + kernel_channel<cache_t>(d, D);
+          q[g * D + d] = (io_bf16 ? to_float(static_cast<const uint16_t*>(query)[i])
+                                  : static_cast<const float*>(query)[i]) * scale;
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
@@ -334,12 +428,14 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
       }
       for (int g = 0; g < task_heads; ++g) {
         const float inv = 1.0f / running_sum[g];
-        if (io_bf16) {
-          uint16_t* dst = static_cast<uint16_t*>(out) + first_element + g * D;
-          for (int d = 0; d < D; ++d) dst[d] = to_bf16(acc[g * D + d] * inv);
-        } else {
-          float* dst = static_cast<float*>(out) + first_element + g * D;
-          for (int d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+        const int64_t first = first_element + g * D;
+        for (int d = 0; d < D; ++d) {
+          const float value = acc[g * D + d] * inv;
+          if (io_bf16) {
+            static_cast<uint16_t*>(out)[first + kernel_channel<cache_t>(d, D)] = to_bf16(value);
+          } else {
+            static_cast<float*>(out)[first + kernel_channel<cache_t>(d, D)] = value;
+          }
         }
       }
     }
