@@ -179,6 +179,12 @@ def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
     assert torch.equal(prefill(q, *prefill_args), prefill(q.contiguous(), *prefill_args))
 
 
+def test_an_unknown_isa_is_an_error_naming_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(native_build.ISA_ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match=r"RAYLM_CPU_ISA must be one of avx512, avx2, scalar, got 'sse9'"):
+        native_build.compile_flags()
+
+
 def _isas_this_cpu_runs() -> list[str]:
     cpu_flags = native_build._cpu_flags().split()
     return [isa for isa, (_, needs) in native_build._ISA_FLAGS.items()
