@@ -34,7 +34,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     # Raw logprob of each new token (for the cumulative logprob).
-    new_token_logprobs: list[float]
+    new_token_logprobs: list[float | None]
     # The top-k entries of each new token, when the request asked for logprobs.
     new_logprobs: list[TokenLogprobs] | None = None
     # Prompt positions scored this step (a prefill chunk), when asked for.
@@ -134,7 +134,8 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
         self.num_output_tokens = 0
-        self.cumulative_logprob = 0.0
+        # None unless logprobs are asked for (or best_of ranks by it), as in vLLM V1.
+        self.cumulative_logprob: float | None = 0.0 if params.needs_sampled_logprob else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.finish_sent = False
@@ -301,7 +302,8 @@ class OutputProcessor:
         for position, token_id in enumerate(core_output.new_token_ids):
             state.token_ids.append(token_id)
             state.num_output_tokens += 1
-            state.cumulative_logprob += core_output.new_token_logprobs[position]
+            if state.cumulative_logprob is not None:
+                state.cumulative_logprob += core_output.new_token_logprobs[position]
             if state.logprobs is not None and core_output.new_logprobs is not None:
                 state.logprobs.append(self._logprob_dict(core_output.new_logprobs[position]))
             if state.detokenizer is not None:

@@ -26,6 +26,8 @@ class CompletionOutput:
     finish_reason is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
     the context ran out), "abort", or None while generating. stop_reason is the stop
     string or stop token id that ended it (None for EOS or other reasons).
+    cumulative_logprob is the sum of the generated tokens' raw logprobs; as in vLLM V1 it
+    is None unless the request asked for logprobs (or ranks best_of > n samples by it).
     """
 
     index: int

@@ -182,6 +182,13 @@ class SamplingParams:
         return self.sampling_type == SamplingType.GREEDY
 
     @property
+    def needs_sampled_logprob(self) -> bool:
+        """Whether each drawn token's logprob is computed: when logprobs are asked for, or
+        best_of > n ranks the samples by cumulative logprob. Otherwise, as in vLLM V1, the
+        sampler skips the log-softmax and `cumulative_logprob` is None."""
+        return self.logprobs is not None or (self.best_of is not None and self.best_of > self.n)
+
+    @property
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -71,8 +71,9 @@ class SampledToken:
     req_id: int
     token_id: int
     # Raw log-softmax of the model's logits for the drawn token (vLLM's default,
-    # before temperature, penalties or truncation).
-    logprob: float
+    # before temperature, penalties or truncation); None when the request needs none
+    # (SamplingParams.needs_sampled_logprob).
+    logprob: float | None
     # Filled only when the request asked for logprobs.
     logprobs: TokenLogprobs | None = None
 

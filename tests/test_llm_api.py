@@ -121,6 +121,18 @@ def test_best_of_returns_the_n_most_likely_samples(llm):
     assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
 
 
+def test_cumulative_logprob_is_none_unless_logprobs_are_asked_for(llm):
+    # vLLM V1's rule: no logprob is computed for a request that asks for none.
+    prompt = token_prompts(random_prompts(1, 512, seed=19, min_len=5, max_len=5))
+    plain, scored = llm.generate(prompt * 2, [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                                              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                             logprobs=0)], use_tqdm=False)
+    assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None
+    assert plain.outputs[0].token_ids == scored.outputs[0].token_ids
+    chosen = [entry[token].logprob for entry, token in zip(scored.outputs[0].logprobs, scored.outputs[0].token_ids)]
+    assert scored.outputs[0].cumulative_logprob == pytest.approx(sum(chosen), abs=1e-9)
+
+
 def test_too_long_prompt_is_a_value_error_and_the_engine_keeps_serving(llm):
     with pytest.raises(ValueError, match="max_model_len = 128"):
         llm.generate(token_prompts([[5] * 129]), SamplingParams(max_tokens=4), use_tqdm=False)

@@ -51,14 +51,33 @@ def test_mixed_greedy_and_random_rows_keep_greedy_rows_exact():
 def test_sampled_logprob_is_raw_log_softmax():
     # Bias, penalties and temperature change the draw, never the reported logprob.
     logits = _logits(4, seed=3)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
-              SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
-              SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=1.0)]
+    params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.7, logprobs=0),
+              SamplingParams(temperature=0.0, logit_bias={5: 100.0}, logprobs=0),
+              SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=1.0, logprobs=0)]
     outputs = _sample(logits, params, output_token_ids=[[], [], [], [1, 2, 3]])
     reference = torch.log_softmax(logits, dim=-1)
     for i, out in enumerate(outputs):
         assert out.logprob == pytest.approx(reference[i, out.token_id].item(), abs=1e-6)
-        assert out.logprobs is None
+        assert out.logprobs.top == []
+
+
+def test_rows_without_logprobs_get_none_and_scored_rows_keep_their_own_entries():
+    # vLLM V1: no logprob is computed for a request that asks for none. Rows asking (or
+    # ranking best_of by cumulative logprob) are interleaved with rows that do not.
+    logits = _logits(6, seed=6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.0, n=1, best_of=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.5)]
+    outputs = _sample(logits, params)
+    reference = torch.log_softmax(logits, dim=-1)
+    for i in (0, 3, 5):
+        assert outputs[i].logprob is None and outputs[i].logprobs is None
+    for i in (1, 2, 4):
+        assert outputs[i].logprob == pytest.approx(reference[i, outputs[i].token_id].item(), abs=1e-6)
+    assert outputs[2].logprobs is None
+    for i, k in ((1, 2), (4, 1)):
+        assert outputs[i].logprobs.token_id == outputs[i].token_id
+        assert [t for t, _ in outputs[i].logprobs.top] == torch.topk(reference[i], k).indices.tolist()
 
 
 @pytest.mark.parametrize("k", [0, 1, 5])
