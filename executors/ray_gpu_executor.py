@@ -283,7 +283,7 @@ class RayGPUExecutor(Executor):
         # worker reads the same copy.
         arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
         refs = [worker.execute_model.remote(arg) for worker in self.workers]
-        return self._wait_all(refs, "a step")[0]
+        return pickle.loads(self._wait_all(refs, "a step")[0])
 
     def check_health(self) -> None:
         """Raises naming the ranks that are dead or do not answer a ping, or the failure
@@ -336,7 +336,7 @@ class RayGPUExecutor(Executor):
             self._resources.workers_failed = True
             self._failure = self._describe_graph_failure(e, timeout)
             raise RuntimeError(self._failure) from e
-        return outputs[0]
+        return pickle.loads(outputs[0])
 
     def _describe_graph_failure(self, error: Exception, timeout: float) -> str:
         """The compiled graph reports one error for the whole step (a worker's exception,
