@@ -48,19 +48,21 @@ def killed_during_generate(ray_cluster, llama_dir, compiled):
               ray_compiled_graph=compiled)
     executor = llm.llm_engine.executor
     assert executor.uses_compiled_graph is compiled
-    run_step = executor.execute_model
+    scheduler = llm.llm_engine.scheduler
+    schedule = scheduler.schedule
     steps = 0
     killed_at = None
 
-    def kill_at_third_step(req):
+    def kill_at_third_step():
+        # Hooked where every step starts, whichever way the engine then hands it on.
         nonlocal steps, killed_at
         steps += 1
         if steps == 3:
             ray.kill(executor.workers[1], no_restart=True)
             killed_at = time.monotonic()
-        return run_step(req)
+        return schedule()
 
-    executor.execute_model = kill_at_third_step
+    scheduler.schedule = kill_at_third_step
     with pytest.raises(RuntimeError) as excinfo:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     elapsed = time.monotonic() - killed_at
