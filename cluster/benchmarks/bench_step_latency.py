@@ -1,10 +1,14 @@
-"""Per-step decode latency: in process, Ray with one worker, Ray with N workers.
+"""Per-step decode latency: in process, Ray with one worker, Ray with N workers, each Ray
+configuration both ways a step can reach the workers: through the Ray compiled graph
+(`ray_compiled_graph=True`, the default) and as one actor call per worker.
 
 What the Ray control path costs: every configuration runs the same batch of sequences
 (greedy, EOS ignored) through `LLMEngine.step()`; after the prefill and a few warm-up
 steps, each decode step is timed, whole (scheduler, executor, output processing) and
 the executor's share alone (`execute_model`: sending the step, the workers' forward and
-sampling, the answer coming back).
+sampling, the answer coming back), and inside it rank 0's `Worker.execute_model` (the
+forward, its collectives and sampling). The executor's time less rank 0's is the control
+path: what it costs to get the step to the workers and the answer back.
 
     python -m raylm.cluster.benchmarks.bench_step_latency                  # a tiny random Llama
     python -m raylm.cluster.benchmarks.bench_step_latency MODEL_DIR --batch-size 64 --tp-sizes 2,4
@@ -26,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import ray
 import torch
 
 
@@ -33,12 +38,17 @@ import torch
 class StepLatency:
     name: str
     backend: str
+    # How steps reached the workers: "in process", "compiled graph" or "actor calls".
+    step_path: str
     tensor_parallel_size: int
     batch_size: int
     num_steps: int
     step_ms_median: float
     step_ms_p90: float
     executor_ms_median: float
+    # Rank 0's time inside Worker.execute_model, and the executor's time less it (per step).
+    worker_ms_median: float
+    control_ms_median: float
     startup_s: float
 
 
@@ -59,22 +69,62 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def _time_steps(worker) -> None:
+    """Records the duration of each `Worker.execute_model` in `worker.step_s`."""
+    run = worker.execute_model
+    worker.step_s = []
+
+    def timed(req):
+        t0 = time.perf_counter()
+        out = run(req)
+        worker.step_s.append(time.perf_counter() - t0)
+        return out
+
+    worker.execute_model = timed
+
+
+def _time_worker_steps(wrapper) -> None:
+    """Runs in a Ray worker actor (`__ray_call__`): times its Worker's steps."""
+    _time_steps(wrapper.worker)
+
+
+def _worker_step_times(wrapper, count: int) -> list[float]:
+    return wrapper.worker.step_s[-count:]
+
+
 def measure(name: str, model_dir: str, args: argparse.Namespace, tensor_parallel_size: int,
-            backend: str | None) -> StepLatency:
+            backend: str | None, compiled: bool = True) -> StepLatency:
     from raylm.engine.arg_utils import EngineArgs
     from raylm.engine.llm_engine import LLMEngine
     from raylm.engine.sampling_params import SamplingParams
 
     engine_args = EngineArgs(model=model_dir, dtype=args.dtype, skip_tokenizer_init=True,
                              tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=backend,
+                             ray_compiled_graph=compiled,
                              max_num_seqs=args.batch_size, max_model_len=args.max_model_len,
                              num_gpu_blocks_override=args.num_blocks, disable_log_stats=True, device=args.device)
+    if hasattr(engine_args, "disable_async_output_proc"):
+        # One step at a time, so that the executor's time is the step's round trip alone.
+        engine_args.disable_async_output_proc = True
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     startup_s = time.perf_counter() - start
 
     executor = engine.executor
-    run_step = executor.execute_model
+    if backend is None:
+        step_path = "in process"
+    else:
+        step_path = "compiled graph" if executor.uses_compiled_graph else "actor calls"
+        if compiled and not executor.uses_compiled_graph:
+            raise RuntimeError(f"{name}: the compiled graph could not be built (see the warning above).")
+    rank0 = executor.driver_worker if backend is None else executor.workers[0]
+    if backend is None:
+        _time_steps(rank0)
+    else:
+        ray.get(rank0.__ray_call__.remote(_time_worker_steps), timeout=60)
+    # From handing the step over to its output coming back, whichever call the engine uses.
+    hook = "execute_model_async" if hasattr(executor, "execute_model_async") else "execute_model"
+    run_step = getattr(executor, hook)
     executor_s: list[float] = []
 
     def timed_execute_model(req):
@@ -83,7 +133,18 @@ def measure(name: str, model_dir: str, args: argparse.Namespace, tensor_parallel
         executor_s.append(time.perf_counter() - t0)
         return out
 
-    executor.execute_model = timed_execute_model
+    def timed_execute_model_async(req):
+        t0 = time.perf_counter()
+        wait = run_step(req)
+
+        def timed_wait():
+            out = wait()
+            executor_s.append(time.perf_counter() - t0)
+            return out
+
+        return timed_wait
+
+    setattr(executor, hook, timed_execute_model if hook == "execute_model" else timed_execute_model_async)
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     max_tokens = 2 + args.warmup_steps + args.num_steps
@@ -104,29 +165,43 @@ def measure(name: str, model_dir: str, args: argparse.Namespace, tensor_parallel
             t0 = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t0)
+        worker_s = (rank0.step_s[-args.num_steps:] if backend is None else
+                    ray.get(rank0.__ray_call__.remote(_worker_step_times, args.num_steps), timeout=60))
     finally:
-        executor.execute_model = run_step
+        setattr(executor, hook, run_step)
         engine.shutdown()
-        del engine, executor
+        del engine, executor, rank0
         gc.collect()
     step_ms = sorted(1000 * s for s in step_s)
-    return StepLatency(name, backend or "in process", tensor_parallel_size, args.batch_size, args.num_steps,
+    return StepLatency(name, backend or "in process", step_path, tensor_parallel_size, args.batch_size, args.num_steps,
                        statistics.median(step_ms), step_ms[int(0.9 * (len(step_ms) - 1))],
-                       1000 * statistics.median(executor_s), startup_s)
+                       1000 * statistics.median(executor_s), 1000 * statistics.median(worker_s),
+                       1000 * statistics.median(e - w for e, w in zip(executor_s, worker_s)), startup_s)
 
 
 def print_table(results: list[StepLatency]) -> None:
     base = results[0]
     print(f"\nDecode step latency, batch {base.batch_size}, {base.num_steps} timed steps "
           f"(median; ratio to {base.name}):")
-    header = f"{'configuration':<16}{'step ms':>10}{'p90 ms':>10}{'executor ms':>13}{'ratio':>8}{'startup s':>11}"
+    header = (f"{'configuration':<28}{'step ms':>9}{'p90 ms':>9}{'ratio':>7}{'executor ms':>13}{'rank 0 ms':>11}"
+              f"{'control ms':>12}{'startup s':>11}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.name:<16}{r.step_ms_median:>10.2f}{r.step_ms_p90:>10.2f}{r.executor_ms_median:>13.2f}"
-              f"{r.step_ms_median / base.step_ms_median:>8.2f}{r.startup_s:>11.1f}")
-    print("Control path cost (Ray N=1 minus in process, per step): "
-          f"{results[1].step_ms_median - base.step_ms_median:.2f} ms" if len(results) > 1 else "")
+        print(f"{r.name:<28}{r.step_ms_median:>9.2f}{r.step_ms_p90:>9.2f}{r.step_ms_median / base.step_ms_median:>7.2f}"
+              f"{r.executor_ms_median:>13.2f}{r.worker_ms_median:>11.2f}{r.control_ms_median:>12.2f}"
+              f"{r.startup_s:>11.1f}")
+    for path in ("compiled graph", "actor calls"):
+        ray_runs = {r.tensor_parallel_size: r for r in results if r.step_path == path}
+        if 1 not in ray_runs:
+            continue
+        one = ray_runs[1]
+        line = (f"{path}: Ray N=1 step minus in process {one.step_ms_median - base.step_ms_median:+.2f} ms")
+        for n, r in sorted(ray_runs.items()):
+            if n > 1:
+                line += (f"; each worker beyond one at N={n}: step {(r.step_ms_median - one.step_ms_median) / (n - 1):+.2f}"
+                         f" ms, control path {(r.control_ms_median - one.control_ms_median) / (n - 1):+.2f} ms")
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> list[StepLatency]:
@@ -147,9 +222,10 @@ def main(argv: list[str] | None = None) -> list[StepLatency]:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
-        configs = [("in process", 1, None), ("ray N=1", 1, "ray")]
-        configs += [(f"ray N={n}", n, "ray") for n in (int(x) for x in args.tp_sizes.split(",") if x)]
-        results = [measure(name, model_dir, args, n, backend) for name, n, backend in configs]
+        configs = [("in process", 1, None, True)]
+        for n in [1] + [int(x) for x in args.tp_sizes.split(",") if x]:
+            configs += [(f"ray N={n} compiled graph", n, "ray", True), (f"ray N={n} actor calls", n, "ray", False)]
+        results = [measure(name, model_dir, args, n, backend, compiled) for name, n, backend, compiled in configs]
     print_table(results)
     payload = {"model": args.model or "tiny random llama", "device": args.device,
                "results": [asdict(r) for r in results]}
