@@ -12,8 +12,10 @@ processes only load it; -march=native code is never reused on another CPU. A lib
 cannot be built is reported once and its callers fall back to PyTorch.
 
 RAYLM_CPU_ISA narrows the instruction set the kernels are compiled for, so that one machine
-can test every path of cpu_vec.h: "avx512" (the default where the CPU has AVX-512), "avx2"
-(AVX2 + FMA, no AVX-512), "scalar" (the portable loops; the compiler may still use SSE).
+can test every path of cpu_vec.h: "avx512" (the default where the CPU has AVX-512),
+"avx512_no_bf16" (AVX-512 rounding to bf16 with integer ops, as CPUs without AVX512-BF16
+do), "avx2" (AVX2 + FMA, no AVX-512), "scalar" (the portable loops; the compiler may still
+use SSE).
 Each choice is a separate library in the cache. A process loads one build of each library:
 the ops are registered by name, so tests of other ISAs run in a subprocess.
 """
@@ -38,6 +40,7 @@ ISA_ENV_VAR = "RAYLM_CPU_ISA"
 # RAYLM_CPU_ISA -> the flags added to _CFLAGS, and the /proc/cpuinfo flags it needs (x86).
 _ISA_FLAGS = {
     "avx512": ([], ("avx512f",)),
+    "avx512_no_bf16": (["-mno-avx512bf16"], ("avx512f",)),
     "avx2": (["-mno-avx512f"], ("avx2", "fma")),  # also turns off every AVX-512 extension
     "scalar": (["-mno-avx"], ()),  # no AVX at all: cpu_vec.h's portable path
 }

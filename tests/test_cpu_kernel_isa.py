@@ -2,8 +2,8 @@
 set this CPU can run.
 
 In this process the tests run the default build (-march=native). `test_narrower_isa_passes`
-reruns this file in a subprocess per narrower path of cpu_vec.h (RAYLM_CPU_ISA=avx2, scalar),
-each a separate library, so a machine with AVX-512 also tests the AVX2 and portable code that
+reruns this file in a subprocess per narrower path of cpu_vec.h (RAYLM_CPU_ISA=avx512_no_bf16,
+avx2, scalar), each a separate library, so a machine with AVX-512 also tests the code that
 other machines run. Tolerances: fp32 outputs to fp32 rounding; bf16 outputs to one bf16
 rounding (2^-8 relative) of a result computed in fp32.
 """
@@ -43,7 +43,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 
 def test_the_build_uses_the_isa_asked_for():
-    expected = {"avx512": 16, "avx2": 8, "scalar": 1}.get(os.environ.get(native_build.ISA_ENV_VAR, ""))
+    expected = {"avx512": 16, "avx512_no_bf16": 16, "avx2": 8, "scalar": 1}.get(os.environ.get(native_build.ISA_ENV_VAR, ""))
     if expected is None:
         pytest.skip("default build: whatever -march=native gives")
     assert torch.ops.raylm.vector_width() == expected
@@ -181,7 +181,8 @@ def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
 
 def test_an_unknown_isa_is_an_error_naming_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv(native_build.ISA_ENV_VAR, "sse9")
-    with pytest.raises(ValueError, match=r"RAYLM_CPU_ISA must be one of avx512, avx2, scalar, got 'sse9'"):
+    with pytest.raises(ValueError, match=r"RAYLM_CPU_ISA must be one of avx512, avx512_no_bf16, avx2, scalar, "
+                                         r"got 'sse9'"):
         native_build.compile_flags()
 
 
@@ -191,7 +192,7 @@ def _isas_this_cpu_runs() -> list[str]:
             if isa == "scalar" or (sys.platform == "linux" and all(flag in cpu_flags for flag in needs))]
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", list(native_build._ISA_FLAGS))
 def test_narrower_isa_passes(isa):
     if os.environ.get(native_build.ISA_ENV_VAR):
         pytest.skip("already a subprocess of one ISA")
@@ -199,6 +200,8 @@ def test_narrower_isa_passes(isa):
         pytest.skip(f"this CPU cannot run {isa} code")
     if isa == _isas_this_cpu_runs()[0]:
         pytest.skip(f"{isa} is this process's own build (-march=native)")
+    if isa == "avx512_no_bf16" and "avx512_bf16" not in native_build._cpu_flags().split():
+        pytest.skip("this process's own build has no AVX512-BF16 either")
     env = {**os.environ, native_build.ISA_ENV_VAR: isa}
     result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
                              "-k", "not narrower_isa"], env=env, cwd=Path(__file__).parent.parent,
