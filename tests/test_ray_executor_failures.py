@@ -12,7 +12,7 @@ import time
 
 import pytest
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayChannelError
 
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.arg_utils import EngineArgs
@@ -24,6 +24,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 def placement_group_state(group) -> str:
     return ray.util.placement_group_table(group)["state"]
+
+
+def graph_is_torn_down(graph) -> bool:
+    """A torn-down compiled graph has closed its channels: it takes no more input."""
+    try:
+        graph.execute(b"")
+    except RayChannelError:
+        return True
+    return False
 
 
 def worker_is_dead(actor) -> bool:
@@ -113,10 +122,13 @@ def test_a_new_llm_runs_after_a_failure_and_a_collected_one_leaves_nothing_runni
 
     executor = llm.llm_engine.executor
     workers, group = list(executor.workers), executor.placement_group
+    graph = executor._resources.compiled_graph
     del llm, executor
     gc.collect()
     assert all(worker_is_dead(w) for w in workers)
     assert placement_group_state(group) == "REMOVED"
+    if compiled:
+        assert graph_is_torn_down(graph)
 
 
 def test_a_worker_that_raises_in_a_compiled_step_is_named_with_its_exception(ray_cluster, llama_dir):
