@@ -260,7 +260,8 @@ def nominal_peak_flops(dtype: torch.dtype, cpuinfo: dict | None = None,
         return None
     cores = min(info["physical_cores"], threads or torch.get_num_threads())
     ghz = info["mhz"] / 1000
-    return cores * per_cycle * ghz * 1e9, f"{cores} cores x {per_cycle} FLOP/cycle ({unit}) x {ghz:.2f} GHz"
+    cores_text = f"{cores} core" + ("s" if cores > 1 else "")
+    return cores * per_cycle * ghz * 1e9, f"{cores_text} x {per_cycle} FLOP/cycle ({unit}) x {ghz:.2f} GHz"
 
 
 def last_level_cache_bytes() -> int | None:
@@ -329,7 +330,7 @@ def floor_lines(floors: dict, seconds: float | None, name: str = "raylm") -> lis
     f = floors
     kernels = f"F.linear {f['matmul_f_linear_s']:.3f} s" + (
         f", oneDNN packed {f['matmul_packed_s']:.3f} s" if f["matmul_packed_s"] is not None else "")
-    threads = f", {f['threads']} threads" if f["threads"] else ""
+    threads = f", {f['threads']} thread{'s' if f['threads'] > 1 else ''}" if f["threads"] else ""
     lines = [
         f"floors ({f['dtype']}{threads})" + (f", and {name}'s time over each:" if seconds is not None else ":"),
         f"  GEMMs, best kernel per shape   {f['matmul_s']:.3f} s (prefill {f['matmul_prefill_s']:.3f}, decode "
