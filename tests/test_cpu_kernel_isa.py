@@ -150,6 +150,18 @@ def test_decode_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtype
     assert_close(out, float64_attention(query, k_cache, v_cache, md, scale), dtype)
 
 
+@pytest.mark.parametrize("block_size", [1, 8, 24])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [32, 40])
+def test_decode_attention_with_other_block_sizes(head_size, dtype, block_size):
+    # Blocks that are not a multiple of 8 keys take the one-key-at-a-time code.
+    seq_lens = [1, 7, 9, 40, 101]
+    query, k_cache, v_cache, md = build_cached_step([1] * len(seq_lens), seq_lens, 8, 4, head_size, block_size,
+                                                    dtype=dtype, seed=block_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, 0.3)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, 0.3), dtype)
+
+
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
