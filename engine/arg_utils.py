@@ -57,6 +57,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata=_help(
         "Split long prompts over several steps, so that decoding requests keep a token per step while they "
         "prefill."))
+    disable_async_output_proc: bool = field(default=False, metadata=_help(
+        "With Ray workers the driver turns one step's tokens into text (detokenizing, stop strings) while "
+        "the workers run the next step; this turns that overlap off (vLLM's flag). With the overlap, a request "
+        "that a stop string ends has computed one more token, which is dropped."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
@@ -146,6 +150,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens or default_budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            disable_async_output_proc=self.disable_async_output_proc,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

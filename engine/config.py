@@ -195,6 +195,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Split prompts longer than the step's remaining budget over several steps.
     enable_chunked_prefill: bool = True
+    # vLLM's flag: with workers in other processes (Ray), the driver makes a step's text
+    # (detokenizing, stop strings) while the workers run the next step; True turns that off.
+    disable_async_output_proc: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

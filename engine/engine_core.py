@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes
 from raylm.engine.output_processor import EngineCoreOutput
@@ -20,6 +21,15 @@ from raylm.engine.stat_logger import StatLogger
 from raylm.engine.step import SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepInFlight:
+    """A batch handed to the executor whose output has not been applied yet."""
+
+    scheduler_output: SchedulerOutput
+    wait: Callable[[], SamplerOutput]
+    start: float
 
 
 class EngineCore:
@@ -37,6 +47,7 @@ class EngineCore:
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0
+        self._in_flight: _StepInFlight | None = None
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config
@@ -79,15 +90,41 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Runs one batch; returns one output per request that gained tokens, prompt
         logprobs or a finish."""
+        self.start_step()
+        return self.finish_step()
+
+    @property
+    def runs_steps_asynchronously(self) -> bool:
+        """Whether start_step returns while the workers still run the batch."""
+        return self.executor.runs_steps_asynchronously
+
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def start_step(self) -> bool:
+        """Schedules a batch and hands it to the executor; False when there is nothing to
+        run. With workers in other processes it returns while they run it: requests may be
+        added, aborted or stopped meanwhile (a request ended while its batch runs has that
+        batch's token dropped), but the next start_step waits for finish_step."""
+        assert self._in_flight is None, "finish_step must collect the batch in flight first"
         step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty():
+            return False
+        wait = self.executor.execute_model_async(scheduler_output.step)
+        self._in_flight = _StepInFlight(scheduler_output, wait, step_start)
+        return True
+
+    def finish_step(self) -> list[EngineCoreOutput]:
+        """Waits for the batch in flight and applies its tokens and stops; [] if none."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return []
-        sampler_output: SamplerOutput = self.executor.execute_model(scheduler_output.step)
-        outputs = self._update_from_output(scheduler_output, sampler_output)
+        sampler_output = in_flight.wait()
+        outputs = self._update_from_output(in_flight.scheduler_output, sampler_output)
         self.num_generation_tokens_total += len(sampler_output.outputs)
         if self.stat_logger is not None:
-            self.stat_logger.record_step(scheduler_output, len(sampler_output.outputs), step_start)
+            self.stat_logger.record_step(in_flight.scheduler_output, len(sampler_output.outputs), in_flight.start)
             if not self.scheduler.has_unfinished_requests():
                 self.stat_logger.flush()
         return outputs
@@ -99,6 +136,8 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         for request in scheduler_output.scheduled:
+            if request.is_finished:
+                continue  # aborted or stopped by a stop string while its batch ran
             token = sampled.get(request.worker_id)
             new_prompt_logprobs = prompt_logprobs.get(request.worker_id) if prompt_logprobs else None
             if token is None and new_prompt_logprobs is None:

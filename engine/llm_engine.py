@@ -46,6 +46,8 @@ class LLMEngine:
         self.eos_token_ids = self._find_eos_token_ids()
         self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._overlap_output_processing = (self.engine_core.runs_steps_asynchronously
+                                           and not engine_config.scheduler_config.disable_async_output_proc)
         # Requests that failed inside the engine (a detokenizer error): already aborted,
         # reported through pop_failed_requests(); the rest of the batch goes on.
         self._failed_requests: dict[str, BaseException] = {}
@@ -170,15 +172,26 @@ class LLMEngine:
         return failed
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Runs one batch and returns the outputs of the requests it advanced."""
-        core_outputs = self.engine_core.step()
+        """Runs one batch and returns the outputs of the requests it advanced.
+
+        With workers in other processes (Ray) and async output processing on (vLLM's
+        `disable_async_output_proc=False`), the outputs are those of the batch the previous
+        call started: this call applies its tokens, starts the next batch, and makes the
+        text while the workers run it. The first call of a run then returns [], and
+        `has_unfinished_requests` stays True until the last batch is collected."""
+        core = self.engine_core
+        if self._overlap_output_processing:
+            core_outputs = core.finish_step()
+            core.start_step()
+        else:
+            core_outputs = core.step()
         outputs, to_stop, failed = self.output_processor.process_outputs(core_outputs)
         if to_stop:
             self.engine_core.stop_requests(to_stop)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 
 
 class Executor(ABC):
+    # Whether execute_model_async returns while the workers still run the step (they live
+    # in other processes), leaving the driver free to work until it waits.
+    runs_steps_asynchronously: bool = False
+
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
@@ -31,6 +36,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
         """Runs one step on every worker and returns rank 0's sampler output."""
+
+    def execute_model_async(self, req: ExecuteModelRequest) -> Callable[[], SamplerOutput]:
+        """Starts one step; the returned function waits for it and returns rank 0's sampler
+        output (raising as execute_model would). Call it exactly once, before the next
+        step starts. Here the step runs at once; executors whose workers run elsewhere
+        return before it ends."""
+        output = self.execute_model(req)
+        return lambda: output
 
     def check_health(self) -> None:
         """Raises if a worker is no longer able to run steps."""

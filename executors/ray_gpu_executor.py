@@ -32,9 +32,9 @@ import os
 import pickle
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError, RayError, RayTaskError
@@ -270,7 +270,12 @@ class RayGPUExecutor(Executor):
         if self.parallel_config.ray_compiled_graph and self._resources.compiled_graph is None:
             self._compile_step_graph()
 
+    runs_steps_asynchronously = True
+
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
+        return self.execute_model_async(req)()
+
+    def execute_model_async(self, req: ExecuteModelRequest) -> Callable[[], SamplerOutput]:
         self._raise_if_failed()
         # Serialized once for all workers (bytes cross the graph's channel without another
         # pickling pass).
@@ -283,7 +288,7 @@ class RayGPUExecutor(Executor):
         # worker reads the same copy.
         arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
         refs = [worker.execute_model.remote(arg) for worker in self.workers]
-        return pickle.loads(self._wait_all(refs, "a step")[0])
+        return lambda: pickle.loads(self._wait_all(refs, "a step")[0])
 
     def check_health(self) -> None:
         """Raises naming the ranks that are dead or do not answer a ping, or the failure
@@ -328,15 +333,27 @@ class RayGPUExecutor(Executor):
             return
         logger.info("Ray executor: steps go to the %d workers through a compiled graph.", len(self.workers))
 
-    def _execute_compiled(self, graph: Any, payload: bytes) -> SamplerOutput:
+    def _execute_compiled(self, graph: Any, payload: bytes) -> Callable[[], SamplerOutput]:
+        """Writes the step into the graph; the returned function reads every rank's answer."""
         timeout = self.parallel_config.worker_timeout_s
         try:
-            outputs = ray.get(graph.execute(payload), timeout=timeout)
+            step_ref = graph.execute(payload)
         except Exception as e:  # noqa: BLE001 - whatever broke the graph ends the engine, named below
-            self._resources.workers_failed = True
-            self._failure = self._describe_graph_failure(e, timeout)
-            raise RuntimeError(self._failure) from e
-        return pickle.loads(outputs[0])
+            self._fail_graph(e, timeout)
+
+        def wait() -> SamplerOutput:
+            try:
+                outputs = ray.get(step_ref, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - as above
+                self._fail_graph(e, timeout)
+            return pickle.loads(outputs[0])
+
+        return wait
+
+    def _fail_graph(self, error: Exception, timeout: float) -> NoReturn:
+        self._resources.workers_failed = True
+        self._failure = self._describe_graph_failure(error, timeout)
+        raise RuntimeError(self._failure) from error
 
     def _describe_graph_failure(self, error: Exception, timeout: float) -> str:
         """The compiled graph reports one error for the whole step (a worker's exception,
