@@ -4,7 +4,7 @@
 with the weight reordered once into its blocked layout skips that, and on an AVX-512 /
 AMX Xeon it ran 1.5-1.9x faster than `F.linear` at decode batch sizes (16-64 tokens) for
 the ~100M Llama's projections in fp32 and bf16, and no slower at 1024 tokens
-(`python -m raylm.cluster.bench_linear`); end to end that model decoded 1.2x faster in fp32.
+(`python -m raylm.cluster.benchmarks.bench_linear`); end to end that model decoded 1.2x faster in fp32.
 The same op serves any number of tokens, so one packed copy serves prefill and decode.
 
 `RAYLM_CPU_PACKED_LINEAR=0` turns it off (every layer then calls `F.linear`).
