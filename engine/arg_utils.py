@@ -71,7 +71,9 @@ class EngineArgs:
     ray_compiled_graph: bool = field(default=True, metadata=_help(
         "Ray: send each step to the workers through a Ray compiled graph (shared-memory channels set up once; "
         "falls back to actor calls, with a warning, where it cannot be built); off sends one actor call per "
-        "worker and step."))
+        "worker and step. The graph's readers poll their channels (Ray 2.60 yields in a loop), so each worker "
+        "keeps a CPU core busy between steps, even when idle: on CPU-only machines with fewer cores than "
+        "workers + 1, turning it off can give more throughput."))
     ray_span_nodes: bool = field(default=False, metadata=_help("Ray: let the workers span several nodes "
                                                                "(placement strategy PACK); by default they "
                                                                "must fit on one node (STRICT_PACK)."))

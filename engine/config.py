@@ -219,7 +219,8 @@ class ParallelConfig:
     # actors (even one); None is "uni" for one worker, "ray" for more. There is no "mp".
     distributed_executor_backend: str | None = None
     # Ray only: send each step to the workers through a Ray compiled graph (shared-memory
-    # channels, built once) instead of one actor call per worker and step.
+    # channels, built once) instead of one actor call per worker and step. Its readers
+    # poll, so each worker holds a core busy between steps.
     ray_compiled_graph: bool = True
     # Ray only. Let the workers' placement group span nodes (PACK) instead of keeping
     # them on one node (STRICT_PACK).
