@@ -20,7 +20,8 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 BLOCKS_PER_SEQ = 8  # 32 tokens per sequence
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123], [400, 8, 8, 61], [11, 250, 36, 99, 7, 180, 44, 2, 310, 65]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# logprobs=0: the drawn tokens' logprobs are computed only when asked for (as in vLLM V1).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 
 
 @pytest.fixture(scope="module")
