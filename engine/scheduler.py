@@ -196,7 +196,7 @@ class Scheduler:
         scheduled = ScheduledRequest(
             req_id=request.worker_id, token_ids=request.all_token_ids[start:end], num_computed_tokens=start,
             block_table=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_prompt_tokens=request.num_prompt_tokens, sampling_params=params,
+            num_prompt_tokens=request.num_prompt_tokens, sampling_params=params if request.resumed else None,
             do_sample=end == request.num_tokens, resumed=request.resumed, sample_index=request.sample_index)
         if request.resumed and start and needs_token_history(params):
             scheduled.context_token_ids = request.all_token_ids[:start]

@@ -3,7 +3,8 @@
 The scheduler builds an ``ExecuteModelRequest``; the executor sends the same object to
 every worker; each worker builds its input tensors from it locally. It is kept small on
 purpose: a decoding request carries its one new token and its block table, not its
-history (workers keep what the sampler needs between steps, keyed by ``req_id``).
+history or its sampling parameters (workers keep what the sampler needs between steps,
+keyed by ``req_id``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_table: list[int]
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    # Sent in the request's first step since it was (re)admitted; later steps leave it
+    # None and the workers use the copy they kept. Pickling 64 of them was 60% of a decode
+    # step's message (16 KB against 6.7 KB without; 370 against 150 us to pickle and unpickle).
+    sampling_params: SamplingParams | None
     # Whether the last position's logits are sampled: the chunk reaches the last known
     # token (a prefill chunk that does not is computed for its KV only).
     do_sample: bool = True

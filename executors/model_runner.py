@@ -13,6 +13,7 @@ from torch import nn
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.config import kv_cache_block_bytes
+from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput, ScheduledRequest, TokenLogprobs
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
@@ -43,6 +44,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self._states: dict[int, RequestSamplingState] = {}
+        # Each running request's sampling parameters, sent once per admission (step.py).
+        self._sampling_params: dict[int, SamplingParams] = {}
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -125,8 +128,10 @@ class ModelRunner:
         tensor-parallel ranks return None."""
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
+            self._sampling_params.pop(req_id, None)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 else None
+        self._fill_sampling_params(req.requests)
         self._update_states(req.requests)
 
         input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
@@ -218,6 +223,16 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=device), attn_metadata, last_rows)
 
     # ---- sampler state -----------------------------------------------------------------
+
+    def _fill_sampling_params(self, requests: list[ScheduledRequest]) -> None:
+        """Keeps the parameters a request's first step brings; fills them into its later
+        steps, which arrive without them."""
+        kept = self._sampling_params
+        for scheduled in requests:
+            if scheduled.sampling_params is None:
+                scheduled.sampling_params = kept[scheduled.req_id]
+            else:
+                kept[scheduled.req_id] = scheduled.sampling_params
 
     def _update_states(self, requests: list[ScheduledRequest]) -> None:
         """Brings each tracked history up to date with this step's tokens, before sampling."""

@@ -197,6 +197,23 @@ def test_finished_sequences_drop_sampler_state(runner):
     assert 0 not in runner._states
 
 
+def test_decode_steps_without_sampling_params_use_those_of_the_first_step(runner):
+    # The scheduler sends a request's parameters only in its first step after admission.
+    params = SamplingParams(temperature=0.9, seed=11, repetition_penalty=1.3, logprobs=0)
+    draws = []
+    runner.execute_model(ExecuteModelRequest([], finished_req_ids=[0, 1]))  # what earlier tests left
+    for req_id, later_params in ((0, params), (1, None)):
+        history = list(PROMPTS[0])
+        out = runner.execute_model(ExecuteModelRequest([_prefill(req_id, history, params, resumed=True)]))
+        for _ in range(4):
+            history.append(out.outputs[0].token_id)
+            out = runner.execute_model(ExecuteModelRequest([_decode(req_id, history, len(PROMPTS[0]), later_params)]))
+        draws.append((history[len(PROMPTS[0]):], out.outputs[0].logprob))
+    assert draws[0] == draws[1]
+    runner.execute_model(ExecuteModelRequest([], finished_req_ids=[0, 1]))
+    assert 1 not in runner._sampling_params
+
+
 def test_cpu_kv_cache_sizing_follows_cpu_kv_cache_space(model_path):
     from raylm.executors import UniProcExecutor
 
