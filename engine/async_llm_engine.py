@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,9 @@ class _RequestState:
 
 
 _STREAM_END = object()
+# Steps whose outputs the step thread may have handed to the event loop before the loop
+# has delivered them to their streams.
+_MAX_UNDELIVERED_STEPS = 4
 
 
 class RequestStream:
@@ -150,6 +154,10 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._thread_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raylm-engine-step")
+        # Set on the event loop when requests wait to be added or aborted: the step thread
+        # then returns after its current step (see _run_steps).
+        self._interrupt = threading.Event()
+        self._undelivered_steps = threading.BoundedSemaphore(_MAX_UNDELIVERED_STEPS)
         self._dead_error: BaseException | None = None
         self._stats_listeners: list[Callable[[FinishedRequestStats], None]] = []
         self._shutdown = False
@@ -216,6 +224,7 @@ class AsyncLLMEngine:
         self._requests[request_id] = state
         self._engine_requests[state.engine_request_id] = state
         self._pending_adds.append((state, prompt, params, accepted))
+        self._interrupt.set()
         self._start_loop()
         try:
             await accepted
@@ -273,6 +282,7 @@ class AsyncLLMEngine:
         state.finished = True
         state.queue.put_nowait(_STREAM_END)
         self._pending_aborts.add(state.engine_request_id)
+        self._interrupt.set()
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -316,6 +326,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                self._interrupt.clear()
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
@@ -323,17 +334,41 @@ class AsyncLLMEngine:
                         await self._wakeup.wait()
                     continue
                 if self.step_in_thread:
-                    outputs = await loop.run_in_executor(self._thread_pool, self.engine.step)
+                    await loop.run_in_executor(self._thread_pool, self._run_steps, loop)
                 else:
                     outputs = self.engine.step()
+                    self._dispatch(outputs, self.engine.pop_failed_requests())
                     await asyncio.sleep(0)
-                self._dispatch(outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure of the loop kills the engine
             logger.exception("The engine loop died; failing all requests.")
             self._dead_error = exc
             self._fail_all(AsyncEngineDeadError(f"The engine loop has stopped: {exc!r}"))
+
+    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the step thread: steps back to back, handing each step's outputs to the event
+        loop as it goes, until requests are to be added or aborted (which happens on the
+        loop, between steps) or none is left. Waiting for the loop between steps cost
+        about 2 ms a step (a sixth of it) under 64 streams."""
+        engine = self.engine
+        while True:
+            outputs = engine.step()
+            failed = engine.pop_failed_requests()
+            # At most a few steps ahead of the streams, so a busy loop slows the steps
+            # instead of queueing outputs without bound.
+            while not self._undelivered_steps.acquire(timeout=0.5):
+                if self._shutdown or loop.is_closed():
+                    return
+            loop.call_soon_threadsafe(self._dispatch_step, outputs, failed)
+            if self._interrupt.is_set() or self._shutdown or not engine.has_unfinished_requests():
+                return
+
+    def _dispatch_step(self, outputs: list[RequestOutput], failed: dict[str, BaseException]) -> None:
+        try:
+            self._dispatch(outputs, failed)
+        finally:
+            self._undelivered_steps.release()
 
     def _apply_pending(self) -> None:
         if self._pending_aborts:
@@ -350,7 +385,9 @@ class AsyncLLMEngine:
                 continue
             accepted.set_result(None)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], failed: dict[str, BaseException]) -> None:
+        """Hands one step's outputs to their streams; `failed`: the requests the engine
+        failed (and already aborted) in that step."""
         now = time.time()
         for output in outputs:
             # Outputs of an aborted request (stepped before the abort reached the engine)
@@ -365,7 +402,7 @@ class AsyncLLMEngine:
                 logger.exception("Request %s failed while building its output.", output.request_id)
                 self._fail_request(state, exc)
         # Requests the engine failed (and already aborted) during the step fail alone.
-        for engine_request_id, exc in self.engine.pop_failed_requests().items():
+        for engine_request_id, exc in failed.items():
             state = self._engine_requests.get(engine_request_id)
             if state is not None:
                 self._fail_request(state, exc)
@@ -403,6 +440,7 @@ class AsyncLLMEngine:
             state.queue.put_nowait(exc)
         self._forget(state)
         self._pending_aborts.add(state.engine_request_id)
+        self._interrupt.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         for state in list(self._requests.values()):
