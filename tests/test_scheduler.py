@@ -214,6 +214,23 @@ def two_requests_filling_the_pool(caching: bool = True, max_num_seqs: int = 2, c
     return scheduler, a, b, c
 
 
+def test_sampling_params_travel_only_in_the_first_step_after_each_admission() -> None:
+    # Workers keep them (step.py); a preempted request is readmitted with them again.
+    scheduler, a, b, c = two_requests_filling_the_pool()
+    sent: dict[str, int] = {}
+    for out in run_to_completion(scheduler):
+        for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
+            if scheduled.sampling_params is not None:
+                assert scheduled.sampling_params is request.sampling_params and scheduled.resumed
+                sent[request.request_id] = sent.get(request.request_id, 0) + 1
+            else:
+                assert not scheduled.resumed
+    # Steps 1-5 (in two_requests_filling_the_pool) sent a's and b's; since then b, the
+    # only one preempted, was readmitted once per preemption and c admitted once.
+    assert scheduler.num_preemptions >= 1
+    assert sent == {"b": scheduler.num_preemptions, "c": 1}
+
+
 def test_latest_admitted_request_is_preempted_when_blocks_run_out() -> None:
     scheduler, a, b, c = two_requests_filling_the_pool()
     out = run_step(scheduler)
