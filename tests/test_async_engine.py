@@ -246,8 +246,19 @@ async def _steps_until_idle(engine: AsyncLLMEngine, counter: dict[str, int], sta
 
 @pytest.mark.parametrize("how", ["aclose", "drop", "cancel"])
 def test_closing_a_stream_before_reading_it_aborts_the_request(llama_dir, how):
+    import threading
+
     engine = _engine(llama_dir)
     counter = _count_steps(engine)
+    # The step thread steps on its own: hold its first step until the stream is closed,
+    # so the waiter below is still waiting (no output has arrived) when it is cancelled.
+    counted_step, release = engine.engine.step, threading.Event()
+
+    def held_step():
+        release.wait(10)
+        return counted_step()
+
+    engine.engine.step = held_step
 
     async def main():
         stream = await engine.add_request("unread", "Hello",
@@ -264,6 +275,7 @@ def test_closing_a_stream_before_reading_it_aborts_the_request(llama_dir, how):
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
+        release.set()
         return await _steps_until_idle(engine, counter, start)
 
     # The abort is applied before the next step, so at most the step already under way
@@ -315,6 +327,7 @@ def test_a_reused_request_id_never_gets_the_aborted_requests_outputs(llama_dir):
     assert all(o.prompt_token_ids == new_prompt and o.request_id == "reused" for o in outputs), \
         [o.prompt_token_ids for o in outputs]
     assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference[-1].outputs[0].token_ids
-    assert len(outputs) == 8
+    # One output per step, fewer if the reader fell behind (queued outputs come merged).
+    assert 1 <= len(outputs) <= 8
     assert_engine_idle(engine.engine)
     engine.shutdown()
