@@ -22,11 +22,14 @@ the ops are registered by name, so tests of other ISAs run in a subprocess.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc"
+LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 ISA_ENV_VAR = "RAYLM_CPU_ISA"
@@ -95,6 +99,32 @@ def compile_flags() -> list[str]:
     return [*_CFLAGS, *_ISA_FLAGS[name][0]]
 
 
+@contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Holds an flock on the build directory while torch builds or loads the library there.
+
+    torch's own guard is a `lock` file that its builder deletes when done; a process killed
+    mid-build (a test's timeout, a worker killed by Ray) leaves it behind, and every later
+    process then waits for it forever. The kernel drops an flock when its holder dies, so
+    while we hold ours, no raylm process is building here and a `lock` file is stale."""
+    with open(build_dir / "raylm-build.flock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            stale_baton = build_dir / "lock"
+            if stale_baton.exists():
+                logger.warning("Removing %s, left by a build that did not finish.", stale_baton)
+                stale_baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def build_all() -> dict[str, str | None]:
+    """Builds (or finds built) every native library for this CPU and RAYLM_CPU_ISA, so the
+    first request or test does not pay for the compiler; name -> path, None where it failed."""
+    return {name: load_native_library(name) for name in LIBRARY_NAMES}
+
+
 def _build(name: str) -> str:
     from torch.utils.cpp_extension import load
 
@@ -114,10 +144,19 @@ def _build(name: str) -> str:
             partial.write_text(text)
             partial.replace(path)  # atomic: concurrent workers never compile half a file
     start = time.perf_counter()
-    load(name=module_name, sources=[str(build_dir / f"{name}.cpp")], extra_cflags=cflags,
-         extra_ldflags=_LDFLAGS, extra_include_paths=[str(build_dir)], build_directory=str(build_dir),
-         is_python_module=False, verbose=False)
+    with _exclusive_build(build_dir):
+        load(name=module_name, sources=[str(build_dir / f"{name}.cpp")], extra_cflags=cflags,
+             extra_ldflags=_LDFLAGS, extra_include_paths=[str(build_dir)], build_directory=str(build_dir),
+             is_python_module=False, verbose=False)
     # is_python_module=False: load() has loaded it with torch.ops.load_library, registering its ops.
     path = str(build_dir / f"{module_name}.so")
     logger.info("Native CPU library %r ready in %.1f s (%s).", name, time.perf_counter() - start, build_dir)
     return path
+
+
+if __name__ == "__main__":
+    # `python -m raylm.kernels.native_build`: what scripts/setup.sh runs after installing.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build_all()
+    for library, path in built.items():
+        print(f"{library}: {path or 'NOT BUILT (PyTorch ops will be used)'}")

@@ -35,4 +35,7 @@ fi
 step "upgrading pip" .venv/bin/python -m pip install --upgrade pip
 step "installing $TORCH (CPU)" .venv/bin/python -m pip install "$TORCH"
 step "installing raylm[test] (editable)" .venv/bin/python -m pip install -e ".[test]"
+# Compiled now rather than by the first request (or test) that needs them; a machine with
+# no compiler still serves, on PyTorch ops, so this step reports and never fails setup.
+step "building the native CPU kernels" .venv/bin/python -m raylm.kernels.native_build
 echo "ready in $((SECONDS - START))s: .venv/bin/raylm serve, ./scripts/test.sh"

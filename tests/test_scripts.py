@@ -36,6 +36,7 @@ def test_setup_sh_prints_one_line_per_step_and_hides_pip_output(tmp_path):
         "upgrading pip ... done (Ns)",
         "installing torch==2.13.0 (CPU) ... done (Ns)",
         "installing raylm[test] (editable) ... done (Ns)",
+        "building the native CPU kernels ... done (Ns)",
         "ready in Ns: .venv/bin/raylm serve, ./scripts/test.sh",
     ]
 
