@@ -5,4 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 "$@"
+# A hung test fails after 600 s; after an hour pytest stops starting tests and prints its
+# summary, so even a run with several hangs ends with the names of what failed (CI's own
+# limit would cut it off with none).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -rfE --timeout 600 --session-timeout 3600 "$@"

@@ -63,8 +63,9 @@ def small_repository_with_test_sh(tmp_path: Path) -> Path:
     python.chmod(0o755)
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_a.py").write_text(
-        "import os\n\n\ndef test_a_runs_on_one_thread_under_a_900_s_timeout(request):\n"
-        "    assert os.environ['OMP_NUM_THREADS'] == '1' and request.config.getoption('timeout') == 900\n")
+        "import os\n\n\ndef test_a_runs_on_one_thread_under_its_timeouts(request):\n"
+        "    assert os.environ['OMP_NUM_THREADS'] == '1' and request.config.getoption('timeout') == 600\n"
+        "    assert request.config.getoption('session_timeout') == 3600\n")
     (tmp_path / "tests" / "test_b.py").write_text("def test_b():\n    pass\n")
     (tmp_path / "test_outside.py").write_text("def test_outside():\n    pass\n")
     return tmp_path
@@ -89,7 +90,7 @@ def test_test_sh_runs_only_the_test_file_it_is_given(tmp_path):
 
 def test_test_sh_without_arguments_runs_the_tests_folder(tmp_path):
     repo = small_repository_with_test_sh(tmp_path)
-    assert collected(repo) == ["tests/test_a.py::test_a_runs_on_one_thread_under_a_900_s_timeout",
+    assert collected(repo) == ["tests/test_a.py::test_a_runs_on_one_thread_under_its_timeouts",
                                "tests/test_b.py::test_b"]
 
 
@@ -98,6 +99,6 @@ def test_test_sh_with_options_only_selects_within_the_tests_folder(tmp_path):
     assert collected(repo, "-k", "b or outside") == ["tests/test_b.py::test_b"]
 
 
-def test_test_sh_runs_pytest_on_one_thread_with_a_900_s_timeout(tmp_path):
+def test_test_sh_runs_pytest_on_one_thread_with_a_600_s_test_and_3600_s_session_timeout(tmp_path):
     proc = run_test_sh(small_repository_with_test_sh(tmp_path), "tests/test_a.py")
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
