@@ -37,16 +37,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc"
-LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention")
+LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention", "cpu_gemm_amx")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 ISA_ENV_VAR = "RAYLM_CPU_ISA"
 # RAYLM_CPU_ISA -> the flags added to _CFLAGS, and the /proc/cpuinfo flags it needs (x86).
 _ISA_FLAGS = {
     "avx512": ([], ("avx512f",)),
-    "avx512_no_bf16": (["-mno-avx512bf16"], ("avx512f",)),
-    "avx2": (["-mno-avx512f"], ("avx2", "fma")),  # also turns off every AVX-512 extension
-    "scalar": (["-mno-avx"], ()),  # no AVX at all: cpu_vec.h's portable path
+    # CPUs without AVX512-BF16 have no AMX either; -mno-amx-tile and -mno-amx-bf16 turn off what the AMX kernel needs.
+    "avx512_no_bf16": (["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"], ("avx512f",)),
+    "avx2": (["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16"], ("avx2", "fma")),  # also turns off every AVX-512 extension
+    "scalar": (["-mno-avx", "-mno-amx-tile", "-mno-amx-bf16"], ()),  # no AVX at all: cpu_vec.h's portable path
 }
 
 # name -> the loaded library's path, or None when its build failed (warned once).

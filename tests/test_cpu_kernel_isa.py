@@ -49,6 +49,17 @@ def test_the_build_uses_the_isa_asked_for():
     assert torch.ops.raylm.vector_width() == expected
 
 
+def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
+    """The narrower paths stand for CPUs without AMX: their build must not use it, so
+    layers there keep oneDNN (the full build's AMX kernel is tested in test_cpu_gemm_amx)."""
+    from raylm.parallel import cpu_gemm
+
+    flags = native_build._cpu_flags().split()
+    cpu_has_amx = all(f in flags for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
+    full_isa = os.environ.get(native_build.ISA_ENV_VAR, "avx512") == "avx512"
+    assert cpu_gemm.amx_linear_enabled() == (cpu_has_amx and full_isa)
+
+
 # Widths with and without a tail past the last whole vector (16 or 8 lanes).
 @pytest.mark.parametrize("hidden", [256, 100, 7])
 @pytest.mark.parametrize("dtype", DTYPES)
