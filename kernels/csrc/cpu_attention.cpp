@@ -319,12 +319,14 @@ inline float exponentiate_block(float* scores, int n, float* running_max) {
 #endif
 }
 
-// Every other cache line: the hardware's adjacent-line prefetch fetches the rest, and half
-// the prefetch instructions measured faster on a hot cache and no slower on a cold one.
+// Every cache line of the rows. Prefetching every other line, counting on the hardware's
+// adjacent-line prefetch for the rest, measured 1.4x slower with a cold cache (64 sequences
+// of 1024 tokens, heads 16/4 x 64, bf16 and fp32, on a 2-core AMX Xeon): that prefetcher
+// did not fill the gaps there.
 template <typename cache_t>
 void prefetch_rows(const cache_t* k, const cache_t* v, int64_t token_stride, int n, int width) {
   for (int t = 0; t < n; ++t) {
-    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(cache_t)); byte += 128) {
+    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(cache_t)); byte += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k + t * token_stride) + byte);
       __builtin_prefetch(reinterpret_cast<const char*>(v + t * token_stride) + byte);
     }
