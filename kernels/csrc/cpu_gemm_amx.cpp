@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -136,6 +137,28 @@ void store_rows(const float* c, int64_t rows, int64_t cols, const float* bias, u
 }
 #endif
 
+// x [M, K] (rows any stride, last dimension contiguous) -> tile order [M/16][K/32][16][32],
+// zero-padded: a copy of 64-byte row pieces, cheaper than a permuting torch copy's dispatch.
+[[maybe_unused]] void pack_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t k_blocks, uint16_t* tiles) {
+  const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();
+  const uint16_t* src = static_cast<const uint16_t*>(rows.data_ptr());
+  const int64_t row_stride = rows.stride(0);
+  const int64_t m_tiles = round_up(M, kTileM) / kTileM;
+  for (int64_t mt = 0; mt < m_tiles; ++mt) {
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      uint16_t* tile = tiles + (mt * k_blocks + kb) * kBlockElements;
+      const int64_t k0 = kb * kTileK, width = std::min(kTileK, K - k0);
+      for (int64_t r = 0; r < kTileM; ++r) {
+        const int64_t m = mt * kTileM + r;
+        uint16_t* dst = tile + r * kTileK;
+        const int64_t copied = m < M ? width : 0;
+        if (copied > 0) std::memcpy(dst, src + m * row_stride + k0, copied * sizeof(uint16_t));
+        if (copied < kTileK) std::memset(dst + copied, 0, (kTileK - copied) * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
 // w [N, K] bf16 -> [ceil(N/16), ceil(K/32), 16, 32] bf16 in the tile layout above.
 at::Tensor amx_pack_weight(const at::Tensor& weight_in) {
   TORCH_CHECK(weight_in.device().is_cpu() && weight_in.dim() == 2 && weight_in.scalar_type() == at::kBFloat16,
@@ -198,18 +221,12 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   // x goes to tile order, [M/16][K/32][16][32] (zero-padded): each tile a contiguous 1 KiB.
   // Read in place, a tile's 16 rows lie K * 2 bytes apart, which for K a multiple of 1024
   // maps them all to one or two L1 sets, and the x tiles of a step evict each other.
-  at::Tensor x = x_in.reshape({M, K});
-  const int64_t Mp = round_up(M, kTileM), Kp = k_blocks * kTileK;
-  if (Mp != M || Kp != K) {
-    at::Tensor padded = at::zeros({Mp, Kp}, x.options());
-    padded.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
-    x = padded;
-  }
-  const at::Tensor x_tiles = x.view({Mp / kTileM, kTileM, k_blocks, kTileK}).permute({0, 2, 1, 3}).contiguous();
+  const int64_t m_tiles = round_up(M, kTileM) / kTileM;
+  at::Tensor x_tiles = at::empty({m_tiles, k_blocks, kTileM, kTileK}, x_in.options());
+  pack_rows(x_in.reshape({M, K}), M, K, k_blocks, static_cast<uint16_t*>(x_tiles.data_ptr()));
   const uint16_t* xp = static_cast<const uint16_t*>(x_tiles.data_ptr());
   const uint16_t* wp = static_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* op = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t m_tiles = Mp / kTileM;
   // The bias in fp32, padded to whole column blocks (zeros without one).
   std::vector<float> bias_f32(n_blocks * kTileN, 0.0f);
   if (bias.has_value()) {
