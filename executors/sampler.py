@@ -3,8 +3,8 @@
 Order of operations (vLLM's): logit_bias, min_tokens (stop tokens masked), penalties
 (repetition on prompt+output tokens, frequency/presence on output tokens); then greedy
 rows take the argmax and random rows apply temperature, top-k and top-p, min-p and draw
-from the softmax (by inverse CDF: one uniform draw a row). Seeded rows draw with their own generator, so a request's tokens do not
-depend on what else is in the batch. Returned logprobs are the raw log-softmax of the
+from the softmax (by inverse CDF: one uniform draw a row). Seeded rows draw with their own
+generator, so a request's tokens do not depend on what else is in the batch. Returned logprobs are the raw log-softmax of the
 model's logits, before any of the above (vLLM's default).
 
 The common cases stay vectorised: work is done only on the rows that need it, and per-row
@@ -202,30 +202,31 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
     probs = logits.softmax(dim=-1)
-    # Inverse CDF: one uniform draw u per row, and the first token whose cumulative
-    # probability exceeds u times the row's total. Seeded rows draw u from their own
-    # generator, so their token is the same whichever rows share the batch. One draw a row
-    # instead of one per vocabulary entry (the exponential race, argmax(p / q) with q ~ Exp(1),
-    # drew 64 x 4096 uniforms a step, 0.8 ms on CPU, 3-20% of the benchmark Llamas' decode
-    # steps). Tokens with probability 0 (masked by top-k, top-p, min-p) are never drawn: the
-    # cumulative sum does not grow at them.
-    cumulative = probs.cumsum(dim=-1)
-    u = torch.empty(len(rows), 1, dtype=probs.dtype, device=device)
+    # One uniform draw a row; seeded rows draw theirs from their own generator, so their
+    # token is the same whichever rows share the batch.
+    u = torch.empty(len(rows), dtype=torch.float32, device=device)  # fp32: [0, 1), never 1
     generators = [metadata.generators[i] for i in rows]
     if any(g is None for g in generators):
         u.uniform_()
     for j, generator in enumerate(generators):
         if generator is not None:
             u[j].uniform_(generator=generator)
-    targets = u * cumulative[:, -1:]
-    tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
-    # u * total can round up to the total itself (u within 2^-24 of 1): take the row's last
-    # token of nonzero probability then.
-    overflow = tokens >= vocab_size
-    if bool(overflow.any()):
-        last_nonzero = vocab_size - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-        tokens = torch.where(overflow, last_nonzero, tokens)
-    return tokens
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of probs [N, V] (non-negative, any positive total), the first token whose
+    cumulative probability exceeds u (fp32 in [0, 1), [N]) times the row's total.
+
+    One draw a row instead of one per vocabulary entry (the exponential race, argmax(p / q)
+    with q ~ Exp(1), drew 64 x 4096 uniforms a step, 0.8 ms on CPU, 3-20% of the benchmark
+    Llamas' decode steps). Tokens of probability 0 (masked by top-k, top-p, min-p) are never
+    drawn: the cumulative sum does not grow at them. In fp32, u < 1 times a total t rounds
+    below t (t - t 2^-24 is more than half an ulp under t unless t is a power of two, where
+    it is exact), so some token's cumulative sum always exceeds the target."""
+    cumulative = probs.float().cumsum(dim=-1)
+    targets = u.float().unsqueeze(1) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:

@@ -108,16 +108,13 @@ def _exclusive_build(build_dir: Path) -> Iterator[None]:
     mid-build (a test's timeout, a worker killed by Ray) leaves it behind, and every later
     process then waits for it forever. The kernel drops an flock when its holder dies, so
     while we hold ours, no raylm process is building here and a `lock` file is stale."""
-    with open(build_dir / "raylm-build.flock", "a") as lock_file:
+    with open(build_dir / "raylm-build.flock", "a") as lock_file:  # closing it drops the flock
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            stale_baton = build_dir / "lock"
-            if stale_baton.exists():
-                logger.warning("Removing %s, left by a build that did not finish.", stale_baton)
-                stale_baton.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+        stale_baton = build_dir / "lock"
+        if stale_baton.exists():
+            logger.warning("Removing %s, left by a build that did not finish.", stale_baton)
+            stale_baton.unlink(missing_ok=True)
+        yield
 
 
 def build_all() -> dict[str, str | None]:

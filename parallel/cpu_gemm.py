@@ -11,7 +11,7 @@ bf16 on a CPU with AMX adds a second packed copy for decode-sized batches (up to
 `AMX_MAX_ROWS` tokens): `csrc/cpu_gemm_amx.cpp` streams the weight in AMX tiles. Per call
 it ran 1.7-2.9x faster than oneDNN at 1-64 tokens on the ~100M Llama's projections, weights
 cold (a decode step is one pass over the weights; oneDNN read them at 8-9 GB/s of the
-~25 GB/s the cores read); in that model's decode step the GEMMs went from 14.4 to 12.5 ms.
+~25 GB/s the cores read); in that model's decode step the GEMMs went from 14.3 to 11.3 ms.
 At 1024 tokens oneDNN is as fast or faster, so prefill keeps it. The cost is memory: a bf16
 layer holds its weight three times (as loaded, oneDNN's copy, AMX's copy).
 

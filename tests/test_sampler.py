@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
-from raylm.executors.sampler import Sampler
+from raylm.executors.sampler import Sampler, inverse_cdf
 from raylm.executors.sampling_metadata import SamplingMetadata, sibling_generator
 
 VOCAB = 64
@@ -247,3 +247,25 @@ def test_top_k_and_top_p_together_keep_only_their_intersection():
     allowed = set(torch.topk(row, 6).indices[order[:keep]].tolist())
     assert set(counts.nonzero().flatten().tolist()) <= allowed
     assert len(set(counts.nonzero().flatten().tolist())) > 1
+
+
+def test_inverse_cdf_picks_the_token_whose_interval_holds_u_and_never_a_zero_probability_one():
+    # Cumulative sums 0.2, 0.2, 0.7, 1.0, 1.0 (tokens 1 and 4 have probability 0): by hand,
+    # u in [0, 0.2) -> 0, [0.2, 0.7) -> 2, [0.7, 1) -> 3.
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]]).expand(7, 5).contiguous()
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
+    u = torch.tensor([0.0, 0.1999, 0.2, 0.6999, 0.7, 0.99, below_one])
+    assert inverse_cdf(probs, u).tolist() == [0, 0, 2, 2, 3, 3, 3]
+
+
+def test_inverse_cdf_with_the_largest_u_below_one_draws_the_last_nonzero_token_for_any_total():
+    # Totals in many binades, powers of two included, and a masked last token: u * total must
+    # stay below the total, or searchsorted would return V, past the vocabulary.
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(500, 6, generator=gen) * torch.logspace(-6, 6, 500).unsqueeze(1)
+    probs[:250, -1] = 0.0
+    probs[0] = torch.tensor([1.0, 1.0, 0.0, 2.0, 0.0, 0.0])  # total 4
+    u = torch.full((500,), torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item())
+    expected = torch.where(probs[:, -1] > 0, 5, 4)
+    expected[0] = 3
+    assert inverse_cdf(probs, u).tolist() == expected.tolist()

@@ -9,7 +9,7 @@
 // activations, a few rows, are copied into tile order (1 KiB per tile) and stay in L1/L2.
 // Measured there: 1.7-2.9x oneDNN's time per call up to 64 tokens, 1.1-1.5x at 256; inside
 // the ~100M Llama's decode step, where the layers' weights are partly cached, the gain is
-// smaller (GEMM time per step 14.4 -> 12.5 ms): at 64 tokens the tile multiplies and the
+// smaller (GEMM time per step 14.3 -> 11.3 ms): at 64 tokens the tile multiplies and the
 // weight stream still add up rather than overlap.
 //
 // Layout of the packed weight W [N, K]: N is padded to 16 and K to 32 with zeros; block
