@@ -15,6 +15,7 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.model_runner import ModelRunner
 from raylm.parallel import parallel_state
+from raylm.parallel.shm_communicator import ShmCommunicator
 
 # Longest wait for every rank to reach the rendezvous and the pre-flight all-reduce
 # (capped by ParallelConfig.worker_timeout_s).
@@ -82,6 +83,11 @@ class Worker:
         if cpu_group is not dist.group.WORLD:
             _preflight_all_reduce(store, cpu_group, torch.device("cpu"), self.rank, world_size, preflight_s,
                                   "gloo (metadata)")
+        if self.device.type == "cpu":
+            # The model's collectives run several times a layer: on one machine, shared
+            # memory instead of gloo's TCP loopback.
+            communicator = ShmCommunicator.create(store, self.rank, world_size, parallel_config.worker_timeout_s)
+            parallel_state.set_tensor_model_parallel_shm_communicator(communicator)
 
     def load_model(self) -> None:
         self.model_runner.load_model()

@@ -19,6 +19,9 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK: int = 0
 _TP_WORLD_SIZE: int = 1
+# Shared-memory collectives for CPU tensors when every rank runs on this machine
+# (a ShmCommunicator); None: the groups above carry everything.
+_TP_SHM_COMM = None
 
 
 def initialize_model_parallel(group: dist.ProcessGroup | None = None,
@@ -35,10 +38,20 @@ def initialize_model_parallel(group: dist.ProcessGroup | None = None,
     _TP_WORLD_SIZE = dist.get_world_size(group)
 
 
+def set_tensor_model_parallel_shm_communicator(communicator) -> None:
+    """Routes the collectives of CPU tensors through `communicator` (None: back to the groups)."""
+    global _TP_SHM_COMM
+    _TP_SHM_COMM = communicator
+
+
+def get_tensor_model_parallel_shm_communicator():
+    return _TP_SHM_COMM
+
+
 def destroy_model_parallel() -> None:
     """Back to one rank; the group itself belongs to whoever created it."""
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE
-    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE = None, None, 0, 1
+    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM
+    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM = None, None, 0, 1, None
 
 
 def destroy_distributed_environment() -> None:
