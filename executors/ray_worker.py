@@ -112,6 +112,7 @@ class RayWorkerWrapper:
         # The current CUDA device is per thread: the compiled graph's loop thread is not the
         # one init_device ran on, and would otherwise run on device 0.
         self._step_thread = threading.get_ident()
+        self.worker.bind_current_thread()
         device = self.worker.device
         if device is not None and device.type == "cuda":
             import torch

@@ -15,11 +15,13 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.model_runner import ModelRunner
 from raylm.parallel import parallel_state
-from raylm.parallel.shm_communicator import ShmCommunicator
+from raylm.parallel.shm_communicator import ShmCommunicator, machine_id
 
 # Longest wait for every rank to reach the rendezvous and the pre-flight all-reduce
 # (capped by ParallelConfig.worker_timeout_s).
 PREFLIGHT_TIMEOUT_S = 60.0
+# "0" leaves CPU tensor-parallel ranks unbound (see _bind_to_own_cores).
+BIND_ENV_VAR = "RAYLM_CPU_BIND"
 
 
 class Worker:
@@ -31,6 +33,8 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        # CPU tensor parallel: the cores this rank's threads are bound to (None: unbound).
+        self.cpu_cores: set[int] | None = None
 
     def init_device(self) -> None:
         """Picks the device, sizes the CPU thread pool and seeds the global RNGs."""
@@ -84,10 +88,17 @@ class Worker:
             _preflight_all_reduce(store, cpu_group, torch.device("cpu"), self.rank, world_size, preflight_s,
                                   "gloo (metadata)")
         if self.device.type == "cpu":
+            self.cpu_cores = _bind_to_own_cores(store, self.rank, world_size, preflight_s)
             # The model's collectives run several times a layer: on one machine, shared
             # memory instead of gloo's TCP loopback.
             communicator = ShmCommunicator.create(store, self.rank, world_size, parallel_config.worker_timeout_s)
             parallel_state.set_tensor_model_parallel_shm_communicator(communicator)
+
+    def bind_current_thread(self) -> None:
+        """Binds the calling thread (a step thread that started after set-up) to this
+        rank's cores; the OpenMP team it starts inherits them."""
+        if self.cpu_cores is not None:
+            os.sched_setaffinity(0, self.cpu_cores)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -132,6 +143,41 @@ def _cpu_threads(tensor_parallel_size: int) -> int:
         return int(explicit)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // tensor_parallel_size)
+
+
+def _bind_to_own_cores(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> set[int] | None:
+    """Binds every thread of this process to this rank's share of the machine's cores, split
+    among the ranks on the same machine (as vLLM's CPU workers bind their OpenMP threads).
+
+    Ranks wait for each other at every collective, so two ranks must never take turns on one
+    core while another core runs something else: left to itself the kernel scheduler puts
+    the busy-polling driver and ranks wherever, and with 2 ranks and a driver on 2 cores the
+    ranks often shared one (a decode step of the tiny test model took 2.4 ms on rank 0
+    instead of 1). RAYLM_CPU_BIND=0 leaves placement to the kernel. Returns the cores, or
+    None when unbound."""
+    store.set(f"raylm/machine/{rank}", machine_id())
+    keys = [f"raylm/machine/{r}" for r in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout_s))
+    machines = [store.get(key) for key in keys]
+    peers = [r for r in range(world_size) if machines[r] == machines[rank]]
+    if os.environ.get(BIND_ENV_VAR) == "0" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = share_of_cores(sorted(os.sched_getaffinity(0)), peers.index(rank), len(peers))
+    for thread_id in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread_id), cores)
+        except OSError:  # a thread that just ended
+            pass
+    return cores
+
+
+def share_of_cores(cores: list[int], local_rank: int, local_size: int) -> set[int]:
+    """Rank `local_rank` of `local_size` ranks on one machine: a contiguous, disjoint share
+    of `cores` when there are enough, else one core shared round-robin."""
+    if len(cores) < local_size:
+        return {cores[local_rank % len(cores)]}
+    per_rank = len(cores) // local_size
+    return set(cores[local_rank * per_rank:(local_rank + 1) * per_rank])
 
 
 def _wait_for_all_ranks(store: dist.Store, stage: str, rank: int, world_size: int, timeout_s: float,
