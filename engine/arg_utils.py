@@ -61,6 +61,12 @@ class EngineArgs:
         "With Ray workers the driver turns one step's tokens into text (detokenizing, stop strings) while "
         "the workers run the next step; this turns that overlap off (vLLM's flag). With the overlap, a request "
         "that a stop string ends has computed one more token, which is dropped."))
+    async_scheduling: bool = field(default=True, metadata=_help(
+        "With Ray workers the driver schedules step k+1 while the workers run step k (vLLM's async "
+        "scheduling): each decoding request's next token is a placeholder that the workers fill with the token "
+        "they sampled, so they start the next step as soon as one ends and the driver's Python (scheduling, "
+        "applying tokens, detokenizing) runs beside the forward. A request that stops (EOS, stop token, stop "
+        "string) has computed one more token, which is dropped. No effect in process."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
@@ -153,6 +159,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             disable_async_output_proc=self.disable_async_output_proc,
+            async_scheduling=self.async_scheduling,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

@@ -198,6 +198,10 @@ class SchedulerConfig:
     # vLLM's flag: with workers in other processes (Ray), the driver makes a step's text
     # (detokenizing, stop strings) while the workers run the next step; True turns that off.
     disable_async_output_proc: bool = False
+    # vLLM's async scheduling: with workers in other processes (Ray), step k+1 is scheduled
+    # and sent while the workers run step k; its decode tokens are placeholders that the
+    # workers fill with what they sampled in step k.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -47,7 +48,12 @@ class EngineCore:
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0
-        self._in_flight: _StepInFlight | None = None
+        # Batches handed to the executor, oldest first: at most one, or two with async
+        # scheduling (the next is scheduled while the workers run the previous).
+        self._in_flight: deque[_StepInFlight] = deque()
+        self.async_scheduling = (engine_config.scheduler_config.async_scheduling
+                                 and self.executor.runs_steps_asynchronously)
+        self.max_steps_in_flight = 2 if self.async_scheduling else 1
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config
@@ -99,27 +105,32 @@ class EngineCore:
         return self.executor.runs_steps_asynchronously
 
     def has_step_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def start_step(self) -> bool:
         """Schedules a batch and hands it to the executor; False when there is nothing to
         run. With workers in other processes it returns while they run it: requests may be
         added, aborted or stopped meanwhile (a request ended while its batch runs has that
-        batch's token dropped), but the next start_step waits for finish_step."""
-        assert self._in_flight is None, "finish_step must collect the batch in flight first"
+        batch's token dropped). With async scheduling one more batch may start before the
+        first is collected: its decodes compute the tokens the first samples."""
+        assert len(self._in_flight) < self.max_steps_in_flight, "finish_step must collect a batch in flight first"
         step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty():
             return False
         wait = self.executor.execute_model_async(scheduler_output.step)
-        self._in_flight = _StepInFlight(scheduler_output, wait, step_start)
+        self._in_flight.append(_StepInFlight(scheduler_output, wait, step_start))
         return True
 
     def finish_step(self) -> list[EngineCoreOutput]:
-        """Waits for the batch in flight and applies its tokens and stops; [] if none."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
+        """Waits for the oldest batch in flight and applies its tokens and stops; [] if none."""
+        if not self._in_flight:
             return []
+        in_flight = self._in_flight.popleft()
         sampler_output = in_flight.wait()
         outputs = self._update_from_output(in_flight.scheduler_output, sampler_output)
         self.num_generation_tokens_total += len(sampler_output.outputs)
@@ -135,7 +146,10 @@ class EngineCore:
         prompt_logprobs = sampler_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        for request in scheduler_output.scheduled:
+        finished_while_preempted = False
+        for request, scheduled in zip(scheduler_output.scheduled, scheduler_output.step.requests):
+            if scheduled.do_sample:
+                request.num_output_placeholders -= 1
             if request.is_finished:
                 continue  # aborted or stopped by a stop string while its batch ran
             token = sampled.get(request.worker_id)
@@ -150,12 +164,14 @@ class EngineCore:
                 output.new_token_logprobs.append(token.logprob)
                 if token.logprobs is not None:
                     output.new_logprobs = [token.logprobs]
+                was_preempted = request.status == RequestStatus.PREEMPTED
                 if self._check_stop(request, token.token_id):
+                    finished_while_preempted |= was_preempted
                     output.finish_reason = RequestStatus.get_finished_reason(request.status)
                     output.stop_reason = request.stop_reason
                     finished.append(request)
             outputs.append(output)
-        self.scheduler.free_finished(finished)
+        self.scheduler.free_finished(finished, preempted=finished_while_preempted)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:

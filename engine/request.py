@@ -63,8 +63,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt then outputs, appended as tokens arrive (never rebuilt by concatenation).
     all_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose KV is in the cache or is written by the step already scheduled.
+    # Tokens whose KV is in the cache or is written by the steps already scheduled; with
+    # async scheduling this counts the placeholders too.
     num_computed_tokens: int = 0
+    # Tokens sampled by steps scheduled but not yet collected (async scheduling): the next
+    # step may compute them already, as placeholders the workers fill in.
+    num_output_placeholders: int = 0
     # Prompt tokens found in the prefix cache when the request was last admitted.
     num_cached_tokens: int = 0
     # Prompt positions whose logprobs were already returned (they are never recomputed).

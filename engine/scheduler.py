@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
 from raylm.engine.request import Request, RequestStatus
-from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
+from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
 
 
@@ -96,12 +96,16 @@ class Scheduler:
             self._on_workers.discard(request.worker_id)
             self._finished_worker_ids.append(request.worker_id)
 
-    def free_finished(self, requests: list[Request]) -> None:
-        """Drops requests the engine core just finished from the running list."""
+    def free_finished(self, requests: list[Request], preempted: bool = False) -> None:
+        """Drops requests the engine core just finished from the running list (and, if
+        `preempted`, from the waiting queue: async scheduling can preempt a request whose
+        last token was still in flight)."""
         if not requests:
             return
         gone = {id(request) for request in requests}
         self.running = [r for r in self.running if id(r) not in gone]
+        if preempted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
         for request in requests:
             self._free(request)
 
@@ -135,8 +139,10 @@ class Scheduler:
         if out.num_preempted == 0:
             self._schedule_waiting(scheduled, budget)
         for request, num_new_tokens in scheduled:
-            # A decode computes exactly the last sampled token; anything else is prefill.
-            if request.num_computed_tokens + 1 < request.num_tokens or not request.output_token_ids:
+            # A decode computes exactly the last sampled token (known, or a placeholder for
+            # one in flight); anything else is prefill.
+            if request.num_computed_tokens + 1 < request.num_tokens or not (
+                    request.output_token_ids or request.num_output_placeholders):
                 out.num_prefill_tokens += num_new_tokens
             out.step.requests.append(self._scheduled_request(request, num_new_tokens))
             out.scheduled.append(request)
@@ -151,7 +157,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._ends_with_tokens_in_flight(request):
+                index += 1  # nothing left to compute: its last token is being sampled
+                continue
+            num_new_tokens = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                                 budget)
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
             while kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.running.pop()
@@ -169,6 +179,8 @@ class Scheduler:
         config = self.scheduler_config
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted while a token of its was in flight: readmitted once it is known
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
@@ -193,11 +205,18 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         params = request.sampling_params
+        token_ids = request.all_token_ids[start:end]
+        if len(token_ids) < num_new_tokens:
+            # The token the step in flight samples (async scheduling): the workers know it.
+            token_ids.append(PLACEHOLDER_TOKEN_ID)
+        do_sample = end == request.num_tokens + request.num_output_placeholders
         scheduled = ScheduledRequest(
-            req_id=request.worker_id, token_ids=request.all_token_ids[start:end], num_computed_tokens=start,
+            req_id=request.worker_id, token_ids=token_ids, num_computed_tokens=start,
             block_table=self.kv_cache_manager.get_block_ids(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=params if request.resumed else None,
-            do_sample=end == request.num_tokens, resumed=request.resumed, sample_index=request.sample_index)
+            do_sample=do_sample, resumed=request.resumed, sample_index=request.sample_index)
+        if do_sample:
+            request.num_output_placeholders += 1
         if request.resumed and start and needs_token_history(params):
             scheduled.context_token_ids = request.all_token_ids[:start]
         if params.prompt_logprobs is not None:
@@ -212,6 +231,13 @@ class Scheduler:
         request.resumed = False
         self._on_workers.add(request.worker_id)
         return scheduled
+
+    def _ends_with_tokens_in_flight(self, request: Request) -> bool:
+        """Whether the tokens already being sampled for the request take it to max_tokens or
+        max_model_len, so that scheduling more would compute past its end."""
+        placeholders = request.num_output_placeholders
+        return (request.num_output_tokens + placeholders >= request.sampling_params.max_tokens
+                or request.num_tokens + placeholders >= self.scheduler_config.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: the request's blocks go back to the pool (cached ones

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from raylm.engine.sampling_params import SamplingParams
 
 
+# Stands in ScheduledRequest.token_ids for a token the previous step samples and the
+# driver has not seen yet (async scheduling); the workers put in the token they sampled.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: a chunk of its prompt, or its last sampled token."""
@@ -21,7 +26,7 @@ class ScheduledRequest:
     # The request's small integer name on the workers.
     req_id: int
     # Tokens whose KV is computed this step; token_ids[i] sits at position
-    # num_computed_tokens + i.
+    # num_computed_tokens + i. Only the last may be PLACEHOLDER_TOKEN_ID.
     token_ids: list[int]
     # Tokens of this request already in the KV cache (its own earlier steps, or a
     # prefix-cache hit).

@@ -14,7 +14,8 @@ from torch import nn
 from raylm.engine.config import EngineConfig
 from raylm.engine.config import kv_cache_block_bytes
 from raylm.engine.sampling_params import SamplingParams
-from raylm.engine.step import ExecuteModelRequest, SamplerOutput, ScheduledRequest, TokenLogprobs
+from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SamplerOutput, ScheduledRequest,
+                               TokenLogprobs)
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
@@ -23,6 +24,7 @@ from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context
+from raylm.parallel.communication import tensor_model_parallel_broadcast
 
 
 # The CPU KV cache's default ceiling (vLLM's CPU backend takes 4 GiB by default too).
@@ -46,6 +48,12 @@ class ModelRunner:
         self._states: dict[int, RequestSamplingState] = {}
         # Each running request's sampling parameters, sent once per admission (step.py).
         self._sampling_params: dict[int, SamplingParams] = {}
+        # Each running request's last sampled token: with async scheduling the next step
+        # arrives before the driver has seen it, as a placeholder (step.py).
+        self._last_sampled: dict[int, int] = {}
+        # Ranks other than 0 do not sample; with async scheduling they still need the tokens.
+        self._share_sampled_tokens = (self.parallel_config.tensor_parallel_size > 1
+                                      and self.scheduler_config.async_scheduling)
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -129,9 +137,11 @@ class ModelRunner:
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
             self._sampling_params.pop(req_id, None)
+            self._last_sampled.pop(req_id, None)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 else None
         self._fill_sampling_params(req.requests)
+        self._fill_placeholders(req.requests)
         self._update_states(req.requests)
 
         input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
@@ -163,6 +173,8 @@ class ModelRunner:
             selected = hidden_states.index_select(0, torch.tensor(rows, device=hidden_states.device))
         logits = self.model.compute_logits(selected)
         if logits is None:  # tensor parallel: only rank 0 holds the logits
+            if sample_rows and self._share_sampled_tokens:
+                self._remember_sampled(sampled, self._broadcast_sampled_tokens([0] * len(sampled)))
             return None
         logits = logits.float()
 
@@ -171,6 +183,10 @@ class ModelRunner:
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.
             output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
+            token_ids = [token.token_id for token in output.outputs]
+            if self._share_sampled_tokens:
+                self._broadcast_sampled_tokens(token_ids)
+            self._remember_sampled(sampled, token_ids)
         if prompt_rows:
             output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
@@ -221,6 +237,26 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), attn_metadata, last_rows)
+
+    # ---- async scheduling ----------------------------------------------------------------
+
+    def _fill_placeholders(self, requests: list[ScheduledRequest]) -> None:
+        """Puts the token this rank saw sampled in the previous step where the driver, which
+        scheduled this step before it saw that token, left a placeholder (always the last)."""
+        last = self._last_sampled
+        for scheduled in requests:
+            if scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                scheduled.token_ids[-1] = last[scheduled.req_id]
+
+    def _remember_sampled(self, requests: list[ScheduledRequest], token_ids: list[int]) -> None:
+        last = self._last_sampled
+        for scheduled, token_id in zip(requests, token_ids):
+            last[scheduled.req_id] = token_id
+
+    def _broadcast_sampled_tokens(self, token_ids: list[int]) -> list[int]:
+        """Rank 0's sampled tokens, on every rank (the others pass as many dummies)."""
+        tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return tensor_model_parallel_broadcast(tensor, src=0).tolist()
 
     # ---- sampler state -----------------------------------------------------------------
 
