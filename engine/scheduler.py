@@ -179,8 +179,6 @@ class Scheduler:
         config = self.scheduler_config
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting[0]
-            if request.num_output_placeholders:
-                break  # preempted while a token of its was in flight: readmitted once it is known
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:

@@ -59,6 +59,7 @@ def run_step(scheduler: Scheduler) -> SchedulerOutput:
         assert scheduled.req_id == request.worker_id
         if not scheduled.do_sample:
             continue
+        request.num_output_placeholders -= 1  # collected, as EngineCore does
         request.append_output_token(model_token(scheduled))
         if request.num_output_tokens >= request.sampling_params.max_tokens or request.num_tokens >= max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED

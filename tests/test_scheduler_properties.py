@@ -7,9 +7,15 @@ scheduled token's KV into a simulated cache through the block table, and checks 
 scheduled request then reads back the KV of exactly its own tokens. Its "model" samples a
 deterministic function of the prefix read from that cache, so each request's outputs must
 equal `reference_outputs`: nothing lost, duplicated or read from another request's KV.
+
+Half the runs pipeline the steps as async scheduling does: the next step is scheduled and
+run by the workers before the driver collects the previous one, so decodes carry
+placeholders that the stand-in workers fill with the tokens they sampled.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -18,7 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.sampling_params import SamplingParams
-from raylm.engine.scheduler import Scheduler
+from raylm.engine.scheduler import Scheduler, SchedulerOutput
+from raylm.engine.step import PLACEHOLDER_TOKEN_ID
 
 BLOCK_SIZE = 4
 VOCAB = 5
@@ -47,9 +54,9 @@ def expected_num_outputs(request: Request, max_model_len: int) -> int:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 40), budget=st.integers(8, 64), max_num_seqs=st.integers(1, 8),
-                chunked=st.booleans(), caching=st.booleans(), data=st.data())
+                chunked=st.booleans(), caching=st.booleans(), pipelined=st.booleans(), data=st.data())
     def configure(self, num_blocks: int, budget: int, max_num_seqs: int, chunked: bool, caching: bool,
-                  data: st.DataObject) -> None:
+                  pipelined: bool, data: st.DataObject) -> None:
         # The engine makes the pool hold max_model_len tokens; without chunking a whole
         # prompt must fit one step's budget.
         max_model_len = data.draw(st.integers(8, num_blocks * BLOCK_SIZE), label="max_model_len")
@@ -61,6 +68,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(self.config, cache_config)
         self.num_blocks = num_blocks
+        self.pipelined = pipelined
+        # Steps the workers ran whose tokens the driver has not collected: (output, sampled).
+        self.in_flight: deque[tuple[SchedulerOutput, dict[int, int]]] = deque()
+        # What the workers know of each request's tokens: the driver's plus those in flight.
+        self.worker_tokens: dict[int, list[int]] = {}
         self.all_requests: list[Request] = []
         # The simulated KV cache: (block id, offset) -> the token prefix whose last KV it holds.
         self.kv_slots: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -132,52 +144,104 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------------- one engine step
     def _step(self) -> None:
+        """One engine step: schedule and run a batch and collect one (pipelined: collect the
+        previous batch after the next one started, as EngineCore with async scheduling)."""
+        started = self._start_step()
+        if not self.pipelined or len(self.in_flight) > 1 or not started:
+            self._collect_step()
+
+    def _start_step(self) -> bool:
         had_requests = self.scheduler.has_unfinished_requests()
         out = self.scheduler.schedule()
-        assert out.is_empty() != had_requests, "a step with live requests scheduled nothing"
+        if not self.in_flight:
+            assert out.is_empty() != had_requests, "a step with live requests scheduled nothing"
         self._check_finished_ids(out.step.finished_req_ids, out.is_empty())
         assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.step.requests)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(out.step.requests) <= self.config.max_num_seqs
         assert len({s.req_id for s in out.step.requests}) == len(out.step.requests)
+        if out.is_empty():
+            return False
+        self._run_on_workers(out)
+        return True
+
+    def _run_on_workers(self, out: SchedulerOutput) -> None:
+        """The stand-in workers: fill placeholders, write and read KV, sample."""
+        for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
+            if scheduled.resumed:
+                self.worker_tokens[request.worker_id] = []
+            # The request's tokens as the workers know them: the driver's, then those in flight.
+            tokens = self.worker_tokens[request.worker_id]
+            known = request.all_token_ids + tokens[request.num_tokens:]
+            end = scheduled.num_computed_tokens + len(scheduled.token_ids)
+            if scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                assert end == len(known) > request.num_tokens, "a placeholder for no token in flight"
+                scheduled.token_ids[-1] = known[end - 1]
+            self._check_chunk(request, scheduled, known)
+            tokens[:] = known[:end]
         written: set[tuple[int, int]] = set()
         for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
-            self._check_chunk(request, scheduled)
+            tokens = self.worker_tokens[request.worker_id]
             for offset, _ in enumerate(scheduled.token_ids):
                 position = scheduled.num_computed_tokens + offset
                 slot = (scheduled.block_table[position // BLOCK_SIZE], position % BLOCK_SIZE)
                 assert slot not in written, f"two tokens of one step write KV slot {slot}"
                 written.add(slot)
-                self.kv_slots[slot] = tuple(request.all_token_ids[:position + 1])
+                self.kv_slots[slot] = tuple(tokens[:position + 1])
         # Every layer writes the step's KV before it attends: read after all the writes.
-        finished = []
+        sampled: dict[int, int] = {}
         for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
+            tokens = self.worker_tokens[request.worker_id]
             end = scheduled.num_computed_tokens + len(scheduled.token_ids)
             for position in range(end):
                 slot = (scheduled.block_table[position // BLOCK_SIZE], position % BLOCK_SIZE)
-                assert self.kv_slots.get(slot) == tuple(request.all_token_ids[:position + 1]), (
+                assert self.kv_slots.get(slot) == tuple(tokens[:position + 1]), (
                     f"{request} reads position {position} from block {slot[0]}, which holds other KV")
             self.worker_positions[request.worker_id] = end
             if scheduled.do_sample:
                 last_slot = (scheduled.block_table[(end - 1) // BLOCK_SIZE], (end - 1) % BLOCK_SIZE)
-                request.append_output_token(model_token(self.kv_slots[last_slot]))
-                if (request.num_output_tokens >= request.sampling_params.max_tokens
-                        or request.num_tokens >= self.config.max_model_len):
-                    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    finished.append(request)
-        self.scheduler.free_finished(finished)
+                sampled[request.worker_id] = model_token(self.kv_slots[last_slot])
+                tokens.append(sampled[request.worker_id])
+        self.in_flight.append((out, sampled))
+
+    def _collect_step(self) -> None:
+        """What EngineCore does with a batch's output: append tokens, stop, free."""
+        if not self.in_flight:
+            return
+        out, sampled = self.in_flight.popleft()
+        finished = []
+        finished_while_preempted = False
+        for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
+            if not scheduled.do_sample:
+                continue
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue  # aborted while its batch ran
+            request.append_output_token(sampled[request.worker_id])
+            if (request.num_output_tokens >= request.sampling_params.max_tokens
+                    or request.num_tokens >= self.config.max_model_len):
+                finished_while_preempted |= request.status == RequestStatus.PREEMPTED
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                finished.append(request)
+        self.scheduler.free_finished(finished, preempted=finished_while_preempted)
         for request in finished:
             self._ended(request)
 
-    def _check_chunk(self, request: Request, scheduled) -> None:
+    def _check_chunk(self, request: Request, scheduled, worker_tokens: list[int]) -> None:
         start = scheduled.num_computed_tokens
         end = start + len(scheduled.token_ids)
         assert scheduled.req_id == request.worker_id
         assert scheduled.req_id not in self.reported_finished | self.unreported_finished
         assert len(scheduled.token_ids) > 0
-        assert scheduled.token_ids == request.all_token_ids[start:end]
+        assert scheduled.token_ids == worker_tokens[start:end]
         assert request.num_computed_tokens == end
-        assert scheduled.do_sample == (end == request.num_tokens)
+        # A chunk is sampled when it reaches the last token the workers know.
+        assert scheduled.do_sample == (end == len(worker_tokens))
+        assert not request.is_finished
+        if request.num_output_placeholders > int(scheduled.do_sample):
+            # Scheduled past a token in flight: never past max_tokens or max_model_len.
+            assert request.num_output_tokens + request.num_output_placeholders <= request.sampling_params.max_tokens
+            assert request.num_tokens + request.num_output_placeholders <= self.config.max_model_len
         assert len(scheduled.block_table) == -(-end // BLOCK_SIZE), "the block table does not cover the tokens"
         if scheduled.resumed:
             # (Re)admitted: it starts after its cached prefix, a whole number of blocks.
@@ -241,7 +305,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "scheduler"):
             return
         for _ in range(10_000):
-            if not self.scheduler.has_unfinished_requests():
+            if not (self.scheduler.has_unfinished_requests() or self.in_flight):
                 break
             self._step()
         self.block_bookkeeping_is_exact()
