@@ -275,7 +275,9 @@ def test_closing_a_stream_before_reading_it_aborts_the_request(llama_dir, how):
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
-        release.set()
+        # Behind the abort that dropping the stream queued on the loop (callbacks run in
+        # order): releasing the step thread at once let it race that callback.
+        asyncio.get_running_loop().call_soon(release.set)
         return await _steps_until_idle(engine, counter, start)
 
     # The abort is applied before the next step, so at most the step already under way

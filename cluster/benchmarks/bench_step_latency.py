@@ -1,6 +1,7 @@
 """Per-step decode latency: in process, Ray with one worker, Ray with N workers, each Ray
-configuration both ways a step can reach the workers: through the Ray compiled graph
-(`ray_compiled_graph=True`, the default) and as one actor call per worker.
+configuration three ways: through the Ray compiled graph with async scheduling (the
+defaults: step k+1 is sent before step k is collected), through the compiled graph one step
+at a time, and as one actor call per worker, one step at a time.
 
 What the Ray control path costs: every configuration runs the same batch of sequences
 (greedy, EOS ignored) through `LLMEngine.step()`; after the prefill and a few warm-up
@@ -8,7 +9,10 @@ steps, each decode step is timed, whole (scheduler, executor, output processing)
 the executor's share alone (`execute_model`: sending the step, the workers' forward and
 sampling, the answer coming back), and inside it rank 0's `Worker.execute_model` (the
 forward, its collectives and sampling). The executor's time less rank 0's is the control
-path: what it costs to get the step to the workers and the answer back.
+path: what it costs to get the step to the workers and the answer back. With async
+scheduling steps overlap, so a step's time is the period between outputs, the executor's
+time is not reported, and the control column is the step less rank 0's time: what the
+workers spend per step outside their forward.
 
     python -m raylm.cluster.benchmarks.bench_step_latency                  # a tiny random Llama
     python -m raylm.cluster.benchmarks.bench_step_latency MODEL_DIR --batch-size 64 --tp-sizes 2,4
@@ -40,6 +44,8 @@ class StepLatency:
     backend: str
     # How steps reached the workers: "in process", "compiled graph" or "actor calls".
     step_path: str
+    # Whether step k+1 was scheduled and sent before step k was collected.
+    async_scheduling: bool
     tensor_parallel_size: int
     batch_size: int
     num_steps: int
@@ -93,19 +99,19 @@ def _worker_step_times(wrapper, count: int) -> list[float]:
 
 
 def measure(name: str, model_dir: str, args: argparse.Namespace, tensor_parallel_size: int,
-            backend: str | None, compiled: bool = True) -> StepLatency:
+            backend: str | None, compiled: bool = True, async_scheduling: bool = False) -> StepLatency:
     from raylm.engine.arg_utils import EngineArgs
     from raylm.engine.llm_engine import LLMEngine
     from raylm.engine.sampling_params import SamplingParams
 
     engine_args = EngineArgs(model=model_dir, dtype=args.dtype, skip_tokenizer_init=True,
                              tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=backend,
-                             ray_compiled_graph=compiled,
+                             ray_compiled_graph=compiled, async_scheduling=async_scheduling,
                              max_num_seqs=args.batch_size, max_model_len=args.max_model_len,
                              num_gpu_blocks_override=args.num_blocks, disable_log_stats=True, device=args.device)
-    if hasattr(engine_args, "disable_async_output_proc"):
-        # One step at a time, so that the executor's time is the step's round trip alone.
-        engine_args.disable_async_output_proc = True
+    # Without async scheduling, one step at a time, so that the executor's time is the
+    # step's round trip alone.
+    engine_args.disable_async_output_proc = not async_scheduling
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     startup_s = time.perf_counter() - start
@@ -117,6 +123,8 @@ def measure(name: str, model_dir: str, args: argparse.Namespace, tensor_parallel
         step_path = "compiled graph" if executor.uses_compiled_graph else "actor calls"
         if compiled and not executor.uses_compiled_graph:
             raise RuntimeError(f"{name}: the compiled graph could not be built (see the warning above).")
+        if engine.engine_core.async_scheduling != async_scheduling:
+            raise RuntimeError(f"{name}: async scheduling is {'off' if async_scheduling else 'on'}.")
     rank0 = executor.driver_worker if backend is None else executor.workers[0]
     if backend is None:
         _time_steps(rank0)
@@ -173,30 +181,39 @@ def measure(name: str, model_dir: str, args: argparse.Namespace, tensor_parallel
         del engine, executor, rank0
         gc.collect()
     step_ms = sorted(1000 * s for s in step_s)
-    return StepLatency(name, backend or "in process", step_path, tensor_parallel_size, args.batch_size, args.num_steps,
-                       statistics.median(step_ms), step_ms[int(0.9 * (len(step_ms) - 1))],
-                       1000 * statistics.median(executor_s), 1000 * statistics.median(worker_s),
-                       1000 * statistics.median(e - w for e, w in zip(executor_s, worker_s)), startup_s)
+    worker_ms = 1000 * statistics.median(worker_s)
+    if async_scheduling:
+        executor_ms = float("nan")  # steps overlap: a send-to-answer time spans two of them
+        control_ms = statistics.median(step_ms) - worker_ms
+    else:
+        executor_ms = 1000 * statistics.median(executor_s)
+        control_ms = 1000 * statistics.median(e - w for e, w in zip(executor_s, worker_s))
+    return StepLatency(name, backend or "in process", step_path, async_scheduling, tensor_parallel_size,
+                       args.batch_size, args.num_steps, statistics.median(step_ms), step_ms[int(0.9 * (len(step_ms) - 1))],
+                       executor_ms, worker_ms, control_ms, startup_s)
 
 
 def print_table(results: list[StepLatency]) -> None:
     base = results[0]
     print(f"\nDecode step latency, batch {base.batch_size}, {base.num_steps} timed steps "
           f"(median; ratio to {base.name}):")
-    header = (f"{'configuration':<28}{'step ms':>9}{'p90 ms':>9}{'ratio':>7}{'executor ms':>13}{'rank 0 ms':>11}"
+    header = (f"{'configuration':<34}{'step ms':>9}{'p90 ms':>9}{'ratio':>7}{'executor ms':>13}{'rank 0 ms':>11}"
               f"{'control ms':>12}{'startup s':>11}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.name:<28}{r.step_ms_median:>9.2f}{r.step_ms_p90:>9.2f}{r.step_ms_median / base.step_ms_median:>7.2f}"
+        print(f"{r.name:<34}{r.step_ms_median:>9.2f}{r.step_ms_p90:>9.2f}{r.step_ms_median / base.step_ms_median:>7.2f}"
               f"{r.executor_ms_median:>13.2f}{r.worker_ms_median:>11.2f}{r.control_ms_median:>12.2f}"
               f"{r.startup_s:>11.1f}")
-    for path in ("compiled graph", "actor calls"):
-        ray_runs = {r.tensor_parallel_size: r for r in results if r.step_path == path}
+    for path, pipelined in (("compiled graph", True), ("compiled graph", False), ("actor calls", False)):
+        ray_runs = {r.tensor_parallel_size: r for r in results
+                    if r.step_path == path and r.async_scheduling == pipelined}
         if 1 not in ray_runs:
             continue
         one = ray_runs[1]
-        line = (f"{path}: Ray N=1 step minus in process {one.step_ms_median - base.step_ms_median:+.2f} ms")
+        label = path + (", async scheduling" if pipelined else ", one step at a time")
+        line = (f"{label}: Ray N=1 step minus in process {one.step_ms_median - base.step_ms_median:+.2f} ms "
+                f"({one.step_ms_median / base.step_ms_median:.2f}x)")
         for n, r in sorted(ray_runs.items()):
             if n > 1:
                 line += (f"; each worker beyond one at N={n}: step {(r.step_ms_median - one.step_ms_median) / (n - 1):+.2f}"
@@ -222,10 +239,13 @@ def main(argv: list[str] | None = None) -> list[StepLatency]:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
-        configs = [("in process", 1, None, True)]
+        configs = [("in process", 1, None, True, False)]
         for n in [1] + [int(x) for x in args.tp_sizes.split(",") if x]:
-            configs += [(f"ray N={n} compiled graph", n, "ray", True), (f"ray N={n} actor calls", n, "ray", False)]
-        results = [measure(name, model_dir, args, n, backend, compiled) for name, n, backend, compiled in configs]
+            configs += [(f"ray N={n} graph, async scheduling", n, "ray", True, True),
+                        (f"ray N={n} graph, step at a time", n, "ray", True, False),
+                        (f"ray N={n} actor calls", n, "ray", False, False)]
+        results = [measure(name, model_dir, args, n, backend, compiled, pipelined)
+                   for name, n, backend, compiled, pipelined in configs]
     print_table(results)
     payload = {"model": args.model or "tiny random llama", "device": args.device,
                "results": [asdict(r) for r in results]}
