@@ -25,20 +25,24 @@ class StatLogger:
         # Seconds spent in steps since the last line, and when that line was logged.
         self._work_s = 0.0
         self._last_log = float("-inf")
+        # When the last recorded step ended: with async scheduling a step starts before the
+        # previous one ends, and the time they overlap is counted once.
+        self._last_step_end = float("-inf")
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
 
     def record_step(self, sched_out: Any, num_generated: int, step_start: float) -> None:
-        """step_start: time.monotonic() when the step began."""
+        """step_start: time.monotonic() when the step began (steps are recorded in order)."""
         prompt_tokens = sched_out.num_prefill_tokens
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += num_generated
         self.total_prompt_tokens += prompt_tokens
         self.total_generation_tokens += num_generated
         now = time.monotonic()
-        self._work_s += now - step_start
+        self._work_s += max(0.0, now - max(step_start, self._last_step_end))
+        self._last_step_end = now
         if self._work_s >= self._interval_s:
             self._log(now)
 
