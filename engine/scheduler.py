@@ -14,6 +14,12 @@ Every step has one token budget (max_num_batched_tokens). In this order:
 
 A request always fits the pool alone (the engine checks that the pool holds max_model_len
 tokens), so the earliest request always makes progress and no request can stall the rest.
+
+With async scheduling the next step is scheduled before the last one's tokens are known: a
+request sampled by a step in flight counts that token as a placeholder
+(`num_output_placeholders`), its next decode sends PLACEHOLDER_TOKEN_ID for the workers to
+fill, and it is not scheduled at all once its tokens in flight reach max_tokens or
+max_model_len.
 """
 
 from __future__ import annotations

@@ -48,12 +48,9 @@ class ModelRunner:
         self._states: dict[int, RequestSamplingState] = {}
         # Each running request's sampling parameters, sent once per admission (step.py).
         self._sampling_params: dict[int, SamplingParams] = {}
-        # Each running request's last sampled token: with async scheduling the next step
-        # arrives before the driver has seen it, as a placeholder (step.py).
+        # Rank 0: each running request's last sampled token; with async scheduling the next
+        # step arrives before the driver has seen it, as a placeholder (step.py).
         self._last_sampled: dict[int, int] = {}
-        # Ranks other than 0 do not sample; with async scheduling they still need the tokens.
-        self._share_sampled_tokens = (self.parallel_config.tensor_parallel_size > 1
-                                      and self.scheduler_config.async_scheduling)
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -173,8 +170,6 @@ class ModelRunner:
             selected = hidden_states.index_select(0, torch.tensor(rows, device=hidden_states.device))
         logits = self.model.compute_logits(selected)
         if logits is None:  # tensor parallel: only rank 0 holds the logits
-            if sample_rows and self._share_sampled_tokens:
-                self._remember_sampled(sampled, self._broadcast_sampled_tokens([0] * len(sampled)))
             return None
         logits = logits.float()
 
@@ -183,10 +178,9 @@ class ModelRunner:
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.
             output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
-            token_ids = [token.token_id for token in output.outputs]
-            if self._share_sampled_tokens:
-                self._broadcast_sampled_tokens(token_ids)
-            self._remember_sampled(sampled, token_ids)
+            last = self._last_sampled
+            for token in output.outputs:
+                last[token.req_id] = token.token_id
         if prompt_rows:
             output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
@@ -241,22 +235,21 @@ class ModelRunner:
     # ---- async scheduling ----------------------------------------------------------------
 
     def _fill_placeholders(self, requests: list[ScheduledRequest]) -> None:
-        """Puts the token this rank saw sampled in the previous step where the driver, which
-        scheduled this step before it saw that token, left a placeholder (always the last)."""
-        last = self._last_sampled
-        for scheduled in requests:
-            if scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                scheduled.token_ids[-1] = last[scheduled.req_id]
-
-    def _remember_sampled(self, requests: list[ScheduledRequest], token_ids: list[int]) -> None:
-        last = self._last_sampled
-        for scheduled, token_id in zip(requests, token_ids):
-            last[scheduled.req_id] = token_id
-
-    def _broadcast_sampled_tokens(self, token_ids: list[int]) -> list[int]:
-        """Rank 0's sampled tokens, on every rank (the others pass as many dummies)."""
-        tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return tensor_model_parallel_broadcast(tensor, src=0).tolist()
+        """Puts the tokens rank 0 sampled in the previous step where the driver, which
+        scheduled this step before it saw them, left placeholders (always a chunk's last
+        token). Every rank sees the same step, so all take part in the broadcast or none."""
+        holes = [scheduled for scheduled in requests if scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+        if not holes:
+            return
+        if self.rank == 0:
+            token_ids = [self._last_sampled[scheduled.req_id] for scheduled in holes]
+        else:
+            token_ids = [0] * len(holes)
+        if self.parallel_config.tensor_parallel_size > 1:
+            tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            token_ids = tensor_model_parallel_broadcast(tensor, src=0).tolist()
+        for scheduled, token_id in zip(holes, token_ids):
+            scheduled.token_ids[-1] = token_id
 
     # ---- sampler state -----------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.executor_base import Executor
 from raylm.executors.ray_worker import HEALTH_GROUP, RayWorkerWrapper, snapshot_hf_config
+from raylm.parallel.shm_communicator import machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +290,16 @@ class RayGPUExecutor(Executor):
         arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
         refs = [worker.execute_model.remote(arg) for worker in self.workers]
         return lambda: pickle.loads(self._wait_all(refs, "a step")[0])
+
+    def driver_has_spare_core(self) -> bool:
+        """With GPU workers, always; with CPU workers, when the threads of those on this
+        machine leave at least one of its cores (as this process sees them) free."""
+        if self._is_cuda:
+            return True
+        here = machine_id()
+        usage = self.collective_rpc("cpu_threads")
+        threads_here = sum(threads for machine, threads in usage if machine == here)
+        return threads_here < len(os.sched_getaffinity(0))
 
     def check_health(self) -> None:
         """Raises naming the ranks that are dead or do not answer a ping, or the failure
