@@ -61,14 +61,12 @@ class EngineArgs:
         "With Ray workers the driver turns one step's tokens into text (detokenizing, stop strings) while "
         "the workers run the next step; this turns that overlap off (vLLM's flag). With the overlap, a request "
         "that a stop string ends has computed one more token, which is dropped."))
-    async_scheduling: bool | None = field(default=None, metadata=_help(
+    async_scheduling: bool = field(default=True, metadata=_help(
         "With Ray workers the driver schedules step k+1 while the workers run step k (vLLM's async "
         "scheduling): each decoding request's next token is a placeholder that the workers fill with the token "
         "they sampled, so they start the next step as soon as one ends and the driver's Python (scheduling, "
         "applying tokens, detokenizing) runs beside the forward. A request that stops (EOS, stop token, stop "
-        "string) has computed one more token, which is dropped. Default: on where the driver's work does not "
-        "take the workers' cores: with GPU workers, and with CPU workers whose threads leave the driver's "
-        "machine a core (with none left, it measured 2x slower at TP 2 on 2 cores). No effect in process."))
+        "string) has computed one more token, which is dropped. No effect in process."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))

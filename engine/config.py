@@ -200,9 +200,8 @@ class SchedulerConfig:
     disable_async_output_proc: bool = False
     # vLLM's async scheduling: with workers in other processes (Ray), step k+1 is scheduled
     # and sent while the workers run step k; its decode tokens are placeholders that the
-    # workers fill with what they sampled in step k. None: where the driver has a core of
-    # its own (the executor decides).
-    async_scheduling: bool | None = None
+    # workers fill with what they sampled in step k.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -51,20 +51,10 @@ class EngineCore:
         # Batches handed to the executor, oldest first: at most one, or two with async
         # scheduling (the next is scheduled while the workers run the previous).
         self._in_flight: deque[_StepInFlight] = deque()
-        self.async_scheduling = self._resolve_async_scheduling(engine_config.scheduler_config.async_scheduling)
+        # Nothing to overlap when the worker runs in this thread.
+        self.async_scheduling = (engine_config.scheduler_config.async_scheduling
+                                 and self.executor.runs_steps_asynchronously)
         self.max_steps_in_flight = 2 if self.async_scheduling else 1
-
-    def _resolve_async_scheduling(self, setting: bool | None) -> bool:
-        if not self.executor.runs_steps_asynchronously:
-            return False  # the worker runs in this thread: nothing to overlap
-        if setting is not None:
-            return setting
-        if self.executor.driver_has_spare_core():
-            return True
-        logger.info("Async scheduling is off: the CPU workers' threads take every core of this machine, so the "
-                    "driver's work beside them would slow each step. Give them fewer threads (OMP_NUM_THREADS) "
-                    "or pass async_scheduling=True to turn it on.")
-        return False
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config

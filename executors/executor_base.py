@@ -45,11 +45,6 @@ class Executor(ABC):
         output = self.execute_model(req)
         return lambda: output
 
-    def driver_has_spare_core(self) -> bool:
-        """Whether the driver's own work (scheduling, output processing) can run beside the
-        workers' without taking their cores: the condition for async scheduling to pay."""
-        return False
-
     def check_health(self) -> None:
         """Raises if a worker is no longer able to run steps."""
 

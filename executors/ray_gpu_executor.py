@@ -45,7 +45,6 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.executor_base import Executor
 from raylm.executors.ray_worker import HEALTH_GROUP, RayWorkerWrapper, snapshot_hf_config
-from raylm.parallel.shm_communicator import machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +165,7 @@ class RayGPUExecutor(Executor):
             self._resources.actors.append(actor)
 
         infos = self._wait_all([a.get_node_info.remote() for a in actors], "start", ranks_known=False)
+        self._match_driver_priority(actors)
         placements = [WorkerPlacement(node_id, ip, gpu_ids, bundle_index)
                       for (node_id, ip, gpu_ids), bundle_index in zip(infos, bundle_indices)]
         driver_node = ray.get_runtime_context().get_node_id()
@@ -190,6 +190,14 @@ class RayGPUExecutor(Executor):
         nodes = sorted({p.node_ip for p in self.placements})
         logger.info("Ray executor: %d workers on %d node(s) %s, placement group bundles %s, rendezvous %s.",
                     num_workers, len(nodes), nodes, [p.bundle_index for p in self.placements], init_method)
+
+    def _match_driver_priority(self, actors: list[Any]) -> None:
+        """Workers run at the driver's niceness, not Ray's 15 (see RayWorkerWrapper.set_niceness)."""
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        got = self._wait_all([a.set_niceness.remote(niceness) for a in actors], "set its niceness", ranks_known=False)
+        if any(n != niceness for n in got):
+            logger.warning("Ray worker processes run at niceness %s, the driver at %d (raising a process's priority "
+                           "needs CAP_SYS_NICE): where they share cores, the driver slows the workers.", got, niceness)
 
     def _worker_engine_config(self) -> EngineConfig:
         """The engine config the workers get: the same, with the Hugging Face config as a
@@ -290,16 +298,6 @@ class RayGPUExecutor(Executor):
         arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
         refs = [worker.execute_model.remote(arg) for worker in self.workers]
         return lambda: pickle.loads(self._wait_all(refs, "a step")[0])
-
-    def driver_has_spare_core(self) -> bool:
-        """With GPU workers, always; with CPU workers, when the threads of those on this
-        machine leave at least one of its cores (as this process sees them) free."""
-        if self._is_cuda:
-            return True
-        here = machine_id()
-        usage = self.collective_rpc("cpu_threads")
-        threads_here = sum(threads for machine, threads in usage if machine == here)
-        return threads_here < len(os.sched_getaffinity(0))
 
     def check_health(self) -> None:
         """Raises naming the ranks that are dead or do not answer a ping, or the failure

@@ -100,10 +100,6 @@ class Worker:
         if self.cpu_cores is not None:
             os.sched_setaffinity(0, self.cpu_cores)
 
-    def cpu_threads(self) -> tuple[str, int]:
-        """(this machine, the threads this rank computes with)."""
-        return machine_id(), torch.get_num_threads()
-
     def load_model(self) -> None:
         self.model_runner.load_model()
 

@@ -1,12 +1,10 @@
-"""Async scheduling on Ray workers (vLLM's `async_scheduling`; by default on where the driver
-has a core the workers leave free): step k+1 is scheduled and sent before step k is collected, its decodes carrying placeholders that
+"""Async scheduling on Ray workers (vLLM's `async_scheduling`, on by default with Ray): step k+1 is scheduled and sent before step k is collected, its decodes carrying placeholders that
 the workers fill with the tokens they sampled (under tensor parallel, rank 0 broadcasts
 them). Outputs must be HF's for greedy decoding, and those of the engine that schedules one
 step at a time for everything that reads a request's history or its random stream."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -28,22 +26,11 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(ray_cluster, llama_dir):
-    pipelined = LLM(model=str(llama_dir), **COMMON, async_scheduling=True)
+    pipelined = LLM(model=str(llama_dir), **COMMON)
     stepwise = LLM(model=str(llama_dir), **COMMON, async_scheduling=False)
     yield pipelined, stepwise
     pipelined.shutdown()
     stepwise.shutdown()
-
-
-def test_by_default_it_is_on_only_where_the_cpu_workers_leave_the_driver_a_core(ray_cluster, llama_dir):
-    # The tests run every worker on one thread (OMP_NUM_THREADS=1, conftest).
-    cores = len(os.sched_getaffinity(0))
-    for tensor_parallel_size in (1, 2):
-        llm = LLM(model=str(llama_dir), **{**COMMON, "tensor_parallel_size": tensor_parallel_size})
-        try:
-            assert llm.llm_engine.engine_core.async_scheduling == (tensor_parallel_size < cores)
-        finally:
-            llm.shutdown()
 
 
 def _watch_steps(llm: LLM) -> dict[str, int]:
