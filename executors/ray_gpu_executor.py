@@ -165,7 +165,6 @@ class RayGPUExecutor(Executor):
             self._resources.actors.append(actor)
 
         infos = self._wait_all([a.get_node_info.remote() for a in actors], "start", ranks_known=False)
-        self._match_driver_priority(actors)
         placements = [WorkerPlacement(node_id, ip, gpu_ids, bundle_index)
                       for (node_id, ip, gpu_ids), bundle_index in zip(infos, bundle_indices)]
         driver_node = ray.get_runtime_context().get_node_id()
@@ -190,14 +189,6 @@ class RayGPUExecutor(Executor):
         nodes = sorted({p.node_ip for p in self.placements})
         logger.info("Ray executor: %d workers on %d node(s) %s, placement group bundles %s, rendezvous %s.",
                     num_workers, len(nodes), nodes, [p.bundle_index for p in self.placements], init_method)
-
-    def _match_driver_priority(self, actors: list[Any]) -> None:
-        """Workers run at the driver's niceness, not Ray's 15 (see RayWorkerWrapper.set_niceness)."""
-        niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        got = self._wait_all([a.set_niceness.remote(niceness) for a in actors], "set its niceness", ranks_known=False)
-        if any(n != niceness for n in got):
-            logger.warning("Ray worker processes run at niceness %s, the driver at %d (raising a process's priority "
-                           "needs CAP_SYS_NICE): where they share cores, the driver slows the workers.", got, niceness)
 
     def _worker_engine_config(self) -> EngineConfig:
         """The engine config the workers get: the same, with the Hugging Face config as a

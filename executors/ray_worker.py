@@ -60,8 +60,6 @@ class RayWorkerWrapper:
     def __init__(self) -> None:
         self.worker = None
         self._step_thread: int | None = None
-        # The niceness the step thread takes too (set_niceness); None: Ray's.
-        self._niceness: int | None = None
 
     def get_node_info(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, accelerator ids Ray gave this actor)."""
@@ -79,21 +77,6 @@ class RayWorkerWrapper:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             return sock.getsockname()[1]
-
-    def set_niceness(self, niceness: int) -> int:
-        """Runs every thread of this actor at `niceness` (the driver's); returns what it got.
-
-        Ray starts worker processes at niceness 15, under the driver's 0: on a machine whose
-        cores the ranks share with the driver, the driver's polling then took the ranks'
-        cores whenever it ran (TP 2 on 2 cores ran at half speed). Raising one's priority
-        needs CAP_SYS_NICE; without it the worker keeps Ray's niceness."""
-        self._niceness = niceness
-        for thread_id in os.listdir("/proc/self/task"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(thread_id), niceness)
-            except OSError:  # no permission, or a thread that just ended
-                pass
-        return os.getpriority(os.PRIO_PROCESS, 0)
 
     def init_worker(self, engine_config: EngineConfig, rank: int, local_rank: int,
                     distributed_init_method: str | None) -> None:
@@ -130,11 +113,6 @@ class RayWorkerWrapper:
         # one init_device ran on, and would otherwise run on device 0.
         self._step_thread = threading.get_ident()
         self.worker.bind_current_thread()
-        if self._niceness is not None:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._niceness)
-            except OSError:
-                pass
         device = self.worker.device
         if device is not None and device.type == "cuda":
             import torch

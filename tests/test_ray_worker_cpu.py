@@ -1,6 +1,5 @@
-"""How CPU tensor-parallel workers sit on the machine: at the driver's priority (Ray starts
-worker processes at niceness 15), each rank bound to its own cores, and their collectives
-through shared memory."""
+"""How CPU tensor-parallel workers run their steps: each rank bound to its own cores, their
+collectives through shared memory."""
 
 from __future__ import annotations
 
@@ -20,21 +19,29 @@ def tp2(ray_cluster, llama_dir):
     llm.shutdown()
 
 
-def test_workers_run_at_the_drivers_niceness_on_their_own_cores_with_shared_memory(tp2):
+def test_steps_run_on_the_ranks_own_cores_with_shared_memory(tp2):
     import ray
 
-    def cpu_view(wrapper) -> dict:  # runs in the worker (a local function travels by value)
+    def record_steps(wrapper) -> None:  # runs in the worker (a local function travels by value)
         import os
 
         from raylm.parallel.parallel_state import get_tensor_model_parallel_shm_communicator
 
-        return {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "cores": set(os.sched_getaffinity(0)),
-                "bound": wrapper.worker.cpu_cores, "shm": get_tensor_model_parallel_shm_communicator() is not None}
+        run, worker = wrapper.worker.execute_model, wrapper.worker
 
-    views = ray.get([w.__ray_call__.remote(cpu_view) for w in tp2.llm_engine.executor.workers], timeout=60)
+        def execute_model(req):
+            worker.seen = {"cores": set(os.sched_getaffinity(0)),
+                           "bound": worker.cpu_cores, "shm": get_tensor_model_parallel_shm_communicator() is not None}
+            return run(req)
+
+        worker.execute_model = execute_model
+
+    workers = tp2.llm_engine.executor.workers
+    ray.get([w.__ray_call__.remote(record_steps) for w in workers], timeout=60)
+    tp2.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    views = ray.get([w.__ray_call__.remote(lambda wrapper: wrapper.worker.seen) for w in workers], timeout=60)
     machine_cores = sorted(os.sched_getaffinity(0))
     for rank, view in enumerate(views):
-        assert view["niceness"] == os.getpriority(os.PRIO_PROCESS, 0)
         assert view["cores"] == view["bound"] == share_of_cores(machine_cores, rank, 2)
         assert view["shm"]
     if len(machine_cores) >= 2:
