@@ -77,6 +77,22 @@ def test_bf16_queries_give_bf16_outputs_within_one_rounding(native):
     assert relative_error(out, expected) < 1e-2
 
 
+@pytest.mark.parametrize("head_size", [32, 64, 128, 80])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 4), (8, 1), (12, 2)])
+def test_bf16_queries_and_cache_match_float64_within_the_output_rounding(native, num_heads, num_kv_heads, head_size):
+    """bf16 end to end (on AVX512-BF16 CPUs the scores are vdpbf16ps products of the raw bf16
+    queries and keys), against the same bf16 values in float64: only fp32 sums and the output's
+    rounding to bf16 (2^-9 relative) separate them. Groups of 4, 8 and 6 query heads per KV head
+    cover the kernel's 4-head tiles, whole and partial; head size 80 its 16-channel tail."""
+    query, k_cache, v_cache, md = build_step([1] * len(DECODE_LENS), DECODE_LENS, num_heads, num_kv_heads, head_size,
+                                             16, torch.bfloat16, 4)
+    scale = 1.0 / math.sqrt(head_size)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, scale)
+    exact = torch_attention.paged_attention(query.double(), k_cache.double(), v_cache.double(), md, scale)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, exact) < 4e-3
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (8, 2)])
 def test_mixed_prefill_and_decode_batch_matches_reference(native, num_heads, num_kv_heads):
     # Decode rows between a full prefill (6 of 6) and chunked prefills reading earlier chunks.

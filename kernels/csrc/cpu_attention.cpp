@@ -8,6 +8,12 @@
 // sum of values for two query heads at a time over 32 channels held in registers. Elsewhere
 // plain loops that the compiler vectorizes as it can.
 //
+// With AVX-512 and a head size that is a multiple of 16, both products run 16 lanes wide
+// instead: scores in tiles of 4 query heads x 4 keys (vdpbf16ps on bf16 queries and cache
+// where the CPU has AVX512-BF16), values 4 heads at a time. On a 2-core AMD EPYC (Zen 4) the
+// ~100M Llama's decode call (batch 64, ~190 tokens, heads 16/4 x 64, bf16) went from 0.64 to
+// 0.47 ms with a warm cache and from 1.24 to 0.97 ms inside the engine.
+//
 // Queries and outputs are fp32 or bf16 (converted in the task's own copy of its queries and
 // when it writes its rows), the cache fp32 or bf16; everything is computed in fp32. The
 // kernel is the PyTorch operator torch.ops.raylm.paged_decode_attention (registered below).
@@ -282,6 +288,134 @@ void accumulate_values(const float* probs, int64_t probs_stride, int count, cons
   }
 }
 
+#if RAYLM_AVX512
+// ---- AVX-512 (head sizes that are multiples of 16) ----------------------------------------
+// Channels stay in their natural order. Scores take 4 query heads x 4 keys at a time: 16
+// accumulators whose sums one transposing reduction turns into a vector of 16 scores, so a
+// key row is loaded once for 4 heads. With a bf16 cache, bf16 queries and AVX512-BF16, the
+// products are vdpbf16ps on the raw bf16 query (the same products as in fp32: a bf16 x bf16
+// product is exact in fp32) and the scale is applied to the scores.
+
+// Lane 4i + j of the result: the sum of the lanes of a[4i + j].
+inline __m512 transpose_sum16(const __m512* a) {
+  __m512 quads[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512* g = a + 4 * i;
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(g[0], g[1]), _mm512_unpackhi_ps(g[0], g[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(g[2], g[3]), _mm512_unpackhi_ps(g[2], g[3]));
+    // Per 128-bit lane: the partial sums of g[0], g[1], g[2], g[3] over that lane's 4 floats.
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+  }
+  // Transpose the 4 x 4 grid of 128-bit lanes and add across it.
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// scores_h[t] = q_h . k_t for `heads` (<= 4) query heads and keys t < n rounded up to 4 (rows
+// that exist in the block; scores past n are garbage the caller never reads). q: fp32, scaled,
+// heads D apart. q_bf16: the same heads' raw bf16 queries, or null.
+template <int D, typename cache_t>
+void score_block_wide(const float* q, const uint16_t* q_bf16, float scale, const cache_t* k, int64_t token_stride,
+                      int n, int heads, float* scores, int64_t scores_stride) {
+  const float* qh[4];
+  const uint16_t* qbh[4];
+  for (int h = 0; h < 4; ++h) {
+    qh[h] = q + std::min(h, heads - 1) * D;
+    qbh[h] = q_bf16 == nullptr ? nullptr : q_bf16 + std::min(h, heads - 1) * D;
+  }
+#if defined(__AVX512BF16__)
+  const bool dot_bf16 = std::is_same_v<cache_t, uint16_t> && q_bf16 != nullptr && D % 32 == 0;
+#else
+  const bool dot_bf16 = false;
+#endif
+  const __m512 score_scale = _mm512_set1_ps(dot_bf16 ? scale : 1.0f);
+  for (int t = 0; t < n; t += 4) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<cache_t, uint16_t> && D % 32 == 0) {
+      if (dot_bf16) {
+        for (int c = 0; c < D; c += 32) {
+          __m512bh keys[4];
+          for (int j = 0; j < 4; ++j) keys[j] = (__m512bh)_mm512_loadu_si512(k + (t + j) * token_stride + c);
+          for (int h = 0; h < 4; ++h) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qbh[h] + c);
+            for (int j = 0; j < 4; ++j) acc[4 * h + j] = _mm512_dpbf16_ps(acc[4 * h + j], qv, keys[j]);
+          }
+        }
+      }
+    }
+#endif
+    if (!dot_bf16) {
+      for (int c = 0; c < D; c += 16) {
+        __m512 keys[4];
+        for (int j = 0; j < 4; ++j) keys[j] = vload(k + (t + j) * token_stride + c);
+        for (int h = 0; h < 4; ++h) {
+          const __m512 qv = _mm512_loadu_ps(qh[h] + c);
+          for (int j = 0; j < 4; ++j) acc[4 * h + j] = _mm512_fmadd_ps(qv, keys[j], acc[4 * h + j]);
+        }
+      }
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(transpose_sum16(acc), score_scale));
+    for (int h = 0; h < heads; ++h) std::copy_n(sums + 4 * h, 4, scores + h * scores_stride + t);
+  }
+}
+
+// out_h[0:16W] += sum_t p_h[t] * v_t[0:16W] for HC query heads (p_h = probs + h * probs_stride,
+// out_h = out + h * D).
+template <int W, int HC, typename cache_t>
+void accumulate_chunk_wide(const float* probs, int64_t probs_stride, const cache_t* v, int64_t token_stride, int n,
+                           int D, float* out) {
+  __m512 acc[HC][W];
+  for (int h = 0; h < HC; ++h)
+    for (int i = 0; i < W; ++i) acc[h][i] = _mm512_loadu_ps(out + h * D + 16 * i);
+  for (int t = 0; t < n; ++t) {
+    __m512 values[W];
+    for (int i = 0; i < W; ++i) values[i] = vload(v + t * token_stride + 16 * i);
+    for (int h = 0; h < HC; ++h) {
+      const __m512 w = _mm512_set1_ps(probs[h * probs_stride + t]);
+      for (int i = 0; i < W; ++i) acc[h][i] = _mm512_fmadd_ps(w, values[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int i = 0; i < W; ++i) _mm512_storeu_ps(out + h * D + 16 * i, acc[h][i]);
+}
+
+template <int HC, typename cache_t>
+void accumulate_heads_wide(const float* probs, int64_t probs_stride, const cache_t* v, int64_t token_stride, int n,
+                           int D, float* out) {
+  int c = 0;
+  for (; c + 64 <= D; c += 64) accumulate_chunk_wide<4, HC>(probs, probs_stride, v + c, token_stride, n, D, out + c);
+  switch ((D - c) / 16) {
+    case 3: return accumulate_chunk_wide<3, HC>(probs, probs_stride, v + c, token_stride, n, D, out + c);
+    case 2: return accumulate_chunk_wide<2, HC>(probs, probs_stride, v + c, token_stride, n, D, out + c);
+    case 1: return accumulate_chunk_wide<1, HC>(probs, probs_stride, v + c, token_stride, n, D, out + c);
+    default: return;
+  }
+}
+
+// accumulate_values for `count` heads (any number), 4 at a time; D % 16 == 0.
+template <typename cache_t>
+void accumulate_values_wide(const float* probs, int64_t probs_stride, int count, const cache_t* v,
+                            int64_t token_stride, int n, int D, float* out) {
+  int h = 0;
+  for (; h + 4 <= count; h += 4)
+    accumulate_heads_wide<4>(probs + h * probs_stride, probs_stride, v, token_stride, n, D, out + h * D);
+  const float* p = probs + h * probs_stride;
+  float* o = out + h * D;
+  switch (count - h) {
+    case 3: return accumulate_heads_wide<3>(p, probs_stride, v, token_stride, n, D, o);
+    case 2: return accumulate_heads_wide<2>(p, probs_stride, v, token_stride, n, D, o);
+    case 1: return accumulate_heads_wide<1>(p, probs_stride, v, token_stride, n, D, o);
+    default: return;
+  }
+}
+#endif
+
 // The block's part of the online softmax for one query head: raises *running_max to the
 // block's maximum score, turns scores[0:n] into exp(score - new max) in place and returns
 // their sum. `scores` has room for n rounded up to 8.
@@ -352,6 +486,16 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
   // Whole groups of 8 keys never cross a block's end.
   const bool padded = block_size % 8 == 0;
   const int64_t scores_stride = (block_size + 7) / 8 * 8;
+  // The AVX-512 path: head sizes that are multiples of 16 (fixed at compile time), and blocks
+  // whose rows come in whole groups of 4 keys. It keeps channels in their natural order.
+#if RAYLM_AVX512
+  constexpr bool kWideHeadSize = kHeadSize > 0 && kHeadSize % 16 == 0;
+#else
+  constexpr bool kWideHeadSize = false;
+#endif
+  const bool wide = kWideHeadSize && block_size % 4 == 0;
+  const bool raw_bf16_query = wide && io_bf16 && std::is_same_v<cache_t, uint16_t>;
+  const auto channel = [&](int d) { return wide ? d : kernel_channel<cache_t>(d, D); };
   // A task is one sequence with all its KV heads, so each block is read front to back (the
   // hardware prefetcher follows); with few sequences, one KV head, to use every thread.
   const int64_t heads_per_task = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
@@ -359,6 +503,7 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
   const int task_heads = static_cast<int>(heads_per_task * group);  // query heads of one task
   at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(task_heads * D), acc(task_heads * D), scores(task_heads * scores_stride);
+    std::vector<uint16_t> q_bf16(raw_bf16_query ? task_heads * D : 0);
     std::vector<float> running_max(task_heads), running_sum(task_heads);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq;
@@ -376,9 +521,10 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
       }
       for (int g = 0; g < task_heads; ++g) {
         for (int d = 0; d < D; ++d) {
-          const int64_t i = first_query + g * D + kernel_channel<cache_t>(d, D);
+          const int64_t i = first_query + g * D + channel(d);
           q[g * D + d] = (io_bf16 ? to_float(static_cast<const uint16_t*>(query)[i])
                                   : static_cast<const float*>(query)[i]) * scale;
+          if (raw_bf16_query) q_bf16[g * D + d] = static_cast<const uint16_t*>(query)[i];
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -401,8 +547,20 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
           const cache_t* v_block = v_cache + offset + h * D;
           const int64_t head0 = h * group;  // this KV head's first query head within the task
           int64_t scored = head0;  // heads whose scores are computed
+#if RAYLM_AVX512
+          if constexpr (kWideHeadSize) {
+            if (wide) {
+              for (; scored < head0 + group; scored += 4) {
+                score_block_wide<kWideHeadSize ? kHeadSize : 16>(
+                    q.data() + scored * D, raw_bf16_query ? q_bf16.data() + scored * D : nullptr, scale, k_block,
+                    token_stride, n, static_cast<int>(std::min<int64_t>(4, head0 + group - scored)),
+                    scores.data() + scored * scores_stride, scores_stride);
+              }
+            }
+          }
+#endif
 #if RAYLM_AVX2
-          if (padded && D % 8 == 0) {
+          if (!wide && padded && D % 8 == 0) {
             for (; scored + 2 <= head0 + group; scored += 2) {
               score_block_pair(q.data() + scored * D, q.data() + (scored + 1) * D, k_block, token_stride, n, D,
                                scores.data() + scored * scores_stride, scores.data() + (scored + 1) * scores_stride);
@@ -424,6 +582,13 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
             }
             running_sum[g] += block_sum;
           }
+#if RAYLM_AVX512
+          if (wide) {
+            accumulate_values_wide(scores.data() + head0 * scores_stride, scores_stride, group, v_block, token_stride,
+                                   n, D, acc.data() + head0 * D);
+            continue;
+          }
+#endif
           for (int64_t g = head0; g < head0 + group; g += 2) {
             accumulate_values(scores.data() + g * scores_stride, scores_stride,
                               static_cast<int>(std::min<int64_t>(2, head0 + group - g)), v_block, token_stride, n, D,
@@ -437,9 +602,9 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
         for (int d = 0; d < D; ++d) {
           const float value = acc[g * D + d] * inv;
           if (io_bf16) {
-            static_cast<uint16_t*>(out)[first + kernel_channel<cache_t>(d, D)] = to_bf16(value);
+            static_cast<uint16_t*>(out)[first + channel(d)] = to_bf16(value);
           } else {
-            static_cast<float*>(out)[first + kernel_channel<cache_t>(d, D)] = value;
+            static_cast<float*>(out)[first + channel(d)] = value;
           }
         }
       }
