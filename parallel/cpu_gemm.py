@@ -80,6 +80,8 @@ def maybe_pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype == torch.bfloat16 and _bf16_is_native():
         return pack_linear_weight(weight)
     if weight.dtype == torch.float32:
+        if _fp32_min_rows.get((weight.shape[0], weight.shape[1]), 1) is None:
+            return None  # this shape was timed slower packed: no copy to pack and drop per layer
         packed = pack_linear_weight(weight)
         return packed if fp32_packed_min_rows(weight, packed) is not None else None
     return None
