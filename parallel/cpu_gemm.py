@@ -15,6 +15,15 @@ cold (a decode step is one pass over the weights; oneDNN read them at 8-9 GB/s o
 At 1024 tokens oneDNN is as fast or faster, so prefill keeps it. The cost is memory: a bf16
 layer holds its weight three times (as loaded, oneDNN's copy, AMX's copy).
 
+Without AMX, AVX-512 CPUs get the same kind of second copy from `csrc/cpu_gemm_avx512.cpp`
+(fp32, and bf16 with AVX512-BF16), up to `AVX512_MAX_ROWS` tokens: 64-column panels streamed
+front to back, the next block prefetched while the current one is multiplied. On a 2-core
+AMD EPYC (Zen 4), weights cold, it ran the ~100M Llama's projections at 64 tokens 1.10-1.23x
+faster than oneDNN in bf16 and 1.03-1.21x in fp32 (1.2-1.7x at 1-16 tokens); in that model's
+generate the bf16 decode GEMMs went from 3.97 to 3.50 s (the floor at the cores' measured
+peak: 3.34 s). bf16 takes it wherever it is built; fp32 where it timed faster at load
+(`fp32_decode_max_rows`).
+
 Whether fp32 gains depends on the CPU and the shape, so each fp32 shape is timed once, at
 load (`fp32_packed_min_rows`): on the AMX Xeon `F.linear` won for weights under ~1M
 elements (oneDNN's fixed cost per call, ~15 us, outweighed its faster kernel) and for
@@ -22,14 +31,16 @@ GEMVs; on a 2-core AMD EPYC (Zen 4) oneDNN won at every shape of the 5M Llama fr
 and `F.linear` (MKL, which takes no AVX-512 path on AMD CPUs) ran that model's decode GEMMs
 at ~57 GFLOP/s. bf16 packed won everywhere it was measured and is always taken.
 
-`RAYLM_CPU_PACKED_LINEAR=0` turns both off (every layer then calls `F.linear`);
-`RAYLM_CPU_AMX_LINEAR=0` only the AMX kernel.
+`RAYLM_CPU_PACKED_LINEAR=0` turns all of them off (every layer then calls `F.linear`);
+`RAYLM_CPU_AMX_LINEAR=0` only the AMX kernel, `RAYLM_CPU_AVX512_LINEAR=0` only the AVX-512 one.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +58,30 @@ _FP32_PROBE_REPEATS = 5
 # (out_features, in_features) of a timed fp32 shape -> the fewest rows from which the packed
 # GEMM is taken (None: never).
 _fp32_min_rows: dict[tuple[int, int], int | None] = {}
+# (out_features, in_features) of a timed fp32 shape -> the most rows up to which the AVX-512
+# decode kernel is taken (0: never).
+_fp32_decode_max_rows: dict[tuple[int, int], int] = {}
 # Tokens up to which the AMX kernel beats oneDNN (measured 1.1-1.5x at 256, 0.55-1.3x at 1024).
 AMX_MAX_ROWS = 256
 
 # None: not tried yet; else whether the AMX kernel is built and the CPU lets us use it.
 _amx_usable: bool | None = None
+# Tokens up to which the AVX-512 kernel is taken: at 256 it measured level with oneDNN (weights
+# cold) on a Zen 4 EPYC, at 2048 3-4% slower.
+AVX512_MAX_ROWS = 256
+# dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
+_avx512_usable: dict[torch.dtype, bool] = {}
+
+
+@dataclass(frozen=True)
+class DecodeWeight:
+    """A second packed copy of a weight for a kernel that streams it, and the batches it
+    takes: `op(x, packed, out_features, bias)` for x of packed's dtype and at most
+    `max_rows` tokens."""
+
+    packed: torch.Tensor
+    op: Callable[..., torch.Tensor]
+    max_rows: int
 
 
 def packed_linear_enabled() -> bool:
@@ -140,6 +170,82 @@ def maybe_pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.raylm.amx_pack_weight(weight.detach())
 
 
+def avx512_linear_enabled(dtype: torch.dtype) -> bool:
+    """Whether the AVX-512 kernel (`csrc/cpu_gemm_avx512.cpp`) runs dtype here: fp32 with
+    AVX-512, bf16 with AVX512-BF16, the library built and neither switch off."""
+    if (not packed_linear_enabled() or os.environ.get("RAYLM_CPU_AVX512_LINEAR", "1") == "0"
+            or dtype not in (torch.float32, torch.bfloat16)):
+        return False
+    if dtype not in _avx512_usable:
+        _avx512_usable[dtype] = (native_build.load_native_library("cpu_gemm_avx512") is not None
+                                 and bool(torch.ops.raylm.avx512_linear_available(dtype)))
+    return _avx512_usable[dtype]
+
+
+def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None) -> DecodeWeight | None:
+    """The weight packed for the streaming decode kernel this machine has, else None: AMX
+    for bf16 where the CPU has it, else the AVX-512 kernel for bf16, and for fp32 where it
+    timed faster than what `linear` would take otherwise (`packed_weight`, the layer's
+    oneDNN copy, or `F.linear`) at the fewest rows (`fp32_decode_max_rows`). A snapshot, as
+    pack_linear_weight's."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    amx = maybe_pack_amx_weight(weight)
+    if amx is not None:
+        return DecodeWeight(amx, torch.ops.raylm.amx_linear, AMX_MAX_ROWS)
+    if not avx512_linear_enabled(weight.dtype):
+        return None
+    shape = (weight.shape[0], weight.shape[1])
+    if weight.dtype == torch.float32 and _fp32_decode_max_rows.get(shape, AVX512_MAX_ROWS) == 0:
+        return None  # timed slower at this shape already: no copy to pack and drop per layer
+    decode = DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
+                          AVX512_MAX_ROWS)
+    if weight.dtype == torch.float32:
+        max_rows = fp32_decode_max_rows(weight, packed_weight, decode)
+        return DecodeWeight(decode.packed, decode.op, max_rows) if max_rows > 0 else None
+    return decode
+
+
+def fp32_decode_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode: DecodeWeight) -> int:
+    """The most rows up to which the decode kernel beats, at every probe size, the kernel
+    `linear` takes without it (fp32; timed once per shape, alternating as
+    fp32_packed_min_rows does); 0 when it loses at one row. The AVX-512 kernel won at every
+    decode size of the ~100M Llama on a Zen 4 EPYC, but on Intel CPUs `F.linear` (MKL) is
+    strong for small fp32 shapes, so the choice is measured rather than assumed."""
+    shape = (weight.shape[0], weight.shape[1])
+    if shape not in _fp32_decode_max_rows:
+        max_rows = 0
+        for rows in _FP32_PROBE_ROWS:
+            if rows > decode.max_rows or not _decode_is_faster(weight, packed_weight, decode, rows):
+                break
+            max_rows = rows
+        _fp32_decode_max_rows[shape] = max_rows
+    return _fp32_decode_max_rows[shape]
+
+
+def _decode_is_faster(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode: DecodeWeight,
+                      rows: int) -> bool:
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+
+    def without_decode() -> torch.Tensor:
+        return linear(x, weight, packed_weight, None)
+
+    def with_decode() -> torch.Tensor:
+        return decode.op(x, decode.packed, weight.shape[0], None)
+
+    best_decode = best_other = float("inf")
+    with torch.inference_mode():
+        with_decode(), without_decode()  # warm-up: first-call setup, caches
+        for _ in range(_FP32_PROBE_REPEATS):
+            start = time.perf_counter()
+            with_decode()
+            middle = time.perf_counter()
+            without_decode()
+            best_decode = min(best_decode, middle - start)
+            best_other = min(best_other, time.perf_counter() - middle)
+    return best_decode < best_other
+
+
 def cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed_weight` was packed from; x may
     have any number of leading dimensions (or none)."""
@@ -147,12 +253,13 @@ def cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
-           bias: torch.Tensor | None, amx_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The AMX kernel for a few bf16 tokens where the weight was packed for it, else the
-    packed oneDNN GEMM where the weight was packed and x suits it, else `F.linear`."""
-    if (amx_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad
-            and x.numel() <= AMX_MAX_ROWS * x.shape[-1]):
-        return torch.ops.raylm.amx_linear(x, amx_weight, weight.shape[0], bias)
+           bias: torch.Tensor | None, decode_weight: DecodeWeight | None = None) -> torch.Tensor:
+    """The streaming decode kernel (AMX or AVX-512) for a decode-sized batch where the weight
+    was packed for it, else the packed oneDNN GEMM where the weight was packed and x suits
+    it, else `F.linear`."""
+    if (decode_weight is not None and x.dtype == decode_weight.packed.dtype and x.device.type == "cpu"
+            and not x.requires_grad and x.numel() <= decode_weight.max_rows * x.shape[-1]):
+        return decode_weight.op(x, decode_weight.packed, weight.shape[0], bias)
     if packed_weight is not None and x.device.type == "cpu" and x.dtype == packed_weight.dtype:
         # A weight packed other than by maybe_pack_linear_weight has no timing: packed throughout.
         min_rows = 1

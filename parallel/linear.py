@@ -42,17 +42,17 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.packed_weight: torch.Tensor | None = None
-        self.amx_weight: torch.Tensor | None = None
+        self.decode_weight: cpu_gemm.DecodeWeight | None = None
 
     def process_weights_after_loading(self) -> None:
         """Packs the loaded weight once for the CPU GEMM (`parallel/cpu_gemm.py`); called by
         the loader after the checkpoint is in. `weight` stays as loaded; weights loaded again
         later need this called again."""
         self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
-        self.amx_weight = cpu_gemm.maybe_pack_amx_weight(self.weight)
+        self.decode_weight = cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.packed_weight, bias, self.amx_weight)
+        return cpu_gemm.linear(x, self.weight, self.packed_weight, bias, self.decode_weight)
 
 
 class ReplicatedLinear(LinearBase):

@@ -75,14 +75,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.bias = None
         self.packed_weight: torch.Tensor | None = None
-        self.amx_weight: torch.Tensor | None = None
+        self.decode_weight: cpu_gemm.DecodeWeight | None = None
 
     def process_weights_after_loading(self) -> None:
         """Packs the loaded weight once for the CPU GEMM, like the linear layers: the LM head
         is the largest single matmul of a small model's decode step. A tied weight keeps its
         one copy for the embedding lookup; the packed copy serves only the logits."""
         self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
-        self.amx_weight = cpu_gemm.maybe_pack_amx_weight(self.weight)
+        self.decode_weight = cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight)
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         real_rows = max(0, min(self.vocab_end_index, self.num_embeddings) - self.vocab_start_index)
@@ -91,7 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits_shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, V_pad / tp] logits of the vocabulary rows this rank owns."""
-        return cpu_gemm.linear(hidden_states, self.weight, self.packed_weight, self.bias, self.amx_weight)
+        return cpu_gemm.linear(hidden_states, self.weight, self.packed_weight, self.bias, self.decode_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not called; compute logits with LogitsProcessor.")

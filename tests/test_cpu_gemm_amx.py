@@ -72,7 +72,7 @@ def test_the_layer_gemm_equals_float64_on_both_sides_of_the_amx_row_limit(tokens
     w = (torch.randn(48, 128, generator=gen) / 8).bfloat16()
     b = torch.randn(48, generator=gen).bfloat16()
     x = torch.randn(tokens, 128, generator=gen).bfloat16()
-    y = cpu_gemm.linear(x, w, cpu_gemm.maybe_pack_linear_weight(w), b, cpu_gemm.maybe_pack_amx_weight(w))
+    y = cpu_gemm.linear(x, w, cpu_gemm.maybe_pack_linear_weight(w), b, cpu_gemm.maybe_pack_decode_weight(w))
     assert_matches_float64(y, x, w, b)
 
 

@@ -60,6 +60,24 @@ def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
     assert cpu_gemm.amx_linear_enabled() == (cpu_has_amx and full_isa)
 
 
+def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
+    """fp32 with AVX-512, bf16 with AVX512-BF16 too; the AVX2 and scalar builds keep oneDNN
+    (the kernel itself is tested in test_cpu_gemm_avx512, which this file's narrower runs
+    do not repeat: only the full build has both dtypes)."""
+    from raylm.parallel import cpu_gemm
+
+    flags = native_build._cpu_flags().split()
+    isa = os.environ.get(native_build.ISA_ENV_VAR) or ("avx512" if "avx512f" in flags else "native")
+    has_avx512 = "avx512f" in flags and isa in ("avx512", "avx512_no_bf16")
+    assert cpu_gemm.avx512_linear_enabled(torch.float32) == has_avx512
+    assert cpu_gemm.avx512_linear_enabled(torch.bfloat16) == (has_avx512 and isa == "avx512" and "avx512_bf16" in flags)
+    if has_avx512:  # and the fp32 kernel computes the same product in this build
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(9, 70, generator=gen), torch.randn(67, 70, generator=gen)
+        y = torch.ops.raylm.avx512_linear(x, torch.ops.raylm.avx512_pack_weight(w), 67, None)
+        assert_close(y, x.double() @ w.double().T, torch.float32)
+
+
 # Widths with and without a tail past the last whole vector (16 or 8 lanes).
 @pytest.mark.parametrize("hidden", [256, 100, 7])
 @pytest.mark.parametrize("dtype", DTYPES)

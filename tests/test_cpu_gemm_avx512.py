@@ -1,0 +1,124 @@
+"""The AVX-512 linear (`csrc/cpu_gemm_avx512.cpp`) against x W^T + b in float64, fp32 and bf16.
+
+Both accumulate in fp32. An fp32 output is within fp32 summation error of the float64 result
+(bounded here by 1e-5 of the sum of |x| |W|); a bf16 output adds one bf16 rounding (2^-8
+relative). Shapes cover every path: rows not a multiple of the kernel's 6, outputs not a
+multiple of its 64-column panels, inputs longer than one 512-step block (and a block's
+partial sums carried over), an odd bf16 input width, strided and batched rows, few panels
+for two threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm.parallel import cpu_gemm
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def usable_or_skip(dtype: torch.dtype) -> None:
+    if not cpu_gemm.avx512_linear_enabled(dtype):
+        pytest.skip(f"no AVX-512 kernel for {dtype} here (CPU or build)")
+
+
+def assert_matches_float64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    x64, w64 = x.double().reshape(-1, x.shape[-1]), w.double()
+    expected = x64 @ w64.T + (b.double() if b is not None else 0.0)
+    scale = x64.abs() @ w64.abs().T + (b.double().abs() if b is not None else 0.0)
+    error = (y.double().reshape(expected.shape) - expected).abs()
+    rounding = 2 ** -8 if y.dtype == torch.bfloat16 else 0.0
+    bound = rounding * expected.abs() + 1e-5 * scale + 1e-30
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
+
+
+def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.raylm.avx512_linear(x, torch.ops.raylm.avx512_pack_weight(w), w.shape[0], b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 64), (5, 100, 37), (6, 64, 128), (13, 33, 200), (64, 256, 80),
+                                   (7, 1100, 70), (20, 2300, 130), (3, 1, 5)])
+@pytest.mark.parametrize("bias", [None, "same", "fp32"])
+def test_avx512_linear_equals_float64(dtype, m, k, n, bias):
+    usable_or_skip(dtype)
+    gen = torch.Generator().manual_seed(m * 10_000 + k * 10 + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = None if bias is None else torch.randn(n, generator=gen).to(dtype if bias == "same" else torch.float32)
+    assert_matches_float64(run(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leading_dimensions_and_strided_rows_are_taken_as_rows(dtype):
+    usable_or_skip(dtype)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 64, generator=gen).to(dtype)
+    packed = torch.ops.raylm.avx512_pack_weight(w)
+    x3 = torch.randn(2, 9, 64, generator=gen).to(dtype)
+    assert_matches_float64(torch.ops.raylm.avx512_linear(x3, packed, 70, None), x3, w, None)
+    wide = torch.randn(7, 100, generator=gen).to(dtype)
+    x_cols = wide[:, 10:74]  # rows 100 elements apart
+    assert_matches_float64(torch.ops.raylm.avx512_linear(x_cols, packed, 70, None), x_cols, w, None)
+    x_t = torch.randn(64, 7, generator=gen).to(dtype).T  # columns not contiguous
+    assert_matches_float64(torch.ops.raylm.avx512_linear(x_t, packed, 70, None), x_t, w, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows_give_an_empty_result(dtype):
+    usable_or_skip(dtype)
+    packed = torch.ops.raylm.avx512_pack_weight(torch.randn(16, 32).to(dtype))
+    y = torch.ops.raylm.avx512_linear(torch.empty(0, 32, dtype=dtype), packed, 16, None)
+    assert y.shape == (0, 16) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_packed_weight_of_other_sizes_or_dtype_is_refused(dtype):
+    usable_or_skip(dtype)
+    packed = torch.ops.raylm.avx512_pack_weight(torch.randn(32, 64).to(dtype))
+    with pytest.raises(RuntimeError, match="does not match K = 96"):
+        torch.ops.raylm.avx512_linear(torch.randn(4, 96).to(dtype), packed, 32, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.raylm.avx512_linear(torch.randn(4, 64).to(dtype), packed, 200, None)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    if cpu_gemm.avx512_linear_enabled(other):
+        with pytest.raises(RuntimeError, match="does not match"):
+            torch.ops.raylm.avx512_linear(torch.randn(4, 64).to(other), packed, 32, None)
+
+
+def test_half_precision_is_refused_and_not_packed():
+    usable_or_skip(torch.float32)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        torch.ops.raylm.avx512_pack_weight(torch.randn(16, 32).half())
+    assert cpu_gemm.maybe_pack_decode_weight(torch.randn(16, 32).half()) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [3, cpu_gemm.AVX512_MAX_ROWS, cpu_gemm.AVX512_MAX_ROWS + 1, 600])
+def test_the_layer_gemm_equals_float64_on_both_sides_of_the_decode_row_limit(dtype, tokens):
+    """cpu_gemm.linear takes the decode kernel up to its row limit (for fp32, what the timing
+    at load allowed) and oneDNN (or F.linear) above."""
+    usable_or_skip(dtype)
+    gen = torch.Generator().manual_seed(tokens)
+    w = (torch.randn(48, 128, generator=gen) / 8).to(dtype)
+    b = torch.randn(48, generator=gen).to(dtype)
+    x = torch.randn(tokens, 128, generator=gen).to(dtype)
+    packed = cpu_gemm.maybe_pack_linear_weight(w)
+    decode = cpu_gemm.maybe_pack_decode_weight(w, packed)
+    if dtype == torch.bfloat16:
+        assert decode is not None
+    if decode is not None and (dtype == torch.float32 or not cpu_gemm.amx_linear_enabled()):
+        # fp32: up to the most rows at which it timed faster here
+        assert decode.op is torch.ops.raylm.avx512_linear and 0 < decode.max_rows <= cpu_gemm.AVX512_MAX_ROWS
+    y = cpu_gemm.linear(x, w, packed, b, decode)
+    assert_matches_float64(y, x, w, b)
+    if decode is not None and tokens <= decode.max_rows:  # the layer ran exactly the decode kernel
+        assert torch.equal(y, decode.op(x, decode.packed, 48, b))
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("RAYLM_CPU_AVX512_LINEAR", "0")
+    assert not cpu_gemm.avx512_linear_enabled(torch.float32)
+    assert not cpu_gemm.avx512_linear_enabled(torch.bfloat16)
