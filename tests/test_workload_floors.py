@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from raylm.cluster.benchmarks.workload_floors import (copy_bandwidth, kv_bytes_read, linear_shapes, matmul_flops,
-                                                      nominal_peak_flops, prefill_batches, time_matmul,
-                                                      weight_bytes_per_step, weight_bytes_read, workload_matmuls)
+from raylm.cluster.benchmarks.workload_floors import (copy_bandwidth, decode_gemm_max_rows, kv_bytes_read,
+                                                      linear_shapes, matmul_flops, nominal_peak_flops,
+                                                      prefill_batches, time_matmul, weight_bytes_per_step,
+                                                      weight_bytes_read, workload_matmuls)
 
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=100)
@@ -82,6 +84,19 @@ def test_nominal_peak_counts_only_the_cores_torch_uses_and_is_none_when_unknown(
 def test_packed_matmul_and_copy_bandwidth_time_something():
     assert time_matmul(8, 64, 64, torch.float32, "cpu", min_seconds=0.0, packed=True) > 0
     assert copy_bandwidth("cpu", 2**20) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_is_timed_where_it_runs(dtype):
+    from raylm.parallel import cpu_gemm
+
+    max_rows = decode_gemm_max_rows(dtype, "cpu")
+    amx = dtype == torch.bfloat16 and cpu_gemm.amx_linear_enabled()
+    assert max_rows == (cpu_gemm.AMX_MAX_ROWS if amx else
+                        cpu_gemm.AVX512_MAX_ROWS if cpu_gemm.avx512_linear_enabled(dtype) else 0)
+    assert decode_gemm_max_rows(dtype, "cuda") == 0
+    if max_rows:
+        assert time_matmul(8, 64, 64, dtype, "cpu", min_seconds=0.0, decode=True) > 0
 
 
 def test_time_matmul_is_positive_and_grows_with_the_work():

@@ -7,8 +7,9 @@ weights: per layer the q/k/v, output, gate/up and down projections of every prom
 step. The floors:
 
 - GEMMs: those matmuls alone, each shape timed (random tensors, warm caches, nothing else
-  running) as `F.linear` and as raylm's oneDNN GEMM on a weight packed once
-  (`raylm.parallel.cpu_gemm`), the faster of the two per shape.
+  running) as `F.linear`, as raylm's oneDNN GEMM on a weight packed once and, for
+  decode-sized batches, as raylm's streaming decode kernel (AMX or AVX-512) where it runs
+  (`raylm.parallel.cpu_gemm`); the fastest per shape.
 - KV reads: decode attention must read every cached key and value of every sequence at
   every step; those bytes at the measured copy bandwidth. On a CPU the same cores do
   both, so `total_s` = GEMMs + KV reads: `baseline seconds / total_s` bounds the speed-up
@@ -161,13 +162,34 @@ def packed_gemm_available(dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
 
 
+def decode_gemm_max_rows(dtype: torch.dtype, device: str) -> int:
+    """The most rows raylm's streaming decode kernel takes here in this dtype (0: none runs)."""
+    if device != "cpu":
+        return 0
+    from raylm.parallel import cpu_gemm
+
+    if dtype == torch.bfloat16 and cpu_gemm.amx_linear_enabled():
+        return cpu_gemm.AMX_MAX_ROWS
+    return cpu_gemm.AVX512_MAX_ROWS if cpu_gemm.avx512_linear_enabled(dtype) else 0
+
+
 def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: str,
-                min_seconds: float = 0.05, packed: bool = False) -> float:
+                min_seconds: float = 0.05, packed: bool = False, decode: bool = False) -> float:
     """Seconds per [rows, in] by [out, in] matmul, warm: `F.linear`, or with packed=True
-    raylm's oneDNN GEMM on the weight packed once (`raylm.parallel.cpu_gemm.cpu_linear`)."""
+    raylm's oneDNN GEMM on the weight packed once (`raylm.parallel.cpu_gemm.cpu_linear`), or
+    with decode=True raylm's streaming decode kernel (where decode_gemm_max_rows allows)."""
     x = torch.randn(rows, in_features, dtype=dtype, device=device)
     weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
     with torch.inference_mode():
+        if decode:
+            from raylm.parallel import cpu_gemm
+
+            amx_weight = cpu_gemm.maybe_pack_amx_weight(weight)
+            if amx_weight is not None:
+                packed_weight, op = amx_weight, torch.ops.raylm.amx_linear
+            else:
+                packed_weight, op = torch.ops.raylm.avx512_pack_weight(weight), torch.ops.raylm.avx512_linear
+            return _best_seconds(lambda: op(x, packed_weight, out_features, None), device, min_seconds)
         if packed:
             from raylm.parallel.cpu_gemm import cpu_linear, pack_linear_weight
 
@@ -178,14 +200,19 @@ def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dty
 
 def matmul_floor_seconds(model_config: dict, prompt_lens: list[int], output_len: int,
                          max_num_batched_tokens: int, dtype: torch.dtype, device: str) -> dict:
-    """The workload's matmul time in seconds, prefill and decode, each shape at the faster
-    of `F.linear` and the packed GEMM; and the whole workload with each kernel alone."""
+    """The workload's matmul time in seconds, prefill and decode, each shape at the fastest
+    of `F.linear`, the packed GEMM and (decode-sized) the streaming decode kernel; and the
+    whole workload with `F.linear` and the packed GEMM alone."""
     prefill, decode = workload_matmuls(model_config, prompt_lens, output_len, max_num_batched_tokens)
     shapes = prefill | decode
     f_linear = {shape: time_matmul(*shape, dtype=dtype, device=device) for shape in shapes}
     packed = ({shape: time_matmul(*shape, dtype=dtype, device=device, packed=True) for shape in shapes}
               if packed_gemm_available(dtype, device) else None)
-    best = {shape: min(f_linear[shape], packed[shape]) if packed else f_linear[shape] for shape in shapes}
+    max_rows = decode_gemm_max_rows(dtype, device)
+    streamed = {shape: time_matmul(*shape, dtype=dtype, device=device, decode=True)
+                for shape in shapes if shape[0] <= max_rows}
+    best = {shape: min([f_linear[shape]] + ([packed[shape]] if packed else [])
+                       + ([streamed[shape]] if shape in streamed else [])) for shape in shapes}
 
     def total(per_call: dict, counts: Counter) -> float:
         return sum(per_call[shape] * n for shape, n in counts.items())
