@@ -12,7 +12,8 @@
 // instead: scores in tiles of 4 query heads x 4 keys (vdpbf16ps on bf16 queries and cache
 // where the CPU has AVX512-BF16), values 4 heads at a time. On a 2-core AMD EPYC (Zen 4) the
 // ~100M Llama's decode call (batch 64, ~190 tokens, heads 16/4 x 64, bf16) went from 0.64 to
-// 0.47 ms with a warm cache and from 1.24 to 0.97 ms inside the engine.
+// 0.47 ms with a warm cache and from 1.24 to 0.97 ms inside the engine. That path also does a
+// sequence in two passes, all its scores and then all its values, with no online softmax.
 //
 // The next block of a sequence is prefetched while the current one is computed. The AVX-512
 // path spreads the requests over its scoring, four keys' rows of the next block per four keys
@@ -35,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -446,6 +448,45 @@ void accumulate_values_wide(const float* probs, int64_t probs_stride, int count,
 }
 #endif
 
+#if RAYLM_AVX512
+// ---- AVX-512: two passes per sequence ------------------------------------------------------
+// The wide path takes a sequence in two passes rather than block by block with an online
+// softmax: every score first (the 4 x 4 tiles above), one softmax over them (16 lanes wide),
+// then the weighted sum of values. The online softmax's work per block goes (a maximum and a
+// sum across lanes per head, and rescaling the accumulators whenever the maximum grows), and
+// the second pass, whose reads hit the caches, is when the next sequence is fetched. On a
+// 2-core Zen 4 EPYC (~100M Llama, batch 64, ~190 tokens, bf16) a call with the cache warm went
+// from 0.44-0.47 to 0.41-0.42 ms; the engine's generate (64 x 128/128, cold, alternating runs)
+// from 8.91 to 8.71 s in bf16 and 17.9 to 17.4 s in fp32.
+// (Products of the values with probabilities rounded to bf16, vdpbf16ps on pairs of value
+// rows, took the warm call to 0.36 ms but lose fp32's accuracy, which Hugging Face's bf16
+// attention also rounds away; split into two bf16 parts to keep it, they were no faster than
+// widening the values.)
+
+// scores[0:n] = exp(scores[t] - max) in place; returns their sum. scores has room for n
+// rounded up to 16 (zeros are written past n).
+inline float softmax_in_place(float* scores, int64_t n) {
+  const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const auto lanes = [n](int64_t t) -> __mmask16 {
+    return t + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+  };
+  __m512 lane_max = minus_infinity;
+  for (int64_t t = 0; t < n; t += 16) {
+    lane_max = _mm512_max_ps(lane_max, _mm512_mask_loadu_ps(minus_infinity, lanes(t), scores + t));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(lane_max));
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 lane_sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __m512 x = _mm512_mask_loadu_ps(minus_infinity, lanes(t), scores + t);
+    const __m512 e = vexp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(x, shift), log2e));  // exp(-inf) = 0
+    lane_sum = _mm512_add_ps(lane_sum, e);
+    _mm512_storeu_ps(scores + t, e);
+  }
+  return _mm512_reduce_add_ps(lane_sum);
+}
+#endif
+
 // The block's part of the online softmax for one query head: raises *running_max to the
 // block's maximum score, turns scores[0:n] into exp(score - new max) in place and returns
 // their sum. `scores` has room for n rounded up to 8.
@@ -483,6 +524,65 @@ inline float exponentiate_block(float* scores, int n, float* running_max) {
 #endif
 }
 
+#if RAYLM_AVX512
+// One task's sequence in two passes (see above) for its heads_per_task KV heads from
+// first_kv_head: scores of every block, a softmax per query head, then the values. Leaves
+// each query head's unnormalised output in acc (natural channel order) and its softmax sum in
+// running_sum. q, q_bf16: the task's queries (fp32 scaled, raw bf16), D apart.
+template <int D, typename cache_t>
+void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const cache_t* k_cache,
+                     const cache_t* v_cache, const int32_t* table, int64_t seq_len, int64_t block_size,
+                     int64_t block_stride, int64_t token_stride, int64_t first_kv_head, int64_t heads_per_task,
+                     int group, float* scores, int64_t seq_stride, float* acc, float* running_sum,
+                     const int32_t* next_table, int64_t next_seq_len) {
+  const int task_heads = static_cast<int>(heads_per_task * group);
+  // Pass 1: scores, block by block, all KV heads of a block before the next block.
+  for (int64_t first = 0; first < seq_len; first += block_size) {
+    const int n = static_cast<int>(std::min(block_size, seq_len - first));
+    const int64_t offset = table[first / block_size] * block_stride + first_kv_head * D;
+    const bool has_next = first + block_size < seq_len;
+    const int64_t next = has_next ? table[first / block_size + 1] * block_stride + first_kv_head * D : 0;
+    const int next_rows = has_next ? static_cast<int>(std::min(block_size, seq_len - first - block_size)) : 0;
+    for (int64_t h = 0; h < heads_per_task; ++h) {
+      for (int g = static_cast<int>(h * group); g < (h + 1) * group; g += 4) {
+        // The next block's keys and values are asked for as the first tile scores: the values
+        // are read again by pass 2, from the caches, a sequence's worth later.
+        score_block_wide<D>(q + g * D, q_bf16 == nullptr ? nullptr : q_bf16 + g * D, scale,
+                            k_cache + offset + h * D, token_stride, n,
+                            static_cast<int>(std::min<int64_t>(4, (h + 1) * group - g)),
+                            scores + g * seq_stride + first, seq_stride, k_cache + next + h * D,
+                            v_cache + next + h * D, g == h * group ? next_rows : 0);
+      }
+    }
+  }
+  for (int g = 0; g < task_heads; ++g) {
+    running_sum[g] = softmax_in_place(scores + g * seq_stride, seq_len);
+  }
+  // Pass 2: the values.
+  // Its reads hit the caches, so it is when the next task's sequence (next_table, or null) is
+  // fetched, a block's rows per KV head at a time, spread over the blocks of this one.
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t next_num_blocks = next_table == nullptr ? 0 : (next_seq_len + block_size - 1) / block_size;
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    const int64_t first = block * block_size;
+    const int n = static_cast<int>(std::min(block_size, seq_len - first));
+    const int64_t offset = table[block] * block_stride + first_kv_head * D;
+    for (int64_t ahead = block * next_num_blocks / num_blocks; ahead < (block + 1) * next_num_blocks / num_blocks;
+         ++ahead) {
+      const int rows = static_cast<int>(std::min(block_size, next_seq_len - ahead * block_size));
+      const int64_t next = next_table[ahead] * block_stride + first_kv_head * D;
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        prefetch_rows(k_cache + next + h * D, v_cache + next + h * D, token_stride, rows, D);
+      }
+    }
+    for (int64_t h = 0; h < heads_per_task; ++h) {
+      accumulate_values_wide(scores + h * group * seq_stride + first, seq_stride, group, v_cache + offset + h * D,
+                             token_stride, n, D, acc + h * group * D);
+    }
+  }
+}
+#endif
+
 // kHeadSize > 0 fixes the head size at compile time, so the helpers inlined here unroll
 // their channel loops; 0 reads it from head_size.
 // query and out are fp32, or bf16 when io_bf16; query rows are query_stride apart, out's
@@ -508,6 +608,9 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
 #endif
   const bool wide = kWideHeadSize && block_size % 4 == 0;
   const bool raw_bf16_query = wide && io_bf16 && std::is_same_v<cache_t, uint16_t>;
+  // bf16 end to end in two passes (above): AVX512-BF16 and head sizes that are multiples of 32.
+  // The wide path's room for the scores of any sequence of the batch, 16 at a time.
+  const int64_t seq_stride = wide ? (max_blocks * block_size + 15) / 16 * 16 : 0;
   const auto channel = [&](int d) { return wide ? d : kernel_channel<cache_t>(d, D); };
   // A task is one sequence with all its KV heads, so each block is read front to back (the
   // hardware prefetcher follows); with few sequences, one KV head, to use every thread.
@@ -515,9 +618,10 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
   const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
   const int task_heads = static_cast<int>(heads_per_task * group);  // query heads of one task
   at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(task_heads * D), acc(task_heads * D), scores(task_heads * scores_stride);
+    std::vector<float> q(task_heads * D), acc(task_heads * D), scores(wide ? 0 : task_heads * scores_stride);
     std::vector<uint16_t> q_bf16(raw_bf16_query ? task_heads * D : 0);
     std::vector<float> running_max(task_heads), running_sum(task_heads);
+    std::vector<float> seq_scores(task_heads * seq_stride);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq;
       const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
@@ -544,7 +648,22 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);
       const int32_t* table = block_tables + seq * max_blocks;
-      for (int64_t first = 0; first < seq_len; first += block_size) {
+#if RAYLM_AVX512
+      if constexpr (kWideHeadSize) {
+        if (wide) {
+          // The next task of this thread, when it is another sequence's (same KV heads).
+          const bool next_seq = task + 1 < end && tasks_per_seq == 1;
+          const int32_t* next_table = next_seq ? block_tables + (seq + 1) * max_blocks : nullptr;
+          const int64_t next_seq_len = next_seq ? std::max<int32_t>(seq_lens[seq + 1], 0) : 0;
+          attend_two_pass<kWideHeadSize ? kHeadSize : 16>(
+              q.data(), raw_bf16_query ? q_bf16.data() : nullptr, scale, k_cache, v_cache, table, seq_len,
+              block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, seq_scores.data(),
+              seq_stride, acc.data(), running_sum.data(), next_table, next_seq_len);
+        }
+      }
+#endif
+      // Elsewhere block by block, with an online softmax.
+      for (int64_t first = 0; !wide && first < seq_len; first += block_size) {
         const int n = static_cast<int>(std::min(block_size, seq_len - first));
         const int64_t offset = table[first / block_size] * block_stride + first_kv_head * D;
         const bool has_next = first + block_size < seq_len;
@@ -552,30 +671,17 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
         const int next_rows = has_next ? static_cast<int>(std::min(block_size, seq_len - first - block_size)) : 0;
         for (int64_t h = 0; h < heads_per_task; ++h) {
           // The next block lies anywhere in the cache, beyond the hardware prefetcher's guess
-          // (prefetching two or three blocks ahead measured no better): the wide path asks for
-          // its rows as it scores, the others one KV head's rows at a time.
-          if (has_next && !wide) {
+          // (prefetching two or three blocks ahead measured no better): its rows are asked for
+          // one KV head's at a time.
+          if (has_next) {
             prefetch_rows(k_cache + next + h * D, v_cache + next + h * D, token_stride, next_rows, D);
           }
           const cache_t* k_block = k_cache + offset + h * D;
           const cache_t* v_block = v_cache + offset + h * D;
           const int64_t head0 = h * group;  // this KV head's first query head within the task
           int64_t scored = head0;  // heads whose scores are computed
-#if RAYLM_AVX512
-          if constexpr (kWideHeadSize) {
-            if (wide) {
-              for (; scored < head0 + group; scored += 4) {
-                score_block_wide<kWideHeadSize ? kHeadSize : 16>(
-                    q.data() + scored * D, raw_bf16_query ? q_bf16.data() + scored * D : nullptr, scale, k_block,
-                    token_stride, n, static_cast<int>(std::min<int64_t>(4, head0 + group - scored)),
-                    scores.data() + scored * scores_stride, scores_stride, k_cache + next + h * D,
-                    v_cache + next + h * D, scored == head0 ? next_rows : 0);
-              }
-            }
-          }
-#endif
 #if RAYLM_AVX2
-          if (!wide && padded && D % 8 == 0) {
+          if (padded && D % 8 == 0) {
             for (; scored + 2 <= head0 + group; scored += 2) {
               score_block_pair(q.data() + scored * D, q.data() + (scored + 1) * D, k_block, token_stride, n, D,
                                scores.data() + scored * scores_stride, scores.data() + (scored + 1) * scores_stride);
@@ -597,13 +703,6 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
             }
             running_sum[g] += block_sum;
           }
-#if RAYLM_AVX512
-          if (wide) {
-            accumulate_values_wide(scores.data() + head0 * scores_stride, scores_stride, group, v_block, token_stride,
-                                   n, D, acc.data() + head0 * D);
-            continue;
-          }
-#endif
           for (int64_t g = head0; g < head0 + group; g += 2) {
             accumulate_values(scores.data() + g * scores_stride, scores_stride,
                               static_cast<int>(std::min<int64_t>(2, head0 + group - g)), v_block, token_stride, n, D,
