@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+from raylm.executors.cpu_malloc import keep_freed_memory
 from raylm.executors.model_runner import ModelRunner
 from raylm.parallel import parallel_state
 from raylm.parallel.shm_communicator import ShmCommunicator, machine_id
@@ -44,6 +45,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+            keep_freed_memory()  # before the thread pool starts
             torch.set_num_threads(_cpu_threads(self.engine_config.parallel_config.tensor_parallel_size))
         self.init_distributed_environment()
         torch.manual_seed(self.engine_config.model_config.seed)
