@@ -44,7 +44,7 @@ class EngineCore:
         logger.info("Workers ready, model loaded in %.1f s.", time.perf_counter() - start)
         start = time.perf_counter()
         self._initialize_kv_caches()
-        logger.info("KV cache allocated in %.1f s.", time.perf_counter() - start)
+        logger.info("KV cache allocated and model warmed up in %.1f s.", time.perf_counter() - start)
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0

@@ -128,6 +128,30 @@ class ModelRunner:
             layer.kv_cache = kv
             self.kv_caches.append(kv)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Runs, before the first request, a step of a full token budget of prompt tokens and
+        one of a full batch of decodes (as vLLM warms its model up with a dummy run): what a
+        first step of each kind does once (fault its activations' memory in, create oneDNN's
+        primitives for the shapes, compile Triton kernels) then costs no request its latency.
+        Their keys and values land in block 0, which holds nothing yet (a later request
+        writes every slot it reads before reading it). They sample greedily, drawing nothing
+        from the random streams, and their sampler state is dropped."""
+        config = self.scheduler_config
+        max_len = self.model_config.max_model_len
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * max_len)
+        prompt_lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len] * bool(num_tokens % max_len)
+        decode_lens = [1] * min(config.max_num_seqs, num_tokens)
+        for lens in (prompt_lens, decode_lens):
+            requests = [self._warm_up_request(-1 - i, n) for i, n in enumerate(lens)]
+            self.execute_model(ExecuteModelRequest(requests=requests))
+            self.execute_model(ExecuteModelRequest(requests=[], finished_req_ids=[r.req_id for r in requests]))
+
+    def _warm_up_request(self, req_id: int, num_tokens: int) -> ScheduledRequest:
+        return ScheduledRequest(req_id=req_id, token_ids=[0] * num_tokens, num_computed_tokens=0,
+                                block_table=[0] * -(-num_tokens // self.block_size), num_prompt_tokens=num_tokens,
+                                sampling_params=SamplingParams(temperature=0.0), resumed=True)
+
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -112,8 +112,11 @@ class Worker:
         return self.model_runner.get_cache_block_size_bytes()
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocates the KV cache, then warms the model up (ModelRunner.warm_up); every rank
+        at once, since the warm-up steps run the model's collectives."""
         self.engine_config.cache_config.num_gpu_blocks = num_blocks
         self.model_runner.initialize_cache(num_blocks)
+        self.model_runner.warm_up()
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput | None:
         """The step's sampled tokens on rank 0; None on the other ranks."""
