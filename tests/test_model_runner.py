@@ -240,3 +240,12 @@ def test_default_cpu_kv_cache_holds_what_max_num_seqs_full_requests_can_fill(mod
     runner.load_model()
     # 8 requests of 256 tokens in blocks of 4: 512 blocks, plus a tenth for the prefix cache.
     assert runner.determine_num_available_blocks() == 512 + 51
+
+
+def test_warm_up_leaves_no_sampler_state_and_block_0_fit_for_a_request(runner, hf_model):
+    # The warm-up steps write their keys and values into block 0; request 0's table starts
+    # there, and its tokens must come out as if the warm-up had never run.
+    runner.warm_up()
+    assert not runner._states and not runner._sampling_params and not runner._last_sampled
+    tokens, _ = _run_greedy(runner, PROMPTS, 4)
+    assert tokens == [_hf_greedy(hf_model, prompt, 4)[0] for prompt in PROMPTS]
