@@ -36,7 +36,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -304,6 +303,20 @@ void accumulate_values(const float* probs, int64_t probs_stride, int count, cons
 // of K and V, more than L1's miss buffers track, and on a 2-core AMD EPYC (Zen 4) the
 // engine's own decode calls (5M Llama, batch 64, ~190 tokens, cache cold) took 0.80-0.83 ms
 // with T2 hints against 0.88-0.98 ms with T0.
+// Block `index` of a sequence's table: where its first row starts in the caches (plus
+// head_offset, the task's first KV head) and how many of its rows hold the sequence's tokens;
+// none past the sequence's last block.
+struct BlockRows {
+  int64_t offset = 0;
+  int n = 0;
+};
+inline BlockRows block_rows(const int32_t* table, int64_t index, int64_t seq_len, int64_t block_size,
+                            int64_t block_stride, int64_t head_offset) {
+  const int64_t first = index * block_size;
+  if (first >= seq_len) return {};
+  return {table[index] * block_stride + head_offset, static_cast<int>(std::min(block_size, seq_len - first))};
+}
+
 template <typename cache_t>
 void prefetch_rows(const cache_t* k, const cache_t* v, int64_t token_stride, int n, int width) {
   for (int t = 0; t < n; ++t) {
@@ -364,7 +377,9 @@ void score_block_wide(const float* q, const uint16_t* q_bf16, float scale, const
     // over the work rather than asked for at once, the requests keep the memory busy without
     // stalling on a full miss queue.
     const int prefetched = std::min(4, next_n - t);
-    if (prefetched > 0) prefetch_rows(next_k + t * token_stride, next_v + t * token_stride, token_stride, prefetched, D);
+    if (prefetched > 0) {
+      prefetch_rows(next_k + t * token_stride, next_v + t * token_stride, token_stride, prefetched, D);
+    }
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
@@ -537,21 +552,20 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
                      const int32_t* next_table, int64_t next_seq_len) {
   const int task_heads = static_cast<int>(heads_per_task * group);
   // Pass 1: scores, block by block, all KV heads of a block before the next block.
-  for (int64_t first = 0; first < seq_len; first += block_size) {
-    const int n = static_cast<int>(std::min(block_size, seq_len - first));
-    const int64_t offset = table[first / block_size] * block_stride + first_kv_head * D;
-    const bool has_next = first + block_size < seq_len;
-    const int64_t next = has_next ? table[first / block_size + 1] * block_stride + first_kv_head * D : 0;
-    const int next_rows = has_next ? static_cast<int>(std::min(block_size, seq_len - first - block_size)) : 0;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t head_offset = first_kv_head * D;
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    const BlockRows rows = block_rows(table, block, seq_len, block_size, block_stride, head_offset);
+    const BlockRows next = block_rows(table, block + 1, seq_len, block_size, block_stride, head_offset);
     for (int64_t h = 0; h < heads_per_task; ++h) {
       for (int g = static_cast<int>(h * group); g < (h + 1) * group; g += 4) {
         // The next block's keys and values are asked for as the first tile scores: the values
         // are read again by pass 2, from the caches, a sequence's worth later.
         score_block_wide<D>(q + g * D, q_bf16 == nullptr ? nullptr : q_bf16 + g * D, scale,
-                            k_cache + offset + h * D, token_stride, n,
+                            k_cache + rows.offset + h * D, token_stride, rows.n,
                             static_cast<int>(std::min<int64_t>(4, (h + 1) * group - g)),
-                            scores + g * seq_stride + first, seq_stride, k_cache + next + h * D,
-                            v_cache + next + h * D, g == h * group ? next_rows : 0);
+                            scores + g * seq_stride + block * block_size, seq_stride, k_cache + next.offset + h * D,
+                            v_cache + next.offset + h * D, g == h * group ? next.n : 0);
       }
     }
   }
@@ -561,23 +575,19 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
   // Pass 2: the values.
   // Its reads hit the caches, so it is when the next task's sequence (next_table, or null) is
   // fetched, a block's rows per KV head at a time, spread over the blocks of this one.
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   const int64_t next_num_blocks = next_table == nullptr ? 0 : (next_seq_len + block_size - 1) / block_size;
   for (int64_t block = 0; block < num_blocks; ++block) {
-    const int64_t first = block * block_size;
-    const int n = static_cast<int>(std::min(block_size, seq_len - first));
-    const int64_t offset = table[block] * block_stride + first_kv_head * D;
+    const BlockRows rows = block_rows(table, block, seq_len, block_size, block_stride, head_offset);
     for (int64_t ahead = block * next_num_blocks / num_blocks; ahead < (block + 1) * next_num_blocks / num_blocks;
          ++ahead) {
-      const int rows = static_cast<int>(std::min(block_size, next_seq_len - ahead * block_size));
-      const int64_t next = next_table[ahead] * block_stride + first_kv_head * D;
+      const BlockRows next = block_rows(next_table, ahead, next_seq_len, block_size, block_stride, head_offset);
       for (int64_t h = 0; h < heads_per_task; ++h) {
-        prefetch_rows(k_cache + next + h * D, v_cache + next + h * D, token_stride, rows, D);
+        prefetch_rows(k_cache + next.offset + h * D, v_cache + next.offset + h * D, token_stride, next.n, D);
       }
     }
     for (int64_t h = 0; h < heads_per_task; ++h) {
-      accumulate_values_wide(scores + h * group * seq_stride + first, seq_stride, group, v_cache + offset + h * D,
-                             token_stride, n, D, acc + h * group * D);
+      accumulate_values_wide(scores + h * group * seq_stride + block * block_size, seq_stride, group,
+                             v_cache + rows.offset + h * D, token_stride, rows.n, D, acc + h * group * D);
     }
   }
 }
@@ -608,7 +618,6 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
 #endif
   const bool wide = kWideHeadSize && block_size % 4 == 0;
   const bool raw_bf16_query = wide && io_bf16 && std::is_same_v<cache_t, uint16_t>;
-  // bf16 end to end in two passes (above): AVX512-BF16 and head sizes that are multiples of 32.
   // The wide path's room for the scores of any sequence of the batch, 16 at a time.
   const int64_t seq_stride = wide ? (max_blocks * block_size + 15) / 16 * 16 : 0;
   const auto channel = [&](int d) { return wide ? d : kernel_channel<cache_t>(d, D); };
@@ -663,21 +672,17 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
       }
 #endif
       // Elsewhere block by block, with an online softmax.
-      for (int64_t first = 0; !wide && first < seq_len; first += block_size) {
-        const int n = static_cast<int>(std::min(block_size, seq_len - first));
-        const int64_t offset = table[first / block_size] * block_stride + first_kv_head * D;
-        const bool has_next = first + block_size < seq_len;
-        const int64_t next = has_next ? table[first / block_size + 1] * block_stride + first_kv_head * D : 0;
-        const int next_rows = has_next ? static_cast<int>(std::min(block_size, seq_len - first - block_size)) : 0;
+      for (int64_t block = 0; !wide && block * block_size < seq_len; ++block) {
+        const BlockRows rows = block_rows(table, block, seq_len, block_size, block_stride, first_kv_head * D);
+        const BlockRows next = block_rows(table, block + 1, seq_len, block_size, block_stride, first_kv_head * D);
+        const int n = rows.n;
         for (int64_t h = 0; h < heads_per_task; ++h) {
           // The next block lies anywhere in the cache, beyond the hardware prefetcher's guess
           // (prefetching two or three blocks ahead measured no better): its rows are asked for
           // one KV head's at a time.
-          if (has_next) {
-            prefetch_rows(k_cache + next + h * D, v_cache + next + h * D, token_stride, next_rows, D);
-          }
-          const cache_t* k_block = k_cache + offset + h * D;
-          const cache_t* v_block = v_cache + offset + h * D;
+          prefetch_rows(k_cache + next.offset + h * D, v_cache + next.offset + h * D, token_stride, next.n, D);
+          const cache_t* k_block = k_cache + rows.offset + h * D;
+          const cache_t* v_block = v_cache + rows.offset + h * D;
           const int64_t head0 = h * group;  // this KV head's first query head within the task
           int64_t scored = head0;  // heads whose scores are computed
 #if RAYLM_AVX2
