@@ -122,3 +122,42 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("RAYLM_CPU_AVX512_LINEAR", "0")
     assert not cpu_gemm.avx512_linear_enabled(torch.float32)
     assert not cpu_gemm.avx512_linear_enabled(torch.bfloat16)
+
+
+def _mapping_of(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps entry of the mapping that holds `address` (its fields, plus
+    "start"), or None when no mapping holds it."""
+    entry: dict[str, str] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                if entry is not None:
+                    return entry
+                entry = {"start": str(start)} if start <= address < end else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    return entry
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_of_several_megabytes_is_packed_on_huge_pages_and_unmapped_when_dropped(dtype):
+    # A decode step reads every weight from memory; 2 MiB pages spare the TLB misses. The
+    # packed copy must start on a 2 MiB boundary, carry MADV_HUGEPAGE ("hg" in VmFlags), give
+    # the same products as any other, and be unmapped when the tensor is freed.
+    usable_or_skip(dtype)
+    gen = torch.Generator().manual_seed(3)
+    n, k = 1100, 1030  # packed: 18 panels x 64 columns x 1030 k, 2.4 MB in bf16, 4.7 MB in fp32
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    packed = torch.ops.raylm.avx512_pack_weight(w)
+    address = packed.data_ptr()
+    assert address % (2 << 20) == 0
+    mapping = _mapping_of(address)
+    assert mapping is not None and int(mapping["start"]) == address
+    assert "hg" in mapping["VmFlags"].split()
+    x = torch.randn(13, k, generator=gen).to(dtype)
+    assert_matches_float64(torch.ops.raylm.avx512_linear(x, packed, n, None), x, w, None)
+    del packed
+    assert _mapping_of(address) is None

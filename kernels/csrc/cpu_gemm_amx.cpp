@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "huge_pages.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__) && defined(__x86_64__)
 #define RAYLM_AMX 1
@@ -166,7 +167,7 @@ at::Tensor amx_pack_weight(const at::Tensor& weight_in) {
   const at::Tensor weight = weight_in.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t n_blocks = round_up(N, kTileN) / kTileN, k_blocks = round_up(K, kTileK) / kTileK;
-  at::Tensor packed = at::zeros({n_blocks, k_blocks, kTileK / 2, kTileN * 2}, weight.options());
+  at::Tensor packed = zeros_on_huge_pages({n_blocks, k_blocks, kTileK / 2, kTileN * 2}, weight.options());
   const uint16_t* w = static_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* p = static_cast<uint16_t*>(packed.data_ptr());
   at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
