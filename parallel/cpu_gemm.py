@@ -27,7 +27,7 @@ peak: 3.34 s). bf16 takes it wherever it is built; fp32 where it timed faster at
 Both streaming kernels pack their copy onto 2 MiB transparent huge pages where the kernel
 allows it (`csrc/huge_pages.h`): a decode step reads every weight once, and with 4 KiB pages
 each page of it is a TLB miss; in that generate the bf16 decode GEMMs went from 3.74-3.81 to
-3.69-3.70 s.
+3.69-3.70 s. `RAYLM_CPU_HUGE_PAGES=0` keeps them on ordinary pages.
 
 Whether fp32 gains depends on the CPU and the shape, so each fp32 shape is timed once, at
 load (`fp32_packed_min_rows`): on the AMX Xeon `F.linear` won for weights under ~1M

@@ -161,3 +161,15 @@ def test_a_weight_of_several_megabytes_is_packed_on_huge_pages_and_unmapped_when
     assert_matches_float64(torch.ops.raylm.avx512_linear(x, packed, n, None), x, w, None)
     del packed
     assert _mapping_of(address) is None
+
+
+def test_huge_pages_can_be_switched_off(monkeypatch):
+    usable_or_skip(torch.bfloat16)
+    monkeypatch.setenv("RAYLM_CPU_HUGE_PAGES", "0")  # the kernel reads it at each packing
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(1100, 1030, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.raylm.avx512_pack_weight(w)
+    mapping = _mapping_of(packed.data_ptr())
+    assert mapping is not None and "hg" not in mapping["VmFlags"].split()
+    x = torch.randn(5, 1030, generator=gen).to(torch.bfloat16)
+    assert_matches_float64(torch.ops.raylm.avx512_linear(x, packed, 1100, None), x, w, None)

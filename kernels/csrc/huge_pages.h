@@ -11,6 +11,8 @@
 // whole 2 MiB stretches become huge pages and nothing is allocated beyond the tensor. Where
 // the kernel has THP off (or mmap fails) the tensor is ordinary memory, as at::zeros would
 // give; small tensors (under one huge page) are left to at::zeros.
+// RAYLM_CPU_HUGE_PAGES=0 leaves every tensor to at::zeros: a huge page may have to be
+// assembled (compacted) when memory is fragmented, which slows loading on a crowded machine.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +22,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace raylm {
 
@@ -28,7 +32,8 @@ inline at::Tensor zeros_on_huge_pages(at::IntArrayRef sizes, const at::TensorOpt
   int64_t numel = 1;
   for (const int64_t size : sizes) numel *= size;
   const uintptr_t bytes = static_cast<uintptr_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  if (bytes < kHugePage) return at::zeros(sizes, options);
+  const char* const wanted = std::getenv("RAYLM_CPU_HUGE_PAGES");
+  if (bytes < kHugePage || (wanted != nullptr && std::strcmp(wanted, "0") == 0)) return at::zeros(sizes, options);
 #ifdef MADV_HUGEPAGE
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t length = (bytes + page - 1) / page * page;
