@@ -14,8 +14,8 @@
 //   bf16: step s is the k pair (2 s, 2 s + 1): W[64 p + j][2 s + h] at 2 j + h (256 bytes),
 //         K padded to even with a zero;
 // so one step is four zmm loads. Panels are stored one after another.
-// The packed copy sits on transparent huge pages (huge_pages.h): ~6% faster per cold decode
-// GEMM in isolation, ~2% over the ~100M Llama's decode GEMMs in the engine.
+// The packed copy sits on transparent huge pages (huge_pages.h): 2-4% faster for a step's
+// chain of cold decode GEMMs, ~2% over the ~100M Llama's decode GEMMs in the engine.
 //
 // A thread takes whole panels. For each block of kBlockSteps steps of a panel (128 KiB of
 // weight, which stays in L2), it runs the rows through it six at a time: 6 rows x 64 columns
