@@ -187,12 +187,10 @@ def avx512_linear_enabled(dtype: torch.dtype) -> bool:
     return _avx512_usable[dtype]
 
 
-def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None) -> DecodeWeight | None:
-    """The weight packed for the streaming decode kernel this machine has, else None: AMX
-    for bf16 where the CPU has it, else the AVX-512 kernel for bf16, and for fp32 where it
-    timed faster than what `linear` would take otherwise (`packed_weight`, the layer's
-    oneDNN copy, or `F.linear`) at the fewest rows (`fp32_decode_max_rows`). A snapshot, as
-    pack_linear_weight's."""
+def pack_streaming_weight(weight: torch.Tensor) -> DecodeWeight | None:
+    """The weight packed for the streaming decode kernel this machine runs in its dtype, with
+    no timing: AMX for bf16 where the CPU has it, else the AVX-512 kernel (bf16 or fp32);
+    None for a weight off the CPU or where neither runs. A snapshot, as pack_linear_weight's."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     amx = maybe_pack_amx_weight(weight)
@@ -200,12 +198,19 @@ def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor |
         return DecodeWeight(amx, torch.ops.raylm.amx_linear, AMX_MAX_ROWS)
     if not avx512_linear_enabled(weight.dtype):
         return None
-    shape = (weight.shape[0], weight.shape[1])
-    if weight.dtype == torch.float32 and _fp32_decode_max_rows.get(shape, AVX512_MAX_ROWS) == 0:
+    return DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
+                        AVX512_MAX_ROWS)
+
+
+def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None) -> DecodeWeight | None:
+    """`pack_streaming_weight(weight)`: always in bf16; in fp32 where it timed faster than what
+    `linear` would take otherwise (`packed_weight`, the layer's oneDNN copy, or `F.linear`) at
+    the fewest rows, and then up to the rows it won at (`fp32_decode_max_rows`)."""
+    if weight.dtype == torch.float32 and weight.dim() == 2 \
+            and _fp32_decode_max_rows.get((weight.shape[0], weight.shape[1]), AVX512_MAX_ROWS) == 0:
         return None  # timed slower at this shape already: no copy to pack and drop per layer
-    decode = DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
-                          AVX512_MAX_ROWS)
-    if weight.dtype == torch.float32:
+    decode = pack_streaming_weight(weight)
+    if decode is not None and weight.dtype == torch.float32:
         max_rows = fp32_decode_max_rows(weight, packed_weight, decode)
         return DecodeWeight(decode.packed, decode.op, max_rows) if max_rows > 0 else None
     return decode

@@ -145,3 +145,19 @@ def test_lm_head_after_loading_uses_packed_weight_and_matches_f_linear(bias):
     torch.testing.assert_close(head.logits_shard(x), F.linear(x, weight, b), **TOLERANCE[torch.float32])
     # The embedding lookup (tied embeddings share this weight) still reads the loaded rows.
     torch.testing.assert_close(head.lookup_shard(torch.tensor([0, 4095])), weight[[0, 4095]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_streaming_weight_computes_f_linear_up_to_its_rows(dtype):
+    x, weight, b = _operands(64, 1024, 1536, dtype, bias=True)
+    streaming = cpu_gemm.pack_streaming_weight(weight)
+    if streaming is None:
+        pytest.skip(f"no streaming decode kernel for {dtype} on this CPU or build")
+    assert streaming.max_rows >= 64
+    expected = F.linear(x.double(), weight.double(), b.double()).to(dtype)
+    torch.testing.assert_close(streaming.op(x, streaming.packed, weight.shape[0], b), expected, **TOLERANCE[dtype])
+
+
+def test_no_streaming_weight_for_half_precision_or_a_vector():
+    assert cpu_gemm.pack_streaming_weight(torch.zeros(64, 64, dtype=torch.float16)) is None
+    assert cpu_gemm.pack_streaming_weight(torch.zeros(64)) is None

@@ -162,34 +162,22 @@ def packed_gemm_available(dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
 
 
-def decode_gemm_max_rows(dtype: torch.dtype, device: str) -> int:
-    """The most rows raylm's streaming decode kernel takes here in this dtype (0: none runs)."""
-    if device != "cpu":
-        return 0
-    from raylm.parallel import cpu_gemm
-
-    if dtype == torch.bfloat16 and cpu_gemm.amx_linear_enabled():
-        return cpu_gemm.AMX_MAX_ROWS
-    return cpu_gemm.AVX512_MAX_ROWS if cpu_gemm.avx512_linear_enabled(dtype) else 0
-
-
 def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: str,
                 min_seconds: float = 0.05, packed: bool = False, decode: bool = False) -> float:
     """Seconds per [rows, in] by [out, in] matmul, warm: `F.linear`, or with packed=True
     raylm's oneDNN GEMM on the weight packed once (`raylm.parallel.cpu_gemm.cpu_linear`), or
-    with decode=True raylm's streaming decode kernel (where decode_gemm_max_rows allows)."""
+    with decode=True raylm's streaming decode kernel (`cpu_gemm.pack_streaming_weight`):
+    infinite where that kernel does not run here or takes fewer rows."""
     x = torch.randn(rows, in_features, dtype=dtype, device=device)
     weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
     with torch.inference_mode():
         if decode:
-            from raylm.parallel import cpu_gemm
+            from raylm.parallel.cpu_gemm import pack_streaming_weight
 
-            amx_weight = cpu_gemm.maybe_pack_amx_weight(weight)
-            if amx_weight is not None:
-                packed_weight, op = amx_weight, torch.ops.raylm.amx_linear
-            else:
-                packed_weight, op = torch.ops.raylm.avx512_pack_weight(weight), torch.ops.raylm.avx512_linear
-            return _best_seconds(lambda: op(x, packed_weight, out_features, None), device, min_seconds)
+            streaming = pack_streaming_weight(weight)
+            if streaming is None or rows > streaming.max_rows:
+                return float("inf")
+            return _best_seconds(lambda: streaming.op(x, streaming.packed, out_features, None), device, min_seconds)
         if packed:
             from raylm.parallel.cpu_gemm import cpu_linear, pack_linear_weight
 
@@ -208,11 +196,8 @@ def matmul_floor_seconds(model_config: dict, prompt_lens: list[int], output_len:
     f_linear = {shape: time_matmul(*shape, dtype=dtype, device=device) for shape in shapes}
     packed = ({shape: time_matmul(*shape, dtype=dtype, device=device, packed=True) for shape in shapes}
               if packed_gemm_available(dtype, device) else None)
-    max_rows = decode_gemm_max_rows(dtype, device)
-    streamed = {shape: time_matmul(*shape, dtype=dtype, device=device, decode=True)
-                for shape in shapes if shape[0] <= max_rows}
-    best = {shape: min([f_linear[shape]] + ([packed[shape]] if packed else [])
-                       + ([streamed[shape]] if shape in streamed else [])) for shape in shapes}
+    streamed = {shape: time_matmul(*shape, dtype=dtype, device=device, decode=True) for shape in shapes}
+    best = {shape: min([f_linear[shape], streamed[shape]] + ([packed[shape]] if packed else [])) for shape in shapes}
 
     def total(per_call: dict, counts: Counter) -> float:
         return sum(per_call[shape] * n for shape, n in counts.items())

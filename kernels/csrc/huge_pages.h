@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -30,9 +31,7 @@ namespace raylm {
 
 inline at::Tensor zeros_on_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  int64_t numel = 1;
-  for (const int64_t size : sizes) numel *= size;
-  const uintptr_t bytes = static_cast<uintptr_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  const uintptr_t bytes = static_cast<uintptr_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
   const char* const wanted = std::getenv("RAYLM_CPU_HUGE_PAGES");
   if (bytes < kHugePage || (wanted != nullptr && std::strcmp(wanted, "0") == 0)) return at::zeros(sizes, options);
 #ifdef MADV_HUGEPAGE
