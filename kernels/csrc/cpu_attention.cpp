@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -630,7 +631,8 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
     std::vector<float> q(task_heads * D), acc(task_heads * D), scores(wide ? 0 : task_heads * scores_stride);
     std::vector<uint16_t> q_bf16(raw_bf16_query ? task_heads * D : 0);
     std::vector<float> running_max(task_heads), running_sum(task_heads);
-    std::vector<float> seq_scores(task_heads * seq_stride);
+    // Not zeroed: every score is written before it is read (the softmax and values read n).
+    const std::unique_ptr<float[]> seq_scores(new float[task_heads * seq_stride]);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq;
       const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
@@ -666,7 +668,7 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
           const int64_t next_seq_len = next_seq ? std::max<int32_t>(seq_lens[seq + 1], 0) : 0;
           attend_two_pass<kWideHeadSize ? kHeadSize : 16>(
               q.data(), raw_bf16_query ? q_bf16.data() : nullptr, scale, k_cache, v_cache, table, seq_len,
-              block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, seq_scores.data(),
+              block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, seq_scores.get(),
               seq_stride, acc.data(), running_sum.data(), next_table, next_seq_len);
         }
       }
