@@ -40,7 +40,7 @@ _PROBE = textwrap.dedent("""
         placement["main_heap"] = after.uordblks - before.uordblks
         placement["mmapped"] = after.hblkhd - before.hblkhd
         del first
-        for _ in range(8):
+        for _ in range(16):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             activations = [torch.empty(24 << 20, dtype=torch.uint8).fill_(1) for _ in range(3)]
             del activations
@@ -77,9 +77,11 @@ def test_a_step_thread_reuses_its_freed_activations_without_page_faults():
     assert probe["tuned"]
     pages_per_round = 3 * (24 << 20) // 4096
     assert probe["faults"][0] >= pages_per_round // 2, probe  # the first round faults its pages in
-    # Once the heap has grown to hold the working set (glibc's placement takes a few rounds
-    # to settle), rounds reuse it: a few pages of bookkeeping at most, not thousands.
-    assert max(probe["faults"][-3:]) < pages_per_round // 50, probe
+    # Once the heap has grown to hold the working set, rounds reuse it: a few pages of
+    # bookkeeping at most, not thousands. glibc's placement takes a varying number of rounds to
+    # settle (3 or 7 of 16 over 20 runs on a Zen 4 EPYC, the heap then 4-7x the working set),
+    # so only the last rounds are held to it.
+    assert max(probe["faults"][-4:]) < pages_per_round // 50, probe
 
 
 def test_the_user_can_turn_it_off():
