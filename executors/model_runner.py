@@ -19,6 +19,7 @@ from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, Sample
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
+from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
@@ -123,10 +124,17 @@ class ModelRunner:
         # out mid-run rather than at start. Zeroing 2.4 GB takes ~0.6 s there. (Every kernel
         # reads only the slots of a sequence's own tokens: the zeros are never attended to.)
         for layer in layers:
-            kv = (torch.zeros(shape, dtype=self.model_config.dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.model_config.dtype, device=self.device))
+            kv = (self._zeroed_cache(shape), self._zeroed_cache(shape))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
+
+    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's K or V cache, zeroed with every page mapped. On the CPU it lies on
+        transparent huge pages: a decode step reads blocks scattered over the cache, and with
+        4 KiB pages most block reads begin with a TLB miss (see cpu_ops.zeros_on_huge_pages)."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+        return cpu_ops.zeros_on_huge_pages(shape, self.model_config.dtype).zero_()  # zero_ maps the pages
 
     @torch.inference_mode()
     def warm_up(self) -> None:

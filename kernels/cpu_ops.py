@@ -1,6 +1,6 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
-`rotary_embedding` and `write_kv_cache`.
+`rotary_embedding` and `write_kv_cache`; and `zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
 are each a handful of PyTorch elementwise ops whose dispatch costs more than their
@@ -81,3 +81,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.to(torch.int64)
     torch.ops.raylm.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.contiguous())
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, on transparent huge pages where the
+    library is built (csrc/huge_pages.h; RAYLM_CPU_HUGE_PAGES=0 opts out): for the KV
+    cache, whose blocks a decode step reads scattered. The pages are mapped on first touch.
+    Not gated by RAYLM_CPU_FUSED_OPS: it is an allocation, not one of the fused ops."""
+    if load_native_library("cpu_ops") is None:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.ops.raylm.zeros_on_huge_pages(list(shape), dtype)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raylm.parallel import cpu_gemm
+from tests.memory_maps import mapping_of
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -124,24 +125,6 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
     assert not cpu_gemm.avx512_linear_enabled(torch.bfloat16)
 
 
-def _mapping_of(address: int) -> dict[str, str] | None:
-    """The /proc/self/smaps entry of the mapping that holds `address` (its fields, plus
-    "start"), or None when no mapping holds it."""
-    entry: dict[str, str] | None = None
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
-                start, end = (int(bound, 16) for bound in head.split("-"))
-                if entry is not None:
-                    return entry
-                entry = {"start": str(start)} if start <= address < end else None
-            elif entry is not None:
-                key, _, value = line.partition(":")
-                entry[key] = value.strip()
-    return entry
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_weight_of_several_megabytes_is_packed_on_huge_pages_and_unmapped_when_dropped(dtype):
     # A decode step reads every weight from memory; 2 MiB pages spare the TLB misses. The
@@ -154,13 +137,13 @@ def test_a_weight_of_several_megabytes_is_packed_on_huge_pages_and_unmapped_when
     packed = torch.ops.raylm.avx512_pack_weight(w)
     address = packed.data_ptr()
     assert address % (2 << 20) == 0
-    mapping = _mapping_of(address)
+    mapping = mapping_of(address)
     assert mapping is not None and int(mapping["start"]) == address
     assert "hg" in mapping["VmFlags"].split()
     x = torch.randn(13, k, generator=gen).to(dtype)
     assert_matches_float64(torch.ops.raylm.avx512_linear(x, packed, n, None), x, w, None)
     del packed
-    assert _mapping_of(address) is None
+    assert mapping_of(address) is None
 
 
 def test_huge_pages_can_be_switched_off(monkeypatch):
@@ -169,7 +152,7 @@ def test_huge_pages_can_be_switched_off(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(1100, 1030, generator=gen).to(torch.bfloat16)
     packed = torch.ops.raylm.avx512_pack_weight(w)
-    mapping = _mapping_of(packed.data_ptr())
+    mapping = mapping_of(packed.data_ptr())
     assert mapping is not None and "hg" not in mapping["VmFlags"].split()
     x = torch.randn(5, 1030, generator=gen).to(torch.bfloat16)
     assert_matches_float64(torch.ops.raylm.avx512_linear(x, packed, 1100, None), x, w, None)

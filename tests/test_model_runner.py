@@ -14,6 +14,7 @@ from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelC
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.model_runner import ModelRunner
+from tests.memory_maps import mapping_of
 from tests.tiny_models import build_tiny_model
 
 BLOCK_SIZE = 4
@@ -231,6 +232,28 @@ def test_cpu_kv_cache_sizing_follows_cpu_kv_cache_space(model_path):
     out = executor.execute_model(ExecuteModelRequest([_prefill(0, PROMPTS[0])]))
     assert out.outputs[0].req_id == 0
     executor.shutdown()
+
+
+def test_a_cpu_kv_cache_of_megabytes_lies_zeroed_and_mapped_on_huge_pages(model_path, hf_model):
+    # A decode step reads blocks scattered over the cache: 2 MiB pages spare the TLB misses.
+    # Each layer's K and V must start on a 2 MiB boundary with MADV_HUGEPAGE ("hg"), be
+    # zeroed with every page already resident (no page faults in a step), and serve HF's tokens.
+    config = _engine_config(model_path)
+    hf = config.model_config.hf_config
+    row_bytes = BLOCK_SIZE * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads) * 4
+    config.cache_config.num_gpu_blocks_override = (5 << 20) // row_bytes  # 5 MiB per cache tensor
+    runner = ModelRunner(config, rank=0, device="cpu")
+    runner.load_model()
+    runner.initialize_cache(runner.determine_num_available_blocks())
+    for cache in (tensor for pair in runner.kv_caches for tensor in pair):
+        assert cache.data_ptr() % (2 << 20) == 0
+        mapping = mapping_of(cache.data_ptr())
+        assert mapping is not None and "hg" in mapping["VmFlags"].split()
+        assert int(mapping["Rss"].split()[0]) * 1024 >= cache.nbytes
+        assert torch.count_nonzero(cache) == 0
+    tokens, _ = _run_greedy(runner, PROMPTS, steps=6)
+    for prompt, got in zip(PROMPTS, tokens):
+        assert got == _hf_greedy(hf_model, prompt, 6)[0]
 
 
 def test_default_cpu_kv_cache_holds_what_max_num_seqs_full_requests_can_fill(model_path):
