@@ -3,7 +3,8 @@
 Order of operations (vLLM's): logit_bias, min_tokens (stop tokens masked), penalties
 (repetition on prompt+output tokens, frequency/presence on output tokens); then greedy
 rows take the argmax and random rows apply temperature, top-k and top-p, min-p and draw
-from the softmax (by inverse CDF: one uniform draw a row). Seeded rows draw with their own
+from the softmax (by inverse CDF: one uniform draw a row; rows with temperature alone take one
+native pass on the CPU, `cpu_ops.random_sample`). Seeded rows draw with their own
 generator, so a request's tokens do not depend on what else is in the batch. Returned logprobs are the raw log-softmax of the
 model's logits, before any of the above (vLLM's default).
 
@@ -17,6 +18,7 @@ import torch
 
 from raylm.engine.step import SampledToken, TokenLogprobs
 from raylm.executors.sampling_metadata import SamplingMetadata
+from raylm.kernels import cpu_ops
 
 _NEG_INF = float("-inf")
 # Largest top_k for which a partial torch.topk beats sorting the whole vocabulary.
@@ -176,12 +178,18 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
     vocab_size = logits.shape[1]
     params = [metadata.sampling_params[i] for i in rows]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    logits = logits / temperature.unsqueeze(1)
-
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_ps = [p.top_p for p in params]
     need_top_k = any(k < vocab_size for k in top_ks)
     need_top_p = any(p < 1.0 for p in top_ps)
+    min_ps = [p.min_p for p in params]
+    if not (need_top_k or need_top_p or any(p > 0.0 for p in min_ps)) and cpu_ops.usable(logits) \
+            and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        # Temperature alone (the common case): one native pass a row does the division, the
+        # softmax and the inverse CDF, with the same uniform draws as below.
+        return cpu_ops.random_sample(logits, temperature, _uniforms(metadata, rows, device))
+    logits = logits / temperature.unsqueeze(1)
+
     if need_top_k and not need_top_p and max(top_ks) <= _TOPK_INSTEAD_OF_SORT:
         # top-k alone (the usual small k): a partial topk is much cheaper than a full sort.
         k = torch.tensor(top_ks, device=device).unsqueeze(1)
@@ -194,24 +202,26 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
             torch.tensor(top_ps, dtype=logits.dtype, device=device) if need_top_p else None,
         )
 
-    min_ps = [p.min_p for p in params]
     if any(p > 0.0 for p in min_ps):
         probs = logits.softmax(dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, dtype=probs.dtype,
                                                                     device=device).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
-    probs = logits.softmax(dim=-1)
-    # One uniform draw a row; seeded rows draw theirs from their own generator, so their
-    # token is the same whichever rows share the batch.
-    u = torch.empty(len(rows), dtype=torch.float32, device=device)  # fp32: [0, 1), never 1
+    return inverse_cdf(logits.softmax(dim=-1), _uniforms(metadata, rows, device))
+
+
+def _uniforms(metadata: SamplingMetadata, rows: list[int], device: torch.device) -> torch.Tensor:
+    """One uniform draw a row, fp32 in [0, 1) (never 1); seeded rows draw theirs from their
+    own generator, so their token is the same whichever rows share the batch."""
+    u = torch.empty(len(rows), dtype=torch.float32, device=device)
     generators = [metadata.generators[i] for i in rows]
     if any(g is None for g in generators):
         u.uniform_()
     for j, generator in enumerate(generators):
         if generator is not None:
             u[j].uniform_(generator=generator)
-    return inverse_cdf(probs, u)
+    return u
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
-`rotary_embedding` and `write_kv_cache`; and `zeros_on_huge_pages`, the KV cache's allocation.
+`rotary_embedding`, `write_kv_cache` and `random_sample` (the sampler's draw); and `zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
 are each a handful of PyTorch elementwise ops whose dispatch costs more than their
@@ -82,6 +82,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         slot_mapping = slot_mapping.to(torch.int64)
     torch.ops.raylm.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.contiguous())
 
+
+def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of fp32 logits [N, V] (rows contiguous): the first token whose cumulative
+    softmax(logits / temperature) exceeds the row's uniform (fp32 [N] in [0, 1)) times the
+    total, as the sampler's `inverse_cdf` of that softmax draws it; int64 [N]. A temperature
+    that is not positive, a uniform outside [0, 1) or a row with no finite logit is a
+    ValueError."""
+    return torch.ops.raylm.random_sample(logits, temperatures.float().contiguous(), uniforms.float().contiguous())
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, on transparent huge pages where the

@@ -166,6 +166,63 @@ def test_write_kv_cache_copies_rows_to_their_slots(dtype):
 ATTENTION_SHAPES = [(32, 8, 2), (64, 4, 4), (128, 4, 2), (80, 4, 4), (40, 8, 4), (36, 8, 4)]
 
 
+def float64_cumulative(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Each row's running sum of softmax(logits / temperature), in float64."""
+    return torch.softmax(logits.double() / temperatures.double().unsqueeze(1), dim=-1).cumsum(dim=-1)
+
+
+@pytest.mark.parametrize("vocab", [4096, 1003, 5])
+def test_random_sample_draws_the_token_whose_interval_holds_u(vocab):
+    # Inverse CDF: token i is drawn when u falls in [cum[i-1], cum[i]) of the softmax of
+    # logits / temperature; the native sums are fp32, so u may sit that far past an edge.
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 300
+    logits = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 8
+    logits[::7, ::3] = -math.inf  # masked tokens
+    temperatures = torch.rand(rows, generator=gen) * 2 + 0.05
+    uniforms = torch.rand(rows, generator=gen)
+    tokens = cpu_ops.random_sample(logits, temperatures, uniforms)
+    assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    cumulative = float64_cumulative(logits, temperatures)
+    below = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), cumulative[:, :-1]], dim=1)
+    picked = tokens.unsqueeze(1)
+    lower, upper = below.gather(1, picked).squeeze(1), cumulative.gather(1, picked).squeeze(1)
+    u = uniforms.double()
+    assert bool((lower <= u + 1e-5).all()) and bool((u <= upper + 1e-5).all())
+    assert bool((upper > lower).all())  # never a token of zero probability
+    assert bool(torch.isfinite(logits.gather(1, picked)).all())
+
+
+def test_random_sample_ends_of_the_interval_and_its_frequencies():
+    logits = torch.tensor([[-math.inf, 0.5, -math.inf, 2.0, 1.0, -math.inf]])
+    just_below_one = torch.tensor([1.0 - 2 ** -24])
+    for u, expected in ((torch.zeros(1), 1), (just_below_one, 4)):
+        assert cpu_ops.random_sample(logits, torch.ones(1), u).item() == expected
+    # 20,000 draws at temperature 0.7 against the softmax, to within 4 standard errors.
+    draws = 20000
+    gen = torch.Generator().manual_seed(0)
+    tokens = cpu_ops.random_sample(logits.expand(draws, -1).contiguous(), torch.full((draws,), 0.7),
+                                   torch.rand(draws, generator=gen))
+    frequencies = torch.bincount(tokens, minlength=6).double() / draws
+    probabilities = torch.softmax(logits.double()[0] / 0.7, dim=-1)
+    assert bool(((frequencies - probabilities).abs() <= 4 * (probabilities * (1 - probabilities) / draws).sqrt()).all())
+
+
+@pytest.mark.parametrize("case", ["zero temperature", "u of one", "a row of nan", "a row of -inf"])
+def test_random_sample_rejects_what_it_cannot_draw_from(case):
+    logits, temperatures, uniforms = torch.zeros(2, 8), torch.ones(2), torch.full((2,), 0.5)
+    if case == "zero temperature":
+        temperatures[1] = 0.0
+    elif case == "u of one":
+        uniforms[0] = 1.0
+    elif case == "a row of nan":
+        logits[1] = math.nan
+    else:
+        logits[0] = -math.inf
+    with pytest.raises(ValueError):
+        cpu_ops.random_sample(logits, temperatures, uniforms)
+
+
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)

@@ -187,6 +187,7 @@ inline vfloat vreciprocal(vfloat x) {
 }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+inline float vmax_all(vfloat v) { return _mm512_reduce_max_ps(v); }
 inline vfloat vneg_abs(vfloat x) {  // -|x|: the sign bit set
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
 }
@@ -221,6 +222,7 @@ inline vfloat vreciprocal(vfloat x) {  // the 12-bit estimate and one Newton ste
 }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 inline float vsum(vfloat v) { return sum8(v); }
+inline float vmax_all(vfloat v) { return max8(v); }
 inline vfloat vneg_abs(vfloat x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
 inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
   return _mm256_blendv_ps(otherwise, if_greater, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
@@ -250,6 +252,7 @@ inline vfloat vmul(vfloat a, vfloat b) { return a * b; }
 inline vfloat vreciprocal(vfloat x) { return 1.0f / x; }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 inline float vsum(vfloat v) { return v; }
+inline float vmax_all(vfloat v) { return v; }
 inline vfloat vneg_abs(vfloat x) { return -std::fabs(x); }
 inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat otherwise) {
   return a > b ? if_greater : otherwise;
