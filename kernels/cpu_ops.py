@@ -1,6 +1,7 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
-`rotary_embedding`, `write_kv_cache` and `random_sample` (the sampler's draw); and `zeros_on_huge_pages`, the KV cache's allocation.
+`rotary_embedding`, `write_kv_cache` and `random_sample` (the sampler's draw); and
+`zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
 are each a handful of PyTorch elementwise ops whose dispatch costs more than their
@@ -90,6 +91,7 @@ def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: to
     that is not positive, a uniform outside [0, 1) or a row with no finite logit is a
     ValueError."""
     return torch.ops.raylm.random_sample(logits, temperatures.float().contiguous(), uniforms.float().contiguous())
+
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, on transparent huge pages where the

@@ -208,7 +208,8 @@ def test_random_sample_ends_of_the_interval_and_its_frequencies():
     assert bool(((frequencies - probabilities).abs() <= 4 * (probabilities * (1 - probabilities) / draws).sqrt()).all())
 
 
-@pytest.mark.parametrize("case", ["zero temperature", "u of one", "a row of nan", "a row of -inf"])
+@pytest.mark.parametrize("case", ["zero temperature", "u of one", "a row of nan", "one nan among finite logits",
+                                  "a row of -inf"])
 def test_random_sample_rejects_what_it_cannot_draw_from(case):
     logits, temperatures, uniforms = torch.zeros(2, 8), torch.ones(2), torch.full((2,), 0.5)
     if case == "zero temperature":
@@ -217,6 +218,8 @@ def test_random_sample_rejects_what_it_cannot_draw_from(case):
         uniforms[0] = 1.0
     elif case == "a row of nan":
         logits[1] = math.nan
+    elif case == "one nan among finite logits":
+        logits[1, 5] = math.nan
     else:
         logits[0] = -math.inf
     with pytest.raises(ValueError):

@@ -282,11 +282,20 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 // ~0.3 ms of a ~100M-Llama decode step of 64 rows x 4096 logits on 2 cores. Tokens of zero
 // weight (-inf logits) are never drawn: the running sum does not grow at them.
 int64_t sample_row(const float* logits, int64_t V, float temperature, float u, float* scratch) {
-  vfloat max_v = vset1(-std::numeric_limits<float>::infinity());
+  // The sum is there to see NaNs: vmax drops a NaN lane on some ISAs, an add never does.
+  vfloat max_v = vset1(-std::numeric_limits<float>::infinity()), sum_logits_v = vset1(0.0f);
   int64_t i = 0;
-  for (; i + kVecWidth <= V; i += kVecWidth) max_v = vmax(max_v, vload(logits + i));
-  float max = vmax_all(max_v);
-  for (; i < V; ++i) max = std::max(max, logits[i]);
+  for (; i + kVecWidth <= V; i += kVecWidth) {
+    const vfloat x = vload(logits + i);
+    max_v = vmax(max_v, x);
+    sum_logits_v = vadd(sum_logits_v, x);
+  }
+  float max = vmax_all(max_v), sum_logits = vsum(sum_logits_v);
+  for (; i < V; ++i) {
+    max = std::max(max, logits[i]);
+    sum_logits += logits[i];
+  }
+  TORCH_CHECK_VALUE(!std::isnan(sum_logits), "sampling: a row of logits holds NaN");
   TORCH_CHECK_VALUE(std::isfinite(max), "sampling: a row of logits has no finite maximum (", max, ")");
   // exp(x / T) = 2^(x log2(e) / T); (logit - max) <= 0, so the exponent is too.
   const vfloat scale = vset1(1.44269504088896341f / temperature), max_b = vset1(max);
