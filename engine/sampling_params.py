@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
 _GREEDY_TEMPERATURE = 1e-5
+# Most a temperature or a repetition penalty may be. The sampler works in fp32, where a larger
+# one (1e39 is a valid JSON number) becomes inf: logits / inf and 0 * inf are NaN, which the
+# native sampler refuses, failing the step. Far beyond any useful value (at 1e4 a draw is
+# already uniform over logits within a few units of each other).
+_MAX_SCALE = 1e4
 
 # The most samples one request may ask for (n and best_of), vLLM's limit; each sample is a
 # request of its own inside the engine. RAYLM_MAX_N_SEQUENCES changes it.
@@ -42,7 +48,7 @@ class SamplingParams:
             appeared in the output. Range [-2, 2].
         repetition_penalty: Multiplicative penalty (CTRL-style) for tokens in the prompt
             or output: logits > 0 are divided by it, logits < 0 multiplied. 1 disables it.
-        temperature: Softmax temperature; 0 means greedy decoding.
+        temperature: Softmax temperature, 0 to 1e4; 0 means greedy decoding.
         top_p: Keep the smallest set of tokens whose cumulative probability >= top_p.
         top_k: Keep the ``top_k`` most likely tokens; 0 or -1 keeps all.
         min_p: Drop tokens whose probability is below ``min_p`` times the top one.
@@ -123,8 +129,11 @@ class SamplingParams:
         _check(self.best_of <= MAX_N_SEQUENCES, "best_of", self.best_of, f"must be at most {MAX_N_SEQUENCES}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be greater than 0")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be non-negative")
+        _check(0.0 < self.repetition_penalty <= _MAX_SCALE, "repetition_penalty", self.repetition_penalty,
+               f"must be greater than 0 and at most {_MAX_SCALE:g}")
+        _check(0.0 <= self.temperature <= _MAX_SCALE, "temperature", self.temperature,
+               f"must be in [0, {_MAX_SCALE:g}]")
+        _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (disable) or at least 1")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")

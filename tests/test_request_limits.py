@@ -71,6 +71,11 @@ HOSTILE = {
         {"role": "user", "content": "Hi " * 700_000}]}, "messages"),
     "a 2,000,000-character prompt": ("/v1/completions", {"prompt": "Hi " * 700_000}, "prompt"),
     "a 2,000,000-character /tokenize prompt": ("/tokenize", {"prompt": "Hi " * 700_000}, "prompt"),
+    # 1e39 is finite in JSON and in Python, inf in the sampler's fp32.
+    "temperature of 1e39": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, "temperature"),
+    "chat temperature of 1e39": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1e39}, "temperature"),
+    "repetition_penalty of 1e39": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e39},
+                                   "repetition_penalty"),
     "max_tokens of 10**18": ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**18}, "max_tokens"),
     "chat max_tokens of 10**18": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**18}, "max_tokens"),
 }
