@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from raylm.models.registry import resolve_model_class
+from raylm.parallel import cpu_gemm
 from raylm.models.weight_utils import safetensors_weights_iterator
 
 
@@ -34,10 +35,15 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
-    for module in model.modules():
-        # vLLM's hook: layers repack or convert what they loaded (the CPU linear layers'
-        # packed GEMM weights) once, now that every weight is in.
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
+    # A decode step reads every weight once: where they are more than the last-level cache
+    # holds, each kernel runs with its weight cold, and the CPU GEMM's probes time it so.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cold = torch.device(device).type == "cpu" and weight_bytes > cpu_gemm.last_level_cache_bytes()
+    with cpu_gemm.probing_with_cold_weights(cold):
+        for module in model.modules():
+            # vLLM's hook: layers repack or convert what they loaded (the CPU linear layers'
+            # packed GEMM weights) once, now that every weight is in.
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
     return model.eval()

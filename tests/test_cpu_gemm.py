@@ -88,6 +88,28 @@ def test_fp32_choice_is_timed_per_shape_and_every_row_count_matches_f_linear(sha
 
 
 @needs_packing
+def test_cold_probing_chooses_per_shape_matches_f_linear_and_releases_its_buffer(monkeypatch):
+    """Probing with the weights cold (the loader's choice for a model larger than the
+    last-level cache) writes over twice that cache between timed calls: whatever it chose,
+    `linear` still gives x W^T + b at every row count, and the buffer is gone afterwards."""
+    shape = (1280, 512)
+    monkeypatch.setattr(cpu_gemm, "_fp32_min_rows", {})
+    monkeypatch.setattr(cpu_gemm, "_fp32_decode_max_rows", {})
+    weight, b = torch.randn(*shape), torch.randn(shape[0])
+    with cpu_gemm.probing_with_cold_weights(True):
+        assert cpu_gemm._probe_evict is not None
+        assert cpu_gemm._probe_evict.numel() == 2 * cpu_gemm.last_level_cache_bytes()
+        packed = maybe_pack_linear_weight(weight)
+        decode = cpu_gemm.maybe_pack_decode_weight(weight, packed)
+    assert cpu_gemm._probe_evict is None
+    assert shape in cpu_gemm._fp32_min_rows
+    for rows in (1, 16, 17, 64, 300):
+        x = torch.randn(rows, shape[1])
+        reference = F.linear(x.double(), weight.double(), b.double()).float()
+        torch.testing.assert_close(cpu_gemm.linear(x, weight, packed, b, decode), reference, rtol=1e-5, atol=1e-4)
+
+
+@needs_packing
 @pytest.mark.parametrize("layer_class", [ColumnParallelLinear, RowParallelLinear])
 def test_layer_after_loading_uses_packed_weight_and_matches_f_linear(layer_class):
     layer = layer_class(1024, 1536, bias=True, params_dtype=torch.float32)
