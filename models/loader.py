@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from raylm.models.registry import resolve_model_class
-from raylm.parallel import cpu_gemm
 from raylm.models.weight_utils import safetensors_weights_iterator
+from raylm.parallel import cpu_gemm
 
 
 @contextmanager

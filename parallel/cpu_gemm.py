@@ -38,7 +38,8 @@ at ~57 GFLOP/s. bf16 packed won everywhere it was measured and is always taken.
 The timings follow the engine's case: where a model's weights are more than the last-level
 cache holds, every probe call finds its weight cold (`probing_with_cold_weights`, set by the
 loader). Timed warm, the kernels were within a few percent of each other at decode sizes and
-the choice changed from process to process.
+the choice changed from process to process; cold, the ~100M Llama's decode GEMMs all took the
+AVX-512 kernel and its generate's decode GEMMs went from ~7.43 to 7.27 s.
 
 `RAYLM_CPU_PACKED_LINEAR=0` turns all of them off (every layer then calls `F.linear`);
 `RAYLM_CPU_AMX_LINEAR=0` only the AMX kernel, `RAYLM_CPU_AVX512_LINEAR=0` only the AVX-512 one.
@@ -46,6 +47,7 @@ the choice changed from process to process.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -155,6 +157,7 @@ def _packed_is_faster(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> 
     return best_packed < best_plain
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The size of CPU 0's last-level cache as Linux reports it (sysfs), else 32 MiB."""
     sizes = {}
@@ -179,7 +182,8 @@ def probing_with_cold_weights(cold: bool) -> Iterator[None]:
     evicted by the others' before the next step. Timed warm, the ~100M Llama's fp32 probes
     on a 2-core Zen 4 EPYC gave oneDNN the qkv, o and down projections at 64 rows in some
     processes (hot, the two kernels were within a few percent); with the weights cold the
-    AVX-512 kernel was 1.14-1.19x faster at 64 rows and 1.5-2.1x at 1-16, at every shape."""
+    AVX-512 kernel was 1.10-1.19x faster at 64 rows and 1.4-2.1x at 1-16, at every shape.
+    It costs load time: the ~100M Llama's fp32 load went from 2.2 to 3.5-3.7 s there."""
     global _probe_evict
     previous = _probe_evict
     _probe_evict = torch.empty(2 * last_level_cache_bytes(), dtype=torch.uint8) if cold else None

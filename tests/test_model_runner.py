@@ -14,6 +14,8 @@ from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelC
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.model_runner import ModelRunner
+from raylm.models.loader import get_model
+from raylm.parallel import cpu_gemm
 from tests.memory_maps import mapping_of
 from tests.tiny_models import build_tiny_model
 
@@ -272,3 +274,26 @@ def test_warm_up_leaves_no_sampler_state_and_block_0_fit_for_a_request(runner, h
     assert not runner._states and not runner._sampling_params and not runner._last_sampled
     tokens, _ = _run_greedy(runner, PROMPTS, 4)
     assert tokens == [_hf_greedy(hf_model, prompt, 4)[0] for prompt in PROMPTS]
+
+
+def test_loader_times_fp32_gemms_cold_only_for_weights_larger_than_the_last_level_cache(model_path, monkeypatch):
+    """The tiny model's weights fit in the last-level cache, so its fp32 probes run warm, as
+    its GEMMs do in the engine; with the cache reported smaller than the weights, every probe
+    call follows an eviction. The eviction buffer is gone once the model is loaded."""
+    probes_cold: list[bool] = []
+    best_times = cpu_gemm._best_times
+
+    def recording_best_times(first, second):
+        probes_cold.append(cpu_gemm._probe_evict is not None)
+        return best_times(first, second)
+
+    monkeypatch.setattr(cpu_gemm, "_best_times", recording_best_times)
+    model_config = _engine_config(model_path).model_config
+    for llc_bytes, cold in ((cpu_gemm.last_level_cache_bytes(), False), (4096, True)):
+        monkeypatch.setattr(cpu_gemm, "last_level_cache_bytes", lambda: llc_bytes)
+        monkeypatch.setattr(cpu_gemm, "_fp32_min_rows", {})
+        monkeypatch.setattr(cpu_gemm, "_fp32_decode_max_rows", {})
+        probes_cold.clear()
+        get_model(model_config, "cpu")
+        assert probes_cold and set(probes_cold) == {cold}
+        assert cpu_gemm._probe_evict is None
