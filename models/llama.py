@@ -16,6 +16,7 @@ from torch import nn
 
 from raylm.models.activation import SiluAndMul
 from raylm.models.attention import Attention
+from raylm.models.cpu_fused_decode import CpuFusedDecode
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
@@ -85,6 +86,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Decode steps on the CPU through every layer in one native call (None: the layers' loop
+    # always, as for models built on other layers).
+    fused_decode: CpuFusedDecode | None = None
+
     def __init__(self, config: Any, qkv_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -94,12 +99,21 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = CpuFusedDecode(self.layers)
+
+    def process_weights_after_loading(self) -> None:
+        if self.fused_decode is not None:
+            self.fused_decode.reset()  # it holds the layers' packed weights of the last load
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        fused = self.fused_decode.run(hidden_states, positions) if self.fused_decode is not None else None
+        if fused is not None:
+            hidden_states, residual = fused
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

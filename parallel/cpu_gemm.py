@@ -88,16 +88,21 @@ AVX512_MAX_ROWS = 256
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
 
+# The kernels `linear` chooses among, numbered for the callers that run it from C++ (the fused
+# decode op: csrc/cpu_decode_layers.cpp's LinearKind).
+LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE = 0, 1, 2, 3
+
 
 @dataclass(frozen=True)
 class DecodeWeight:
     """A second packed copy of a weight for a kernel that streams it, and the batches it
     takes: `op(x, packed, out_features, bias)` for x of packed's dtype and at most
-    `max_rows` tokens."""
+    `max_rows` tokens; `kind` is op's LINEAR_* number."""
 
     packed: torch.Tensor
     op: Callable[..., torch.Tensor]
     max_rows: int
+    kind: int
 
 
 def packed_linear_enabled() -> bool:
@@ -250,11 +255,11 @@ def pack_streaming_weight(weight: torch.Tensor) -> DecodeWeight | None:
         return None
     amx = maybe_pack_amx_weight(weight)
     if amx is not None:
-        return DecodeWeight(amx, torch.ops.raylm.amx_linear, AMX_MAX_ROWS)
+        return DecodeWeight(amx, torch.ops.raylm.amx_linear, AMX_MAX_ROWS, LINEAR_AMX)
     if not avx512_linear_enabled(weight.dtype):
         return None
     return DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
-                        AVX512_MAX_ROWS)
+                        AVX512_MAX_ROWS, LINEAR_AVX512)
 
 
 def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None) -> DecodeWeight | None:
@@ -267,7 +272,7 @@ def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor |
     decode = pack_streaming_weight(weight)
     if decode is not None and weight.dtype == torch.float32:
         max_rows = fp32_decode_max_rows(weight, packed_weight, decode)
-        return DecodeWeight(decode.packed, decode.op, max_rows) if max_rows > 0 else None
+        return DecodeWeight(decode.packed, decode.op, max_rows, decode.kind) if max_rows > 0 else None
     return decode
 
 
@@ -306,15 +311,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | 
            bias: torch.Tensor | None, decode_weight: DecodeWeight | None = None) -> torch.Tensor:
     """The streaming decode kernel (AMX or AVX-512) for a decode-sized batch where the weight
     was packed for it, else the packed oneDNN GEMM where the weight was packed and x suits
-    it, else `F.linear`."""
-    if (decode_weight is not None and x.dtype == decode_weight.packed.dtype and x.device.type == "cpu"
-            and not x.requires_grad and x.numel() <= decode_weight.max_rows * x.shape[-1]):
-        return decode_weight.op(x, decode_weight.packed, weight.shape[0], bias)
-    if packed_weight is not None and x.device.type == "cpu" and x.dtype == packed_weight.dtype:
+    it, else `F.linear` (see `choose_linear`)."""
+    if x.device.type != "cpu" or (packed_weight is None and decode_weight is None):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    kind, chosen = choose_linear(weight, packed_weight, None if x.requires_grad else decode_weight, rows, x.dtype)
+    if kind == LINEAR_DENSE:
+        return F.linear(x, weight, bias)
+    if kind == LINEAR_ONEDNN:
+        return cpu_linear(x, chosen, bias)
+    return decode_weight.op(x, chosen, weight.shape[0], bias)
+
+
+def choose_linear(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode_weight: DecodeWeight | None,
+                  rows: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """The kernel (LINEAR_*) that `linear` runs on `rows` rows of CPU activations of `dtype`,
+    and the copy of the weight it reads."""
+    if decode_weight is not None and dtype == decode_weight.packed.dtype and rows <= decode_weight.max_rows:
+        return decode_weight.kind, decode_weight.packed
+    if packed_weight is not None and dtype == packed_weight.dtype:
         # A weight packed other than by maybe_pack_linear_weight has no timing: packed throughout.
-        min_rows = 1
-        if x.dtype == torch.float32:
-            min_rows = _fp32_min_rows.get((weight.shape[0], weight.shape[1])) or 1
-        if x.numel() >= min_rows * x.shape[-1]:
-            return cpu_linear(x, packed_weight, bias)
-    return F.linear(x, weight, bias)
+        min_rows = (_fp32_min_rows.get((weight.shape[0], weight.shape[1])) or 1) if dtype == torch.float32 else 1
+        if rows >= min_rows:
+            return LINEAR_ONEDNN, packed_weight
+    return LINEAR_DENSE, weight

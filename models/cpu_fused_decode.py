@@ -1,0 +1,154 @@
+"""A CPU decode step through every Llama decoder layer in one native call.
+
+`LlamaModel.forward` hands each step to `CpuFusedDecode.run` first. Where the step is
+decode-only on the CPU and every layer is the plain Llama layer on the native kernels, it
+runs `torch.ops.raylm.llama_decode_layers` (`kernels/csrc/cpu_decode_layers.cpp`): the same
+kernels, in the same order, called from C++, so the results are bitwise those of the
+modules. Elsewhere (prefill and mixed steps, tensor parallelism, other attention backends or
+layer types, GPUs) `run` returns None and the modules run.
+
+Why: a decode step streams every layer's weights through the caches, so the Python between a
+layer's ~10 kernels runs with cold caches (25 us an op call instead of 2.4); in the ~100M
+Llama's bf16 generate those gaps were ~0.27 s of ~8.4 s. Set RAYLM_CPU_FUSED_DECODE=0 to run
+the modules instead (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raylm.kernels import cpu_attention, cpu_ops
+from raylm.kernels.native_build import load_native_library
+from raylm.models.forward_context import get_forward_context
+from raylm.parallel import cpu_gemm
+
+ENV_VAR = "RAYLM_CPU_FUSED_DECODE"
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What every layer shares, as the op takes it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    rotary_dim: int
+    eps: float
+    scale: float
+    cos_sin_cache: torch.Tensor
+
+
+class CpuFusedDecode:
+    """Runs a Llama model's decoder layers for decode steps on the CPU in one native call.
+
+    What the op needs per batch size (each linear's kernel and weight copy, as
+    `cpu_gemm.choose_linear` picks them) is gathered once per size and KV cache; `reset`
+    forgets it, and the loader's `process_weights_after_loading` hook calls it."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+        self._shape: _Shape | None | bool = None  # None: not checked yet; False: cannot run
+        self._args: dict[tuple[int, torch.dtype], tuple[list, list[int]] | None] = {}
+        self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._first_attention: nn.Module | None = None
+
+    def reset(self) -> None:
+        self._shape = None
+        self._args.clear()
+
+    def run(self, hidden_states: torch.Tensor, positions: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden_states, residual) after the last layer, as the layers' loop would return
+        them; None where this step cannot run fused (the caller runs the modules)."""
+        md = get_forward_context().attn_metadata
+        num_tokens = hidden_states.shape[0]
+        if (md is None or md.max_query_len != 1 or len(md.seq_lens_list) != num_tokens
+                or hidden_states.device.type != "cpu" or hidden_states.dtype not in _DTYPES
+                or hidden_states.dim() != 2 or torch.is_grad_enabled()):
+            return None
+        shape = self._check_layers() if self._shape is None else self._shape
+        if not shape:
+            return None
+        kv_cache = self._first_attention.kv_cache
+        if kv_cache is not self._kv_cache:  # the runner allocated the caches (again)
+            self._args.clear()
+            self._kv_cache = kv_cache
+        key = (num_tokens, hidden_states.dtype)
+        if key not in self._args:
+            self._args[key] = self._layer_args(num_tokens, hidden_states.dtype)
+        args = self._args[key]
+        if args is None:
+            return None
+        tensors, ints = args
+        return torch.ops.raylm.llama_decode_layers(
+            hidden_states.contiguous(), positions.to(torch.int64).contiguous(),
+            md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous(),
+            md.seq_lens.to(torch.int32).contiguous(), shape.cos_sin_cache, tensors, ints, shape.num_heads,
+            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale)
+
+    def _check_layers(self) -> _Shape | bool:
+        """What the layers share, or False where one is not the plain Llama layer on the
+        native CPU kernels, or the kernels cannot be built."""
+        self._shape = _shape_of(self.layers) if os.environ.get(ENV_VAR) != "0" else False
+        if self._shape:
+            self._first_attention = self.layers[0].self_attn.attn
+        return self._shape
+
+    def _layer_args(self, num_tokens: int, dtype: torch.dtype) -> tuple[list, list[int]] | None:
+        """The op's per-layer tensors and ints for this batch size and dtype; None where a
+        layer's weights or caches do not suit it."""
+        tensors: list[torch.Tensor | None] = []
+        ints: list[int] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            kv_cache = attn.attn.kv_cache
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if (kv_cache is None or any(c.dtype != dtype or not c.is_contiguous() for c in kv_cache)
+                    or not cpu_ops.usable(*norms) or not all(w.is_contiguous() for w in norms)):
+                return None
+            tensors += norms
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                kind, weight = cpu_gemm.choose_linear(linear.weight, linear.packed_weight, linear.decode_weight,
+                                                      num_tokens, dtype)
+                tensors += (weight, linear.bias)
+                ints += (kind, linear.weight.shape[0])
+            tensors += kv_cache
+        return tensors, ints
+
+
+def _shape_of(layers: nn.ModuleList) -> _Shape | bool:
+    from raylm.models.activation import SiluAndMul
+    from raylm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from raylm.models.rmsnorm import RMSNorm
+    from raylm.models.rotary_embedding import RotaryEmbedding
+
+    if len(layers) == 0 or not (cpu_ops.usable() and cpu_attention.is_available()
+                                and load_native_library("cpu_decode_layers") is not None):
+        return False
+    first = layers[0].self_attn if type(layers[0]) is LlamaDecoderLayer else None
+    if first is None:
+        return False
+    eps = layers[0].input_layernorm.eps
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        plain = (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
+                 and type(mlp.act_fn) is SiluAndMul and type(layer.input_layernorm) is RMSNorm
+                 and type(layer.post_attention_layernorm) is RMSNorm and type(attn.rotary_emb) is RotaryEmbedding)
+        if not plain or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1:
+            return False
+        if (attn.rotary_emb is not first.rotary_emb or attn.attn.scale != first.attn.scale
+                or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,
+                                                                           first.head_size)
+                or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}):
+            return False
+    rotary = first.rotary_emb
+    if rotary.cos_sin_cache.dtype not in _DTYPES or not rotary.cos_sin_cache.is_contiguous():
+        return False
+    return _Shape(first.num_heads, first.num_kv_heads, first.head_size, rotary.rotary_dim, float(eps),
+                  float(first.attn.scale), rotary.cos_sin_cache)

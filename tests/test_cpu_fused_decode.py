@@ -1,0 +1,149 @@
+"""The fused CPU decode step (`models/cpu_fused_decode.py`, `kernels/csrc/cpu_decode_layers.cpp`)
+against the modules it stands in for, run on the same runner and weights: the same kernels
+in the same order, so tokens and logprobs must be bitwise equal; and against Hugging Face.
+
+The runner is driven by hand as in test_model_runner.py: one prefill step of three prompts,
+then decode steps, which are the ones the op takes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, load_hf_config)
+from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
+from raylm.executors.model_runner import ModelRunner
+from raylm.kernels import cpu_attention, cpu_ops
+from raylm.kernels.native_build import load_native_library
+from raylm.models import cpu_fused_decode
+from raylm.parallel import cpu_gemm
+from raylm.parallel.linear import LinearBase
+from tests.test_more_models_rmsnorm import build_random_model, qwen3_config
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_ops.usable() and cpu_attention.is_available() and load_native_library("cpu_decode_layers")),
+    reason="the native CPU kernels cannot be built here")
+
+BLOCK_SIZE = 4
+BLOCKS_PER_SEQ = 8
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123], [400, 8, 8, 61], [11, 250, 36, 99, 7, 180, 44, 2, 310, 65]]
+STEPS = 6  # one prefill, then five decode steps
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=0)
+FUSED_OP = "raylm::llama_decode_layers"
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen2")}
+    return dirs | {"qwen3": build_random_model(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
+
+
+def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:
+    config = EngineConfig(
+        model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=256,
+                                 hf_config=load_hf_config(str(model_dir))),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=64),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256),
+        parallel_config=ParallelConfig(),
+        device_config=DeviceConfig("cpu"),
+    )
+    runner = ModelRunner(config, rank=0, device="cpu")
+    runner.load_model()
+    runner.initialize_cache(runner.determine_num_available_blocks())
+    return runner
+
+
+def _request(req_id: int, history: list[int], num_prompt: int) -> ScheduledRequest:
+    """The prompt's prefill while nothing is generated yet, else a decode of the last token."""
+    table = list(range(req_id * BLOCKS_PER_SEQ, (req_id + 1) * BLOCKS_PER_SEQ))
+    if len(history) == num_prompt:
+        return ScheduledRequest(req_id=req_id, token_ids=list(history), num_computed_tokens=0, block_table=table,
+                                num_prompt_tokens=num_prompt, sampling_params=GREEDY)
+    return ScheduledRequest(req_id=req_id, token_ids=[history[-1]], num_computed_tokens=len(history) - 1,
+                            block_table=table, num_prompt_tokens=num_prompt, sampling_params=GREEDY)
+
+
+def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens and their logprobs per prompt, and how many times the fused op ran."""
+    histories = [list(p) for p in PROMPTS]
+    logprobs: list[list[float]] = [[] for _ in PROMPTS]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(STEPS):
+            requests = [_request(i, h, len(PROMPTS[i])) for i, h in enumerate(histories)]
+            for out in runner.execute_model(ExecuteModelRequest(requests)).outputs:
+                histories[out.req_id].append(out.token_id)
+                logprobs[out.req_id].append(out.logprob)
+    calls = sum(event.count for event in prof.key_averages() if event.key == FUSED_OP)
+    return [h[len(p):] for h, p in zip(histories, PROMPTS)], logprobs, calls
+
+
+def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
+    """Takes the layers' streaming copies away ("onednn") or every packed copy ("dense"), so
+    `cpu_gemm.linear` and the fused op both take that kernel; returns the LINEAR_* kinds the
+    decoder layers' linears may take."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            if kernel in ("onednn", "dense"):
+                module.decode_weight = None
+            if kernel == "dense":
+                module.packed_weight = None
+    return {"onednn": {cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE},  # fp32 may time oneDNN slower
+            "dense": {cpu_gemm.LINEAR_DENSE}}.get(kernel, set(range(4)))
+
+
+def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
+    return runner.model.model.fused_decode
+
+
+@pytest.mark.parametrize("kernel", ["as_loaded", "onednn", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, kernel, monkeypatch):
+    runner = _runner(model_dirs[arch], dtype)
+    with torch.no_grad():  # the checkpoints' norm weights are all ones: make each norm count
+        for name, param in runner.model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+    kinds = _force_linear_kernel(runner.model, kernel)
+    fused = _fused_decode(runner)
+    fused.reset()
+    tokens, logprobs, calls = _generate(runner)
+    assert calls == STEPS - 1  # every decode step, not the prefill
+    used = {kind for _, ints in fused._args.values() for kind in ints[0::2]}
+    assert used and used <= kinds
+
+    monkeypatch.setenv(cpu_fused_decode.ENV_VAR, "0")
+    fused.reset()
+    module_tokens, module_logprobs, module_calls = _generate(runner)
+    assert module_calls == 0
+    assert tokens == module_tokens
+    assert logprobs == module_logprobs  # exactly: the same kernels on the same inputs
+
+
+def test_fused_decode_matches_hugging_face(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]), dtype=torch.float32).eval()
+    tokens, logprobs, calls = _generate(_runner(model_dirs["llama"], torch.float32))
+    assert calls == STEPS - 1
+    for prompt, got_tokens, got_logprobs in zip(PROMPTS, tokens, logprobs):
+        history = list(prompt)
+        with torch.no_grad():
+            for token, logprob in zip(got_tokens, got_logprobs):
+                reference = torch.log_softmax(hf(torch.tensor([history])).logits[0, -1].float(), -1)
+                assert token == int(reference.argmax())
+                assert logprob == pytest.approx(float(reference[token]), abs=1e-4)
+                history.append(token)
+
+
+def test_layers_other_than_llamas_run_their_modules(model_dirs):
+    # Qwen3's attention normalises q and k per head before the rotary: not the op's layer.
+    runner = _runner(model_dirs["qwen3"], torch.float32)
+    tokens, _, calls = _generate(runner)
+    assert calls == 0 and all(len(t) == STEPS for t in tokens)
+    assert _fused_decode(runner)._shape is False
