@@ -25,8 +25,9 @@
 // (LinearKind) and out_features of each of the four linears. The caller chooses each linear's
 // kernel and weight copy for this batch size exactly as parallel/cpu_gemm.linear would.
 //
-// The KV caches are written in place, though the schema cannot mark tensors of a list as
-// mutated: the op is for eager decode steps, not for graphs that reorder or functionalize.
+// `hidden` (it becomes the residual, added to in place) and the KV caches are written in place;
+// the schema cannot mark tensors of a list as mutated, nor the returned residual as hidden's
+// alias: the op is for eager decode steps, not for graphs that reorder or functionalize.
 // Built by raylm/kernels/native_build.py; it needs cpu_ops and cpu_attention loaded, and the
 // linear kernels its `ints` name.
 
@@ -105,7 +106,7 @@ const Ops& ops() {
 }
 
 std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
-    const at::Tensor& hidden_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    at::Tensor& hidden_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale) {
@@ -156,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
-  m.def("llama_decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+  m.def("llama_decode_layers(Tensor(a!) hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor cos_sin_cache, Tensor?[] tensors, int[] ints, int num_heads, int num_kv_heads, "
         "int head_size, int rotary_dim, float eps, float scale) -> (Tensor, Tensor)");
 }
