@@ -2,8 +2,8 @@
 against the modules it stands in for, run on the same runner and weights: the same kernels
 in the same order, so tokens and logprobs must be bitwise equal; and against Hugging Face.
 
-The runner is driven by hand as in test_model_runner.py: one prefill step of three prompts,
-then decode steps, which are the ones the op takes.
+The runner is driven by hand with test_model_runner.py's requests: one prefill step of three
+prompts, then decode steps, which are the ones the op takes.
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                 SchedulerConfig, load_hf_config)
 from raylm.engine.sampling_params import SamplingParams
-from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
+from raylm.engine.step import ExecuteModelRequest
 from raylm.executors.model_runner import ModelRunner
 from raylm.kernels import cpu_attention, cpu_ops
 from raylm.kernels.native_build import load_native_library
 from raylm.models import cpu_fused_decode
 from raylm.parallel import cpu_gemm
 from raylm.parallel.linear import LinearBase
+from tests.test_model_runner import PROMPTS, _decode, _engine_config, _prefill
 from tests.test_more_models_rmsnorm import build_random_model, qwen3_config
 from tests.tiny_models import build_tiny_model
 
@@ -29,9 +28,6 @@ pytestmark = pytest.mark.skipif(
     not (cpu_ops.usable() and cpu_attention.is_available() and load_native_library("cpu_decode_layers")),
     reason="the native CPU kernels cannot be built here")
 
-BLOCK_SIZE = 4
-BLOCKS_PER_SEQ = 8
-PROMPTS = [[5, 17, 300, 42, 9, 77, 123], [400, 8, 8, 61], [11, 250, 36, 99, 7, 180, 44, 2, 310, 65]]
 STEPS = 6  # one prefill, then five decode steps
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=0)
 FUSED_OP = "raylm::llama_decode_layers"
@@ -44,28 +40,10 @@ def model_dirs(tmp_path_factory):
 
 
 def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:
-    config = EngineConfig(
-        model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=256,
-                                 hf_config=load_hf_config(str(model_dir))),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=64),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256),
-        parallel_config=ParallelConfig(),
-        device_config=DeviceConfig("cpu"),
-    )
-    runner = ModelRunner(config, rank=0, device="cpu")
+    runner = ModelRunner(_engine_config(model_dir, dtype), rank=0, device="cpu")
     runner.load_model()
     runner.initialize_cache(runner.determine_num_available_blocks())
     return runner
-
-
-def _request(req_id: int, history: list[int], num_prompt: int) -> ScheduledRequest:
-    """The prompt's prefill while nothing is generated yet, else a decode of the last token."""
-    table = list(range(req_id * BLOCKS_PER_SEQ, (req_id + 1) * BLOCKS_PER_SEQ))
-    if len(history) == num_prompt:
-        return ScheduledRequest(req_id=req_id, token_ids=list(history), num_computed_tokens=0, block_table=table,
-                                num_prompt_tokens=num_prompt, sampling_params=GREEDY)
-    return ScheduledRequest(req_id=req_id, token_ids=[history[-1]], num_computed_tokens=len(history) - 1,
-                            block_table=table, num_prompt_tokens=num_prompt, sampling_params=GREEDY)
 
 
 def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], int]:
@@ -74,7 +52,9 @@ def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], 
     logprobs: list[list[float]] = [[] for _ in PROMPTS]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(STEPS):
-            requests = [_request(i, h, len(PROMPTS[i])) for i, h in enumerate(histories)]
+            requests = [_prefill(i, prompt, GREEDY) if len(history) == len(prompt)
+                        else _decode(i, history, len(prompt), GREEDY)
+                        for i, (prompt, history) in enumerate(zip(PROMPTS, histories))]
             for out in runner.execute_model(ExecuteModelRequest(requests)).outputs:
                 histories[out.req_id].append(out.token_id)
                 logprobs[out.req_id].append(out.logprob)

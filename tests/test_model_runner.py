@@ -39,10 +39,10 @@ def hf_model(model_path):
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
 
 
-def _engine_config(model_path) -> EngineConfig:
+def _engine_config(model_path, dtype: torch.dtype = torch.float32) -> EngineConfig:
     hf_config = load_hf_config(str(model_path))
     return EngineConfig(
-        model_config=ModelConfig(model=str(model_path), tokenizer=str(model_path), dtype=torch.float32,
+        model_config=ModelConfig(model=str(model_path), tokenizer=str(model_path), dtype=dtype,
                                  max_model_len=256, hf_config=hf_config),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256),

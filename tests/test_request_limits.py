@@ -98,6 +98,19 @@ def test_hostile_requests_are_4xx_naming_their_field_and_leave_memory_flat(serve
     print(f"RSS {start:.0f} MB before the {len(HOSTILE)} hostile requests, +{grown:.1f} MB after")
 
 
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "length_penalty"])
+def test_a_number_json_reads_as_infinite_is_a_400_naming_its_field(server, field):
+    # 1e999 is valid JSON that parses to inf (httpx's json= cannot write it): raw bytes.
+    base_url, _ = server
+    extra = ', "use_beam_search": true, "n": 2' if field == "length_penalty" else ""
+    body = f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 2, "{field}": 1e999{extra}}}'
+    response = httpx.post(base_url + "/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    assert_served(base_url)
+
+
 def test_limit_errors_name_the_limit(server):
     base_url, _ = server
     checks = {
