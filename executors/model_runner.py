@@ -179,32 +179,13 @@ class ModelRunner:
         self._update_states(req.requests)
 
         input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
-        with set_forward_context(attn_metadata):
-            hidden_states = self.model(input_ids, positions)
-
-        # Rows to turn into logits: the last of each sampled request, then prompt rows.
-        sampled: list[ScheduledRequest] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_requests: list[ScheduledRequest] = []
-        for scheduled, last in zip(req.requests, last_rows):
-            if scheduled.do_sample:
-                sampled.append(scheduled)
-                sample_rows.append(last)
-            if scheduled.prompt_logprobs_targets:
-                # Row of position p: last - (end - 1 - p), end the chunk's end position.
-                end = scheduled.num_computed_tokens + len(scheduled.token_ids)
-                first = last - (end - 1 - scheduled.prompt_logprobs_start)
-                prompt_rows.extend(range(first, first + len(scheduled.prompt_logprobs_targets)))
-                prompt_requests.append(scheduled)
+        sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, last_rows)
         rows = sample_rows + prompt_rows
+        with set_forward_context(attn_metadata, self._output_rows(rows, input_ids.shape[0])):
+            selected = self.model(input_ids, positions)
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
-        if not prompt_rows and len(sample_rows) == hidden_states.shape[0]:
-            # Pure decode, every request sampled: the rows are all rows, in order.
-            selected = hidden_states
-        else:
-            selected = hidden_states.index_select(0, torch.tensor(rows, device=hidden_states.device))
+        assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
         logits = self.model.compute_logits(selected)
         if logits is None:  # tensor parallel: only rank 0 holds the logits
             return None
@@ -221,6 +202,15 @@ class ModelRunner:
         if prompt_rows:
             output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
+
+    def _output_rows(self, rows: list[int], num_tokens: int) -> torch.Tensor | None:
+        """ForwardContext.output_rows for a step that reads `rows` of its num_tokens rows:
+        None when it reads every row in order (decode). A step that reads none (a prompt
+        chunk short of the prompt's end) keeps its last row, so that no kernel or
+        collective of the last layer sees an empty batch."""
+        if len(rows) == num_tokens and rows == list(range(num_tokens)):
+            return None
+        return torch.tensor(rows or [num_tokens - 1], dtype=torch.long, device=self.device)
 
     def _prepare_inputs(self, requests: list[ScheduledRequest]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -369,3 +359,24 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _rows_to_read(requests: list[ScheduledRequest], last_rows: list[int]
+                  ) -> tuple[list[ScheduledRequest], list[int], list[ScheduledRequest], list[int]]:
+    """The rows whose logits a step reads: (the sampled requests, their last rows, the
+    requests with prompt logprobs, their prompt rows)."""
+    sampled: list[ScheduledRequest] = []
+    sample_rows: list[int] = []
+    prompt_requests: list[ScheduledRequest] = []
+    prompt_rows: list[int] = []
+    for scheduled, last in zip(requests, last_rows):
+        if scheduled.do_sample:
+            sampled.append(scheduled)
+            sample_rows.append(last)
+        if scheduled.prompt_logprobs_targets:
+            # Row of position p: last - (end - 1 - p), end the chunk's end position.
+            end = scheduled.num_computed_tokens + len(scheduled.token_ids)
+            first = last - (end - 1 - scheduled.prompt_logprobs_start)
+            prompt_rows.extend(range(first, first + len(scheduled.prompt_logprobs_targets)))
+            prompt_requests.append(scheduled)
+    return sampled, sample_rows, prompt_requests, prompt_rows

@@ -8,12 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.kernels.backend import get_attention_backend
-from raylm.models.forward_context import get_forward_context
+from raylm.models.forward_context import get_forward_context, select_rows
 
 
 class Attention(nn.Module):
     """Takes q [T, Hq * D], k and v [T, Hkv * D] (this rank's heads) and returns
-    [T, Hq * D]. The runner sets `kv_cache` to this layer's (k_cache, v_cache) pair, each
+    [T, Hq * D], or only the rows `output_rows` (every key and value is still cached). The
+    runner sets `kv_cache` to this layer's (k_cache, v_cache) pair, each
     [num_blocks, block_size, Hkv, D], after allocating the caches."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None) -> None:
@@ -29,7 +30,8 @@ class Attention(nn.Module):
         # overrides); the runner sets the engine's choice after building the model.
         self.attn_backend = get_attention_backend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -44,4 +46,5 @@ class Attention(nn.Module):
             k_cache, v_cache = self.kv_cache
             self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
             out = self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+        # The kernels attend for every query row; the last layer's is 1 / num_layers of them.
+        return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from raylm.kernels.attention_metadata import AttentionMetadata
 
 
@@ -15,6 +17,14 @@ class ForwardContext:
     # None: a profiling/dummy run without KV caches; attention treats the packed tokens
     # as one causal sequence.
     attn_metadata: AttentionMetadata | None = None
+    # Rows of the packed tokens whose final hidden states the step reads (the sampled
+    # rows, then the prompt-logprob rows), in the order the model returns them; None: all.
+    # Every layer but the last must run on every token, whose keys and values later
+    # tokens attend to; the last layer's outputs feed only the logits. So models run the
+    # last layer's attention output projection and MLP, and the final norm, on these rows
+    # alone: in a prefill step of whole prompts that is one row per prompt, and skips
+    # about 1 / num_layers of the step's GEMM work.
+    output_rows: torch.Tensor | None = None
 
 
 _forward_context = ForwardContext()
@@ -25,11 +35,23 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: AttentionMetadata | None,
+                        output_rows: torch.Tensor | None = None) -> Iterator[ForwardContext]:
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    _forward_context = ForwardContext(attn_metadata, output_rows)
     try:
         yield _forward_context
     finally:
         _forward_context = previous
+
+
+def select_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x's rows `rows` (a layer's output rows), or x itself when rows is None."""
+    return x if rows is None else x.index_select(0, rows)
+
+
+def last_layer_rows(layer_index: int, num_layers: int) -> torch.Tensor | None:
+    """The output rows (ForwardContext.output_rows) for layer `layer_index`: the last
+    layer's, None (every row) for the others."""
+    return get_forward_context().output_rows if layer_index == num_layers - 1 else None

@@ -21,9 +21,10 @@ from torch import nn
 from raylm.kernels import torch_attention
 from raylm.models.activation import GeluAndMul
 from raylm.models.attention import Attention
-from raylm.models.forward_context import get_forward_context
+from raylm.models.forward_context import get_forward_context, select_rows
 from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.rmsnorm import GemmaRMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.parallel import MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
@@ -46,7 +47,8 @@ class SoftCappedAttention(Attention):
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         self.logits_soft_cap = float(logits_soft_cap)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -60,7 +62,7 @@ class SoftCappedAttention(Attention):
             torch_attention.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
             out = torch_attention.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
                                                   logits_soft_cap=self.logits_soft_cap)
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+        return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)
 
 
 class Gemma2Attention(LlamaAttention):
@@ -89,6 +91,9 @@ class Gemma2MLP(nn.Module):
         self.act_fn = GeluAndMul(_GELU_APPROXIMATIONS[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mlp_in_row_chunks(self._mlp, x, self.gate_up_proj.weight.shape[0])
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -102,8 +107,8 @@ class Gemma2DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of each block is fused into the next block's pre-norm (as in
         # Llama); the post-norms act on the block's output alone, before that add.
         if residual is None:
@@ -111,7 +116,8 @@ class Gemma2DecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
+        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states, output_rows))
+        residual = select_rows(residual, output_rows)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 

@@ -18,9 +18,11 @@ from torch import nn
 
 from raylm.models.activation import get_act_fn
 from raylm.models.attention import Attention
+from raylm.models.forward_context import last_layer_rows, select_rows
 from raylm.models.layernorm import LayerNorm
 from raylm.models.learned_positional_embedding import LearnedPositionalEmbedding
 from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.weight_utils import default_weight_loader
 from raylm.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
@@ -66,9 +68,9 @@ class GPT2Attention(nn.Module):
             scale /= float(layer_idx + 1)
         self.attn = Attention(self.num_heads, self.head_size, scale)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.c_attn(hidden_states).split([self.q_size] * 3, dim=-1)
-        return self.c_proj(self.attn(q, k, v))
+        return self.c_proj(self.attn(q, k, v, output_rows))
 
 
 class GPT2MLP(nn.Module):
@@ -80,6 +82,9 @@ class GPT2MLP(nn.Module):
         self.c_proj = RowParallelLinear(inner_size, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mlp_in_row_chunks(self._mlp, x, self.c_fc.weight.shape[0])
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
 
 
@@ -94,8 +99,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = select_rows(hidden_states, output_rows) + self.attn(self.ln_1(hidden_states), output_rows)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -109,8 +114,8 @@ class GPT2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
-            hidden_states = block(hidden_states)
+        for i, block in enumerate(self.h):
+            hidden_states = block(hidden_states, last_layer_rows(i, len(self.h)))
         return self.ln_f(hidden_states)
 
 
@@ -127,7 +132,8 @@ class GPT2LMHeadModel(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] int64 (absolute positions) -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] int64 (absolute positions) -> final hidden states [T, hidden]
+        (only the rows ForwardContext.output_rows when it is set)."""
         return self.transformer(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

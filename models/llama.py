@@ -17,7 +17,9 @@ from torch import nn
 from raylm.models.activation import SiluAndMul
 from raylm.models.attention import Attention
 from raylm.models.cpu_fused_decode import CpuFusedDecode
+from raylm.models.forward_context import get_forward_context, last_layer_rows, select_rows
 from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.models.weight_utils import load_stacked_weights
@@ -37,6 +39,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mlp_in_row_chunks(self._mlp, x, self.gate_up_proj.weight.shape[0])
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -57,10 +62,12 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden], or the rows output_rows (ForwardContext.output_rows)."""
         qk, v = self.qkv_proj(hidden_states).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, output_rows))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,14 +80,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states, output_rows)
+        residual = select_rows(residual, output_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -107,13 +115,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        fused = self.fused_decode.run(hidden_states, positions) if self.fused_decode is not None else None
+        # The fused op returns every row: it runs only on steps that read them all.
+        every_row = get_forward_context().output_rows is None
+        fused = self.fused_decode.run(hidden_states, positions) if self.fused_decode and every_row else None
         if fused is not None:
             hidden_states, residual = fused
         else:
             residual = None
-            for layer in self.layers:
-                hidden_states, residual = layer(positions, hidden_states, residual)
+            for i, layer in enumerate(self.layers):
+                hidden_states, residual = layer(positions, hidden_states, residual,
+                                                last_layer_rows(i, len(self.layers)))
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -156,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
         return int(window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden] (only the rows
+        ForwardContext.output_rows when it is set)."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -18,9 +18,11 @@ from torch import nn
 
 from raylm.models.activation import get_act_fn
 from raylm.models.attention import Attention
+from raylm.models.forward_context import last_layer_rows, select_rows
 from raylm.models.layernorm import LayerNorm
 from raylm.models.learned_positional_embedding import LearnedPositionalEmbedding
 from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
                             RowParallelLinear, VocabParallelEmbedding, get_tensor_model_parallel_world_size)
@@ -48,9 +50,9 @@ class OPTAttention(nn.Module):
         # same factor applied to the scores is the attention scale.
         self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size] * 3, dim=-1)
-        return self.out_proj(self.attn(q, k, v))
+        return self.out_proj(self.attn(q, k, v, output_rows))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -65,22 +67,25 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = RowParallelLinear(config.ffn_dim, config.hidden_size, bias=bias)
         self.final_layer_norm = _layer_norm(config)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         # Pre-norm: x + f(norm(x)). Post-norm (opt-350m): norm(x + f(x)).
-        residual = hidden_states
+        residual = select_rows(hidden_states, output_rows)
         if self.do_layer_norm_before:
             hidden_states = self.self_attn_layer_norm(hidden_states)
-        hidden_states = residual + self.self_attn(hidden_states)
+        hidden_states = residual + self.self_attn(hidden_states, output_rows)
         if not self.do_layer_norm_before:
             hidden_states = self.self_attn_layer_norm(hidden_states)
 
         residual = hidden_states
         if self.do_layer_norm_before:
             hidden_states = self.final_layer_norm(hidden_states)
-        hidden_states = residual + self.fc2(self.activation_fn(self.fc1(hidden_states)))
+        hidden_states = residual + mlp_in_row_chunks(self._mlp, hidden_states, self.fc1.weight.shape[0])
         if not self.do_layer_norm_before:
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.activation_fn(self.fc1(x)))
 
 
 class OPTDecoder(nn.Module):
@@ -103,8 +108,8 @@ class OPTDecoder(nn.Module):
         if self.project_in is not None:
             inputs_embeds = self.project_in(inputs_embeds)
         hidden_states = inputs_embeds + self.embed_positions(positions)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states)
+        for i, layer in enumerate(self.layers):
+            hidden_states = layer(hidden_states, last_layer_rows(i, len(self.layers)))
         if self.final_layer_norm is not None:
             hidden_states = self.final_layer_norm(hidden_states)
         if self.project_out is not None:
@@ -142,7 +147,7 @@ class OPTForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 (absolute positions) -> final hidden states
-        [T, word_embed_proj_dim]."""
+        [T, word_embed_proj_dim] (only the rows ForwardContext.output_rows when it is set)."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -20,12 +20,13 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
         k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, output_rows))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,10 +1,14 @@
 """Floors of a throughput workload: times no engine can beat on this machine, each from a
 limit measured here, so that an engine's time over each says how far it is from it.
 
-Every engine, raylm and Hugging Face alike, multiplies the same activations by the same
-weights: per layer the q/k/v, output, gate/up and down projections of every prompt token
-(prefill) and of every generated token (decode), and the LM head once per sequence per
-step. The floors:
+The matmuls counted are those the outputs need: per layer the q/k/v, output, gate/up and
+down projections of every prompt token (prefill) and of every generated token (decode),
+except that the last layer's output projection and MLP feed nothing but the logits, so
+they count only for the rows whose logits are read (one per prompt, or one per chunk that
+samples); and the LM head once per sequence per step. raylm runs exactly these
+(`ForwardContext.output_rows`); an engine that runs the last layer on every prompt token
+(vLLM, Hugging Face) does 1 / num_layers more prefill GEMM work than the floor counts. The
+floors:
 
 - GEMMs: those matmuls alone, each shape timed (random tensors, warm caches, nothing else
   running) as `F.linear`, as raylm's oneDNN GEMM on a weight packed once and, for
@@ -65,13 +69,17 @@ def prefill_batches(prompt_lens: list[int], max_num_batched_tokens: int) -> list
 def workload_matmuls(model_config: dict, prompt_lens: list[int], output_len: int,
                      max_num_batched_tokens: int) -> tuple[Counter, Counter]:
     """How many times each (rows, in, out) matmul runs in the workload's prefill steps and
-    in its decode steps."""
+    in its decode steps: every layer's projections on every token, but the last layer's
+    output projection and MLP only on the rows whose logits are read."""
     layers = model_config["num_hidden_layers"]
     lm_head = (model_config["hidden_size"], model_config["vocab_size"])
 
     def step(counts: Counter, num_tokens: int, num_logit_rows: int) -> None:
-        for in_features, out_features in linear_shapes(model_config):
-            counts[(num_tokens, in_features, out_features)] += layers
+        qkv, *after_attention = linear_shapes(model_config)
+        counts[(num_tokens, *qkv)] += layers
+        for in_features, out_features in after_attention:
+            counts[(num_tokens, in_features, out_features)] += layers - 1
+            counts[(num_logit_rows, in_features, out_features)] += 1
         counts[(num_logit_rows, *lm_head)] += 1
 
     prefill: Counter = Counter()

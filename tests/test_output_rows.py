@@ -1,0 +1,118 @@
+"""The last decoder layer runs its attention output projection and MLP on the rows whose
+logits the step reads (`ForwardContext.output_rows`), and the tokens, logprobs and prompt
+logprobs stay Hugging Face's.
+
+The runner is driven by hand as in test_model_runner, on a tiny Llama with three layers;
+a forward hook on each layer's MLP records how many rows reach it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
+from raylm.executors.model_runner import ModelRunner
+from tests.test_model_runner import GREEDY, PROMPTS, _engine_config, _hf_greedy, _prefill, _table
+from tests.tiny_models import build_tiny_model
+
+NUM_LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("three_layer_llama"), "llama", num_hidden_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def runner(model_path):
+    runner = ModelRunner(_engine_config(model_path), rank=0, device="cpu")
+    runner.load_model()
+    runner.initialize_cache(runner.determine_num_available_blocks())
+    return runner
+
+
+@pytest.fixture
+def mlp_rows(runner):
+    """Rows reaching each layer's MLP, one list per layer, appended per forward."""
+    rows: list[list[int]] = [[] for _ in range(NUM_LAYERS)]
+    hooks = [layer.mlp.register_forward_pre_hook(lambda _, args, i=i: rows[i].append(args[0].shape[0]))
+             for i, layer in enumerate(runner.model.model.layers)]
+    yield rows
+    for hook in hooks:
+        hook.remove()
+
+
+@torch.no_grad()
+def _hf_log_softmax(hf_model, prompt: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+
+
+def test_a_prefill_runs_the_last_layers_mlp_on_one_row_per_prompt(runner, mlp_rows, hf_model):
+    out = runner.execute_model(ExecuteModelRequest([_prefill(i, p) for i, p in enumerate(PROMPTS)]))
+    num_tokens = sum(len(p) for p in PROMPTS)
+    assert mlp_rows == [[num_tokens], [num_tokens], [len(PROMPTS)]]
+    for i, prompt in enumerate(PROMPTS):
+        expected = _hf_log_softmax(hf_model, prompt)[-1]
+        assert out.outputs[i].token_id == int(expected.argmax())
+        assert out.outputs[i].logprob == pytest.approx(float(expected.max()), abs=1e-4)
+
+
+def test_prompt_logprob_rows_reach_the_last_layer_after_the_sampled_rows(runner, mlp_rows, hf_model):
+    # Only prompt 1 asks for prompt logprobs: its rows 1.. follow the three sampled rows.
+    scored = PROMPTS[1]
+    params = SamplingParams(temperature=0.0, prompt_logprobs=1, logprobs=0)
+    requests = [_prefill(0, PROMPTS[0]), _prefill(1, scored, params, prompt_logprobs_targets=scored[1:]),
+                _prefill(2, PROMPTS[2])]
+    out = runner.execute_model(ExecuteModelRequest(requests))
+    assert mlp_rows[-1] == [len(PROMPTS) + len(scored) - 1]
+    reference = _hf_log_softmax(hf_model, scored)
+    entries = out.prompt_logprobs[1]
+    assert [e.token_id for e in entries] == scored[1:]
+    for pos, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(reference[pos, scored[pos + 1]].item(), abs=1e-4)
+    assert out.outputs[1].token_id == int(reference[-1].argmax())
+
+
+def test_a_chunk_that_samples_nothing_runs_the_last_layer_on_one_row(runner, mlp_rows, hf_model):
+    # The first chunk of a prompt writes its keys and values in every layer, reads no
+    # logits, and takes one row through the last MLP; the second chunk samples HF's token.
+    prompt = PROMPTS[2]
+    for start, end in ((0, 6), (6, len(prompt))):
+        out = runner.execute_model(ExecuteModelRequest([ScheduledRequest(
+            req_id=0, token_ids=prompt[start:end], num_computed_tokens=start, block_table=_table(0),
+            num_prompt_tokens=len(prompt), sampling_params=GREEDY, do_sample=end == len(prompt))]))
+    assert mlp_rows == [[6, len(prompt) - 6], [6, len(prompt) - 6], [1, 1]]
+    assert out.outputs[0].token_id == _hf_greedy(hf_model, prompt, 1)[0][0]
+
+
+def test_a_mixed_step_keeps_the_decode_rows_and_the_prompts_last_row(runner, mlp_rows, hf_model, monkeypatch):
+    monkeypatch.setenv("RAYLM_CPU_FUSED_DECODE", "0")  # the modules run the decode steps too
+    first, second = PROMPTS[0], PROMPTS[2]
+    out = runner.execute_model(ExecuteModelRequest([_prefill(0, first)]))
+    history = first + [out.outputs[0].token_id]
+    decode = ScheduledRequest(req_id=0, token_ids=[history[-1]], num_computed_tokens=len(history) - 1,
+                              block_table=_table(0), num_prompt_tokens=len(first), sampling_params=GREEDY)
+    out = runner.execute_model(ExecuteModelRequest([decode, _prefill(1, second)]))
+    # Prefill of 7 rows (1 read); then 1 decode row and 10 prompt rows, 2 read.
+    assert mlp_rows == [[len(first), 1 + len(second)], [len(first), 1 + len(second)], [1, 2]]
+    assert [o.token_id for o in out.outputs] == [_hf_greedy(hf_model, first, 2)[0][1],
+                                                 _hf_greedy(hf_model, second, 1)[0][0]]
+
+
+def test_a_decode_step_reads_every_row(runner, mlp_rows, monkeypatch):
+    monkeypatch.setenv("RAYLM_CPU_FUSED_DECODE", "0")
+    out = runner.execute_model(ExecuteModelRequest([_prefill(i, p) for i, p in enumerate(PROMPTS)]))
+    decodes = [ScheduledRequest(req_id=i, token_ids=[o.token_id], num_computed_tokens=len(p),
+                                block_table=_table(i), num_prompt_tokens=len(p), sampling_params=GREEDY)
+               for i, (p, o) in enumerate(zip(PROMPTS, out.outputs))]
+    runner.execute_model(ExecuteModelRequest(decodes))
+    assert [rows[-1] for rows in mlp_rows] == [len(PROMPTS)] * NUM_LAYERS
