@@ -114,6 +114,13 @@ class CpuFusedDecode:
                 return None
             tensors += norms
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                gated = linear.silu_and_mul_weight if linear is mlp.gate_up_proj else None
+                if gated is not None and gated.packed.dtype == dtype and num_tokens <= gated.max_rows:
+                    # The gate_up kernel that applies SiLU-and-mul itself (what MergedColumnParallelLinear.
+                    # silu_and_mul runs): its output has half the projection's features.
+                    tensors += (gated.packed, None)
+                    ints += (gated.kind, linear.weight.shape[0] // 2)
+                    continue
                 kind, weight = cpu_gemm.choose_linear(linear.weight, linear.packed_weight, linear.decode_weight,
                                                       num_tokens, dtype)
                 tensors += (weight, linear.bias)

@@ -34,7 +34,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' for Llama-family models, got {hidden_act!r}.")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       silu_and_mul_follows=True)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
@@ -42,7 +43,10 @@ class LlamaMLP(nn.Module):
         return mlp_in_row_chunks(self._mlp, x, self.gate_up_proj.weight.shape[0])
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        activation = self.gate_up_proj.silu_and_mul(x)  # one kernel for CPU decode batches, else None
+        if activation is None:
+            activation = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(activation)
 
 
 class LlamaAttention(nn.Module):

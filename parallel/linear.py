@@ -101,11 +101,37 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul
     (gate_proj and up_proj): each rank holds [shard of output 0, shard of output 1, ...].
-    shard_id is the index of the projection a checkpoint tensor belongs to."""
+    shard_id is the index of the projection a checkpoint tensor belongs to.
+
+    A gate_up projection that SiLU-and-mul always follows says so (`silu_and_mul_follows`):
+    on a CPU whose decode batches take the AVX-512 kernel it then packs, in place of that
+    kernel's copy, one for the kernel that applies the activation as it stores the products
+    (`cpu_gemm.pack_silu_and_mul_weight`), and `silu_and_mul(x)` runs it."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, gather_output: bool = False,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None, silu_and_mul_follows: bool = False) -> None:
         super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, output_sizes)
+        self.silu_and_mul_follows = (silu_and_mul_follows and not bias and not gather_output
+                                     and len(output_sizes) == 2 and output_sizes[0] == output_sizes[1])
+        self.silu_and_mul_weight: cpu_gemm.DecodeWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        self.silu_and_mul_weight = None
+        if self.silu_and_mul_follows:
+            self.silu_and_mul_weight = cpu_gemm.pack_silu_and_mul_weight(self.weight, self.decode_weight)
+        if self.silu_and_mul_weight is not None:
+            self.decode_weight = None  # the gated copy serves the decode batches
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this rank's projection of x, [..., output_size_per_partition / 2],
+        in one kernel where the gated copy serves x (a CPU decode batch); None elsewhere,
+        where the caller applies the activation to `forward(x)`."""
+        weight = self.silu_and_mul_weight
+        if (weight is None or x.device.type != "cpu" or x.dtype != weight.packed.dtype or x.requires_grad
+                or x.numel() > weight.max_rows * x.shape[-1]):
+            return None
+        return weight.op(x, weight.packed, self.output_size_per_partition // 2)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:

@@ -64,23 +64,32 @@ def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], 
 
 def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
     """Takes the layers' streaming copies away ("onednn") or every packed copy ("dense"), so
-    `cpu_gemm.linear` and the fused op both take that kernel; returns the LINEAR_* kinds the
-    decoder layers' linears may take."""
+    `cpu_gemm.linear` and the fused op both take that kernel, or only gate_up's gated copy
+    ("unfused_gate_up": the AVX-512 kernel's plain copy instead, then silu_and_mul); returns
+    the LINEAR_* kinds the decoder layers' linears may take."""
     for module in model.modules():
         if isinstance(module, LinearBase):
+            gated = getattr(module, "silu_and_mul_weight", None)
+            if kernel == "unfused_gate_up" and gated is not None:
+                plain = cpu_gemm.pack_streaming_weight(module.weight)
+                module.decode_weight = cpu_gemm.DecodeWeight(plain.packed, plain.op, gated.max_rows, plain.kind)
             if kernel in ("onednn", "dense"):
                 module.decode_weight = None
+            if kernel in ("onednn", "dense", "unfused_gate_up"):
+                module.silu_and_mul_weight = None
             if kernel == "dense":
                 module.packed_weight = None
+    every = {cpu_gemm.LINEAR_AVX512, cpu_gemm.LINEAR_AMX, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
     return {"onednn": {cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE},  # fp32 may time oneDNN slower
-            "dense": {cpu_gemm.LINEAR_DENSE}}.get(kernel, set(range(4)))
+            "dense": {cpu_gemm.LINEAR_DENSE},
+            "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL})
 
 
 def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
     return runner.model.model.fused_decode
 
 
-@pytest.mark.parametrize("kernel", ["as_loaded", "onednn", "dense"])
+@pytest.mark.parametrize("kernel", ["as_loaded", "unfused_gate_up", "onednn", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, kernel, monkeypatch):
@@ -96,6 +105,13 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
     assert calls == STEPS - 1  # every decode step, not the prefill
     used = {kind for _, ints in fused._args.values() for kind in ints[0::2]}
     assert used and used <= kinds
+    if kernel == "as_loaded" and cpu_gemm.avx512_linear_enabled(dtype) and not (
+            dtype == torch.bfloat16 and cpu_gemm.amx_linear_enabled()):
+        # gate_up_proj takes the gated kernel wherever it takes the AVX-512 one
+        gate_up_kinds = {ints[4] for _, ints in fused._args.values()}
+        assert gate_up_kinds <= {cpu_gemm.LINEAR_AVX512_SILU_MUL, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
+        if dtype == torch.bfloat16:  # bf16 takes the streaming kernel without timing it
+            assert gate_up_kinds == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
 
     monkeypatch.setenv(cpu_fused_decode.ENV_VAR, "0")
     fused.reset()

@@ -156,3 +156,68 @@ def test_huge_pages_can_be_switched_off(monkeypatch):
     assert mapping is not None and "hg" not in mapping["VmFlags"].split()
     x = torch.randn(5, 1030, generator=gen).to(torch.bfloat16)
     assert_matches_float64(torch.ops.raylm.avx512_linear(x, packed, 1100, None), x, w, None)
+
+
+def silu_and_mul_float64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    projected = x.double() @ w.double().T
+    gate, up = projected.chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,d", [(1, 32, 32), (5, 100, 37), (13, 33, 200), (64, 256, 80), (7, 1100, 70),
+                                   (64, 1024, 2816)])
+def test_the_gated_kernel_is_the_linear_then_silu_and_mul_bit_for_bit(dtype, m, k, d):
+    # The gate_up kernel with SiLU-and-mul in its epilogue (avx512_linear_silu_mul on the gated
+    # packing: 32 gate and 32 up columns a panel) gives what avx512_linear then silu_and_mul
+    # give: the same products, rounded to the dtype, through the same vsilu. silu_and_mul's
+    # scalar tail (past the last 16 of each row) is another formula: there, float64's result.
+    usable_or_skip(dtype)
+    gen = torch.Generator().manual_seed(m * 10_000 + k * 10 + d)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(2 * d, k, generator=gen) / k ** 0.5).to(dtype)
+    gated = torch.ops.raylm.avx512_linear_silu_mul(x, torch.ops.raylm.avx512_pack_gated_weight(w), d)
+    two_ops = torch.ops.raylm.silu_and_mul(torch.ops.raylm.avx512_linear(x, torch.ops.raylm.avx512_pack_weight(w),
+                                                                         2 * d, None))
+    assert gated.shape == (m, d) and gated.dtype == dtype
+    vector_part = d // 16 * 16
+    assert torch.equal(gated[:, :vector_part], two_ops[:, :vector_part])
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(gated.double(), silu_and_mul_float64(x, w), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_layers_of_decode_batches_run_the_gated_kernel(dtype):
+    # MergedColumnParallelLinear with silu_and_mul_follows packs the gated copy in place of the
+    # decode kernel's, up to the rows that copy took; larger batches get None (the caller runs
+    # the projection and the activation), as does a layer not followed by SiLU-and-mul.
+    from raylm.parallel.linear import MergedColumnParallelLinear
+
+    usable_or_skip(dtype)
+    if cpu_gemm.amx_linear_enabled() and dtype == torch.bfloat16:
+        pytest.skip("bf16 decode batches take the AMX kernel here")
+    gen = torch.Generator().manual_seed(5)
+    layers = {}
+    for follows in (True, False):
+        layer = MergedColumnParallelLinear(64, [96, 96], params_dtype=dtype, silu_and_mul_follows=follows)
+        layer.weight.data.copy_(torch.randn(192, 64, generator=gen).to(dtype) / 8)
+        layer.process_weights_after_loading()
+        layers[follows] = layer
+    gated, plain = layers[True], layers[False]
+    assert plain.silu_and_mul_weight is None and plain.silu_and_mul(torch.randn(2, 64).to(dtype)) is None
+    if gated.silu_and_mul_weight is None:  # fp32 timed the decode kernel slower here: nothing to fuse
+        assert dtype == torch.float32 and gated.decode_weight is None
+        return
+    assert gated.decode_weight is None and gated.silu_and_mul_weight.kind == cpu_gemm.LINEAR_AVX512_SILU_MUL
+    for rows in (1, gated.silu_and_mul_weight.max_rows):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(gated.silu_and_mul(x).double(), silu_and_mul_float64(x, gated.weight),
+                                   rtol=tolerance, atol=tolerance)
+    assert gated.silu_and_mul(torch.randn(gated.silu_and_mul_weight.max_rows + 1, 64).to(dtype)) is None
+
+
+def test_a_gated_weight_of_an_odd_row_count_is_refused():
+    usable_or_skip(torch.float32)
+    with pytest.raises(RuntimeError, match=r"\[2d, in_features\]"):
+        torch.ops.raylm.avx512_pack_gated_weight(torch.randn(7, 32))

@@ -54,12 +54,12 @@ def hf_model(model_path):
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
 
 
-def _prefill_logprobs(model_path, gate_up_rows: list[int]) -> list[tuple[int, float]]:
+def _prefill_logprobs(model_path, mlp_rows: list[int]) -> list[tuple[int, float]]:
     runner = ModelRunner(_engine_config(model_path), rank=0, device="cpu")
     runner.load_model()
     runner.initialize_cache(runner.determine_num_available_blocks())
     first_layer = runner.model.model.layers[0]
-    first_layer.mlp.gate_up_proj.register_forward_pre_hook(lambda _, args: gate_up_rows.append(args[0].shape[0]))
+    first_layer.mlp.down_proj.register_forward_pre_hook(lambda _, args: mlp_rows.append(args[0].shape[0]))
     out = runner.execute_model(ExecuteModelRequest([_prefill(i, p) for i, p in enumerate(PROMPTS)]))
     return [(o.token_id, o.logprob) for o in out.outputs]
 

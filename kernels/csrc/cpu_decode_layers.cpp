@@ -17,12 +17,14 @@
 //   qkv = linear(hidden); rotary on q and k (in place); write k, v to the layer's cache slots;
 //   attn = paged_decode_attention(q); hidden = linear(attn)
 //   residual += hidden; hidden = rms_norm(residual); hidden = linear(silu_and_mul(linear(hidden)))
+//   (the inner two as one avx512_linear_silu_mul where gate_up_proj has the gated copy)
 // and returns (hidden, residual) after the last layer.
 //
 // Per layer, `tensors` holds kTensorsPerLayer entries, in this order: input_layernorm weight,
 // post_attention_layernorm weight, then (weight, bias or None) for qkv_proj, o_proj,
 // gate_up_proj and down_proj, then k_cache and v_cache. `ints` holds, per layer, the kernel
-// (LinearKind) and out_features of each of the four linears. The caller chooses each linear's
+// (LinearKind) and out_features of each of the four linears (for kAvx512SiluMul, the d of
+// its [T, d] output). The caller chooses each linear's
 // kernel and weight copy for this batch size exactly as parallel/cpu_gemm.linear would.
 //
 // `hidden` (it becomes the residual, added to in place) and the KV caches are written in place;
@@ -41,8 +43,9 @@
 
 namespace {
 
-// parallel/cpu_gemm.py's LINEAR_* constants.
-enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3 };
+// parallel/cpu_gemm.py's LINEAR_* constants. kAvx512SiluMul is gate_up_proj only: the AVX-512
+// kernel on its gated copy, whose output is silu(gate) * up.
+enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx512SiluMul = 4 };
 
 constexpr int64_t kTensorsPerLayer = 12;
 constexpr int64_t kIntsPerLayer = 8;
@@ -148,8 +151,15 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     hidden = linear(kinds[2], attn.reshape({T, q_size}), *slots[4], kinds[3], slots[5]);
     // MLP block.
     op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
-    at::Tensor gate_up = linear(kinds[4], hidden, *slots[6], kinds[5], slots[7]);
-    hidden = linear(kinds[6], op.silu_and_mul.call(gate_up), *slots[8], kinds[7], slots[9]);
+    at::Tensor activation;
+    if (kinds[4] == kAvx512SiluMul) {
+      static const auto gated = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>(
+          "raylm::avx512_linear_silu_mul");
+      activation = gated.call(hidden, *slots[6], kinds[5]);
+    } else {
+      activation = op.silu_and_mul.call(linear(kinds[4], hidden, *slots[6], kinds[5], slots[7]));
+    }
+    hidden = linear(kinds[6], activation, *slots[8], kinds[7], slots[9]);
   }
   return {hidden, residual};
 }

@@ -168,6 +168,42 @@ void store_row(const float* c, const float* bias, int64_t cols, uint16_t* out) {
 #endif
 }
 
+// The gated epilogue (avx512_linear_silu_mul): a panel's 64 columns are 32 gate columns then
+// the 32 up columns of the same outputs, and out[0:cols] = silu(gate) * up. Each half is
+// first rounded to out's dtype, as avx512_linear's output would be before silu_and_mul
+// (cpu_ops.cpp) reads it, and the same vsilu follows: the pair gives those two ops' result
+// bit for bit (but in silu_and_mul's scalar tail, past the last 16 of a row of d % 16 != 0).
+inline __m512 as_stored(__m512 v, float) { return v; }
+
+inline __m512 as_stored(__m512 v, uint16_t) {
+#if RAYLM_AVX512_BF16
+  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+  return v;
+#endif
+}
+
+inline void store_masked(float* out, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(out, mask, v); }
+
+inline void store_masked(uint16_t* out, __mmask16 mask, __m512 v) {  // vstore's rounding (vcvtneps2bf16)
+#if RAYLM_AVX512_BF16
+  _mm256_mask_storeu_epi16(out, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#endif
+}
+
+template <typename T>
+void store_silu_mul_row(const float* c, int64_t cols, T* out) {
+  const __m512 zero = _mm512_setzero_ps();  // avx512_linear's bias without one: -0 + 0 is +0
+  for (int j = 0; j < 2; ++j) {
+    const int64_t left = std::clamp<int64_t>(cols - 16 * j, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+    const __m512 gate = as_stored(_mm512_add_ps(_mm512_loadu_ps(c + 16 * j), zero), T{});
+    const __m512 up = as_stored(_mm512_add_ps(_mm512_loadu_ps(c + kPanelN / 2 + 16 * j), zero), T{});
+    store_masked(out + 16 * j, mask, vmul(vsilu(gate), up));
+  }
+}
+
 // The part of the next block that row group `group` of `groups` prefetches. The block being
 // multiplied came in while the previous one was (except a thread's first, which the first
 // group reads from memory), so groups 1-4 bring in the next one, a quarter each (fetching it
@@ -181,8 +217,9 @@ Prefetch prefetch_share(const char* next_block, int64_t group, int64_t groups) {
 }
 
 // The whole GEMM for x [M, K] (rows x_stride apart, K contiguous; bf16 rows padded to an
-// even K) into out [M, N] contiguous.
-template <typename T>
+// even K) into out [M, N] contiguous; with kSiluMul, N is d, the packed weight is gated
+// (avx512_pack_gated_weight: ceil(d / 32) panels) and out [M, d] gets silu(gate) * up.
+template <typename T, bool kSiluMul = false>
 void linear_panels(const T* x, int64_t x_stride, int64_t M, int64_t K, const T* packed, int64_t N,
                    const float* bias, T* out) {
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
@@ -190,7 +227,8 @@ void linear_panels(const T* x, int64_t x_stride, int64_t M, int64_t K, const T* 
   constexpr int64_t kKPerStep = kBf16 ? 2 : 1;
   const int64_t steps = steps_of(K, kBf16);
   const int64_t panel_elements = steps * kStepElements;
-  const int64_t n_panels = round_up(N, kPanelN) / kPanelN;
+  const int64_t panel_outputs = kSiluMul ? kPanelN / 2 : kPanelN;
+  const int64_t n_panels = round_up(N, panel_outputs) / panel_outputs;
   const int64_t row_groups = (M + kRows - 1) / kRows;
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(M * kPanelN);
@@ -210,8 +248,14 @@ void linear_panels(const T* x, int64_t x_stride, int64_t M, int64_t K, const T* 
                                c.data() + m0 * kPanelN, s0 > 0, prefetch_share(next, group, row_groups));
         }
       }
-      const int64_t n0 = p * kPanelN, cols = std::min(kPanelN, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_row(c.data() + m * kPanelN, bias + n0, cols, out + m * N + n0);
+      const int64_t n0 = p * panel_outputs, cols = std::min(panel_outputs, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        if constexpr (kSiluMul) {
+          store_silu_mul_row(c.data() + m * kPanelN, cols, out + m * N + n0);
+        } else {
+          store_row(c.data() + m * kPanelN, bias + n0, cols, out + m * N + n0);
+        }
+      }
     }
   });
 }
@@ -228,15 +272,17 @@ void check_dtype(const char* op, at::ScalarType dtype) {
   TORCH_CHECK(avx512_linear_available(dtype), "raylm::", op, ": this build or CPU has no AVX-512 kernel for ", dtype);
 }
 
-// w [N, K] -> the panels described at the top, [n_panels, steps, 256 bytes] in w's dtype.
-at::Tensor avx512_pack_weight(const at::Tensor& weight_in) {
+// weight [*, K] -> n_panels panels as described at the top, [n_panels, steps, 256 bytes] in
+// the weight's dtype, column j of panel p holding weight row source_row(p, j) (zeros where
+// that is negative).
+template <typename SourceRow>
+at::Tensor pack_panels(const char* op, const at::Tensor& weight_in, int64_t n_panels, SourceRow source_row) {
   TORCH_CHECK(weight_in.device().is_cpu() && weight_in.dim() == 2,
-              "raylm::avx512_pack_weight takes a 2-D CPU weight [out_features, in_features]");
-  check_dtype("avx512_pack_weight", weight_in.scalar_type());
+              "raylm::", op, " takes a 2-D CPU weight [out_features, in_features]");
+  check_dtype(op, weight_in.scalar_type());
   const at::Tensor weight = weight_in.contiguous();
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  const int64_t N = weight.size(0), K = weight.size(1), steps = steps_of(K, bf16);
-  const int64_t n_panels = round_up(N, kPanelN) / kPanelN;
+  const int64_t K = weight.size(1), steps = steps_of(K, bf16);
   const int64_t element = weight.element_size(), step_elements = kStepBytes / element;
   at::Tensor packed = zeros_on_huge_pages({n_panels, steps, step_elements}, weight.options());
   const char* w = static_cast<const char*>(weight.data_ptr());
@@ -244,8 +290,9 @@ at::Tensor avx512_pack_weight(const at::Tensor& weight_in) {
   const int64_t k_per_step = bf16 ? 2 : 1;
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t j = 0; j < kPanelN && p * kPanelN + j < N; ++j) {
-        const int64_t n = p * kPanelN + j;
+      for (int64_t j = 0; j < kPanelN; ++j) {
+        const int64_t n = source_row(p, j);
+        if (n < 0) continue;
         for (int64_t k = 0; k < K; ++k) {
           const int64_t s = k / k_per_step, h = k % k_per_step;
           std::memcpy(out + ((p * steps + s) * step_elements + j * k_per_step + h) * element,
@@ -257,28 +304,52 @@ at::Tensor avx512_pack_weight(const at::Tensor& weight_in) {
   return packed;
 }
 
-// x [..., K] fp32 or bf16, packed from avx512_pack_weight of W [N, K] of x's dtype, bias [N]
-// fp32 or x's dtype or None: returns x W^T + bias [..., N] in x's dtype.
-at::Tensor avx512_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
-                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1, "raylm::avx512_linear takes CPU activations [..., K]");
+// w [N, K] -> the panels described at the top.
+at::Tensor avx512_pack_weight(const at::Tensor& weight) {
+  const int64_t N = weight.dim() == 2 ? weight.size(0) : 0;
+  return pack_panels("avx512_pack_weight", weight, round_up(N, kPanelN) / kPanelN,
+                     [N](int64_t p, int64_t j) { return p * kPanelN + j < N ? p * kPanelN + j : -1; });
+}
+
+// w [2d, K], gate_proj's d rows then up_proj's (a gate_up projection) -> ceil(d / 32) panels,
+// panel p holding gate rows [32 p, 32 p + 32) in its first 32 columns and the up rows of the
+// same outputs in its last 32, for avx512_linear_silu_mul.
+at::Tensor avx512_pack_gated_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0,
+              "raylm::avx512_pack_gated_weight takes a weight [2d, in_features] (gate rows, then up rows)");
+  const int64_t d = weight.size(0) / 2, half = kPanelN / 2;
+  return pack_panels("avx512_pack_gated_weight", weight, round_up(d, half) / half, [d, half](int64_t p, int64_t j) {
+    const int64_t output = p * half + j % half;
+    return output < d ? output + (j < half ? 0 : d) : -1;
+  });
+}
+
+// The GEMM of x [..., K] by a packed weight of n_panels panels into out [..., N] (N outputs:
+// the weight's rows, or with kSiluMul the gated weight's d), checking what the op was given.
+template <bool kSiluMul>
+at::Tensor run_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                      int64_t n_panels, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1, "raylm::", op, " takes CPU activations [..., K]");
   const at::ScalarType dtype = x_in.scalar_type();
-  check_dtype("avx512_linear", dtype);
+  check_dtype(op, dtype);
   const bool bf16 = dtype == at::kBFloat16;
   const int64_t K = x_in.size(-1), steps = steps_of(K, bf16);
-  const int64_t n_panels = round_up(N, kPanelN) / kPanelN;
   TORCH_CHECK(N >= 0 && packed.scalar_type() == dtype && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == n_panels && packed.size(1) == steps && packed.size(2) == kStepBytes / x_in.element_size(),
-              "raylm::avx512_linear: the packed weight does not match K = ", K, ", N = ", N, " and ", dtype);
+              "raylm::", op, ": the packed weight does not match K = ", K, ", N = ", N, " and ", dtype);
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() &&
                                     (bias->scalar_type() == dtype || bias->scalar_type() == at::kFloat)),
-              "raylm::avx512_linear: bias must be [N] fp32 or of x's dtype");
+              "raylm::", op, ": bias must be [N] fp32 or of x's dtype");
   std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
   out_sizes.back() = N;
   at::Tensor out = at::empty(out_sizes, x_in.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t M = x_in.numel() / std::max<int64_t>(K, 1);
   if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_().add_(bias.has_value() ? *bias : at::zeros({N}, out.options()));
+  if (K == 0) {  // every product is zero
+    out.zero_();
+    if constexpr (!kSiluMul) out.add_(bias.has_value() ? *bias : at::zeros({N}, out.options()));
+    return out;
+  }
 #if RAYLM_AVX512_FP32
   // Rows with K contiguous; bf16 rows of odd K are copied with a zero appended, so the
   // kernel's last k pair reads a zero against the packed weight's zero.
@@ -297,17 +368,32 @@ at::Tensor avx512_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
   }
   if (bf16) {
 #if RAYLM_AVX512_BF16
-    linear_panels<uint16_t>(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K,
-                            static_cast<const uint16_t*>(packed.data_ptr()), N, bias_f32.data(),
-                            static_cast<uint16_t*>(out.data_ptr()));
+    linear_panels<uint16_t, kSiluMul>(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K,
+                                      static_cast<const uint16_t*>(packed.data_ptr()), N, bias_f32.data(),
+                                      static_cast<uint16_t*>(out.data_ptr()));
 #endif
   } else {
-    linear_panels<float>(static_cast<const float*>(x.data_ptr()), x.stride(0), M, K,
-                         static_cast<const float*>(packed.data_ptr()), N, bias_f32.data(),
-                         static_cast<float*>(out.data_ptr()));
+    linear_panels<float, kSiluMul>(static_cast<const float*>(x.data_ptr()), x.stride(0), M, K,
+                                   static_cast<const float*>(packed.data_ptr()), N, bias_f32.data(),
+                                   static_cast<float*>(out.data_ptr()));
   }
 #endif
   return out;
+}
+
+// x [..., K] fp32 or bf16, packed from avx512_pack_weight of W [N, K] of x's dtype, bias [N]
+// fp32 or x's dtype or None: returns x W^T + bias [..., N] in x's dtype.
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const c10::optional<at::Tensor>& bias) {
+  return run_linear<false>("avx512_linear", x, packed, N, round_up(N, kPanelN) / kPanelN, bias);
+}
+
+// x [..., K] fp32 or bf16, packed from avx512_pack_gated_weight of a gate_up weight [2d, K]:
+// returns silu(x Wg^T) * (x Wu^T) [..., d] in x's dtype, what avx512_linear and then
+// silu_and_mul give, in one pass that never writes the [..., 2d] projection out.
+at::Tensor avx512_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t d) {
+  return run_linear<true>("avx512_linear_silu_mul", x, packed, d, round_up(d, kPanelN / 2) / (kPanelN / 2),
+                          c10::nullopt);
 }
 
 }  // namespace
@@ -315,10 +401,14 @@ at::Tensor avx512_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("avx512_linear_available(ScalarType dtype) -> bool", &avx512_linear_available);  // no tensors: one kernel
   m.def("avx512_pack_weight(Tensor weight) -> Tensor");
+  m.def("avx512_pack_gated_weight(Tensor weight) -> Tensor");
   m.def("avx512_linear(Tensor x, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("avx512_linear_silu_mul(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("avx512_pack_weight", &avx512_pack_weight);
+  m.impl("avx512_pack_gated_weight", &avx512_pack_gated_weight);
   m.impl("avx512_linear", &avx512_linear);
+  m.impl("avx512_linear_silu_mul", &avx512_linear_silu_mul);
 }

@@ -74,14 +74,6 @@ void rms_norm_kernel(scalar_t* out, const scalar_t* x, const weight_t* weight, i
   });
 }
 
-// silu(x) = x * sigmoid(x), with e = exp(-|x|) <= 1 so nothing overflows: sigmoid is
-// 1 / (1 + e) for x >= 0 and e / (1 + e) below.
-inline vfloat vsilu(vfloat x) {
-  const vfloat e = vexp2_nonpositive(vmul(vneg_abs(x), vset1(1.44269504088896341f)));
-  const vfloat inv = vreciprocal(vadd(vset1(1.0f), e));
-  return vmul(x, vselect_greater(vset1(0.0f), x, vmul(e, inv), inv));
-}
-
 template <typename scalar_t>
 void silu_and_mul_kernel(scalar_t* out, const scalar_t* x, int64_t T, int64_t d) {
   at::parallel_for(0, T, grain_rows(2 * d), [&](int64_t begin, int64_t end) {

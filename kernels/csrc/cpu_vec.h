@@ -260,4 +260,13 @@ inline vfloat vselect_greater(vfloat a, vfloat b, vfloat if_greater, vfloat othe
 inline vfloat vexp2_nonpositive(vfloat x) { return exp2_nonpositive(x); }
 #endif
 
+// silu(x) = x * sigmoid(x), with e = exp(-|x|) <= 1 so nothing overflows: sigmoid is
+// 1 / (1 + e) for x >= 0 and e / (1 + e) below. Shared by silu_and_mul (cpu_ops.cpp) and the
+// AVX-512 GEMM's fused epilogue (cpu_gemm_avx512.cpp), which must agree bit for bit.
+inline vfloat vsilu(vfloat x) {
+  const vfloat e = vexp2_nonpositive(vmul(vneg_abs(x), vset1(1.44269504088896341f)));
+  const vfloat inv = vreciprocal(vadd(vset1(1.0f), e));
+  return vmul(x, vselect_greater(vset1(0.0f), x, vmul(e, inv), inv));
+}
+
 }  // namespace raylm
