@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,3 +42,27 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def for_rows(self, rows: list[int]) -> AttentionMetadata:
+        """This step's attention from the packed rows `rows` alone, in that order: each is a
+        one-token query at its own position p attending to the first p + 1 tokens of its
+        sequence, all in the cache once the step's keys and values are written. What a layer
+        needs whose outputs are read at those rows only (the last decoder layer)."""
+        starts = list(itertools.accumulate(self.query_lens_list, initial=0))
+        seqs: list[int] = []
+        seq_lens: list[int] = []
+        for row in rows:
+            seq = bisect.bisect_right(starts, row) - 1
+            seqs.append(seq)
+            seq_lens.append(self.seq_lens_list[seq] - self.query_lens_list[seq] + (row - starts[seq]) + 1)
+        device = self.seq_lens.device
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.index_select(0, torch.tensor(rows, dtype=torch.long, device=device)),
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=self.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=device)),
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            query_lens_list=[1] * len(rows),
+            seq_lens_list=seq_lens,
+        )

@@ -48,3 +48,19 @@ class Attention(nn.Module):
             out = self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
         # The kernels attend for every query row; the last layer's is 1 / num_layers of them.
         return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)
+
+    def forward_rows(self, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """What forward(q, k, v, output_rows) returns, [R, Hq * D], from the queries of the
+        output rows alone (q_rows [R, Hq * D], rows ForwardContext.output_rows): every row's k
+        and v [T, Hkv * D] are cached, then each output row attends as a one-token query at
+        its position (`AttentionMetadata.for_rows`). Needs the step's attention metadata."""
+        context = get_forward_context()
+        assert context.attn_metadata is not None and self.kv_cache is not None
+        num_tokens, num_rows = k.shape[0], q_rows.shape[0]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        k_cache, v_cache = self.kv_cache
+        self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, context.attn_metadata.slot_mapping)
+        q = q_rows.view(num_rows, self.num_heads, self.head_size)
+        out = self.attn_backend.paged_attention(q, k_cache, v_cache, context.output_rows_metadata(), self.scale)
+        return out.reshape(num_rows, self.num_heads * self.head_size)

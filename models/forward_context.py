@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,16 @@ class ForwardContext:
     # alone: in a prefill step of whole prompts that is one row per prompt, and skips
     # about 1 / num_layers of the step's GEMM work.
     output_rows: torch.Tensor | None = None
+    _output_rows_metadata: AttentionMetadata | None = field(default=None, repr=False)
+
+    def output_rows_metadata(self) -> AttentionMetadata:
+        """attn_metadata.for_rows(output_rows): attention from the output rows alone, for a
+        last layer that computes queries for those rows only. Built at the first call of the
+        step (the last layer's), kept for the rest of it."""
+        assert self.attn_metadata is not None and self.output_rows is not None
+        if self._output_rows_metadata is None:
+            self._output_rows_metadata = self.attn_metadata.for_rows(self.output_rows.tolist())
+        return self._output_rows_metadata
 
 
 _forward_context = ForwardContext()

@@ -25,6 +25,7 @@ from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parame
 from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
+from raylm.parallel.linear import LinearOutputSlice
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +66,38 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5, self.num_kv_heads)
+        # The q and the k/v parts of qkv_proj, packed apart (`prepare_output_row_projections`),
+        # for a last layer whose outputs are read at a few rows only.
+        self.output_row_projections: tuple[LinearOutputSlice, LinearOutputSlice] | None = None
+
+    def prepare_output_row_projections(self) -> None:
+        """Packs the q and the k/v rows of qkv_proj apart, so that forward with output_rows
+        projects queries for those rows only (the model's last layer calls this at load)."""
+        self.output_row_projections = (LinearOutputSlice(self.qkv_proj, 0, self.q_size),
+                                       LinearOutputSlice(self.qkv_proj, self.q_size, 2 * self.kv_size))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or the rows output_rows (ForwardContext.output_rows)."""
+        if (output_rows is not None and self.output_row_projections is not None and type(self.attn) is Attention
+                and get_forward_context().attn_metadata is not None):
+            return self._forward_output_rows(positions, hidden_states, output_rows)
         qk, v = self.qkv_proj(hidden_states).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, output_rows))
+
+    def _forward_output_rows(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                             output_rows: torch.Tensor) -> torch.Tensor:
+        """forward's result for the output rows, with keys and values projected (and cached)
+        for every row, as later tokens attend to them, but queries and attention for the
+        output rows alone: a prefill step of whole prompts so skips the last layer's query
+        projection and prefill attention on all but one row per prompt."""
+        q_proj, kv_proj = self.output_row_projections
+        k, v = kv_proj(hidden_states).split([self.kv_size, self.kv_size], dim=-1)
+        k = self.rotary_emb.rotate(positions, k)
+        q = self.rotary_emb.rotate(positions.index_select(0, output_rows),
+                                   q_proj(hidden_states.index_select(0, output_rows)))
+        return self.o_proj(self.attn.forward_rows(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -116,6 +142,10 @@ class LlamaModel(nn.Module):
     def process_weights_after_loading(self) -> None:
         if self.fused_decode is not None:
             self.fused_decode.reset()  # it holds the layers' packed weights of the last load
+        last = self.layers[-1].self_attn if len(self.layers) else None
+        if (isinstance(last, LlamaAttention) and type(last).forward is LlamaAttention.forward
+                and type(last.attn) is Attention):
+            last.prepare_output_row_projections()  # its outputs are read at the output rows only
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

@@ -55,6 +55,23 @@ class LinearBase(nn.Module):
         return cpu_gemm.linear(x, self.weight, self.packed_weight, bias, self.decode_weight)
 
 
+class LinearOutputSlice:
+    """Output features [start, start + size) of a loaded linear layer (its weight rows and
+    bias entries on this rank), packed for the CPU GEMM as the layer's own weight is: for
+    computing part of a layer's output, on rows where the rest is not read. Not a module:
+    it holds no parameters of its own, only views of the layer's and packed copies, so it
+    must be made again when the layer's weights are loaded again."""
+
+    def __init__(self, layer: LinearBase, start: int, size: int) -> None:
+        self.weight = layer.weight.detach().narrow(0, start, size)
+        self.bias = None if layer.bias is None else layer.bias.detach().narrow(0, start, size)
+        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
+        self.decode_weight = cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.packed_weight, self.bias, self.decode_weight)
+
+
 class ReplicatedLinear(LinearBase):
     """The whole weight on every rank."""
 

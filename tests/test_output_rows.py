@@ -116,3 +116,64 @@ def test_a_decode_step_reads_every_row(runner, mlp_rows, monkeypatch):
                for i, (p, o) in enumerate(zip(PROMPTS, out.outputs))]
     runner.execute_model(ExecuteModelRequest(decodes))
     assert [rows[-1] for rows in mlp_rows] == [len(PROMPTS)] * NUM_LAYERS
+
+
+class _Recorder:
+    """Stands in for a LinearOutputSlice and records how many rows each call projects."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.rows = inner, []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_last_layer_projects_queries_and_attends_for_the_output_rows_only(model_path, hf_model, backend):
+    # Keys and values of every prompt row reach the cache (the second chunk's attention
+    # reads them); queries, rotary and attention of the last layer only for the read rows:
+    # one per prompt, then the decode row and the second prompt's last. The whole qkv_proj
+    # of the last layer never runs. Tokens and logprobs stay Hugging Face's.
+    config = _engine_config(model_path)
+    config.model_config.attention_backend = backend
+    runner = ModelRunner(config, rank=0, device="cpu")
+    runner.load_model()
+    runner.initialize_cache(runner.determine_num_available_blocks())
+    last = runner.model.model.layers[-1].self_attn
+    q_proj, kv_proj = (_Recorder(p) for p in last.output_row_projections)
+    last.output_row_projections = (q_proj, kv_proj)
+    whole_qkv_calls: list[int] = []
+    last.qkv_proj.register_forward_pre_hook(lambda _, args: whole_qkv_calls.append(args[0].shape[0]))
+
+    first, second = PROMPTS[0], PROMPTS[2]
+    out = runner.execute_model(ExecuteModelRequest([_prefill(0, first), _prefill(1, PROMPTS[1])]))
+    history = first + [out.outputs[0].token_id]
+    decode = ScheduledRequest(req_id=0, token_ids=[history[-1]], num_computed_tokens=len(history) - 1,
+                              block_table=_table(0), num_prompt_tokens=len(first), sampling_params=GREEDY)
+    mixed = runner.execute_model(ExecuteModelRequest([decode, _prefill(2, second)]))
+    assert q_proj.rows == [2, 2]
+    assert kv_proj.rows == [len(first) + len(PROMPTS[1]), 1 + len(second)]
+    assert whole_qkv_calls == []
+    for prompt, o in zip((first, PROMPTS[1]), out.outputs):
+        expected = _hf_log_softmax(hf_model, prompt)[-1]
+        assert o.token_id == int(expected.argmax()) and o.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    for prompt, o in zip((history, second), mixed.outputs):
+        expected = _hf_log_softmax(hf_model, prompt)[-1]
+        assert o.token_id == int(expected.argmax()) and o.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+
+
+def test_rows_metadata_attends_each_row_at_its_own_position():
+    # Two sequences: 3 new tokens after 5 cached, then 4 new after none. Packed rows 1
+    # (first sequence, position 6) and 6 (second sequence, position 3) attend to 7 and 4
+    # tokens of their own sequence's table, as one-token queries.
+    from raylm.kernels.attention_metadata import AttentionMetadata
+
+    md = AttentionMetadata(slot_mapping=torch.arange(7), query_start_loc=torch.tensor([0, 3, 7], dtype=torch.int32),
+                           seq_lens=torch.tensor([8, 4], dtype=torch.int32),
+                           block_tables=torch.tensor([[3, 4], [9, 0]], dtype=torch.int32), max_query_len=4,
+                           max_seq_len=8, query_lens_list=[3, 4], seq_lens_list=[8, 4])
+    rows = md.for_rows([1, 6])
+    assert rows.seq_lens_list == [7, 4] and rows.seq_lens.tolist() == [7, 4]
+    assert rows.block_tables.tolist() == [[3, 4], [9, 0]] and rows.query_start_loc.tolist() == [0, 1, 2]
+    assert rows.slot_mapping.tolist() == [1, 6] and rows.is_decode_only and rows.max_seq_len == 7
