@@ -74,9 +74,11 @@ class KVCacheManager:
         """Makes the request's blocks cover its computed tokens, the cache hit
         `new_computed_blocks` (from `get_computed_blocks`, on admission) and `num_new_tokens`
         more. Returns the fresh blocks, or None (nothing changed) when the pool is short."""
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if not new_computed_blocks and self._covers(request, total_tokens):
+            return []  # a decode step inside its last block: most calls, on the driver's critical path
         new_computed_blocks = new_computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
-        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = -(-total_tokens // self.block_size) - len(held) - len(new_computed_blocks)
         # A hit on a free block takes it out of the free queue: it cannot also be handed out.
         num_hits_on_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -92,6 +94,15 @@ class KVCacheManager:
             # it; within the step, every layer writes all new KV before it attends.
             self._cache_full_blocks(request, held, min(total_tokens, request.num_tokens) // self.block_size)
         return new_blocks
+
+    def _covers(self, request: Request, total_tokens: int) -> bool:
+        """Whether the request's blocks already hold total_tokens and caching has nothing new
+        to register: what allocate_slots would find, with no block to hand out or cache."""
+        held = self.req_to_blocks.get(request.request_id)
+        if held is None or total_tokens > len(held) * self.block_size:
+            return False
+        return (not self.enable_caching or min(total_tokens, request.num_tokens) // self.block_size
+                <= self._num_cached_blocks.get(request.request_id, 0))
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks, last first (see `BlockPool.free_blocks`); a request
