@@ -85,6 +85,9 @@ _amx_usable: bool | None = None
 # Tokens up to which the AVX-512 kernel is taken: at 256 it measured level with oneDNN (weights
 # cold) on a Zen 4 EPYC, at 2048 3-4% slower.
 AVX512_MAX_ROWS = 256
+# (out_features, in_features) of a timed fp32 gate_up shape -> the most rows up to which the
+# gated AVX-512 kernel (SiLU-and-mul in its epilogue) is taken (0: never).
+_fp32_silu_and_mul_max_rows: dict[tuple[int, int], int] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
 
@@ -277,18 +280,64 @@ def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor |
     return decode
 
 
-def pack_silu_and_mul_weight(weight: torch.Tensor, decode_weight: DecodeWeight | None) -> DecodeWeight | None:
-    """For a gate_up weight [2d, in_features] (gate rows, then up rows) whose streaming copy
-    `decode_weight` is the AVX-512 kernel's: the same weight packed for
-    `avx512_linear_silu_mul`, which takes the same rows and returns silu(gate) * up [.., d]
-    from the products still in registers, bit for bit what the kernel and `silu_and_mul`
-    give, without writing the [.., 2d] projection out and reading it back (the ~100M
-    Llama's decode MLP: ~80 us a layer a step on a Zen 4 EPYC); None elsewhere (AMX, oneDNN,
-    F.linear keep the two steps). A snapshot, as pack_linear_weight's."""
-    if decode_weight is None or decode_weight.kind != LINEAR_AVX512 or weight.shape[0] % 2:
+def maybe_pack_silu_and_mul_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None
+                                   ) -> DecodeWeight | None:
+    """For a gate_up weight [2d, in_features] (gate rows, then up rows) that SiLU-and-mul
+    follows, where decode batches would take the AVX-512 kernel: the weight packed for
+    `avx512_linear_silu_mul`, which returns silu(gate) * up [.., d] from the products still
+    in registers, bit for bit what that kernel and `silu_and_mul` give, without writing the
+    [.., 2d] projection out and reading it back (the ~100M Llama's generate on a Zen 4 EPYC:
+    fp32 15.37 -> 15.09 s, bf16 8.05 -> 7.95 s). bf16 takes it always, as the streaming
+    kernels; fp32 up to the rows at which it timed faster than what runs without it, oneDNN
+    (`packed_weight`) or `F.linear` and then silu_and_mul (`fp32_silu_and_mul_max_rows`).
+    None elsewhere (AMX, no AVX-512, an odd row count): the caller keeps the two steps. A
+    snapshot, as pack_linear_weight's."""
+    if (weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 2
+            or not avx512_linear_enabled(weight.dtype)
+            or (weight.dtype == torch.bfloat16 and amx_linear_enabled())):  # AMX streams bf16 there
         return None
-    return DecodeWeight(torch.ops.raylm.avx512_pack_gated_weight(weight.detach()),
-                        torch.ops.raylm.avx512_linear_silu_mul, decode_weight.max_rows, LINEAR_AVX512_SILU_MUL)
+    shape = (weight.shape[0], weight.shape[1])
+    if weight.dtype == torch.float32 and _fp32_silu_and_mul_max_rows.get(shape, AVX512_MAX_ROWS) == 0:
+        return None  # timed slower at this shape already: no copy to pack and drop per layer
+    gated = DecodeWeight(torch.ops.raylm.avx512_pack_gated_weight(weight.detach()),
+                         torch.ops.raylm.avx512_linear_silu_mul, AVX512_MAX_ROWS, LINEAR_AVX512_SILU_MUL)
+    if weight.dtype != torch.float32:
+        return gated
+    max_rows = fp32_silu_and_mul_max_rows(weight, packed_weight, gated)
+    return DecodeWeight(gated.packed, gated.op, max_rows, gated.kind) if max_rows > 0 else None
+
+
+def fp32_silu_and_mul_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor | None,
+                               gated: DecodeWeight) -> int:
+    """The most rows up to which the gated kernel beats, at every probe size, the GEMM
+    `linear` takes without a streaming copy followed by silu_and_mul (fp32; timed once per
+    shape, alternating as fp32_packed_min_rows does); 0 when it loses at one row. Timed
+    against the plain AVX-512 kernel instead, the choice turned on noise: on a Zen 4 EPYC
+    that kernel and oneDNN were within a few percent at the ~100M Llama's gate_up (64 rows,
+    weights cold), and some loads gave the layer to oneDNN, without the fused activation."""
+    shape = (weight.shape[0], weight.shape[1])
+    if shape not in _fp32_silu_and_mul_max_rows:
+        max_rows = 0
+        for rows in _FP32_PROBE_ROWS:
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            best_gated, best_other = _best_times(
+                lambda: gated.op(x, gated.packed, weight.shape[0] // 2),
+                lambda: _silu_and_mul(linear(x, weight, packed_weight, None)))
+            if rows > gated.max_rows or best_gated >= best_other:
+                break
+            max_rows = rows
+        _fp32_silu_and_mul_max_rows[shape] = max_rows
+    return _fp32_silu_and_mul_max_rows[shape]
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """What SiluAndMul (models/activation.py) runs on x [.., 2d]: the fused op where it is built."""
+    from raylm.kernels import cpu_ops
+
+    if cpu_ops.usable(x):
+        return cpu_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def fp32_decode_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode: DecodeWeight) -> int:

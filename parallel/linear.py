@@ -121,9 +121,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     shard_id is the index of the projection a checkpoint tensor belongs to.
 
     A gate_up projection that SiLU-and-mul always follows says so (`silu_and_mul_follows`):
-    on a CPU whose decode batches take the AVX-512 kernel it then packs, in place of that
-    kernel's copy, one for the kernel that applies the activation as it stores the products
-    (`cpu_gemm.pack_silu_and_mul_weight`), and `silu_and_mul(x)` runs it."""
+    on a CPU with the AVX-512 kernel it then packs, in place of a streaming copy, one for the
+    kernel that applies the activation as it stores the products
+    (`cpu_gemm.maybe_pack_silu_and_mul_weight`), and `silu_and_mul(x)` runs it."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, gather_output: bool = False,
                  params_dtype: torch.dtype | None = None, silu_and_mul_follows: bool = False) -> None:
@@ -133,12 +133,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.silu_and_mul_weight: cpu_gemm.DecodeWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        super().process_weights_after_loading()
         self.silu_and_mul_weight = None
-        if self.silu_and_mul_follows:
-            self.silu_and_mul_weight = cpu_gemm.pack_silu_and_mul_weight(self.weight, self.decode_weight)
-        if self.silu_and_mul_weight is not None:
-            self.decode_weight = None  # the gated copy serves the decode batches
+        if not self.silu_and_mul_follows:
+            return super().process_weights_after_loading()
+        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
+        self.silu_and_mul_weight = cpu_gemm.maybe_pack_silu_and_mul_weight(self.weight, self.packed_weight)
+        # Without the gated copy, decode batches may still take a streaming kernel (AMX).
+        self.decode_weight = (None if self.silu_and_mul_weight is not None
+                              else cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight))
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this rank's projection of x, [..., output_size_per_partition / 2],
