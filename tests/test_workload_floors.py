@@ -26,13 +26,13 @@ def test_prefill_packs_whole_prompts_first_come_first_served():
 
 def test_workload_counts_every_matmul_once_per_layer_and_the_lm_head_once_per_step():
     prefill, decode = workload_matmuls(CONFIG, [5, 4, 3], output_len=4, max_num_batched_tokens=9)
-    # Prefill steps: [5, 4] (9 tokens, 2 logit rows) and [3] (3 tokens, 1 row). q/k/v runs on
-    # every token in all 3 layers; the others on every token in layers 1-2 and on the logit
-    # rows in layer 3.
-    assert prefill == {(9, 64, 128): 3, (9, 64, 64): 2, (9, 64, 192): 2, (9, 96, 64): 2,
-                       (2, 64, 64): 1, (2, 64, 192): 1, (2, 96, 64): 1, (2, 64, 100): 1,
-                       (3, 64, 128): 3, (3, 64, 64): 2, (3, 64, 192): 2, (3, 96, 64): 2,
-                       (1, 64, 64): 1, (1, 64, 192): 1, (1, 96, 64): 1, (1, 64, 100): 1}
+    # Prefill steps: [5, 4] (9 tokens, 2 logit rows) and [3] (3 tokens, 1 row). Every
+    # projection runs on every token in layers 1-2; in layer 3 k/v (64 -> 64) on every token,
+    # q (64 -> 64), the output projection and the MLP on the logit rows.
+    assert prefill == {(9, 64, 128): 2, (9, 64, 64): 2 + 1, (9, 64, 192): 2, (9, 96, 64): 2,
+                       (2, 64, 64): 2, (2, 64, 192): 1, (2, 96, 64): 1, (2, 64, 100): 1,
+                       (3, 64, 128): 2, (3, 64, 64): 2 + 1, (3, 64, 192): 2, (3, 96, 64): 2,
+                       (1, 64, 64): 2, (1, 64, 192): 1, (1, 96, 64): 1, (1, 64, 100): 1}
     # Three decode steps of 3 rows each: every row is a logit row.
     assert decode == {(3, 64, 128): 9, (3, 64, 64): 9, (3, 64, 192): 9, (3, 96, 64): 9, (3, 64, 100): 3}
 
@@ -47,11 +47,11 @@ def test_kv_bytes_cover_each_decode_steps_context_in_every_layer():
 def test_matmul_flops_are_two_per_weight_element_per_row():
     prefill, decode = workload_matmuls(CONFIG, [5, 4, 3], output_len=4, max_num_batched_tokens=9)
     per_layer = 64 * 128 + 64 * 64 + 64 * 192 + 96 * 64  # 30720 weights
-    after_attention = 64 * 64 + 64 * 192 + 96 * 64  # 22528 of them
+    only_read_rows = 64 * 64 + 64 * 64 + 64 * 192 + 96 * 64  # 26624 of them: q, o, gate/up, down
     lm_head = 64 * 100
-    # Prefill: 9 + 3 tokens through 3 layers, but the last layer's output projection and
-    # MLP on the 2 + 1 logit rows only; decode: 3 steps of 3 rows.
-    assert matmul_flops(prefill) == 2 * (12 * per_layer * 3 - (12 - 3) * after_attention + 3 * lm_head)
+    # Prefill: 9 + 3 tokens through 3 layers, but the last layer's query and output
+    # projections and MLP on the 2 + 1 logit rows only; decode: 3 steps of 3 rows.
+    assert matmul_flops(prefill) == 2 * (12 * per_layer * 3 - (12 - 3) * only_read_rows + 3 * lm_head)
     assert matmul_flops(decode) == 2 * 3 * (3 * per_layer * 3 + 3 * lm_head)
     assert matmul_flops(prefill + decode) == matmul_flops(prefill) + matmul_flops(decode)
 

@@ -3,12 +3,12 @@ limit measured here, so that an engine's time over each says how far it is from 
 
 The matmuls counted are those the outputs need: per layer the q/k/v, output, gate/up and
 down projections of every prompt token (prefill) and of every generated token (decode),
-except that the last layer's output projection and MLP feed nothing but the logits, so
-they count only for the rows whose logits are read (one per prompt, or one per chunk that
-samples); and the LM head once per sequence per step. raylm runs exactly these
-(`ForwardContext.output_rows`); an engine that runs the last layer on every prompt token
-(vLLM, Hugging Face) does 1 / num_layers more prefill GEMM work than the floor counts. The
-floors:
+except that the last layer's query projection, output projection and MLP feed nothing but
+the logits, so they count only for the rows whose logits are read (one per prompt, or one
+per chunk that samples; its keys and values count for every token); and the LM head once per
+sequence per step. raylm runs exactly these (`ForwardContext.output_rows`); an engine that
+runs the last layer on every prompt token (vLLM, Hugging Face) does about 1 / num_layers more
+prefill GEMM work than the floor counts. The floors:
 
 - GEMMs: those matmuls alone, each shape timed (random tensors, warm caches, nothing else
   running) as `F.linear`, as raylm's oneDNN GEMM on a weight packed once and, for
@@ -69,14 +69,23 @@ def prefill_batches(prompt_lens: list[int], max_num_batched_tokens: int) -> list
 def workload_matmuls(model_config: dict, prompt_lens: list[int], output_len: int,
                      max_num_batched_tokens: int) -> tuple[Counter, Counter]:
     """How many times each (rows, in, out) matmul runs in the workload's prefill steps and
-    in its decode steps: every layer's projections on every token, but the last layer's
-    output projection and MLP only on the rows whose logits are read."""
+    in its decode steps: every layer's projections on every token, but in the last layer the
+    query projection, the output projection and the MLP only on the rows whose logits are
+    read (its keys and values still on every token), as raylm runs them."""
     layers = model_config["num_hidden_layers"]
-    lm_head = (model_config["hidden_size"], model_config["vocab_size"])
+    hidden = model_config["hidden_size"]
+    lm_head = (hidden, model_config["vocab_size"])
+    num_heads = model_config["num_attention_heads"]
+    q_size = num_heads * (model_config.get("head_dim") or hidden // num_heads)
 
     def step(counts: Counter, num_tokens: int, num_logit_rows: int) -> None:
         qkv, *after_attention = linear_shapes(model_config)
-        counts[(num_tokens, *qkv)] += layers
+        if num_logit_rows < num_tokens:  # the last layer's q and k/v projections apart
+            counts[(num_tokens, *qkv)] += layers - 1
+            counts[(num_tokens, hidden, qkv[1] - q_size)] += 1
+            counts[(num_logit_rows, hidden, q_size)] += 1
+        else:
+            counts[(num_tokens, *qkv)] += layers
         for in_features, out_features in after_attention:
             counts[(num_tokens, in_features, out_features)] += layers - 1
             counts[(num_logit_rows, in_features, out_features)] += 1
