@@ -20,7 +20,7 @@ from raylm.kernels.native_build import load_native_library
 from raylm.models import cpu_fused_decode
 from raylm.parallel import cpu_gemm
 from raylm.parallel.linear import LinearBase
-from tests.test_model_runner import PROMPTS, _decode, _engine_config, _prefill
+from tests.test_model_runner import PROMPTS, _decode, _engine_config, _loaded_runner, _prefill
 from tests.test_more_models_rmsnorm import build_random_model, qwen3_config
 from tests.tiny_models import build_tiny_model
 
@@ -40,10 +40,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:
-    runner = ModelRunner(_engine_config(model_dir, dtype), rank=0, device="cpu")
-    runner.load_model()
-    runner.initialize_cache(runner.determine_num_available_blocks())
-    return runner
+    return _loaded_runner(_engine_config(model_dir, dtype))
 
 
 def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], int]:

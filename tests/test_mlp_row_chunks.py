@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from raylm.engine.step import ExecuteModelRequest
-from raylm.executors.model_runner import ModelRunner
 from raylm.models import mlp_row_chunks
 from raylm.models.mlp_row_chunks import mlp_in_row_chunks
-from tests.test_model_runner import PROMPTS, _engine_config, _hf_greedy, _prefill
-from tests.tiny_models import build_tiny_model
+from tests.test_model_runner import (PROMPTS, _engine_config, _hf_greedy, _loaded_runner, _prefill,  # noqa: F401
+                                     hf_model, model_path)
 
 
 def _counting(weight: torch.Tensor, sizes: list[int]):
@@ -42,22 +41,8 @@ def test_rows_within_a_pass_and_tensors_off_the_cpu_run_in_one_call(monkeypatch)
     assert sizes == [10, 50]
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-
-
 def _prefill_logprobs(model_path, mlp_rows: list[int]) -> list[tuple[int, float]]:
-    runner = ModelRunner(_engine_config(model_path), rank=0, device="cpu")
-    runner.load_model()
-    runner.initialize_cache(runner.determine_num_available_blocks())
+    runner = _loaded_runner(_engine_config(model_path))
     first_layer = runner.model.model.layers[0]
     first_layer.mlp.down_proj.register_forward_pre_hook(lambda _, args: mlp_rows.append(args[0].shape[0]))
     out = runner.execute_model(ExecuteModelRequest([_prefill(i, p) for i, p in enumerate(PROMPTS)]))

@@ -51,12 +51,17 @@ def _engine_config(model_path, dtype: torch.dtype = torch.float32) -> EngineConf
     )
 
 
-@pytest.fixture
-def runner(model_path):
-    runner = ModelRunner(_engine_config(model_path), rank=0, device="cpu")
+def _loaded_runner(config: EngineConfig) -> ModelRunner:
+    """A rank-0 CPU runner with its model loaded and its KV cache allocated."""
+    runner = ModelRunner(config, rank=0, device="cpu")
     runner.load_model()
     runner.initialize_cache(runner.determine_num_available_blocks())
     return runner
+
+
+@pytest.fixture
+def runner(model_path):
+    return _loaded_runner(_engine_config(model_path))
 
 
 def _table(req_id: int) -> list[int]:

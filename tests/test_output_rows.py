@@ -13,8 +13,7 @@ import torch
 
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
-from raylm.executors.model_runner import ModelRunner
-from tests.test_model_runner import GREEDY, PROMPTS, _engine_config, _hf_greedy, _prefill, _table
+from tests.test_model_runner import GREEDY, PROMPTS, _engine_config, _hf_greedy, _loaded_runner, _prefill, _table
 from tests.tiny_models import build_tiny_model
 
 NUM_LAYERS = 3
@@ -34,10 +33,7 @@ def hf_model(model_path):
 
 @pytest.fixture
 def runner(model_path):
-    runner = ModelRunner(_engine_config(model_path), rank=0, device="cpu")
-    runner.load_model()
-    runner.initialize_cache(runner.determine_num_available_blocks())
-    return runner
+    return _loaded_runner(_engine_config(model_path))
 
 
 @pytest.fixture
@@ -137,9 +133,7 @@ def test_the_last_layer_projects_queries_and_attends_for_the_output_rows_only(mo
     # of the last layer never runs. Tokens and logprobs stay Hugging Face's.
     config = _engine_config(model_path)
     config.model_config.attention_backend = backend
-    runner = ModelRunner(config, rank=0, device="cpu")
-    runner.load_model()
-    runner.initialize_cache(runner.determine_num_available_blocks())
+    runner = _loaded_runner(config)
     last = runner.model.model.layers[-1].self_attn
     q_proj, kv_proj = (_Recorder(p) for p in last.output_row_projections)
     last.output_row_projections = (q_proj, kv_proj)
