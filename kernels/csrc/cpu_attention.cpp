@@ -10,7 +10,8 @@
 //
 // With AVX-512 and a head size that is a multiple of 16, both products run 16 lanes wide
 // instead: scores in tiles of 4 query heads x 4 keys (vdpbf16ps on bf16 queries and cache
-// where the CPU has AVX512-BF16), values 4 heads at a time. On a 2-core AMD EPYC (Zen 4) the
+// where the CPU has AVX512-BF16; for those and fp32 caches each key's channels broadcast to
+// four 128-bit lanes, one head a lane: score_block_quads), values 4 heads at a time. On a 2-core AMD EPYC (Zen 4) the
 // ~100M Llama's decode call (batch 64, ~190 tokens, heads 16/4 x 64, bf16) went from 0.64 to
 // 0.47 ms with a warm cache and from 1.24 to 0.97 ms inside the engine. That path also does a
 // sequence in two passes, all its scores and then all its values, with no online softmax.
@@ -413,6 +414,79 @@ void score_block_wide(const float* q, const uint16_t* q_bf16, float scale, const
   }
 }
 
+// Queries laid out for score_block_quads: per 128-bit lane one head, so that a key's next 4
+// fp32 channels (8 bf16), broadcast to the four lanes, multiply four heads at once. fp32: for
+// each 4 channels c, the 16 floats [h0 c..c+3 | h1 c..c+3 | h2 | h3]; bf16: for each 8, the 32
+// bf16 [h0 c..c+7 | h1 | h2 | h3]. Heads past `heads` repeat the last. out holds 4 * D.
+template <typename T>
+inline void arrange_by_lane(const T* q, int D, int heads, T* out) {
+  constexpr int kPerLane = 16 / sizeof(T);
+  for (int c = 0; c < D; c += kPerLane)
+    for (int h = 0; h < 4; ++h) std::copy_n(q + std::min(h, heads - 1) * D + c, kPerLane, out + c * 4 + h * kPerLane);
+}
+
+// score_block_wide's contract, for an fp32 cache (q: arrange_by_lane of the scaled fp32
+// queries) or a bf16 cache with AVX512-BF16 (q: arrange_by_lane of the raw bf16 queries; the
+// scale is applied to the scores). Each key's row is read 16 bytes at a time, broadcast to
+// the four 128-bit lanes and multiplied into one accumulator per key whose lane h holds head
+// h's partial sums: a tile of 4 keys ends in one 4 x 4 transpose within the lanes (9 ops),
+// where score_block_wide's 16 accumulators (one per head and key) need a 16-way one (45).
+// The FMAs are as many. On a 2-core Zen 4 EPYC the ~100M Llama's decode call (64 sequences,
+// heads 16/4 x 64) went, warm, from 725-763 to 677-690 us in fp32 at ~190 tokens and from
+// 389-405 to 372-376 us in bf16; in the engine's fp32 generate (cache cold) from 892 to 845 us
+// a call; bf16 generates were level within the machine's noise (memory-bound there).
+template <int D, typename cache_t>
+void score_block_quads(const void* q_arranged, float scale, const cache_t* k, int64_t token_stride, int n,
+                       int heads, float* scores, int64_t scores_stride, const cache_t* next_k,
+                       const cache_t* next_v, int next_n) {
+  constexpr bool kBf16 = std::is_same_v<cache_t, uint16_t>;
+  constexpr int kPerLane = 16 / sizeof(cache_t);  // channels of one 128-bit lane
+  constexpr int kVectors = D / kPerLane;
+  static_assert(D % kPerLane == 0);
+#if defined(__AVX512BF16__)
+  using query_vector = std::conditional_t<kBf16, __m512bh, __m512>;
+#else
+  using query_vector = __m512;  // a bf16 cache never gets here (attend_two_pass's `quads`)
+#endif
+  query_vector qv[kVectors];  // all of the tile's queries stay in registers
+  for (int v = 0; v < kVectors; ++v) {
+    if constexpr (kBf16) {
+      qv[v] = (query_vector)_mm512_loadu_si512(static_cast<const uint16_t*>(q_arranged) + v * 32);
+    } else {
+      qv[v] = (query_vector)_mm512_loadu_ps(static_cast<const float*>(q_arranged) + v * 16);
+    }
+  }
+  const __m512 score_scale = _mm512_set1_ps(kBf16 ? scale : 1.0f);
+  for (int t = 0; t < n; t += 4) {
+    const int prefetched = std::min(4, next_n - t);  // as score_block_wide does
+    if (prefetched > 0) {
+      prefetch_rows(next_k + t * token_stride, next_v + t * token_stride, token_stride, prefetched, D);
+    }
+    __m512 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) {
+      for (int j = 0; j < 4; ++j) {
+        const cache_t* row = k + (t + j) * token_stride + v * kPerLane;
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          const __m512bh keys = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+          acc[j] = _mm512_dpbf16_ps(acc[j], qv[v], keys);
+#endif
+        } else {
+          acc[j] = _mm512_fmadd_ps(qv[v], _mm512_broadcast_f32x4(_mm_loadu_ps(row)), acc[j]);
+        }
+      }
+    }
+    // Lane h of acc[j]: head h's partial sums for key t + j; lane 4h + j of the result: their sum.
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44),
+                                                      _mm512_shuffle_ps(s01, s23, 0xEE)), score_scale));
+    for (int h = 0; h < heads; ++h) std::copy_n(sums + 4 * h, 4, scores + h * scores_stride + t);
+  }
+}
+
 // out_h[0:16W] += sum_t p_h[t] * v_t[0:16W] for HC query heads (p_h = probs + h * probs_stride,
 // out_h = out + h * D).
 template <int W, int HC, typename cache_t>
@@ -576,8 +650,32 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
                      const cache_t* v_cache, const int32_t* table, int64_t seq_len, int64_t block_size,
                      int64_t block_stride, int64_t token_stride, int64_t first_kv_head, int64_t heads_per_task,
                      int group, float* scores, int64_t seq_stride, float* acc, float* running_sum,
-                     SequencePrefetch<cache_t>& next) {
+                     SequencePrefetch<cache_t>& next, void* q_by_lane) {
   const int task_heads = static_cast<int>(heads_per_task * group);
+  // score_block_quads takes fp32 caches, and bf16 ones with bf16 queries and AVX512-BF16;
+  // q_by_lane holds its queries (arrange_by_lane), 4 * D for each tile of up to 4 heads of a
+  // KV head's group: tile (h, g) at by_lane_tile(h, g).
+#if defined(__AVX512BF16__)
+  const bool quads = std::is_same_v<cache_t, float> || q_bf16 != nullptr;
+#else
+  const bool quads = std::is_same_v<cache_t, float>;
+#endif
+  const int tiles_per_kv_head = (group + 3) / 4;
+  const auto by_lane_tile = [&](int64_t h, int g) {
+    return (h * tiles_per_kv_head + (g - h * group) / 4) * 4 * D;
+  };
+  if (quads) {
+    for (int64_t h = 0; h < heads_per_task; ++h) {
+      for (int g = static_cast<int>(h * group); g < (h + 1) * group; g += 4) {
+        const int heads = static_cast<int>(std::min<int64_t>(4, (h + 1) * group - g));
+        if constexpr (std::is_same_v<cache_t, float>) {
+          arrange_by_lane(q + g * D, D, heads, static_cast<float*>(q_by_lane) + by_lane_tile(h, g));
+        } else {
+          arrange_by_lane(q_bf16 + g * D, D, heads, static_cast<uint16_t*>(q_by_lane) + by_lane_tile(h, g));
+        }
+      }
+    }
+  }
   // Pass 1: scores, block by block, all KV heads of a block before the next block.
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   const int64_t head_offset = first_kv_head * D;
@@ -588,12 +686,22 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
       for (int g = static_cast<int>(h * group); g < (h + 1) * group; g += 4) {
         // The next block's keys and values are asked for as the first tile scores: the values
         // are read again by pass 2, from the caches, a sequence's worth later.
-        score_block_wide<D>(q + g * D, q_bf16 == nullptr ? nullptr : q_bf16 + g * D, scale,
-                            k_cache + rows.offset + h * D, token_stride, rows.n,
-                            static_cast<int>(std::min<int64_t>(4, (h + 1) * group - g)),
-                            scores + g * seq_stride + block * block_size, seq_stride,
-                            k_cache + own_next.offset + h * D, v_cache + own_next.offset + h * D,
-                            g == h * group ? own_next.n : 0);
+        const int heads = static_cast<int>(std::min<int64_t>(4, (h + 1) * group - g));
+        const cache_t* next_k = k_cache + own_next.offset + h * D;
+        const cache_t* next_v = v_cache + own_next.offset + h * D;
+        const int next_n = g == h * group ? own_next.n : 0;
+        float* tile_scores = scores + g * seq_stride + block * block_size;
+        if (quads) {
+          const void* tile_q = std::is_same_v<cache_t, float>
+                                   ? static_cast<const void*>(static_cast<const float*>(q_by_lane) + by_lane_tile(h, g))
+                                   : static_cast<const void*>(static_cast<const uint16_t*>(q_by_lane) + by_lane_tile(h, g));
+          score_block_quads<D>(tile_q, scale, k_cache + rows.offset + h * D, token_stride, rows.n, heads,
+                               tile_scores, seq_stride, next_k, next_v, next_n);
+        } else {
+          score_block_wide<D>(q + g * D, q_bf16 == nullptr ? nullptr : q_bf16 + g * D, scale,
+                              k_cache + rows.offset + h * D, token_stride, rows.n, heads, tile_scores,
+                              seq_stride, next_k, next_v, next_n);
+        }
       }
     }
   }
@@ -659,6 +767,8 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
     std::vector<float> running_max(task_heads), running_sum(task_heads);
     // Not zeroed: every score is written before it is read (the softmax and values read n).
     const std::unique_ptr<float[]> seq_scores(new float[task_heads * seq_stride]);
+    // The wide path's queries by lane (fp32 or bf16: room for fp32), 4 * D a tile of heads.
+    std::vector<float> q_by_lane(wide ? heads_per_task * ((group + 3) / 4) * 4 * D : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq;
       const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
@@ -698,7 +808,7 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
           attend_two_pass<kWideHeadSize ? kHeadSize : 16>(
               q.data(), raw_bf16_query ? q_bf16.data() : nullptr, scale, k_cache, v_cache, table, seq_len,
               block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, seq_scores.get(),
-              seq_stride, acc.data(), running_sum.data(), next);
+              seq_stride, acc.data(), running_sum.data(), next, q_by_lane.data());
         }
       }
 #endif
