@@ -63,6 +63,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.raylm.silu_and_mul(x)
 
 
+def silu_and_mul_any(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul where the fused op takes x (`usable`), PyTorch's ops elsewhere: what
+    SiluAndMul runs, and what the gated GEMM's timing at load compares against."""
+    if usable(x):
+        return silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int,
                       rotary_dim: int) -> torch.Tensor:
     """Rotates x [T, H * head_size] in place (GPT-NeoX layout, the first rotary_dim channels

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from raylm.kernels import native_build
+from raylm.kernels import cpu_ops, native_build
 
 
 # Row counts at which an fp32 shape is timed both ways: a decode step's batch runs from 1
@@ -322,22 +322,12 @@ def fp32_silu_and_mul_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             best_gated, best_other = _best_times(
                 lambda: gated.op(x, gated.packed, weight.shape[0] // 2),
-                lambda: _silu_and_mul(linear(x, weight, packed_weight, None)))
+                lambda: cpu_ops.silu_and_mul_any(linear(x, weight, packed_weight, None)))
             if rows > gated.max_rows or best_gated >= best_other:
                 break
             max_rows = rows
         _fp32_silu_and_mul_max_rows[shape] = max_rows
     return _fp32_silu_and_mul_max_rows[shape]
-
-
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """What SiluAndMul (models/activation.py) runs on x [.., 2d]: the fused op where it is built."""
-    from raylm.kernels import cpu_ops
-
-    if cpu_ops.usable(x):
-        return cpu_ops.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def fp32_decode_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode: DecodeWeight) -> int:
