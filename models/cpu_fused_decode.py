@@ -115,7 +115,7 @@ class CpuFusedDecode:
             tensors += norms
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 gated = linear.silu_and_mul_weight if linear is mlp.gate_up_proj else None
-                if gated is not None and gated.packed.dtype == dtype and num_tokens <= gated.max_rows:
+                if gated is not None and gated.packed.dtype == dtype and gated.takes(num_tokens):
                     # The gate_up kernel that applies SiLU-and-mul itself (what MergedColumnParallelLinear.
                     # silu_and_mul runs): its output has half the projection's features.
                     tensors += (gated.packed, None)

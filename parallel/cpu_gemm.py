@@ -22,7 +22,7 @@ AMD EPYC (Zen 4), weights cold, it ran the ~100M Llama's projections at 64 token
 faster than oneDNN in bf16 and 1.03-1.21x in fp32 (1.2-1.7x at 1-16 tokens); in that model's
 generate the bf16 decode GEMMs went from 3.97 to 3.50 s (the floor at the cores' measured
 peak: 3.34 s). bf16 takes it wherever it is built; fp32 where it timed faster at load
-(`fp32_decode_max_rows`).
+(`fp32_decode_slower_at`, per probe size of rows).
 
 Both streaming kernels pack their copy onto 2 MiB transparent huge pages where the kernel
 allows it (`csrc/huge_pages.h`): a decode step reads every weight once, and with 4 KiB pages
@@ -47,6 +47,7 @@ AVX-512 kernel and its generate's decode GEMMs went from ~7.43 to 7.27 s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -71,9 +72,9 @@ _FP32_PROBE_REPEATS = 5
 # (out_features, in_features) of a timed fp32 shape -> the fewest rows from which the packed
 # GEMM is taken (None: never).
 _fp32_min_rows: dict[tuple[int, int], int | None] = {}
-# (out_features, in_features) of a timed fp32 shape -> the most rows up to which the AVX-512
-# decode kernel is taken (0: never).
-_fp32_decode_max_rows: dict[tuple[int, int], int] = {}
+# (out_features, in_features) of a timed fp32 shape -> the probe sizes at which the AVX-512
+# decode kernel timed slower than the kernel `linear` takes without it.
+_fp32_decode_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # Written over before each timed call of a probe, so that the kernel finds no weight in the
 # caches; None: probes time warm (see `probing_with_cold_weights`).
 _probe_evict: torch.Tensor | None = None
@@ -85,9 +86,10 @@ _amx_usable: bool | None = None
 # Tokens up to which the AVX-512 kernel is taken: at 256 it measured level with oneDNN (weights
 # cold) on a Zen 4 EPYC, at 2048 3-4% slower.
 AVX512_MAX_ROWS = 256
-# (out_features, in_features) of a timed fp32 gate_up shape -> the most rows up to which the
-# gated AVX-512 kernel (SiLU-and-mul in its epilogue) is taken (0: never).
-_fp32_silu_and_mul_max_rows: dict[tuple[int, int], int] = {}
+# (out_features, in_features) of a timed fp32 gate_up shape -> the probe sizes at which the
+# gated AVX-512 kernel (SiLU-and-mul in its epilogue) timed slower than the GEMM and then
+# silu_and_mul.
+_fp32_silu_and_mul_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
 
@@ -100,13 +102,25 @@ LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE, LINEAR_AVX512_SILU_MUL =
 @dataclass(frozen=True)
 class DecodeWeight:
     """A second packed copy of a weight for a kernel that streams it, and the batches it
-    takes: `op(x, packed, out_features, bias)` for x of packed's dtype and at most
-    `max_rows` tokens; `kind` is op's LINEAR_* number."""
+    takes (`takes`): `op(x, packed, out_features, bias)` for x of packed's dtype and at most
+    `max_rows` tokens, but for the probe sizes in `slower_at` (fp32, where it timed slower
+    than the kernel `linear` takes without it); `kind` is op's LINEAR_* number."""
 
     packed: torch.Tensor
     op: Callable[..., torch.Tensor]
     max_rows: int
     kind: int
+    slower_at: frozenset[int] = frozenset()
+
+    def takes(self, rows: int) -> bool:
+        """Whether a batch of `rows` tokens runs on this copy: a batch counts as the probe
+        size it rounds up to."""
+        return rows <= self.max_rows and probe_size_of(rows) not in self.slower_at
+
+
+def probe_size_of(rows: int) -> int:
+    """The smallest fp32 probe size (_FP32_PROBE_ROWS) that holds `rows` rows, or the largest."""
+    return next((size for size in _FP32_PROBE_ROWS if rows <= size), _FP32_PROBE_ROWS[-1])
 
 
 def packed_linear_enabled() -> bool:
@@ -267,16 +281,16 @@ def pack_streaming_weight(weight: torch.Tensor) -> DecodeWeight | None:
 
 
 def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None) -> DecodeWeight | None:
-    """`pack_streaming_weight(weight)`: always in bf16; in fp32 where it timed faster than what
-    `linear` would take otherwise (`packed_weight`, the layer's oneDNN copy, or `F.linear`) at
-    the fewest rows, and then up to the rows it won at (`fp32_decode_max_rows`)."""
+    """`pack_streaming_weight(weight)`: always in bf16; in fp32 for the batches at whose probe
+    size it timed faster than what `linear` would take otherwise (`packed_weight`, the layer's
+    oneDNN copy, or `F.linear`; `fp32_decode_slower_at`), None where that is none."""
     if weight.dtype == torch.float32 and weight.dim() == 2 \
-            and _fp32_decode_max_rows.get((weight.shape[0], weight.shape[1]), AVX512_MAX_ROWS) == 0:
+            and _fp32_decode_slower_at.get((weight.shape[0], weight.shape[1])) == _ALL_PROBE_SIZES:
         return None  # timed slower at this shape already: no copy to pack and drop per layer
     decode = pack_streaming_weight(weight)
     if decode is not None and weight.dtype == torch.float32:
-        max_rows = fp32_decode_max_rows(weight, packed_weight, decode)
-        return DecodeWeight(decode.packed, decode.op, max_rows, decode.kind) if max_rows > 0 else None
+        slower_at = fp32_decode_slower_at(weight, packed_weight, decode)
+        return None if slower_at == _ALL_PROBE_SIZES else dataclasses.replace(decode, slower_at=slower_at)
     return decode
 
 
@@ -288,71 +302,78 @@ def maybe_pack_silu_and_mul_weight(weight: torch.Tensor, packed_weight: torch.Te
     in registers, bit for bit what that kernel and `silu_and_mul` give, without writing the
     [.., 2d] projection out and reading it back (the ~100M Llama's generate on a Zen 4 EPYC:
     fp32 15.37 -> 15.09 s, bf16 8.05 -> 7.95 s). bf16 takes it always, as the streaming
-    kernels; fp32 up to the rows at which it timed faster than what runs without it, oneDNN
-    (`packed_weight`) or `F.linear` and then silu_and_mul (`fp32_silu_and_mul_max_rows`).
-    None elsewhere (AMX, no AVX-512, an odd row count): the caller keeps the two steps. A
-    snapshot, as pack_linear_weight's."""
+    kernels; fp32 for the batches at whose probe size it timed faster than what runs without
+    it, oneDNN (`packed_weight`) or `F.linear` and then silu_and_mul
+    (`fp32_silu_and_mul_slower_at`). None elsewhere (AMX, no AVX-512, an odd row count, fp32
+    slower at every probe size): the caller keeps the two steps. A snapshot, as
+    pack_linear_weight's."""
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 2
             or not avx512_linear_enabled(weight.dtype)
             or (weight.dtype == torch.bfloat16 and amx_linear_enabled())):  # AMX streams bf16 there
         return None
     shape = (weight.shape[0], weight.shape[1])
-    if weight.dtype == torch.float32 and _fp32_silu_and_mul_max_rows.get(shape, AVX512_MAX_ROWS) == 0:
+    if weight.dtype == torch.float32 and _fp32_silu_and_mul_slower_at.get(shape) == _ALL_PROBE_SIZES:
         return None  # timed slower at this shape already: no copy to pack and drop per layer
     gated = DecodeWeight(torch.ops.raylm.avx512_pack_gated_weight(weight.detach()),
                          torch.ops.raylm.avx512_linear_silu_mul, AVX512_MAX_ROWS, LINEAR_AVX512_SILU_MUL)
     if weight.dtype != torch.float32:
         return gated
-    max_rows = fp32_silu_and_mul_max_rows(weight, packed_weight, gated)
-    return DecodeWeight(gated.packed, gated.op, max_rows, gated.kind) if max_rows > 0 else None
+    slower_at = fp32_silu_and_mul_slower_at(weight, packed_weight, gated)
+    return None if slower_at == _ALL_PROBE_SIZES else dataclasses.replace(gated, slower_at=slower_at)
 
 
-def fp32_silu_and_mul_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor | None,
-                               gated: DecodeWeight) -> int:
-    """The most rows up to which the gated kernel beats, at every probe size, the GEMM
-    `linear` takes without a streaming copy followed by silu_and_mul (fp32; timed once per
-    shape, alternating as fp32_packed_min_rows does); 0 when it loses at one row. Timed
+# Every probe size: a streaming copy slower at all of them is not kept.
+_ALL_PROBE_SIZES = frozenset(_FP32_PROBE_ROWS)
+
+
+def fp32_silu_and_mul_slower_at(weight: torch.Tensor, packed_weight: torch.Tensor | None,
+                                gated: DecodeWeight) -> frozenset[int]:
+    """The probe sizes at which the gated kernel is slower than the GEMM `linear` takes
+    without a streaming copy followed by silu_and_mul (fp32; timed once per shape). Timed
     against the plain AVX-512 kernel instead, the choice turned on noise: on a Zen 4 EPYC
     that kernel and oneDNN were within a few percent at the ~100M Llama's gate_up (64 rows,
     weights cold), and some loads gave the layer to oneDNN, without the fused activation."""
     shape = (weight.shape[0], weight.shape[1])
-    if shape not in _fp32_silu_and_mul_max_rows:
-        max_rows = 0
-        for rows in _FP32_PROBE_ROWS:
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            best_gated, best_other = _best_times(
-                lambda: gated.op(x, gated.packed, weight.shape[0] // 2),
-                lambda: cpu_ops.silu_and_mul_any(linear(x, weight, packed_weight, None)))
-            if rows > gated.max_rows or best_gated >= best_other:
-                break
-            max_rows = rows
-        _fp32_silu_and_mul_max_rows[shape] = max_rows
-    return _fp32_silu_and_mul_max_rows[shape]
+    if shape not in _fp32_silu_and_mul_slower_at:
+        _fp32_silu_and_mul_slower_at[shape] = _probe_sizes_slower(
+            weight, gated, lambda x: gated.op(x, gated.packed, weight.shape[0] // 2),
+            lambda x: cpu_ops.silu_and_mul_any(linear(x, weight, packed_weight, None)))
+    return _fp32_silu_and_mul_slower_at[shape]
 
 
-def fp32_decode_max_rows(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode: DecodeWeight) -> int:
-    """The most rows up to which the decode kernel beats, at every probe size, the kernel
-    `linear` takes without it (fp32; timed once per shape, alternating as
-    fp32_packed_min_rows does); 0 when it loses at one row. The AVX-512 kernel won at every
-    decode size of the ~100M Llama on a Zen 4 EPYC, but on Intel CPUs `F.linear` (MKL) is
-    strong for small fp32 shapes, so the choice is measured rather than assumed."""
+def fp32_decode_slower_at(weight: torch.Tensor, packed_weight: torch.Tensor | None,
+                          decode: DecodeWeight) -> frozenset[int]:
+    """The probe sizes at which the decode kernel is slower than the kernel `linear` takes
+    without it (fp32; timed once per shape). The AVX-512 kernel won at every decode size of
+    the ~100M Llama on a Zen 4 EPYC, but on Intel CPUs `F.linear` (MKL) is strong for small
+    fp32 shapes, so the choice is measured rather than assumed."""
     shape = (weight.shape[0], weight.shape[1])
-    if shape not in _fp32_decode_max_rows:
-        max_rows = 0
-        for rows in _FP32_PROBE_ROWS:
-            if rows > decode.max_rows or not _decode_is_faster(weight, packed_weight, decode, rows):
-                break
-            max_rows = rows
-        _fp32_decode_max_rows[shape] = max_rows
-    return _fp32_decode_max_rows[shape]
+    if shape not in _fp32_decode_slower_at:
+        _fp32_decode_slower_at[shape] = _probe_sizes_slower(
+            weight, decode, lambda x: decode.op(x, decode.packed, weight.shape[0], None),
+            lambda x: linear(x, weight, packed_weight, None))
+    return _fp32_decode_slower_at[shape]
 
 
-def _decode_is_faster(weight: torch.Tensor, packed_weight: torch.Tensor | None, decode: DecodeWeight,
-                      rows: int) -> bool:
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    best_decode, best_other = _best_times(lambda: decode.op(x, decode.packed, weight.shape[0], None),
-                                          lambda: linear(x, weight, packed_weight, None))
-    return best_decode < best_other
+def _probe_sizes_slower(weight: torch.Tensor, streaming: DecodeWeight, streaming_call: Callable[[torch.Tensor], object],
+                        other_call: Callable[[torch.Tensor], object]) -> frozenset[int]:
+    """The probe sizes at which `streaming_call(x)` timed slower than `other_call(x)`, with
+    those past the kernel's `max_rows`, alternating as fp32_packed_min_rows does. Each size
+    is decided on its own: a batch then takes the kernel that won at the size it rounds up
+    to (`DecodeWeight.takes`). Deciding "up to the first loss" instead, a noisy or genuine
+    loss at 16 rows (where both kernels wait on memory) gave away the 64-row decode batches,
+    which the AVX-512 kernels ran 10-18% faster: on a 2-core Zen 5 EPYC, loads of the ~100M
+    Llama in fp32 put its gate_up and LM head on oneDNN in two processes of four."""
+    slower = set()
+    for rows in _FP32_PROBE_ROWS:
+        if rows > streaming.max_rows:
+            slower.add(rows)
+            continue
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        best_streaming, best_other = _best_times(lambda: streaming_call(x), lambda: other_call(x))
+        if best_streaming >= best_other:
+            slower.add(rows)
+    return frozenset(slower)
 
 
 def cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -381,7 +402,7 @@ def choose_linear(weight: torch.Tensor, packed_weight: torch.Tensor | None, deco
                   rows: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
     """The kernel (LINEAR_*) that `linear` runs on `rows` rows of CPU activations of `dtype`,
     and the copy of the weight it reads."""
-    if decode_weight is not None and dtype == decode_weight.packed.dtype and rows <= decode_weight.max_rows:
+    if decode_weight is not None and dtype == decode_weight.packed.dtype and decode_weight.takes(rows):
         return decode_weight.kind, decode_weight.packed
     if packed_weight is not None and dtype == packed_weight.dtype:
         # A weight packed other than by maybe_pack_linear_weight has no timing: packed throughout.

@@ -148,7 +148,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         where the caller applies the activation to `forward(x)`."""
         weight = self.silu_and_mul_weight
         if (weight is None or x.device.type != "cpu" or x.dtype != weight.packed.dtype or x.requires_grad
-                or x.numel() > weight.max_rows * x.shape[-1]):
+                or not weight.takes(x.numel() // x.shape[-1] if x.shape[-1] else 0)):
             return None
         return weight.op(x, weight.packed, self.output_size_per_partition // 2)
 

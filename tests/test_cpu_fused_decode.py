@@ -69,7 +69,8 @@ def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
             gated = getattr(module, "silu_and_mul_weight", None)
             if kernel == "unfused_gate_up" and gated is not None:
                 plain = cpu_gemm.pack_streaming_weight(module.weight)
-                module.decode_weight = cpu_gemm.DecodeWeight(plain.packed, plain.op, gated.max_rows, plain.kind)
+                module.decode_weight = cpu_gemm.DecodeWeight(plain.packed, plain.op, gated.max_rows, plain.kind,
+                                                             gated.slower_at)
             if kernel in ("onednn", "dense"):
                 module.decode_weight = None
             if kernel in ("onednn", "dense", "unfused_gate_up"):

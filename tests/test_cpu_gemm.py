@@ -94,7 +94,7 @@ def test_cold_probing_chooses_per_shape_matches_f_linear_and_releases_its_buffer
     `linear` still gives x W^T + b at every row count, and the buffer is gone afterwards."""
     shape = (1280, 512)
     monkeypatch.setattr(cpu_gemm, "_fp32_min_rows", {})
-    monkeypatch.setattr(cpu_gemm, "_fp32_decode_max_rows", {})
+    monkeypatch.setattr(cpu_gemm, "_fp32_decode_slower_at", {})
     weight, b = torch.randn(*shape), torch.randn(shape[0])
     with cpu_gemm.probing_with_cold_weights(True):
         assert cpu_gemm._probe_evict is not None
@@ -134,7 +134,7 @@ def test_layer_runs_fp32_rows_through_the_kernel_timed_faster(rows):
     x = torch.randn(rows, 1024)
     min_rows = cpu_gemm._fp32_min_rows[(1536, 1024)]
     decode = layer.decode_weight
-    if decode is not None and rows <= decode.max_rows:  # the AVX-512 kernel timed faster still
+    if decode is not None and decode.takes(rows):  # the AVX-512 kernel timed faster at rows' probe size
         expected = decode.op(x, decode.packed, 1536, None)
     elif min_rows is not None and rows >= min_rows:
         expected = cpu_linear(x, layer.packed_weight, None)

@@ -111,11 +111,12 @@ def test_the_layer_gemm_equals_float64_on_both_sides_of_the_decode_row_limit(dty
     if dtype == torch.bfloat16:
         assert decode is not None
     if decode is not None and (dtype == torch.float32 or not cpu_gemm.amx_linear_enabled()):
-        # fp32: up to the most rows at which it timed faster here
-        assert decode.op is torch.ops.raylm.avx512_linear and 0 < decode.max_rows <= cpu_gemm.AVX512_MAX_ROWS
+        # fp32: at the probe sizes where it timed faster here, of which there is one at least
+        assert decode.op is torch.ops.raylm.avx512_linear and decode.max_rows == cpu_gemm.AVX512_MAX_ROWS
+        assert dtype == torch.float32 or not decode.slower_at
     y = cpu_gemm.linear(x, w, packed, b, decode)
     assert_matches_float64(y, x, w, b)
-    if decode is not None and tokens <= decode.max_rows:  # the layer ran exactly the decode kernel
+    if decode is not None and decode.takes(tokens):  # the layer ran exactly the decode kernel
         assert torch.equal(y, decode.op(x, decode.packed, 48, b))
 
 
@@ -210,7 +211,11 @@ def test_gate_up_layers_of_decode_batches_run_the_gated_kernel(dtype):
         assert dtype == torch.float32
         return
     assert gated.decode_weight is None and gated.silu_and_mul_weight.kind == cpu_gemm.LINEAR_AVX512_SILU_MUL
-    for rows in (1, gated.silu_and_mul_weight.max_rows):
+    taken = [rows for rows in (1, 4, 5, 16, 64, 200, 256) if gated.silu_and_mul_weight.takes(rows)]
+    assert taken, "a gated copy is kept only where it timed faster at some probe size"
+    for rows in {1, 4, 5, 16, 64, 200, 256} - set(taken):  # fp32 timed it slower at these rows' probe size
+        assert gated.silu_and_mul(torch.randn(rows, 64).to(dtype)) is None
+    for rows in taken:
         x = torch.randn(rows, 64, generator=gen).to(dtype)
         tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(gated.silu_and_mul(x).double(), silu_and_mul_float64(x, gated.weight),
@@ -222,3 +227,47 @@ def test_a_gated_weight_of_an_odd_row_count_is_refused():
     usable_or_skip(torch.float32)
     with pytest.raises(RuntimeError, match=r"\[2d, in_features\]"):
         torch.ops.raylm.avx512_pack_gated_weight(torch.randn(7, 32))
+
+
+def test_fp32_probe_sizes_are_decided_one_by_one(monkeypatch):
+    """A streaming copy timed slower at one probe size (here 16 rows, as a noisy or a
+    memory-bound probe may) is skipped for the batches that round up to that size only:
+    smaller and larger batches still take it, and `linear` gives each batch exactly the
+    output of the kernel chosen for it."""
+    usable_or_skip(torch.float32)
+    slower_probe = cpu_gemm._FP32_PROBE_ROWS.index(16)
+    calls = []
+
+    def timings(first, second):  # first: the streaming kernel; second: what linear takes without it
+        calls.append(len(calls))
+        return (2.0, 1.0) if calls[-1] == slower_probe else (1.0, 2.0)
+
+    monkeypatch.setattr(cpu_gemm, "_best_times", timings)
+    monkeypatch.setattr(cpu_gemm, "_fp32_decode_slower_at", {})
+    monkeypatch.setattr(cpu_gemm, "_fp32_min_rows", {(96, 64): 1})
+    gen = torch.Generator().manual_seed(11)
+    w, b = torch.randn(96, 64, generator=gen) / 8, torch.randn(96, generator=gen)
+    packed = cpu_gemm.pack_linear_weight(w)
+    decode = cpu_gemm.maybe_pack_decode_weight(w, packed)
+    assert len(calls) == len(cpu_gemm._FP32_PROBE_ROWS) and decode.slower_at == {16}
+    assert cpu_gemm._fp32_decode_slower_at[(96, 64)] == {16}
+    for rows, takes in ((1, True), (4, True), (5, False), (16, False), (17, True), (64, True), (256, True),
+                        (257, False)):
+        assert decode.takes(rows) is takes, rows
+        x = torch.randn(rows, 64, generator=gen)
+        y = cpu_gemm.linear(x, w, packed, b, decode)
+        expected = decode.op(x, decode.packed, 96, b) if takes else cpu_gemm.cpu_linear(x, packed, b)
+        assert torch.equal(y, expected), rows
+        assert_matches_float64(y, x, w, b)
+
+
+def test_an_fp32_streaming_copy_slower_at_every_probe_size_is_not_kept(monkeypatch):
+    usable_or_skip(torch.float32)
+    monkeypatch.setattr(cpu_gemm, "_best_times", lambda first, second: (2.0, 1.0))
+    monkeypatch.setattr(cpu_gemm, "_fp32_decode_slower_at", {})
+    monkeypatch.setattr(cpu_gemm, "_fp32_silu_and_mul_slower_at", {})
+    w = torch.randn(96, 64)
+    packed = cpu_gemm.pack_linear_weight(w)
+    assert cpu_gemm.maybe_pack_decode_weight(w, packed) is None
+    assert cpu_gemm.maybe_pack_silu_and_mul_weight(w, packed) is None
+    assert cpu_gemm._fp32_decode_slower_at[(96, 64)] == set(cpu_gemm._FP32_PROBE_ROWS)

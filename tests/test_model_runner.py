@@ -297,7 +297,7 @@ def test_loader_times_fp32_gemms_cold_only_for_weights_larger_than_the_last_leve
     for llc_bytes, cold in ((cpu_gemm.last_level_cache_bytes(), False), (4096, True)):
         monkeypatch.setattr(cpu_gemm, "last_level_cache_bytes", lambda: llc_bytes)
         monkeypatch.setattr(cpu_gemm, "_fp32_min_rows", {})
-        monkeypatch.setattr(cpu_gemm, "_fp32_decode_max_rows", {})
+        monkeypatch.setattr(cpu_gemm, "_fp32_decode_slower_at", {})
         probes_cold.clear()
         get_model(model_config, "cpu")
         assert probes_cold and set(probes_cold) == {cold}

@@ -192,7 +192,7 @@ def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dty
             from raylm.parallel.cpu_gemm import pack_streaming_weight
 
             streaming = pack_streaming_weight(weight)
-            if streaming is None or rows > streaming.max_rows:
+            if streaming is None or not streaming.takes(rows):
                 return float("inf")
             return _best_seconds(lambda: streaming.op(x, streaming.packed, out_features, None), device, min_seconds)
         if packed:
