@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention", "cpu_gemm_amx", "cpu_gemm_avx512",
-                 "cpu_decode_layers", "shm_comm")
+                 "cpu_decode_layers", "cpu_peak_flops", "shm_comm")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 ISA_ENV_VAR = "RAYLM_CPU_ISA"

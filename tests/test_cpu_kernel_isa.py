@@ -42,6 +42,25 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
 
 
+def test_the_fma_peak_loop_runs_the_widest_multiply_add_of_the_isa():
+    # Assembled per ISA (csrc/cpu_peak_flops.cpp): AVX-512 zmm, AVX2 ymm, none without AVX.
+    if native_build.load_native_library("cpu_peak_flops") is None:
+        pytest.skip("the peak loop cannot be built here")
+    fp32, bf16 = (torch.ops.raylm.cpu_peak_flops(dtype, 100_000) for dtype in (torch.float32, torch.bfloat16))
+    instructions = {dtype: torch.ops.raylm.cpu_peak_flops_instruction(dtype) for dtype in DTYPES}
+    isa, flags = os.environ.get(native_build.ISA_ENV_VAR), native_build._cpu_flags().split()
+    if isa == "scalar" or not {"avx2", "fma"} <= set(flags):
+        assert fp32 == bf16 == 0.0 and set(instructions.values()) == {""}
+        return
+    assert fp32 > 1e9 and bf16 > 1e9
+    avx512 = "avx512f" in flags and isa != "avx2"
+    register = "zmm" if avx512 else "ymm"
+    assert instructions[torch.float32] == f"vfmadd231ps {register}"
+    # bf16 without AVX512-BF16 runs the fp32 loop (bf16 is widened to fp32 to be multiplied).
+    native_bf16 = avx512 and isa != "avx512_no_bf16" and "avx512_bf16" in flags
+    assert instructions[torch.bfloat16] == ("vdpbf16ps zmm" if native_bf16 else f"vfmadd231ps {register}")
+
+
 def test_the_build_uses_the_isa_asked_for():
     expected = {"avx512": 16, "avx512_no_bf16": 16, "avx2": 8, "scalar": 1}.get(os.environ.get(native_build.ISA_ENV_VAR, ""))
     if expected is None:

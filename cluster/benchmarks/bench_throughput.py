@@ -281,7 +281,7 @@ def measure_floors(args: argparse.Namespace, model_config: dict, prompts: list[l
 
 # Each floor of `workload_floors`, by the name its ratio in the report carries.
 FLOOR_KEYS = dict(gemm="matmul_s", floors="total_s", peak_flops="peak_flops_s",
-                  nominal_peak_flops="nominal_peak_flops_s", memory="memory_s")
+                  fma_peak_flops="fma_peak_flops_s", memory="memory_s")
 
 
 # ---------------------------------------------------------------------------- report

@@ -20,7 +20,11 @@ prefill GEMM work than the floor counts. The floors:
   over a baseline that any engine can reach here, however little else it does.
 - Peak FLOP/s: the same matmuls' FLOPs at the best rate a large square GEMM reaches on
   all threads (the rate the workload's small, skinny GEMMs would reach if they were
-  perfect), with the nominal peak from the CPU's flags and clock beside it.
+  perfect), and at the FMA peak: a register-only loop of the dtype's multiply-add on every
+  thread, the machine's limit at the clock it runs (a nominal cores x FLOP/cycle x clock
+  needs a clock, and /proc/cpuinfo gives the base one: on a Zen 5 EPYC 2.6 GHz, 35% under
+  what the loop ran at; on a Zen 4 the same 2.6 GHz and the assumed two 512-bit FMA ports
+  gave 44% over it).
 - Memory: every step reads every weight (and decode its KV); those bytes at the copy
   bandwidth (a streaming copy of a buffer far larger than the caches). Weights that fit
   in the last-level cache can be read faster; the printout says when they do.
@@ -36,6 +40,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# The FMA peak's loop: iterations of 16 instructions per thread (~40-80 ms on a 2-core
+# Zen 4/5 EPYC), best of FMA_PEAK_RUNS.
+FMA_PEAK_ITERATIONS = 10_000_000
+FMA_PEAK_RUNS = 3
 # Square GEMM sizes tried for the peak; a larger one only while a call stays short.
 PEAK_GEMM_SIZES = (1024, 2048, 4096)
 PEAK_GEMM_MAX_CALL_S = 0.25
@@ -241,56 +249,22 @@ def peak_gemm(dtype: torch.dtype, device: str) -> dict:
     return best
 
 
-def _cpuinfo() -> dict:
-    """flags, clock (MHz) and physical core count from /proc/cpuinfo ({} elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    fields: dict[str, str] = {}
-    cores = set()
-    for block in text.strip().split("\n\n"):
-        entry = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
-        entry = {k.strip(): v.strip() for k, v in entry.items()}
-        fields = fields or entry
-        cores.add((entry.get("physical id"), entry.get("core id")))
-    if "cpu MHz" not in fields:
-        return {}
-    return dict(flags=set(fields.get("flags", "").split()), mhz=float(fields["cpu MHz"]), physical_cores=len(cores))
+def fma_peak_flops(dtype: torch.dtype, device: str) -> tuple[float, str] | None:
+    """The CPU's measured peak FLOP/s for dtype on the threads torch uses, and its basis: the
+    best of FMA_PEAK_RUNS runs of a register-only loop of the dtype's widest multiply-add on
+    every thread (`torch.ops.raylm.cpu_peak_flops`, `kernels/csrc/cpu_peak_flops.cpp`), at
+    the clock the cores run it at. None off the CPU, where the kernel cannot be built, or
+    where this build has no such instruction for dtype."""
+    from raylm.kernels.native_build import load_native_library
 
-
-def nominal_peak_flops(dtype: torch.dtype, cpuinfo: dict | None = None,
-                       threads: int | None = None) -> tuple[float, str] | None:
-    """The CPU's nominal peak FLOP/s for this dtype on the threads torch uses, and how it
-    was reckoned: physical cores x FLOPs per cycle per core x the clock /proc/cpuinfo
-    reports. Nominal, not a bound: the FMA port count is not in the flags (2 assumed, as on
-    server cores), and the clock is the base one (turbo raises it, AVX-512 and AMX
-    lower it). None where the flags or clock are unknown (not Linux, not x86, a GPU)."""
-    info = _cpuinfo() if cpuinfo is None else cpuinfo
-    if not info:
+    if device != "cpu" or load_native_library("cpu_peak_flops") is None:
         return None
-    flags = info["flags"]
-    if "avx512f" in flags:
-        fp32 = (64, "AVX-512 fp32 FMA: 2 ports x 16 lanes x 2")
-    elif "avx2" in flags and "fma" in flags:
-        fp32 = (32, "AVX2 fp32 FMA: 2 ports x 8 lanes x 2")
-    else:
+    instruction = torch.ops.raylm.cpu_peak_flops_instruction(dtype)
+    if not instruction:
         return None
-    if dtype == torch.float32:
-        per_cycle, unit = fp32
-    elif dtype == torch.bfloat16:
-        if "amx_bf16" in flags:
-            per_cycle, unit = 1024, "AMX bf16: 512 MACs x 2"
-        elif "avx512_bf16" in flags:
-            per_cycle, unit = 128, "AVX512-BF16 dot products: 2 ports x 32 MACs x 2"
-        else:
-            per_cycle, unit = fp32[0], fp32[1] + " (bf16 widened to fp32: no bf16 instructions)"
-    else:
-        return None
-    cores = min(info["physical_cores"], threads or torch.get_num_threads())
-    ghz = info["mhz"] / 1000
-    cores_text = f"{cores} core" + ("s" if cores > 1 else "")
-    return cores * per_cycle * ghz * 1e9, f"{cores_text} x {per_cycle} FLOP/cycle ({unit}) x {ghz:.2f} GHz"
+    flops = max(torch.ops.raylm.cpu_peak_flops(dtype, FMA_PEAK_ITERATIONS) for _ in range(FMA_PEAK_RUNS))
+    threads = torch.get_num_threads()
+    return flops, f"{threads} thread{'s' if threads > 1 else ''} x a register-only loop of {instruction}"
 
 
 def last_level_cache_bytes() -> int | None:
@@ -328,7 +302,7 @@ def workload_floors(model_config: dict, prompt_lens: list[int], output_len: int,
     prefill, decode = workload_matmuls(model_config, prompt_lens, output_len, max_num_batched_tokens)
     flops = matmul_flops(prefill + decode)
     peak = peak_gemm(dtype, device)
-    nominal = nominal_peak_flops(dtype) if device == "cpu" else None
+    fma_peak = fma_peak_flops(dtype, device)
     kv_bytes = kv_bytes_read(model_config, prompt_lens, output_len, element_size)
     weight_bytes = weight_bytes_read(model_config, prompt_lens, output_len, max_num_batched_tokens, element_size)
     bandwidth = copy_bandwidth(device)
@@ -341,9 +315,9 @@ def workload_floors(model_config: dict, prompt_lens: list[int], output_len: int,
         total_s=matmuls["total_s"] + kv_bytes / bandwidth,
         peak_flops_s=flops / peak["flops_per_s"], peak_gflops_per_s=peak["flops_per_s"] / 1e9,
         peak_gemm_n=peak["n"], peak_gemm_kernel=peak["kernel"],
-        nominal_peak_gflops_per_s=nominal[0] / 1e9 if nominal else None,
-        nominal_peak_basis=nominal[1] if nominal else None,
-        nominal_peak_flops_s=flops / nominal[0] if nominal else None,
+        fma_peak_gflops_per_s=fma_peak[0] / 1e9 if fma_peak else None,
+        fma_peak_basis=fma_peak[1] if fma_peak else None,
+        fma_peak_flops_s=flops / fma_peak[0] if fma_peak else None,
         weight_bytes=weight_bytes, memory_s=(weight_bytes + kv_bytes) / bandwidth,
         weight_bytes_per_step=weight_bytes_per_step(model_config, element_size),
         last_level_cache_bytes=last_level_cache_bytes() if device == "cpu" else None,
@@ -370,10 +344,10 @@ def floor_lines(floors: dict, seconds: float | None, name: str = "raylm") -> lis
         f"  GEMM FLOPs at measured peak    {f['peak_flops_s']:.3f} s ({f['matmul_flops'] / 1e9:.1f} GFLOP at "
         f"{f['peak_gflops_per_s']:.0f} GFLOP/s, {f['peak_gemm_n']}^2 {f['peak_gemm_kernel']}){over(f['peak_flops_s'])}",
     ]
-    if f["nominal_peak_flops_s"] is not None:
-        lines.append(f"  GEMM FLOPs at nominal peak     {f['nominal_peak_flops_s']:.3f} s "
-                     f"({f['nominal_peak_gflops_per_s']:.0f} GFLOP/s = {f['nominal_peak_basis']})"
-                     f"{over(f['nominal_peak_flops_s'])}")
+    if f["fma_peak_flops_s"] is not None:
+        lines.append(f"  GEMM FLOPs at the FMA peak     {f['fma_peak_flops_s']:.3f} s "
+                     f"({f['fma_peak_gflops_per_s']:.0f} GFLOP/s: {f['fma_peak_basis']})"
+                     f"{over(f['fma_peak_flops_s'])}")
     lines.append(f"  weight + KV bytes at copy bw   {f['memory_s']:.3f} s ({f['weight_bytes'] / 1e9:.2f} GB weights + "
                  f"{f['kv_bytes'] / 1e9:.2f} GB KV at {f['copy_gbps']:.1f} GB/s){over(f['memory_s'])}")
     cache = f["last_level_cache_bytes"]
