@@ -115,7 +115,7 @@ class DecodeWeight:
     def takes(self, rows: int) -> bool:
         """Whether a batch of `rows` tokens runs on this copy: a batch counts as the probe
         size it rounds up to."""
-        return rows <= self.max_rows and probe_size_of(rows) not in self.slower_at
+        return rows <= self.max_rows and (not self.slower_at or probe_size_of(rows) not in self.slower_at)
 
 
 def probe_size_of(rows: int) -> int:
