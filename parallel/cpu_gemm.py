@@ -280,6 +280,13 @@ def pack_streaming_weight(weight: torch.Tensor) -> DecodeWeight | None:
                         AVX512_MAX_ROWS, LINEAR_AVX512)
 
 
+def pack_weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, DecodeWeight | None]:
+    """A loaded weight's copies for `linear`: the oneDNN copy (`maybe_pack_linear_weight`) and
+    the streaming decode copy (`maybe_pack_decode_weight`), each None where it is not taken."""
+    packed_weight = maybe_pack_linear_weight(weight)
+    return packed_weight, maybe_pack_decode_weight(weight, packed_weight)
+
+
 def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None) -> DecodeWeight | None:
     """`pack_streaming_weight(weight)`: always in bf16; in fp32 for the batches at whose probe
     size it timed faster than what `linear` would take otherwise (`packed_weight`, the layer's

@@ -48,8 +48,7 @@ class LinearBase(nn.Module):
         """Packs the loaded weight once for the CPU GEMM (`parallel/cpu_gemm.py`); called by
         the loader after the checkpoint is in. `weight` stays as loaded; weights loaded again
         later need this called again."""
-        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
-        self.decode_weight = cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight)
+        self.packed_weight, self.decode_weight = cpu_gemm.pack_weight_copies(self.weight)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_gemm.linear(x, self.weight, self.packed_weight, bias, self.decode_weight)
@@ -65,8 +64,7 @@ class LinearOutputSlice:
     def __init__(self, layer: LinearBase, start: int, size: int) -> None:
         self.weight = layer.weight.detach().narrow(0, start, size)
         self.bias = None if layer.bias is None else layer.bias.detach().narrow(0, start, size)
-        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
-        self.decode_weight = cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight)
+        self.packed_weight, self.decode_weight = cpu_gemm.pack_weight_copies(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_gemm.linear(x, self.weight, self.packed_weight, self.bias, self.decode_weight)

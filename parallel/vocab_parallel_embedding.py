@@ -81,8 +81,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Packs the loaded weight once for the CPU GEMM, like the linear layers: the LM head
         is the largest single matmul of a small model's decode step. A tied weight keeps its
         one copy for the embedding lookup; the packed copy serves only the logits."""
-        self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
-        self.decode_weight = cpu_gemm.maybe_pack_decode_weight(self.weight, self.packed_weight)
+        self.packed_weight, self.decode_weight = cpu_gemm.pack_weight_copies(self.weight)
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         real_rows = max(0, min(self.vocab_end_index, self.num_embeddings) - self.vocab_start_index)
