@@ -2,7 +2,7 @@
 
 Each replica owns a placement group: bundle 0 holds the replica itself (the engine, the
 scheduler and the FastAPI ingress, no model work), bundles 1..tp one tensor-parallel
-worker each, which `RayGPUExecutor` finds through `get_current_placement_group()`.
+worker each, which `RayDistributedExecutor` finds through `get_current_placement_group()`.
 STRICT_PACK keeps a replica's workers on one node, so their collectives stay local.
 `check_health` asks the engine, so a replica whose worker died is replaced by Serve.
 

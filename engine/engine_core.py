@@ -200,9 +200,9 @@ class EngineCore:
 
 def _executor_class(engine_config: EngineConfig) -> type:
     if engine_config.parallel_config.use_ray:
-        from raylm.executors.ray_gpu_executor import RayGPUExecutor
+        from raylm.executors.ray_distributed_executor import RayDistributedExecutor
 
-        return RayGPUExecutor
+        return RayDistributedExecutor
     if engine_config.parallel_config.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size > 1 needs the Ray executor (distributed_executor_backend='ray').")
     from raylm.executors.uniproc_executor import UniProcExecutor

@@ -37,8 +37,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc"
+# What serving uses, built by `python -m raylm.kernels.native_build` (scripts/setup.sh).
 LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention", "cpu_gemm_amx", "cpu_gemm_avx512",
-                 "cpu_decode_layers", "cpu_peak_flops", "shm_comm")
+                 "cpu_decode_layers", "shm_comm")
+# Built at first use only: the FMA-peak loop of the benchmarks' floors (workload_floors.py).
+BENCHMARK_LIBRARY_NAMES = ("cpu_peak_flops",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 ISA_ENV_VAR = "RAYLM_CPU_ISA"
@@ -124,15 +127,24 @@ def build_all() -> dict[str, str | None]:
     return {name: load_native_library(name) for name in LIBRARY_NAMES}
 
 
+def build_key(name: str) -> str:
+    """The cache key of a library: everything its binary depends on. torch's path is part of
+    it, so two virtual environments (the same torch version built differently, or headers
+    patched) never share, and never rewrite, each other's build folders."""
+    headers = sorted(CSRC_DIR.glob("*.h"))
+    parts = [(CSRC_DIR / f"{name}.cpp").read_text(), *(h.read_text() for h in headers),
+             " ".join(compile_flags() + _LDFLAGS), torch.__version__, str(Path(torch.__file__).parent),
+             platform.machine(), _cpu_flags()]
+    return f"raylm_{name}_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def _build(name: str) -> str:
     from torch.utils.cpp_extension import load
 
     source_text = (CSRC_DIR / f"{name}.cpp").read_text()
     headers = sorted(CSRC_DIR.glob("*.h"))
     cflags = compile_flags()
-    key = "\n".join([source_text, *(h.read_text() for h in headers), " ".join(cflags + _LDFLAGS),
-                     torch.__version__, platform.machine(), _cpu_flags()])
-    module_name = f"raylm_{name}_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    module_name = build_key(name)
     cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     build_dir = cache_home / "raylm" / "torch_extensions" / module_name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -144,8 +156,10 @@ def _build(name: str) -> str:
             partial.replace(path)  # atomic: concurrent workers never compile half a file
     start = time.perf_counter()
     with _exclusive_build(build_dir):
-        load(name=module_name, sources=[str(build_dir / f"{name}.cpp")], extra_cflags=cflags,
-             extra_ldflags=_LDFLAGS, extra_include_paths=[str(build_dir)], build_directory=str(build_dir),
+        # Copies of the flag lists: torch's load() appends to the lists it is given, which
+        # once made every later library's flags (and so its key) depend on the load order.
+        load(name=module_name, sources=[str(build_dir / f"{name}.cpp")], extra_cflags=list(cflags),
+             extra_ldflags=list(_LDFLAGS), extra_include_paths=[str(build_dir)], build_directory=str(build_dir),
              is_python_module=False, verbose=False)
     # is_python_module=False: load() has loaded it with torch.ops.load_library, registering its ops.
     path = str(build_dir / f"{module_name}.so")

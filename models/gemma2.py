@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from raylm.kernels import torch_attention
+from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import GeluAndMul
 from raylm.models.attention import Attention
 from raylm.models.forward_context import get_forward_context, select_rows
 from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from raylm.models.logits_processor import LogitsProcessor
-from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.rmsnorm import GemmaRMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.parallel import MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding

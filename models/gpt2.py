@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import get_act_fn
 from raylm.models.attention import Attention
 from raylm.models.forward_context import last_layer_rows, select_rows
 from raylm.models.layernorm import LayerNorm
 from raylm.models.learned_positional_embedding import LearnedPositionalEmbedding
 from raylm.models.logits_processor import LogitsProcessor
-from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.weight_utils import default_weight_loader
 from raylm.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)

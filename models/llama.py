@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylm.kernels.cpu_fused_decode import CpuFusedDecode
+from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import SiluAndMul
 from raylm.models.attention import Attention
-from raylm.models.cpu_fused_decode import CpuFusedDecode
 from raylm.models.forward_context import get_forward_context, last_layer_rows, select_rows
 from raylm.models.logits_processor import LogitsProcessor
-from raylm.models.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.models.weight_utils import load_stacked_weights
@@ -123,6 +123,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def _is_plain_llama_layer(layer: nn.Module) -> bool:
+    """Whether a layer computes exactly what the fused CPU decode op does (subclasses may not)."""
+    if type(layer) is not LlamaDecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    return (type(attn) is LlamaAttention and type(mlp) is LlamaMLP and type(mlp.act_fn) is SiluAndMul
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and type(attn.rotary_emb) is RotaryEmbedding)
+
+
 class LlamaModel(nn.Module):
     # Decode steps on the CPU through every layer in one native call (None: the layers' loop
     # always, as for models built on other layers).
@@ -137,7 +147,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fused_decode = CpuFusedDecode(self.layers)
+        self.fused_decode = CpuFusedDecode(self.layers, _is_plain_llama_layer)
 
     def process_weights_after_loading(self) -> None:
         if self.fused_decode is not None:
@@ -151,7 +161,8 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         # The fused op returns every row: it runs only on steps that read them all.
         every_row = get_forward_context().output_rows is None
-        fused = self.fused_decode.run(hidden_states, positions) if self.fused_decode and every_row else None
+        fused = (self.fused_decode.run(hidden_states, positions, get_forward_context().attn_metadata)
+                 if self.fused_decode and every_row else None)
         if fused is not None:
             hidden_states, residual = fused
         else:

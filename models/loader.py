@@ -10,7 +10,7 @@ from torch import nn
 
 from raylm.models.registry import resolve_model_class
 from raylm.models.weight_utils import safetensors_weights_iterator
-from raylm.parallel import cpu_gemm
+from raylm.kernels import cpu_gemm
 
 
 @contextmanager

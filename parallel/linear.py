@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raylm.parallel import cpu_gemm
+from raylm.kernels import cpu_gemm
 from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.communication import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -45,7 +45,7 @@ class LinearBase(nn.Module):
         self.decode_weight: cpu_gemm.DecodeWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Packs the loaded weight once for the CPU GEMM (`parallel/cpu_gemm.py`); called by
+        """Packs the loaded weight once for the CPU GEMM (`kernels/cpu_gemm.py`); called by
         the loader after the checkpoint is in. `weight` stays as loaded; weights loaded again
         later need this called again."""
         self.packed_weight, self.decode_weight = cpu_gemm.pack_weight_copies(self.weight)

@@ -1,4 +1,4 @@
-"""The fused CPU decode step (`models/cpu_fused_decode.py`, `kernels/csrc/cpu_decode_layers.cpp`)
+"""The fused CPU decode step (`kernels/cpu_fused_decode.py`, `kernels/csrc/cpu_decode_layers.cpp`)
 against the modules it stands in for, run on the same runner and weights: the same kernels
 in the same order, so tokens and logprobs must be bitwise equal; and against Hugging Face.
 
@@ -17,8 +17,8 @@ from raylm.engine.step import ExecuteModelRequest
 from raylm.executors.model_runner import ModelRunner
 from raylm.kernels import cpu_attention, cpu_ops
 from raylm.kernels.native_build import load_native_library
-from raylm.models import cpu_fused_decode
-from raylm.parallel import cpu_gemm
+from raylm.kernels import cpu_fused_decode
+from raylm.kernels import cpu_gemm
 from raylm.parallel.linear import LinearBase
 from tests.test_model_runner import PROMPTS, _decode, _engine_config, _loaded_runner, _prefill
 from tests.test_more_models_rmsnorm import build_random_model, qwen3_config

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from raylm.parallel import ColumnParallelLinear, RowParallelLinear
-from raylm.parallel import cpu_gemm
-from raylm.parallel.cpu_gemm import cpu_linear, maybe_pack_linear_weight, pack_linear_weight
+from raylm.kernels import cpu_gemm
+from raylm.kernels.cpu_gemm import cpu_linear, maybe_pack_linear_weight, pack_linear_weight
 
 TOKENS = (16, 64, 256, 1024)
 SHAPES = ((256, 768), (768, 256), (1024, 2816), (2816, 1024), (1024, 1536))

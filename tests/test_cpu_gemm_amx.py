@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylm.parallel import cpu_gemm
+from raylm.kernels import cpu_gemm
 
 
 @pytest.fixture(scope="module", autouse=True)

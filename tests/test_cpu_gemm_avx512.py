@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raylm.kernels import cpu_ops
-from raylm.parallel import cpu_gemm
+from raylm.kernels import cpu_gemm
 from tests.memory_maps import mapping_of
 
 DTYPES = [torch.float32, torch.bfloat16]

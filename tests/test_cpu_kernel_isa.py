@@ -71,7 +71,7 @@ def test_the_build_uses_the_isa_asked_for():
 def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
     """The narrower paths stand for CPUs without AMX: their build must not use it, so
     layers there keep oneDNN (the full build's AMX kernel is tested in test_cpu_gemm_amx)."""
-    from raylm.parallel import cpu_gemm
+    from raylm.kernels import cpu_gemm
 
     flags = native_build._cpu_flags().split()
     cpu_has_amx = all(f in flags for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
@@ -83,7 +83,7 @@ def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
     """fp32 with AVX-512, bf16 with AVX512-BF16 too; the AVX2 and scalar builds keep oneDNN
     (the kernel itself is tested in test_cpu_gemm_avx512, which this file's narrower runs
     do not repeat: only the full build has both dtypes)."""
-    from raylm.parallel import cpu_gemm
+    from raylm.kernels import cpu_gemm
 
     flags = native_build._cpu_flags().split()
     isa = os.environ.get(native_build.ISA_ENV_VAR) or ("avx512" if "avx512f" in flags else "native")

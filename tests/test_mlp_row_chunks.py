@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from raylm.engine.step import ExecuteModelRequest
-from raylm.models import mlp_row_chunks
-from raylm.models.mlp_row_chunks import mlp_in_row_chunks
+from raylm.kernels import mlp_row_chunks
+from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from tests.test_model_runner import (PROMPTS, _engine_config, _hf_greedy, _loaded_runner, _prefill,  # noqa: F401
                                      hf_model, model_path)
 

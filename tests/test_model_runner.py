@@ -15,7 +15,7 @@ from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.model_runner import ModelRunner
 from raylm.models.loader import get_model
-from raylm.parallel import cpu_gemm
+from raylm.kernels import cpu_gemm
 from tests.memory_maps import mapping_of
 from tests.tiny_models import build_tiny_model
 

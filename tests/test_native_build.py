@@ -63,3 +63,45 @@ def test_a_load_after_a_builder_was_killed_mid_build_finishes(tmp_path):
     loaded = out.split("LOADED ", 1)[1].strip()
     assert Path(loaded).is_file() and Path(loaded).parent == baton.parent
     assert not baton.exists()
+
+
+LOAD_IN_ORDER = """
+import json, os, sys
+from raylm.kernels import native_build
+paths = {name: native_build.load_native_library(name) for name in sys.argv[1:]}
+print(json.dumps({name: [path, path and os.stat(path).st_mtime_ns] for name, path in paths.items()}))
+"""
+
+
+def _load_in_order(names: list[str]) -> dict[str, list]:
+    import json
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RAYLM_CPU_ISA", None)
+    done = subprocess.run([sys.executable, "-c", LOAD_IN_ORDER, *names], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loading_in_another_order_rebuilds_nothing():
+    """setup.sh builds every library in one order; a server loads them in the order its
+    model needs them. Each library's cache key used to depend on that order (torch's load()
+    appended to the flag list it was given), so the first `raylm serve` rebuilt most of them."""
+    from raylm.kernels import native_build
+    import torch
+    if not cpu_ops.usable(torch.zeros(1)):
+        pytest.skip("the native CPU kernels cannot be built here (no compiler or ninja?)")
+    names = list(native_build.LIBRARY_NAMES)
+    first = _load_in_order(names)
+    second = _load_in_order(names[::-1])
+    assert second == first, "the second process built or loaded other libraries than the first"
+
+
+def test_the_build_key_names_the_torch_installation(monkeypatch):
+    """Two virtual environments with the same torch version keep apart build folders."""
+    from raylm.kernels import native_build
+    import torch
+    key = native_build.build_key("cpu_ops")
+    assert native_build.build_key("cpu_ops") == key
+    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert native_build.build_key("cpu_ops") != key

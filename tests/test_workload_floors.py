@@ -102,7 +102,7 @@ def test_packed_matmul_and_copy_bandwidth_time_something():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_kernel_is_timed_up_to_the_rows_it_takes(dtype):
-    from raylm.parallel import cpu_gemm
+    from raylm.kernels import cpu_gemm
 
     streaming = cpu_gemm.pack_streaming_weight(torch.zeros(64, 64, dtype=dtype))
     if streaming is None:  # no streaming kernel for this dtype here: never the fastest

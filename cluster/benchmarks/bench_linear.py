@@ -5,7 +5,7 @@ Methods (each only where this torch build offers it):
 - `F.linear`: the baseline, what the parallel linear layers call.
 - `mkldnn`: oneDNN with the weight reordered once into its blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`), what inductor's
-  freezing uses for bf16 and the path `parallel/cpu_gemm.py` takes.
+  freezing uses for bf16 and the path `kernels/cpu_gemm.py` takes.
 - `mkl` (fp32): MKL's packed GEMM (`_mkl_reorder_linear_weight` + `_mkl_linear`), packed
   for exactly M rows; any other M falls back to `F.linear`, so it only suits a fixed M.
 - `to_mkldnn`: `torch.utils.mkldnn`'s module path, input converted to and from an

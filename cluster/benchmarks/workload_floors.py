@@ -13,7 +13,7 @@ prefill GEMM work than the floor counts. The floors:
 - GEMMs: those matmuls alone, each shape timed (random tensors, warm caches, nothing else
   running) as `F.linear`, as raylm's oneDNN GEMM on a weight packed once and, for
   decode-sized batches, as raylm's streaming decode kernel (AMX or AVX-512) where it runs
-  (`raylm.parallel.cpu_gemm`); the fastest per shape.
+  (`raylm.kernels.cpu_gemm`); the fastest per shape.
 - KV reads: decode attention must read every cached key and value of every sequence at
   every step; those bytes at the measured copy bandwidth. On a CPU the same cores do
   both, so `total_s` = GEMMs + KV reads: `baseline seconds / total_s` bounds the speed-up
@@ -190,21 +190,21 @@ def packed_gemm_available(dtype: torch.dtype, device: str) -> bool:
 def time_matmul(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: str,
                 min_seconds: float = 0.05, packed: bool = False, decode: bool = False) -> float:
     """Seconds per [rows, in] by [out, in] matmul, warm: `F.linear`, or with packed=True
-    raylm's oneDNN GEMM on the weight packed once (`raylm.parallel.cpu_gemm.cpu_linear`), or
+    raylm's oneDNN GEMM on the weight packed once (`raylm.kernels.cpu_gemm.cpu_linear`), or
     with decode=True raylm's streaming decode kernel (`cpu_gemm.pack_streaming_weight`):
     infinite where that kernel does not run here or takes fewer rows."""
     x = torch.randn(rows, in_features, dtype=dtype, device=device)
     weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
     with torch.inference_mode():
         if decode:
-            from raylm.parallel.cpu_gemm import pack_streaming_weight
+            from raylm.kernels.cpu_gemm import pack_streaming_weight
 
             streaming = pack_streaming_weight(weight)
             if streaming is None or not streaming.takes(rows):
                 return float("inf")
             return _best_seconds(lambda: streaming.op(x, streaming.packed, out_features, None), device, min_seconds)
         if packed:
-            from raylm.parallel.cpu_gemm import cpu_linear, pack_linear_weight
+            from raylm.kernels.cpu_gemm import cpu_linear, pack_linear_weight
 
             packed_weight = pack_linear_weight(weight)
             return _best_seconds(lambda: cpu_linear(x, packed_weight, None), device, min_seconds)

@@ -1,6 +1,7 @@
 """A CPU decode step through every Llama decoder layer in one native call.
 
-`LlamaModel.forward` hands each step to `CpuFusedDecode.run` first. Where the step is
+`LlamaModel.forward` hands each step to `CpuFusedDecode.run` first, with the step's
+attention metadata and a check (the model's own) that a layer is the plain Llama layer. Where the step is
 decode-only on the CPU and every layer is the plain Llama layer on the native kernels, it
 runs `torch.ops.raylm.llama_decode_layers` (`kernels/csrc/cpu_decode_layers.cpp`): the same
 kernels, in the same order, called from C++, so the results are bitwise those of the
@@ -16,15 +17,15 @@ the modules instead (for comparisons).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from raylm.kernels import cpu_attention, cpu_ops
+from raylm.kernels import cpu_attention, cpu_gemm, cpu_ops
+from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.native_build import load_native_library
-from raylm.models.forward_context import get_forward_context
-from raylm.parallel import cpu_gemm
 
 ENV_VAR = "RAYLM_CPU_FUSED_DECODE"
 
@@ -49,10 +50,15 @@ class CpuFusedDecode:
 
     What the op needs per batch size (each linear's kernel and weight copy, as
     `cpu_gemm.choose_linear` picks them) is gathered once per size and KV cache; `reset`
-    forgets it, and the loader's `process_weights_after_loading` hook calls it."""
+    forgets it, and the loader's `process_weights_after_loading` hook calls it.
 
-    def __init__(self, layers: nn.ModuleList) -> None:
+    `is_plain_layer(layer)` says whether a layer is the plain Llama decoder layer this op
+    computes (RMSNorms, rotary attention, SiLU-gated MLP, nothing more): the model knows its
+    layer classes, this module knows none."""
+
+    def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> None:
         self.layers = layers
+        self.is_plain_layer = is_plain_layer
         self._shape: _Shape | None | bool = None  # None: not checked yet; False: cannot run
         self._args: dict[tuple[int, torch.dtype], tuple[list, list[int]] | None] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -62,11 +68,10 @@ class CpuFusedDecode:
         self._shape = None
         self._args.clear()
 
-    def run(self, hidden_states: torch.Tensor, positions: torch.Tensor
+    def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata | None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden_states, residual) after the last layer, as the layers' loop would return
         them; None where this step cannot run fused (the caller runs the modules)."""
-        md = get_forward_context().attn_metadata
         num_tokens = hidden_states.shape[0]
         if (md is None or md.max_query_len != 1 or len(md.seq_lens_list) != num_tokens
                 or hidden_states.device.type != "cpu" or hidden_states.dtype not in _DTYPES
@@ -95,7 +100,7 @@ class CpuFusedDecode:
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
         native CPU kernels, or the kernels cannot be built."""
-        self._shape = _shape_of(self.layers) if os.environ.get(ENV_VAR) != "0" else False
+        self._shape = _shape_of(self.layers, self.is_plain_layer) if os.environ.get(ENV_VAR) != "0" else False
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
         return self._shape
@@ -129,25 +134,17 @@ class CpuFusedDecode:
         return tensors, ints
 
 
-def _shape_of(layers: nn.ModuleList) -> _Shape | bool:
-    from raylm.models.activation import SiluAndMul
-    from raylm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-    from raylm.models.rmsnorm import RMSNorm
-    from raylm.models.rotary_embedding import RotaryEmbedding
-
+def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> _Shape | bool:
     if len(layers) == 0 or not (cpu_ops.usable() and cpu_attention.is_available()
                                 and load_native_library("cpu_decode_layers") is not None):
         return False
-    first = layers[0].self_attn if type(layers[0]) is LlamaDecoderLayer else None
-    if first is None:
+    if not is_plain_layer(layers[0]):
         return False
+    first = layers[0].self_attn
     eps = layers[0].input_layernorm.eps
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        plain = (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
-                 and type(mlp.act_fn) is SiluAndMul and type(layer.input_layernorm) is RMSNorm
-                 and type(layer.post_attention_layernorm) is RMSNorm and type(attn.rotary_emb) is RotaryEmbedding)
-        if not plain or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1:
+        attn = layer.self_attn
+        if not is_plain_layer(layer) or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1:
             return False
         if (attn.rotary_emb is not first.rotary_emb or attn.attn.scale != first.attn.scale
                 or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,

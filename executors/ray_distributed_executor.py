@@ -1,4 +1,5 @@
-"""`RayGPUExecutor`: one worker actor per tensor-parallel rank, placed by Ray.
+"""`RayDistributedExecutor` (vLLM's name; also exported as `RayGPUExecutor`, the name users
+know): one worker actor per tensor-parallel rank, placed by Ray, on GPUs or on CPUs.
 
 Set-up, in order:
 1. Join the Ray cluster this process is in (`ray.init` already called, or RAY_ADDRESS),
@@ -115,7 +116,7 @@ class _RayResources:
         self.placement_group = None
 
 
-class RayGPUExecutor(Executor):
+class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
         self._failure: str | None = None
         self._resources = _RayResources()
@@ -511,3 +512,7 @@ def _placement_error(num_workers: int, bundle: dict[str, float], strategy: str, 
             f"{strategy}. The cluster has {total} in total and {free} free; alive nodes: {'; '.join(nodes)}. "
             f"{hint}Lower {knob}, free or add resources, or raise placement_group_timeout_s if nodes are "
             f"still joining.")
+
+
+# The name raylm's users (and vLLM's older releases) know; the executor runs CPU workers too.
+RayGPUExecutor = RayDistributedExecutor
