@@ -102,9 +102,15 @@ class LLMEngine:
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time)
         child_ids = self.output_processor.add_request(parent, params)
+        # The prompt's logprobs are the parent's, the same for every sample: the first child
+        # scores them, the others read the prompt's KV from the prefix cache.
+        sibling_params = params
+        if params.prompt_logprobs is not None and len(child_ids) > 1:
+            sibling_params = copy.copy(params)
+            sibling_params.prompt_logprobs = None
         for index, child_id in enumerate(child_ids):
-            self.engine_core.add_request(Request(child_id, prompt_token_ids, params, arrival_time,
-                                                 sample_index=index))
+            self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
+                                                 arrival_time, sample_index=index))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -423,6 +423,34 @@ def test_prompt_logprobs_are_in_the_completion_body(server, llm):
                                                                   abs=1e-5)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_and_n_2_scores_the_prompt_and_every_generated_token(client, llm, stream):
+    # The prompt's logprobs used to come once per sample, so each choice's generated tokens
+    # lined up with the second copy of the prompt's entries and read null logprobs.
+    params = dict(n=2, temperature=1.0, seed=3, max_tokens=4)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], echo=True, logprobs=1, stream=stream,
+                                         **params)
+    chunks = list(response) if stream else [response]
+    tokens: dict[int, list[str]] = {}
+    served: dict[int, list[float | None]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+            served.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    assert sorted(served) == [0, 1]
+    for index, choice in served.items():
+        assert len(tokens[index]) == len(choice)
+        assert choice[0] is None and None not in choice[1:], choice
+    expected = llm.generate(PROMPTS[1], SamplingParams(logprobs=1, prompt_logprobs=1, **params), use_tqdm=False)[0]
+    prompt_ids = expected.prompt_token_ids
+    for completion in expected.outputs:
+        reference = [expected.prompt_logprobs[p][prompt_ids[p]].logprob for p in range(1, len(prompt_ids))]
+        reference += [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+        choice = served[completion.index]
+        assert len(choice) == len(prompt_ids) + len(completion.token_ids)
+        assert choice[1:] == pytest.approx(reference, abs=1e-4)
+
+
 def test_stream_events_keep_unicode_line_separators_escaped():
     import json as json_module
 
