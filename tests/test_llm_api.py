@@ -221,7 +221,7 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, params)
     engine.add_request("broken", {"prompt_token_ids": [9, 10, 11]}, params)
-    engine.output_processor.request_states["broken"].detokenizer.poisoned = True
+    engine.output_processor.parents["broken"].children[0].detokenizer.poisoned = True
     finished, failed = [], {}
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -231,8 +231,84 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
     assert_all_blocks_free(llm)
     with pytest.raises(RuntimeError, match="failed"):
         engine.add_request("broken-again", {"prompt_token_ids": [9, 10, 11]}, params)
-        engine.output_processor.request_states["broken-again"].detokenizer.poisoned = True
+        engine.output_processor.parents["broken-again"].children[0].detokenizer.poisoned = True
         llm._run_engine(["broken-again"], use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def _run_to_end(engine) -> dict[str, object]:
+    """Steps until nothing is left; the final output of each request, by request id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    return finished
+
+
+def test_a_request_id_equal_to_another_requests_child_id_runs_beside_it(llm):
+    # Children of an n > 1 request were named "{index}_{request_id}": request "0_a" then
+    # shared its engine id with the first child of "a", and the step raised a KeyError.
+    engine = llm.llm_engine
+    requests = {"a": ([5, 6, 7], 2), "0_a": ([8, 9], 1), "1_a": ([10, 11, 12, 13], 3), "0_0_a": ([14], 2)}
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(n=n, temperature=1.0, seed=21, max_tokens=5, ignore_eos=True)
+
+    alone = {}
+    for request_id, (prompt, n) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params(n))
+        alone[request_id] = _run_to_end(engine)[request_id]
+    for request_id, (prompt, n) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params(n))
+    together = _run_to_end(engine)
+    assert sorted(together) == sorted(requests)
+    for request_id, (prompt, n) in requests.items():
+        output = together[request_id]
+        assert output.prompt_token_ids == prompt and len(output.outputs) == n
+        # Seeded samples: the same tokens as the request run alone.
+        assert [c.token_ids for c in output.outputs] == [c.token_ids for c in alone[request_id].outputs]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("n, best_of", [(3, 3), (2, 4)])
+def test_aborting_an_n_request_frees_every_samples_blocks(llm, n, best_of):
+    engine = llm.llm_engine
+    params = SamplingParams(n=n, best_of=best_of, temperature=1.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("many", {"prompt_token_ids": random_prompts(1, 512, seed=22, min_len=40, max_len=40)[0]},
+                       params)
+    engine.add_request("kept", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    kv = engine.scheduler.kv_cache_manager
+    assert len(kv.req_to_blocks) == best_of + 1  # every sample holds blocks
+    engine.abort_request("many")
+    kv.check_invariants()
+    assert len(kv.req_to_blocks) == 1
+    assert list(_run_to_end(engine)) == ["kept"]
+    assert_all_blocks_free(llm)
+
+
+def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks(llm, monkeypatch):
+    from raylm.engine import detokenizer
+
+    original_step = detokenizer.IncrementalDetokenizer.step
+
+    def step(self, token_id):
+        if getattr(self, "poisoned", False):
+            raise RuntimeError("detokenizer bug")
+        return original_step(self, token_id)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+    engine = llm.llm_engine
+    engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("broken", {"prompt_token_ids": list(range(20, 60))},
+                       SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True))
+    engine.output_processor.parents["broken"].children[1].detokenizer.poisoned = True
+    finished, failed = [], {}
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        engine.scheduler.kv_cache_manager.check_invariants()
+        failed.update(engine.pop_failed_requests())
+    assert finished == ["healthy"] and list(failed) == ["broken"]
     assert_all_blocks_free(llm)
 
 
