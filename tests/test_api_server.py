@@ -232,6 +232,10 @@ BAD_REQUESTS = {
     "chat over context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi " * 300}]}, 400,
                           "messages"),
     "unknown model": ("/v1/completions", {"prompt": "Hi", "model": "gpt-17"}, 404, "model"),
+    "empty cache_salt": ("/v1/completions", {"prompt": "Hi", "cache_salt": ""}, 400, "cache_salt"),
+    "cache_salt over 1024 characters": ("/v1/chat/completions", {"messages": CHAT, "cache_salt": "s" * 1025}, 400,
+                                        "cache_salt"),
+    "cache_salt of wrong type": ("/v1/completions", {"prompt": "Hi", "cache_salt": 7}, 400, "cache_salt"),
 }
 
 
@@ -368,6 +372,28 @@ def test_metrics_show_prefix_cache_hits_of_a_repeated_prompt(server, client):
     queries = _metric(after, "raylm:prefix_cache_queries_total") - _metric(before, "raylm:prefix_cache_queries_total")
     hits = _metric(after, "raylm:prefix_cache_hits_total") - _metric(before, "raylm:prefix_cache_hits_total")
     assert queries == 2 * len(prompt) and hits == 32
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_cache_salt_shares_prefix_cache_hits_only_within_one_salt(server, client, route):
+    # 40 prompt tokens (the chat template adds a few): two full blocks of 16 hit the cache.
+    prompt = list(range(200, 240)) if route == "completions" else " ".join(["salted"] * 40)
+
+    def hits_of(salt: str | None) -> int:
+        before = _metric(httpx.get(server + "/metrics").text, "raylm:prefix_cache_hits_total")
+        extra = {} if salt is None else {"cache_salt": salt}
+        if route == "completions":
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        else:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                           temperature=0, extra_body=extra)
+        return _metric(httpx.get(server + "/metrics").text, "raylm:prefix_cache_hits_total") - before
+
+    assert hits_of(f"{route}-a") == 0
+    assert hits_of(f"{route}-b") == 0
+    assert hits_of(None) == 0
+    assert hits_of(f"{route}-a") >= 32
+    assert hits_of(f"{route}-b") >= 32
 
 
 def test_use_beam_search_returns_the_n_best_beams(server, llm):

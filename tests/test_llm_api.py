@@ -312,6 +312,45 @@ def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks
     assert_all_blocks_free(llm)
 
 
+def test_cache_salt_isolates_prefix_cache_hits_between_salts(llm):
+    prompt = random_prompts(1, 512, seed=23, min_len=40, max_len=40)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(salt: str | None):
+        request = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        output = llm.generate([request], params, use_tqdm=False)[0]
+        return output.metrics.num_cached_tokens, output.outputs[0].token_ids
+
+    full_blocks = (len(prompt) - 1) // 16 * 16
+    first_cached, reference = run("tenant-a")
+    assert first_cached == 0
+    assert run("tenant-b") == (0, reference)
+    assert run(None) == (0, reference)
+    assert run("tenant-a") == (full_blocks, reference)
+    assert run(None) == (full_blocks, reference)
+    # Text prompts take the salt too.
+    text = {"prompt": "A salted prompt that is long enough to fill one block or two of sixteen tokens."}
+    assert llm.generate([text | {"cache_salt": "t"}], params, use_tqdm=False)[0].metrics.num_cached_tokens == 0
+    assert llm.generate([text | {"cache_salt": "t"}], params, use_tqdm=False)[0].metrics.num_cached_tokens > 0
+    assert llm.generate([text | {"cache_salt": "u"}], params, use_tqdm=False)[0].metrics.num_cached_tokens == 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("salt, got", [("", "an empty string"), ("x" * 1025, "a string of 1025 characters"),
+                                       (7, "a value of type int")])
+def test_a_bad_cache_salt_is_a_value_error_naming_it_and_the_engine_keeps_serving(llm, salt, got):
+    from raylm.engine.sampling_params import ParameterError
+
+    with pytest.raises(ParameterError, match=f"cache_salt must be a non-empty string of at most 1024 characters, "
+                                             f"got {got}") as error:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [5, 6, 7], "cache_salt": salt}],
+                     SamplingParams(max_tokens=2), use_tqdm=False)
+    assert error.value.param == "cache_salt"
+    assert_all_blocks_free(llm)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7], "cache_salt": "x" * 1024}],
+                            SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 def test_the_callers_sampling_params_are_never_changed(llm):
     params = SamplingParams(temperature=0.0, max_tokens=None, stop_token_ids=[7])
     before = repr(params)
