@@ -188,8 +188,10 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
     params = [metadata.sampling_params[i] for i in rows]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     uniforms = _uniforms(metadata, rows, device)
-    if not (cpu_ops.usable(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1):
+    if not (cpu_ops.usable(logits) and logits.dtype == torch.float32):
         return _sample_truncated(logits, params, temperature, uniforms)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the native pass reads rows as runs of memory
     truncated = [j for j, p in enumerate(params) if _truncates(p, vocab_size)]
     if not truncated:
         # Temperature alone (the common case): one native pass a row does the division, the

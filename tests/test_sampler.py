@@ -292,7 +292,9 @@ NEIGHBOURS = [SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperat
     (SamplingParams(temperature=0.8, seed=0), 32_000, 300),
     (SamplingParams(temperature=0.8, seed=0), 128_256, 100),
     (SamplingParams(temperature=0.8, seed=0, top_k=40), 32_000, 100),
-], ids=["temperature-only-32k", "temperature-only-128k", "top-k-32k"])
+    (SamplingParams(temperature=0.8, seed=0, top_p=0.9), 32_000, 50),
+    (SamplingParams(temperature=0.8, seed=0, min_p=0.05), 32_000, 50),
+], ids=["temperature-only-32k", "temperature-only-128k", "top-k-32k", "top-p-32k", "min-p-32k"])
 def test_a_seeded_row_draws_the_same_token_alone_and_beside_truncating_rows(seeded, vocab, seeds):
     # Before the sampler chose its implementation per row, one top-k, top-p or min-p row
     # anywhere in the batch sent every row to the PyTorch draw, which picks another token
@@ -301,7 +303,8 @@ def test_a_seeded_row_draws_the_same_token_alone_and_beside_truncating_rows(seed
     differ = []
     for seed in range(seeds):
         logits = _logits(len(NEIGHBOURS) + 1, seed=seed, vocab=vocab)
-        params = SamplingParams(temperature=seeded.temperature, top_k=seeded.top_k, seed=seed)
+        params = SamplingParams(temperature=seeded.temperature, top_k=seeded.top_k, top_p=seeded.top_p,
+                                min_p=seeded.min_p, seed=seed)
         alone = _sample(logits[:1], [params], generators=[sibling_generator(seed, 0)])[0].token_id
         position = seed % (len(NEIGHBOURS) + 1)
         rows = NEIGHBOURS[:position] + [params] + NEIGHBOURS[position:]
