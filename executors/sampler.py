@@ -180,7 +180,7 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
     The draw's implementation is chosen per row, from that row's parameters alone: rows with
     temperature alone take the native pass where it runs, rows that truncate (top-k, top-p,
     min-p) the PyTorch one. The two round their sums differently and pick different tokens for
-    the same logits and uniform in about 0.5% (32k vocabulary) to 5% (128k) of draws, so a
+    the same logits and uniform in about 0.7% (32k vocabulary) to 5% (128k) of draws, so a
     choice made for the whole batch would make a seeded request's tokens depend on its
     neighbours' parameters."""
     device = logits.device
