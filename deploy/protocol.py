@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raylm.engine.request import MAX_CACHE_SALT_CHARS
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 
 # Logprobs: OpenAI allows at most 20 alternatives per position in chat and 5 in completions;
@@ -110,6 +111,13 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # vLLM's per-tenant prefix-cache salt: requests share cached KV only with requests of the
+    # same salt (checked here, before tokenizing, as the engine checks LLM prompts).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    def with_cache_salt(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """The engine's prompt dict, with this request's cache_salt when it has one."""
+        return prompt if self.cache_salt is None else {**prompt, "cache_salt": self.cache_salt}
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":

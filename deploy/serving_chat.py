@@ -74,7 +74,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request.to_sampling_params, len(token_ids), max_tokens)
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        (stream,) = await self.add_requests(request_id, [{"prompt": text, "prompt_token_ids": token_ids}], [params])
+        (stream,) = await self.add_requests(
+            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params])
         echo = self._echo_text(request)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo))

@@ -30,8 +30,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, params = [], []
         for prompt, token_ids in zip(requested, token_ids_list):
             params.append(self.sampling_params(request.to_sampling_params, len(token_ids), request.max_tokens))
-            prompts.append({"prompt": prompt, "prompt_token_ids": token_ids} if isinstance(prompt, str)
-                           else {"prompt_token_ids": token_ids})
+            prompts.append(request.with_cache_salt({"prompt": prompt, "prompt_token_ids": token_ids}
+                                                   if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
         request_id = random_id("cmpl")
         created = int(time.time())
         if request.use_beam_search:

@@ -122,8 +122,12 @@ class KVCacheManager:
         tokens = request.all_token_ids
         size = self.block_size
         for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[index - 1] if index else None
-            hashes.append(hash_block_tokens(parent, tokens[index * size:(index + 1) * size]))
+            if index:
+                hashes.append(hash_block_tokens(hashes[index - 1], tokens[index * size:(index + 1) * size]))
+            else:
+                # The salt goes into the first block; every later hash chains on it.
+                salt = request.cache_salt.encode() if request.cache_salt is not None else b""
+                hashes.append(hash_block_tokens(None, tokens[:size], salt))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)

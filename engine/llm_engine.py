@@ -14,13 +14,15 @@ from raylm.engine.engine_core import EngineCore
 from raylm.engine.generation_config import load_generation_defaults
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
-from raylm.engine.request import Request
+from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request
 from raylm.engine.sampling_params import ParameterError, SamplingParams
 from raylm.engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]}.
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
+# either with an optional "cache_salt" (a non-empty string: prefix-cache hits only between
+# requests of the same salt).
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -96,15 +98,22 @@ class LLMEngine:
         params = self.get_default_sampling_params() if params is None else params
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
+        cache_salt = _cache_salt(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         self._validate_request(prompt_token_ids, params)
         params = self._with_engine_defaults(params, len(prompt_token_ids))
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time)
         child_ids = self.output_processor.add_request(parent, params)
+        # The prompt's logprobs are the parent's, the same for every sample: the first child
+        # scores them, the others read the prompt's KV from the prefix cache.
+        sibling_params = params
+        if params.prompt_logprobs is not None and len(child_ids) > 1:
+            sibling_params = copy.copy(params)
+            sibling_params.prompt_logprobs = None
         for index, child_id in enumerate(child_ids):
-            self.engine_core.add_request(Request(child_id, prompt_token_ids, params, arrival_time,
-                                                 sample_index=index))
+            self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
+                                                 arrival_time, sample_index=index, cache_salt=cache_salt))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -214,3 +223,21 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """The prompt dict's "cache_salt" (vLLM's field), checked: None or a non-empty string of
+    at most MAX_CACHE_SALT_CHARS characters."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str):
+        got = f"a value of type {type(salt).__name__}"
+    elif not salt:
+        got = "an empty string"
+    elif len(salt) > MAX_CACHE_SALT_CHARS:
+        got = f"a string of {len(salt)} characters"
+    else:
+        return salt
+    raise ParameterError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                         f"got {got}.", "cache_salt")

@@ -14,6 +14,7 @@ logprob, known only when all have finished).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -187,8 +188,15 @@ class ParentRequest:
     def finished(self) -> bool:
         return self.num_finished == len(self.children)
 
-    def child_request_id(self, index: int) -> str:
-        return self.request_id if self.best_of == 1 else f"{index}_{self.request_id}"
+    def child_request_id(self, index: int, serial: int) -> str:
+        """The engine's id of the `index`-th sample, given the parent's `serial` (unique in
+        its OutputProcessor): vLLM's `{index}_{request_id}` (the request id alone for one
+        sample), followed by `-{serial}`. No caller's id can collide with it: a child's id
+        ends in its parent's serial, digits after the last '-', and a parent's children
+        differ in the index before the first '_'. (The bare vLLM form collided: request
+        "0_a" with the first child of request "a", n=2.)"""
+        base = self.request_id if self.best_of == 1 else f"{index}_{self.request_id}"
+        return f"{base}-{serial}"
 
     def make_output(self) -> RequestOutput | None:
         finished = self.finished
@@ -221,12 +229,16 @@ class OutputProcessor:
         self._token_text = TokenTextCache(tokenizer) if tokenizer is not None else None
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # Numbers the parents, so that their children's ids never collide.
+        self._serials = itertools.count()
 
     def add_request(self, parent: ParentRequest, params: SamplingParams) -> list[str]:
-        """Registers the parent and its best_of children; returns the children's ids."""
+        """Registers the parent and its best_of children; returns the children's ids, which
+        are the engine's own (unique whatever ids callers choose)."""
         self.parents[parent.request_id] = parent
+        serial = next(self._serials)
         for index in range(parent.best_of):
-            child_id = parent.child_request_id(index)
+            child_id = parent.child_request_id(index, serial)
             state = RequestState(child_id, index, params, self.tokenizer, parent.prompt_token_ids, parent)
             parent.children.append(state)
             self.request_states[child_id] = state

@@ -45,6 +45,11 @@ _FINISH_REASONS = {
 }
 
 
+# Most characters of a request's cache_salt (vLLM sets no bound; a salt is an opaque tenant
+# key, and 1024 characters hold any hash or id).
+MAX_CACHE_SALT_CHARS = 1024
+
+
 @dataclass(eq=False)
 class Request:
     """One prompt and its output tokens, as the scheduler and the KV-cache manager see it.
@@ -81,6 +86,9 @@ class Request:
     resumed: bool = True
     # A small int that names the request on the workers (cheaper to send than the id).
     worker_id: int = -1
+    # vLLM's per-tenant prefix-cache salt: part of the first block's hash, so requests share
+    # cached KV only with requests of the same salt (or, unsalted, with unsalted ones).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

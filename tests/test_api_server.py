@@ -232,6 +232,10 @@ BAD_REQUESTS = {
     "chat over context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi " * 300}]}, 400,
                           "messages"),
     "unknown model": ("/v1/completions", {"prompt": "Hi", "model": "gpt-17"}, 404, "model"),
+    "empty cache_salt": ("/v1/completions", {"prompt": "Hi", "cache_salt": ""}, 400, "cache_salt"),
+    "cache_salt over 1024 characters": ("/v1/chat/completions", {"messages": CHAT, "cache_salt": "s" * 1025}, 400,
+                                        "cache_salt"),
+    "cache_salt of wrong type": ("/v1/completions", {"prompt": "Hi", "cache_salt": 7}, 400, "cache_salt"),
 }
 
 
@@ -370,6 +374,28 @@ def test_metrics_show_prefix_cache_hits_of_a_repeated_prompt(server, client):
     assert queries == 2 * len(prompt) and hits == 32
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_cache_salt_shares_prefix_cache_hits_only_within_one_salt(server, client, route):
+    # 40 prompt tokens (the chat template adds a few): two full blocks of 16 hit the cache.
+    prompt = list(range(200, 240)) if route == "completions" else " ".join(["salted"] * 40)
+
+    def hits_of(salt: str | None) -> int:
+        before = _metric(httpx.get(server + "/metrics").text, "raylm:prefix_cache_hits_total")
+        extra = {} if salt is None else {"cache_salt": salt}
+        if route == "completions":
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        else:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                           temperature=0, extra_body=extra)
+        return _metric(httpx.get(server + "/metrics").text, "raylm:prefix_cache_hits_total") - before
+
+    assert hits_of(f"{route}-a") == 0
+    assert hits_of(f"{route}-b") == 0
+    assert hits_of(None) == 0
+    assert hits_of(f"{route}-a") >= 32
+    assert hits_of(f"{route}-b") >= 32
+
+
 def test_use_beam_search_returns_the_n_best_beams(server, llm):
     from raylm.engine import BeamSearchParams
 
@@ -421,6 +447,34 @@ def test_prompt_logprobs_are_in_the_completion_body(server, llm):
         assert set(entry) == set(expected[position])
         assert entry[prompt[position]]["logprob"] == pytest.approx(expected[position][prompt[position]].logprob,
                                                                   abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_and_n_2_scores_the_prompt_and_every_generated_token(client, llm, stream):
+    # The prompt's logprobs used to come once per sample, so each choice's generated tokens
+    # lined up with the second copy of the prompt's entries and read null logprobs.
+    params = dict(n=2, temperature=1.0, seed=3, max_tokens=4)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], echo=True, logprobs=1, stream=stream,
+                                         **params)
+    chunks = list(response) if stream else [response]
+    tokens: dict[int, list[str]] = {}
+    served: dict[int, list[float | None]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+            served.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    assert sorted(served) == [0, 1]
+    for index, choice in served.items():
+        assert len(tokens[index]) == len(choice)
+        assert choice[0] is None and None not in choice[1:], choice
+    expected = llm.generate(PROMPTS[1], SamplingParams(logprobs=1, prompt_logprobs=1, **params), use_tqdm=False)[0]
+    prompt_ids = expected.prompt_token_ids
+    for completion in expected.outputs:
+        reference = [expected.prompt_logprobs[p][prompt_ids[p]].logprob for p in range(1, len(prompt_ids))]
+        reference += [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+        choice = served[completion.index]
+        assert len(choice) == len(prompt_ids) + len(completion.token_ids)
+        assert choice[1:] == pytest.approx(reference, abs=1e-4)
 
 
 def test_stream_events_keep_unicode_line_separators_escaped():

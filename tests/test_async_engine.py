@@ -104,12 +104,13 @@ def test_delta_stream_never_sends_text_that_a_stop_string_removes(llama_dir, ref
     assert outputs[-1].outputs[0].finish_reason == "stop" and outputs[-1].outputs[0].stop_reason == stop
 
 
-def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(llama_dir):
+@pytest.mark.parametrize("n", [1, 3])
+def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(llama_dir, n):
     engine = _engine(llama_dir)
 
     async def main():
-        stream = await engine.add_request("early", "Hello",
-                                          SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        stream = await engine.add_request("early", "Hello", SamplingParams(n=n, temperature=0 if n == 1 else 1.0,
+                                                                           max_tokens=200, ignore_eos=True))
         async for output in stream:
             if len(output.outputs[0].token_ids) >= 3:
                 break

@@ -128,6 +128,30 @@ def test_block_hash_depends_on_every_token_before_the_block() -> None:
     assert hash_block_tokens(None, same_tokens, b"lora-1") != first
 
 
+def test_cache_salt_shares_cached_blocks_only_between_requests_of_the_same_salt() -> None:
+    # 13 tokens: 3 full blocks, of which a later request can hit (13 - 1) // 4 = 3.
+    kv = KVCacheManager(num_blocks=40, block_size=BLOCK_SIZE)
+    prompt = list(range(100, 113))
+
+    def admit_salted(request_id: str, salt: str | None) -> int:
+        """Admits and finishes the request; the tokens the prefix cache gave it."""
+        request = Request(request_id, list(prompt), SamplingParams(max_tokens=8), 0.0, cache_salt=salt)
+        hits_before = kv.prefix_cache_hits
+        admit(kv, request)
+        kv.check_invariants([request])
+        kv.free(request)
+        return kv.prefix_cache_hits - hits_before
+
+    assert admit_salted("tenant-a", "a") == 0
+    assert admit_salted("tenant-b", "b") == 0  # another salt: nothing shared
+    assert admit_salted("unsalted", None) == 0  # no salt is a salt of its own
+    assert admit_salted("tenant-a-again", "a") == 12  # the same salt: all three full blocks
+    assert admit_salted("tenant-b-again", "b") == 12
+    assert admit_salted("unsalted-again", None) == 12
+    assert kv.prefix_cache_queries == 6 * len(prompt)
+    kv.check_invariants()
+
+
 def test_equal_block_after_a_different_prefix_is_not_a_hit() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     admit(kv, make_request("a", [5, 6, 7, 8, 1, 2, 3, 4, 9]))

@@ -221,7 +221,7 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, params)
     engine.add_request("broken", {"prompt_token_ids": [9, 10, 11]}, params)
-    engine.output_processor.request_states["broken"].detokenizer.poisoned = True
+    engine.output_processor.parents["broken"].children[0].detokenizer.poisoned = True
     finished, failed = [], {}
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -231,9 +231,124 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
     assert_all_blocks_free(llm)
     with pytest.raises(RuntimeError, match="failed"):
         engine.add_request("broken-again", {"prompt_token_ids": [9, 10, 11]}, params)
-        engine.output_processor.request_states["broken-again"].detokenizer.poisoned = True
+        engine.output_processor.parents["broken-again"].children[0].detokenizer.poisoned = True
         llm._run_engine(["broken-again"], use_tqdm=False)
     assert_all_blocks_free(llm)
+
+
+def _run_to_end(engine) -> dict[str, object]:
+    """Steps until nothing is left; the final output of each request, by request id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    return finished
+
+
+def test_a_request_id_equal_to_another_requests_child_id_runs_beside_it(llm):
+    # Children of an n > 1 request were named "{index}_{request_id}": request "0_a" then
+    # shared its engine id with the first child of "a", and the step raised a KeyError.
+    engine = llm.llm_engine
+    requests = {"a": ([5, 6, 7], 2), "0_a": ([8, 9], 1), "1_a": ([10, 11, 12, 13], 3), "0_0_a": ([14], 2)}
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(n=n, temperature=1.0, seed=21, max_tokens=5, ignore_eos=True)
+
+    alone = {}
+    for request_id, (prompt, n) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params(n))
+        alone[request_id] = _run_to_end(engine)[request_id]
+    for request_id, (prompt, n) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params(n))
+    together = _run_to_end(engine)
+    assert sorted(together) == sorted(requests)
+    for request_id, (prompt, n) in requests.items():
+        output = together[request_id]
+        assert output.prompt_token_ids == prompt and len(output.outputs) == n
+        # Seeded samples: the same tokens as the request run alone.
+        assert [c.token_ids for c in output.outputs] == [c.token_ids for c in alone[request_id].outputs]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("n, best_of", [(3, 3), (2, 4)])
+def test_aborting_an_n_request_frees_every_samples_blocks(llm, n, best_of):
+    engine = llm.llm_engine
+    params = SamplingParams(n=n, best_of=best_of, temperature=1.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("many", {"prompt_token_ids": random_prompts(1, 512, seed=22, min_len=40, max_len=40)[0]},
+                       params)
+    engine.add_request("kept", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    kv = engine.scheduler.kv_cache_manager
+    assert len(kv.req_to_blocks) == best_of + 1  # every sample holds blocks
+    engine.abort_request("many")
+    kv.check_invariants()
+    assert len(kv.req_to_blocks) == 1
+    assert list(_run_to_end(engine)) == ["kept"]
+    assert_all_blocks_free(llm)
+
+
+def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks(llm, monkeypatch):
+    from raylm.engine import detokenizer
+
+    original_step = detokenizer.IncrementalDetokenizer.step
+
+    def step(self, token_id):
+        if getattr(self, "poisoned", False):
+            raise RuntimeError("detokenizer bug")
+        return original_step(self, token_id)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+    engine = llm.llm_engine
+    engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("broken", {"prompt_token_ids": list(range(20, 60))},
+                       SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True))
+    engine.output_processor.parents["broken"].children[1].detokenizer.poisoned = True
+    finished, failed = [], {}
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        engine.scheduler.kv_cache_manager.check_invariants()
+        failed.update(engine.pop_failed_requests())
+    assert finished == ["healthy"] and list(failed) == ["broken"]
+    assert_all_blocks_free(llm)
+
+
+def test_cache_salt_isolates_prefix_cache_hits_between_salts(llm):
+    prompt = random_prompts(1, 512, seed=23, min_len=40, max_len=40)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(salt: str | None):
+        request = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        output = llm.generate([request], params, use_tqdm=False)[0]
+        return output.metrics.num_cached_tokens, output.outputs[0].token_ids
+
+    full_blocks = (len(prompt) - 1) // 16 * 16
+    first_cached, reference = run("tenant-a")
+    assert first_cached == 0
+    assert run("tenant-b") == (0, reference)
+    assert run(None) == (0, reference)
+    assert run("tenant-a") == (full_blocks, reference)
+    assert run(None) == (full_blocks, reference)
+    # Text prompts take the salt too.
+    text = {"prompt": "A salted prompt that is long enough to fill one block or two of sixteen tokens."}
+    assert llm.generate([text | {"cache_salt": "t"}], params, use_tqdm=False)[0].metrics.num_cached_tokens == 0
+    assert llm.generate([text | {"cache_salt": "t"}], params, use_tqdm=False)[0].metrics.num_cached_tokens > 0
+    assert llm.generate([text | {"cache_salt": "u"}], params, use_tqdm=False)[0].metrics.num_cached_tokens == 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("salt, got", [("", "an empty string"), ("x" * 1025, "a string of 1025 characters"),
+                                       (7, "a value of type int")])
+def test_a_bad_cache_salt_is_a_value_error_naming_it_and_the_engine_keeps_serving(llm, salt, got):
+    from raylm.engine.sampling_params import ParameterError
+
+    with pytest.raises(ParameterError, match=f"cache_salt must be a non-empty string of at most 1024 characters, "
+                                             f"got {got}") as error:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [5, 6, 7], "cache_salt": salt}],
+                     SamplingParams(max_tokens=2), use_tqdm=False)
+    assert error.value.param == "cache_salt"
+    assert_all_blocks_free(llm)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7], "cache_salt": "x" * 1024}],
+                            SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 def test_the_callers_sampling_params_are_never_changed(llm):

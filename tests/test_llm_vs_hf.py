@@ -63,6 +63,27 @@ def test_sampled_and_top_logprobs_match_hf_log_softmax(arch_llm):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("n, best_of", [(1, 1), (2, 2), (3, 3), (2, 3)])
+def test_prompt_logprobs_are_scored_once_for_all_samples_and_match_hf(arch_llm, n, best_of):
+    # Every sample used to score the prompt again and append to the request's list: a
+    # 40-token prompt gave 40, 79 or 118 entries at n = 1, 2 or 3.
+    model_dir, llm = arch_llm
+    prompt = random_prompts(1, 512, seed=4, min_len=40, max_len=40)[0]
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    hits_before = kv.prefix_cache_hits
+    params = SamplingParams(n=n, best_of=best_of, temperature=1.0, seed=5, max_tokens=5, logprobs=2,
+                            prompt_logprobs=2, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert len(output.outputs) == n
+    for completion in output.outputs:
+        as_one = type(output)(output.request_id, output.prompt, prompt, output.prompt_logprobs, [completion], True)
+        assert_logprobs_match_hf(model_dir, [prompt], [as_one], top_k=2)
+    if kv.enable_caching:
+        # The first sample scores the prompt; the others read its full blocks from the cache.
+        assert kv.prefix_cache_hits - hits_before == (best_of - 1) * (len(prompt) - 1) // kv.block_size * kv.block_size
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_preemption_under_a_small_kv_pool_keeps_greedy_outputs_equal_to_hf(llama_dir, mode):
     # 24 prompts of ~30 tokens growing to ~54 need 4 blocks each (96 in all); 20 blocks
