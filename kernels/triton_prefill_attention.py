@@ -111,6 +111,9 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SLIDING_WINDOW > 0:
+        # Padding rows (positions past the end) have seen no key at all: keep them out of 0 / 0.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + q_index)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
