@@ -42,10 +42,10 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # Each request's block table: block p // block_size holds token p. Entries before the
-        # window are `_null_block`, which belongs to no pool and is never freed.
+        # window are `null_block`, which belongs to no pool and is never freed.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._null_block = KVCacheBlock(NULL_BLOCK_ID)
-        # How many leading entries of each request's table are _null_block.
+        self.null_block = KVCacheBlock(NULL_BLOCK_ID)
+        # How many leading entries of each request's table are null_block.
         self._num_null_blocks: dict[str, int] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -97,7 +97,8 @@ class KVCacheManager:
                        num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Makes the request's blocks cover its computed tokens, the cache hit
         `new_computed_blocks` (from `get_computed_blocks`, on admission) and `num_new_tokens`
-        more. Returns the fresh blocks, or None (nothing changed) when the pool is short."""
+        more. Returns the fresh blocks, or None when the pool is short (nothing is allocated
+        then; with a sliding window, the blocks it has passed are freed either way)."""
         first_new_token = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = first_new_token + num_new_tokens
         # Blocks before the window of the first new token: no step reads them any more.
@@ -121,7 +122,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(0, num_new_blocks))
         held = self.req_to_blocks.setdefault(request.request_id, held)
         if num_skipped_hits:
-            held.extend([self._null_block] * num_skipped_hits)
+            held.extend([self.null_block] * num_skipped_hits)
             self._num_null_blocks[request.request_id] = num_skipped_hits
         held.extend(taken_hits)
         held.extend(new_blocks)
@@ -159,7 +160,7 @@ class KVCacheManager:
         if end <= start:
             return
         self.block_pool.free_blocks(reversed(held[start:end]))
-        held[start:end] = [self._null_block] * (end - start)
+        held[start:end] = [self.null_block] * (end - start)
         self._num_null_blocks[request_id] = end
 
     def free(self, request: Request) -> None:
@@ -204,9 +205,9 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         for request_id, blocks in self.req_to_blocks.items():
             num_null = self._num_null_blocks.get(request_id, 0)
-            assert all(block is self._null_block for block in blocks[:num_null]), (
+            assert all(block is self.null_block for block in blocks[:num_null]), (
                 f"request {request_id} has a freed entry that is not the null block")
-            assert all(block is not self._null_block for block in blocks[num_null:]), (
+            assert all(block is not self.null_block for block in blocks[num_null:]), (
                 f"request {request_id} has a null entry after its first {num_null}")
             ids = [block.block_id for block in blocks[num_null:]]
             assert len(ids) == len(set(ids)), f"request {request_id} holds a block twice: {ids}"
@@ -227,7 +228,7 @@ class KVCacheManager:
             self._update_block_hashes(request)
             num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
             for index, block in enumerate(blocks[:num_full]):
-                if block is not self._null_block and block.block_hash is not None:
+                if block is not self.null_block and block.block_hash is not None:
                     assert block.block_hash == request.block_hashes[index], (
                         f"block {block.block_id} of request {request.request_id} is cached under a hash "
                         f"that is not its tokens'")
