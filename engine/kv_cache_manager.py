@@ -60,18 +60,39 @@ class KVCacheManager:
         At least one token is always left to compute: its logits are what the step samples
         from. Requests that want prompt logprobs they have not received yet skip the cache,
         since cached tokens produce no logits.
+
+        With a sliding window on every layer, a hit of k blocks needs only the blocks that
+        the window of token k * block_size reaches (vLLM's sliding-window lookup): the longest
+        such hit is taken even where earlier blocks were evicted, and `null_block` stands in
+        for the blocks before its window (`allocate_slots` never takes those).
         """
         if not self.enable_caching or _needs_prompt_logprobs(request):
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_hit_blocks]
+        if self.sliding_window is not None:
+            return self._longest_windowed_hit(hashes)
         computed: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             computed.append(block)
         return computed, len(computed) * self.block_size
+
+    def _longest_windowed_hit(self, hashes: list[bytes]) -> tuple[list[KVCacheBlock], int]:
+        """The largest k such that blocks _num_blocks_outside_window(k * block_size) .. k - 1
+        are all cached: the first k blocks as a hit, null_block before that window."""
+        cached = [self.block_pool.get_cached_block(block_hash) for block_hash in hashes]
+        best, run_start = 0, 0  # run_start: where the run of cached blocks ending at i began
+        for index, block in enumerate(cached):
+            if block is None:
+                run_start = index + 1
+            elif run_start <= self._num_blocks_outside_window((index + 1) * self.block_size):
+                best = index + 1
+        skipped = self._num_blocks_outside_window(best * self.block_size)
+        return [self.null_block] * skipped + cached[skipped:best], best * self.block_size
 
     def record_admission(self, request: Request, num_computed_tokens: int) -> None:
         """Counts a lookup that led to admission (a request that waits and looks again

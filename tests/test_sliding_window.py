@@ -199,11 +199,12 @@ def test_a_prefix_hit_takes_only_the_blocks_its_window_reaches_and_freed_blocks_
     assert table(kv, first) == [None, None, None, 3, 4, 5]
     assert len(kv.block_pool.cached_blocks) == 5
 
-    # The same 20 tokens and one more: all 5 full blocks are a hit (the 21st token is computed),
-    # but the first new token, 20, reads back to 15 only.
+    # The same 20 tokens and one more: a hit of all 5 full blocks (the 21st token is computed),
+    # of which the first new token, 20, reads blocks 3 and 4 (keys 15..20) only.
     second = make_request("b", 21)
     hit_blocks, num_hit_tokens = kv.get_computed_blocks(second)
-    assert [block.block_id for block in hit_blocks] == [0, 1, 2, 3, 4] and num_hit_tokens == 20
+    assert [None if b is kv.null_block else b.block_id for b in hit_blocks] == [None, None, None, 3, 4]
+    assert num_hit_tokens == 20
     free_before = kv.get_num_free_blocks()
     assert kv.allocate_slots(second, 1, hit_blocks, num_hit_tokens) is not None
     second.num_computed_tokens = 21
@@ -229,10 +230,35 @@ def test_a_preempted_request_frees_what_it_holds_and_takes_its_cached_blocks_bac
     kv.free(request)  # preemption by recompute
     request.num_computed_tokens = 0
     assert kv.get_num_free_blocks() == 10
-    # All 4 full blocks of its 17 tokens are still cached (freed by the window or now): a hit
+    # The 4 full blocks of its 17 tokens are still cached (freed by the window or now): a hit
     # of 16 tokens, of which token 16's window needs blocks 2 and 3 only.
     hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-    assert num_hit_tokens == 16
+    assert num_hit_tokens == 16 and hit_blocks[2:] == [kv.block_pool.blocks[2], kv.block_pool.blocks[3]]
     assert kv.allocate_slots(request, 1, hit_blocks, num_hit_tokens) is not None
     assert table(kv, request) == [None, None, 2, 3, 5]
     kv.check_invariants([request])
+
+
+def test_a_hit_needs_only_the_blocks_its_window_reaches_to_be_cached():
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE, sliding_window=6)
+    first = make_request("a", 16)
+    for _ in range(4):  # chunks of 4: each frees what the next no longer reads
+        assert kv.allocate_slots(first, 4) is not None
+        first.num_computed_tokens += 4
+    assert table(kv, first) == [None, 1, 2, 3]  # chunk 12..15 read from 7 on
+    kv.free(first)
+    # A request of 4 blocks evicts blocks 4, 5, 0 and 3 (queue: 4, 5, 0, 3, 2, 1), taking the
+    # first one of the prefix and its last: left cached are blocks 1 and 2 (positions 4..11).
+    other = Request("b", list(range(500, 516)), SamplingParams(max_tokens=64), 0.0)  # another prefix
+    assert kv.allocate_slots(other, 16) is not None
+    assert kv.get_block_ids("b") == [4, 5, 0, 3]
+    kv.free(other)
+    # The same 16 tokens again: block 0 is gone, so no prefix of blocks from 0 is cached; but
+    # token 12 reads keys 7..12, and blocks 1 and 2 (keys 4..11) are: a hit of 12 tokens.
+    again = make_request("c", 16)
+    hit_blocks, num_hit_tokens = kv.get_computed_blocks(again)
+    assert num_hit_tokens == 12
+    assert [None if b is kv.null_block else b.block_id for b in hit_blocks] == [None, 1, 2]
+    assert kv.allocate_slots(again, 4, hit_blocks, num_hit_tokens) is not None
+    assert table(kv, again) == [None, 1, 2, 3]
+    kv.check_invariants([again])
