@@ -643,9 +643,9 @@ struct SequencePrefetch {
     const int64_t span = seq_len - first;
     const int64_t target = first + std::min(span, (span * done + total - 1) / total);
     while (fetched < target) {
-      const int64_t block = fetched / block_size, first = fetched % block_size;
-      const int n = static_cast<int>(std::min(block_size - first, target - fetched));
-      const int64_t offset = table[block] * block_stride + head_offset + first * token_stride;
+      const int64_t block = fetched / block_size, in_block = fetched % block_size;
+      const int n = static_cast<int>(std::min(block_size - in_block, target - fetched));
+      const int64_t offset = table[block] * block_stride + head_offset + in_block * token_stride;
       for (int64_t h = 0; h < heads; ++h) {
         prefetch_rows(k_cache + offset + h * D, v_cache + offset + h * D, token_stride, n, D);
       }
