@@ -101,12 +101,15 @@ def _paged_prefill_kernel(
         s = tl.where(visible, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if SLIDING_WINDOW > 0:
-            # A row whose window starts past this tile has seen no key yet: exponentials
-            # against 0 instead of -inf - -inf, all of them 0.
-            m_new = tl.where(m_new == -float("inf"), 0.0, m_new)
-        # (Without a window key 0 is in the first tile and visible to every row: m_new is finite.)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+            # A row that has seen no key yet keeps a -inf maximum: exponentials against 0
+            # instead of -inf - -inf, all of them 0. (Only padding rows: a block's BLOCK_Q <=
+            # BLOCK_N queries all find a key of their window in its first tile.)
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        else:
+            # Key 0 is in the first tile and visible to every row: m_new is finite.
+            shift = m_new
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -368,3 +368,18 @@ def test_windowed_bf16_cache_matches_the_reference(native_prefill):
                                                    logits_soft_cap=5.0)
         assert out.dtype == q.dtype and not out.isnan().any()
         assert relative_error(out, expected) < (1e-2 if q.dtype == torch.bfloat16 else 1e-5)
+
+
+def test_windowed_prefill_rows_whose_window_starts_past_a_chunk_keep_fp32_precision(native_prefill):
+    # A tile of up to 128 query rows over 64-key chunks: with a window of 5 most rows see no
+    # key of the tile's first chunk. Every score is shifted by -120 (channel 0: 1 in the
+    # queries, -400 in the keys; -173 in log2 units, below exp2's range): only a running
+    # maximum that stays -inf until a row's first key (not a stand-in 0) keeps the softmax
+    # exact. (fp32 scores near -120 keep ~1e-5 of their differences: hence 1e-4.)
+    query, k_cache, v_cache, md = build_step([300], [300], 4, 4, 32, 16, torch.float32, 9, 0, 5)
+    query[..., 0] = 1.0
+    k_cache[..., 0] = torch.where(k_cache[..., 0].isnan(), k_cache[..., 0], torch.full_like(k_cache[..., 0], -400.0))
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.3, sliding_window=5)
+    exact = float64_attention(query, k_cache, v_cache, md, 0.3, 5)
+    assert not out.isnan().any()
+    assert relative_error(out, exact) < 1e-4
