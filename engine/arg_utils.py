@@ -16,6 +16,7 @@ from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheCo
                                  ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
+from raylm.models.sliding_window import kv_cache_sliding_window
 
 _GiB = 1024**3
 
@@ -150,6 +151,7 @@ class EngineArgs:
             cpu_kv_cache_space_bytes=None if self.kv_cache_space is None else int(self.kv_cache_space * _GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            sliding_window=kv_cache_sliding_window(model_config.layer_sliding_windows),
         )
         default_budget = (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
                           else max(max_model_len, 2048))

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raylm.engine.config import EngineConfig
-from raylm.engine.config import kv_cache_block_bytes
+from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SamplerOutput, ScheduledRequest,
                                TokenLogprobs)
@@ -91,7 +90,8 @@ class ModelRunner:
         """KV blocks this rank can hold: num_gpu_blocks_override if set; on CUDA, what a
         profiled peak forward leaves of total * gpu_memory_utilization; on CPU,
         cpu_kv_cache_space_bytes, or by default what max_num_seqs requests of max_model_len
-        tokens can fill (plus a tenth for the prefix cache), at most 4 GiB."""
+        tokens can hold at once (`max_blocks_per_request`: bounded by the window on a model
+        windowed in every layer), plus a tenth for the prefix cache, at most 4 GiB."""
         block_bytes = self.get_cache_block_size_bytes()
         if self.cache_config.num_gpu_blocks_override is not None:
             return self.cache_config.num_gpu_blocks_override
@@ -103,7 +103,9 @@ class ModelRunner:
         elif self.cache_config.cpu_kv_cache_space_bytes is not None:
             num_blocks = self.cache_config.cpu_kv_cache_space_bytes // block_bytes
         else:
-            blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
+            blocks_per_seq = max_blocks_per_request(self.model_config.max_model_len, self.block_size,
+                                                    self.cache_config.sliding_window,
+                                                    self.scheduler_config.max_num_batched_tokens)
             fillable = self.scheduler_config.max_num_seqs * blocks_per_seq
             num_blocks = min(fillable + fillable // 10, _DEFAULT_CPU_KV_CACHE_BYTES // block_bytes)
         if num_blocks < 1:

@@ -3,7 +3,8 @@ PyTorch reference.
 
 All backends share one contract (see `raylm.kernels.torch_attention`):
 `write_kv_cache(key, value, k_cache, v_cache, slot_mapping)` and
-`paged_attention(query, k_cache, v_cache, attn_metadata, scale) -> out`.
+`paged_attention(query, k_cache, v_cache, attn_metadata, scale, *, sliding_window=None,
+logits_soft_cap=None) -> out`.
 Triton is imported only when the Triton backend is asked for, so a CPU machine without
 triton installed still runs the PyTorch path. The "cpu" backend compiles its C++ kernel at
 first use (`raylm.kernels.cpu_attention`) and runs the PyTorch reference if it cannot.
@@ -27,7 +28,8 @@ BACKEND_NAMES = ("triton", "cpu", "torch")
 class AttentionBackend:
     name: str
     write_kv_cache: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    paged_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+    # (query, k_cache, v_cache, attn_metadata, scale, *, sliding_window, logits_soft_cap) -> out
+    paged_attention: Callable[..., torch.Tensor]
 
 
 def default_backend_name() -> str:
@@ -64,13 +66,14 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
 
 
 def _triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            attn_metadata: AttentionMetadata, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     # Decode-only steps take the kernel built for one query row per sequence (with its
     # split-K choice); anything with a longer chunk takes the prefill kernel, which also
     # serves the decode rows of a mixed batch.
     from raylm.kernels.triton_decode_attention import paged_decode_attention
     from raylm.kernels.triton_prefill_attention import paged_prefill_attention
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out=out)
     if attn_metadata.max_query_len <= 1:
-        return paged_decode_attention(query, k_cache, v_cache, attn_metadata, scale, out=out)
-    return paged_prefill_attention(query, k_cache, v_cache, attn_metadata, scale, out=out)
+        return paged_decode_attention(query, k_cache, v_cache, attn_metadata, scale, **options)
+    return paged_prefill_attention(query, k_cache, v_cache, attn_metadata, scale, **options)

@@ -43,6 +43,8 @@ class _Shape:
     eps: float
     scale: float
     cos_sin_cache: torch.Tensor
+    # Each layer's sliding window (0: none).
+    sliding_windows: list[int]
 
 
 class CpuFusedDecode:
@@ -54,7 +56,8 @@ class CpuFusedDecode:
 
     `is_plain_layer(layer)` says whether a layer is the plain Llama decoder layer this op
     computes (RMSNorms, rotary attention, SiLU-gated MLP, nothing more): the model knows its
-    layer classes, this module knows none."""
+    layer classes, this module knows none. Each layer's attention keeps its sliding window
+    (Mistral's); a soft-capped one is not such a layer."""
 
     def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> None:
         self.layers = layers
@@ -95,7 +98,7 @@ class CpuFusedDecode:
             hidden_states.contiguous(), positions.to(torch.int64).contiguous(),
             md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous(),
             md.seq_lens.to(torch.int32).contiguous(), shape.cos_sin_cache, tensors, ints, shape.num_heads,
-            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale)
+            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.sliding_windows)
 
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
@@ -144,7 +147,8 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
     eps = layers[0].input_layernorm.eps
     for layer in layers:
         attn = layer.self_attn
-        if not is_plain_layer(layer) or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1:
+        if (not is_plain_layer(layer) or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1
+                or attn.attn.logits_soft_cap is not None):
             return False
         if (attn.rotary_emb is not first.rotary_emb or attn.attn.scale != first.attn.scale
                 or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,
@@ -155,4 +159,5 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
     if rotary.cos_sin_cache.dtype not in _DTYPES or not rotary.cos_sin_cache.is_contiguous():
         return False
     return _Shape(first.num_heads, first.num_kv_heads, first.head_size, rotary.rotary_dim, float(eps),
-                  float(first.attn.scale), rotary.cos_sin_cache)
+                  float(first.attn.scale), rotary.cos_sin_cache,
+                  [layer.self_attn.attn.sliding_window or 0 for layer in layers])

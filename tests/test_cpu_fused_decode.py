@@ -36,6 +36,8 @@ FUSED_OP = "raylm::llama_decode_layers"
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen2")}
+    # Mistral v0.1's layout: every layer windowed, here to 5 of the prompts' 4-15 tokens.
+    dirs["mistral_windowed"] = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=5)
     return dirs | {"qwen3": build_random_model(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
 
 
@@ -133,6 +135,27 @@ def test_fused_decode_matches_hugging_face(model_dirs):
                 assert token == int(reference.argmax())
                 assert logprob == pytest.approx(float(reference[token]), abs=1e-4)
                 history.append(token)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_of_sliding_window_layers_equals_the_modules_bitwise(model_dirs, dtype, monkeypatch):
+    runner = _runner(model_dirs["mistral_windowed"], dtype)
+    fused = _fused_decode(runner)
+    tokens, logprobs, calls = _generate(runner)
+    assert calls == STEPS - 1 and fused._shape.sliding_windows == [5, 5]
+    monkeypatch.setenv(cpu_fused_decode.ENV_VAR, "0")
+    fused.reset()
+    module_tokens, module_logprobs, module_calls = _generate(runner)
+    assert module_calls == 0
+    assert (tokens, logprobs) == (module_tokens, module_logprobs)
+    if dtype == torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dirs["mistral_windowed"]), dtype=torch.float32).eval()
+        for prompt, got in zip(PROMPTS, tokens):
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
+            assert logits.argmax(-1).tolist() == got
 
 
 def test_layers_other_than_llamas_run_their_modules(model_dirs):

@@ -286,6 +286,30 @@ def test_prefill_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (40, 8), (32, 1), (128, 32)])
+def test_windowed_soft_capped_decode_attention(head_size, block_size, dtype):
+    # Blocks before each window point at a NaN block (build_cached_step), as freed ones do.
+    seq_lens = [1, 15, 40, 101, 257]
+    query, k_cache, v_cache, md = build_cached_step([1] * len(seq_lens), seq_lens, 8, 2, head_size, block_size,
+                                                    dtype=dtype, seed=head_size, sliding_window=23)
+    scale = 2.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale, 23,
+                                                 3.0)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, scale, 23, 3.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [7, 70])
+def test_windowed_soft_capped_prefill_attention(window, dtype):
+    query_lens, seq_lens = [200, 20, 3, 1], [200, 150, 21, 90]
+    query, k_cache, v_cache, md = build_cached_step(query_lens, seq_lens, 8, 2, 64, dtype=dtype, seed=window,
+                                                    sliding_window=window)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, 0.25, 1, window, 3.0)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, 0.25, window, 3.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
     # q as the attention layer passes it: a column slice of [T, (Hq + 2 Hkv) * D].
     query, k_cache, v_cache, md = build_cached_step([1, 1, 5], [9, 30, 5], 4, 2, 32, seed=7)

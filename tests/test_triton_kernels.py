@@ -179,6 +179,42 @@ def test_prefill_zeroes_padding_rows_past_the_last_sequence(kernels):
     assert relative_error(out, expected) < 1e-3
 
 
+# ---- sliding windows and soft caps ----------------------------------------------------------
+# The blocks before each sequence's window point at the NaN block (build_step), as the
+# engine's freed blocks point at someone else's: a kernel that loaded one would return NaN.
+
+@pytest.mark.parametrize("dtype,window,soft_cap,num_splits", [
+    (torch.float32, 5, None, 1), (torch.float32, 70, None, 1), (torch.float16, 33, 4.0, 1),
+    (torch.float32, 130, None, 3), (torch.bfloat16, 100, 2.0, 2)])
+def test_windowed_decode_matches_reference_without_loading_blocks_before_the_window(kernels, dtype, window, soft_cap,
+                                                                                     num_splits):
+    # Windows shorter than a tile, mid-tile, and split over partitions (split-K); sequences
+    # shorter than the window too.
+    seq_lens = [300, 1, 40, 257]
+    query, k_cache, v_cache, md = build_step([1] * 4, seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                                             block_size=16, dtype=dtype, seed=window, sliding_window=window)
+    options = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    out = kernels["triton_decode_attention"].paged_decode_attention(
+        query, k_cache, v_cache, md, 0.3, out=poisoned_like(query), num_splits=num_splits, **options)
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 0.3, **options)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype,window,soft_cap", [
+    (torch.float32, 3, None), (torch.float32, 40, None), (torch.float16, 17, 3.0), (torch.float32, None, 2.0)])
+def test_windowed_prefill_matches_reference_without_loading_blocks_before_the_window(kernels, dtype, window,
+                                                                                      soft_cap):
+    # A prompt longer than a tile of queries, a chunk after cached tokens, decode rows.
+    query_lens, seq_lens = [90, 12, 1, 1], [90, 75, 50, 3]
+    query, k_cache, v_cache, md = build_step(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_size=64,
+                                             block_size=8, dtype=dtype, seed=7, sliding_window=window)
+    options = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    out = kernels["triton_prefill_attention"].paged_prefill_attention(query, k_cache, v_cache, md, 0.3,
+                                                                      out=poisoned_like(query), **options)
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 0.3, **options)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
 # ---- GPU compile rules ----------------------------------------------------------------------
 
 # Compiled ahead of time for an H100 (sm_90) down to a cubin with the ptxas that ships with
@@ -205,9 +241,15 @@ for dtype, group, head_size in (("fp16", 1, 64), ("bf16", 4, 128)):
                  BLOCK_N=64, DOT_FP32=False, DOT_PRECISION="tf32")
     compile(dec._paged_decode_kernel, types, dict(tiles, BLOCK_G=16, SPLIT_K=dtype == "bf16"))
     compile(pre._paged_prefill_kernel, types, dict(tiles, BLOCK_M=16 if group == 1 else 64, BLOCK_Q=16))
+    # A sliding-window, soft-capped layer (Gemma 2's), and the split-K merge of a window.
+    windowed = dict(tiles, SLIDING_WINDOW=4096, SOFT_CAP=50.0)
+    compile(dec._paged_decode_kernel, types, dict(windowed, BLOCK_G=16, SPLIT_K=True))
+    compile(pre._paged_prefill_kernel, types, dict(windowed, BLOCK_M=64, BLOCK_Q=16 if group == 4 else 64))
     compile(kv._write_kv_cache_kernel, types, dict(HEAD_SIZE=head_size, BLOCK_SIZE=16, BLOCK_D=head_size))
-compile(dec._merge_partitions_kernel, dict(partial_out_ptr="*fp32", partial_lse_ptr="*fp32", seq_lens_ptr="*i32",
-        query_start_loc_ptr="*i32", out_ptr="*bf16"), dict(HEAD_SIZE=128, BLOCK_D=128, BLOCK_S=8))
+for window in (0, 4096):
+    compile(dec._merge_partitions_kernel, dict(partial_out_ptr="*fp32", partial_lse_ptr="*fp32", seq_lens_ptr="*i32",
+            query_start_loc_ptr="*i32", out_ptr="*bf16"), dict(HEAD_SIZE=128, BLOCK_D=128, BLOCK_S=8,
+                                                              SLIDING_WINDOW=window))
 """
 
 
