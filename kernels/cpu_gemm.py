@@ -41,15 +41,15 @@ loader). Timed warm, the kernels were within a few percent of each other at deco
 the choice changed from process to process; cold, the ~100M Llama's decode GEMMs all took the
 AVX-512 kernel and its generate's decode GEMMs went from ~7.43 to 7.27 s.
 
-`RAYLM_CPU_PACKED_LINEAR=0` turns all of them off (every layer then calls `F.linear`);
-`RAYLM_CPU_AMX_LINEAR=0` only the AMX kernel, `RAYLM_CPU_AVX512_LINEAR=0` only the AVX-512 one.
+For tests and comparisons, RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) turns them off:
+"packed_linear" all of them (every layer then calls `F.linear`), "amx_linear" only the AMX
+kernel, "avx512_linear" only the AVX-512 one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from raylm.engine import envs
 from raylm.kernels import cpu_ops, native_build
 
 
@@ -124,7 +125,7 @@ def probe_size_of(rows: int) -> int:
 
 
 def packed_linear_enabled() -> bool:
-    return os.environ.get("RAYLM_CPU_PACKED_LINEAR", "1") != "0"
+    return not envs.kernel_switched_off("packed_linear")
 
 
 def _bf16_is_native() -> bool:
@@ -235,7 +236,7 @@ def _best_times(first: Callable[[], object], second: Callable[[], object]) -> tu
 
 def amx_linear_enabled() -> bool:
     global _amx_usable
-    if not packed_linear_enabled() or os.environ.get("RAYLM_CPU_AMX_LINEAR", "1") == "0":
+    if not packed_linear_enabled() or envs.kernel_switched_off("amx_linear"):
         return False
     if _amx_usable is None:
         _amx_usable = (native_build.load_native_library("cpu_gemm_amx") is not None
@@ -256,7 +257,7 @@ def maybe_pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def avx512_linear_enabled(dtype: torch.dtype) -> bool:
     """Whether the AVX-512 kernel (`csrc/cpu_gemm_avx512.cpp`) runs dtype here: fp32 with
     AVX-512, bf16 with AVX512-BF16, the library built and neither switch off."""
-    if (not packed_linear_enabled() or os.environ.get("RAYLM_CPU_AVX512_LINEAR", "1") == "0"
+    if (not packed_linear_enabled() or envs.kernel_switched_off("avx512_linear")
             or dtype not in (torch.float32, torch.bfloat16)):
         return False
     if dtype not in _avx512_usable:

@@ -26,8 +26,8 @@ class Attention(nn.Module):
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Triton on CUDA machines, the PyTorch reference otherwise (RAYLM_ATTENTION_BACKEND
-        # overrides); the runner sets the engine's choice after building the model.
+        # The machine's default (kernels/backend.py); the runner sets the engine's choice
+        # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

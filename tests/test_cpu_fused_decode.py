@@ -111,7 +111,7 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
         if dtype == torch.bfloat16:  # bf16 takes the streaming kernel without timing it
             assert gate_up_kinds == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
 
-    monkeypatch.setenv(cpu_fused_decode.ENV_VAR, "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()
     module_tokens, module_logprobs, module_calls = _generate(runner)
     assert module_calls == 0

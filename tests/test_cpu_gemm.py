@@ -62,7 +62,7 @@ def test_packed_linear_handles_3d_and_non_contiguous_input():
 
 
 def test_switch_off_packs_nothing(monkeypatch):
-    monkeypatch.setenv("RAYLM_CPU_PACKED_LINEAR", "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "packed_linear")
     assert maybe_pack_linear_weight(torch.randn(1536, 1024)) is None
 
 
