@@ -94,6 +94,13 @@ _fp32_silu_and_mul_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
 
+# oneDNN GEMMs run at a few row counts (see `onednn_rows` and the module's docstring): exact
+# up to ONEDNN_EXACT_ROWS, then ONEDNN_ROWS_PER_DOUBLING counts per doubling.
+ONEDNN_EXACT_ROWS = 16
+ONEDNN_ROWS_PER_DOUBLING = 8
+# False only inside `exact_onednn_rows`.
+_pad_onednn_rows = True
+
 # The kernels `linear` chooses among, numbered for the callers that run it from C++ (the fused
 # decode op: csrc/cpu_decode_layers.cpp's LinearKind); LINEAR_AVX512_SILU_MUL is the AVX-512
 # kernel on a gated gate_up weight, whose output is already silu(gate) * up.
@@ -384,10 +391,43 @@ def _probe_sizes_slower(weight: torch.Tensor, streaming: DecodeWeight, streaming
     return frozenset(slower)
 
 
+def onednn_rows(rows: int) -> int:
+    """The rows a oneDNN GEMM of `rows` rows runs with (`cpu_linear` pads the rest): `rows`
+    up to ONEDNN_EXACT_ROWS, else `rows` rounded up to the next of ONEDNN_ROWS_PER_DOUBLING
+    evenly spaced counts between the powers of two around it (2^k < rows <= 2^(k+1): a
+    multiple of 2^k / ONEDNN_ROWS_PER_DOUBLING), which adds less than 1/ONEDNN_ROWS_PER_DOUBLING.
+    csrc/cpu_decode_layers.cpp's onednn_rows is the same function."""
+    if not _pad_onednn_rows or rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = (1 << ((rows - 1).bit_length() - 1)) // ONEDNN_ROWS_PER_DOUBLING
+    return -(-rows // step) * step
+
+
+@contextmanager
+def exact_onednn_rows() -> Iterator[None]:
+    """While active, `cpu_linear` runs oneDNN at the rows it is given, unpadded: for the
+    benchmark that measures what the padding costs (cluster/benchmarks/bench_onednn_rows.py)."""
+    global _pad_onednn_rows
+    previous, _pad_onednn_rows = _pad_onednn_rows, False
+    try:
+        yield
+    finally:
+        _pad_onednn_rows = previous
+
+
 def cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed_weight` was packed from; x may
-    have any number of leading dimensions (or none)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    have any number of leading dimensions (or none). Runs at `onednn_rows(rows)` rows,
+    zeros below x's, and returns the first `rows` rows of the product."""
+    rows = x.numel() // x.shape[-1] if x.dim() > 1 and x.shape[-1] else 0
+    padded_rows = onednn_rows(rows)
+    if padded_rows == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    padded = x.new_empty(padded_rows, x.shape[-1])
+    padded[:rows].view(x.shape).copy_(x)
+    padded[rows:].zero_()
+    out = torch.ops.mkldnn._linear_pointwise(padded, packed_weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
