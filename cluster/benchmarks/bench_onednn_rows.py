@@ -2,9 +2,9 @@
 
 oneDNN keeps a compiled primitive per GEMM shape; padding a call's rows to one of a few
 counts bounds how many it keeps (and the memory they hold) at the price of computing the
-padded rows. Two measurements, each in one process, padded and exact alternating (the
-order swapped every round, so that drift of a shared machine hits both), every call timed
-warm (its primitive already built, which leaves only the padding's cost):
+padded rows. Two measurements, each in one process, padded and exact alternating call by
+call (so that drift of a shared machine hits both), the fastest of a few calls per row count,
+each warm (its primitive already built, which leaves only the padding's cost):
 
 - `gemm`: `cpu_gemm.cpu_linear` on the ~100M Llama's projection shapes at random row counts;
 - `prefill`: one-prompt prefill steps (`LLM.generate`, max_tokens=1) of random lengths
@@ -41,17 +41,22 @@ def draw_rows(rng: random.Random, count: int, low: int, high: int) -> list[int]:
     return [int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))) for _ in range(count)]
 
 
-def alternate(run: Callable[[int], None], rows: list[int]) -> tuple[float, float]:
-    """Seconds of `run(r)` over `rows`, padded and exact, each call after an untimed one
-    (its primitive built); the mode that goes first alternates."""
+def alternate(run: Callable[[int], None], rows: list[int], repeats: int) -> tuple[float, float]:
+    """Seconds of `run(r)` summed over `rows`, padded and exact: per row count the fastest
+    of `repeats` timed calls (the others carry a shared machine's interruptions), after an
+    untimed one (its primitive built); the modes alternate call by call."""
     totals = {"padded": 0.0, "exact": 0.0}
-    for i, r in enumerate(rows):
-        for mode in (("padded", "exact") if i % 2 == 0 else ("exact", "padded")):
-            with cpu_gemm.exact_onednn_rows() if mode == "exact" else nullcontext():
-                run(r)
-                start = time.perf_counter()
-                run(r)
-                totals[mode] += time.perf_counter() - start
+    for r in rows:
+        best = {"padded": math.inf, "exact": math.inf}
+        for repeat in range(repeats + 1):
+            for mode in (("padded", "exact") if repeat % 2 == 0 else ("exact", "padded")):
+                with cpu_gemm.exact_onednn_rows() if mode == "exact" else nullcontext():
+                    start = time.perf_counter()
+                    run(r)
+                    if repeat:
+                        best[mode] = min(best[mode], time.perf_counter() - start)
+        for mode in totals:
+            totals[mode] += best[mode]
     return totals["padded"], totals["exact"]
 
 
@@ -65,7 +70,7 @@ def gemm_level(args: argparse.Namespace, rows: list[int]) -> tuple[float, float]
             for weight, k in packed:
                 cpu_gemm.cpu_linear(inputs[k][:r], weight, None)
 
-    return alternate(run, rows)
+    return alternate(run, rows, args.repeats)
 
 
 def build_llama(path: Path, seed: int = 0) -> Path:
@@ -95,7 +100,7 @@ def prefill_level(args: argparse.Namespace, rows: list[int]) -> tuple[float, flo
             llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
 
         try:
-            return alternate(run, rows)
+            return alternate(run, rows, args.repeats)
         finally:
             llm.shutdown()
 
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="prefill: a model folder; default a random ~100M-shaped Llama.")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--count", type=int, default=40, help="Row counts drawn.")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed calls per row count and mode.")
     parser.add_argument("--min-rows", type=int, default=cpu_gemm.ONEDNN_EXACT_ROWS + 1)
     parser.add_argument("--max-rows", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
