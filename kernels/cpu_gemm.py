@@ -44,16 +44,17 @@ AVX-512 kernel and its generate's decode GEMMs went from ~7.43 to 7.27 s.
 oneDNN compiles a primitive per GEMM shape and keeps it (in its primitive cache and ideep's,
 1,024 entries each, ~0.55 MiB an entry), so every new row count of a prefill step stayed in
 memory: over 1,000 requests of random prompt lengths the tiny test model's server grew 61%
-here (516 to 832 MiB; ~440 to ~730 MiB on a Zen 5 EPYC). `cpu_linear` therefore pads its rows to `onednn_rows` (exact up to 16,
-then 8 counts per doubling: 72 up to 2,048 rows, less than 12.5% added, 4.4% on average over
-log-uniform lengths) and returns the rows asked for; that server then grew 6-8% in 1,000
-requests and ~11% in 5,000 (`cluster/benchmarks/bench_memory_under_load.py`). The padded rows
-cost prefill steps of random lengths ~4.5% against exact rows whose primitives are already
-built (~100M Llama shapes, fp32 and bf16, `bench_onednn_rows`); a full step (the token
-budget, a power of two) is not padded.
+here (516 to 832 MiB; ~440 to ~730 MiB on a Zen 5 EPYC). `cpu_linear` therefore pads its
+rows to `onednn_rows` (exact up to 16, then 8 counts per doubling: 72 up to 2,048 rows, less
+than 12.5% added, 4.4% on average over log-uniform lengths) and returns the rows asked for;
+that server then grew 6-8% in 1,000 requests and ~11% in 5,000
+(`cluster/benchmarks/bench_memory_under_load.py`). The padded rows cost prefill steps of
+random lengths ~4.5% against exact rows whose primitives are already built (~100M Llama
+shapes, fp32 and bf16, `bench_onednn_rows`); a full step (the token budget, a power of two)
+is not padded.
 
-For tests and comparisons, RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) turns the packed kernels off:
-"packed_linear" all of them (every layer then calls `F.linear`), "amx_linear" only the AMX
+For tests and comparisons, RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) turns the packed
+kernels off: "packed_linear" all of them (every layer then calls `F.linear`), "amx_linear" only the AMX
 kernel, "avx512_linear" only the AVX-512 one.
 """
 

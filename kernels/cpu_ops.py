@@ -103,7 +103,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """torch.zeros(shape, dtype=dtype) on the CPU, on transparent huge pages where the
     library is built (csrc/huge_pages.h; RAYLM_CPU_HUGE_PAGES=0 opts out): for the KV
     cache, whose blocks a decode step reads scattered. The pages are mapped on first touch.
-    Not turned off with the fused ops (envs.RAYLM_TEST_DISABLE_KERNELS): it is an allocation, not one of the fused ops."""
+    Not turned off with the fused ops ("fused_ops" in RAYLM_TEST_DISABLE_KERNELS): it is an
+    allocation, not one of them."""
     if load_native_library("cpu_ops") is None:
         return torch.zeros(shape, dtype=dtype)
     return torch.ops.raylm.zeros_on_huge_pages(list(shape), dtype)
