@@ -23,6 +23,8 @@ import logging
 import os
 import sys
 
+from raylm.engine import envs
+
 # What raylm raises for bad input: engine arguments and sampling parameters out of range
 # (ValueError), unknown arguments (TypeError), missing model or dataset files.
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.handler(args)
     except USER_ERRORS as exc:
-        if os.environ.get("RAYLM_TRACEBACK"):
+        if envs.RAYLM_TRACEBACK:
             raise
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from raylm.engine import envs
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
                                  ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
@@ -96,8 +97,7 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
     attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton', 'cpu' (native "
                                                                        "C++ decode) or 'torch' (reference); default "
-                                                                       "RAYLM_ATTENTION_BACKEND, else triton on CUDA, "
-                                                                       "cpu on CPU."))
+                                                                       "triton on CUDA, cpu on CPU."))
     enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
                                                               "runs eagerly (no CUDA graphs yet)."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
@@ -124,6 +124,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        envs.check_all()  # a bad RAYLM_* value stops the start here, before anything is loaded
         # The one place a model argument is resolved: no model, or the demo model's short
         # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
         self.model = resolve_model_path(self.model)

@@ -84,7 +84,7 @@ class ModelConfig:
     revision: str | None = None
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
-    # "triton" | "torch" | None (RAYLM_ATTENTION_BACKEND, else triton on CUDA, torch on CPU).
+    # "triton" | "cpu" | "torch" | None (triton on CUDA, else cpu where it builds, else torch).
     attention_backend: str | None = None
     # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"

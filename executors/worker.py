@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from raylm.engine import envs
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.cpu_malloc import keep_freed_memory
@@ -21,8 +22,6 @@ from raylm.parallel.shm_communicator import ShmCommunicator, machine_id
 # Longest wait for every rank to reach the rendezvous and the pre-flight all-reduce
 # (capped by ParallelConfig.worker_timeout_s).
 PREFLIGHT_TIMEOUT_S = 60.0
-# "0" leaves CPU tensor-parallel ranks unbound (see _bind_to_own_cores).
-BIND_ENV_VAR = "RAYLM_CPU_BIND"
 
 
 class Worker:
@@ -165,7 +164,7 @@ def _bind_to_own_cores(store: dist.Store, rank: int, world_size: int, timeout_s:
     store.wait(keys, timedelta(seconds=timeout_s))
     machines = [store.get(key) for key in keys]
     peers = [r for r in range(world_size) if machines[r] == machines[rank]]
-    if os.environ.get(BIND_ENV_VAR) == "0" or not hasattr(os, "sched_setaffinity"):
+    if not envs.RAYLM_CPU_BIND or not hasattr(os, "sched_setaffinity"):
         return None
     cores = share_of_cores(sorted(os.sched_getaffinity(0)), peers.index(rank), len(peers))
     for thread_id in os.listdir("/proc/self/task"):

@@ -9,8 +9,8 @@ published counter, and reads of the peers' slots, with no system call when the p
 running. Tensors larger than a slot go through in slot-sized pieces.
 
 Made by `create` at start-up, when every rank of the group runs on this machine and the
-native library builds; otherwise the group stays on gloo. Set RAYLM_CPU_SHM_COMM=0 to keep
-gloo (for comparisons).
+native library builds; otherwise the group stays on gloo. For comparisons, "shm_comm" in
+RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) keeps gloo.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from raylm.engine import envs
 from raylm.kernels.native_build import load_native_library
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "RAYLM_CPU_SHM_COMM"
 # Per rank and per set of slots (two sets): a decode step's hidden states (64 x 4096 fp32)
 # fit in one piece, a prefill's go in a few.
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -65,8 +65,8 @@ class ShmCommunicator:
                slot_bytes: int = DEFAULT_SLOT_BYTES) -> "ShmCommunicator | None":
         """Collective over the ranks of `store`: a communicator on every rank, or None on
         every rank (ranks on several machines, no /dev/shm, no native library, or
-        RAYLM_CPU_SHM_COMM=0)."""
-        usable = (os.environ.get(ENV_VAR) != "0" and _SHM_DIR.is_dir()
+        "shm_comm" in RAYLM_TEST_DISABLE_KERNELS)."""
+        usable = (not envs.kernel_switched_off("shm_comm") and _SHM_DIR.is_dir()
                   and load_native_library("shm_comm") is not None)
         store.set(f"raylm/shm/machine/{rank}", machine_id() if usable else f"unusable/{rank}")
         keys = [f"raylm/shm/machine/{r}" for r in range(world_size)]
@@ -75,7 +75,7 @@ class ShmCommunicator:
         if len(machines) != 1 or next(iter(machines)).startswith("unusable/"):
             if rank == 0:
                 logger.info("Tensor-parallel collectives use gloo: the %d ranks are not all on one machine with "
-                            "shared memory and the native library (%s=0 also chooses gloo).", world_size, ENV_VAR)
+                            "shared memory and the native library.", world_size)
             return None
         header = torch.ops.raylm.shm_header_bytes()
         size = header + 2 * world_size * slot_bytes

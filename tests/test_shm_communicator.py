@@ -102,7 +102,7 @@ def test_the_segment_leaves_no_file_in_dev_shm(tmp_path):
 
 
 def _create_with_env(rank: int, world_size: int, tmp: str) -> None:
-    os.environ["RAYLM_CPU_SHM_COMM"] = "0" if rank == 1 else "1"
+    os.environ["RAYLM_TEST_DISABLE_KERNELS"] = "shm_comm" if rank == 1 else ""
     _create_and_report(rank, world_size, tmp)
 
 

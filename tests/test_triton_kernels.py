@@ -284,13 +284,10 @@ def test_triton_backend_runs_a_write_then_attend_step_like_the_torch_backend(ker
     assert relative_error(results[0], results[1]) < 1e-3
 
 
-def test_backend_default_follows_the_environment_variable(monkeypatch):
-    from raylm.kernels.backend import get_attention_backend
+def test_backend_is_the_one_named_else_the_machines_default():
+    from raylm.kernels.backend import default_backend_name, get_attention_backend
 
-    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "torch")
-    assert get_attention_backend().name == "torch"
-    monkeypatch.delenv("RAYLM_ATTENTION_BACKEND")
-    from raylm.kernels.backend import default_backend_name
+    assert get_attention_backend("torch").name == "torch"
 
     # CPU: the native kernel when it builds here, else the PyTorch reference.
     expected = "triton" if torch.cuda.is_available() else default_backend_name()
@@ -307,13 +304,12 @@ def test_unknown_backend_name_is_a_value_error_naming_the_choices():
 
 # ---- end to end -----------------------------------------------------------------------------
 
-def test_llm_with_triton_backend_matches_hf_greedy_tokens(kernels, llama_dir, monkeypatch):
+def test_llm_with_triton_backend_matches_hf_greedy_tokens(kernels, llama_dir):
     from hf_reference import hf_greedy
     from raylm.engine import LLM, SamplingParams
 
-    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "triton")
     prompts = [[5, 17, 300, 42], [9] * 19, list(range(4, 40))]
-    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=8)
+    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=8, attention_backend="triton")
     try:
         layers = llm.llm_engine.executor.driver_worker.model_runner._attention_layers()
         backends = {getattr(getattr(layer, "attn_backend", None), "name", None) for layer in layers}
