@@ -170,7 +170,7 @@ def test_fused_decode_of_sliding_window_layers_equals_the_modules_bitwise(model_
     fused = _fused_decode(runner)
     tokens, logprobs, calls = _generate(runner)
     assert calls == STEPS - 1 and fused._shape.sliding_windows == [5, 5]
-    monkeypatch.setenv(cpu_fused_decode.ENV_VAR, "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()
     module_tokens, module_logprobs, module_calls = _generate(runner)
     assert module_calls == 0
