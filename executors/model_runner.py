@@ -108,7 +108,11 @@ class ModelRunner:
         return (self.device.type == "cuda" and not self.model_config.enforce_eager
                 and self.attn_backend is not None and self.attn_backend.name == "triton"
                 # Not yet with collectives inside the graph (never run on GPUs).
-                and self.parallel_config.tensor_parallel_size == 1)
+                and self.parallel_config.tensor_parallel_size == 1
+                # Layers that attend otherwise (Gemma 2's soft cap runs the PyTorch
+                # reference, which reads lengths on the host) say so, or are not plain.
+                and all(getattr(layer, "cuda_graph_safe", type(layer) is Attention)
+                        for layer in self._attention_layers()))
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -259,7 +263,15 @@ class ModelRunner:
                               graph_factory)
         # Every padded row is a valid one-token step of block 0 (see cuda_graphs.py).
         inputs.write([], [], [], [], [], inputs.max_batch)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError as error:  # an op that reads back to the host mid-forward
+            graphs.release()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            logger.warning("Capturing the decode CUDA graphs failed, so decode steps run eagerly: %s", error)
+            return
         self.decode_graphs = graphs
         if self.device.type == "cuda":
             logger.info("Captured %d decode CUDA graphs (batch sizes up to %d): %.0f MiB, %.0f MiB were set aside.",

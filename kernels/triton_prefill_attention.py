@@ -26,16 +26,17 @@ def prefill_tiles(dtype: torch.dtype, group: int, head_size: int, max_query_len:
     the step's longest query chunk.
 
     Rows (BLOCK_M) are (query, head of the group) pairs: at least 16 for the dot, at most 64
-    (32 in fp32) unless the group alone is larger; few rows when the chunks are short
-    (decode rows). Compiled for sm_90a (Triton 3.9's ptxas), more than 16 elements of a K/V
-    tile per thread spilled: bf16 at BLOCK_N 64, head size 128 and 4 or 8 warps used 255
-    registers and 104-528 bytes of stack, fp32 at BLOCK_M 64 and BLOCK_N 64 ~9 KB; within
-    that budget every variant compiled to 95-245 registers without a stack frame
+    (32 in fp32, or at head size 256) unless the group alone is larger; few rows when the
+    chunks are short (decode rows). Compiled for sm_90a (Triton 3.9's ptxas), more than 16
+    elements of a K/V tile per thread spilled: bf16 at BLOCK_N 64, head size 128 and 4 or 8
+    warps used 255 registers and 104-528 bytes of stack, fp32 at BLOCK_M 64 and BLOCK_N 64
+    ~9 KB; so did 64 rows at head size 256 (96 bytes, GQA 8). Within these budgets every
+    variant compiled to 95-245 registers without a stack frame
     (`cluster/benchmarks/gpu_kernel_check.py` reports them)."""
     block_d = max(16, triton.next_power_of_2(head_size))
     num_warps = 4 if block_d <= 64 else 8
     block_n = max(16, min(64, 16 * 32 * num_warps // block_d))
-    max_rows = 32 if dtype == torch.float32 else 64
+    max_rows = min(32 if dtype == torch.float32 else 64, 8192 // block_d)
     block_m = max(triton.next_power_of_2(group),
                   min(max_rows, max(16, triton.next_power_of_2(max_query_len * group))))
     dot_fp32 = not on_gpu or dtype == torch.float32
@@ -43,9 +44,10 @@ def prefill_tiles(dtype: torch.dtype, group: int, head_size: int, max_query_len:
                 DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=num_warps)
 
 
-def block_m_variants(dtype: torch.dtype, group: int) -> list[int]:
-    """Every BLOCK_M prefill_tiles can choose for this dtype and group (one compiled kernel each)."""
-    return sorted({prefill_tiles(dtype, group, 16, n)["BLOCK_M"] for n in (1, 2, 4, 8, 16, 32, 64, 128)})
+def block_m_variants(dtype: torch.dtype, group: int, head_size: int) -> list[int]:
+    """Every BLOCK_M prefill_tiles can choose for this dtype, group and head size (one
+    compiled kernel each)."""
+    return sorted({prefill_tiles(dtype, group, head_size, n)["BLOCK_M"] for n in (1, 2, 4, 8, 16, 32, 64, 128)})
 
 
 # The block table's row stride (the step's longest context in blocks) changes from step to

@@ -261,7 +261,7 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
     for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
                                 dict(HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_S=block_s), 4, pointer))
-    for block_m in prefill.block_m_variants(dtype, group):
+    for block_m in prefill.block_m_variants(dtype, group, head_size):
         tiles = prefill.prefill_tiles(dtype, group, head_size, max(1, block_m // group))
         warps = tiles.pop("num_warps")
         variants.append(Variant(f"prefill BLOCK_M={block_m}", functions["prefill"], dict(shape, **tiles), warps,
