@@ -132,7 +132,9 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool) -> dict:
         complete = all(job.status == "ok" for job in jobs["a"]) and records
         record["kernels_pass"] = bool(complete and not record["kernels"]["failed"])
     if "b" in jobs:
-        models = jobs["b"][0].result().get("architectures", [])
+        stage_b = jobs["b"][0].result()
+        models = stage_b.get("architectures", [])
+        record["tiny_configs"] = stage_b.get("tiny_configs")
         equal = sum(bool(m.get("fp32", {}).get("tokens_equal")) for m in models)
         record["hf_tokens_equal"] = f"{equal}/{len(models)}" if models else None
         record["models"] = models

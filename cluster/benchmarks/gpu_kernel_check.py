@@ -160,8 +160,9 @@ def check_config(dtype: torch.dtype, head_size: int, group: int, device: torch.d
     del caches, qkv
 
     for batch, max_context, num_splits in (DRY_DECODE if dry_run else GPU_DECODE):
+        # The shortest and the longest context, the rest drawn between.
         seq_lens = ([max_context] if batch == 1 else
-                    [1] + torch.randint(1, max_context + 1, (batch - 1,), generator=generator).tolist())
+                    [1] + torch.randint(1, max_context + 1, (batch - 2,), generator=generator).tolist() + [max_context])
         step = build_step([1] * batch, seq_lens, num_heads, head_size, dtype, device, generator, padding_tokens=2)
         out = torch.full_like(step.query, float("nan"))
         triton_decode_attention.paged_decode_attention(step.query, step.k_cache, step.v_cache, step.metadata, scale,
