@@ -44,19 +44,16 @@ class UniProcExecutor(Executor):
         self.driver_worker.initialize_cache(num_blocks)
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
-        return self.execute_model_async(req)()
-
-    def execute_model_async(self, req: ExecuteModelRequest) -> Callable[[], SamplerOutput]:
-        if self._step_thread is None:
-            output = self._run_step(req)
-            return lambda: output
-        return self._step_thread.submit(self._run_step, req).result
-
-    def _run_step(self, req: ExecuteModelRequest) -> SamplerOutput:
+        """Runs one step in the calling thread."""
         with self._lock:
             if self._shut_down:
                 raise RuntimeError("The engine has been shut down: its worker runs no more steps.")
             return self.driver_worker.execute_model(req)
+
+    def execute_model_async(self, req: ExecuteModelRequest) -> Callable[[], SamplerOutput]:
+        if self._step_thread is None:
+            return super().execute_model_async(req)
+        return self._step_thread.submit(self.execute_model, req).result
 
     def check_health(self) -> None:
         self.driver_worker.check_health()

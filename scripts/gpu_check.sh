@@ -4,7 +4,7 @@
 # fastapi or uvicorn needed). raylm is not installed: a folder of symlinks makes the
 # repository's folders importable as raylm.* (pyproject's package-dir), first on PYTHONPATH.
 #
-#   scripts/gpu_check.sh                 # stages a, b, c; the record at $OUT/gpu_check.json
+#   scripts/gpu_check.sh                 # stages a, b, t, c; the record at $OUT/gpu_check.json
 #   scripts/gpu_check.sh --cpu-dry-run   # every stage on the CPU, tiny sizes (tests/test_gpu_check.py)
 #   scripts/gpu_check.sh --stages c      # one stage
 #

@@ -61,5 +61,7 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
                 "ttft_4k_ms", "decode_attention_bw_fraction"):
         assert isinstance(record[key], float) and record[key] > 0, key
     assert record["cuda_graphs"] is False  # none on the CPU
+    # Stage t: the cuda-marked engine tests, collected and skipped here.
+    assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
 

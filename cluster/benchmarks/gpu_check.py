@@ -5,15 +5,16 @@ its own timeout, merged into one JSON record and a short summary.
   (`gpu_kernel_check`, three processes over the configurations);
 - b: greedy tokens against Hugging Face on tiny models of every architecture
   (`gpu_model_check`);
-- c: speed on a Llama-3-8B shape against the device's ceilings (`gpu_speed_check`).
+- c: speed on a Llama-3-8B shape against the device's ceilings (`gpu_speed_check`);
+- t: the test suite's `cuda`-marked tests of the engine (CUDA graphs, memory, compiles).
 
-a and b check correctness only, so they run side by side; c runs alone, as it times.
+a, b and t check correctness only, so they run side by side; c runs alone, as it times.
 A stage that fails or runs out of time still leaves what it measured (each stage rewrites
 its JSON after every item) and the others run. `--cpu-dry-run` runs every stage on the
 CPU with tiny sizes (stage a under Triton's interpreter), to find mistakes before a device
 minute is spent on them.
 
-    python -m raylm.cluster.benchmarks.gpu_check [--out FILE] [--cpu-dry-run] [--stages abc]
+    python -m raylm.cluster.benchmarks.gpu_check [--out FILE] [--cpu-dry-run] [--stages abtc]
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # Seconds per stage on the device: a and b side by side, then c; 8 minutes in all at most.
-TIMEOUTS = {"a": 150, "b": 180, "c": 270}
-DRY_TIMEOUTS = {"a": 240, "b": 300, "c": 300}
+TIMEOUTS = {"a": 150, "b": 180, "t": 150, "c": 270}
+DRY_TIMEOUTS = {"a": 240, "b": 300, "t": 240, "c": 300}
+# The cuda-marked tests stage t runs (the kernels' own are stage a's).
+CUDA_TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_engine_shutdown.py")
 KERNEL_PARTS = 3
 RECORD_KEYS = ("device", "commit", "date", "kernels_pass", "hf_tokens_equal", "cuda_graphs", "tpot_bs1_ms", "floor_ms",
                "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s", "ttft_4k_ms",
@@ -56,8 +59,9 @@ class Job:
     def start(self, work: Path) -> None:
         self.log = work / f"{self.out.stem}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        out = [] if self.stage == "t" else ["--out", str(self.out)]
         # Each process is its own session, so a timeout ends its children (compilers) too.
-        self.process = subprocess.Popen([sys.executable, "-m", *self.args, "--out", str(self.out)], env=env,
+        self.process = subprocess.Popen([sys.executable, "-m", *self.args, *out], env=env, cwd=REPO,
                                         stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()
 
@@ -91,6 +95,9 @@ def stage_jobs(stage: str, work: Path, dry_run: bool) -> list[Job]:
         env = {"TRITON_INTERPRET": "1"} if dry_run else {}
         return [Job("a", ["raylm.cluster.benchmarks.gpu_kernel_check", "--part", f"{i}/{KERNEL_PARTS}", *dry],
                     work / f"a{i}.json", env) for i in range(KERNEL_PARTS)]
+    if stage == "t":
+        return [Job("t", ["pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *CUDA_TEST_FILES],
+                    work / "t.log.json")]
     module = {"b": "gpu_model_check", "c": "gpu_speed_check"}[stage]
     return [Job(stage, [f"raylm.cluster.benchmarks.{module}", *dry], work / f"{stage}.json")]
 
@@ -99,7 +106,7 @@ def run_stages(stages: str, work: Path, dry_run: bool) -> dict[str, list[Job]]:
     timeouts = DRY_TIMEOUTS if dry_run else TIMEOUTS
     jobs = {stage: stage_jobs(stage, work, dry_run) for stage in stages}
     # Correctness side by side, then timing alone.
-    for group in (["a", "b"], ["c"]):
+    for group in (["a", "b", "t"], ["c"]):
         started = [stage for stage in group if stage in jobs]
         for stage in started:
             for job in jobs[stage]:
@@ -138,6 +145,9 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool) -> dict:
         equal = sum(bool(m.get("fp32", {}).get("tokens_equal")) for m in models)
         record["hf_tokens_equal"] = f"{equal}/{len(models)}" if models else None
         record["models"] = models
+    if "t" in jobs:
+        # pytest's last line: "N passed, M skipped in S s" (or the failures).
+        record["cuda_tests"] = jobs["t"][0].log_tail(1)
     if "c" in jobs:
         speed = jobs["c"][0].result()
         record["speed"] = speed
@@ -205,6 +215,8 @@ def summary_lines(record: dict) -> list[str]:
             lines.append(f"  {row['kernel']}: {row['variants']} variants, registers <= {row['max_registers']}, "
                          f"spills <= {row['max_spills']}, shared <= {row['max_shared_bytes']} B")
     lines.append(f"tokens equal to HF (fp32): {record['hf_tokens_equal']}; cuda graphs: {record['cuda_graphs']}")
+    if "cuda_tests" in record:
+        lines.append(f"cuda tests: {record['cuda_tests']}")
     lines.append(f"TPOT bs1 {number(record['tpot_bs1_ms'])} ms, floor {number(record['floor_ms'])} ms "
                  f"({number(record['tpot_over_floor'])}x); TTFT 4k {number(record['ttft_4k_ms'], 1)} ms, floor "
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
@@ -218,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("gpu_check.json")
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--cpu-dry-run", action="store_true", help="every stage on the CPU, tiny sizes")
-    parser.add_argument("--stages", default="abc", help="which stages to run (default: abc)")
+    parser.add_argument("--stages", default="abtc", help="which stages to run (default: abtc)")
     args = parser.parse_args(argv)
-    if set(args.stages) - set("abc"):
-        parser.error(f"--stages takes letters of 'abc', got {args.stages!r}")
+    if set(args.stages) - set("abtc"):
+        parser.error(f"--stages takes letters of 'abtc', got {args.stages!r}")
     with tempfile.TemporaryDirectory(prefix="raylm-gpu-check-") as work:
         jobs = run_stages(args.stages, Path(work), args.cpu_dry_run)
         record = merge(jobs, args.cpu_dry_run)
