@@ -86,8 +86,14 @@ def _triton_warm_up(num_heads: int, num_kv_heads: int, head_size: int, scale: fl
     a split count for each merge variant (BLOCK_S), the prefill kernel at each BLOCK_M, the
     KV write. Triton compiles a variant at its first launch (seconds each), and the model's
     warm-up steps reach only some of them. Nothing to compile off the GPU (interpreter)."""
-    if k_cache.device.type != "cuda":
-        return
+    if k_cache.device.type == "cuda":
+        launch_every_variant(num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_model_len)
+        torch.cuda.synchronize(k_cache.device)
+
+
+def launch_every_variant(num_heads: int, num_kv_heads: int, head_size: int, scale: float, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, max_model_len: int) -> None:
+    """What `_triton_warm_up` launches, on any device (the interpreter's tests run it)."""
     from raylm.kernels import triton_decode_attention as decode
     from raylm.kernels import triton_prefill_attention as prefill
     from raylm.kernels.triton_kv_cache import write_kv_cache
@@ -110,7 +116,6 @@ def _triton_warm_up(num_heads: int, num_kv_heads: int, head_size: int, scale: fl
         keys = torch.randn(query_len, num_kv_heads, head_size, dtype=dtype, device=device)
         write_kv_cache(keys, keys, k_cache, v_cache, step.slot_mapping)
         prefill.paged_prefill_attention(query, k_cache, v_cache, step, scale)
-    torch.cuda.synchronize(device)
 
 
 def _block_zero_step(query_lens: list[int], seq_lens: list[int], block_size: int,

@@ -204,3 +204,38 @@ def test_llm_with_triton_backend_matches_hf_greedy_tokens(kernels, llama_dir, mo
         llm.shutdown()
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 6)
+
+
+def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch):
+    from raylm.kernels import backend
+
+    launched = []
+    decode, prefill = kernels["triton_decode_attention"], kernels["triton_prefill_attention"]
+    for module, name in ((decode, "_paged_decode_kernel"), (decode, "_merge_partitions_kernel"),
+                         (prefill, "_paged_prefill_kernel")):
+        kernel = getattr(module, name)
+
+        class Recording:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launched.append((self.name, kwargs.get("SPLIT_K"), kwargs.get("BLOCK_S"), kwargs.get("BLOCK_M")))
+                    return self.kernel[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(module, name, Recording(kernel, name))
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(4, 16, 2, 64, generator=gen)
+    v_cache = torch.randn(4, 16, 2, 64, generator=gen)
+    before = (k_cache.clone(), v_cache.clone())
+    # max_model_len 2048: split counts 2..4 (merges with BLOCK_S 2 and 4).
+    backend.launch_every_variant(8, 2, 64, 0.125, k_cache, v_cache, 2048)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    decodes = {split for name, split, _, _ in launched if name == "_paged_decode_kernel"}
+    merges = {block_s for name, _, block_s, _ in launched if name == "_merge_partitions_kernel"}
+    prefills = {block_m for name, _, _, block_m in launched if name == "_paged_prefill_kernel"}
+    assert decodes == {False, True}
+    assert merges == {2, 4}
+    assert prefills == set(prefill.block_m_variants(torch.float32, 4, 64))
