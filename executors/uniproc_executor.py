@@ -20,6 +20,9 @@ from raylm.executors.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    # Devices whose steps run in the step thread (tests add "cpu" to check the overlap).
+    step_thread_devices: tuple[str, ...] = ("cuda",)
+
     def _init_executor(self) -> None:
         if self.parallel_config.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} needs the Ray "
@@ -27,7 +30,7 @@ class UniProcExecutor(Executor):
         self.driver_worker = Worker(self.engine_config, rank=0, local_rank=0)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
-        self.runs_steps_asynchronously = self.engine_config.device_config.device == "cuda"
+        self.runs_steps_asynchronously = self.engine_config.device_config.device in self.step_thread_devices
         self._step_thread: ThreadPoolExecutor | None = None
         if self.runs_steps_asynchronously:
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="raylm-step",
