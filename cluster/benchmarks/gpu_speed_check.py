@@ -406,6 +406,19 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
     return result
 
 
+def _memory_backed_dir(sizes: Sizes) -> str | None:
+    """/dev/shm when it has room for the checkpoint twice over (writing and reading 16 GB
+    then costs memory bandwidth, not a disk's), else the default temporary folder."""
+    import shutil
+
+    shape = sizes.shape
+    checkpoint_bytes = 2 * (shape.num_layers * shape.layer_params() + 2 * shape.vocab_size * shape.hidden_size)
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * checkpoint_bytes else None
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -417,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers:
         sizes.shape.num_layers = args.layers
     device = torch.device("cpu" if args.dry_run else "cuda")
-    with tempfile.TemporaryDirectory(prefix="raylm-8b-", dir=args.model_dir) as root:
+    with tempfile.TemporaryDirectory(prefix="raylm-8b-", dir=args.model_dir or _memory_backed_dir(sizes)) as root:
         run(args.out, sizes, device, Path(root))
     return 0
 
