@@ -202,8 +202,9 @@ def test_graph_replay_equals_the_eager_forward_for_every_padded_size(llama_dir):
             n = max(1, size - 1)
             tables = [[i] for i in range(n)]
             graphs.inputs.write([3 + i for i in range(n)], [0] * n, [i * 16 for i in range(n)], [1] * n, tables, size)
-            replayed = graphs.replay(size)[:n].clone()
-            eager = runner._forward_decode(graphs.inputs.views(size))[:n]
+            with torch.inference_mode():
+                replayed = graphs.replay(size)[:n].clone()
+                eager = runner._forward_decode(graphs.inputs.views(size))[:n]
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
     finally:
         llm.shutdown()
