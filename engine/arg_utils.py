@@ -98,8 +98,11 @@ class EngineArgs:
     attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton', 'cpu' (native "
                                                                        "C++ decode) or 'torch' (reference); default "
                                                                        "triton on CUDA, cpu on CPU."))
-    enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
-                                                              "runs eagerly (no CUDA graphs yet)."))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Run every step eagerly (vLLM's flag). By default, on a GPU with the Triton kernels and one worker, "
+        "decode steps replay CUDA graphs captured at start for padded batch sizes 1, 2, 4, 8, 16, 24, ... up "
+        "to max_num_seqs (their memory is set aside before the KV cache is sized); steps with a prompt chunk "
+        "always run eagerly. No effect on the CPU."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
     generation_config: str = field(default="auto", metadata=_help(
         "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
@@ -145,6 +148,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -91,6 +91,8 @@ class ModelConfig:
     # vLLM's max_logprobs: the most logprobs / prompt_logprobs a request may ask for
     # (-1: up to the vocabulary). Each one is a Logprob object per position and sequence.
     max_logprobs: int = 20
+    # vLLM's flag: no CUDA graphs, every step runs eagerly (executors/cuda_graphs.py).
+    enforce_eager: bool = False
 
     @property
     def vocab_size(self) -> int:

@@ -101,6 +101,12 @@ class Worker:
         if self.cpu_cores is not None:
             os.sched_setaffinity(0, self.cpu_cores)
 
+    def enter_step_thread(self) -> None:
+        """Prepares a thread that will run steps: CUDA's current device is per thread."""
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.bind_current_thread()
+
     def load_model(self) -> None:
         self.model_runner.load_model()
 
@@ -132,7 +138,10 @@ class Worker:
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
     def shutdown(self) -> None:
-        """Leaves the tensor-parallel group; the worker cannot run steps afterwards."""
+        """Frees the model, its KV cache and CUDA graphs and leaves the tensor-parallel
+        group; the worker cannot run steps afterwards."""
+        if self.model_runner is not None:
+            self.model_runner.release_memory()
         parallel_state.destroy_distributed_environment()
 
 
