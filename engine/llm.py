@@ -12,6 +12,7 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
                                       beam_search_params_from, beam_search_request_output, run_sync)
 from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.logger import init_default_logging
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,11 +33,17 @@ class LLM:
             `trust_remote_code=False`, `num_gpu_blocks_override=None`,
             `enable_prefix_caching=True`, `enable_chunked_prefill=True`,
             `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
-            requests of max_model_len tokens can fill). An unknown argument is a
+            requests of max_model_len tokens can fill), `disable_log_stats=True` (as in
+            vLLM's LLM: no periodic throughput lines). An unknown argument is a
             TypeError naming it.
+
+    Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
+    application configured logging first (see `raylm.engine.logger`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        init_default_logging()
+        kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
