@@ -8,9 +8,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import httpx
 import openai
 import pytest
 from raylm.deploy.errors import INTERNAL_ERROR_MESSAGE
-from server_process import start_server
+from server_process import free_port, server_env, start_server
 from server_process import stop_server as stop
 
 API_KEY = "lifecycle-key"
@@ -235,6 +237,11 @@ def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(llama_dir, log)
             assert stream.error is None and stream.tokens == 250
     finally:
         stop(process)
+    # The log says that shutdown started, what it waits for, and that it finished.
+    text = log.read_text()
+    assert re.search(r"Shutting down on SIGTERM: no new connections; waiting up to 30 s for \d+ request", text), text
+    assert text.index("Shutting down on SIGTERM") < text.index("Shutdown complete.")
+    assert "already shutting down" not in text
 
 
 def test_sigterm_aborts_what_still_runs_after_the_shutdown_timeout_and_exits_0(llama_dir, log):
@@ -309,3 +316,16 @@ def test_a_killed_worker_fails_its_stream_without_internals_and_the_server_exits
         assert "The engine loop has died" in log.read_text()
     finally:
         stop(process)
+
+
+# ------------------------------------------------------------------ the port
+def test_a_busy_port_ends_serve_before_the_model_loads_with_one_line_and_exit_2(llama_dir):
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):
+        result = subprocess.run([sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port",
+                                 str(port)], capture_output=True, text=True, timeout=120, env=server_env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and " INFO " not in line]
+    assert lines == [f"raylm: error: Cannot listen on 127.0.0.1:{port}: Address already in use (is another server "
+                     f"running there? --port picks another port)."], result.stderr[-3000:]
+    assert "model loaded" not in result.stderr and "Serving" not in result.stderr
