@@ -162,3 +162,17 @@ def test_a_beam_search_stops_and_frees_its_slot_when_its_client_leaves(server):
                           headers=AUTH, timeout=30)
     assert response.status_code == 200, (response.text, time.monotonic() - left_at)
 
+
+
+# ---------------------------------------------------------------- examples
+def test_the_openai_example_prints_each_answer_on_its_own_lines(server):
+    import subprocess
+    import sys
+
+    _, url = server
+    example = Path(__file__).resolve().parent.parent / "examples" / "openai_client.py"
+    result = subprocess.run([sys.executable, str(example), "--base-url", url + "/v1", "--api-key", API_KEY,
+                             "--model", "my-tiny-llama"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The streamed reply ends the output with a newline, so a shell prompt starts on its own line.
+    assert result.stdout.endswith("\n") and result.stdout.strip(), repr(result.stdout)
