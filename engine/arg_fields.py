@@ -216,19 +216,20 @@ def _parse_scalar(s: Setting, kind: Any, value: Any) -> Any:
 
 
 # ------------------------------------------------------------------- docs
-def markdown_table(cls: type, *, key_column: str | None = None, skip: tuple[str, ...] = ()) -> str:
-    """A Markdown table of the settings: flag, key (`key_column` names that column: "Serve
-    app key", "`LLM(...)` keyword"), type, default, help."""
+def markdown_table(cls: type, *, key_column: str | None = None, positional: tuple[str, ...] = ()) -> str:
+    """A Markdown table of the settings: flag (`positional` ones shown as the command's
+    argument), key (`key_column` names that column: "Serve app key", ...), type, default,
+    help."""
     header = ["Flag"] + ([key_column] if key_column else []) + ["Type", "Default", "Description"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in settings_of(cls):
-        if s.name in skip:
-            continue
-        cells = [f"`{s.flag}`" if s.cli else "-"]
+        flag = f"`{s.name.upper()}` (argument)" if s.name in positional else f"`{s.flag}`" if s.cli else "-"
+        cells = [flag]
         if key_column:
             cells.append(f"`{s.name}`" if s.key else f"- ({s.note})" if s.note else "-")
         default = "-" if s.default is None else f"`{s.default!r}`" if isinstance(s.default, str) else f"`{s.default}`"
         description = s.help + (f" Choices: {', '.join(s.choices)}." if s.choices else "")
-        cells += [f"`{s.type_name}`", default, description.replace("|", "\\|")]
-        rows.append("| " + " | ".join(cells) + " |")
+        cells += [f"`{s.type_name}`", default, description]
+        # A pipe, even in a code span, would end the cell.
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
