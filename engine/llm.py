@@ -33,8 +33,7 @@ class LLM:
             `trust_remote_code=False`, `num_gpu_blocks_override=None`,
             `enable_prefix_caching=True`, `enable_chunked_prefill=True`,
             `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
-            requests of max_model_len tokens can fill), `disable_log_stats=True` (as in
-            vLLM's LLM: no periodic throughput lines). An unknown argument is a
+            requests of max_model_len tokens can fill). An unknown argument is a
             TypeError naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
@@ -43,7 +42,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         init_default_logging()
-        kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
