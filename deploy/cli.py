@@ -1,10 +1,13 @@
 """The `raylm` command line.
 
-    raylm serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--api-key K] [--root-path /prefix]
-                [--max-concurrent-requests N] [--max-request-body-bytes N] [--shutdown-timeout S]
-                [--ray-serve] [engine flags]
+    raylm serve [MODEL_DIR] [server flags] [--ray-serve] [engine flags]
     raylm bench throughput [MODEL_DIR] ...
     raylm bench serving --base-url http://127.0.0.1:8000 ...
+
+Every `raylm serve` flag comes from one definition: the server's from `ServerArgs` and
+`DeploymentArgs` (deploy/server_args.py, listed in docs/server_flags.md), the engine's
+from `EngineArgs` (docs/engine_args.md). Building the parser imports neither FastAPI, Ray
+nor the benchmarks, which only `raylm bench` loads.
 
 MODEL_DIR is a Hugging Face model folder, or `raylm-demo-code` (also what no MODEL_DIR
 means): raylm's bundled demo model.
