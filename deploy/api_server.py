@@ -69,6 +69,20 @@ def _is_open(scope: Scope) -> bool:
     return _route_path(scope) in OPEN_ROUTES
 
 
+class _RootPathMiddleware:
+    """Sets the root path where the server in front has not (Ray Serve's proxy; uvicorn sets
+    its --root-path itself), so that routing and the key check strip the same prefix."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope.get("root_path"):
+            scope = dict(scope, root_path=self.root_path)
+        await self.app(scope, receive, send)
+
+
 class _ApiKeyMiddleware:
     """Rejects requests without the right bearer token on every route but OPEN_ROUTES
     (and CORS preflights, which carry no credentials)."""
@@ -174,8 +188,7 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                              trust_request_chat_template=server_args.trust_request_chat_template)
     metrics = ServerMetrics(engine, model_names[0])
 
-    # root_path: uvicorn sets it too; under Ray Serve the app is where it is set.
-    app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION, root_path=server_args.root_path)
+    app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.requests_in_flight = RequestsInFlight()
@@ -191,6 +204,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                        in_flight=app.state.requests_in_flight)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if server_args.root_path:
+        app.add_middleware(_RootPathMiddleware, root_path=server_args.root_path)
 
     @app.get("/health")
     async def health() -> Response:

@@ -198,11 +198,14 @@ def cli_serve_app(args: argparse.Namespace, **deployment_overrides: Any) -> tupl
     return build_serve_app(dataclasses.asdict(engine_args), server_args, deployment), server_args
 
 
+class _ShutdownRequested(Exception):
+    """SIGTERM or SIGINT reached `raylm serve --ray-serve`."""
+
+
 def run_cli(args: argparse.Namespace) -> None:
-    """`raylm serve --ray-serve`: starts (or joins) Ray, runs the app, blocks until Ctrl-C
-    or SIGTERM."""
+    """`raylm serve --ray-serve`: starts (or joins) Ray, runs the app and blocks until
+    SIGTERM or Ctrl-C (even during startup), then shuts Serve down, logging each stage."""
     import signal
-    import threading
 
     import ray
 
@@ -213,19 +216,29 @@ def run_cli(args: argparse.Namespace) -> None:
     check_port_free(server_args.host, server_args.port)
     if not ray.is_initialized():
         ray.init(address="auto" if _ray_cluster_running() else None, include_dashboard=False)
-    serve.start(http_options={"host": server_args.host, "port": server_args.port})
-    serve.run(application, name="raylm", route_prefix="/")
-    names = server_args.model_names(resolve_model(args))
-    logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s", ", ".join(names), server_args.host,
-                server_args.port, server_args.root_path)
-    stop = threading.Event()
+
+    def request_shutdown(signum: int, _: Any) -> None:
+        raise _ShutdownRequested(signal.Signals(signum).name)
+
+    # After ray.init, which installs handlers of its own.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stop.set())
-    stop.wait()
-    logger.info("Shutting down: Serve lets the replicas finish their requests for up to %.0f s.",
-                server_args.shutdown_timeout)
-    serve.shutdown()
-    logger.info("Shutdown complete.")
+        signal.signal(sig, request_shutdown)
+    try:
+        serve.start(http_options={"host": server_args.host, "port": server_args.port})
+        serve.run(application, name="raylm", route_prefix="/")
+        names = server_args.model_names(resolve_model(args))
+        logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s", ", ".join(names), server_args.host,
+                    server_args.port, server_args.root_path)
+        while True:
+            signal.pause()
+    except (_ShutdownRequested, KeyboardInterrupt) as stop:
+        name = str(stop) or "SIGINT"
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        logger.info("Shutting down on %s: Serve lets each replica finish its requests for up to %.0f s, then "
+                    "stops it and its workers.", name, server_args.shutdown_timeout)
+        serve.shutdown()
+        logger.info("Shutdown complete.")
 
 
 def _ray_cluster_running() -> bool:
