@@ -48,9 +48,9 @@ class ServerArgs:
         "Address to listen on; the default listens on loopback only.", key=False, note=_SERVE_HTTP))
     port: int = field(default=8000, metadata=setting("Port to listen on.", key=False, note=_SERVE_HTTP))
     api_key: str | None = field(default=None, metadata=setting(
-        f"Require `Authorization: Bearer KEY` on every route but /health and /metrics. Default: the environment "
-        f"variable {API_KEY_ENV}, else --api-key-file, else no key. A key given here shows in `ps`; prefer "
-        f"{API_KEY_ENV} or --api-key-file."))
+        f"Require `Authorization: Bearer KEY` on every route but /health and /metrics. Default: the key in "
+        f"--api-key-file, else the environment variable {API_KEY_ENV}, else no key. A key given here shows in "
+        f"`ps`; prefer {API_KEY_ENV} or --api-key-file."))
     api_key_file: str | None = field(default=None, metadata=setting(
         "A file whose content (less surrounding whitespace) is the API key; default: none."))
     root_path: str = field(default="", metadata=setting(
