@@ -1,7 +1,8 @@
 """`EngineArgs`: the one place where engine settings, their defaults and help live.
 
-Its fields are the keyword arguments of `LLM(...)`, and `add_cli_args` turns the same
-fields into the flags of `raylm serve` / `raylm bench`, so no setting is spelled twice.
+Its fields are the keyword arguments of `LLM(...)`; `add_cli_args` turns the same fields
+into the flags of `raylm serve` / `raylm bench`, `from_values` reads them as Ray Serve app
+keys, and `docs/engine_args.md` is generated from them, so no setting is spelled twice.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import argparse
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any
+
+from raylm.engine import arg_fields
 
 from raylm.engine import envs
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
@@ -181,36 +184,17 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        """Adds one flag per field (`--max-model-len`), with the field's help and default.
-
-        The help shows the default as vLLM's does, "(default: 256)"; a None default is
-        described by the field's help text itself ("default: the model's"), so that the help
-        never reads "default: None".
-        """
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = _cli_type(hints[f.name])
-            help_text = f.metadata.get("help", "").replace("%", "%%")
-            if f.default is not None:
-                help_text += " (default: %(default)s)"
-            elif "default" not in help_text.lower():
-                help_text += " (default: none)"
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-            else:
-                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
-        return parser
+        """Adds one flag per field (`--max-model-len`), with the field's help and default
+        (see `arg_fields.add_cli_args`)."""
+        return arg_fields.add_cli_args(parser, cls, skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return arg_fields.from_namespace(cls, args)
 
-
-def _cli_type(hint: Any) -> type:
-    """The argparse type of a field: its hint with `| None` taken off."""
-    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
-    return args[0] if args else hint
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "EngineArgs":
+        """EngineArgs from string-keyed values (Ray Serve's `key=value` app arguments):
+        strings are parsed by each field's type; an unknown key is a ValueError naming its
+        near misses."""
+        return arg_fields.from_values(cls, values, "engine argument")

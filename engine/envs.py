@@ -33,6 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# The server's API key variable: deploy/server_args.py names it in its flags' help.
+API_KEY_VARIABLE = "RAYLM_API_KEY"
+
 # RAYLM_CPU_ISA's choices; kernels/native_build.py holds the compiler flags of each.
 CPU_ISAS = ("avx512", "avx512_no_bf16", "avx2", "scalar")
 
@@ -136,8 +139,12 @@ _VARIABLES = [
     _flag_var("RAYLM_TRACEBACK", False,
               "`raylm` commands print a user error (a bad argument, a model that cannot be loaded) as "
               "one line; 1 shows the traceback instead."),
-    # deploy/: RAYLM_API_KEY (the server's API key, as vLLM's VLLM_API_KEY, so that it is not a
-    # flag visible in `ps`) goes here, an EnvVar of type str, default None.
+    EnvVar(API_KEY_VARIABLE, "str", None, "unset: no key, unless --api-key or --api-key-file gives one",
+           "any text",
+           "The API key `raylm serve` requires (as vLLM reads VLLM_API_KEY): clients send it as "
+           "`Authorization: Bearer KEY`. Unlike `--api-key`, it does not show in `ps`. `--api-key` and "
+           "`--api-key-file` take precedence.",
+           str),
     EnvVar("RAYLM_TEST_DISABLE_KERNELS", "list of str", frozenset(), "unset: every kernel path on",
            f"a comma-separated list of {', '.join(TEST_KERNEL_SWITCHES)}",
            "Private, for tests and comparisons: turns off the named kernel paths (TEST_KERNEL_SWITCHES).",

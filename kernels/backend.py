@@ -3,7 +3,8 @@ PyTorch reference.
 
 All backends share one contract (see `raylm.kernels.torch_attention`):
 `write_kv_cache(key, value, k_cache, v_cache, slot_mapping)` and
-`paged_attention(query, k_cache, v_cache, attn_metadata, scale) -> out`.
+`paged_attention(query, k_cache, v_cache, attn_metadata, scale, *, sliding_window=None,
+logits_soft_cap=None) -> out`.
 Triton is imported only when the Triton backend is asked for, so a CPU machine without
 triton installed still runs the PyTorch path. The "cpu" backend compiles its C++ kernel at
 first use (`raylm.kernels.cpu_attention`) and runs the PyTorch reference if it cannot.
@@ -11,7 +12,6 @@ first use (`raylm.kernels.cpu_attention`) and runs the PyTorch reference if it c
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +19,6 @@ import torch
 
 from raylm.kernels.attention_metadata import AttentionMetadata
 
-ENV_VAR = "RAYLM_ATTENTION_BACKEND"
 BACKEND_NAMES = ("triton", "cpu", "torch")
 
 
@@ -36,11 +35,8 @@ class AttentionBackend:
 
 
 def default_backend_name() -> str:
-    """RAYLM_ATTENTION_BACKEND if set, else Triton on a CUDA machine, else the native CPU
-    kernel when it builds here and the PyTorch reference when it does not."""
-    name = os.environ.get(ENV_VAR)
-    if name:
-        return name
+    """Triton on a CUDA machine, else the native CPU kernel when it builds here and the
+    PyTorch reference when it does not: the engine's choice when `attention_backend` is None."""
     if torch.cuda.is_available():
         return "triton"
     from raylm.kernels import cpu_attention
@@ -49,10 +45,9 @@ def default_backend_name() -> str:
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
     """The backend called `name` ("triton", "cpu" or "torch"); None means `default_backend_name()`."""
-    source = "name" if name is not None else ENV_VAR
     name = name if name is not None else default_backend_name()
     if name not in BACKEND_NAMES:
-        raise ValueError(f"attention backend {source} must be one of {BACKEND_NAMES}, got {name!r}.")
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}.")
     if name == "torch":
         from raylm.kernels import torch_attention
         return AttentionBackend("torch", torch_attention.write_kv_cache, torch_attention.paged_attention)

@@ -17,8 +17,9 @@ SHIM="$(mktemp -d "${TMPDIR:-/tmp}/raylm-shim.XXXXXX")"
 trap 'rm -rf "$SHIM"' EXIT
 "$PYTHON" "$ROOT/scripts/raylm_shim.py" "$ROOT" "$SHIM"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-export RAYLM_COMMIT="${RAYLM_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || true)}"
+# The device's copy of the repository has no git history: RAYLM_COMMIT names the commit.
+COMMIT="${RAYLM_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || true)}"
 # Triton 3.9 warns unless the (unchanged) default is stated; older versions ignore it.
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 cd "$ROOT"
-"$PYTHON" -m raylm.cluster.benchmarks.gpu_check "$@"
+"$PYTHON" -m raylm.cluster.benchmarks.gpu_check ${COMMIT:+--commit "$COMMIT"} "$@"

@@ -118,10 +118,10 @@ def run_stages(stages: str, work: Path, dry_run: bool) -> dict[str, list[Job]]:
     return jobs
 
 
-def merge(jobs: dict[str, list[Job]], dry_run: bool) -> dict:
+def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) -> dict:
     """The record: the summary keys (issue 31, item 8) first, then each stage's details."""
     record: dict = {key: None for key in RECORD_KEYS}
-    record.update(device=_device_name(dry_run), commit=_commit(), date=datetime.date.today().isoformat(),
+    record.update(device=_device_name(dry_run), commit=commit or _commit(), date=datetime.date.today().isoformat(),
                   dry_run=dry_run, stages={})
     for stage, stage_jobs_ in jobs.items():
         record["stages"][stage] = [dict(status=job.status, seconds=job.seconds,
@@ -190,8 +190,8 @@ def _device_name(dry_run: bool) -> str:
 
 
 def _commit() -> str | None:
-    if os.environ.get("RAYLM_COMMIT"):
-        return os.environ["RAYLM_COMMIT"]
+    """The checkout's commit, where it is a git checkout (the device's copy is not: the
+    script passes --commit)."""
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=30)
@@ -231,12 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--cpu-dry-run", action="store_true", help="every stage on the CPU, tiny sizes")
     parser.add_argument("--stages", default="abtc", help="which stages to run (default: abtc)")
+    parser.add_argument("--commit", default=None, help="the commit the record names (default: git's HEAD here)")
     args = parser.parse_args(argv)
     if set(args.stages) - set("abtc"):
         parser.error(f"--stages takes letters of 'abtc', got {args.stages!r}")
     with tempfile.TemporaryDirectory(prefix="raylm-gpu-check-") as work:
         jobs = run_stages(args.stages, Path(work), args.cpu_dry_run)
-        record = merge(jobs, args.cpu_dry_run)
+        record = merge(jobs, args.cpu_dry_run, args.commit)
         for stage_jobs_ in jobs.values():  # keep the logs of what failed beside the record
             for job in stage_jobs_:
                 if job.status != "ok" and job.log is not None and job.log.exists():
