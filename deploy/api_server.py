@@ -183,8 +183,10 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     chat_template = load_chat_template(server_args.chat_template)
     limits = server_args.limits
     api_key = server_args.resolved_api_key()
-    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits)
+    aliases = server_args.model_aliases(model_config.model)
+    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
+                             model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template)
     metrics = ServerMetrics(engine, model_names[0])
 

@@ -137,6 +137,20 @@ class ServerArgs:
             return list(self.served_model_name)
         return [default_model_name(model)]
 
+    def model_aliases(self, model: str) -> list[str]:
+        """Other names a request's `model` may use without being listed: the model's path, as
+        given and resolved, where no served_model_name was set. vLLM serves a model under its
+        path by default, so clients written for it send the path; they still reach it, while
+        /v1/models and the metrics show only the name."""
+        if self.served_model_name:
+            return []
+        aliases = [model]
+        try:
+            aliases.append(str(Path(model).resolve()))
+        except (OSError, RuntimeError):
+            pass
+        return aliases
+
 
 def default_model_name(model: str) -> str:
     from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path

@@ -89,6 +89,12 @@ def test_models_and_metrics_name_the_folder_never_its_path(server, model_dir):
     assert 'model_name="my-tiny-llama"' in metrics and str(model_dir.parent) not in metrics
     body = {"model": "my-tiny-llama", "prompt": "Hi", "max_tokens": 2}
     assert httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    # Clients written for vLLM send the path it serves a model under by default: still accepted,
+    # though never shown; a name that is neither is a 404.
+    body["model"] = str(model_dir)
+    assert httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    body["model"] = str(model_dir.parent / "another-model")
+    assert httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 404
 
 
 # --------------------------------------------------- generation_config.json
