@@ -105,7 +105,7 @@ class FusedMoEWeights(nn.Module):
         else:  # column parallel: gate rows, then up rows
             offset = 0 if shard == "w1" else size
             _copy_checked(param.data[local].narrow(0, offset, size), loaded_weight.narrow(0, start, size), name)
-        self._loaded_shards.add((local, shard))
+        self._loaded_shards.add((expert_id, shard))
 
     def process_weights_after_loading(self) -> None:
         """Checks that every local expert was loaded whole, then packs the weights for the
