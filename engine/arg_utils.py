@@ -73,7 +73,7 @@ class EngineArgs:
     enable_expert_parallel: bool = field(default=False, metadata=_help(
         "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
         "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
-        "for all tokens and one all-reduce per layer sums them, as without it. Needs at least as many experts "
+        "for all tokens and one all-reduce per MoE layer sums them, as without it. Needs at least as many experts "
         "as workers; no effect on other models or at tensor_parallel_size 1."))
     distributed_executor_backend: str | None = field(default=None, metadata=_help(
         "'uni' runs the one worker in this process; 'ray' runs the workers as Ray actors, even one. Default: "
