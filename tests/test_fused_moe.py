@@ -315,3 +315,13 @@ def test_a_checkpoint_expert_tensor_of_the_wrong_shape_is_an_error_naming_it():
     layer = FusedMoEWeights(2, 16, 8)
     with pytest.raises(ValueError, match=r"expert 1 w1 has shape \(8, 12\), the model expects \(8, 16\)"):
         layer.w13_weight.weight_loader(layer.w13_weight, torch.zeros(8, 12), (1, "w1"))
+
+
+def test_the_fused_moe_benchmark_times_every_path_this_machine_has(capsys):
+    from raylm.cluster.benchmarks import bench_fused_moe
+
+    bench_fused_moe.main(["--tokens", "3", "--dtypes", "float32", "--rounds", "1", "--sample-s", "0.001"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32")]
+    assert [row[1:6] for row in rows] == [[str(v) for v in (*shape, 3)] for shape in bench_fused_moe.SHAPES]
+    expected_paths = 1 + cpu_fused_moe.library_loaded() + avx512_runs(torch.float32)
+    assert all(sum(cell != "-" for cell in row[6:]) == expected_paths for row in rows)
