@@ -75,6 +75,11 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
+    enable_expert_parallel: bool = field(default=False, metadata=_help(
+        "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
+        "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
+        "for all tokens and one all-reduce per MoE layer sums them, as without it. Needs at least as many experts "
+        "as workers; no effect on other models or at tensor_parallel_size 1."))
     distributed_executor_backend: str | None = field(default=None, metadata=_help(
         "'uni' runs the one worker in this process; 'ray' runs the workers as Ray actors, even one. Default: "
         "'uni' for tensor_parallel_size 1, 'ray' above. ('mp', vLLM's multiprocessing executor, does not exist "
@@ -173,6 +178,7 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             distributed_executor_backend=self.distributed_executor_backend,
             ray_compiled_graph=self.ray_compiled_graph,
             ray_span_nodes=self.ray_span_nodes,

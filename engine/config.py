@@ -239,6 +239,9 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # vLLM's flag: MoE layers place whole experts on the tensor-parallel ranks (each rank runs
+    # its experts for every token; one all-reduce sums them) instead of sharding every expert.
+    enable_expert_parallel: bool = False
     # vLLM's meanings: "uni" runs the one worker in process, "ray" runs the workers as Ray
     # actors (even one); None is "uni" for one worker, "ray" for more. There is no "mp".
     distributed_executor_backend: str | None = None

@@ -82,7 +82,8 @@ class Worker:
                                 device_id=self.device if backend == "nccl" else None)
         # NCCL cannot carry CPU tensors: metadata gets a gloo group of its own.
         cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        parallel_state.initialize_model_parallel(dist.group.WORLD, cpu_group)
+        parallel_state.initialize_model_parallel(dist.group.WORLD, cpu_group,
+                                                 expert_parallel=parallel_config.enable_expert_parallel)
 
         _preflight_all_reduce(store, dist.group.WORLD, self.device, self.rank, world_size, preflight_s, backend)
         if cpu_group is not dist.group.WORLD:
