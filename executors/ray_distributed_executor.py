@@ -44,6 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+from raylm.executors.cpu_threads import openmp_environment_for_workers
 from raylm.executors.executor_base import Executor
 from raylm.executors.ray_worker import HEALTH_GROUP, RayWorkerWrapper, snapshot_hf_config
 
@@ -153,6 +154,8 @@ class RayDistributedExecutor(Executor):
         num_workers = self.parallel_config.tensor_parallel_size
         group, bundle_indices = self._reserve_bundles(num_workers)
         actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(RayWorkerWrapper)
+        # Worker processes start with it (OpenMP reads its variables once, when torch loads).
+        runtime_env = {"env_vars": worker_env_vars()}
         actors = []
         for bundle_index in bundle_indices:
             spec = group.bundle_specs[bundle_index]
@@ -161,6 +164,7 @@ class RayDistributedExecutor(Executor):
                 num_gpus=spec.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=bundle_index),
+                runtime_env=runtime_env,
             ).remote()
             actors.append(actor)
             self._resources.actors.append(actor)
@@ -180,9 +184,9 @@ class RayDistributedExecutor(Executor):
         self.placements = [placements[i] for i in order]
         local_ranks = self._set_node_environments()
 
-        rank0_ip = self.placements[0].node_ip
-        port = self._wait_all([self.workers[0].find_free_port.remote()], "find a free port")[0]
-        init_method = f"tcp://{rank0_ip}:{port}"
+        host = _rendezvous_host(self.placements)
+        port = self._wait_all([self.workers[0].find_free_port.remote(host)], "find a free port")[0]
+        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         config_ref = ray.put(self._worker_engine_config())
         self._wait_all([worker.init_worker.remote(config_ref, rank, local_rank, init_method)
                         for rank, (worker, local_rank) in enumerate(zip(self.workers, local_ranks))],
@@ -457,6 +461,22 @@ class RayDistributedExecutor(Executor):
             parts.append(f"worker {name}(s) {silent} {silent_means}")
         return (f"Tensor-parallel workers failed during {what}: " + "; ".join(parts)
                 + ". The engine cannot continue; shut it down and create a new one.")
+
+
+def worker_env_vars() -> dict[str, str]:
+    """The environment every worker actor gets on top of its node's: each RAYLM_* variable
+    set here (a worker on an existing cluster inherits the node's environment, not the
+    driver's) and the OpenMP settings (`cpu_threads.openmp_environment_for_workers`)."""
+    env = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
+    env.update(openmp_environment_for_workers())
+    return env
+
+
+def _rendezvous_host(placements: Sequence[WorkerPlacement]) -> str:
+    """Where rank 0 hosts the rendezvous store: loopback when every worker is on rank 0's
+    node (the store takes writes from anyone who reaches it), else rank 0's node address."""
+    rank0_ip = placements[0].node_ip
+    return "127.0.0.1" if all(p.node_ip == rank0_ip for p in placements) else rank0_ip
 
 
 def _connect_to_ray() -> None:

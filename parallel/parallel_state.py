@@ -14,9 +14,6 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
-# A gloo group over the same ranks, for small CPU-side metadata whatever the device
-# backend is (NCCL cannot move CPU tensors).
-_TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK: int = 0
 _TP_WORLD_SIZE: int = 1
 # Shared-memory collectives for CPU tensors when every rank runs on this machine
@@ -24,16 +21,13 @@ _TP_WORLD_SIZE: int = 1
 _TP_SHM_COMM = None
 
 
-def initialize_model_parallel(group: dist.ProcessGroup | None = None,
-                              cpu_group: dist.ProcessGroup | None = None) -> None:
-    """Makes `group` (default: the whole default process group) the tensor-parallel group,
-    and `cpu_group` (default: `group`, which must then be gloo) its metadata group."""
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE
+def initialize_model_parallel(group: dist.ProcessGroup | None = None) -> None:
+    """Makes `group` (default: the whole default process group) the tensor-parallel group."""
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group first.")
     group = group if group is not None else dist.group.WORLD
     _TP_GROUP = group
-    _TP_CPU_GROUP = cpu_group if cpu_group is not None else group
     _TP_RANK = dist.get_rank(group)
     _TP_WORLD_SIZE = dist.get_world_size(group)
 
@@ -50,8 +44,8 @@ def get_tensor_model_parallel_shm_communicator():
 
 def destroy_model_parallel() -> None:
     """Back to one rank; the group itself belongs to whoever created it."""
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM
-    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM = None, None, 0, 1, None
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM
+    _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM = None, 0, 1, None
 
 
 def destroy_distributed_environment() -> None:
@@ -63,10 +57,6 @@ def destroy_distributed_environment() -> None:
 
 def get_tensor_model_parallel_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
-
-
-def get_tensor_model_parallel_cpu_group() -> dist.ProcessGroup | None:
-    return _TP_CPU_GROUP
 
 
 def get_tensor_model_parallel_rank() -> int:
