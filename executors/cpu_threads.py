@@ -29,9 +29,12 @@ export it yourself. On a dedicated machine, `OMP_WAIT_POLICY=ACTIVE` can be slig
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
+
+logger = logging.getLogger(__name__)
 
 THREADS_VAR = "OMP_NUM_THREADS"
 # What raylm sets when the environment has none of _WAIT_SETTINGS.
@@ -42,14 +45,35 @@ _WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 OPENMP_VARIABLES = (THREADS_VAR, *_WAIT_SETTINGS)
 
 
+# Whether this process's OpenMP runs with raylm's defaults or the user's settings: False
+# when torch had loaded before apply_openmp_defaults set them.
+_wait_settings_in_force = True
+
+
 def apply_openmp_defaults(environ: os._Environ | dict[str, str] = os.environ) -> dict[str, str]:
     """Sets OPENMP_DEFAULTS in `environ` unless it sets how OpenMP threads wait; returns
     what it set. Affects this process only if torch has not loaded yet, and the processes
-    started from it."""
+    started from it (Ray workers get them through `openmp_environment_for_workers`)."""
+    global _wait_settings_in_force
     if any(name in environ for name in _WAIT_SETTINGS):
         return {}
+    if environ is os.environ and "torch" in sys.modules:
+        _wait_settings_in_force = False
     environ.update(OPENMP_DEFAULTS)
     return dict(OPENMP_DEFAULTS)
+
+
+def warn_if_openmp_started_first(threads: int) -> None:
+    """Logs once if this process computes with several threads whose OpenMP started before
+    raylm could set how they wait (torch was imported before raylm)."""
+    global _wait_settings_in_force
+    if _wait_settings_in_force or threads < 2:
+        return
+    _wait_settings_in_force = True  # once
+    logger.warning("torch was imported before raylm, so its OpenMP threads spin while idle (%s was set too late): "
+                   "on a machine busy with other work every step then waits for them. Import raylm first, or "
+                   "export %s before starting Python.", ", ".join(f"{k}={v}" for k, v in OPENMP_DEFAULTS.items()),
+                   " ".join(f"{k}={v}" for k, v in OPENMP_DEFAULTS.items()))
 
 
 def openmp_environment_for_workers() -> dict[str, str]:

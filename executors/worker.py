@@ -15,7 +15,7 @@ import torch.distributed as dist
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.cpu_malloc import keep_freed_memory
-from raylm.executors.cpu_threads import user_thread_count, worker_thread_count
+from raylm.executors.cpu_threads import user_thread_count, warn_if_openmp_started_first, worker_thread_count
 from raylm.executors.model_runner import ModelRunner
 from raylm.parallel import parallel_state
 from raylm.parallel.machine_layout import MachineLayout, exchange_machine_layout
@@ -56,7 +56,10 @@ class Worker:
             self.device = torch.device("cpu")
             keep_freed_memory()  # before the thread pool starts
         self.init_distributed_environment()
-        torch.set_num_threads(self.cpu_thread_count())
+        threads = self.cpu_thread_count()
+        torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            warn_if_openmp_started_first(threads)
         torch.manual_seed(self.engine_config.model_config.seed)
         self.model_runner = ModelRunner(self.engine_config, self.rank, self.device)
 
