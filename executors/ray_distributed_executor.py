@@ -8,9 +8,11 @@ Set-up, in order:
    `ray_cpus_per_worker` share of a CPU otherwise; STRICT_PACK on one node, PACK with
    `ray_span_nodes`). Inside a placement group already (a Ray Serve replica), use its
    bundles 1..N instead: bundle 0 is the replica's own.
-3. Start the actors, learn where each landed, and give ranks node by node (the driver's
-   node first) so each node's ranks are contiguous.
-4. Rendezvous at rank 0's node; every worker loads its shard.
+3. Start the actors, with the driver's RAYLM_* and OpenMP settings in their runtime
+   environment (`worker_env_vars`), learn where each landed, and give ranks node by node
+   (the driver's node first) so each node's ranks are contiguous.
+4. Rendezvous at rank 0's node (on loopback when every worker is there); every worker
+   sizes its thread pool (`cpu_threads`) and loads its shard.
 
 Each step the same request, serialized once, goes to every worker, and rank 0 answers
 with the sampled tokens (the other ranks with None). By default (`ray_compiled_graph`) the
@@ -31,6 +33,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import re
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -63,6 +66,8 @@ INLINE_STEP_BYTES = 64 * 1024
 GRAPH_SUBMIT_TIMEOUT_S = 10.0
 # A worker's exception is quoted in the error up to this many characters.
 _MAX_CAUSE_CHARS = 200
+# Variables never copied into a worker's runtime environment.
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL)S?$|API_KEY")
 
 
 @dataclass
@@ -466,8 +471,11 @@ class RayDistributedExecutor(Executor):
 def worker_env_vars() -> dict[str, str]:
     """The environment every worker actor gets on top of its node's: each RAYLM_* variable
     set here (a worker on an existing cluster inherits the node's environment, not the
-    driver's) and the OpenMP settings (`cpu_threads.openmp_environment_for_workers`)."""
-    env = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
+    driver's) and the OpenMP settings (`cpu_threads.openmp_environment_for_workers`).
+    Secrets (RAYLM_API_KEY, ...) stay here: workers serve no HTTP, and Ray shows an actor's
+    runtime environment in its dashboard and state API."""
+    env = {name: value for name, value in os.environ.items()
+           if name.startswith("RAYLM_") and not _SECRET_NAME.search(name)}
     env.update(openmp_environment_for_workers())
     return env
 

@@ -57,6 +57,15 @@ def exchange_machine_layout(store: dist.Store, rank: int, world_size: int, timeo
     store.set(_KEY.format(rank=rank), json.dumps({"machine": machine_id(), "shared_memory": shared_memory}))
     keys = [_KEY.format(rank=r) for r in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout_s))
-    records = [json.loads(store.get(key)) for key in keys]
-    return MachineLayout(machines=tuple(str(r["machine"]) for r in records),
-                         shared_memory=tuple(r["shared_memory"] is True for r in records))
+    records = [_parse(store.get(key), r) for r, key in enumerate(keys)]
+    return MachineLayout(machines=tuple(machine for machine, _ in records),
+                         shared_memory=tuple(shared for _, shared in records))
+
+
+def _parse(value: bytes, rank: int) -> tuple[str, bool]:
+    try:
+        record = json.loads(value)
+        return str(record["machine"]), record["shared_memory"] is True
+    except (ValueError, TypeError, KeyError) as e:
+        raise RuntimeError(f"The rendezvous store holds no machine layout for tensor-parallel rank {rank} "
+                           f"({value[:100]!r}): something other than a rank wrote it.") from e

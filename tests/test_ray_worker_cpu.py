@@ -10,7 +10,6 @@ import secrets
 import pytest
 
 from raylm.engine import LLM
-from raylm.executors.cpu_threads import user_thread_count, worker_thread_count
 from raylm.executors.worker import share_of_cores
 
 
@@ -104,7 +103,7 @@ def test_workers_get_the_drivers_raylm_and_openmp_settings_made_after_ray_starte
     # A worker process inherits the environment of its Ray node, not the driver's.
     token = secrets.token_hex(8)
     llm = start_llm(llama_dir, {"RAYLM_TEST_FORWARDED": token, "OMP_NUM_THREADS": "3",
-                                "OMP_WAIT_POLICY": "PASSIVE"})
+                                "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1234", "RAYLM_API_KEY": token})
     try:
         seen = on_workers(llm, lambda wrapper: (dict(__import__("os").environ),
                                                 __import__("torch").get_num_threads()))
@@ -112,28 +111,6 @@ def test_workers_get_the_drivers_raylm_and_openmp_settings_made_after_ray_starte
         llm.shutdown()
     (env, threads), = seen
     assert env.get("RAYLM_TEST_FORWARDED") == token
-    assert env.get("OMP_WAIT_POLICY") == "PASSIVE"
+    assert env.get("GOMP_SPINCOUNT") == "1234"
+    assert "RAYLM_API_KEY" not in env  # a secret stays with the driver
     assert env.get("OMP_NUM_THREADS") == "3" and threads == 3
-
-
-@pytest.mark.parametrize("cores, sharing, reserved, user, expected", [
-    (16, 1, 0.5, None, 16),   # a fractional bundle (the default): every core of the machine
-    (16, 2, 0.5, None, 8),    # two ranks on the machine split it
-    (16, 3, None, None, 5),   # a GPU bundle, three ranks: 16 // 3
-    (16, 1, 4.0, None, 4),    # a bundle of whole CPUs: that many
-    (16, 1, 2.5, None, 2),    # rounded down
-    (16, 4, 8.0, None, 4),    # never more than the worker's share of the machine
-    (2, 4, 0.5, None, 1),     # more ranks than cores: one each
-    (16, 1, 4.0, 3, 3),       # the user's OMP_NUM_THREADS wins
-])
-def test_worker_thread_count(cores, sharing, reserved, user, expected):
-    assert worker_thread_count(cores, sharing, reserved, user) == expected
-
-
-@pytest.mark.parametrize("value, expected", [("4", 4), (" 2 ", 2), ("0", None), ("two", None), (None, None)])
-def test_only_a_positive_omp_num_threads_is_the_users_choice(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", value)
-    assert user_thread_count() == expected
