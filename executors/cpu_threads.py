@@ -2,29 +2,33 @@
 
 **Thread count** (`worker_thread_count`). An `OMP_NUM_THREADS` the user set wins (on a Ray
 cluster, set it in the driver's environment: the driver passes it on to its workers).
-Otherwise a worker takes the cores its Ray bundle reserves when that is one or more CPUs
-(`ray_cpus_per_worker`, rounded down), else (the default 0.5, a share of Ray's accounting,
-or a GPU bundle) its share of the machine's cores: all of them for one worker, split evenly
-between the tensor-parallel ranks of one machine, never more than the machine has. An
-in-process engine is one worker on its machine: every core.
+Otherwise a worker takes the CPUs its Ray bundle reserves when that is one or more
+(`ray_cpus_per_worker`, rounded down), else (the default 0.5, a share in Ray's accounting
+only, or a GPU bundle) its share of the machine's cores: all of them for one worker, split
+evenly between the tensor-parallel ranks on one machine, and never more than the machine
+has. An in-process engine is one worker on its machine: every core.
 
 Ray gives each actor `OMP_NUM_THREADS` = the CPUs it reserves, at least 1, and `ray up`
-exports `OMP_NUM_THREADS=1` for the node's processes; left alone, a worker in a 0.5-CPU
-bundle computed with one thread where the in-process engine used all of the machine's
-cores (a batch-64 decode step of the 5M benchmark Llama on 2 cores: 7.9-8.4 ms in a Ray
-worker, 4.6-5.1 ms in process). So a value Ray set is not the user's: inside a Ray worker
-only one that came through the runtime environment counts.
+exports `OMP_NUM_THREADS=1` for a node's processes: left alone, a worker in a 0.5-CPU bundle
+computed with one thread where the in-process engine used every core (a batch-64 decode step
+of the 5M benchmark Llama on 2 cores: 7.9-8.4 ms in a Ray worker, 4.6-5.1 ms in process). So
+a value Ray set is not the user's: inside a Ray worker only one that came through the
+runtime environment counts.
 
-**Waiting** (`apply_openmp_defaults`). Between parallel regions, GNU OpenMP's threads spin
-for a while (about 300,000 polls) before they sleep. On a machine whose cores are busy with
-other work, a spinning thread holds a core that a descheduled teammate or the neighbours
-need, and every parallel region waits for the slowest thread: with two busy loops on the
-2-core machine, a 64-token request took 1.0-3.0 s instead of 0.06 s. raylm therefore sets
-`OMP_WAIT_POLICY=PASSIVE` (idle threads sleep at once) when importing `raylm.engine`, unless
-the environment already sets `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`; its workers on Ray get
-the same setting. OpenMP reads it once, when torch loads: import raylm before torch, or
-export it yourself. On a dedicated machine, `OMP_WAIT_POLICY=ACTIVE` can be slightly faster
-(see `docs/performance.md` for the measured cost of each).
+**Waiting: OMP_WAIT_POLICY** (`apply_openmp_defaults`). Between parallel regions GNU
+OpenMP's threads spin (300,000 polls by default) before they sleep. On a machine whose cores
+are busy with other work a spinning thread holds a core that a descheduled teammate or the
+neighbours need, and every parallel region waits for its slowest thread. On the project's
+2-core machine (already loaded by other work, load average 6-20), a 64-token request of the
+demo model with 2 threads took 0.6-9.6 s spinning and 0.05-0.48 s with idle threads
+sleeping; with two more busy loops, 5.0-26 s against 0.11-0.29 s (one thread: 0.29-0.44 s).
+raylm therefore sets `OMP_WAIT_POLICY=PASSIVE` (idle threads sleep at once) when
+`raylm.engine` or `raylm.cluster` is imported, unless the environment already says how
+OpenMP threads wait (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`, or Intel OpenMP's `KMP_BLOCKTIME`);
+Ray workers get the driver's setting. OpenMP reads it once, when torch loads: import raylm
+before torch, or export it yourself (raylm warns when torch came first). On a machine that
+runs nothing else, spinning threads can answer a little sooner: `OMP_WAIT_POLICY=ACTIVE`
+(spin until work comes) or `GOMP_SPINCOUNT=N` (spin N polls, then sleep) choose that.
 """
 
 from __future__ import annotations
