@@ -93,7 +93,10 @@ class ShmCommunicator:
                 segment = _map_peer_segment(store, size, timeout_s)
             except BaseException:
                 # Rank 0 stops waiting and deletes the segment now rather than at its timeout.
-                store.set(_MAPPED_KEY.format(rank=rank), _FAILED)
+                try:
+                    store.set(_MAPPED_KEY.format(rank=rank), _FAILED)
+                except Exception:  # noqa: BLE001 - the store itself failing: rank 0 times out instead
+                    pass
                 raise
             store.set(_MAPPED_KEY.format(rank=rank), _MAPPED)
         return cls(segment, rank, world_size, slot_bytes, timeout_s)
