@@ -14,9 +14,6 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
-# A gloo group over the same ranks, for small CPU-side metadata whatever the device
-# backend is (NCCL cannot move CPU tensors).
-_TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK: int = 0
 _TP_WORLD_SIZE: int = 1
 # Shared-memory collectives for CPU tensors when every rank runs on this machine
@@ -27,17 +24,14 @@ _TP_SHM_COMM = None
 _EXPERT_PARALLEL: bool = False
 
 
-def initialize_model_parallel(group: dist.ProcessGroup | None = None,
-                              cpu_group: dist.ProcessGroup | None = None, expert_parallel: bool = False) -> None:
-    """Makes `group` (default: the whole default process group) the tensor-parallel group,
-    and `cpu_group` (default: `group`, which must then be gloo) its metadata group;
+def initialize_model_parallel(group: dist.ProcessGroup | None = None, expert_parallel: bool = False) -> None:
+    """Makes `group` (default: the whole default process group) the tensor-parallel group;
     `expert_parallel` places MoE experts whole on its ranks (`get_expert_parallel`)."""
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _EXPERT_PARALLEL
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE, _EXPERT_PARALLEL
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group first.")
     group = group if group is not None else dist.group.WORLD
     _TP_GROUP = group
-    _TP_CPU_GROUP = cpu_group if cpu_group is not None else group
     _TP_RANK = dist.get_rank(group)
     _TP_WORLD_SIZE = dist.get_world_size(group)
     _EXPERT_PARALLEL = expert_parallel
@@ -55,8 +49,8 @@ def get_tensor_model_parallel_shm_communicator():
 
 def destroy_model_parallel() -> None:
     """Back to one rank; the group itself belongs to whoever created it."""
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM, _EXPERT_PARALLEL
-    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM = None, None, 0, 1, None
+    global _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM, _EXPERT_PARALLEL
+    _TP_GROUP, _TP_RANK, _TP_WORLD_SIZE, _TP_SHM_COMM = None, 0, 1, None
     _EXPERT_PARALLEL = False
 
 
@@ -69,10 +63,6 @@ def destroy_distributed_environment() -> None:
 
 def get_tensor_model_parallel_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
-
-
-def get_tensor_model_parallel_cpu_group() -> dist.ProcessGroup | None:
-    return _TP_CPU_GROUP
 
 
 def get_tensor_model_parallel_rank() -> int:
