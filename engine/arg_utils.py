@@ -20,6 +20,7 @@ from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheCo
                                  ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
+from raylm.models.pipeline import check_pipeline_parallel
 from raylm.models.sliding_window import kv_cache_sliding_window
 
 _GiB = 1024**3
@@ -75,6 +76,13 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
+    pipeline_parallel_size: int = field(default=1, metadata=_help(
+        "Number of pipeline stages (vLLM's flag): pipeline_parallel_size x tensor_parallel_size Ray workers, each "
+        "stage a tensor-parallel group on one node holding a contiguous share of the layers (the first the "
+        "embedding, the last the final norm and LM head) and the KV cache of those layers only. With async "
+        "scheduling up to pipeline_parallel_size + 1 micro-batches of the running requests are in flight, so "
+        "that every stage works at once; without it one batch at a time. Llama-family models (Llama, Mistral, "
+        "Qwen2, Qwen3 and their MoE variants)."))
     enable_expert_parallel: bool = field(default=False, metadata=_help(
         "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
         "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
@@ -175,9 +183,11 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             disable_async_output_proc=self.disable_async_output_proc,
             async_scheduling=self.async_scheduling,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             distributed_executor_backend=self.distributed_executor_backend,
             ray_compiled_graph=self.ray_compiled_graph,
@@ -186,6 +196,8 @@ class EngineArgs:
             placement_group_timeout_s=self.placement_group_timeout_s,
             worker_timeout_s=self.worker_timeout_s,
         )
+        if parallel_config.pipeline_parallel_size > 1:
+            check_pipeline_parallel(hf_config, parallel_config.pipeline_parallel_size)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
 
     @classmethod

@@ -127,10 +127,13 @@ class ModelConfig:
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
 
-def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, tensor_parallel_size: int) -> int:
-    """Bytes of one KV-cache block on one worker: keys and values of every layer."""
+def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, tensor_parallel_size: int,
+                         num_layers: int | None = None) -> int:
+    """Bytes of one KV-cache block on one worker: keys and values of every layer it holds
+    (`num_layers`; default all of them, a pipeline stage holds its own)."""
     dtype_size = torch.tensor([], dtype=model_config.dtype).element_size()
-    return (2 * model_config.num_layers * block_size * model_config.num_kv_heads_per_rank(tensor_parallel_size)
+    num_layers = model_config.num_layers if num_layers is None else num_layers
+    return (2 * num_layers * block_size * model_config.num_kv_heads_per_rank(tensor_parallel_size)
             * model_config.head_size * dtype_size)
 
 
@@ -222,6 +225,12 @@ class SchedulerConfig:
     # and sent while the workers run step k; its decode tokens are placeholders that the
     # workers fill with what they sampled in step k.
     async_scheduling: bool = True
+    # The pipeline's stages (ParallelConfig.pipeline_parallel_size). Above 1 a request whose
+    # token is being sampled is not scheduled again until that token is back (the first
+    # stage needs it and the last samples it), and with async scheduling the running
+    # requests are split into micro-batches that keep every stage busy
+    # (`pipeline_schedule.py`).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -239,6 +248,9 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # vLLM's name: stages of tensor_parallel_size workers each, every stage holding a
+    # contiguous share of the layers (executors/pipeline_stages.py).
+    pipeline_parallel_size: int = 1
     # vLLM's flag: MoE layers place whole experts on the tensor-parallel ranks (each rank runs
     # its experts for every token; one all-reduce sums them) instead of sharding every expert.
     enable_expert_parallel: bool = False
@@ -265,6 +277,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}.")
         backend = self.distributed_executor_backend
         if backend == "mp":
             raise ValueError("distributed_executor_backend 'mp' (vLLM's multiprocessing executor) does not exist "
@@ -273,10 +287,11 @@ class ParallelConfig:
         allowed = (None, "uni", "ray")
         if backend not in allowed:
             raise ValueError(f"distributed_executor_backend must be one of {allowed}, got {backend!r}.")
-        if backend == "uni" and self.tensor_parallel_size > 1:
+        if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one worker in process, but "
-                             f"tensor_parallel_size is {self.tensor_parallel_size}: use 'ray' (or leave it unset) "
-                             f"for more than one worker.")
+                             f"tensor_parallel_size is {self.tensor_parallel_size} and pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size}: use 'ray' (or leave it unset) for more than one "
+                             f"worker.")
         if not self.ray_cpus_per_worker > 0:
             raise ValueError(f"ray_cpus_per_worker must be positive, got {self.ray_cpus_per_worker}.")
         for name in ("placement_group_timeout_s", "worker_timeout_s"):
@@ -284,10 +299,15 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}.")
 
     @property
+    def world_size(self) -> int:
+        """Workers in all: pipeline_parallel_size stages of tensor_parallel_size each."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def use_ray(self) -> bool:
         if self.distributed_executor_backend == "ray":
             return True
-        return self.distributed_executor_backend is None and self.tensor_parallel_size > 1
+        return self.distributed_executor_backend is None and self.world_size > 1
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
 from raylm.engine.output_processor import EngineCoreOutput
+from raylm.engine.pipeline_schedule import steps_in_flight
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stat_logger import StatLogger
@@ -49,12 +50,14 @@ class EngineCore:
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0
         # Batches handed to the executor, oldest first: at most one, or two with async
-        # scheduling (the next is scheduled while the workers run the previous).
+        # scheduling (the next is scheduled while the workers run the previous), or under
+        # pipeline parallel one micro-batch per stage and one more (`pipeline_schedule.py`).
         self._in_flight: deque[_StepInFlight] = deque()
         # Nothing to overlap when the worker runs in this thread.
         self.async_scheduling = (engine_config.scheduler_config.async_scheduling
                                  and self.executor.runs_steps_asynchronously)
-        self.max_steps_in_flight = 2 if self.async_scheduling else 1
+        self.max_steps_in_flight = steps_in_flight(engine_config.scheduler_config,
+                                                   self.executor.runs_steps_asynchronously)
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config
@@ -73,8 +76,11 @@ class EngineCore:
                 f"more memory or lower max_model_len.")
         cache_config.num_gpu_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
+        parallel_config = self.engine_config.parallel_config
+        # Per worker of the stage holding the most layers (every layer without a pipeline).
+        num_layers = -(-self.engine_config.model_config.num_layers // parallel_config.pipeline_parallel_size)
         block_bytes = kv_cache_block_bytes(self.engine_config.model_config, cache_config.block_size,
-                                           self.engine_config.parallel_config.tensor_parallel_size)
+                                           parallel_config.tensor_parallel_size, num_layers)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB per worker); %.2fx max_model_len (%d tokens) "
                     "fits at once; prefix caching %s, chunked prefill %s.", num_blocks, cache_config.block_size,
                     num_blocks * block_bytes / 2**20, num_blocks * cache_config.block_size / self.max_model_len,
@@ -208,8 +214,9 @@ def _executor_class(engine_config: EngineConfig) -> type:
         from raylm.executors.ray_distributed_executor import RayDistributedExecutor
 
         return RayDistributedExecutor
-    if engine_config.parallel_config.tensor_parallel_size > 1:
-        raise ValueError("tensor_parallel_size > 1 needs the Ray executor (distributed_executor_backend='ray').")
+    if engine_config.parallel_config.world_size > 1:
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 needs the Ray executor "
+                         "(distributed_executor_backend='ray').")
     from raylm.executors.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor

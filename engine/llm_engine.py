@@ -194,15 +194,17 @@ class LLMEngine:
         `disable_async_output_proc=False`), the outputs are those of the batch the previous
         call started: this call applies its tokens, starts the next batch, and makes the
         text while the workers run it. With async scheduling (the default with Ray) this
-        call starts the next batch first, then collects the previous one. Either way the
-        first call of a run returns [], and `has_unfinished_requests` stays True until the
-        last batch is collected."""
+        call starts the next batch first, then collects the previous one (under pipeline
+        parallel, the oldest of up to pipeline_parallel_size + 1). Either way the first
+        call of a run returns [], and `has_unfinished_requests` stays True until the last
+        batch is collected."""
         core = self.engine_core
         if core.async_scheduling:
             # Step k+1 goes to the workers before step k is collected: they never wait for
             # the driver, whose scheduling and output processing run beside the forward.
             started = core.start_step()
-            core_outputs = core.finish_step() if core.num_steps_in_flight > 1 or not started else []
+            in_flight_full = core.num_steps_in_flight >= core.max_steps_in_flight
+            core_outputs = core.finish_step() if in_flight_full or not started else []
         elif self._overlap_output_processing:
             core_outputs = core.finish_step()
             core.start_step()

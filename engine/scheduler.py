@@ -22,6 +22,11 @@ request sampled by a step in flight counts that token as a placeholder
 (`num_output_placeholders`), its next decode sends PLACEHOLDER_TOKEN_ID for the workers to
 fill, and it is not scheduled at all once its tokens in flight reach max_tokens or
 max_model_len.
+
+Under pipeline parallelism the workers cannot fill placeholders (the first stage would wait
+for the last), so a request with a token in flight is not scheduled until it is back, and
+each step takes a micro-batch of the requests so that several steps are in flight at once
+(`pipeline_schedule.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
+from raylm.engine.pipeline_schedule import micro_batch_size, steps_in_flight
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
@@ -74,6 +80,12 @@ class Scheduler:
         # Worker ids of requests freed since the last step that workers hold state for.
         self._finished_worker_ids: list[int] = []
         self._on_workers: set[int] = set()
+        # Pipeline parallel (`pipeline_schedule.py`): requests wait for their tokens in
+        # flight, and each step takes at most _step_request_limit requests.
+        self.waits_for_tokens_in_flight = scheduler_config.pipeline_parallel_size > 1
+        self.num_micro_batches = (steps_in_flight(scheduler_config, runs_steps_asynchronously=True)
+                                  if self.waits_for_tokens_in_flight else 1)
+        self._step_request_limit = scheduler_config.max_num_seqs
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -143,6 +155,8 @@ class Scheduler:
         out = SchedulerOutput(ExecuteModelRequest(requests=[]))
         budget = self.scheduler_config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        self._step_request_limit = micro_batch_size(len(self.running) + len(self.waiting),
+                                                    self.scheduler_config.max_num_seqs, self.num_micro_batches)
         budget = self._schedule_running(scheduled, budget, out)
         if out.num_preempted == 0:
             self._schedule_waiting(scheduled, budget)
@@ -163,8 +177,11 @@ class Scheduler:
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, out: SchedulerOutput) -> int:
         kv = self.kv_cache_manager
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < self._step_request_limit:
             request = self.running[index]
+            if self.waits_for_tokens_in_flight and request.num_output_placeholders:
+                index += 1  # pipeline parallel: its token in flight must come back first
+                continue
             if request.num_output_placeholders and self._ends_with_tokens_in_flight(request):
                 index += 1  # nothing left to compute: its last token is being sampled
                 continue
@@ -185,8 +202,11 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv_cache_manager
         config = self.scheduler_config
-        while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < config.max_num_seqs
+               and len(scheduled) < self._step_request_limit):
             request = self.waiting[0]
+            if self.waits_for_tokens_in_flight and request.num_output_placeholders:
+                break  # preempted while its token was in flight: readmitted once it is back
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:

@@ -31,6 +31,8 @@ from raylm.models import get_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context
 from raylm.parallel.communication import tensor_model_parallel_broadcast
+from raylm.parallel.parallel_state import get_pipeline_model_parallel_rank, get_pipeline_model_parallel_world_size
+from raylm.parallel.pipeline import IntermediateTensors, get_pp_indices
 
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,11 @@ class ModelRunner:
         # What the KV sizing set aside for the graphs, and what capturing them took.
         self.cuda_graph_memory_estimate = 0
         self.max_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
+        # Pipeline parallel: this worker's stage, and the layers (so the KV caches) it holds.
+        pp_rank, pp_size = get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        start, end = get_pp_indices(self.model_config.num_layers, pp_rank, pp_size)
+        self.num_stage_layers = end - start
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -108,6 +115,7 @@ class ModelRunner:
                 and self.attn_backend is not None and self.attn_backend.name == "triton"
                 # Not yet with collectives inside the graph (never run on GPUs).
                 and self.parallel_config.tensor_parallel_size == 1
+                and self.parallel_config.pipeline_parallel_size == 1
                 # Layers that attend otherwise (Gemma 2's soft cap runs the PyTorch
                 # reference, which reads lengths on the host) say so, or are not plain.
                 and all(getattr(layer, "cuda_graph_safe", type(layer) is Attention)
@@ -117,7 +125,8 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def get_cache_block_size_bytes(self) -> int:
-        return kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size)
+        return kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size,
+                                    self.num_stage_layers)
 
     def _profile_num_tokens(self) -> int:
         return min(self.scheduler_config.max_num_batched_tokens,
@@ -136,9 +145,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         with set_forward_context(None):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, *self._stage_inputs(num_tokens))
         num_rows = min(num_tokens, self.scheduler_config.max_num_seqs)
-        self.model.compute_logits(hidden[:num_rows])
+        if self.is_last_stage:
+            self.model.compute_logits(hidden[:num_rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden, input_ids, positions
@@ -246,7 +256,7 @@ class ModelRunner:
         decode_lens = [1] * min(config.max_num_seqs, num_tokens)
         for lens in (prompt_lens, decode_lens):
             requests = [self._warm_up_request(-1 - i, n) for i, n in enumerate(lens)]
-            self.execute_model(ExecuteModelRequest(requests=requests))
+            self.execute_model(ExecuteModelRequest(requests=requests), *self._stage_inputs(sum(lens)))
             self.execute_model(ExecuteModelRequest(requests=[], finished_req_ids=[r.req_id for r in requests]))
         if self.attn_backend is not None and self.attn_backend.warm_up is not None:
             # The kernel variants those two steps did not need (split-K decode and its
@@ -287,6 +297,15 @@ class ModelRunner:
         with set_forward_context(inputs.attn_metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
+    def _stage_inputs(self, num_tokens: int) -> tuple[IntermediateTensors, ...]:
+        """The extra model input of a forward run without a previous stage (profiling,
+        warm-up): zeros in place of that stage's hidden states; none on the first stage."""
+        if self.is_first_stage:
+            return ()
+        hidden = torch.zeros(num_tokens, self.model_config.hf_config.hidden_size, dtype=self.model_config.dtype,
+                             device=self.device)
+        return (IntermediateTensors({"hidden_states": hidden}),)
+
     def _warm_up_request(self, req_id: int, num_tokens: int) -> ScheduledRequest:
         return ScheduledRequest(req_id=req_id, token_ids=[0] * num_tokens, num_computed_tokens=0,
                                 block_table=[0] * -(-num_tokens // self.block_size), num_prompt_tokens=num_tokens,
@@ -317,23 +336,28 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput | None:
+    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None
+                      ) -> SamplerOutput | IntermediateTensors | None:
         """Runs one step; rank 0 returns the drawn tokens (and prompt logprobs), other
-        tensor-parallel ranks return None."""
+        tensor-parallel ranks return None. Pipeline parallel: a stage after the first
+        starts from the previous stage's `intermediate_tensors`; a stage before the last
+        returns its own (None for an empty step), and only the last stage samples."""
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
             self._sampling_params.pop(req_id, None)
             self._last_sampled.pop(req_id, None)
         if not req.requests:
-            return SamplerOutput() if self.rank == 0 else None
+            return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         self._fill_sampling_params(req.requests)
         self._fill_placeholders(req.requests)
         self._update_states(req.requests)
 
         host = self._host_inputs(req.requests)
+        if not self.is_last_stage:  # pipeline parallel: every row goes on to the next stage
+            return self._run_model(host, None, intermediate_tensors)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
         rows = sample_rows + prompt_rows
-        selected = self._run_model(host, rows)
+        selected = self._run_model(host, rows, intermediate_tensors)
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
@@ -354,24 +378,27 @@ class ModelRunner:
             output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
 
-    def _run_model(self, host: HostStep, rows: list[int]) -> torch.Tensor:
+    def _run_model(self, host: HostStep, rows: list[int] | None,
+                   intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """The final hidden states of `rows`, in that order: a decode graph's replay where
-        one is captured for the batch, else an eager forward."""
+        one is captured for the batch, else an eager forward. rows None: a pipeline stage
+        before the last, which hands every row on."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(len(host.input_ids)) if graphs is not None else None
         if batch_size is not None and host.is_decode_only and rows == list(range(len(host.input_ids))):
             graphs.inputs.write(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                 host.block_tables, batch_size)
             return graphs.replay(batch_size)[:len(rows)]
-        output_rows = _output_rows(rows, len(host.input_ids))
+        output_rows = None if rows is None else _output_rows(rows, len(host.input_ids))
         if self.staging is not None:
             input_ids, positions, attn_metadata, rows_tensor, rows_metadata = self._staged_tensors(host, output_rows)
         else:
             input_ids, positions, attn_metadata = self._tensors(host)
             rows_tensor = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
             rows_metadata = None
+        stage_input = () if intermediate_tensors is None else (intermediate_tensors,)
         with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions, *stage_input)
 
     def _host_inputs(self, requests: list[ScheduledRequest]) -> HostStep:
         """The step's packed inputs as lists, plus, per request, the row of its last token."""

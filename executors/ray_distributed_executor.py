@@ -1,5 +1,6 @@
 """`RayDistributedExecutor` (vLLM's name; also exported as `RayGPUExecutor`, the name users
-know): one worker actor per tensor-parallel rank, placed by Ray, on GPUs or on CPUs.
+know): one worker actor per tensor-parallel rank of each pipeline stage, placed by Ray, on
+GPUs or on CPUs.
 
 Set-up, in order:
 1. Join the Ray cluster this process is in (`ray.init` already called, or RAY_ADDRESS),
@@ -10,12 +11,15 @@ Set-up, in order:
    bundles 1..N instead: bundle 0 is the replica's own.
 3. Start the actors, with the driver's RAYLM_* and OpenMP settings in their runtime
    environment (`worker_env_vars`), learn where each landed, and give ranks node by node
-   (the driver's node first) so each node's ranks are contiguous.
+   (the driver's node first) so each node's ranks are contiguous. Under pipeline
+   parallelism the stages take the ranks in order, T at a time, and none may straddle two
+   nodes (`executors/pipeline_stages.py`).
 4. Rendezvous at rank 0's node (on loopback when every worker is there); every worker
    sizes its thread pool (`cpu_threads`) and loads its shard.
 
-Each step the same request, serialized once, goes to every worker, and rank 0 answers
-with the sampled tokens (the other ranks with None). By default (`ray_compiled_graph`) the
+Each step the same request, serialized once, goes to every worker, and rank 0 (of the last
+pipeline stage) answers with the sampled tokens (the other ranks with None); each pipeline
+stage after the first also takes the previous stage's activations. By default (`ray_compiled_graph`) the
 step travels through a Ray compiled graph built once the KV cache is allocated: the
 driver writes the request into a shared-memory channel every worker reads, and reads
 every rank's answer back, with no task submission per step. Without it, each step is one
@@ -49,6 +53,8 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.cpu_threads import openmp_environment_for_workers
 from raylm.executors.executor_base import Executor
+from raylm.executors.pipeline_stages import (StageLayout, check_stages_within_nodes, pipeline_graph_outputs,
+                                             submit_pipeline_step)
 from raylm.executors.ray_worker import HEALTH_GROUP, RayWorkerWrapper, snapshot_hf_config
 
 logger = logging.getLogger(__name__)
@@ -131,6 +137,10 @@ class RayDistributedExecutor(Executor):
         self._finalizer = weakref.finalize(self, self._resources.release)
         self.workers: list[Any] = []
         self.placements: list[WorkerPlacement] = []
+        self.stage_layout = StageLayout(self.parallel_config.pipeline_parallel_size,
+                                        self.parallel_config.tensor_parallel_size)
+        # The workers of each pipeline stage, in rank order (one stage without pipeline parallel).
+        self.stages: list[list[Any]] = []
         _connect_to_ray()
         try:
             self._start_workers()
@@ -155,8 +165,12 @@ class RayDistributedExecutor(Executor):
     def _is_cuda(self) -> bool:
         return self.engine_config.device_config.device == "cuda"
 
+    @property
+    def _is_pipeline(self) -> bool:
+        return self.parallel_config.pipeline_parallel_size > 1
+
     def _start_workers(self) -> None:
-        num_workers = self.parallel_config.tensor_parallel_size
+        num_workers = self.parallel_config.world_size
         group, bundle_indices = self._reserve_bundles(num_workers)
         actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(RayWorkerWrapper)
         # Worker processes start with it (OpenMP reads its variables once, when torch loads).
@@ -187,6 +201,9 @@ class RayDistributedExecutor(Executor):
         order = sorted(range(num_workers), key=rank_order)
         self.workers = [actors[i] for i in order]
         self.placements = [placements[i] for i in order]
+        check_stages_within_nodes(self.stage_layout, [p.node_id for p in self.placements],
+                                  [p.node_ip for p in self.placements])
+        self.stages = self.stage_layout.split(self.workers)
         local_ranks = self._set_node_environments()
 
         host = _rendezvous_host(self.placements)
@@ -199,6 +216,11 @@ class RayDistributedExecutor(Executor):
         nodes = sorted({p.node_ip for p in self.placements})
         logger.info("Ray executor: %d workers on %d node(s) %s, placement group bundles %s, rendezvous %s.",
                     num_workers, len(nodes), nodes, [p.bundle_index for p in self.placements], init_method)
+        if self._is_pipeline:
+            logger.info("Pipeline stages: %s.", "; ".join(
+                f"stage {stage}: ranks {list(self.stage_layout.ranks_of(stage))} on node "
+                f"{self.placements[self.stage_layout.ranks_of(stage)[0]].node_ip}"
+                for stage in range(self.stage_layout.pipeline_parallel_size)))
 
     def _worker_engine_config(self) -> EngineConfig:
         """The engine config the workers get: the same, with the Hugging Face config as a
@@ -216,7 +238,7 @@ class RayDistributedExecutor(Executor):
             if available < num_workers:
                 raise ValueError(
                     f"This process runs in a placement group with {len(current.bundle_specs)} bundles; "
-                    f"tensor_parallel_size {num_workers} needs {num_workers + 1} (bundle 0 for this process, "
+                    f"{_workers_asked(self.parallel_config)} need {num_workers + 1} (bundle 0 for this process, "
                     f"1..{num_workers} for the workers).")
             self._resources.placement_group = current
             self._resources.owns_placement_group = False
@@ -230,7 +252,7 @@ class RayDistributedExecutor(Executor):
         timeout = self.parallel_config.placement_group_timeout_s
         ready, _ = ray.wait([group.ready()], timeout=timeout)
         if not ready:
-            message = _placement_error(num_workers, bundle, strategy, timeout)
+            message = _placement_error(num_workers, bundle, strategy, timeout, self.parallel_config)
             remove_placement_group(group)
             self._resources.placement_group = None
             raise RuntimeError(message)
@@ -297,6 +319,9 @@ class RayDistributedExecutor(Executor):
         # as ray.put; big ones (long prefills) go to the object store once and every
         # worker reads the same copy.
         arg = payload if len(payload) <= INLINE_STEP_BYTES else ray.put(payload)
+        if self._is_pipeline:
+            last_stage = submit_pipeline_step(self.stages, arg)
+            return lambda: pickle.loads(self._wait_all(last_stage, "a step", pipeline=True)[0])
         refs = [worker.execute_model.remote(arg) for worker in self.workers]
         return lambda: pickle.loads(self._wait_all(refs, "a step")[0])
 
@@ -328,15 +353,30 @@ class RayDistributedExecutor(Executor):
     def _compile_step_graph(self) -> None:
         """Builds the step graph: the pickled request from the driver to every worker's
         `execute_model`, and every rank's answer back. Only rank 0's answer is the step's,
-        but all are read, so that an error on any rank surfaces. If Ray cannot build it,
-        steps stay actor calls."""
+        but all are read, so that an error on any rank surfaces. Under pipeline parallel
+        each stage's outputs feed the next stage (`pipeline_graph_outputs`), and the last
+        stage's answers come back; an error on an earlier stage travels down the graph.
+        If Ray cannot build it, steps stay actor calls."""
         from ray.dag import InputNode, MultiOutputNode
+        from ray.dag.context import DAGContext
 
+        on_device = self._is_pipeline and self._is_cuda
         try:
+            if on_device:
+                self._wait_all([w.set_stage_output_on_device.remote(True) for w in self.workers], "set-up")
             with InputNode() as step:
-                graph = MultiOutputNode([worker.execute_model.bind(step) for worker in self.workers])
-            self._resources.compiled_graph = graph.experimental_compile(_submit_timeout=GRAPH_SUBMIT_TIMEOUT_S)
+                if self._is_pipeline:
+                    graph = MultiOutputNode(pipeline_graph_outputs(self.stages, step, on_device))
+                else:
+                    graph = MultiOutputNode([worker.execute_model.bind(step) for worker in self.workers])
+            # The core keeps up to pipeline_parallel_size + 1 steps in flight.
+            max_inflight = max(DAGContext.get_current().max_inflight_executions,
+                               self.parallel_config.pipeline_parallel_size + 1)
+            self._resources.compiled_graph = graph.experimental_compile(_submit_timeout=GRAPH_SUBMIT_TIMEOUT_S,
+                                                                        _max_inflight_executions=max_inflight)
         except Exception as e:  # noqa: BLE001 - any reason Ray gives is a reason to fall back
+            if on_device:
+                self._wait_all([w.set_stage_output_on_device.remote(False) for w in self.workers], "set-up")
             logger.warning("Ray could not compile the step graph (%s: %s); steps go to the %d workers as actor "
                            "calls instead (ray_compiled_graph=False chooses that without trying).",
                            type(e).__name__, _last_line(e), len(self.workers))
@@ -382,7 +422,7 @@ class RayDistributedExecutor(Executor):
             cause = f"the step did not finish within {timeout:g} s (worker_timeout_s)"
         else:
             cause = f"the compiled graph failed with {type(error).__name__}: {_last_line(error)}"
-        return (f"Tensor-parallel workers failed during a step: {cause}, although every rank answers a ping. "
+        return (f"{self._workers_noun} failed during a step: {cause}, although every rank answers a ping. "
                 f"The engine cannot continue; shut it down and create a new one.")
 
     # --------------------------------------------------------------- plumbing
@@ -410,16 +450,25 @@ class RayDistributedExecutor(Executor):
         if self._failure is not None:
             raise RuntimeError(self._failure)
 
+    @property
+    def _workers_noun(self) -> str:
+        return "Pipeline-parallel workers" if self._is_pipeline else "Tensor-parallel workers"
+
     def _where(self, ranks: Sequence[int]) -> str:
         if not self.placements:
             return "placement unknown"
+        if self._is_pipeline:
+            return ", ".join(f"rank {r} (pipeline stage {self.stage_layout.stage_of(r)}) on node "
+                             f"{self.placements[r].node_ip}" for r in ranks)
         return ", ".join(f"rank {r} on node {self.placements[r].node_ip}" for r in ranks)
 
     def _wait_all(self, refs: list[ray.ObjectRef], what: str, timeout: float | None = None,
-                  ranks_known: bool = True) -> list[Any]:
+                  ranks_known: bool = True, pipeline: bool = False) -> list[Any]:
         """The results of one call per worker, in order. Raises a RuntimeError naming the
         ranks (bundles, before ranks are given) that died, raised or did not answer within
-        `timeout` (default worker_timeout_s)."""
+        `timeout` (default worker_timeout_s). `pipeline`: the refs are the last stage's
+        calls of a pipelined step, whose errors may come from any stage before: the ranks
+        are then found as for the compiled graph (pings, and the rank the exception names)."""
         timeout = self.parallel_config.worker_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         pending = {ref: index for index, ref in enumerate(refs)}
@@ -441,8 +490,11 @@ class RayDistributedExecutor(Executor):
         if not errors and not pending:
             return results
         self._resources.workers_failed = True
-        self._failure = self._describe_failure(what, errors, sorted(pending.values()), timeout, ranks_known)
         first = next(iter(errors.values()), None)
+        if pipeline:
+            self._failure = self._describe_graph_failure(first or GetTimeoutError(what), timeout)
+        else:
+            self._failure = self._describe_failure(what, errors, sorted(pending.values()), timeout, ranks_known)
         raise RuntimeError(self._failure) from first
 
     def _describe_failure(self, what: str, errors: dict[int, Exception], silent: list[int], timeout: float,
@@ -464,7 +516,7 @@ class RayDistributedExecutor(Executor):
             silent_means = f"did not answer within {waited}"
         if silent:
             parts.append(f"worker {name}(s) {silent} {silent_means}")
-        return (f"Tensor-parallel workers failed during {what}: " + "; ".join(parts)
+        return (f"{self._workers_noun} failed during {what}: " + "; ".join(parts)
                 + ". The engine cannot continue; shut it down and create a new one.")
 
 
@@ -528,14 +580,25 @@ def _schedulable(resources: dict[str, float]) -> dict[str, float]:
     return shown
 
 
-def _placement_error(num_workers: int, bundle: dict[str, float], strategy: str, timeout: float) -> str:
+def _workers_asked(parallel_config: Any) -> str:
+    if parallel_config.pipeline_parallel_size == 1:
+        return f"tensor_parallel_size {parallel_config.tensor_parallel_size}"
+    return (f"pipeline_parallel_size {parallel_config.pipeline_parallel_size} x tensor_parallel_size "
+            f"{parallel_config.tensor_parallel_size} workers")
+
+
+def _placement_error(num_workers: int, bundle: dict[str, float], strategy: str, timeout: float,
+                     parallel_config: Any) -> str:
     total = _schedulable(ray.cluster_resources())
     free = _schedulable(ray.available_resources())
     nodes = [f"{n['NodeManagerAddress']} {_schedulable(n['Resources'])}" for n in ray.nodes() if n.get("Alive")]
     hint = ("STRICT_PACK puts every worker on one node; set ray_span_nodes=True to let them span nodes. "
             if strategy == "STRICT_PACK" else "")
-    knob = "tensor_parallel_size" if "GPU" in bundle else "tensor_parallel_size or ray_cpus_per_worker"
-    return (f"Ray could not place {num_workers} tensor-parallel workers within {timeout:g} s "
+    knob = "tensor_parallel_size" + (" or pipeline_parallel_size" if parallel_config.pipeline_parallel_size > 1
+                                     else "")
+    if "GPU" not in bundle:
+        knob += " or ray_cpus_per_worker"
+    return (f"Ray could not place {num_workers} workers ({_workers_asked(parallel_config)}) within {timeout:g} s "
             f"(placement_group_timeout_s): asked for {num_workers} bundle(s) of {bundle} with strategy "
             f"{strategy}. The cluster has {total} in total and {free} free; alive nodes: {'; '.join(nodes)}. "
             f"{hint}Lower {knob}, free or add resources, or raise placement_group_timeout_s if nodes are "

@@ -1,4 +1,5 @@
-"""`RayWorkerWrapper`: the Ray actor around one `Worker` (one per tensor-parallel rank).
+"""`RayWorkerWrapper`: the Ray actor around one `Worker` (one per tensor-parallel rank of
+each pipeline stage).
 
 The actor is created before its rank is known (ranks follow node placement), so it
 starts empty, reports where it landed, and builds its `Worker` when the executor says
@@ -22,7 +23,9 @@ from typing import Any
 import ray
 
 from raylm.engine.config import EngineConfig
-from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+from raylm.engine.step import ExecuteModelRequest
+from raylm.executors.pipeline_stages import pack_stage_output, unpack_stage_input
+from raylm.parallel.pipeline import IntermediateTensors
 
 HEALTH_GROUP = "health"
 
@@ -60,6 +63,12 @@ class RayWorkerWrapper:
     def __init__(self) -> None:
         self.worker = None
         self._step_thread: int | None = None
+        # Pipeline parallel: whether this stage hands its activations on as device tensors
+        # (the compiled graph's NCCL channel) rather than bytes.
+        self.stage_output_on_device = False
+
+    def set_stage_output_on_device(self, on_device: bool) -> None:
+        self.stage_output_on_device = on_device
 
     def get_node_info(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, accelerator ids Ray gave this actor)."""
@@ -93,16 +102,21 @@ class RayWorkerWrapper:
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
-    def execute_model(self, payload: bytes) -> bytes | None:
+    def execute_model(self, payload: bytes, stage_input: bytes | IntermediateTensors | None = None
+                      ) -> bytes | IntermediateTensors | None:
         """Runs one step; `payload` is the pickled ExecuteModelRequest (pickled once by
         the driver for all ranks). Returns rank 0's SamplerOutput pickled (plain pickle
         takes a third of the time of Ray's serializer, which goes through cloudpickle),
-        None on the other ranks."""
+        None on the other ranks. Pipeline parallel: a stage after the first gets what the
+        previous one returned as `stage_input`; a stage before the last returns what the
+        next one needs (`executors/pipeline_stages.py`)."""
         try:
             if self._step_thread != threading.get_ident():
                 self._enter_step_thread()
             req: ExecuteModelRequest = pickle.loads(payload)
-            output: SamplerOutput | None = self.worker.execute_model(req)
+            output = self.worker.execute_model(req, unpack_stage_input(stage_input, self.worker.device))
+            if isinstance(output, IntermediateTensors):
+                return output if self.stage_output_on_device else pack_stage_output(output)
             return None if output is None else pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             # The compiled graph reports one rank's exception for the whole step: the

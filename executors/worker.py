@@ -1,5 +1,11 @@
-"""One worker per device (one per tensor-parallel rank): owns the model replica shard,
-its KV cache partition and a `ModelRunner`."""
+"""One worker per device (one per tensor-parallel rank of each pipeline stage): owns the
+model replica shard, its KV cache partition and a `ModelRunner`.
+
+Ranks count every worker, stage by stage: rank r is tensor-parallel rank r % T of pipeline
+stage r // T (T = tensor_parallel_size). All ranks meet at one rendezvous store (rank 0
+hosts it), through which they learn who shares their machine; each stage's T ranks form
+their own torch.distributed group over it (stages exchange activations through the
+executor, not through a process group)."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from raylm.executors.cpu_threads import user_thread_count, warn_if_openmp_starte
 from raylm.executors.model_runner import ModelRunner
 from raylm.parallel import parallel_state
 from raylm.parallel.machine_layout import MachineLayout, exchange_machine_layout
+from raylm.parallel.pipeline import IntermediateTensors
 from raylm.parallel.shm_communicator import ShmCommunicator
 
 # Longest wait for every rank to reach the rendezvous and the pre-flight all-reduce
@@ -34,6 +41,9 @@ class Worker:
         `cpu_threads.worker_thread_count`."""
         self.engine_config = engine_config
         self.rank = rank
+        tp_size = engine_config.parallel_config.tensor_parallel_size
+        # Pipeline parallel: the stage this rank belongs to and its rank within the stage.
+        self.pp_rank, self.tp_rank = divmod(rank, tp_size)
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
         self.reserved_cpus = reserved_cpus
@@ -43,6 +53,7 @@ class Worker:
         self.cpu_cores: set[int] | None = None
         # The tensor-parallel ranks on this worker's machine, this one included.
         self.ranks_on_machine: list[int] = [rank]
+        self._rendezvous: dist.Store | None = None
 
     def init_device(self) -> None:
         """Picks the device, joins the tensor-parallel group, sizes the CPU thread pool and
@@ -54,13 +65,15 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             keep_freed_memory()  # before the thread pool starts
+        parallel_config = self.engine_config.parallel_config
+        parallel_state.set_pipeline_model_parallel(self.pp_rank, parallel_config.pipeline_parallel_size)
         self.init_distributed_environment()
         threads = self.cpu_thread_count()
         torch.set_num_threads(threads)
         if self.device.type == "cpu":
             warn_if_openmp_started_first(threads)
         torch.manual_seed(self.engine_config.model_config.seed)
-        self.model_runner = ModelRunner(self.engine_config, self.rank, self.device)
+        self.model_runner = ModelRunner(self.engine_config, self.tp_rank, self.device)
 
     def cpu_thread_count(self) -> int:
         """The threads this worker computes with: an OMP_NUM_THREADS the user chose, else
@@ -73,18 +86,19 @@ class Worker:
         return worker_thread_count(cores, sharing, self.reserved_cpus, user_thread_count())
 
     def init_distributed_environment(self) -> None:
-        """Joins the tensor-parallel group when there is more than one rank: a TCP store
-        at `distributed_init_method` (rank 0 hosts it), NCCL on CUDA or gloo on CPU, a
-        pre-flight all-reduce that proves every rank can talk to every other (raises
-        naming the ranks that did not answer), then learns which ranks share its machine:
-        CPU ranks split its cores and, all on one machine, talk through shared memory."""
+        """Meets the other ranks when there is more than one: a TCP store at
+        `distributed_init_method` (rank 0 hosts it); joins this stage's tensor-parallel
+        group (NCCL on CUDA or gloo on CPU) with a pre-flight all-reduce that proves every
+        rank of it can talk to every other (raises naming the ranks that did not answer),
+        then learns which ranks share its machine: CPU ranks split its cores and, a stage
+        all on one machine, its ranks talk through shared memory."""
         parallel_config = self.engine_config.parallel_config
-        world_size = parallel_config.tensor_parallel_size
+        world_size = parallel_config.world_size
         if world_size == 1:
             return
         if self.distributed_init_method is None:
-            raise ValueError(f"tensor_parallel_size {world_size} needs a distributed_init_method "
-                             f"(tcp://host:port of rank 0) for rank {self.rank}.")
+            raise ValueError(f"{world_size} workers (tensor_parallel_size x pipeline_parallel_size) need a "
+                             f"distributed_init_method (tcp://host:port of rank 0) for rank {self.rank}.")
         address = urlparse(self.distributed_init_method)
         if address.scheme != "tcp" or address.hostname is None or address.port is None:
             raise ValueError(f"distributed_init_method must be tcp://host:port, got "
@@ -95,26 +109,40 @@ class Worker:
         except Exception as e:
             raise RuntimeError(f"Rank {self.rank} could not reach the rendezvous store of rank 0 at "
                                f"{self.distributed_init_method} within {preflight_s:.0f} s: {e}") from e
+        # Rank 0 hosts the store for as long as it lives (a stage of one rank has no
+        # process group to hold it, and the others may still be reading from it).
+        self._rendezvous = store
         _wait_for_all_ranks(store, "joined", self.rank, world_size, preflight_s, "join the rendezvous at "
                             f"{self.distributed_init_method}")
 
+        tp_size = parallel_config.tensor_parallel_size
+        # The stage's own keys (process group, pre-flight, shared-memory segment) in the one store.
+        stage_store = store if tp_size == world_size else dist.PrefixStore(f"raylm/stage{self.pp_rank}/", store)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=world_size,
-                                timeout=timedelta(seconds=parallel_config.worker_timeout_s),
-                                device_id=self.device if backend == "nccl" else None)
-        parallel_state.initialize_model_parallel(dist.group.WORLD,
-                                                 expert_parallel=parallel_config.enable_expert_parallel)
-        _preflight_all_reduce(store, dist.group.WORLD, self.device, self.rank, world_size, preflight_s, backend)
+        if tp_size > 1:
+            dist.init_process_group(backend=backend, store=stage_store, rank=self.tp_rank, world_size=tp_size,
+                                    timeout=timedelta(seconds=parallel_config.worker_timeout_s),
+                                    device_id=self.device if backend == "nccl" else None)
+            parallel_state.initialize_model_parallel(dist.group.WORLD,
+                                                     expert_parallel=parallel_config.enable_expert_parallel)
+            _preflight_all_reduce(stage_store, dist.group.WORLD, self.device, self.tp_rank, tp_size, preflight_s,
+                                  backend)
 
         is_cpu = self.device.type == "cpu"
         layout = exchange_machine_layout(store, self.rank, world_size, preflight_s,
                                          shared_memory=is_cpu and ShmCommunicator.available())
         self.ranks_on_machine = layout.ranks_on_machine_of(self.rank)
         if is_cpu:
+            # Every rank on the machine, of whichever stage, gets its own cores: the stages
+            # compute at the same time.
             self.cpu_cores = _bind_to_own_cores(layout, self.rank)
+        if is_cpu and tp_size > 1:
             # The model's collectives run several times a layer: on one machine, shared
             # memory instead of gloo's TCP loopback.
-            communicator = ShmCommunicator.create(store, layout, self.rank, parallel_config.worker_timeout_s)
+            stage = slice(self.pp_rank * tp_size, (self.pp_rank + 1) * tp_size)
+            stage_layout = MachineLayout(layout.machines[stage], layout.shared_memory[stage])
+            communicator = ShmCommunicator.create(stage_store, stage_layout, self.tp_rank,
+                                                  parallel_config.worker_timeout_s)
             parallel_state.set_tensor_model_parallel_shm_communicator(communicator)
 
     def bind_current_thread(self) -> None:
@@ -145,9 +173,11 @@ class Worker:
         self.model_runner.initialize_cache(num_blocks)
         self.model_runner.warm_up()
 
-    def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput | None:
-        """The step's sampled tokens on rank 0; None on the other ranks."""
-        return self.model_runner.execute_model(req)
+    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None
+                      ) -> SamplerOutput | IntermediateTensors | None:
+        """The step's sampled tokens on rank 0; None on the other ranks. Pipeline parallel:
+        see `ModelRunner.execute_model`."""
+        return self.model_runner.execute_model(req, intermediate_tensors)
 
     def check_health(self) -> None:
         """Raises if the device can no longer run work."""
@@ -165,6 +195,7 @@ class Worker:
         if self.model_runner is not None:
             self.model_runner.release_memory()
         parallel_state.destroy_distributed_environment()
+        self._rendezvous = None
 
 
 def _usable_cores() -> set[int]:

@@ -20,6 +20,8 @@ from raylm.models.activation import SiluAndMul
 from raylm.models.attention import Attention
 from raylm.models.forward_context import get_forward_context, last_layer_rows, select_rows
 from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.pipeline import (PPMissingLayer, is_first_stage, is_last_stage, make_layers, skip_other_stages,
+                                   stage_input)
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.models.sliding_window import layer_sliding_windows
@@ -27,6 +29,7 @@ from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 from raylm.parallel.linear import LinearOutputSlice
+from raylm.parallel.pipeline import IntermediateTensors
 
 
 class LlamaMLP(nn.Module):
@@ -143,25 +146,39 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any, qkv_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Pipeline parallel: a stage builds its own layers only (`models/pipeline.py`); the
+        # embedding lives on the first stage, and on the last too when the LM head shares it.
+        self.is_last_stage = is_last_stage()
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if is_first_stage() or (tied and self.is_last_stage) else PPMissingLayer())
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias, sliding_window=window)
-                                    for window in layer_sliding_windows(config))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fused_decode = CpuFusedDecode(self.layers, _is_plain_llama_layer)
+        windows = layer_sliding_windows(config)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(config, rotary_emb, qkv_bias, sliding_window=windows[i]))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        self.fused_decode = CpuFusedDecode(self.stage_layers, _is_plain_llama_layer)
+
+    @property
+    def stage_layers(self) -> nn.ModuleList:
+        """The decoder layers this pipeline stage holds (all of them without pipeline parallelism)."""
+        return self.layers[self.start_layer:self.end_layer]
 
     def process_weights_after_loading(self) -> None:
         if self.fused_decode is not None:
             self.fused_decode.reset()  # it holds the layers' packed weights of the last load
-        last = self.layers[-1].self_attn if len(self.layers) else None
+        last = self.layers[-1].self_attn if len(self.layers) and self.is_last_stage else None
         if (isinstance(last, LlamaAttention) and type(last).forward is LlamaAttention.forward
                 and type(last.attn) is Attention):
             last.prepare_output_row_projections()  # its outputs are read at the output rows only
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states; on a pipeline stage before the last, what it hands on."""
+        hidden_states = stage_input(intermediate_tensors, self.embed_tokens, input_ids)
         # The fused op returns every row: it runs only on steps that read them all.
         every_row = get_forward_context().output_rows is None
         fused = (self.fused_decode.run(hidden_states, positions, get_forward_context().attn_metadata)
@@ -170,9 +187,11 @@ class LlamaModel(nn.Module):
             hidden_states, residual = fused
         else:
             residual = None
-            for i, layer in enumerate(self.layers):
-                hidden_states, residual = layer(positions, hidden_states, residual,
-                                                last_layer_rows(i, len(self.layers)))
+            for i in range(self.start_layer, self.end_layer):
+                hidden_states, residual = self.layers[i](positions, hidden_states, residual,
+                                                         last_layer_rows(i, len(self.layers)))
+        if not self.is_last_stage:
+            return IntermediateTensors.of_hidden_states(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -187,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
     default_qkv_bias = False
+    # Splits into pipeline stages (`models/pipeline.py`); so do its subclasses.
+    supports_pipeline_parallel = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -194,15 +215,20 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = bool(getattr(config, "attention_bias", self.default_qkv_bias)) or self.default_qkv_bias
         self.model = LlamaModel(config, qkv_bias=qkv_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden] (only the rows
-        ForwardContext.output_rows when it is set)."""
-        return self.model(input_ids, positions)
+        ForwardContext.output_rows when it is set). A pipeline stage after the first starts
+        from the previous stage's `intermediate_tensors`; one before the last returns its own."""
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] fp32 logits; None on tensor-parallel ranks other than 0."""
@@ -215,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
+        for name, tensor in skip_other_stages(self, weights):
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):

@@ -21,7 +21,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         # The MoE block takes the place of the dense MLP each Llama layer built (dropped before
         # anything was written to it), under the name `mlp`, which Mixtral checkpoints call
         # `block_sparse_moe` (renamed at load).
-        for layer in self.model.layers:
+        for layer in self.model.stage_layers:
             layer.mlp = SparseMoeBlock(config.hidden_size, routing["num_experts"], routing["top_k"],
                                        config.intermediate_size, renormalize=True,
                                        hidden_act=getattr(config, "hidden_act", "silu"))

@@ -35,5 +35,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         # The Llama layers build LlamaAttention by name; swapping each for Qwen3's frees the
         # old one (empty, never loaded), so this costs one layer's projections of memory at
         # most. The rest of the layer (MLP, norms, residual order) is Llama's.
-        for layer in self.model.layers:
+        for layer in self.model.stage_layers:
             layer.self_attn = Qwen3Attention(config, layer.self_attn.rotary_emb, layer.self_attn.attn.sliding_window)

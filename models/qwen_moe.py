@@ -31,7 +31,8 @@ def use_sparse_blocks(model: Any, config: Any, shared_expert_intermediate_size: 
     """Puts the MoE block in place of the dense MLP of each sparse layer of `model` (the dense
     one, built by the Llama layers, is dropped before anything was written to it)."""
     routing = moe_config(config)
-    for index in sparse_layer_indices(config):
+    start, end = model.model.start_layer, model.model.end_layer  # a pipeline stage's own layers
+    for index in (i for i in sparse_layer_indices(config) if start <= i < end):
         model.model.layers[index].mlp = SparseMoeBlock(
             config.hidden_size, routing["num_experts"], routing["top_k"], config.moe_intermediate_size,
             renormalize=bool(getattr(config, "norm_topk_prob", False)), hidden_act=getattr(config, "hidden_act", "silu"),

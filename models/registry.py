@@ -30,6 +30,11 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+def pipeline_parallel_architectures() -> list[str]:
+    """The architectures that split into pipeline stages (`supports_pipeline_parallel`)."""
+    return sorted(name for name, cls in _MODELS.items() if getattr(cls, "supports_pipeline_parallel", False))
+
+
 def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
     """The class of the first supported name in config.json's `architectures`."""
     for arch in architectures or []:

@@ -1,4 +1,5 @@
-"""Tensor-parallel group state: which rank this process is and how many share the model.
+"""Tensor-parallel group state: which rank this process is and how many share the model;
+and, under pipeline parallelism, which stage of how many this process runs.
 
 Without `initialize_model_parallel` (one process, no torch.distributed) the rank is 0 and
 the world size 1, so every parallel layer degenerates to its plain PyTorch counterpart.
@@ -22,6 +23,11 @@ _TP_SHM_COMM = None
 # vLLM's enable_expert_parallel: MoE layers place whole experts on the tensor-parallel ranks
 # instead of sharding every expert across them.
 _EXPERT_PARALLEL: bool = False
+# Pipeline parallel: this process's stage and the number of stages. Stages talk through
+# the executor (Ray compiled-graph channels or the object store), not through a process
+# group, so this is plain state: models read it when they are built.
+_PP_RANK: int = 0
+_PP_WORLD_SIZE: int = 1
 
 
 def initialize_model_parallel(group: dist.ProcessGroup | None = None, expert_parallel: bool = False) -> None:
@@ -54,9 +60,28 @@ def destroy_model_parallel() -> None:
     _EXPERT_PARALLEL = False
 
 
+def set_pipeline_model_parallel(rank: int, world_size: int) -> None:
+    """Makes this process stage `rank` of `world_size` pipeline stages."""
+    global _PP_RANK, _PP_WORLD_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"pipeline stage must be in [0, pipeline_parallel_size={world_size}), got {rank}.")
+    _PP_RANK, _PP_WORLD_SIZE = rank, world_size
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _PP_RANK
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _PP_WORLD_SIZE
+
+
 def destroy_distributed_environment() -> None:
-    """Forgets the tensor-parallel groups and tears down torch.distributed, if it is up."""
+    """Forgets the tensor-parallel groups and the pipeline stage, and tears down
+    torch.distributed, if it is up."""
+    global _PP_RANK, _PP_WORLD_SIZE
     destroy_model_parallel()
+    _PP_RANK, _PP_WORLD_SIZE = 0, 1
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -77,6 +102,17 @@ def get_expert_parallel() -> bool:
     """Whether MoE layers place whole experts on the tensor-parallel ranks (expert parallel
     over the same group) rather than sharding each expert's MLP across them."""
     return _EXPERT_PARALLEL
+
+
+@contextmanager
+def override_pipeline_parallel(rank: int, world_size: int) -> Iterator[None]:
+    """Builds models as stage `rank` of `world_size` (tests that check a stage's layers)."""
+    saved = (_PP_RANK, _PP_WORLD_SIZE)
+    set_pipeline_model_parallel(rank, world_size)
+    try:
+        yield
+    finally:
+        set_pipeline_model_parallel(*saved)
 
 
 @contextmanager
