@@ -23,6 +23,7 @@ from raylm.models.attention import Attention
 from raylm.models.forward_context import select_rows
 from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from raylm.models.logits_processor import LogitsProcessor
+from raylm.models.pipeline import PPMissingLayer, is_first_stage, is_last_stage, make_layers
 from raylm.models.rmsnorm import GemmaRMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.models.sliding_window import layer_sliding_windows
@@ -107,12 +108,17 @@ class Gemma2Model(LlamaModel):
         nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError("use_bidirectional_attention=True is not supported; raylm's attention is causal.")
-        self.embed_tokens = ScaledVocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Pipeline parallel: as LlamaModel, a stage builds its own parts only.
+        self.is_last_stage = is_last_stage()
+        tied = bool(getattr(config, "tie_word_embeddings", True))
+        self.embed_tokens = (ScaledVocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if is_first_stage() or (tied and self.is_last_stage) else PPMissingLayer())
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, rotary_emb, window)
-                                    for window in layer_sliding_windows(config))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        windows = layer_sliding_windows(config)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: Gemma2DecoderLayer(config, rotary_emb, windows[i]))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -124,9 +130,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = Gemma2Model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
