@@ -10,7 +10,9 @@ equal `reference_outputs`: nothing lost, duplicated or read from another request
 
 Half the runs pipeline the steps as async scheduling does: the next step is scheduled and
 run by the workers before the driver collects the previous one, so decodes carry
-placeholders that the stand-in workers fill with the tokens they sampled.
+placeholders that the stand-in workers fill with the tokens they sampled. Some of those
+model pipeline-parallel stages (`pipeline_schedule.py`): up to P + 1 steps in flight, and
+no step may take a request whose sampled token is still in flight (no placeholders).
 
 Some runs model a sliding window on every layer: the KV manager then frees the blocks a
 request's window has passed, and the stand-in workers read each chunk's keys from its first
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from raylm.engine.config import CacheConfig, SchedulerConfig
+from raylm.engine.pipeline_schedule import steps_in_flight
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
@@ -59,16 +62,20 @@ def expected_num_outputs(request: Request, max_model_len: int) -> int:
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 40), budget=st.integers(8, 64), max_num_seqs=st.integers(1, 8),
                 chunked=st.booleans(), caching=st.booleans(), pipelined=st.booleans(),
-                sliding_window=st.sampled_from([None, None, 1, 3, 6, 9]), data=st.data())
+                sliding_window=st.sampled_from([None, None, 1, 3, 6, 9]), stages=st.sampled_from([1, 1, 2, 3]),
+                data=st.data())
     def configure(self, num_blocks: int, budget: int, max_num_seqs: int, chunked: bool, caching: bool,
-                  pipelined: bool, sliding_window: int | None, data: st.DataObject) -> None:
+                  pipelined: bool, sliding_window: int | None, stages: int, data: st.DataObject) -> None:
         # The engine makes the pool hold max_model_len tokens; without chunking a whole
         # prompt must fit one step's budget.
         max_model_len = data.draw(st.integers(8, num_blocks * BLOCK_SIZE), label="max_model_len")
         if not chunked:
             max_model_len = min(max_model_len, budget)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                      max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                                      max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                                      async_scheduling=pipelined, pipeline_parallel_size=stages)
+        # What EngineCore keeps in flight: 1, 2 with async scheduling, P + 1 with P stages.
+        self.max_in_flight = steps_in_flight(self.config, runs_steps_asynchronously=True)
         cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, sliding_window=sliding_window)
         self.sliding_window = sliding_window
         cache_config.num_gpu_blocks = num_blocks
@@ -153,7 +160,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """One engine step: schedule and run a batch and collect one (pipelined: collect the
         previous batch after the next one started, as EngineCore with async scheduling)."""
         started = self._start_step()
-        if not self.pipelined or len(self.in_flight) > 1 or not started:
+        if len(self.in_flight) >= self.max_in_flight or not started:
             self._collect_step()
 
     def _start_step(self) -> bool:
@@ -166,6 +173,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(out.step.requests) <= self.config.max_num_seqs
         assert len({s.req_id for s in out.step.requests}) == len(out.step.requests)
+        if self.config.pipeline_parallel_size > 1:
+            # The first stage cannot fill a placeholder: the last stage samples it.
+            sampling = {worker_id for _, sampled in self.in_flight for worker_id in sampled}
+            assert not any(PLACEHOLDER_TOKEN_ID in s.token_ids for s in out.step.requests)
+            assert not sampling & {s.req_id for s in out.step.requests}, "a request scheduled with a token in flight"
         if out.is_empty():
             return False
         self._run_on_workers(out)
