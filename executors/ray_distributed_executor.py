@@ -201,8 +201,9 @@ class RayDistributedExecutor(Executor):
         order = sorted(range(num_workers), key=rank_order)
         self.workers = [actors[i] for i in order]
         self.placements = [placements[i] for i in order]
-        check_stages_within_nodes(self.stage_layout, [p.node_id for p in self.placements],
-                                  [p.node_ip for p in self.placements])
+        if self._is_pipeline:  # (one tensor-parallel group alone may span nodes: ray_span_nodes)
+            check_stages_within_nodes(self.stage_layout, [p.node_id for p in self.placements],
+                                      [p.node_ip for p in self.placements])
         self.stages = self.stage_layout.split(self.workers)
         local_ranks = self._set_node_environments()
 
@@ -300,7 +301,16 @@ class RayDistributedExecutor(Executor):
         self.collective_rpc("initialize_cache", num_blocks)
         # The workers are complete now: from here on they only run steps.
         if self.parallel_config.ray_compiled_graph and self._resources.compiled_graph is None:
-            self._compile_step_graph()
+            if self._is_pipeline and len({p.node_id for p in self.placements}) > 1:
+                # Ray 2.60's channels between nodes hold one buffer, and with three
+                # pipelined steps in flight across nodes the graph deadlocked (2 stages of
+                # 1 or 2 workers on a two-node cluster_utils cluster): actor calls and the
+                # object store carry a pipeline that spans nodes.
+                logger.info("Ray executor: the pipeline stages span %d nodes, so steps go to the workers as actor "
+                            "calls (Ray's compiled graph pipelines steps across nodes one buffer deep).",
+                            len({p.node_id for p in self.placements}))
+            else:
+                self._compile_step_graph()
 
     runs_steps_asynchronously = True
 

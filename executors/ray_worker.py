@@ -114,7 +114,10 @@ class RayWorkerWrapper:
             if self._step_thread != threading.get_ident():
                 self._enter_step_thread()
             req: ExecuteModelRequest = pickle.loads(payload)
-            output = self.worker.execute_model(req, unpack_stage_input(stage_input, self.worker.device))
+            if stage_input is None:  # the first stage, or no pipeline
+                output = self.worker.execute_model(req)
+            else:
+                output = self.worker.execute_model(req, unpack_stage_input(stage_input, self.worker.device))
             if isinstance(output, IntermediateTensors):
                 return output if self.stage_output_on_device else pack_stage_output(output)
             return None if output is None else pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)

@@ -88,5 +88,8 @@ def stage_input(intermediate_tensors: Any, embed: Any, input_ids: torch.Tensor) 
     """The hidden states a stage starts from: the embedding on the first stage, what the
     previous stage handed on elsewhere."""
     if intermediate_tensors is None:
+        if isinstance(embed, PPMissingLayer):
+            raise RuntimeError("A pipeline stage after the first ran a step without the previous stage's hidden "
+                               "states.")
         return embed(input_ids)
     return intermediate_tensors["hidden_states"]
