@@ -123,7 +123,8 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
     if not isinstance(server_args, ServerArgs):
         server_args = ServerArgs.from_values(server_args or {})
     deployment = deployment or DeploymentArgs.from_values(deployment_kwargs)
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+    # One bundle per worker: tensor_parallel_size of them in each pipeline stage.
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
     use_ray_workers = tp > 1 or engine_kwargs.get("distributed_executor_backend") == "ray"
     if use_ray_workers:
         engine_kwargs.setdefault("distributed_executor_backend", "ray")
@@ -133,6 +134,8 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
     worker_cpus = float(engine_kwargs.get("ray_cpus_per_worker", EngineArgs.ray_cpus_per_worker))
     options = deployment_options(tp, deployment, use_ray_workers=use_ray_workers, worker_cpus=worker_cpus,
                                  shutdown_timeout=server_args.shutdown_timeout)
+    if use_ray_workers and str(engine_kwargs.get("ray_span_nodes", False)).lower() in ("true", "1"):
+        options["placement_group_strategy"] = "PACK"  # the replica's workers may span nodes (pipeline stages)
     return serve.deployment(RaylmDeployment).options(**options).bind(engine_kwargs, server_args)
 
 

@@ -72,7 +72,9 @@ class EngineArgs:
         "scheduling): each decoding request's next token is a placeholder that the workers fill with the token "
         "they sampled, so they start the next step as soon as one ends and the driver's Python (scheduling, "
         "applying tokens, detokenizing) runs beside the forward. A request that stops (EOS, stop token, stop "
-        "string) has computed one more token, which is dropped. No effect in process."))
+        "string) has computed one more token, which is dropped. No effect in process. With pipeline_parallel_size P "
+        "above 1 it keeps up to P + 1 micro-batches of different requests in flight instead (off: one batch at a "
+        "time)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
@@ -90,7 +92,7 @@ class EngineArgs:
         "as workers; no effect on other models or at tensor_parallel_size 1."))
     distributed_executor_backend: str | None = field(default=None, metadata=_help(
         "'uni' runs the one worker in this process; 'ray' runs the workers as Ray actors, even one. Default: "
-        "'uni' for tensor_parallel_size 1, 'ray' above. ('mp', vLLM's multiprocessing executor, does not exist "
+        "'uni' for one worker, 'ray' for more (tensor_parallel_size or pipeline_parallel_size above 1). ('mp', vLLM's multiprocessing executor, does not exist "
         "in raylm.)"))
     ray_compiled_graph: bool = field(default=True, metadata=_help(
         "Ray: send each step to the workers through a Ray compiled graph (shared-memory channels set up once; "
