@@ -2,8 +2,9 @@
 
 The cluster (`ray.cluster_utils.Cluster`: a head and a second node on one address, one
 CPU each) lives in a child process, this file run as a script, because the test session
-already holds a Ray of its own. With one CPU per node and one CPU per worker bundle,
-tensor parallel 2 under PACK (`--ray-span-nodes`) can only place one worker on each node.
+already holds a Ray of its own. The job sweeps tensor parallel 2 at pipeline-parallel sizes 1
+and 2 with half a CPU per worker bundle: under PACK (`--ray-span-nodes`) the 2 workers of
+PP 1 share a node, and the 4 of PP 2 take both, one stage a node.
 Token authentication is on, as on a `ray up` cluster: the child sets RAY_AUTH_MODE=token
 and one RAY_AUTH_TOKEN that the cluster's processes and the JobSubmissionClient share.
 The cluster takes free ports: the job runs while Ray's default ports are held, as they
@@ -30,7 +31,8 @@ from raylm.cluster.benchmarks.bench_job import (LATENCY_PLOT, RESULT_FILE, SUMMA
 RESULT_PREFIX = "BENCH_JOB_RESULT "
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BATCH_SIZES = (1, 2)
-JOB_TIMEOUT_S = 150
+PP_SIZES = (1, 2)
+JOB_TIMEOUT_S = 240
 # What `ray start --head` binds by default: GCS, dashboard, Ray client server, dashboard agent.
 RAY_DEFAULT_PORTS = (6379, 8265, 10001, 52365)
 
@@ -55,8 +57,9 @@ def submit_on_two_nodes(model_dir: str, out_dir: str) -> dict:
         client = _job_client(dashboard, JobSubmissionClient)
         entrypoint = " ".join([
             sys.executable, "-m", "raylm.cluster.benchmarks.bench_job", "--model", model_dir, "--tp-sizes", "2",
-            "--batch-sizes", ",".join(map(str, BATCH_SIZES)), "--input-len", "8", "--output-len", "4",
-            "--out", out_dir, "--", "--ray-span-nodes", "--ray-cpus-per-worker", "1",
+            "--pp-sizes", ",".join(map(str, PP_SIZES)), "--batch-sizes", ",".join(map(str, BATCH_SIZES)),
+            "--input-len", "8", "--output-len", "4",
+            "--out", out_dir, "--", "--ray-span-nodes", "--ray-cpus-per-worker", "0.5",
             "--num-gpu-blocks-override", "64", "--placement-group-timeout-s", "60"])
         job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -128,10 +131,11 @@ def job_run(llama_dir, tmp_path_factory) -> dict:
     return dict(run, out_dir=out_dir)
 
 
-def test_job_reports_tp2_throughput_for_every_batch_size_on_two_nodes(job_run):
+def test_job_reports_tp2_throughput_for_every_pp_and_batch_size_on_two_nodes(job_run):
     report = json.loads((job_run["out_dir"] / RESULT_FILE).read_text())
     assert report["cluster"]["num_nodes"] == 2
-    assert [(p["tensor_parallel_size"], p["batch_size"]) for p in report["throughput"]] == [(2, b) for b in BATCH_SIZES]
+    assert [(p["tensor_parallel_size"], p["pipeline_parallel_size"], p["batch_size"]) for p in report["throughput"]] \
+        == [(2, pp, b) for pp in PP_SIZES for b in BATCH_SIZES]
     for point in report["throughput"]:
         assert point["settings"]["engine_args"]["ray_span_nodes"] is True
         assert point["settings"]["num_prompts"] == point["batch_size"]
@@ -148,7 +152,8 @@ def test_job_logs_end_with_a_parseable_summary_line(job_run):
     lines = [line for line in job_run["logs"].splitlines() if line.startswith(SUMMARY_PREFIX)]
     assert len(lines) == 1
     summary = json.loads(lines[0][len(SUMMARY_PREFIX):])
-    assert set(summary["output_tokens_per_s"]) == {f"tp2_bs{b}" for b in BATCH_SIZES}
+    assert set(summary["output_tokens_per_s"]) == {f"tp2_bs{b}" for b in BATCH_SIZES} | {
+        f"tp2_pp2_bs{b}" for b in BATCH_SIZES}
     assert summary["result_json"] == str(job_run["out_dir"] / RESULT_FILE)
     assert summary["num_nodes"] == 2
 

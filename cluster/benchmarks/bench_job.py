@@ -1,16 +1,18 @@
-"""Cluster benchmark job: offline throughput over tensor-parallel and batch sizes, and
-optionally a serving sweep over request rates; a JSON report, PNG plots, one summary line.
+"""Cluster benchmark job: offline throughput over tensor-parallel, pipeline-parallel and batch
+sizes, and optionally a serving sweep over request rates; a JSON report, PNG plots, one
+summary line.
 
 Meant for `ray job submit` on a `ray up` cluster (see cluster/README.md), where the
 driver runs on the head node and the workers land wherever the placement group puts them:
 
     ray job submit -- python -m raylm.cluster.benchmarks.bench_job --model /models/llama-8b \\
-        --tp-sizes 1,2,4,8 --batch-sizes 8,32,128 --serve --request-rates 1,4,16,inf \\
+        --tp-sizes 1,2,4,8 --pp-sizes 1,2 --batch-sizes 8,32,128 --serve --request-rates 1,4,16,inf \\
         --out /tmp/raylm-bench -- --ray-span-nodes
 
 Each throughput point is one `bench_throughput.run` (prompts = batch size, max_num_seqs =
-batch size). Flags after ``--`` go to the throughput benchmark as they are (engine flags
-such as ``--ray-span-nodes``, ``--num-gpu-blocks-override``, ``--dtype``; see
+batch size) at one tensor-parallel size T and pipeline-parallel size P (P x T workers; with
+`--ray-span-nodes` the stages fill the nodes in order, one tensor-parallel group per node).
+Flags after ``--`` go to the throughput benchmark as they are (engine flags such as ``--ray-span-nodes``, ``--num-gpu-blocks-override``, ``--dtype``; see
 ``raylm bench throughput --help``). The serving sweep runs `bench_serving.run` once per
 request rate against ``--base-url``, or against a Serve deployment this job starts
 (``--serve``, built with `raylm.deploy.serve_app.build_serve_app`).
@@ -40,19 +42,22 @@ LATENCY_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"
 
 # ---------------------------------------------------------------------------- sweeps
 
-def throughput_point(job: argparse.Namespace, passthrough: list[str], tp: int, batch_size: int) -> dict:
-    """One offline throughput run through `bench_throughput.run` at this TP and batch size."""
+def throughput_point(job: argparse.Namespace, passthrough: list[str], tp: int, batch_size: int,
+                     pp: int = 1) -> dict:
+    """One offline throughput run through `bench_throughput.run` at this TP, PP and batch size."""
     from raylm.cluster.benchmarks import bench_throughput
 
     argv = [job.model, "--num-prompts", str(batch_size), "--input-len", str(job.input_len),
             "--output-len", str(job.output_len), "--num-iters", str(job.num_iters), "--output-json", "",
-            *passthrough, "--tensor-parallel-size", str(tp), "--max-num-seqs", str(batch_size)]
-    if tp > 1 and "--distributed-executor-backend" not in passthrough:
+            *passthrough, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+            "--max-num-seqs", str(batch_size)]
+    if tp * pp > 1 and "--distributed-executor-backend" not in passthrough:
         argv += ["--distributed-executor-backend", "ray"]
     args = bench_throughput.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
     report = bench_throughput.run(args)
     figures = report["results"]["raylm"]
-    return dict(tensor_parallel_size=tp, batch_size=batch_size, settings=report["settings"],
+    return dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, batch_size=batch_size,
+                settings=report["settings"],
                 elapsed_s=figures["elapsed_s"], requests_per_s=figures["requests_per_s"],
                 output_tokens_per_s=figures["output_tokens_per_s"],
                 total_tokens_per_s=figures["total_tokens_per_s"],
@@ -86,7 +91,8 @@ def start_serve_deployment(job: argparse.Namespace, passthrough: list[str]) -> s
 
     # The same engine flags as the throughput sweep, read by the same parser.
     args = bench_throughput.add_cli_args(argparse.ArgumentParser()).parse_args(
-        [job.model, *passthrough, "--tensor-parallel-size", str(job.serve_tp)])
+        [job.model, *passthrough, "--tensor-parallel-size", str(job.serve_tp),
+         "--pipeline-parallel-size", str(job.serve_pp)])
     engine_kwargs = dict(bench_throughput.engine_kwargs(args), dtype=args.dtype or bench_throughput.default_dtype())
     serve.start(http_options={"host": "127.0.0.1", "port": job.serve_port})
     serve.run(build_serve_app(engine_kwargs), name="raylm-bench", route_prefix="/")
@@ -129,13 +135,16 @@ def pyplot():
 
 
 def plot_throughput(points: list[dict], path: Path) -> Path:
-    """Output tokens/s against tensor-parallel size, one line per batch size."""
+    """Output tokens/s against tensor-parallel size, one line per pipeline-parallel size and
+    batch size."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for batch_size in sorted({p["batch_size"] for p in points}):
+    lines = sorted({(p.get("pipeline_parallel_size", 1), p["batch_size"]) for p in points})
+    for pp, batch_size in lines:
         line = sorted((p["tensor_parallel_size"], p["output_tokens_per_s"]) for p in points
-                      if p["batch_size"] == batch_size)
-        ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=f"batch {batch_size}")
+                      if p["batch_size"] == batch_size and p.get("pipeline_parallel_size", 1) == pp)
+        label = f"batch {batch_size}" if len({pp for pp, _ in lines}) == 1 else f"PP {pp}, batch {batch_size}"
+        ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=label)
     ax.set_xticks(sorted({p["tensor_parallel_size"] for p in points}))
     ax.set_xlabel("tensor-parallel size")
     ax.set_ylabel("output tokens/s")
@@ -168,10 +177,15 @@ def plot_latency(points: list[dict], path: Path) -> Path:
     return path
 
 
+def point_key(point: dict) -> str:
+    """tp{N}_bs{M}, or tp{N}_pp{P}_bs{M} with pipeline stages."""
+    pp = point.get("pipeline_parallel_size", 1)
+    return f"tp{point['tensor_parallel_size']}" + (f"_pp{pp}" if pp > 1 else "") + f"_bs{point['batch_size']}"
+
+
 def summary(report: dict, out: Path) -> dict:
-    """The figures a submitter greps for, keyed tp{N}_bs{M} and rate{R}."""
-    throughput = {f"tp{p['tensor_parallel_size']}_bs{p['batch_size']}": round(p["output_tokens_per_s"], 2)
-                  for p in report["throughput"]}
+    """The figures a submitter greps for, keyed tp{N}_bs{M} (tp{N}_pp{P}_bs{M}) and rate{R}."""
+    throughput = {point_key(p): round(p["output_tokens_per_s"], 2) for p in report["throughput"]}
     serving = {f"rate{p['request_rate']}": {k: round(p[k], 2) for k in ("output_throughput", "median_ttft_ms",
                                                                          "p99_ttft_ms", "median_tpot_ms")}
                for p in report["serving"]}
@@ -197,7 +211,8 @@ def run(job: argparse.Namespace, passthrough: list[str]) -> dict:
         ray.init(address=address) if address else ray.init(address="local", include_dashboard=False)
 
     start = time.time()
-    points = [throughput_point(job, passthrough, tp, bs) for tp in job.tp_sizes for bs in job.batch_sizes]
+    points = [throughput_point(job, passthrough, tp, bs, pp)
+              for pp in job.pp_sizes for tp in job.tp_sizes for bs in job.batch_sizes]
     machine = points[0].pop("_machine") if points else machine_info()
     for p in points:
         p.pop("_machine", None)
@@ -224,8 +239,8 @@ def run(job: argparse.Namespace, passthrough: list[str]) -> dict:
         machine=machine,
         cluster=cluster_info(),
         model=model_summary(job.model, model_config),
-        settings=dict(tp_sizes=job.tp_sizes, batch_sizes=job.batch_sizes, input_len=job.input_len,
-                      output_len=job.output_len, num_iters=job.num_iters, engine_flags=passthrough,
+        settings=dict(tp_sizes=job.tp_sizes, pp_sizes=job.pp_sizes, batch_sizes=job.batch_sizes,
+                      input_len=job.input_len, output_len=job.output_len, num_iters=job.num_iters, engine_flags=passthrough,
                       request_rates=[r if math.isfinite(r) else "inf" for r in job.request_rates],
                       serving_base_url=base_url, serving_num_prompts=job.serving_num_prompts),
         throughput=points,
@@ -260,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="Flags after -- go to the throughput benchmark (engine flags).")
     parser.add_argument("--model", required=True, help="Hugging Face model folder, on every node at this path")
     parser.add_argument("--tp-sizes", type=_int_list, default=[1], help="tensor-parallel sizes, e.g. 1,2,4 (default 1)")
+    parser.add_argument("--pp-sizes", type=_int_list, default=[1],
+                        help="pipeline-parallel sizes, e.g. 1,2 (default 1); every one with every TP size")
     parser.add_argument("--batch-sizes", type=_int_list, default=[8],
                         help="requests per offline run, also max_num_seqs, e.g. 8,32 (default 8)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
@@ -270,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--base-url", default=None, help="bench this OpenAI-compatible server")
     serving.add_argument("--serve", action="store_true", help="deploy the model with Ray Serve and bench it")
     serving.add_argument("--serve-tp", type=int, default=1, help="tensor-parallel size of the --serve deployment")
+    serving.add_argument("--serve-pp", type=int, default=1, help="pipeline-parallel size of the --serve deployment")
     serving.add_argument("--serve-port", type=int, default=8000, help="Serve HTTP port, on 127.0.0.1 (default 8000)")
     serving.add_argument("--request-rates", type=_rate_list, default=[], help="requests/s, e.g. 1,4,inf")
     serving.add_argument("--serving-num-prompts", type=int, default=64, help="requests per rate (default 64)")
