@@ -178,8 +178,9 @@ def ingress_options(deployment: DeploymentArgs, shutdown_timeout: float) -> dict
 def keyer_arguments(engine_args: EngineArgs, server_args: ServerArgs, deployment: DeploymentArgs
                     ) -> dict[str, Any] | None:
     """What the ingress builds its prefix keyer from, or None when nothing is keyed (Serve's
-    default router, or prefix caching off)."""
-    if deployment.request_router != PREFIX_AWARE_ROUTER or not engine_args.enable_prefix_caching:
+    default router, prefix caching off, or a single replica: nothing to choose)."""
+    if (deployment.request_router != PREFIX_AWARE_ROUTER or not engine_args.enable_prefix_caching
+            or deployment.most_replicas < 2):
         return None
     return dict(tokenizer=None if engine_args.skip_tokenizer_init else engine_args.tokenizer or engine_args.model,
                 trust_remote_code=engine_args.trust_remote_code, revision=engine_args.revision,

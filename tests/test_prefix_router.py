@@ -69,6 +69,59 @@ def test_the_best_replica_is_bypassed_only_past_the_imbalance_threshold():
     assert (past.kind, past.ranked[0]) == (LOAD_IMBALANCE, "c")
 
 
+# --------------------------------------------------- keys, reports, settings
+def test_the_routers_block_hashes_are_the_kv_cache_managers():
+    from raylm.deploy.prefix_key import KEY_HASH_BYTES, block_hash_key
+    from raylm.engine.kv_cache_manager import KVCacheManager
+    from raylm.engine.request import Request
+    from raylm.engine.sampling_params import SamplingParams
+
+    prompt = list(range(5, 5 + 3 * BLOCK + 7))
+    for salt in (None, "tenant-a"):
+        request = Request("r", prompt, SamplingParams(max_tokens=4), 0.0, cache_salt=salt)
+        KVCacheManager(num_blocks=16, block_size=BLOCK)._update_block_hashes(request)
+        assert len(request.block_hashes) == 3
+        assert block_hash_key(prompt, BLOCK, salt) == tuple(h[:KEY_HASH_BYTES] for h in request.block_hashes)
+    assert block_hash_key(prompt, BLOCK, None, max_blocks=2) == block_hash_key(prompt, BLOCK)[:2]
+
+
+def test_a_replica_reports_its_cached_blocks_most_recently_used_first():
+    from raylm.engine.block_pool import BlockPool
+
+    pool = BlockPool(num_blocks=6, enable_caching=True)
+    blocks = pool.get_new_blocks(5)
+    for index, block in enumerate(blocks):
+        pool.cache_full_block(block, bytes([index]) * 32)
+    pool.free_blocks([blocks[1], blocks[0]])  # freed: 1, then 0 (0 is the later)
+    pool.free_blocks([blocks[3]])
+    # Held ones first (2 and 4), then the free ones from the most recently freed: 3, 0, 1.
+    recent = pool.recent_cached_hashes(limit=10)
+    assert sorted(recent[:2]) == [bytes([2]) * 32, bytes([4]) * 32]
+    assert recent[2:] == [bytes([3]) * 32, bytes([0]) * 32, bytes([1]) * 32]
+    assert len(pool.recent_cached_hashes(limit=3)) == 3
+    pool.get_new_blocks(2)  # evicts the least recently freed cached block (1) and takes the uncached one
+    assert bytes([1]) * 32 not in pool.recent_cached_hashes(limit=10)
+
+
+def test_the_router_settings_reach_serve(llama_dir):
+    from raylm.deploy.prefix_router import PrefixAwareRouter
+    from raylm.deploy.serve_app import app_arguments, deployment_options
+
+    parsed = app_arguments({"model": str(llama_dir), "num_replicas": "3", "request_router": "prefix_aware",
+                            "router_imbalance_threshold": "4", "router_min_match_ratio": "0.5",
+                            "router_stats_period_s": "2"})
+    config = deployment_options(1, parsed.deployment)["request_router_config"]
+    assert config.get_request_router_class().__name__ == PrefixAwareRouter.__name__
+    assert config.request_router_kwargs == {"imbalance_threshold": 4, "min_match_ratio": 0.5, "retention_s": 60.0}
+    assert config.request_routing_stats_period_s == 2.0
+    default = app_arguments({"model": str(llama_dir), "request_router": "power_of_two"}).deployment
+    assert deployment_options(1, default)["request_router_config"].is_default_request_router()
+    with pytest.raises(ValueError, match="request_router must be one of prefix_aware, power_of_two, got 'random'"):
+        app_arguments({"model": str(llama_dir), "request_router": "random"})
+    with pytest.raises(ValueError, match=r"router_min_match_ratio \(--router-min-match-ratio\) must lie in"):
+        app_arguments({"model": str(llama_dir), "router_min_match_ratio": "1.5"})
+
+
 # ------------------------------------------------------------- a real app
 @pytest.fixture(scope="module")
 def router_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
