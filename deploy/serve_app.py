@@ -308,8 +308,12 @@ def run_cli(args: argparse.Namespace) -> None:
         serve.start(http_options={"host": server_args.host, "port": server_args.port})
         serve.run(application, name="raylm", route_prefix="/")
         names = server_args.model_names(resolve_model(args))
-        logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s", ", ".join(names), server_args.host,
-                    server_args.port, server_args.root_path)
+        deployment = DeploymentArgs.from_cli_args(args)
+        replicas = (str(deployment.num_replicas) if deployment.num_replicas is not None
+                    else "{}-{}".format(*deployment.replica_range))
+        logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s (%s engine replicas, %s routing)",
+                    ", ".join(names), server_args.host, server_args.port, server_args.root_path, replicas,
+                    deployment.request_router)
         while True:
             signal.pause()
     except (_ShutdownRequested, KeyboardInterrupt) as stop:

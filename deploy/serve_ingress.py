@@ -21,6 +21,7 @@ more (Serve has then taken the replica out); one that had started answering ends
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -146,8 +147,6 @@ class RaylmIngress:
         tokenizing: the replica answers it 401)."""
         if self._authorization is None:
             return True
-        import hmac
-
         return hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self._authorization)
 
     async def _read_body(self, scope: dict[str, Any], receive: Any, send: Any) -> bytes | None:
