@@ -265,6 +265,13 @@ class AsyncLLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    async def recent_cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` block hashes of the prefix cache, most recently used first, read
+        on the engine's thread between steps (what a Serve replica reports to the
+        prefix-aware router)."""
+        kv_cache_manager = self.scheduler.kv_cache_manager
+        return await self._on_engine_thread(functools.partial(kv_cache_manager.recent_cached_block_hashes, limit))
+
     def add_stats_listener(self, listener: Callable[[FinishedRequestStats], None]) -> None:
         """Calls `listener` on the event loop each time a request finishes (not aborted)."""
         self._stats_listeners.append(listener)

@@ -196,6 +196,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def recent_cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of the prefix cache's blocks, most recently used first
+        (`BlockPool.recent_cached_hashes`); none with prefix caching off."""
+        return self.block_pool.recent_cached_hashes(limit) if self.enable_caching else []
+
     # ----------------------------------------------------------------- caching
     def _update_block_hashes(self, request: Request) -> None:
         """Hashes the request's full blocks not hashed yet (each block once, ever)."""
