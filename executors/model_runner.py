@@ -14,8 +14,10 @@ from torch import nn
 from raylm.engine.config import EngineConfig
 from raylm.engine.config import kv_cache_block_bytes
 from raylm.engine.sampling_params import SamplingParams
-from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SamplerOutput, ScheduledRequest,
-                               TokenLogprobs)
+from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
+                               ScheduledRequest, TokenLogprobs)
+from raylm.executors.draft_model_runner import DraftModelRunner
+from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
@@ -46,6 +48,12 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        # Speculative decoding with a draft model: it runs beside the target on every rank.
+        speculative_config = engine_config.speculative_config
+        self.draft_runner: DraftModelRunner | None = (
+            DraftModelRunner(engine_config, rank, self.device)
+            if speculative_config is not None and speculative_config.uses_draft_model else None)
         self._states: dict[int, RequestSamplingState] = {}
         # Each running request's sampling parameters, sent once per admission (step.py).
         self._sampling_params: dict[int, SamplingParams] = {}
@@ -60,12 +68,19 @@ class ModelRunner:
         backend = get_attention_backend(self.model_config.attention_backend)
         for layer in self._attention_layers():
             layer.attn_backend = backend
+        if self.draft_runner is not None:
+            self.draft_runner.load_model()
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def get_cache_block_size_bytes(self) -> int:
-        return kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size)
+        """Bytes of one block on this rank: the target's KV, and the draft model's under the
+        same block id."""
+        block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size)
+        if self.draft_runner is not None:
+            block_bytes += self.draft_runner.get_cache_block_size_bytes()
+        return block_bytes
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -127,6 +142,8 @@ class ModelRunner:
             kv = (self._zeroed_cache(shape), self._zeroed_cache(shape))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
+        if self.draft_runner is not None:
+            self.draft_runner.initialize_cache(num_blocks, self._zeroed_cache)
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One layer's K or V cache, zeroed with every page mapped. On the CPU it lies on
@@ -177,6 +194,11 @@ class ModelRunner:
         self._fill_sampling_params(req.requests)
         self._fill_placeholders(req.requests)
         self._update_states(req.requests)
+        draft_probs = None
+        if self.draft_runner is not None:
+            # Fills the proposal placeholders of spec_token_ids; rank 0 gets the
+            # distributions they were drawn from.
+            draft_probs = self.draft_runner.propose(req, self)
 
         input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, last_rows)
@@ -195,7 +217,10 @@ class ModelRunner:
         if sample_rows:
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.
-            output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
+            if any(scheduled.spec_token_ids for scheduled in sampled):
+                output.outputs = self._verify(logits[:len(sample_rows)], sampled, draft_probs)
+            else:
+                output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
             last = self._last_sampled
             for token in output.outputs:
                 last[token.req_id] = token.token_id
@@ -226,10 +251,12 @@ class ModelRunner:
         last_rows: list[int] = []
         for scheduled in requests:
             start = scheduled.num_computed_tokens
-            n = len(scheduled.token_ids)
+            tokens = scheduled.token_ids if not scheduled.spec_token_ids else (
+                scheduled.token_ids + scheduled.spec_token_ids)
+            n = len(tokens)
             end = start + n
             table = scheduled.block_table
-            input_ids.extend(scheduled.token_ids)
+            input_ids.extend(tokens)
             if n == 1:
                 positions.append(start)
                 slot_mapping.append(table[start // block_size] * block_size + start % block_size)
@@ -344,6 +371,23 @@ class ModelRunner:
             generators.append(state.generator if seeded else None)
         return SamplingMetadata(req_ids, params_list, prompts, outputs, generators)
 
+    def _verify(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
+                draft_probs: dict[int, torch.Tensor] | None) -> list[SampledToken]:
+        """Speculative decoding: the tokens each sampled request emits after verifying its
+        proposals (RejectionSampler). The accepted proposals join the histories here: unlike
+        drawn tokens, they never come back as a later step's token_ids."""
+        drafts = [scheduled.spec_token_ids or [] for scheduled in sampled]
+        probs = None if draft_probs is None else [draft_probs.get(scheduled.req_id) for scheduled in sampled]
+        outputs = self.rejection_sampler(logits, self._sampling_metadata(sampled), drafts, probs)
+        num_emitted: dict[int, int] = {}
+        for token in outputs:
+            num_emitted[token.req_id] = num_emitted.get(token.req_id, 0) + 1
+        for scheduled, proposals in zip(sampled, drafts):
+            state = self._states.get(scheduled.req_id)
+            if proposals and state is not None and needs_token_history(scheduled.sampling_params):
+                state.output_token_ids.extend(proposals[:num_emitted[scheduled.req_id] - 1])
+        return outputs
+
     def _prompt_logprobs(self, logits: torch.Tensor, requests: list[ScheduledRequest]
                          ) -> dict[int, list[TokenLogprobs]]:
         targets: list[int] = []
@@ -370,12 +414,16 @@ def _rows_to_read(requests: list[ScheduledRequest], last_rows: list[int]
     prompt_requests: list[ScheduledRequest] = []
     prompt_rows: list[int] = []
     for scheduled, last in zip(requests, last_rows):
+        num_drafts = len(scheduled.spec_token_ids) if scheduled.spec_token_ids else 0
         if scheduled.do_sample:
             sampled.append(scheduled)
-            sample_rows.append(last)
+            if num_drafts:
+                sample_rows.extend(range(last - num_drafts, last + 1))  # the row before each proposal, and after the last
+            else:
+                sample_rows.append(last)
         if scheduled.prompt_logprobs_targets:
             # Row of position p: last - (end - 1 - p), end the chunk's end position.
-            end = scheduled.num_computed_tokens + len(scheduled.token_ids)
+            end = scheduled.num_computed_tokens + len(scheduled.token_ids) + num_drafts
             first = last - (end - 1 - scheduled.prompt_logprobs_start)
             prompt_rows.extend(range(first, first + len(scheduled.prompt_logprobs_targets)))
             prompt_requests.append(scheduled)
