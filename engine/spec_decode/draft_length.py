@@ -27,13 +27,15 @@ PROBE_INTERVAL = 16
 
 @dataclass
 class _Acceptance:
-    accepted: float = 0.0
-    trials: float = 0.0
+    # Discounted counts of accepted proposals and of trials (accepted ones plus
+    # rejections), starting from the prior, which fades like any other observation.
+    accepted: float = PRIOR_ACCEPTED
+    trials: float = PRIOR_TRIALS
     steps_without_drafts: int = 0
 
     @property
     def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+        return self.accepted / self.trials
 
 
 class AdaptiveDraftLength:
