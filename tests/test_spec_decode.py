@@ -219,3 +219,55 @@ def test_a_prompt_hitting_blocks_cached_from_speculative_output_continues_as_hf(
                                                                              ignore_eos=True), use_tqdm=False)
     assert ngram.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits - hits_before >= 48
     assert second[0].outputs[0].token_ids == hf_greedy(llama_dir, extended, 10)
+
+
+def test_acceptance_counters_reach_the_log_line_and_metrics(llama_dir, caplog):
+    import asyncio
+    import logging
+    import re
+
+    from raylm.deploy.metrics import ServerMetrics
+    from raylm.engine import EngineArgs
+    from raylm.engine.async_llm_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128,
+                                                        speculative_config=_speculative_config("ngram", {})))
+    core = engine.engine.engine_core
+    decode_steps = []
+    send = core.executor.execute_model_async
+
+    def watched(req):
+        decode_steps.extend(s for s in req.requests if s.num_computed_tokens >= s.num_prompt_tokens)
+        return send(req)
+
+    core.executor.execute_model_async = watched
+    prompt = _prompts(2, seed=6)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def generate():
+        async for output in engine.generate({"prompt_token_ids": prompt}, params, "a"):
+            last = output
+        return last
+
+    try:
+        with caplog.at_level(logging.INFO, logger="raylm.engine.stat_logger"):
+            output = asyncio.run(generate())
+        metrics = ServerMetrics(engine, "m").render().decode()
+    finally:
+        engine.shutdown()
+    # Independent count: the first token comes from the prefill, every decode step yields
+    # one token plus the proposals it accepted.
+    accepted = len(output.outputs[0].token_ids) - 1 - len(decode_steps)
+    drafted = sum(len(s.spec_token_ids or ()) for s in decode_steps)
+    drafts = sum(1 for s in decode_steps if s.spec_token_ids)
+    assert accepted > 0 and drafted > accepted
+
+    def metric(name: str) -> float:
+        return float(re.search(rf"^raylm:{name}{{[^}}]*}} (\S+)$", metrics, re.MULTILINE).group(1))
+
+    assert metric("spec_decode_num_accepted_tokens_total") == accepted
+    assert metric("spec_decode_num_draft_tokens_total") == drafted
+    assert metric("spec_decode_num_drafts_total") == drafts
+    assert metric("spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+    assert f"mean acceptance length: {1 + accepted / drafts:.2f}, accepted: {accepted} tokens, " \
+           f"drafted: {drafted} tokens" in caplog.text
