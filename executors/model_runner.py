@@ -30,6 +30,13 @@ from raylm.models.forward_context import set_forward_context
 from raylm.parallel.communication import tensor_model_parallel_broadcast
 
 
+# Steps whose longest query is at most this many tokens (the verification of proposals)
+# attend one row at a time (`_as_decode_rows`), through the decode kernels and, on the CPU,
+# the fused decode layers, instead of the prefill path: a demo-model step verifying 4
+# proposals of one request took 1.11 ms instead of 1.84 (2 proposals: 0.76 instead of 3.59;
+# a plain decode step 0.82), medians of 3 alternated runs on a loaded 2-core machine. Each
+# row reads its context again, which for so few rows costs less than the packed path.
+MAX_QUERY_AS_DECODE_ROWS = 8
 # The CPU KV cache's default ceiling (vLLM's CPU backend takes 4 GiB by default too).
 _DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 
@@ -269,6 +276,8 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             last_rows.append(query_start_loc[-1] - 1)
             block_tables.append(table)
+        if 1 < max(query_lens) <= MAX_QUERY_AS_DECODE_ROWS:
+            query_lens, seq_lens, block_tables, query_start_loc = _as_decode_rows(positions, query_lens, block_tables)
         width = max(len(t) for t in block_tables)
         padded_tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in block_tables]
 
@@ -403,6 +412,17 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _as_decode_rows(positions: list[int], query_lens: list[int], block_tables: list[list[int]]
+                    ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """Attention metadata in which every packed row is a one-token query at its own
+    position p, attending to the first p + 1 tokens of its sequence (vLLM V0's batch
+    expansion): the same attention as the packed queries', since every layer writes the
+    step's keys and values before it attends."""
+    seq_lens = [p + 1 for p in positions]
+    tables = [table for table, n in zip(block_tables, query_lens) for _ in range(n)]
+    return [1] * len(positions), seq_lens, tables, list(range(len(positions) + 1))
 
 
 def _rows_to_read(requests: list[ScheduledRequest], last_rows: list[int]
