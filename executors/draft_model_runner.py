@@ -164,17 +164,24 @@ class DraftModelRunner:
         if self.rank == 0:
             metadata = _rows_after(base, active, proposals)
             processed = process_logits(logits, metadata)
-            for row, j in enumerate(active):
-                params = metadata.sampling_params[row]
-                if params.is_greedy:
-                    tokens[row] = processed[row].argmax()
-                    continue
-                temperature = torch.tensor([params.temperature], dtype=processed.dtype, device=self.device)
-                q = sampling_probs(processed[row:row + 1], [params], temperature)
-                u = torch.empty(1, dtype=torch.float32, device=self.device)
-                u[0].uniform_(generator=metadata.generators[row])
-                tokens[row] = inverse_cdf(q, u)[0]
-                probs[j].append(q[0])
+            params = metadata.sampling_params
+            greedy = [row for row, p in enumerate(params) if p.is_greedy]
+            drawn = [row for row, p in enumerate(params) if not p.is_greedy]
+            if greedy:
+                index = torch.tensor(greedy, device=self.device)
+                tokens[index] = processed[index].max(dim=-1).indices
+            if drawn:
+                index = torch.tensor(drawn, device=self.device)
+                temperature = torch.tensor([params[row].temperature for row in drawn], dtype=processed.dtype,
+                                           device=self.device)
+                q = sampling_probs(processed[index], [params[row] for row in drawn], temperature)
+                # One uniform a row, from the request's own generator when seeded.
+                u = torch.empty(len(drawn), dtype=torch.float32, device=self.device)
+                for i, row in enumerate(drawn):
+                    u[i].uniform_(generator=metadata.generators[row])
+                tokens[index] = inverse_cdf(q, u)
+                for i, row in enumerate(drawn):
+                    probs[active[row]].append(q[i])
         if self.tensor_parallel_size > 1:
             tokens = tensor_model_parallel_broadcast(tokens, src=0)
         return tokens.tolist()

@@ -27,12 +27,15 @@ from typing import Any
 MAX_NUM_SPECULATIVE_TOKENS = 32
 MAX_PROMPT_LOOKUP = 64
 
-# Measured on the bundled demo model (CPU, cluster/benchmarks/bench_spec_decode.py): a
-# verification row costs about this much of a decode step at batch 1 (see the docs page).
+# Measured with cluster/benchmarks/bench_spec_decode.py on the bundled demo model (CPU; see
+# docs/speculative_decoding.md): one proposed token added 0.02-0.15 of a decode step's time
+# to a batch-1 step (step cost table), and less than that of a whole engine step once the
+# driver's share is counted.
 DEFAULT_DRAFT_TOKEN_COST = 0.1
-# Beyond this many running requests a step is compute-bound on CPU and extra rows cost
-# nearly their full share: speculation stops paying (measured break-even, docs page).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+# The measured break-even in batch size: n-gram proposals with adaptive lengths still gained
+# 1.08x at 64 running requests (1.39x at 8, 1.69x at 1), fixed lengths lost there (0.74x);
+# beyond 64 requests speculation is off unless asked for.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 64
 
 METHODS = ("ngram", "draft_model")
 
