@@ -271,3 +271,20 @@ def test_acceptance_counters_reach_the_log_line_and_metrics(llama_dir, caplog):
     assert metric("spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
     assert f"mean acceptance length: {1 + accepted / drafts:.2f}, accepted: {accepted} tokens, " \
            f"drafted: {drafted} tokens" in caplog.text
+
+
+def test_seeded_n2_sampling_with_a_draft_model_is_reproducible_and_its_samples_differ(llama_dir, draft_dirs):
+    # A seeded request's tokens depend on how many tokens it proposes each step, which the
+    # KV pool can cut (proposals never preempt): here the pool holds every request.
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
+              speculative_config=_speculative_config("draft-good", draft_dirs))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, seed=7)]
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=1)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    # The same requests again, in another batch (reversed, one more beside them).
+    again = llm.generate(prompts[::-1] + [{"prompt_token_ids": [9, 9, 9]}], params, use_tqdm=False)[:4][::-1]
+    for a, b in zip(first, again):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert a.outputs[0].token_ids != a.outputs[1].token_ids
+    assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
+    assert_engine_idle(llm.llm_engine)
