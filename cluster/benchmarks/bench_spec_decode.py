@@ -21,7 +21,7 @@ first two decoder layers and final norm: same tokenizer, half the layers; its gr
 agrees with the full model's at about a third of the positions of these prompts).
 
     python -m raylm.cluster.benchmarks.bench_spec_decode                 # everything
-    python -m raylm.cluster.benchmarks.bench_spec_decode --batch-sizes 1 --skip-cost
+    python -m raylm.cluster.benchmarks.bench_spec_decode --batch-sizes 1 --configs ngram --skip-cost
 
 The last line printed is ``RESULT {json}``. Timings on a shared machine are noisy: compare
 rows of one run (alternated), not runs.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -207,8 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--draft", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the first-layer draft model end to end")
+    parser.add_argument("--configs", default="ngram,ngram-always,ngram-fixed,draft",
+                        help="speculative configurations to compare with plain decoding: ngram (the defaults), "
+                             "ngram-always (no batch-size cut-off), ngram-fixed (no adaptive lengths either), "
+                             "draft (the demo model's first two layers as a draft model)")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--cost-batch-sizes", default="1,8,32,64")
     parser.add_argument("--cost-ks", default="0,1,2,4,8")
@@ -226,13 +229,23 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="bench_spec_decode_"))
     draft_dir = first_layers_draft(model, workdir / "draft", num_layers=2)
     draft = {"model": str(draft_dir), "num_speculative_tokens": 2}
+    configs = {
+        # The defaults: adaptive lengths, off beyond disable_by_batch_size running requests.
+        "ngram": {**NGRAM},
+        # Without the batch-size cut-off: what speculation does at each size.
+        "ngram-always": {**NGRAM, "disable_by_batch_size": None},
+        "ngram-fixed": {**NGRAM, "disable_by_batch_size": None, "adaptive": False},
+        "draft": {**draft, "disable_by_batch_size": None},
+    }
+    names = {"ngram": "ngram k=4", "ngram-always": "ngram k=4 always", "ngram-fixed": "ngram k=4 fixed",
+             "draft": "draft 2-layer k=2"}
+    chosen = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(chosen) - set(configs))
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {sorted(configs)}")
     llms = {"plain": LLM(**common)}
-    # No batch-size cut-off: the rows show what speculation does at each size.
-    llms["ngram k=4"] = LLM(**common, speculative_config={**NGRAM, "disable_by_batch_size": None})
-    llms["ngram k=4 fixed"] = LLM(**common, speculative_config={**NGRAM, "disable_by_batch_size": None,
-                                                                "adaptive": False})
-    if args.draft:
-        llms["draft 2-layer k=2"] = LLM(**common, speculative_config={**draft, "disable_by_batch_size": None})
+    for config in chosen:
+        llms[names[config]] = LLM(**common, speculative_config=configs[config])
     tokenizer = llms["plain"].get_tokenizer()
 
     speed: list[SpeedRow] = []
@@ -252,8 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
         ks = [int(k) for k in args.cost_ks.split(",")]
         for batch_size in (int(b) for b in args.cost_batch_sizes.split(",")):
             cost += measure_step_cost(llms["plain"], "ngram", batch_size, ks, args.cost_context, args.cost_repeats)
-            if args.draft:
-                cost += measure_step_cost(llms["draft 2-layer k=2"], "draft", batch_size, ks, args.cost_context,
+            if "draft" in chosen:
+                cost += measure_step_cost(llms[names["draft"]], "draft", batch_size, ks, args.cost_context,
                                           args.cost_repeats)
         print(f"\n{'method':<7} {'batch':>5} {'k':>3} {'step ms':>8} {'x k=0':>6} {'per token':>9}")
         for row in cost:
@@ -261,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row.relative_cost:>6.2f} {row.cost_per_proposed_token:>9.3f}")
     for llm in llms.values():
         llm.shutdown()
+    shutil.rmtree(workdir, ignore_errors=True)
     result = {"speed": [asdict(r) for r in speed], "step_cost": [asdict(r) for r in cost],
               "torch_threads": torch.get_num_threads()}
     print("RESULT " + json.dumps(result))
