@@ -150,8 +150,18 @@ class DraftModelRunner:
         """One draft forward; rank 0 returns fp32 logits of the last row of the inputs in `read`."""
         input_ids, positions, attn_metadata, last_rows = runner._prepare_inputs(inputs)
         rows = [last_rows[i] for i in read]
-        with set_forward_context(attn_metadata, runner._output_rows(rows, input_ids.shape[0])):
-            selected = self.model(input_ids, positions)
+        if attn_metadata.max_query_len == 1:
+            # One-row queries (runner.MAX_QUERY_AS_DECODE_ROWS): every row goes through the
+            # last layer, so that the CPU's fused decode layers take the whole forward, and
+            # the rows read are picked after.
+            with set_forward_context(attn_metadata, None):
+                hidden = self.model(input_ids, positions)
+            if not rows:
+                return None
+            selected = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+        else:
+            with set_forward_context(attn_metadata, runner._output_rows(rows, input_ids.shape[0])):
+                selected = self.model(input_ids, positions)
         if not rows:
             return None
         logits = self.model.compute_logits(selected)
