@@ -141,7 +141,8 @@ class DraftModelRunner:
             state.num_computed = state.proposed_at + written
             state.proposed = []
         assert state.num_computed + len(pending) == start, (
-            f"request {scheduled.req_id}: the draft's KV reaches {state.num_computed} + {len(pending)}, the target's {start}")
+            f"request {scheduled.req_id}: the draft's KV reaches {state.num_computed} + {len(pending)}, "
+            f"the target's {start}")
         return ScheduledRequest(req_id=scheduled.req_id, token_ids=pending + scheduled.token_ids,
                                 num_computed_tokens=state.num_computed, block_table=scheduled.block_table,
                                 num_prompt_tokens=scheduled.num_prompt_tokens, sampling_params=None)

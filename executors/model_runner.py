@@ -84,7 +84,8 @@ class ModelRunner:
     def get_cache_block_size_bytes(self) -> int:
         """Bytes of one block on this rank: the target's KV, and the draft model's under the
         same block id."""
-        block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size)
+        block_bytes = kv_cache_block_bytes(self.model_config, self.block_size,
+                                           self.parallel_config.tensor_parallel_size)
         if self.draft_runner is not None:
             block_bytes += self.draft_runner.get_cache_block_size_bytes()
         return block_bytes
@@ -438,7 +439,8 @@ def _rows_to_read(requests: list[ScheduledRequest], last_rows: list[int]
         if scheduled.do_sample:
             sampled.append(scheduled)
             if num_drafts:
-                sample_rows.extend(range(last - num_drafts, last + 1))  # the row before each proposal, and after the last
+                # The row before each proposal, and the one after the last.
+                sample_rows.extend(range(last - num_drafts, last + 1))
             else:
                 sample_rows.append(last)
         if scheduled.prompt_logprobs_targets:

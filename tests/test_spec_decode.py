@@ -136,7 +136,8 @@ def test_seeded_sampling_with_ngram_proposals_gives_plain_decodings_outputs(plai
     string_params = SamplingParams(temperature=0.3, seed=9, max_tokens=30, stop=[stop])
     a = plain.generate([prompts[1]], string_params, use_tqdm=False)[0].outputs[0]
     b = ngram.generate([prompts[1]], string_params, use_tqdm=False)[0].outputs[0]
-    assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+    assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
+        (a.text, a.token_ids, a.finish_reason, a.stop_reason)
     for llm in plain_and_ngram:
         assert_engine_idle(llm.llm_engine)
 
