@@ -34,7 +34,7 @@ from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_hist
 from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
 from raylm.models.attention import Attention
-from raylm.models.forward_context import set_forward_context
+from raylm.models.forward_context import set_forward_context, step_output_rows
 from raylm.parallel.communication import tensor_model_parallel_broadcast
 
 
@@ -77,14 +77,25 @@ class DraftModelRunner:
         for layer in self._attention_layers():
             layer.kv_cache = (zeroed_cache(shape), zeroed_cache(shape))
 
+    def release_memory(self) -> None:
+        """Drops the draft's KV cache and model (`ModelRunner.release_memory`)."""
+        if self.model is not None:
+            for layer in self._attention_layers():
+                layer.kv_cache = None
+        self.model = None
+        self._states.clear()
+
     # ---- one step -------------------------------------------------------------------------
+
+    def finish(self, req_ids: list[int]) -> None:
+        """Forgets finished requests (also those a step without requests reports)."""
+        for req_id in req_ids:
+            self._states.pop(req_id, None)
 
     def propose(self, req: ExecuteModelRequest, runner) -> dict[int, torch.Tensor] | None:
         """Runs the draft over the step's tokens and fills every placeholder proposal of the
         step's requests. Returns, on rank 0, req_id -> [j, V] distributions of the proposals
         drawn at random (greedy requests' are one-hot and absent); None elsewhere."""
-        for req_id in req.finished_req_ids:
-            self._states.pop(req_id, None)
         inputs = [self._catch_up(scheduled) for scheduled in req.requests]
         proposing = [i for i, scheduled in enumerate(req.requests) if scheduled.spec_token_ids]
         logits = self._forward(inputs, proposing, runner)
@@ -149,23 +160,20 @@ class DraftModelRunner:
 
     def _forward(self, inputs: list[ScheduledRequest], read: list[int], runner) -> torch.Tensor | None:
         """One draft forward; rank 0 returns fp32 logits of the last row of the inputs in `read`."""
-        input_ids, positions, attn_metadata, last_rows = runner._prepare_inputs(inputs)
-        rows = [last_rows[i] for i in read]
-        if attn_metadata.max_query_len == 1:
-            # One-row queries (runner.MAX_QUERY_AS_DECODE_ROWS): every row goes through the
-            # last layer, so that the CPU's fused decode layers take the whole forward, and
-            # the rows read are picked after.
-            with set_forward_context(attn_metadata, None):
-                hidden = self.model(input_ids, positions)
-            if not rows:
-                return None
-            selected = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
-        else:
-            with set_forward_context(attn_metadata, runner._output_rows(rows, input_ids.shape[0])):
-                selected = self.model(input_ids, positions)
+        host = runner._host_inputs(inputs)
+        rows = [host.last_rows[i] for i in read]
+        # One-row queries (runner.MAX_QUERY_AS_DECODE_ROWS): every row goes through the last
+        # layer, so that the CPU's fused decode layers take the whole forward, and the rows
+        # read are picked after.
+        output_rows = None if host.is_decode_only else step_output_rows(rows, len(host.input_ids))
+        input_ids, positions, attn_metadata, rows_tensor, rows_metadata = runner._step_tensors(host, output_rows)
+        with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
+            hidden = self.model(input_ids, positions)
         if not rows:
             return None
-        logits = self.model.compute_logits(selected)
+        if output_rows is None and len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
     def _draw(self, logits: torch.Tensor | None, base: SamplingMetadata | None, requests: list[ScheduledRequest],

@@ -93,6 +93,23 @@ def test_the_flag_takes_a_json_object_and_keyword_arguments_take_a_dict_or_json(
         parse_speculative_config("{method: ngram}")
 
 
+def test_the_serve_key_takes_a_json_object_string_or_a_yaml_mapping(llama_dir):
+    from raylm.deploy.serve_app import app_arguments
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    parsed = app_arguments({"model": str(llama_dir), "speculative_config": text})
+    assert parsed.engine_kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 4}
+    mapping = {"model": str(llama_dir), "num_speculative_tokens": 2}
+    assert EngineArgs.from_values({"speculative_config": mapping}).speculative_config == mapping
+    assert EngineArgs.from_values({"speculative_config": "none"}).speculative_config is None
+    for bad in ("[1, 2]", "{method: ngram}"):
+        with pytest.raises(ValueError, match=r"speculative_config: a JSON object was expected, got "):
+            app_arguments({"model": str(llama_dir), "speculative_config": bad})
+    with pytest.raises(ValueError, match="speculative_config takes a dict"):
+        EngineArgs.from_values({"speculative_config": 3})
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused(llama_dir, tmp_path):
     from tiny_models import build_tiny_model
 
