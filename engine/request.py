@@ -89,6 +89,10 @@ class Request:
     # vLLM's per-tenant prefix-cache salt: part of the first block's hash, so requests share
     # cached KV only with requests of the same salt (or, unsalted, with unsalted ones).
     cache_salt: str | None = None
+    # Speculative decoding: the proposals of this request's verification step in flight
+    # (their KV slots are allocated and num_computed_tokens counts them until the step's
+    # output says how many were accepted); empty otherwise.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

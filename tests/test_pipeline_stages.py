@@ -44,6 +44,16 @@ def test_more_stages_than_layers_is_an_error_naming_both(tmp_path):
         EngineArgs(model=str(model_dir), pipeline_parallel_size=3).create_engine_config()
 
 
+def test_speculative_decoding_with_a_pipeline_is_an_error_naming_both_settings(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "llama", "llama")
+    speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match=r"speculative_config is not supported with pipeline_parallel_size 2"):
+        EngineArgs(model=str(model_dir), pipeline_parallel_size=2, speculative_config=speculative).create_engine_config()
+    # Each alone is accepted.
+    assert EngineArgs(model=str(model_dir), speculative_config=speculative).create_engine_config().speculative_config
+    assert EngineArgs(model=str(model_dir), pipeline_parallel_size=2).create_engine_config()
+
+
 @pytest.fixture(scope="module")
 def split_models(tmp_path_factory) -> dict[str, Path]:
     """Llama-family models of 3 and 4 layers (an uneven and an even split), one tied."""
