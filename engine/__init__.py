@@ -1,6 +1,7 @@
-"""raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine` and the outputs."""
+"""raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine`, `LoRARequest` and the outputs."""
 
 from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -14,7 +15,7 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]
 
 
 def __getattr__(name: str):

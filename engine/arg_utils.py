@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
-                                 ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
-                                 resolve_dtype)
+                                 LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len,
+                                 load_hf_config, resolve_dtype)
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.sliding_window import kv_cache_sliding_window
 
@@ -109,6 +109,17 @@ class EngineArgs:
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
         "with several EOS ids), so this also bounds the beam width (10 by default)."))
+    enable_lora: bool = field(default=False, metadata=_help(
+        "Serve LoRA adapters (PEFT format) over the base model: requests name an adapter (LoRARequest, or the "
+        "server's model name), and one batch mixes the base model and up to max_loras adapters."))
+    max_loras: int = field(default=1, metadata=_help(
+        "LoRA: most adapters in one batch (the workers' adapter slots); requests of other adapters wait for a "
+        "slot."))
+    max_lora_rank: int = field(default=16, metadata=_help(
+        "LoRA: the largest adapter rank accepted; every slot is this wide, so set it to your adapters' rank."))
+    max_cpu_loras: int | None = field(default=None, metadata=_help(
+        "LoRA: most adapters kept loaded in host memory (least recently used ones are dropped and read again "
+        "when needed); at least max_loras. Default: max_loras."))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -172,7 +183,9 @@ class EngineArgs:
             placement_group_timeout_s=self.placement_group_timeout_s,
             worker_timeout_s=self.worker_timeout_s,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
+        lora_config = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
+                       else None)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, lora_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
+from raylm.engine.lora_loader import LoRALoader
+from raylm.engine.lora_slots import LoRASlots
 from raylm.engine.output_processor import EngineCoreOutput
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
@@ -22,6 +24,9 @@ from raylm.engine.stat_logger import StatLogger
 from raylm.engine.step import SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for an adapter load to end.
+_LORA_LOAD_WAIT_S = 0.05
 
 
 @dataclass
@@ -45,7 +50,8 @@ class EngineCore:
         start = time.perf_counter()
         self._initialize_kv_caches()
         logger.info("KV cache allocated and model warmed up in %.1f s.", time.perf_counter() - start)
-        self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
+        self.lora_loader, lora_slots = self._lora_state(engine_config)
+        self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config, lora_slots)
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0
         # Batches handed to the executor, oldest first: at most one, or two with async
@@ -55,6 +61,16 @@ class EngineCore:
         self.async_scheduling = (engine_config.scheduler_config.async_scheduling
                                  and self.executor.runs_steps_asynchronously)
         self.max_steps_in_flight = 2 if self.async_scheduling else 1
+
+    def _lora_state(self, engine_config: EngineConfig) -> tuple[LoRALoader | None, LoRASlots | None]:
+        """enable_lora: the adapters in the workers' host memory and their slots."""
+        lora_config = engine_config.lora_config
+        if lora_config is None:
+            return None, None
+        loader = LoRALoader(lora_config, engine_config.model_config.hf_config, self.executor)
+        slots = LoRASlots(lora_config.max_loras, loader)
+        loader.in_use = slots.in_use
+        return loader, slots
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config
@@ -127,6 +143,9 @@ class EngineCore:
         step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty():
+            if self.lora_loader is not None and not self._in_flight:
+                # Requests may be waiting for their adapter: wait for the load, not in a busy loop.
+                self.lora_loader.wait_for_progress(_LORA_LOAD_WAIT_S)
             return False
         wait = self.executor.execute_model_async(scheduler_output.step)
         self._in_flight.append(_StepInFlight(scheduler_output, wait, step_start))
@@ -195,11 +214,35 @@ class EngineCore:
             return True
         return False
 
+    # -------------------------------------------------------------------- LoRA
+    def fail_requests_of_failed_loras(self) -> dict[str, BaseException]:
+        """Ends the waiting requests of adapters whose load failed; returns their ids with the
+        error."""
+        if self.lora_loader is None:
+            return {}
+        failures = self.lora_loader.take_failures()
+        if not failures:
+            return {}
+        failed = {request.request_id: failures[request.lora_request.lora_int_id]
+                  for request in self.scheduler.waiting
+                  if request.lora_request is not None and request.lora_request.lora_int_id in failures}
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        return failed
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (requests already running under it finish with it)."""
+        if self.lora_loader is None:
+            return False
+        self.scheduler.lora_slots.forget(lora_int_id)
+        return self.lora_loader.remove(lora_int_id)
+
     # --------------------------------------------------------------- lifecycle
     def check_health(self) -> None:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.lora_loader is not None:
+            self.lora_loader.shutdown()
         self.executor.shutdown()
 
 

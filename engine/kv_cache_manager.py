@@ -206,9 +206,8 @@ class KVCacheManager:
             if index:
                 hashes.append(hash_block_tokens(hashes[index - 1], tokens[index * size:(index + 1) * size]))
             else:
-                # The salt goes into the first block; every later hash chains on it.
-                salt = request.cache_salt.encode() if request.cache_salt is not None else b""
-                hashes.append(hash_block_tokens(None, tokens[:size], salt))
+                # The salt and the adapter go into the first block; every later hash chains on it.
+                hashes.append(hash_block_tokens(None, tokens[:size], _first_block_extra_key(request)))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)
@@ -257,6 +256,17 @@ class KVCacheManager:
                     assert block.block_hash == request.block_hashes[index], (
                         f"block {block.block_id} of request {request.request_id} is cached under a hash "
                         f"that is not its tokens'")
+
+
+def _first_block_extra_key(request: Request) -> bytes:
+    """What, besides its tokens, the KV of a request's first block depends on: its cache_salt
+    and its LoRA adapter. Empty for neither; otherwise both fields, each length-prefixed, so
+    that no salt can be written to look like another salt with an adapter."""
+    salt, lora = request.cache_salt, request.lora_request
+    if salt is None and lora is None:
+        return b""
+    fields = (b"" if salt is None else b"s" + salt.encode(), b"" if lora is None else b"l" + lora.cache_key())
+    return b"".join(len(field).to_bytes(8, "little") + field for field in fields)
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

@@ -12,6 +12,7 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_params_from,
                                       beam_search_request_output, beam_search_sampling_params, top_logprobs)
 from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,8 +33,10 @@ class LLM:
             `trust_remote_code=False`, `num_gpu_blocks_override=None`,
             `enable_prefix_caching=True`, `enable_chunked_prefill=True`,
             `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
-            requests of max_model_len tokens can fill). An unknown argument is a
-            TypeError naming it.
+            requests of max_model_len tokens can fill), `enable_lora=False` (serve LoRA
+            adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
+            batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
+            max_loras). An unknown argument is a TypeError naming it.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -52,38 +55,48 @@ class LLM:
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates completions for prompts, returned in prompt order.
 
         prompts: a string, a list of token ids, a dict with "prompt" or
         "prompt_token_ids", or a list of any of these. sampling_params: one for all
         prompts or one per prompt; default `get_default_sampling_params()`.
+        lora_request: the LoRA adapter to run every prompt under, or a list with one per
+        prompt (None: the base model); needs enable_lora. One batch mixes them; prompts of
+        more adapters than max_loras wait for a slot. A bad adapter is a ValueError.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
         if any(params.use_beam_search for params in params_list):
-            return self._generate_with_beam_search(prompt_list, params_list, use_tqdm)
-        return self._run(prompt_list, params_list, use_tqdm)
+            return self._generate_with_beam_search(prompt_list, params_list, use_tqdm, lora_list)
+        return self._run(prompt_list, params_list, use_tqdm, lora_list)
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search (Hugging Face's algorithm) for each prompt; returns its beam_width
         best beams, best first, with their tokens, text and scores. Beams are one-token
         requests to the engine, so the prompts' and the beams' common prefixes share KV
-        blocks through the prefix cache."""
+        blocks through the prefix cache. lora_request as in `generate`."""
         engine = self.llm_engine
         searches = []
-        for prompt in _as_prompt_list(prompts):
+        prompt_list = _as_prompt_list(prompts)
+        for prompt in prompt_list:
             _, prompt_token_ids = engine._tokenize_prompt(prompt)
             searches.append(BeamSearch(prompt_token_ids, params, engine.eos_token_ids))
+        lora_of = {id(search): lora for search, lora in zip(searches, _as_lora_list(lora_request, len(prompt_list)))}
         progress = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
         with progress:
             while active := [search for search in searches if not search.finished_search]:
                 batch = [(search, tokens) for search in active for tokens in search.pending()]
                 step_params = [beam_search_sampling_params(search) for search, _ in batch]
-                outputs = self._run([{"prompt_token_ids": tokens} for _, tokens in batch], step_params, False)
+                outputs = self._run([{"prompt_token_ids": tokens} for _, tokens in batch], step_params, False,
+                                    [lora_of[id(search)] for search, _ in batch])
                 for search in active:
                     search.advance([top_logprobs(o) for (owner, _), o in zip(batch, outputs) if owner is search])
                 progress.update(1)
@@ -98,19 +111,19 @@ class LLM:
         return results
 
     def _generate_with_beam_search(self, prompts: list[PromptType], params_list: list[SamplingParams],
-                                   use_tqdm: bool) -> list[RequestOutput]:
+                                   use_tqdm: bool, lora_list: list[LoRARequest | None]) -> list[RequestOutput]:
         """vLLM 0.4's `SamplingParams(use_beam_search=True)`: each prompt's n best of
         best_of beams as its completions."""
         outputs = []
         max_model_len = self.llm_engine.model_config.max_model_len
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, lora in zip(prompts, params_list, lora_list):
             if not params.use_beam_search:
-                outputs += self._run([prompt], [params], use_tqdm)
+                outputs += self._run([prompt], [params], use_tqdm, [lora])
                 continue
             prompt_text, prompt_token_ids = self.llm_engine._tokenize_prompt(prompt)
             max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
             (result,) = self.beam_search([{"prompt_token_ids": prompt_token_ids}],
-                                         beam_search_params_from(params, max_tokens), use_tqdm)
+                                         beam_search_params_from(params, max_tokens), use_tqdm, lora)
             outputs.append(beam_search_request_output(str(next(self._request_counter)), prompt_text,
                                                       prompt_token_ids, result, params.n))
         return outputs
@@ -134,14 +147,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_list: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids: list[str] = []
+        lora_list = lora_list or [None] * len(prompts)
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, lora_list):
                 request_id = str(next(self._request_counter))
                 params = _final_only(params)
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
@@ -205,6 +219,18 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"Got {len(params)} sampling_params for {count} prompts: give one, or one per prompt.")
     return params
+
+
+def _as_lora_list(lora_request: Any, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None; got "
+                         f"{type(lora_request).__name__}.")
+    if len(lora_request) != count:
+        raise ValueError(f"Got {len(lora_request)} lora_requests for {count} prompts: give one, or one per prompt.")
+    return list(lora_request)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
 
 
@@ -89,6 +90,9 @@ class Request:
     # vLLM's per-tenant prefix-cache salt: part of the first block's hash, so requests share
     # cached KV only with requests of the same salt (or, unsalted, with unsalted ones).
     cache_salt: str | None = None
+    # The LoRA adapter the request runs under (None: the base model); part of the first
+    # block's hash too, so that only requests of the same adapter share cached KV.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -10,7 +10,10 @@ Every step has one token budget (max_num_batched_tokens). In this order:
 2. Unless step 1 preempted something, waiting requests first-come-first-served while the
    budget, max_num_seqs and the pool allow, stopping at the first that does not fit. A
    request's cached prefix is skipped; the rest of its prompt is chunked to the budget
-   (with chunked prefill off, a prompt that does not fit whole waits).
+   (with chunked prefill off, a prompt that does not fit whole waits). With LoRA, a request
+   whose adapter is still loading or finds no free adapter slot waits in its place while
+   the requests behind it are considered (`engine/lora_slots.py`: a step never holds more
+   distinct adapters than the workers' slots).
 
 A request always fits the pool alone (the engine checks that the pool holds max_model_len
 tokens, or with a sliding window on every layer, the window and one step's tokens: see
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
+from raylm.engine.lora_slots import LoRASlots
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
@@ -55,7 +59,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 lora_slots: LoRASlots | None = None) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_gpu_blocks < 1:
             raise ValueError(f"cache_config.num_gpu_blocks must be set to at least 1 before building the "
                              f"scheduler, got {cache_config.num_gpu_blocks}.")
@@ -74,6 +79,9 @@ class Scheduler:
         # Worker ids of requests freed since the last step that workers hold state for.
         self._finished_worker_ids: list[int] = []
         self._on_workers: set[int] = set()
+        # enable_lora: the adapter slots (a request of an adapter is admitted when its
+        # adapter is loaded and has a slot; see engine/lora_slots.py).
+        self.lora_slots = lora_slots
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -99,6 +107,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         del self.requests[request.request_id]
         if request.worker_id in self._on_workers:
             self._on_workers.discard(request.worker_id)
@@ -158,6 +168,8 @@ class Scheduler:
         if scheduled:
             # An empty step never reaches the workers: its ids ride along with the next one.
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
+            if self.lora_slots is not None:
+                out.step.lora_activations = self.lora_slots.take_activations()
         return out
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, out: SchedulerOutput) -> int:
@@ -185,8 +197,16 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv_cache_manager
         config = self.scheduler_config
+        lora_slots = self.lora_slots
+        # Requests whose adapter is loading or has no slot: they keep their place in the queue.
+        skipped: list[Request] = []
+        if lora_slots is not None:
+            lora_slots.start_pass()
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting[0]
+            if lora_slots is not None and not lora_slots.can_admit(request):
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
@@ -201,9 +221,12 @@ class Scheduler:
             request.num_cached_tokens = num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.resumed = True
+            if lora_slots is not None:
+                lora_slots.acquire(request)
             self.running.append(request)
             scheduled.append((request, num_new_tokens))
             budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
 
     def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         """The workers' view of the request's share of this step; advances its
@@ -220,7 +243,8 @@ class Scheduler:
             req_id=request.worker_id, token_ids=token_ids, num_computed_tokens=start,
             block_table=self.kv_cache_manager.get_block_ids(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=params if request.resumed else None,
-            do_sample=do_sample, resumed=request.resumed, sample_index=request.sample_index)
+            do_sample=do_sample, resumed=request.resumed, sample_index=request.sample_index,
+            lora_slot=self.lora_slots.slot_of(request) if self.lora_slots is not None else -1)
         if do_sample:
             request.num_output_placeholders += 1
         if request.resumed and start and needs_token_history(params):
@@ -249,6 +273,8 @@ class Scheduler:
         """Preemption by recompute: the request's blocks go back to the pool (cached ones
         stay cached until evicted) and it waits at the front of the queue."""
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.resumed = True

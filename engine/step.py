@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class ScheduledRequest:
     # (a position) on, each scored against the next prompt token, in `prompt_logprobs_targets`.
     prompt_logprobs_start: int = 0
     prompt_logprobs_targets: list[int] | None = None
+    # The LoRA adapter slot the request runs under this step (-1: the base model).
+    lora_slot: int = -1
 
 
 @dataclass
@@ -58,6 +61,8 @@ class ExecuteModelRequest:
     requests: list[ScheduledRequest]
     # Requests that ended since the last step: workers drop their sampler state.
     finished_req_ids: list[int] = field(default_factory=list)
+    # LoRA: the adapters that this step puts in slots (slot -> adapter), before it runs.
+    lora_activations: dict[int, LoRARequest] | None = None
 
 
 @dataclass

@@ -43,6 +43,8 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
         self.num_kv_heads = self.model_config.num_kv_heads_per_rank(self.parallel_config.tensor_parallel_size)
         self.model: nn.Module | None = None
+        # enable_lora: the model's LoRA layers, loaded adapters and slots (executors/lora_manager.py).
+        self.lora_manager = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self._states: dict[int, RequestSamplingState] = {}
@@ -56,6 +58,11 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
+        if self.engine_config.lora_config is not None:
+            from raylm.executors.lora_manager import WorkerLoRAManager
+
+            self.lora_manager = WorkerLoRAManager(self.model, self.engine_config.lora_config,
+                                                  self.model_config.hf_config, self.device)
         backend = get_attention_backend(self.model_config.attention_backend)
         for layer in self._attention_layers():
             layer.attn_backend = backend
@@ -183,8 +190,16 @@ class ModelRunner:
         input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, last_rows)
         rows = sample_rows + prompt_rows
-        with set_forward_context(attn_metadata, self._output_rows(rows, input_ids.shape[0])):
+        output_rows = self._output_rows(rows, input_ids.shape[0])
+        lora_rows = None
+        if self.lora_manager is not None and self.lora_manager.prepare_step(req.requests, req.lora_activations):
+            # LoRA layers map rows to tokens by position: every layer runs on every row, and
+            # the rows to read are taken afterwards.
+            lora_rows, output_rows = output_rows, None
+        with set_forward_context(attn_metadata, output_rows):
             selected = self.model(input_ids, positions)
+        if lora_rows is not None:
+            selected = selected.index_select(0, lora_rows)
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"

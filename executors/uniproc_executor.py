@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.executor_base import Executor
 from raylm.executors.worker import Worker
@@ -22,6 +24,9 @@ class UniProcExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_blocks
         self.driver_worker.initialize_cache(num_blocks)
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        return [getattr(self.driver_worker, method)(*args)]
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
         return self.driver_worker.execute_model(req)

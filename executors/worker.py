@@ -122,6 +122,30 @@ class Worker:
         """The step's sampled tokens on rank 0; None on the other ranks."""
         return self.model_runner.execute_model(req)
 
+    # ---- LoRA (enable_lora) -------------------------------------------------------------------
+    def add_lora(self, lora_request) -> tuple[str, str] | None:
+        """Loads an adapter's share for this rank into host memory. A bad adapter is returned
+        as (error class name, message), not raised: a raising worker call stops the engine."""
+        from raylm.executors.lora_adapter import LoRAAdapterError
+
+        try:
+            self._lora_manager().add_lora(lora_request)
+        except LoRAAdapterError as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_manager().list_loras()
+
+    def _lora_manager(self):
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            raise RuntimeError("LoRA calls need an engine started with enable_lora=True.")
+        return manager
+
     def check_health(self) -> None:
         """Raises if the device can no longer run work."""
         if self.device is not None and self.device.type == "cuda":

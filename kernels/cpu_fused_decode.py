@@ -6,7 +6,8 @@ decode-only on the CPU and every layer is the plain Llama layer on the native ke
 runs `torch.ops.raylm.llama_decode_layers` (`kernels/csrc/cpu_decode_layers.cpp`): the same
 kernels, in the same order, called from C++, so the results are bitwise those of the
 modules. Elsewhere (prefill and mixed steps, tensor parallelism, other attention backends or
-layer types, GPUs) `run` returns None and the modules run.
+layer types, GPUs, steps where some token runs under a LoRA adapter) `run` returns None and
+the modules run.
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
 layer's ~10 kernels runs with cold caches (25 us an op call instead of 2.4); in the ~100M
@@ -66,6 +67,8 @@ class CpuFusedDecode:
         self._args: dict[tuple[int, torch.dtype], tuple[list, list[int]] | None] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._first_attention: nn.Module | None = None
+        # The LoRA layers' per-step batch (enable_lora), whose adapter steps the op declines.
+        self._lora_batch = None
 
     def reset(self) -> None:
         self._shape = None
@@ -83,6 +86,8 @@ class CpuFusedDecode:
         shape = self._check_layers() if self._shape is None else self._shape
         if not shape:
             return None
+        if self._lora_batch is not None and self._lora_batch.active:
+            return None  # its native layers have no LoRA term: the LoRA layers run it
         kv_cache = self._first_attention.kv_cache
         if kv_cache is not self._kv_cache:  # the runner allocated the caches (again)
             self._args.clear()
@@ -106,6 +111,10 @@ class CpuFusedDecode:
         self._shape = _shape_of(self.layers, self.is_plain_layer) if os.environ.get(ENV_VAR) != "0" else False
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
+            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+            self._lora_batch = next((linear.lora_batch for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                       mlp.down_proj) if hasattr(linear, "lora_batch")),
+                                    None)
         return self._shape
 
     def _layer_args(self, num_tokens: int, dtype: torch.dtype) -> tuple[list, list[int]] | None:

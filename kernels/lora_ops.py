@@ -1,0 +1,100 @@
+"""Batched LoRA for a step that mixes adapters: punica's shrink and expand.
+
+A LoRA layer keeps every adapter slot's weights stacked: `lora_a` [n * S * R, in] (for each
+of the layer's n output slices, q/k/v or gate/up, then each of the S slots, R = max rank
+rows, rows past an adapter's own rank zero) and per slice `lora_b[i]` [out_i, S * R] (scaled
+by the adapter's lora_alpha / r, columns past its rank zero). Each token of the step runs
+under one slot, or under none (the base model).
+
+On the CPU the shrink is ONE GEMM of the step's tokens against every slot's A at once,
+[T, in] x [in, n*S*R]; a mask keeps, in each row, the R columns of its own slot (zeros for
+the base model's rows); the expand is one GEMM per output slice against that slice's stacked
+B, [T, S*R] x [S*R, out_i], added into the layer's output. No loop over adapters: the work is
+two GEMMs whatever the mix, with S*R columns where a per-adapter gather would have R. At the
+sizes served (S*R of 64 against in/out features of hundreds or thousands) the extra columns
+cost less than gathering each row's own A and B, which the CPU would do row by row. (Measured
+in `raylm.cluster.benchmarks.bench_lora`.)
+
+On CUDA the Triton kernels in `triton_lora.py` do it gather style (punica's BGMV): each
+token reads its own slot's A and B only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LoRABatch:
+    """Which adapter slot each token of the current step runs under: set by the worker's LoRA
+    manager before each step and read by every LoRA layer of the model. `active` is False for
+    a step without adapter tokens: LoRA layers then run as their base layers alone."""
+
+    def __init__(self, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.active = False
+        self.num_tokens = 0
+        # [T] int32, -1 for the base model's tokens.
+        self.token_slots: torch.Tensor | None = None
+        # Bumped by every set_step: layers reset their row position with it.
+        self.version = 0
+        self._masks: dict[int, torch.Tensor] = {}
+        # The slot of each column of a one-slice shrink output: column c belongs to slot c // R.
+        self._column_slots = torch.arange(max_loras * max_rank, device=self.device) // max_rank
+
+    def set_step(self, token_slots: list[int]) -> bool:
+        """Sets the step's tokens' slots (-1: base model); returns whether any token runs
+        under an adapter."""
+        self.version += 1
+        self._masks.clear()
+        self.num_tokens = len(token_slots)
+        self.active = any(slot >= 0 for slot in token_slots)
+        self.token_slots = (torch.tensor(token_slots, dtype=torch.int32, device=self.device) if self.active
+                            else None)
+        return self.active
+
+    def clear(self) -> None:
+        self.set_step([])
+
+    def mask(self, num_slices: int) -> torch.Tensor:
+        """[T, num_slices * S * R]: 1 where a column of the shrink output belongs to the row's
+        own slot, 0 elsewhere (every column of a base-model row)."""
+        mask = self._masks.get(num_slices)
+        if mask is None:
+            one = (self.token_slots[:, None] == self._column_slots[None, :]).to(self.dtype)
+            mask = self._masks[num_slices] = one.repeat(1, num_slices) if num_slices > 1 else one
+        return mask
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
+             output_offsets: list[int], batch: LoRABatch, row_start: int = 0) -> None:
+    """out[:, offset_i : offset_i + out_i] += each row's adapter's (x A_i^T) B_i^T, in place,
+    for the step's rows [row_start, row_start + len(x)); rows of the base model get nothing.
+
+    out: [rows, out_features] (the base layer's output); x: [rows, in]; lora_a, lora_b: the
+    layer's stacked slots (see the module docstring)."""
+    rows = x.shape[0]
+    if x.device.type == "cuda":
+        from raylm.kernels import triton_lora
+
+        triton_lora.lora_shrink_expand(out, x, lora_a, lora_b, output_offsets,
+                                       batch.token_slots[row_start:row_start + rows], batch.max_loras,
+                                       batch.max_rank)
+        return
+    add_lora_masked_gemm(out, x, lora_a, lora_b, output_offsets, batch.mask(len(lora_b))[row_start:row_start + rows])
+
+
+def add_lora_masked_gemm(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
+                         output_offsets: list[int], mask: torch.Tensor) -> None:
+    """The CPU path of `add_lora`: one shrink GEMM over every slot, the mask, one expand GEMM
+    per output slice."""
+    shrunk = F.linear(x, lora_a)
+    shrunk.mul_(mask)
+    width = lora_b[0].shape[1]
+    for index, (b, offset) in enumerate(zip(lora_b, output_offsets)):
+        part = shrunk[:, index * width:(index + 1) * width] if len(lora_b) > 1 else shrunk
+        target = out if offset == 0 and b.shape[0] == out.shape[-1] else out[:, offset:offset + b.shape[0]]
+        target.addmm_(part, b.t())
