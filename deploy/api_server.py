@@ -33,9 +33,10 @@ from raylm.deploy.errors import OpenAIError, error_response, install_error_handl
 from raylm.deploy.limits import RequestLimits
 from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                   TokenizeRequest, TokenizeResponse)
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.serving_models import LoRAServerSettings, OpenAIServingModels
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
@@ -231,9 +232,13 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     tokenizer = _frontend_tokenizer(engine)
     chat_template = load_chat_template(server_args.chat_template)
     limits = RequestLimits.from_args(args)
-    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits)
+    # The base model's names and the LoRA adapters (--lora-modules, loaded now).
+    serving_models = OpenAIServingModels(engine, model_names, LoRAServerSettings.from_values(args))
+    serving_models.load_static_loras()
+    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, models=serving_models)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
-                             trust_request_chat_template=server_args.trust_request_chat_template)
+                             trust_request_chat_template=server_args.trust_request_chat_template,
+                             models=serving_models)
     metrics = ServerMetrics(engine, model_names[0])
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
@@ -265,9 +270,9 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=model_config.model, max_model_len=model_config.max_model_len)
-                 for name in model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(serving_models.model_list().model_dump())
+
+    serving_models.add_routes(app)  # /v1/load_lora_adapter etc., with --allow-runtime-lora-updating
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -355,6 +360,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="Seconds SIGTERM lets the requests in flight finish before it aborts them "
                              "(default: %(default)s).")
     RequestLimits.add_cli_args(parser)
+    LoRAServerSettings.add_cli_args(parser)
     return parser
 
 

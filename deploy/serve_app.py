@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve import Application
 
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.serving_models import LoRAServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ DEPLOYMENT_KEYS = ("num_replicas", "min_replicas", "max_replicas", "target_ongoi
                    "worker_cpus", "use_gpu", "health_check_period_s", "health_check_timeout_s",
                    "max_ongoing_requests", "name")
 SERVER_KEYS = ("served_model_name", "api_key", "chat_template", "trust_request_chat_template", "max_concurrent_requests",
-               "max_request_body_bytes") + tuple(f.name for f in dataclasses.fields(RequestLimits))
+               "max_request_body_bytes") + tuple(f.name for f in dataclasses.fields(RequestLimits)) \
+    + tuple(f.name for f in dataclasses.fields(LoRAServerSettings))
 
 
 @serve.ingress()
@@ -207,6 +209,7 @@ def run_cli(args: argparse.Namespace) -> None:
     engine_kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
     server_kwargs = {"served_model_name": args.served_model_name, "api_key": args.api_key,
                      "chat_template": args.chat_template}
+    server_kwargs.update({f.name: getattr(args, f.name) for f in dataclasses.fields(LoRAServerSettings)})
     if not ray.is_initialized():
         ray.init(address="auto" if _ray_cluster_running() else None, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})

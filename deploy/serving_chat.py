@@ -75,7 +75,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         (stream,) = await self.add_requests(
-            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params])
+            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
+            self.lora_request(model_name))
         echo = self._echo_text(request)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo))

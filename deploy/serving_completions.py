@@ -35,9 +35,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         created = int(time.time())
         if request.use_beam_search:
-            finals = await self._beam_search(request, request_id, prompts, params)
+            finals = await self._beam_search(request, request_id, prompts, params, self.lora_request(model_name))
             return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
-        streams = await self.add_requests(request_id, prompts, params)
+        streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
         if request.stream:
             return SSEResponse(self._stream(request, request_id, created, model_name, streams))
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -75,13 +75,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 for prompt in prompts]
 
     async def _beam_search(self, request: CompletionRequest, request_id: str, prompts: list[dict],
-                           params: list[SamplingParams]) -> list[RequestOutput]:
+                           params: list[SamplingParams], lora_request: Any = None) -> list[RequestOutput]:
         """vLLM 0.4's `use_beam_search`: each prompt's n best of best_of beams as its choices."""
         if request.stream:
             raise OpenAIError("use_beam_search cannot be streamed: the best beams are known only at the end.",
                               param="stream")
         searches = [self.engine.beam_search(prompt["prompt_token_ids"], f"{request_id}-{index}",
-                                            beam_search_params_from(sampling, sampling.max_tokens))
+                                            beam_search_params_from(sampling, sampling.max_tokens), lora_request)
                     for index, (prompt, sampling) in enumerate(zip(prompts, params))]
         results = await asyncio.gather(*searches)
         return [beam_search_request_output(f"{request_id}-{index}", prompt.get("prompt"), prompt["prompt_token_ids"],

@@ -34,10 +34,12 @@ class OpenAIServing:
     thread of their own, as in vLLM, so a long prompt never stalls the event loop."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, models: Any = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
+        # The served names with the LoRA adapters (deploy/serving_models.py), when given.
+        self.models = models
         self.tokenizer = tokenizer
         self.limits = limits or RequestLimits()
         self.max_model_len: int = engine.model_config.max_model_len
@@ -54,9 +56,15 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> str:
+        if self.models is not None:
+            return self.models.check_model(model)
         if model and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return self.model_name
+
+    def lora_request(self, model_name: str) -> Any:
+        """The LoRA adapter a request for `model_name` (check_model's answer) runs under."""
+        return None if self.models is None else self.models.lora_request(model_name)
 
     def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """The text's token ids; text too long for any context is refused before tokenizing."""
@@ -109,13 +117,14 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
 
-    async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams]
-                           ) -> list[AsyncIterator[RequestOutput]]:
+    async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
+                           lora_request: Any = None) -> list[AsyncIterator[RequestOutput]]:
         """Adds one engine request per prompt; a rejected prompt aborts the others."""
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for index, (prompt, sampling_params) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params))
+                streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params,
+                                                             lora_request=lora_request))
         except BaseException as exc:
             for stream in streams:
                 await stream.aclose()

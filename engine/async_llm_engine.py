@@ -23,6 +23,7 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_sampling_params,
                                       top_logprobs)
 from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import CompletionOutput, RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -175,8 +176,11 @@ class AsyncLLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._engine_requests: dict[str, _RequestState] = {}
         self._add_counter = itertools.count()
-        self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]] = []
+        self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, LoRARequest | None,
+                                       asyncio.Future]] = []
         self._pending_aborts: set[str] = set()
+        # Engine calls that must run between steps (remove_lora), with the future they answer.
+        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._thread_pool = step_thread_pool or _step_thread_pool()
@@ -248,14 +252,16 @@ class AsyncLLMEngine:
 
     # ----------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                          ) -> RequestStream:
         """Queues a request and waits until the engine has accepted it.
 
         Raises ValueError for a bad request (the engine's validation) and
         AsyncEngineDeadError when the engine is dead; otherwise returns the stream of
         its outputs. Closing or dropping that stream before the request finished (break,
         cancellation, `aclose()`, even before reading it) aborts the request. The id may be
-        reused once the request has ended or been aborted.
+        reused once the request has ended or been aborted. `lora_request` runs it under a
+        LoRA adapter (needs enable_lora).
         """
         self._raise_if_dead()
         if request_id in self._requests:
@@ -266,7 +272,7 @@ class AsyncLLMEngine:
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._requests[request_id] = state
         self._engine_requests[state.engine_request_id] = state
-        self._pending_adds.append((state, prompt, params, accepted))
+        self._pending_adds.append((state, prompt, params, lora_request, accepted))
         self._interrupt.set()
         self._start_loop()
         try:
@@ -279,11 +285,12 @@ class AsyncLLMEngine:
         return RequestStream(self, state)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as the engine produces them, the last one with
         `finished=True`. `sampling_params.output_kind` picks cumulative outputs
-        (default), deltas, or only the final one. Raises ValueError for a bad request."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        (default), deltas, or only the final one. `lora_request` runs it under a LoRA
+        adapter. Raises ValueError for a bad request."""
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -291,14 +298,14 @@ class AsyncLLMEngine:
             stream.close()
 
     async def beam_search(self, prompt_token_ids: list[int], request_id: str,
-                          params: BeamSearchParams) -> BeamSearchOutput:
+                          params: BeamSearchParams, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         """`LLM.beam_search` for one prompt, on the running engine: each step's beams are
         one-token requests that run alongside everything else. Cancelling it aborts them."""
         search = BeamSearch(prompt_token_ids, params, self.engine.eos_token_ids)
         step = 0
         while not search.finished_search:
             streams = [await self.add_request(f"{request_id}-beam-{step}-{i}", {"prompt_token_ids": tokens},
-                                              beam_search_sampling_params(search))
+                                              beam_search_sampling_params(search), lora_request=lora_request)
                        for i, tokens in enumerate(search.pending())]
             finals = await asyncio.gather(*(_last(stream) for stream in streams))
             search.advance([top_logprobs(output) for output in finals])
@@ -333,6 +340,27 @@ class AsyncLLMEngine:
         if self._requests.get(state.request_id) is state:
             del self._requests[state.request_id]
         self._engine_requests.pop(state.engine_request_id, None)
+
+    # --------------------------------------------------------------------- LoRA
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a LoRA adapter into the workers' host memory, on a thread of its own while
+        the engine keeps stepping; raises ValueError (LoRAAdapterError) for an adapter the
+        engine cannot serve."""
+        self._raise_if_dead()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora_request)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter between two steps; its running requests finish with it."""
+        self._raise_if_dead()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((lambda: self.engine.remove_lora(lora_int_id), done))
+        self._interrupt.set()
+        self._start_loop()
+        return await done
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     # ------------------------------------------------------------------- health
     async def check_health(self) -> None:
@@ -373,7 +401,7 @@ class AsyncLLMEngine:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
+                    if not self._pending_adds and not self._pending_aborts and not self._pending_calls:
                         await self._wakeup.wait()
                     continue
                 if self.step_in_thread:
@@ -414,15 +442,25 @@ class AsyncLLMEngine:
             self._undelivered_steps.release()
 
     def _apply_pending(self) -> None:
+        calls, self._pending_calls = self._pending_calls, []
+        for call, done in calls:
+            try:
+                result = call()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            if not done.done():
+                done.set_result(result)
         if self._pending_aborts:
             aborts, self._pending_aborts = self._pending_aborts, set()
             self.engine.abort_request(list(aborts))
         adds, self._pending_adds = self._pending_adds, []
-        for state, prompt, params, accepted in adds:
+        for state, prompt, params, lora_request, accepted in adds:
             if accepted.done() or state.finished:  # cancelled or aborted while queued
                 continue
             try:
-                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time)
+                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time, lora_request)
             except Exception as exc:  # noqa: BLE001 - bad input fails this request only
                 accepted.set_exception(exc)
                 continue
@@ -492,10 +530,14 @@ class AsyncLLMEngine:
                 state.queue.put_nowait(exc)
         self._requests.clear()
         self._engine_requests.clear()
-        for _, _, _, accepted in self._pending_adds:
+        for *_, accepted in self._pending_adds:
             if not accepted.done():
                 accepted.set_exception(exc)
         self._pending_adds.clear()
+        for _, done in self._pending_calls:
+            if not done.done():
+                done.set_exception(exc)
+        self._pending_calls.clear()
 
 
 def _merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
