@@ -2,27 +2,41 @@
 
 A LoRA layer keeps every adapter slot's weights stacked: `lora_a` [n * S * R, in] (for each
 of the layer's n output slices, q/k/v or gate/up, then each of the S slots, R = max rank
-rows, rows past an adapter's own rank zero) and per slice `lora_b[i]` [out_i, S * R] (scaled
-by the adapter's lora_alpha / r, columns past its rank zero). Each token of the step runs
-under one slot, or under none (the base model).
+rows, rows past an adapter's own rank zero) and per slice `lora_b[i]` [S * R, out_i] (B
+transposed, scaled by the adapter's lora_alpha / r, rows past its rank zero). Each token of
+the step runs under one slot, or under none (the base model).
 
-On the CPU the shrink is ONE GEMM of the step's tokens against every slot's A at once,
-[T, in] x [in, n*S*R]; a mask keeps, in each row, the R columns of its own slot (zeros for
-the base model's rows); the expand is one GEMM per output slice against that slice's stacked
-B, [T, S*R] x [S*R, out_i], added into the layer's output. No loop over adapters: the work is
-two GEMMs whatever the mix, with S*R columns where a per-adapter gather would have R. At the
-sizes served (S*R of 64 against in/out features of hundreds or thousands) the extra columns
-cost less than gathering each row's own A and B, which the CPU would do row by row. (Measured
-in `raylm.cluster.benchmarks.bench_lora`.)
+On the CPU, `csrc/cpu_lora.cpp` does it gather style (punica's BGMV): each token reads its
+own slot's A and B only. Without the native library (or with RAYLM_CPU_LORA_KERNEL=0) the
+PyTorch path batches it as GEMMs: ONE shrink of the step's tokens against every slot's A at
+once, [T, in] x [in, n*S*R]; a mask keeps, in each row, the R columns of its own slot (zeros
+for the base model's rows); one expand per output slice against that slice's stacked B,
+[T, S*R] x [S*R, out_i], added into the layer's output. Neither loops over adapters. The GEMMs
+do S times the arithmetic the gather does, which at decode batches of the benchmark Llamas
+cost more than the gather's plain loops (`raylm.cluster.benchmarks.bench_lora ops`).
 
-On CUDA the Triton kernels in `triton_lora.py` do it gather style (punica's BGMV): each
-token reads its own slot's A and B only.
+On CUDA the Triton kernels in `triton_lora.py` do it gather style too.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from raylm.kernels.native_build import load_native_library
+
+# Set RAYLM_CPU_LORA_KERNEL=0 to run the masked GEMM path instead (for comparisons).
+ENV_VAR = "RAYLM_CPU_LORA_KERNEL"
+_native: bool | None = None
+
+
+def native_kernel_available() -> bool:
+    global _native
+    if _native is None:
+        _native = os.environ.get(ENV_VAR) != "0" and load_native_library("cpu_lora") is not None
+    return _native
 
 
 class LoRABatch:
@@ -84,6 +98,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: l
                                        batch.token_slots[row_start:row_start + rows], batch.max_loras,
                                        batch.max_rank)
         return
+    if (x.dtype in (torch.float32, torch.bfloat16) and native_kernel_available() and not x.requires_grad
+            and x.stride(-1) == 1 and out.stride(-1) == 1):
+        torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, output_offsets,
+                                  batch.token_slots[row_start:row_start + rows], batch.max_rank)
+        return
     add_lora_masked_gemm(out, x, lora_a, lora_b, output_offsets, batch.mask(len(lora_b))[row_start:row_start + rows])
 
 
@@ -93,8 +112,8 @@ def add_lora_masked_gemm(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tenso
     per output slice."""
     shrunk = F.linear(x, lora_a)
     shrunk.mul_(mask)
-    width = lora_b[0].shape[1]
+    width = lora_b[0].shape[0]
     for index, (b, offset) in enumerate(zip(lora_b, output_offsets)):
         part = shrunk[:, index * width:(index + 1) * width] if len(lora_b) > 1 else shrunk
-        target = out if offset == 0 and b.shape[0] == out.shape[-1] else out[:, offset:offset + b.shape[0]]
-        target.addmm_(part, b.t())
+        target = out if offset == 0 and b.shape[1] == out.shape[-1] else out[:, offset:offset + b.shape[1]]
+        target.addmm_(part, b)

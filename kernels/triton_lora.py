@@ -2,7 +2,7 @@
 B of its own adapter slot only.
 
 Layout as in `lora_ops`: `lora_a` [n * S * R, in] (slice, slot, rank), `lora_b[i]`
-[out_i, S * R], token_slots [T] (-1: the base model, left untouched).
+[S * R, out_i] (B transposed), token_slots [T] (-1: the base model, left untouched).
 
 shrink: one program per (token, slice) computes the token's R values x A_slot^T, in fp32,
 into a [T, n * R] buffer; expand: one program per (token, block of outputs) per slice adds
@@ -45,7 +45,7 @@ def _lora_expand_kernel(h_ptr, b_ptr, slots_ptr, out_ptr, out_features, rank, h_
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.arange(0, BLOCK_R)
         h = tl.load(h_ptr + token * stride_h + h_column + r, mask=r < rank, other=0.0)
-        b = tl.load(b_ptr + n[:, None] * stride_b + slot * rank + r[None, :],
+        b = tl.load(b_ptr + (slot * rank + r[None, :]) * stride_b + n[:, None],
                     mask=(n[:, None] < out_features) & (r[None, :] < rank), other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1)
         out = out_ptr + token * stride_out + out_column + n
@@ -71,7 +71,7 @@ def lora_shrink_expand(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
         BLOCK_K=min(128, triton.next_power_of_2(in_features)), BLOCK_R=block_r)
     for index, (b, offset) in enumerate(zip(lora_b, output_offsets)):
         assert b.stride(-1) == 1
-        out_features = b.shape[0]
+        out_features = b.shape[1]
         block_n = min(64, triton.next_power_of_2(out_features))
         _lora_expand_kernel[(num_tokens, triton.cdiv(out_features, block_n))](
             shrunk, b, token_slots, out, out_features, rank, index * rank, offset, shrunk.stride(0), b.stride(0),

@@ -96,14 +96,26 @@ def test_the_same_prompt_under_two_adapters_and_the_base_gives_three_answers(llm
     assert tokens == [references[key] for key in plan]
 
 
-def test_the_fused_cpu_decode_op_serves_base_steps_and_declines_adapter_steps(llm):
-    """What makes the equality tests above cover it: on this machine the op runs (and the
-    equality would fail if it ran on adapter steps, having no LoRA term)."""
-    model = llm.llm_engine.executor.driver_worker.model_runner.model
-    fused = model.model.fused_decode
+def test_the_fused_cpu_decode_op_runs_adapter_steps_with_their_terms(llm, prompts, lora_requests, references):
+    """On this machine the fused op takes the decode steps, adapter steps included (it adds the
+    adapters' terms natively): the tokens still equal peft's."""
+    fused = llm.llm_engine.executor.driver_worker.model_runner.model.model.fused_decode
+    run = fused.run
+    ran: list[tuple[bool, bool]] = []
+
+    def counted(*args):
+        result = run(*args)
+        ran.append((fused._lora_batch is not None and fused._lora_batch.active, result is not None))
+        return result
+
+    fused.run = counted
+    try:
+        assert_plan_matches(llm, prompts, lora_requests, references, mixed_plan(2, ("a", "b", "base")))
+    finally:
+        del fused.run
     if not fused._shape:
         pytest.skip("the fused CPU decode op is not available on this machine")
-    assert fused._lora_batch is llm.llm_engine.executor.driver_worker.model_runner.lora_manager.batch
+    assert (True, True) in ran
 
 
 def test_prefix_cache_is_shared_within_an_adapter_and_never_across(llm, prompts, lora_requests):

@@ -31,8 +31,10 @@ def random_case(num_tokens: int, in_features: int, out_sizes: list[int], dtype: 
     x = torch.randn(num_tokens, in_features, generator=gen)
     slots = torch.randint(-1, SLOTS, (num_tokens,), generator=gen)
     base = torch.randn(num_tokens, sum(out_sizes), generator=gen)
+    # B as the layers stack it: transposed, [S * R, out_i].
     return (x.to(dtype), lora_a.reshape(-1, in_features).to(dtype),
-            [b.reshape(b.shape[0], -1).to(dtype) for b in lora_b], slots, base.to(dtype))
+            [b.permute(1, 2, 0).reshape(SLOTS * RANK, b.shape[0]).contiguous().to(dtype) for b in lora_b], slots,
+            base.to(dtype))
 
 
 def reference(x, lora_a, lora_b, slots, base) -> torch.Tensor:
@@ -45,9 +47,9 @@ def reference(x, lora_a, lora_b, slots, base) -> torch.Tensor:
             continue
         offset = 0
         for piece, b in enumerate(lora_b):
-            b_slot = b.double().view(b.shape[0], SLOTS, RANK)[:, slot]
-            out[row, offset:offset + b.shape[0]] += b_slot @ (a[piece, slot] @ x[row].double())
-            offset += b.shape[0]
+            b_slot = b.double().view(SLOTS, RANK, b.shape[1])[slot]
+            out[row, offset:offset + b.shape[1]] += b_slot.t() @ (a[piece, slot] @ x[row].double())
+            offset += b.shape[1]
     return out
 
 

@@ -1,0 +1,203 @@
+// Batched LoRA on the CPU, gather style (punica's BGMV): each token of a step that runs under
+// an adapter slot adds its own adapter's (x A^T) B^T to the base layer's output, reading only
+// that slot's A and B; tokens of the base model (slot -1) are left alone. The layout is
+// raylm/kernels/lora_ops.py's: lora_a [n * S * R, K] (output slice, slot, rank), lora_b[i]
+// [S * R, N_i] (B transposed, scaled: the rows of a slot are its rank's), out [T, sum N_i].
+//
+// The tokens are grouped by slot and taken four at a time: the shrink is, per block of four
+// rows of A, sixteen dot products of length K sharing each load of A and of x; the expand adds
+// R scaled rows of B^T to the four output rows, each load of B^T serving the four. h stays in
+// fp32. At the benchmark Llamas' decode batches this does S times less arithmetic than the
+// masked GEMM over every slot (`add_lora_masked_gemm`) and no gather copies (bench_lora.py ops).
+//
+// Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace raylm;
+using bf16 = uint16_t;
+
+// The largest rank the kernel takes (raylm's MAX_SUPPORTED_LORA_RANK).
+constexpr int64_t kMaxRank = 512;
+
+// The tokens of one slot are taken up to kTokens at a time, so that each row of the slot's A
+// and B^T that is loaded serves every token of the block.
+constexpr int kTokens = 4;
+
+// h[t][r0 + j] = dot(a_{r0 + j}, x_t) for rows j < ROWS of a (rows K apart) and the M tokens.
+template <int M, int ROWS, typename T>
+inline void shrink_block(const T* a, const T* const* x, int64_t K, int64_t r0, float (*h)[kMaxRank]) {
+  vfloat acc[ROWS][M];
+  for (int j = 0; j < ROWS; ++j)
+    for (int t = 0; t < M; ++t) acc[j][t] = vset1(0.0f);
+  int64_t k = 0;
+  for (; k + kVecWidth <= K; k += kVecWidth) {
+    vfloat xv[M];
+    for (int t = 0; t < M; ++t) xv[t] = vload(x[t] + k);
+    for (int j = 0; j < ROWS; ++j) {
+      const vfloat av = vload(a + (r0 + j) * K + k);
+      for (int t = 0; t < M; ++t) acc[j][t] = vfmadd(av, xv[t], acc[j][t]);
+    }
+  }
+  for (int j = 0; j < ROWS; ++j) {
+    for (int t = 0; t < M; ++t) {
+      float sum = vsum(acc[j][t]);
+      for (int64_t kk = k; kk < K; ++kk) sum += to_float(a[(r0 + j) * K + kk]) * to_float(x[t][kk]);
+      h[t][r0 + j] = sum;
+    }
+  }
+}
+
+// out_t[0:N] += sum_r h[t][r] * bt[r * N : r * N + N] for the M tokens.
+template <int M, typename T>
+inline void expand_block(T* const* out, const T* bt, const float (*h)[kMaxRank], int64_t R, int64_t N) {
+  int64_t n = 0;
+  for (; n + 2 * kVecWidth <= N; n += 2 * kVecWidth) {
+    vfloat acc[M][2];
+    for (int t = 0; t < M; ++t) {
+      acc[t][0] = vload(out[t] + n);
+      acc[t][1] = vload(out[t] + n + kVecWidth);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const vfloat b0 = vload(bt + r * N + n), b1 = vload(bt + r * N + n + kVecWidth);
+      for (int t = 0; t < M; ++t) {
+        const vfloat hr = vset1(h[t][r]);
+        acc[t][0] = vfmadd(hr, b0, acc[t][0]);
+        acc[t][1] = vfmadd(hr, b1, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < M; ++t) {
+      vstore(out[t] + n, acc[t][0]);
+      vstore(out[t] + n + kVecWidth, acc[t][1]);
+    }
+  }
+  for (; n < N; ++n) {
+    for (int t = 0; t < M; ++t) {
+      float sum = to_float(out[t][n]);
+      for (int64_t r = 0; r < R; ++r) sum += h[t][r] * to_float(bt[r * N + n]);
+      store_scalar(out[t] + n, sum);
+    }
+  }
+}
+
+// One block of M tokens of one slot through every output slice.
+template <int M, typename T>
+void block(T* const* out_rows, const T* const* x_rows, const T* a_base, const std::vector<const T*>& b_base,
+           const std::vector<int64_t>& widths, const std::vector<int64_t>& offsets, int64_t slot, int64_t S,
+           int64_t R, int64_t K) {
+  float h[M][kMaxRank];
+  T* out[M];
+  for (int64_t piece = 0; piece < static_cast<int64_t>(widths.size()); ++piece) {
+    const T* a = a_base + (piece * S + slot) * R * K;
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) shrink_block<M, 4>(a, x_rows, K, r, h);
+    for (; r < R; ++r) shrink_block<M, 1>(a, x_rows, K, r, h);
+    const int64_t N = widths[piece];
+    for (int t = 0; t < M; ++t) out[t] = out_rows[t] + offsets[piece];
+    expand_block<M>(out, b_base[piece] + slot * R * N, h, R, N);
+  }
+}
+
+template <typename T>
+void lora_bgmv_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
+                      const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& offsets,
+                      const int32_t* slots, int64_t R) {
+  const int64_t tokens = x.size(0), K = x.size(1), pieces = static_cast<int64_t>(lora_b.size());
+  const int64_t S = lora_a.size(0) / (pieces * R);
+  T* out_base = reinterpret_cast<T*>(out.data_ptr());
+  const T* x_base = reinterpret_cast<const T*>(x.data_ptr());
+  const T* a_base = reinterpret_cast<const T*>(lora_a.data_ptr());
+  std::vector<const T*> b_base;
+  std::vector<int64_t> widths;
+  for (const at::Tensor& b : lora_b) {
+    b_base.push_back(reinterpret_cast<const T*>(b.data_ptr()));
+    widths.push_back(b.size(1));
+  }
+  const int64_t out_stride = out.stride(0), x_stride = x.stride(0);
+  // The tokens of each slot, in blocks of up to kTokens: (slot, first index into `order`, count).
+  std::vector<std::vector<int64_t>> by_slot(S);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) by_slot[slots[t]].push_back(t);
+  std::vector<int64_t> order;
+  std::vector<std::array<int64_t, 3>> blocks;
+  for (int64_t s = 0; s < S; ++s) {
+    for (size_t i = 0; i < by_slot[s].size(); i += kTokens) {
+      blocks.push_back({s, static_cast<int64_t>(order.size()),
+                        std::min<int64_t>(kTokens, static_cast<int64_t>(by_slot[s].size() - i))});
+      order.insert(order.end(), by_slot[s].begin() + i, by_slot[s].begin() + i + blocks.back()[2]);
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [slot, first, count] = blocks[index];
+      T* out_rows[kTokens];
+      const T* x_rows[kTokens];
+      for (int64_t t = 0; t < count; ++t) {
+        out_rows[t] = out_base + order[first + t] * out_stride;
+        x_rows[t] = x_base + order[first + t] * x_stride;
+      }
+      switch (count) {
+        case 1: block<1>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
+        case 2: block<2>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
+        case 3: block<3>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
+        default: block<4>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
+      }
+    }
+  });
+}
+
+void lora_bgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a, at::TensorList lora_b,
+               at::IntArrayRef offsets, const at::Tensor& token_slots, int64_t rank) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "raylm::lora_bgmv takes fp32 or bf16 tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.scalar_type() == dtype,
+              "raylm::lora_bgmv: x [T, K] and out [T, N] with contiguous rows, of one dtype");
+  TORCH_CHECK(rank > 0 && rank <= kMaxRank && !lora_b.empty() && static_cast<int64_t>(offsets.size()) == static_cast<int64_t>(lora_b.size()),
+              "raylm::lora_bgmv: a positive rank and one offset per output slice");
+  TORCH_CHECK(lora_a.dim() == 2 && lora_a.is_contiguous() && lora_a.scalar_type() == dtype &&
+                  lora_a.size(1) == x.size(1) && lora_a.size(0) % (static_cast<int64_t>(lora_b.size()) * rank) == 0,
+              "raylm::lora_bgmv: lora_a [n * S * R, K] contiguous, of x's dtype");
+  const int64_t slots_rows = lora_a.size(0) / static_cast<int64_t>(lora_b.size());
+  std::vector<at::Tensor> pieces(lora_b.begin(), lora_b.end());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const at::Tensor& b = pieces[i];
+    TORCH_CHECK(b.dim() == 2 && b.is_contiguous() && b.scalar_type() == dtype && b.size(0) == slots_rows &&
+                    offsets[i] >= 0 && offsets[i] + b.size(1) <= out.size(1),
+                "raylm::lora_bgmv: lora_b[", i, "] must be [S * R, N_i] contiguous, within out's columns");
+  }
+  TORCH_CHECK(token_slots.dim() == 1 && token_slots.size(0) == x.size(0) && token_slots.scalar_type() == at::kInt &&
+                  token_slots.is_contiguous(),
+              "raylm::lora_bgmv: token_slots int32 [T]");
+  const int32_t* slots = token_slots.data_ptr<int32_t>();
+  const int64_t num_slots = slots_rows / rank;
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "raylm::lora_bgmv: token ", t, " names slot ", slots[t], " of ", num_slots);
+  }
+  std::vector<int64_t> offset_list(offsets.begin(), offsets.end());
+  if (dtype == at::kFloat) {
+    lora_bgmv_kernel<float>(out, x, lora_a, pieces, offset_list, slots, rank);
+  } else {
+    lora_bgmv_kernel<bf16>(out, x, lora_a, pieces, offset_list, slots, rank);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylm, m) {
+  m.def("lora_bgmv(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor[] lora_b, int[] offsets, Tensor token_slots, "
+        "int rank) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("lora_bgmv", &lora_bgmv); }
