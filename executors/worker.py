@@ -128,10 +128,14 @@ class Worker:
         as (error class name, message), not raised: a raising worker call stops the engine."""
         from raylm.executors.lora_adapter import LoRAAdapterError
 
+        manager = self._lora_manager()
         try:
-            self._lora_manager().add_lora(lora_request)
+            manager.add_lora(lora_request)
         except LoRAAdapterError as exc:
             return type(exc).__name__, str(exc)
+        except (ValueError, OSError, RuntimeError) as exc:  # reading or cutting it failed otherwise: it alone
+            return LoRAAdapterError.__name__, (f"LoRA adapter {lora_request.lora_name!r} could not be loaded on rank "
+                                               f"{self.rank}: {type(exc).__name__}: {exc}")
         return None
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -157,6 +157,29 @@ def test_more_adapters_than_slots_queue_and_all_equal_peft(llama_dir, prompts, l
         llm.shutdown()
 
 
+def test_an_mlp_run_in_row_chunks_keeps_each_rows_adapter(llm, prompts, lora_requests, references, monkeypatch):
+    """A long prefill's MLP runs in row chunks on the CPU (kernels/mlp_row_chunks.py); the LoRA
+    layers follow the chunks' rows. Chunks of a few rows here, so every prefill is chunked."""
+    from raylm.kernels import mlp_row_chunks
+
+    monkeypatch.setattr(mlp_row_chunks, "MLP_PASS_BYTES", 8 * 128 * 4)
+    llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    assert_plan_matches(llm, prompts, lora_requests, references, mixed_plan(2, ("a", "b", "base")))
+
+
+def test_a_qwen2_adapter_with_qkv_bias_equals_peft(tiny_model_dirs, tmp_path):
+    qwen2 = tiny_model_dirs["qwen2"]
+    adapter = build_lora_adapter(qwen2, tmp_path / "qwen2_adapter", rank=8, seed=5)
+    prompt = list(range(20, 60))
+    llm = LLM(str(qwen2), dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=128, max_num_seqs=8)
+    try:
+        tokens = greedy(llm, [prompt, prompt], [LoRARequest("q", 1, str(adapter)), None])
+    finally:
+        llm.shutdown()
+    assert tokens == [peft_greedy(qwen2, adapter, prompt, MAX_TOKENS), peft_greedy(qwen2, None, prompt, MAX_TOKENS)]
+    assert tokens[0] != tokens[1]
+
+
 @pytest.mark.parametrize("tp", [2])
 def test_mixed_batch_equals_peft_at_tensor_parallel_2(ray_cluster, llama_dir, prompts, lora_requests, references, tp):
     llm = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, max_model_len=128,
