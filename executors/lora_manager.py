@@ -15,6 +15,7 @@ slot each of the step's tokens runs under.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # PEFT's names of what an adapter may target whose module keeps its name in raylm's models.
 _UNFUSED_TARGETS = ("o_proj", "down_proj")
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -67,13 +69,32 @@ def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, BaseLinearWithLo
     if not layers:
         raise ValueError(f"enable_lora: {type(model).__name__} has no projection LoRA can adapt (raylm serves "
                          f"LoRA on the q/k/v/o/gate/up/down projections of Llama-family models).")
-    # Some models cache what they computed from their layers (the fused CPU decode op): it
-    # must see the LoRA layers now.
+    _mark_output_row_layers(model, layers)
     for module in model.modules():
+        # Some models cache what they computed from their layers (the fused CPU decode op): it
+        # must see the LoRA layers now.
         fused = getattr(module, "fused_decode", None)
         if fused is not None:
             fused.reset()
+        # Slices of a projection's base weight packed apart (the last layer's q and k/v rows)
+        # would compute it without its LoRA term.
+        if getattr(module, "output_row_projections", None) is not None:
+            module.output_row_projections = None
     return layers
+
+
+def _mark_output_row_layers(model: nn.Module, layers: dict[str, BaseLinearWithLoRA]) -> None:
+    """Marks the last decoder layer's projections after attention: raylm's models run them on
+    the step's output rows alone (ForwardContext.output_rows), the attention's input
+    projection on every row."""
+    indices = {name: int(match.group(1)) for name in layers if (match := _LAYER_INDEX.search(f".{name}."))}
+    if not indices:
+        return
+    last = max(indices.values())
+    attention_inputs = {peft_target_map(model)[target][0] for target in ("q_proj", "k_proj", "v_proj")}
+    for name, index in indices.items():
+        if index == last and name.rsplit(".", 1)[-1] not in attention_inputs:
+            layers[name].runs_on_output_rows = True
 
 
 class WorkerLoRAManager:
@@ -125,9 +146,11 @@ class WorkerLoRAManager:
         return adapter
 
     # ---- steps ---------------------------------------------------------------------------------
-    def prepare_step(self, requests: list[ScheduledRequest], activations: dict[int, LoRARequest] | None) -> bool:
-        """Loads the adapters the step assigns to slots and sets each token's slot; returns
-        whether any token of the step runs under an adapter."""
+    def prepare_step(self, requests: list[ScheduledRequest], activations: dict[int, LoRARequest] | None,
+                     output_rows: torch.Tensor | None = None) -> bool:
+        """Loads the adapters the step assigns to slots and sets each token's slot (and the
+        step's output rows, ForwardContext.output_rows); returns whether any token of the step
+        runs under an adapter."""
         if activations:
             for slot, lora_request in activations.items():
                 self._activate(slot, lora_request)
@@ -136,7 +159,7 @@ class WorkerLoRAManager:
         token_slots: list[int] = []
         for scheduled in requests:
             token_slots += [scheduled.lora_slot] * len(scheduled.token_ids)
-        return self.batch.set_step(token_slots)
+        return self.batch.set_step(token_slots, output_rows)
 
     def _activate(self, slot: int, lora_request: LoRARequest) -> None:
         with self._lock:

@@ -191,15 +191,10 @@ class ModelRunner:
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, last_rows)
         rows = sample_rows + prompt_rows
         output_rows = self._output_rows(rows, input_ids.shape[0])
-        lora_rows = None
-        if self.lora_manager is not None and self.lora_manager.prepare_step(req.requests, req.lora_activations):
-            # LoRA layers map rows to tokens by position: every layer runs on every row, and
-            # the rows to read are taken afterwards.
-            lora_rows, output_rows = output_rows, None
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(req.requests, req.lora_activations, output_rows)
         with set_forward_context(attn_metadata, output_rows):
             selected = self.model(input_ids, positions)
-        if lora_rows is not None:
-            selected = selected.index_select(0, lora_rows)
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"

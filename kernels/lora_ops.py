@@ -53,57 +53,69 @@ class LoRABatch:
         self.num_tokens = 0
         # [T] int32, -1 for the base model's tokens.
         self.token_slots: torch.Tensor | None = None
+        # The slots of the step's output rows (ForwardContext.output_rows), in their order:
+        # models run the last layer's attention output projection and MLP on those rows alone.
+        self.output_token_slots: torch.Tensor | None = None
         # Bumped by every set_step: layers reset their row position with it.
         self.version = 0
         self._masks: dict[int, torch.Tensor] = {}
         # The slot of each column of a one-slice shrink output: column c belongs to slot c // R.
         self._column_slots = torch.arange(max_loras * max_rank, device=self.device) // max_rank
 
-    def set_step(self, token_slots: list[int]) -> bool:
-        """Sets the step's tokens' slots (-1: base model); returns whether any token runs
-        under an adapter."""
+    def set_step(self, token_slots: list[int], output_rows: torch.Tensor | None = None) -> bool:
+        """Sets the step's tokens' slots (-1: base model) and its output rows (None: every
+        row); returns whether any token runs under an adapter."""
         self.version += 1
         self._masks.clear()
         self.num_tokens = len(token_slots)
         self.active = any(slot >= 0 for slot in token_slots)
         self.token_slots = (torch.tensor(token_slots, dtype=torch.int32, device=self.device) if self.active
                             else None)
+        self.output_token_slots = (self.token_slots.index_select(0, output_rows.to(self.device))
+                                   if self.active and output_rows is not None else None)
         return self.active
 
-    def clear(self) -> None:
-        self.set_step([])
+    def slots_of_rows(self, output_rows_only: bool) -> torch.Tensor:
+        """Each row's slot: of the step's tokens, or of its output rows where the caller runs
+        on those alone (and the step has them)."""
+        if output_rows_only and self.output_token_slots is not None:
+            return self.output_token_slots
+        return self.token_slots
 
-    def mask(self, num_slices: int) -> torch.Tensor:
-        """[T, num_slices * S * R]: 1 where a column of the shrink output belongs to the row's
-        own slot, 0 elsewhere (every column of a base-model row)."""
-        mask = self._masks.get(num_slices)
+    def mask(self, num_slices: int, output_rows_only: bool = False) -> torch.Tensor:
+        """[rows, num_slices * S * R]: 1 where a column of the shrink output belongs to the
+        row's own slot, 0 elsewhere (every column of a base-model row)."""
+        slots = self.slots_of_rows(output_rows_only)
+        key = (num_slices, slots is self.output_token_slots)
+        mask = self._masks.get(key)
         if mask is None:
-            one = (self.token_slots[:, None] == self._column_slots[None, :]).to(self.dtype)
-            mask = self._masks[num_slices] = one.repeat(1, num_slices) if num_slices > 1 else one
+            one = (slots[:, None] == self._column_slots[None, :]).to(self.dtype)
+            mask = self._masks[key] = one.repeat(1, num_slices) if num_slices > 1 else one
         return mask
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
-             output_offsets: list[int], batch: LoRABatch, row_start: int = 0) -> None:
+             output_offsets: list[int], batch: LoRABatch, row_start: int = 0, output_rows_only: bool = False) -> None:
     """out[:, offset_i : offset_i + out_i] += each row's adapter's (x A_i^T) B_i^T, in place,
-    for the step's rows [row_start, row_start + len(x)); rows of the base model get nothing.
+    for rows [row_start, row_start + len(x)) of the step's tokens (of its output rows with
+    output_rows_only); rows of the base model get nothing.
 
     out: [rows, out_features] (the base layer's output); x: [rows, in]; lora_a, lora_b: the
     layer's stacked slots (see the module docstring)."""
     rows = x.shape[0]
+    slots = batch.slots_of_rows(output_rows_only)[row_start:row_start + rows]
     if x.device.type == "cuda":
         from raylm.kernels import triton_lora
 
-        triton_lora.lora_shrink_expand(out, x, lora_a, lora_b, output_offsets,
-                                       batch.token_slots[row_start:row_start + rows], batch.max_loras,
+        triton_lora.lora_shrink_expand(out, x, lora_a, lora_b, output_offsets, slots, batch.max_loras,
                                        batch.max_rank)
         return
     if (x.dtype in (torch.float32, torch.bfloat16) and native_kernel_available() and not x.requires_grad
             and x.stride(-1) == 1 and out.stride(-1) == 1):
-        torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, output_offsets,
-                                  batch.token_slots[row_start:row_start + rows], batch.max_rank)
+        torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, output_offsets, slots, batch.max_rank)
         return
-    add_lora_masked_gemm(out, x, lora_a, lora_b, output_offsets, batch.mask(len(lora_b))[row_start:row_start + rows])
+    mask = batch.mask(len(lora_b), output_rows_only)[row_start:row_start + rows]
+    add_lora_masked_gemm(out, x, lora_a, lora_b, output_offsets, mask)
 
 
 def add_lora_masked_gemm(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor],

@@ -52,6 +52,9 @@ class BaseLinearWithLoRA(nn.Module):
         # Not parameters: the model's state_dict and checkpoint loading never see them.
         self.lora_a = torch.zeros(len(slice_ids) * slots * rank, in_features, dtype=dtype, device=device)
         self.lora_b = [torch.zeros(slots * rank, size, dtype=dtype, device=device) for size in out_sizes]
+        # Set for the last layer's projections after attention, which models run on the
+        # step's output rows alone (ForwardContext.output_rows).
+        self.runs_on_output_rows = False
         # Which rows of the step the next call covers (see `_add_lora`).
         self._row_version = -1
         self._next_row = 0
@@ -106,20 +109,23 @@ class BaseLinearWithLoRA(nn.Module):
     def _add_lora(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Adds the LoRA term of the step's adapter rows to `out`, the base output of `x`.
 
-        Rows map to tokens by position: a call covers the rows after those of this layer's
-        previous call in the same step (a model that runs its MLP in row chunks calls it once
-        per chunk, in order), starting over at each step and after the last row."""
+        Rows map to the step's tokens (to its output rows, for `runs_on_output_rows`) by
+        position: a call covers the rows after those of this layer's previous call in the
+        same step (a model that runs its MLP in row chunks calls it once per chunk, in order),
+        starting over at each step and after the last row."""
         batch = self.lora_batch
         if not batch.active:
             return
         if self._row_version != batch.version:
             self._row_version, self._next_row = batch.version, 0
+        num_rows = batch.slots_of_rows(self.runs_on_output_rows).shape[0]
         start, rows = self._next_row, x.shape[0]
-        if start + rows > batch.num_tokens:
-            raise RuntimeError(f"a LoRA layer got rows {start}..{start + rows} of a step of {batch.num_tokens} "
-                               f"tokens: LoRA layers need every layer to run on every row of the step, in order.")
-        self._next_row = (start + rows) % batch.num_tokens
-        add_lora(out, x, self.lora_a, self.lora_b, self.output_offsets, batch, start)
+        if start + rows > num_rows:
+            raise RuntimeError(f"a LoRA layer got rows {start}..{start + rows} of a step of {num_rows} rows: LoRA "
+                               f"layers need each layer to run on all of the step's rows (its output rows, after the "
+                               f"last layer's attention), in order.")
+        self._next_row = (start + rows) % num_rows
+        add_lora(out, x, self.lora_a, self.lora_b, self.output_offsets, batch, start, self.runs_on_output_rows)
 
 
 class ColumnParallelLinearWithLoRA(BaseLinearWithLoRA):

@@ -167,6 +167,39 @@ def test_an_mlp_run_in_row_chunks_keeps_each_rows_adapter(llm, prompts, lora_req
     assert_plan_matches(llm, prompts, lora_requests, references, mixed_plan(2, ("a", "b", "base")))
 
 
+@pytest.mark.parametrize("chunked_mlp", [False, True])
+def test_logprobs_and_prompt_logprobs_under_an_adapter_equal_peft(llm, prompts, lora_requests, adapters,
+                                                                  llama_dir, monkeypatch, chunked_mlp):
+    """Prompt logprobs read every prompt row, the sampled rows first: the last layer's output
+    projection and MLP run on those rows in that order, under each row's adapter (and in row
+    chunks, with chunked_mlp)."""
+    import torch
+
+    from lora_adapters import peft_model
+
+    if chunked_mlp:
+        from raylm.kernels import mlp_row_chunks
+
+        monkeypatch.setattr(mlp_row_chunks, "MLP_PASS_BYTES", 8 * 128 * 4)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    names = ("a", "base", "b")
+    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in range(3)], params, use_tqdm=False,
+                           lora_request=[lora_requests[name] for name in names])
+    for index, (name, output) in enumerate(zip(names, outputs)):
+        tokens = prompts[index] + list(output.outputs[0].token_ids)
+        model = peft_model(str(llama_dir), None if name == "base" else str(adapters[name]))
+        with torch.no_grad():
+            reference = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+        for position in range(1, len(prompts[index])):
+            token = prompts[index][position]
+            assert output.prompt_logprobs[position][token].logprob == pytest.approx(
+                reference[position - 1, token].item(), abs=1e-4)
+        for step, token in enumerate(output.outputs[0].token_ids):
+            row = reference[len(prompts[index]) - 1 + step]
+            assert token == int(row.argmax())
+            assert output.outputs[0].logprobs[step][token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+
+
 def test_a_qwen2_adapter_with_qkv_bias_equals_peft(tiny_model_dirs, tmp_path):
     qwen2 = tiny_model_dirs["qwen2"]
     adapter = build_lora_adapter(qwen2, tmp_path / "qwen2_adapter", rank=8, seed=5)
