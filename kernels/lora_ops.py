@@ -1,10 +1,11 @@
 """Batched LoRA for a step that mixes adapters: punica's shrink and expand.
 
-A LoRA layer keeps every adapter slot's weights stacked: `lora_a` [n * S * R, in] (for each
-of the layer's n output slices, q/k/v or gate/up, then each of the S slots, R = max rank
-rows, rows past an adapter's own rank zero) and per slice `lora_b[i]` [S * R, out_i] (B
-transposed, scaled by the adapter's lora_alpha / r, rows past its rank zero). Each token of
-the step runs under one slot, or under none (the base model).
+A LoRA layer keeps every adapter slot's weights stacked: `lora_a` [in, n * S * R] (A
+transposed; columns for each of the layer's n output slices, q/k/v or gate/up, then each of
+the S slots, R columns each: R is max_lora_rank rounded up to 16, columns past an adapter's
+own rank zero) and per slice `lora_b[i]` [S * R, out_i] (B transposed, scaled by the
+adapter's lora_alpha / r, rows past its rank zero). Each token of the step runs under one
+slot, or under none (the base model).
 
 On the CPU, `csrc/cpu_lora.cpp` does it gather style (punica's BGMV): each token reads its
 own slot's A and B only. Without the native library (or with RAYLM_CPU_LORA_KERNEL=0) the
@@ -27,6 +28,9 @@ import torch.nn.functional as F
 
 from raylm.kernels.native_build import load_native_library
 
+# Slots are a multiple of this many ranks wide: the widest vector of fp32 lanes (AVX-512), over
+# which the CPU kernel runs the ranks; narrower adapters leave the rest of their slot zero.
+SLOT_RANK_MULTIPLE = 16
 # Set RAYLM_CPU_LORA_KERNEL=0 to run the masked GEMM path instead (for comparisons).
 ENV_VAR = "RAYLM_CPU_LORA_KERNEL"
 _native: bool | None = None
@@ -46,7 +50,8 @@ class LoRABatch:
 
     def __init__(self, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
         self.max_loras = max_loras
-        self.max_rank = max_rank
+        # The slots' width R: max_lora_rank rounded up to SLOT_RANK_MULTIPLE.
+        self.max_rank = -(-max_rank // SLOT_RANK_MULTIPLE) * SLOT_RANK_MULTIPLE
         self.device = torch.device(device)
         self.dtype = dtype
         self.active = False
@@ -122,7 +127,7 @@ def add_lora_masked_gemm(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tenso
                          output_offsets: list[int], mask: torch.Tensor) -> None:
     """The CPU path of `add_lora`: one shrink GEMM over every slot, the mask, one expand GEMM
     per output slice."""
-    shrunk = F.linear(x, lora_a)
+    shrunk = torch.mm(x, lora_a)
     shrunk.mul_(mask)
     width = lora_b[0].shape[0]
     for index, (b, offset) in enumerate(zip(lora_b, output_offsets)):

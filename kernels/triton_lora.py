@@ -1,8 +1,9 @@
 """Batched LoRA on CUDA in Triton, gather style (punica's BGMV): each token reads the A and
 B of its own adapter slot only.
 
-Layout as in `lora_ops`: `lora_a` [n * S * R, in] (slice, slot, rank), `lora_b[i]`
-[S * R, out_i] (B transposed), token_slots [T] (-1: the base model, left untouched).
+Layout as in `lora_ops`: `lora_a` [in, n * S * R] (A transposed; columns by slice, slot,
+rank), `lora_b[i]` [S * R, out_i] (B transposed), token_slots [T] (-1: the base model, left
+untouched).
 
 shrink: one program per (token, slice) computes the token's R values x A_slot^T, in fp32,
 into a [T, n * R] buffer; expand: one program per (token, block of outputs) per slice adds
@@ -25,12 +26,12 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, in_features, rank, num_s
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if slot >= 0:
-        a_rows = a_ptr + ((piece * num_slots + slot) * rank + r) * stride_a
+        a_columns = a_ptr + (piece * num_slots + slot) * rank + r
         for k0 in range(0, in_features, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + token * stride_x + k, mask=k < in_features, other=0.0).to(tl.float32)
-            a = tl.load(a_rows[:, None] + k[None, :], mask=(r[:, None] < rank) & (k[None, :] < in_features),
-                        other=0.0).to(tl.float32)
+            a = tl.load(a_columns[:, None] + k[None, :] * stride_a,
+                        mask=(r[:, None] < rank) & (k[None, :] < in_features), other=0.0).to(tl.float32)
             acc += tl.sum(a * x[None, :], axis=1)
     tl.store(h_ptr + token * stride_h + piece * rank + r, acc, mask=r < rank)
 

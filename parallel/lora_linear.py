@@ -50,7 +50,7 @@ class BaseLinearWithLoRA(nn.Module):
         slots, rank = batch.max_loras, batch.max_rank
         dtype, device = base_layer.weight.dtype, base_layer.weight.device
         # Not parameters: the model's state_dict and checkpoint loading never see them.
-        self.lora_a = torch.zeros(len(slice_ids) * slots * rank, in_features, dtype=dtype, device=device)
+        self.lora_a = torch.zeros(in_features, len(slice_ids) * slots * rank, dtype=dtype, device=device)
         self.lora_b = [torch.zeros(slots * rank, size, dtype=dtype, device=device) for size in out_sizes]
         # Set for the last layer's projections after attention, which models run on the
         # step's output rows alone (ForwardContext.output_rows).
@@ -96,10 +96,10 @@ class BaseLinearWithLoRA(nn.Module):
     def set_slot(self, slot: int, a: torch.Tensor | None, b: list[torch.Tensor] | None) -> None:
         """Copies an adapter's share (from `shard_adapter`) into slot `slot`; None empties it."""
         slots, rank = self.lora_batch.max_loras, self.lora_batch.max_rank
-        a_slots = self.lora_a.view(len(self.slice_ids), slots, rank, self.lora_in_features)[:, slot]
+        a_slots = self.lora_a.view(self.lora_in_features, len(self.slice_ids), slots, rank)[:, :, slot]
         a_slots.zero_()
         if a is not None:
-            a_slots[:, :a.shape[1]].copy_(a)
+            a_slots[:, :, :a.shape[1]].copy_(a.permute(2, 0, 1))
         for index, stacked in enumerate(self.lora_b):
             b_slot = stacked.view(slots, rank, stacked.shape[1])[slot]
             b_slot.zero_()

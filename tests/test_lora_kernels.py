@@ -14,7 +14,7 @@ import torch
 
 from raylm.kernels.lora_ops import LoRABatch, add_lora_masked_gemm
 
-SLOTS, RANK = 4, 8
+SLOTS, RANK = 4, 16
 
 
 def random_case(num_tokens: int, in_features: int, out_sizes: list[int], dtype: torch.dtype, seed: int):
@@ -24,15 +24,15 @@ def random_case(num_tokens: int, in_features: int, out_sizes: list[int], dtype: 
     pieces = len(out_sizes)
     lora_a = torch.zeros(pieces, SLOTS, RANK, in_features)
     lora_b = [torch.zeros(size, SLOTS, RANK) for size in out_sizes]
-    for slot, rank in enumerate((8, 3, 5, 1)):
+    for slot, rank in enumerate((16, 3, 9, 1)):
         lora_a[:, slot, :rank] = torch.randn(pieces, rank, in_features, generator=gen)
         for b in lora_b:
             b[:, slot, :rank] = torch.randn(b.shape[0], rank, generator=gen)
     x = torch.randn(num_tokens, in_features, generator=gen)
     slots = torch.randint(-1, SLOTS, (num_tokens,), generator=gen)
     base = torch.randn(num_tokens, sum(out_sizes), generator=gen)
-    # B as the layers stack it: transposed, [S * R, out_i].
-    return (x.to(dtype), lora_a.reshape(-1, in_features).to(dtype),
+    # A and B as the layers stack them: transposed, [in, n * S * R] and [S * R, out_i].
+    return (x.to(dtype), lora_a.reshape(-1, in_features).t().contiguous().to(dtype),
             [b.permute(1, 2, 0).reshape(SLOTS * RANK, b.shape[0]).contiguous().to(dtype) for b in lora_b], slots,
             base.to(dtype))
 
@@ -40,7 +40,7 @@ def random_case(num_tokens: int, in_features: int, out_sizes: list[int], dtype: 
 def reference(x, lora_a, lora_b, slots, base) -> torch.Tensor:
     """base + each row's own slot's (x A^T) B^T, in float64, one row at a time."""
     pieces, in_features = len(lora_b), x.shape[1]
-    a = lora_a.double().view(pieces, SLOTS, RANK, in_features)
+    a = lora_a.double().t().reshape(pieces, SLOTS, RANK, in_features)
     out = base.double().clone()
     for row, slot in enumerate(slots.tolist()):
         if slot < 0:

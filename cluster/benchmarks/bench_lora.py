@@ -87,15 +87,16 @@ def bench_ops(num_tokens: int, num_adapters: int, rank: int, dtype: torch.dtype,
         for name, in_features, out_sizes in shapes:
             gen = torch.Generator().manual_seed(0)
             pieces = len(out_sizes)
+            batch = LoRABatch(num_adapters, rank, torch.device("cpu"), dtype)
+            rank = batch.max_rank  # the slots' width
             a_slots = torch.randn(pieces, num_adapters, rank, in_features, generator=gen).to(dtype) * 0.01
             b_slots = [torch.randn(num_adapters, size, rank, generator=gen).to(dtype) * 0.01 for size in out_sizes]
-            lora_a = a_slots.reshape(-1, in_features).contiguous()
+            lora_a = a_slots.reshape(-1, in_features).t().contiguous()
             lora_b = [b.permute(0, 2, 1).reshape(-1, b.shape[1]).contiguous() for b in b_slots]
             offsets = [sum(out_sizes[:i]) for i in range(pieces)]
             x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
             weight = torch.randn(sum(out_sizes), in_features, generator=gen).to(dtype)
             slots = torch.arange(num_tokens) % num_adapters
-            batch = LoRABatch(num_adapters, rank, torch.device("cpu"), dtype)
             batch.set_step(slots.tolist())
             out = torch.zeros(num_tokens, sum(out_sizes), dtype=dtype)
             methods = {

@@ -1,14 +1,17 @@
 // Batched LoRA on the CPU, gather style (punica's BGMV): each token of a step that runs under
 // an adapter slot adds its own adapter's (x A^T) B^T to the base layer's output, reading only
 // that slot's A and B; tokens of the base model (slot -1) are left alone. The layout is
-// raylm/kernels/lora_ops.py's: lora_a [n * S * R, K] (output slice, slot, rank), lora_b[i]
-// [S * R, N_i] (B transposed, scaled: the rows of a slot are its rank's), out [T, sum N_i].
+// raylm/kernels/lora_ops.py's: lora_a [K, n * S * R] (A transposed; columns by output slice,
+// slot, rank), lora_b[i] [S * R, N_i] (B transposed, scaled), out [T, sum N_i]; R, the slots'
+// width, a multiple of the vector width (raylm rounds it up to 16).
 //
-// The tokens are grouped by slot and taken four at a time: the shrink is, per block of four
-// rows of A, sixteen dot products of length K sharing each load of A and of x; the expand adds
-// R scaled rows of B^T to the four output rows, each load of B^T serving the four. h stays in
-// fp32. At the benchmark Llamas' decode batches this does S times less arithmetic than the
-// masked GEMM over every slot (`add_lora_masked_gemm`) and no gather copies (bench_lora.py ops).
+// The tokens are grouped by slot and taken four at a time. The shrink runs over the ranks in
+// vectors: for each k, one load of A^T's row serves the four tokens, whose x[k] is broadcast
+// (no horizontal sums, which at K of a few hundred cost as much as the multiply-adds); the
+// expand adds R scaled rows of B^T to the four output rows, each load of B^T serving the four.
+// h stays in fp32. At the benchmark Llamas' decode batches this does S times less arithmetic
+// than the masked GEMM over every slot (`add_lora_masked_gemm`) and no gather copies
+// (bench_lora.py ops).
 //
 // Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
 
@@ -19,6 +22,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -35,27 +39,30 @@ constexpr int64_t kMaxRank = 512;
 // and B^T that is loaded serves every token of the block.
 constexpr int kTokens = 4;
 
-// h[t][r0 + j] = dot(a_{r0 + j}, x_t) for rows j < ROWS of a (rows K apart) and the M tokens.
-template <int M, int ROWS, typename T>
-inline void shrink_block(const T* a, const T* const* x, int64_t K, int64_t r0, float (*h)[kMaxRank]) {
-  vfloat acc[ROWS][M];
-  for (int j = 0; j < ROWS; ++j)
-    for (int t = 0; t < M; ++t) acc[j][t] = vset1(0.0f);
-  int64_t k = 0;
-  for (; k + kVecWidth <= K; k += kVecWidth) {
-    vfloat xv[M];
-    for (int t = 0; t < M; ++t) xv[t] = vload(x[t] + k);
-    for (int j = 0; j < ROWS; ++j) {
-      const vfloat av = vload(a + (r0 + j) * K + k);
-      for (int t = 0; t < M; ++t) acc[j][t] = vfmadd(av, xv[t], acc[j][t]);
+// h[t][0:R] = x_t A^T for the M tokens, A^T the slot's columns of at ([K, ld], R columns
+// from c0; R a multiple of kVecWidth): one vector of ranks at a time, each row of A^T loaded
+// once for the M tokens, whose x values are broadcast; two accumulators per token (even and
+// odd k) so that the multiply-adds do not wait on each other. No horizontal sums.
+template <int M, typename T>
+inline void shrink_block(const T* a_t, int64_t ld, int64_t c0, const float* const* x, int64_t K, int64_t R,
+                         float (*h)[kMaxRank]) {
+  for (int64_t r = 0; r < R; r += kVecWidth) {
+    vfloat acc[2][M];
+    for (int t = 0; t < M; ++t) acc[0][t] = acc[1][t] = vset1(0.0f);
+    const T* column = a_t + c0 + r;
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const vfloat a0 = vload(column + k * ld), a1 = vload(column + (k + 1) * ld);
+      for (int t = 0; t < M; ++t) {
+        acc[0][t] = vfmadd(vset1(x[t][k]), a0, acc[0][t]);
+        acc[1][t] = vfmadd(vset1(x[t][k + 1]), a1, acc[1][t]);
+      }
     }
-  }
-  for (int j = 0; j < ROWS; ++j) {
-    for (int t = 0; t < M; ++t) {
-      float sum = vsum(acc[j][t]);
-      for (int64_t kk = k; kk < K; ++kk) sum += to_float(a[(r0 + j) * K + kk]) * to_float(x[t][kk]);
-      h[t][r0 + j] = sum;
+    if (k < K) {
+      const vfloat a0 = vload(column + k * ld);
+      for (int t = 0; t < M; ++t) acc[0][t] = vfmadd(vset1(x[t][k]), a0, acc[0][t]);
     }
+    for (int t = 0; t < M; ++t) vstore(h[t] + r, vadd(acc[0][t], acc[1][t]));
   }
 }
 
@@ -91,18 +98,16 @@ inline void expand_block(T* const* out, const T* bt, const float (*h)[kMaxRank],
   }
 }
 
-// One block of M tokens of one slot through every output slice.
+// One block of M tokens of one slot through every output slice. x_rows are fp32 (bf16 rows
+// widened once by the caller, as every slice reads them).
 template <int M, typename T>
-void block(T* const* out_rows, const T* const* x_rows, const T* a_base, const std::vector<const T*>& b_base,
-           const std::vector<int64_t>& widths, const std::vector<int64_t>& offsets, int64_t slot, int64_t S,
-           int64_t R, int64_t K) {
+void block(T* const* out_rows, const float* const* x_rows, const T* a_t, int64_t ld,
+           const std::vector<const T*>& b_base, const std::vector<int64_t>& widths,
+           const std::vector<int64_t>& offsets, int64_t slot, int64_t S, int64_t R, int64_t K) {
   float h[M][kMaxRank];
   T* out[M];
   for (int64_t piece = 0; piece < static_cast<int64_t>(widths.size()); ++piece) {
-    const T* a = a_base + (piece * S + slot) * R * K;
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) shrink_block<M, 4>(a, x_rows, K, r, h);
-    for (; r < R; ++r) shrink_block<M, 1>(a, x_rows, K, r, h);
+    shrink_block<M>(a_t, ld, (piece * S + slot) * R, x_rows, K, R, h);
     const int64_t N = widths[piece];
     for (int t = 0; t < M; ++t) out[t] = out_rows[t] + offsets[piece];
     expand_block<M>(out, b_base[piece] + slot * R * N, h, R, N);
@@ -114,10 +119,10 @@ void lora_bgmv_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& lo
                       const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& offsets,
                       const int32_t* slots, int64_t R) {
   const int64_t tokens = x.size(0), K = x.size(1), pieces = static_cast<int64_t>(lora_b.size());
-  const int64_t S = lora_a.size(0) / (pieces * R);
+  const int64_t ld = lora_a.size(1), S = ld / (pieces * R);
   T* out_base = reinterpret_cast<T*>(out.data_ptr());
   const T* x_base = reinterpret_cast<const T*>(x.data_ptr());
-  const T* a_base = reinterpret_cast<const T*>(lora_a.data_ptr());
+  const T* a_t = reinterpret_cast<const T*>(lora_a.data_ptr());
   std::vector<const T*> b_base;
   std::vector<int64_t> widths;
   for (const at::Tensor& b : lora_b) {
@@ -139,19 +144,27 @@ void lora_bgmv_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& lo
     }
   }
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(kTokens * K);
     for (int64_t index = begin; index < end; ++index) {
       const auto [slot, first, count] = blocks[index];
       T* out_rows[kTokens];
-      const T* x_rows[kTokens];
+      const float* x_rows[kTokens];
       for (int64_t t = 0; t < count; ++t) {
         out_rows[t] = out_base + order[first + t] * out_stride;
-        x_rows[t] = x_base + order[first + t] * x_stride;
+        const T* row = x_base + order[first + t] * x_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          x_rows[t] = row;
+        } else {
+          float* target = widened.data() + t * K;
+          for (int64_t k = 0; k < K; ++k) target[k] = to_float(row[k]);
+          x_rows[t] = target;
+        }
       }
       switch (count) {
-        case 1: block<1>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
-        case 2: block<2>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
-        case 3: block<3>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
-        default: block<4>(out_rows, x_rows, a_base, b_base, widths, offsets, slot, S, R, K); break;
+        case 1: block<1>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
+        case 2: block<2>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
+        case 3: block<3>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
+        default: block<4>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
       }
     }
   });
@@ -166,10 +179,12 @@ void lora_bgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a, a
               "raylm::lora_bgmv: x [T, K] and out [T, N] with contiguous rows, of one dtype");
   TORCH_CHECK(rank > 0 && rank <= kMaxRank && !lora_b.empty() && static_cast<int64_t>(offsets.size()) == static_cast<int64_t>(lora_b.size()),
               "raylm::lora_bgmv: a positive rank and one offset per output slice");
+  TORCH_CHECK(rank % kVecWidth == 0, "raylm::lora_bgmv: the slots' rank ", rank, " must be a multiple of ",
+              kVecWidth, " (raylm rounds it up to 16)");
   TORCH_CHECK(lora_a.dim() == 2 && lora_a.is_contiguous() && lora_a.scalar_type() == dtype &&
-                  lora_a.size(1) == x.size(1) && lora_a.size(0) % (static_cast<int64_t>(lora_b.size()) * rank) == 0,
-              "raylm::lora_bgmv: lora_a [n * S * R, K] contiguous, of x's dtype");
-  const int64_t slots_rows = lora_a.size(0) / static_cast<int64_t>(lora_b.size());
+                  lora_a.size(0) == x.size(1) && lora_a.size(1) % (static_cast<int64_t>(lora_b.size()) * rank) == 0,
+              "raylm::lora_bgmv: lora_a [K, n * S * R] contiguous, of x's dtype");
+  const int64_t slots_rows = lora_a.size(1) / static_cast<int64_t>(lora_b.size());
   std::vector<at::Tensor> pieces(lora_b.begin(), lora_b.end());
   for (size_t i = 0; i < pieces.size(); ++i) {
     const at::Tensor& b = pieces[i];
