@@ -5,10 +5,10 @@
 // slot, rank), lora_b[i] [S * R, N_i] (B transposed, scaled), out [T, sum N_i]; R, the slots'
 // width, a multiple of the vector width (raylm rounds it up to 16).
 //
-// The tokens are grouped by slot and taken four at a time. The shrink runs over the ranks in
-// vectors: for each k, one load of A^T's row serves the four tokens, whose x[k] is broadcast
+// The tokens are grouped by slot and taken eight (AVX2: four) at a time. The shrink runs over the ranks in
+// vectors: for each k, one load of A^T's row serves the block's tokens, whose x[k] is broadcast
 // (no horizontal sums, which at K of a few hundred cost as much as the multiply-adds); the
-// expand adds R scaled rows of B^T to the four output rows, each load of B^T serving the four.
+// expand adds R scaled rows of B^T to the block's output rows, each load of B^T serving them all.
 // h stays in fp32. At the benchmark Llamas' decode batches this does S times less arithmetic
 // than the masked GEMM over every slot (`add_lora_masked_gemm`) and no gather copies
 // (bench_lora.py ops).
@@ -36,8 +36,9 @@ using bf16 = uint16_t;
 constexpr int64_t kMaxRank = 512;
 
 // The tokens of one slot are taken up to kTokens at a time, so that each row of the slot's A
-// and B^T that is loaded serves every token of the block.
-constexpr int kTokens = 4;
+// and B^T that is loaded serves every token of the block: 8 where the 32 vector registers of
+// AVX-512 hold the block's accumulators, 4 with the 16 of AVX2.
+constexpr int kTokens = kVecWidth >= 16 ? 8 : 4;
 
 // h[t][0:R] = x_t A^T for the M tokens, A^T the slot's columns of at ([K, ld], R columns
 // from c0; R a multiple of kVecWidth): one vector of ranks at a time, each row of A^T loaded
@@ -114,6 +115,20 @@ void block(T* const* out_rows, const float* const* x_rows, const T* a_t, int64_t
   }
 }
 
+// block<count> for a count of 1 to kTokens tokens.
+template <typename T, int M = kTokens>
+void run_block(int64_t count, T* const* out_rows, const float* const* x_rows, const T* a_t, int64_t ld,
+               const std::vector<const T*>& b_base, const std::vector<int64_t>& widths,
+               const std::vector<int64_t>& offsets, int64_t slot, int64_t S, int64_t R, int64_t K) {
+  if constexpr (M > 1) {
+    if (count < M) {
+      run_block<T, M - 1>(count, out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K);
+      return;
+    }
+  }
+  block<M>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K);
+}
+
 template <typename T>
 void lora_bgmv_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
                       const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& offsets,
@@ -160,12 +175,7 @@ void lora_bgmv_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& lo
           x_rows[t] = target;
         }
       }
-      switch (count) {
-        case 1: block<1>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
-        case 2: block<2>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
-        case 3: block<3>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
-        default: block<4>(out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K); break;
-      }
+      run_block(count, out_rows, x_rows, a_t, ld, b_base, widths, offsets, slot, S, R, K);
     }
   });
 }
