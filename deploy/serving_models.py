@@ -12,13 +12,11 @@ the old one. Unloading lets the adapter's requests in flight finish.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -28,13 +26,10 @@ from pydantic import BaseModel
 
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import ModelCard, ModelList
+from raylm.deploy.server_args import LoRAServerSettings
 from raylm.engine.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass
@@ -68,67 +63,6 @@ class LoRAModulePath:
         raise ValueError(f"lora_modules entries are name=path or JSON {{\"name\": ..., \"path\": ...}}, got {value!r}.")
 
 
-@dataclass
-class LoRAServerSettings:
-    """The server's LoRA settings (the engine's, --enable-lora and --max-loras etc., are
-    engine arguments)."""
-
-    lora_modules: list[str] | None = field(default=None, metadata=_help(
-        "LoRA adapters to serve (needs --enable-lora), each `name=path` or JSON {\"name\": ..., \"path\": ..., "
-        "\"base_model_name\": ...}: requests with `model` set to the name run under the adapter (a PEFT folder "
-        "with adapter_config.json and adapter_model.safetensors). Default: none."))
-    allow_runtime_lora_updating: bool = field(default=False, metadata=_help(
-        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
-        "clients may then load adapters from the folders under --allowed-lora-dirs."))
-    allowed_lora_dirs: list[str] | None = field(default=None, metadata=_help(
-        "Folders under which /v1/load_lora_adapter may load adapters (needed by --allow-runtime-lora-updating); "
-        "a path outside them, symbolic links resolved, is refused. Default: none."))
-
-    def __post_init__(self) -> None:
-        if isinstance(self.lora_modules, str):
-            # A Serve key given on the `serve run` command line: JSON, or comma-separated entries.
-            text = self.lora_modules.strip()
-            self.lora_modules = (json.loads(text) if text.startswith("[") else [text] if text.startswith("{")
-                                 else [part for part in text.split(",") if part])
-        if isinstance(self.allowed_lora_dirs, str):
-            self.allowed_lora_dirs = [part for part in self.allowed_lora_dirs.split(",") if part]
-        if self.allow_runtime_lora_updating and not self.allowed_lora_dirs:
-            raise ValueError("allow_runtime_lora_updating needs allowed_lora_dirs (--allowed-lora-dirs): the folders "
-                             "from which clients may load adapters.")
-        for folder in self.allowed_lora_dirs or ():
-            if not os.path.isdir(folder):
-                raise ValueError(f"allowed_lora_dirs: {folder!r} is not a folder.")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata["help"].replace("%", "%%")
-            if f.type == "bool" or isinstance(f.default, bool):
-                parser.add_argument(flag, action="store_true", help=help_text)
-            else:
-                parser.add_argument(flag, nargs="+", default=None, help=help_text)
-        return parser
-
-    @classmethod
-    def from_values(cls, values: Any) -> "LoRAServerSettings":
-        """From an argparse namespace, a dict (Serve app keys) or a `ServerArgs` (its `extra`)."""
-        if isinstance(values, LoRAServerSettings):
-            return values
-        if isinstance(values, argparse.Namespace):
-            values = vars(values)
-        elif not isinstance(values, dict):
-            values = getattr(values, "extra", None) or {}
-        kwargs = {f.name: values[f.name] for f in dataclasses.fields(cls) if values.get(f.name) is not None}
-        if "allow_runtime_lora_updating" in kwargs:
-            kwargs["allow_runtime_lora_updating"] = _as_bool(kwargs["allow_runtime_lora_updating"])
-        return cls(**kwargs)
-
-
-def _as_bool(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
-
-
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
@@ -147,7 +81,6 @@ class OpenAIServingModels:
         self.base_model_names = base_model_names
         self.settings = settings
         model_config = engine.model_config
-        self.root = model_config.model
         self.max_model_len = model_config.max_model_len
         self.lora_requests: dict[str, LoRARequest] = {}
         self._next_lora_id = 1
@@ -194,9 +127,10 @@ class OpenAIServingModels:
         return lora_request
 
     def model_list(self) -> ModelList:
-        cards = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len)
+        # root: the served names, not folders (where the weights live is the server's business).
+        cards = [ModelCard(id=name, root=self.base_model_names[0], max_model_len=self.max_model_len)
                  for name in self.base_model_names]
-        cards += [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name,
+        cards += [ModelCard(id=lora.lora_name, root=lora.lora_name, parent=lora.base_model_name,
                             max_model_len=self.max_model_len) for lora in self.lora_requests.values()]
         return ModelList(data=cards)
 

@@ -1,7 +1,8 @@
 """`EngineArgs`: the one place where engine settings, their defaults and help live.
 
-Its fields are the keyword arguments of `LLM(...)`, and `add_cli_args` turns the same
-fields into the flags of `raylm serve` / `raylm bench`, so no setting is spelled twice.
+Its fields are the keyword arguments of `LLM(...)`; `add_cli_args` turns the same fields
+into the flags of `raylm serve` / `raylm bench`, `from_values` reads them as Ray Serve app
+keys, and `docs/engine_args.md` is generated from them, so no setting is spelled twice.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ import argparse
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any
 
+from raylm.engine import arg_fields
+
+from raylm.engine import envs
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
-                                 LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len,
-                                 load_hf_config, resolve_dtype)
+                                 LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
+                                 resolve_dtype)
+from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.sliding_window import kv_cache_sliding_window
 
@@ -71,6 +76,11 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
+    enable_expert_parallel: bool = field(default=False, metadata=_help(
+        "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
+        "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
+        "for all tokens and one all-reduce per MoE layer sums them, as without it. Needs at least as many experts "
+        "as workers; no effect on other models or at tensor_parallel_size 1."))
     distributed_executor_backend: str | None = field(default=None, metadata=_help(
         "'uni' runs the one worker in this process; 'ray' runs the workers as Ray actors, even one. Default: "
         "'uni' for tensor_parallel_size 1, 'ray' above. ('mp', vLLM's multiprocessing executor, does not exist "
@@ -96,15 +106,25 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
     attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton', 'cpu' (native "
                                                                        "C++ decode) or 'torch' (reference); default "
-                                                                       "RAYLM_ATTENTION_BACKEND, else triton on CUDA, "
-                                                                       "cpu on CPU."))
-    enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
-                                                              "runs eagerly (no CUDA graphs yet)."))
+                                                                       "triton on CUDA, cpu on CPU."))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Run every step eagerly (vLLM's flag). By default, on a GPU with the Triton kernels and one worker, "
+        "decode steps replay CUDA graphs captured at start for padded batch sizes 1, 2, 4, 8, 16, 24, ... up "
+        "to max_num_seqs (their memory is set aside before the KV cache is sized); steps with a prompt chunk "
+        "always run eagerly. No effect on the CPU."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
     generation_config: str = field(default="auto", metadata=_help(
         "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
         "that leave them unset, and all its EOS ids stop generation; 'vllm' ignores the file; a folder path "
         "reads the file from there."))
+    speculative_config: dict[str, Any] | None = field(default=None, metadata=_help(
+        "Speculative decoding, as vLLM's: a dict (a JSON object on the command line), "
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
+        "to propose the tokens that followed the request's last n..m tokens earlier in its prompt and output, "
+        "or {\"model\": DIR, \"num_speculative_tokens\": k} for a smaller draft model with the same "
+        "vocabulary. The target model verifies the k proposals in one step; outputs follow its distribution "
+        "exactly. Also: disable_by_batch_size, adaptive, draft_token_cost (docs/speculative_decoding.md). "
+        "Default: off."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
@@ -135,6 +155,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        envs.check_all()  # a bad RAYLM_* value stops the start here, before anything is loaded
         # The one place a model argument is resolved: no model, or the demo model's short
         # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
         self.model = resolve_model_path(self.model)
@@ -155,14 +176,35 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager,
         )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_compiled_graph=self.ray_compiled_graph,
+            ray_span_nodes=self.ray_span_nodes,
+            ray_cpus_per_worker=self.ray_cpus_per_worker,
+            placement_group_timeout_s=self.placement_group_timeout_s,
+            worker_timeout_s=self.worker_timeout_s,
+        )
+        speculative_config = _speculative_config(self.speculative_config, model_config, parallel_config)
+        # A draft model keeps its KV under the target's block ids: a block may be freed as
+        # the window slides only once every layer of both models has passed it. The draft's
+        # first query of a step may be the accepted proposal its KV lacks, one position
+        # before the target's first new token, so its window reaches one token further back.
+        sliding_window = kv_cache_sliding_window(model_config.layer_sliding_windows)
+        if speculative_config is not None and speculative_config.uses_draft_model:
+            sliding_window = kv_cache_sliding_window(model_config.layer_sliding_windows
+                                                     + speculative_config.draft_model_config.layer_sliding_windows)
+            sliding_window = None if sliding_window is None else sliding_window + 1
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_space_bytes=None if self.kv_cache_space is None else int(self.kv_cache_space * _GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
-            sliding_window=kv_cache_sliding_window(model_config.layer_sliding_windows),
+            sliding_window=sliding_window,
         )
         default_budget = (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
                           else max(max_model_len, 2048))
@@ -174,51 +216,71 @@ class EngineArgs:
             disable_async_output_proc=self.disable_async_output_proc,
             async_scheduling=self.async_scheduling,
         )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-            ray_compiled_graph=self.ray_compiled_graph,
-            ray_span_nodes=self.ray_span_nodes,
-            ray_cpus_per_worker=self.ray_cpus_per_worker,
-            placement_group_timeout_s=self.placement_group_timeout_s,
-            worker_timeout_s=self.worker_timeout_s,
-        )
         lora_config = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                        else None)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config, lora_config)
+        _check_lora_with_speculative(lora_config, speculative_config)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
+                            speculative_config, lora_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        """Adds one flag per field (`--max-model-len`), with the field's help and default.
-
-        The help shows the default as vLLM's does, "(default: 256)"; a None default is
-        described by the field's help text itself ("default: the model's"), so that the help
-        never reads "default: None".
-        """
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = _cli_type(hints[f.name])
-            help_text = f.metadata.get("help", "").replace("%", "%%")
-            if f.default is not None:
-                help_text += " (default: %(default)s)"
-            elif "default" not in help_text.lower():
-                help_text += " (default: none)"
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-            else:
-                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
-        return parser
+        """Adds one flag per field (`--max-model-len`), with the field's help and default
+        (see `arg_fields.add_cli_args`)."""
+        return arg_fields.add_cli_args(parser, cls, skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return arg_fields.from_namespace(cls, args)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "EngineArgs":
+        """EngineArgs from string-keyed values (Ray Serve's `key=value` app arguments):
+        strings are parsed by each field's type; an unknown key is a ValueError naming its
+        near misses."""
+        return arg_fields.from_values(cls, values, "engine argument")
 
 
-def _cli_type(hint: Any) -> type:
-    """The argparse type of a field: its hint with `| None` taken off."""
-    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
-    return args[0] if args else hint
+def _check_lora_with_speculative(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None) -> None:
+    """A draft model has no adapters: its proposals would be the base model's while the
+    target verifies under each request's adapter, so it is refused rather than served with
+    proposals that are mostly rejected. N-gram proposals come from the request's own tokens
+    and the adapter-carrying target verifies them (docs/lora.md)."""
+    if lora_config is not None and speculative_config is not None and speculative_config.uses_draft_model:
+        raise ValueError(f"enable_lora and a draft model in speculative_config ({speculative_config.model!r}) cannot "
+                         f"be combined: the draft model carries no LoRA adapters. Use speculative_config "
+                         f"{{\"method\": \"ngram\", ...}} with enable_lora, or turn LoRA off.")
+
+
+def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelConfig,
+                        parallel_config: ParallelConfig) -> SpeculativeConfig | None:
+    """The validated speculative_config, with the draft model's ModelConfig: the target's
+    dtype and context length, and checks that it can stand in for the target."""
+    raw = parse_speculative_config(value)
+    if raw is None:
+        return None
+    config = build_speculative_config(raw)
+    if not config.uses_draft_model:
+        return config
+    draft_path = resolve_model_path(config.model)
+    hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
+    if hf_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"speculative_config model {config.model!r} has a vocabulary of {hf_config.vocab_size} "
+                         f"tokens, the target model {model_config.vocab_size}: a draft model must share the "
+                         f"target's tokenizer.")
+    draft_config = ModelConfig(model=draft_path, tokenizer=model_config.tokenizer, dtype=model_config.dtype,
+                               max_model_len=derive_max_model_len(hf_config, None), hf_config=hf_config,
+                               seed=model_config.seed, trust_remote_code=model_config.trust_remote_code,
+                               skip_tokenizer_init=True, attention_backend=model_config.attention_backend,
+                               generation_config="vllm")
+    if draft_config.max_model_len < model_config.max_model_len:
+        raise ValueError(f"speculative_config model {config.model!r} handles {draft_config.max_model_len} tokens of "
+                         f"context, fewer than max_model_len ({model_config.max_model_len}): lower max_model_len "
+                         f"or use a draft model with a longer context.")
+    draft_config.max_model_len = model_config.max_model_len
+    tp = parallel_config.tensor_parallel_size
+    if draft_config.num_attention_heads % tp:
+        raise ValueError(f"speculative_config model {config.model!r} has {draft_config.num_attention_heads} "
+                         f"attention heads, not divisible by tensor_parallel_size {tp}: the draft model is "
+                         f"sharded like the target.")
+    config.draft_model_config = draft_config
+    return config

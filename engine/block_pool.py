@@ -45,6 +45,18 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Iterable[int], extra
     return digest.digest()
 
 
+def first_block_extra_key(cache_salt: str | None, adapter_key: bytes | None = None) -> bytes:
+    """What, besides its tokens, the KV of a request's first block depends on (its
+    `extra_key`): the request's cache_salt and its LoRA adapter. Empty for neither, the
+    salt's UTF-8 for a salt alone; with an adapter, a 0xff byte (which starts no UTF-8
+    text, so no salt can pose as an adapter), the salt length-prefixed, then the adapter's
+    key. The KV-cache manager and the prefix router's keys both hash with it."""
+    salt = b"" if cache_salt is None else cache_salt.encode()
+    if adapter_key is None:
+        return salt
+    return b"\xff" + len(salt).to_bytes(8, "little") + salt + adapter_key
+
+
 class BlockPool:
     """A fixed set of blocks, handed out from an LRU free queue, with a hash -> block map
     of the cached ones."""
@@ -110,6 +122,20 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+
+    def recent_cached_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of cached blocks, most recently used first: the blocks
+        requests hold, then the free ones from the most recently freed (the last to be
+        evicted). What a replica tells a prefix-aware router it holds."""
+        if limit <= 0:
+            return []
+        hashes = [block_hash for block_hash, block in self.cached_blocks.items() if block.ref_cnt > 0][:limit]
+        for block in reversed(self.free_queue.values()):
+            if len(hashes) >= limit:
+                break
+            if block.block_hash is not None:
+                hashes.append(block.block_hash)
+        return hashes
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; only possible when no block is held."""

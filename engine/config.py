@@ -84,13 +84,15 @@ class ModelConfig:
     revision: str | None = None
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
-    # "triton" | "torch" | None (RAYLM_ATTENTION_BACKEND, else triton on CUDA, torch on CPU).
+    # "triton" | "cpu" | "torch" | None (triton on CUDA, else cpu where it builds, else torch).
     attention_backend: str | None = None
     # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"
     # vLLM's max_logprobs: the most logprobs / prompt_logprobs a request may ask for
     # (-1: up to the vocabulary). Each one is a Logprob object per position and sequence.
     max_logprobs: int = 20
+    # vLLM's flag: no CUDA graphs, every step runs eagerly (executors/cuda_graphs.py).
+    enforce_eager: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -237,6 +239,9 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # vLLM's flag: MoE layers place whole experts on the tensor-parallel ranks (each rank runs
+    # its experts for every token; one all-reduce sums them) instead of sharding every expert.
+    enable_expert_parallel: bool = False
     # vLLM's meanings: "uni" runs the one worker in process, "ray" runs the workers as Ray
     # actors (even one); None is "uni" for one worker, "ray" for more. There is no "mp".
     distributed_executor_backend: str | None = None
@@ -334,5 +339,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    # Speculative decoding (raylm.engine.spec_decode.SpeculativeConfig); None: off.
+    speculative_config: Any = None
     # None: LoRA is off (enable_lora=False).
     lora_config: LoRAConfig | None = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from raylm.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from raylm.engine.block_pool import BlockPool, KVCacheBlock, first_block_extra_key, hash_block_tokens
 from raylm.engine.request import Request
 
 # Stands in a block table for a block every layer's window has passed (freed, or never taken
@@ -193,8 +193,30 @@ class KVCacheManager:
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks[num_null:]))
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Returns the request's blocks past those holding its first num_tokens tokens, last
+        first: the slots of proposals its verification rejected (speculative decoding).
+        Cached blocks hold verified tokens only, all among the first num_tokens."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or keep >= len(blocks):
+            return
+        assert self._num_cached_blocks.get(request.request_id, 0) <= keep, (
+            f"{request} would free a block registered in the prefix cache")
+        # Blocks the sliding window freed lie before the first verified token's window.
+        assert self._num_null_blocks.get(request.request_id, 0) <= keep, (
+            f"{request} would free a block the sliding window already freed")
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(extra))
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def recent_cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of the prefix cache's blocks, most recently used first
+        (`BlockPool.recent_cached_hashes`); none with prefix caching off."""
+        return self.block_pool.recent_cached_hashes(limit) if self.enable_caching else []
 
     # ----------------------------------------------------------------- caching
     def _update_block_hashes(self, request: Request) -> None:
@@ -259,14 +281,9 @@ class KVCacheManager:
 
 
 def _first_block_extra_key(request: Request) -> bytes:
-    """What, besides its tokens, the KV of a request's first block depends on: its cache_salt
-    and its LoRA adapter. Empty for neither; otherwise both fields, each length-prefixed, so
-    that no salt can be written to look like another salt with an adapter."""
-    salt, lora = request.cache_salt, request.lora_request
-    if salt is None and lora is None:
-        return b""
-    fields = (b"" if salt is None else b"s" + salt.encode(), b"" if lora is None else b"l" + lora.cache_key())
-    return b"".join(len(field).to_bytes(8, "little") + field for field in fields)
+    """The request's cache_salt and LoRA adapter, as the first block's hash takes them."""
+    lora = request.lora_request
+    return first_block_extra_key(request.cache_salt, None if lora is None else lora.cache_key())
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -9,9 +10,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from raylm.engine.arg_utils import EngineArgs
-from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_params_from,
-                                      beam_search_request_output, beam_search_sampling_params, top_logprobs)
-from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
+                                      beam_search_params_from, beam_search_request_output, run_sync)
+from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
+from raylm.engine.logger import init_default_logging
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -37,9 +39,13 @@ class LLM:
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
             max_loras). An unknown argument is a TypeError naming it.
+
+    Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
+    application configured logging first (see `raylm.engine.logger`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        init_default_logging()
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
@@ -84,48 +90,40 @@ class LLM:
         requests to the engine, so the prompts' and the beams' common prefixes share KV
         blocks through the prefix cache. lora_request as in `generate`."""
         engine = self.llm_engine
-        searches = []
         prompt_list = _as_prompt_list(prompts)
-        for prompt in prompt_list:
-            _, prompt_token_ids = engine._tokenize_prompt(prompt)
-            searches.append(BeamSearch(prompt_token_ids, params, engine.eos_token_ids))
-        lora_of = {id(search): lora for search, lora in zip(searches, _as_lora_list(lora_request, len(prompt_list)))}
-        progress = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
-        with progress:
-            while active := [search for search in searches if not search.finished_search]:
-                batch = [(search, tokens) for search in active for tokens in search.pending()]
-                step_params = [beam_search_sampling_params(search) for search, _ in batch]
-                outputs = self._run([{"prompt_token_ids": tokens} for _, tokens in batch], step_params, False,
-                                    [lora_of[id(search)] for search, _ in batch])
-                for search in active:
-                    search.advance([top_logprobs(o) for (owner, _), o in zip(batch, outputs) if owner is search])
-                progress.update(1)
-        tokenizer = self.get_tokenizer()
-        results = []
-        for search in searches:
-            sequences = search.results()
-            for sequence in sequences:
-                if tokenizer is not None:
-                    sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
-            results.append(BeamSearchOutput(sequences))
-        return results
+        driver = BeamSearchDriver([(engine._tokenize_prompt(prompt)[1], params) for prompt in prompt_list],
+                                  engine.eos_token_ids, [cache_salt_of(prompt) for prompt in prompt_list],
+                                  _as_lora_list(lora_request, len(prompt_list)))
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as progress:
+            run_sync(driver, functools.partial(self._run_beam_step, driver), lambda: progress.update(1))
+        return driver.outputs(self.get_tokenizer())
+
+    def _run_beam_step(self, driver: BeamSearchDriver, requests: StepRequests) -> list[RequestOutput]:
+        return self._run([prompt for prompt, _ in requests], [params for _, params in requests], False,
+                         driver.step_lora_requests())
 
     def _generate_with_beam_search(self, prompts: list[PromptType], params_list: list[SamplingParams],
                                    use_tqdm: bool, lora_list: list[LoRARequest | None]) -> list[RequestOutput]:
         """vLLM 0.4's `SamplingParams(use_beam_search=True)`: each prompt's n best of
-        best_of beams as its completions."""
-        outputs = []
+        best_of beams as its completions; the beam searches step together."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        sampled = [i for i, params in enumerate(params_list) if not params.use_beam_search]
+        if sampled:
+            for i, output in zip(sampled, self._run([prompts[i] for i in sampled], [params_list[i] for i in sampled],
+                                                    use_tqdm, [lora_list[i] for i in sampled])):
+                outputs[i] = output
+        searched = [i for i, params in enumerate(params_list) if params.use_beam_search]
+        tokenized = [self.llm_engine._tokenize_prompt(prompts[i]) for i in searched]
         max_model_len = self.llm_engine.model_config.max_model_len
-        for prompt, params, lora in zip(prompts, params_list, lora_list):
-            if not params.use_beam_search:
-                outputs += self._run([prompt], [params], use_tqdm, [lora])
-                continue
-            prompt_text, prompt_token_ids = self.llm_engine._tokenize_prompt(prompt)
-            max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
-            (result,) = self.beam_search([{"prompt_token_ids": prompt_token_ids}],
-                                         beam_search_params_from(params, max_tokens), use_tqdm, lora)
-            outputs.append(beam_search_request_output(str(next(self._request_counter)), prompt_text,
-                                                      prompt_token_ids, result, params.n))
+        driver = BeamSearchDriver(
+            [(token_ids, beam_search_params_from(params_list[i], params_list[i].max_tokens
+                                                 or max_model_len - len(token_ids)))
+             for i, (_, token_ids) in zip(searched, tokenized)], self.llm_engine.eos_token_ids,
+            [cache_salt_of(prompts[i]) for i in searched], [lora_list[i] for i in searched])
+        run_sync(driver, functools.partial(self._run_beam_step, driver))
+        for i, (prompt_text, token_ids), result in zip(searched, tokenized, driver.outputs(self.get_tokenizer())):
+            outputs[i] = beam_search_request_output(str(next(self._request_counter)), prompt_text, token_ids, result,
+                                                    params_list[i].n)
         return outputs
 
     def chat(self, messages: ChatMessages | list[ChatMessages],

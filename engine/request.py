@@ -93,6 +93,10 @@ class Request:
     # The LoRA adapter the request runs under (None: the base model); part of the first
     # block's hash too, so that only requests of the same adapter share cached KV.
     lora_request: LoRARequest | None = None
+    # Speculative decoding: the proposals of this request's verification step in flight
+    # (their KV slots are allocated and num_computed_tokens counts them until the step's
+    # output says how many were accepted); empty otherwise.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -25,6 +25,12 @@ request sampled by a step in flight counts that token as a placeholder
 (`num_output_placeholders`), its next decode sends PLACEHOLDER_TOKEN_ID for the workers to
 fill, and it is not scheduled at all once its tokens in flight reach max_tokens or
 max_model_len.
+
+With speculative decoding (a `Drafter`), a decoding request also carries the tokens it
+proposes (`spec_token_ids`), budgeted and given KV slots like any other token; the engine
+core rolls back what the verification rejects. Under async scheduling a request that
+proposes is not pipelined: how many tokens its verification accepts, so where its next
+step starts, is known only once that step is collected (see `_schedule_running`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
 from raylm.engine.lora_slots import LoRASlots
 from raylm.engine.request import Request, RequestStatus
+from raylm.engine.spec_decode.config import SpeculativeConfig
+from raylm.engine.spec_decode.drafter import Drafter
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
 
@@ -60,6 +68,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 speculative_config: SpeculativeConfig | None = None,
                  lora_slots: LoRASlots | None = None) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_gpu_blocks < 1:
             raise ValueError(f"cache_config.num_gpu_blocks must be set to at least 1 before building the "
@@ -82,6 +91,9 @@ class Scheduler:
         # enable_lora: the adapter slots (a request of an adapter is admitted when its
         # adapter is loaded and has a slot; see engine/lora_slots.py).
         self.lora_slots = lora_slots
+        # Speculative decoding: what each decoding request proposes (None: off).
+        self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
+                        if speculative_config is not None else None)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -109,6 +121,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.lora_slots is not None:
             self.lora_slots.release(request)
+        if self.drafter is not None:
+            self.drafter.free(request)
         del self.requests[request.request_id]
         if request.worker_id in self._on_workers:
             self._on_workers.discard(request.worker_id)
@@ -164,7 +178,7 @@ class Scheduler:
                 out.num_prefill_tokens += num_new_tokens
             out.step.requests.append(self._scheduled_request(request, num_new_tokens))
             out.scheduled.append(request)
-            out.num_batched_tokens += num_new_tokens
+            out.num_batched_tokens += num_new_tokens + len(request.spec_token_ids)
         if scheduled:
             # An empty step never reaches the workers: its ids ride along with the next one.
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
@@ -177,20 +191,38 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and self._ends_with_tokens_in_flight(request):
-                index += 1  # nothing left to compute: its last token is being sampled
+            if request.num_output_placeholders and (request.spec_token_ids
+                                                    or self._ends_with_tokens_in_flight(request)):
+                # Nothing known to compute: its last token is being sampled, or its
+                # verification in flight decides where its next step starts.
+                index += 1
                 continue
             num_new_tokens = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                                  budget)
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
-            while kv.allocate_slots(request, num_new_tokens) is None:
+            drafts: list[int] = []
+            if self.drafter is not None and num_new_tokens == 1 and (request.output_token_ids
+                                                                      or request.num_output_placeholders):
+                num_drafts = self.drafter.num_drafts(request, budget, len(self.running))
+                if num_drafts and request.num_output_placeholders:
+                    index += 1  # async scheduling: proposes once its step in flight is collected
+                    continue
+                if num_drafts:
+                    drafts = self.drafter.propose(request, num_drafts)
+            # Proposals never cost another request its place: without room for them the
+            # request decodes one token.
+            while kv.allocate_slots(request, num_new_tokens + len(drafts)) is None:
+                if drafts:
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
                     return budget
+            request.spec_token_ids = drafts
             scheduled.append((request, num_new_tokens))
-            budget -= num_new_tokens
+            budget -= num_new_tokens + len(drafts)
             index += 1
         return budget
 
@@ -257,6 +289,10 @@ class Scheduler:
                 scheduled.prompt_logprobs_start = first
                 scheduled.prompt_logprobs_targets = request.prompt_token_ids[first + 1:last + 1]
                 request.num_prompt_logprobs_done = last
+        if request.spec_token_ids:
+            # The proposals' KV is written too; the core takes back what is rejected.
+            scheduled.spec_token_ids = list(request.spec_token_ids)
+            end += len(request.spec_token_ids)
         request.num_computed_tokens = end
         request.resumed = False
         self._on_workers.add(request.worker_id)

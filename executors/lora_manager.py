@@ -147,7 +147,7 @@ class WorkerLoRAManager:
 
     # ---- steps ---------------------------------------------------------------------------------
     def prepare_step(self, requests: list[ScheduledRequest], activations: dict[int, LoRARequest] | None,
-                     output_rows: torch.Tensor | None = None) -> bool:
+                     output_rows: list[int] | None = None) -> bool:
         """Loads the adapters the step assigns to slots and sets each token's slot (and the
         step's output rows, ForwardContext.output_rows); returns whether any token of the step
         runs under an adapter."""
@@ -158,8 +158,11 @@ class WorkerLoRAManager:
             return self.batch.set_step([])
         token_slots: list[int] = []
         for scheduled in requests:
-            token_slots += [scheduled.lora_slot] * len(scheduled.token_ids)
-        return self.batch.set_step(token_slots, output_rows)
+            # A verification step's proposals follow the request's tokens (speculative decoding).
+            num_tokens = len(scheduled.token_ids) + len(scheduled.spec_token_ids or ())
+            token_slots += [scheduled.lora_slot] * num_tokens
+        rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
+        return self.batch.set_step(token_slots, rows)
 
     def _activate(self, slot: int, lora_request: LoRARequest) -> None:
         with self._lock:

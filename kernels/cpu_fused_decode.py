@@ -12,24 +12,22 @@ op adds each token's adapter term after each projection, as the LoRA layers do
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
 layer's ~10 kernels runs with cold caches (25 us an op call instead of 2.4); in the ~100M
-Llama's bf16 generate those gaps were ~0.27 s of ~8.4 s. Set RAYLM_CPU_FUSED_DECODE=0 to run
-the modules instead (for comparisons).
+Llama's bf16 generate those gaps were ~0.27 s of ~8.4 s. For comparisons, "fused_decode" in
+RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) runs the modules instead.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from raylm.engine import envs
 from raylm.kernels import cpu_attention, cpu_gemm, cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.native_build import load_native_library
-
-ENV_VAR = "RAYLM_CPU_FUSED_DECODE"
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -116,7 +114,8 @@ class CpuFusedDecode:
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
         native CPU kernels, or the kernels cannot be built."""
-        self._shape = _shape_of(self.layers, self.is_plain_layer) if os.environ.get(ENV_VAR) != "0" else False
+        self._shape = (_shape_of(self.layers, self.is_plain_layer) if not envs.kernel_switched_off("fused_decode")
+                       else False)
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
             attn, mlp = self.layers[0].self_attn, self.layers[0].mlp

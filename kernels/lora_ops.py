@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from raylm.kernels.native_build import load_native_library
 

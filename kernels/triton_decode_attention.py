@@ -27,10 +27,10 @@ import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
 
-# Tokens per K/V tile; independent of the cache block size (each token finds its block).
-_BLOCK_N = 64
-# Split-K partitions are at least this many tokens: below it the merge costs more than the
-# parallelism gains.
+# Split-K partitions are multiples of this many tokens (a multiple of every K/V tile width,
+# so no tile straddles two partitions) ...
+PARTITION_ALIGN = 64
+# ... and at least this many: below it the merge costs more than the parallelism gains.
 _MIN_PARTITION = 512
 _MAX_SPLITS = 64
 
@@ -44,7 +44,30 @@ def soft_cap_scores(s, cap):
     return tl.where(s < 0, -magnitude, magnitude)
 
 
-@triton.jit
+def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
+    """The decode kernel's tile shape and warps for a cache dtype, GQA group and head size.
+
+    A program holds one K and one V tile of BLOCK_N x BLOCK_D in registers. Compiled for
+    sm_90a (Triton 3.9's ptxas), more than 32 16-bit or 16 fp32 elements of a tile per thread
+    spilled: bf16 at BLOCK_N 64, head size 128 and 4 warps used 255 registers and 96 bytes of
+    stack, fp32 at BLOCK_N 64 336 bytes; within these budgets every variant compiled to 168-212
+    registers without a stack frame (`cluster/benchmarks/gpu_kernel_check.py` reports them).
+    Off the GPU (the interpreter) the shape only has to be valid."""
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_warps = 4 if block_d <= 64 else 8
+    per_thread = 16 if dtype == torch.float32 else 32
+    block_n = max(16, min(64, per_thread * 32 * num_warps // block_d))
+    # The interpreter gets low-precision dots wrong, and fp32 caches need fp32 dots on a GPU
+    # too (Triton's default for them is TF32).
+    dot_fp32 = not on_gpu or dtype == torch.float32
+    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+                DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=num_warps)
+
+
+# The block table's row stride (its width, the longest context of the step in blocks) and the
+# partial results' strides (which follow the split count) change from step to step: left
+# specialised, each new value divisible or not by 16 would compile the kernel again.
+@triton.jit(do_not_specialize=["stride_bt", "stride_pl_seq", "stride_pl_head"])
 def _paged_decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -132,7 +155,7 @@ def _paged_decode_kernel(
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head"])
 def _merge_partitions_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
@@ -178,6 +201,24 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+def partition(max_seq_len: int, num_splits: int) -> tuple[int, int]:
+    """(partition size, split count) for about num_splits partitions of max_seq_len tokens:
+    partitions are PARTITION_ALIGN multiples, so the count can come out lower."""
+    partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), PARTITION_ALIGN) * PARTITION_ALIGN
+    return partition_size, triton.cdiv(max_seq_len, partition_size)
+
+
+def merge_block_s(num_splits: int) -> int:
+    """The merge kernel's BLOCK_S (a compiled variant each) for a split count."""
+    return max(2, triton.next_power_of_2(num_splits))
+
+
+def possible_split_counts(max_model_len: int) -> list[int]:
+    """Every split count the dispatcher can choose for contexts up to max_model_len (beyond 1)."""
+    by_length = max(1, max_model_len // _MIN_PARTITION)
+    return list(range(2, min(by_length, _MAX_SPLITS) + 1))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -212,17 +253,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     max_keys = md.max_seq_len if sliding_window is None else min(md.max_seq_len, sliding_window)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_keys, _num_sms(query.device))
-    partition_size = triton.cdiv(triton.cdiv(max_keys, num_splits), _BLOCK_N) * _BLOCK_N
-    num_splits = triton.cdiv(max_keys, partition_size)
+    partition_size, num_splits = partition(max_keys, num_splits)
 
     group = num_heads // num_kv_heads
-    # CPU means the interpreter, which gets low-precision dots wrong; fp32 caches need
-    # fp32 dots on a GPU too (the default would be TF32).
-    dot_fp32 = query.device.type != "cuda" or k_cache.dtype == torch.float32
     common = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-                  BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-                  BLOCK_N=_BLOCK_N, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4,
-                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0))
+                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
+                  **decode_tiles(k_cache.dtype, group, head_size, query.device.type == "cuda"))
     qk_scale = scale * math.log2(math.e)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -252,5 +288,5 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1), partition_size,
         HEAD_SIZE=head_size, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), SLIDING_WINDOW=sliding_window or 0, num_warps=4)
+        BLOCK_S=merge_block_s(num_splits), SLIDING_WINDOW=sliding_window or 0, num_warps=4)
     return out

@@ -26,10 +26,38 @@ import triton.language as tl
 from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.triton_decode_attention import soft_cap_scores
 
-_BLOCK_N = 64
+def prefill_tiles(dtype: torch.dtype, group: int, head_size: int, max_query_len: int, on_gpu: bool = True) -> dict:
+    """The prefill kernel's tile shape and warps for a cache dtype, GQA group, head size and
+    the step's longest query chunk.
+
+    Rows (BLOCK_M) are (query, head of the group) pairs: at least 16 for the dot, at most 64
+    (32 in fp32, or at head size 256) unless the group alone is larger; few rows when the
+    chunks are short (decode rows). Compiled for sm_90a (Triton 3.9's ptxas), more than 16
+    elements of a K/V tile per thread spilled: bf16 at BLOCK_N 64, head size 128 and 4 or 8
+    warps used 255 registers and 104-528 bytes of stack, fp32 at BLOCK_M 64 and BLOCK_N 64
+    ~9 KB; so did 64 rows at head size 256 (96 bytes, GQA 8). Within these budgets every
+    variant compiled to 95-245 registers without a stack frame
+    (`cluster/benchmarks/gpu_kernel_check.py` reports them)."""
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_warps = 4 if block_d <= 64 else 8
+    block_n = max(16, min(64, 16 * 32 * num_warps // block_d))
+    max_rows = min(32 if dtype == torch.float32 else 64, 8192 // block_d)
+    block_m = max(triton.next_power_of_2(group),
+                  min(max_rows, max(16, triton.next_power_of_2(max_query_len * group))))
+    dot_fp32 = not on_gpu or dtype == torch.float32
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32,
+                DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=num_warps)
 
 
-@triton.jit
+def block_m_variants(dtype: torch.dtype, group: int, head_size: int) -> list[int]:
+    """Every BLOCK_M prefill_tiles can choose for this dtype, group and head size (one
+    compiled kernel each)."""
+    return sorted({prefill_tiles(dtype, group, head_size, n)["BLOCK_M"] for n in (1, 2, 4, 8, 16, 32, 64, 128)})
+
+
+# The block table's row stride (the step's longest context in blocks) changes from step to
+# step: left specialised, each new value divisible or not by 16 would compile again.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -146,14 +174,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         return out
 
     group = num_heads // num_kv_heads
-    # Rows are (query, head of the group) pairs: at least 16 for the dot, at most 64 unless
-    # the group alone is larger; few rows when the chunks are short (decode rows).
-    block_m = max(triton.next_power_of_2(group), min(64, max(16, triton.next_power_of_2(md.max_query_len * group))))
-    block_q = block_m // group
-    # CPU means the interpreter, which gets low-precision dots wrong; fp32 caches need
-    # fp32 dots on a GPU too (the default would be TF32).
-    dot_fp32 = query.device.type != "cuda" or k_cache.dtype == torch.float32
-    grid = (md.num_seqs, triton.cdiv(md.max_query_len, block_q), num_kv_heads)
+    tiles = prefill_tiles(k_cache.dtype, group, head_size, md.max_query_len, query.device.type == "cuda")
+    grid = (md.num_seqs, triton.cdiv(md.max_query_len, tiles["BLOCK_Q"]), num_kv_heads)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
         scale * math.log2(math.e),
@@ -161,9 +183,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         md.block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_N=_BLOCK_N,
-        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4,
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, **tiles,
         SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
     )
     return out

@@ -38,8 +38,8 @@ class Attention(nn.Module):
         self.sliding_window = None if sliding_window is None else int(sliding_window)
         self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Triton on CUDA machines, the PyTorch reference otherwise (RAYLM_ATTENTION_BACKEND
-        # overrides); the runner sets the engine's choice after building the model.
+        # The machine's default (kernels/backend.py); the runner sets the engine's choice
+        # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -134,14 +134,12 @@ def test_block_table_too_short_for_its_sequence_is_an_error_not_a_read_out_of_bo
         cpu_attention.paged_decode_attention(query, k_cache, v_cache, md.block_tables[:, :1], md.seq_lens, 0.5)
 
 
-def test_cpu_backend_is_the_default_on_a_cpu_machine(native, monkeypatch):
-    monkeypatch.delenv("RAYLM_ATTENTION_BACKEND", raising=False)
+def test_cpu_backend_is_the_default_on_a_cpu_machine(native):
     if torch.cuda.is_available():
         pytest.skip("CUDA machines default to the Triton backend")
     backend = get_attention_backend()
     assert backend.name == "cpu" and backend.paged_attention is cpu_attention.paged_attention
-    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "torch")
-    assert get_attention_backend().name == "torch"
+    assert get_attention_backend("torch").name == "torch"
 
 
 def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, caplog, tmp_path):

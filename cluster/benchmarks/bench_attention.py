@@ -201,8 +201,8 @@ def run_prefill(args: argparse.Namespace, backend, dtype: torch.dtype, device: t
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("triton", "cpu", "torch"), default=None,
-                        help="Attention backend; default RAYLM_ATTENTION_BACKEND, else triton on CUDA, the native "
-                             "cpu kernel on CPU (torch if it cannot be built).")
+                        help="Attention backend; default triton on CUDA, the native cpu kernel on CPU (torch if "
+                             "it cannot be built).")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--num-heads", type=int, default=32)

@@ -66,6 +66,19 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// kernels/cpu_gemm.py's onednn_rows, ONEDNN_EXACT_ROWS and ONEDNN_ROWS_PER_DOUBLING: the few
+// row counts oneDNN GEMMs run with, so that it keeps few primitives (one per shape it sees).
+constexpr int64_t kOneDnnExactRows = 16;
+constexpr int64_t kOneDnnRowsPerDoubling = 8;
+
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= kOneDnnExactRows) return rows;
+  int64_t below = 1;  // the largest power of two under rows
+  while (below * 2 < rows) below *= 2;
+  const int64_t step = below / kOneDnnRowsPerDoubling;
+  return (rows + step - 1) / step * step;
+}
+
 using StreamingLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
 
 at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
@@ -80,13 +93,20 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, i
       return op.call(x, weight, out_features, bias);
     }
     case kOneDnn: {
-      // torch's own op (cpu_gemm.cpu_linear); boxed, as its schema's list of optional scalars
-      // has no stable unboxed C++ type across torch versions.
+      // torch's own op, at the rows cpu_gemm.cpu_linear runs it with (onednn_rows: x's, zeros
+      // below), so that the results are bitwise the modules'; boxed, as its schema's list of
+      // optional scalars has no stable unboxed C++ type across torch versions.
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      torch::jit::Stack stack{x, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+      const int64_t rows = x.size(0), padded_rows = onednn_rows(rows);
+      at::Tensor input = x;
+      if (padded_rows != rows) {
+        input = at::zeros({padded_rows, x.size(1)}, x.options());
+        input.narrow(0, 0, rows).copy_(x);
+      }
+      torch::jit::Stack stack{input, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
                               std::optional<std::string>(std::string())};
       op.callBoxed(&stack);
-      return stack.back().toTensor();
+      return stack.back().toTensor().narrow(0, 0, rows);
     }
     case kDense:
       return at::linear(x, weight, bias);
