@@ -209,6 +209,11 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
     if not isinstance(server_args, ServerArgs):
         server_args = ServerArgs.from_values(server_args or {})
     deployment = deployment or DeploymentArgs.from_values(deployment_kwargs)
+    if server_args.lora.allow_runtime_lora_updating and deployment.most_replicas > 1:
+        # A load request reaches one replica; the others would answer 404 for the adapter.
+        raise ValueError(f"allow_runtime_lora_updating loads an adapter on the one replica its request reaches, so "
+                         f"it needs a single engine replica (num_replicas=1), got up to {deployment.most_replicas}; "
+                         f"serve adapters on several replicas with lora_modules.")
     tp = int(engine_kwargs.get("tensor_parallel_size", 1))
     use_ray_workers = tp > 1 or engine_kwargs.get("distributed_executor_backend") == "ray"
     if use_ray_workers:

@@ -33,6 +33,9 @@ PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # is unused when empty or false (PEFT writes False, None, {} or [] for them).
 _UNSUPPORTED_FIELDS = ("use_dora", "fan_in_fan_out", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
                        "layer_replication", "trainable_token_indices", "use_qalora", "alora_invocation_tokens")
+# Module path segments of Mixture-of-Experts layers' experts (Qwen-MoE's `mlp.experts` and
+# `shared_expert`, Mixtral's `block_sparse_moe`): raylm's FusedMoE takes no LoRA term.
+_MOE_MODULE = re.compile(r"\.(experts|shared_experts?|block_sparse_moe)(\.|$)")
 _TENSOR_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -118,6 +121,13 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
     alpha = raw.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoRAAdapterError(f"{what}: lora_alpha must be a number, got {alpha!r}.")
+    if raw.get("target_parameters"):
+        # PEFT's LoRA on stacked parameters: in practice a MoE layer's experts.
+        modules = _moe_modules(folder / ADAPTER_WEIGHTS_FILE)
+        raise LoRAAdapterError(f"{what}: target_parameters={raw['target_parameters']!r} adapts the stacked expert "
+                               f"weights of Mixture-of-Experts layers ({', '.join(modules) or 'named there'}); raylm "
+                               f"serves LoRA on {', '.join(PEFT_TARGET_MODULES)} of attention and dense MLP layers, "
+                               f"not on MoE experts.")
     for key in _UNSUPPORTED_FIELDS:
         value = raw.get(key)
         if value:
@@ -129,6 +139,19 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
                                f"unchanged).")
     return PeftLoRAConfig(rank=rank, lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)),
                           base_model_name_or_path=raw.get("base_model_name_or_path"))
+
+
+def _moe_modules(weights: Path) -> list[str]:
+    """The MoE modules the adapter's tensors adapt (for the error that refuses them)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            names = list(handle.keys())
+    except Exception:  # noqa: BLE001 - only the message loses the names
+        return []
+    modules = {match["module"] for match in map(_TENSOR_NAME.match, names) if match is not None}
+    return sorted({module[:found.end(1)] for module in modules if (found := _MOE_MODULE.search(module))})
 
 
 def expected_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
@@ -151,6 +174,10 @@ def _parse_tensor_name(what: str, name: str, num_layers: int) -> AdapterTensor:
                                f"LoRA on {', '.join(PEFT_TARGET_MODULES)} only.")
     module = match["module"]
     target = module.rsplit(".", 1)[-1]
+    if _MOE_MODULE.search(module):
+        raise LoRAAdapterError(f"{what}: it adapts {module!r}, a projection of a Mixture-of-Experts layer's experts; "
+                               f"raylm serves LoRA on {', '.join(PEFT_TARGET_MODULES)} of attention and dense MLP "
+                               f"layers, not on MoE experts.")
     if target not in PEFT_TARGET_MODULES:
         raise LoRAAdapterError(f"{what}: it adapts {target!r} ({module}); raylm serves LoRA on "
                                f"{', '.join(PEFT_TARGET_MODULES)} only.")

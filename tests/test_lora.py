@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from lora_adapters import build_lora_adapter, peft_greedy
 from raylm.engine import LLM, LoRARequest, SamplingParams
@@ -324,3 +325,87 @@ def test_an_adapter_that_fails_to_load_fails_its_requests_alone(llama_dir, adapt
         assert engine.scheduler.kv_cache_manager.usage == 0.0
     finally:
         engine.shutdown()
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+
+def test_ngram_speculation_under_adapters_gives_plain_decodings_tokens(llama_dir, llm, adapters, lora_requests):
+    """N-gram proposals verified by the target under each request's adapter: the greedy tokens
+    are those of the same engine without speculation and of peft, while proposals are made,
+    accepted and rejected under adapters (each verification step's proposals run in the
+    request's slot)."""
+    rng = random.Random(5)
+    patterns = [[rng.randrange(4, 512) for _ in range(rng.randint(2, 4))] for _ in range(4)]
+    repeating = [(pattern * 12)[:rng.randint(20, 34)] for pattern in patterns]
+    plan = [(index, name) for index in range(len(repeating)) for name in ("a", "b", "base")]
+    loras = [lora_requests[name] for _, name in plan]
+    spec = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128,
+               max_num_seqs=32, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    try:
+        got = greedy(spec, [repeating[i] for i, _ in plan], loras)
+        stats = spec.llm_engine.scheduler.drafter.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert spec.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        spec.shutdown()
+    assert got == greedy(llm, [repeating[i] for i, _ in plan], loras)
+    for (index, name), tokens in zip(plan, got):
+        assert tokens == peft_greedy(llama_dir, adapters.get(name), repeating[index], MAX_TOKENS), (index, name)
+
+
+def test_a_draft_model_with_lora_is_refused_naming_both_settings(llama_dir):
+    from raylm.engine import EngineArgs
+
+    args = EngineArgs(model=str(llama_dir), enable_lora=True,
+                      speculative_config={"model": str(llama_dir), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"enable_lora and a draft model in speculative_config"):
+        args.create_engine_config()
+
+
+# ---- Mixture-of-Experts models ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    from tiny_models import build_tiny_qwen3_moe
+
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+def test_lora_on_a_moe_models_attention_equals_peft_and_expert_adapters_are_refused(moe_dir, tmp_path):
+    """On a MoE model (tiny Qwen3-MoE) an adapter of the attention projections serves as peft
+    computes it; adapters of the experts are refused when they are loaded, naming the module
+    (peft's own, which adapts the stacked expert weights through target_parameters, and one
+    in the per-expert naming), and the engine keeps serving."""
+    from safetensors.torch import load_file, save_file
+
+    attention = build_lora_adapter(moe_dir, tmp_path / "attention", rank=8, targets=("q_proj", "v_proj", "o_proj"),
+                                   seed=6)
+    # peft maps gate/up/down onto the experts' stacked weights (target_parameters).
+    stacked = build_lora_adapter(moe_dir, tmp_path / "stacked", rank=8, targets=("q_proj", "gate_proj", "up_proj",
+                                                                                  "down_proj"), seed=7)
+    per_expert = _copy_adapter(attention, tmp_path / "per_expert")
+    weights = load_file(per_expert / "adapter_model.safetensors")
+    module = "base_model.model.model.layers.0.mlp.experts.1.gate_proj"
+    weights[f"{module}.lora_A.weight"] = torch.zeros(8, 64)
+    weights[f"{module}.lora_B.weight"] = torch.zeros(48, 8)
+    save_file(weights, per_expert / "adapter_model.safetensors")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 512) for _ in range(rng.randint(20, 40))] for _ in range(3)]
+    llm = LLM(str(moe_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
+              max_num_seqs=8)
+    try:
+        good = LoRARequest("attention", 1, str(attention))
+        loras = [good, None, good]
+        assert greedy(llm, prompts, loras) == [peft_greedy(moe_dir, attention if lora else None, prompt, MAX_TOKENS)
+                                               for prompt, lora in zip(prompts, loras)]
+        refused = {"stacked": r"target_parameters=.*\(model\.layers\.0\.mlp\.experts, .*not on MoE experts",
+                   "per_expert": r"'model\.layers\.0\.mlp\.experts\.1\.gate_proj'.*not on MoE experts"}
+        for index, (name, message) in enumerate(refused.items()):
+            folder = stacked if name == "stacked" else per_expert
+            with pytest.raises(ValueError, match=message):
+                greedy(llm, prompts[:2], [good, LoRARequest(name, 2 + index, str(folder))])
+        assert greedy(llm, prompts[:1], [good]) == [peft_greedy(moe_dir, attention, prompts[0], MAX_TOKENS)]
+        assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        llm.shutdown()

@@ -73,3 +73,22 @@ def test_serve_app_serves_the_adapters_its_args_name(serve_url, llama_dir, adapt
         llama_dir, peft_greedy(llama_dir, adapters / "b", PROMPT, MAX_TOKENS))
     assert completion_tokens(serve_url, MODEL) == token_texts(
         llama_dir, peft_greedy(llama_dir, None, PROMPT, MAX_TOKENS))
+
+
+def test_runtime_loading_needs_one_replica_and_the_router_keys_adapters_apart(llama_dir, adapters):
+    """A load request reaches one replica, so runtime loading with several is refused before
+    anything starts; with LoRA on, the prefix router learns the base model's names (any other
+    `model` is an adapter, keyed apart: tests/test_prefix_router.py)."""
+    from raylm.deploy.serve_app import app_builder, keyer_arguments
+    from raylm.deploy.server_args import DeploymentArgs, ServerArgs
+    from raylm.engine.arg_utils import EngineArgs
+
+    args = {"model": str(llama_dir), "served_model_name": MODEL, "enable_lora": True,
+            "allow_runtime_lora_updating": True, "allowed_lora_dirs": [str(adapters)], "max_replicas": 2}
+    with pytest.raises(ValueError, match=r"allow_runtime_lora_updating .* needs a single engine replica"):
+        app_builder(args)
+    server_args = ServerArgs(served_model_name=[MODEL])
+    two = DeploymentArgs(num_replicas=2)
+    lora = keyer_arguments(EngineArgs(model=str(llama_dir), enable_lora=True), server_args, two)
+    assert lora["base_model_names"] == [MODEL]
+    assert keyer_arguments(EngineArgs(model=str(llama_dir)), server_args, two)["base_model_names"] is None

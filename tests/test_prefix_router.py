@@ -14,6 +14,7 @@ hashes of the blocks it caches (`record_routing_stats`, read here from the repli
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -83,6 +84,42 @@ def test_the_routers_block_hashes_are_the_kv_cache_managers():
         assert len(request.block_hashes) == 3
         assert block_hash_key(prompt, BLOCK, salt) == tuple(h[:KEY_HASH_BYTES] for h in request.block_hashes)
     assert block_hash_key(prompt, BLOCK, None, max_blocks=2) == block_hash_key(prompt, BLOCK)[:2]
+
+
+def test_a_lora_adapters_prompt_is_another_prefix_for_the_router_and_the_replicas(tmp_path):
+    """With LoRA on, the router keys a request for an adapter (a `model` that is neither the
+    base model nor its alias) with the adapter's name: two adapters' and the base model's
+    identical prompts are three prefixes, as the replicas' block hashes (which key the
+    adapter by id, name and folder) make them; the base model's keys stay the replicas' own,
+    salted or not, and with LoRA off every name keys as the base."""
+    from raylm.deploy.prefix_key import PrefixKeyer
+    from raylm.engine.kv_cache_manager import KVCacheManager
+    from raylm.engine.lora_request import LoRARequest
+    from raylm.engine.request import Request
+    from raylm.engine.sampling_params import SamplingParams
+
+    prompt = list(range(5, 5 + 3 * BLOCK))
+    keyer = PrefixKeyer(None, BLOCK, max_blocks=64, base_model_names=["base", "/models/base"])
+
+    def key(model: str | None, salt: str | None = None) -> tuple[bytes, ...]:
+        body = {"prompt": prompt} | ({"model": model} if model else {}) | ({"cache_salt": salt} if salt else {})
+        return keyer.key("/v1/completions", json.dumps(body).encode()).block_hashes
+
+    def replica_hashes(lora: LoRARequest | None, salt: str | None = None) -> tuple[bytes, ...]:
+        request = Request("r", prompt, SamplingParams(max_tokens=4), 0.0, cache_salt=salt, lora_request=lora)
+        KVCacheManager(num_blocks=16, block_size=BLOCK)._update_block_hashes(request)
+        return tuple(h[:len(key(None)[0])] for h in request.block_hashes)
+
+    sql, chat = LoRARequest("sql", 1, str(tmp_path / "sql")), LoRARequest("chat", 2, str(tmp_path / "chat"))
+    assert key(None) == key("base") == key("/models/base") == replica_hashes(None)
+    assert key("base", "tenant") == replica_hashes(None, "tenant") != key("base")
+    assert len({key("base"), key("sql"), key("chat"), key("sql", "tenant")}) == 4
+    assert len({replica_hashes(None), replica_hashes(sql), replica_hashes(chat), replica_hashes(sql, "tenant")}) == 4
+    # Every later block chains on the first: none of an adapter's blocks is the base's.
+    assert not set(key("sql")) & set(key("base"))
+    lora_off = PrefixKeyer(None, BLOCK, max_blocks=64)
+    assert lora_off.key("/v1/completions", json.dumps({"model": "sql", "prompt": prompt}).encode()).block_hashes \
+        == key("base")
 
 
 def test_a_replica_reports_its_cached_blocks_most_recently_used_first():
