@@ -36,6 +36,8 @@ from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, Det
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.tool_calls import ToolCallConfig
+from raylm.deploy.tool_parsers import TOOL_PARSERS
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,9 @@ class ServerArgs:
         which a new one gets 429 at once; OPEN_ROUTES do not count.
     max_request_body_bytes: the largest request body; a larger one gets 413, before it
         is buffered.
+    enable_auto_tool_choice: serve tool_choice "auto" (the default with tools), parsing the
+        calls out of the model's text with `tool_call_parser` (vLLM's flags).
+    tool_call_parser: the model family's tool-call format: hermes, llama3_json or mistral.
     """
 
     model: str = ""
@@ -83,6 +88,8 @@ class ServerArgs:
     trust_request_chat_template: bool = False
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,7 +110,9 @@ class ServerArgs:
                   if values.get(name) is not None}
         return cls(model=values.get("model") or "", served_model_name=names or None, api_key=values.get("api_key"),
                    chat_template=values.get("chat_template"),
-                   trust_request_chat_template=bool(values.get("trust_request_chat_template")), **limits)
+                   trust_request_chat_template=bool(values.get("trust_request_chat_template")),
+                   enable_auto_tool_choice=str(values.get("enable_auto_tool_choice")).lower() in ("true", "1", "yes"),
+                   tool_call_parser=values.get("tool_call_parser"), **limits)
 
     def model_names(self, engine: AsyncLLMEngine) -> list[str]:
         if self.served_model_name:
@@ -232,8 +241,10 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     chat_template = load_chat_template(server_args.chat_template)
     limits = RequestLimits.from_args(args)
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits)
+    tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
-                             trust_request_chat_template=server_args.trust_request_chat_template)
+                             trust_request_chat_template=server_args.trust_request_chat_template,
+                             tool_config=tool_config)
     metrics = ServerMetrics(engine, model_names[0])
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
@@ -343,6 +354,13 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="Accept a chat_template sent with a chat request (default: off, as in vLLM; a "
                              "template is code the server runs).")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="Serve tool_choice 'auto' (the default when a chat request gives tools): the model "
+                             "decides whether to call tools, and --tool-call-parser finds the calls in its text "
+                             "(default: off, as in vLLM; such requests get 400).")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, "
+                             "Qwen 2.5 / 3), llama3_json (Llama 3.1 / 3.2 JSON), mistral (default: none).")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's log level (default: %(default)s).")
     parser.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,

@@ -6,7 +6,9 @@ field (`param`) and the limit. Where vLLM has a limit raylm keeps it, where vLLM
 `n` / `best_of` (at most RAYLM_MAX_N_SEQUENCES, 16384, engine/sampling_params.py) and
 `logprobs` / `prompt_logprobs` / `top_logprobs` (the engine argument `max_logprobs`, 20).
 The limits below are the server's own; each field is a `raylm serve` flag
-(`max_stop_strings` is `--max-stop-strings`), with the field's help.
+(`max_stop_strings` is `--max-stop-strings`), with the field's help. The structured-output
+limits bound what a grammar's compile time grows with (a constraint's size, a JSON schema's
+nesting) and the compile time itself.
 """
 
 from __future__ import annotations
@@ -44,11 +46,27 @@ class RequestLimits:
     max_prompt_chars: int | None = field(default=None, metadata=_help(
         f"Most characters of one text prompt, or of a chat request's messages together, before tokenization; "
         f"default: {PROMPT_CHARS_PER_TOKEN} x max_model_len (longer text could not fit the context)."))
+    # Structured outputs and tools: what a grammar's compile time grows with.
+    max_structured_output_chars: int = field(default=65536, metadata=_help(
+        "Most characters of a request's structured-output constraint (its JSON schema as JSON, regex, grammar or "
+        "choices together), and of its tools' definitions together."))
+    max_json_schema_depth: int = field(default=64, metadata=_help(
+        "Deepest nesting of objects and arrays in a JSON schema (response_format, structured_outputs, a tool's "
+        "parameters); compile time grows with the cube of a schema's nesting."))
+    max_tools: int = field(default=128, metadata=_help("Most tools in one chat request."))
+    max_grammar_compile_seconds: float = field(default=10.0, metadata=_help(
+        "Seconds a request's grammar may take to compile before the request is answered 400 (the compile goes on "
+        "in its own thread and is cached; the engine keeps serving meanwhile)."))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is None:
+                continue
+            if isinstance(f.default, float):
+                if not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"{f.name} must be a positive number, got {value!r}.")
+            elif not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}.")
 
     @classmethod
@@ -58,7 +76,8 @@ class RequestLimits:
             help_text = f.metadata["help"].replace("%", "%%")
             if f.default is not None:
                 help_text += " (default: %(default)s)"
-            parser.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=help_text)
+            parser.add_argument("--" + f.name.replace("_", "-"), type=_field_type(f), default=f.default,
+                                help=help_text)
         return parser
 
     @classmethod
@@ -74,7 +93,8 @@ class RequestLimits:
         else:
             values = getattr(args, "extra", None) or {}
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: int(v) for k, v in values.items() if k in names and v is not None})
+        types = {f.name: _field_type(f) for f in dataclasses.fields(cls)}
+        return cls(**{k: types[k](v) for k, v in values.items() if k in names and v is not None})
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
@@ -102,10 +122,25 @@ class RequestLimits:
                               f"(--max-prompt-chars; this model's maximum context length is {max_model_len} "
                               f"tokens).", param=param)
 
+    def check_structured_output(self, text: str, depth: int, param: str) -> None:
+        """A constraint's size (`text`: its JSON schema as JSON, regex, grammar or choices)
+        and, for a JSON schema, its nesting `depth`."""
+        if len(text) > self.max_structured_output_chars:
+            raise OpenAIError(f"{param} is {len(text)} characters long; at most {self.max_structured_output_chars} "
+                              f"are allowed (--max-structured-output-chars).", param=param)
+        if depth > self.max_json_schema_depth:
+            raise OpenAIError(f"{param}: the JSON schema nests {depth} levels deep; at most "
+                              f"{self.max_json_schema_depth} are allowed (--max-json-schema-depth).", param=param)
+
     def check_messages(self, messages: list[Any], max_model_len: int) -> None:
         """The number of chat messages and the characters of their content together."""
         _check_count(len(messages), self.max_chat_messages, "messages", "messages", "max_chat_messages")
         self.check_prompt_chars(sum(_content_chars(m.content) for m in messages), max_model_len, "messages")
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """int, or float for the fields whose default is one (a number of seconds)."""
+    return float if isinstance(f.default, float) else int
 
 
 def _check_count(count: int, limit: int, param: str, noun: str, flag: str) -> None:

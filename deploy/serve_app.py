@@ -30,7 +30,8 @@ DEPLOYMENT_KEYS = ("num_replicas", "min_replicas", "max_replicas", "target_ongoi
                    "worker_cpus", "use_gpu", "health_check_period_s", "health_check_timeout_s",
                    "max_ongoing_requests", "name")
 SERVER_KEYS = ("served_model_name", "api_key", "chat_template", "trust_request_chat_template", "max_concurrent_requests",
-               "max_request_body_bytes") + tuple(f.name for f in dataclasses.fields(RequestLimits))
+               "max_request_body_bytes", "enable_auto_tool_choice", "tool_call_parser") + tuple(
+                   f.name for f in dataclasses.fields(RequestLimits))
 
 
 @serve.ingress()
@@ -206,7 +207,8 @@ def run_cli(args: argparse.Namespace) -> None:
     args.model = resolve_model(args)
     engine_kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
     server_kwargs = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-                     "chat_template": args.chat_template}
+                     "chat_template": args.chat_template, "enable_auto_tool_choice": args.enable_auto_tool_choice,
+                     "tool_call_parser": args.tool_call_parser}
     if not ray.is_initialized():
         ray.init(address="auto" if _ray_cluster_running() else None, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})

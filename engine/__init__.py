@@ -3,6 +3,7 @@
 from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Imported on first use, so that workers importing the plain step types do not pull in
 # the engine, the scheduler and transformers.
@@ -14,7 +15,7 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

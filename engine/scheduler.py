@@ -20,6 +20,13 @@ request sampled by a step in flight counts that token as a placeholder
 (`num_output_placeholders`), its next decode sends PLACEHOLDER_TOKEN_ID for the workers to
 fill, and it is not scheduled at all once its tokens in flight reach max_tokens or
 max_model_len.
+
+Structured outputs: a waiting request whose grammar is still compiling
+(WAITING_FOR_FSM) is passed over, without holding up the queue behind it. Each step
+carries the next-token bitmask of every constrained request it samples, filled from the
+request's matcher, which must have seen all its tokens: so with async scheduling a
+constrained request is not scheduled while its last token is in flight (it decodes every
+other step; unconstrained requests keep the overlap).
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
+
+if TYPE_CHECKING:
+    from raylm.engine.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -53,7 +64,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_gpu_blocks < 1:
             raise ValueError(f"cache_config.num_gpu_blocks must be set to at least 1 before building the "
                              f"scheduler, got {cache_config.num_gpu_blocks}.")
@@ -72,6 +84,10 @@ class Scheduler:
         # Worker ids of requests freed since the last step that workers hold state for.
         self._finished_worker_ids: list[int] = []
         self._on_workers: set[int] = set()
+        self.structured_output_manager = structured_output_manager
+        # Requests ended because their grammar did not compile, with the error, until the
+        # engine core collects them.
+        self.failed_requests: dict[str, BaseException] = {}
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -97,6 +113,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.structured_output_request is not None:
+            request.structured_output_request.release()
         del self.requests[request.request_id]
         if request.worker_id in self._on_workers:
             self._on_workers.discard(request.worker_id)
@@ -156,15 +174,26 @@ class Scheduler:
         if scheduled:
             # An empty step never reaches the workers: its ids ride along with the next one.
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
+            self._fill_grammar_bitmask(out)
         return out
+
+    def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        constrained = [request for request, scheduled in zip(out.scheduled, out.step.requests)
+                       if scheduled.do_sample and request.structured_output_request is not None]
+        if constrained:
+            out.step.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [request.structured_output_request for request in constrained])
+            out.step.structured_output_req_ids = [request.worker_id for request in constrained]
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, out: SchedulerOutput) -> int:
         kv = self.kv_cache_manager
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and self._ends_with_tokens_in_flight(request):
-                index += 1  # nothing left to compute: its last token is being sampled
+            if request.num_output_placeholders and (self._ends_with_tokens_in_flight(request)
+                                                    or request.structured_output_request is not None):
+                # Nothing left to compute, or a grammar whose bitmask needs the token being sampled.
+                index += 1
                 continue
             num_new_tokens = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                                  budget)
@@ -183,8 +212,14 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv_cache_manager
         config = self.scheduler_config
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                self.waiting.popleft()
+                if not request.is_finished:
+                    skipped.append(request)
+                continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
@@ -202,6 +237,23 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new_tokens))
             budget -= num_new_tokens
+        # Those still compiling keep their places in the queue.
+        self.waiting.extendleft(reversed(skipped))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a request waiting for its grammar may be scheduled now. One whose grammar
+        failed to compile is ended here (FINISHED_ABORTED) and reported in failed_requests."""
+        structured = request.structured_output_request
+        if not structured.is_ready:
+            return False
+        error = structured.error
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            self.failed_requests[request.request_id] = error
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         """The workers' view of the request's share of this step; advances its

@@ -16,6 +16,7 @@ from raylm.engine.config import kv_cache_block_bytes
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SamplerOutput, ScheduledRequest,
                                TokenLogprobs)
+from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
@@ -192,6 +193,10 @@ class ModelRunner:
         logits = logits.float()
 
         output = SamplerOutput()
+        if req.structured_output_req_ids and sample_rows:
+            # Structured outputs: tokens the grammar refuses get -inf before any sampling.
+            row_of = {scheduled.req_id: row for row, scheduled in enumerate(sampled)}
+            apply_grammar_bitmask(logits, req.grammar_bitmask, [row_of[i] for i in req.structured_output_req_ids])
         if sample_rows:
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.

@@ -1,0 +1,233 @@
+"""`StructuredOutputManager`: compiles grammars off the engine step, caches them, and fills
+each step's token bitmask.
+
+Compiling a grammar takes from microseconds to seconds (a JSON schema's size and nesting
+decide), so it never runs on the engine step or the event loop: `compile` hands it to a
+small thread pool (xgrammar releases the GIL while it compiles) and returns a future. A
+request whose grammar is not ready waits (`RequestStatus.WAITING_FOR_FSM`) while the batch
+runs on; the server awaits the future, with a deadline, before it adds the request, so a
+schema that does not compile, or compiles too slowly, is a 400.
+
+Compiled grammars are kept in an LRU cache keyed by the constraint (`cache_key`), bounded
+in bytes (xgrammar reports each grammar's size) and in entries; a compile in flight is
+shared by every request that asks for the same constraint, and a failed one is
+remembered, so a bad schema sent again fails at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+from raylm.engine.structured_output.request import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse. A JSON schema's grammar over a 128k vocabulary is a few
+# MB (most of it the token-mask cache), over 4k tokens some tens of KB.
+DEFAULT_CACHE_BYTES = 512 * 1024**2
+DEFAULT_CACHE_ENTRIES = 4096
+# Grammars compiling at once. Each holds a thread until it is done (a compile cannot be
+# interrupted): the server's deadline answers the request, not the thread.
+DEFAULT_COMPILE_THREADS = 2
+
+# xgrammar's errors begin with a timestamp and a C++ source location; the rest is the message.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+               "json_object": "json_object", "structural_tag": "structural tag"}
+
+
+@dataclass
+class _CacheEntry:
+    future: Future
+    submitted: float
+    nbytes: int = 0
+
+
+class StructuredOutputManager:
+    """The driver's grammars and matchers for one model's tokenizer.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer (its vocabulary is what the grammar's
+            token masks are built over).
+        vocab_size: the model's vocabulary size (the logits' width; may exceed the
+            tokenizer's, and ids past it are never allowed).
+        eos_token_ids: the ids that end a grammar once it is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, cache_entries: int = DEFAULT_CACHE_ENTRIES,
+                 compile_threads: int = DEFAULT_COMPILE_THREADS) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.cache_bytes = cache_bytes
+        self.cache_entries = cache_entries
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="raylm-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._cached_bytes = 0
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        # Matchers held by live requests (released on finish or abort).
+        self.num_active_matchers = 0
+        # Seconds each compile took, newest last (the last 1024): for logs and benchmarks.
+        self.compile_times: list[float] = []
+
+    # ------------------------------------------------------------------ compiling
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The future of the constraint's compiled grammar: cached, in flight, or submitted now."""
+        key = params.cache_key()
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                return entry.future
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = _CacheEntry(future, time.monotonic())
+            self._evict()
+        # Outside the lock: a compile already done runs the callback here, at once.
+        future.add_done_callback(lambda done: self._on_compiled(key, done))
+        return future
+
+    def wait_compiled(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> Any:
+        """Blocks until the constraint's grammar is compiled; raises StructuredOutputsError
+        if it does not compile, or is not compiled `timeout_s` seconds after it was first
+        asked for."""
+        future = self.compile(params)
+        if future.done():
+            return future.result()
+        try:
+            return future.result(self.remaining_s(params, timeout_s))
+        except FutureTimeoutError:
+            raise self.timeout_error(params, timeout_s) from None
+
+    def remaining_s(self, params: StructuredOutputsParams, timeout_s: float | None) -> float | None:
+        """What is left of `timeout_s` for the constraint's compile, counted from when it was
+        first submitted (a second request for a stuck schema waits no longer than the first)."""
+        if timeout_s is None:
+            return None
+        with self._lock:
+            entry = self._cache.get(params.cache_key())
+        started = entry.submitted if entry is not None else time.monotonic()
+        return max(0.0, timeout_s - (time.monotonic() - started))
+
+    @staticmethod
+    def timeout_error(params: StructuredOutputsParams, timeout_s: float | None) -> StructuredOutputsError:
+        return StructuredOutputsError(
+            f"{params.source}: the {_KIND_NAMES[params.kind]} did not compile within {timeout_s:g} s "
+            f"(the server's --max-grammar-compile-seconds); simplify it.", params.source)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiler = self._get_compiler()
+        start = time.perf_counter()
+        try:
+            grammar = _compile_with(compiler, params)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
+            raise StructuredOutputsError(f"{params.source}: the {_KIND_NAMES[params.kind]} is not valid: {message}",
+                                         params.source) from None
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.compile_times.append(elapsed)
+            del self.compile_times[:-1024]
+        if elapsed > 1.0:
+            logger.info("Compiling a %s took %.1f s.", _KIND_NAMES[params.kind], elapsed)
+        return grammar
+
+    def _get_compiler(self) -> Any:
+        """xgrammar's compiler over the model's vocabulary, built on first use (importing
+        xgrammar and indexing a large vocabulary take a while)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids or None)
+                # The cache is ours (bounded, shared futures); xgrammar's would hold a second copy.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _on_compiled(self, key: str, future: Future) -> None:
+        grammar = None if future.cancelled() or future.exception() is not None else future.result()
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None or entry.future is not future:
+                return
+            entry.nbytes = grammar.memory_size_bytes if grammar is not None else 0
+            self._cached_bytes += entry.nbytes
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drops the least recently used finished entries while the cache is over its bounds
+        (entries in flight stay: requests wait on them)."""
+        for key in list(self._cache):
+            if self._cached_bytes <= self.cache_bytes and len(self._cache) <= self.cache_entries:
+                return
+            entry = self._cache[key]
+            if entry.future.done():
+                del self._cache[key]
+                self._cached_bytes -= entry.nbytes
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The per-request state: the grammar's future now, a matcher once it is ready."""
+        return StructuredOutputRequest(self, params, self.compile(params))
+
+    def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> np.ndarray:
+        """The next-token bitmask of each request, one row each: int32 [len, ceil(V / 32)],
+        bit j of a row set where token j is allowed (xgrammar's layout)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        for row, request in enumerate(requests):
+            request.matcher.fill_next_token_bitmask(bitmask, row)
+        return bitmask.numpy()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
+    kind = params.kind
+    any_whitespace = not params.disable_any_whitespace
+    whitespace = dict(any_whitespace=any_whitespace,
+                      max_whitespace_cnt=params.max_whitespace if any_whitespace else None)
+    if kind == "json":
+        return compiler.compile_json_schema(json.dumps(params.json), **whitespace)
+    if kind == "json_object":
+        # Any object: not strict, or the schema's lack of properties would allow only {}.
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
+    if kind == "regex":
+        return compiler.compile_regex(params.regex)
+    if kind == "choice":
+        # Each choice as an EBNF string literal: JSON's escapes are EBNF's.
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                 for c in params.choice))
+    if kind == "grammar":
+        # vLLM takes EBNF (GBNF) or Lark; EBNF rules are written `name ::= ...`.
+        if "::=" in params.grammar:
+            return compiler.compile_grammar(params.grammar)
+        return compiler.compile_lark(params.grammar)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(json.dumps(params.structural_tag))
+    raise AssertionError(kind)
