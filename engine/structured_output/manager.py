@@ -213,10 +213,10 @@ def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
     whitespace = dict(any_whitespace=any_whitespace,
                       max_whitespace_cnt=params.max_whitespace if any_whitespace else None)
     if kind == "json":
-        return compiler.compile_json_schema(json.dumps(params.json), **whitespace)
+        return _compile_json_schema(compiler, params.json, **whitespace)
     if kind == "json_object":
         # Any object: not strict, or the schema's lack of properties would allow only {}.
-        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
+        return _compile_json_schema(compiler, {"type": "object"}, strict_mode=False, **whitespace)
     if kind == "regex":
         return compiler.compile_regex(params.regex)
     if kind == "choice":
@@ -231,3 +231,23 @@ def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
     if kind == "structural_tag":
         return compiler.compile_structural_tag(json.dumps(params.structural_tag))
     raise AssertionError(kind)
+
+
+# How xgrammar 0.2.8 writes a character of a string with minLength or maxLength (printed
+# EBNF), and JSON's string character: it leaves U+0000-U+001F in, which JSON allows only
+# escaped, so a length-bounded string could hold a raw control character (invalid JSON;
+# strings without a length bound, and patterns, exclude them).
+_LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _compile_json_schema(compiler: Any, schema: Any, **options: Any) -> Any:
+    """A JSON schema's grammar; one with length-bounded strings goes through its EBNF with
+    their character class mended (see _LENGTH_BOUNDED_CHARACTER)."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **options)
+    ebnf = str(grammar)
+    if _LENGTH_BOUNDED_CHARACTER not in ebnf:
+        return compiler.compile_grammar(grammar)
+    return compiler.compile_grammar(ebnf.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
