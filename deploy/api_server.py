@@ -246,6 +246,9 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
                              trust_request_chat_template=server_args.trust_request_chat_template,
                              tool_config=tool_config)
     metrics = ServerMetrics(engine, model_names[0])
+    if engine.engine.structured_output_manager is not None:
+        # Ready before the first constrained request, whose compile deadline it would spend.
+        engine.engine.structured_output_manager.start_warm_up()
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
     app.state.engine = engine

@@ -197,11 +197,11 @@ class EngineCore:
                 was_preempted = request.status == RequestStatus.PREEMPTED
                 structured = request.structured_output_request
                 if structured is not None and not structured.accept_token(token.token_id):
-                    # The bitmask allowed only what the grammar accepts: this is a bug, and the
-                    # output could no longer match; the request fails rather than go on.
+                    # The bitmask allows only what the grammar accepts, unless the grammar came
+                    # to a dead end (it allows nothing, and EOS was let through): the request
+                    # fails rather than go on with an output that no longer matches.
                     request.status = RequestStatus.FINISHED_ABORTED
-                    self._failed_requests[request.request_id] = RuntimeError(
-                        f"Token {token.token_id} was sampled although the request's grammar does not allow it.")
+                    self._failed_requests[request.request_id] = _grammar_error(request, token.token_id)
                     finished_while_preempted |= was_preempted
                     finished.append(request)
                     continue
@@ -247,6 +247,13 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _grammar_error(request: Request, token_id: int) -> Exception:
+    if request.structured_output_request.dead_end:
+        return ValueError(f"The request's grammar allows no token after its {request.num_output_tokens} output "
+                          f"tokens: it cannot be completed.")
+    return RuntimeError(f"Token {token_id} was sampled although the request's grammar does not allow it.")
 
 
 def _executor_class(engine_config: EngineConfig) -> type:

@@ -246,7 +246,7 @@ def _compile_threads_busy(engine: LLMEngine):
     grammar asked for meanwhile stays in flight for as long as a test needs."""
     manager = engine.structured_output_manager
     release = threading.Event()
-    blockers = [manager._pool.submit(release.wait) for _ in range(manager._pool._max_workers)]
+    blockers = [manager._pool.submit(release.wait) for _ in range(manager._pool.num_threads)]
     try:
         yield
     finally:
@@ -462,3 +462,23 @@ def test_tensor_parallel_with_async_scheduling_matches_in_process(tp2_llm: LLM, 
         assert sum(_check_json_output(c, schema, grammar) for c in output.outputs) >= 1
     assert all(len(o.outputs[0].token_ids) == 40 for o in outputs[1::2])
     assert tp2_llm.llm_engine.structured_output_manager.num_active_matchers == 0
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_not_the_step(llama_dir: Path) -> None:
+    """After "a" this grammar allows nothing (its rule x never ends). The row gets EOS, never
+    all -inf (NaN when sampled): the request fails alone, the one beside it finishes."""
+    engine = _engine(llama_dir)
+    try:
+        constraint = StructuredOutputsParams(grammar='root ::= "a" x\nx ::= x "b"')
+        engine.add_request("dead", "hi", SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=constraint))
+        engine.add_request("free", "hi", SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+        failed: dict[str, BaseException] = {}
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+            failed.update(engine.pop_failed_requests())
+        assert finished == ["free"]
+        assert "allows no token after its 1 output tokens" in str(failed["dead"])
+        assert engine.structured_output_manager.num_active_matchers == 0
+    finally:
+        engine.shutdown()

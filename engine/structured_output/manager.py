@@ -22,7 +22,9 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +76,7 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         self.cache_bytes = cache_bytes
         self.cache_entries = cache_entries
-        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="raylm-grammar")
+        self._pool = CompilePool(compile_threads)
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._cached_bytes = 0
@@ -146,6 +148,11 @@ class StructuredOutputManager:
             logger.info("Compiling a %s took %.1f s.", _KIND_NAMES[params.kind], elapsed)
         return grammar
 
+    def start_warm_up(self) -> None:
+        """Imports xgrammar and indexes the vocabulary now, in a compile thread, so that the
+        first request's compile deadline does not pay for them (the server calls this)."""
+        self._pool.submit(self._get_compiler)
+
     def _get_compiler(self) -> Any:
         """xgrammar's compiler over the model's vocabulary, built on first use (importing
         xgrammar and indexing a large vocabulary take a while)."""
@@ -201,10 +208,77 @@ class StructuredOutputManager:
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
         for row, request in enumerate(requests):
             request.matcher.fill_next_token_bitmask(bitmask, row)
-        return bitmask.numpy()
+        words = bitmask.numpy()
+        dead = np.flatnonzero(~words.any(axis=1))
+        for row in dead.tolist():
+            # No token allowed: a row of -inf would sample NaN. EOS is let through, which the
+            # matcher then refuses, and the engine fails the request alone.
+            requests[row].dead_end = True
+            for token in self.eos_token_ids:
+                words[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+        return words
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+
+
+class CompilePool:
+    """A few daemon threads that run compiles. Daemon, unlike ThreadPoolExecutor's, which
+    the interpreter joins at exit: a server shutting down must not wait for a compile it
+    has already answered 400."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"raylm-grammar-{i}", daemon=True)
+                         for i in range(num_threads)]
+        self._started = False
+        self._lock = threading.Lock()
+        self._shutdown = False
+
+    @property
+    def num_threads(self) -> int:
+        return len(self._threads)
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._shutdown:
+                future.cancel()
+                future.set_running_or_notify_cancel()
+                return future
+            if not self._started:
+                for thread in self._threads:
+                    thread.start()
+                self._started = True
+        self._queue.put((future, function, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, function, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Cancels the compiles not started; running ones finish in their daemon threads."""
+        with self._lock:
+            self._shutdown = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
 
 
 def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:

@@ -24,6 +24,8 @@ class StructuredOutputRequest:
         self.grammar = grammar
         self._matcher: Any = None
         self.released = False
+        # Set when the grammar allowed no token at all (see grammar_bitmask).
+        self.dead_end = False
 
     @property
     def is_ready(self) -> bool:
