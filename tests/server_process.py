@@ -47,6 +47,26 @@ def start_server(args: list[str], log: Path | None = None) -> tuple[subprocess.P
     """Starts `raylm serve ARGS` on a free port with one OpenMP thread and a private Ray
     (never the test session's); returns (process, base_url) once /health answers. Its
     output goes to `log` (shown if it fails to come up), or nowhere."""
+    (started,) = start_servers([(args, log)])
+    return started
+
+
+def start_servers(configs: list[tuple[list[str], Path | None]]) -> list[tuple[subprocess.Popen, str]]:
+    """`start_server` for several servers, started side by side: returns once all answer."""
+    launched = [_launch(args, log) for args, log in configs]
+    for (process, base_url), (_, log) in zip(launched, configs):
+        try:
+            wait_healthy(base_url, process)
+        except BaseException:
+            for other, _ in launched:
+                stop_server(other)
+            if log is not None:
+                print(log.read_text()[-5000:])
+            raise
+    return launched
+
+
+def _launch(args: list[str], log: Path | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "raylm.deploy.cli", "serve", *args, "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
@@ -56,15 +76,7 @@ def start_server(args: list[str], log: Path | None = None) -> tuple[subprocess.P
     finally:
         if log is not None:
             output.close()
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-    except BaseException:
-        stop_server(process)
-        if log is not None:
-            print(log.read_text()[-5000:])
-        raise
-    return process, base_url
+    return process, f"http://127.0.0.1:{port}"
 
 
 def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -482,3 +482,13 @@ def test_a_grammar_that_allows_no_token_fails_its_request_not_the_step(llama_dir
         assert engine.structured_output_manager.num_active_matchers == 0
     finally:
         engine.shutdown()
+
+
+def test_the_eos_that_ends_a_request_is_not_in_its_text_with_special_tokens_kept(llm: LLM) -> None:
+    """Tool-call parsers keep special tokens in the text; the EOS that ends the answer stays
+    out of it all the same (vLLM's rule), in token_ids only."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(choice=["It is sunny."]))
+    completion = llm.generate("Weather?", params, use_tqdm=False)[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.token_ids[-1] == 2
+    assert completion.text == "It is sunny."
