@@ -233,7 +233,7 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         structured = request.structured_output_request
-        if structured is not None and structured.is_terminated():
+        if structured is not None and structured.is_terminated_by(token_id):
             # The grammar took its stop token (EOS) while the request goes on past EOS
             # (ignore_eos, min_tokens): nothing more may follow.
             request.status = RequestStatus.FINISHED_STOPPED

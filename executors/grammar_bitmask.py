@@ -47,7 +47,23 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
 
 def token_penalty(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [k, vocab_size]: 0.0 where a token's bit is set, -inf where it is clear.
-    (bit - 1) is 0 or all ones; anded with -inf's pattern it is +0.0's or -inf's."""
-    allowed = (bits.unsqueeze(-1) >> _SHIFTS).bitwise_and_(1)
-    pattern = allowed.sub_(1).bitwise_and_(_NEG_INF_BITS)
-    return pattern.view(torch.float32).view(bits.shape[0], -1)[:, :vocab_size]
+    (bit - 1) is 0 or all ones; anded with -inf's pattern it is +0.0's or -inf's. Written
+    into a buffer kept between steps: a fresh [k, V] tensor each step cost more in page
+    faults than the arithmetic (0.5 against 0.1 ms for 64 rows of 4k tokens)."""
+    rows, words = bits.shape
+    pattern = _scratch(rows, words)
+    torch.bitwise_right_shift(bits.unsqueeze(-1), _SHIFTS, out=pattern)
+    pattern.bitwise_and_(1).sub_(1).bitwise_and_(_NEG_INF_BITS)
+    return pattern.view(torch.float32).view(rows, -1)[:, :vocab_size]
+
+
+_SCRATCH: dict[int, torch.Tensor] = {}
+
+
+def _scratch(rows: int, words: int) -> torch.Tensor:
+    """An int32 [rows, words, 32] view of this process's buffer for `words` words a row
+    (grown to the most rows asked for)."""
+    buffer = _SCRATCH.get(words)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = _SCRATCH[words] = torch.empty(rows, words, 32, dtype=torch.int32)
+    return buffer[:rows]

@@ -82,6 +82,7 @@ class StructuredOutputManager:
         self._cached_bytes = 0
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
+        self._batch_matcher: Any = None
         # Matchers held by live requests (released on finish or abort).
         self.num_active_matchers = 0
         # Seconds each compile took, newest last (the last 1024): for logs and benchmarks.
@@ -148,10 +149,10 @@ class StructuredOutputManager:
             logger.info("Compiling a %s took %.1f s.", _KIND_NAMES[params.kind], elapsed)
         return grammar
 
-    def start_warm_up(self) -> None:
+    def start_warm_up(self) -> Future:
         """Imports xgrammar and indexes the vocabulary now, in a compile thread, so that the
         first request's compile deadline does not pay for them (the server calls this)."""
-        self._pool.submit(self._get_compiler)
+        return self._pool.submit(self._get_compiler)
 
     def _get_compiler(self) -> Any:
         """xgrammar's compiler over the model's vocabulary, built on first use (importing
@@ -206,8 +207,11 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        for row, request in enumerate(requests):
-            request.matcher.fill_next_token_bitmask(bitmask, row)
+        if self._batch_matcher is None:
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        # One call for the batch: its rows are filled in C++ (on several threads where the
+        # machine has the cores), not a Python call each.
+        self._batch_matcher.batch_fill_next_token_bitmask([request.matcher for request in requests], bitmask)
         words = bitmask.numpy()
         dead = np.flatnonzero(~words.any(axis=1))
         for row in dead.tolist():

@@ -23,6 +23,7 @@ class StructuredOutputRequest:
         self.params = params
         self.grammar = grammar
         self._matcher: Any = None
+        self._stop_token_ids: frozenset[int] = frozenset()
         self.released = False
         # Set when the grammar allowed no token at all (see grammar_bitmask).
         self.dead_end = False
@@ -47,6 +48,7 @@ class StructuredOutputRequest:
             import xgrammar as xgr
 
             self._matcher = xgr.GrammarMatcher(self.grammar.result())
+            self._stop_token_ids = frozenset(self._matcher.stop_token_ids)
             self.manager.num_active_matchers += 1
         return self._matcher
 
@@ -54,9 +56,10 @@ class StructuredOutputRequest:
         """Advances the matcher over a sampled token; False if the grammar does not allow it."""
         return self.matcher.accept_token(token_id)
 
-    def is_terminated(self) -> bool:
-        """Whether the grammar has ended (it accepted a stop token): nothing may follow."""
-        return self.matcher.is_terminated()
+    def is_terminated_by(self, token_id: int) -> bool:
+        """Whether the token just accepted ended the grammar (only a stop token, EOS, can):
+        nothing may follow it."""
+        return token_id in self._stop_token_ids and self.matcher.is_terminated()
 
     def release(self) -> None:
         """Drops the matcher (the request finished, was aborted or failed)."""
