@@ -5,11 +5,10 @@ is allowed) arrives with the step for the k constrained requests it samples; eac
 logits rows gets -inf at every token the grammar refuses. On CUDA xgrammar's own kernel
 does it. On the CPU a vectorised PyTorch pass does, 2.5-5x faster than xgrammar's CPU
 kernel here (64 rows: 82 against 407 us at a 4k vocabulary, 1.4 against 3.4 ms at 32k, 11
-against 32 ms at 128k; best of 30, 2-core EPYC VM under load, benchmarks/
-structured_outputs_bench.py): it turns each bit into the float32 it adds, +0.0 or -inf,
-with integer operations alone (on this PyTorch's CPU build, kernels that make or read bool
-tensors, masked_fill and where among them, ran 10-40x slower than integer and float
-arithmetic on the same number of elements).
+against 32 ms at 128k; best of 30 on a shared 2-core EPYC, docs/performance.md): it turns
+each bit into the float32 it adds, +0.0 or -inf, with integer operations alone (on this
+PyTorch's CPU build, kernels that make or read bool tensors, masked_fill and where among
+them, ran 10-40x slower than integer and float arithmetic on the same number of elements).
 """
 
 from __future__ import annotations
