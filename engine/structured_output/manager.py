@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-import queue
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
