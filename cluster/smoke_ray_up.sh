@@ -64,15 +64,18 @@ lray() { env -u RAY_ADDRESS HOME="$LHOME" RAY_AUTH_MODE=token "$VENV/bin/$1" "${
 
 free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# Every process of this run's Ray carries RAYLM_SMOKE_ID=$RUN_ID in its environment.
+# The processes of this run: those with RAYLM_SMOKE_ID=$RUN_ID in their environment (every
+# process `ray start` starts inherits it), working in $WORK or naming the run's Ray
+# directory in their arguments, and all their descendants. The environment alone misses some: Ray's agents (ray::DashboardAgent,
+# ray::RuntimeEnvAgent) rewrite theirs with their process title, and an agent whose main
+# thread has exited (a zombie whose other threads still run) shows none at all; so each
+# thread's own environment and working directory are read, and the process tree is
+# snapshotted before anything is killed (an orphan's parent becomes init). See
+# cluster/smoke_run_processes.py.
 cat > "$WORK/scoped_stop.sh" <<EOF
 #!/usr/bin/env bash
-# Stops this smoke run's Ray processes only (found by RAYLM_SMOKE_ID=$RUN_ID), not others'.
-pids() { for d in /proc/[0-9]*; do p=\${d#/proc/}; [ "\$p" = \$\$ ] && continue
-  tr '\0' '\n' 2>/dev/null < "\$d/environ" | grep -qx 'RAYLM_SMOKE_ID=$RUN_ID' && echo "\$p"; done; }
-p=\$(pids); [ -n "\$p" ] && kill -TERM \$p 2>/dev/null
-for _ in \$(seq 20); do p=\$(pids); [ -z "\$p" ] && exit 0; sleep 0.5; done
-kill -KILL \$p 2>/dev/null; exit 0
+# Stops this smoke run's processes only (see run_processes.py), not others'.
+exec "$VENV/bin/python" "$REPO/cluster/smoke_run_processes.py" "$WORK" "$RUN_ID" ray-stop
 EOF
 chmod 755 "$WORK/scoped_stop.sh"
 
@@ -86,12 +89,16 @@ cleanup() {
             [ "$rc" = 0 ] && rc=1
         fi
     fi
-    "$WORK/scoped_stop.sh"
-    if [ -n "$SSHD_PID" ]; then
-        kill "$SSHD_PID" 2>/dev/null
-        for _ in $(seq 20); do kill -0 "$SSHD_PID" 2>/dev/null || break; sleep 0.2; done
+    # Nothing the run started may outlive it: Ray's daemons, agents and workers (whatever
+    # ray down left), the sshd with its sessions, the launching side's clients. Then check.
+    "$VENV/bin/python" "$REPO/cluster/smoke_run_processes.py" "$WORK" "$RUN_ID" cleanup $SSHD_PID > "$LOGS/stopped.txt"
+    local ray_left
+    ray_left=$(grep -v "(sshd\|(ssh," "$LOGS/stopped.txt" | sed -n 's/^stopped: pid [0-9]* (\([^,]*\),.*/\1/p' | sort | uniq -c | xargs)
+    [ -n "$ray_left" ] && echo "cleanup: stopped what ray down left running: $ray_left"
+    if ! "$VENV/bin/python" "$REPO/cluster/smoke_run_processes.py" "$WORK" "$RUN_ID" check $SSHD_PID > "$LOGS/left.txt"; then
+        echo "cleanup: processes of the run are still running:" >&2; sed 's/^/    /' "$LOGS/left.txt" >&2
+        rc=1; FAILED_STEP=${FAILED_STEP:-cleanup (processes left running)}
     fi
-    # sshd's per-connection children of this run (ray's ssh ControlMaster sessions)
     if [ "$USER_MADE" = 1 ]; then
         userdel -f "$SMOKE_USER" 2>/dev/null || { echo "cleanup: userdel $SMOKE_USER failed" >&2; rc=1; }
     fi

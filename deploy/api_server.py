@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app over an `AsyncLLMEngine`.
 
-`build_app(engine, args)` returns the app with every route; `raylm serve` runs it with
-uvicorn and the Ray Serve deployment mounts the same app as its ingress.
+`build_app(engine, server_args)` returns the app with every route (its settings:
+`ServerArgs`, deploy/server_args.py); `raylm serve` runs it with uvicorn and the Ray Serve
+deployment mounts the same app as its ingress.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
@@ -17,27 +18,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import logging
 import signal
-from dataclasses import dataclass, field
+import socket
+import time
 from http import HTTPStatus
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_response, install_error_handlers
-from raylm.deploy.limits import RequestLimits
 from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
+from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
 from raylm.deploy.tool_calls import ToolCallConfig
-from raylm.deploy.tool_parsers import TOOL_PARSERS
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
@@ -49,90 +52,8 @@ VERSION = "0.1.0"
 # and the metrics hold only aggregate counters (no prompt, output or key), so a scraper
 # needs no key that could also spend the engine's time (vLLM leaves /metrics open too).
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
-# 4x the engine's default max_num_seqs (256): enough waiting requests to keep the batch
-# full, a bounded queue behind it (TGI's --max-concurrent-requests defaults to 128).
-DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
-# A prompt of 128k tokens as text or as token ids, or --max-prompts-per-request prompts
-# of a few thousand token ids, fit several times over.
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
-# Below Kubernetes' default grace period (30 s, then SIGKILL), so the engine and its
-# workers are shut down before the kill.
-DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
 # How often `raylm serve` looks whether the engine loop has died.
 ENGINE_WATCH_PERIOD_S = 0.5
-
-
-@dataclass
-class ServerArgs:
-    """The server's own settings (the engine's live in `EngineArgs`).
-
-    served_model_name: names clients may put in `model`; the first is reported in
-        responses. Default: the model path, as vLLM does.
-    api_key: when set, every route but OPEN_ROUTES needs `Authorization: Bearer <api_key>`.
-    chat_template: a Jinja template, or a file holding one, instead of the tokenizer's.
-    trust_request_chat_template: accept a `chat_template` sent with a chat request (off, as
-        in vLLM: a template is code that runs on the server's tokenizer thread).
-    max_concurrent_requests: requests in flight (received, not yet fully answered) past
-        which a new one gets 429 at once; OPEN_ROUTES do not count.
-    max_request_body_bytes: the largest request body; a larger one gets 413, before it
-        is buffered.
-    enable_auto_tool_choice: serve tool_choice "auto" (the default with tools), parsing the
-        calls out of the model's text with `tool_call_parser` (vLLM's flags).
-    tool_call_parser: the model family's tool-call format: hermes, llama3_json or mistral.
-    """
-
-    model: str = ""
-    served_model_name: list[str] | None = None
-    api_key: str | None = None
-    chat_template: str | None = None
-    trust_request_chat_template: bool = False
-    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name in ("max_concurrent_requests", "max_request_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-    @classmethod
-    def from_namespace(cls, args: Any) -> "ServerArgs":
-        if isinstance(args, ServerArgs):
-            return args
-        values = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
-        names = values.get("served_model_name")
-        if isinstance(names, str):
-            names = [names]
-        limits = {name: int(values[name]) for name in ("max_concurrent_requests", "max_request_body_bytes")
-                  if values.get(name) is not None}
-        return cls(model=values.get("model") or "", served_model_name=names or None, api_key=values.get("api_key"),
-                   chat_template=values.get("chat_template"),
-                   trust_request_chat_template=bool(values.get("trust_request_chat_template")),
-                   enable_auto_tool_choice=str(values.get("enable_auto_tool_choice")).lower() in ("true", "1", "yes"),
-                   tool_call_parser=values.get("tool_call_parser"), **limits)
-
-    def model_names(self, engine: AsyncLLMEngine) -> list[str]:
-        if self.served_model_name:
-            return list(self.served_model_name)
-        return [_default_model_name(self.model or engine.model_config.model)]
-
-
-def _default_model_name(model: str) -> str:
-    """vLLM names a served model by its path; the bundled demo model gets its short name
-    so that requests (and the README's curl) need not spell a path inside the package."""
-    from pathlib import Path
-
-    from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path
-
-    try:
-        if Path(model).resolve() == Path(default_model_path()).resolve():
-            return DEMO_MODEL_NAME
-    except FileNotFoundError:
-        pass
-    return model
 
 
 def _route_path(scope: Scope) -> str:
@@ -147,6 +68,20 @@ def _route_path(scope: Scope) -> str:
 
 def _is_open(scope: Scope) -> bool:
     return _route_path(scope) in OPEN_ROUTES
+
+
+class _RootPathMiddleware:
+    """Sets the root path where the server in front has not (Ray Serve's proxy; uvicorn sets
+    its --root-path itself), so that routing and the key check strip the same prefix."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope.get("root_path"):
+            scope = dict(scope, root_path=self.root_path)
+        await self.app(scope, receive, send)
 
 
 class _ApiKeyMiddleware:
@@ -169,30 +104,39 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestsInFlight:
+    """Requests received and not yet fully answered (OPEN_ROUTES not counted); one event
+    loop updates it, so it needs no lock."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class _ConcurrencyLimitMiddleware:
     """Answers 429 at once to a request arriving while `max_requests` are in flight, so
     overload shows as fast refusals instead of ever longer queues. A request is in flight
     from its headers until its response (a whole stream) is sent or its client leaves."""
 
-    def __init__(self, app: ASGIApp, max_requests: int) -> None:
+    def __init__(self, app: ASGIApp, max_requests: int, in_flight: "RequestsInFlight") -> None:
         self.app = app
         self.max_requests = max_requests
-        self.in_flight = 0  # one event loop: no lock needed
+        self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _is_open(scope):
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_requests:
+        in_flight = self.in_flight
+        if in_flight.count >= self.max_requests:
             response = error_response(f"The server is busy: {self.max_requests} requests are in flight, its limit "
                                       f"(--max-concurrent-requests). Retry later.", HTTPStatus.TOO_MANY_REQUESTS)
             await response(scope, receive, send)
             return
-        self.in_flight += 1
+        in_flight.count += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            in_flight.count -= 1
 
 
 class _BodySizeLimitMiddleware:
@@ -231,18 +175,20 @@ class _BodySizeLimitMiddleware:
         await self.app(scope, receive_within_limit, send)
 
 
-def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
-    """The FastAPI app serving `engine`; `args` is a `ServerArgs`, an argparse namespace
-    or a dict with its fields."""
-    server_args = ServerArgs.from_namespace(args)
-    model_names = server_args.model_names(engine)
+def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` with `server_args` (default: `ServerArgs()`)."""
+    server_args = server_args or ServerArgs()
+    model_names = server_args.model_names(engine.model_config.model)
     model_config = engine.model_config
     tokenizer = _frontend_tokenizer(engine)
     chat_template = load_chat_template(server_args.chat_template)
-    limits = RequestLimits.from_args(args)
-    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits)
+    limits = server_args.limits
+    api_key = server_args.resolved_api_key()
+    aliases = server_args.model_aliases(model_config.model)
+    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
+                             model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template,
                              tool_config=tool_config)
     metrics = ServerMetrics(engine, model_names[0])
@@ -253,6 +199,7 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.requests_in_flight = RequestsInFlight()
     install_error_handlers(app)
 
     @app.exception_handler(AsyncEngineDeadError)
@@ -261,9 +208,12 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
 
     # The last added is the outermost.
     app.add_middleware(_BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
-    app.add_middleware(_ConcurrencyLimitMiddleware, max_requests=server_args.max_concurrent_requests)
-    if server_args.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=server_args.api_key)
+    app.add_middleware(_ConcurrencyLimitMiddleware, max_requests=server_args.max_concurrent_requests,
+                       in_flight=app.state.requests_in_flight)
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if server_args.root_path:
+        app.add_middleware(_RootPathMiddleware, root_path=server_args.root_path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -279,7 +229,8 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=model_config.model, max_model_len=model_config.max_model_len)
+        # root: the served name too; the folder's path is the server's business.
+        cards = [ModelCard(id=name, root=model_names[0], max_model_len=model_config.max_model_len)
                  for name in model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -335,48 +286,41 @@ def _frontend_tokenizer(engine: AsyncLLMEngine) -> Any:
                          model_config.tokenizer_mode)
 
 
-def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`raylm serve`'s own flags; the engine's come from `EngineArgs.add_cli_args`."""
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model folder, or 'raylm-demo-code'; default: raylm's bundled demo "
-                             "model, 'raylm-demo-code'.")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="Address to listen on (default: %(default)s, loopback only).")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
-    parser.add_argument("--api-key", default=None,
-                        help="Require `Authorization: Bearer KEY` on every route but /health and /metrics "
-                             "(default: no key).")
-    parser.add_argument("--root-path", default="",
-                        help="The path prefix a proxy serves this server under (uvicorn's root_path), as in "
-                             "vLLM (default: none).")
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="Model name(s) clients use; the first is reported. Default: the model path "
-                             "('raylm-demo-code' for the demo model).")
-    parser.add_argument("--chat-template", default=None,
-                        help="Chat template (a Jinja file or the template itself) instead of the tokenizer's.")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="Accept a chat_template sent with a chat request (default: off, as in vLLM; a "
-                             "template is code the server runs).")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="Serve tool_choice 'auto' (the default when a chat request gives tools): the model "
-                             "decides whether to call tools, and --tool-call-parser finds the calls in its text "
-                             "(default: off, as in vLLM; such requests get 400).")
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, "
-                             "Qwen 2.5 / 3), llama3_json (Llama 3.1 / 3.2 JSON), mistral (default: none).")
-    parser.add_argument("--uvicorn-log-level", default="warning",
-                        help="uvicorn's log level (default: %(default)s).")
-    parser.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-                        help="Requests in flight past which a new one is answered 429 at once (/health and "
-                             "/metrics do not count) (default: %(default)s).")
-    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="Largest request body; a larger one is answered 413 before it is read "
-                             "(default: %(default)s, 16 MiB).")
-    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        help="Seconds SIGTERM lets the requests in flight finish before it aborts them "
-                             "(default: %(default)s).")
-    RequestLimits.add_cli_args(parser)
-    return parser
+def freeze_startup_heap() -> None:
+    """Moves every object alive after startup (the model, torch, transformers: ~400k
+    objects) out of the garbage collector's reach, as vLLM's server does: a full
+    collection then scans only what requests allocate. Without it, the collection that an
+    n=16384 request's fan-out triggers held the interpreter (and so the event loop) for
+    0.5 s."""
+    gc.collect()
+    gc.freeze()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises a ValueError naming the address if nothing can listen there now (for a
+    server that binds later, under Ray Serve)."""
+    bind_socket(host, port).close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening: a busy port is found before the
+    model loads, and connections are refused, not left waiting, until the server listens."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on: {exc.strerror}.") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As uvicorn: a port left in TIME_WAIT by a previous server is reusable at once;
+        # one that something listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"Cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
+                         f"there? --port picks another port).") from None
+    return sock
 
 
 def resolve_model(args: argparse.Namespace) -> str:
@@ -390,61 +334,98 @@ def run_server(args: argparse.Namespace) -> int:
     """`raylm serve`: the engine and the app in this process, served by uvicorn. Returns
     the process's exit status.
 
-    SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for
-    up to --shutdown-timeout seconds, cancels the rest (which aborts them in the engine),
-    shuts the engine down and returns 0. If the engine loop dies (AsyncEngineDeadError:
-    every request fails from then on) the server drains the same way and returns 1, so a
+    The port is bound before the model loads, so a busy one ends the command at once
+    (exit 2); "Serving ..." is logged once the server listens. SIGTERM (or Ctrl-C) stops
+    accepting connections, lets the requests in flight finish for up to --shutdown-timeout
+    seconds, cancels the rest (which aborts them in the engine), shuts the engine down and
+    returns 0; each stage is logged. If the engine loop dies (AsyncEngineDeadError: every
+    request fails from then on) the server drains the same way and returns 1, so a
     supervisor restarts it. A dead tensor-parallel worker shows in /health at once and
     stops the loop at the next step.
     """
-    import uvicorn
-
     from raylm.engine.arg_utils import EngineArgs
 
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}.")
+    server_args = ServerArgs.from_cli_args(args)
+    server_args.resolved_api_key()  # a missing key file is found before the model loads
     args.model = resolve_model(args)
-    engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    sock = bind_socket(server_args.host, server_args.port)
     try:
-        app = build_app(engine, args)
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+        try:
+            app = build_app(engine, server_args)
+        except BaseException:
+            engine.shutdown()
+            raise
     except BaseException:
-        engine.shutdown()
+        sock.close()
         raise
-    logger.info("Serving %s as %s on http://%s:%d%s", args.model, ", ".join(ServerArgs.from_namespace(args)
-                                                                             .model_names(engine)),
-                args.host, args.port, args.root_path)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=5, access_log=False, root_path=args.root_path,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    freeze_startup_heap()
+    config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level, timeout_keep_alive=5, access_log=False,
+                            root_path=server_args.root_path, timeout_graceful_shutdown=server_args.shutdown_timeout)
+    server = _Server(config, app.state.requests_in_flight, server_args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM or SIGINT it drained on, to the handler that was there
     # before it: this one ignores it, so the process exits with the status below. (A Python
     # handler, unlike SIG_IGN, is not inherited by processes started from here.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _after_drain)
+    announcement = (f"Serving {args.model} as {', '.join(server_args.model_names(args.model))} on "
+                    f"http://{server_args.host}:{server_args.port}{server_args.root_path}")
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        engine_died = runner.run(_serve(server, engine))
+        engine_died = runner.run(_serve(server, engine, sock, announcement))
     return 1 if engine_died else 0
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, logging what a shutdown does: that it started (and on which
+    signal), what it waits for, and that it finished."""
+
+    def __init__(self, config: uvicorn.Config, in_flight: RequestsInFlight, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._in_flight = in_flight
+        self._shutdown_timeout = shutdown_timeout
+        self.shutdown_started: float | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        name = signal.Signals(sig).name
+        if not self.should_exit:
+            logger.info("Shutting down on %s: no new connections; waiting up to %.0f s for %d request(s) in flight, "
+                        "then aborting the rest.", name, self._shutdown_timeout, self._in_flight.count)
+            self.shutdown_started = time.monotonic()
+        elif not self.force_exit:
+            logger.info("%s again: aborting the requests in flight now.", name)
+        super().handle_exit(sig, frame)
+
+
 def _after_drain(signum: int, _: Any) -> None:
-    logger.info("Signal %d: already shutting down.", signum)
+    # uvicorn re-raises the signal it drained on once it has stopped: already handled.
+    logger.debug("Signal %d after the drain: ignored.", signum)
 
 
-async def _serve(server: Any, engine: AsyncLLMEngine) -> bool:
-    """Runs uvicorn until a signal or the engine's death; True if the engine died."""
+async def _serve(server: Any, engine: AsyncLLMEngine, sock: socket.socket, announcement: str) -> bool:
+    """Runs uvicorn on `sock` until a signal or the engine's death; True if the engine died."""
     async def watch_engine() -> None:
         while not engine.errored:
             await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
         logger.error("The engine loop has died; shutting the server down (exit status 1).")
         server.should_exit = True
 
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        logger.info("%s", announcement)
+
     watcher = asyncio.create_task(watch_engine(), name="raylm-engine-watch")
+    announcer = asyncio.create_task(announce(), name="raylm-announce")
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         watcher.cancel()
+        announcer.cancel()
+        sock.close()
         died = engine.errored
+        started = server.shutdown_started
+        logger.info("HTTP server stopped%s; shutting the engine down.",
+                    f" {time.monotonic() - started:.1f} s after the signal" if started is not None else "")
         engine.shutdown()
+        logger.info("Shutdown complete.")
     return died

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from typing import TYPE_CHECKING
 
 from raylm.deploy.protocol import ErrorInfo, ErrorResponse
+
+if TYPE_CHECKING:  # FastAPI is imported where a response is built: `OpenAIError` is needed without it
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def error_body(message: str, status: HTTPStatus, param: str | None = None) -> Er
 
 
 def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
+    from fastapi.responses import JSONResponse
+
     return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
 
 
@@ -95,6 +98,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc.message, exc.status, exc.param)

@@ -5,20 +5,20 @@ allocated for it: past a limit the answer is a 400 whose OpenAI error body names
 field (`param`) and the limit. Where vLLM has a limit raylm keeps it, where vLLM has it:
 `n` / `best_of` (at most RAYLM_MAX_N_SEQUENCES, 16384, engine/sampling_params.py) and
 `logprobs` / `prompt_logprobs` / `top_logprobs` (the engine argument `max_logprobs`, 20).
-The limits below are the server's own; each field is a `raylm serve` flag
-(`max_stop_strings` is `--max-stop-strings`), with the field's help. The structured-output
-limits bound what a grammar's compile time grows with (a constraint's size, a JSON schema's
-nesting) and the compile time itself.
+The limits below are the server's own, part of `ServerArgs`: each field is a `raylm serve`
+flag (`max_stop_strings` is `--max-stop-strings`) and a Ray Serve app key, with the
+field's help. The structured-output limits bound what a grammar's compile time grows with
+(a constraint's size, a JSON schema's nesting) and the compile time itself.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.deploy.errors import OpenAIError
+from raylm.engine.arg_fields import setting
 
 # Characters of text allowed per token of context before tokenizing, when
 # --max-prompt-chars is not given. Text averages 3 to 5 characters per token and few
@@ -27,34 +27,30 @@ from raylm.deploy.errors import OpenAIError
 PROMPT_CHARS_PER_TOKEN = 32
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """The server's bounds on one request (vLLM has none of these)."""
 
-    max_prompts_per_request: int = field(default=1024, metadata=_help(
+    max_prompts_per_request: int = field(default=1024, metadata=setting(
         "Most prompts in one /v1/completions request (a list of texts or of token-id lists)."))
-    max_stop_strings: int = field(default=64, metadata=_help(
+    max_stop_strings: int = field(default=64, metadata=setting(
         "Most strings in a request's `stop` (OpenAI allows 4); each is searched for in the text at every token."))
-    max_stop_string_chars: int = field(default=256, metadata=_help("Most characters in one stop string."))
-    max_stop_token_ids: int = field(default=1024, metadata=_help("Most ids in a request's `stop_token_ids`."))
-    max_logit_bias: int = field(default=1024, metadata=_help("Most entries in a request's `logit_bias`."))
-    max_chat_messages: int = field(default=4096, metadata=_help("Most messages in one chat request."))
-    max_prompt_chars: int | None = field(default=None, metadata=_help(
+    max_stop_string_chars: int = field(default=256, metadata=setting("Most characters in one stop string."))
+    max_stop_token_ids: int = field(default=1024, metadata=setting("Most ids in a request's `stop_token_ids`."))
+    max_logit_bias: int = field(default=1024, metadata=setting("Most entries in a request's `logit_bias`."))
+    max_chat_messages: int = field(default=4096, metadata=setting("Most messages in one chat request."))
+    max_prompt_chars: int | None = field(default=None, metadata=setting(
         f"Most characters of one text prompt, or of a chat request's messages together, before tokenization; "
         f"default: {PROMPT_CHARS_PER_TOKEN} x max_model_len (longer text could not fit the context)."))
     # Structured outputs and tools: what a grammar's compile time grows with.
-    max_structured_output_chars: int = field(default=65536, metadata=_help(
+    max_structured_output_chars: int = field(default=65536, metadata=setting(
         "Most characters of a request's structured-output constraint (its JSON schema as JSON, regex, grammar or "
         "choices together), and of its tools' definitions together."))
-    max_json_schema_depth: int = field(default=64, metadata=_help(
+    max_json_schema_depth: int = field(default=64, metadata=setting(
         "Deepest nesting of objects and arrays in a JSON schema (response_format, structured_outputs, a tool's "
         "parameters); compile time grows with the cube of a schema's nesting."))
-    max_tools: int = field(default=128, metadata=_help("Most tools in one chat request."))
-    max_grammar_compile_seconds: float = field(default=10.0, metadata=_help(
+    max_tools: int = field(default=128, metadata=setting("Most tools in one chat request."))
+    max_grammar_compile_seconds: float = field(default=10.0, metadata=setting(
         "Seconds a request's grammar may take to compile before the request is answered 400 (the compile goes on "
         "in its own thread and is cached; the engine keeps serving meanwhile)."))
 
@@ -68,33 +64,6 @@ class RequestLimits:
                     raise ValueError(f"{f.name} must be a positive number, got {value!r}.")
             elif not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}.")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """One flag per field (`--max-stop-strings`), with its help and default."""
-        for f in dataclasses.fields(cls):
-            help_text = f.metadata["help"].replace("%", "%%")
-            if f.default is not None:
-                help_text += " (default: %(default)s)"
-            parser.add_argument("--" + f.name.replace("_", "-"), type=_field_type(f), default=f.default,
-                                help=help_text)
-        return parser
-
-    @classmethod
-    def from_args(cls, args: Any) -> "RequestLimits":
-        """The limits in an argparse namespace, a dict or a `ServerArgs` (its `extra`);
-        fields they leave out or set to None keep their defaults."""
-        if isinstance(args, RequestLimits):
-            return args
-        if isinstance(args, argparse.Namespace):
-            values = vars(args)
-        elif isinstance(args, dict):
-            values = args
-        else:
-            values = getattr(args, "extra", None) or {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        types = {f.name: _field_type(f) for f in dataclasses.fields(cls)}
-        return cls(**{k: types[k](v) for k, v in values.items() if k in names and v is not None})
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
@@ -136,11 +105,6 @@ class RequestLimits:
         """The number of chat messages and the characters of their content together."""
         _check_count(len(messages), self.max_chat_messages, "messages", "messages", "max_chat_messages")
         self.check_prompt_chars(sum(_content_chars(m.content) for m in messages), max_model_len, "messages")
-
-
-def _field_type(f: dataclasses.Field) -> type:
-    """int, or float for the fields whose default is one (a number of seconds)."""
-    return float if isinstance(f.default, float) else int
 
 
 def _check_count(count: int, limit: int, param: str, noun: str, flag: str) -> None:

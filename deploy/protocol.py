@@ -209,7 +209,9 @@ class _SamplingFields(StructuredOutputFields):
             return defaults[name] if value is None else value
 
         if max_tokens is None:
-            max_tokens = default_max_tokens
+            # The rest of the context, or less where the model's generation_config.json
+            # sets max_new_tokens (as LLM's default SamplingParams have it).
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens") or default_max_tokens)
         logit_bias = None
         if self.logit_bias:
             try:

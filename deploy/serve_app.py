@@ -16,46 +16,46 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
-from raylm.deploy.limits import RequestLimits
+from raylm.deploy.server_args import DeploymentArgs, ServerArgs
+from raylm.engine import arg_fields
+from raylm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
-
-# Keys of app_builder's args that configure the deployment, not the engine or the server.
-DEPLOYMENT_KEYS = ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_cpus",
-                   "worker_cpus", "use_gpu", "health_check_period_s", "health_check_timeout_s",
-                   "max_ongoing_requests", "name")
-SERVER_KEYS = ("served_model_name", "api_key", "chat_template", "trust_request_chat_template", "max_concurrent_requests",
-               "max_request_body_bytes", "enable_auto_tool_choice", "tool_call_parser") + tuple(
-                   f.name for f in dataclasses.fields(RequestLimits))
 
 
 @serve.ingress()
 class RaylmDeployment:
     """One replica: an `AsyncLLMEngine` and the OpenAI app built over it."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], server_kwargs: dict[str, Any]) -> None:
-        from raylm.engine.arg_utils import EngineArgs
+    def __init__(self, engine_kwargs: dict[str, Any], server_args: ServerArgs) -> None:
         from raylm.engine.async_llm_engine import AsyncLLMEngine
 
         logging.getLogger("raylm").setLevel(logging.INFO)
-        self._server_kwargs = dict(server_kwargs, model=engine_kwargs.get("model"))
+        self.server_args = server_args
         # Built here, on the replica's own thread: the executor reads the replica's
         # placement group from the task context and puts its workers in bundles 1..tp.
         self.engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
 
     def __serve_build_asgi_app__(self) -> Any:
-        from raylm.deploy.api_server import build_app
+        from raylm.deploy.api_server import build_app, freeze_startup_heap
 
-        return build_app(self.engine, self._server_kwargs)
+        app = build_app(self.engine, self.server_args)
+        freeze_startup_heap()
+        return app
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
         await self.engine.check_health()
+
+    def served_server_args(self) -> ServerArgs:
+        """The server settings this replica serves with (operations, tests)."""
+        return self.server_args
 
     def worker_actors(self) -> list[Any]:
         """The tensor-parallel worker actors behind this replica (operations, tests)."""
@@ -74,154 +74,171 @@ class RaylmDeployment:
                 pass
 
 
-def deployment_options(tensor_parallel_size: int = 1, *, use_ray_workers: bool | None = None,
-                       replica_cpus: float = 1.0, worker_cpus: float = 0.5, use_gpu: bool = False,
-                       num_replicas: int | None = None, min_replicas: int = 1, max_replicas: int = 1,
-                       target_ongoing_requests: float = 64, max_ongoing_requests: int = 256,
-                       health_check_period_s: float = 10.0, health_check_timeout_s: float = 30.0,
-                       name: str = "RaylmDeployment") -> dict[str, Any]:
+def deployment_options(tensor_parallel_size: int = 1, deployment: DeploymentArgs | None = None, *,
+                       use_ray_workers: bool | None = None, worker_cpus: float = 0.5,
+                       shutdown_timeout: float = ServerArgs.shutdown_timeout) -> dict[str, Any]:
     """Serve options for a replica with `tensor_parallel_size` workers.
 
     The placement group is [{"CPU": replica_cpus}] + [{"GPU": 1} or {"CPU": worker_cpus}] * tp;
     without Ray workers (tp 1 in process) it is the replica's bundle alone. The
     autoscaling config scales between min_replicas and max_replicas on ongoing requests
-    (a fixed num_replicas overrides it).
+    (a fixed num_replicas overrides it). The server's shutdown_timeout is how long Serve
+    lets a stopping replica finish its requests.
     """
+    deployment = deployment or DeploymentArgs()
     use_ray_workers = tensor_parallel_size > 1 if use_ray_workers is None else use_ray_workers
     options: dict[str, Any] = dict(
-        name=name,
-        ray_actor_options={"num_cpus": replica_cpus},
-        max_ongoing_requests=max_ongoing_requests,
-        health_check_period_s=health_check_period_s,
-        health_check_timeout_s=health_check_timeout_s,
-        # Building a replica loads the model and starts its workers: allow for it.
-        graceful_shutdown_timeout_s=5,
+        name=deployment.name,
+        ray_actor_options={"num_cpus": deployment.replica_cpus},
+        max_ongoing_requests=deployment.max_ongoing_requests,
+        health_check_period_s=deployment.health_check_period_s,
+        health_check_timeout_s=deployment.health_check_timeout_s,
+        graceful_shutdown_timeout_s=shutdown_timeout,
     )
     if use_ray_workers:
-        worker_bundle = {"GPU": 1.0} if use_gpu else {"CPU": worker_cpus}
-        options["placement_group_bundles"] = [{"CPU": replica_cpus}] + [dict(worker_bundle)
-                                                                         for _ in range(tensor_parallel_size)]
+        worker_bundle = {"GPU": 1.0} if deployment.use_gpu else {"CPU": worker_cpus}
+        options["placement_group_bundles"] = [{"CPU": deployment.replica_cpus}] + [
+            dict(worker_bundle) for _ in range(tensor_parallel_size)]
         options["placement_group_strategy"] = "STRICT_PACK"
-    if num_replicas is not None:
-        options["num_replicas"] = num_replicas
+    if deployment.num_replicas is not None:
+        options["num_replicas"] = deployment.num_replicas
     else:
+        min_replicas, max_replicas = deployment.replica_range
         options["autoscaling_config"] = {
             "min_replicas": min_replicas,
             "initial_replicas": min_replicas,
             "max_replicas": max_replicas,
-            "target_ongoing_requests": target_ongoing_requests,
+            "target_ongoing_requests": deployment.target_ongoing_requests,
             "upscale_delay_s": 10,
             "downscale_delay_s": 300,
         }
     return options
 
 
-def build_serve_app(engine_kwargs: dict[str, Any], server_kwargs: dict[str, Any] | None = None,
-                    **deployment_kwargs: Any) -> Application:
-    """The bound Serve application: deployment options from `deployment_options`."""
+def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dict[str, Any] | None = None,
+                    deployment: DeploymentArgs | None = None, **deployment_kwargs: Any) -> Application:
+    """The bound Serve application. `server_args`: a `ServerArgs`, or a dict of its keys;
+    `deployment_kwargs`: `DeploymentArgs` fields (or a whole `deployment`)."""
     engine_kwargs = dict(engine_kwargs)
+    if not isinstance(server_args, ServerArgs):
+        server_args = ServerArgs.from_values(server_args or {})
+    deployment = deployment or DeploymentArgs.from_values(deployment_kwargs)
     tp = int(engine_kwargs.get("tensor_parallel_size", 1))
     use_ray_workers = tp > 1 or engine_kwargs.get("distributed_executor_backend") == "ray"
     if use_ray_workers:
         engine_kwargs.setdefault("distributed_executor_backend", "ray")
     # The executor gives each worker its bundle's CPUs; one number sizes both.
-    if "worker_cpus" in deployment_kwargs:
-        engine_kwargs.setdefault("ray_cpus_per_worker", deployment_kwargs["worker_cpus"])
-    elif "ray_cpus_per_worker" in engine_kwargs:
-        deployment_kwargs["worker_cpus"] = float(engine_kwargs["ray_cpus_per_worker"])
-    options = deployment_options(tp, use_ray_workers=use_ray_workers, **deployment_kwargs)
-    return serve.deployment(RaylmDeployment).options(**options).bind(engine_kwargs, dict(server_kwargs or {}))
+    if deployment.worker_cpus is not None:
+        engine_kwargs.setdefault("ray_cpus_per_worker", deployment.worker_cpus)
+    worker_cpus = float(engine_kwargs.get("ray_cpus_per_worker", EngineArgs.ray_cpus_per_worker))
+    options = deployment_options(tp, deployment, use_ray_workers=use_ray_workers, worker_cpus=worker_cpus,
+                                 shutdown_timeout=server_args.shutdown_timeout)
+    return serve.deployment(RaylmDeployment).options(**options).bind(engine_kwargs, server_args)
+
+
+@dataclass
+class AppArguments:
+    """A Serve app's `args`, sorted and typed: the given engine arguments (model resolved),
+    the server settings and the deployment settings."""
+
+    engine_kwargs: dict[str, Any]
+    server_args: ServerArgs
+    deployment: DeploymentArgs
+
+
+def app_arguments(args: dict[str, Any] | None) -> AppArguments:
+    """Sorts and types a Serve app's `args`. Values from the `serve run` command line
+    arrive as strings and are parsed by each setting's type ("false" is False); a key that
+    is no setting is a ValueError naming its near misses."""
+    from raylm.models.bundled import resolve_model_path
+
+    args = dict(args or {})
+    engine_names = [s.name for s in arg_fields.settings_of(EngineArgs)]
+    server_names = [s.name for s in arg_fields.settings_of(ServerArgs)]
+    deployment_names = [s.name for s in arg_fields.settings_of(DeploymentArgs)]
+    unknown = [key for key in args if key not in {*engine_names, *server_names, *deployment_names}]
+    if unknown:
+        raise ValueError(arg_fields.unknown_keys_message(
+            unknown, engine_names + ServerArgs.keys() + DeploymentArgs.keys(), "app argument")
+            + " Keys are engine arguments (docs/engine_args.md), server and deployment settings "
+              "(docs/server_flags.md).")
+    engine_values = {k: v for k, v in args.items() if k in engine_names}
+    engine_args = EngineArgs.from_values(engine_values)
+    # No model, or the demo model's short name (what deploy/serve_config.yaml ships with),
+    # means the bundled demo model's folder.
+    engine_kwargs = {name: getattr(engine_args, name) for name in engine_values}
+    engine_kwargs["model"] = resolve_model_path(engine_args.model or None)
+    return AppArguments(engine_kwargs,
+                        ServerArgs.from_values({k: v for k, v in args.items() if k in server_names}),
+                        DeploymentArgs.from_values({k: v for k, v in args.items() if k in deployment_names}))
 
 
 def app_builder(args: dict[str, Any]) -> Application:
     """`serve run raylm.deploy.serve_app:app_builder model=... tensor_parallel_size=2`, or a
-    Serve config's `args:`. Engine keys are EngineArgs fields; server keys are
-    served_model_name, api_key, chat_template; the rest (DEPLOYMENT_KEYS) shape the
-    deployment. Values given on the `serve run` command line arrive as strings."""
-    from raylm.engine.arg_utils import EngineArgs
-
-    from raylm.models.bundled import resolve_model_path
-
-    args = dict(args or {})
-    # No model, or the demo model's short name (what deploy/serve_config.yaml ships with),
-    # means the bundled demo model's folder.
-    args["model"] = resolve_model_path(args.get("model"))
-    engine_fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
-    unknown = sorted(set(args) - set(engine_fields) - set(DEPLOYMENT_KEYS) - set(SERVER_KEYS))
-    if unknown:
-        raise ValueError(f"Unknown app argument(s) {unknown}: use EngineArgs fields, {list(SERVER_KEYS)} or "
-                         f"{list(DEPLOYMENT_KEYS)}.")
-    engine_kwargs = {k: _coerce(engine_fields[k].default, v) for k, v in args.items() if k in engine_fields}
-    server_kwargs = {k: v for k, v in args.items() if k in SERVER_KEYS}
-    deployment_kwargs = {k: _coerce_number(v) for k, v in args.items() if k in DEPLOYMENT_KEYS and k != "name"}
-    if "use_gpu" in deployment_kwargs:
-        deployment_kwargs["use_gpu"] = _as_bool(deployment_kwargs["use_gpu"])
-    if "name" in args:
-        deployment_kwargs["name"] = args["name"]
-    return build_serve_app(engine_kwargs, server_kwargs, **deployment_kwargs)
+    Serve config's `args:`: engine arguments, server settings and deployment settings, by
+    their field names (docs/engine_args.md, docs/server_flags.md)."""
+    parsed = app_arguments(args)
+    return build_serve_app(parsed.engine_kwargs, parsed.server_args, parsed.deployment)
 
 
-def _as_bool(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+def cli_serve_app(args: argparse.Namespace, **deployment_overrides: Any) -> tuple[Application, ServerArgs]:
+    """`raylm serve --ray-serve`'s application and server settings, from its flags: every
+    server setting reaches the replicas (the API key resolved here, from --api-key,
+    --api-key-file or RAYLM_API_KEY). `deployment_overrides`: DeploymentArgs fields that
+    have no flag."""
+    from raylm.deploy.api_server import resolve_model
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model = resolve_model(args)
+    server_args = ServerArgs.from_cli_args(args)
+    server_args = dataclasses.replace(server_args, api_key=server_args.resolved_api_key(), api_key_file=None)
+    deployment = DeploymentArgs.from_cli_args(args)
+    deployment = dataclasses.replace(deployment, use_gpu=engine_args.device != "cpu" and _has_gpu(),
+                                     **deployment_overrides)
+    return build_serve_app(dataclasses.asdict(engine_args), server_args, deployment), server_args
 
 
-def _coerce_number(value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return _as_bool(value) if value.lower() in ("true", "false") else value
-
-
-def _coerce(default: Any, value: Any) -> Any:
-    """`serve run key=value` gives strings: convert to the field's default's type."""
-    if not isinstance(value, str):
-        return value
-    if isinstance(default, bool):
-        return _as_bool(value)
-    if isinstance(default, int) or default is None:
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    if isinstance(default, float) or default is None:
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
+class _ShutdownRequested(Exception):
+    """SIGTERM or SIGINT reached `raylm serve --ray-serve`."""
 
 
 def run_cli(args: argparse.Namespace) -> None:
-    """`raylm serve --ray-serve`: starts (or joins) Ray, runs the app, blocks until Ctrl-C."""
-    import time
+    """`raylm serve --ray-serve`: starts (or joins) Ray, runs the app and blocks until
+    SIGTERM or Ctrl-C (even during startup), then shuts Serve down, logging each stage."""
+    import signal
 
     import ray
 
-    from raylm.deploy.api_server import resolve_model
-    from raylm.engine.arg_utils import EngineArgs
+    from raylm.deploy.api_server import check_port_free, resolve_model
 
-    args.model = resolve_model(args)
-    engine_kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
-    server_kwargs = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-                     "chat_template": args.chat_template, "enable_auto_tool_choice": args.enable_auto_tool_choice,
-                     "tool_call_parser": args.tool_call_parser}
+    application, server_args = cli_serve_app(args)
+    # Found now, not after Ray and the replicas have started.
+    check_port_free(server_args.host, server_args.port)
     if not ray.is_initialized():
         ray.init(address="auto" if _ray_cluster_running() else None, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    application = build_serve_app(engine_kwargs, server_kwargs, min_replicas=args.min_replicas,
-                                  max_replicas=max(args.min_replicas, args.max_replicas),
-                                  use_gpu=args.device != "cpu" and _has_gpu())
-    serve.run(application, name="raylm", route_prefix="/")
-    logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d", args.model, args.host, args.port)
+
+    def request_shutdown(signum: int, _: Any) -> None:
+        raise _ShutdownRequested(signal.Signals(signum).name)
+
+    # After ray.init, which installs handlers of its own.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_shutdown)
     try:
+        serve.start(http_options={"host": server_args.host, "port": server_args.port})
+        serve.run(application, name="raylm", route_prefix="/")
+        names = server_args.model_names(resolve_model(args))
+        logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s", ", ".join(names), server_args.host,
+                    server_args.port, server_args.root_path)
         while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+            signal.pause()
+    except (_ShutdownRequested, KeyboardInterrupt) as stop:
+        name = str(stop) or "SIGINT"
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        logger.info("Shutting down on %s: Serve lets each replica finish its requests for up to %.0f s, then "
+                    "stops it and its workers.", name, server_args.shutdown_timeout)
         serve.shutdown()
+        logger.info("Shutdown complete.")
 
 
 def _ray_cluster_running() -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -17,9 +16,9 @@ from raylm.deploy.protocol import (CompletionLogProbs, CompletionRequest, Comple
                                    UsageInfo, random_id)
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse,
                                          sse_error)
-from raylm.engine.beam_search import beam_search_params_from, beam_search_request_output, beams_to_keep
+from raylm.engine.beam_search import beams_to_keep
 from raylm.engine.outputs import Logprob, RequestOutput
-from raylm.engine.sampling_params import MAX_N_SEQUENCES, SamplingParams
+from raylm.engine.sampling_params import MAX_N_SEQUENCES
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -37,9 +36,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
         request_id = random_id("cmpl")
         created = int(time.time())
-        if request.use_beam_search:
-            finals = await self._beam_search(request, request_id, prompts, params)
-            return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
+        if request.use_beam_search and request.stream:
+            raise OpenAIError("use_beam_search cannot be streamed: the best beams are known only at the end.",
+                              param="stream")
+        # A beam search is a request like any other here (its stream yields the final
+        # output), so a client that leaves stops it as it stops the others.
         streams = await self.add_requests(request_id, prompts, params)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, created, model_name, streams))
@@ -76,20 +77,6 @@ class OpenAIServingCompletion(OpenAIServing):
         """Each prompt's token ids (on the tokenizer thread)."""
         return [self.tokenize(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
                 for prompt in prompts]
-
-    async def _beam_search(self, request: CompletionRequest, request_id: str, prompts: list[dict],
-                           params: list[SamplingParams]) -> list[RequestOutput]:
-        """vLLM 0.4's `use_beam_search`: each prompt's n best of best_of beams as its choices."""
-        if request.stream:
-            raise OpenAIError("use_beam_search cannot be streamed: the best beams are known only at the end.",
-                              param="stream")
-        searches = [self.engine.beam_search(prompt["prompt_token_ids"], f"{request_id}-{index}",
-                                            beam_search_params_from(sampling, sampling.max_tokens))
-                    for index, (prompt, sampling) in enumerate(zip(prompts, params))]
-        results = await asyncio.gather(*searches)
-        return [beam_search_request_output(f"{request_id}-{index}", prompt.get("prompt"), prompt["prompt_token_ids"],
-                                           result, sampling.n)
-                for index, (prompt, sampling, result) in enumerate(zip(prompts, params, results))]
 
     # ------------------------------------------------------------ full response
     def _response(self, request: CompletionRequest, request_id: str, created: int, model_name: str,

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
@@ -36,9 +36,11 @@ class OpenAIServing:
     thread of their own, as in vLLM, so a long prompt never stalls the event loop."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, model_aliases: Iterable[str] = ()) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        # Names a request may use that are not advertised (ServerArgs.model_aliases).
+        self.accepted_model_names = frozenset([*served_model_names, *model_aliases])
         self.model_name = served_model_names[0]
         self.tokenizer = tokenizer
         self.limits = limits or RequestLimits()
@@ -56,7 +58,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> str:
-        if model and model not in self.served_model_names:
+        if model and model not in self.accepted_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return self.model_name
 

@@ -26,7 +26,7 @@ from raylm.deploy.errors import OpenAIError
 from raylm.deploy.limits import RequestLimits
 from raylm.deploy.protocol import ChatCompletionToolsParam, FunctionCall, ToolCall
 from raylm.deploy.structured_outputs import json_depth
-from raylm.deploy.tool_parsers import ParsedCall, ParsedToolOutput, ToolParser, get_tool_parser
+from raylm.deploy.tool_parsers import ParsedCall, ParsedToolOutput, ToolParser, check_tool_settings, get_tool_parser
 from raylm.deploy.tool_parsers.base import scan_call, skip_whitespace
 from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
 
@@ -40,11 +40,7 @@ class ToolCallConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, "
-                             "mistral).")
+        check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
 
 
 @dataclass

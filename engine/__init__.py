@@ -1,9 +1,15 @@
 """raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine` and the outputs."""
 
-from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
-from raylm.engine.structured_output.params import StructuredOutputsParams
+# First, before anything imports torch: OpenMP reads how its idle threads wait once, when
+# torch loads (raylm's default: they sleep; see raylm.executors.cpu_threads).
+from raylm.executors.cpu_threads import apply_openmp_defaults
+
+apply_openmp_defaults()
+
+from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
+from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from raylm.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from raylm.engine.structured_output.params import StructuredOutputsParams  # noqa: E402
 
 # Imported on first use, so that workers importing the plain step types do not pull in
 # the engine, the scheduler and transformers.

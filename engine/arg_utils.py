@@ -1,7 +1,8 @@
 """`EngineArgs`: the one place where engine settings, their defaults and help live.
 
-Its fields are the keyword arguments of `LLM(...)`, and `add_cli_args` turns the same
-fields into the flags of `raylm serve` / `raylm bench`, so no setting is spelled twice.
+Its fields are the keyword arguments of `LLM(...)`; `add_cli_args` turns the same fields
+into the flags of `raylm serve` / `raylm bench`, `from_values` reads them as Ray Serve app
+keys, and `docs/engine_args.md` is generated from them, so no setting is spelled twice.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ import argparse
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any
 
+from raylm.engine import arg_fields
+
+from raylm.engine import envs
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
                                  ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
+from raylm.models.sliding_window import kv_cache_sliding_window
 
 _GiB = 1024**3
 
@@ -70,6 +75,11 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
+    enable_expert_parallel: bool = field(default=False, metadata=_help(
+        "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
+        "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
+        "for all tokens and one all-reduce per MoE layer sums them, as without it. Needs at least as many experts "
+        "as workers; no effect on other models or at tensor_parallel_size 1."))
     distributed_executor_backend: str | None = field(default=None, metadata=_help(
         "'uni' runs the one worker in this process; 'ray' runs the workers as Ray actors, even one. Default: "
         "'uni' for tensor_parallel_size 1, 'ray' above. ('mp', vLLM's multiprocessing executor, does not exist "
@@ -95,10 +105,12 @@ class EngineArgs:
     device: str = field(default="auto", metadata=_help("'auto', 'cuda' or 'cpu'."))
     attention_backend: str | None = field(default=None, metadata=_help("Attention kernels: 'triton', 'cpu' (native "
                                                                        "C++ decode) or 'torch' (reference); default "
-                                                                       "RAYLM_ATTENTION_BACKEND, else triton on CUDA, "
-                                                                       "cpu on CPU."))
-    enforce_eager: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility: raylm always "
-                                                              "runs eagerly (no CUDA graphs yet)."))
+                                                                       "triton on CUDA, cpu on CPU."))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Run every step eagerly (vLLM's flag). By default, on a GPU with the Triton kernels and one worker, "
+        "decode steps replay CUDA graphs captured at start for padded batch sizes 1, 2, 4, 8, 16, 24, ... up "
+        "to max_num_seqs (their memory is set aside before the KV cache is sized); steps with a prompt chunk "
+        "always run eagerly. No effect on the CPU."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
     generation_config: str = field(default="auto", metadata=_help(
         "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
@@ -123,6 +135,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        envs.check_all()  # a bad RAYLM_* value stops the start here, before anything is loaded
         # The one place a model argument is resolved: no model, or the demo model's short
         # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
         self.model = resolve_model_path(self.model)
@@ -143,6 +156,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -150,6 +164,7 @@ class EngineArgs:
             cpu_kv_cache_space_bytes=None if self.kv_cache_space is None else int(self.kv_cache_space * _GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            sliding_window=kv_cache_sliding_window(model_config.layer_sliding_windows),
         )
         default_budget = (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
                           else max(max_model_len, 2048))
@@ -163,6 +178,7 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             distributed_executor_backend=self.distributed_executor_backend,
             ray_compiled_graph=self.ray_compiled_graph,
             ray_span_nodes=self.ray_span_nodes,
@@ -174,36 +190,17 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        """Adds one flag per field (`--max-model-len`), with the field's help and default.
-
-        The help shows the default as vLLM's does, "(default: 256)"; a None default is
-        described by the field's help text itself ("default: the model's"), so that the help
-        never reads "default: None".
-        """
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = _cli_type(hints[f.name])
-            help_text = f.metadata.get("help", "").replace("%", "%%")
-            if f.default is not None:
-                help_text += " (default: %(default)s)"
-            elif "default" not in help_text.lower():
-                help_text += " (default: none)"
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-            else:
-                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
-        return parser
+        """Adds one flag per field (`--max-model-len`), with the field's help and default
+        (see `arg_fields.add_cli_args`)."""
+        return arg_fields.add_cli_args(parser, cls, skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return arg_fields.from_namespace(cls, args)
 
-
-def _cli_type(hint: Any) -> type:
-    """The argparse type of a field: its hint with `| None` taken off."""
-    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
-    return args[0] if args else hint
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "EngineArgs":
+        """EngineArgs from string-keyed values (Ray Serve's `key=value` app arguments):
+        strings are parsed by each field's type; an unknown key is a ValueError naming its
+        near misses."""
+        return arg_fields.from_values(cls, values, "engine argument")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.engine.arg_utils import EngineArgs
-from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_sampling_params,
-                                      top_logprobs)
+from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
+                                      beam_search_params_from, beam_search_request_output, run_async)
 from raylm.engine.llm_engine import LLMEngine, PromptType
 from raylm.engine.outputs import CompletionOutput, RequestOutput
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
@@ -63,6 +64,18 @@ class _RequestState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+
+@dataclass
+class _PendingWork:
+    """Aborts, adds and calls taken off the queues together, for the engine's thread."""
+
+    aborts: set[str]
+    adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]]
+    calls: list[tuple[Callable[[], Any], asyncio.Future]]
+
+    def __bool__(self) -> bool:
+        return bool(self.aborts or self.adds or self.calls)
 
 
 _STREAM_END = object()
@@ -164,8 +177,10 @@ class AsyncLLMEngine:
             thread (see `from_engine_args`); default: a new one.
 
     Use `generate()` from any coroutine of one event loop; the background loop starts on
-    the first request. `check_health()` raises once the loop has died; from then on every
-    waiting and new request fails with `AsyncEngineDeadError`.
+    the first request. `is_running` says whether it takes requests; `check_health()`
+    raises once the loop has died (`errored`); from then on every waiting and new request
+    fails with `AsyncEngineDeadError`. `beam_search()` runs a beam search on it, as
+    `LLM.beam_search` does offline.
     """
 
     def __init__(self, engine: LLMEngine, step_in_thread: bool = True,
@@ -176,8 +191,11 @@ class AsyncLLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._engine_requests: dict[str, _RequestState] = {}
         self._add_counter = itertools.count()
+        # Work for the engine's thread, queued on the event loop (see _take_pending).
         self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]] = []
         self._pending_aborts: set[str] = set()
+        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._work_in_flight: _PendingWork | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._thread_pool = step_thread_pool or _step_thread_pool()
@@ -233,7 +251,12 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        """True while the engine can take requests: from construction (its loop starts
+        with the first request) until `shutdown()` or the loop's death (then `errored`).
+        vLLM's `AsyncLLM.is_running`."""
+        if self._shutdown or self._dead_error is not None:
+            return False
+        return self._loop_task is None or not self._loop_task.done()
 
     @property
     def errored(self) -> bool:
@@ -257,27 +280,49 @@ class AsyncLLMEngine:
         its outputs. Closing or dropping that stream before the request finished (break,
         cancellation, `aclose()`, even before reading it) aborts the request. The id may be
         reused once the request has ended or been aborted.
+
+        vLLM 0.4's `SamplingParams(use_beam_search=True)` runs a beam search (see
+        `beam_search`) whose stream yields one finished output: the n best of best_of beams.
         """
-        self._raise_if_dead()
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already running.")
         params = SamplingParams() if params is None else params
-        state = _RequestState(request_id, f"{request_id}@{next(self._add_counter)}", arrival_time or time.time(),
-                              output_kind=params.output_kind)
-        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._requests[request_id] = state
-        self._engine_requests[state.engine_request_id] = state
-        self._pending_adds.append((state, prompt, params, accepted))
+        if params.use_beam_search:
+            return await self._add_beam_search(request_id, prompt, params)
+        (stream,) = await self._add_requests([(request_id, prompt, params)], arrival_time)
+        return stream
+
+    async def _add_requests(self, requests: list[tuple[str, PromptType, SamplingParams]],
+                            arrival_time: float | None = None) -> list[RequestStream]:
+        """Queues requests together and waits until the engine has accepted them all; if
+        it refuses one, the others are aborted and its error is raised."""
+        self._raise_if_dead()
+        ids = [request_id for request_id, _, _ in requests]
+        taken = next((i for n, i in enumerate(ids) if i in self._requests or i in ids[:n]), None)
+        if taken is not None:
+            raise ValueError(f"request_id {taken!r} is already running.")
+        loop = asyncio.get_running_loop()
+        arrival_time = arrival_time or time.time()
+        states, accepted = [], []
+        for request_id, prompt, params in requests:
+            state = _RequestState(request_id, f"{request_id}@{next(self._add_counter)}", arrival_time,
+                                  output_kind=params.output_kind)
+            future = loop.create_future()
+            self._requests[request_id] = state
+            self._engine_requests[state.engine_request_id] = state
+            self._pending_adds.append((state, prompt, params, future))
+            states.append(state)
+            accepted.append(future)
         self._interrupt.set()
         self._start_loop()
         try:
-            await accepted
+            await asyncio.gather(*accepted)
         except BaseException:
-            if not accepted.done():  # cancelled while queued
-                accepted.cancel()
-            self._abort_state(state)
+            for future in accepted:
+                if not future.done():  # cancelled, or still queued beside a refused one
+                    future.cancel()
+            for state in states:
+                self._abort_state(state)
             raise
-        return RequestStream(self, state)
+        return [RequestStream(self, state) for state in states]
 
     async def compile_structured_outputs(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
         """Waits, off the event loop, until the constraint's grammar is compiled (or found in
@@ -314,25 +359,50 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
-    async def beam_search(self, prompt_token_ids: list[int], request_id: str,
-                          params: BeamSearchParams) -> BeamSearchOutput:
-        """`LLM.beam_search` for one prompt, on the running engine: each step's beams are
-        one-token requests that run alongside everything else. Cancelling it aborts them."""
-        search = BeamSearch(prompt_token_ids, params, self.engine.eos_token_ids)
-        step = 0
-        while not search.finished_search:
-            streams = [await self.add_request(f"{request_id}-beam-{step}-{i}", {"prompt_token_ids": tokens},
-                                              beam_search_sampling_params(search))
-                       for i, tokens in enumerate(search.pending())]
-            finals = await asyncio.gather(*(_last(stream) for stream in streams))
-            search.advance([top_logprobs(output) for output in finals])
-            step += 1
-        tokenizer = self.get_tokenizer()
-        sequences = search.results()
-        for sequence in sequences:
-            if tokenizer is not None:
-                sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
-        return BeamSearchOutput(sequences)
+    # -------------------------------------------------------------- beam search
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams) -> BeamSearchOutput:
+        """`LLM.beam_search` for one prompt (token ids, text or a prompt dict), on the
+        running engine: each step's beams are one-token requests, added together, that run
+        alongside everything else. Cancelling it aborts them."""
+        _, token_ids = await self._prompt_token_ids(prompt)
+        driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids)
+        await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
+        return driver.outputs(self.get_tokenizer())[0]
+
+    async def _add_beam_search(self, request_id: str, prompt: PromptType, params: SamplingParams) -> "_TaskStream":
+        """`use_beam_search`: the search's first step is added before this returns, so a
+        bad prompt raises here as for any request; the rest runs in a task that closing the
+        stream cancels (aborting its beams)."""
+        prompt_text, token_ids = await self._prompt_token_ids(prompt)
+        max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
+        driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
+                                  self.engine.eos_token_ids)
+        first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
+
+        async def search() -> RequestOutput:
+            driver.advance(await _finals(first_step))
+            await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
+            (result,) = driver.outputs(self.get_tokenizer())
+            return beam_search_request_output(request_id, prompt_text, token_ids, result, params.n)
+
+        return _TaskStream(request_id, asyncio.get_running_loop().create_task(search(), name=f"beam-{request_id}"))
+
+    async def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; text is tokenized on the engine's thread."""
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        return await self._on_engine_thread(functools.partial(self.engine._tokenize_prompt, prompt))
+
+    async def _add_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
+                             ) -> list[RequestStream]:
+        return await self._add_requests([(f"{request_id}-beam{driver.num_steps}-{i}", prompt, params)
+                                         for i, (prompt, params) in enumerate(requests)])
+
+    async def _run_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
+                             ) -> list[RequestOutput]:
+        return await _finals(await self._add_beam_step(request_id, driver, requests))
 
     async def abort(self, request_id: str) -> None:
         """Stops a request; its blocks return to the pool before the next step.
@@ -394,17 +464,21 @@ class AsyncLLMEngine:
         try:
             while True:
                 self._interrupt.clear()
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests():
+                work = self._take_pending()
+                if not work and not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
+                    if not self._has_pending():
                         await self._wakeup.wait()
                     continue
                 if self.step_in_thread:
-                    await loop.run_in_executor(self._thread_pool, self._run_steps, loop)
+                    self._work_in_flight = work
+                    await loop.run_in_executor(self._thread_pool, self._run_steps, loop, work)
+                    self._work_in_flight = None
                 else:
-                    outputs = self.engine.step()
-                    self._dispatch(outputs, self.engine.pop_failed_requests())
+                    self._settle(self._apply(work))
+                    if self.engine.has_unfinished_requests():
+                        outputs = self.engine.step()
+                        self._dispatch(outputs, self.engine.pop_failed_requests())
                     await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
@@ -413,13 +487,19 @@ class AsyncLLMEngine:
             self._dead_error = exc
             self._fail_all(AsyncEngineDeadError(f"The engine loop has stopped: {exc!r}"))
 
-    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the step thread: steps back to back, handing each step's outputs to the event
-        loop as it goes, until requests are to be added or aborted (which happens on the
-        loop, between steps) or none is left. Waiting for the loop between steps cost
-        about 2 ms a step (a sixth of it) under 64 streams."""
+    def _run_steps(self, loop: asyncio.AbstractEventLoop, work: "_PendingWork") -> None:
+        """On the step thread: applies the queued aborts and adds (adding a request
+        tokenizes it and fans out its n samples: an n=16384 request held the event loop
+        0.84 s when that ran there), then steps back to back, handing each step's outputs
+        to the event loop as it goes, until requests are to be added or aborted or none is
+        left. Waiting for the loop between steps cost about 2 ms a step (a sixth of it)
+        under 64 streams."""
         engine = self.engine
-        while True:
+        settled = self._apply(work)
+        if settled:
+            # Before any output of these requests: callbacks run in the order they came.
+            loop.call_soon_threadsafe(self._settle, settled)
+        while not self._shutdown and engine.has_unfinished_requests():
             outputs = engine.step()
             failed = engine.pop_failed_requests()
             # At most a few steps ahead of the streams, so a busy loop slows the steps
@@ -428,7 +508,7 @@ class AsyncLLMEngine:
                 if self._shutdown or loop.is_closed():
                     return
             loop.call_soon_threadsafe(self._dispatch_step, outputs, failed)
-            if self._interrupt.is_set() or self._shutdown or not engine.has_unfinished_requests():
+            if self._interrupt.is_set():
                 return
 
     def _dispatch_step(self, outputs: list[RequestOutput], failed: dict[str, BaseException]) -> None:
@@ -437,20 +517,56 @@ class AsyncLLMEngine:
         finally:
             self._undelivered_steps.release()
 
-    def _apply_pending(self) -> None:
-        if self._pending_aborts:
-            aborts, self._pending_aborts = self._pending_aborts, set()
-            self.engine.abort_request(list(aborts))
-        adds, self._pending_adds = self._pending_adds, []
-        for state, prompt, params, accepted in adds:
+    def _has_pending(self) -> bool:
+        return bool(self._pending_adds or self._pending_aborts or self._pending_calls)
+
+    def _take_pending(self) -> "_PendingWork":
+        """On the event loop: what waits to be done on the engine, taken off the queues."""
+        work = _PendingWork(self._pending_aborts, self._pending_adds, self._pending_calls)
+        self._pending_aborts, self._pending_adds, self._pending_calls = set(), [], []
+        return work
+
+    def _apply(self, work: "_PendingWork") -> list[tuple[asyncio.Future, Any, BaseException | None]]:
+        """On the engine's thread: aborts, adds and calls; returns each add's and call's
+        (future, result, error) for `_settle` on the event loop."""
+        if work.aborts:
+            self.engine.abort_request(list(work.aborts))
+        settled: list[tuple[asyncio.Future, Any, BaseException | None]] = []
+        for state, prompt, params, accepted in work.adds:
             if accepted.done() or state.finished:  # cancelled or aborted while queued
                 continue
             try:
                 self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time)
             except Exception as exc:  # noqa: BLE001 - bad input fails this request only
-                accepted.set_exception(exc)
+                settled.append((accepted, None, exc))
                 continue
-            accepted.set_result(None)
+            settled.append((accepted, None, None))
+        for call, future in work.calls:
+            try:
+                settled.append((future, call(), None))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                settled.append((future, None, exc))
+        return settled
+
+    @staticmethod
+    def _settle(settled: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+        for future, result, error in settled:
+            if future.done():  # the caller was cancelled meanwhile
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    async def _on_engine_thread(self, call: Callable[[], Any]) -> Any:
+        """`call()` on the engine's thread, between steps (what touches the engine's
+        tokenizer, which is never used from two threads at once)."""
+        self._raise_if_dead()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((call, future))
+        self._interrupt.set()
+        self._start_loop()
+        return await future
 
     def _dispatch(self, outputs: list[RequestOutput], failed: dict[str, BaseException]) -> None:
         """Hands one step's outputs to their streams; `failed`: the requests the engine
@@ -516,10 +632,12 @@ class AsyncLLMEngine:
                 state.queue.put_nowait(exc)
         self._requests.clear()
         self._engine_requests.clear()
-        for _, _, _, accepted in self._pending_adds:
-            if not accepted.done():
-                accepted.set_exception(exc)
-        self._pending_adds.clear()
+        waiting = [work for work in (self._work_in_flight, self._take_pending()) if work is not None]
+        futures = [accepted for work in waiting for _, _, _, accepted in work.adds]
+        futures += [future for work in waiting for _, future in work.calls]
+        for future in futures:
+            if not future.done():
+                future.set_exception(exc)
 
 
 def _merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -556,3 +674,49 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     if final is None or not final.finished:
         raise AsyncEngineDeadError("A beam-search request ended without a final output.")
     return final
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final outputs of a beam-search step's requests; whatever ends the wait
+    (cancellation, an error), every one of them is closed, which aborts those unfinished."""
+    try:
+        return list(await asyncio.gather(*(_last(stream) for stream in streams)))
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+class _TaskStream:
+    """A stream whose one output is a task's result (a beam search's): closing it,
+    dropping it or cancelling its reader cancels the task."""
+
+    def __init__(self, request_id: str, task: asyncio.Task) -> None:
+        self.request_id = request_id
+        self._task = task
+        self._loop = task.get_loop()
+        self._done = False
+
+    def __aiter__(self) -> "_TaskStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return await self._task  # a reader cancelled here cancels the task too
+        finally:
+            self._done = True
+
+    def close(self) -> None:
+        self._done = True
+        self._task.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._task.done():
+            try:
+                self._loop.call_soon_threadsafe(self._task.cancel)
+            except RuntimeError:  # the loop is closed
+                pass

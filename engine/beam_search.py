@@ -9,11 +9,18 @@ logprobs over (generated length ** length_penalty); the best k that do not end g
 
 The engine needs no beam-aware code: a beam is a request for one token with the top-K
 logprobs, and beams with a common history share its KV blocks through the prefix cache.
+
+One driver runs every beam search: `BeamSearchDriver` holds the searches of a batch of
+prompts and says, step by step, which one-token requests to run; `LLM.beam_search` (and
+vLLM 0.4's `use_beam_search`) runs each step's requests with `run_sync`, `AsyncLLMEngine`
+(and so the server) with `run_async`, adding a step's beams together.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _NEG = -1.0e9
 
@@ -213,3 +220,75 @@ def beam_search_sampling_params(search: BeamSearch):
 def top_logprobs(output) -> dict[int, float]:
     """{token: logprob} of a one-token RequestOutput's first (only) position."""
     return {token_id: entry.logprob for token_id, entry in output.outputs[0].logprobs[0].items()}
+
+
+# A step's one-token requests: (prompt token ids, sampling params) per beam.
+StepRequests = list[tuple[dict[str, list[int]], Any]]
+
+
+class BeamSearchDriver:
+    """The beam searches of a batch of prompts, stepped together and free of I/O: the
+    caller runs `step_requests()` on an engine (all of them, in any order of completion)
+    and hands the final one-token outputs, in the same order, to `advance()`, until
+    `step_requests()` is empty; `outputs()` then holds each prompt's beams.
+
+    searches: (prompt token ids, BeamSearchParams) per prompt.
+    """
+
+    def __init__(self, searches: list[tuple[list[int], BeamSearchParams]], eos_token_ids: list[int]) -> None:
+        self.searches = [BeamSearch(prompt, params, eos_token_ids) for prompt, params in searches]
+        self._owners: list[BeamSearch] = []
+        self.num_steps = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(search.finished_search for search in self.searches)
+
+    def step_requests(self) -> StepRequests:
+        """The one-token requests of the next step (empty once every search has finished)."""
+        self._owners = []
+        requests: StepRequests = []
+        for search in self.searches:
+            if search.finished_search:
+                continue
+            params = beam_search_sampling_params(search)
+            for tokens in search.pending():
+                self._owners.append(search)
+                requests.append(({"prompt_token_ids": tokens}, params))
+        return requests
+
+    def advance(self, outputs: list[Any]) -> None:
+        """The finished RequestOutputs of `step_requests()`, in its order."""
+        assert len(outputs) == len(self._owners), "one output per request of the step"
+        for search in {id(s): s for s in self._owners}.values():
+            search.advance([top_logprobs(o) for owner, o in zip(self._owners, outputs) if owner is search])
+        self._owners = []
+        self.num_steps += 1
+
+    def outputs(self, tokenizer: Any = None) -> list[BeamSearchOutput]:
+        """Each prompt's beams, best first, with their text when a tokenizer is given."""
+        results = []
+        for search in self.searches:
+            sequences = search.results()
+            if tokenizer is not None:
+                for sequence in sequences:
+                    sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+
+def run_sync(driver: BeamSearchDriver, run_step: Callable[[StepRequests], list[Any]],
+             on_step: Callable[[], None] | None = None) -> None:
+    """Drives `driver` to the end; `run_step` runs one step's requests and returns their
+    final outputs in order (LLM: one batch of the offline engine)."""
+    while requests := driver.step_requests():
+        driver.advance(run_step(requests))
+        if on_step is not None:
+            on_step()
+
+
+async def run_async(driver: BeamSearchDriver, run_step: Callable[[StepRequests], Awaitable[list[Any]]]) -> None:
+    """`run_sync` for an async engine: each step's requests run alongside everything else
+    on the engine; cancelling the caller cancels `run_step` (which must abort the beams)."""
+    while requests := driver.step_requests():
+        driver.advance(await run_step(requests))

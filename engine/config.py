@@ -84,13 +84,15 @@ class ModelConfig:
     revision: str | None = None
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
-    # "triton" | "torch" | None (RAYLM_ATTENTION_BACKEND, else triton on CUDA, torch on CPU).
+    # "triton" | "cpu" | "torch" | None (triton on CUDA, else cpu where it builds, else torch).
     attention_backend: str | None = None
     # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"
     # vLLM's max_logprobs: the most logprobs / prompt_logprobs a request may ask for
     # (-1: up to the vocabulary). Each one is a Logprob object per position and sequence.
     max_logprobs: int = 20
+    # vLLM's flag: no CUDA graphs, every step runs eagerly (executors/cuda_graphs.py).
+    enforce_eager: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -107,6 +109,13 @@ class ModelConfig:
     @property
     def num_kv_heads(self) -> int:
         return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens (None: the whole context), as Hugging Face
+        applies them (`raylm.models.sliding_window`)."""
+        from raylm.models.sliding_window import layer_sliding_windows
+        return layer_sliding_windows(self.hf_config)
 
     @property
     def head_size(self) -> int:
@@ -142,14 +151,6 @@ def derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
     if limit is None:
         limit = 2048
         logger.warning("config.json names no context length; assuming %d tokens.", limit)
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "use_sliding_window", True) and sliding_window and sliding_window < limit:
-        # Attention here is full, not windowed: beyond the window the outputs would differ
-        # from the model's, so the context stops at the window (as vLLM does without
-        # sliding-window kernels).
-        logger.warning("Sliding-window attention is not implemented; capping the context at the window, "
-                       "%d tokens.", sliding_window)
-        limit = sliding_window
     if max_model_len is None:
         return int(limit)
     if max_model_len < 1:
@@ -170,6 +171,10 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # Keep full blocks cached after their request ends, and reuse them for equal prefixes.
     enable_prefix_caching: bool = True
+    # vLLM's field: set from the model when every layer attends within a sliding window (the
+    # widest of them); the KV-cache manager then frees the blocks a request's window has
+    # passed. None: some layer reads the whole context, and every block is kept.
+    sliding_window: int | None = None
     # Set after the workers have measured memory.
     num_gpu_blocks: int | None = None
 
@@ -180,6 +185,21 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 or None, got {self.sliding_window}.")
+
+
+def max_blocks_per_request(max_model_len: int, block_size: int, sliding_window: int | None,
+                           max_num_batched_tokens: int) -> int:
+    """The most KV blocks one request holds at once: a whole max_model_len context, or with
+    a sliding window on every layer, what a step reads and writes (`KVCacheManager` frees the
+    blocks before the window of the step's first new token): a chunk of up to
+    max_num_batched_tokens new tokens and the window - 1 before it, on whichever blocks that
+    span straddles."""
+    whole = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, -(-(sliding_window - 1 + max_num_batched_tokens) // block_size) + 1)
 
 
 # The token budget of a step when none is given: with chunked prefill a budget bounds the
@@ -219,6 +239,9 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # vLLM's flag: MoE layers place whole experts on the tensor-parallel ranks (each rank runs
+    # its experts for every token; one all-reduce sums them) instead of sharding every expert.
+    enable_expert_parallel: bool = False
     # vLLM's meanings: "uni" runs the one worker in process, "ray" runs the workers as Ray
     # actors (even one); None is "uni" for one worker, "ray" for more. There is no "mp".
     distributed_executor_backend: str | None = None

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raylm.engine.config import EngineConfig, kv_cache_block_bytes
+from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
 from raylm.engine.output_processor import EngineCoreOutput
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
@@ -71,11 +71,16 @@ class EngineCore:
         num_blocks = self.executor.determine_num_available_blocks()
         if cache_config.num_gpu_blocks_override is not None:
             num_blocks = cache_config.num_gpu_blocks_override
-        if num_blocks * cache_config.block_size < self.max_model_len:
+        # A request must fit the pool alone (the scheduler's progress guarantee): its whole
+        # context, or with a sliding window on every layer, its window and one step's tokens.
+        needed = max_blocks_per_request(self.max_model_len, cache_config.block_size, cache_config.sliding_window,
+                                        self.engine_config.scheduler_config.max_num_batched_tokens)
+        if num_blocks < needed:
             raise ValueError(
                 f"The KV cache holds {num_blocks} blocks of {cache_config.block_size} tokens "
-                f"({num_blocks * cache_config.block_size} tokens), fewer than max_model_len ({self.max_model_len}): "
-                f"one full-length sequence would not fit. Give the cache more memory or lower max_model_len.")
+                f"({num_blocks * cache_config.block_size} tokens), fewer than the {needed} blocks one request of "
+                f"max_model_len ({self.max_model_len}) tokens can hold at once: it would not fit. Give the cache "
+                f"more memory or lower max_model_len.")
         cache_config.num_gpu_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         block_bytes = kv_cache_block_bytes(self.engine_config.model_config, cache_config.block_size,

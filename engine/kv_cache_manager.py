@@ -5,6 +5,16 @@ tokens plus the ones scheduled this step: token p lives in block ``blocks[p // b
 at offset ``p % block_size``. With prefix caching on, every block that fills with known
 tokens is registered in the pool under the hash of its tokens and everything before them,
 and stays cached after its request ends, until the pool evicts it for a fresh block.
+
+With a sliding window on every layer (`sliding_window`, vLLM's), a step whose first new
+token sits at position s reads no key before s - window + 1, and no later step of the
+request does either: the blocks wholly before that are freed as the request grows and their
+entries in the block table become `NULL_BLOCK_ID`, which no kernel reads (the kernels start
+at a window's first block). A long request then holds about (window + one step's tokens) /
+block_size blocks. A freed block stays cached until evicted, like any other: its KV depends
+only on the tokens up to it, so a later request with that prefix may still take it back.
+A prefix-cache hit takes only the hit blocks its first new token's window reaches; the
+earlier ones stay free and are NULL_BLOCK_ID in its table from the start.
 """
 
 from __future__ import annotations
@@ -15,14 +25,28 @@ from collections.abc import Iterable
 from raylm.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from raylm.engine.request import Request
 
+# Stands in a block table for a block every layer's window has passed (freed, or never taken
+# from a prefix-cache hit). Any valid id would do, as kernels never read it; 0 keeps every
+# entry a valid index for code that checks them.
+NULL_BLOCK_ID = 0
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}.")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Each request's block table: block p // block_size holds token p. Entries before the
+        # window are `null_block`, which belongs to no pool and is never freed.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.null_block = KVCacheBlock(NULL_BLOCK_ID)
+        # How many leading entries of each request's table are null_block.
+        self._num_null_blocks: dict[str, int] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics since start, in tokens (vLLM's queries and hits).
@@ -36,18 +60,39 @@ class KVCacheManager:
         At least one token is always left to compute: its logits are what the step samples
         from. Requests that want prompt logprobs they have not received yet skip the cache,
         since cached tokens produce no logits.
+
+        With a sliding window on every layer, a hit of k blocks needs only the blocks that
+        the window of token k * block_size reaches (vLLM's sliding-window lookup): the longest
+        such hit is taken even where earlier blocks were evicted, and `null_block` stands in
+        for the blocks before its window (`allocate_slots` never takes those).
         """
         if not self.enable_caching or _needs_prompt_logprobs(request):
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_hit_blocks]
+        if self.sliding_window is not None:
+            return self._longest_windowed_hit(hashes)
         computed: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             computed.append(block)
         return computed, len(computed) * self.block_size
+
+    def _longest_windowed_hit(self, hashes: list[bytes]) -> tuple[list[KVCacheBlock], int]:
+        """The largest k such that blocks _num_blocks_outside_window(k * block_size) .. k - 1
+        are all cached: the first k blocks as a hit, null_block before that window."""
+        cached = [self.block_pool.get_cached_block(block_hash) for block_hash in hashes]
+        best, run_start = 0, 0  # run_start: where the run of cached blocks ending at i began
+        for index, block in enumerate(cached):
+            if block is None:
+                run_start = index + 1
+            elif run_start <= self._num_blocks_outside_window((index + 1) * self.block_size):
+                best = index + 1
+        skipped = self._num_blocks_outside_window(best * self.block_size)
+        return [self.null_block] * skipped + cached[skipped:best], best * self.block_size
 
     def record_admission(self, request: Request, num_computed_tokens: int) -> None:
         """Counts a lookup that led to admission (a request that waits and looks again
@@ -73,21 +118,34 @@ class KVCacheManager:
                        num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Makes the request's blocks cover its computed tokens, the cache hit
         `new_computed_blocks` (from `get_computed_blocks`, on admission) and `num_new_tokens`
-        more. Returns the fresh blocks, or None (nothing changed) when the pool is short."""
-        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        more. Returns the fresh blocks, or None when the pool is short (nothing is allocated
+        then; with a sliding window, the blocks it has passed are freed either way)."""
+        first_new_token = request.num_computed_tokens + num_new_computed_tokens
+        total_tokens = first_new_token + num_new_tokens
+        # Blocks before the window of the first new token: no step reads them any more.
+        num_outside_window = self._num_blocks_outside_window(first_new_token)
+        if num_outside_window > self._num_null_blocks.get(request.request_id, 0):
+            self._free_blocks_outside_window(request.request_id, num_outside_window)
         if not new_computed_blocks and self._covers(request, total_tokens):
             return []  # a decode step inside its last block: most calls, on the driver's critical path
         new_computed_blocks = new_computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
+        assert not (held and new_computed_blocks), "prefix-cache hits are taken on admission only"
         num_new_blocks = -(-total_tokens // self.block_size) - len(held) - len(new_computed_blocks)
+        # Hit blocks before the window are not taken: the table gets null entries instead.
+        num_skipped_hits = min(num_outside_window, len(new_computed_blocks)) if new_computed_blocks else 0
+        taken_hits = new_computed_blocks[num_skipped_hits:]
         # A hit on a free block takes it out of the free queue: it cannot also be handed out.
-        num_hits_on_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_hits_on_free = sum(1 for block in taken_hits if block.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_hits_on_free:
             return None
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(taken_hits)
         new_blocks = self.block_pool.get_new_blocks(max(0, num_new_blocks))
         held = self.req_to_blocks.setdefault(request.request_id, held)
-        held.extend(new_computed_blocks)
+        if num_skipped_hits:
+            held.extend([self.null_block] * num_skipped_hits)
+            self._num_null_blocks[request.request_id] = num_skipped_hits
+        held.extend(taken_hits)
         held.extend(new_blocks)
         if self.enable_caching:
             # The step being scheduled writes these tokens' KV, before any later step reads
@@ -104,13 +162,36 @@ class KVCacheManager:
         return (not self.enable_caching or min(total_tokens, request.num_tokens) // self.block_size
                 <= self._num_cached_blocks.get(request.request_id, 0))
 
+    def _num_blocks_outside_window(self, first_new_token: int) -> int:
+        """How many leading blocks of a request hold only keys before the window of its token
+        at first_new_token (and so before every later token's): none without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_new_token - self.sliding_window + 1) // self.block_size
+
+    def _free_blocks_outside_window(self, request_id: str, num_blocks: int) -> None:
+        """Frees the request's blocks before index num_blocks and puts null entries in their
+        place. Oldest last into the free queue: the prompt's first blocks, the most likely
+        shared prefix, are then the last of them evicted."""
+        held = self.req_to_blocks.get(request_id)
+        if not held:
+            return
+        start = self._num_null_blocks.get(request_id, 0)
+        end = min(num_blocks, len(held))
+        if end <= start:
+            return
+        self.block_pool.free_blocks(reversed(held[start:end]))
+        held[start:end] = [self.null_block] * (end - start)
+        self._num_null_blocks[request_id] = end
+
     def free(self, request: Request) -> None:
         """Returns the request's blocks, last first (see `BlockPool.free_blocks`); a request
         holding none is left alone, so freeing twice is harmless."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        num_null = self._num_null_blocks.pop(request.request_id, 0)
         if blocks is not None:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_null:]))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -134,7 +215,8 @@ class KVCacheManager:
         if num_full_blocks <= already:
             return
         self._update_block_hashes(request)
-        for index in range(already, num_full_blocks):
+        for index in range(max(already, self._num_null_blocks.get(request.request_id, 0)), num_full_blocks):
+            # (A block freed by the window before its last token was known is not cached.)
             self.block_pool.cache_full_block(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = num_full_blocks
 
@@ -147,7 +229,12 @@ class KVCacheManager:
         pool = self.block_pool
         holders: Counter[int] = Counter()
         for request_id, blocks in self.req_to_blocks.items():
-            ids = [block.block_id for block in blocks]
+            num_null = self._num_null_blocks.get(request_id, 0)
+            assert all(block is self.null_block for block in blocks[:num_null]), (
+                f"request {request_id} has a freed entry that is not the null block")
+            assert all(block is not self.null_block for block in blocks[num_null:]), (
+                f"request {request_id} has a null entry after its first {num_null}")
+            ids = [block.block_id for block in blocks[num_null:]]
             assert len(ids) == len(set(ids)), f"request {request_id} holds a block twice: {ids}"
             holders.update(ids)
         for block in pool.blocks:
@@ -166,7 +253,7 @@ class KVCacheManager:
             self._update_block_hashes(request)
             num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
             for index, block in enumerate(blocks[:num_full]):
-                if block.block_hash is not None:
+                if block is not self.null_block and block.block_hash is not None:
                     assert block.block_hash == request.block_hashes[index], (
                         f"block {block.block_id} of request {request.request_id} is cached under a hash "
                         f"that is not its tokens'")

@@ -9,9 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from raylm.engine.arg_utils import EngineArgs
-from raylm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_search_params_from,
-                                      beam_search_request_output, beam_search_sampling_params, top_logprobs)
+from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
+                                      beam_search_params_from, beam_search_request_output, run_sync)
 from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.logger import init_default_logging
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,9 +35,13 @@ class LLM:
             `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
             requests of max_model_len tokens can fill). An unknown argument is a
             TypeError naming it.
+
+    Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
+    application configured logging first (see `raylm.engine.logger`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        init_default_logging()
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
@@ -74,45 +79,36 @@ class LLM:
         requests to the engine, so the prompts' and the beams' common prefixes share KV
         blocks through the prefix cache."""
         engine = self.llm_engine
-        searches = []
-        for prompt in _as_prompt_list(prompts):
-            _, prompt_token_ids = engine._tokenize_prompt(prompt)
-            searches.append(BeamSearch(prompt_token_ids, params, engine.eos_token_ids))
-        progress = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
-        with progress:
-            while active := [search for search in searches if not search.finished_search]:
-                batch = [(search, tokens) for search in active for tokens in search.pending()]
-                step_params = [beam_search_sampling_params(search) for search, _ in batch]
-                outputs = self._run([{"prompt_token_ids": tokens} for _, tokens in batch], step_params, False)
-                for search in active:
-                    search.advance([top_logprobs(o) for (owner, _), o in zip(batch, outputs) if owner is search])
-                progress.update(1)
-        tokenizer = self.get_tokenizer()
-        results = []
-        for search in searches:
-            sequences = search.results()
-            for sequence in sequences:
-                if tokenizer is not None:
-                    sequence.text = tokenizer.decode(sequence.output_tokens, skip_special_tokens=True)
-            results.append(BeamSearchOutput(sequences))
-        return results
+        driver = BeamSearchDriver([(engine._tokenize_prompt(prompt)[1], params) for prompt in _as_prompt_list(prompts)],
+                                  engine.eos_token_ids)
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as progress:
+            run_sync(driver, self._run_beam_step, lambda: progress.update(1))
+        return driver.outputs(self.get_tokenizer())
+
+    def _run_beam_step(self, requests: StepRequests) -> list[RequestOutput]:
+        return self._run([prompt for prompt, _ in requests], [params for _, params in requests], False)
 
     def _generate_with_beam_search(self, prompts: list[PromptType], params_list: list[SamplingParams],
                                    use_tqdm: bool) -> list[RequestOutput]:
         """vLLM 0.4's `SamplingParams(use_beam_search=True)`: each prompt's n best of
-        best_of beams as its completions."""
-        outputs = []
+        best_of beams as its completions; the beam searches step together."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        sampled = [i for i, params in enumerate(params_list) if not params.use_beam_search]
+        if sampled:
+            for i, output in zip(sampled, self._run([prompts[i] for i in sampled],
+                                                    [params_list[i] for i in sampled], use_tqdm)):
+                outputs[i] = output
+        searched = [i for i, params in enumerate(params_list) if params.use_beam_search]
+        tokenized = [self.llm_engine._tokenize_prompt(prompts[i]) for i in searched]
         max_model_len = self.llm_engine.model_config.max_model_len
-        for prompt, params in zip(prompts, params_list):
-            if not params.use_beam_search:
-                outputs += self._run([prompt], [params], use_tqdm)
-                continue
-            prompt_text, prompt_token_ids = self.llm_engine._tokenize_prompt(prompt)
-            max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
-            (result,) = self.beam_search([{"prompt_token_ids": prompt_token_ids}],
-                                         beam_search_params_from(params, max_tokens), use_tqdm)
-            outputs.append(beam_search_request_output(str(next(self._request_counter)), prompt_text,
-                                                      prompt_token_ids, result, params.n))
+        driver = BeamSearchDriver(
+            [(token_ids, beam_search_params_from(params_list[i], params_list[i].max_tokens
+                                                 or max_model_len - len(token_ids)))
+             for i, (_, token_ids) in zip(searched, tokenized)], self.llm_engine.eos_token_ids)
+        run_sync(driver, self._run_beam_step)
+        for i, (prompt_text, token_ids), result in zip(searched, tokenized, driver.outputs(self.get_tokenizer())):
+            outputs[i] = beam_search_request_output(str(next(self._request_counter)), prompt_text, token_ids, result,
+                                                    params_list[i].n)
         return outputs
 
     def chat(self, messages: ChatMessages | list[ChatMessages],

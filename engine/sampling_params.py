@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from raylm.engine import envs
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
@@ -19,7 +19,7 @@ _MAX_SCALE = 1e4
 
 # The most samples one request may ask for (n and best_of), vLLM's limit; each sample is a
 # request of its own inside the engine. RAYLM_MAX_N_SEQUENCES changes it.
-MAX_N_SEQUENCES = int(os.environ.get("RAYLM_MAX_N_SEQUENCES", "16384"))
+MAX_N_SEQUENCES: int = envs.RAYLM_MAX_N_SEQUENCES
 
 
 class RequestOutputKind(IntEnum):

@@ -13,7 +13,9 @@ Every step has one token budget (max_num_batched_tokens). In this order:
    (with chunked prefill off, a prompt that does not fit whole waits).
 
 A request always fits the pool alone (the engine checks that the pool holds max_model_len
-tokens), so the earliest request always makes progress and no request can stall the rest.
+tokens, or with a sliding window on every layer, the window and one step's tokens: see
+`max_blocks_per_request`), so the earliest request always makes progress and no request can
+stall the rest.
 
 With async scheduling the next step is scheduled before the last one's tokens are known: a
 request sampled by a step in flight counts that token as a placeholder
@@ -73,7 +75,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_gpu_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching, cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         # In admission order: the last is the first to be preempted.

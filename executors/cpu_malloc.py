@@ -23,6 +23,8 @@ import logging
 import os
 import platform
 
+from raylm.engine import envs
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h).
@@ -33,7 +35,6 @@ _M_ARENA_MAX = -8
 _MMAP_THRESHOLD_BYTES = 32 << 20
 _TRIM_THRESHOLD_BYTES = 1 << 30
 
-ENV_VAR = "RAYLM_CPU_MALLOC_TUNING"
 _USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 _PRELOADED_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 
@@ -47,7 +48,7 @@ def keep_freed_memory() -> bool:
     global _tuned
     if _tuned:
         return True
-    if os.environ.get(ENV_VAR, "1") == "0" or any(name in os.environ for name in _USER_SETTINGS):
+    if not envs.RAYLM_CPU_MALLOC_TUNING or any(name in os.environ for name in _USER_SETTINGS):
         return False
     if any(name in os.environ.get("LD_PRELOAD", "") for name in _PRELOADED_ALLOCATORS):
         return False

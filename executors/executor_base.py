@@ -40,8 +40,9 @@ class Executor(ABC):
     def execute_model_async(self, req: ExecuteModelRequest) -> Callable[[], SamplerOutput]:
         """Starts one step; the returned function waits for it and returns rank 0's sampler
         output (raising as execute_model would). Call it exactly once, before the next
-        step starts. Here the step runs at once; executors whose workers run elsewhere
-        return before it ends."""
+        step starts. Here the step runs at once; executors whose workers run elsewhere (Ray)
+        or in a thread of their own (the in-process executor on a GPU) return before it
+        ends, and say so in runs_steps_asynchronously."""
         output = self.execute_model(req)
         return lambda: output
 

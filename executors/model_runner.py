@@ -8,29 +8,58 @@ here, keyed by ``req_id``.
 
 from __future__ import annotations
 
+import gc
+import logging
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from raylm.engine.config import EngineConfig
-from raylm.engine.config import kv_cache_block_bytes
+from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SamplerOutput, ScheduledRequest,
                                TokenLogprobs)
+from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
+from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
 from raylm.kernels import cpu_ops
-from raylm.kernels.attention_metadata import AttentionMetadata
-from raylm.kernels.backend import get_attention_backend
+from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
+from raylm.kernels.backend import AttentionBackend, get_attention_backend
 from raylm.models import get_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context
 from raylm.parallel.communication import tensor_model_parallel_broadcast
 
 
+logger = logging.getLogger(__name__)
+
 # The CPU KV cache's default ceiling (vLLM's CPU backend takes 4 GiB by default too).
 _DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+# What each captured CUDA graph is assumed to cost beside its share of the memory pool
+# (its output buffer and the driver's copy of its kernels' parameters).
+_GRAPH_OVERHEAD_BYTES = 2 * 1024**2
+
+
+@dataclass
+class HostStep:
+    """One step's inputs as Python lists, before they become tensors."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    # Per request, the packed row of its last token.
+    last_rows: list[int]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.query_lens)
 
 
 class ModelRunner:
@@ -53,14 +82,37 @@ class ModelRunner:
         # Rank 0: each running request's last sampled token; with async scheduling the next
         # step arrives before the driver has seen it, as a placeholder (step.py).
         self._last_sampled: dict[int, int] = {}
+        self.attn_backend: AttentionBackend | None = None
+        # CUDA only: the pinned staging buffer every step's integer inputs go through, and
+        # the decode graphs captured over its decode layout (None: eager).
+        self.staging: InputStaging | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        # What the KV sizing set aside for the graphs, and what capturing them took.
+        self.cuda_graph_memory_estimate = 0
+        self.max_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
 
     # ---- setup -------------------------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
-        backend = get_attention_backend(self.model_config.attention_backend)
+        self.attn_backend = get_attention_backend(self.model_config.attention_backend)
         for layer in self._attention_layers():
-            layer.attn_backend = backend
+            layer.attn_backend = self.attn_backend
+        if self.device.type == "cuda":
+            self.staging = InputStaging(self.device, self._max_step_input_bytes())
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA with the Triton kernels (the others
+        read the step's lengths on the host) and one rank, unless enforce_eager."""
+        return (self.device.type == "cuda" and not self.model_config.enforce_eager
+                and self.attn_backend is not None and self.attn_backend.name == "triton"
+                # Not yet with collectives inside the graph (never run on GPUs).
+                and self.parallel_config.tensor_parallel_size == 1
+                # Layers that attend otherwise (Gemma 2's soft cap runs the PyTorch
+                # reference, which reads lengths on the host) say so, or are not plain.
+                and all(getattr(layer, "cuda_graph_safe", type(layer) is Attention)
+                        for layer in self._attention_layers()))
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -68,51 +120,91 @@ class ModelRunner:
     def get_cache_block_size_bytes(self) -> int:
         return kv_cache_block_bytes(self.model_config, self.block_size, self.parallel_config.tensor_parallel_size)
 
+    def _profile_num_tokens(self) -> int:
+        return min(self.scheduler_config.max_num_batched_tokens,
+                   self.scheduler_config.max_num_seqs * self.model_config.max_model_len)
+
     @torch.inference_mode()
     def profile_run(self) -> int:
-        """Peak bytes of a forward over a full token budget (CUDA), without a KV cache."""
-        num_tokens = min(self.scheduler_config.max_num_batched_tokens,
-                         self.scheduler_config.max_num_seqs * self.model_config.max_model_len)
+        """Bytes a forward over a full token budget (CUDA), without a KV cache, allocates
+        at its peak beyond what was allocated before it (the weights)."""
+        num_tokens = self._profile_num_tokens()
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         # Positions stay within the context length the rotary tables cover.
         positions = torch.arange(num_tokens, device=self.device) % self.model_config.max_model_len
 
+        torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         with set_forward_context(None):
             hidden = self.model(input_ids, positions)
         num_rows = min(num_tokens, self.scheduler_config.max_num_seqs)
         self.model.compute_logits(hidden[:num_rows])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del hidden
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden, input_ids, positions
         torch.cuda.empty_cache()
         return peak
 
+    def _fillable_blocks(self) -> int:
+        """What max_num_seqs requests of max_model_len tokens can fill, plus a tenth for the
+        prefix cache: more blocks than that would never be used."""
+        blocks_per_seq = max_blocks_per_request(self.model_config.max_model_len, self.block_size,
+                                                self.cache_config.sliding_window,
+                                                self.scheduler_config.max_num_batched_tokens)
+        fillable = self.scheduler_config.max_num_seqs * blocks_per_seq
+        return fillable + fillable // 10
+
     def determine_num_available_blocks(self) -> int:
-        """KV blocks this rank can hold: num_gpu_blocks_override if set; on CUDA, what a
-        profiled peak forward leaves of total * gpu_memory_utilization; on CPU,
-        cpu_kv_cache_space_bytes, or by default what max_num_seqs requests of max_model_len
-        tokens can fill (plus a tenth for the prefix cache), at most 4 GiB."""
+        """KV blocks this rank can hold: num_gpu_blocks_override if set; on CUDA, what is
+        left of total * gpu_memory_utilization after the weights, everything else on the
+        device (CUDA context, other processes), a profiled peak forward and the decode
+        graphs; on CPU, cpu_kv_cache_space_bytes, or by default at most 4 GiB. Either way
+        no more than max_num_seqs requests can hold at once (`max_blocks_per_request`:
+        max_model_len tokens, or bounded by the window on a model windowed in every layer),
+        plus a tenth for the prefix cache."""
         block_bytes = self.get_cache_block_size_bytes()
         if self.cache_config.num_gpu_blocks_override is not None:
             return self.cache_config.num_gpu_blocks_override
         if self.device.type == "cuda":
-            peak = self.profile_run()
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            free = int(total * self.cache_config.gpu_memory_utilization) - peak
-            num_blocks = max(0, free // block_bytes)
+            num_blocks = min(max(0, self._cuda_kv_cache_bytes() // block_bytes), self._fillable_blocks())
         elif self.cache_config.cpu_kv_cache_space_bytes is not None:
             num_blocks = self.cache_config.cpu_kv_cache_space_bytes // block_bytes
         else:
-            blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
-            fillable = self.scheduler_config.max_num_seqs * blocks_per_seq
-            num_blocks = min(fillable + fillable // 10, _DEFAULT_CPU_KV_CACHE_BYTES // block_bytes)
+            num_blocks = min(self._fillable_blocks(), _DEFAULT_CPU_KV_CACHE_BYTES // block_bytes)
         if num_blocks < 1:
             raise ValueError(
                 f"No memory is left for the KV cache: one block needs {block_bytes} bytes. Raise "
                 f"gpu_memory_utilization ({self.cache_config.gpu_memory_utilization}) or, on CPU, "
                 f"kv_cache_space ({self.cache_config.cpu_kv_cache_space_bytes} bytes).")
         return num_blocks
+
+    def _cuda_kv_cache_bytes(self) -> int:
+        """vLLM's rule: total * gpu_memory_utilization, less what is in use after loading
+        (torch.cuda.mem_get_info sees the weights, the CUDA context, cuBLAS workspaces and
+        other processes alike), less the profiled forward's peak, less the graphs' estimate."""
+        torch.cuda.empty_cache()
+        activation_peak = self.profile_run()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free
+        self.cuda_graph_memory_estimate = self._cuda_graph_memory_estimate(activation_peak)
+        available = (int(total * self.cache_config.gpu_memory_utilization) - in_use - activation_peak
+                     - self.cuda_graph_memory_estimate)
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB forward peak, %.2f GiB "
+                    "for CUDA graphs: %.2f GiB left for the KV cache at gpu_memory_utilization %.2f.",
+                    total / 2**30, in_use / 2**30, activation_peak / 2**30, self.cuda_graph_memory_estimate / 2**30,
+                    max(0, available) / 2**30, self.cache_config.gpu_memory_utilization)
+        return available
+
+    def _cuda_graph_memory_estimate(self, activation_peak: int) -> int:
+        """The graphs' memory pool holds one forward's activations at the largest captured
+        batch (smaller graphs reuse its blocks): the profiled peak scaled to that batch,
+        plus a per-graph allowance. Logged against the measured figure after capture."""
+        if not self.uses_cuda_graphs:
+            return 0
+        sizes = capture_sizes(self.scheduler_config.max_num_seqs)
+        share = min(1.0, sizes[-1] / max(1, self._profile_num_tokens()))
+        return int(activation_peak * share) + len(sizes) * _GRAPH_OVERHEAD_BYTES
 
     def initialize_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.model_config.head_size)
@@ -157,11 +249,71 @@ class ModelRunner:
             requests = [self._warm_up_request(-1 - i, n) for i, n in enumerate(lens)]
             self.execute_model(ExecuteModelRequest(requests=requests))
             self.execute_model(ExecuteModelRequest(requests=[], finished_req_ids=[r.req_id for r in requests]))
+        if self.attn_backend is not None and self.attn_backend.warm_up is not None:
+            # The kernel variants those two steps did not need (split-K decode and its
+            # merges, every prefill tile size), so that no request waits for a compile.
+            shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.scale, layer.sliding_window,
+                       layer.logits_soft_cap): layer.kv_cache for layer in self._attention_layers()}
+            for (num_heads, num_kv_heads, head_size, scale, window, soft_cap), (k_cache, v_cache) in shapes.items():
+                self.attn_backend.warm_up(num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_len,
+                                          sliding_window=window, logits_soft_cap=soft_cap)
+        if self.uses_cuda_graphs:
+            self.capture_decode_graphs()
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, graph_factory=None) -> None:
+        """Captures a decode graph per padded batch size (`executors/cuda_graphs.py`)."""
+        inputs = DecodeGraphInputs(self.staging, capture_sizes(self.scheduler_config.max_num_seqs)[-1],
+                                   self.max_blocks_per_seq, self.model_config.max_model_len)
+        graphs = DecodeGraphs(inputs, capture_sizes(self.scheduler_config.max_num_seqs), self._forward_decode,
+                              graph_factory)
+        # Every padded row is a valid one-token step of block 0 (see cuda_graphs.py).
+        inputs.write([], [], [], [], [], inputs.max_batch)
+        try:
+            graphs.capture()
+        except RuntimeError as error:  # an op that reads back to the host mid-forward
+            graphs.release()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            logger.warning("Capturing the decode CUDA graphs failed, so decode steps run eagerly: %s", error)
+            return
+        self.decode_graphs = graphs
+        if self.device.type == "cuda":
+            logger.info("Captured %d decode CUDA graphs (batch sizes up to %d): %.0f MiB, %.0f MiB were set aside.",
+                        len(graphs.sizes), graphs.sizes[-1], graphs.memory_bytes / 2**20,
+                        self.cuda_graph_memory_estimate / 2**20)
+
+    def _forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:
+        with set_forward_context(inputs.attn_metadata):
+            return self.model(inputs.input_ids, inputs.positions)
 
     def _warm_up_request(self, req_id: int, num_tokens: int) -> ScheduledRequest:
         return ScheduledRequest(req_id=req_id, token_ids=[0] * num_tokens, num_computed_tokens=0,
                                 block_table=[0] * -(-num_tokens // self.block_size), num_prompt_tokens=num_tokens,
                                 sampling_params=SamplingParams(temperature=0.0), resumed=True)
+
+    def release_memory(self) -> None:
+        """Drops the CUDA graphs, the KV cache, the model and the staging buffers, and hands
+        the freed device memory back, so that another engine in this process can take it.
+        The runner runs no more steps."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
+        if self.model is not None:
+            for layer in self._attention_layers():
+                layer.kv_cache = None
+        self.kv_caches = []
+        self.model = None
+        if self.staging is not None:
+            self.staging.release()
+            self.staging = None
+        self._states.clear()
+        self._sampling_params.clear()
+        self._last_sampled.clear()
+        gc.collect()  # model modules refer to each other (the CPU fused decode holds its layers)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -179,11 +331,10 @@ class ModelRunner:
         self._fill_placeholders(req.requests)
         self._update_states(req.requests)
 
-        input_ids, positions, attn_metadata, last_rows = self._prepare_inputs(req.requests)
-        sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, last_rows)
+        host = self._host_inputs(req.requests)
+        sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
         rows = sample_rows + prompt_rows
-        with set_forward_context(attn_metadata, self._output_rows(rows, input_ids.shape[0])):
-            selected = self.model(input_ids, positions)
+        selected = self._run_model(host, rows)
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
@@ -208,18 +359,27 @@ class ModelRunner:
             output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
 
-    def _output_rows(self, rows: list[int], num_tokens: int) -> torch.Tensor | None:
-        """ForwardContext.output_rows for a step that reads `rows` of its num_tokens rows:
-        None when it reads every row in order (decode). A step that reads none (a prompt
-        chunk short of the prompt's end) keeps its last row, so that no kernel or
-        collective of the last layer sees an empty batch."""
-        if len(rows) == num_tokens and rows == list(range(num_tokens)):
-            return None
-        return torch.tensor(rows or [num_tokens - 1], dtype=torch.long, device=self.device)
+    def _run_model(self, host: HostStep, rows: list[int]) -> torch.Tensor:
+        """The final hidden states of `rows`, in that order: a decode graph's replay where
+        one is captured for the batch, else an eager forward."""
+        graphs = self.decode_graphs
+        batch_size = graphs.batch_size_for(len(host.input_ids)) if graphs is not None else None
+        if batch_size is not None and host.is_decode_only and rows == list(range(len(host.input_ids))):
+            graphs.inputs.write(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
+                                host.block_tables, batch_size)
+            return graphs.replay(batch_size)[:len(rows)]
+        output_rows = _output_rows(rows, len(host.input_ids))
+        if self.staging is not None:
+            input_ids, positions, attn_metadata, rows_tensor, rows_metadata = self._staged_tensors(host, output_rows)
+        else:
+            input_ids, positions, attn_metadata = self._tensors(host)
+            rows_tensor = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
+            rows_metadata = None
+        with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
+            return self.model(input_ids, positions)
 
-    def _prepare_inputs(self, requests: list[ScheduledRequest]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Packed input tensors plus, per request, the row of its last token."""
+    def _host_inputs(self, requests: list[ScheduledRequest]) -> HostStep:
+        """The step's packed inputs as lists, plus, per request, the row of its last token."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -247,22 +407,79 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             last_rows.append(query_start_loc[-1] - 1)
             block_tables.append(table)
-        width = max(len(t) for t in block_tables)
-        padded_tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in block_tables]
+        return HostStep(input_ids, positions, slot_mapping, query_start_loc, query_lens, seq_lens, block_tables,
+                        last_rows)
 
+    def _tensors(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's tensors made from its lists one by one (the CPU path)."""
+        width = max(len(t) for t in host.block_tables)
+        padded_tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in host.block_tables]
         device = self.device
         attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(host.slot_mapping, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(host.seq_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
+            max_query_len=max(host.query_lens),
+            max_seq_len=max(host.seq_lens),
+            query_lens_list=host.query_lens,
+            seq_lens_list=host.seq_lens,
         )
-        return (torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device), attn_metadata, last_rows)
+        return (torch.tensor(host.input_ids, dtype=torch.long, device=device),
+                torch.tensor(host.positions, dtype=torch.long, device=device), attn_metadata)
+
+    def _max_step_input_bytes(self) -> int:
+        """The largest step layout (`_staged_tensors`): a full token budget, every row an
+        output row, max_num_seqs sequences of max_model_len; or the decode graphs' layout."""
+        tokens = max(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs)
+        eager = _step_layout(tokens, tokens, self.scheduler_config.max_num_seqs, self.max_blocks_per_seq)
+        graphs = decode_layout(min(self.scheduler_config.max_num_seqs, 512), self.max_blocks_per_seq)
+        return max(layout_bytes(eager), layout_bytes(graphs))
+
+    def _staged_tensors(self, host: HostStep, output_rows: list[int] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None,
+                                   AttentionMetadata | None]:
+        """The step's tensors as views of the staging buffer, sent in one copy (the CUDA
+        path); with output rows, also the rows' tensor and their attention metadata
+        (`AttentionMetadata.for_rows`), so that no layer makes a tensor from a list."""
+        num_tokens, num_seqs = len(host.input_ids), len(host.seq_lens)
+        width = max(len(t) for t in host.block_tables)
+        num_rows = 0 if output_rows is None else len(output_rows)
+        fields = _step_layout(num_tokens, num_rows, num_seqs, width)
+        staging = self.staging
+        if staging.reserve(layout_bytes(fields)) and self.decode_graphs is not None:
+            logger.warning("A step outgrew the input staging buffer; decode steps run eagerly from now on.")
+            self.decode_graphs = None
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc"):
+            staging.host(fields[name])[:] = getattr(host, name)
+        fill_block_tables(staging.host(fields["block_tables"], (num_seqs, width)), host.block_tables)
+        if output_rows is not None:
+            row_seqs, row_seq_lens = rows_sequences(host.query_lens, host.seq_lens, output_rows)
+            staging.host(fields["output_rows"])[:] = output_rows
+            staging.host(fields["row_seqs"])[:] = row_seqs
+            staging.host(fields["row_seq_lens"])[:] = row_seq_lens
+        staging.send(layout_bytes(fields))
+
+        view = staging.device_view
+        block_tables = view(fields["block_tables"], (num_seqs, width))
+        slot_mapping = view(fields["slot_mapping"])
+        attn_metadata = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=view(fields["query_start_loc"]),
+            seq_lens=view(fields["seq_lens"]), block_tables=block_tables, max_query_len=max(host.query_lens),
+            max_seq_len=max(host.seq_lens), query_lens_list=host.query_lens, seq_lens_list=host.seq_lens)
+        rows_tensor = rows_metadata = None
+        if output_rows is not None:
+            rows_tensor = view(fields["output_rows"])
+            rows_metadata = AttentionMetadata(
+                slot_mapping=slot_mapping.index_select(0, rows_tensor),
+                # Each output row is a one-token query: 0, 1, ..., num_rows (the tail of
+                # query_start_loc's field is not needed: arange on the device, no copy).
+                query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=self.device),
+                seq_lens=view(fields["row_seq_lens"]),
+                block_tables=block_tables.index_select(0, view(fields["row_seqs"])),
+                max_query_len=1, max_seq_len=max(row_seq_lens), query_lens_list=[1] * num_rows,
+                seq_lens_list=row_seq_lens)
+        return view(fields["input_ids"]), view(fields["positions"]), attn_metadata, rows_tensor, rows_metadata
 
     # ---- async scheduling ----------------------------------------------------------------
 
@@ -364,6 +581,25 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _output_rows(rows: list[int], num_tokens: int) -> list[int] | None:
+    """ForwardContext.output_rows for a step that reads `rows` of its num_tokens rows:
+    None when it reads every row in order (decode). A step that reads none (a prompt
+    chunk short of the prompt's end) keeps its last row, so that no kernel or
+    collective of the last layer sees an empty batch."""
+    if len(rows) == num_tokens and rows == list(range(num_tokens)):
+        return None
+    return rows or [num_tokens - 1]
+
+
+def _step_layout(num_tokens: int, num_rows: int, num_seqs: int, width: int) -> dict:
+    """The staging layout of an eager step (`ModelRunner._staged_tensors`)."""
+    return layout([("input_ids", torch.int64, num_tokens), ("positions", torch.int64, num_tokens),
+                   ("slot_mapping", torch.int64, num_tokens), ("output_rows", torch.int64, num_rows),
+                   ("row_seqs", torch.int64, num_rows), ("row_seq_lens", torch.int32, num_rows),
+                   ("seq_lens", torch.int32, num_seqs), ("query_start_loc", torch.int32, num_seqs + 1),
+                   ("block_tables", torch.int32, num_seqs * width)])
 
 
 def _rows_to_read(requests: list[ScheduledRequest], last_rows: list[int]

@@ -8,9 +8,11 @@ Set-up, in order:
    `ray_cpus_per_worker` share of a CPU otherwise; STRICT_PACK on one node, PACK with
    `ray_span_nodes`). Inside a placement group already (a Ray Serve replica), use its
    bundles 1..N instead: bundle 0 is the replica's own.
-3. Start the actors, learn where each landed, and give ranks node by node (the driver's
-   node first) so each node's ranks are contiguous.
-4. Rendezvous at rank 0's node; every worker loads its shard.
+3. Start the actors, with the driver's RAYLM_* and OpenMP settings in their runtime
+   environment (`worker_env_vars`), learn where each landed, and give ranks node by node
+   (the driver's node first) so each node's ranks are contiguous.
+4. Rendezvous at rank 0's node (on loopback when every worker is there); every worker
+   sizes its thread pool (`cpu_threads`) and loads its shard.
 
 Each step the same request, serialized once, goes to every worker, and rank 0 answers
 with the sampled tokens (the other ranks with None). By default (`ray_compiled_graph`) the
@@ -31,6 +33,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import re
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -44,6 +47,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+from raylm.executors.cpu_threads import openmp_environment_for_workers
 from raylm.executors.executor_base import Executor
 from raylm.executors.ray_worker import HEALTH_GROUP, RayWorkerWrapper, snapshot_hf_config
 
@@ -62,6 +66,8 @@ INLINE_STEP_BYTES = 64 * 1024
 GRAPH_SUBMIT_TIMEOUT_S = 10.0
 # A worker's exception is quoted in the error up to this many characters.
 _MAX_CAUSE_CHARS = 200
+# Variables never copied into a worker's runtime environment.
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL)S?$|API_KEY")
 
 
 @dataclass
@@ -153,6 +159,8 @@ class RayDistributedExecutor(Executor):
         num_workers = self.parallel_config.tensor_parallel_size
         group, bundle_indices = self._reserve_bundles(num_workers)
         actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(RayWorkerWrapper)
+        # Worker processes start with it (OpenMP reads its variables once, when torch loads).
+        runtime_env = {"env_vars": worker_env_vars()}
         actors = []
         for bundle_index in bundle_indices:
             spec = group.bundle_specs[bundle_index]
@@ -161,6 +169,7 @@ class RayDistributedExecutor(Executor):
                 num_gpus=spec.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=bundle_index),
+                runtime_env=runtime_env,
             ).remote()
             actors.append(actor)
             self._resources.actors.append(actor)
@@ -180,9 +189,9 @@ class RayDistributedExecutor(Executor):
         self.placements = [placements[i] for i in order]
         local_ranks = self._set_node_environments()
 
-        rank0_ip = self.placements[0].node_ip
-        port = self._wait_all([self.workers[0].find_free_port.remote()], "find a free port")[0]
-        init_method = f"tcp://{rank0_ip}:{port}"
+        host = _rendezvous_host(self.placements)
+        port = self._wait_all([self.workers[0].find_free_port.remote(host)], "find a free port")[0]
+        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         config_ref = ray.put(self._worker_engine_config())
         self._wait_all([worker.init_worker.remote(config_ref, rank, local_rank, init_method)
                         for rank, (worker, local_rank) in enumerate(zip(self.workers, local_ranks))],
@@ -457,6 +466,25 @@ class RayDistributedExecutor(Executor):
             parts.append(f"worker {name}(s) {silent} {silent_means}")
         return (f"Tensor-parallel workers failed during {what}: " + "; ".join(parts)
                 + ". The engine cannot continue; shut it down and create a new one.")
+
+
+def worker_env_vars() -> dict[str, str]:
+    """The environment every worker actor gets on top of its node's: each RAYLM_* variable
+    set here (a worker on an existing cluster inherits the node's environment, not the
+    driver's) and the OpenMP settings (`cpu_threads.openmp_environment_for_workers`).
+    Secrets (RAYLM_API_KEY, ...) stay here: workers serve no HTTP, and Ray shows an actor's
+    runtime environment in its dashboard and state API."""
+    env = {name: value for name, value in os.environ.items()
+           if name.startswith("RAYLM_") and not _SECRET_NAME.search(name)}
+    env.update(openmp_environment_for_workers())
+    return env
+
+
+def _rendezvous_host(placements: Sequence[WorkerPlacement]) -> str:
+    """Where rank 0 hosts the rendezvous store: loopback when every worker is on rank 0's
+    node (the store takes writes from anyone who reaches it), else rank 0's node address."""
+    rank0_ip = placements[0].node_ip
+    return "127.0.0.1" if all(p.node_ip == rank0_ip for p in placements) else rank0_ip
 
 
 def _connect_to_ray() -> None:

@@ -72,18 +72,23 @@ class RayWorkerWrapper:
         # (same ordinal for local_rank on every rank), which NCCL needs for P2P.
         os.environ.update(env)
 
-    def find_free_port(self) -> int:
-        """A TCP port free on this node now, for the rendezvous store rank 0 will host."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
+    def find_free_port(self, host: str) -> int:
+        """A TCP port free on `host` (an address of this node) now, for the rendezvous store
+        rank 0 will host there."""
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
             return sock.getsockname()[1]
 
     def init_worker(self, engine_config: EngineConfig, rank: int, local_rank: int,
                     distributed_init_method: str | None) -> None:
         from raylm.executors.worker import Worker
 
+        # What the actor's bundle reserves (for a bundle of a placement group Ray reports
+        # it under the plain resource name).
+        reserved_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         self.worker = Worker(engine_config, rank=rank, local_rank=local_rank,
-                             distributed_init_method=distributed_init_method)
+                             distributed_init_method=distributed_init_method, reserved_cpus=reserved_cpus)
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)

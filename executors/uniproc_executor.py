@@ -1,6 +1,18 @@
-"""Runs the one worker of a single-device engine in the engine's own process."""
+"""Runs the one worker of a single-device engine in the engine's own process.
+
+On a GPU the worker runs its steps in a thread of its own, so that `execute_model_async`
+returns once the step is handed over: the driver then schedules the next step and turns
+the last one's tokens into text while the GPU computes (the overlap the Ray executor gets
+from its workers being other processes; the engine core turns on async scheduling for
+it). The forward mostly waits on the GPU, and waiting releases the GIL. On the CPU the
+forward itself needs the cores the driver would use, so steps run in the caller's thread.
+"""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.executor_base import Executor
@@ -8,6 +20,9 @@ from raylm.executors.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    # Devices whose steps run in the step thread (tests add "cpu" to check the overlap).
+    step_thread_devices: tuple[str, ...] = ("cuda",)
+
     def _init_executor(self) -> None:
         if self.parallel_config.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} needs the Ray "
@@ -15,6 +30,14 @@ class UniProcExecutor(Executor):
         self.driver_worker = Worker(self.engine_config, rank=0, local_rank=0)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
+        self.runs_steps_asynchronously = self.engine_config.device_config.device in self.step_thread_devices
+        self._step_thread: ThreadPoolExecutor | None = None
+        if self.runs_steps_asynchronously:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="raylm-step",
+                                                   initializer=self.driver_worker.enter_step_thread)
+        # Held while a step runs; shutdown takes it, so memory is never freed under a step.
+        self._lock = threading.Lock()
+        self._shut_down = False
 
     def determine_num_available_blocks(self) -> int:
         return self.driver_worker.determine_num_available_blocks()
@@ -24,7 +47,27 @@ class UniProcExecutor(Executor):
         self.driver_worker.initialize_cache(num_blocks)
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
-        return self.driver_worker.execute_model(req)
+        """Runs one step in the calling thread."""
+        with self._lock:
+            if self._shut_down:
+                raise RuntimeError("The engine has been shut down: its worker runs no more steps.")
+            return self.driver_worker.execute_model(req)
+
+    def execute_model_async(self, req: ExecuteModelRequest) -> Callable[[], SamplerOutput]:
+        if self._step_thread is None:
+            return super().execute_model_async(req)
+        return self._step_thread.submit(self.execute_model, req).result
 
     def check_health(self) -> None:
         self.driver_worker.check_health()
+
+    def shutdown(self) -> None:
+        """Waits for a step in flight, then frees the KV cache, the CUDA graphs and the
+        model, so that another engine can take the memory; safe to call twice."""
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self.driver_worker.shutdown()

@@ -4,6 +4,7 @@ its KV cache partition and a `ModelRunner`."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -11,34 +12,41 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from raylm.engine import envs
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.cpu_malloc import keep_freed_memory
+from raylm.executors.cpu_threads import user_thread_count, warn_if_openmp_started_first, worker_thread_count
 from raylm.executors.model_runner import ModelRunner
 from raylm.parallel import parallel_state
-from raylm.parallel.shm_communicator import ShmCommunicator, machine_id
+from raylm.parallel.machine_layout import MachineLayout, exchange_machine_layout
+from raylm.parallel.shm_communicator import ShmCommunicator
 
 # Longest wait for every rank to reach the rendezvous and the pre-flight all-reduce
 # (capped by ParallelConfig.worker_timeout_s).
 PREFLIGHT_TIMEOUT_S = 60.0
-# "0" leaves CPU tensor-parallel ranks unbound (see _bind_to_own_cores).
-BIND_ENV_VAR = "RAYLM_CPU_BIND"
 
 
 class Worker:
     def __init__(self, engine_config: EngineConfig, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str | None = None) -> None:
+                 distributed_init_method: str | None = None, reserved_cpus: float | None = None) -> None:
+        """`reserved_cpus`: the CPUs Ray reserved for this worker (None outside Ray); see
+        `cpu_threads.worker_thread_count`."""
         self.engine_config = engine_config
         self.rank = rank
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
+        self.reserved_cpus = reserved_cpus
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         # CPU tensor parallel: the cores this rank's threads are bound to (None: unbound).
         self.cpu_cores: set[int] | None = None
+        # The tensor-parallel ranks on this worker's machine, this one included.
+        self.ranks_on_machine: list[int] = [rank]
 
     def init_device(self) -> None:
-        """Picks the device, sizes the CPU thread pool and seeds the global RNGs."""
+        """Picks the device, joins the tensor-parallel group, sizes the CPU thread pool and
+        seeds the global RNGs."""
         device_type = self.engine_config.device_config.device
         if device_type == "cuda":
             self.device = torch.device("cuda", self.local_rank)
@@ -46,16 +54,30 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             keep_freed_memory()  # before the thread pool starts
-            torch.set_num_threads(_cpu_threads(self.engine_config.parallel_config.tensor_parallel_size))
         self.init_distributed_environment()
+        threads = self.cpu_thread_count()
+        torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            warn_if_openmp_started_first(threads)
         torch.manual_seed(self.engine_config.model_config.seed)
         self.model_runner = ModelRunner(self.engine_config, self.rank, self.device)
 
+    def cpu_thread_count(self) -> int:
+        """The threads this worker computes with: an OMP_NUM_THREADS the user chose, else
+        the cores it is bound to, else its share of the machine's cores (see
+        `cpu_threads.worker_thread_count`)."""
+        if self.cpu_cores is not None:
+            cores, sharing = len(self.cpu_cores), 1
+        else:
+            cores, sharing = len(_usable_cores()), len(self.ranks_on_machine)
+        return worker_thread_count(cores, sharing, self.reserved_cpus, user_thread_count())
+
     def init_distributed_environment(self) -> None:
         """Joins the tensor-parallel group when there is more than one rank: a TCP store
-        at `distributed_init_method` (rank 0 hosts it), NCCL on CUDA or gloo on CPU for
-        tensors, a gloo group for CPU metadata, then a pre-flight all-reduce that proves
-        every rank can talk to every other. Raises naming the ranks that did not answer."""
+        at `distributed_init_method` (rank 0 hosts it), NCCL on CUDA or gloo on CPU, a
+        pre-flight all-reduce that proves every rank can talk to every other (raises
+        naming the ranks that did not answer), then learns which ranks share its machine:
+        CPU ranks split its cores and, all on one machine, talk through shared memory."""
         parallel_config = self.engine_config.parallel_config
         world_size = parallel_config.tensor_parallel_size
         if world_size == 1:
@@ -69,8 +91,7 @@ class Worker:
                              f"{self.distributed_init_method!r}.")
         preflight_s = min(PREFLIGHT_TIMEOUT_S, parallel_config.worker_timeout_s)
         try:
-            store = dist.TCPStore(address.hostname, address.port, world_size, is_master=self.rank == 0,
-                                  timeout=timedelta(seconds=preflight_s), wait_for_workers=False)
+            store = _rendezvous_store(address.hostname, address.port, self.rank, world_size, preflight_s)
         except Exception as e:
             raise RuntimeError(f"Rank {self.rank} could not reach the rendezvous store of rank 0 at "
                                f"{self.distributed_init_method} within {preflight_s:.0f} s: {e}") from e
@@ -81,19 +102,19 @@ class Worker:
         dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=world_size,
                                 timeout=timedelta(seconds=parallel_config.worker_timeout_s),
                                 device_id=self.device if backend == "nccl" else None)
-        # NCCL cannot carry CPU tensors: metadata gets a gloo group of its own.
-        cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        parallel_state.initialize_model_parallel(dist.group.WORLD, cpu_group)
-
+        parallel_state.initialize_model_parallel(dist.group.WORLD,
+                                                 expert_parallel=parallel_config.enable_expert_parallel)
         _preflight_all_reduce(store, dist.group.WORLD, self.device, self.rank, world_size, preflight_s, backend)
-        if cpu_group is not dist.group.WORLD:
-            _preflight_all_reduce(store, cpu_group, torch.device("cpu"), self.rank, world_size, preflight_s,
-                                  "gloo (metadata)")
-        if self.device.type == "cpu":
-            self.cpu_cores = _bind_to_own_cores(store, self.rank, world_size, preflight_s)
+
+        is_cpu = self.device.type == "cpu"
+        layout = exchange_machine_layout(store, self.rank, world_size, preflight_s,
+                                         shared_memory=is_cpu and ShmCommunicator.available())
+        self.ranks_on_machine = layout.ranks_on_machine_of(self.rank)
+        if is_cpu:
+            self.cpu_cores = _bind_to_own_cores(layout, self.rank)
             # The model's collectives run several times a layer: on one machine, shared
             # memory instead of gloo's TCP loopback.
-            communicator = ShmCommunicator.create(store, self.rank, world_size, parallel_config.worker_timeout_s)
+            communicator = ShmCommunicator.create(store, layout, self.rank, parallel_config.worker_timeout_s)
             parallel_state.set_tensor_model_parallel_shm_communicator(communicator)
 
     def bind_current_thread(self) -> None:
@@ -101,6 +122,12 @@ class Worker:
         rank's cores; the OpenMP team it starts inherits them."""
         if self.cpu_cores is not None:
             os.sched_setaffinity(0, self.cpu_cores)
+
+    def enter_step_thread(self) -> None:
+        """Prepares a thread that will run steps: CUDA's current device is per thread."""
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.bind_current_thread()
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -133,24 +160,34 @@ class Worker:
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
     def shutdown(self) -> None:
-        """Leaves the tensor-parallel group; the worker cannot run steps afterwards."""
+        """Frees the model, its KV cache and CUDA graphs and leaves the tensor-parallel
+        group; the worker cannot run steps afterwards."""
+        if self.model_runner is not None:
+            self.model_runner.release_memory()
         parallel_state.destroy_distributed_environment()
 
 
-def _cpu_threads(tensor_parallel_size: int) -> int:
-    """An explicit OMP_NUM_THREADS wins: shared machines set 1, since OpenMP threads that
-    wait for a busy core stall every parallel op (measured: a batch-64 decode step of the
-    tiny model took 231 ms with 2 threads on a loaded 2-core machine, 11 ms with 1).
-    Otherwise ranks of one machine split its cores rather than each oversubscribing all
-    of them."""
-    explicit = os.environ.get("OMP_NUM_THREADS", "")
-    if explicit.isdigit() and int(explicit) > 0:
-        return int(explicit)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // tensor_parallel_size)
+def _usable_cores() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
 
 
-def _bind_to_own_cores(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> set[int] | None:
+def _rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store: rank 0 hosts it, listening on `host` only (torch's own server
+    listens on every interface, and the store takes writes from anyone who reaches it);
+    the other ranks connect."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((host, port), family=family)
+    # The store's server owns the socket from here on (and closes it).
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def _bind_to_own_cores(layout: MachineLayout, rank: int) -> set[int] | None:
     """Binds every thread of this process to this rank's share of the machine's cores, split
     among the ranks on the same machine (as vLLM's CPU workers bind their OpenMP threads).
 
@@ -160,13 +197,9 @@ def _bind_to_own_cores(store: dist.Store, rank: int, world_size: int, timeout_s:
     ranks often shared one (rank 0's decode step of the tiny test model: 2.4 ms unbound,
     1.4 ms bound). RAYLM_CPU_BIND=0 leaves placement to the kernel. Returns the cores, or
     None when unbound."""
-    store.set(f"raylm/machine/{rank}", machine_id())
-    keys = [f"raylm/machine/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout_s))
-    machines = [store.get(key) for key in keys]
-    peers = [r for r in range(world_size) if machines[r] == machines[rank]]
-    if os.environ.get(BIND_ENV_VAR) == "0" or not hasattr(os, "sched_setaffinity"):
+    if not envs.RAYLM_CPU_BIND or not hasattr(os, "sched_setaffinity"):
         return None
+    peers = layout.ranks_on_machine_of(rank)
     cores = share_of_cores(sorted(os.sched_getaffinity(0)), peers.index(rank), len(peers))
     for thread_id in os.listdir("/proc/self/task"):
         try:

@@ -48,13 +48,7 @@ class AttentionMetadata:
         one-token query at its own position p attending to the first p + 1 tokens of its
         sequence, all in the cache once the step's keys and values are written. What a layer
         needs whose outputs are read at those rows only (the last decoder layer)."""
-        starts = list(itertools.accumulate(self.query_lens_list, initial=0))
-        seqs: list[int] = []
-        seq_lens: list[int] = []
-        for row in rows:
-            seq = bisect.bisect_right(starts, row) - 1
-            seqs.append(seq)
-            seq_lens.append(self.seq_lens_list[seq] - self.query_lens_list[seq] + (row - starts[seq]) + 1)
+        seqs, seq_lens = rows_sequences(self.query_lens_list, self.seq_lens_list, rows)
         device = self.seq_lens.device
         return AttentionMetadata(
             slot_mapping=self.slot_mapping.index_select(0, torch.tensor(rows, dtype=torch.long, device=device)),
@@ -66,3 +60,16 @@ class AttentionMetadata:
             query_lens_list=[1] * len(rows),
             seq_lens_list=seq_lens,
         )
+
+
+def rows_sequences(query_lens: list[int], seq_lens: list[int], rows: list[int]) -> tuple[list[int], list[int]]:
+    """For packed rows of a step: each row's sequence, and the context length of a one-token
+    query at that row's position (what `AttentionMetadata.for_rows` builds on)."""
+    starts = list(itertools.accumulate(query_lens, initial=0))
+    seqs: list[int] = []
+    lens: list[int] = []
+    for row in rows:
+        seq = bisect.bisect_right(starts, row) - 1
+        seqs.append(seq)
+        lens.append(seq_lens[seq] - query_lens[seq] + (row - starts[seq]) + 1)
+    return seqs, lens

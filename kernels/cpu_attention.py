@@ -15,6 +15,9 @@ PyTorch operators, `torch.ops.raylm.paged_decode_attention` and `paged_prefill_a
   query heads that share a KV head, causal mask on the diagonal chunks only, AVX-512 or
   AVX2 microkernels (portable loops elsewhere), threads taking tiles from a shared counter.
 
+Both take the reference's sliding window (keys before a query's window are not read, from
+the window's first block on) and Gemma 2's soft cap.
+
 `paged_attention` keeps the reference's contract: padding rows are zero, decode rows of a
 mixed batch go to the decode kernel (which runs them about 1.6x faster than the prefill
 kernel would). `write_kv_cache` is the fused C++ copy of `cpu_ops`
@@ -75,18 +78,22 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """One query row per sequence, query [B, Hq, D] (fp32 or bf16), over its seq_lens[b]
-    cached tokens at block_tables[b] of k_cache, v_cache [num_blocks, block_size, Hkv, D]
-    (fp32 or bf16, CPU); returns [B, Hq, D] in the query's dtype. A table that does not hold
-    its sequence is a ValueError. Needs the kernel (see `is_available`)."""
+    cached tokens (the last sliding_window of them, when set) at block_tables[b] of k_cache,
+    v_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, CPU); returns [B, Hq, D] in the
+    query's dtype. A table that does not hold the tokens read is a ValueError. Needs the
+    kernel (see `is_available`)."""
     kernel = load_kernel()
     assert kernel is not None, "paged_decode_attention needs the native kernel; check is_available()"
-    return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale)
+    return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale, sliding_window or 0,
+                  logits_soft_cap or 0.0)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1) -> torch.Tensor:
+                            attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1, *,
+                            sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract for the sequences with at least
     min_query_len queries; the rows of the others, and of padding tokens, are zero.
     k_cache, v_cache fp32 or bf16 on the CPU; returns [T, Hq, D] in the query's dtype.
@@ -95,7 +102,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
     md = attn_metadata
     return kernel(query, k_cache, v_cache, _int32(md.block_tables), _int32(md.seq_lens), _int32(md.query_start_loc),
-                  scale, min_query_len)
+                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0)
 
 
 def _int32(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,34 +110,37 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
     on the native kernels: decode rows on the decode kernel, the other sequences' rows on
     the prefill kernel. Falls back to the reference when the decode kernel is unavailable
     or the query or cache is not an fp32/bf16 CPU tensor, and for prefill rows when only the
     prefill kernel is unavailable."""
     md = attn_metadata
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
-        return torch_attention.paged_attention(query, k_cache, v_cache, md, scale)
+        return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, **options)
     num_tokens = query.shape[0]
     if md.max_query_len == 1 and md.num_seqs == num_tokens:
-        return paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
+        return paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale, **options)
 
     if md.max_query_len > 1 and load_prefill_kernel() is not None:
-        out = paged_prefill_attention(query, k_cache, v_cache, md, scale, min_query_len=2)
+        out = paged_prefill_attention(query, k_cache, v_cache, md, scale, min_query_len=2, **options)
     else:
         out = query.new_zeros(query.shape)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
             if query_len > 1:
                 out[start:start + query_len] = torch_attention._prefill_one(
-                    query[start:start + query_len], k_cache, v_cache, md.block_tables[i], seq_len, scale)
+                    query[start:start + query_len], k_cache, v_cache, md.block_tables[i], seq_len, scale,
+                    logits_soft_cap, sliding_window)
             start += query_len
     plan = _decode_rows(md)
     if plan is not None:
         out[plan.rows] = paged_decode_attention(query[plan.rows], k_cache, v_cache, plan.block_tables,
-                                                plan.seq_lens, scale)
+                                                plan.seq_lens, scale, **options)
     return out
 
 

@@ -10,24 +10,22 @@ layer types, GPUs) `run` returns None and the modules run.
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
 layer's ~10 kernels runs with cold caches (25 us an op call instead of 2.4); in the ~100M
-Llama's bf16 generate those gaps were ~0.27 s of ~8.4 s. Set RAYLM_CPU_FUSED_DECODE=0 to run
-the modules instead (for comparisons).
+Llama's bf16 generate those gaps were ~0.27 s of ~8.4 s. For comparisons, "fused_decode" in
+RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) runs the modules instead.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from raylm.engine import envs
 from raylm.kernels import cpu_attention, cpu_gemm, cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata
 from raylm.kernels.native_build import load_native_library
-
-ENV_VAR = "RAYLM_CPU_FUSED_DECODE"
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -43,6 +41,8 @@ class _Shape:
     eps: float
     scale: float
     cos_sin_cache: torch.Tensor
+    # Each layer's sliding window (0: none).
+    sliding_windows: list[int]
 
 
 class CpuFusedDecode:
@@ -54,7 +54,8 @@ class CpuFusedDecode:
 
     `is_plain_layer(layer)` says whether a layer is the plain Llama decoder layer this op
     computes (RMSNorms, rotary attention, SiLU-gated MLP, nothing more): the model knows its
-    layer classes, this module knows none."""
+    layer classes, this module knows none. Each layer's attention keeps its sliding window
+    (Mistral's); a soft-capped one is not such a layer."""
 
     def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> None:
         self.layers = layers
@@ -95,12 +96,13 @@ class CpuFusedDecode:
             hidden_states.contiguous(), positions.to(torch.int64).contiguous(),
             md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous(),
             md.seq_lens.to(torch.int32).contiguous(), shape.cos_sin_cache, tensors, ints, shape.num_heads,
-            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale)
+            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.sliding_windows)
 
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
         native CPU kernels, or the kernels cannot be built."""
-        self._shape = _shape_of(self.layers, self.is_plain_layer) if os.environ.get(ENV_VAR) != "0" else False
+        self._shape = (_shape_of(self.layers, self.is_plain_layer) if not envs.kernel_switched_off("fused_decode")
+                       else False)
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
         return self._shape
@@ -144,7 +146,8 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
     eps = layers[0].input_layernorm.eps
     for layer in layers:
         attn = layer.self_attn
-        if not is_plain_layer(layer) or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1:
+        if (not is_plain_layer(layer) or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1
+                or attn.attn.logits_soft_cap is not None):
             return False
         if (attn.rotary_emb is not first.rotary_emb or attn.attn.scale != first.attn.scale
                 or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,
@@ -155,4 +158,5 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
     if rotary.cos_sin_cache.dtype not in _DTYPES or not rotary.cos_sin_cache.is_contiguous():
         return False
     return _Shape(first.num_heads, first.num_kv_heads, first.head_size, rotary.rotary_dim, float(eps),
-                  float(first.attn.scale), rotary.cos_sin_cache)
+                  float(first.attn.scale), rotary.cos_sin_cache,
+                  [layer.self_attn.attn.sliding_window or 0 for layer in layers])

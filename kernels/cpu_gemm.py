@@ -41,15 +41,27 @@ loader). Timed warm, the kernels were within a few percent of each other at deco
 the choice changed from process to process; cold, the ~100M Llama's decode GEMMs all took the
 AVX-512 kernel and its generate's decode GEMMs went from ~7.43 to 7.27 s.
 
-`RAYLM_CPU_PACKED_LINEAR=0` turns all of them off (every layer then calls `F.linear`);
-`RAYLM_CPU_AMX_LINEAR=0` only the AMX kernel, `RAYLM_CPU_AVX512_LINEAR=0` only the AVX-512 one.
+oneDNN compiles a primitive per GEMM shape and keeps it (in its primitive cache and ideep's,
+1,024 entries each, ~0.55 MiB an entry), so every new row count of a prefill step stayed in
+memory: over 1,000 requests of random prompt lengths the tiny test model's server grew 61%
+here (516 to 832 MiB; ~440 to ~730 MiB on a Zen 5 EPYC). `cpu_linear` therefore pads its
+rows to `onednn_rows` (exact up to 16, then 8 counts per doubling: 72 up to 2,048 rows, less
+than 12.5% added, 4.4% on average over log-uniform lengths) and returns the rows asked for;
+that server then grew 6-8% in 1,000 requests and ~11% in 5,000
+(`cluster/benchmarks/bench_memory_under_load.py`). The padded rows cost prefill steps of
+random lengths ~4.5% against exact rows whose primitives are already built (~100M Llama
+shapes, fp32 and bf16, `bench_onednn_rows`); a full step (the token budget, a power of two)
+is not padded.
+
+For tests and comparisons, RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) turns the packed
+kernels off: "packed_linear" all of them (every layer then calls `F.linear`), "amx_linear" only the AMX
+kernel, "avx512_linear" only the AVX-512 one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,6 +71,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from raylm.engine import envs
 from raylm.kernels import cpu_ops, native_build
 
 
@@ -93,6 +106,13 @@ _fp32_silu_and_mul_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
 
+# oneDNN GEMMs run at a few row counts (see `onednn_rows` and the module's docstring): exact
+# up to ONEDNN_EXACT_ROWS, then ONEDNN_ROWS_PER_DOUBLING counts per doubling.
+ONEDNN_EXACT_ROWS = 16
+ONEDNN_ROWS_PER_DOUBLING = 8
+# False only inside `exact_onednn_rows`.
+_pad_onednn_rows = True
+
 # The kernels `linear` chooses among, numbered for the callers that run it from C++ (the fused
 # decode op: csrc/cpu_decode_layers.cpp's LinearKind); LINEAR_AVX512_SILU_MUL is the AVX-512
 # kernel on a gated gate_up weight, whose output is already silu(gate) * up.
@@ -124,7 +144,7 @@ def probe_size_of(rows: int) -> int:
 
 
 def packed_linear_enabled() -> bool:
-    return os.environ.get("RAYLM_CPU_PACKED_LINEAR", "1") != "0"
+    return not envs.kernel_switched_off("packed_linear")
 
 
 def _bf16_is_native() -> bool:
@@ -235,7 +255,7 @@ def _best_times(first: Callable[[], object], second: Callable[[], object]) -> tu
 
 def amx_linear_enabled() -> bool:
     global _amx_usable
-    if not packed_linear_enabled() or os.environ.get("RAYLM_CPU_AMX_LINEAR", "1") == "0":
+    if not packed_linear_enabled() or envs.kernel_switched_off("amx_linear"):
         return False
     if _amx_usable is None:
         _amx_usable = (native_build.load_native_library("cpu_gemm_amx") is not None
@@ -256,7 +276,7 @@ def maybe_pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def avx512_linear_enabled(dtype: torch.dtype) -> bool:
     """Whether the AVX-512 kernel (`csrc/cpu_gemm_avx512.cpp`) runs dtype here: fp32 with
     AVX-512, bf16 with AVX512-BF16, the library built and neither switch off."""
-    if (not packed_linear_enabled() or os.environ.get("RAYLM_CPU_AVX512_LINEAR", "1") == "0"
+    if (not packed_linear_enabled() or envs.kernel_switched_off("avx512_linear")
             or dtype not in (torch.float32, torch.bfloat16)):
         return False
     if dtype not in _avx512_usable:
@@ -383,10 +403,43 @@ def _probe_sizes_slower(weight: torch.Tensor, streaming: DecodeWeight, streaming
     return frozenset(slower)
 
 
+def onednn_rows(rows: int) -> int:
+    """The rows a oneDNN GEMM of `rows` rows runs with (`cpu_linear` pads the rest): `rows`
+    up to ONEDNN_EXACT_ROWS, else `rows` rounded up to the next of ONEDNN_ROWS_PER_DOUBLING
+    evenly spaced counts between the powers of two around it (2^k < rows <= 2^(k+1): a
+    multiple of 2^k / ONEDNN_ROWS_PER_DOUBLING), which adds less than 1/ONEDNN_ROWS_PER_DOUBLING.
+    csrc/cpu_decode_layers.cpp's onednn_rows is the same function."""
+    if not _pad_onednn_rows or rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = (1 << ((rows - 1).bit_length() - 1)) // ONEDNN_ROWS_PER_DOUBLING
+    return -(-rows // step) * step
+
+
+@contextmanager
+def exact_onednn_rows() -> Iterator[None]:
+    """While active, `cpu_linear` runs oneDNN at the rows it is given, unpadded: for the
+    benchmark that measures what the padding costs (cluster/benchmarks/bench_onednn_rows.py)."""
+    global _pad_onednn_rows
+    previous, _pad_onednn_rows = _pad_onednn_rows, False
+    try:
+        yield
+    finally:
+        _pad_onednn_rows = previous
+
+
 def cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed_weight` was packed from; x may
-    have any number of leading dimensions (or none)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    have any number of leading dimensions (or none). Runs at `onednn_rows(rows)` rows,
+    zeros below x's, and returns the first `rows` rows of the product."""
+    rows = x.numel() // x.shape[-1] if x.dim() > 1 and x.shape[-1] else 0
+    padded_rows = onednn_rows(rows)
+    if padded_rows == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    padded = x.new_empty(padded_rows, x.shape[-1])
+    padded[:rows].view(x.shape).copy_(x)
+    padded[rows:].zero_()
+    out = torch.ops.mkldnn._linear_pointwise(padded, packed_weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,

@@ -14,14 +14,11 @@ cannot be built.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from raylm.engine import envs
 from raylm.kernels.native_build import load_native_library
 
-# Set RAYLM_CPU_FUSED_OPS=0 to run the PyTorch ops instead (for comparisons).
-ENV_VAR = "RAYLM_CPU_FUSED_OPS"
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -32,7 +29,7 @@ _available: bool | None = None
 def _load() -> bool:
     global _available
     if _available is None:
-        _available = os.environ.get(ENV_VAR) != "0" and load_native_library("cpu_ops") is not None
+        _available = not envs.kernel_switched_off("fused_ops") and load_native_library("cpu_ops") is not None
     return _available
 
 
@@ -106,7 +103,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """torch.zeros(shape, dtype=dtype) on the CPU, on transparent huge pages where the
     library is built (csrc/huge_pages.h; RAYLM_CPU_HUGE_PAGES=0 opts out): for the KV
     cache, whose blocks a decode step reads scattered. The pages are mapped on first touch.
-    Not gated by RAYLM_CPU_FUSED_OPS: it is an allocation, not one of the fused ops."""
+    Not turned off with the fused ops ("fused_ops" in RAYLM_TEST_DISABLE_KERNELS): it is an
+    allocation, not one of them."""
     if load_native_library("cpu_ops") is None:
         return torch.zeros(shape, dtype=dtype)
     return torch.ops.raylm.zeros_on_huge_pages(list(shape), dtype)

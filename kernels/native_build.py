@@ -34,18 +34,19 @@ from pathlib import Path
 
 import torch
 
+from raylm.engine import envs
+
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 # What serving uses, built by `python -m raylm.kernels.native_build` (scripts/setup.sh).
 LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention", "cpu_gemm_amx", "cpu_gemm_avx512",
-                 "cpu_decode_layers", "shm_comm")
+                 "cpu_decode_layers", "cpu_fused_moe", "shm_comm")
 # Built at first use only: the FMA-peak loop of the benchmarks' floors (workload_floors.py).
 BENCHMARK_LIBRARY_NAMES = ("cpu_peak_flops",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
-ISA_ENV_VAR = "RAYLM_CPU_ISA"
-# RAYLM_CPU_ISA -> the flags added to _CFLAGS, and the /proc/cpuinfo flags it needs (x86).
+# RAYLM_CPU_ISA (envs.CPU_ISAS) -> the flags added to _CFLAGS, and the /proc/cpuinfo flags it needs (x86).
 _ISA_FLAGS = {
     "avx512": ([], ("avx512f",)),
     # CPUs without AVX512-BF16 have no AMX either; -mno-amx-tile and -mno-amx-bf16 turn off what the AMX kernel needs.
@@ -53,6 +54,7 @@ _ISA_FLAGS = {
     "avx2": (["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16"], ("avx2", "fma")),  # also turns off every AVX-512 extension
     "scalar": (["-mno-avx", "-mno-amx-tile", "-mno-amx-bf16"], ()),  # no AVX at all: cpu_vec.h's portable path
 }
+assert tuple(_ISA_FLAGS) == envs.CPU_ISAS
 
 # name -> the loaded library's path, or None when its build failed (warned once).
 _libraries: dict[str, str | None] = {}
@@ -83,15 +85,13 @@ def _cpu_flags() -> str:
 def isa() -> str | None:
     """The instruction set RAYLM_CPU_ISA asks for, or None for -march=native as it is.
     A value this CPU cannot run is a ValueError (which load_native_library reports)."""
-    name = os.environ.get(ISA_ENV_VAR) or None
+    name = envs.RAYLM_CPU_ISA
     if name is None:
         return None
-    if name not in _ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV_VAR} must be one of {', '.join(_ISA_FLAGS)}, got {name!r}.")
     if name != "scalar":
         cpu_flags = _cpu_flags().split()
         if platform.machine() not in ("x86_64", "AMD64") or not all(f in cpu_flags for f in _ISA_FLAGS[name][1]):
-            raise ValueError(f"{ISA_ENV_VAR}={name} needs an x86 CPU with {', '.join(_ISA_FLAGS[name][1])}; "
+            raise ValueError(f"RAYLM_CPU_ISA={name} needs an x86 CPU with {', '.join(_ISA_FLAGS[name][1])}; "
                              f"this one has not.")
     return name
 

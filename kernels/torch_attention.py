@@ -3,6 +3,15 @@
 Cache layout (one pair per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads,
 head_size]; token t of a sequence lives at flat slot
 block_table[t // block_size] * block_size + t % block_size.
+
+Two per-layer options every backend implements the same way:
+- `sliding_window` w: the query at position p attends to keys p - w + 1 .. p (w keys, itself
+  included), as Hugging Face's sliding-window masks do; None attends to all p + 1. Blocks
+  that hold only keys before a query's window are never read: the engine may have freed
+  them, leaving a placeholder id in the block table (`KVCacheManager`). Within the first
+  block of a window, the keys before it are masked.
+- `logits_soft_cap` c (Gemma 2): the scaled scores s become c * tanh(s / c) before the mask
+  and the softmax.
 """
 
 from __future__ import annotations
@@ -33,21 +42,20 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata, scale: float,
+                    attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its whole context in the cache.
+    """Causal attention of each sequence's queries over its context in the cache (the last
+    `sliding_window` positions of it for each query, when set; see the module docstring).
 
     Called after `write_kv_cache` for the step. Sequence i's queries, rows
     query_start_loc[i]:query_start_loc[i+1] of `query` [T, Hq, D], sit at the last
     query_len_i of its seq_lens[i] positions. Query head h reads KV head h // (Hq // Hkv).
     Returns [T, Hq, D] in the query's dtype; rows of padding tokens past the last
-    sequence are zero. Softmax runs in fp32. `logits_soft_cap` (Gemma 2; off by default,
-    and only this reference backend implements it) maps the scaled scores s to
-    cap * tanh(s / cap) before the mask and softmax.
+    sequence are zero. Softmax runs in fp32.
     """
     md = attn_metadata
     num_tokens = query.shape[0]
-    plan = _decode_plan(md, k_cache)
+    plan = _decode_plan(md, k_cache, sliding_window)
     if md.max_query_len == 1 and plan is not None and plan.rows is None and plan.batch == num_tokens:
         return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap)
 
@@ -56,7 +64,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
         if query_len > 1:
             out[start:start + query_len] = _prefill_one(query[start:start + query_len], k_cache, v_cache,
-                                                        md.block_tables[i], seq_len, scale, logits_soft_cap)
+                                                        md.block_tables[i], seq_len, scale, logits_soft_cap,
+                                                        sliding_window)
         start += query_len
     if plan is not None:
         # Decoding sequences go through one batched call, also in mixed batches.
@@ -68,34 +77,36 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 @dataclass
 class _DecodePlan:
     """Where the decoding sequences (query_len 1) of a step find their context: the same
-    for every layer, so it is built once per step."""
+    for every layer of a window, so it is built once per step and window."""
 
     batch: int
-    max_seq_len: int
     # Query rows of the decoding sequences; None when they are rows 0..batch-1.
     rows: torch.Tensor | None
+    # Keys gathered per sequence: the longest context, or window, of the batch.
+    max_seq_len: int
     # [batch * Hkv * max_seq_len] rows of the cache viewed as [num_slots * Hkv, D], laid out
-    # [sequence, kv head, position] so the gathered keys feed the matmul without a copy.
+    # [sequence, kv head, key] so the gathered keys feed the matmul without a copy. Key j of
+    # a sequence is position first + j, first the start of its window (0 without one).
     cache_rows: torch.Tensor
-    # [batch, 1, 1, max_seq_len]: positions past each sequence's end.
+    # [batch, 1, 1, max_seq_len]: keys past each sequence's end.
     beyond_end: torch.Tensor
 
 
-def _decode_plan(md: AttentionMetadata, k_cache: torch.Tensor) -> _DecodePlan | None:
+def _decode_plan(md: AttentionMetadata, k_cache: torch.Tensor, sliding_window: int | None) -> _DecodePlan | None:
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    key = (num_kv_heads, block_size)
+    key = (num_kv_heads, block_size, sliding_window)
     # Cached on the metadata object, which lives exactly one step; not a dataclass field.
     plans = md.__dict__.setdefault("_decode_plans", {})
     if key not in plans:
-        plans[key] = _build_decode_plan(md, num_kv_heads, block_size, k_cache.device)
+        plans[key] = _build_decode_plan(md, num_kv_heads, block_size, k_cache.device, sliding_window)
     return plans[key]
 
 
-def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int,
-                       device: torch.device) -> _DecodePlan | None:
+def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int, device: torch.device,
+                       sliding_window: int | None) -> _DecodePlan | None:
     if md.max_query_len == 1:
         seq_index, rows = None, None
-        batch, max_seq_len = md.num_seqs, md.max_seq_len
+        batch, seq_lens_list = md.num_seqs, md.seq_lens_list
         block_tables, seq_lens = md.block_tables, md.seq_lens
     else:
         decode_seqs, decode_rows, start = [], [], 0
@@ -108,19 +119,22 @@ def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int
             return None
         seq_index = torch.tensor(decode_seqs, device=device)
         rows = torch.tensor(decode_rows, device=device)
-        batch, max_seq_len = len(decode_seqs), max(md.seq_lens_list[i] for i in decode_seqs)
+        batch, seq_lens_list = len(decode_seqs), [md.seq_lens_list[i] for i in decode_seqs]
         block_tables, seq_lens = md.block_tables[seq_index], md.seq_lens[seq_index]
     seq_lens = seq_lens.long()
-    positions = torch.arange(max_seq_len, device=device)
-    # Positions past a sequence's end read its last token instead of whatever the padded
-    # block table points at: those slots may hold anything (even NaN), and 0 * NaN is NaN
-    # even under a -inf mask.
-    clamped = torch.minimum(positions[None, :], seq_lens[:, None] - 1)
+    # The one query at position seq_len - 1 reads keys from seq_len - window on.
+    max_seq_len = max(seq_lens_list) if sliding_window is None else min(max(seq_lens_list), sliding_window)
+    first = (seq_lens - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(seq_lens)
+    positions = first[:, None] + torch.arange(max_seq_len, device=device)[None, :]
+    # Keys past a sequence's end read its last token instead of whatever the padded block
+    # table points at: those slots may hold anything (even NaN), and 0 * NaN is NaN even
+    # under a -inf mask.
+    clamped = torch.minimum(positions, seq_lens[:, None] - 1)
     slots = block_tables.long().gather(1, clamped // block_size) * block_size + clamped % block_size
     heads = torch.arange(num_kv_heads, device=device)
     cache_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
-    beyond_end = (positions[None, :] >= seq_lens[:, None])[:, None, None, :]
-    return _DecodePlan(batch, max_seq_len, rows, cache_rows, beyond_end)
+    beyond_end = (positions >= seq_lens[:, None])[:, None, None, :]
+    return _DecodePlan(batch, rows, max_seq_len, cache_rows, beyond_end)
 
 
 def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan,
@@ -143,30 +157,45 @@ def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_len: int, scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
+                 seq_len: int, scale: float, logits_soft_cap: float | None = None,
+                 sliding_window: int | None = None) -> torch.Tensor:
     """One sequence's [Lq, Hq, D] queries over its seq_len cached tokens, causal with the
-    queries aligned to the end of the context (chunked prefill reads earlier chunks)."""
+    queries aligned to the end of the context (chunked prefill reads earlier chunks). With a
+    window, only the blocks from the first query's window on are read."""
     query_len, num_heads, _ = query.shape
     block_size = k_cache.shape[1]
-    blocks = block_table[:-(-seq_len // block_size)].long()
-    key = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [L, Hkv, D]
-    value = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    first_query = seq_len - query_len
+    first_block = 0 if sliding_window is None else max(0, first_query - sliding_window + 1) // block_size
+    first_key = first_block * block_size
+    blocks = block_table[first_block:-(-seq_len // block_size)].long()
+    key = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len - first_key]  # [L, Hkv, D]
+    value = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len - first_key]
     # SDPA's layout is [batch, heads, tokens, D]; fp32 so that the softmax is fp32 too.
     q = query.transpose(0, 1).unsqueeze(0).float()
     k = key.transpose(0, 1).unsqueeze(0).float()
     v = value.transpose(0, 1).unsqueeze(0).float()
     gqa = num_heads != key.shape[1]
-    if query_len == seq_len and logits_soft_cap is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if query_len == seq_len and logits_soft_cap is None and (sliding_window is None or sliding_window >= seq_len):
+        return (F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[0]
+                .transpose(0, 1).to(query.dtype))
+    # SDPA's is_causal aligns to the top-left; with earlier context the diagonal shifts.
+    mask = _causal_mask(torch.arange(first_query, seq_len, device=query.device),
+                        torch.arange(first_key, seq_len, device=query.device), sliding_window)
+    if logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:
-        # SDPA's is_causal aligns to the top-left; with earlier context the diagonal shifts.
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
-        if logits_soft_cap is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        else:
-            out = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
+        out = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                 sliding_window: int | None) -> torch.Tensor:
+    """[Lq, L] True where the query at query_positions[i] may attend to key_positions[j]."""
+    distance = query_positions[:, None] - key_positions[None, :]
+    mask = distance >= 0
+    if sliding_window is not None:
+        mask &= distance < sliding_window
+    return mask
 
 
 def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -182,12 +211,22 @@ def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return torch.matmul(probs, v)
 
 
-def soft_capped_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                                 logits_soft_cap: float) -> torch.Tensor:
-    """Causal attention with capped scores over one whole sequence without a cache (the
-    runner's profiling forward): query [T, Hq, D], key and value [T, Hkv, D] -> [T, Hq, D]
-    in the query's dtype."""
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention over one whole sequence without a cache (the runner's profiling
+    forward): query [T, Hq, D], key and value [T, Hkv, D] -> [T, Hq, D] in the query's
+    dtype, with paged_attention's window and soft cap."""
     num_tokens = query.shape[0]
-    q, k, v = (x.transpose(0, 1).unsqueeze(0).float() for x in (query, key, value))
-    mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=query.device).tril_()
-    return _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)[0].transpose(0, 1).to(query.dtype)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+    if sliding_window is None and logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out[0].transpose(0, 1)
+    positions = torch.arange(num_tokens, device=query.device)
+    mask = _causal_mask(positions, positions, sliding_window)
+    if logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = _soft_capped_attention(q.float(), k.float(), v.float(), mask, scale, logits_soft_cap)
+    return out[0].transpose(0, 1).to(query.dtype)

@@ -10,6 +10,11 @@ Long contexts with few sequences leave most of a GPU idle at one program per (se
 head); the split-K (flash-decoding) variant also splits the context into partitions, each
 program writes a partial output and its log-sum-exp, and a second kernel merges them.
 `paged_decode_attention` picks the variant.
+
+A sliding-window layer's program reads its sequence's last SLIDING_WINDOW positions only
+(the partitions split that span): keys before it are never loaded, so the cost is bounded by
+the window whatever the context. SOFT_CAP (Gemma 2) caps the scores. Both are compile-time
+constants (0: off), so a layer without them runs the same code as before.
 """
 
 from __future__ import annotations
@@ -22,15 +27,47 @@ import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
 
-# Tokens per K/V tile; independent of the cache block size (each token finds its block).
-_BLOCK_N = 64
-# Split-K partitions are at least this many tokens: below it the merge costs more than the
-# parallelism gains.
+# Split-K partitions are multiples of this many tokens (a multiple of every K/V tile width,
+# so no tile straddles two partitions) ...
+PARTITION_ALIGN = 64
+# ... and at least this many: below it the merge costs more than the parallelism gains.
 _MIN_PARTITION = 512
 _MAX_SPLITS = 64
 
 
 @triton.jit
+def soft_cap_scores(s, cap):
+    """cap * tanh(s / cap) for scores s in the kernels' log2 units and cap in the same units,
+    through exp2 (e = exp(-2|s| / cap) <= 1: nothing overflows)."""
+    e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / cap))
+    magnitude = cap * (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -magnitude, magnitude)
+
+
+def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
+    """The decode kernel's tile shape and warps for a cache dtype, GQA group and head size.
+
+    A program holds one K and one V tile of BLOCK_N x BLOCK_D in registers. Compiled for
+    sm_90a (Triton 3.9's ptxas), more than 32 16-bit or 16 fp32 elements of a tile per thread
+    spilled: bf16 at BLOCK_N 64, head size 128 and 4 warps used 255 registers and 96 bytes of
+    stack, fp32 at BLOCK_N 64 336 bytes; within these budgets every variant compiled to 168-212
+    registers without a stack frame (`cluster/benchmarks/gpu_kernel_check.py` reports them).
+    Off the GPU (the interpreter) the shape only has to be valid."""
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_warps = 4 if block_d <= 64 else 8
+    per_thread = 16 if dtype == torch.float32 else 32
+    block_n = max(16, min(64, per_thread * 32 * num_warps // block_d))
+    # The interpreter gets low-precision dots wrong, and fp32 caches need fp32 dots on a GPU
+    # too (Triton's default for them is TF32).
+    dot_fp32 = not on_gpu or dtype == torch.float32
+    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+                DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=num_warps)
+
+
+# The block table's row stride (its width, the longest context of the step in blocks) and the
+# partial results' strides (which follow the split count) change from step to step: left
+# specialised, each new value divisible or not by 16 would compile the kernel again.
+@triton.jit(do_not_specialize=["stride_bt", "stride_pl_seq", "stride_pl_head"])
 def _paged_decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -45,6 +82,7 @@ def _paged_decode_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -53,7 +91,12 @@ def _paged_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - row
-    start = split * partition_size
+    # The partitions split the positions the query reads: its window, or the whole context.
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    else:
+        kv_start = seq_len * 0
+    start = kv_start + split * partition_size
     end = tl.minimum(seq_len, start + partition_size)
     if (start >= end) | (query_len == 0):
         # Shorter than this split (the merge never reads this partition), or no query row.
@@ -88,6 +131,8 @@ def _paged_decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if SOFT_CAP > 0:
+            s = soft_cap_scores(s, SOFT_CAP * 1.4426950408889634)
         s = tl.where(n_mask[None, :], s, -float("inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -110,14 +155,14 @@ def _paged_decode_kernel(
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head"])
 def _merge_partitions_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_ot, stride_oh,
     partition_size,
-    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLIDING_WINDOW: tl.constexpr = 0,
 ):
     # One program per (sequence, query head): rescale each partition's normalised output by
     # its share of the total softmax mass, 2^(lse_s - lse_total).
@@ -127,7 +172,10 @@ def _merge_partitions_kernel(
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     if tl.load(query_start_loc_ptr + seq + 1) == row:
         return
-    num_partitions = tl.cdiv(seq_len, partition_size)
+    if SLIDING_WINDOW > 0:
+        num_partitions = tl.cdiv(tl.minimum(seq_len, SLIDING_WINDOW), partition_size)
+    else:
+        num_partitions = tl.cdiv(seq_len, partition_size)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_partitions
@@ -153,6 +201,24 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+def partition(max_seq_len: int, num_splits: int) -> tuple[int, int]:
+    """(partition size, split count) for about num_splits partitions of max_seq_len tokens:
+    partitions are PARTITION_ALIGN multiples, so the count can come out lower."""
+    partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), PARTITION_ALIGN) * PARTITION_ALIGN
+    return partition_size, triton.cdiv(max_seq_len, partition_size)
+
+
+def merge_block_s(num_splits: int) -> int:
+    """The merge kernel's BLOCK_S (a compiled variant each) for a split count."""
+    return max(2, triton.next_power_of_2(num_splits))
+
+
+def possible_split_counts(max_model_len: int) -> list[int]:
+    """Every split count the dispatcher can choose for contexts up to max_model_len (beyond 1)."""
+    by_length = max(1, max_model_len // _MIN_PARTITION)
+    return list(range(2, min(by_length, _MAX_SPLITS) + 1))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -162,12 +228,14 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            attn_metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, *, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """Decode step (every query_len is 1): query [T, Hq, D] -> [T, Hq, D] in the query's dtype.
 
     Sequence i's query is row query_start_loc[i]; rows past the last sequence (padding) are
     zero. `out`, if given, is written in place and returned. `num_splits` None lets the
     dispatcher choose between the single-pass kernel (1) and split-K (more than 1).
+    `sliding_window` and `logits_soft_cap` as in the reference (torch_attention).
     """
     md = attn_metadata
     num_tokens, num_heads, head_size = query.shape
@@ -181,18 +249,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out[num_seqs:].zero_()
     if num_seqs == 0 or md.max_seq_len == 0:
         return out
+    # The most keys one query reads.
+    max_keys = md.max_seq_len if sliding_window is None else min(md.max_seq_len, sliding_window)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, md.max_seq_len, _num_sms(query.device))
-    partition_size = triton.cdiv(triton.cdiv(md.max_seq_len, num_splits), _BLOCK_N) * _BLOCK_N
-    num_splits = triton.cdiv(md.max_seq_len, partition_size)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_keys, _num_sms(query.device))
+    partition_size, num_splits = partition(max_keys, num_splits)
 
     group = num_heads // num_kv_heads
-    # CPU means the interpreter, which gets low-precision dots wrong; fp32 caches need
-    # fp32 dots on a GPU too (the default would be TF32).
-    dot_fp32 = query.device.type != "cuda" or k_cache.dtype == torch.float32
     common = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-                  BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-                  BLOCK_N=_BLOCK_N, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4)
+                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
+                  **decode_tiles(k_cache.dtype, group, head_size, query.device.type == "cuda"))
     qk_scale = scale * math.log2(math.e)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -222,5 +288,5 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1), partition_size,
         HEAD_SIZE=head_size, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+        BLOCK_S=merge_block_s(num_splits), SLIDING_WINDOW=sliding_window or 0, num_warps=4)
     return out

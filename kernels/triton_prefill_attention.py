@@ -9,6 +9,10 @@ positions and read every key and value through block_tables[i].
 One program handles one (sequence, block of queries, KV head). Its BLOCK_M rows are
 (query token, query head of the group) pairs, so the query heads that share a KV head share
 every K/V tile load, and a decode row with GQA still fills a 16-row dot.
+
+In a sliding-window layer (SLIDING_WINDOW > 0) a program's keys start at its first query's
+window, so positions before it are never loaded, and each row masks the keys before its own
+window; SOFT_CAP (Gemma 2) caps the scores. Both are compile-time constants, 0 when off.
 """
 
 from __future__ import annotations
@@ -20,11 +24,40 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.triton_decode_attention import soft_cap_scores
 
-_BLOCK_N = 64
+def prefill_tiles(dtype: torch.dtype, group: int, head_size: int, max_query_len: int, on_gpu: bool = True) -> dict:
+    """The prefill kernel's tile shape and warps for a cache dtype, GQA group, head size and
+    the step's longest query chunk.
+
+    Rows (BLOCK_M) are (query, head of the group) pairs: at least 16 for the dot, at most 64
+    (32 in fp32, or at head size 256) unless the group alone is larger; few rows when the
+    chunks are short (decode rows). Compiled for sm_90a (Triton 3.9's ptxas), more than 16
+    elements of a K/V tile per thread spilled: bf16 at BLOCK_N 64, head size 128 and 4 or 8
+    warps used 255 registers and 104-528 bytes of stack, fp32 at BLOCK_M 64 and BLOCK_N 64
+    ~9 KB; so did 64 rows at head size 256 (96 bytes, GQA 8). Within these budgets every
+    variant compiled to 95-245 registers without a stack frame
+    (`cluster/benchmarks/gpu_kernel_check.py` reports them)."""
+    block_d = max(16, triton.next_power_of_2(head_size))
+    num_warps = 4 if block_d <= 64 else 8
+    block_n = max(16, min(64, 16 * 32 * num_warps // block_d))
+    max_rows = min(32 if dtype == torch.float32 else 64, 8192 // block_d)
+    block_m = max(triton.next_power_of_2(group),
+                  min(max_rows, max(16, triton.next_power_of_2(max_query_len * group))))
+    dot_fp32 = not on_gpu or dtype == torch.float32
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_fp32,
+                DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=num_warps)
 
 
-@triton.jit
+def block_m_variants(dtype: torch.dtype, group: int, head_size: int) -> list[int]:
+    """Every BLOCK_M prefill_tiles can choose for this dtype, group and head size (one
+    compiled kernel each)."""
+    return sorted({prefill_tiles(dtype, group, head_size, n)["BLOCK_M"] for n in (1, 2, 4, 8, 16, 32, 64, 128)})
+
+
+# The block table's row stride (the step's longest context in blocks) changes from step to
+# step: left specialised, each new value divisible or not by 16 would compile again.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -35,6 +68,7 @@ def _paged_prefill_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -66,9 +100,13 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Causal: no key after this block's last query.
+    # Causal: no key after this block's last query; none before its first query's window.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    else:
+        kv_start = kv_end * 0
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         physical = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -83,16 +121,30 @@ def _paged_prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFT_CAP > 0:
+            s = soft_cap_scores(s, SOFT_CAP * 1.4426950408889634)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, -float("inf"))
-        # Key 0 is in the first tile and visible to every row, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if SLIDING_WINDOW > 0:
+            # A row that has seen no key yet keeps a -inf maximum: exponentials against 0
+            # instead of -inf - -inf, all of them 0. (Only padding rows: a block's BLOCK_Q <=
+            # BLOCK_N queries all find a key of their window in its first tile.)
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        else:
+            # Key 0 is in the first tile and visible to every row: m_new is finite.
+            shift = m_new
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SLIDING_WINDOW > 0:
+        # Padding rows (positions past the end) have seen no key at all: keep them out of 0 / 0.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + q_index)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -100,8 +152,11 @@ def _paged_prefill_kernel(
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its whole context in the cache.
+                            out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its context in the cache (the last
+    `sliding_window` positions of it per query, when set; `logits_soft_cap` as in the
+    reference, torch_attention).
 
     query [T, Hq, D] -> [T, Hq, D] in the query's dtype; rows past the last sequence
     (padding) are zero. `out`, if given, is written in place and returned.
@@ -119,14 +174,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         return out
 
     group = num_heads // num_kv_heads
-    # Rows are (query, head of the group) pairs: at least 16 for the dot, at most 64 unless
-    # the group alone is larger; few rows when the chunks are short (decode rows).
-    block_m = max(triton.next_power_of_2(group), min(64, max(16, triton.next_power_of_2(md.max_query_len * group))))
-    block_q = block_m // group
-    # CPU means the interpreter, which gets low-precision dots wrong; fp32 caches need
-    # fp32 dots on a GPU too (the default would be TF32).
-    dot_fp32 = query.device.type != "cuda" or k_cache.dtype == torch.float32
-    grid = (md.num_seqs, triton.cdiv(md.max_query_len, block_q), num_kv_heads)
+    tiles = prefill_tiles(k_cache.dtype, group, head_size, md.max_query_len, query.device.type == "cuda")
+    grid = (md.num_seqs, triton.cdiv(md.max_query_len, tiles["BLOCK_Q"]), num_kv_heads)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
         scale * math.log2(math.e),
@@ -134,8 +183,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         md.block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_N=_BLOCK_N,
-        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4,
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, **tiles,
+        SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
     )
     return out

@@ -4,9 +4,9 @@ attends over each sequence's cached context."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from raylm.kernels import torch_attention
 from raylm.kernels.backend import get_attention_backend
 from raylm.models.forward_context import get_forward_context, select_rows
 
@@ -15,9 +15,15 @@ class Attention(nn.Module):
     """Takes q [T, Hq * D], k and v [T, Hkv * D] (this rank's heads) and returns
     [T, Hq * D], or only the rows `output_rows` (every key and value is still cached). The
     runner sets `kv_cache` to this layer's (k_cache, v_cache) pair, each
-    [num_blocks, block_size, Hkv, D], after allocating the caches."""
+    [num_blocks, block_size, Hkv, D], after allocating the caches.
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None) -> None:
+    `sliding_window` w (vLLM's per-layer window): each query attends to the last w
+    positions, itself included, as Hugging Face's sliding-window layers do; None: the whole
+    context. `logits_soft_cap` c (Gemma 2): scores s become c * tanh(s / c) before the
+    softmax. Every backend implements both (see `raylm.kernels.torch_attention`)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
@@ -25,9 +31,15 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}.")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}.")
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Triton on CUDA machines, the PyTorch reference otherwise (RAYLM_ATTENTION_BACKEND
-        # overrides); the runner sets the engine's choice after building the model.
+        # The machine's default (kernels/backend.py); the runner sets the engine's choice
+        # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,14 +50,13 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is None:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads).transpose(0, 1)
+            out = torch_attention.causal_attention(q, k, v, self.scale, sliding_window=self.sliding_window,
+                                                   logits_soft_cap=self.logits_soft_cap)
         else:
             assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
             k_cache, v_cache = self.kv_cache
             self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-            out = self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
+            out = self._paged_attention(q, attn_metadata)
         # The kernels attend for every query row; the last layer's is 1 / num_layers of them.
         return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)
 
@@ -62,5 +73,11 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, context.attn_metadata.slot_mapping)
         q = q_rows.view(num_rows, self.num_heads, self.head_size)
-        out = self.attn_backend.paged_attention(q, k_cache, v_cache, context.output_rows_metadata(), self.scale)
+        out = self._paged_attention(q, context.output_rows_metadata())
         return out.reshape(num_rows, self.num_heads * self.head_size)
+
+    def _paged_attention(self, q: torch.Tensor, attn_metadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache
+        return self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
+                                                 sliding_window=self.sliding_window,
+                                                 logits_soft_cap=self.logits_soft_cap)

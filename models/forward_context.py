@@ -25,15 +25,20 @@ class ForwardContext:
     # alone: in a prefill step of whole prompts that is one row per prompt, and skips
     # about 1 / num_layers of the step's GEMM work.
     output_rows: torch.Tensor | None = None
+    # output_rows as a Python list, so that no layer reads the tensor back (on a GPU that
+    # would wait for every kernel queued before it).
+    output_rows_list: list[int] | None = None
+    # attn_metadata.for_rows(output_rows), when the runner built it with the step's inputs.
     _output_rows_metadata: AttentionMetadata | None = field(default=None, repr=False)
 
     def output_rows_metadata(self) -> AttentionMetadata:
         """attn_metadata.for_rows(output_rows): attention from the output rows alone, for a
         last layer that computes queries for those rows only. Built at the first call of the
-        step (the last layer's), kept for the rest of it."""
+        step (the last layer's) unless the runner passed it, kept for the rest of it."""
         assert self.attn_metadata is not None and self.output_rows is not None
         if self._output_rows_metadata is None:
-            self._output_rows_metadata = self.attn_metadata.for_rows(self.output_rows.tolist())
+            rows = self.output_rows_list if self.output_rows_list is not None else self.output_rows.tolist()
+            self._output_rows_metadata = self.attn_metadata.for_rows(rows)
         return self._output_rows_metadata
 
 
@@ -45,11 +50,12 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None,
-                        output_rows: torch.Tensor | None = None) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: AttentionMetadata | None, output_rows: torch.Tensor | None = None,
+                        output_rows_list: list[int] | None = None,
+                        output_rows_metadata: AttentionMetadata | None = None) -> Iterator[ForwardContext]:
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata, output_rows)
+    _forward_context = ForwardContext(attn_metadata, output_rows, output_rows_list, output_rows_metadata)
     try:
         yield _forward_context
     finally:

@@ -4,79 +4,43 @@ loading, the model's forward).
 What differs from Llama: embeddings scaled by sqrt(hidden_size) in the model dtype; RMSNorm
 with (1 + weight) in fp32 (`GemmaRMSNorm`); norms before and after both attention and MLP;
 a GeGLU MLP; attention scaled by query_pre_attn_scalar ** -0.5 with scores soft-capped at
-`attn_logit_softcapping`; final logits soft-capped at `final_logit_softcapping`; tied
-embeddings. Every other layer is sliding-window in the checkpoint; raylm attends to the
-full context, which is exact because the engine caps max_model_len at the window
-(`derive_max_model_len`).
+`attn_logit_softcapping` (every attention backend implements the cap); final logits
+soft-capped at `final_logit_softcapping`; tied embeddings. The layers `layer_types` names
+"sliding_attention" (the even ones by default) attend within `sliding_window`, the others
+to the whole context.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
-from raylm.kernels import torch_attention
 from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import GeluAndMul
 from raylm.models.attention import Attention
-from raylm.models.forward_context import get_forward_context, select_rows
+from raylm.models.forward_context import select_rows
 from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.rmsnorm import GemmaRMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
+from raylm.models.sliding_window import layer_sliding_windows
 from raylm.parallel import MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-
-logger = logging.getLogger(__name__)
 
 # Hugging Face activation names -> F.gelu's `approximate`.
 _GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
-class SoftCappedAttention(Attention):
-    """Attention whose scaled scores s become cap * tanh(s / cap) before the softmax.
-
-    Only the PyTorch reference implements the cap (the native CPU and Triton kernels do
-    not), so this layer always runs it, whatever backend the runner assigns to
-    `attn_backend`."""
-
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 logits_soft_cap: float) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads)
-        self.logits_soft_cap = float(logits_soft_cap)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_size)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        attn_metadata = get_forward_context().attn_metadata
-        if attn_metadata is None:
-            out = torch_attention.soft_capped_causal_attention(q, k, v, self.scale, self.logits_soft_cap)
-        else:
-            assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
-            k_cache, v_cache = self.kv_cache
-            torch_attention.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-            out = torch_attention.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
-                                                  logits_soft_cap=self.logits_soft_cap)
-        return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)
-
-
 class Gemma2Attention(LlamaAttention):
     """Llama's projections and rotary; Gemma's scale and score soft-cap."""
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias)
-        scale = float(config.query_pre_attn_scalar) ** -0.5
-        soft_cap = getattr(config, "attn_logit_softcapping", None)
-        if soft_cap:
-            self.attn = SoftCappedAttention(self.num_heads, self.head_size, scale, self.num_kv_heads, soft_cap)
-        else:
-            self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_size, float(config.query_pre_attn_scalar) ** -0.5,
+                              self.num_kv_heads, sliding_window=sliding_window,
+                              logits_soft_cap=getattr(config, "attn_logit_softcapping", None) or None)
 
 
 class Gemma2MLP(nn.Module):
@@ -98,9 +62,9 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Gemma2Attention(config, rotary_emb)
+        self.self_attn = Gemma2Attention(config, rotary_emb, sliding_window)
         self.mlp = Gemma2MLP(config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -143,14 +107,11 @@ class Gemma2Model(LlamaModel):
         nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError("use_bidirectional_attention=True is not supported; raylm's attention is causal.")
-        if getattr(config, "attn_logit_softcapping", None):
-            logger.info("Gemma 2 attention soft-capping (attn_logit_softcapping=%s) is implemented only by the "
-                        "PyTorch reference attention; the model's attention layers run it whatever the attention "
-                        "backend.", config.attn_logit_softcapping)
         self.embed_tokens = ScaledVocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, rotary_emb, window)
+                                    for window in layer_sliding_windows(config))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -168,7 +129,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        self.sliding_window = self._sliding_window(config)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] fp32 logits, soft-capped; None on ranks other than 0."""

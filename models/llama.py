@@ -1,13 +1,13 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2), written against the parallel layers so
 the same code runs sharded under tensor parallelism.
 
-Qwen2 is Llama with biases on q/k/v; Mistral is Llama (its sliding window is not
-implemented: see `sliding_window`).
+Qwen2 is Llama with biases on q/k/v; Mistral is Llama. Layers attend within the sliding
+window the config gives them (`layer_sliding_windows`: every layer for Mistral v0.1, the
+layers from `max_window_layers` on for Qwen2 with `use_sliding_window`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,12 +22,11 @@ from raylm.models.forward_context import get_forward_context, last_layer_rows, s
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
+from raylm.models.sliding_window import layer_sliding_windows
 from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 from raylm.parallel.linear import LinearOutputSlice
-
-logger = logging.getLogger(__name__)
 
 
 class LlamaMLP(nn.Module):
@@ -51,7 +50,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         self.total_num_heads = config.num_attention_heads
@@ -65,7 +65,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_size
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5, self.num_kv_heads,
+                              sliding_window=sliding_window)
         # The q and the k/v parts of qkv_proj, packed apart (`prepare_output_row_projections`),
         # for a last layer whose outputs are read at a few rows only.
         self.output_row_projections: tuple[LinearOutputSlice, LinearOutputSlice] | None = None
@@ -101,10 +102,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias,
-                                        o_bias=bool(getattr(config, "attention_bias", False)))
+                                        o_bias=bool(getattr(config, "attention_bias", False)),
+                                        sliding_window=sliding_window)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
                             bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -144,8 +147,8 @@ class LlamaModel(nn.Module):
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias, sliding_window=window)
+                                    for window in layer_sliding_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_decode = CpuFusedDecode(self.layers, _is_plain_llama_layer)
 
@@ -195,21 +198,6 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.sliding_window = self._sliding_window(config)
-
-    @staticmethod
-    def _sliding_window(config: Any) -> int | None:
-        """The window the checkpoint was trained with, or None. raylm attends to the whole
-        context, which equals windowed attention only while contexts fit the window, so the
-        engine should cap max_model_len at this value."""
-        window = getattr(config, "sliding_window", None)
-        if not window or getattr(config, "use_sliding_window", True) is False:
-            return None
-        if window < config.max_position_embeddings:
-            logger.warning("sliding_window=%d is smaller than max_position_embeddings=%d; raylm ignores the window "
-                           "and attends to the full context, so max_model_len should be capped at %d.",
-                           window, config.max_position_embeddings, window)
-        return int(window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden] (only the rows

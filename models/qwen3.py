@@ -13,9 +13,9 @@ from raylm.models.rotary_embedding import RotaryEmbedding
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None = None) -> None:
         bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias)
+        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias, sliding_window=sliding_window)
         # One weight of head_dim shared by all heads, so no tensor-parallel sharding.
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
@@ -36,4 +36,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         # old one (empty, never loaded), so this costs one layer's projections of memory at
         # most. The rest of the layer (MLP, norms, residual order) is Llama's.
         for layer in self.model.layers:
-            layer.self_attn = Qwen3Attention(config, layer.self_attn.rotary_emb)
+            layer.self_attn = Qwen3Attention(config, layer.self_attn.rotary_emb, layer.self_attn.attn.sliding_window)

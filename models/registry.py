@@ -7,14 +7,19 @@ from torch import nn
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from raylm.models.mixtral import MixtralForCausalLM
 from raylm.models.opt import OPTForCausalLM
 from raylm.models.qwen3 import Qwen3ForCausalLM
+from raylm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,

@@ -9,44 +9,47 @@ published counter, and reads of the peers' slots, with no system call when the p
 running. Tensors larger than a slot go through in slot-sized pieces.
 
 Made by `create` at start-up, when every rank of the group runs on this machine and the
-native library builds; otherwise the group stays on gloo. Set RAYLM_CPU_SHM_COMM=0 to keep
-gloo (for comparisons).
+native library builds; otherwise the group stays on gloo. For comparisons, "shm_comm" in
+RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) keeps gloo.
+
+The segment's name travels through the rendezvous store, which anyone who reaches its port
+can read and write, so nothing read from the store is trusted: rank 0 creates the segment
+itself (exclusively, mode 0600, never following a link) and deletes its own name whatever
+happens; the other ranks map only a name of the form rank 0 makes, in /dev/shm, a regular
+file of this user with no access for anyone else and of the expected size.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
-import socket
-import uuid
+import re
+import secrets
+import stat
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from raylm.engine import envs
 from raylm.kernels.native_build import load_native_library
+from raylm.parallel.machine_layout import MachineLayout
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "RAYLM_CPU_SHM_COMM"
 # Per rank and per set of slots (two sets): a decode step's hidden states (64 x 4096 fp32)
 # fit in one piece, a prefill's go in a few.
 DEFAULT_SLOT_BYTES = 1 << 20
 _SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "raylm-tp-"
+# The only names a rank other than 0 maps: the prefix and 32 hex digits of randomness.
+_SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"[0-9a-f]{32}")
+_NAME_KEY = "raylm/shm/name"
+_MAPPED_KEY = "raylm/shm/mapped/{rank}"
+_MAPPED, _FAILED = "mapped", "failed"
 _DTYPES_REDUCED_NATIVELY = (torch.float32, torch.bfloat16)
-
-
-def machine_id() -> str:
-    """Names this machine (not the Ray node: two Ray nodes on one machine share /dev/shm)."""
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text:
-            return f"{socket.gethostname()}/{text}"
-    return socket.gethostname()
 
 
 class ShmCommunicator:
@@ -60,40 +63,42 @@ class ShmCommunicator:
         self._seq = 0
 
     # ---------------------------------------------------------------- set-up
+    @staticmethod
+    def available() -> bool:
+        """Whether this process can take part: "shm_comm" is not in RAYLM_TEST_DISABLE_KERNELS,
+        /dev/shm exists and the native library builds. Goes into the machine layout every rank sees."""
+        return (not envs.kernel_switched_off("shm_comm") and _SHM_DIR.is_dir()
+                and load_native_library("shm_comm") is not None)
+
     @classmethod
-    def create(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+    def create(cls, store: dist.Store, layout: MachineLayout, rank: int, timeout_s: float,
                slot_bytes: int = DEFAULT_SLOT_BYTES) -> "ShmCommunicator | None":
         """Collective over the ranks of `store`: a communicator on every rank, or None on
-        every rank (ranks on several machines, no /dev/shm, no native library, or
-        RAYLM_CPU_SHM_COMM=0)."""
-        usable = (os.environ.get(ENV_VAR) != "0" and _SHM_DIR.is_dir()
-                  and load_native_library("shm_comm") is not None)
-        store.set(f"raylm/shm/machine/{rank}", machine_id() if usable else f"unusable/{rank}")
-        keys = [f"raylm/shm/machine/{r}" for r in range(world_size)]
-        store.wait(keys, timedelta(seconds=timeout_s))
-        machines = {store.get(key).decode() for key in keys}
-        if len(machines) != 1 or next(iter(machines)).startswith("unusable/"):
+        every rank (ranks on several machines, or one that cannot use shared memory:
+        `layout` says, and every rank holds the same). Raises, on the rank that finds
+        it, if the segment named in the store is not one rank 0 made."""
+        world_size = len(layout.machines)
+        if not layout.one_machine_with_shared_memory:
             if rank == 0:
                 logger.info("Tensor-parallel collectives use gloo: the %d ranks are not all on one machine with "
-                            "shared memory and the native library (%s=0 also chooses gloo).", world_size, ENV_VAR)
+                            "shared memory and the native library.", world_size)
             return None
-        header = torch.ops.raylm.shm_header_bytes()
-        size = header + 2 * world_size * slot_bytes
+        size = torch.ops.raylm.shm_header_bytes() + 2 * world_size * slot_bytes
         if rank == 0:
-            path = _SHM_DIR / f"raylm-tp-{uuid.uuid4().hex}"
-            with open(path, "wb") as f:
-                f.truncate(size)  # zero-filled: every arrival counter starts at 0
-            store.set("raylm/shm/path", str(path))
-        path = Path(store.get("raylm/shm/path").decode())
-        segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        store.set(f"raylm/shm/mapped/{rank}", "1")
-        store.wait([f"raylm/shm/mapped/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
-        if rank == 0:
-            # Every rank has it mapped: the name is no longer needed, and nothing is left in
-            # /dev/shm however the processes end.
-            path.unlink(missing_ok=True)
+            segment = _create_segment_for_peers(store, world_size, size, timeout_s)
             logger.info("Tensor-parallel collectives go through shared memory (%d ranks, %d KiB slots).",
                         world_size, slot_bytes // 1024)
+        else:
+            try:
+                segment = _map_peer_segment(store, size, timeout_s)
+            except BaseException:
+                # Rank 0 stops waiting and deletes the segment now rather than at its timeout.
+                try:
+                    store.set(_MAPPED_KEY.format(rank=rank), _FAILED)
+                except Exception:  # noqa: BLE001 - the store itself failing: rank 0 times out instead
+                    pass
+                raise
+            store.set(_MAPPED_KEY.format(rank=rank), _MAPPED)
         return cls(segment, rank, world_size, slot_bytes, timeout_s)
 
     # ----------------------------------------------------------- collectives
@@ -167,3 +172,78 @@ class ShmCommunicator:
         first = self._header_bytes + (seq & 1) * self.world_size * self.slot_bytes
         region = self.segment[first:first + self.world_size * self.slot_bytes]
         return region.view(self.world_size, self.slot_bytes).view(dtype)[:, :numel]
+
+
+# ------------------------------------------------------------------ the segment
+def _create_segment_for_peers(store: dist.Store, world_size: int, size: int, timeout_s: float) -> torch.Tensor:
+    """Rank 0: creates and maps a fresh segment, names it in the store, waits until every
+    other rank has mapped it (or given up) and deletes the name: once mapped, the memory
+    lives as long as its mappings, and nothing is left in /dev/shm however the processes
+    end. Raises if a rank failed to map it or did not answer within timeout_s."""
+    path = _SHM_DIR / f"{SEGMENT_PREFIX}{secrets.token_hex(16)}"
+    # O_EXCL: a name that exists (made by anyone) is an error, not something to reuse;
+    # O_NOFOLLOW: never through a link; 0600 (fchmod: whatever the umask): this user only.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)  # zero-filled: every arrival counter starts at 0
+            segment = _map(fd, size)
+        finally:
+            os.close(fd)
+        store.set(_NAME_KEY, path.name)
+        keys = [_MAPPED_KEY.format(rank=r) for r in range(1, world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+        except Exception as e:
+            missing = [r for r in range(1, world_size) if not store.check([_MAPPED_KEY.format(rank=r)])]
+            raise RuntimeError(f"Tensor-parallel rank(s) {missing} did not map the shared-memory segment within "
+                               f"{timeout_s:g} s.") from e
+        failed = [r for r, key in zip(range(1, world_size), keys) if store.get(key).decode() != _MAPPED]
+        if failed:
+            raise RuntimeError(f"Tensor-parallel rank(s) {failed} could not map the shared-memory segment "
+                               "(their error says why).")
+        return segment
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _map_peer_segment(store: dist.Store, size: int, timeout_s: float) -> torch.Tensor:
+    """Ranks other than 0: maps the segment rank 0 named in the store, after checking that
+    it is one rank 0 can have made: a name of ours in /dev/shm, not a link, a regular file
+    of this user that no one else may access, of the expected size."""
+    store.wait([_NAME_KEY], timedelta(seconds=timeout_s))
+    name = store.get(_NAME_KEY).decode(errors="replace")
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise RuntimeError(f"Refusing the shared-memory segment {name!r} from the rendezvous store: rank 0 names "
+                           f"it {SEGMENT_PREFIX}<32 hex digits> (in {_SHM_DIR}); the store was written by "
+                           "something else.")
+    path = _SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:  # ELOOP for a link
+        raise RuntimeError(f"Refusing the shared-memory segment {path}: it cannot be opened as a file without "
+                           f"following links ({e.strerror}).") from e
+    try:
+        info = os.fstat(fd)
+        problems = []
+        if not stat.S_ISREG(info.st_mode):
+            problems.append("not a regular file")
+        if info.st_uid != os.geteuid():
+            problems.append(f"owned by uid {info.st_uid}, not {os.geteuid()}")
+        if info.st_mode & 0o077:
+            problems.append(f"mode {stat.S_IMODE(info.st_mode):04o}, not 0600")
+        if info.st_size != size:
+            problems.append(f"{info.st_size} bytes, not {size}")
+        if problems:
+            raise RuntimeError(f"Refusing the shared-memory segment {path}: {', '.join(problems)}; rank 0 did not "
+                               "make it.")
+        return _map(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    """`size` bytes of `fd` mapped shared, as a uint8 tensor that keeps the mapping alive."""
+    return torch.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+                            dtype=torch.uint8)

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Creates .venv and installs raylm with its test dependencies. torch is pinned to the
-# 2.13.0 CPU build (an unpinned torch would pull a multi-GB CUDA build).
+# Creates .venv and installs raylm with its test dependencies. torch is pinned here, not in
+# pyproject.toml, to the 2.13.0 CPU build (an unpinned torch would pull a multi-GB CUDA
+# build), and installed first, so that raylm's `torch>=2.5` finds it satisfied; likewise
+# triton 3.9.0 for the interpreter tests. On a CUDA machine, skip this script: keep its
+# torch and run `pip install -e ".[test]"`.
 # One line per step; a step's own output (pip's) shows only when it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH="torch==2.13.0"
+TRITON="triton==3.9.0"
 START=$SECONDS
 
 # step LABEL COMMAND...: runs COMMAND quietly, prints LABEL with its time; on failure
@@ -33,7 +37,7 @@ else
   step "creating .venv" python3 -m venv .venv
 fi
 step "upgrading pip" .venv/bin/python -m pip install --upgrade pip
-step "installing $TORCH (CPU)" .venv/bin/python -m pip install "$TORCH"
+step "installing $TORCH (CPU) and $TRITON" .venv/bin/python -m pip install "$TORCH" "$TRITON"
 step "installing raylm[test] (editable)" .venv/bin/python -m pip install -e ".[test]"
 # Compiled now rather than by the first request (or test) that needs them; a machine with
 # no compiler still serves, on PyTorch ops, so this step reports and never fails setup.

@@ -23,10 +23,13 @@ def step_metadata(query_lens: list[int], seq_lens: list[int], block_tables: torc
 
 
 def build_cached_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int,
-                      block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0, padding_tokens: int = 0):
+                      block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0, padding_tokens: int = 0,
+                      sliding_window: int | None = None):
     """A step after its KV write: every sequence's context at shuffled blocks of a cache whose
     other slots are NaN, block tables padded with a NaN block; returns the query, caches
-    and metadata."""
+    and metadata. With a sliding_window, the table entries of the blocks wholly before the
+    window of a sequence's first query point at the NaN block, as the engine's freed blocks
+    do (at a block of someone else's): a kernel that reads them returns NaN."""
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 4
@@ -44,6 +47,9 @@ def build_cached_step(query_lens: list[int], seq_lens: list[int], num_heads: int
             seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         v_cache.view(-1, num_kv_heads, head_size)[slots] = torch.randn(
             seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        if sliding_window is not None:
+            first_needed = max(0, seq_len - query_lens[i] - sliding_window + 1)
+            block_tables[i, :first_needed // block_size] = poisoned_block
     num_tokens = sum(query_lens) + padding_tokens
     query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
     # slot_mapping is unused: the cache is already written.

@@ -43,18 +43,31 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def start_server(args: list[str], log: Path | None = None) -> tuple[subprocess.Popen, str]:
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a server process: one OpenMP thread, no RAY_ADDRESS (a private
+    Ray), no RAYLM_API_KEY unless `extra` sets it."""
+    drop = ("RAY_ADDRESS", "RAYLM_API_KEY")
+    return {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1"} | (extra or {})
+
+
+def start_server(args: list[str], log: Path | None = None,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `raylm serve ARGS` on a free port with one OpenMP thread and a private Ray
     (never the test session's); returns (process, base_url) once /health answers. Its
-    output goes to `log` (shown if it fails to come up), or nowhere."""
-    (started,) = start_servers([(args, log)])
+    output goes to `log` (shown if it fails to come up), or nowhere; `env` adds to its
+    environment."""
+    (started,) = start_servers([(args, log, env)])
     return started
 
 
-def start_servers(configs: list[tuple[list[str], Path | None]]) -> list[tuple[subprocess.Popen, str]]:
+# What `start_server` takes, for each of several servers: (args, log) or (args, log, env).
+ServerConfig = tuple[list[str], Path | None] | tuple[list[str], Path | None, dict[str, str] | None]
+
+
+def start_servers(configs: list[ServerConfig]) -> list[tuple[subprocess.Popen, str]]:
     """`start_server` for several servers, started side by side: returns once all answer."""
-    launched = [_launch(args, log) for args, log in configs]
-    for (process, base_url), (_, log) in zip(launched, configs):
+    launched = [_launch(*config) for config in configs]
+    for (process, base_url), (_, log, *_) in zip(launched, configs):
         try:
             wait_healthy(base_url, process)
         except BaseException:
@@ -66,10 +79,11 @@ def start_servers(configs: list[tuple[list[str], Path | None]]) -> list[tuple[su
     return launched
 
 
-def _launch(args: list[str], log: Path | None) -> tuple[subprocess.Popen, str]:
+def _launch(args: list[str], log: Path | None,
+            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "raylm.deploy.cli", "serve", *args, "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    env = server_env(env)
     output = open(log, "w") if log is not None else subprocess.DEVNULL
     try:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
@@ -90,9 +104,10 @@ def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def running_server(args: list[str], log: Path | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+def running_server(args: list[str], log: Path | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     """`start_server` for the length of a with-block (or a yield fixture)."""
-    process, base_url = start_server(args, log)
+    process, base_url = start_server(args, log, env)
     try:
         yield process, base_url
     except BaseException:

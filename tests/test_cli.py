@@ -122,3 +122,65 @@ def test_serve_help_shows_the_defaults():
     assert "None" not in result.stdout
     assert "Default: what max_num_seqs requests" in _help_of("--kv-cache-space", result.stdout)
     assert "defaults to the model's" in _help_of("--max-model-len", result.stdout)
+
+
+def test_an_unknown_flag_shows_the_usage_of_the_command_it_was_given_to(capsys):
+    for argv, usage in ((["serve", "--bogus-flag"], "usage: raylm serve "),
+                        (["bench", "throughput", "--bogus-flag"], "usage: raylm bench throughput ")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(usage), err
+        assert err.rstrip().endswith("error: unrecognized arguments: --bogus-flag"), err
+
+
+# ------------------------------------------------------------------ API key
+def test_the_api_key_comes_from_the_flag_else_the_key_file_else_raylm_api_key(tmp_path, monkeypatch):
+    from raylm.deploy.server_args import ServerArgs
+
+    def key(*flags: str) -> str | None:
+        return ServerArgs.from_cli_args(cli.build_parser().parse_args(["serve", *flags])).resolved_api_key()
+
+    key_file = tmp_path / "key"
+    key_file.write_text("key-from-the-file\n")
+    monkeypatch.delenv("RAYLM_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("RAYLM_API_KEY", "key-from-the-environment")
+    assert key() == "key-from-the-environment"
+    assert key("--api-key-file", str(key_file)) == "key-from-the-file"
+    assert key("--api-key", "key-from-the-flag") == "key-from-the-flag"
+    with pytest.raises(ValueError, match="not both"):
+        key("--api-key", "k", "--api-key-file", str(key_file))
+
+
+def test_serve_with_an_unreadable_key_file_is_a_one_line_error_before_the_model_loads(tmp_path):
+    missing = str(tmp_path / "missing-key")
+    result = raylm("serve", "--api-key-file", missing, "--port", "1")
+    assert_one_line_usage_error(result, missing, "--api-key-file")
+    assert "model loaded" not in result.stderr
+
+
+# --------------------------------------------------------------- imports
+_HEAVY = ("ray", "fastapi", "starlette", "uvicorn", "raylm.cluster.benchmarks")
+
+
+def _modules_after(code: str) -> list[str]:
+    """Which of _HEAVY a fresh interpreter has imported after running `code`."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_building_the_command_line_imports_neither_ray_fastapi_nor_the_benchmarks():
+    assert _modules_after("from raylm.deploy.cli import build_parser\nbuild_parser().parse_args(['serve'])") == []
+
+
+def test_offline_llm_at_tp_1_imports_neither_ray_nor_fastapi(llama_dir):
+    """A CUDA box may lack them: `LLM` at tensor_parallel_size 1 must run without."""
+    code = ("from raylm.engine import LLM, SamplingParams\n"
+            f"llm = LLM({str(llama_dir)!r}, num_gpu_blocks_override=16)\n"
+            "assert llm.generate('Hi', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids")
+    assert _modules_after(code) == []

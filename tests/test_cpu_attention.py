@@ -134,14 +134,12 @@ def test_block_table_too_short_for_its_sequence_is_an_error_not_a_read_out_of_bo
         cpu_attention.paged_decode_attention(query, k_cache, v_cache, md.block_tables[:, :1], md.seq_lens, 0.5)
 
 
-def test_cpu_backend_is_the_default_on_a_cpu_machine(native, monkeypatch):
-    monkeypatch.delenv("RAYLM_ATTENTION_BACKEND", raising=False)
+def test_cpu_backend_is_the_default_on_a_cpu_machine(native):
     if torch.cuda.is_available():
         pytest.skip("CUDA machines default to the Triton backend")
     backend = get_attention_backend()
     assert backend.name == "cpu" and backend.paged_attention is cpu_attention.paged_attention
-    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "torch")
-    assert get_attention_backend().name == "torch"
+    assert get_attention_backend("torch").name == "torch"
 
 
 def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, caplog, tmp_path):
@@ -162,36 +160,47 @@ def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, ca
 # ---- Prefill rows (query_len > 1): the prefill kernel ----
 
 
-def float64_attention(query, k_cache, v_cache, md, scale):
+def float64_attention(query, k_cache, v_cache, md, scale, sliding_window=None, soft_cap=None):
     """Causal paged attention computed directly in float64, sequence by sequence: an oracle
-    independent of the reference's SDPA path."""
+    independent of the reference's SDPA path. With a sliding window w the query at p sees
+    keys p - w + 1 .. p, and only the keys of the first query's window are gathered (the
+    blocks before it may be poisoned, as freed ones are); soft_cap c maps scores s to
+    c * tanh(s / c)."""
     num_heads, block_size, num_kv_heads = query.shape[1], k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64)
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
-        blocks = md.block_tables[i, :-(-seq_len // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        values = v_cache[blocks].flatten(0, 1)[:seq_len].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+        key_positions = torch.arange(first, seq_len)
+        slots = md.block_tables[i].long()[key_positions // block_size] * block_size + key_positions % block_size
+        group = num_heads // num_kv_heads
+        keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
         q = query[start:start + query_len].double()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        positions = torch.arange(seq_len - query_len, seq_len)
-        scores.masked_fill_(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        distance = torch.arange(seq_len - query_len, seq_len)[:, None] - key_positions[None, :]
+        visible = (distance >= 0) & (distance < (sliding_window or seq_len + 1))
+        scores.masked_fill_(~visible, float("-inf"))
         out[start:start + query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
         start += query_len
     return out
 
 
 def compare_with_float64(query_lens, seq_lens, num_heads=8, num_kv_heads=4, head_size=32, block_size=16,
-                         dtype=torch.float32, seed=0, padding_tokens=0):
-    """The kernel's output for a step (fp32 queries) and the float64 oracle's."""
+                         dtype=torch.float32, seed=0, padding_tokens=0, sliding_window=None, soft_cap=None):
+    """The kernel's output for a step (fp32 queries) and the float64 oracle's. With a
+    sliding window, the blocks before each sequence's window are poisoned (build_step)."""
     query, k_cache, v_cache, md = build_step(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
-                                             dtype, seed, padding_tokens)
+                                             dtype, seed, padding_tokens, sliding_window)
     query = query.float()
     scale = 1.0 / math.sqrt(head_size)
-    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, scale)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
+                                        logits_soft_cap=soft_cap)
     assert out.shape == query.shape and out.dtype == torch.float32
     assert not out.isnan().any()
-    return out, float64_attention(query, k_cache, v_cache, md, scale)
+    return out, float64_attention(query, k_cache, v_cache, md, scale, sliding_window, soft_cap)
 
 
 # Whole prompts (query_len == seq_len) of 2 .. several 64-key chunks, on and off boundaries.
@@ -301,3 +310,74 @@ def test_prefill_falls_back_to_the_reference_when_only_its_kernel_fails_to_build
     assert [r.levelno for r in caplog.records].count(logging.WARNING) == 1
     expected = torch_attention.paged_attention(query, k_cache, v_cache, md, 0.5)
     assert relative_error(out, expected) < 1e-5
+
+
+# ---- Sliding windows and soft caps (both kernels) ----
+# The blocks before each sequence's window point at a NaN block (as the engine's freed blocks
+# point at someone else's): a kernel that read one would return NaN.
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 100])
+@pytest.mark.parametrize("head_size,block_size", [(32, 16), (64, 16), (128, 32), (80, 16), (32, 8), (64, 1)])
+def test_windowed_decode_matches_float64_and_reads_no_block_before_the_window(native, head_size, block_size, window):
+    # Head sizes of 16k on blocks of 4k keys take the AVX-512 two-pass path (where the CPU has
+    # it), the others the online softmax; windows start mid-block, on a block edge, or cover all.
+    out, exact = compare_with_float64([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, head_size, block_size,
+                                      seed=window, sliding_window=window)
+    assert relative_error(out, exact) < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 9, 64, 150])
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_windowed_prefill_matches_float64_and_reads_no_block_before_the_window(native_prefill, num_heads,
+                                                                               num_kv_heads, block_size, window):
+    # Whole prompts longer than the 64-key chunks and the 128-row tiles, a chunk after cached
+    # tokens, a short chunk mid-block, and decode rows beside them.
+    query_lens = [300, 200, 100, 5, 1, 1]
+    seq_lens = [300, 200, 450, 38, 90, 3]
+    out, exact = compare_with_float64(query_lens, seq_lens, num_heads, num_kv_heads, 64, block_size, seed=window,
+                                      sliding_window=window)
+    assert relative_error(out, exact) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("head_size", [32, 64, 80])
+def test_soft_capped_scores_match_float64_in_decode_and_prefill(native_prefill, head_size, window):
+    # Scores several times the cap, so that the cap changes the result.
+    query_lens = [1, 1, 130, 7]
+    seq_lens = [40, 200, 130, 60]
+    query, k_cache, v_cache, md = build_step(query_lens, seq_lens, 8, 4, head_size, 16, torch.float32, 5, 0, window)
+    scale = 3.0 / math.sqrt(head_size)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, scale, sliding_window=window,
+                                        logits_soft_cap=2.0)
+    exact = float64_attention(query, k_cache, v_cache, md, scale, window, 2.0)
+    uncapped = float64_attention(query, k_cache, v_cache, md, scale, window)
+    assert relative_error(out, exact) < 1e-5
+    assert relative_error(uncapped, exact) > 0.05  # the cap matters here
+
+
+def test_windowed_bf16_cache_matches_the_reference(native_prefill):
+    query_lens, seq_lens = [1, 1, 64, 1], [300, 17, 200, 64]
+    query, k_cache, v_cache, md = build_step(query_lens, seq_lens, 8, 2, 64, 16, torch.bfloat16, 6, 0, 24)
+    for q in (query, query.float()):
+        out = cpu_attention.paged_attention(q, k_cache, v_cache, md, 0.125, sliding_window=24, logits_soft_cap=5.0)
+        expected = torch_attention.paged_attention(q, k_cache, v_cache, md, 0.125, sliding_window=24,
+                                                   logits_soft_cap=5.0)
+        assert out.dtype == q.dtype and not out.isnan().any()
+        assert relative_error(out, expected) < (1e-2 if q.dtype == torch.bfloat16 else 1e-5)
+
+
+def test_windowed_prefill_rows_whose_window_starts_past_a_chunk_keep_fp32_precision(native_prefill):
+    # A tile of up to 128 query rows over 64-key chunks: with a window of 5 most rows see no
+    # key of the tile's first chunk. Every score is shifted by -120 (channel 0: 1 in the
+    # queries, -400 in the keys; -173 in log2 units, below exp2's range): only a running
+    # maximum that stays -inf until a row's first key (not a stand-in 0) keeps the softmax
+    # exact. (fp32 scores near -120 keep ~1e-5 of their differences: hence 1e-4.)
+    query, k_cache, v_cache, md = build_step([300], [300], 4, 4, 32, 16, torch.float32, 9, 0, 5)
+    query[..., 0] = 1.0
+    k_cache[..., 0] = torch.where(k_cache[..., 0].isnan(), k_cache[..., 0], torch.full_like(k_cache[..., 0], -400.0))
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.3, sliding_window=5)
+    exact = float64_attention(query, k_cache, v_cache, md, 0.3, 5)
+    assert not out.isnan().any()
+    assert relative_error(out, exact) < 1e-4

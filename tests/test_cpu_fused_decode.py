@@ -36,6 +36,8 @@ FUSED_OP = "raylm::llama_decode_layers"
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen2")}
+    # Mistral v0.1's layout: every layer windowed, here to 5 of the prompts' 4-15 tokens.
+    dirs["mistral_windowed"] = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=5)
     return dirs | {"qwen3": build_random_model(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
 
 
@@ -43,11 +45,13 @@ def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:
     return _loaded_runner(_engine_config(model_dir, dtype))
 
 
-def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], int]:
-    """Greedy tokens and their logprobs per prompt, and how many times the fused op ran."""
+def _generate(runner: ModelRunner, onednn_rows: list[int] | None = None
+              ) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens and their logprobs per prompt, and how many times the fused op ran;
+    appends to `onednn_rows` the rows of every oneDNN GEMM."""
     histories = [list(p) for p in PROMPTS]
     logprobs: list[list[float]] = [[] for _ in PROMPTS]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=onednn_rows is not None) as prof:
         for _ in range(STEPS):
             requests = [_prefill(i, prompt, GREEDY) if len(history) == len(prompt)
                         else _decode(i, history, len(prompt), GREEDY)
@@ -56,6 +60,8 @@ def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[list[float]], 
                 histories[out.req_id].append(out.token_id)
                 logprobs[out.req_id].append(out.logprob)
     calls = sum(event.count for event in prof.key_averages() if event.key == FUSED_OP)
+    if onednn_rows is not None:
+        onednn_rows += [event.input_shapes[0][0] for event in prof.events() if event.name == "mkldnn::_linear_pointwise"]
     return [h[len(p):] for h, p in zip(histories, PROMPTS)], logprobs, calls
 
 
@@ -111,12 +117,35 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
         if dtype == torch.bfloat16:  # bf16 takes the streaming kernel without timing it
             assert gate_up_kinds == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
 
-    monkeypatch.setenv(cpu_fused_decode.ENV_VAR, "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()
     module_tokens, module_logprobs, module_calls = _generate(runner)
     assert module_calls == 0
     assert tokens == module_tokens
     assert logprobs == module_logprobs  # exactly: the same kernels on the same inputs
+
+
+@pytest.mark.skipif(not cpu_gemm._bf16_is_native(), reason="bf16 layers are packed for oneDNN only with native bf16")
+def test_a_decode_batch_whose_onednn_rows_are_padded_is_bitwise_the_modules(model_dirs, monkeypatch):
+    # 19 sequences: oneDNN runs them as 20 rows (cpu_gemm.onednn_rows) in the modules and,
+    # by its own copy of that function, in the fused op; the prefill's 57 rows as 60.
+    prompts = [[3 + i, 40 + i, 7] for i in range(19)]
+    assert (cpu_gemm.onednn_rows(19), cpu_gemm.onednn_rows(57)) == (20, 60)
+    monkeypatch.setitem(globals(), "PROMPTS", prompts)
+    config = _engine_config(model_dirs["llama"], torch.bfloat16)
+    config.cache_config.num_gpu_blocks_override = 8 * len(prompts)  # _table: 8 blocks per sequence
+    runner = _loaded_runner(config)
+    _force_linear_kernel(runner.model, "onednn")
+    fused = _fused_decode(runner)
+    fused.reset()
+    fused_rows, module_rows = [], []
+    tokens, logprobs, calls = _generate(runner, fused_rows)
+    assert calls == STEPS - 1
+    assert {kind for _, ints in fused._args.values() for kind in ints[0::2]} == {cpu_gemm.LINEAR_ONEDNN}
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
+    fused.reset()
+    assert _generate(runner, module_rows) == (tokens, logprobs, 0)
+    assert set(fused_rows) == set(module_rows) == {60, 20}
 
 
 def test_fused_decode_matches_hugging_face(model_dirs):
@@ -133,6 +162,27 @@ def test_fused_decode_matches_hugging_face(model_dirs):
                 assert token == int(reference.argmax())
                 assert logprob == pytest.approx(float(reference[token]), abs=1e-4)
                 history.append(token)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_of_sliding_window_layers_equals_the_modules_bitwise(model_dirs, dtype, monkeypatch):
+    runner = _runner(model_dirs["mistral_windowed"], dtype)
+    fused = _fused_decode(runner)
+    tokens, logprobs, calls = _generate(runner)
+    assert calls == STEPS - 1 and fused._shape.sliding_windows == [5, 5]
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
+    fused.reset()
+    module_tokens, module_logprobs, module_calls = _generate(runner)
+    assert module_calls == 0
+    assert (tokens, logprobs) == (module_tokens, module_logprobs)
+    if dtype == torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dirs["mistral_windowed"]), dtype=torch.float32).eval()
+        for prompt, got in zip(PROMPTS, tokens):
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
+            assert logits.argmax(-1).tolist() == got
 
 
 def test_layers_other_than_llamas_run_their_modules(model_dirs):

@@ -62,7 +62,7 @@ def test_packed_linear_handles_3d_and_non_contiguous_input():
 
 
 def test_switch_off_packs_nothing(monkeypatch):
-    monkeypatch.setenv("RAYLM_CPU_PACKED_LINEAR", "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "packed_linear")
     assert maybe_pack_linear_weight(torch.randn(1536, 1024)) is None
 
 
@@ -183,3 +183,52 @@ def test_the_streaming_weight_computes_f_linear_up_to_its_rows(dtype):
 def test_no_streaming_weight_for_half_precision_or_a_vector():
     assert cpu_gemm.pack_streaming_weight(torch.zeros(64, 64, dtype=torch.float16)) is None
     assert cpu_gemm.pack_streaming_weight(torch.zeros(64)) is None
+
+
+def test_onednn_rows_are_few_and_add_less_than_an_eighth():
+    # Arithmetic: exact up to 16, then 8 evenly spaced counts per doubling.
+    assert [cpu_gemm.onednn_rows(r) for r in (1, 16, 17, 18, 19, 32, 33, 100, 257, 1000, 2048, 2049)] == \
+        [1, 16, 18, 18, 20, 32, 36, 104, 288, 1024, 2048, 2304]
+    counts = {cpu_gemm.onednn_rows(r) for r in range(1, 2049)}
+    assert len(counts) == 16 + 8 * 7  # 1..16, then 8 in each of (16, 32], ..., (1024, 2048]
+    assert all(r <= cpu_gemm.onednn_rows(r) < r * 1.125 for r in range(1, 20000))
+
+
+def _onednn_row_counts(prof) -> list[int]:
+    return [event.input_shapes[0][0] for event in prof.events() if event.name == "mkldnn::_linear_pointwise"]
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_prefill_lengths_reach_onednn_as_few_row_counts_with_f_linears_result(dtype):
+    # oneDNN builds a primitive per row count it sees, kept in its cache and ideep's (~0.4 MiB,
+    # up to 1,024 each): a server's random prompt lengths grew its memory by ~300 MiB.
+    if dtype == torch.bfloat16 and not cpu_gemm._bf16_is_native():
+        pytest.skip("bf16 is packed only where the CPU has bf16 instructions")
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(96, 64, generator=generator) / 8).to(dtype)
+    packed, bias = pack_linear_weight(weight), torch.randn(96, generator=generator).to(dtype)
+    lengths = torch.randint(1, 2049, (300,), generator=generator).tolist()
+    x = torch.randn(2048, 64, generator=generator).to(dtype)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        outputs = [cpu_linear(x[:rows], packed, bias) for rows in lengths]
+    seen = _onednn_row_counts(prof)
+    assert sorted(seen) == sorted(cpu_gemm.onednn_rows(rows) for rows in lengths)
+    assert len(set(seen)) <= 72 < len(set(lengths))
+    reference = F.linear(x.double(), weight.double(), bias.double())
+    for rows, out in zip(lengths, outputs):
+        assert out.shape == (rows, 96) and out.is_contiguous()
+        torch.testing.assert_close(out, reference[:rows].to(dtype), **TOLERANCE[dtype])
+
+
+@needs_packing
+def test_padded_rows_keep_leading_dimensions_and_read_strided_input():
+    x, weight, b = _operands(3 * 19, 1536, 256, torch.float32, True)
+    packed = _packed(weight[:, 768:].contiguous())
+    sliced = x.view(3, 19, 1536)[..., 768:]  # 57 rows, padded to 60; a column slice, not contiguous
+    out = cpu_linear(sliced, packed, b)
+    assert cpu_gemm.onednn_rows(57) == 60 and out.shape == (3, 19, 256)
+    torch.testing.assert_close(out, F.linear(sliced, weight[:, 768:], b), **TOLERANCE[torch.float32])
+    with cpu_gemm.exact_onednn_rows():
+        assert cpu_gemm.onednn_rows(57) == 57
+        torch.testing.assert_close(cpu_linear(sliced, packed, b), out, **TOLERANCE[torch.float32])

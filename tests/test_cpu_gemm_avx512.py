@@ -122,7 +122,7 @@ def test_the_layer_gemm_equals_float64_on_both_sides_of_the_decode_row_limit(dty
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv("RAYLM_CPU_AVX512_LINEAR", "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "avx512_linear")
     assert not cpu_gemm.avx512_linear_enabled(torch.float32)
     assert not cpu_gemm.avx512_linear_enabled(torch.bfloat16)
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raylm.engine import envs
 from raylm.kernels import cpu_attention, cpu_ops, native_build
 from paged_steps import build_cached_step
 from test_cpu_attention import float64_attention
@@ -48,7 +49,7 @@ def test_the_fma_peak_loop_runs_the_widest_multiply_add_of_the_isa():
         pytest.skip("the peak loop cannot be built here")
     fp32, bf16 = (torch.ops.raylm.cpu_peak_flops(dtype, 100_000) for dtype in (torch.float32, torch.bfloat16))
     instructions = {dtype: torch.ops.raylm.cpu_peak_flops_instruction(dtype) for dtype in DTYPES}
-    isa, flags = os.environ.get(native_build.ISA_ENV_VAR), native_build._cpu_flags().split()
+    isa, flags = envs.RAYLM_CPU_ISA, native_build._cpu_flags().split()
     if isa == "scalar" or not {"avx2", "fma"} <= set(flags):
         assert fp32 == bf16 == 0.0 and set(instructions.values()) == {""}
         return
@@ -62,7 +63,7 @@ def test_the_fma_peak_loop_runs_the_widest_multiply_add_of_the_isa():
 
 
 def test_the_build_uses_the_isa_asked_for():
-    expected = {"avx512": 16, "avx512_no_bf16": 16, "avx2": 8, "scalar": 1}.get(os.environ.get(native_build.ISA_ENV_VAR, ""))
+    expected = {"avx512": 16, "avx512_no_bf16": 16, "avx2": 8, "scalar": 1}.get(envs.RAYLM_CPU_ISA)
     if expected is None:
         pytest.skip("default build: whatever -march=native gives")
     assert torch.ops.raylm.vector_width() == expected
@@ -75,7 +76,7 @@ def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
 
     flags = native_build._cpu_flags().split()
     cpu_has_amx = all(f in flags for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
-    full_isa = os.environ.get(native_build.ISA_ENV_VAR, "avx512") == "avx512"
+    full_isa = envs.RAYLM_CPU_ISA in (None, "avx512")
     assert cpu_gemm.amx_linear_enabled() == (cpu_has_amx and full_isa)
 
 
@@ -86,7 +87,7 @@ def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
     from raylm.kernels import cpu_gemm
 
     flags = native_build._cpu_flags().split()
-    isa = os.environ.get(native_build.ISA_ENV_VAR) or ("avx512" if "avx512f" in flags else "native")
+    isa = envs.RAYLM_CPU_ISA or ("avx512" if "avx512f" in flags else "native")
     has_avx512 = "avx512f" in flags and isa in ("avx512", "avx512_no_bf16")
     assert cpu_gemm.avx512_linear_enabled(torch.float32) == has_avx512
     assert cpu_gemm.avx512_linear_enabled(torch.bfloat16) == (has_avx512 and isa == "avx512" and "avx512_bf16" in flags)
@@ -286,6 +287,30 @@ def test_prefill_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (40, 8), (32, 1), (128, 32)])
+def test_windowed_soft_capped_decode_attention(head_size, block_size, dtype):
+    # Blocks before each window point at a NaN block (build_cached_step), as freed ones do.
+    seq_lens = [1, 15, 40, 101, 257]
+    query, k_cache, v_cache, md = build_cached_step([1] * len(seq_lens), seq_lens, 8, 2, head_size, block_size,
+                                                    dtype=dtype, seed=head_size, sliding_window=23)
+    scale = 2.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale, 23,
+                                                 3.0)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, scale, 23, 3.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [7, 70])
+def test_windowed_soft_capped_prefill_attention(window, dtype):
+    query_lens, seq_lens = [200, 20, 3, 1], [200, 150, 21, 90]
+    query, k_cache, v_cache, md = build_cached_step(query_lens, seq_lens, 8, 2, 64, dtype=dtype, seed=window,
+                                                    sliding_window=window)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, 0.25, 1, window, 3.0)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, 0.25, window, 3.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
     # q as the attention layer passes it: a column slice of [T, (Hq + 2 Hkv) * D].
     query, k_cache, v_cache, md = build_cached_step([1, 1, 5], [9, 30, 5], 4, 2, 32, seed=7)
@@ -300,7 +325,7 @@ def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
 
 
 def test_an_unknown_isa_is_an_error_naming_the_variable_and_the_choices(monkeypatch):
-    monkeypatch.setenv(native_build.ISA_ENV_VAR, "sse9")
+    monkeypatch.setenv("RAYLM_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match=r"RAYLM_CPU_ISA must be one of avx512, avx512_no_bf16, avx2, scalar, "
                                          r"got 'sse9'"):
         native_build.compile_flags()
@@ -314,7 +339,7 @@ def _isas_this_cpu_runs() -> list[str]:
 
 @pytest.mark.parametrize("isa", list(native_build._ISA_FLAGS))
 def test_narrower_isa_passes(isa):
-    if os.environ.get(native_build.ISA_ENV_VAR):
+    if envs.RAYLM_CPU_ISA:
         pytest.skip("already a subprocess of one ISA")
     if isa not in _isas_this_cpu_runs():
         pytest.skip(f"this CPU cannot run {isa} code")
@@ -322,7 +347,7 @@ def test_narrower_isa_passes(isa):
         pytest.skip(f"{isa} is this process's own build (-march=native)")
     if isa == "avx512_no_bf16" and "avx512_bf16" not in native_build._cpu_flags().split():
         pytest.skip("this process's own build has no AVX512-BF16 either")
-    env = {**os.environ, native_build.ISA_ENV_VAR: isa}
+    env = {**os.environ, "RAYLM_CPU_ISA": isa}
     result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
                              "-k", "not narrower_isa"], env=env, cwd=Path(__file__).parent.parent,
                             capture_output=True, text=True, timeout=600)

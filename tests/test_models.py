@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,6 @@ from raylm.kernels import AttentionMetadata
 from raylm.models import get_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context
-from raylm.models.llama import MistralForCausalLM
 from raylm.models.rotary_embedding import rope_parameters_from_config
 
 BLOCK_SIZE = 4
@@ -187,15 +185,6 @@ def test_unsupported_architecture_is_a_value_error_listing_supported_ones(tiny_m
         get_model(config, torch.device("cpu"))
     from raylm.models.registry import supported_architectures
     assert all(name in str(error.value) for name in supported_architectures())
-
-
-def test_sliding_window_below_context_length_is_noted_with_a_warning(caplog):
-    from transformers import MistralConfig
-
-    config = MistralConfig(sliding_window=16, max_position_embeddings=256)
-    with caplog.at_level(logging.WARNING):
-        assert MistralForCausalLM._sliding_window(config) == 16
-    assert "sliding_window=16" in caplog.text
 
 
 @pytest.mark.parametrize("key", ["dtype", "torch_dtype"])

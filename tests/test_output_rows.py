@@ -91,7 +91,7 @@ def test_a_chunk_that_samples_nothing_runs_the_last_layer_on_one_row(runner, mlp
 
 
 def test_a_mixed_step_keeps_the_decode_rows_and_the_prompts_last_row(runner, mlp_rows, hf_model, monkeypatch):
-    monkeypatch.setenv("RAYLM_CPU_FUSED_DECODE", "0")  # the modules run the decode steps too
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")  # the modules run the decode steps too
     first, second = PROMPTS[0], PROMPTS[2]
     out = runner.execute_model(ExecuteModelRequest([_prefill(0, first)]))
     history = first + [out.outputs[0].token_id]
@@ -105,7 +105,7 @@ def test_a_mixed_step_keeps_the_decode_rows_and_the_prompts_last_row(runner, mlp
 
 
 def test_a_decode_step_reads_every_row(runner, mlp_rows, monkeypatch):
-    monkeypatch.setenv("RAYLM_CPU_FUSED_DECODE", "0")
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     out = runner.execute_model(ExecuteModelRequest([_prefill(i, p) for i, p in enumerate(PROMPTS)]))
     decodes = [ScheduledRequest(req_id=i, token_ids=[o.token_id], num_computed_tokens=len(p),
                                 block_table=_table(i), num_prompt_tokens=len(p), sampling_params=GREEDY)

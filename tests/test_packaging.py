@@ -59,3 +59,16 @@ def test_matplotlib_is_only_in_the_bench_extra(wheel_build):
     matplotlib = [r for r in requires if r.startswith("matplotlib")]
     assert matplotlib and all("extra == \"bench\"" in r for r in matplotlib), requires
     assert any(r.startswith("raylm[bench]") and "extra == \"test\"" in r for r in requires), requires
+
+
+def test_torch_is_a_floor_so_an_installed_cuda_torch_is_kept(wheel_build):
+    """`pip install -e .` on a CUDA machine must not replace its torch with the CPU pin
+    (scripts/setup.sh pins that), nor pin triton against the one that torch requires."""
+    _, wheel = wheel_build
+    with zipfile.ZipFile(wheel) as z:
+        (metadata,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [line.removeprefix("Requires-Dist: ") for line in z.read(metadata).decode().splitlines()
+                    if line.startswith("Requires-Dist: ")]
+    (torch_requirement,) = [r for r in requires if r.split(">")[0].split("=")[0].strip() == "torch"]
+    assert torch_requirement.replace(" ", "").startswith("torch>=") and "==" not in torch_requirement
+    assert not [r for r in requires if r.startswith("triton") and "==" in r.split(";")[0]], requires

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import gc
 import socket
+import threading
 import time
+
+import psutil
 
 import pytest
 import ray
@@ -186,3 +189,32 @@ def test_a_rank_missing_from_the_rendezvous_is_named_within_the_timeout(llama_di
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of 2 did not join the rendezvous"):
         worker.init_device()
     assert time.monotonic() - start < 2.0 + 5
+
+
+def test_rank_0_hosts_the_rendezvous_store_on_the_rendezvous_address_only(llama_dir):
+    # torch's own store server listens on every interface, and the store takes writes from
+    # anyone who reaches it.
+    config = EngineArgs(model=str(llama_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
+                        worker_timeout_s=2.0).create_engine_config()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = Worker(config, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}")
+    listening: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # while rank 0 waits for rank 1
+        while not done.is_set():
+            listening.update(c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                             if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(RuntimeError, match="did not join the rendezvous"):
+            worker.init_device()
+    finally:
+        done.set()
+        watcher.join()
+    assert listening == {"127.0.0.1"}

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from raylm.deploy.cli import build_parser
 from raylm.deploy.limits import PROMPT_CHARS_PER_TOKEN, RequestLimits
+from raylm.deploy.server_args import ServerArgs
 from raylm.engine import LLM, BeamSearchParams, SamplingParams
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
 from server_process import rss_kib, running_server
@@ -190,9 +191,9 @@ def test_health_answers_while_a_chat_template_renders(server):
 # ------------------------------------------------------------- unit level
 def test_limits_are_serve_flags_with_documented_defaults():
     args = build_parser().parse_args(["serve", "--max-stop-strings", "3", "--max-logprobs", "5"])
-    limits = RequestLimits.from_args(args)
+    limits = ServerArgs.from_cli_args(args).limits
     assert limits.max_stop_strings == 3 and args.max_logprobs == 5
-    assert RequestLimits() == RequestLimits.from_args(build_parser().parse_args(["serve"]))
+    assert RequestLimits() == ServerArgs.from_cli_args(build_parser().parse_args(["serve"])).limits
     defaults = RequestLimits()
     assert (defaults.max_prompts_per_request, defaults.max_stop_strings, defaults.max_stop_string_chars,
             defaults.max_stop_token_ids, defaults.max_logit_bias, defaults.max_chat_messages) == \

@@ -11,6 +11,10 @@ equal `reference_outputs`: nothing lost, duplicated or read from another request
 Half the runs pipeline the steps as async scheduling does: the next step is scheduled and
 run by the workers before the driver collects the previous one, so decodes carry
 placeholders that the stand-in workers fill with the tokens they sampled.
+
+Some runs model a sliding window on every layer: the KV manager then frees the blocks a
+request's window has passed, and the stand-in workers read each chunk's keys from its first
+token's window only (what the kernels read), which must still be exactly its own.
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ def expected_num_outputs(request: Request, max_model_len: int) -> int:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 40), budget=st.integers(8, 64), max_num_seqs=st.integers(1, 8),
-                chunked=st.booleans(), caching=st.booleans(), pipelined=st.booleans(), data=st.data())
+                chunked=st.booleans(), caching=st.booleans(), pipelined=st.booleans(),
+                sliding_window=st.sampled_from([None, None, 1, 3, 6, 9]), data=st.data())
     def configure(self, num_blocks: int, budget: int, max_num_seqs: int, chunked: bool, caching: bool,
-                  pipelined: bool, data: st.DataObject) -> None:
+                  pipelined: bool, sliding_window: int | None, data: st.DataObject) -> None:
         # The engine makes the pool hold max_model_len tokens; without chunking a whole
         # prompt must fit one step's budget.
         max_model_len = data.draw(st.integers(8, num_blocks * BLOCK_SIZE), label="max_model_len")
@@ -64,7 +69,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len = min(max_model_len, budget)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                       max_model_len=max_model_len, enable_chunked_prefill=chunked)
-        cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching)
+        cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching, sliding_window=sliding_window)
+        self.sliding_window = sliding_window
         cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(self.config, cache_config)
         self.num_blocks = num_blocks
@@ -193,7 +199,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request, scheduled in zip(out.scheduled, out.step.requests, strict=True):
             tokens = self.worker_tokens[request.worker_id]
             end = scheduled.num_computed_tokens + len(scheduled.token_ids)
-            for position in range(end):
+            # The kernels read from the window of the chunk's first token on.
+            first_read = max(0, scheduled.num_computed_tokens - (self.sliding_window or end) + 1)
+            for position in range(first_read, end):
                 slot = (scheduled.block_table[position // BLOCK_SIZE], position % BLOCK_SIZE)
                 assert self.kv_slots.get(slot) == tuple(tokens[:position + 1]), (
                     f"{request} reads position {position} from block {slot[0]}, which holds other KV")

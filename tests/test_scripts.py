@@ -34,7 +34,7 @@ def test_setup_sh_prints_one_line_per_step_and_hides_pip_output(tmp_path):
     assert [re.sub(r"\d+s", "Ns", line) for line in lines] == [
         "using the existing .venv",
         "upgrading pip ... done (Ns)",
-        "installing torch==2.13.0 (CPU) ... done (Ns)",
+        "installing torch==2.13.0 (CPU) and triton==3.9.0 ... done (Ns)",
         "installing raylm[test] (editable) ... done (Ns)",
         "building the native CPU kernels ... done (Ns)",
         "ready in Ns: .venv/bin/raylm serve, ./scripts/test.sh",
@@ -46,7 +46,7 @@ def test_setup_sh_shows_the_output_of_a_failing_step_and_stops_with_its_status(t
                      "exit 3;; esac\n")
     proc = setup_sh_with_fake_python(tmp_path, fail_on_torch)
     assert proc.returncode == 3
-    assert re.search(r"^installing torch==2\.13\.0 \(CPU\) \.\.\. FAILED \(\d+s, exit status 3\)", proc.stdout, re.M)
+    assert re.search(r"^installing torch==2\.13\.0 \(CPU\) and triton==3\.9\.0 \.\.\. FAILED \(\d+s, exit status 3\)", proc.stdout, re.M)
     assert "ERROR: No matching distribution found for torch==2.13.0" in proc.stderr
     assert "raylm[test]" not in proc.stdout
 

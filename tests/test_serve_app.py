@@ -1,6 +1,8 @@
-"""The Ray Serve application: a replica owning two tensor-parallel CPU workers, stepped
-through a Ray compiled graph, serves the same greedy results as `LLM.generate`, and a
-replica whose worker dies fails its health check and is replaced by a working one."""
+"""The Ray Serve application as `raylm serve --ray-serve` builds it from its flags: every
+server flag reaches the replica (key, root path, limits, template trust, shutdown
+timeout), a replica owning two tensor-parallel CPU workers, stepped through a Ray
+compiled graph, serves the same greedy results as `LLM.generate`, and a replica whose
+worker dies fails its health check and is replaced by a working one."""
 
 from __future__ import annotations
 
@@ -32,16 +34,37 @@ def session_ray(request: pytest.FixtureRequest):
         return None
 
 
+API_KEY = "serve-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROOT = "/raylm"
+# Every server setting away from its default (uvicorn's own, host and port aside).
+SERVER_FLAGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--root-path", ROOT,
+                "--max-concurrent-requests", "64", "--max-request-body-bytes", "200000", "--shutdown-timeout", "7",
+                "--trust-request-chat-template", "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
+                "--max-prompts-per-request", "8", "--max-stop-strings", "2", "--max-stop-string-chars", "50",
+                "--max-stop-token-ids", "9", "--max-logit-bias", "10", "--max-chat-messages", "11",
+                "--max-prompt-chars", "5000", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                "--max-structured-output-chars", "4000", "--max-json-schema-depth", "12", "--max-tools", "1",
+                "--max-grammar-compile-seconds", "4.5"]
+
+
 @pytest.fixture(scope="module")
-def serve_url(session_ray, llama_dir: Path):
-    from raylm.deploy.serve_app import build_serve_app
+def cli_args(llama_dir: Path):
+    from raylm.deploy.cli import build_parser
+
+    return build_parser().parse_args(["serve", str(llama_dir), "--ray-serve", "--tensor-parallel-size", "2",
+                                      "--num-gpu-blocks-override", "256", "--device", "cpu", *SERVER_FLAGS])
+
+
+@pytest.fixture(scope="module")
+def serve_url(session_ray, cli_args):
+    from raylm.deploy.serve_app import cli_serve_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_serve_app(
-        dict(model=str(llama_dir), tensor_parallel_size=2, num_gpu_blocks_override=256, device="cpu"),
-        dict(served_model_name=MODEL, max_stop_strings=2),
-        num_replicas=1, replica_cpus=0.25, worker_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=20.0)
+    # What `raylm serve --ray-serve` runs, with test-sized deployment settings that have no flag.
+    app, _ = cli_serve_app(cli_args, num_replicas=1, replica_cpus=0.25, health_check_period_s=1.0,
+                           health_check_timeout_s=20.0)
     serve.run(app, name=APP_NAME, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete(APP_NAME)
@@ -60,7 +83,7 @@ def expected(llama_dir: Path) -> list[str]:
 
 
 def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=url + ROOT + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def test_serve_app_with_tp2_matches_llm_generate(serve_url, expected):
@@ -82,12 +105,35 @@ def test_serve_app_with_tp2_matches_llm_generate(serve_url, expected):
     assert httpx.get(serve_url + "/health").status_code == 200
 
 
-def test_serve_app_applies_the_request_limits_it_is_given(serve_url):
+def test_every_server_flag_reaches_the_replica(serve_url, cli_args):
+    from raylm.deploy.server_args import ServerArgs
+
+    handle = serve.get_deployment_handle("RaylmDeployment", app_name=APP_NAME)
+    served = handle.served_server_args.remote().result(timeout_s=30)
+    assert served == ServerArgs.from_cli_args(cli_args)
+
+
+def test_serve_app_applies_the_server_flags(serve_url):
+    completions = serve_url + ROOT + "/v1/completions"
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stop": ["a", "b", "c"]}
-    response = httpx.post(serve_url + "/v1/completions", json=body, timeout=60)
+    assert httpx.post(completions, json=body, timeout=60).status_code == 401  # the key
+    response = httpx.post(completions, json=body, headers=AUTH, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "stop", response.text
     body["stop"] = ["a", "b"]
-    assert httpx.post(serve_url + "/v1/completions", json=body, timeout=60).status_code == 200
+    assert httpx.post(completions, json=body, headers=AUTH, timeout=60).status_code == 200
+    too_large = {**body, "prompt": "a" * 300_000}
+    assert httpx.post(completions, json=too_large, headers=AUTH, timeout=60).status_code == 413
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "chat_template": "{{ messages[0].content }}"}
+    response = httpx.post(serve_url + ROOT + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text  # --trust-request-chat-template
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = httpx.post(serve_url + ROOT + "/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={**chat, "tools": [tool], "tool_choice": "auto"})
+    assert response.status_code == 200, response.text  # --enable-auto-tool-choice --tool-call-parser hermes
+    response = httpx.post(serve_url + ROOT + "/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={**chat, "tools": [tool, tool]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text  # --max-tools
 
 
 def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, expected):
@@ -147,7 +193,8 @@ class _InFlightStream:
                 "ignore_eos": True, "stream": True}
         saw_done = saw_error = False
         try:
-            with httpx.stream("POST", self._url + "/v1/completions", json=body, timeout=60) as response:
+            with httpx.stream("POST", self._url + ROOT + "/v1/completions", json=body, headers=AUTH,
+                              timeout=60) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: {") and '"text"' in line:
                         self.started.set()

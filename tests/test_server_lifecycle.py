@@ -8,9 +8,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import httpx
 import openai
 import pytest
 from raylm.deploy.errors import INTERNAL_ERROR_MESSAGE
-from server_process import start_server
+from server_process import free_port, server_env, start_server
 from server_process import stop_server as stop
 
 API_KEY = "lifecycle-key"
@@ -176,12 +178,13 @@ def test_the_default_body_limit_refuses_20_mb_and_takes_1_mb(llama_dir, log):
 
 # ------------------------------------------------------------- graceful shutdown
 class Stream(threading.Thread):
-    """One streamed completion of `max_tokens` tokens, read to its end or its failure."""
+    """One streamed completion of `n` x `max_tokens` tokens, read to its end or its failure."""
 
-    def __init__(self, base_url: str, max_tokens: int = 250) -> None:
+    def __init__(self, base_url: str, max_tokens: int = 250, n: int = 1) -> None:
         super().__init__(daemon=True)
         self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
         self.max_tokens = max_tokens
+        self.n = n
         self.started = threading.Event()
         self.tokens: int | None = None  # completion_tokens of a stream that finished
         self.error: Exception | None = None
@@ -189,7 +192,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            stream = self.client.completions.create(model=MODEL, prompt="Hi", max_tokens=self.max_tokens,
+            stream = self.client.completions.create(model=MODEL, prompt="Hi", max_tokens=self.max_tokens, n=self.n,
                                                     stream=True, temperature=0, stream_options={"include_usage": True},
                                                     extra_body={"ignore_eos": True})
             self.started.set()
@@ -202,9 +205,9 @@ class Stream(threading.Thread):
             self.started.set()
 
 
-def start_streams(base_url: str, count: int) -> list[Stream]:
+def start_streams(base_url: str, count: int, n: int = 1) -> list[Stream]:
     """`count` streams in flight: with --max-num-seqs 1 they run one after another."""
-    streams = [Stream(base_url) for _ in range(count)]
+    streams = [Stream(base_url, n=n) for _ in range(count)]
     for stream in streams:
         assert stream.started.wait(30)
     return streams
@@ -235,14 +238,20 @@ def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(llama_dir, log)
             assert stream.error is None and stream.tokens == 250
     finally:
         stop(process)
+    # The log says that shutdown started, what it waits for, and that it finished.
+    text = log.read_text()
+    assert re.search(r"Shutting down on SIGTERM: no new connections; waiting up to 30 s for \d+ request", text), text
+    assert text.index("Shutting down on SIGTERM") < text.index("Shutdown complete.")
+    assert "already shutting down" not in text
 
 
 def test_sigterm_aborts_what_still_runs_after_the_shutdown_timeout_and_exits_0(llama_dir, log):
     process, base_url = start(llama_dir, log, "--max-num-seqs", "1", "--shutdown-timeout", "1")
     try:
-        # 48 x 250 tokens one after another: ~3 s on a 2-core Zen 5 EPYC, where 16 streams
-        # could all finish within the second the shutdown waits.
-        streams = start_streams(base_url, 48)
+        # 48 x 4 x 250 tokens one after another: ~10 s of steps on a 2-core machine where the
+        # server steps 4,600 tokens/s. With 48 x 250 the engine kept up with the streams'
+        # arrival, and all of them could finish within the second the shutdown waits.
+        streams = start_streams(base_url, 48, n=4)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
@@ -253,7 +262,7 @@ def test_sigterm_aborts_what_still_runs_after_the_shutdown_timeout_and_exits_0(l
         # The last ones were cut off.
         aborted = [s for s in streams if s.tokens is None]
         assert aborted and all(isinstance(s.error, (openai.APIError, httpx.HTTPError)) for s in aborted)
-        assert all(s.tokens == 250 for s in streams if s.tokens is not None)
+        assert all(s.tokens == 4 * 250 for s in streams if s.tokens is not None)
     finally:
         stop(process)
 
@@ -309,3 +318,16 @@ def test_a_killed_worker_fails_its_stream_without_internals_and_the_server_exits
         assert "The engine loop has died" in log.read_text()
     finally:
         stop(process)
+
+
+# ------------------------------------------------------------------ the port
+def test_a_busy_port_ends_serve_before_the_model_loads_with_one_line_and_exit_2(llama_dir):
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):
+        result = subprocess.run([sys.executable, "-m", "raylm.deploy.cli", "serve", str(llama_dir), "--port",
+                                 str(port)], capture_output=True, text=True, timeout=120, env=server_env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and " INFO " not in line]
+    assert lines == [f"raylm: error: Cannot listen on 127.0.0.1:{port}: Address already in use (is another server "
+                     f"running there? --port picks another port)."], result.stderr[-3000:]
+    assert "model loaded" not in result.stderr and "Serving" not in result.stderr

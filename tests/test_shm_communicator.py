@@ -1,10 +1,16 @@
 """Shared-memory collectives between CPU ranks of one machine (`ShmCommunicator`), in real
-processes, against arithmetic on the inputs every rank is known to hold."""
+processes, against arithmetic on the inputs every rank is known to hold; and its set-up
+against a rendezvous store that someone else writes into (a real TCPStore client playing
+the attacker)."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import stat
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raylm.parallel.shm_communicator import ShmCommunicator
+from raylm.parallel.machine_layout import MachineLayout, exchange_machine_layout
+from raylm.parallel.shm_communicator import SEGMENT_PREFIX, ShmCommunicator
 
 # Small slots, so that the tests' tensors also go through in several pieces.
 SLOT_BYTES = 4096
@@ -38,9 +45,15 @@ def _store(tmp: str, world_size: int) -> dist.Store:
     return dist.FileStore(os.path.join(tmp, "store"), world_size)
 
 
+def _create(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> ShmCommunicator | None:
+    """What a worker does: the machine layout, then the communicator."""
+    layout = exchange_machine_layout(store, rank, world_size, timeout_s, shared_memory=ShmCommunicator.available())
+    return ShmCommunicator.create(store, layout, rank, timeout_s=timeout_s, slot_bytes=SLOT_BYTES)
+
+
 def _collectives(rank: int, world_size: int, tmp: str) -> None:
     torch.set_num_threads(1)
-    comm = ShmCommunicator.create(_store(tmp, world_size), rank, world_size, timeout_s=60, slot_bytes=SLOT_BYTES)
+    comm = _create(_store(tmp, world_size), rank, world_size, timeout_s=60)
     assert comm is not None
     results = {}
     for salt, (name, shape, dtype) in enumerate(CASES):
@@ -86,11 +99,11 @@ def test_collectives_match_arithmetic_on_every_rank(tmp_path, world_size):
 
 
 def _segment_names() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("raylm-tp-*")}
+    return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
 
 
 def _create_and_report(rank: int, world_size: int, tmp: str) -> None:
-    comm = ShmCommunicator.create(_store(tmp, world_size), rank, world_size, timeout_s=60, slot_bytes=SLOT_BYTES)
+    comm = _create(_store(tmp, world_size), rank, world_size, timeout_s=60)
     Path(tmp, f"made{rank}").write_text("yes" if comm is not None else "no")
 
 
@@ -102,7 +115,7 @@ def test_the_segment_leaves_no_file_in_dev_shm(tmp_path):
 
 
 def _create_with_env(rank: int, world_size: int, tmp: str) -> None:
-    os.environ["RAYLM_CPU_SHM_COMM"] = "0" if rank == 1 else "1"
+    os.environ["RAYLM_TEST_DISABLE_KERNELS"] = "shm_comm" if rank == 1 else ""
     _create_and_report(rank, world_size, tmp)
 
 
@@ -112,9 +125,10 @@ def test_one_rank_without_it_keeps_every_rank_on_gloo(tmp_path):
 
 
 def _absent_peer(rank: int, world_size: int, tmp: str) -> None:
-    comm = ShmCommunicator.create(_store(tmp, world_size), rank, world_size, timeout_s=1.0, slot_bytes=SLOT_BYTES)
+    comm = _create(_store(tmp, world_size), rank, world_size, timeout_s=60)
     if rank == 1:
         return  # never takes part in the collective
+    comm.timeout_s = 1.0  # the collectives' (set-up may take longer on a loaded machine)
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(4))
@@ -127,3 +141,148 @@ def test_a_rank_that_never_arrives_is_named_after_the_timeout(tmp_path):
     elapsed, message = (tmp_path / "error").read_text().split("\n", 1)
     assert "rank(s) [1] did not arrive within 1 s" in message
     assert 0.9 <= float(elapsed) < 10
+
+
+# ------------------------------------------------------------ a hostile rendezvous store
+NAME_KEY = "raylm/shm/name"
+ONE_MACHINE = MachineLayout(machines=("here", "here"), shared_memory=(True, True))
+VICTIM_BYTES = b"precious data, not a segment\n" * 10
+
+
+def _tcp_store(port: int = 0, is_master: bool = False) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, 2, is_master=is_master, timeout=timedelta(seconds=20),
+                         wait_for_workers=False)
+
+
+def _segment_size() -> int:
+    return torch.ops.raylm.shm_header_bytes() + 2 * 2 * SLOT_BYTES
+
+
+@pytest.fixture
+def shm_available():
+    if not ShmCommunicator.available():
+        pytest.skip("no /dev/shm or no native library here")
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    """A file of this user that no segment may touch."""
+    path = tmp_path / "victim.txt"
+    path.write_bytes(VICTIM_BYTES)
+    return path
+
+
+def _in_thread(fn, *args):
+    """Runs fn in a thread; the returned function joins it and returns its result or raises."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(60)
+        assert not thread.is_alive(), "create did not return"
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return join
+
+
+def test_rank_0_creates_the_segment_for_this_user_only(shm_available):
+    server = _tcp_store(is_master=True)
+    peer = _tcp_store(server.port)
+    before = _segment_names()
+    join = _in_thread(ShmCommunicator.create, server, ONE_MACHINE, 0, 20, SLOT_BYTES)
+    peer.wait([NAME_KEY], timedelta(seconds=20))
+    name = peer.get(NAME_KEY).decode()
+    info = os.lstat(Path("/dev/shm", name))
+    peer.set("raylm/shm/mapped/1", "mapped")
+    assert join() is not None
+    assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+    assert stat.S_IMODE(info.st_mode) == 0o600
+    assert _segment_names() - before == set()
+
+
+def test_rank_0_deletes_its_segment_when_a_peer_never_maps_it(shm_available):
+    server = _tcp_store(is_master=True)
+    before = _segment_names()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not map the shared-memory segment within 1 s"):
+        ShmCommunicator.create(server, ONE_MACHINE, 0, timeout_s=1.0, slot_bytes=SLOT_BYTES)
+    assert time.monotonic() - start < 10
+    assert _segment_names() - before == set()
+
+
+def _overwrite_the_name(port: int, victim: str) -> None:
+    """The attacker: writes `victim` over the segment's name as fast as it can (its own
+    process, so that no lock slows it down) until the test says stop."""
+    store = _tcp_store(port)
+    while True:
+        for _ in range(100):
+            store.set(NAME_KEY, victim)
+            store.set("raylm/shm/path", victim)  # the key of the first version
+        if store.check(["stop"]):
+            return
+
+
+def test_rank_0_neither_maps_nor_deletes_a_path_written_into_the_store(shm_available, victim):
+    server = _tcp_store(is_master=True)
+    before = _segment_names()
+    attacker = mp.get_context("fork").Process(target=_overwrite_the_name, args=(server.port, str(victim)))
+    attacker.start()
+    try:
+        time.sleep(1.0)  # the attacker is writing before rank 0 starts
+        join = _in_thread(ShmCommunicator.create, server, ONE_MACHINE, 0, 20, SLOT_BYTES)
+        time.sleep(0.5)
+        peer = _tcp_store(server.port)
+        peer.set("raylm/shm/mapped/1", "mapped")
+        comm = join()
+    finally:
+        _tcp_store(server.port).set("stop", "1")
+        attacker.join(20)
+    assert victim.exists() and victim.read_bytes() == VICTIM_BYTES
+    assert comm is not None and comm.segment.numel() == _segment_size()
+    assert _segment_names() - before == set()
+
+
+def _hostile_names(tmp: Path, victim: Path) -> dict[str, str]:
+    """Names an attacker can put in the store, and what each points at."""
+    token = secrets.token_hex(16)
+    link = Path("/dev/shm", f"{SEGMENT_PREFIX}{token}")
+    link.symlink_to(victim)
+    shared = Path("/dev/shm", f"{SEGMENT_PREFIX}{secrets.token_hex(16)}")
+    shared.write_bytes(bytes(_segment_size()))
+    shared.chmod(0o644)
+    return {
+        "an absolute path": str(victim),
+        "a relative path out of /dev/shm": os.path.relpath(victim, "/dev/shm"),
+        "a link with our name": link.name,
+        "a segment others may read": shared.name,
+    }
+
+
+def test_a_peer_maps_only_a_private_segment_of_this_user_named_as_rank_0_names_it(shm_available, tmp_path,
+                                                                                  victim):
+    names = _hostile_names(tmp_path, victim)
+    try:
+        for what, name in names.items():
+            server = _tcp_store(is_master=True)  # the attacker answers as rank 0
+            server.set(NAME_KEY, name)
+            server.set("raylm/shm/path", name if "/" in name else f"/dev/shm/{name}")  # the first version's key
+            peer = _tcp_store(server.port)
+            with pytest.raises(RuntimeError, match="Refusing the shared-memory segment"):
+                ShmCommunicator.create(peer, ONE_MACHINE, 1, timeout_s=5, slot_bytes=SLOT_BYTES)
+            assert victim.read_bytes() == VICTIM_BYTES, what
+            # Rank 0 hears at once that this rank gave up.
+            assert server.get("raylm/shm/mapped/1") == b"failed", what
+    finally:
+        for name in names.values():
+            if "/" not in name:
+                Path("/dev/shm", name).unlink(missing_ok=True)

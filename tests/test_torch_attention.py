@@ -51,8 +51,11 @@ def build_step(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, nu
 
 
 def naive_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                    query_lens: list[int], scale: float) -> torch.Tensor:
-    """Per sequence: repeat KV heads for GQA, causal softmax in float64, queries at the end."""
+                    query_lens: list[int], scale: float, sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
+    """Per sequence: repeat KV heads for GQA, causal softmax in float64, queries at the end;
+    with a window w the query at p also masks keys at or before p - w, and a soft cap c
+    maps scores s to c * tanh(s / c)."""
     outs = []
     start = 0
     for key, value, query_len in zip(keys, values, query_lens):
@@ -62,21 +65,29 @@ def naive_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[
         k = key.double().repeat_interleave(group, dim=1).transpose(0, 1)
         v = value.double().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = q @ k.transpose(1, 2) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         query_pos = torch.arange(seq_len - query_len, seq_len)
         future = torch.arange(seq_len)[None, :] > query_pos[:, None]
+        if sliding_window is not None:
+            future |= torch.arange(seq_len)[None, :] <= query_pos[:, None] - sliding_window
         scores = scores.masked_fill(future, float("-inf"))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1).float())
         start += query_len
     return torch.cat(outs)
 
 
-def run_and_compare(query_lens, seq_lens, num_heads=4, num_kv_heads=2, seed=0, padding_tokens=0):
+def run_and_compare(query_lens, seq_lens, num_heads=4, num_kv_heads=2, seed=0, padding_tokens=0,
+                    sliding_window=None, soft_cap=None):
     query, new_key, new_value, k_cache, v_cache, metadata, keys, values = build_step(
         query_lens, seq_lens, num_kv_heads, num_heads, seed, padding_tokens)
     scale = 1.0 / math.sqrt(HEAD_SIZE)
     write_kv_cache(new_key, new_value, k_cache, v_cache, metadata.slot_mapping)
-    out = paged_attention(query, k_cache, v_cache, metadata, scale)
-    expected = naive_attention(query, keys, values, query_lens, scale)
+    if sliding_window is not None:
+        poison_blocks_before_each_window(k_cache, v_cache, metadata, sliding_window)
+    out = paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window,
+                          logits_soft_cap=soft_cap)
+    expected = naive_attention(query, keys, values, query_lens, scale, sliding_window, soft_cap)
     num_real = sum(query_lens)
     assert out.shape == query.shape
     torch.testing.assert_close(out[:num_real], expected, atol=1e-5, rtol=1e-5)
@@ -139,3 +150,33 @@ def test_bfloat16_cache_matches_naive_attention_within_bf16_precision():
     assert out.dtype == torch.bfloat16
     expected = naive_attention(query, keys, values, lens, 0.3)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def poison_blocks_before_each_window(k_cache, v_cache, metadata, sliding_window: int) -> None:
+    """NaN in every block wholly before the window of its sequence's first query, as if the
+    engine had freed it and another request had written it: reading one gives NaN."""
+    for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_list, metadata.seq_lens_list)):
+        first_needed = max(0, seq_len - query_len - sliding_window + 1)
+        blocks = metadata.block_tables[i, :first_needed // BLOCK_SIZE].long()
+        k_cache[blocks] = float("nan")
+        v_cache[blocks] = float("nan")
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 7, 30])
+def test_sliding_window_matches_naive_attention_without_reading_blocks_before_the_window(window):
+    # Prompts, chunks after cached tokens and decodes in one step, windows inside one block,
+    # across several, and wider than every context.
+    query_lens = [1, 9, 1, 4, 13, 1]
+    seq_lens = [17, 9, 3, 21, 13, 26]
+    out = run_and_compare(query_lens, seq_lens, num_heads=8, num_kv_heads=2, seed=window, sliding_window=window)
+    assert not out.isnan().any()
+
+
+def test_sliding_window_decode_only_step_matches_naive_attention():
+    seq_lens = [1, 3, 5, 8, 13, 21]
+    run_and_compare([1] * len(seq_lens), seq_lens, seed=11, sliding_window=5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_soft_cap_matches_naive_attention(window):
+    run_and_compare([1, 9, 4, 1], [17, 9, 21, 3], seed=12, sliding_window=window, soft_cap=0.5)

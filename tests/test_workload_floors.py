@@ -77,9 +77,14 @@ def test_the_fma_peak_bounds_a_large_gemm_and_scales_with_the_loop():
     packed = packed_gemm_available(torch.float32, "cpu")
     gemm = 2 * 1024**3 / time_matmul(1024, 1024, 1024, torch.float32, "cpu", min_seconds=0.05, packed=packed)
     assert 0 < gemm <= flops_per_s * 1.1, (gemm, flops_per_s)  # 10% for a shared machine's noise
-    short, long = (max(torch.ops.raylm.cpu_peak_flops(torch.float32, n) for _ in range(3))
-                   for n in (2_000_000, 4_000_000))
-    assert long == pytest.approx(short, rel=0.35)
+    # Interleaved, best of each: a neighbour's burst then slows both lengths alike, where
+    # three of one length then three of the other once put a loaded machine's slow spell
+    # into one of them alone (129 against 265 GFLOP/s).
+    rates: dict[int, float] = {2_000_000: 0.0, 4_000_000: 0.0}
+    for _ in range(5):
+        for iterations in rates:
+            rates[iterations] = max(rates[iterations], torch.ops.raylm.cpu_peak_flops(torch.float32, iterations))
+    assert rates[4_000_000] == pytest.approx(rates[2_000_000], rel=0.35)
 
 
 def test_the_bf16_fma_peak_is_at_least_the_fp32_one_and_other_dtypes_have_none():

@@ -157,3 +157,97 @@ def build_tiny_gpt2(path: Path, vocab_size: int = 512, seed: int = 0, dtype: tor
                   activation_function="gelu_new", bos_token_id=1, eos_token_id=2)
     common.update(config_overrides)
     return _save_random_model(path, GPT2Config(**common), vocab_size, seed, dtype)
+
+
+# ---- sliding-window models ----
+
+# Architectures whose layers attend within a sliding window, and how the window is laid out.
+WINDOWED_ARCHS = ("mistral", "gemma2", "qwen2")
+
+
+def build_tiny_windowed_model(path: Path, arch: str, sliding_window: int, vocab_size: int = 512, seed: int = 0,
+                              dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
+    """A tiny random model with sliding-window attention, the window meant to be shorter than
+    test prompts (max_position_embeddings 1024): "mistral" windows every layer (v0.1);
+    "gemma2" the even layers of 4 (its default layer_types), with attention and final logit
+    soft caps small enough to change these models' logits; "qwen2" the layers from
+    max_window_layers = 1 on of 3 (use_sliding_window). Norm weights are random too (around 1,
+    around 0 for Gemma's 1 + w), and embeddings untied: tied ones made these tiny models repeat
+    the last token, where greedy tokens should vary from step to step."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, sliding_window=sliding_window)
+    if arch == "mistral":
+        config = MistralConfig(**common, num_hidden_layers=2, tie_word_embeddings=False, **config_overrides)
+    elif arch == "gemma2":
+        config = Gemma2Config(**common, num_hidden_layers=4, pad_token_id=0, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=4.0, final_logit_softcapping=5.0, tie_word_embeddings=False,
+                              **config_overrides)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1,
+                             tie_word_embeddings=False, **config_overrides)
+    else:
+        raise ValueError(f"unknown windowed test architecture {arch!r}; one of {WINDOWED_ARCHS}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    norm_center = 0.0 if arch == "gemma2" else 1.0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(norm_center, 0.1)
+            else:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+# ---- Mixture-of-Experts -------------------------------------------------------------------------
+
+def build_tiny_mixtral(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       **config_overrides) -> Path:
+    """A tiny random MixtralForCausalLM: 7 experts (an odd count, so expert parallelism at 2
+    ranks splits them 4 + 3), top-2, routing weights renormalised."""
+    from transformers import MixtralConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=7, num_experts_per_tok=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    common.update(config_overrides)
+    return _save_random_model(path, MixtralConfig(**common), vocab_size, seed, dtype)
+
+
+def build_tiny_qwen3_moe(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         **config_overrides) -> Path:
+    """A tiny random Qwen3MoeForCausalLM: 3 layers, the middle one dense (`mlp_only_layers`),
+    the others top-2 of 5 experts with `norm_topk_prob`; head_dim 32 with 4 heads of a
+    64-wide model (Qwen3's head_dim is free of hidden_size)."""
+    from transformers import Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=5,
+                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    common.update(config_overrides)
+    return _save_random_model(path, Qwen3MoeConfig(**common), vocab_size, seed, dtype)
+
+
+def build_tiny_qwen2_moe(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         **config_overrides) -> Path:
+    """A tiny random Qwen2MoeForCausalLM: top-2 of 7 experts, not renormalised (Qwen2-MoE's
+    default `norm_topk_prob` False), plus a shared expert gated per token."""
+    from transformers import Qwen2MoeConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=7, num_experts_per_tok=2, norm_topk_prob=False,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    common.update(config_overrides)
+    return _save_random_model(path, Qwen2MoeConfig(**common), vocab_size, seed, dtype)

@@ -25,6 +25,12 @@ of a chunked prefill or a prompt with a cached prefix), on the backend and on th
 reference, with the speedup and the backend's causal-attention GFLOP/s:
 
     python -m raylm.cluster.benchmarks.bench_attention --backend cpu --prefill 4x512 1x128+1900 --num-heads 8 --num-kv-heads 4 --head-size 32
+
+``--sliding-window W`` times a sliding-window layer (Mistral's, Gemma 2's local layers): each
+query reads its last W positions only, so past W a decode step's time should stay flat in the
+context length. KV bytes then count the keys and values a window reads:
+
+    python -m raylm.cluster.benchmarks.bench_attention --backend cpu --sliding-window 256 --contexts 256 1024 4096 16384 --batches 1 16
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class DecodeResult:
     context_len: int
     batch: int
+    keys_read: int  # per sequence: the context, or the window
     time_us: float
     kv_bytes: int
     kv_gbps: float
@@ -173,15 +180,18 @@ def build_prefill_step(seqs: int, query_len: int, cached: int, num_heads: int, n
 def run_prefill(args: argparse.Namespace, backend, dtype: torch.dtype, device: torch.device) -> list[PrefillResult]:
     """Times `paged_attention` on each prefill case, on the backend and on the reference."""
     scale = args.head_size ** -0.5
+    window = args.sliding_window
     results = []
     for seqs, query_len, cached in args.prefill:
         query, k_cache, v_cache, md = build_prefill_step(seqs, query_len, cached, args.num_heads, args.num_kv_heads,
                                                          args.head_size, args.block_size, dtype, device)
-        seconds = time_call(lambda: backend.paged_attention(query, k_cache, v_cache, md, scale), device,
-                            args.warmup, args.iters)
-        reference = time_call(lambda: torch_attention.paged_attention(query, k_cache, v_cache, md, scale), device,
-                              args.warmup, args.iters)
-        pairs = seqs * (query_len * cached + query_len * (query_len + 1) // 2)
+        seconds = time_call(lambda: backend.paged_attention(query, k_cache, v_cache, md, scale, sliding_window=window),
+                            device, args.warmup, args.iters)
+        reference = time_call(lambda: torch_attention.paged_attention(query, k_cache, v_cache, md, scale,
+                                                                      sliding_window=window),
+                              device, args.warmup, args.iters)
+        # (query, key) pairs attended: each query at p sees p + 1 keys, or at most the window.
+        pairs = seqs * sum(min(p + 1, window or p + 1) for p in range(cached, cached + query_len))
         flops = 4 * args.head_size * args.num_heads * pairs
         results.append(PrefillResult(seqs, query_len, cached, seconds * 1e3, reference * 1e3, reference / seconds,
                                      flops / seconds / 1e9))
@@ -191,8 +201,8 @@ def run_prefill(args: argparse.Namespace, backend, dtype: torch.dtype, device: t
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("triton", "cpu", "torch"), default=None,
-                        help="Attention backend; default RAYLM_ATTENTION_BACKEND, else triton on CUDA, the native "
-                             "cpu kernel on CPU (torch if it cannot be built).")
+                        help="Attention backend; default triton on CUDA, the native cpu kernel on CPU (torch if "
+                             "it cannot be built).")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--num-heads", type=int, default=32)
@@ -210,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill", type=parse_prefill_case, nargs="+", default=None, metavar="CASE",
                         help="Time prefill steps instead of decode: each CASE SEQSxNEW or SEQSxNEW+CACHED "
                              "(e.g. 4x512 1x128+1900), against the PyTorch reference.")
+    parser.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                        help="Time a sliding-window layer: each query reads its last W positions only.")
     parser.add_argument("--output-json", default=None, help="Also write the report to this file.")
     # --quick changes the defaults only: sizes given explicitly still win.
     if "--quick" in (sys.argv[1:] if argv is None else argv):
@@ -229,11 +241,12 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     header = (f"device: {device_name} | backend: {backend.name} | dtype: {str(dtype).removeprefix('torch.')} | "
-              f"heads {args.num_heads}/{args.num_kv_heads} x {args.head_size} | block size {args.block_size}")
+              f"heads {args.num_heads}/{args.num_kv_heads} x {args.head_size} | block size {args.block_size}"
+              + (f" | sliding window {args.sliding_window}" if args.sliding_window else ""))
     report = {
         "device": device_name, "backend": backend.name, "dtype": str(dtype).removeprefix("torch."),
         "num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size,
-        "block_size": args.block_size,
+        "block_size": args.block_size, "sliding_window": args.sliding_window,
     }
     if args.prefill:
         prefill_results = run_prefill(args, backend, dtype, device)
@@ -259,10 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     results: list[DecodeResult] = []
     skipped: list[tuple[int, int]] = []
+    window = args.sliding_window
     for context_len in args.contexts:
         for batch in args.batches:
-            kv_bytes = 2 * batch * context_len * args.num_kv_heads * args.head_size * element
-            if kv_bytes > max_kv_bytes:
+            keys_read = min(context_len, window or context_len)
+            kv_bytes = 2 * batch * keys_read * args.num_kv_heads * args.head_size * element
+            cache_bytes = 2 * batch * context_len * args.num_kv_heads * args.head_size * element
+            if cache_bytes > max_kv_bytes:
                 skipped.append((context_len, batch))
                 continue
             query, key, value, k_cache, v_cache, md = build_decode_step(
@@ -271,21 +287,22 @@ def main(argv: list[str] | None = None) -> dict:
 
             def step():
                 backend.write_kv_cache(key, value, k_cache, v_cache, md.slot_mapping)
-                return backend.paged_attention(query, k_cache, v_cache, md, scale)
+                return backend.paged_attention(query, k_cache, v_cache, md, scale, sliding_window=window)
 
             seconds = time_call(step, device, args.warmup, args.iters)
             kv_bps = kv_bytes / seconds
-            results.append(DecodeResult(context_len, batch, seconds * 1e6, kv_bytes, kv_bps / 1e9, kv_bps / copy_bps))
+            results.append(DecodeResult(context_len, batch, keys_read, seconds * 1e6, kv_bytes, kv_bps / 1e9,
+                                        kv_bps / copy_bps))
             del query, key, value, k_cache, v_cache, md
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     print(header)
     print(f"copy bandwidth (read + write): {copy_bps / 1e9:.1f} GB/s")
-    print(f"{'context':>8} {'batch':>6} {'time us':>10} {'KV MB':>9} {'KV GB/s':>9} {'of copy':>8}")
+    print(f"{'context':>8} {'batch':>6} {'keys':>7} {'time us':>10} {'KV MB':>9} {'KV GB/s':>9} {'of copy':>8}")
     for r in results:
-        print(f"{r.context_len:>8} {r.batch:>6} {r.time_us:>10.1f} {r.kv_bytes / 1e6:>9.1f} {r.kv_gbps:>9.1f} "
-              f"{r.fraction_of_copy:>8.1%}")
+        print(f"{r.context_len:>8} {r.batch:>6} {r.keys_read:>7} {r.time_us:>10.1f} {r.kv_bytes / 1e6:>9.1f} "
+              f"{r.kv_gbps:>9.1f} {r.fraction_of_copy:>8.1%}")
     if skipped:
         print(f"skipped (KV cache over {max_kv_bytes / 2**30:.1f} GiB): "
               + ", ".join(f"{c}x{b}" for c, b in skipped))

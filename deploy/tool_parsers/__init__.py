@@ -19,4 +19,13 @@ def get_tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]()
 
 
-__all__ = ["TOOL_PARSERS", "get_tool_parser", "ToolParser", "ParsedCall", "ParsedToolOutput"]
+def check_tool_settings(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """The server's tool settings, checked at start: a known parser, and one for auto."""
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser "
+                         f"(--tool-call-parser NAME: {', '.join(sorted(TOOL_PARSERS))}).")
+
+
+__all__ = ["TOOL_PARSERS", "get_tool_parser", "check_tool_settings", "ToolParser", "ParsedCall", "ParsedToolOutput"]

@@ -305,18 +305,29 @@ void accumulate_values(const float* probs, int64_t probs_stride, int count, cons
 // of K and V, more than L1's miss buffers track, and on a 2-core AMD EPYC (Zen 4) the
 // engine's own decode calls (5M Llama, batch 64, ~190 tokens, cache cold) took 0.80-0.83 ms
 // with T2 hints against 0.88-0.98 ms with T0.
-// Block `index` of a sequence's table: where its first row starts in the caches (plus
-// head_offset, the task's first KV head) and how many of its rows hold the sequence's tokens;
-// none past the sequence's last block.
+// Block `index` of a sequence's table, read from position `from` on (the start of the
+// sequence's sliding window; 0 without one): where that row starts in the caches (plus
+// head_offset, the task's first KV head), how many rows from there hold the sequence's tokens,
+// and how many rows of the block before it are skipped; none past the sequence's last block.
+// Callers start at block from / block_size: blocks before it are never read (with a window the
+// engine may have freed them and left a placeholder id in the table).
 struct BlockRows {
   int64_t offset = 0;
   int n = 0;
+  int skipped = 0;
 };
-inline BlockRows block_rows(const int32_t* table, int64_t index, int64_t seq_len, int64_t block_size,
-                            int64_t block_stride, int64_t head_offset) {
-  const int64_t first = index * block_size;
-  if (first >= seq_len) return {};
-  return {table[index] * block_stride + head_offset, static_cast<int>(std::min(block_size, seq_len - first))};
+inline BlockRows block_rows(const int32_t* table, int64_t index, int64_t from, int64_t seq_len, int64_t block_size,
+                            int64_t block_stride, int64_t token_stride, int64_t head_offset) {
+  const int64_t start = std::max(index * block_size, from);
+  if (start >= seq_len) return {};
+  const int64_t skipped = start - index * block_size;
+  return {table[index] * block_stride + skipped * token_stride + head_offset,
+          static_cast<int>(std::min((index + 1) * block_size, seq_len) - start), static_cast<int>(skipped)};
+}
+
+// The first position a sequence's one query (at seq_len - 1) attends to: window 0 is none.
+inline int64_t window_start(int64_t seq_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
 }
 
 template <typename cache_t>
@@ -624,15 +635,17 @@ struct SequencePrefetch {
   const int32_t* table = nullptr;  // null: no next sequence
   int64_t seq_len = 0, block_size = 0, block_stride = 0, token_stride = 0, head_offset = 0, heads = 0;
   int D = 0;
-  int64_t fetched = 0;  // tokens asked for so far
+  int64_t first = 0;    // the first position read (the window's start)
+  int64_t fetched = 0;  // positions asked for so far: first .. fetched - 1
 
   void fetch_until(int64_t done, int64_t total) {
     if (table == nullptr || total <= 0) return;
-    const int64_t target = std::min(seq_len, (seq_len * done + total - 1) / total);
+    const int64_t span = seq_len - first;
+    const int64_t target = first + std::min(span, (span * done + total - 1) / total);
     while (fetched < target) {
-      const int64_t block = fetched / block_size, first = fetched % block_size;
-      const int n = static_cast<int>(std::min(block_size - first, target - fetched));
-      const int64_t offset = table[block] * block_stride + head_offset + first * token_stride;
+      const int64_t block = fetched / block_size, in_block = fetched % block_size;
+      const int n = static_cast<int>(std::min(block_size - in_block, target - fetched));
+      const int64_t offset = table[block] * block_stride + head_offset + in_block * token_stride;
       for (int64_t h = 0; h < heads; ++h) {
         prefetch_rows(k_cache + offset + h * D, v_cache + offset + h * D, token_stride, n, D);
       }
@@ -644,13 +657,16 @@ struct SequencePrefetch {
 // One task's sequence in two passes (see above) for its heads_per_task KV heads from
 // first_kv_head: scores of every block, a softmax per query head, then the values. Leaves
 // each query head's unnormalised output in acc (natural channel order) and its softmax sum in
-// running_sum. q, q_bf16: the task's queries (fp32 scaled, raw bf16), D apart.
+// running_sum. q, q_bf16: the task's queries (fp32 scaled, raw bf16), D apart. Keys from
+// position `first` on (the window's start) count; the blocks before its block are not read,
+// and the tiles of 4 keys start at first rounded down to 4 (the few keys before first in that
+// tile are masked). soft_cap > 0 caps the scores (Gemma 2).
 template <int D, typename cache_t>
 void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const cache_t* k_cache,
-                     const cache_t* v_cache, const int32_t* table, int64_t seq_len, int64_t block_size,
-                     int64_t block_stride, int64_t token_stride, int64_t first_kv_head, int64_t heads_per_task,
-                     int group, float* scores, int64_t seq_stride, float* acc, float* running_sum,
-                     SequencePrefetch<cache_t>& next, void* q_by_lane) {
+                     const cache_t* v_cache, const int32_t* table, int64_t first, int64_t seq_len,
+                     int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t first_kv_head,
+                     int64_t heads_per_task, int group, float soft_cap, float* scores, int64_t seq_stride,
+                     float* acc, float* running_sum, SequencePrefetch<cache_t>& next, void* q_by_lane) {
   const int task_heads = static_cast<int>(heads_per_task * group);
   // score_block_quads takes fp32 caches, and bf16 ones with bf16 queries and AVX512-BF16;
   // q_by_lane holds its queries (arrange_by_lane), 4 * D for each tile of up to 4 heads of a
@@ -676,12 +692,16 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
       }
     }
   }
-  // Pass 1: scores, block by block, all KV heads of a block before the next block.
+  // Pass 1: scores, block by block, all KV heads of a block before the next block. The scores
+  // of position p are at p - base: blocks hold whole tiles of 4 keys from base on.
+  const int64_t base = first / 4 * 4;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   const int64_t head_offset = first_kv_head * D;
-  for (int64_t block = 0; block < num_blocks; ++block) {
-    const BlockRows rows = block_rows(table, block, seq_len, block_size, block_stride, head_offset);
-    const BlockRows own_next = block_rows(table, block + 1, seq_len, block_size, block_stride, head_offset);
+  for (int64_t block = base / block_size; block < num_blocks; ++block) {
+    const BlockRows rows = block_rows(table, block, base, seq_len, block_size, block_stride, token_stride, head_offset);
+    const BlockRows own_next =
+        block_rows(table, block + 1, base, seq_len, block_size, block_stride, token_stride, head_offset);
+    const int64_t score_index = block * block_size + rows.skipped - base;
     for (int64_t h = 0; h < heads_per_task; ++h) {
       for (int g = static_cast<int>(h * group); g < (h + 1) * group; g += 4) {
         // The next block's keys and values are asked for as the first tile scores: the values
@@ -690,7 +710,7 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
         const cache_t* next_k = k_cache + own_next.offset + h * D;
         const cache_t* next_v = v_cache + own_next.offset + h * D;
         const int next_n = g == h * group ? own_next.n : 0;
-        float* tile_scores = scores + g * seq_stride + block * block_size;
+        float* tile_scores = scores + g * seq_stride + score_index;
         if (quads) {
           const void* tile_q = std::is_same_v<cache_t, float>
                                    ? static_cast<const void*>(static_cast<const float*>(q_by_lane) + by_lane_tile(h, g))
@@ -706,7 +726,10 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
     }
   }
   for (int g = 0; g < task_heads; ++g) {
-    running_sum[g] = softmax_in_place(scores + g * seq_stride, seq_len);
+    float* head_scores = scores + g * seq_stride;
+    if (soft_cap > 0.0f) soft_cap_in_place(head_scores, seq_len - base, soft_cap);
+    std::fill(head_scores, head_scores + (first - base), -std::numeric_limits<float>::infinity());
+    running_sum[g] = softmax_in_place(head_scores, seq_len - base);
   }
   // Pass 2: the values. Its reads hit the caches, so it is when the thread's next sequence
   // (`next`) is fetched, a share after each block of each KV head. Asked for a whole block at
@@ -714,12 +737,13 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
   // bursts: spread this finely the call (batch 64, ~190 tokens, heads 16/4 x 64, bf16, cache
   // cold, alternating in one process on a 2-core Zen 4 EPYC) went from 546-636 to 473-568 us,
   // and 64 x ~750 tokens from 2.83 to 2.43 ms; fp32 was level (within 3% either way).
-  const int64_t total_units = seq_len * heads_per_task;
+  const int64_t total_units = (seq_len - base) * heads_per_task;
   int64_t units = 0;
-  for (int64_t block = 0; block < num_blocks; ++block) {
-    const BlockRows rows = block_rows(table, block, seq_len, block_size, block_stride, head_offset);
+  for (int64_t block = base / block_size; block < num_blocks; ++block) {
+    const BlockRows rows = block_rows(table, block, base, seq_len, block_size, block_stride, token_stride, head_offset);
+    const int64_t score_index = block * block_size + rows.skipped - base;
     for (int64_t h = 0; h < heads_per_task; ++h) {
-      accumulate_values_wide(scores + h * group * seq_stride + block * block_size, seq_stride, group,
+      accumulate_values_wide(scores + h * group * seq_stride + score_index, seq_stride, group,
                              v_cache + rows.offset + h * D, token_stride, rows.n, D, acc + h * group * D);
       units += rows.n;
       next.fetch_until(units, total_units);
@@ -732,11 +756,13 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
 // their channel loops; 0 reads it from head_size.
 // query and out are fp32, or bf16 when io_bf16; query rows are query_stride apart, out's
 // contiguous.
+// window > 0: each query attends to its last `window` positions; soft_cap > 0: scores s become
+// soft_cap * tanh(s / soft_cap) (0 turns either off).
 template <typename cache_t, int kHeadSize>
 void decode(const void* query, int64_t query_stride, const cache_t* k_cache, const cache_t* v_cache,
             const int32_t* block_tables, const int32_t* seq_lens, void* out, bool io_bf16, int64_t num_seqs,
-            int64_t num_heads,
-            int64_t num_kv_heads, int head_size, int64_t block_size, int64_t max_blocks, float scale) {
+            int64_t num_heads, int64_t num_kv_heads, int head_size, int64_t block_size, int64_t max_blocks, float scale,
+            int64_t window, float soft_cap) {
   const int D = kHeadSize > 0 ? kHeadSize : head_size;
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const int64_t token_stride = num_kv_heads * D;
@@ -773,6 +799,7 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
       const int64_t seq = task / tasks_per_seq;
       const int64_t first_kv_head = task % tasks_per_seq * heads_per_task;
       const int64_t seq_len = seq_lens[seq];
+      const int64_t first = window_start(seq_len, window);
       const int64_t first_element = (seq * num_heads + first_kv_head * group) * D;  // of out
       const int64_t first_query = seq * query_stride + first_kv_head * group * D;
       if (seq_len <= 0) {
@@ -801,22 +828,27 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
           // The next task of this thread, when it is another sequence's (same KV heads).
           SequencePrefetch<cache_t> next;
           if (task + 1 < end && tasks_per_seq == 1) {
-            next = {k_cache, v_cache, block_tables + (seq + 1) * max_blocks,
-                    std::max<int64_t>(seq_lens[seq + 1], 0), block_size, block_stride, token_stride,
-                    first_kv_head * D, heads_per_task, D};
+            const int64_t next_len = std::max<int64_t>(seq_lens[seq + 1], 0);
+            next = {k_cache, v_cache, block_tables + (seq + 1) * max_blocks, next_len, block_size, block_stride,
+                    token_stride, first_kv_head * D, heads_per_task, D};
+            next.first = next.fetched = window_start(next_len, window);
           }
           attend_two_pass<kWideHeadSize ? kHeadSize : 16>(
-              q.data(), raw_bf16_query ? q_bf16.data() : nullptr, scale, k_cache, v_cache, table, seq_len,
-              block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, seq_scores.get(),
-              seq_stride, acc.data(), running_sum.data(), next, q_by_lane.data());
+              q.data(), raw_bf16_query ? q_bf16.data() : nullptr, scale, k_cache, v_cache, table, first, seq_len,
+              block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, soft_cap,
+              seq_scores.get(), seq_stride, acc.data(), running_sum.data(), next, q_by_lane.data());
         }
       }
 #endif
-      // Elsewhere block by block, with an online softmax.
-      for (int64_t block = 0; !wide && block * block_size < seq_len; ++block) {
-        const BlockRows rows = block_rows(table, block, seq_len, block_size, block_stride, first_kv_head * D);
-        const BlockRows next = block_rows(table, block + 1, seq_len, block_size, block_stride, first_kv_head * D);
+      // Elsewhere block by block from the window's first block, with an online softmax.
+      for (int64_t block = first / block_size; !wide && block * block_size < seq_len; ++block) {
+        const BlockRows rows =
+            block_rows(table, block, first, seq_len, block_size, block_stride, token_stride, first_kv_head * D);
+        const BlockRows next =
+            block_rows(table, block + 1, first, seq_len, block_size, block_stride, token_stride, first_kv_head * D);
         const int n = rows.n;
+        // Whole groups of 8 rows from the block's first row read stay inside the block.
+        const bool block_padded = padded && rows.skipped % 8 == 0;
         for (int64_t h = 0; h < heads_per_task; ++h) {
           // The next block lies anywhere in the cache, beyond the hardware prefetcher's guess
           // (prefetching two or three blocks ahead measured no better): its rows are asked for
@@ -827,7 +859,7 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
           const int64_t head0 = h * group;  // this KV head's first query head within the task
           int64_t scored = head0;  // heads whose scores are computed
 #if RAYLM_AVX2
-          if (padded && D % 8 == 0) {
+          if (block_padded && D % 8 == 0) {
             for (; scored + 2 <= head0 + group; scored += 2) {
               score_block_pair(q.data() + scored * D, q.data() + (scored + 1) * D, k_block, token_stride, n, D,
                                scores.data() + scored * scores_stride, scores.data() + (scored + 1) * scores_stride);
@@ -836,7 +868,8 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
 #endif
           for (int64_t g = head0; g < head0 + group; ++g) {
             float* sg = scores.data() + g * scores_stride;
-            if (g >= scored) score_block(q.data() + g * D, k_block, token_stride, n, D, padded, sg);
+            if (g >= scored) score_block(q.data() + g * D, k_block, token_stride, n, D, block_padded, sg);
+            if (soft_cap > 0.0f) soft_cap_in_place(sg, n, soft_cap);
             // Online softmax: rescale what was accumulated so far to this block's new maximum.
             const float previous_max = running_max[g];
             const float block_sum = exponentiate_block(sg, n, &running_max[g]);
@@ -875,10 +908,11 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
 template <typename cache_t>
 void dispatch_head_size(const void* query, int64_t query_stride, const cache_t* k, const cache_t* v,
                         const int32_t* tables, const int32_t* lens, void* out, bool io_bf16, int64_t B, int64_t Hq,
-                        int64_t Hkv, int D, int64_t block_size, int64_t max_blocks, float scale) {
+                        int64_t Hkv, int D, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                        float soft_cap) {
   auto run = [&](auto head_size) {
     decode<cache_t, decltype(head_size)::value>(query, query_stride, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D,
-                                                block_size, max_blocks, scale);
+                                                block_size, max_blocks, scale, window, soft_cap);
   };
   switch (D) {
     case 32: return run(std::integral_constant<int, 32>{});
@@ -894,10 +928,13 @@ bool is_float_or_bf16(const at::Tensor& t) {
 
 // query [B, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
 // bf16; block_tables [B, max_blocks] and seq_lens [B] int32; returns [B, Hq, D] in the query's
-// dtype. A sequence whose table does not hold its seq_len tokens in valid blocks is a
-// ValueError, and nothing is computed.
+// dtype. sliding_window > 0: each query attends to its last sliding_window positions, and the
+// blocks before that are not read; logits_soft_cap > 0: scores s become
+// logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off). A sequence whose table does
+// not hold the tokens it reads in valid blocks is a ValueError, and nothing is computed.
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window, double logits_soft_cap) {
   // Rows may be strided (q, a column slice of the qkv projection): no copy.
   const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
   const at::Tensor query = rows_packed ? query_in : query_in.contiguous();
@@ -918,14 +955,17 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
                   block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == B && seq_lens.numel() == B,
               "raylm::paged_decode_attention takes contiguous int32 block_tables [B, max_blocks] and seq_lens [B]");
+  TORCH_CHECK_VALUE(sliding_window >= 0 && logits_soft_cap >= 0.0, "raylm::paged_decode_attention: sliding_window (",
+                    sliding_window, ") and logits_soft_cap (", logits_soft_cap, ") must be >= 0 (0: off)");
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = static_cast<const int32_t*>(block_tables.data_ptr());
   const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
-  // The kernel trusts the tables; check them once here rather than read out of bounds.
+  // The kernel trusts the tables; check the entries it reads once here rather than read out of bounds.
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (static_cast<int64_t>(lens[b]) + block_size - 1) / block_size;
     bool fits = lens[b] >= 0 && used <= max_blocks;
-    for (int64_t i = 0; fits && i < used; ++i) fits = tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks;
+    for (int64_t i = window_start(lens[b], sliding_window) / block_size; fits && i < used; ++i)
+      fits = tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks;
     TORCH_CHECK_VALUE(fits, "seq_lens[", b, "] = ", lens[b], " does not fit its block table (", max_blocks,
                       " entries of ", block_size, " tokens, blocks below ", num_blocks, ").");
   }
@@ -935,11 +975,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   if (k_cache.scalar_type() == at::kBFloat16) {
     dispatch_head_size<uint16_t>(query.data_ptr(), query.stride(0), static_cast<const uint16_t*>(k_cache.data_ptr()),
                                  static_cast<const uint16_t*>(v_cache.data_ptr()), tables, lens, out.data_ptr(),
-                                 io_bf16, B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale));
+                                 io_bf16, B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale),
+                                 sliding_window, static_cast<float>(logits_soft_cap));
   } else {
     dispatch_head_size<float>(query.data_ptr(), query.stride(0), static_cast<const float*>(k_cache.data_ptr()),
                               static_cast<const float*>(v_cache.data_ptr()), tables, lens, out.data_ptr(), io_bf16, B,
-                              Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale));
+                              Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale), sliding_window,
+                              static_cast<float>(logits_soft_cap));
   }
   return out;
 }
@@ -948,7 +990,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -15,7 +15,7 @@
 //   layer 0: residual = hidden; hidden = rms_norm(hidden)      (no residual yet)
 //   else:    residual += hidden; hidden = rms_norm(residual)   (fused_add_rms_norm, in place)
 //   qkv = linear(hidden); rotary on q and k (in place); write k, v to the layer's cache slots;
-//   attn = paged_decode_attention(q); hidden = linear(attn)
+//   attn = paged_decode_attention(q, the layer's sliding window); hidden = linear(attn)
 //   residual += hidden; hidden = rms_norm(residual); hidden = linear(silu_and_mul(linear(hidden)))
 //   (the inner two as one avx512_linear_silu_mul where gate_up_proj has the gated copy)
 // and returns (hidden, residual) after the last layer.
@@ -24,7 +24,7 @@
 // post_attention_layernorm weight, then (weight, bias or None) for qkv_proj, o_proj,
 // gate_up_proj and down_proj, then k_cache and v_cache. `ints` holds, per layer, the kernel
 // (LinearKind) and out_features of each of the four linears (for kAvx512SiluMul, the d of
-// its [T, d] output). The caller chooses each linear's
+// its [T, d] output). `sliding_windows` holds each layer's window (0: none). The caller chooses each linear's
 // kernel and weight copy for this batch size exactly as parallel/cpu_gemm.linear would.
 //
 // `hidden` (it becomes the residual, added to in place) and the KV caches are written in place;
@@ -55,6 +55,19 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// kernels/cpu_gemm.py's onednn_rows, ONEDNN_EXACT_ROWS and ONEDNN_ROWS_PER_DOUBLING: the few
+// row counts oneDNN GEMMs run with, so that it keeps few primitives (one per shape it sees).
+constexpr int64_t kOneDnnExactRows = 16;
+constexpr int64_t kOneDnnRowsPerDoubling = 8;
+
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= kOneDnnExactRows) return rows;
+  int64_t below = 1;  // the largest power of two under rows
+  while (below * 2 < rows) below *= 2;
+  const int64_t step = below / kOneDnnRowsPerDoubling;
+  return (rows + step - 1) / step * step;
+}
+
 using StreamingLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
 
 at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
@@ -69,13 +82,20 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, i
       return op.call(x, weight, out_features, bias);
     }
     case kOneDnn: {
-      // torch's own op (cpu_gemm.cpu_linear); boxed, as its schema's list of optional scalars
-      // has no stable unboxed C++ type across torch versions.
+      // torch's own op, at the rows cpu_gemm.cpu_linear runs it with (onednn_rows: x's, zeros
+      // below), so that the results are bitwise the modules'; boxed, as its schema's list of
+      // optional scalars has no stable unboxed C++ type across torch versions.
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      torch::jit::Stack stack{x, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+      const int64_t rows = x.size(0), padded_rows = onednn_rows(rows);
+      at::Tensor input = x;
+      if (padded_rows != rows) {
+        input = at::zeros({padded_rows, x.size(1)}, x.options());
+        input.narrow(0, 0, rows).copy_(x);
+      }
+      torch::jit::Stack stack{input, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
                               std::optional<std::string>(std::string())};
       op.callBoxed(&stack);
-      return stack.back().toTensor();
+      return stack.back().toTensor().narrow(0, 0, rows);
     }
     case kDense:
       return at::linear(x, weight, bias);
@@ -97,9 +117,9 @@ struct Ops {
       write_kv_cache = typed_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                      const at::Tensor&)>("raylm::write_kv_cache");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double)>
+                                      const at::Tensor&, double, int64_t, double)>
       decode_attention = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                             const at::Tensor&, const at::Tensor&, double)>(
+                                             const at::Tensor&, const at::Tensor&, double, int64_t, double)>(
           "raylm::paged_decode_attention");
 };
 
@@ -112,12 +132,15 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor& hidden_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale) {
+    int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale,
+    at::IntArrayRef sliding_windows) {
   const int64_t num_layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
   TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(tensors.size()) == num_layers * kTensorsPerLayer &&
-                  static_cast<int64_t>(ints.size()) == num_layers * kIntsPerLayer,
-              "raylm::llama_decode_layers takes ", kTensorsPerLayer, " tensors and ", kIntsPerLayer,
-              " ints per layer, got ", tensors.size(), " and ", ints.size());
+                  static_cast<int64_t>(ints.size()) == num_layers * kIntsPerLayer &&
+                  static_cast<int64_t>(sliding_windows.size()) == num_layers,
+              "raylm::llama_decode_layers takes ", kTensorsPerLayer, " tensors, ", kIntsPerLayer,
+              " ints and one sliding window per layer, got ", tensors.size(), ", ", ints.size(), " and ",
+              sliding_windows.size());
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "raylm::llama_decode_layers takes hidden [T, H]");
   const Ops& op = ops();
   const int64_t T = hidden_in.size(0);
@@ -147,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor& k_cache = *slots[10];
     at::Tensor& v_cache = *slots[11];
     op.write_kv_cache.call(k, v, k_cache, v_cache, slot_mapping);
-    at::Tensor attn = op.decode_attention.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    at::Tensor attn = op.decode_attention.call(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_windows[layer], 0.0);
     hidden = linear(kinds[2], attn.reshape({T, q_size}), *slots[4], kinds[3], slots[5]);
     // MLP block.
     op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
@@ -169,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("llama_decode_layers(Tensor(a!) hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor cos_sin_cache, Tensor?[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-        "int head_size, int rotary_dim, float eps, float scale) -> (Tensor, Tensor)");
+        "int head_size, int rotary_dim, float eps, float scale, int[] sliding_windows) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("llama_decode_layers", &llama_decode_layers); }

@@ -1,6 +1,7 @@
 // Paged prefill attention on the CPU: the queries of sequences that add several tokens in a
 // step (a prompt, a chunk of a chunked prefill, the uncached tail of a prefix-cached prompt),
-// each attending causally to its whole context, read straight from the paged cache.
+// each attending causally to its whole context (or, in a sliding-window layer, to its last
+// `window` positions), read straight from the paged cache.
 //
 // Flash-attention style. A task is one tile of a sequence's queries for one KV head: rows
 // are (query position, query head) pairs over the query heads that share the KV head, so
@@ -9,7 +10,10 @@
 // cache), scores the chunk against the tile and folds it into an online softmax in fp32.
 // Only keys up to the tile's last position are read, so cache slots past seq_len and padded
 // table entries never are; chunks that cross the tile's diagonal are masked, and rows whose
-// position lies before a chunk skip it.
+// position lies before a chunk skip it. With a window, keys start at the tile's first row's
+// window (the blocks before it are never read: the engine may have freed them), chunks that
+// cross a row's window start are masked there too, and rows whose window starts after a chunk
+// skip it. Gemma 2's soft cap maps each score s to cap * tanh(s / cap) before the softmax.
 //
 // The tile's queries are kept transposed, [D][rows], so scores come out [keys][rows] with the
 // rows along the vector lanes: the score microkernel broadcasts a key element against vectors
@@ -123,22 +127,31 @@ void score_chunk(const float* keys, int n, const float* qt, int D, int64_t strid
 }
 
 // The chunk's step of the online softmax for the rows of vectors [first_vector, num_vectors):
-// masks the scores of keys past each row's position (only on the diagonal), raises the running
-// maxima, turns scores into exp(score - max) in place, and leaves in alpha the factor that
-// rescales what each row accumulated so far. A row's running maximum is finite after the
-// first chunk, which holds key 0, so no lane ever computes -inf - -inf.
-void softmax_chunk(float* scores, int64_t stride, int n, int64_t first_key, bool diagonal, const float* positions,
-                   int first_vector, int num_vectors, float* running_max, float* running_sum, float* alpha) {
+// caps the scores (soft_cap > 0, in the scores' log2 units), masks the scores of keys past each
+// row's position (only on the diagonal) and, with a window, of keys before each row's window
+// (only on a window's edge), raises the running maxima, turns scores into exp(score - max) in
+// place, and leaves in alpha the factor that rescales what each row accumulated so far. A row
+// that has seen no key yet (its window starts later) keeps a -inf maximum: its exponentials are
+// then taken against 0, so that no lane computes -inf - -inf, and all come out 0.
+void softmax_chunk(float* scores, int64_t stride, int n, int64_t first_key, bool diagonal, bool window_edge,
+                   int64_t window, float soft_cap, const float* positions, int first_vector, int num_vectors,
+                   float* running_max, float* running_sum, float* alpha) {
   const vfloat minus_inf = vset1(-std::numeric_limits<float>::infinity());
   for (int v = first_vector; v < num_vectors; ++v) {
     float* s = scores + v * W;
+    if (soft_cap > 0.0f) {
+      for (int t = 0; t < n; ++t) vstore(s + t * stride, vsoft_cap(vload(s + t * stride), soft_cap));
+    }
     const vfloat old_max = vload(running_max + v * W);
     vfloat new_max = old_max;
-    if (diagonal) {
+    if (diagonal || window_edge) {
       const vfloat position = vload(positions + v * W);
+      // Key k is in the row's window when k > position - window, i.e. window_end > k.
+      const vfloat window_end = vsub(position, vset1(static_cast<float>(window - 1)));
       for (int t = 0; t < n; ++t) {
-        const vfloat x = vselect_greater(vset1(static_cast<float>(first_key + t)), position, minus_inf,
-                                         vload(s + t * stride));
+        const vfloat key = vset1(static_cast<float>(first_key + t));
+        vfloat x = vselect_greater(key, position, minus_inf, vload(s + t * stride));
+        if (window_edge) x = vselect_greater(window_end, key, minus_inf, x);
         vstore(s + t * stride, x);
         new_max = vmax(new_max, x);
       }
@@ -151,13 +164,14 @@ void softmax_chunk(float* scores, int64_t stride, int n, int64_t first_key, bool
       for (; t < n; ++t) partial[0] = vmax(partial[0], vload(s + t * stride));
       new_max = vmax(vmax(partial[0], partial[1]), vmax(partial[2], partial[3]));
     }
+    const vfloat shift = vselect_greater(new_max, minus_inf, new_max, vset1(0.0f));
     vfloat sum = vset1(0.0f);
     for (int t = 0; t < n; ++t) {
-      const vfloat p = vexp2_nonpositive(vsub(vload(s + t * stride), new_max));
+      const vfloat p = vexp2_nonpositive(vsub(vload(s + t * stride), shift));
       vstore(s + t * stride, p);
       sum = vadd(sum, p);
     }
-    const vfloat rescale = vexp2_nonpositive(vsub(old_max, new_max));
+    const vfloat rescale = vexp2_nonpositive(vsub(old_max, shift));
     vstore(alpha + v * W, rescale);
     vstore(running_sum + v * W, vfmadd(vload(running_sum + v * W), rescale, sum));
     vstore(running_max + v * W, new_max);
@@ -251,7 +265,14 @@ struct Problem {
   int64_t num_heads, num_kv_heads, block_size, max_blocks;
   int head_size;
   float scale;
+  int64_t window;  // > 0: each query attends to its last `window` positions
+  float soft_cap;  // > 0: scores s become soft_cap * tanh(s / soft_cap)
 };
+
+// The first position that any of a sequence's queries from first_position on attends to.
+inline int64_t window_start(int64_t first_position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
+}
 
 template <typename cache_t>
 class TileWorker {
@@ -311,21 +332,32 @@ class TileWorker {
     std::fill(acc_.begin(), acc_.begin() + rows * padded_d_, 0.0f);
 
     const int32_t* table = p_.block_tables + task.seq * p_.max_blocks;
-    const int64_t end = first_position + positions;  // keys 0 .. the tile's last position
-    for (int64_t first_key = 0; first_key < end; first_key += kChunk) {
+    const int64_t end = first_position + positions;  // keys up to the tile's last position
+    const int64_t window = p_.window;
+    // The soft cap in the scores' log2 units: log2(e) * cap * tanh(s / cap).
+    const float soft_cap = p_.soft_cap * 1.44269504088896341f;
+    for (int64_t first_key = window_start(first_position, window); first_key < end; first_key += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, end - first_key));
       for_each_key(table, task.kv_head, first_key, n, [&](int t, int64_t offset) {
         copy_row(k_cache_ + offset, D, keys_.data() + t * D);
         copy_row(v_cache_ + offset, D, values_.data() + t * padded_d_);
       });
       const bool diagonal = first_key + n - 1 > first_position;
-      // Rows at positions before this chunk see none of it: leave them as they are.
+      // Some row's window starts after the chunk's first key.
+      const bool window_edge = window > 0 && first_key <= end - 1 - window;
+      // Rows at positions before this chunk see none of it, nor do rows whose window starts
+      // after it: leave them as they are.
       const int first_row = static_cast<int>(std::max<int64_t>(0, first_key - first_position) * group_);
+      const int last_row = window > 0 ? static_cast<int>(std::clamp<int64_t>(
+                                            first_key + n - 1 + window - first_position, 0, positions) * group_)
+                                      : rows;
+      if (first_row >= last_row) continue;
       const int first_vector = first_row / W;
-      score_chunk(keys_.data(), n, qt_.data(), D, stride, first_vector, row_vectors, scores_.data());
-      softmax_chunk(scores_.data(), stride, n, first_key, diagonal, positions_.data(), first_vector, row_vectors,
-                    running_max_.data(), running_sum_.data(), alpha_.data());
-      accumulate_chunk(scores_.data(), stride, n, values_.data(), padded_d_, alpha_.data(), first_row, rows,
+      const int last_vector = static_cast<int>(round_up(last_row, W) / W);
+      score_chunk(keys_.data(), n, qt_.data(), D, stride, first_vector, last_vector, scores_.data());
+      softmax_chunk(scores_.data(), stride, n, first_key, diagonal, window_edge, window, soft_cap, positions_.data(),
+                    first_vector, last_vector, running_max_.data(), running_sum_.data(), alpha_.data());
+      accumulate_chunk(scores_.data(), stride, n, values_.data(), padded_d_, alpha_.data(), first_row, last_row,
                        acc_.data());
     }
 
@@ -380,7 +412,8 @@ std::vector<Task> make_tasks(const Problem& p, int64_t num_seqs, int64_t min_que
     const int64_t query_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
     if (query_len < std::max<int64_t>(1, min_query_len)) continue;
     const int64_t context = p.seq_lens[seq] - query_len;  // keys before the first query
-    const int64_t seq_cost = query_len * context + query_len * (query_len + 1) / 2;
+    const int64_t seq_cost = p.window > 0 ? query_len * std::min<int64_t>(p.window, p.seq_lens[seq])
+                                          : query_len * context + query_len * (query_len + 1) / 2;
     const int64_t last_tile = (query_len - 1) / tile_positions * tile_positions;
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       for (int64_t first = last_tile; first >= 0; first -= tile_positions) tasks.push_back({seq, h, first, seq_cost});
@@ -418,12 +451,16 @@ bool is_float_or_bf16(const at::Tensor& t) {
 // query [T, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
 // bf16; block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1] int32. Returns
 // [T, Hq, D] in the query's dtype: the rows of every sequence with at least min_query_len
-// queries, zeros in all other rows (other sequences', padding tokens'). A sequence whose query
-// rows or seq_len do not fit (rows outside 0..T, more queries than seq_len, a block table too
-// short or naming a block outside the cache) is a ValueError, and nothing is computed.
+// queries, zeros in all other rows (other sequences', padding tokens'). sliding_window > 0:
+// each query attends to its last sliding_window positions, and the blocks before the first
+// query's window are not read; logits_soft_cap > 0 caps the scores (0 turns either off). A
+// sequence whose query rows or seq_len do not fit (rows outside 0..T, more queries than
+// seq_len, a block table too short or naming a block outside the cache where it is read) is a
+// ValueError, and nothing is computed.
 at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                   const at::Tensor& query_start_loc, double scale, int64_t min_query_len) {
+                                   const at::Tensor& query_start_loc, double scale, int64_t min_query_len,
+                                   int64_t sliding_window, double logits_soft_cap) {
   // Rows may be strided (q, a column slice of the qkv projection): no copy.
   const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
   const at::Tensor query = rows_packed ? query_in : query_in.contiguous();
@@ -447,6 +484,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
                   block_tables.size(0) == S && query_start_loc.numel() == S + 1,
               "raylm::paged_prefill_attention takes contiguous int32 block_tables [S, max_blocks], seq_lens [S] and "
               "query_start_loc [S + 1]");
+  TORCH_CHECK_VALUE(sliding_window >= 0 && logits_soft_cap >= 0.0, "raylm::paged_prefill_attention: sliding_window (",
+                    sliding_window, ") and logits_soft_cap (", logits_soft_cap, ") must be >= 0 (0: off)");
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = static_cast<const int32_t*>(block_tables.data_ptr());
   const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
@@ -460,7 +499,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
                       "; its queries must be rows of the query and at most seq_len of them.");
     const int64_t used = (static_cast<int64_t>(lens[s]) + block_size - 1) / block_size;
     bool fits = used <= max_blocks;
-    for (int64_t i = 0; fits && i < used; ++i) fits = tables[s * max_blocks + i] >= 0 && tables[s * max_blocks + i] < num_blocks;
+    for (int64_t i = window_start(lens[s] - (end - begin), sliding_window) / block_size; fits && i < used; ++i)
+      fits = tables[s * max_blocks + i] >= 0 && tables[s * max_blocks + i] < num_blocks;
     TORCH_CHECK_VALUE(fits, "seq_lens[", s, "] = ", lens[s], " does not fit its block table (", max_blocks,
                       " entries of ", block_size, " tokens, blocks below ", num_blocks, ").");
   }
@@ -478,7 +518,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
   }
   std::fill(out_bytes + computed_until * row_bytes, out_bytes + T * row_bytes, 0);
   const Problem problem{query.data_ptr(), query.stride(0), tables, lens, starts, out.data_ptr(), query.scalar_type() == at::kBFloat16,
-                        Hq, Hkv, block_size, max_blocks, static_cast<int>(D), static_cast<float>(scale)};
+                        Hq, Hkv, block_size, max_blocks, static_cast<int>(D), static_cast<float>(scale),
+                        sliding_window, static_cast<float>(logits_soft_cap)};
   if (k_cache.scalar_type() == at::kBFloat16) {
     prefill(problem, static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()),
             S, min_query_len);
@@ -493,7 +534,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, int min_query_len) -> Tensor");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int min_query_len, int sliding_window=0, "
+        "float logits_soft_cap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -1,0 +1,365 @@
+"""Stage a of `scripts/gpu_check.sh`: the Triton attention kernels, compiled natively,
+against the PyTorch reference computed in fp32.
+
+Every case draws fresh random keys and values into shuffled physical blocks of a
+NaN-poisoned cache (block tables padded with a poisoned block) and poisons the output
+buffer, so a stray read or an unwritten output shows. The configurations cover bf16, fp16
+and fp32, head sizes 64, 128 and 256 and GQA ratios 1, 4 and 8 as an orthogonal array
+(each pair of values appears once: 9 configurations, not 27, to fit the device's
+minutes); each runs decode with and without split-K, prefill/extend (whole prompts,
+chunks behind cached context, decode rows mixed in) and the KV write, at contexts of 1 to
+32k tokens and batches of 1 to 256 (smaller with --dry-run, under the interpreter).
+
+It also reports the registers, spills and shared memory of every compiled variant
+(`launched_resources`, from the kernels Triton compiled in this process), and, without a
+GPU, compiles a variant for sm_90a and reads the same from the cubin
+(`compile_resources`, used by the tests).
+
+    python -m raylm.cluster.benchmarks.gpu_kernel_check --out a.json [--part 0/3] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# (dtype, head size, GQA ratio): an orthogonal array of strength 2 over the three factors.
+CONFIGS = [
+    (torch.bfloat16, 64, 1), (torch.bfloat16, 128, 4), (torch.bfloat16, 256, 8),
+    (torch.float16, 64, 4), (torch.float16, 128, 8), (torch.float16, 256, 1),
+    (torch.float32, 64, 8), (torch.float32, 128, 1), (torch.float32, 256, 4),
+]
+NUM_KV_HEADS = 2
+BLOCK_SIZE = 16
+# max |kernel - reference| / max |reference|, the reference in fp32 on the same inputs.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# (name, [(query_len, seq_len)] per sequence or a generator spec, forced split count)
+# Decode: (batch, longest context, num_splits or None for the dispatcher's choice).
+GPU_DECODE = [(1, 32768, None), (1, 32768, 1), (4, 8192, None), (64, 4096, 8), (64, 4096, 1), (256, 512, None)]
+DRY_DECODE = [(1, 200, None), (1, 200, 1), (3, 130, 3)]
+# Prefill/extend: (name, query lengths, context lengths); "random:B:Q:C" draws B sequences
+# of 1..Q new tokens behind 0..C cached ones.
+GPU_PREFILL = [("whole prompts", [1, 100, 1000, 2048], [1, 100, 1000, 2048]),
+               ("chunks behind context", [64, 300, 17], [32768, 4396, 8000]),
+               ("decode rows mixed in", [1, 200, 1, 37, 1], [5000, 200, 1, 2000, 31]),
+               ("batch 256", "random:256:8:1024", None)]
+# Sliding-window, soft-capped layers (Mistral's 4k window, Gemma 2's window and cap):
+# (window, soft cap, decode contexts, prefill query lengths, prefill contexts).
+GPU_WINDOWED = [(4096, None, [1, 3000, 8192, 32768], [1, 2048, 300], [5000, 2048, 9000]),
+                (4096, 50.0, [1, 3000, 8192], [2048, 1], [2048, 8000])]
+DRY_WINDOWED = [(37, None, [1, 30, 130], [40, 1], [40, 90]), (37, 5.0, [1, 130], [23, 1], [60, 90])]
+DRY_PREFILL = [("whole prompts", [1, 23, 40], [1, 23, 40]),
+               ("chunks behind context", [12, 30], [50, 37]),
+               ("decode rows mixed in", [1, 17, 1, 9], [70, 17, 5, 90])]
+
+
+@dataclass
+class PagedStep:
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    metadata: object  # AttentionMetadata
+
+
+def build_step(query_lens: list[int], seq_lens: list[int], num_heads: int, head_size: int, dtype: torch.dtype,
+               device: torch.device, generator: torch.Generator, padding_tokens: int = 0) -> PagedStep:
+    """A step whose context is already in the cache: every sequence's tokens at shuffled
+    blocks of a NaN cache; block tables padded with a block nothing was written to."""
+    from raylm.kernels.attention_metadata import AttentionMetadata
+
+    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 2
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    order = torch.randperm(num_blocks, generator=generator).to(device)
+    poisoned = order[-1].item()
+    width = max(blocks_needed) + 1
+    block_tables = torch.full((len(seq_lens), width), poisoned, dtype=torch.int32, device=device)
+    start = 0
+    for i, (seq_len, n) in enumerate(zip(seq_lens, blocks_needed)):
+        blocks = order[start:start + n]
+        start += n
+        block_tables[i, :n] = blocks.to(torch.int32)
+        positions = torch.arange(seq_len, device=device)
+        slots = blocks[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        for cache in (k_cache, v_cache):
+            values = torch.randn(seq_len, NUM_KV_HEADS, head_size, generator=generator).to(device, dtype)
+            cache.view(-1, NUM_KV_HEADS, head_size)[slots] = values
+    num_tokens = sum(query_lens) + padding_tokens
+    query = torch.randn(num_tokens, num_heads, head_size, generator=generator).to(device, dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_list=list(query_lens), seq_lens_list=list(seq_lens))
+    return PagedStep(query, k_cache, v_cache, metadata)
+
+
+def reference_attention(step: PagedStep, scale: float, **layer) -> torch.Tensor:
+    """The PyTorch reference on fp32 copies of the same inputs (`layer`: a sliding window
+    and a soft cap, as the kernels take them)."""
+    from raylm.kernels import torch_attention
+
+    return torch_attention.paged_attention(step.query.float(), step.k_cache.float(), step.v_cache.float(),
+                                           step.metadata, scale, **layer)
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |out - expected| / max |expected|; inf if out holds a NaN where expected does not."""
+    difference = (out.float() - expected.float()).abs()
+    if torch.isnan(difference).any():
+        return float("inf")
+    return (difference.max() / expected.float().abs().max()).item()
+
+
+def _lengths(spec, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    _, batch, max_query, max_context = spec.split(":")
+    query = torch.randint(1, int(max_query) + 1, (int(batch),), generator=generator).tolist()
+    context = torch.randint(0, int(max_context) + 1, (int(batch),), generator=generator).tolist()
+    return query, [q + c for q, c in zip(query, context)]
+
+
+def check_config(dtype: torch.dtype, head_size: int, group: int, device: torch.device, dry_run: bool,
+                 seed: int) -> list[dict]:
+    """Every case of one configuration; one record per case."""
+    from raylm.kernels import torch_attention, triton_decode_attention, triton_kv_cache, triton_prefill_attention
+
+    generator = torch.Generator().manual_seed(seed)
+    num_heads = NUM_KV_HEADS * group
+    scale = head_size ** -0.5
+    config = dict(dtype=DTYPE_NAMES[dtype], head_size=head_size, gqa=group)
+    records = []
+
+    def record(kernel: str, case: str, error: float, extra: dict | None = None) -> None:
+        records.append(dict(config, kernel=kernel, case=case, rel_error=error, tolerance=TOLERANCE[dtype],
+                            passed=error <= TOLERANCE[dtype], **(extra or {})))
+
+    # KV write: strided views of a fused QKV output, two padding slots; exact.
+    num_tokens = 13 if dry_run else 3000
+    qkv = torch.randn(num_tokens, 3, NUM_KV_HEADS, head_size, generator=generator).to(device, dtype)
+    num_slots = 64 * BLOCK_SIZE if dry_run else 4096 * BLOCK_SIZE
+    slots = torch.randperm(num_slots, generator=generator)[:num_tokens].to(device)
+    slots[[2, 7]] = -1
+    caches = [torch.full((num_slots // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, head_size), float("nan"), dtype=dtype,
+                         device=device) for _ in range(4)]
+    triton_kv_cache.write_kv_cache(qkv[:, 1], qkv[:, 2], caches[0], caches[1], slots)
+    torch_attention.write_kv_cache(qkv[:, 1], qkv[:, 2], caches[2], caches[3], slots)
+    exact = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in ((caches[0], caches[2]),
+                                                                              (caches[1], caches[3])))
+    record("kv_write", f"{num_tokens} tokens", 0.0 if exact else float("inf"))
+    del caches, qkv
+
+    for batch, max_context, num_splits in (DRY_DECODE if dry_run else GPU_DECODE):
+        # The shortest and the longest context, the rest drawn between.
+        seq_lens = ([max_context] if batch == 1 else
+                    [1] + torch.randint(1, max_context + 1, (batch - 2,), generator=generator).tolist() + [max_context])
+        step = build_step([1] * batch, seq_lens, num_heads, head_size, dtype, device, generator, padding_tokens=2)
+        out = torch.full_like(step.query, float("nan"))
+        triton_decode_attention.paged_decode_attention(step.query, step.k_cache, step.v_cache, step.metadata, scale,
+                                                       out=out, num_splits=num_splits)
+        expected = reference_attention(step, scale)
+        padding_zero = bool((out[batch:] == 0).all())
+        chosen = num_splits or triton_decode_attention.choose_num_splits(
+            batch, NUM_KV_HEADS, max(seq_lens), triton_decode_attention._num_sms(device))
+        splits = triton_decode_attention.partition(max(seq_lens), chosen)[1]
+        label = f"{splits} split(s)" + (" (the dispatcher's choice)" if num_splits is None else "")
+        record("decode" if splits == 1 else "decode_split_k", f"batch {batch}, contexts up to {max_context}, {label}",
+               relative_error(out[:batch], expected[:batch]) if padding_zero else float("inf"))
+        del step, out, expected
+
+    for window, soft_cap, decode_lens, query_lens, seq_lens in (DRY_WINDOWED if dry_run else GPU_WINDOWED):
+        layer = dict(sliding_window=window, logits_soft_cap=soft_cap)
+        what = f"window {window}" + (f", soft cap {soft_cap}" if soft_cap else "")
+        for kernel, q_lens, s_lens in (("decode", [1] * len(decode_lens), decode_lens),
+                                       ("prefill", query_lens, seq_lens)):
+            step = build_step(q_lens, s_lens, num_heads, head_size, dtype, device, generator, padding_tokens=2)
+            out = torch.full_like(step.query, float("nan"))
+            launch = (triton_decode_attention.paged_decode_attention if kernel == "decode"
+                      else triton_prefill_attention.paged_prefill_attention)
+            launch(step.query, step.k_cache, step.v_cache, step.metadata, scale, out=out, **layer)
+            expected = reference_attention(step, scale, **layer)
+            packed = sum(q_lens)
+            padding_zero = bool((out[packed:] == 0).all())
+            record(kernel, f"{what}: contexts up to {max(s_lens)}",
+                   relative_error(out[:packed], expected[:packed]) if padding_zero else float("inf"))
+            del step, out, expected
+
+    for name, query_lens, seq_lens in (DRY_PREFILL if dry_run else GPU_PREFILL):
+        if isinstance(query_lens, str):
+            query_lens, seq_lens = _lengths(query_lens, generator)
+        step = build_step(query_lens, seq_lens, num_heads, head_size, dtype, device, generator, padding_tokens=2)
+        out = torch.full_like(step.query, float("nan"))
+        triton_prefill_attention.paged_prefill_attention(step.query, step.k_cache, step.v_cache, step.metadata,
+                                                         scale, out=out)
+        expected = reference_attention(step, scale)
+        packed = sum(query_lens)
+        padding_zero = bool((out[packed:] == 0).all())
+        record("prefill", f"{name}: {len(query_lens)} sequences, chunks up to {max(query_lens)}, contexts up to "
+               f"{max(seq_lens)}", relative_error(out[:packed], expected[:packed]) if padding_zero else float("inf"))
+        del step, out, expected
+    return records
+
+
+# ---- resources ------------------------------------------------------------------------
+
+def kernel_functions() -> dict[str, object]:
+    from raylm.kernels import triton_decode_attention as decode
+    from raylm.kernels import triton_kv_cache as kv
+    from raylm.kernels import triton_prefill_attention as prefill
+
+    return {"decode": decode._paged_decode_kernel, "merge": decode._merge_partitions_kernel,
+            "prefill": prefill._paged_prefill_kernel, "kv_write": kv._write_kv_cache_kernel}
+
+
+def compiled_kernels(function) -> list:
+    """The variants Triton has compiled of a @triton.jit function in this process (none
+    under the interpreter)."""
+    kernels = []
+    for entry in getattr(function, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        kernels.extend(kernel for kernel in cache.values() if hasattr(kernel, "metadata"))
+    return kernels
+
+
+def count_compiled_variants() -> int:
+    """How many variants of raylm's attention kernels Triton has compiled in this process."""
+    return sum(len(compiled_kernels(function)) for function in kernel_functions().values())
+
+
+def launched_resources() -> list[dict]:
+    """Registers, spilled bytes and shared memory of every compiled variant."""
+    rows = []
+    for name, function in kernel_functions().items():
+        for kernel in compiled_kernels(function):
+            metadata = kernel.metadata
+            rows.append(dict(kernel=name, num_warps=getattr(metadata, "num_warps", None),
+                             registers=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
+                             shared_bytes=getattr(metadata, "shared", None)))
+    return rows
+
+
+@dataclass
+class Variant:
+    """One compiled form of a kernel: what its launcher passes as constexprs."""
+
+    name: str
+    kernel: object
+    constexprs: dict
+    num_warps: int
+    pointer_dtype: str
+
+
+def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
+                    sliding_window: int = 0, soft_cap: float = 0.0) -> list[Variant]:
+    """The variants a run with this cache dtype, GQA ratio and head size launches (the
+    launchers' own tile choices): decode with and without split-K, each merge, each prefill
+    BLOCK_M, the KV write; for a layer with this sliding window and soft cap (0: none)."""
+    from raylm.kernels import triton_decode_attention as decode
+    from raylm.kernels import triton_prefill_attention as prefill
+
+    functions = kernel_functions()
+    pointer = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    shape = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE,
+                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap))
+    variants = []
+    tiles = decode.decode_tiles(dtype, group, head_size)
+    warps = tiles.pop("num_warps")
+    for split in (False, True):
+        variants.append(Variant("decode_split_k" if split else "decode", functions["decode"],
+                                dict(shape, **tiles, SPLIT_K=split), warps, pointer))
+    block_d = max(16, 1 << (head_size - 1).bit_length())
+    for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
+        variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
+                                dict(HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_S=block_s,
+                                     SLIDING_WINDOW=sliding_window), 4, pointer))
+    for block_m in prefill.block_m_variants(dtype, group, head_size):
+        tiles = prefill.prefill_tiles(dtype, group, head_size, max(1, block_m // group))
+        warps = tiles.pop("num_warps")
+        variants.append(Variant(f"prefill BLOCK_M={block_m}", functions["prefill"], dict(shape, **tiles), warps,
+                                pointer))
+    variants.append(Variant("kv_write", functions["kv_write"],
+                            dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d), 4, pointer))
+    return variants
+
+
+def compile_resources(variant: Variant, capability: int = 90) -> dict:
+    """Compiles a variant ahead of time for a GPU of this compute capability (no GPU
+    needed) with the ptxas Triton ships, and reads registers, stack frame (spills) and
+    shared memory: from cuobjdump's resource report and Triton's metadata."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr = "*" + variant.pointer_dtype
+    types = dict(query_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
+                 block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
+                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32")
+    kernel = variant.kernel
+    signature = {name: "constexpr" if name in variant.constexprs else types.get(name, "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=variant.constexprs),
+                              target=GPUTarget("cuda", capability, 32), options={"num_warps": variant.num_warps})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
+                                text=True, check=True).stdout
+    fields = dict(item.split(":", 1) for item in next(line for line in report.splitlines() if "REG:" in line).split())
+    return dict(kernel=variant.name, num_warps=variant.num_warps, registers=int(fields["REG"]),
+                stack_bytes=int(fields["STACK"]), local_bytes=int(fields["LOCAL"]),
+                shared_bytes=compiled.metadata.shared)
+
+
+# ---- command line ----------------------------------------------------------------------
+
+def run(out: Path, dry_run: bool, part: tuple[int, int]) -> dict:
+    """Runs this part's configurations, rewriting `out` after each one (a stage cut off
+    by its timeout keeps what it finished)."""
+    index, parts = part
+    device = torch.device("cpu" if dry_run else "cuda")
+    configs = CONFIGS[index::parts]
+    if dry_run:
+        # One per part, one dtype each: the interpreter runs every program in Python.
+        configs = [CONFIGS[(3 * index) % len(CONFIGS)]]
+    result: dict = {"records": [], "resources": [], "seconds": {}}
+    for config_index, (dtype, head_size, group) in enumerate(configs):
+        start = time.perf_counter()
+        result["records"] += check_config(dtype, head_size, group, device, dry_run, seed=index * 100 + config_index)
+        result["seconds"][f"{DTYPE_NAMES[dtype]} d{head_size} gqa{group}"] = round(time.perf_counter() - start, 1)
+        result["resources"] = launched_resources()
+        out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
+    parser.add_argument("--part", default="0/1", help="i/n: run every n-th configuration from the i-th")
+    args = parser.parse_args(argv)
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--dry-run needs TRITON_INTERPRET=1 in the environment (set before the kernels are imported)")
+    index, parts = (int(x) for x in args.part.split("/"))
+    run(args.out, args.dry_run, (index, parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

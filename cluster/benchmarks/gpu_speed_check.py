@@ -1,0 +1,439 @@
+"""Stage c of `scripts/gpu_check.sh`: raylm's speed on a Llama-3-8B shape against the
+device's own ceilings, measured in the same run.
+
+Ceilings: a device-to-device copy of 2 GiB (bytes read plus written over its median time)
+and an 8192^3 bf16 matrix product (FLOPs over its median time), on random data.
+
+The model: Llama-3-8B's shape (hidden 4096, 32 layers, 32 query and 8 KV heads of 128,
+MLP 14336, vocabulary 128256) with random bf16 weights written straight to safetensors
+(one layer's tensors drawn once and written for every layer: the weights' values do not
+change the speed, and 16 GB of fresh draws would cost the run its minutes), loaded through
+raylm's loader and Hugging Face's. `--layers N` writes fewer layers; the record says how
+many, and every floor below is computed for the layers actually run.
+
+Figures, in the order they run (each is written to the JSON as soon as it is measured):
+- decode attention bandwidth: the Triton decode kernel alone at 1k, 8k and 32k context,
+  batch 64, scattered blocks: K and V bytes read over its median time, as a fraction of
+  the copy bandwidth;
+- TPOT at batch 1 (128-token prompt, 128 new tokens) against its floor: the bytes a decode
+  step must read (every weight but the input embedding, and the context's KV) over the
+  copy bandwidth;
+- TTFT of a 4096-token prompt against its floor: its FLOPs (2 x parameters x tokens for
+  the matrix products, less the embedding; causal attention; the LM head for one row)
+  over the bf16 GEMM rate;
+- a profile of 10 decode steps at batch 64: GPU kernel time against wall time, and the
+  kernels that take most;
+- offline throughput, 256 prompts of 512 random tokens, 256 new tokens each (ignore_eos):
+  output tokens per second, against HF `generate` on the same weights with all 256
+  prompts in one batch (greedy, static batch, no padding needed).
+
+    python -m raylm.cluster.benchmarks.gpu_speed_check --out c.json [--layers N] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Shape:
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    vocab_size: int = 128256
+    max_model_len: int = 8192
+
+    def config(self) -> dict:
+        return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=self.hidden_size,
+                    intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                    head_dim=self.head_size, vocab_size=self.vocab_size,
+                    max_position_embeddings=self.max_model_len, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                    torch_dtype="bfloat16")
+
+    def layer_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_size
+        return (h * (self.num_heads * self.head_size) + 2 * h * kv + (self.num_heads * self.head_size) * h
+                + 3 * h * self.intermediate_size + 2 * h)
+
+    def kv_bytes_per_token(self, element_size: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
+
+
+@dataclass
+class Sizes:
+    """Everything the stage sizes, full on the GPU, tiny in the dry run."""
+
+    shape: Shape
+    copy_bytes: int
+    gemm_n: int
+    attention_batch: int
+    attention_contexts: tuple[int, ...]
+    tpot_prompt: int
+    tpot_tokens: int
+    ttft_prompt: int
+    profile_batch: int
+    throughput_prompts: int
+    throughput_in: int
+    throughput_out: int
+    hf_max_time_s: float
+
+
+GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4096, 64, 256, 512, 256, 60.0)
+DRY_SIZES = Sizes(Shape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_size=16, vocab_size=512, max_model_len=256),
+                  2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0)
+
+
+# ---- timing ---------------------------------------------------------------------------
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
+    """Median time of fn in ms: CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
+    """Bytes per second a device-to-device copy moves, counting bytes read and written."""
+    src = torch.randn(num_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_ms(lambda: dst.copy_(src), device) / 1e3
+    return 2 * num_bytes / seconds
+
+
+def gemm_flops(device: torch.device, n: int) -> float:
+    """FLOP/s of an n x n x n product in bf16 (fp32 on the CPU), random inputs."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / (median_ms(lambda: a @ b, device, repeats=10) / 1e3)
+
+
+# ---- the model on disk ------------------------------------------------------------------
+
+def write_random_checkpoint(path: Path, shape: Shape, device: torch.device, seed: int = 0) -> Path:
+    """config.json and random bf16 safetensors shards (one per layer), with the index HF reads."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(shape.config()))
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*size: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*size, generator=generator, device=device) * std).to(torch.bfloat16).cpu()
+
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_size, shape.num_kv_heads * shape.head_size
+    layer = {"self_attn.q_proj.weight": draw(q, h), "self_attn.k_proj.weight": draw(kv, h),
+             "self_attn.v_proj.weight": draw(kv, h), "self_attn.o_proj.weight": draw(h, q),
+             "mlp.gate_proj.weight": draw(shape.intermediate_size, h),
+             "mlp.up_proj.weight": draw(shape.intermediate_size, h),
+             "mlp.down_proj.weight": draw(h, shape.intermediate_size),
+             "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+             "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    weight_map = {}
+    shards = {"model-embed.safetensors": {"model.embed_tokens.weight": draw(shape.vocab_size, h),
+                                          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+                                          "lm_head.weight": draw(shape.vocab_size, h)}}
+    for i in range(shape.num_layers):
+        shards[f"model-layer{i:03d}.safetensors"] = {f"model.layers.{i}.{name}": t for name, t in layer.items()}
+    for file, tensors in shards.items():
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+# ---- figures ----------------------------------------------------------------------------
+
+def decode_attention_bandwidth(shape: Shape, batch: int, context: int, device: torch.device) -> dict:
+    """The decode kernel the engine uses alone: K/V bytes read per second, scattered blocks."""
+    from raylm.kernels.attention_metadata import AttentionMetadata
+    from raylm.kernels.backend import get_attention_backend
+
+    backend = get_attention_backend()
+    block_size = 16
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_size)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+    v_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1, dtype=torch.long, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device), block_tables=block_tables,
+        max_query_len=1, max_seq_len=context, query_lens_list=[1] * batch, seq_lens_list=[context] * batch)
+    query = torch.randn(batch, shape.num_heads, shape.head_size, device=device, dtype=dtype)
+    scale = shape.head_size ** -0.5
+    ms = median_ms(lambda: backend.paged_attention(query, k_cache, v_cache, metadata, scale), device)
+    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * k_cache.element_size()
+    return dict(context=context, batch=batch, backend=backend.name, ms=ms, bytes_per_s=kv_bytes / (ms / 1e3))
+
+
+def tpot_floor_ms(shape: Shape, context: float, bandwidth: float) -> float:
+    """Bytes one batch-1 decode step must read: every weight but the input embedding (one
+    row of it), and the context's keys and values; over the copy bandwidth."""
+    weight_bytes = 2 * (shape.num_layers * shape.layer_params() + shape.vocab_size * shape.hidden_size
+                        + shape.hidden_size)
+    return (weight_bytes + context * shape.kv_bytes_per_token()) / bandwidth * 1e3
+
+
+def prefill_flops(shape: Shape, tokens: int) -> float:
+    """FLOPs of one prompt's prefill: the layers' matrix products, causal attention
+    (QK^T and PV over the lower triangle), the LM head for the last row."""
+    matmuls = 2 * tokens * shape.num_layers * (shape.layer_params() - 2 * shape.hidden_size)
+    attention = shape.num_layers * 2 * 2 * shape.num_heads * shape.head_size * tokens * (tokens + 1) / 2
+    return matmuls + attention + 2 * shape.vocab_size * shape.hidden_size
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
+
+
+def tpot_ms(llm, shape: Shape, prompt_len: int, new_tokens: int) -> float:
+    from raylm.engine import SamplingParams
+
+    prompt = random_prompts(1, prompt_len, shape.vocab_size, seed=1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    best = float("inf")
+    for _ in range(2):  # the first run also pays whatever was left to warm up
+        output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        metrics = output.metrics
+        best = min(best, (metrics.finished_time - metrics.first_token_time) / (new_tokens - 1) * 1e3)
+    return best
+
+
+def ttft_ms(llm, shape: Shape, prompt_len: int) -> float:
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for seed in range(3):  # fresh prompts: no prefix-cache hit
+        prompt = random_prompts(1, prompt_len, shape.vocab_size, seed=10 + seed)[0]
+        output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        times.append((output.metrics.first_token_time - output.metrics.arrival_time) * 1e3)
+    return min(times[1:])
+
+
+def profile_decode_steps(llm, shape: Shape, batch: int, device: torch.device, steps: int = 10) -> dict:
+    """Wall time of `steps` engine steps of a batch-`batch` decode against the GPU kernel
+    time the profiler records in them, and the kernels that take most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from raylm.engine import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, 32, shape.vocab_size, seed=20)):
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(8):  # past the prefill and into steady decode
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.key_averages()
+    if device.type == "cuda":
+        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        def device_us(e) -> float:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    else:
+        kernels = list(events)
+        def device_us(e) -> float:
+            return e.self_cpu_time_total
+    kernels.sort(key=device_us, reverse=True)
+    kernel_ms = sum(device_us(e) for e in kernels) / 1e3
+    return dict(steps=steps, batch=batch, wall_ms=wall_ms, kernel_ms=kernel_ms if device.type == "cuda" else None,
+                kernel_fraction=kernel_ms / wall_ms if device.type == "cuda" else None,
+                top=[dict(name=e.key[:80], ms=device_us(e) / 1e3, calls=e.count) for e in kernels[:10]])
+
+
+def throughput(llm, shape: Shape, sizes: Sizes) -> dict:
+    from raylm.engine import SamplingParams
+
+    prompts = random_prompts(sizes.throughput_prompts, sizes.throughput_in, shape.vocab_size, seed=30)
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.throughput_out, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return dict(prompts=len(prompts), input_len=sizes.throughput_in, output_len=sizes.throughput_out, seconds=seconds,
+                output_tok_s=generated / seconds,
+                total_tok_s=(generated + len(prompts) * sizes.throughput_in) / seconds)
+
+
+@torch.inference_mode()
+def hf_throughput(model_dir: Path, sizes: Sizes, device: torch.device) -> dict:
+    """HF generate over all prompts in one batch (equal lengths: no padding), greedy, exactly
+    output_len tokens each (min_new_tokens), stopped after hf_max_time_s if slower."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Loaded straight onto the device (not through 16 GB of host copies first).
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map=device.type).eval()
+    prompts = torch.tensor(random_prompts(sizes.throughput_prompts, sizes.throughput_in, sizes.shape.vocab_size,
+                                          seed=30), device=device)
+    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=sizes.throughput_out,
+                  min_new_tokens=sizes.throughput_out, do_sample=False, pad_token_id=0, temperature=None,
+                  top_p=None, top_k=None)
+    model.generate(prompts[:2, :16], **dict(kwargs, attention_mask=torch.ones_like(prompts[:2, :16]),
+                                              max_new_tokens=2, min_new_tokens=2))  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(prompts, max_time=sizes.hf_max_time_s, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    generated = (out.shape[1] - prompts.shape[1]) * prompts.shape[0]
+    del model, out
+    return dict(seconds=seconds, output_tok_s=generated / seconds, tokens_per_prompt=generated // prompts.shape[0],
+                stopped_by_max_time=generated // prompts.shape[0] < sizes.throughput_out)
+
+
+# ---- the stage ----------------------------------------------------------------------------
+
+def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict:
+    from raylm.cluster.benchmarks.gpu_kernel_check import count_compiled_variants
+    from raylm.engine import LLM
+
+    shape = sizes.shape
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "shape": dict(shape.__dict__), "seconds": {}}
+
+    def save(key: str, value, began: float) -> None:
+        result[key] = value
+        result["seconds"][key] = round(time.perf_counter() - began, 1)
+        out.write_text(json.dumps(result, indent=1))
+
+    began = time.perf_counter()
+    save("copy_bandwidth_bytes_s", copy_bandwidth(device, sizes.copy_bytes), began)
+    began = time.perf_counter()
+    save("gemm_flops", gemm_flops(device, sizes.gemm_n), began)
+    began = time.perf_counter()
+    attention = [decode_attention_bandwidth(shape, sizes.attention_batch, context, device)
+                 for context in sizes.attention_contexts]
+    for row in attention:
+        row["fraction_of_copy"] = row["bytes_per_s"] / result["copy_bandwidth_bytes_s"]
+    save("decode_attention", attention, began)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    began = time.perf_counter()
+    model_dir = write_random_checkpoint(model_root / "llama3-8b-shape", shape, device)
+    save("checkpoint", dict(layers=shape.num_layers, bytes=sum(f.stat().st_size for f in model_dir.iterdir())), began)
+
+    began = time.perf_counter()
+    llm = LLM(model=str(model_dir), dtype="bfloat16" if device.type == "cuda" else "float32",
+              device=device.type, skip_tokenizer_init=True, max_model_len=shape.max_model_len, max_num_seqs=256,
+              max_num_batched_tokens=8192 if device.type == "cuda" else 256, disable_log_stats=True)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    compiled_after_start = count_compiled_variants()
+    engine_info = dict(cuda_graphs=runner.decode_graphs is not None,
+                       graph_sizes=runner.decode_graphs.sizes if runner.decode_graphs else [],
+                       graph_memory_bytes=runner.decode_graphs.memory_bytes if runner.decode_graphs else 0,
+                       graph_memory_estimate_bytes=runner.cuda_graph_memory_estimate,
+                       num_kv_blocks=llm.llm_engine.engine_config.cache_config.num_gpu_blocks)
+    save("engine", engine_info, began)
+
+    try:
+        began = time.perf_counter()
+        tpot = tpot_ms(llm, shape, sizes.tpot_prompt, sizes.tpot_tokens)
+        floor = tpot_floor_ms(shape, sizes.tpot_prompt + sizes.tpot_tokens / 2, result["copy_bandwidth_bytes_s"])
+        save("tpot", dict(ms=tpot, floor_ms=floor, over_floor=tpot / floor), began)
+
+        began = time.perf_counter()
+        ttft = ttft_ms(llm, shape, sizes.ttft_prompt)
+        ttft_floor = prefill_flops(shape, sizes.ttft_prompt) / result["gemm_flops"] * 1e3
+        save("ttft", dict(prompt_len=sizes.ttft_prompt, ms=ttft, floor_ms=ttft_floor, over_floor=ttft / ttft_floor),
+             began)
+
+        began = time.perf_counter()
+        save("profile", profile_decode_steps(llm, shape, sizes.profile_batch, device), began)
+
+        began = time.perf_counter()
+        save("throughput", throughput(llm, shape, sizes), began)
+        result["engine"]["compiles_after_warm_up"] = count_compiled_variants() - compiled_after_start
+    finally:
+        llm.shutdown()
+        del llm, runner
+        gc.collect()
+
+    began = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        # What the engine's shutdown left behind (issue 31 item 3: none of the KV cache).
+        result["engine"]["allocated_after_shutdown_bytes"] = torch.cuda.memory_allocated(device)
+    save("hf_throughput", hf_throughput(model_dir, sizes, device), began)
+    return result
+
+
+def _memory_backed_dir(sizes: Sizes) -> str | None:
+    """/dev/shm when it has room for the checkpoint twice over (writing and reading 16 GB
+    then costs memory bandwidth, not a disk's), else the default temporary folder."""
+    import shutil
+
+    shape = sizes.shape
+    checkpoint_bytes = 2 * (shape.num_layers * shape.layer_params() + 2 * shape.vocab_size * shape.hidden_size)
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * checkpoint_bytes else None
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU, a tiny Llama and tiny sizes")
+    parser.add_argument("--layers", type=int, help="decoder layers of the 8B shape to write and run (default 32)")
+    parser.add_argument("--model-dir", type=Path, help="where to write the checkpoint (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    if args.layers:
+        sizes.shape.num_layers = args.layers
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    with tempfile.TemporaryDirectory(prefix="raylm-8b-", dir=args.model_dir or _memory_backed_dir(sizes)) as root:
+        run(args.out, sizes, device, Path(root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

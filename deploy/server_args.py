@@ -1,0 +1,227 @@
+"""`ServerArgs`: the one definition of the OpenAI server's own settings.
+
+The engine's settings live in `EngineArgs`; the server's here, each field once, with its
+type, default and help. From these fields come the `raylm serve` flags
+(`add_cli_args`), the keys of the Ray Serve application (`from_values`, typed: the
+strings of `serve run ... trust_request_chat_template=false` become False), and
+`docs/server_flags.md`. The request limits (`RequestLimits`) are part of them, spelled
+beside the others (`--max-stop-strings`, key `max_stop_strings`).
+
+This module imports neither FastAPI nor Ray, so that building the command line costs
+neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raylm.deploy.limits import RequestLimits
+from raylm.deploy.tool_parsers import TOOL_PARSERS, check_tool_settings
+from raylm.engine import arg_fields, envs
+from raylm.engine.arg_fields import nested, setting
+
+# 4x the engine's default max_num_seqs (256): enough waiting requests to keep the batch
+# full, a bounded queue behind it (TGI's --max-concurrent-requests defaults to 128).
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+# A prompt of 128k tokens as text or as token ids, or --max-prompts-per-request prompts
+# of a few thousand token ids, fit several times over.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# Below Kubernetes' default grace period (30 s, then SIGKILL), so the engine and its
+# workers are shut down before the kill.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
+# The environment variable holding the API key, so that it need not be on the command
+# line (where `ps` shows it): vLLM reads VLLM_API_KEY.
+API_KEY_ENV = envs.API_KEY_VARIABLE
+
+_SERVE_HTTP = "Ray Serve's http_options set it (`serve run --host/--port`, the config's http_options)."
+_UVICORN_ONLY = "uvicorn's own; Ray Serve runs its own HTTP proxy."
+
+
+@dataclass
+class ServerArgs:
+    """The server's settings (the engine's are in `EngineArgs`)."""
+
+    host: str = field(default="127.0.0.1", metadata=setting(
+        "Address to listen on; the default listens on loopback only.", key=False, note=_SERVE_HTTP))
+    port: int = field(default=8000, metadata=setting("Port to listen on.", key=False, note=_SERVE_HTTP))
+    api_key: str | None = field(default=None, metadata=setting(
+        f"Require `Authorization: Bearer KEY` on every route but /health and /metrics. Default: the key in "
+        f"--api-key-file, else the environment variable {API_KEY_ENV}, else no key. A key given here shows in "
+        f"`ps`; prefer {API_KEY_ENV} or --api-key-file."))
+    api_key_file: str | None = field(default=None, metadata=setting(
+        "A file whose content (less surrounding whitespace) is the API key; default: none."))
+    root_path: str = field(default="", metadata=setting(
+        "The path prefix a proxy serves this server under (uvicorn's root_path), as in vLLM; default: none."))
+    served_model_name: list[str] | None = field(default=None, metadata=setting(
+        "Model name(s) clients use in `model`; the first is reported in responses, /v1/models and metric labels. "
+        "Default: the model folder's name ('raylm-demo-code' for the demo model), never its path. As a Serve "
+        "key, several names are comma-separated."))
+    chat_template: str | None = field(default=None, metadata=setting(
+        "Chat template (a Jinja file or the template itself) instead of the tokenizer's; default: the "
+        "tokenizer's."))
+    trust_request_chat_template: bool = field(default=False, metadata=setting(
+        "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs)."))
+    enable_auto_tool_choice: bool = field(default=False, metadata=setting(
+        "Serve tool_choice 'auto' (the default when a chat request gives tools): the model decides whether to "
+        "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))
+    tool_call_parser: str | None = field(default=None, metadata=setting(
+        "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
+        "llama3_json (Llama 3.1 / 3.2 JSON), mistral; default: none.", choices=tuple(sorted(TOOL_PARSERS))))
+    uvicorn_log_level: str = field(default="warning", metadata=setting(
+        "uvicorn's log level.", key=False, note=_UVICORN_ONLY,
+        choices=("critical", "error", "warning", "info", "debug", "trace")))
+    max_concurrent_requests: int = field(default=DEFAULT_MAX_CONCURRENT_REQUESTS, metadata=setting(
+        "Requests in flight (received, not yet fully answered) past which a new one is answered 429 at once; "
+        "/health and /metrics do not count."))
+    max_request_body_bytes: int = field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=setting(
+        "Largest request body (16 MiB by default); a larger one is answered 413 before it is read."))
+    shutdown_timeout: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=setting(
+        "Seconds SIGTERM lets the requests in flight finish before it aborts them (under Ray Serve: the "
+        "replica's graceful_shutdown_timeout_s)."))
+    limits: RequestLimits = field(default_factory=RequestLimits, metadata=nested())
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_requests", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout (--shutdown-timeout) must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout}.")
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("Give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both.")
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One `raylm serve` flag per setting, with its help and default."""
+        return arg_fields.add_cli_args(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return arg_fields.from_namespace(cls, args)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "ServerArgs":
+        """From the Serve app's keys: strings parsed by each field's type, an unknown or
+        misplaced key a ValueError naming it."""
+        return arg_fields.from_values(cls, values, "server setting")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The Serve app keys that are server settings."""
+        return arg_fields.known_keys(cls)
+
+    # ------------------------------------------------------------- reading
+    def resolved_api_key(self) -> str | None:
+        """The key the server requires: --api-key, else the file's, else RAYLM_API_KEY's."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file is not None:
+            path = Path(self.api_key_file)
+            try:
+                key = path.read_text().strip()
+            except OSError as exc:
+                raise FileNotFoundError(f"api_key_file (--api-key-file) {str(path)!r} cannot be read: "
+                                        f"{exc.strerror}.") from None
+            if not key:
+                raise ValueError(f"api_key_file (--api-key-file) {str(path)!r} is empty.")
+            return key
+        return envs.RAYLM_API_KEY
+
+    def model_names(self, model: str) -> list[str]:
+        """The names the model is served as: served_model_name, else the model folder's name
+        (the demo model's short name for the bundled one), never the path: clients, logs
+        and metric labels need not learn where the weights are."""
+        if self.served_model_name:
+            return list(self.served_model_name)
+        return [default_model_name(model)]
+
+    def model_aliases(self, model: str) -> list[str]:
+        """Other names a request's `model` may use without being listed: the model's path, as
+        given and resolved, where no served_model_name was set. vLLM serves a model under its
+        path by default, so clients written for it send the path; they still reach it, while
+        /v1/models and the metrics show only the name."""
+        if self.served_model_name:
+            return []
+        aliases = [model]
+        try:
+            aliases.append(str(Path(model).resolve()))
+        except (OSError, RuntimeError):
+            pass
+        return aliases
+
+
+def default_model_name(model: str) -> str:
+    from raylm.models.bundled import DEMO_MODEL_NAME, default_model_path
+
+    path = Path(model)
+    try:
+        if path.resolve() == Path(default_model_path()).resolve():
+            return DEMO_MODEL_NAME
+    except (FileNotFoundError, RuntimeError):
+        pass
+    return path.resolve().name or model
+
+
+@dataclass
+class DeploymentArgs:
+    """How Ray Serve runs the replicas (`raylm serve --ray-serve`, `serve run ... app_builder`):
+    Serve app keys, the two replica bounds also `raylm serve` flags."""
+
+    num_replicas: int | None = field(default=None, metadata=setting(
+        "A fixed number of replicas; default: autoscaling between min_replicas and max_replicas.", cli=False))
+    min_replicas: int = field(default=1, metadata=setting("Ray Serve: fewest replicas (autoscaling)."))
+    max_replicas: int | None = field(default=None, metadata=setting(
+        "Ray Serve: most replicas (autoscaling); default: min_replicas."))
+    target_ongoing_requests: float = field(default=64.0, metadata=setting(
+        "Ray Serve: requests in flight per replica the autoscaler aims at.", cli=False))
+    max_ongoing_requests: int = field(default=256, metadata=setting(
+        "Ray Serve: requests in flight per replica past which Serve queues them in its proxy.", cli=False))
+    replica_cpus: float = field(default=1.0, metadata=setting(
+        "Ray Serve: CPUs of the replica's own bundle (the engine, the scheduler, the HTTP app).", cli=False))
+    worker_cpus: float | None = field(default=None, metadata=setting(
+        "Ray Serve on CPU: CPUs of each tensor-parallel worker's bundle; default: the engine argument "
+        "ray_cpus_per_worker (0.5).", cli=False))
+    use_gpu: bool = field(default=False, metadata=setting(
+        "Ray Serve: give each worker a GPU bundle ({\"GPU\": 1}) instead of CPUs. `raylm serve --ray-serve` "
+        "sets it when the engine's device is not cpu and a GPU is present.", cli=False))
+    health_check_period_s: float = field(default=10.0, metadata=setting(
+        "Ray Serve: seconds between a replica's health checks (a dead worker fails them).", cli=False))
+    health_check_timeout_s: float = field(default=30.0, metadata=setting(
+        "Ray Serve: seconds a health check may take.", cli=False))
+    name: str = field(default="RaylmDeployment", metadata=setting("Ray Serve: the deployment's name.", cli=False))
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0 or (self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas)):
+            raise ValueError(f"Replicas must satisfy 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
+                             f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}.")
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        """(min_replicas, max_replicas) with the default filled in."""
+        return self.min_replicas, max(1, self.max_replicas if self.max_replicas is not None else self.min_replicas)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return arg_fields.add_cli_args(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "DeploymentArgs":
+        return arg_fields.from_namespace(cls, args)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "DeploymentArgs":
+        return arg_fields.from_values(cls, values, "deployment setting")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return arg_fields.known_keys(cls)

@@ -1,0 +1,50 @@
+"""vLLM's FusedMoE: a Mixture-of-Experts layer's experts, routed per config.
+
+Routing is top-k over the softmax of the router's logits, renormalised over the chosen k
+or not (`renormalize`: always for Mixtral, `norm_topk_prob` for Qwen's MoE models). The
+experts' gated MLPs then run fused over the tokens routed to each (tokens grouped by
+expert, grouped GEMMs): the Triton kernel on CUDA, the native CPU op on the CPU
+(`kernels/cpu_fused_moe.py`), the PyTorch reference elsewhere.
+
+Its weights are `FusedMoEWeights` (`parallel/fused_moe_weights.py`): sharded per expert
+under tensor parallelism, whole experts per rank under expert parallelism. Either way this
+rank's output is a partial sum, summed over the ranks by one all-reduce (here with
+`reduce_results`, else by the caller).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylm.kernels import cpu_fused_moe, torch_moe
+from raylm.parallel.communication import tensor_model_parallel_all_reduce
+from raylm.parallel.fused_moe_weights import FusedMoEWeights
+
+
+class FusedMoE(FusedMoEWeights):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, reduce_results: bool = True, params_dtype: torch.dtype | None = None) -> None:
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}.")
+        super().__init__(num_experts, hidden_size, intermediate_size, params_dtype)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.reduce_results = reduce_results
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H], router_logits [T, num_experts] -> [T, H]: each token's
+        experts' outputs weighted by the router (this rank's partial sum unless
+        reduce_results)."""
+        topk_weights, topk_ids = torch_moe.fused_topk(router_logits, self.top_k, self.renormalize)
+        out = self.fused_experts(hidden_states, topk_weights, topk_ids)
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+
+    def fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map)
+        if x.device.type == "cuda":
+            from raylm.kernels import triton_fused_moe  # imports triton: GPU machines only
+
+            return triton_fused_moe.fused_experts(*args)
+        if x.device.type == "cpu":
+            return cpu_fused_moe.fused_experts(*args, packed=self.packed)
+        return torch_moe.fused_experts(*args)

@@ -1,0 +1,78 @@
+"""`LLM.shutdown()` hands the model, the KV cache and (on a GPU) the CUDA graphs back, so
+that engines can follow one another in one process; and the KV cache is sized to what
+max_num_seqs requests of max_model_len tokens can fill, on a GPU too."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from raylm.engine import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 300, 42], [9] * 19, list(range(4, 40))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _llm(model_dir, **kwargs) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", max_num_seqs=4, max_model_len=128, **kwargs)
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_shutdown_frees_the_cache_and_model_so_a_second_engine_runs_in_the_same_process(llama_dir):
+    first = _llm(llama_dir)
+    runner = first.llm_engine.executor.driver_worker.model_runner
+    caches = [weakref.ref(tensor) for pair in runner.kv_caches for tensor in pair]
+    model = weakref.ref(runner.model)
+    tokens = _generate(first)
+    first.shutdown()
+    gc.collect()
+    # `first` is still referenced here: shutdown itself let go of the memory.
+    assert caches and all(ref() is None for ref in caches)
+    assert model() is None
+    second = _llm(llama_dir)
+    try:
+        assert _generate(second) == tokens
+    finally:
+        second.shutdown()
+
+
+def test_a_shut_down_engine_refuses_steps_with_a_clear_error(llama_dir):
+    llm = _llm(llama_dir)
+    llm.shutdown()
+    llm.shutdown()  # twice is fine
+    with pytest.raises(RuntimeError, match="shut down"):
+        _generate(llm)
+
+
+@pytest.mark.cuda
+def test_two_engines_in_turn_on_a_gpu_give_the_device_memory_back(llama_dir):
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    tokens = []
+    for _ in range(2):
+        llm = _llm(llama_dir)
+        tokens.append(_generate(llm))
+        llm.shutdown()
+        del llm
+        gc.collect()
+        assert torch.cuda.memory_allocated() - baseline < 16 * 2**20
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.cuda
+def test_gpu_kv_cache_is_capped_at_what_max_num_seqs_requests_can_fill(llama_dir):
+    llm = _llm(llama_dir, block_size=16)
+    try:
+        blocks_per_seq = 128 // 16
+        fillable = 4 * blocks_per_seq
+        # A tiny model on a large GPU: memory would allow millions of blocks.
+        assert llm.llm_engine.engine_config.cache_config.num_gpu_blocks == fillable + fillable // 10
+    finally:
+        llm.shutdown()

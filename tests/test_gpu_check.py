@@ -1,0 +1,67 @@
+"""scripts/gpu_check.sh, the one command a session with a lent GPU runs: its import shim
+(raylm from a plain checkout, nothing installed) and its CPU dry run, which goes through
+every stage's code on tiny sizes (stage a under Triton's interpreter) and must produce the
+complete record, so that no device minute is lost to a mistake the CPU could have shown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from raylm_shim import make_shim  # noqa: E402
+
+
+def test_shim_makes_the_checkout_importable_as_raylm(tmp_path):
+    make_shim(ROOT, tmp_path)
+    code = "import raylm.engine, raylm.cluster.benchmarks.gpu_check as g; print(raylm.engine.__file__)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    # Through the shim's symlink, not an installed copy.
+    assert result.stdout.strip() == str(tmp_path / "raylm" / "engine" / "__init__.py")
+
+
+def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True,
+                            text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    from raylm.cluster.benchmarks.gpu_check import RECORD_KEYS
+
+    assert list(record)[:len(RECORD_KEYS)] == list(RECORD_KEYS)
+    assert all(job["status"] == "ok" for jobs in record["stages"].values() for job in jobs), record["stages"]
+    # Stage a: every kind of kernel checked in every dtype, none off.
+    kernels = record["kernels"]
+    assert record["kernels_pass"] is True and not kernels["failed"]
+    assert {(r["kernel"], r["dtype"]) for r in kernels["records"]} == {
+        (k, d) for k in ("kv_write", "decode", "decode_split_k", "prefill") for d in ("fp32", "fp16", "bf16")}
+    # Stage b: the engine's tokens equal HF's, through a preemption and a prefix-cache hit.
+    assert record["hf_tokens_equal"] == "1/1"
+    (model,) = record["models"]
+    assert model["fp32"]["preemptions"] > 0 and min(model["fp32"]["cached_tokens"]) > 0
+    assert model["bf16"]["tokens_compared"] > 0 and model["bf16"]["tokens_equal"]
+    # Every registered architecture's tiny config builds.
+    from raylm.models import supported_architectures
+
+    assert {name: record["tiny_configs"].get(name) for name in supported_architectures()} == {
+        name: "ok" for name in supported_architectures()}
+    # Stage c: every figure measured (CPU figures: they only show the plumbing works).
+    for key in ("tpot_bs1_ms", "floor_ms", "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s",
+                "ttft_4k_ms", "decode_attention_bw_fraction"):
+        assert isinstance(record[key], float) and record[key] > 0, key
+    assert record["cuda_graphs"] is False  # none on the CPU
+    # Stage t: the cuda-marked engine tests, collected and skipped here.
+    assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
+    assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
+
