@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from raylm.engine.async_llm_engine import AsyncLLMEngine, FinishedRequestStats
+from raylm.engine.spec_decode.metrics import SpecDecodingStats
 
 PREFIX = "raylm:"
 
@@ -67,6 +68,27 @@ class _EngineCollector(Collector):
                             kv_cache_manager.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache since start.",
                             kv_cache_manager.prefix_cache_hits)
+        if scheduler.drafter is not None:
+            yield from self._spec_decoding(scheduler.drafter.stats)
+
+    def _spec_decoding(self, stats: SpecDecodingStats) -> Iterator[Metric]:
+        """vLLM's spec_decode counters (present only with speculative decoding on), and the
+        mean acceptance length since start."""
+        yield self._counter("spec_decode_num_drafts", "Verification steps of a request with proposed tokens.",
+                            stats.num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Proposed (draft) tokens verified since start.",
+                            stats.num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted since start.",
+                            stats.num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens accepted since start, by position in the draft (0 first).",
+                                      labels=list(self._labels) + ["position"])
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos.add_metric(list(self._labels.values()) + [str(position)], count)
+        yield per_pos
+        yield self._gauge("spec_decode_mean_acceptance_length", "Tokens a verification step yields on average "
+                          "since start: accepted proposals plus the target's own (0 before any).",
+                          stats.mean_acceptance_length)
 
 
 class ServerMetrics:

@@ -1,14 +1,24 @@
-"""raylm as a Ray Serve application.
+"""raylm as a Ray Serve application: an HTTP ingress in front of N engine replicas.
 
-Each replica owns a placement group: bundle 0 holds the replica itself (the engine, the
-scheduler and the FastAPI ingress, no model work), bundles 1..tp one tensor-parallel
-worker each, which `RayDistributedExecutor` finds through `get_current_placement_group()`.
-STRICT_PACK keeps a replica's workers on one node, so their collectives stay local.
-`check_health` asks the engine, so a replica whose worker died is replaced by Serve.
+The engine deployment (`RaylmDeployment`) runs N replicas (a fixed `num_replicas`, or
+Serve's autoscaling between min_replicas and max_replicas), each with its own
+`AsyncLLMEngine` and the OpenAI app `raylm serve` runs. Each replica owns a placement
+group: bundle 0 holds the replica itself (the engine, the scheduler and the app, no model
+work), bundles 1..tp one tensor-parallel worker each, which `RayDistributedExecutor` finds
+through `get_current_placement_group()`. STRICT_PACK keeps a replica's workers on one node,
+so their collectives stay local. `check_health` asks the engine, so a replica whose worker
+died is replaced by Serve.
+
+In front, the ingress (`RaylmIngress`, deploy/serve_ingress.py) reads each request and
+relays it to a replica that Serve's router for the engine deployment picks:
+`request_router=prefix_aware` (the default, deploy/prefix_router.py) sends it to the
+replica holding the longest prefix of its prompt, `power_of_two` is Serve's default. The
+replicas report the blocks their prefix caches hold (`record_routing_stats`), which Serve
+carries to the router every `router_stats_period_s`.
 
     serve run deploy/serve_config.yaml
-    serve run raylm.deploy.serve_app:app_builder model=/path/to/model tensor_parallel_size=2
-    raylm serve MODEL_DIR --ray-serve --tensor-parallel-size 2
+    serve run raylm.deploy.serve_app:app_builder model=/path/to/model num_replicas=2
+    raylm serve MODEL_DIR --ray-serve --num-replicas 2 --tensor-parallel-size 2
 """
 
 from __future__ import annotations
@@ -16,42 +26,61 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
-from raylm.deploy.server_args import DeploymentArgs, ServerArgs
+from raylm.deploy.prefix_key import KEY_HASH_BYTES
+from raylm.deploy.prefix_router import PrefixAwareRouter, build_report
+from raylm.deploy.serve_ingress import ForwardedRequest, RaylmIngress, run_forwarded
+from raylm.deploy.server_args import PREFIX_AWARE_ROUTER, DeploymentArgs, ServerArgs
 from raylm.engine import arg_fields
 from raylm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 
+# The ingress deployment's name (the engine's is DeploymentArgs.name).
+INGRESS_NAME = "RaylmIngress"
 
-@serve.ingress()
+
 class RaylmDeployment:
-    """One replica: an `AsyncLLMEngine` and the OpenAI app built over it."""
+    """One engine replica: an `AsyncLLMEngine` and the OpenAI app built over it, which
+    serves the requests the ingress relays (`handle_http`)."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], server_args: ServerArgs) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], server_args: ServerArgs,
+                 reported_blocks: int = DeploymentArgs.router_reported_blocks) -> None:
+        from raylm.deploy.api_server import build_app, freeze_startup_heap
         from raylm.engine.async_llm_engine import AsyncLLMEngine
 
         logging.getLogger("raylm").setLevel(logging.INFO)
         self.server_args = server_args
+        self.reported_blocks = reported_blocks
         # Built here, on the replica's own thread: the executor reads the replica's
         # placement group from the task context and puts its workers in bundles 1..tp.
         self.engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
-
-    def __serve_build_asgi_app__(self) -> Any:
-        from raylm.deploy.api_server import build_app, freeze_startup_heap
-
-        app = build_app(self.engine, self.server_args)
+        self.app = build_app(self.engine, self.server_args)
         freeze_startup_heap()
-        return app
+
+    async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[list[dict[str, Any]]]:
+        """Answers an HTTP request the ingress relays: its ASGI response messages, in batches."""
+        async for messages in run_forwarded(self.app, request):
+            yield messages
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
         await self.engine.check_health()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve calls this every router_stats_period_s and hands the result to the
+        routers: the replica's prefix-cache counters (tokens) and the hashes of the blocks
+        it caches, most recently used first (the router's view of this replica)."""
+        kv_cache_manager = self.engine.scheduler.kv_cache_manager
+        hashes = await self.engine.recent_cached_block_hashes(self.reported_blocks)
+        return build_report(kv_cache_manager.block_size, hashes, kv_cache_manager.prefix_cache_hits,
+                            kv_cache_manager.prefix_cache_queries, KEY_HASH_BYTES)
 
     def served_server_args(self) -> ServerArgs:
         """The server settings this replica serves with (operations, tests)."""
@@ -77,13 +106,15 @@ class RaylmDeployment:
 def deployment_options(tensor_parallel_size: int = 1, deployment: DeploymentArgs | None = None, *,
                        use_ray_workers: bool | None = None, worker_cpus: float = 0.5,
                        shutdown_timeout: float = ServerArgs.shutdown_timeout) -> dict[str, Any]:
-    """Serve options for a replica with `tensor_parallel_size` workers.
+    """Serve options for the engine deployment, whose replicas have `tensor_parallel_size`
+    workers each.
 
     The placement group is [{"CPU": replica_cpus}] + [{"GPU": 1} or {"CPU": worker_cpus}] * tp;
     without Ray workers (tp 1 in process) it is the replica's bundle alone. The
     autoscaling config scales between min_replicas and max_replicas on ongoing requests
     (a fixed num_replicas overrides it). The server's shutdown_timeout is how long Serve
-    lets a stopping replica finish its requests.
+    lets a stopping replica finish its requests. The request router config names the
+    router and how often the replicas report their prefix caches.
     """
     deployment = deployment or DeploymentArgs()
     use_ray_workers = tensor_parallel_size > 1 if use_ray_workers is None else use_ray_workers
@@ -94,6 +125,7 @@ def deployment_options(tensor_parallel_size: int = 1, deployment: DeploymentArgs
         health_check_period_s=deployment.health_check_period_s,
         health_check_timeout_s=deployment.health_check_timeout_s,
         graceful_shutdown_timeout_s=shutdown_timeout,
+        request_router_config=request_router_config(deployment),
     )
     if use_ray_workers:
         worker_bundle = {"GPU": 1.0} if deployment.use_gpu else {"CPU": worker_cpus}
@@ -106,19 +138,62 @@ def deployment_options(tensor_parallel_size: int = 1, deployment: DeploymentArgs
         min_replicas, max_replicas = deployment.replica_range
         options["autoscaling_config"] = {
             "min_replicas": min_replicas,
-            "initial_replicas": min_replicas,
+            "initial_replicas": min_replicas if deployment.initial_replicas is None else deployment.initial_replicas,
             "max_replicas": max_replicas,
             "target_ongoing_requests": deployment.target_ongoing_requests,
-            "upscale_delay_s": 10,
-            "downscale_delay_s": 300,
+            "upscale_delay_s": deployment.upscale_delay_s,
+            "downscale_delay_s": deployment.downscale_delay_s,
         }
     return options
 
 
+def request_router_config(deployment: DeploymentArgs) -> Any:
+    """Serve's RequestRouterConfig for the engine deployment: the prefix-aware router with
+    its settings, or Serve's default; the replicas report every router_stats_period_s."""
+    from ray.serve.config import RequestRouterConfig
+
+    period = deployment.router_stats_period_s
+    # A report is a few ms of the engine's thread; one that takes longer than a few
+    # periods is given up and asked again.
+    timing = dict(request_routing_stats_period_s=period, request_routing_stats_timeout_s=max(10.0, 5 * period))
+    if deployment.request_router != PREFIX_AWARE_ROUTER:
+        return RequestRouterConfig(**timing)
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={"imbalance_threshold": deployment.router_imbalance_threshold,
+                               "min_match_ratio": deployment.router_min_match_ratio,
+                               "retention_s": deployment.router_retention_s},
+        **timing)
+
+
+def ingress_options(deployment: DeploymentArgs, shutdown_timeout: float) -> dict[str, Any]:
+    """Serve options for the ingress: it forwards, so it takes as many requests in flight
+    as all the engine replicas together."""
+    return dict(name=INGRESS_NAME, num_replicas=deployment.ingress_replicas,
+                ray_actor_options={"num_cpus": deployment.ingress_cpus},
+                max_ongoing_requests=deployment.max_ongoing_requests * deployment.most_replicas,
+                graceful_shutdown_timeout_s=shutdown_timeout)
+
+
+def keyer_arguments(engine_args: EngineArgs, server_args: ServerArgs, deployment: DeploymentArgs
+                    ) -> dict[str, Any] | None:
+    """What the ingress builds its prefix keyer from, or None when nothing is keyed (Serve's
+    default router, prefix caching off, or a single replica: nothing to choose)."""
+    if (deployment.request_router != PREFIX_AWARE_ROUTER or not engine_args.enable_prefix_caching
+            or deployment.most_replicas < 2):
+        return None
+    return dict(tokenizer=None if engine_args.skip_tokenizer_init else engine_args.tokenizer or engine_args.model,
+                trust_remote_code=engine_args.trust_remote_code, revision=engine_args.revision,
+                tokenizer_mode=engine_args.tokenizer_mode, block_size=engine_args.block_size,
+                max_blocks=deployment.router_max_key_blocks, chat_template=server_args.chat_template,
+                trust_request_chat_template=server_args.trust_request_chat_template)
+
+
 def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dict[str, Any] | None = None,
                     deployment: DeploymentArgs | None = None, **deployment_kwargs: Any) -> Application:
-    """The bound Serve application. `server_args`: a `ServerArgs`, or a dict of its keys;
-    `deployment_kwargs`: `DeploymentArgs` fields (or a whole `deployment`)."""
+    """The bound Serve application: the ingress over the engine deployment. `server_args`: a
+    `ServerArgs`, or a dict of its keys; `deployment_kwargs`: `DeploymentArgs` fields (or a
+    whole `deployment`)."""
     engine_kwargs = dict(engine_kwargs)
     if not isinstance(server_args, ServerArgs):
         server_args = ServerArgs.from_values(server_args or {})
@@ -133,7 +208,13 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
     worker_cpus = float(engine_kwargs.get("ray_cpus_per_worker", EngineArgs.ray_cpus_per_worker))
     options = deployment_options(tp, deployment, use_ray_workers=use_ray_workers, worker_cpus=worker_cpus,
                                  shutdown_timeout=server_args.shutdown_timeout)
-    return serve.deployment(RaylmDeployment).options(**options).bind(engine_kwargs, server_args)
+    engine = serve.deployment(RaylmDeployment).options(**options).bind(
+        engine_kwargs, server_args, deployment.router_reported_blocks)
+    keyer_args = keyer_arguments(EngineArgs.from_kwargs(**engine_kwargs), server_args, deployment)
+    ingress = serve.deployment(RaylmIngress).options(
+        **ingress_options(deployment, server_args.shutdown_timeout))
+    return ingress.bind(engine, keyer_args, server_args.max_request_body_bytes, server_args.root_path,
+                        server_args.resolved_api_key())
 
 
 @dataclass
@@ -227,8 +308,12 @@ def run_cli(args: argparse.Namespace) -> None:
         serve.start(http_options={"host": server_args.host, "port": server_args.port})
         serve.run(application, name="raylm", route_prefix="/")
         names = server_args.model_names(resolve_model(args))
-        logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s", ", ".join(names), server_args.host,
-                    server_args.port, server_args.root_path)
+        deployment = DeploymentArgs.from_cli_args(args)
+        replicas = (str(deployment.num_replicas) if deployment.num_replicas is not None
+                    else "{}-{}".format(*deployment.replica_range))
+        logger.info("Ray Serve app 'raylm' serving %s on http://%s:%d%s (%s engine replicas, %s routing)",
+                    ", ".join(names), server_args.host, server_args.port, server_args.root_path, replicas,
+                    deployment.request_router)
         while True:
             signal.pause()
     except (_ShutdownRequested, KeyboardInterrupt) as stop:

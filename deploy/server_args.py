@@ -172,20 +172,34 @@ def default_model_name(model: str) -> str:
     return path.resolve().name or model
 
 
+# What `request_router` may name: raylm's prefix-aware router (deploy/prefix_router.py),
+# or Serve's default.
+PREFIX_AWARE_ROUTER = "prefix_aware"
+POWER_OF_TWO_ROUTER = "power_of_two"
+
+
 @dataclass
 class DeploymentArgs:
     """How Ray Serve runs the replicas (`raylm serve --ray-serve`, `serve run ... app_builder`):
-    Serve app keys, the two replica bounds also `raylm serve` flags."""
+    Serve app keys, the replica counts and the router's main choices also `raylm serve` flags."""
 
     num_replicas: int | None = field(default=None, metadata=setting(
-        "A fixed number of replicas; default: autoscaling between min_replicas and max_replicas.", cli=False))
+        "Ray Serve: a fixed number of engine replicas, each with its own engine and placement group; default: "
+        "autoscaling between min_replicas and max_replicas."))
     min_replicas: int = field(default=1, metadata=setting("Ray Serve: fewest replicas (autoscaling)."))
     max_replicas: int | None = field(default=None, metadata=setting(
         "Ray Serve: most replicas (autoscaling); default: min_replicas."))
+    initial_replicas: int | None = field(default=None, metadata=setting(
+        "Ray Serve: replicas to start with (autoscaling); default: min_replicas.", cli=False))
     target_ongoing_requests: float = field(default=64.0, metadata=setting(
         "Ray Serve: requests in flight per replica the autoscaler aims at.", cli=False))
+    upscale_delay_s: float = field(default=10.0, metadata=setting(
+        "Ray Serve: seconds the load must call for more replicas before the autoscaler adds one.", cli=False))
+    downscale_delay_s: float = field(default=300.0, metadata=setting(
+        "Ray Serve: seconds the load must allow fewer replicas before the autoscaler removes one (a removed "
+        "replica's prefix cache is lost).", cli=False))
     max_ongoing_requests: int = field(default=256, metadata=setting(
-        "Ray Serve: requests in flight per replica past which Serve queues them in its proxy.", cli=False))
+        "Ray Serve: requests in flight per engine replica past which Serve holds new ones back in the ingress.", cli=False))
     replica_cpus: float = field(default=1.0, metadata=setting(
         "Ray Serve: CPUs of the replica's own bundle (the engine, the scheduler, the HTTP app).", cli=False))
     worker_cpus: float | None = field(default=None, metadata=setting(
@@ -198,17 +212,76 @@ class DeploymentArgs:
         "Ray Serve: seconds between a replica's health checks (a dead worker fails them).", cli=False))
     health_check_timeout_s: float = field(default=30.0, metadata=setting(
         "Ray Serve: seconds a health check may take.", cli=False))
-    name: str = field(default="RaylmDeployment", metadata=setting("Ray Serve: the deployment's name.", cli=False))
+    name: str = field(default="RaylmDeployment", metadata=setting(
+        "Ray Serve: the engine deployment's name.", cli=False))
+    request_router: str = field(default=PREFIX_AWARE_ROUTER, metadata=setting(
+        "Ray Serve: how a request picks its replica. 'prefix_aware': the replica that holds the longest prefix "
+        "of its prompt in its prefix cache, unless that replica is overloaded, else the least loaded; "
+        "'power_of_two': Serve's default, the less loaded of two replicas drawn at random.",
+        choices=(PREFIX_AWARE_ROUTER, POWER_OF_TWO_ROUTER)))
+    router_imbalance_threshold: int = field(default=32, metadata=setting(
+        "Prefix-aware router: requests in flight by which the replica holding a prompt's prefix may exceed the "
+        "least loaded replica before the request goes to the least loaded instead."))
+    router_min_match_ratio: float = field(default=0.1, metadata=setting(
+        "Prefix-aware router: the fraction of a prompt's keyed blocks a replica must hold to count as holding "
+        "its prefix; below it the request goes to the least loaded replica."))
+    router_retention_s: float = field(default=60.0, metadata=setting(
+        "Prefix-aware router: seconds the router remembers sending a prompt's blocks to a replica; after "
+        "that, only the replica's own reports of what it caches count.", cli=False))
+    router_stats_period_s: float = field(default=1.0, metadata=setting(
+        "Prefix-aware router: seconds between a replica's reports of the blocks it caches (Serve's "
+        "request_routing_stats_period_s).", cli=False))
+    router_reported_blocks: int = field(default=8192, metadata=setting(
+        "Prefix-aware router: most block hashes a replica reports (the most recently used, 8 bytes each).",
+        cli=False))
+    router_max_key_blocks: int = field(default=256, metadata=setting(
+        "Prefix-aware router: the leading blocks of a prompt the router hashes; a longer prompt's text is cut "
+        "before the router tokenizes it.", cli=False))
+    ingress_replicas: int = field(default=1, metadata=setting(
+        "Ray Serve: replicas of the HTTP ingress, which reads each request, keys it for the router and relays "
+        "it to an engine replica.", cli=False))
+    ingress_cpus: float = field(default=0.5, metadata=setting(
+        "Ray Serve: CPUs of each ingress replica.", cli=False))
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or (self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas)):
             raise ValueError(f"Replicas must satisfy 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
                              f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}.")
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"num_replicas (--num-replicas) must be at least 1, got {self.num_replicas}.")
+        if self.initial_replicas is not None and not (
+                self.min_replicas <= self.initial_replicas <= self.replica_range[1]):
+            raise ValueError(f"initial_replicas must lie in [min_replicas, max_replicas] = "
+                             f"[{self.min_replicas}, {self.replica_range[1]}], got {self.initial_replicas}.")
+        if self.request_router not in (PREFIX_AWARE_ROUTER, POWER_OF_TWO_ROUTER):
+            raise ValueError(f"request_router (--request-router) must be one of {PREFIX_AWARE_ROUTER}, "
+                             f"{POWER_OF_TWO_ROUTER}, got {self.request_router!r}.")
+        if self.router_imbalance_threshold < 0:
+            raise ValueError(f"router_imbalance_threshold (--router-imbalance-threshold) must be >= 0, got "
+                             f"{self.router_imbalance_threshold}.")
+        if not 0.0 <= self.router_min_match_ratio <= 1.0:
+            raise ValueError(f"router_min_match_ratio (--router-min-match-ratio) must lie in [0, 1], got "
+                             f"{self.router_min_match_ratio}.")
+        for name, least in (("router_retention_s", "> 0"), ("router_stats_period_s", "> 0"),
+                            ("upscale_delay_s", ">= 0"), ("downscale_delay_s", ">= 0")):
+            value = getattr(self, name)
+            if value < 0 or (value == 0 and least == "> 0"):
+                raise ValueError(f"{name} must be {least} seconds, got {value}.")
+        for name in ("router_reported_blocks", "router_max_key_blocks", "ingress_replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.ingress_cpus < 0:
+            raise ValueError(f"ingress_cpus must be >= 0, got {self.ingress_cpus}.")
 
     @property
     def replica_range(self) -> tuple[int, int]:
         """(min_replicas, max_replicas) with the default filled in."""
         return self.min_replicas, max(1, self.max_replicas if self.max_replicas is not None else self.min_replicas)
+
+    @property
+    def most_replicas(self) -> int:
+        """The most engine replicas there can be: num_replicas, else max_replicas."""
+        return self.num_replicas if self.num_replicas is not None else self.replica_range[1]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

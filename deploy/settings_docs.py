@@ -63,9 +63,12 @@ def server_flags_page() -> str:
         markdown_table(ServerArgs, key_column="Serve app key"),
         "## Ray Serve deployment",
         "",
-        "`--ray-serve` runs the server as a Ray Serve application: each replica owns a placement group (its "
-        "own bundle and one per tensor-parallel worker) and is replaced when its health check fails. These "
-        "settings shape the deployment; all are Serve app keys.",
+        "`--ray-serve` runs the server as a Ray Serve application: an HTTP ingress in front of N engine "
+        "replicas, each with its own engine and placement group (its own bundle and one per tensor-parallel "
+        "worker), replaced when its health check fails. The ingress relays each request to the replica that "
+        "`--request-router` picks: by default the one whose prefix cache holds the longest prefix of the "
+        "prompt, unless it is overloaded (cluster/README.md shows how to run it). These settings shape the "
+        "deployment; all are Serve app keys.",
         "",
         markdown_table(DeploymentArgs, key_column="Serve app key"),
     ])

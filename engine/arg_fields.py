@@ -4,10 +4,11 @@ A settings dataclass (`EngineArgs`, `ServerArgs`, `RequestLimits`) declares each
 as a field: its name, type hint, default, and `setting(help)` metadata. From those fields
 come the command-line flags (`add_cli_args`), the values read from an argparse namespace
 (`from_namespace`), the typed values of string keys such as Ray Serve's
-`serve run app key=value` (`from_values`: "false" is False, "8" is 8, an unknown key is an
-error naming its near misses), and the Markdown reference of the docs
-(`markdown_table`). A field whose default is another settings dataclass (`nested()`) puts
-that class's settings beside its own, under their own names.
+`serve run app key=value` (`from_values`: "false" is False, "8" is 8, a dict setting's
+string is a JSON object, an unknown key is an error naming its near misses), and the
+Markdown reference of the docs (`markdown_table`). A field whose default is another
+settings dataclass (`nested()`) puts that class's settings beside its own, under their own
+names.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
@@ -62,8 +64,14 @@ class Setting:
         return typing.get_origin(self.hint) is list
 
     @property
+    def is_dict(self) -> bool:
+        return self.hint is dict or typing.get_origin(self.hint) is dict
+
+    @property
     def type_name(self) -> str:
-        if self.is_list:
+        if self.is_dict:
+            name = "JSON object"
+        elif self.is_list:
             name = f"list[{typing.get_args(self.hint)[0].__name__}]"
         else:
             name = getattr(self.hint, "__name__", str(self.hint))
@@ -115,12 +123,33 @@ def add_cli_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[s
             help_text += " (default: none)"
         if s.hint is bool:
             parser.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=s.default, help=help_text)
+        elif s.is_dict:
+            parser.add_argument(s.flag, type=_json_object_arg, default=s.default, metavar="JSON", help=help_text)
         elif s.is_list:
             parser.add_argument(s.flag, nargs="+", type=typing.get_args(s.hint)[0], default=s.default,
                                 help=help_text)
         else:
             parser.add_argument(s.flag, type=s.hint, default=s.default, choices=s.choices, help=help_text)
     return parser
+
+
+def _json_object_arg(text: str) -> dict[str, Any]:
+    """argparse's type for a dict setting: a JSON object (`--speculative-config '{...}'`)."""
+    try:
+        return json_object(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; a ValueError says why it is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"a JSON object was expected, got {text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object was expected, got {text!r}")
+    return value
 
 
 def from_namespace(cls: type, namespace: argparse.Namespace) -> Any:
@@ -173,6 +202,15 @@ def parse_value(s: Setting, value: Any) -> Any:
         if s.optional:
             return None
         raise ValueError(f"{s.name} may not be None; it takes a {s.type_name}.")
+    if s.is_dict:
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, str):
+            try:
+                return json_object(value)
+            except ValueError as error:
+                raise ValueError(f"{s.name}: {error}.") from None
+        raise ValueError(f"{s.name} takes a dict (or a JSON object string), got {value!r}.")
     if s.is_list:
         item = typing.get_args(s.hint)[0]
         items = value.split(",") if isinstance(value, str) else value

@@ -19,6 +19,7 @@ from raylm.engine import envs
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
                                  ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
+from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.sliding_window import kv_cache_sliding_window
 
@@ -116,6 +117,14 @@ class EngineArgs:
         "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
         "that leave them unset, and all its EOS ids stop generation; 'vllm' ignores the file; a folder path "
         "reads the file from there."))
+    speculative_config: dict[str, Any] | None = field(default=None, metadata=_help(
+        "Speculative decoding, as vLLM's: a dict (a JSON object on the command line), "
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
+        "to propose the tokens that followed the request's last n..m tokens earlier in its prompt and output, "
+        "or {\"model\": DIR, \"num_speculative_tokens\": k} for a smaller draft model with the same "
+        "vocabulary. The target model verifies the k proposals in one step; outputs follow its distribution "
+        "exactly. Also: disable_by_batch_size, adaptive, draft_token_cost (docs/speculative_decoding.md). "
+        "Default: off."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
@@ -158,13 +167,33 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
         )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_compiled_graph=self.ray_compiled_graph,
+            ray_span_nodes=self.ray_span_nodes,
+            ray_cpus_per_worker=self.ray_cpus_per_worker,
+            placement_group_timeout_s=self.placement_group_timeout_s,
+            worker_timeout_s=self.worker_timeout_s,
+        )
+        speculative_config = _speculative_config(self.speculative_config, model_config, parallel_config)
+        # A draft model keeps its KV under the target's block ids: a block may be freed as
+        # the window slides only once every layer of both models has passed it. The draft's
+        # first query of a step may be the accepted proposal its KV lacks, one position
+        # before the target's first new token, so its window reaches one token further back.
+        sliding_window = kv_cache_sliding_window(model_config.layer_sliding_windows)
+        if speculative_config is not None and speculative_config.uses_draft_model:
+            sliding_window = kv_cache_sliding_window(model_config.layer_sliding_windows
+                                                     + speculative_config.draft_model_config.layer_sliding_windows)
+            sliding_window = None if sliding_window is None else sliding_window + 1
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_space_bytes=None if self.kv_cache_space is None else int(self.kv_cache_space * _GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
-            sliding_window=kv_cache_sliding_window(model_config.layer_sliding_windows),
+            sliding_window=sliding_window,
         )
         default_budget = (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
                           else max(max_model_len, 2048))
@@ -176,17 +205,8 @@ class EngineArgs:
             disable_async_output_proc=self.disable_async_output_proc,
             async_scheduling=self.async_scheduling,
         )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            enable_expert_parallel=self.enable_expert_parallel,
-            distributed_executor_backend=self.distributed_executor_backend,
-            ray_compiled_graph=self.ray_compiled_graph,
-            ray_span_nodes=self.ray_span_nodes,
-            ray_cpus_per_worker=self.ray_cpus_per_worker,
-            placement_group_timeout_s=self.placement_group_timeout_s,
-            worker_timeout_s=self.worker_timeout_s,
-        )
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
+                            speculative_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -204,3 +224,38 @@ class EngineArgs:
         strings are parsed by each field's type; an unknown key is a ValueError naming its
         near misses."""
         return arg_fields.from_values(cls, values, "engine argument")
+
+
+def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelConfig,
+                        parallel_config: ParallelConfig) -> SpeculativeConfig | None:
+    """The validated speculative_config, with the draft model's ModelConfig: the target's
+    dtype and context length, and checks that it can stand in for the target."""
+    raw = parse_speculative_config(value)
+    if raw is None:
+        return None
+    config = build_speculative_config(raw)
+    if not config.uses_draft_model:
+        return config
+    draft_path = resolve_model_path(config.model)
+    hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
+    if hf_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"speculative_config model {config.model!r} has a vocabulary of {hf_config.vocab_size} "
+                         f"tokens, the target model {model_config.vocab_size}: a draft model must share the "
+                         f"target's tokenizer.")
+    draft_config = ModelConfig(model=draft_path, tokenizer=model_config.tokenizer, dtype=model_config.dtype,
+                               max_model_len=derive_max_model_len(hf_config, None), hf_config=hf_config,
+                               seed=model_config.seed, trust_remote_code=model_config.trust_remote_code,
+                               skip_tokenizer_init=True, attention_backend=model_config.attention_backend,
+                               generation_config="vllm")
+    if draft_config.max_model_len < model_config.max_model_len:
+        raise ValueError(f"speculative_config model {config.model!r} handles {draft_config.max_model_len} tokens of "
+                         f"context, fewer than max_model_len ({model_config.max_model_len}): lower max_model_len "
+                         f"or use a draft model with a longer context.")
+    draft_config.max_model_len = model_config.max_model_len
+    tp = parallel_config.tensor_parallel_size
+    if draft_config.num_attention_heads % tp:
+        raise ValueError(f"speculative_config model {config.model!r} has {draft_config.num_attention_heads} "
+                         f"attention heads, not divisible by tensor_parallel_size {tp}: the draft model is "
+                         f"sharded like the target.")
+    config.draft_model_config = draft_config
+    return config

@@ -23,7 +23,7 @@ from typing import Any
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
                                       beam_search_params_from, beam_search_request_output, run_async)
-from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.outputs import CompletionOutput, RequestOutput
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.structured_output.params import StructuredOutputsParams
@@ -266,6 +266,13 @@ class AsyncLLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    async def recent_cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` block hashes of the prefix cache, most recently used first, read
+        on the engine's thread between steps (what a Serve replica reports to the
+        prefix-aware router)."""
+        kv_cache_manager = self.scheduler.kv_cache_manager
+        return await self._on_engine_thread(functools.partial(kv_cache_manager.recent_cached_block_hashes, limit))
+
     def add_stats_listener(self, listener: Callable[[FinishedRequestStats], None]) -> None:
         """Calls `listener` on the event loop each time a request finishes (not aborted)."""
         self._stats_listeners.append(listener)
@@ -365,7 +372,7 @@ class AsyncLLMEngine:
         running engine: each step's beams are one-token requests, added together, that run
         alongside everything else. Cancelling it aborts them."""
         _, token_ids = await self._prompt_token_ids(prompt)
-        driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids)
+        driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids, [cache_salt_of(prompt)])
         await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
         return driver.outputs(self.get_tokenizer())[0]
 
@@ -376,7 +383,7 @@ class AsyncLLMEngine:
         prompt_text, token_ids = await self._prompt_token_ids(prompt)
         max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
         driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
-                                  self.engine.eos_token_ids)
+                                  self.engine.eos_token_ids, [cache_salt_of(prompt)])
         first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
 
         async def search() -> RequestOutput:

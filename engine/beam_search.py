@@ -232,11 +232,17 @@ class BeamSearchDriver:
     and hands the final one-token outputs, in the same order, to `advance()`, until
     `step_requests()` is empty; `outputs()` then holds each prompt's beams.
 
-    searches: (prompt token ids, BeamSearchParams) per prompt.
+    searches: (prompt token ids, BeamSearchParams) per prompt; cache_salts: each prompt's
+    `cache_salt` (None: unsalted), which every one of its beams' requests carries, so that a
+    salted search shares cached blocks only with requests of the same salt.
     """
 
-    def __init__(self, searches: list[tuple[list[int], BeamSearchParams]], eos_token_ids: list[int]) -> None:
+    def __init__(self, searches: list[tuple[list[int], BeamSearchParams]], eos_token_ids: list[int],
+                 cache_salts: list[str | None] | None = None) -> None:
         self.searches = [BeamSearch(prompt, params, eos_token_ids) for prompt, params in searches]
+        salts = cache_salts or [None] * len(self.searches)
+        assert len(salts) == len(self.searches), "one cache_salt (or None) per search"
+        self._salts = {id(search): salt for search, salt in zip(self.searches, salts)}
         self._owners: list[BeamSearch] = []
         self.num_steps = 0
 
@@ -252,9 +258,11 @@ class BeamSearchDriver:
             if search.finished_search:
                 continue
             params = beam_search_sampling_params(search)
+            salt = self._salts[id(search)]
             for tokens in search.pending():
                 self._owners.append(search)
-                requests.append(({"prompt_token_ids": tokens}, params))
+                prompt = {"prompt_token_ids": tokens} if salt is None else {"prompt_token_ids": tokens, "cache_salt": salt}
+                requests.append((prompt, params))
         return requests
 
     def advance(self, outputs: list[Any]) -> None:

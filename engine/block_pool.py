@@ -111,6 +111,20 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
+    def recent_cached_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of cached blocks, most recently used first: the blocks
+        requests hold, then the free ones from the most recently freed (the last to be
+        evicted). What a replica tells a prefix-aware router it holds."""
+        if limit <= 0:
+            return []
+        hashes = [block_hash for block_hash, block in self.cached_blocks.items() if block.ref_cnt > 0][:limit]
+        for block in reversed(self.free_queue.values()):
+            if len(hashes) >= limit:
+                break
+            if block.block_hash is not None:
+                hashes.append(block.block_hash)
+        return hashes
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; only possible when no block is held."""
         if len(self.free_queue) != self.num_blocks:

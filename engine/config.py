@@ -310,3 +310,5 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    # Speculative decoding (raylm.engine.spec_decode.SpeculativeConfig); None: off.
+    speculative_config: Any = None

@@ -4,6 +4,10 @@ It knows token ids only: each `step()` schedules a batch, runs it on the workers
 the sampled tokens, applies the token-level stops (EOS ids, stop token ids, max_tokens,
 max_model_len, min_tokens) and frees the blocks of the requests that finished. Text, stop
 strings and the shape of outputs belong to the `OutputProcessor`.
+
+With speculative decoding a request's step can yield several tokens (its accepted
+proposals and the target's own): only those are appended, checked for stops one by one,
+and the KV slots of the rejected proposals are given back (`_roll_back_rejected`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from raylm.engine.output_processor import EngineCoreOutput
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stat_logger import StatLogger
-from raylm.engine.step import SamplerOutput
+from raylm.engine.step import SampledToken, SamplerOutput
 
 if TYPE_CHECKING:
     from raylm.engine.structured_output.manager import StructuredOutputManager
@@ -52,7 +56,8 @@ class EngineCore:
         logger.info("KV cache allocated and model warmed up in %.1f s.", time.perf_counter() - start)
         self.structured_output_manager = structured_output_manager
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config,
-                                   structured_output_manager)
+                                   speculative_config=engine_config.speculative_config,
+                                   structured_output_manager=structured_output_manager)
         # Requests the core ended on an error (a grammar that did not compile, a token the
         # grammar refused), with the error, until pop_failed_requests() takes them.
         self._failed_requests: dict[str, BaseException] = {}
@@ -65,6 +70,8 @@ class EngineCore:
         self.async_scheduling = (engine_config.scheduler_config.async_scheduling
                                  and self.executor.runs_steps_asynchronously)
         self.max_steps_in_flight = 2 if self.async_scheduling else 1
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.misses_count_as_rejections = self.async_scheduling
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config
@@ -173,16 +180,17 @@ class EngineCore:
         in_flight = self._in_flight.popleft()
         sampler_output = in_flight.wait()
         outputs = self._update_from_output(in_flight.scheduler_output, sampler_output)
-        self.num_generation_tokens_total += len(sampler_output.outputs)
+        num_generated = sum(len(output.new_token_ids) for output in outputs)
+        self.num_generation_tokens_total += num_generated
         if self.stat_logger is not None:
-            self.stat_logger.record_step(in_flight.scheduler_output, len(sampler_output.outputs), in_flight.start)
+            self.stat_logger.record_step(in_flight.scheduler_output, num_generated, in_flight.start)
             if not self.scheduler.has_unfinished_requests():
                 self.stat_logger.flush()
         return outputs
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             sampler_output: SamplerOutput) -> list[EngineCoreOutput]:
-        sampled = {token.req_id: token for token in sampler_output.outputs}
+        sampled = _tokens_by_request(sampler_output.outputs)
         prompt_logprobs = sampler_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -190,17 +198,20 @@ class EngineCore:
         for request, scheduled in zip(scheduler_output.scheduled, scheduler_output.step.requests):
             if scheduled.do_sample:
                 request.num_output_placeholders -= 1
+            tokens = sampled.get(request.worker_id)
+            if scheduled.spec_token_ids:
+                self._roll_back_rejected(request, len(scheduled.spec_token_ids), len(tokens) - 1 if tokens else 0)
             if request.is_finished:
                 continue  # aborted or stopped by a stop string while its batch ran
-            token = sampled.get(request.worker_id)
             new_prompt_logprobs = prompt_logprobs.get(request.worker_id) if prompt_logprobs else None
-            if token is None and new_prompt_logprobs is None:
+            if tokens is None and new_prompt_logprobs is None:
                 continue  # a prefill chunk short of the prompt's end
             output = EngineCoreOutput(request.request_id, [], [], new_prompt_logprobs=new_prompt_logprobs,
                                       num_cached_tokens=request.num_cached_tokens)
-            if token is not None:
-                was_preempted = request.status == RequestStatus.PREEMPTED
-                structured = request.structured_output_request
+            was_preempted = request.status == RequestStatus.PREEMPTED
+            structured = request.structured_output_request
+            failed = False
+            for token in tokens or ():
                 if structured is not None and not structured.accept_token(token.token_id):
                     # The bitmask allows only what the grammar accepts, unless the grammar came
                     # to a dead end (it allows nothing, and EOS was let through): the request
@@ -209,20 +220,39 @@ class EngineCore:
                     self._failed_requests[request.request_id] = _grammar_error(request, token.token_id)
                     finished_while_preempted |= was_preempted
                     finished.append(request)
-                    continue
+                    failed = True
+                    break
                 request.append_output_token(token.token_id)
                 output.new_token_ids.append(token.token_id)
                 output.new_token_logprobs.append(token.logprob)
                 if token.logprobs is not None:
-                    output.new_logprobs = [token.logprobs]
+                    if output.new_logprobs is None:
+                        output.new_logprobs = []
+                    output.new_logprobs.append(token.logprobs)
                 if self._check_stop(request, token.token_id):
+                    # Accepted tokens after a stop are dropped, as plain decoding never made them.
                     finished_while_preempted |= was_preempted
                     output.finish_reason = RequestStatus.get_finished_reason(request.status)
                     output.stop_reason = request.stop_reason
                     finished.append(request)
-            outputs.append(output)
+                    break
+            if not failed:
+                outputs.append(output)
         self.scheduler.free_finished(finished, preempted=finished_while_preempted)
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a verification: counts it, and for a request still running takes back the
+        rejected proposals, which the scheduler counted as computed, and the blocks that held
+        only them. (A preempted or finished request holds no blocks any more.)"""
+        request.spec_token_ids = []
+        drafter = self.scheduler.drafter
+        if drafter is not None:
+            drafter.record(request, num_drafts, num_accepted)
+        if request.status != RequestStatus.RUNNING:
+            return
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.scheduler.kv_cache_manager.free_blocks_beyond(request, request.num_computed_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """vLLM's stop rules, in order: min_tokens holds back everything but length; then
@@ -259,6 +289,18 @@ def _grammar_error(request: Request, token_id: int) -> Exception:
         return ValueError(f"The request's grammar allows no token after its {request.num_output_tokens} output "
                           f"tokens: it cannot be completed.")
     return RuntimeError(f"Token {token_id} was sampled although the request's grammar does not allow it.")
+
+
+def _tokens_by_request(outputs: list[SampledToken]) -> dict[int, list[SampledToken]]:
+    """The step's tokens of each request, in order (several after a verification)."""
+    by_request: dict[int, list[SampledToken]] = {}
+    for token in outputs:
+        tokens = by_request.get(token.req_id)
+        if tokens is None:
+            by_request[token.req_id] = [token]
+        else:
+            tokens.append(token)
+    return by_request
 
 
 def _executor_class(engine_config: EngineConfig) -> type:

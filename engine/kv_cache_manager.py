@@ -193,8 +193,30 @@ class KVCacheManager:
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks[num_null:]))
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Returns the request's blocks past those holding its first num_tokens tokens, last
+        first: the slots of proposals its verification rejected (speculative decoding).
+        Cached blocks hold verified tokens only, all among the first num_tokens."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or keep >= len(blocks):
+            return
+        assert self._num_cached_blocks.get(request.request_id, 0) <= keep, (
+            f"{request} would free a block registered in the prefix cache")
+        # Blocks the sliding window freed lie before the first verified token's window.
+        assert self._num_null_blocks.get(request.request_id, 0) <= keep, (
+            f"{request} would free a block the sliding window already freed")
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(extra))
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def recent_cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of the prefix cache's blocks, most recently used first
+        (`BlockPool.recent_cached_hashes`); none with prefix caching off."""
+        return self.block_pool.recent_cached_hashes(limit) if self.enable_caching else []
 
     # ----------------------------------------------------------------- caching
     def _update_block_hashes(self, request: Request) -> None:

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
                                       beam_search_params_from, beam_search_request_output, run_sync)
-from raylm.engine.llm_engine import LLMEngine, PromptType
+from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.logger import init_default_logging
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -79,8 +79,9 @@ class LLM:
         requests to the engine, so the prompts' and the beams' common prefixes share KV
         blocks through the prefix cache."""
         engine = self.llm_engine
-        driver = BeamSearchDriver([(engine._tokenize_prompt(prompt)[1], params) for prompt in _as_prompt_list(prompts)],
-                                  engine.eos_token_ids)
+        prompt_list = _as_prompt_list(prompts)
+        driver = BeamSearchDriver([(engine._tokenize_prompt(prompt)[1], params) for prompt in prompt_list],
+                                  engine.eos_token_ids, [cache_salt_of(prompt) for prompt in prompt_list])
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as progress:
             run_sync(driver, self._run_beam_step, lambda: progress.update(1))
         return driver.outputs(self.get_tokenizer())
@@ -104,7 +105,8 @@ class LLM:
         driver = BeamSearchDriver(
             [(token_ids, beam_search_params_from(params_list[i], params_list[i].max_tokens
                                                  or max_model_len - len(token_ids)))
-             for i, (_, token_ids) in zip(searched, tokenized)], self.llm_engine.eos_token_ids)
+             for i, (_, token_ids) in zip(searched, tokenized)], self.llm_engine.eos_token_ids,
+            [cache_salt_of(prompts[i]) for i in searched])
         run_sync(driver, self._run_beam_step)
         for i, (prompt_text, token_ids), result in zip(searched, tokenized, driver.outputs(self.get_tokenizer())):
             outputs[i] = beam_search_request_output(str(next(self._request_counter)), prompt_text, token_ids, result,

@@ -104,7 +104,7 @@ class LLMEngine:
         params = self.get_default_sampling_params() if params is None else params
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
-        cache_salt = _cache_salt(prompt)
+        cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         self._validate_request(prompt_token_ids, params)
         params = self._with_engine_defaults(params, len(prompt_token_ids))
@@ -256,7 +256,7 @@ class LLMEngine:
         return self.tokenizer
 
 
-def _cache_salt(prompt: PromptType) -> str | None:
+def cache_salt_of(prompt: PromptType) -> str | None:
     """The prompt dict's "cache_salt" (vLLM's field), checked: None or a non-empty string of
     at most MAX_CACHE_SALT_CHARS characters."""
     if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:

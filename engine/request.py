@@ -97,6 +97,10 @@ class Request:
     cache_salt: str | None = None
     # The grammar and matcher of a request with structured outputs (None without).
     structured_output_request: StructuredOutputRequest | None = None
+    # Speculative decoding: the proposals of this request's verification step in flight
+    # (their KV slots are allocated and num_computed_tokens counts them until the step's
+    # output says how many were accepted); empty otherwise.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

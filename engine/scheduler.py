@@ -29,6 +29,15 @@ carries the next-token bitmask of every constrained request it samples, filled f
 request's matcher, which must have seen all its tokens: so with async scheduling a
 constrained request is not scheduled while its last token is in flight (it decodes every
 other step; unconstrained requests keep the overlap).
+
+With speculative decoding (a `Drafter`), a decoding request also carries the tokens it
+proposes (`spec_token_ids`), budgeted and given KV slots like any other token; the engine
+core rolls back what the verification rejects. Under async scheduling a request that
+proposes is not pipelined: how many tokens its verification accepts, so where its next
+step starts, is known only once that step is collected (see `_schedule_running`). A
+constrained request proposes nothing (`Drafter.num_drafts`): its one bitmask covers one
+sampled token, so it decodes one token a step, and under async scheduling the two rules
+never meet (it already waits for its token in flight before it is scheduled again).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ from typing import TYPE_CHECKING
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
 from raylm.engine.request import Request, RequestStatus
+from raylm.engine.spec_decode.config import SpeculativeConfig
+from raylm.engine.spec_decode.drafter import Drafter
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
 
@@ -67,6 +78,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 speculative_config: SpeculativeConfig | None = None,
                  structured_output_manager: StructuredOutputManager | None = None) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_gpu_blocks < 1:
             raise ValueError(f"cache_config.num_gpu_blocks must be set to at least 1 before building the "
@@ -90,6 +102,9 @@ class Scheduler:
         # Requests ended because their grammar did not compile, with the error, until the
         # engine core collects them.
         self.failed_requests: dict[str, BaseException] = {}
+        # Speculative decoding: what each decoding request proposes (None: off).
+        self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
+                        if speculative_config is not None else None)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -117,6 +132,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if request.structured_output_request is not None:
             request.structured_output_request.release()
+        if self.drafter is not None:
+            self.drafter.free(request)
         del self.requests[request.request_id]
         if request.worker_id in self._on_workers:
             self._on_workers.discard(request.worker_id)
@@ -172,7 +189,7 @@ class Scheduler:
                 out.num_prefill_tokens += num_new_tokens
             out.step.requests.append(self._scheduled_request(request, num_new_tokens))
             out.scheduled.append(request)
-            out.num_batched_tokens += num_new_tokens
+            out.num_batched_tokens += num_new_tokens + len(request.spec_token_ids)
         if scheduled:
             # An empty step never reaches the workers: its ids ride along with the next one.
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
@@ -192,22 +209,40 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and (self._ends_with_tokens_in_flight(request)
-                                                    or request.structured_output_request is not None):
-                # Nothing left to compute, or a grammar whose bitmask needs the token being sampled.
+            if request.num_output_placeholders and (request.spec_token_ids
+                                                    or request.structured_output_request is not None
+                                                    or self._ends_with_tokens_in_flight(request)):
+                # Nothing known to compute: its last token is being sampled, its
+                # verification in flight decides where its next step starts, or its
+                # grammar's bitmask needs the token being sampled.
                 index += 1
                 continue
             num_new_tokens = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                                  budget)
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
-            while kv.allocate_slots(request, num_new_tokens) is None:
+            drafts: list[int] = []
+            if self.drafter is not None and num_new_tokens == 1 and (request.output_token_ids
+                                                                      or request.num_output_placeholders):
+                num_drafts = self.drafter.num_drafts(request, budget, len(self.running))
+                if num_drafts and request.num_output_placeholders:
+                    index += 1  # async scheduling: proposes once its step in flight is collected
+                    continue
+                if num_drafts:
+                    drafts = self.drafter.propose(request, num_drafts)
+            # Proposals never cost another request its place: without room for them the
+            # request decodes one token.
+            while kv.allocate_slots(request, num_new_tokens + len(drafts)) is None:
+                if drafts:
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
                     return budget
+            request.spec_token_ids = drafts
             scheduled.append((request, num_new_tokens))
-            budget -= num_new_tokens
+            budget -= num_new_tokens + len(drafts)
             index += 1
         return budget
 
@@ -285,6 +320,10 @@ class Scheduler:
                 scheduled.prompt_logprobs_start = first
                 scheduled.prompt_logprobs_targets = request.prompt_token_ids[first + 1:last + 1]
                 request.num_prompt_logprobs_done = last
+        if request.spec_token_ids:
+            # The proposals' KV is written too; the core takes back what is rejected.
+            scheduled.spec_token_ids = list(request.spec_token_ids)
+            end += len(request.spec_token_ids)
         request.num_computed_tokens = end
         request.resumed = False
         self._on_workers.add(request.worker_id)

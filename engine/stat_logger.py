@@ -1,10 +1,13 @@
-"""Periodic log line of throughput, queue sizes, KV-cache use and prefix-cache hits."""
+"""Periodic log line of throughput, queue sizes, KV-cache use, prefix-cache hits and, with
+speculative decoding, how many proposed tokens were accepted."""
 
 from __future__ import annotations
 
 import logging
 import time
 from typing import Any
+
+from raylm.engine.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,9 @@ class StatLogger:
         self._generation_tokens = 0
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
+        # Speculative decoding: the drafter's counters at the last line (the line shows the
+        # interval's drafts).
+        self._spec_logged = SpecDecodingStats()
 
     def record_step(self, sched_out: Any, num_generated: int, step_start: float) -> None:
         """step_start: time.monotonic() when the step began (steps are recorded in order)."""
@@ -63,6 +69,21 @@ class StatLogger:
             "running: %d, waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%, preemptions: %d",
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed, elapsed, scheduler.num_running,
             scheduler.num_waiting, 100.0 * scheduler.kv_cache_usage, hit_rate, scheduler.num_preemptions)
+        drafter = getattr(scheduler, "drafter", None)
+        if drafter is not None:
+            self._log_spec_decoding(drafter.stats)
         self._prompt_tokens = self._generation_tokens = 0
         self._work_s = 0.0
         self._last_log = now
+
+    def _log_spec_decoding(self, totals: SpecDecodingStats) -> None:
+        """vLLM's SpecDecoding metrics line, over the interval since the last line."""
+        last = self._spec_logged
+        interval = SpecDecodingStats(totals.num_drafts - last.num_drafts,
+                                     totals.num_draft_tokens - last.num_draft_tokens,
+                                     totals.num_accepted_tokens - last.num_accepted_tokens)
+        self._spec_logged = SpecDecodingStats(totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens)
+        logger.info("SpecDecoding metrics: mean acceptance length: %.2f, accepted: %d tokens, drafted: %d tokens, "
+                    "draft acceptance rate: %.1f%%, drafts: %d", interval.mean_acceptance_length,
+                    interval.num_accepted_tokens, interval.num_draft_tokens, 100.0 * interval.acceptance_rate,
+                    interval.num_drafts)

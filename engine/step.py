@@ -53,6 +53,11 @@ class ScheduledRequest:
     # (a position) on, each scored against the next prompt token, in `prompt_logprobs_targets`.
     prompt_logprobs_start: int = 0
     prompt_logprobs_targets: list[int] | None = None
+    # Speculative decoding: tokens proposed after token_ids (the request's last verified
+    # token), at the positions that follow it, for the target to verify in this step.
+    # PLACEHOLDER_TOKEN_ID entries are proposed by the workers' draft model. The sampled
+    # output then holds 1 to len + 1 tokens for the request (see SamplerOutput).
+    spec_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -96,6 +101,9 @@ class SampledToken:
 
 @dataclass
 class SamplerOutput:
+    # One token per sampled request, or, for a request that verified proposals
+    # (ScheduledRequest.spec_token_ids), its accepted proposals then the token the target
+    # drew after them, consecutive and in order.
     outputs: list[SampledToken] = field(default_factory=list)
     # req_id -> one entry per prompt row scored this step (see ScheduledRequest).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -205,7 +205,13 @@ class RayDistributedExecutor(Executor):
         plain snapshot so that worker processes never import transformers."""
         model_config = dataclasses.replace(self.model_config,
                                            hf_config=snapshot_hf_config(self.model_config.hf_config))
-        return dataclasses.replace(self.engine_config, model_config=model_config)
+        speculative_config = self.engine_config.speculative_config
+        if speculative_config is not None and speculative_config.draft_model_config is not None:
+            draft = speculative_config.draft_model_config
+            speculative_config = dataclasses.replace(speculative_config, draft_model_config=dataclasses.replace(
+                draft, hf_config=snapshot_hf_config(draft.hf_config)))
+        return dataclasses.replace(self.engine_config, model_config=model_config,
+                                   speculative_config=speculative_config)
 
     def _reserve_bundles(self, num_workers: int) -> tuple[PlacementGroup, list[int]]:
         """The placement group and the bundle index of each worker."""

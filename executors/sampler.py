@@ -62,14 +62,7 @@ class Sampler:
             if params.needs_sampled_logprob:
                 scored_rows.append(i)
 
-        if bias_rows or min_tokens_rows or penalty_rows:
-            logits = logits.clone()
-            if bias_rows:
-                _apply_logit_bias(logits, metadata, bias_rows)
-            if min_tokens_rows:
-                _apply_min_tokens(logits, metadata, min_tokens_rows)
-            if penalty_rows:
-                _apply_penalties(logits, metadata, penalty_rows, vocab_size)
+        logits = _process_logits(logits, metadata, bias_rows, min_tokens_rows, penalty_rows)
 
         if not random_rows:
             # max(dim).indices, not argmax: same first-maximum rule, and 3x faster on CPU.
@@ -107,6 +100,36 @@ class Sampler:
         req_ids = metadata.req_ids
         return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i))
                 for i in range(num_rows)]
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, min_tokens and penalties, the sampler's first stage (a copy when any
+    applies): what the rejection sampler and the draft model draw from, as the sampler does."""
+    bias_rows: list[int] = []
+    min_tokens_rows: list[int] = []
+    penalty_rows: list[int] = []
+    for i, params in enumerate(metadata.sampling_params):
+        if params.logit_bias:
+            bias_rows.append(i)
+        if params.min_tokens and params.all_stop_token_ids \
+                and len(metadata.output_token_ids[i]) < params.min_tokens:
+            min_tokens_rows.append(i)
+        if params.needs_penalties:
+            penalty_rows.append(i)
+    return _process_logits(logits, metadata, bias_rows, min_tokens_rows, penalty_rows)
+
+
+def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata, bias_rows: list[int],
+                    min_tokens_rows: list[int], penalty_rows: list[int]) -> torch.Tensor:
+    if bias_rows or min_tokens_rows or penalty_rows:
+        logits = logits.clone()
+        if bias_rows:
+            _apply_logit_bias(logits, metadata, bias_rows)
+        if min_tokens_rows:
+            _apply_min_tokens(logits, metadata, min_tokens_rows)
+        if penalty_rows:
+            _apply_penalties(logits, metadata, penalty_rows, logits.shape[1])
+    return logits
 
 
 def _apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
@@ -227,6 +250,12 @@ def _sample_truncated(logits: torch.Tensor, params: list[SamplingParams], temper
     softmax. A row's token depends on its own parameters only: a row without top-k (top-p)
     beside rows with it is masked at k = V (p = 1), which keeps every token of nonzero
     probability, and the partial topk finds the same k-th value as the sort."""
+    return inverse_cdf(sampling_probs(logits, params, temperature), uniforms)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor) -> torch.Tensor:
+    """The distribution random rows draw from: [N, V] probabilities after temperature,
+    top-k and top-p, and min-p (logits already through `process_logits`)."""
     device = logits.device
     vocab_size = logits.shape[1]
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -254,7 +283,7 @@ def _sample_truncated(logits: torch.Tensor, params: list[SamplingParams], temper
                                                                     device=device).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
-    return inverse_cdf(logits.softmax(dim=-1), uniforms)
+    return logits.softmax(dim=-1)
 
 
 def _uniforms(metadata: SamplingMetadata, rows: list[int], device: torch.device) -> torch.Tensor:

@@ -62,6 +62,16 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, output_rows: to
         _forward_context = previous
 
 
+def step_output_rows(rows: list[int], num_tokens: int) -> list[int] | None:
+    """ForwardContext.output_rows for a step that reads `rows` of its num_tokens rows:
+    None when it reads every row in order (decode). A step that reads none (a prompt
+    chunk short of the prompt's end) keeps its last row, so that no kernel or
+    collective of the last layer sees an empty batch."""
+    if len(rows) == num_tokens and rows == list(range(num_tokens)):
+        return None
+    return rows or [num_tokens - 1]
+
+
 def select_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """x's rows `rows` (a layer's output rows), or x itself when rows is None."""
     return x if rows is None else x.index_select(0, rows)

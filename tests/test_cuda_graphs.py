@@ -148,6 +148,39 @@ def test_decode_through_the_padded_static_inputs_samples_what_the_eager_step_sam
         assert [lp for _, lp in padded_step] == pytest.approx([lp for _, lp in eager_step], abs=1e-5)
 
 
+def _verify(runner: ModelRunner, proposals: list[list[int]], first: list[int]) -> list[tuple[int, int, float]]:
+    """A prefill of PROMPTS, then one step in which request i feeds first[i] (its sampled
+    token) and proposes proposals[i]: the (request, token, logprob) the step emits."""
+    tables = [[4 * i + b for b in range(4)] for i in range(len(PROMPTS))]
+    runner.execute_model(ExecuteModelRequest(requests=[
+        ScheduledRequest(i, list(p), 0, tables[i], len(p), GREEDY, resumed=True) for i, p in enumerate(PROMPTS)]))
+    step = [ScheduledRequest(i, [first[i]], len(p), tables[i], len(p), None, spec_token_ids=proposals[i] or None)
+            for i, p in enumerate(PROMPTS)]
+    out = runner.execute_model(ExecuteModelRequest(requests=step))
+    return [(t.req_id, t.token_id, t.logprob) for t in out.outputs]
+
+
+def test_verification_steps_through_the_padded_static_inputs_verify_as_the_eager_step(llama_dir):
+    """Speculative decoding's verification steps attend as one-row queries (_as_decode_rows),
+    which makes them decode steps for the graphs."""
+    greedy = [[t for t, _ in step] for step in _steps(_runner(llama_dir, graphs=False), num_decodes=3)]
+    plain = [[step[i] for step in greedy] for i in range(len(PROMPTS))]  # each request's greedy tokens
+    wrong = (plain[2][2] + 1) % 512
+    # Request 0's proposal is accepted, request 1 decodes, request 2's second is rejected:
+    # 2 + 1 + 3 rows take the size-6 graph.
+    proposals = [[plain[0][1]], [], [plain[2][1], wrong]]
+    first = [tokens[0] for tokens in plain]
+    eager = _verify(_runner(llama_dir, graphs=False), proposals, first)
+    runner = _runner(llama_dir, graphs=True)
+    before = EagerReplay.replays
+    padded = _verify(runner, proposals, first)
+    assert EagerReplay.replays - before == 1
+    assert [(r, t) for r, t, _ in eager] == [(0, plain[0][1]), (0, plain[0][2]), (1, plain[1][1]),
+                                             (2, plain[2][1]), (2, plain[2][2])]
+    assert [(r, t) for r, t, _ in padded] == [(r, t) for r, t, _ in eager]
+    assert [lp for _, _, lp in padded] == pytest.approx([lp for _, _, lp in eager], abs=1e-5)
+
+
 def test_steps_with_a_prompt_chunk_run_eagerly(llama_dir):
     runner = _runner(llama_dir, graphs=True)
     before = EagerReplay.replays

@@ -43,6 +43,30 @@ def test_shutdown_frees_the_cache_and_model_so_a_second_engine_runs_in_the_same_
         second.shutdown()
 
 
+def test_shutdown_frees_a_draft_models_cache_and_weights_too(llama_dir):
+    llm = _llm(llama_dir, speculative_config={"model": str(llama_dir), "num_speculative_tokens": 2})
+    draft = llm.llm_engine.executor.driver_worker.model_runner.draft_runner
+    caches = [weakref.ref(tensor) for layer in draft._attention_layers() for tensor in layer.kv_cache]
+    model = weakref.ref(draft.model)
+    tokens = _generate(llm)
+    assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
+    # The warm-up's requests (negative ids), finished by a step without requests, are forgotten.
+    assert draft._states and all(req_id >= 0 for req_id in draft._states)
+    llm.shutdown()
+    gc.collect()
+    assert caches and all(ref() is None for ref in caches)
+    assert model() is None
+    assert tokens == _generate_plain(llama_dir)
+
+
+def _generate_plain(model_dir) -> list[list[int]]:
+    llm = _llm(model_dir)
+    try:
+        return _generate(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_a_shut_down_engine_refuses_steps_with_a_clear_error(llama_dir):
     llm = _llm(llama_dir)
     llm.shutdown()

@@ -336,6 +336,26 @@ def test_cache_salt_isolates_prefix_cache_hits_between_salts(llm):
     assert_all_blocks_free(llm)
 
 
+def test_a_salted_beam_search_shares_cached_blocks_only_with_its_salt(llm):
+    """Beams are requests of their own: each carries its prompt's salt, so a salted search
+    neither reads nor leaves unsalted blocks (before, beams went into the engine unsalted)."""
+    from raylm.engine import BeamSearchParams
+
+    prompt = random_prompts(1, 512, seed=31, min_len=40, max_len=40)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant-s"}], BeamSearchParams(beam_width=2,
+                                                                                               max_tokens=3))
+
+    def cached(request: dict) -> int:
+        return llm.generate([request], params, use_tqdm=False)[0].metrics.num_cached_tokens
+
+    full_blocks = (len(prompt) - 1) // 16 * 16
+    assert cached({"prompt_token_ids": prompt}) == 0
+    assert cached({"prompt_token_ids": prompt, "cache_salt": "tenant-t"}) == 0
+    assert cached({"prompt_token_ids": prompt, "cache_salt": "tenant-s"}) == full_blocks
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("salt, got", [("", "an empty string"), ("x" * 1025, "a string of 1025 characters"),
                                        (7, "a value of type int")])
 def test_a_bad_cache_salt_is_a_value_error_naming_it_and_the_engine_keeps_serving(llm, salt, got):

@@ -1,0 +1,141 @@
+"""What the prefix-aware router knows of a request: the hashes of its prompt's blocks.
+
+The router matches requests to replicas on the same block hashes that the replicas'
+KV-cache managers compute (`hash_block_tokens`: each full block of `block_size` tokens,
+chained on the hash of everything before it, the request's cache_salt in the first), so
+that what a replica reports it holds (`RaylmDeployment.record_routing_stats`) and what the
+router remembers sending it are one kind of thing: a hash in a request's key names the
+prefix up to that block.
+
+Computing them takes the prompt's token ids, so the router's ingress tokenizes as the
+replica will (the chat template rendered the same way). That costs more than hashing the
+prompt's characters in chunks, as Ray Serve LLM's and SGLang's routers do, but it is what
+lets the replicas' own reports, evictions included, be read without a second tree of
+guesses; `cluster/benchmarks/bench_prefix_routing.py` measures both. Only the first
+`max_blocks` blocks are keyed (long prompts are cut before tokenizing), which bounds the
+router's cost whatever the prompt's length.
+
+A request the key cannot be computed for (a body that is no completion, a malformed one, a
+server without a tokenizer) gets no key; the router then sends it to the least loaded
+replica and the replica answers it as it would without the router (a 400 for bad input).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from raylm.engine.block_pool import hash_block_tokens
+
+logger = logging.getLogger(__name__)
+
+# Bytes of each block hash the router keeps: 2**-64 odds that two prefixes look alike to
+# it (a routing slip, never a wrong answer: the replicas match on whole hashes).
+KEY_HASH_BYTES = 8
+# Characters tokenized per keyed token at most: a prompt longer than max_blocks blocks is
+# cut at max_blocks * block_size * this before tokenizing (no tokenizer packs more).
+_MAX_CHARS_PER_TOKEN = 16
+
+COMPLETIONS_ROUTE = "/v1/completions"
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """A request's routing key: the truncated hashes of its prompt's first full blocks."""
+
+    block_hashes: tuple[bytes, ...]
+    # The prompt's tokens the key covers (its full blocks, at most max_blocks of them).
+    num_tokens: int
+
+
+def block_hash_key(token_ids: list[int], block_size: int, cache_salt: str | None = None,
+                   max_blocks: int | None = None) -> tuple[bytes, ...]:
+    """The truncated hashes of the full blocks of `token_ids`, as the KV-cache manager
+    chains them (kv_cache_manager.KVCacheManager._update_block_hashes)."""
+    num_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    hashes: list[bytes] = []
+    parent: bytes | None = None
+    for index in range(num_blocks):
+        block = token_ids[index * block_size:(index + 1) * block_size]
+        salt = cache_salt.encode() if index == 0 and cache_salt is not None else b""
+        parent = hash_block_tokens(parent, block, salt)
+        hashes.append(parent[:KEY_HASH_BYTES])
+    return tuple(hashes)
+
+
+class PrefixKeyer:
+    """Turns a completions or chat request body into its `PrefixKey`, with the tokenizer
+    and chat template the replicas use."""
+
+    def __init__(self, tokenizer: Any, block_size: int, max_blocks: int, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+        self._max_chars = max_blocks * block_size * _MAX_CHARS_PER_TOKEN
+
+    def key(self, route: str, body: bytes) -> PrefixKey | None:
+        """The key of a POST to `route` with `body`, or None where there is none to compute."""
+        try:
+            if route == COMPLETIONS_ROUTE:
+                return self._completion_key(json.loads(body))
+            if route == CHAT_ROUTE:
+                return self._chat_key(json.loads(body))
+        except Exception as exc:  # noqa: BLE001 - the replica answers a bad body; the router only routes it
+            logger.debug("No prefix key for a %s request: %r", route, exc)
+        return None
+
+    def _completion_key(self, body: dict[str, Any]) -> PrefixKey | None:
+        prompt = body["prompt"]
+        # A request of several prompts goes where its first prompt's prefix is.
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            token_ids = self._tokenize(prompt, bool(body.get("add_special_tokens", True)))
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = prompt
+        else:
+            return None
+        return self._key(token_ids, body.get("cache_salt"))
+
+    def _chat_key(self, body: dict[str, Any]) -> PrefixKey | None:
+        from raylm.deploy.protocol import ChatMessage
+
+        if self.tokenizer is None:
+            return None
+        template = body.get("chat_template") or self.chat_template
+        if body.get("chat_template") and not self.trust_request_chat_template:
+            return None  # the replica refuses it
+        messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        # As OpenAIServingChat.render does, with the request's own switches.
+        text = self.tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False,
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            **(body.get("chat_template_kwargs") or {}))
+        return self._key(self._tokenize(text, bool(body.get("add_special_tokens", False))), body.get("cache_salt"))
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        if len(text) <= self._max_chars:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # Cut: the tokens near the cut may differ from the whole text's, so one block's
+        # worth of them is dropped.
+        token_ids = self.tokenizer.encode(text[:self._max_chars], add_special_tokens=add_special_tokens)
+        return token_ids[:max(0, len(token_ids) - self.block_size)]
+
+    def _key(self, token_ids: list[int], cache_salt: Any) -> PrefixKey | None:
+        salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
+        hashes = block_hash_key(token_ids, self.block_size, salt, self.max_blocks)
+        if not hashes:
+            return None
+        return PrefixKey(hashes, len(hashes) * self.block_size)

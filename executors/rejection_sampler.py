@@ -1,0 +1,165 @@
+"""The rejection sampler: turns the target's logits at a request's proposed tokens into the
+tokens it emits, so that they follow the target's own distribution exactly.
+
+A request that verifies j proposals d_1..d_j has j + 1 logits rows: row i scores the token
+after d_i (row 0 the token after its last verified token), under the history that ends in
+d_1..d_i, so penalties and min_tokens read the proposals before each position, as plain
+decoding would read them once accepted. Every row goes through the sampler's own stages
+(logit_bias, min_tokens, penalties, temperature, top-k, top-p, min-p). Then, standard
+speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
+
+- A proposal with a draft distribution q (a draft model sampling at temperature > 0) is
+  accepted with probability min(1, p(d) / q(d)); the first rejected one is replaced by a
+  draw from the residual max(0, p - q), renormalised; when all are accepted the last row
+  draws one more token from p.
+- A deterministic proposal (n-gram, a greedy draft) has a one-hot q: accepting d with
+  probability p(d), and otherwise drawing from p with d removed, is the same in law as
+  drawing t ~ p and accepting d exactly when t = d. That is what is done, with the very
+  uniform plain decoding would have drawn for that token: a seeded request then emits the
+  same tokens with or without n-gram speculation, and a greedy one the longest run of
+  proposals equal to the argmax, plus the argmax after it.
+
+Logprobs of emitted tokens are the target's raw log-softmax at their rows, as without
+speculation.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from raylm.engine.step import SampledToken
+from raylm.executors.sampler import Sampler, inverse_cdf, process_logits, sampling_probs, token_logprobs
+from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
+
+
+def expand_metadata(metadata: SamplingMetadata, draft_token_ids: list[list[int]]) -> SamplingMetadata:
+    """One row per verified position: request r's row i has the request's parameters, its
+    generator, and (when its parameters read it) its output history followed by its first
+    i proposals."""
+    req_ids, params, prompts, outputs, generators = [], [], [], [], []
+    for r, drafts in enumerate(draft_token_ids):
+        history = metadata.output_token_ids[r]
+        tracked = needs_token_history(metadata.sampling_params[r])
+        for i in range(len(drafts) + 1):
+            req_ids.append(metadata.req_ids[r])
+            params.append(metadata.sampling_params[r])
+            prompts.append(metadata.prompt_token_ids[r])
+            outputs.append(history + drafts[:i] if tracked and i else history)
+            generators.append(metadata.generators[r])
+    return SamplingMetadata(req_ids, params, prompts, outputs, generators)
+
+
+class RejectionSampler:
+    def __init__(self, sampler: Sampler | None = None) -> None:
+        self.sampler = sampler or Sampler()
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, draft_token_ids: list[list[int]],
+                 draft_probs: list[torch.Tensor | None] | None = None) -> list[SampledToken]:
+        """logits: [sum over requests of 1 + len(proposals), V] fp32, each request's rows
+        consecutive; metadata: one row per request; draft_token_ids: each request's
+        proposals ([] for a plain decode); draft_probs: per request, the [len(proposals), V]
+        distributions its proposals were drawn from, or None for deterministic ones.
+        Returns each request's emitted tokens (1 to len(proposals) + 1), in request order."""
+        num_requests = metadata.num_rows
+        assert len(draft_token_ids) == num_requests
+        expanded = expand_metadata(metadata, draft_token_ids)
+        assert logits.shape[0] == expanded.num_rows, f"{logits.shape[0]} rows for {expanded.num_rows} positions"
+        starts = list(itertools.accumulate((1 + len(d) for d in draft_token_ids), initial=0))
+        emitted: list[list[SampledToken]] = [[] for _ in range(num_requests)]
+        one_hot, probabilistic = [], []
+        for r in range(num_requests):
+            q = draft_probs[r] if draft_probs is not None else None
+            if q is not None and draft_token_ids[r] and not metadata.sampling_params[r].is_greedy:
+                probabilistic.append(r)
+            else:
+                one_hot.append(r)
+        if one_hot:
+            self._verify_one_hot(logits, expanded, draft_token_ids, starts, one_hot, emitted)
+        for r in probabilistic:
+            rows = list(range(starts[r], starts[r + 1]))
+            emitted[r] = self._verify_with_draft_probs(logits[starts[r]:starts[r + 1]], _subset(expanded, rows),
+                                                       draft_token_ids[r], draft_probs[r])
+        return [token for tokens in emitted for token in tokens]
+
+    def _verify_one_hot(self, logits: torch.Tensor, expanded: SamplingMetadata, draft_token_ids: list[list[int]],
+                        starts: list[int], requests: list[int], emitted: list[list[SampledToken]]) -> None:
+        """Draws every row as plain decoding would, then keeps each request's tokens up to
+        and including the first that differs from its proposal. A seeded request's
+        generator is left as if it had drawn only the tokens emitted."""
+        saved = {}
+        for r in requests:
+            generator = expanded.generators[starts[r]] if draft_token_ids[r] else None
+            if generator is not None:
+                saved[r] = (generator, generator.get_state())
+        rows = [row for r in requests for row in range(starts[r], starts[r + 1])]
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+            expanded = _subset(expanded, rows)
+        tokens = self.sampler(logits, expanded)
+        offset = 0
+        for r in requests:
+            drafts = draft_token_ids[r]
+            for i in range(len(drafts) + 1):
+                token = tokens[offset + i]
+                emitted[r].append(token)
+                if i == len(drafts) or token.token_id != drafts[i]:
+                    break
+            offset += len(drafts) + 1
+        for r, (generator, state) in saved.items():
+            generator.set_state(state)
+            _advance(generator, len(emitted[r]), logits.device)
+
+    def _verify_with_draft_probs(self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[int],
+                                 q: torch.Tensor) -> list[SampledToken]:
+        """Standard rejection sampling of one request's proposals drawn from q [j, V]. Draws
+        j + 1 uniforms whatever is accepted (from the request's generator when seeded)."""
+        params = metadata.sampling_params[0]
+        num_drafts = len(drafts)
+        device = logits.device
+        processed = process_logits(logits, metadata)
+        temperature = torch.full((num_drafts + 1,), params.temperature, dtype=processed.dtype, device=device)
+        p = sampling_probs(processed, metadata.sampling_params, temperature)
+        u = torch.empty(num_drafts + 1, dtype=torch.float32, device=device)
+        generator = metadata.generators[0]
+        for i in range(num_drafts + 1):
+            u[i].uniform_(generator=generator)
+        index = torch.arange(num_drafts, device=device)
+        drafts_tensor = torch.tensor(drafts, device=device)
+        p_d = p[index, drafts_tensor]
+        q_d = q[index, drafts_tensor].to(p.dtype)
+        rejected = (u[:num_drafts] * q_d >= p_d).tolist()
+        num_accepted = rejected.index(True) if True in rejected else num_drafts
+        if num_accepted < num_drafts:
+            residual = (p[num_accepted] - q[num_accepted].to(p.dtype)).clamp_(min=0.0)
+            if not residual.sum() > 0:  # p == q up to rounding: nothing is left to correct
+                residual = p[num_accepted]
+        else:
+            residual = p[num_drafts]
+        final = int(inverse_cdf(residual.unsqueeze(0), u[num_drafts:]).item())
+        token_ids = drafts[:num_accepted] + [final]
+        return _sampled_tokens(logits[:num_accepted + 1], token_ids, metadata.req_ids[0], params)
+
+
+def _sampled_tokens(raw_logits: torch.Tensor, token_ids: list[int], req_id: int, params) -> list[SampledToken]:
+    """SampledTokens with the raw logprobs the request asks for (as the sampler's)."""
+    if not params.needs_sampled_logprob:
+        return [SampledToken(req_id, token_id, None) for token_id in token_ids]
+    entries = token_logprobs(raw_logits, torch.tensor(token_ids, device=raw_logits.device),
+                             [params.logprobs or 0] * len(token_ids))
+    return [SampledToken(req_id, entry.token_id, entry.logprob, entry if params.logprobs is not None else None)
+            for entry in entries]
+
+
+def _subset(metadata: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
+    return SamplingMetadata([metadata.req_ids[i] for i in rows], [metadata.sampling_params[i] for i in rows],
+                            [metadata.prompt_token_ids[i] for i in rows], [metadata.output_token_ids[i] for i in rows],
+                            [metadata.generators[i] for i in rows])
+
+
+def _advance(generator: torch.Generator, num_draws: int, device: torch.device) -> None:
+    """Moves the generator on by num_draws single draws, as the sampler makes them."""
+    u = torch.empty(1, dtype=torch.float32, device=device)
+    for _ in range(num_draws):
+        u[0].uniform_(generator=generator)
