@@ -71,7 +71,7 @@ def resolve_tool_mode(request: Any, config: ToolCallConfig, limits: RequestLimit
             raise OpenAIError("tool_choice 'required' or a named function needs `tools`.", param="tool_choice")
         return None
     _check_tools(tools, limits)
-    tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
+    tool_dicts = template_tools(tools)
     if choice is None:
         choice = "auto"
     if choice == "none":
@@ -91,6 +91,11 @@ def resolve_tool_mode(request: Any, config: ToolCallConfig, limits: RequestLimit
                           f"({', '.join(repr(t.function.name) for t in tools)}).", param="tool_choice")
     return ToolMode("named", parser=NamedToolParser(name), constraint=_constraint(_parameters(tool)),
                     tools=tool_dicts)
+
+
+def template_tools(tools: list[ChatCompletionToolsParam]) -> list[dict[str, Any]]:
+    """The tools as the chat template is given them (the prefix router renders the same)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def _check_tools(tools: list[ChatCompletionToolsParam], limits: RequestLimits) -> None:
