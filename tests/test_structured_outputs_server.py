@@ -434,25 +434,34 @@ def test_fuzzer_made_schemas_get_a_valid_answer_or_a_400(servers, compiler, sche
 
 def test_deeply_nested_schema_past_its_compile_deadline_is_a_400_and_the_engine_serves_on(servers) -> None:
     """A schema nested 300 levels deep (within this server's depth limit) compiles for
-    seconds: the request is answered 400 at the 0.5 s deadline, and the server answers
-    others meanwhile (the compile goes on in its thread)."""
+    seconds (4 s on one loaded core): the request is answered 400 once its 0.5 s deadline
+    has passed, the server answers others meanwhile, and the compile goes on in its thread
+    until the schema is served. Asserted on what the server answers, not on how fast:
+    had the first request waited for the compile, the same schema sent right after its 400
+    would be served, not refused."""
     url = servers["plain"]
     client = _client(url)
-    schema = _nested(300)
+    deep = {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested(300)}}}
     start = time.monotonic()
-    response = _post(url, "chat", {"response_format": {"type": "json_schema",
-                                                       "json_schema": {"name": "deep", "schema": schema}}})
-    assert time.monotonic() - start < 5
+    response = _post(url, "chat", deep)
+    assert time.monotonic() - start >= COMPILE_SECONDS  # refused at the deadline, not before
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "response_format" and f"did not compile within {COMPILE_SECONDS:g} s" in error["message"]
+    # Sent again while it still compiles (the deadline counts from the first ask): a 400.
+    again = _post(url, "completions", deep)
+    assert again.status_code == 400 and "did not compile" in again.json()["error"]["message"], again.text
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40,
                                            response_format={"type": "json_object"})
     choice = reply.choices[0]
     assert choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict)
-    # Sent again while it still compiles, the deadline is already spent: a 400 at once.
-    start = time.monotonic()
-    again = _post(url, "completions", {"response_format": {"type": "json_schema",
-                                                           "json_schema": {"name": "deep", "schema": schema}}})
-    assert again.status_code == 400 and time.monotonic() - start < 1.0
+    # Once compiled, the grammar is kept: the schema is served.
+    deadline = time.monotonic() + 300
+    while (served := _post(url, "completions", {**deep, "max_tokens": 8})).status_code == 400:
+        assert "did not compile" in served.json()["error"]["message"], served.text
+        assert time.monotonic() < deadline, "the deep schema's compile never finished"
+        time.sleep(0.2)
+    assert served.status_code == 200, served.text
+    text = served.json()["choices"][0]["text"]
+    assert served.json()["choices"][0]["finish_reason"] == "length" and text.startswith("{"), text
