@@ -152,8 +152,9 @@ def served(ray_cluster, router_model: Path, chat_template_file: Path):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_serve_app({"model": str(router_model), "num_gpu_blocks_override": 2048, "device": "cpu"},
-                          {"served_model_name": [MODEL], "chat_template": str(chat_template_file)}, num_replicas=2, replica_cpus=0.25, ingress_cpus=0.1,
-                          router_imbalance_threshold=IMBALANCE, router_stats_period_s=0.3, health_check_period_s=1.0)
+                          {"served_model_name": [MODEL], "chat_template": str(chat_template_file)}, num_replicas=2,
+                          replica_cpus=0.25, ingress_cpus=0.1, router_imbalance_threshold=IMBALANCE,
+                          router_stats_period_s=0.3, health_check_period_s=1.0)
     serve.run(app, name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete(APP)
