@@ -35,8 +35,13 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True,
                             text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    record_path = tmp_path / "gpu_check.json"
+    # A failing stage's own log tail is in the record: show it, not only the summary lines.
+    failed_logs = "" if not record_path.exists() else json.dumps(
+        {stage: [job.get("log_tail") for job in jobs] for stage, jobs in json.loads(record_path.read_text())["stages"].items()
+         if any(job["status"] != "ok" for job in jobs)}, indent=1)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:] + failed_logs[-6000:]
+    record = json.loads(record_path.read_text())
     from raylm.cluster.benchmarks.gpu_check import RECORD_KEYS
 
     assert list(record)[:len(RECORD_KEYS)] == list(RECORD_KEYS)

@@ -299,6 +299,17 @@ def throughput(llm, shape: Shape, sizes: Sizes) -> dict:
                 total_tok_s=(generated + len(prompts) * sizes.throughput_in) / seconds)
 
 
+def _straight_onto(device: torch.device) -> dict:
+    """from_pretrained's arguments that load onto the device without 16 GB of host copies
+    first: device_map, which needs accelerate. Without it (a plain CPU install, a bare GPU
+    image) the model loads on the host and the caller moves it."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return {}
+    return {"device_map": device.type}
+
+
 @torch.inference_mode()
 def hf_throughput(model_dir: Path, sizes: Sizes, device: torch.device) -> dict:
     """HF generate over all prompts in one batch (equal lengths: no padding), greedy, exactly
@@ -306,8 +317,8 @@ def hf_throughput(model_dir: Path, sizes: Sizes, device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    # Loaded straight onto the device (not through 16 GB of host copies first).
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map=device.type).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **_straight_onto(device))
+    model = model.to(device).eval()
     prompts = torch.tensor(random_prompts(sizes.throughput_prompts, sizes.throughput_in, sizes.shape.vocab_size,
                                           seed=30), device=device)
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=sizes.throughput_out,
