@@ -41,6 +41,7 @@ from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
 from raylm.deploy.serving_models import OpenAIServingModels
+from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
@@ -190,11 +191,15 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     serving_models.load_static_loras()
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                           models=serving_models)
+    tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
                              model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template,
-                             models=serving_models)
+                             tool_config=tool_config, models=serving_models)
     metrics = ServerMetrics(engine, model_names[0])
+    if engine.engine.structured_output_manager is not None:
+        # Ready before the first constrained request, whose compile deadline it would spend.
+        engine.engine.structured_output_manager.start_warm_up()
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
     app.state.engine = engine

@@ -8,12 +8,12 @@ router remembers sending it are one kind of thing: a hash in a request's key nam
 prefix up to that block.
 
 Computing them takes the prompt's token ids, so the router's ingress tokenizes as the
-replica will (the chat template rendered the same way). That costs more than hashing the
-prompt's characters in chunks, as Ray Serve LLM's and SGLang's routers do, but it is what
-lets the replicas' own reports, evictions included, be read without a second tree of
-guesses; `cluster/benchmarks/bench_prefix_routing.py` measures both. Only the first
-`max_blocks` blocks are keyed (long prompts are cut before tokenizing), which bounds the
-router's cost whatever the prompt's length.
+replica will (the chat template rendered the same way, from the same messages and tools).
+That costs more than hashing the prompt's characters in chunks, as Ray Serve LLM's and
+SGLang's routers do, but it is what lets the replicas' own reports, evictions included,
+be read without a second tree of guesses; `cluster/benchmarks/bench_prefix_routing.py`
+measures both. Only the first `max_blocks` blocks are keyed (long prompts are cut before
+tokenizing), which bounds the router's cost whatever the prompt's length.
 
 A request for a LoRA adapter (`model` naming neither the base model nor one of its aliases,
 with LoRA on) is keyed with the adapter's name in its first block, so two adapters'
@@ -125,21 +125,26 @@ class PrefixKeyer:
         return self._key(token_ids, body.get("cache_salt"), body.get("model"))
 
     def _chat_key(self, body: dict[str, Any]) -> PrefixKey | None:
-        from raylm.deploy.protocol import ChatMessage
+        from raylm.deploy.protocol import ChatCompletionToolsParam, ChatMessage
+        from raylm.deploy.serving_chat import template_message
+        from raylm.deploy.tool_calls import template_tools
 
         if self.tokenizer is None:
             return None
         template = body.get("chat_template") or self.chat_template
         if body.get("chat_template") and not self.trust_request_chat_template:
             return None  # the replica refuses it
-        messages = [ChatMessage.model_validate(m) for m in body["messages"]]
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        # As OpenAIServingChat.render does, with the request's own switches.
+        conversation = [template_message(ChatMessage.model_validate(m)) for m in body["messages"]]
+        # As OpenAIServingChat.render does, with the request's own switches; the tools go
+        # into the template (whatever tool_choice says), so they are part of the prefix.
+        template_kwargs = dict(body.get("chat_template_kwargs") or {})
+        if body.get("tools"):
+            template_kwargs["tools"] = template_tools([ChatCompletionToolsParam.model_validate(tool)
+                                                       for tool in body["tools"]])
         text = self.tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False,
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            continue_final_message=bool(body.get("continue_final_message", False)),
-            **(body.get("chat_template_kwargs") or {}))
+            continue_final_message=bool(body.get("continue_final_message", False)), **template_kwargs)
         return self._key(self._tokenize(text, bool(body.get("add_special_tokens", False))), body.get("cache_salt"),
                          body.get("model"))
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.tool_parsers import TOOL_PARSERS, check_tool_settings
 from raylm.engine import arg_fields, envs
 from raylm.engine.arg_fields import nested, setting
 
@@ -97,6 +98,12 @@ class ServerArgs:
         "tokenizer's."))
     trust_request_chat_template: bool = field(default=False, metadata=setting(
         "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs)."))
+    enable_auto_tool_choice: bool = field(default=False, metadata=setting(
+        "Serve tool_choice 'auto' (the default when a chat request gives tools): the model decides whether to "
+        "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))
+    tool_call_parser: str | None = field(default=None, metadata=setting(
+        "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
+        "llama3_json (Llama 3.1 / 3.2 JSON), mistral; default: none.", choices=tuple(sorted(TOOL_PARSERS))))
     uvicorn_log_level: str = field(default="warning", metadata=setting(
         "uvicorn's log level.", key=False, note=_UVICORN_ONLY,
         choices=("critical", "error", "warning", "info", "debug", "trace")))
@@ -123,6 +130,7 @@ class ServerArgs:
                              f"{self.shutdown_timeout}.")
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
+        check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("Give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both.")
 

@@ -18,9 +18,11 @@ from starlette.types import Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +122,27 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
 
+    def structured_outputs(self, request: Any) -> StructuredOutputsParams | None:
+        """The request's output constraint (response_format, structured_outputs, guided_*),
+        checked against the limits; a 400 names the field."""
+        return structured_outputs_params(request, self.limits)
+
+    async def compile_structured_outputs(self, params: list[SamplingParams]) -> None:
+        """Waits until the requests' grammars are compiled (off the event loop and the engine
+        step), so that they start at once; one that does not compile, or not within
+        --max-grammar-compile-seconds, is a 400 naming its field."""
+        constraints = {p.structured_outputs.cache_key(): p.structured_outputs
+                       for p in params if p.structured_outputs is not None}
+        for constraint in constraints.values():
+            try:
+                await self.engine.compile_structured_outputs(constraint, self.limits.max_grammar_compile_seconds)
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
+
     async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
                            lora_request: Any = None) -> list[AsyncIterator[RequestOutput]]:
         """Adds one engine request per prompt; a rejected prompt aborts the others."""
+        await self.compile_structured_outputs(params)
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for index, (prompt, sampling_params) in enumerate(zip(prompts, params)):

@@ -10,6 +10,7 @@ from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSea
 from raylm.engine.lora_request import LoRARequest  # noqa: E402
 from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from raylm.engine.structured_output.params import StructuredOutputsParams  # noqa: E402
 
 # Imported on first use, so that workers importing the plain step types do not pull in
 # the engine, the scheduler and transformers.
@@ -21,7 +22,8 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]
+           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -26,7 +26,8 @@ from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSe
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import CompletionOutput, RequestOutput
-from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +334,29 @@ class AsyncLLMEngine:
                 self._abort_state(state)
             raise
         return [RequestStream(self, state) for state in states]
+
+    async def compile_structured_outputs(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+        """Waits, off the event loop, until the constraint's grammar is compiled (or found in
+        the cache), so that a request with it starts at once. Raises StructuredOutputsError
+        (a ValueError naming the request's field) if it does not compile, or is not compiled
+        `timeout_s` seconds after it was first asked for; the compile itself goes on in its
+        thread and the engine keeps stepping."""
+        self._raise_if_dead()
+        manager = self.engine.structured_output_manager
+        if manager is None:
+            raise ParameterError("structured outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
+                                 params.source)
+        future = manager.compile(params)
+        if not future.done():
+            wrapped = asyncio.wrap_future(future)
+            # Retrieved here, so a compile that fails after its waiter gave up is not logged
+            # as an exception nobody saw.
+            wrapped.add_done_callback(lambda done: done.cancelled() or done.exception())
+            try:
+                await asyncio.wait_for(asyncio.shield(wrapped), manager.remaining_s(params, timeout_s))
+            except TimeoutError:
+                raise manager.timeout_error(params, timeout_s) from None
+        future.result()
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
                        request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:

@@ -147,6 +147,7 @@ class LLM:
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              use_tqdm: bool, lora_list: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
+        self._compile_grammars(params_list)
         request_ids: list[str] = []
         lora_list = lora_list or [None] * len(prompts)
         try:
@@ -160,6 +161,18 @@ class LLM:
             # A bad prompt in the list, Ctrl-C or a worker failure: leave nothing queued.
             engine.abort_request(request_ids)
             raise
+
+    def _compile_grammars(self, params_list: list[SamplingParams]) -> None:
+        """Compiles the structured-output grammars of a batch side by side, before any of its
+        requests is queued: a constraint that does not compile is a ValueError naming it."""
+        constraints = {params.structured_outputs.cache_key(): params.structured_outputs
+                       for params in params_list if params.structured_outputs is not None}
+        manager = self.llm_engine.structured_output_manager
+        if manager is not None:
+            for constraint in constraints.values():
+                manager.compile(constraint)
+        for constraint in constraints.values():
+            self.llm_engine.compile_structured_outputs(constraint)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

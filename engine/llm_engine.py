@@ -17,6 +17,8 @@ from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request
 from raylm.engine.sampling_params import ParameterError, SamplingParams
+from raylm.engine.structured_output.manager import StructuredOutputManager
+from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,11 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(self.model_config.model,
                                                             self.model_config.generation_config)
         self.eos_token_ids = self._find_eos_token_ids()
-        self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats)
+        # Grammars for structured outputs are built over the tokenizer's vocabulary.
+        self.structured_output_manager = None if self.tokenizer is None else StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats,
+                                      structured_output_manager=self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._overlap_output_processing = (self.engine_core.runs_steps_asynchronously
                                            and not engine_config.scheduler_config.disable_async_output_proc)
@@ -147,6 +153,9 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
         params.verify_vocab(vocab_size)
+        if params.structured_outputs is not None and self.structured_output_manager is None:
+            raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
+                                 "structured_outputs")
         # vLLM's max_logprobs: every request counts, beam search's one-token steps too
         # (they ask for 2 x beam_width), so it bounds the beam width as in vLLM.
         max_logprobs = self.model_config.max_logprobs
@@ -257,7 +266,27 @@ class LLMEngine:
         if to_stop:
             self.engine_core.stop_requests(to_stop)
         self._failed_requests.update(failed)
+        self._fail_core_failures()
         return outputs
+
+    def _fail_core_failures(self) -> None:
+        """Requests the core ended on an error (their grammar did not compile, or refused a
+        token): their whole parent request fails, its other samples aborted."""
+        for child_id, error in self.engine_core.pop_failed_requests().items():
+            state = self.output_processor.request_states.get(child_id)
+            if state is None:
+                continue  # its parent already failed or was aborted
+            self._failed_requests[state.parent.request_id] = error
+            self.abort_request(state.parent.request_id)
+
+    def compile_structured_outputs(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+        """Compiles (or finds cached) the grammar of a constraint, blocking; raises
+        StructuredOutputsError (a ValueError naming the field) if it does not compile, or
+        not within `timeout_s` seconds. Requests with the constraint then start at once."""
+        if self.structured_output_manager is None:
+            raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
+                                 params.source)
+        self.structured_output_manager.wait_compiled(params, timeout_s)
 
     # -------------------------------------------------------------- lifecycle
     def check_health(self) -> None:
@@ -265,6 +294,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
 
@@ -68,6 +70,11 @@ class ExecuteModelRequest:
     finished_req_ids: list[int] = field(default_factory=list)
     # LoRA: the adapters that this step puts in slots (slot -> adapter), before it runs.
     lora_activations: dict[int, LoRARequest] | None = None
+    # Structured outputs: the next-token bitmask (int32 [k, ceil(V / 32)], bit j of a row
+    # set where token j is allowed) of the k sampled requests in `structured_output_req_ids`,
+    # row i for req_id structured_output_req_ids[i]; the sampler masks the others to -inf.
+    grammar_bitmask: np.ndarray | None = None
+    structured_output_req_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, Sample
                                ScheduledRequest, TokenLogprobs)
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
+from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import Sampler, token_logprobs
@@ -389,6 +390,9 @@ class ModelRunner:
         logits = logits.float()
 
         output = SamplerOutput()
+        if req.structured_output_req_ids and sample_rows:
+            # Structured outputs: tokens the grammar refuses get -inf before any sampling.
+            apply_grammar_bitmask(logits, req.grammar_bitmask, _grammar_rows(sampled, req.structured_output_req_ids))
         if sample_rows:
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.
@@ -659,6 +663,22 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _grammar_rows(sampled: list[ScheduledRequest], constrained_req_ids: list[int]) -> list[int]:
+    """The logits row of each constrained request, among the sampled requests' rows: a
+    request verifying k proposals has k + 1 rows, so rows and requests differ in number
+    when the batch speculates. A constrained request proposes nothing (Drafter.num_drafts),
+    so its one row is where its bitmask row goes."""
+    row_of: dict[int, int] = {}
+    row = 0
+    for scheduled in sampled:
+        row_of[scheduled.req_id] = row
+        row += 1 + (len(scheduled.spec_token_ids) if scheduled.spec_token_ids else 0)
+    constrained = set(constrained_req_ids)
+    assert not any(s.spec_token_ids for s in sampled if s.req_id in constrained), \
+        "a request with a grammar bitmask must not propose tokens"
+    return [row_of[req_id] for req_id in constrained_req_ids]
 
 
 def _as_decode_rows(positions: list[int], query_lens: list[int], block_tables: list[list[int]]
