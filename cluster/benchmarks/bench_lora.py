@@ -2,8 +2,9 @@
 
 Two parts:
 
-- ``ops``: the CPU's batched LoRA term of one layer (raylm's masked GEMM, `kernels/lora_ops.py`)
-  against the two other ways to batch it, at the projections of the 5M and ~100M benchmark
+- ``ops``: the CPU's batched LoRA term of one layer, raylm's two paths (the native gather
+  kernel `raylm::lora_bgmv` of `kernels/csrc/cpu_lora.cpp`, and the masked GEMM it falls back
+  to, `kernels/lora_ops.py`) against two other ways to batch it, at the projections of the 5M and ~100M benchmark
   Llamas: a loop over the step's adapters (gather each adapter's rows, two GEMMs, scatter
   back: punica's segment idea done one segment at a time) and a per-row gather (each row's own
   A and B gathered, then batched matrix-vector products: punica's BGMV on the CPU). Medians of
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from raylm.kernels.lora_ops import LoRABatch, add_lora_masked_gemm
+from raylm.kernels.lora_ops import LoRABatch, add_lora_masked_gemm, native_kernel_available
 
 # (name, in_features, out features of each slice) of the benchmark Llamas' projections.
 SHAPES = {
@@ -105,6 +106,10 @@ def bench_ops(num_tokens: int, num_adapters: int, rank: int, dtype: torch.dtype,
                 "per_adapter_loop": lambda: _per_adapter_loop(out, x, a_slots, b_slots, offsets, slots),
                 "per_row_gather": lambda: _per_row_gather(out, x, a_slots, b_slots, offsets, slots),
             }
+            if native_kernel_available():
+                token_slots = batch.token_slots
+                methods["native_bgmv"] = lambda: torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, offsets,
+                                                                           token_slots, batch.max_rank)
             samples: dict[str, list[float]] = {key: [] for key in methods}
             for _ in range(rounds):  # interleaved: a burst of load elsewhere hits every method
                 for key, fn in methods.items():
@@ -201,7 +206,7 @@ def bench_e2e(model: str, dtype: str, num_prompts: int, input_len: int, output_l
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parts = parser.add_subparsers(dest="part", required=True)
-    ops = parts.add_parser("ops", help="the batched LoRA term of one layer, three ways")
+    ops = parts.add_parser("ops", help="the batched LoRA term of one layer, four ways")
     ops.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
     ops.add_argument("--adapters", type=int, default=4)
     ops.add_argument("--rank", type=int, default=16)
