@@ -327,6 +327,45 @@ def test_an_adapter_that_fails_to_load_fails_its_requests_alone(llama_dir, adapt
         engine.shutdown()
 
 
+# ---- beam search ---------------------------------------------------------------------------------
+
+def test_beam_search_runs_each_prompts_beams_under_its_adapter(llama_dir, llm, prompts, adapters, lora_requests):
+    """LLM.beam_search with one adapter per prompt: each prompt's beams equal peft's
+    `generate(num_beams=2)` under that adapter (the base model for None); the async engine's
+    beam search under an adapter gives the same beams."""
+    import asyncio
+
+    from lora_adapters import peft_model
+    from raylm.engine import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    names = ["a", "base", "b"]
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:3]], params,
+                              lora_request=[lora_requests[name] for name in names])
+    for prompt, name, output in zip(prompts, names, outputs):
+        model = peft_model(str(llama_dir), None if name == "base" else str(adapters[name]))
+        with torch.no_grad():
+            reference = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                       dtype=torch.long), num_beams=2, num_return_sequences=2, do_sample=False,
+                                       max_new_tokens=6, pad_token_id=0)
+        assert [s.output_tokens for s in output.sequences] == [seq[len(prompt):].tolist() for seq in reference], name
+    assert len({tuple(output.sequences[0].output_tokens) for output in outputs}) == 3
+
+    async def async_beams() -> list[list[int]]:
+        from raylm.engine import AsyncLLMEngine, EngineArgs
+
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", enable_lora=True,
+                                                            max_lora_rank=16, max_model_len=128))
+        try:
+            result = await engine.beam_search({"prompt_token_ids": prompts[0]}, "beams", params,
+                                              lora_request=lora_requests["a"])
+            return [sequence.output_tokens for sequence in result.sequences]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(async_beams()) == [s.output_tokens for s in outputs[0].sequences]
+
+
 # ---- speculative decoding ------------------------------------------------------------------------
 
 def test_ngram_speculation_under_adapters_gives_plain_decodings_tokens(llama_dir, llm, adapters, lora_requests):
