@@ -36,10 +36,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from raylm.deploy.errors import OpenAIError, error_response, install_error_handlers
 from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                   TokenizeRequest, TokenizeResponse)
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.serving_models import OpenAIServingModels
+from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
@@ -184,11 +186,20 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     limits = server_args.limits
     api_key = server_args.resolved_api_key()
     aliases = server_args.model_aliases(model_config.model)
-    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases)
+    # The base model's names and the LoRA adapters (--lora-modules, loaded now).
+    serving_models = OpenAIServingModels(engine, model_names, server_args.lora)
+    serving_models.load_static_loras()
+    completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
+                                          models=serving_models)
+    tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
                              model_aliases=aliases,
-                             trust_request_chat_template=server_args.trust_request_chat_template)
+                             trust_request_chat_template=server_args.trust_request_chat_template,
+                             tool_config=tool_config, models=serving_models)
     metrics = ServerMetrics(engine, model_names[0])
+    if engine.engine.structured_output_manager is not None:
+        # Ready before the first constrained request, whose compile deadline it would spend.
+        engine.engine.structured_output_manager.start_warm_up()
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
     app.state.engine = engine
@@ -223,10 +234,9 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        # root: the served name too; the folder's path is the server's business.
-        cards = [ModelCard(id=name, root=model_names[0], max_model_len=model_config.max_model_len)
-                 for name in model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(serving_models.model_list().model_dump())
+
+    serving_models.add_routes(app)  # /v1/load_lora_adapter etc., with --allow-runtime-lora-updating
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

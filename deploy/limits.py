@@ -7,7 +7,8 @@ field (`param`) and the limit. Where vLLM has a limit raylm keeps it, where vLLM
 `logprobs` / `prompt_logprobs` / `top_logprobs` (the engine argument `max_logprobs`, 20).
 The limits below are the server's own, part of `ServerArgs`: each field is a `raylm serve`
 flag (`max_stop_strings` is `--max-stop-strings`) and a Ray Serve app key, with the
-field's help.
+field's help. The structured-output limits bound what a grammar's compile time grows with
+(a constraint's size, a JSON schema's nesting) and the compile time itself.
 """
 
 from __future__ import annotations
@@ -41,11 +42,27 @@ class RequestLimits:
     max_prompt_chars: int | None = field(default=None, metadata=setting(
         f"Most characters of one text prompt, or of a chat request's messages together, before tokenization; "
         f"default: {PROMPT_CHARS_PER_TOKEN} x max_model_len (longer text could not fit the context)."))
+    # Structured outputs and tools: what a grammar's compile time grows with.
+    max_structured_output_chars: int = field(default=65536, metadata=setting(
+        "Most characters of a request's structured-output constraint (its JSON schema as JSON, regex, grammar or "
+        "choices together), and of its tools' definitions together."))
+    max_json_schema_depth: int = field(default=64, metadata=setting(
+        "Deepest nesting of objects and arrays in a JSON schema (response_format, structured_outputs, a tool's "
+        "parameters); compile time grows with the cube of a schema's nesting."))
+    max_tools: int = field(default=128, metadata=setting("Most tools in one chat request."))
+    max_grammar_compile_seconds: float = field(default=10.0, metadata=setting(
+        "Seconds a request's grammar may take to compile before the request is answered 400 (the compile goes on "
+        "in its own thread and is cached; the engine keeps serving meanwhile)."))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is None:
+                continue
+            if isinstance(f.default, float):
+                if not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"{f.name} must be a positive number, got {value!r}.")
+            elif not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}.")
 
     def prompt_chars(self, max_model_len: int) -> int:
@@ -73,6 +90,16 @@ class RequestLimits:
             raise OpenAIError(f"The {param} has {chars} characters; at most {limit} are allowed before tokenization "
                               f"(--max-prompt-chars; this model's maximum context length is {max_model_len} "
                               f"tokens).", param=param)
+
+    def check_structured_output(self, text: str, depth: int, param: str) -> None:
+        """A constraint's size (`text`: its JSON schema as JSON, regex, grammar or choices)
+        and, for a JSON schema, its nesting `depth`."""
+        if len(text) > self.max_structured_output_chars:
+            raise OpenAIError(f"{param} is {len(text)} characters long; at most {self.max_structured_output_chars} "
+                              f"are allowed (--max-structured-output-chars).", param=param)
+        if depth > self.max_json_schema_depth:
+            raise OpenAIError(f"{param}: the JSON schema nests {depth} levels deep; at most "
+                              f"{self.max_json_schema_depth} are allowed (--max-json-schema-depth).", param=param)
 
     def check_messages(self, messages: list[Any], max_model_len: int) -> None:
         """The number of chat messages and the characters of their content together."""

@@ -8,12 +8,19 @@ router remembers sending it are one kind of thing: a hash in a request's key nam
 prefix up to that block.
 
 Computing them takes the prompt's token ids, so the router's ingress tokenizes as the
-replica will (the chat template rendered the same way). That costs more than hashing the
-prompt's characters in chunks, as Ray Serve LLM's and SGLang's routers do, but it is what
-lets the replicas' own reports, evictions included, be read without a second tree of
-guesses; `cluster/benchmarks/bench_prefix_routing.py` measures both. Only the first
-`max_blocks` blocks are keyed (long prompts are cut before tokenizing), which bounds the
-router's cost whatever the prompt's length.
+replica will (the chat template rendered the same way, from the same messages and tools).
+That costs more than hashing the prompt's characters in chunks, as Ray Serve LLM's and
+SGLang's routers do, but it is what lets the replicas' own reports, evictions included,
+be read without a second tree of guesses; `cluster/benchmarks/bench_prefix_routing.py`
+measures both. Only the first `max_blocks` blocks are keyed (long prompts are cut before
+tokenizing), which bounds the router's cost whatever the prompt's length.
+
+A request for a LoRA adapter (`model` naming neither the base model nor one of its aliases,
+with LoRA on) is keyed with the adapter's name in its first block, so two adapters'
+requests, or an adapter's and the base model's, with the same prompt never count as the same
+prefix. The replicas hash an adapter by its engine id, name and folder, which the router
+does not know: their reports never match an adapter request's key, and such requests follow
+only what the router remembers sending where (`router_retention_s`).
 
 A request the key cannot be computed for (a body that is no completion, a malformed one, a
 server without a tokenizer) gets no key; the router then sends it to the least loaded
@@ -27,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.engine.block_pool import hash_block_tokens
+from raylm.engine.block_pool import first_block_extra_key, hash_block_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +59,10 @@ class PrefixKey:
 
 
 def block_hash_key(token_ids: list[int], block_size: int, cache_salt: str | None = None,
-                   max_blocks: int | None = None) -> tuple[bytes, ...]:
+                   max_blocks: int | None = None, adapter_key: bytes | None = None) -> tuple[bytes, ...]:
     """The truncated hashes of the full blocks of `token_ids`, as the KV-cache manager
-    chains them (kv_cache_manager.KVCacheManager._update_block_hashes)."""
+    chains them (kv_cache_manager.KVCacheManager._update_block_hashes); `adapter_key`
+    marks a LoRA adapter's request (see `adapter_key_of`)."""
     num_blocks = len(token_ids) // block_size
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
@@ -62,19 +70,30 @@ def block_hash_key(token_ids: list[int], block_size: int, cache_salt: str | None
     parent: bytes | None = None
     for index in range(num_blocks):
         block = token_ids[index * block_size:(index + 1) * block_size]
-        salt = cache_salt.encode() if index == 0 and cache_salt is not None else b""
-        parent = hash_block_tokens(parent, block, salt)
+        extra_key = first_block_extra_key(cache_salt, adapter_key) if index == 0 else b""
+        parent = hash_block_tokens(parent, block, extra_key)
         hashes.append(parent[:KEY_HASH_BYTES])
     return tuple(hashes)
 
 
+def adapter_key_of(model: Any, base_model_names: frozenset[str] | None) -> bytes | None:
+    """The router's key of the LoRA adapter a request's `model` names: None for the base
+    model (no `model`, one of `base_model_names`, or any name when LoRA is off:
+    base_model_names None), else the name's bytes."""
+    if base_model_names is None or not isinstance(model, str) or not model or model in base_model_names:
+        return None
+    return b"model\x00" + model.encode()
+
+
 class PrefixKeyer:
     """Turns a completions or chat request body into its `PrefixKey`, with the tokenizer
-    and chat template the replicas use."""
+    and chat template the replicas use. `base_model_names`: with LoRA on, the names that
+    mean the base model (any other `model` is an adapter's); None with LoRA off."""
 
     def __init__(self, tokenizer: Any, block_size: int, max_blocks: int, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, base_model_names: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.base_model_names = None if base_model_names is None else frozenset(base_model_names)
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.chat_template = chat_template
@@ -103,25 +122,31 @@ class PrefixKeyer:
             token_ids = prompt
         else:
             return None
-        return self._key(token_ids, body.get("cache_salt"))
+        return self._key(token_ids, body.get("cache_salt"), body.get("model"))
 
     def _chat_key(self, body: dict[str, Any]) -> PrefixKey | None:
-        from raylm.deploy.protocol import ChatMessage
+        from raylm.deploy.protocol import ChatCompletionToolsParam, ChatMessage
+        from raylm.deploy.serving_chat import template_message
+        from raylm.deploy.tool_calls import template_tools
 
         if self.tokenizer is None:
             return None
         template = body.get("chat_template") or self.chat_template
         if body.get("chat_template") and not self.trust_request_chat_template:
             return None  # the replica refuses it
-        messages = [ChatMessage.model_validate(m) for m in body["messages"]]
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        # As OpenAIServingChat.render does, with the request's own switches.
+        conversation = [template_message(ChatMessage.model_validate(m)) for m in body["messages"]]
+        # As OpenAIServingChat.render does, with the request's own switches; the tools go
+        # into the template (whatever tool_choice says), so they are part of the prefix.
+        template_kwargs = dict(body.get("chat_template_kwargs") or {})
+        if body.get("tools"):
+            template_kwargs["tools"] = template_tools([ChatCompletionToolsParam.model_validate(tool)
+                                                       for tool in body["tools"]])
         text = self.tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False,
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            continue_final_message=bool(body.get("continue_final_message", False)),
-            **(body.get("chat_template_kwargs") or {}))
-        return self._key(self._tokenize(text, bool(body.get("add_special_tokens", False))), body.get("cache_salt"))
+            continue_final_message=bool(body.get("continue_final_message", False)), **template_kwargs)
+        return self._key(self._tokenize(text, bool(body.get("add_special_tokens", False))), body.get("cache_salt"),
+                         body.get("model"))
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
@@ -133,9 +158,10 @@ class PrefixKeyer:
         token_ids = self.tokenizer.encode(text[:self._max_chars], add_special_tokens=add_special_tokens)
         return token_ids[:max(0, len(token_ids) - self.block_size)]
 
-    def _key(self, token_ids: list[int], cache_salt: Any) -> PrefixKey | None:
+    def _key(self, token_ids: list[int], cache_salt: Any, model: Any) -> PrefixKey | None:
         salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-        hashes = block_hash_key(token_ids, self.block_size, salt, self.max_blocks)
+        hashes = block_hash_key(token_ids, self.block_size, salt, self.max_blocks,
+                                adapter_key_of(model, self.base_model_names))
         if not hashes:
             return None
         return PrefixKey(hashes, len(hashes) * self.block_size)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Logprobs: OpenAI allows at most 20 alternatives per position in chat and 5 in completions;
 # vLLM bounds both by its max_logprobs engine argument (default 20), and so does raylm's
@@ -84,8 +85,74 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class _SamplingFields(OpenAIBaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's and vLLM's extras)."""
+# ------------------------------------------- structured outputs and tools
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    # `schema` in the body (the name shadows a pydantic attribute).
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputFields(OpenAIBaseModel):
+    """The request fields that may ask for an output constraint, in completions and chat
+    (read by deploy/structured_outputs.py)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted for vLLM clients that send them; raylm has one backend, xgrammar.
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _SamplingFields(StructuredOutputFields):
+    """Sampling fields shared by completions and chat (OpenAI's and vLLM's extras), and the
+    output-constraint fields (deploy/structured_outputs.py)."""
 
     model: str | None = None
     frequency_penalty: float | None = 0.0
@@ -130,6 +197,7 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int,
                          prompt_logprobs: int | None, model_defaults: dict[str, Any] | None = None,
+                         structured_outputs: StructuredOutputsParams | None = None,
                          **beam_search: Any) -> SamplingParams:
         """Builds the engine's SamplingParams; raises ParameterError naming a bad field.
         Sampling fields the request leaves unset take `model_defaults` (the model's
@@ -174,6 +242,7 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs,
             **beam_search,
         )
 
@@ -214,13 +283,13 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
-    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None
-                           ) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs
         return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens, prompt_logprobs,
-                                     model_defaults, use_beam_search=self.use_beam_search,
+                                     model_defaults, structured_outputs, use_beam_search=self.use_beam_search,
                                      length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
@@ -271,6 +340,9 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant message's calls and a tool message's answer (deploy/tool_calls.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's text; a list of content parts is joined (text parts only)."""
@@ -299,6 +371,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools (deploy/tool_calls.py): tool_choice defaults to "auto" when tools are given.
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -315,11 +391,12 @@ class ChatCompletionRequest(_SamplingFields):
                                  "continue_final_message")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None
-                           ) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, default_max_tokens, self.prompt_logprobs, model_defaults)
+        return self._sampling_params(max_tokens, logprobs, default_max_tokens, self.prompt_logprobs, model_defaults,
+                                     structured_outputs)
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -363,6 +440,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    # OpenAI's tool-call deltas, JSON-ready (deploy/tool_calls.py's ToolCallStreamer).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -39,6 +39,7 @@ from raylm.deploy.serve_ingress import ForwardedRequest, RaylmIngress, run_forwa
 from raylm.deploy.server_args import PREFIX_AWARE_ROUTER, DeploymentArgs, ServerArgs
 from raylm.engine import arg_fields
 from raylm.engine.arg_utils import EngineArgs
+from raylm.models.bundled import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,17 @@ def keyer_arguments(engine_args: EngineArgs, server_args: ServerArgs, deployment
                 trust_remote_code=engine_args.trust_remote_code, revision=engine_args.revision,
                 tokenizer_mode=engine_args.tokenizer_mode, block_size=engine_args.block_size,
                 max_blocks=deployment.router_max_key_blocks, chat_template=server_args.chat_template,
-                trust_request_chat_template=server_args.trust_request_chat_template)
+                trust_request_chat_template=server_args.trust_request_chat_template,
+                base_model_names=_base_model_names(engine_args, server_args))
+
+
+def _base_model_names(engine_args: EngineArgs, server_args: ServerArgs) -> list[str] | None:
+    """With LoRA on, the `model` values that mean the base model (any other names an
+    adapter, which the prefix key must tell apart); None with LoRA off."""
+    if not engine_args.enable_lora:
+        return None
+    model = resolve_model_path(engine_args.model)
+    return server_args.model_names(model) + server_args.model_aliases(model)
 
 
 def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dict[str, Any] | None = None,
@@ -198,6 +209,11 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
     if not isinstance(server_args, ServerArgs):
         server_args = ServerArgs.from_values(server_args or {})
     deployment = deployment or DeploymentArgs.from_values(deployment_kwargs)
+    if server_args.lora.allow_runtime_lora_updating and deployment.most_replicas > 1:
+        # A load request reaches one replica; the others would answer 404 for the adapter.
+        raise ValueError(f"allow_runtime_lora_updating loads an adapter on the one replica its request reaches, so "
+                         f"it needs a single engine replica (num_replicas=1), got up to {deployment.most_replicas}; "
+                         f"serve adapters on several replicas with lora_modules.")
     # One bundle per worker: tensor_parallel_size of them in each pipeline stage.
     num_workers = (int(engine_kwargs.get("tensor_parallel_size", 1))
                    * int(engine_kwargs.get("pipeline_parallel_size", 1)))

@@ -14,11 +14,14 @@ neither.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.tool_parsers import TOOL_PARSERS, check_tool_settings
 from raylm.engine import arg_fields, envs
 from raylm.engine.arg_fields import nested, setting
 
@@ -34,6 +37,38 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
 # The environment variable holding the API key, so that it need not be on the command
 # line (where `ps` shows it): vLLM reads VLLM_API_KEY.
 API_KEY_ENV = envs.API_KEY_VARIABLE
+
+@dataclass
+class LoRAServerSettings:
+    """The server's LoRA settings (the engine's, --enable-lora, --max-loras and the others,
+    are engine arguments); see docs/lora.md."""
+
+    lora_modules: list[str] | None = field(default=None, metadata=setting(
+        "LoRA adapters to serve (needs --enable-lora), each `name=path` or JSON {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}: requests with `model` set to the name run under the adapter (a PEFT folder "
+        "with adapter_config.json and adapter_model.safetensors). Default: none."))
+    allow_runtime_lora_updating: bool = field(default=False, metadata=setting(
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
+        "clients may then load adapters from the folders under --allowed-lora-dirs."))
+    allowed_lora_dirs: list[str] | None = field(default=None, metadata=setting(
+        "Folders under which /v1/load_lora_adapter may load adapters (needed by --allow-runtime-lora-updating); "
+        "a path outside them, symbolic links resolved, is refused. Default: none."))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, str):
+            # One string: a JSON list, one JSON object, or comma-separated `name=path` entries.
+            text = self.lora_modules.strip()
+            self.lora_modules = (json.loads(text) if text.startswith("[") else [text] if text.startswith("{")
+                                 else [part for part in text.split(",") if part])
+        if isinstance(self.allowed_lora_dirs, str):
+            self.allowed_lora_dirs = [part for part in self.allowed_lora_dirs.split(",") if part]
+        if self.allow_runtime_lora_updating and not self.allowed_lora_dirs:
+            raise ValueError("allow_runtime_lora_updating needs allowed_lora_dirs (--allowed-lora-dirs): the folders "
+                             "from which clients may load adapters.")
+        for folder in self.allowed_lora_dirs or ():
+            if not os.path.isdir(folder):
+                raise ValueError(f"allowed_lora_dirs: {folder!r} is not a folder.")
+
 
 _SERVE_HTTP = "Ray Serve's http_options set it (`serve run --host/--port`, the config's http_options)."
 _UVICORN_ONLY = "uvicorn's own; Ray Serve runs its own HTTP proxy."
@@ -63,6 +98,12 @@ class ServerArgs:
         "tokenizer's."))
     trust_request_chat_template: bool = field(default=False, metadata=setting(
         "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs)."))
+    enable_auto_tool_choice: bool = field(default=False, metadata=setting(
+        "Serve tool_choice 'auto' (the default when a chat request gives tools): the model decides whether to "
+        "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))
+    tool_call_parser: str | None = field(default=None, metadata=setting(
+        "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
+        "llama3_json (Llama 3.1 / 3.2 JSON), mistral; default: none.", choices=tuple(sorted(TOOL_PARSERS))))
     uvicorn_log_level: str = field(default="warning", metadata=setting(
         "uvicorn's log level.", key=False, note=_UVICORN_ONLY,
         choices=("critical", "error", "warning", "info", "debug", "trace")))
@@ -75,6 +116,7 @@ class ServerArgs:
         "Seconds SIGTERM lets the requests in flight finish before it aborts them (under Ray Serve: the "
         "replica's graceful_shutdown_timeout_s)."))
     limits: RequestLimits = field(default_factory=RequestLimits, metadata=nested())
+    lora: LoRAServerSettings = field(default_factory=LoRAServerSettings, metadata=nested())
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_requests", "max_request_body_bytes"):
@@ -88,6 +130,7 @@ class ServerArgs:
                              f"{self.shutdown_timeout}.")
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
+        check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("Give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both.")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +18,9 @@ from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
                                    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
                                    ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
 from raylm.deploy.serving_engine import SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error
+from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, resolve_tool_mode, tool_calls_of
 from raylm.engine.outputs import Logprob, RequestOutput
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -36,13 +40,15 @@ def load_chat_template(template: str | None) -> str | None:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 **kwargs: Any) -> None:
+                 tool_config: ToolCallConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_config = tool_config or ToolCallConfig()
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False,
-               chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+               chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the prompt text the model was trained on."""
         if self.tokenizer is None:
             raise OpenAIError("Chat needs a tokenizer; this server runs without one.", param="messages")
@@ -52,9 +58,11 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("The model's tokenizer has no chat template: send chat_template, or start the server "
                               "with --chat-template.", param="chat_template")
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            conversation = [template_message(m) for m in messages]
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from None
+        if tools:
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -67,18 +75,27 @@ class OpenAIServingChat(OpenAIServing):
         self.limits.check_messages(request.messages, self.max_model_len)
         self.limits.check_sampling(request)
         self.check_logprobs(request)
-        text, token_ids = await self.off_loop(self._render_and_tokenize, request)
+        tool_mode = resolve_tool_mode(request, self.tool_config, self.limits)
+        structured_outputs = self._constraint(request, tool_mode)
+        text, token_ids = await self.off_loop(self._render_and_tokenize, request, tool_mode)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
             self.check_context(len(token_ids), max_tokens, noun="messages")
-        params = self.sampling_params(request.to_sampling_params, len(token_ids), max_tokens)
+        params = self.sampling_params(functools.partial(request.to_sampling_params,
+                                                        structured_outputs=structured_outputs),
+                                      len(token_ids), max_tokens)
+        if tool_mode is not None and tool_mode.choice == "auto":
+            skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
+            if skip_special_tokens is not None:
+                params.skip_special_tokens = skip_special_tokens
         request_id = random_id("chatcmpl")
         created = int(time.time())
         (stream,) = await self.add_requests(
-            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params])
+            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
+            self.lora_request(model_name))
         echo = self._echo_text(request)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo))
+            return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo, tool_mode))
         final: RequestOutput | None = None
         async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
             final = output
@@ -88,9 +105,10 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs)
+            message, finish_reason = self._message(completion.text, completion.finish_reason, echo, tool_mode)
             choices.append(ChatCompletionResponseChoice(
-                index=completion.index, message=ChatResponseMessage(content=echo + completion.text),
-                logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                index=completion.index, message=message,
+                logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
                           total_tokens=len(token_ids) + completion_tokens)
@@ -98,14 +116,39 @@ class OpenAIServingChat(OpenAIServing):
                                           usage=usage)
         return JSONResponse(response.model_dump())
 
-    def _render_and_tokenize(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def _render_and_tokenize(self, request: ChatCompletionRequest, tool_mode: ToolMode | None
+                             ) -> tuple[str, list[int]]:
         """The prompt text and its token ids (on the tokenizer thread)."""
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template in a request is not accepted: this server was not started with "
                               "--trust-request-chat-template.", param="chat_template")
         text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
-                           request.chat_template, request.chat_template_kwargs)
+                           request.chat_template, request.chat_template_kwargs,
+                           tools=tool_mode.tools if tool_mode is not None else None)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")
+
+    def _constraint(self, request: ChatCompletionRequest, tool_mode: ToolMode | None) -> StructuredOutputsParams | None:
+        """The output's constraint: the request's own, or the one tool_choice sets."""
+        requested = self.structured_outputs(request)
+        if tool_mode is None or tool_mode.constraint is None:
+            return requested
+        if requested is not None:
+            raise OpenAIError(f"tool_choice {tool_mode.choice!r} constrains the output itself: it cannot be combined "
+                              f"with {requested.source}.", param="tool_choice")
+        return tool_mode.constraint
+
+    @staticmethod
+    def _message(text: str, finish_reason: str | None, echo: str, tool_mode: ToolMode | None
+                 ) -> tuple[ChatResponseMessage, str | None]:
+        """A choice's message (its tool calls parsed out of the text) and finish_reason."""
+        if tool_mode is None or tool_mode.parser is None:
+            return ChatResponseMessage(content=echo + text), finish_reason
+        parsed = tool_mode.parser.parse(text, final=True)
+        if not parsed.tools_called:
+            return ChatResponseMessage(content=echo + parsed.content), finish_reason
+        message = ChatResponseMessage(content=(echo + parsed.content) or None,
+                                      tool_calls=tool_calls_of(parsed, tool_mode.parser))
+        return message, tool_mode.finish_reason(True, finish_reason)
 
     @staticmethod
     def _echo_text(request: ChatCompletionRequest) -> str:
@@ -114,11 +157,15 @@ class OpenAIServingChat(OpenAIServing):
         return last.text() if request.echo and last.role == "assistant" else ""
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      stream: AsyncIterator[RequestOutput], echo: str) -> AsyncIterator[str]:
+                      stream: AsyncIterator[RequestOutput], echo: str, tool_mode: ToolMode | None = None
+                      ) -> AsyncIterator[str]:
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                     choices=[choice]))
 
+        # Per choice, what parses tool calls out of its text as it grows.
+        streamers = {index: ToolCallStreamer(tool_mode.parser) for index in range(request.n)} \
+            if tool_mode is not None and tool_mode.parser is not None else None
         prompt_tokens = completion_tokens = 0
         try:
             # vLLM opens every choice with the assistant role and empty content (or the echo).
@@ -133,11 +180,20 @@ class OpenAIServingChat(OpenAIServing):
                     if request.logprobs:
                         logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
                                                       request.top_logprobs)
-                    delta = DeltaMessage(content=completion.text) if completion.text or not completion.finished() \
-                        else DeltaMessage()
+                    finish_reason = completion.finish_reason
+                    if streamers is None:
+                        delta = DeltaMessage(content=completion.text) \
+                            if completion.text or not completion.finished() else DeltaMessage()
+                    else:
+                        streamer = streamers[completion.index]
+                        content, tool_calls = streamer.feed(completion.text, final=completion.finished())
+                        if content is None and tool_calls is None and not completion.finished() and not logprobs:
+                            continue  # held back: it may be the start of a tool call
+                        delta = DeltaMessage(content=content, tool_calls=tool_calls)
+                        finish_reason = tool_mode.finish_reason(streamer.tools_called, finish_reason)
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=completion.index, delta=delta, logprobs=logprobs,
-                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                        finish_reason=finish_reason, stop_reason=completion.stop_reason))
             if request.stream_options is not None and request.stream_options.include_usage:
                 usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                   total_tokens=prompt_tokens + completion_tokens)
@@ -163,3 +219,26 @@ class OpenAIServingChat(OpenAIServing):
                 token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
                 bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: role and text, and an assistant's tool calls
+    (their arguments as objects, as Hugging Face templates expect, where they parse) or a
+    tool answer's tool_call_id."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls is not None:
+        entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,10 +26,12 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = self.check_model(request.model)
         requested = request.prompts()
         self.check_limits(request, requested)
+        structured_outputs = self.structured_outputs(request)
         token_ids_list = await self.off_loop(self._tokenize_all, requested, request.add_special_tokens)
+        build = functools.partial(request.to_sampling_params, structured_outputs=structured_outputs)
         prompts, params = [], []
         for prompt, token_ids in zip(requested, token_ids_list):
-            params.append(self.sampling_params(request.to_sampling_params, len(token_ids), request.max_tokens))
+            params.append(self.sampling_params(build, len(token_ids), request.max_tokens))
             prompts.append(request.with_cache_salt({"prompt": prompt, "prompt_token_ids": token_ids}
                                                    if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
         request_id = random_id("cmpl")
@@ -38,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
                               param="stream")
         # A beam search is a request like any other here (its stream yields the final
         # output), so a client that leaves stops it as it stops the others.
-        streams = await self.add_requests(request_id, prompts, params)
+        streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
         if request.stream:
             return SSEResponse(self._stream(request, request_id, created, model_name, streams))
         finals: list[RequestOutput | None] = [None] * len(streams)

@@ -18,9 +18,11 @@ from starlette.types import Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +36,15 @@ class OpenAIServing:
     thread of their own, as in vLLM, so a long prompt never stalls the event loop."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
-                 limits: RequestLimits | None = None, model_aliases: Iterable[str] = ()) -> None:
+                 limits: RequestLimits | None = None, model_aliases: Iterable[str] = (),
+                 models: Any = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         # Names a request may use that are not advertised (ServerArgs.model_aliases).
         self.accepted_model_names = frozenset([*served_model_names, *model_aliases])
         self.model_name = served_model_names[0]
+        # The served names with the LoRA adapters (deploy/serving_models.py), when given.
+        self.models = models
         self.tokenizer = tokenizer
         self.limits = limits or RequestLimits()
         self.max_model_len: int = engine.model_config.max_model_len
@@ -57,8 +62,14 @@ class OpenAIServing:
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> str:
         if model and model not in self.accepted_model_names:
+            if self.models is not None:  # a LoRA adapter's name, or 404
+                return self.models.check_model(model)
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return self.model_name
+
+    def lora_request(self, model_name: str) -> Any:
+        """The LoRA adapter a request for `model_name` (check_model's answer) runs under."""
+        return None if self.models is None else self.models.lora_request(model_name)
 
     def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """The text's token ids; text too long for any context is refused before tokenizing."""
@@ -111,13 +122,32 @@ class OpenAIServing:
         except ValueError as exc:
             raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
 
-    async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams]
-                           ) -> list[AsyncIterator[RequestOutput]]:
+    def structured_outputs(self, request: Any) -> StructuredOutputsParams | None:
+        """The request's output constraint (response_format, structured_outputs, guided_*),
+        checked against the limits; a 400 names the field."""
+        return structured_outputs_params(request, self.limits)
+
+    async def compile_structured_outputs(self, params: list[SamplingParams]) -> None:
+        """Waits until the requests' grammars are compiled (off the event loop and the engine
+        step), so that they start at once; one that does not compile, or not within
+        --max-grammar-compile-seconds, is a 400 naming its field."""
+        constraints = {p.structured_outputs.cache_key(): p.structured_outputs
+                       for p in params if p.structured_outputs is not None}
+        for constraint in constraints.values():
+            try:
+                await self.engine.compile_structured_outputs(constraint, self.limits.max_grammar_compile_seconds)
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
+
+    async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
+                           lora_request: Any = None) -> list[AsyncIterator[RequestOutput]]:
         """Adds one engine request per prompt; a rejected prompt aborts the others."""
+        await self.compile_structured_outputs(params)
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for index, (prompt, sampling_params) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params))
+                streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params,
+                                                             lora_request=lora_request))
         except BaseException as exc:
             for stream in streams:
                 await stream.aclose()

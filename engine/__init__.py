@@ -1,4 +1,4 @@
-"""raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine` and the outputs."""
+"""raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine`, `LoRARequest` and the outputs."""
 
 # First, before anything imports torch: OpenMP reads how its idle threads wait once, when
 # torch loads (raylm's default: they sleep; see raylm.executors.cpu_threads).
@@ -7,8 +7,10 @@ from raylm.executors.cpu_threads import apply_openmp_defaults
 apply_openmp_defaults()
 
 from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
+from raylm.engine.lora_request import LoRARequest  # noqa: E402
 from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from raylm.engine.structured_output.params import StructuredOutputsParams  # noqa: E402
 
 # Imported on first use, so that workers importing the plain step types do not pull in
 # the engine, the scheduler and transformers.
@@ -20,7 +22,8 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -17,7 +17,7 @@ from raylm.engine import arg_fields
 
 from raylm.engine import envs
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
-                                 ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
+                                 LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
@@ -139,6 +139,18 @@ class EngineArgs:
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
         "with several EOS ids), so this also bounds the beam width (10 by default)."))
+    enable_lora: bool = field(default=False, metadata=_help(
+        "Serve LoRA adapters (PEFT format) over the base model: requests name an adapter (LoRARequest, or the "
+        "server's model name), and one batch mixes the base model and up to max_loras adapters. Not with "
+        "pipeline_parallel_size above 1."))
+    max_loras: int = field(default=1, metadata=_help(
+        "LoRA: most adapters in one batch (the workers' adapter slots); requests of other adapters wait for a "
+        "slot."))
+    max_lora_rank: int = field(default=16, metadata=_help(
+        "LoRA: the largest adapter rank accepted; every slot is this wide, so set it to your adapters' rank."))
+    max_cpu_loras: int | None = field(default=None, metadata=_help(
+        "LoRA: most adapters kept loaded in host memory (least recently used ones are dropped and read again "
+        "when needed); at least max_loras. Default: max_loras."))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -219,8 +231,17 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
+        lora_config = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
+                       else None)
+        _check_lora_with_speculative(lora_config, speculative_config)
+        if lora_config is not None and parallel_config.pipeline_parallel_size > 1:
+            # The stages before the last hand every row on, while the LoRA layers map their
+            # rows to the step's output rows; the two are not combined (yet).
+            raise ValueError(f"enable_lora is not supported with pipeline_parallel_size "
+                             f"{parallel_config.pipeline_parallel_size}: use pipeline_parallel_size 1 to serve LoRA "
+                             f"adapters, or turn LoRA off.")
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
-                            speculative_config)
+                            speculative_config, lora_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -238,6 +259,17 @@ class EngineArgs:
         strings are parsed by each field's type; an unknown key is a ValueError naming its
         near misses."""
         return arg_fields.from_values(cls, values, "engine argument")
+
+
+def _check_lora_with_speculative(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None) -> None:
+    """A draft model has no adapters: its proposals would be the base model's while the
+    target verifies under each request's adapter, so it is refused rather than served with
+    proposals that are mostly rejected. N-gram proposals come from the request's own tokens
+    and the adapter-carrying target verifies them (docs/lora.md)."""
+    if lora_config is not None and speculative_config is not None and speculative_config.uses_draft_model:
+        raise ValueError(f"enable_lora and a draft model in speculative_config ({speculative_config.model!r}) cannot "
+                         f"be combined: the draft model carries no LoRA adapters. Use speculative_config "
+                         f"{{\"method\": \"ngram\", ...}} with enable_lora, or turn LoRA off.")
 
 
 def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelConfig,

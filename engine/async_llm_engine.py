@@ -24,8 +24,10 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSearchParams, StepRequests,
                                       beam_search_params_from, beam_search_request_output, run_async)
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import CompletionOutput, RequestOutput
-from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class _PendingWork:
     """Aborts, adds and calls taken off the queues together, for the engine's thread."""
 
     aborts: set[str]
-    adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]]
+    adds: list[tuple[_RequestState, PromptType, SamplingParams, LoRARequest | None, asyncio.Future]]
     calls: list[tuple[Callable[[], Any], asyncio.Future]]
 
     def __bool__(self) -> bool:
@@ -191,7 +193,8 @@ class AsyncLLMEngine:
         self._engine_requests: dict[str, _RequestState] = {}
         self._add_counter = itertools.count()
         # Work for the engine's thread, queued on the event loop (see _take_pending).
-        self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, asyncio.Future]] = []
+        self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, LoRARequest | None,
+                                       asyncio.Future]] = []
         self._pending_aborts: set[str] = set()
         self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._work_in_flight: _PendingWork | None = None
@@ -278,43 +281,45 @@ class AsyncLLMEngine:
 
     # ----------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                          ) -> RequestStream:
         """Queues a request and waits until the engine has accepted it.
 
         Raises ValueError for a bad request (the engine's validation) and
         AsyncEngineDeadError when the engine is dead; otherwise returns the stream of
         its outputs. Closing or dropping that stream before the request finished (break,
         cancellation, `aclose()`, even before reading it) aborts the request. The id may be
-        reused once the request has ended or been aborted.
+        reused once the request has ended or been aborted. `lora_request` runs it under a
+        LoRA adapter (needs enable_lora).
 
         vLLM 0.4's `SamplingParams(use_beam_search=True)` runs a beam search (see
         `beam_search`) whose stream yields one finished output: the n best of best_of beams.
         """
         params = SamplingParams() if params is None else params
         if params.use_beam_search:
-            return await self._add_beam_search(request_id, prompt, params)
-        (stream,) = await self._add_requests([(request_id, prompt, params)], arrival_time)
+            return await self._add_beam_search(request_id, prompt, params, lora_request)
+        (stream,) = await self._add_requests([(request_id, prompt, params, lora_request)], arrival_time)
         return stream
 
-    async def _add_requests(self, requests: list[tuple[str, PromptType, SamplingParams]],
+    async def _add_requests(self, requests: list[tuple[str, PromptType, SamplingParams, LoRARequest | None]],
                             arrival_time: float | None = None) -> list[RequestStream]:
         """Queues requests together and waits until the engine has accepted them all; if
         it refuses one, the others are aborted and its error is raised."""
         self._raise_if_dead()
-        ids = [request_id for request_id, _, _ in requests]
+        ids = [request_id for request_id, *_ in requests]
         taken = next((i for n, i in enumerate(ids) if i in self._requests or i in ids[:n]), None)
         if taken is not None:
             raise ValueError(f"request_id {taken!r} is already running.")
         loop = asyncio.get_running_loop()
         arrival_time = arrival_time or time.time()
         states, accepted = [], []
-        for request_id, prompt, params in requests:
+        for request_id, prompt, params, lora_request in requests:
             state = _RequestState(request_id, f"{request_id}@{next(self._add_counter)}", arrival_time,
                                   output_kind=params.output_kind)
             future = loop.create_future()
             self._requests[request_id] = state
             self._engine_requests[state.engine_request_id] = state
-            self._pending_adds.append((state, prompt, params, future))
+            self._pending_adds.append((state, prompt, params, lora_request, future))
             states.append(state)
             accepted.append(future)
         self._interrupt.set()
@@ -330,12 +335,36 @@ class AsyncLLMEngine:
             raise
         return [RequestStream(self, state) for state in states]
 
+    async def compile_structured_outputs(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+        """Waits, off the event loop, until the constraint's grammar is compiled (or found in
+        the cache), so that a request with it starts at once. Raises StructuredOutputsError
+        (a ValueError naming the request's field) if it does not compile, or is not compiled
+        `timeout_s` seconds after it was first asked for; the compile itself goes on in its
+        thread and the engine keeps stepping."""
+        self._raise_if_dead()
+        manager = self.engine.structured_output_manager
+        if manager is None:
+            raise ParameterError("structured outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
+                                 params.source)
+        future = manager.compile(params)
+        if not future.done():
+            wrapped = asyncio.wrap_future(future)
+            # Retrieved here, so a compile that fails after its waiter gave up is not logged
+            # as an exception nobody saw.
+            wrapped.add_done_callback(lambda done: done.cancelled() or done.exception())
+            try:
+                await asyncio.wait_for(asyncio.shield(wrapped), manager.remaining_s(params, timeout_s))
+            except TimeoutError:
+                raise manager.timeout_error(params, timeout_s) from None
+        future.result()
+
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as the engine produces them, the last one with
         `finished=True`. `sampling_params.output_kind` picks cumulative outputs
-        (default), deltas, or only the final one. Raises ValueError for a bad request."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        (default), deltas, or only the final one. `lora_request` runs it under a LoRA
+        adapter. Raises ValueError for a bad request."""
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -343,23 +372,27 @@ class AsyncLLMEngine:
             stream.close()
 
     # -------------------------------------------------------------- beam search
-    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams) -> BeamSearchOutput:
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
+                          lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         """`LLM.beam_search` for one prompt (token ids, text or a prompt dict), on the
         running engine: each step's beams are one-token requests, added together, that run
-        alongside everything else. Cancelling it aborts them."""
+        alongside everything else, under `lora_request`'s adapter if given. Cancelling it aborts
+        them."""
         _, token_ids = await self._prompt_token_ids(prompt)
-        driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids, [cache_salt_of(prompt)])
+        driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids, [cache_salt_of(prompt)],
+                                  [lora_request])
         await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
         return driver.outputs(self.get_tokenizer())[0]
 
-    async def _add_beam_search(self, request_id: str, prompt: PromptType, params: SamplingParams) -> "_TaskStream":
+    async def _add_beam_search(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                               lora_request: LoRARequest | None = None) -> "_TaskStream":
         """`use_beam_search`: the search's first step is added before this returns, so a
         bad prompt raises here as for any request; the rest runs in a task that closing the
         stream cancels (aborting its beams)."""
         prompt_text, token_ids = await self._prompt_token_ids(prompt)
         max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
         driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
-                                  self.engine.eos_token_ids, [cache_salt_of(prompt)])
+                                  self.engine.eos_token_ids, [cache_salt_of(prompt)], [lora_request])
         first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
 
         async def search() -> RequestOutput:
@@ -380,7 +413,8 @@ class AsyncLLMEngine:
 
     async def _add_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
                              ) -> list[RequestStream]:
-        return await self._add_requests([(f"{request_id}-beam{driver.num_steps}-{i}", prompt, params)
+        loras = driver.step_lora_requests()
+        return await self._add_requests([(f"{request_id}-beam{driver.num_steps}-{i}", prompt, params, loras[i])
                                          for i, (prompt, params) in enumerate(requests)])
 
     async def _run_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
@@ -410,6 +444,22 @@ class AsyncLLMEngine:
         if self._requests.get(state.request_id) is state:
             del self._requests[state.request_id]
         self._engine_requests.pop(state.engine_request_id, None)
+
+    # --------------------------------------------------------------------- LoRA
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a LoRA adapter into the workers' host memory, on a thread of its own while
+        the engine keeps stepping; raises ValueError (LoRAAdapterError) for an adapter the
+        engine cannot serve."""
+        self._raise_if_dead()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora_request)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter between two steps; its running requests finish with it."""
+        return await self._on_engine_thread(functools.partial(self.engine.remove_lora, lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     # ------------------------------------------------------------------- health
     async def check_health(self) -> None:
@@ -515,11 +565,11 @@ class AsyncLLMEngine:
         if work.aborts:
             self.engine.abort_request(list(work.aborts))
         settled: list[tuple[asyncio.Future, Any, BaseException | None]] = []
-        for state, prompt, params, accepted in work.adds:
+        for state, prompt, params, lora_request, accepted in work.adds:
             if accepted.done() or state.finished:  # cancelled or aborted while queued
                 continue
             try:
-                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time)
+                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time, lora_request)
             except Exception as exc:  # noqa: BLE001 - bad input fails this request only
                 settled.append((accepted, None, exc))
                 continue
@@ -616,7 +666,7 @@ class AsyncLLMEngine:
         self._requests.clear()
         self._engine_requests.clear()
         waiting = [work for work in (self._work_in_flight, self._take_pending()) if work is not None]
-        futures = [accepted for work in waiting for _, _, _, accepted in work.adds]
+        futures = [accepted for work in waiting for *_, accepted in work.adds]
         futures += [future for work in waiting for _, future in work.calls]
         for future in futures:
             if not future.done():

@@ -234,15 +234,20 @@ class BeamSearchDriver:
 
     searches: (prompt token ids, BeamSearchParams) per prompt; cache_salts: each prompt's
     `cache_salt` (None: unsalted), which every one of its beams' requests carries, so that a
-    salted search shares cached blocks only with requests of the same salt.
+    salted search shares cached blocks only with requests of the same salt. lora_requests:
+    each prompt's LoRA adapter (None: the base model), under which its beams run
+    (`step_lora_requests()`).
     """
 
     def __init__(self, searches: list[tuple[list[int], BeamSearchParams]], eos_token_ids: list[int],
-                 cache_salts: list[str | None] | None = None) -> None:
+                 cache_salts: list[str | None] | None = None, lora_requests: list[Any] | None = None) -> None:
         self.searches = [BeamSearch(prompt, params, eos_token_ids) for prompt, params in searches]
         salts = cache_salts or [None] * len(self.searches)
         assert len(salts) == len(self.searches), "one cache_salt (or None) per search"
         self._salts = {id(search): salt for search, salt in zip(self.searches, salts)}
+        loras = lora_requests or [None] * len(self.searches)
+        assert len(loras) == len(self.searches), "one lora_request (or None) per search"
+        self._loras = {id(search): lora for search, lora in zip(self.searches, loras)}
         self._owners: list[BeamSearch] = []
         self.num_steps = 0
 
@@ -264,6 +269,10 @@ class BeamSearchDriver:
                 prompt = {"prompt_token_ids": tokens} if salt is None else {"prompt_token_ids": tokens, "cache_salt": salt}
                 requests.append((prompt, params))
         return requests
+
+    def step_lora_requests(self) -> list[Any]:
+        """The LoRA adapter (or None) of each request of the last `step_requests()`, in its order."""
+        return [self._loras[id(search)] for search in self._owners]
 
     def advance(self, outputs: list[Any]) -> None:
         """The finished RequestOutputs of `step_requests()`, in its order."""

@@ -45,6 +45,18 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Iterable[int], extra
     return digest.digest()
 
 
+def first_block_extra_key(cache_salt: str | None, adapter_key: bytes | None = None) -> bytes:
+    """What, besides its tokens, the KV of a request's first block depends on (its
+    `extra_key`): the request's cache_salt and its LoRA adapter. Empty for neither, the
+    salt's UTF-8 for a salt alone; with an adapter, a 0xff byte (which starts no UTF-8
+    text, so no salt can pose as an adapter), the salt length-prefixed, then the adapter's
+    key. The KV-cache manager and the prefix router's keys both hash with it."""
+    salt = b"" if cache_salt is None else cache_salt.encode()
+    if adapter_key is None:
+        return salt
+    return b"\xff" + len(salt).to_bytes(8, "little") + salt + adapter_key
+
+
 class BlockPool:
     """A fixed set of blocks, handed out from an LRU free queue, with a hash -> block map
     of the cached ones."""

@@ -323,6 +323,35 @@ class DeviceConfig:
         return DeviceConfig(device)
 
 
+# The largest LoRA rank an engine can be set up for (vLLM's largest choice of max_lora_rank).
+MAX_SUPPORTED_LORA_RANK = 512
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (`enable_lora`): the workers hold `max_loras` adapters at once in
+    slots of rank `max_lora_rank`, and up to `max_cpu_loras` loaded adapters in host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # None: max_loras (vLLM's default).
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"max_loras must be a positive integer, got {self.max_loras!r}.")
+        if (isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int)
+                or not 1 <= self.max_lora_rank <= MAX_SUPPORTED_LORA_RANK):
+            raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_SUPPORTED_LORA_RANK}], "
+                             f"got {self.max_lora_rank!r}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}): every "
+                             f"adapter in a slot is also held in host memory; got {self.max_cpu_loras!r}.")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -332,3 +361,5 @@ class EngineConfig:
     device_config: DeviceConfig
     # Speculative decoding (raylm.engine.spec_decode.SpeculativeConfig); None: off.
     speculative_config: Any = None
+    # None: LoRA is off (enable_lora=False).
+    lora_config: LoRAConfig | None = None

@@ -12,13 +12,17 @@ and the KV slots of the rejected proposals are given back (`_roll_back_rejected`
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
+from raylm.engine.lora_loader import LoRALoader
+from raylm.engine.lora_slots import LoRASlots
 from raylm.engine.output_processor import EngineCoreOutput
 from raylm.engine.pipeline_schedule import steps_in_flight
 from raylm.engine.request import Request, RequestStatus
@@ -26,7 +30,13 @@ from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stat_logger import StatLogger
 from raylm.engine.step import SampledToken, SamplerOutput
 
+if TYPE_CHECKING:
+    from raylm.engine.structured_output.manager import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for an adapter load to end.
+_LORA_LOAD_WAIT_S = 0.05
 
 
 @dataclass
@@ -40,7 +50,7 @@ class _StepInFlight:
 
 class EngineCore:
     def __init__(self, engine_config: EngineConfig, eos_token_ids: Iterable[int] = (),
-                 log_stats: bool = True) -> None:
+                 log_stats: bool = True, structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.engine_config = engine_config
         self.max_model_len = engine_config.model_config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -50,8 +60,14 @@ class EngineCore:
         start = time.perf_counter()
         self._initialize_kv_caches()
         logger.info("KV cache allocated and model warmed up in %.1f s.", time.perf_counter() - start)
+        self.lora_loader, lora_slots = self._lora_state(engine_config)
+        self.structured_output_manager = structured_output_manager
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config,
-                                   engine_config.speculative_config)
+                                   speculative_config=engine_config.speculative_config,
+                                   structured_output_manager=structured_output_manager, lora_slots=lora_slots)
+        # Requests the core ended on an error (a grammar that did not compile, a token the
+        # grammar refused), with the error, until pop_failed_requests() takes them.
+        self._failed_requests: dict[str, BaseException] = {}
         self.stat_logger = StatLogger(self.scheduler) if log_stats else None
         self.num_generation_tokens_total = 0
         # Batches handed to the executor, oldest first: at most one, or two with async
@@ -65,6 +81,16 @@ class EngineCore:
                                                    self.executor.runs_steps_asynchronously)
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.misses_count_as_rejections = self.async_scheduling
+
+    def _lora_state(self, engine_config: EngineConfig) -> tuple[LoRALoader | None, LoRASlots | None]:
+        """enable_lora: the adapters in the workers' host memory and their slots."""
+        lora_config = engine_config.lora_config
+        if lora_config is None:
+            return None, None
+        loader = LoRALoader(lora_config, engine_config.model_config.hf_config, self.executor)
+        slots = LoRASlots(lora_config.max_loras, loader)
+        loader.in_use = slots.in_use
+        return loader, slots
 
     def _initialize_kv_caches(self) -> None:
         cache_config = self.engine_config.cache_config
@@ -96,7 +122,20 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            # Compiles (or finds) its grammar off the step; it waits until that is done.
+            request.structured_output_request = self.structured_output_manager.new_request(structured)
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.scheduler.add_request(request)
+
+    def pop_failed_requests(self) -> dict[str, BaseException]:
+        """The requests ended on an error since the last call (already freed), with the errors."""
+        failed = self._failed_requests
+        failed.update(self.scheduler.failed_requests)
+        self.scheduler.failed_requests = {}
+        self._failed_requests = {}
+        return failed
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stops the requests and frees their blocks at once; unknown ids are skipped."""
@@ -140,10 +179,24 @@ class EngineCore:
         step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty():
+            if self.lora_loader is not None and not self._in_flight:
+                # Requests may be waiting for their adapter: wait for the load, not in a busy loop.
+                self.lora_loader.wait_for_progress(_LORA_LOAD_WAIT_S)
+            self._wait_for_grammars()
             return False
         wait = self.executor.execute_model_async(scheduler_output.step)
         self._in_flight.append(_StepInFlight(scheduler_output, wait, step_start))
         return True
+
+    def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
+        """With nothing to run but requests whose grammars compile, waits a little for one
+        rather than have the caller spin on empty steps."""
+        if self._in_flight or self.structured_output_manager is None:
+            return
+        compiling = [r.structured_output_request.grammar for r in self.scheduler.waiting
+                     if r.status == RequestStatus.WAITING_FOR_FSM]
+        if compiling:
+            concurrent.futures.wait(compiling, timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def finish_step(self) -> list[EngineCoreOutput]:
         """Waits for the oldest batch in flight and applies its tokens and stops; [] if none."""
@@ -181,7 +234,19 @@ class EngineCore:
             output = EngineCoreOutput(request.request_id, [], [], new_prompt_logprobs=new_prompt_logprobs,
                                       num_cached_tokens=request.num_cached_tokens)
             was_preempted = request.status == RequestStatus.PREEMPTED
+            structured = request.structured_output_request
+            failed = False
             for token in tokens or ():
+                if structured is not None and not structured.accept_token(token.token_id):
+                    # The bitmask allows only what the grammar accepts, unless the grammar came
+                    # to a dead end (it allows nothing, and EOS was let through): the request
+                    # fails rather than go on with an output that no longer matches.
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    self._failed_requests[request.request_id] = _grammar_error(request, token.token_id)
+                    finished_while_preempted |= was_preempted
+                    finished.append(request)
+                    failed = True
+                    break
                 request.append_output_token(token.token_id)
                 output.new_token_ids.append(token.token_id)
                 output.new_token_logprobs.append(token.logprob)
@@ -196,7 +261,8 @@ class EngineCore:
                     output.stop_reason = request.stop_reason
                     finished.append(request)
                     break
-            outputs.append(output)
+            if not failed:
+                outputs.append(output)
         self.scheduler.free_finished(finished, preempted=finished_while_preempted)
         return outputs
 
@@ -226,14 +292,52 @@ class EngineCore:
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
+        structured = request.structured_output_request
+        if structured is not None and structured.is_terminated_by(token_id):
+            # The grammar took its stop token (EOS) while the request goes on past EOS
+            # (ignore_eos, min_tokens): nothing more may follow.
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
+            return True
         return False
+
+    # -------------------------------------------------------------------- LoRA
+    def fail_requests_of_failed_loras(self) -> dict[str, BaseException]:
+        """Ends the waiting requests of adapters whose load failed; returns their ids with the
+        error."""
+        if self.lora_loader is None:
+            return {}
+        failures = self.lora_loader.take_failures()
+        if not failures:
+            return {}
+        failed = {request.request_id: failures[request.lora_request.lora_int_id]
+                  for request in self.scheduler.waiting
+                  if request.lora_request is not None and request.lora_request.lora_int_id in failures}
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        return failed
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (requests already running under it finish with it)."""
+        if self.lora_loader is None:
+            return False
+        self.scheduler.lora_slots.forget(lora_int_id)
+        return self.lora_loader.remove(lora_int_id)
 
     # --------------------------------------------------------------- lifecycle
     def check_health(self) -> None:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.lora_loader is not None:
+            self.lora_loader.shutdown()
         self.executor.shutdown()
+
+
+def _grammar_error(request: Request, token_id: int) -> Exception:
+    if request.structured_output_request.dead_end:
+        return ValueError(f"The request's grammar allows no token after its {request.num_output_tokens} output "
+                          f"tokens: it cannot be completed.")
+    return RuntimeError(f"Token {token_id} was sampled although the request's grammar does not allow it.")
 
 
 def _tokens_by_request(outputs: list[SampledToken]) -> dict[int, list[SampledToken]]:

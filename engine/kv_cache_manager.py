@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from raylm.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from raylm.engine.block_pool import BlockPool, KVCacheBlock, first_block_extra_key, hash_block_tokens
 from raylm.engine.request import Request
 
 # Stands in a block table for a block every layer's window has passed (freed, or never taken
@@ -228,9 +228,8 @@ class KVCacheManager:
             if index:
                 hashes.append(hash_block_tokens(hashes[index - 1], tokens[index * size:(index + 1) * size]))
             else:
-                # The salt goes into the first block; every later hash chains on it.
-                salt = request.cache_salt.encode() if request.cache_salt is not None else b""
-                hashes.append(hash_block_tokens(None, tokens[:size], salt))
+                # The salt and the adapter go into the first block; every later hash chains on it.
+                hashes.append(hash_block_tokens(None, tokens[:size], _first_block_extra_key(request)))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)
@@ -279,6 +278,12 @@ class KVCacheManager:
                     assert block.block_hash == request.block_hashes[index], (
                         f"block {block.block_id} of request {request.request_id} is cached under a hash "
                         f"that is not its tokens'")
+
+
+def _first_block_extra_key(request: Request) -> bytes:
+    """The request's cache_salt and LoRA adapter, as the first block's hash takes them."""
+    lora = request.lora_request
+    return first_block_extra_key(request.cache_salt, None if lora is None else lora.cache_key())
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

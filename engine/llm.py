@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -13,6 +14,7 @@ from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSe
                                       beam_search_params_from, beam_search_request_output, run_sync)
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.logger import init_default_logging
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,8 +35,10 @@ class LLM:
             `trust_remote_code=False`, `num_gpu_blocks_override=None`,
             `enable_prefix_caching=True`, `enable_chunked_prefill=True`,
             `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
-            requests of max_model_len tokens can fill). An unknown argument is a
-            TypeError naming it.
+            requests of max_model_len tokens can fill), `enable_lora=False` (serve LoRA
+            adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
+            batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
+            max_loras). An unknown argument is a TypeError naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
     application configured logging first (see `raylm.engine.logger`).
@@ -57,47 +61,56 @@ class LLM:
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates completions for prompts, returned in prompt order.
 
         prompts: a string, a list of token ids, a dict with "prompt" or
         "prompt_token_ids", or a list of any of these. sampling_params: one for all
         prompts or one per prompt; default `get_default_sampling_params()`.
+        lora_request: the LoRA adapter to run every prompt under, or a list with one per
+        prompt (None: the base model); needs enable_lora. One batch mixes them; prompts of
+        more adapters than max_loras wait for a slot. A bad adapter is a ValueError.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
         if any(params.use_beam_search for params in params_list):
-            return self._generate_with_beam_search(prompt_list, params_list, use_tqdm)
-        return self._run(prompt_list, params_list, use_tqdm)
+            return self._generate_with_beam_search(prompt_list, params_list, use_tqdm, lora_list)
+        return self._run(prompt_list, params_list, use_tqdm, lora_list)
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search (Hugging Face's algorithm) for each prompt; returns its beam_width
         best beams, best first, with their tokens, text and scores. Beams are one-token
         requests to the engine, so the prompts' and the beams' common prefixes share KV
-        blocks through the prefix cache."""
+        blocks through the prefix cache. lora_request as in `generate`."""
         engine = self.llm_engine
         prompt_list = _as_prompt_list(prompts)
         driver = BeamSearchDriver([(engine._tokenize_prompt(prompt)[1], params) for prompt in prompt_list],
-                                  engine.eos_token_ids, [cache_salt_of(prompt) for prompt in prompt_list])
+                                  engine.eos_token_ids, [cache_salt_of(prompt) for prompt in prompt_list],
+                                  _as_lora_list(lora_request, len(prompt_list)))
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as progress:
-            run_sync(driver, self._run_beam_step, lambda: progress.update(1))
+            run_sync(driver, functools.partial(self._run_beam_step, driver), lambda: progress.update(1))
         return driver.outputs(self.get_tokenizer())
 
-    def _run_beam_step(self, requests: StepRequests) -> list[RequestOutput]:
-        return self._run([prompt for prompt, _ in requests], [params for _, params in requests], False)
+    def _run_beam_step(self, driver: BeamSearchDriver, requests: StepRequests) -> list[RequestOutput]:
+        return self._run([prompt for prompt, _ in requests], [params for _, params in requests], False,
+                         driver.step_lora_requests())
 
     def _generate_with_beam_search(self, prompts: list[PromptType], params_list: list[SamplingParams],
-                                   use_tqdm: bool) -> list[RequestOutput]:
+                                   use_tqdm: bool, lora_list: list[LoRARequest | None]) -> list[RequestOutput]:
         """vLLM 0.4's `SamplingParams(use_beam_search=True)`: each prompt's n best of
         best_of beams as its completions; the beam searches step together."""
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         sampled = [i for i, params in enumerate(params_list) if not params.use_beam_search]
         if sampled:
-            for i, output in zip(sampled, self._run([prompts[i] for i in sampled],
-                                                    [params_list[i] for i in sampled], use_tqdm)):
+            for i, output in zip(sampled, self._run([prompts[i] for i in sampled], [params_list[i] for i in sampled],
+                                                    use_tqdm, [lora_list[i] for i in sampled])):
                 outputs[i] = output
         searched = [i for i, params in enumerate(params_list) if params.use_beam_search]
         tokenized = [self.llm_engine._tokenize_prompt(prompts[i]) for i in searched]
@@ -106,8 +119,8 @@ class LLM:
             [(token_ids, beam_search_params_from(params_list[i], params_list[i].max_tokens
                                                  or max_model_len - len(token_ids)))
              for i, (_, token_ids) in zip(searched, tokenized)], self.llm_engine.eos_token_ids,
-            [cache_salt_of(prompts[i]) for i in searched])
-        run_sync(driver, self._run_beam_step)
+            [cache_salt_of(prompts[i]) for i in searched], [lora_list[i] for i in searched])
+        run_sync(driver, functools.partial(self._run_beam_step, driver))
         for i, (prompt_text, token_ids), result in zip(searched, tokenized, driver.outputs(self.get_tokenizer())):
             outputs[i] = beam_search_request_output(str(next(self._request_counter)), prompt_text, token_ids, result,
                                                     params_list[i].n)
@@ -132,20 +145,34 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_list: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
+        self._compile_grammars(params_list)
         request_ids: list[str] = []
+        lora_list = lora_list or [None] * len(prompts)
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, lora_list):
                 request_id = str(next(self._request_counter))
                 params = _final_only(params)
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             # A bad prompt in the list, Ctrl-C or a worker failure: leave nothing queued.
             engine.abort_request(request_ids)
             raise
+
+    def _compile_grammars(self, params_list: list[SamplingParams]) -> None:
+        """Compiles the structured-output grammars of a batch side by side, before any of its
+        requests is queued: a constraint that does not compile is a ValueError naming it."""
+        constraints = {params.structured_outputs.cache_key(): params.structured_outputs
+                       for params in params_list if params.structured_outputs is not None}
+        manager = self.llm_engine.structured_output_manager
+        if manager is not None:
+            for constraint in constraints.values():
+                manager.compile(constraint)
+        for constraint in constraints.values():
+            self.llm_engine.compile_structured_outputs(constraint)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -203,6 +230,18 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"Got {len(params)} sampling_params for {count} prompts: give one, or one per prompt.")
     return params
+
+
+def _as_lora_list(lora_request: Any, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None; got "
+                         f"{type(lora_request).__name__}.")
+    if len(lora_request) != count:
+        raise ValueError(f"Got {len(lora_request)} lora_requests for {count} prompts: give one, or one per prompt.")
+    return list(lora_request)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -12,10 +12,13 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.config import EngineConfig
 from raylm.engine.engine_core import EngineCore
 from raylm.engine.generation_config import load_generation_defaults
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request
 from raylm.engine.sampling_params import ParameterError, SamplingParams
+from raylm.engine.structured_output.manager import StructuredOutputManager
+from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,11 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(self.model_config.model,
                                                             self.model_config.generation_config)
         self.eos_token_ids = self._find_eos_token_ids()
-        self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats)
+        # Grammars for structured outputs are built over the tokenizer's vocabulary.
+        self.structured_output_manager = None if self.tokenizer is None else StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats,
+                                      structured_output_manager=self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._overlap_output_processing = (self.engine_core.runs_steps_asynchronously
                                            and not engine_config.scheduler_config.disable_async_output_proc)
@@ -92,12 +99,14 @@ class LLMEngine:
 
     # --------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Validates a request and queues it; raises ValueError for bad input. The
-        caller's `params` is never changed: the engine works on its own copy."""
+        caller's `params` is never changed: the engine works on its own copy.
+        `lora_request` runs it under a LoRA adapter (needs enable_lora)."""
         params = self.get_default_sampling_params() if params is None else params
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
+        self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         self._validate_request(prompt_token_ids, params)
@@ -113,7 +122,8 @@ class LLMEngine:
             sibling_params.prompt_logprobs = None
         for index, child_id in enumerate(child_ids):
             self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
-                                                 arrival_time, sample_index=index, cache_salt=cache_salt))
+                                                 arrival_time, sample_index=index, cache_salt=cache_salt,
+                                                 lora_request=lora_request))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -143,6 +153,9 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
         params.verify_vocab(vocab_size)
+        if params.structured_outputs is not None and self.structured_output_manager is None:
+            raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
+                                 "structured_outputs")
         # vLLM's max_logprobs: every request counts, beam search's one-token steps too
         # (they ask for 2 x beam_width), so it bounds the beam width as in vLLM.
         max_logprobs = self.model_config.max_logprobs
@@ -168,6 +181,45 @@ class LLMEngine:
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - prompt_len
         return params
+
+    # ------------------------------------------------------------------- LoRA
+    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        loader = self.engine_core.lora_loader
+        if loader is None:
+            raise ParameterError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: LoRA adapters "
+                                 f"need an engine started with enable_lora=True (--enable-lora).", "lora_request")
+        loader.check(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter into the workers' host memory now (vLLM's add_lora), so that its
+        first request does not wait for it; raises ValueError for an adapter the engine cannot
+        serve. Safe to call from another thread while the engine steps."""
+        self._check_lora_request(lora_request)
+        self.engine_core.lora_loader.load(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter and drops it from host memory; its requests already running
+        finish with it. Call it between steps (AsyncLLMEngine.remove_lora does)."""
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded in the workers' host memory."""
+        loader = self.engine_core.lora_loader
+        return set() if loader is None else {lora.lora_int_id for lora in loader.list_loras()}
+
+    def _fail_requests_of_failed_loras(self) -> None:
+        """Requests whose adapter failed to load end with the load's error."""
+        failed = self.engine_core.fail_requests_of_failed_loras()
+        for child_id, error in failed.items():
+            state = self.output_processor.request_states.get(child_id)
+            if state is None:
+                continue
+            parent_id = state.parent.request_id
+            self._failed_requests[parent_id] = error
+            self.engine_core.abort_requests(self.output_processor.abort_requests([parent_id]))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stops requests; their blocks go back to the pool at once."""
@@ -199,6 +251,8 @@ class LLMEngine:
         call of a run returns [], and `has_unfinished_requests` stays True until the last
         batch is collected."""
         core = self.engine_core
+        if core.lora_loader is not None:
+            self._fail_requests_of_failed_loras()
         if core.async_scheduling:
             # Step k+1 goes to the workers before step k is collected: they never wait for
             # the driver, whose scheduling and output processing run beside the forward.
@@ -214,7 +268,27 @@ class LLMEngine:
         if to_stop:
             self.engine_core.stop_requests(to_stop)
         self._failed_requests.update(failed)
+        self._fail_core_failures()
         return outputs
+
+    def _fail_core_failures(self) -> None:
+        """Requests the core ended on an error (their grammar did not compile, or refused a
+        token): their whole parent request fails, its other samples aborted."""
+        for child_id, error in self.engine_core.pop_failed_requests().items():
+            state = self.output_processor.request_states.get(child_id)
+            if state is None:
+                continue  # its parent already failed or was aborted
+            self._failed_requests[state.parent.request_id] = error
+            self.abort_request(state.parent.request_id)
+
+    def compile_structured_outputs(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+        """Compiles (or finds cached) the grammar of a constraint, blocking; raises
+        StructuredOutputsError (a ValueError naming the field) if it does not compile, or
+        not within `timeout_s` seconds. Requests with the constraint then start at once."""
+        if self.structured_output_manager is None:
+            raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
+                                 params.source)
+        self.structured_output_manager.wait_compiled(params, timeout_s)
 
     # -------------------------------------------------------------- lifecycle
     def check_health(self) -> None:
@@ -222,6 +296,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

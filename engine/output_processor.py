@@ -311,6 +311,10 @@ class OutputProcessor:
             parent.prompt_logprobs.extend(self._logprob_dict(e) for e in core_output.new_prompt_logprobs)
         parent.metrics.num_cached_tokens = max(parent.metrics.num_cached_tokens, core_output.num_cached_tokens)
         stopped_by_string = False
+        # The EOS that ends a request is not part of its text, as in vLLM, even with
+        # skip_special_tokens=False (tool-call parsers keep special tokens in the text).
+        eos_position = len(core_output.new_token_ids) - 1 \
+            if core_output.finish_reason == "stop" and core_output.stop_reason is None else -1
         for position, token_id in enumerate(core_output.new_token_ids):
             state.token_ids.append(token_id)
             state.num_output_tokens += 1
@@ -318,7 +322,7 @@ class OutputProcessor:
                 state.cumulative_logprob += core_output.new_token_logprobs[position]
             if state.logprobs is not None and core_output.new_logprobs is not None:
                 state.logprobs.append(self._logprob_dict(core_output.new_logprobs[position]))
-            if state.detokenizer is not None:
+            if state.detokenizer is not None and position != eos_position:
                 stop_str = state.text.append(state.detokenizer.step(token_id))
                 if stop_str is not None:
                     state.finish_reason, state.stop_reason = "stop", stop_str

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from raylm.engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     # Ordered: every status after PREEMPTED is a finished one. An IntEnum compares in C,
     # and the core asks these questions for every request every step.
     WAITING = enum.auto()
+    # Waiting for its grammar to compile (vLLM's name): the scheduler passes over it.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     # Its blocks were taken back; it waits to be recomputed from what is still cached.
     PREEMPTED = enum.auto()
@@ -89,6 +96,11 @@ class Request:
     # vLLM's per-tenant prefix-cache salt: part of the first block's hash, so requests share
     # cached KV only with requests of the same salt (or, unsalted, with unsalted ones).
     cache_salt: str | None = None
+    # The LoRA adapter the request runs under (None: the base model); part of the first
+    # block's hash too, so that only requests of the same adapter share cached KV.
+    lora_request: LoRARequest | None = None
+    # The grammar and matcher of a request with structured outputs (None without).
+    structured_output_request: StructuredOutputRequest | None = None
     # Speculative decoding: the proposals of this request's verification step in flight
     # (their KV slots are allocated and num_computed_tokens counts them until the step's
     # output says how many were accepted); empty otherwise.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from raylm.engine import envs
+from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
 _GREEDY_TEMPERATURE = 1e-5
@@ -76,6 +77,9 @@ class SamplingParams:
             sum(logprobs) / length ** length_penalty.
         early_stopping: Beam search: True stops when `best_of` beams have finished, False
             when no running beam can heuristically beat them, "never" when none can at all.
+        structured_outputs: Constrains the output to a JSON schema, a regex, a choice or a
+            grammar (`StructuredOutputsParams`); None leaves it free. The request ends
+            when the grammar does: after a complete output only EOS is allowed.
     """
 
     n: int = 1
@@ -103,6 +107,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS plus stop_token_ids, the tokens that min_tokens holds back.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -157,7 +162,11 @@ class SamplingParams:
                    "must be non-negative integers")
         for token_id, bias in (self.logit_bias or {}).items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"{{{token_id}: {bias}}}", "values must be in [-100, 100]")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", type(self.structured_outputs).__name__, "must be a StructuredOutputsParams")
         if self.use_beam_search:
+            _check(self.structured_outputs is None, "structured_outputs", self.structured_outputs,
+                   "cannot be combined with beam search")
             self._verify_beam_search()
         elif self.best_of > 1 and self.sampling_type == SamplingType.GREEDY:
             # Greedy samples would all be identical: vLLM rejects this too.

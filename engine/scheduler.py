@@ -10,7 +10,10 @@ Every step has one token budget (max_num_batched_tokens). In this order:
 2. Unless step 1 preempted something, waiting requests first-come-first-served while the
    budget, max_num_seqs and the pool allow, stopping at the first that does not fit. A
    request's cached prefix is skipped; the rest of its prompt is chunked to the budget
-   (with chunked prefill off, a prompt that does not fit whole waits).
+   (with chunked prefill off, a prompt that does not fit whole waits). With LoRA, a request
+   whose adapter is still loading or finds no free adapter slot waits in its place while
+   the requests behind it are considered (`engine/lora_slots.py`: a step never holds more
+   distinct adapters than the workers' slots).
 
 A request always fits the pool alone (the engine checks that the pool holds max_model_len
 tokens, or with a sliding window on every layer, the window and one step's tokens: see
@@ -28,11 +31,21 @@ for the last), so a request with a token in flight is not scheduled until it is 
 each step takes a micro-batch of the requests so that several steps are in flight at once
 (`pipeline_schedule.py`).
 
+Structured outputs: a waiting request whose grammar is still compiling
+(WAITING_FOR_FSM) is passed over, without holding up the queue behind it. Each step
+carries the next-token bitmask of every constrained request it samples, filled from the
+request's matcher, which must have seen all its tokens: so with async scheduling a
+constrained request is not scheduled while its last token is in flight (it decodes every
+other step; unconstrained requests keep the overlap).
+
 With speculative decoding (a `Drafter`), a decoding request also carries the tokens it
 proposes (`spec_token_ids`), budgeted and given KV slots like any other token; the engine
 core rolls back what the verification rejects. Under async scheduling a request that
 proposes is not pipelined: how many tokens its verification accepts, so where its next
-step starts, is known only once that step is collected (see `_schedule_running`).
+step starts, is known only once that step is collected (see `_schedule_running`). A
+constrained request proposes nothing (`Drafter.num_drafts`): its one bitmask covers one
+sampled token, so it decodes one token a step, and under async scheduling the two rules
+never meet (it already waits for its token in flight before it is scheduled again).
 Speculative decoding and pipeline parallelism are not combined (EngineArgs refuses it).
 """
 
@@ -42,15 +55,20 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from raylm.engine.config import CacheConfig, SchedulerConfig
 from raylm.engine.kv_cache_manager import KVCacheManager
+from raylm.engine.lora_slots import LoRASlots
 from raylm.engine.pipeline_schedule import micro_batch_size, steps_in_flight
 from raylm.engine.request import Request, RequestStatus
 from raylm.engine.spec_decode.config import SpeculativeConfig
 from raylm.engine.spec_decode.drafter import Drafter
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampling_metadata import needs_token_history
+
+if TYPE_CHECKING:
+    from raylm.engine.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -71,7 +89,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None,
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 lora_slots: LoRASlots | None = None) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_gpu_blocks < 1:
             raise ValueError(f"cache_config.num_gpu_blocks must be set to at least 1 before building the "
                              f"scheduler, got {cache_config.num_gpu_blocks}.")
@@ -96,6 +116,13 @@ class Scheduler:
         self.num_micro_batches = (steps_in_flight(scheduler_config, runs_steps_asynchronously=True)
                                   if self.waits_for_tokens_in_flight else 1)
         self._step_request_limit = scheduler_config.max_num_seqs
+        # enable_lora: the adapter slots (a request of an adapter is admitted when its
+        # adapter is loaded and has a slot; see engine/lora_slots.py).
+        self.lora_slots = lora_slots
+        self.structured_output_manager = structured_output_manager
+        # Requests ended because their grammar did not compile, with the error, until the
+        # engine core collects them.
+        self.failed_requests: dict[str, BaseException] = {}
         # Speculative decoding: what each decoding request proposes (None: off).
         self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
                         if speculative_config is not None else None)
@@ -124,6 +151,10 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
+        if request.structured_output_request is not None:
+            request.structured_output_request.release()
         if self.drafter is not None:
             self.drafter.free(request)
         del self.requests[request.request_id]
@@ -187,7 +218,18 @@ class Scheduler:
         if scheduled:
             # An empty step never reaches the workers: its ids ride along with the next one.
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
+            if self.lora_slots is not None:
+                out.step.lora_activations = self.lora_slots.take_activations()
+            self._fill_grammar_bitmask(out)
         return out
+
+    def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        constrained = [request for request, scheduled in zip(out.scheduled, out.step.requests)
+                       if scheduled.do_sample and request.structured_output_request is not None]
+        if constrained:
+            out.step.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [request.structured_output_request for request in constrained])
+            out.step.structured_output_req_ids = [request.worker_id for request in constrained]
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, out: SchedulerOutput) -> int:
         kv = self.kv_cache_manager
@@ -198,9 +240,11 @@ class Scheduler:
                 index += 1  # pipeline parallel: its token in flight must come back first
                 continue
             if request.num_output_placeholders and (request.spec_token_ids
+                                                    or request.structured_output_request is not None
                                                     or self._ends_with_tokens_in_flight(request)):
-                # Nothing known to compute: its last token is being sampled, or its
-                # verification in flight decides where its next step starts.
+                # Nothing known to compute: its last token is being sampled, its
+                # verification in flight decides where its next step starts, or its
+                # grammar's bitmask needs the token being sampled.
                 index += 1
                 continue
             num_new_tokens = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
@@ -235,11 +279,25 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv_cache_manager
         config = self.scheduler_config
+        lora_slots = self.lora_slots
+        # Requests still compiling their grammar, or whose adapter is loading or has no slot:
+        # they keep their places in the queue.
+        skipped: list[Request] = []
+        if lora_slots is not None:
+            lora_slots.start_pass()
         while (self.waiting and budget > 0 and len(self.running) < config.max_num_seqs
                and len(scheduled) < self._step_request_limit):
             request = self.waiting[0]
             if self.waits_for_tokens_in_flight and request.num_output_placeholders:
                 break  # preempted while its token was in flight: readmitted once it is back
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                self.waiting.popleft()
+                if not request.is_finished:
+                    skipped.append(request)
+                continue
+            if lora_slots is not None and not lora_slots.can_admit(request):
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
@@ -254,9 +312,27 @@ class Scheduler:
             request.num_cached_tokens = num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.resumed = True
+            if lora_slots is not None:
+                lora_slots.acquire(request)
             self.running.append(request)
             scheduled.append((request, num_new_tokens))
             budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a request waiting for its grammar may be scheduled now. One whose grammar
+        failed to compile is ended here (FINISHED_ABORTED) and reported in failed_requests."""
+        structured = request.structured_output_request
+        if not structured.is_ready:
+            return False
+        error = structured.error
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            self.failed_requests[request.request_id] = error
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _scheduled_request(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         """The workers' view of the request's share of this step; advances its
@@ -273,7 +349,8 @@ class Scheduler:
             req_id=request.worker_id, token_ids=token_ids, num_computed_tokens=start,
             block_table=self.kv_cache_manager.get_block_ids(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=params if request.resumed else None,
-            do_sample=do_sample, resumed=request.resumed, sample_index=request.sample_index)
+            do_sample=do_sample, resumed=request.resumed, sample_index=request.sample_index,
+            lora_slot=self.lora_slots.slot_of(request) if self.lora_slots is not None else -1)
         if do_sample:
             request.num_output_placeholders += 1
         if request.resumed and start and needs_token_history(params):
@@ -306,6 +383,8 @@ class Scheduler:
         """Preemption by recompute: the request's blocks go back to the pool (cached ones
         stay cached until evicted) and it waits at the front of the queue."""
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.resumed = True

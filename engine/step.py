@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
 
 
@@ -51,6 +54,8 @@ class ScheduledRequest:
     # (a position) on, each scored against the next prompt token, in `prompt_logprobs_targets`.
     prompt_logprobs_start: int = 0
     prompt_logprobs_targets: list[int] | None = None
+    # The LoRA adapter slot the request runs under this step (-1: the base model).
+    lora_slot: int = -1
     # Speculative decoding: tokens proposed after token_ids (the request's last verified
     # token), at the positions that follow it, for the target to verify in this step.
     # PLACEHOLDER_TOKEN_ID entries are proposed by the workers' draft model. The sampled
@@ -63,6 +68,13 @@ class ExecuteModelRequest:
     requests: list[ScheduledRequest]
     # Requests that ended since the last step: workers drop their sampler state.
     finished_req_ids: list[int] = field(default_factory=list)
+    # LoRA: the adapters that this step puts in slots (slot -> adapter), before it runs.
+    lora_activations: dict[int, LoRARequest] | None = None
+    # Structured outputs: the next-token bitmask (int32 [k, ceil(V / 32)], bit j of a row
+    # set where token j is allowed) of the k sampled requests in `structured_output_req_ids`,
+    # row i for req_id structured_output_req_ids[i]; the sampler masks the others to -inf.
+    grammar_bitmask: np.ndarray | None = None
+    structured_output_req_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
@@ -45,6 +46,24 @@ class Executor(ABC):
         ends, and say so in runs_steps_asynchronously."""
         output = self.execute_model(req)
         return lambda: output
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Calls `Worker.<method>(*args)` on every worker; the results in rank order."""
+        raise NotImplementedError(f"{type(self).__name__} does not call worker methods.")
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Loads a LoRA adapter into every worker's host memory (each its share); raises
+        LoRAAdapterError (a ValueError) for an adapter the workers cannot serve. Safe to call
+        from a thread other than the one that runs steps."""
+        from raylm.executors.lora_adapter import lora_error_from_worker
+
+        for error in self.collective_rpc("add_lora", lora_request):
+            if error is not None:
+                raise lora_error_from_worker(*error)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drops an adapter from every worker's host memory."""
+        self.collective_rpc("remove_lora", lora_int_id)
 
     def check_health(self) -> None:
         """Raises if a worker is no longer able to run steps."""

@@ -21,6 +21,7 @@ from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, Sample
                                ScheduledRequest, TokenLogprobs)
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
+from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import Sampler, token_logprobs
@@ -84,6 +85,8 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
         self.num_kv_heads = self.model_config.num_kv_heads_per_rank(self.parallel_config.tensor_parallel_size)
         self.model: nn.Module | None = None
+        # enable_lora: the model's LoRA layers, loaded adapters and slots (executors/lora_manager.py).
+        self.lora_manager = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -116,6 +119,11 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
+        if self.engine_config.lora_config is not None:
+            from raylm.executors.lora_manager import WorkerLoRAManager
+
+            self.lora_manager = WorkerLoRAManager(self.model, self.engine_config.lora_config,
+                                                  self.model_config.hf_config, self.device)
         self.attn_backend = get_attention_backend(self.model_config.attention_backend)
         for layer in self._attention_layers():
             layer.attn_backend = self.attn_backend
@@ -133,6 +141,8 @@ class ModelRunner:
                 # Not yet with collectives inside the graph (never run on GPUs).
                 and self.parallel_config.tensor_parallel_size == 1
                 and self.parallel_config.pipeline_parallel_size == 1
+                # LoRA layers read each step's token slots, set on the host per step.
+                and self.lora_manager is None
                 # Layers that attend otherwise (Gemma 2's soft cap runs the PyTorch
                 # reference, which reads lengths on the host) say so, or are not plain.
                 and all(getattr(layer, "cuda_graph_safe", type(layer) is Attention)
@@ -390,6 +400,9 @@ class ModelRunner:
             return self._run_model(host, None, intermediate_tensors)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
         rows = sample_rows + prompt_rows
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(req.requests, req.lora_activations,
+                                           step_output_rows(rows, len(host.input_ids)))
         selected = self._run_model(host, rows, intermediate_tensors)
         if not rows:
             return SamplerOutput() if self.rank == 0 else None
@@ -400,6 +413,9 @@ class ModelRunner:
         logits = logits.float()
 
         output = SamplerOutput()
+        if req.structured_output_req_ids and sample_rows:
+            # Structured outputs: tokens the grammar refuses get -inf before any sampling.
+            apply_grammar_bitmask(logits, req.grammar_bitmask, _grammar_rows(sampled, req.structured_output_req_ids))
         if sample_rows:
             # The drawn tokens come back as the next step's token_ids, which is when
             # _update_states appends them to the histories.
@@ -673,6 +689,22 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _grammar_rows(sampled: list[ScheduledRequest], constrained_req_ids: list[int]) -> list[int]:
+    """The logits row of each constrained request, among the sampled requests' rows: a
+    request verifying k proposals has k + 1 rows, so rows and requests differ in number
+    when the batch speculates. A constrained request proposes nothing (Drafter.num_drafts),
+    so its one row is where its bitmask row goes."""
+    row_of: dict[int, int] = {}
+    row = 0
+    for scheduled in sampled:
+        row_of[scheduled.req_id] = row
+        row += 1 + (len(scheduled.spec_token_ids) if scheduled.spec_token_ids else 0)
+    constrained = set(constrained_req_ids)
+    assert not any(s.spec_token_ids for s in sampled if s.req_id in constrained), \
+        "a request with a grammar bitmask must not propose tokens"
+    return [row_of[req_id] for req_id in constrained_req_ids]
 
 
 def _as_decode_rows(positions: list[int], query_lens: list[int], block_tables: list[list[int]]

@@ -147,6 +147,8 @@ def _apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
 
 
 def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
+    """Masks the stop tokens of rows short of min_tokens, unless that leaves a row nothing
+    to draw (a structured output whose grammar allows only EOS now: the grammar wins)."""
     row_idx: list[int] = []
     col_idx: list[int] = []
     for i in rows:
@@ -154,7 +156,12 @@ def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
         row_idx.extend([i] * len(stop_ids))
         col_idx.extend(stop_ids)
     device = logits.device
-    logits[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)] = _NEG_INF
+    index = (torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device))
+    kept = logits[index]
+    logits[index] = _NEG_INF
+    emptied = logits[index[0]].amax(dim=-1) == _NEG_INF
+    if emptied.any():
+        logits[index[0][emptied], index[1][emptied]] = kept[emptied]
 
 
 def _padded(token_lists: list[list[int]], pad: int) -> list[list[int]]:

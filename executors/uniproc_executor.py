@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.executor_base import Executor
@@ -45,6 +46,9 @@ class UniProcExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_blocks
         self.driver_worker.initialize_cache(num_blocks)
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        return [getattr(self.driver_worker, method)(*args)]
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
         """Runs one step in the calling thread."""

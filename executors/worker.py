@@ -179,6 +179,34 @@ class Worker:
         see `ModelRunner.execute_model`."""
         return self.model_runner.execute_model(req, intermediate_tensors)
 
+    # ---- LoRA (enable_lora) -------------------------------------------------------------------
+    def add_lora(self, lora_request) -> tuple[str, str] | None:
+        """Loads an adapter's share for this rank into host memory. A bad adapter is returned
+        as (error class name, message), not raised: a raising worker call stops the engine."""
+        from raylm.executors.lora_adapter import LoRAAdapterError
+
+        manager = self._lora_manager()
+        try:
+            manager.add_lora(lora_request)
+        except LoRAAdapterError as exc:
+            return type(exc).__name__, str(exc)
+        except (ValueError, OSError, RuntimeError) as exc:  # reading or cutting it failed otherwise: it alone
+            return LoRAAdapterError.__name__, (f"LoRA adapter {lora_request.lora_name!r} could not be loaded on rank "
+                                               f"{self.rank}: {type(exc).__name__}: {exc}")
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_manager().list_loras()
+
+    def _lora_manager(self):
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            raise RuntimeError("LoRA calls need an engine started with enable_lora=True.")
+        return manager
+
     def check_health(self) -> None:
         """Raises if the device can no longer run work."""
         if self.device is not None and self.device.type == "cuda":

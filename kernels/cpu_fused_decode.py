@@ -6,7 +6,9 @@ decode-only on the CPU and every layer is the plain Llama layer on the native ke
 runs `torch.ops.raylm.llama_decode_layers` (`kernels/csrc/cpu_decode_layers.cpp`): the same
 kernels, in the same order, called from C++, so the results are bitwise those of the
 modules. Elsewhere (prefill and mixed steps, tensor parallelism, other attention backends or
-layer types, GPUs) `run` returns None and the modules run.
+layer types, GPUs) `run` returns None and the modules run. With LoRA layers (enable_lora) the
+op adds each token's adapter term after each projection, as the LoRA layers do
+(`csrc/cpu_lora.cpp`).
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
 layer's ~10 kernels runs with cold caches (25 us an op call instead of 2.4); in the ~100M
@@ -64,6 +66,10 @@ class CpuFusedDecode:
         self._args: dict[tuple[int, torch.dtype], tuple[list, list[int]] | None] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._first_attention: nn.Module | None = None
+        # enable_lora: the LoRA layers' per-step batch, and per layer their stacked adapter
+        # slots in the op's order (None: adapter steps are declined, the LoRA layers run them).
+        self._lora_batch = None
+        self._lora_tensors: list[torch.Tensor] | None = None
 
     def reset(self) -> None:
         self._shape = None
@@ -81,6 +87,12 @@ class CpuFusedDecode:
         shape = self._check_layers() if self._shape is None else self._shape
         if not shape:
             return None
+        lora = self._lora_batch
+        lora_args: tuple = (None, [], 0)  # none: the plain layers
+        if lora is not None and lora.active:
+            if self._lora_tensors is None or hidden_states.dtype != lora.dtype:
+                return None  # the LoRA layers run the step
+            lora_args = (lora.token_slots, self._lora_tensors, lora.max_rank)
         kv_cache = self._first_attention.kv_cache
         if kv_cache is not self._kv_cache:  # the runner allocated the caches (again)
             self._args.clear()
@@ -96,7 +108,8 @@ class CpuFusedDecode:
             hidden_states.contiguous(), positions.to(torch.int64).contiguous(),
             md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous(),
             md.seq_lens.to(torch.int32).contiguous(), shape.cos_sin_cache, tensors, ints, shape.num_heads,
-            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.sliding_windows)
+            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.sliding_windows,
+            *lora_args)
 
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
@@ -105,6 +118,11 @@ class CpuFusedDecode:
                        else False)
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
+            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+            self._lora_batch = next((linear.lora_batch for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                       mlp.down_proj) if hasattr(linear, "lora_batch")),
+                                    None)
+            self._lora_tensors = _lora_tensors(self.layers) if self._lora_batch is not None else None
         return self._shape
 
     def _layer_args(self, num_tokens: int, dtype: torch.dtype) -> tuple[list, list[int]] | None:
@@ -134,6 +152,24 @@ class CpuFusedDecode:
                 ints += (kind, linear.weight.shape[0])
             tensors += kv_cache
         return tensors, ints
+
+
+def _lora_tensors(layers: nn.ModuleList) -> list[torch.Tensor] | None:
+    """Per layer, each projection's stacked LoRA slots (lora_a, then lora_b of each output
+    slice) in the op's order; None unless every projection is a LoRA layer of the expected
+    slices and the native LoRA kernel is built."""
+    from raylm.kernels.lora_ops import native_kernel_available
+
+    if not native_kernel_available():
+        return None
+    tensors: list[torch.Tensor] = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear, slices in ((attn.qkv_proj, 3), (attn.o_proj, 1), (mlp.gate_up_proj, 2), (mlp.down_proj, 1)):
+            if len(getattr(linear, "lora_b", ())) != slices or getattr(linear, "silu_and_mul_weight", None) is not None:
+                return None
+            tensors += [linear.lora_a, *linear.lora_b]
+    return tensors
 
 
 def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> _Shape | bool:

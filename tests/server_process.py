@@ -56,6 +56,31 @@ def start_server(args: list[str], log: Path | None = None,
     (never the test session's); returns (process, base_url) once /health answers. Its
     output goes to `log` (shown if it fails to come up), or nowhere; `env` adds to its
     environment."""
+    (started,) = start_servers([(args, log, env)])
+    return started
+
+
+# What `start_server` takes, for each of several servers: (args, log) or (args, log, env).
+ServerConfig = tuple[list[str], Path | None] | tuple[list[str], Path | None, dict[str, str] | None]
+
+
+def start_servers(configs: list[ServerConfig]) -> list[tuple[subprocess.Popen, str]]:
+    """`start_server` for several servers, started side by side: returns once all answer."""
+    launched = [_launch(*config) for config in configs]
+    for (process, base_url), (_, log, *_) in zip(launched, configs):
+        try:
+            wait_healthy(base_url, process)
+        except BaseException:
+            for other, _ in launched:
+                stop_server(other)
+            if log is not None:
+                print(log.read_text()[-5000:])
+            raise
+    return launched
+
+
+def _launch(args: list[str], log: Path | None,
+            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "raylm.deploy.cli", "serve", *args, "--port", str(port)]
     env = server_env(env)
@@ -65,15 +90,7 @@ def start_server(args: list[str], log: Path | None = None,
     finally:
         if log is not None:
             output.close()
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-    except BaseException:
-        stop_server(process)
-        if log is not None:
-            print(log.read_text()[-5000:])
-        raise
-    return process, base_url
+    return process, f"http://127.0.0.1:{port}"
 
 
 def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:

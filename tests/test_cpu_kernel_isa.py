@@ -353,3 +353,19 @@ def test_narrower_isa_passes(isa):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_bgmv_adds_each_tokens_own_adapter(dtype):
+    """csrc/cpu_lora.cpp: tokens of slots 0-3 (adapters of ranks 16, 3, 9, 1 in slots of 16) get
+    their adapter's product for 1 and 3 output slices; base-model tokens (-1) stay bitwise."""
+    from test_lora_kernels import offsets_of, random_case, reference
+
+    if native_build.load_native_library("cpu_lora") is None:
+        pytest.skip("the LoRA kernel cannot be built here")
+    for out_sizes in ([48], [64, 16, 19]):
+        x, lora_a, lora_b, slots, base = random_case(23, 37, out_sizes, dtype, seed=len(out_sizes))
+        out = base.clone()
+        torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, offsets_of(out_sizes), slots.to(torch.int32), 16)
+        assert_close(out, reference(x, lora_a, lora_b, slots, base), dtype)
+        assert torch.equal(out[slots < 0], base[slots < 0])

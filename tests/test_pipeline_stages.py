@@ -54,6 +54,13 @@ def test_speculative_decoding_with_a_pipeline_is_an_error_naming_both_settings(t
     assert EngineArgs(model=str(model_dir), pipeline_parallel_size=2).create_engine_config()
 
 
+def test_lora_with_a_pipeline_is_an_error_naming_both_settings(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match=r"enable_lora is not supported with pipeline_parallel_size 2"):
+        EngineArgs(model=str(model_dir), pipeline_parallel_size=2, enable_lora=True).create_engine_config()
+    assert EngineArgs(model=str(model_dir), enable_lora=True).create_engine_config().lora_config is not None
+
+
 @pytest.fixture(scope="module")
 def split_models(tmp_path_factory) -> dict[str, Path]:
     """Llama-family models of 3 and 4 layers (an uneven and an even split), one tied."""

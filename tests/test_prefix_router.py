@@ -14,6 +14,7 @@ hashes of the blocks it caches (`record_routing_stats`, read here from the repli
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -36,6 +37,12 @@ BLOCK = 16
 IMBALANCE = 2
 PREFIX_BLOCKS = 4
 MODEL = "router-llama"
+# The replicas' --chat-template (a file): the tiny model's, with the request's tools named
+# in a system turn ahead of the messages, as tool-calling templates put them.
+TOOLS_TEMPLATE = ("{% if tools %}<|system|>\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+                  "<|end|>\n{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n"
+                  "{{ message['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                  "{% endif %}")
 
 
 # ------------------------------------------------------------------ policy
@@ -85,6 +92,42 @@ def test_the_routers_block_hashes_are_the_kv_cache_managers():
     assert block_hash_key(prompt, BLOCK, None, max_blocks=2) == block_hash_key(prompt, BLOCK)[:2]
 
 
+def test_a_lora_adapters_prompt_is_another_prefix_for_the_router_and_the_replicas(tmp_path):
+    """With LoRA on, the router keys a request for an adapter (a `model` that is neither the
+    base model nor its alias) with the adapter's name: two adapters' and the base model's
+    identical prompts are three prefixes, as the replicas' block hashes (which key the
+    adapter by id, name and folder) make them; the base model's keys stay the replicas' own,
+    salted or not, and with LoRA off every name keys as the base."""
+    from raylm.deploy.prefix_key import PrefixKeyer
+    from raylm.engine.kv_cache_manager import KVCacheManager
+    from raylm.engine.lora_request import LoRARequest
+    from raylm.engine.request import Request
+    from raylm.engine.sampling_params import SamplingParams
+
+    prompt = list(range(5, 5 + 3 * BLOCK))
+    keyer = PrefixKeyer(None, BLOCK, max_blocks=64, base_model_names=["base", "/models/base"])
+
+    def key(model: str | None, salt: str | None = None) -> tuple[bytes, ...]:
+        body = {"prompt": prompt} | ({"model": model} if model else {}) | ({"cache_salt": salt} if salt else {})
+        return keyer.key("/v1/completions", json.dumps(body).encode()).block_hashes
+
+    def replica_hashes(lora: LoRARequest | None, salt: str | None = None) -> tuple[bytes, ...]:
+        request = Request("r", prompt, SamplingParams(max_tokens=4), 0.0, cache_salt=salt, lora_request=lora)
+        KVCacheManager(num_blocks=16, block_size=BLOCK)._update_block_hashes(request)
+        return tuple(h[:len(key(None)[0])] for h in request.block_hashes)
+
+    sql, chat = LoRARequest("sql", 1, str(tmp_path / "sql")), LoRARequest("chat", 2, str(tmp_path / "chat"))
+    assert key(None) == key("base") == key("/models/base") == replica_hashes(None)
+    assert key("base", "tenant") == replica_hashes(None, "tenant") != key("base")
+    assert len({key("base"), key("sql"), key("chat"), key("sql", "tenant")}) == 4
+    assert len({replica_hashes(None), replica_hashes(sql), replica_hashes(chat), replica_hashes(sql, "tenant")}) == 4
+    # Every later block chains on the first: none of an adapter's blocks is the base's.
+    assert not set(key("sql")) & set(key("base"))
+    lora_off = PrefixKeyer(None, BLOCK, max_blocks=64)
+    assert lora_off.key("/v1/completions", json.dumps({"model": "sql", "prompt": prompt}).encode()).block_hashes \
+        == key("base")
+
+
 def test_a_replica_reports_its_cached_blocks_most_recently_used_first():
     from raylm.engine.block_pool import BlockPool
 
@@ -132,14 +175,22 @@ def router_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, router_model: Path):
+def chat_template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("router_template") / "tools_template.jinja"
+    path.write_text(TOOLS_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, router_model: Path, chat_template_file: Path):
     from raylm.deploy.serve_app import build_serve_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_serve_app({"model": str(router_model), "num_gpu_blocks_override": 2048, "device": "cpu"},
-                          {"served_model_name": [MODEL]}, num_replicas=2, replica_cpus=0.25, ingress_cpus=0.1,
-                          router_imbalance_threshold=IMBALANCE, router_stats_period_s=0.3, health_check_period_s=1.0)
+                          {"served_model_name": [MODEL], "chat_template": str(chat_template_file)}, num_replicas=2,
+                          replica_cpus=0.25, ingress_cpus=0.1, router_imbalance_threshold=IMBALANCE,
+                          router_stats_period_s=0.3, health_check_period_s=1.0)
     serve.run(app, name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete(APP)
@@ -314,17 +365,30 @@ def test_metrics_show_decisions_and_each_replicas_reported_counters(served):
     assert sum(_decisions(url).values()) > 0
 
 
-def test_the_routers_keys_are_the_hashes_the_replicas_report(served, router_model):
-    from raylm.deploy.prefix_key import PrefixKeyer
-    from raylm.engine.tokenizer import get_tokenizer
+def test_the_routers_keys_are_the_hashes_the_replicas_report(served, router_model, chat_template_file):
+    """Text, chat (rendered with the replicas' --chat-template file), chat with tools (which
+    the template renders ahead of the messages: they change the prefix) and salted prompts."""
+    from raylm.deploy.serve_ingress import _build_keyer
 
     url = served
-    keyer = PrefixKeyer(get_tokenizer(str(router_model)), BLOCK, max_blocks=64)
+    # The ingress's keyer, built from what keyer_arguments passes it.
+    keyer = _build_keyer(tokenizer=str(router_model), trust_remote_code=False, revision=None, tokenizer_mode="auto",
+                         block_size=BLOCK, max_blocks=64, chat_template=str(chat_template_file),
+                         trust_request_chat_template=False)
     text = "the quick brown fox jumps over the lazy dog " * 12
     chat = {"model": MODEL, "messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}],
             "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    tools_text = "a lazy dog sleeps under the old oak tree all day " * 12
+    chat_with_tools = {**chat, "messages": [{"role": "system", "content": tools_text},
+                                            {"role": "user", "content": "hi"}],
+                       "tools": [tool], "tool_choice": "none"}
+    without_tools = {key: value for key, value in chat_with_tools.items() if key not in ("tools", "tool_choice")}
+    assert (keyer.key("/v1/chat/completions", json.dumps(chat_with_tools).encode()).block_hashes[0]
+            != keyer.key("/v1/chat/completions", json.dumps(without_tools).encode()).block_hashes[0])
     requests = [("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 2}),
                 ("/v1/chat/completions", chat),
+                ("/v1/chat/completions", chat_with_tools),
                 ("/v1/completions", {"model": MODEL, "prompt": _prefix(40), "max_tokens": 2, "cache_salt": "tenant"})]
     for route, body in requests:
         response = httpx.post(url + route, json=body, timeout=60)

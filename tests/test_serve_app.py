@@ -43,7 +43,9 @@ SERVER_FLAGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--root-path
                 "--trust-request-chat-template", "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
                 "--max-prompts-per-request", "8", "--max-stop-strings", "2", "--max-stop-string-chars", "50",
                 "--max-stop-token-ids", "9", "--max-logit-bias", "10", "--max-chat-messages", "11",
-                "--max-prompt-chars", "5000"]
+                "--max-prompt-chars", "5000", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                "--max-structured-output-chars", "4000", "--max-json-schema-depth", "12", "--max-tools", "1",
+                "--max-grammar-compile-seconds", "4.5"]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +127,13 @@ def test_serve_app_applies_the_server_flags(serve_url):
             "chat_template": "{{ messages[0].content }}"}
     response = httpx.post(serve_url + ROOT + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
     assert response.status_code == 200, response.text  # --trust-request-chat-template
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = httpx.post(serve_url + ROOT + "/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={**chat, "tools": [tool], "tool_choice": "auto"})
+    assert response.status_code == 200, response.text  # --enable-auto-tool-choice --tool-call-parser hermes
+    response = httpx.post(serve_url + ROOT + "/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={**chat, "tools": [tool, tool]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text  # --max-tools
 
 
 def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, expected):

@@ -25,13 +25,16 @@ def test_string_keys_are_typed_by_their_settings(llama_dir):
         "model": str(llama_dir), "enable_prefix_caching": "false", "kv_cache_space": "0.5", "max_num_seqs": "8",
         "tokenizer": "none", "trust_request_chat_template": "false", "max_concurrent_requests": "8",
         "served_model_name": "a,b", "max_prompt_chars": "none", "max_stop_strings": "2", "shutdown_timeout": "7",
-        "num_replicas": "2", "use_gpu": "false", "replica_cpus": "0.25"})
+        "num_replicas": "2", "use_gpu": "false", "replica_cpus": "0.25", "enable_auto_tool_choice": "true",
+        "tool_call_parser": "mistral", "max_tools": "4", "max_grammar_compile_seconds": "2.5"})
     assert parsed.engine_kwargs == {"model": str(llama_dir), "enable_prefix_caching": False, "kv_cache_space": 0.5,
                                     "max_num_seqs": 8, "tokenizer": None}
     server = parsed.server_args
     assert server.trust_request_chat_template is False and server.max_concurrent_requests == 8
     assert server.served_model_name == ["a", "b"] and server.shutdown_timeout == 7.0
     assert server.limits.max_prompt_chars is None and server.limits.max_stop_strings == 2
+    assert server.enable_auto_tool_choice is True and server.tool_call_parser == "mistral"
+    assert server.limits.max_tools == 4 and server.limits.max_grammar_compile_seconds == 2.5
     deployment = parsed.deployment
     assert deployment.num_replicas == 2 and deployment.use_gpu is False and deployment.replica_cpus == 0.25
 
@@ -55,6 +58,9 @@ def test_yaml_values_keep_their_types(llama_dir):
     ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching must be true or false"),
     ({"port": "9000"}, "'port' is not a server setting: Ray Serve's http_options set it"),
     ({"uvicorn_log_level": "info"}, "uvicorn's own"),
+    ({"tool_call_parser": "hermes2"}, "tool_call_parser must be one of hermes, llama3_json, mistral, got 'hermes2'"),
+    ({"enable_auto_tool_choice": "true"}, "enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser"),
+    ({"max_grammar_compile_seconds": "0"}, "max_grammar_compile_seconds must be a positive number, got 0.0"),
 ])
 def test_a_bad_key_or_value_is_an_error_naming_it(llama_dir, args, message):
     from raylm.deploy.serve_app import app_arguments

@@ -34,7 +34,12 @@ class Drafter:
     def num_drafts(self, request: Request, budget: int, num_running: int) -> int:
         """How many tokens the decoding request should propose this step: its adaptive draft
         length, bounded by the step's remaining token budget (its own token included), its
-        max_tokens and max_model_len; 0 while more than disable_by_batch_size requests run."""
+        max_tokens and max_model_len; 0 while more than disable_by_batch_size requests run,
+        and always 0 for a request with structured outputs: its grammar's bitmask covers the
+        one token after its last, and a proposal verified without the bitmask at its position
+        could be accepted though the grammar forbids it."""
+        if request.structured_output_request is not None:
+            return 0
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running > limit:
             return 0

@@ -27,6 +27,13 @@
 // its [T, d] output). `sliding_windows` holds each layer's window (0: none). The caller chooses each linear's
 // kernel and weight copy for this batch size exactly as parallel/cpu_gemm.linear would.
 //
+// With LoRA (`lora_token_slots` given: each token's adapter slot, -1 for the base model), each
+// of the four linears' output gets its tokens' adapter terms added by raylm::lora_bgmv
+// (csrc/cpu_lora.cpp) right after the linear, as the LoRA layers of parallel/lora_linear.py
+// do; `lora_tensors` holds, per layer, kLoRATensorsPerLayer entries: lora_a and each output
+// slice's lora_b of qkv_proj (q, k, v), o_proj, gate_up_proj (gate, up) and down_proj.
+// gate_up_proj must then not be the gated kernel (its output is past the activation).
+//
 // `hidden` (it becomes the residual, added to in place) and the KV caches are written in place;
 // the schema cannot mark tensors of a list as mutated, nor the returned residual as hidden's
 // alias: the op is for eager decode steps, not for graphs that reorder or functionalize.
@@ -40,6 +47,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -49,6 +57,9 @@ enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx
 
 constexpr int64_t kTensorsPerLayer = 12;
 constexpr int64_t kIntsPerLayer = 8;
+// qkv_proj: a, b_q, b_k, b_v; o_proj: a, b; gate_up_proj: a, b_gate, b_up; down_proj: a, b.
+constexpr int64_t kLoRATensorsPerLayer = 11;
+constexpr int64_t kLoRASlices[4] = {3, 1, 2, 1};
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
@@ -128,13 +139,36 @@ const Ops& ops() {
   return instance;
 }
 
+using LoRABgmv = void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList, at::IntArrayRef,
+                      const at::Tensor&, int64_t);
+
+// The adapters' terms of one linear (index 0-3 of the layer: qkv, o, gate_up, down), added to
+// `out` in place; `first` points to the linear's lora_a among the layer's LoRA tensors.
+void add_lora(at::Tensor& out, const at::Tensor& x, const at::Tensor* first, int64_t slices,
+              const at::Tensor& token_slots, int64_t rank) {
+  static const auto op = typed_op<LoRABgmv>("raylm::lora_bgmv");
+  std::vector<at::Tensor> b(first + 1, first + 1 + slices);
+  std::vector<int64_t> offsets;
+  int64_t offset = 0;
+  for (const at::Tensor& piece : b) {
+    offsets.push_back(offset);
+    offset += piece.size(1);
+  }
+  op.call(out, x, *first, b, offsets, token_slots, rank);
+}
+
 std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor& hidden_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale,
-    at::IntArrayRef sliding_windows) {
+    at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& lora_token_slots,
+    at::TensorList lora_tensors, int64_t lora_rank) {
   const int64_t num_layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
+  const bool lora = lora_token_slots.has_value();
+  TORCH_CHECK(!lora || static_cast<int64_t>(lora_tensors.size()) == num_layers * kLoRATensorsPerLayer,
+              "raylm::llama_decode_layers takes ", kLoRATensorsPerLayer, " LoRA tensors per layer, got ",
+              lora_tensors.size());
   TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(tensors.size()) == num_layers * kTensorsPerLayer &&
                   static_cast<int64_t>(ints.size()) == num_layers * kIntsPerLayer &&
                   static_cast<int64_t>(sliding_windows.size()) == num_layers,
@@ -161,7 +195,9 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     } else {
       op.fused_add_rms_norm.call(hidden, residual, *slots[0], eps);
     }
+    const at::Tensor* lora_layer = lora ? lora_tensors.data() + layer * kLoRATensorsPerLayer : nullptr;
     at::Tensor qkv = linear(kinds[0], hidden, *slots[2], kinds[1], slots[3]);
+    if (lora) add_lora(qkv, hidden, lora_layer, kLoRASlices[0], *lora_token_slots, lora_rank);
     at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size);
     op.rotary.call(qk, positions, cos_sin_cache, head_size, rotary_dim);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_size});
@@ -171,18 +207,24 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor& v_cache = *slots[11];
     op.write_kv_cache.call(k, v, k_cache, v_cache, slot_mapping);
     at::Tensor attn = op.decode_attention.call(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_windows[layer], 0.0);
-    hidden = linear(kinds[2], attn.reshape({T, q_size}), *slots[4], kinds[3], slots[5]);
+    const at::Tensor attn_rows = attn.reshape({T, q_size});
+    hidden = linear(kinds[2], attn_rows, *slots[4], kinds[3], slots[5]);
+    if (lora) add_lora(hidden, attn_rows, lora_layer + 4, kLoRASlices[1], *lora_token_slots, lora_rank);
     // MLP block.
     op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
     at::Tensor activation;
     if (kinds[4] == kAvx512SiluMul) {
+      TORCH_CHECK(!lora, "raylm::llama_decode_layers: gate_up_proj's gated kernel cannot take a LoRA term");
       static const auto gated = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>(
           "raylm::avx512_linear_silu_mul");
       activation = gated.call(hidden, *slots[6], kinds[5]);
     } else {
-      activation = op.silu_and_mul.call(linear(kinds[4], hidden, *slots[6], kinds[5], slots[7]));
+      at::Tensor gate_up = linear(kinds[4], hidden, *slots[6], kinds[5], slots[7]);
+      if (lora) add_lora(gate_up, hidden, lora_layer + 6, kLoRASlices[2], *lora_token_slots, lora_rank);
+      activation = op.silu_and_mul.call(gate_up);
     }
     hidden = linear(kinds[6], activation, *slots[8], kinds[7], slots[9]);
+    if (lora) add_lora(hidden, activation, lora_layer + 9, kLoRASlices[3], *lora_token_slots, lora_rank);
   }
   return {hidden, residual};
 }
@@ -192,7 +234,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("llama_decode_layers(Tensor(a!) hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor cos_sin_cache, Tensor?[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-        "int head_size, int rotary_dim, float eps, float scale, int[] sliding_windows) -> (Tensor, Tensor)");
+        "int head_size, int rotary_dim, float eps, float scale, int[] sliding_windows, "
+        "Tensor? lora_token_slots, Tensor[] lora_tensors, int lora_rank) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("llama_decode_layers", &llama_decode_layers); }

@@ -1,0 +1,239 @@
+"""Chat `tools` and `tool_choice`, as OpenAI's API and vLLM's server define them.
+
+- `"none"`: the tools go into the chat template; the reply is text.
+- `"auto"` (the default when tools are given): the model decides; the server's tool-call
+  parser (`--enable-auto-tool-choice --tool-call-parser NAME`) finds the calls in its text.
+- `"required"`: the output is constrained to a JSON array of one or more calls to the given
+  tools, `[{"name": ..., "parameters": {...}}, ...]` (at most one call with
+  `parallel_tool_calls: false`).
+- `{"type": "function", "function": {"name": ...}}`: the output is constrained to that
+  function's parameters schema, and is its arguments.
+
+Calls come back as `tool_calls` with ids; `finish_reason` is "tool_calls" when the model
+called tools on its own ("auto") or was required to, and the engine's reason otherwise
+(vLLM's rule: a named function keeps "stop"). Streamed, they come as OpenAI's incremental
+deltas: a call's id, type and name first, then its arguments' JSON text piece by piece.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylm.deploy.errors import OpenAIError
+from raylm.deploy.limits import RequestLimits
+from raylm.deploy.protocol import ChatCompletionToolsParam, FunctionCall, ToolCall
+from raylm.deploy.structured_outputs import json_depth
+from raylm.deploy.tool_parsers import ParsedCall, ParsedToolOutput, ToolParser, check_tool_settings, get_tool_parser
+from raylm.deploy.tool_parsers.base import scan_call, skip_whitespace
+from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+
+
+# ------------------------------------------------------------------ the setup
+@dataclass
+class ToolCallConfig:
+    """The server's tool settings: `--enable-auto-tool-choice --tool-call-parser NAME`."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
+
+
+@dataclass
+class ToolMode:
+    """How one chat request uses its tools."""
+
+    choice: str  # "none", "auto", "required" or "named"
+    # The parser of the reply (None for "none").
+    parser: ToolParser | None = None
+    # The output's constraint ("required" and "named").
+    constraint: StructuredOutputsParams | None = None
+    # What the template renders: the tools as dicts.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+    def finish_reason(self, tools_called: bool, engine_reason: str | None) -> str | None:
+        if tools_called and (self.choice == "auto" or (self.choice == "required" and engine_reason == "stop")):
+            return "tool_calls"
+        return engine_reason
+
+
+def resolve_tool_mode(request: Any, config: ToolCallConfig, limits: RequestLimits) -> ToolMode | None:
+    """The request's tool mode (None without tools), checked: a 400 names `tools` or
+    `tool_choice` for what cannot be served."""
+    tools: list[ChatCompletionToolsParam] | None = request.tools
+    choice = request.tool_choice
+    if not tools:
+        if choice is not None and choice not in ("none", "auto"):
+            raise OpenAIError("tool_choice 'required' or a named function needs `tools`.", param="tool_choice")
+        return None
+    _check_tools(tools, limits)
+    tool_dicts = template_tools(tools)
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolMode("none", tools=tool_dicts)
+    if choice == "auto":
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                              '(tool_choice is "auto" when tools are given without one).', param="tool_choice")
+        return ToolMode("auto", parser=get_tool_parser(config.tool_call_parser), tools=tool_dicts)
+    if choice == "required":
+        schema = _required_schema(tools, request.parallel_tool_calls)
+        return ToolMode("required", parser=RequiredToolParser(), constraint=_constraint(schema), tools=tool_dicts)
+    name = choice.function.name
+    tool = next((tool for tool in tools if tool.function.name == name), None)
+    if tool is None:
+        raise OpenAIError(f"tool_choice names the function {name!r}, which is not among the request's tools "
+                          f"({', '.join(repr(t.function.name) for t in tools)}).", param="tool_choice")
+    return ToolMode("named", parser=NamedToolParser(name), constraint=_constraint(_parameters(tool)),
+                    tools=tool_dicts)
+
+
+def template_tools(tools: list[ChatCompletionToolsParam]) -> list[dict[str, Any]]:
+    """The tools as the chat template is given them (the prefix router renders the same)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def _check_tools(tools: list[ChatCompletionToolsParam], limits: RequestLimits) -> None:
+    if len(tools) > limits.max_tools:
+        raise OpenAIError(f"tools may have at most {limits.max_tools} entries (--max-tools), got {len(tools)}.",
+                          param="tools")
+    text = json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
+    depth = max(json_depth(tool.function.parameters) for tool in tools)
+    limits.check_structured_output(text, depth, "tools")
+
+
+def _parameters(tool: ChatCompletionToolsParam) -> dict[str, Any]:
+    """A function's parameters schema; a function without one takes an empty object."""
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _required_schema(tools: list[ChatCompletionToolsParam], parallel_tool_calls: bool | None) -> dict[str, Any]:
+    """vLLM's schema for "required": an array of {"name", "parameters"} objects, one
+    alternative per tool, the tools' `$defs` moved to the top so that their refs resolve."""
+    defs: dict[str, Any] = {}
+    alternatives = []
+    for tool in tools:
+        parameters = copy.deepcopy(_parameters(tool))
+        for name, definition in parameters.pop("$defs", {}).items():
+            if name in defs and defs[name] != definition:
+                raise OpenAIError(f"tools: two functions define $defs {name!r} differently; with tool_choice "
+                                  f"'required' their definitions share one namespace.", param="tools")
+            defs[name] = definition
+        alternatives.append({"type": "object",
+                             "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                            "parameters": parameters},
+                             "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema, source="tools")
+    except StructuredOutputsError as exc:
+        raise OpenAIError(str(exc), param="tools") from None
+
+
+# --------------------------------------------------------- constrained replies
+class RequiredToolParser(ToolParser):
+    """The reply of tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`."""
+
+    name = "required"
+
+    def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        calls: list[ParsedCall] = []
+        pos = skip_whitespace(text, 0)
+        try:
+            if pos >= len(text) or text[pos] != "[":
+                raise ValueError("not a list of calls")
+            pos = skip_whitespace(text, pos + 1)
+            closed = False
+            while pos < len(text):
+                if text[pos] == "]":
+                    closed = True
+                    break
+                scanned = scan_call(text, pos, final, argument_keys=("parameters",))
+                if scanned.name is not None:
+                    calls.append(scanned.parsed(text))
+                if scanned.end is None:
+                    break
+                pos = skip_whitespace(text, scanned.end)
+                if pos < len(text) and text[pos] == ",":
+                    pos = skip_whitespace(text, pos + 1)
+            if final and not closed:
+                raise ValueError("an unclosed list of calls")
+        except ValueError:
+            if final:
+                return ParsedToolOutput(text)  # cut short (max_tokens): the text, no calls
+        return ParsedToolOutput("", calls)
+
+
+class NamedToolParser(ToolParser):
+    """The reply of a named tool_choice: the whole text is the function's arguments."""
+
+    name = "named"
+
+    def __init__(self, function_name: str) -> None:
+        self.function_name = function_name
+
+    def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        return ParsedToolOutput("", [ParsedCall(self.function_name, text, final)])
+
+
+def tool_calls_of(parsed: ParsedToolOutput, parser: ToolParser) -> list[ToolCall]:
+    """The response's tool_calls (each with a new id)."""
+    return [ToolCall(id=parser.make_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+            for call in parsed.calls]
+
+
+# ------------------------------------------------------------------ streaming
+class ToolCallStreamer:
+    """One choice's stream: parses the text so far at every delta and sends what is new,
+    content and OpenAI's tool-call deltas (a call's id, type and name when its name is
+    known, then its arguments as they grow)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self._content_sent = 0
+        # Per call announced: its id and how much of its arguments was sent.
+        self._calls_sent: list[list[Any]] = []
+
+    @property
+    def tools_called(self) -> bool:
+        return bool(self._calls_sent)
+
+    def feed(self, delta_text: str, final: bool) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """The content delta and the tool-call deltas (as JSON-ready dicts) that `delta_text`
+        brings; None for either when there is nothing new."""
+        self.text += delta_text
+        parsed = self.parser.parse(self.text, final)
+        if final and self._calls_sent and not parsed.tools_called:
+            # Cut short (max_tokens) after calls went out: what was sent stands, and the rest
+            # of the arguments follow; the text is not content after all that.
+            parsed = self.parser.parse(self.text, False)
+        content = parsed.content[self._content_sent:]
+        self._content_sent = max(self._content_sent, len(parsed.content))
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(parsed.calls):
+            if index < len(self._calls_sent):
+                sent = self._calls_sent[index]
+                new_arguments = call.arguments[sent[1]:]
+                if new_arguments:
+                    deltas.append({"index": index, "function": {"arguments": new_arguments}})
+                    sent[1] = len(call.arguments)
+            elif call.name is not None and index == len(self._calls_sent):
+                call_id = self.parser.make_tool_call_id()
+                deltas.append({"index": index, "id": call_id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})
+                self._calls_sent.append([call_id, len(call.arguments)])
+        return content or None, deltas or None

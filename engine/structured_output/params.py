@@ -1,0 +1,107 @@
+"""`StructuredOutputsParams`: what a request's output must match (vLLM's names and meaning).
+
+Plain data, no xgrammar: workers import it with the sampling parameters. The engine's
+`StructuredOutputManager` turns it into a compiled grammar.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# Whitespace characters JSON output may hold between two elements, unless
+# `disable_any_whitespace`. JSON lets a model put any amount there, and a weak or
+# random-weight one can spend its whole max_tokens on it (vLLM's only remedy is no
+# whitespace at all). 20 still fits `json.dumps(indent=2)` nine levels deep and
+# `indent=4` four levels deep (a newline plus the indentation).
+DEFAULT_MAX_WHITESPACE = 20
+
+# The constraint kinds, in the order vLLM lists them; exactly one is set per request.
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsError(ValueError):
+    """A structured-outputs constraint that cannot be used (malformed, or rejected by the
+    grammar compiler); `param` names the field, as `ParameterError` does."""
+
+    def __init__(self, message: str, param: str = "structured_outputs") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a JSON schema, a regex, one of given strings or a
+    grammar (vLLM's `StructuredOutputsParams`; exactly one of the first six fields is set).
+
+    Args:
+        json: A JSON schema (a dict or its JSON text): the output is one JSON value that
+            validates against it. Properties come in the schema's order.
+        regex: A regular expression the whole output matches.
+        choice: The output is exactly one of these strings.
+        grammar: A context-free grammar, in EBNF (GBNF, ``root ::= ...``) or Lark syntax.
+        json_object: True: the output is any JSON object (OpenAI's ``json_object`` mode).
+        structural_tag: An xgrammar structural tag (a dict or its JSON text).
+        disable_any_whitespace: JSON without any whitespace between elements beyond
+            single spaces after ``,`` and ``:``.
+        max_whitespace: raylm's bound on the whitespace JSON output may hold between two
+            elements (default `DEFAULT_MAX_WHITESPACE`); None lifts it (vLLM's behaviour).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
+    # Set by whoever builds the params from a request, to name the request's field in
+    # errors (the server: "response_format", "tool_choice", "guided_json", ...).
+    source: str = field(default="structured_outputs", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(kinds) != 1:
+            found = f"got {', '.join(kinds)}" if kinds else "got none"
+            raise StructuredOutputsError(f"{self.source} must set exactly one of {', '.join(KINDS)}; {found}.",
+                                         self.source)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise StructuredOutputsError(f"{self.source}: choice must be a non-empty list of strings, got "
+                                             f"{self.choice!r}.", self.source)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputsError(f"{self.source}: {name} must be a non-empty string, got {value!r}.",
+                                             self.source)
+        if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int) or self.max_whitespace < 1):
+            raise StructuredOutputsError(f"{self.source}: max_whitespace must be a positive integer or None, got "
+                                         f"{self.max_whitespace!r}.", self.source)
+        if isinstance(self.json, str):
+            self.json = _parse_json(self.json, "json", self.source)
+        if isinstance(self.structural_tag, str):
+            self.structural_tag = _parse_json(self.structural_tag, "structural_tag", self.source)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise StructuredOutputsError(f"{self.source}: json must be a JSON schema (an object), got "
+                                         f"{type(self.json).__name__}.", self.source)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def cache_key(self) -> str:
+        """What the compiled grammar depends on, as one string (the cache's key). Keys keep
+        their order: the grammar follows the schema's property order."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace, self.max_whitespace],
+                          ensure_ascii=False, separators=(",", ":"))
+
+
+def _parse_json(text: str, name: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise StructuredOutputsError(f"{source}: {name} is not valid JSON: {exc}.", source) from None

@@ -1,0 +1,69 @@
+"""`StructuredOutputRequest`: one request's grammar and its matcher.
+
+The matcher is the grammar's parse state over the request's output tokens: the engine core
+advances it with each token it appends, and the scheduler asks it for the next token's
+bitmask when the request is sampled. It follows the output tokens alone, which recompute
+after a preemption keeps, so a preempted request resumes with its matcher as it was.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from raylm.engine.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from raylm.engine.structured_output.manager import StructuredOutputManager
+
+
+class StructuredOutputRequest:
+    def __init__(self, manager: "StructuredOutputManager", params: StructuredOutputsParams, grammar: Future) -> None:
+        self.manager = manager
+        self.params = params
+        self.grammar = grammar
+        self._matcher: Any = None
+        self._stop_token_ids: frozenset[int] = frozenset()
+        self.released = False
+        # Set when the grammar allowed no token at all (see grammar_bitmask).
+        self.dead_end = False
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the grammar has compiled (or failed: see `error`)."""
+        return self.grammar.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the grammar did not compile, once it is done; None if it did."""
+        if self.grammar.cancelled():
+            return RuntimeError("The grammar's compile was cancelled (engine shutting down).")
+        return self.grammar.exception()
+
+    @property
+    def matcher(self) -> Any:
+        """xgrammar's matcher, made on first use (the grammar must be ready)."""
+        if self._matcher is None:
+            assert not self.released, "a released request has no matcher"
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(self.grammar.result())
+            self._stop_token_ids = frozenset(self._matcher.stop_token_ids)
+            self.manager.num_active_matchers += 1
+        return self._matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances the matcher over a sampled token; False if the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated_by(self, token_id: int) -> bool:
+        """Whether the token just accepted ended the grammar (only a stop token, EOS, can):
+        nothing may follow it."""
+        return token_id in self._stop_token_ids and self.matcher.is_terminated()
+
+    def release(self) -> None:
+        """Drops the matcher (the request finished, was aborted or failed)."""
+        if self._matcher is not None:
+            self._matcher = None
+            self.manager.num_active_matchers -= 1
+        self.released = True

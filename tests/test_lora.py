@@ -1,0 +1,450 @@
+"""Multi-LoRA serving in the engine: greedy tokens equal peft's PeftModel on the same base for
+adapters of different ranks and targets mixed with the base model in one batch (TP 1 and 2,
+prefix caching on), the prefix cache keyed by adapter, more adapters than slots queueing,
+and bad adapters refused with clear errors while the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_adapters import build_lora_adapter, peft_greedy
+from raylm.engine import LLM, LoRARequest, SamplingParams
+from tiny_models import build_tiny_model
+
+MAX_TOKENS = 10
+NUM_PROMPTS = 5
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, llama_dir: Path) -> dict[str, Path]:
+    """Three adapters of the tiny Llama: rank 8 on every projection; rank 4 with rsLoRA on
+    q/v/o/down; rank 16 on k/gate/up."""
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "a": build_lora_adapter(llama_dir, root / "a", rank=8, seed=1),
+        "b": build_lora_adapter(llama_dir, root / "b", rank=4, targets=("q_proj", "v_proj", "o_proj", "down_proj"),
+                                lora_alpha=8, use_rslora=True, seed=2),
+        "c": build_lora_adapter(llama_dir, root / "c", rank=16, targets=("k_proj", "gate_proj", "up_proj"), seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_requests(adapters: dict[str, Path]) -> dict[str, LoRARequest | None]:
+    requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(adapters.items())}
+    return requests | {"base": None}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    # Long enough for two full blocks of 16: the prefix cache has something to share.
+    return [[rng.randrange(4, 512) for _ in range(rng.randint(33, 45))] for _ in range(NUM_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def references(llama_dir: Path, adapters: dict[str, Path], prompts) -> dict[tuple[int, str], list[int]]:
+    """peft's greedy tokens for every prompt under every adapter and the base model."""
+    return {(index, name): peft_greedy(llama_dir, adapters.get(name), prompt, MAX_TOKENS)
+            for index, prompt in enumerate(prompts) for name in ("a", "b", "c", "base")}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path):
+    engine = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+                 max_model_len=128, max_num_seqs=32)
+    yield engine
+    engine.shutdown()
+
+
+def greedy(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def mixed_plan(num_prompts: int, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """Every prompt under every name, interleaved so that each step mixes them."""
+    return [(index, name) for index in range(num_prompts) for name in names]
+
+
+def assert_plan_matches(llm: LLM, prompts, lora_requests, references, plan) -> None:
+    tokens = greedy(llm, [prompts[i] for i, _ in plan], [lora_requests[name] for _, name in plan])
+    for (index, name), got in zip(plan, tokens):
+        assert got == references[index, name], f"prompt {index} under {name}"
+
+
+def test_two_adapters_of_different_ranks_mixed_with_the_base_equal_peft(llm, prompts, lora_requests, references):
+    plan = mixed_plan(NUM_PROMPTS, ("a", "b", "base"))
+    assert_plan_matches(llm, prompts, lora_requests, references, plan)
+    # Again: now every prompt's first blocks come from the prefix cache, under its own adapter.
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    hits = kv.prefix_cache_hits
+    assert_plan_matches(llm, prompts, lora_requests, references, plan)
+    assert kv.prefix_cache_hits - hits >= len(plan) * 32
+    assert kv.usage == 0.0
+
+
+def test_the_same_prompt_under_two_adapters_and_the_base_gives_three_answers(llm, prompts, lora_requests,
+                                                                            references):
+    plan = [(0, "a"), (0, "b"), (0, "base")]
+    tokens = greedy(llm, [prompts[0]] * 3, [lora_requests[name] for _, name in plan])
+    assert len({tuple(t) for t in tokens}) == 3
+    assert tokens == [references[key] for key in plan]
+
+
+def test_the_fused_cpu_decode_op_runs_adapter_steps_with_their_terms(llm, prompts, lora_requests, references):
+    """On this machine the fused op takes the decode steps, adapter steps included (it adds the
+    adapters' terms natively): the tokens still equal peft's."""
+    fused = llm.llm_engine.executor.driver_worker.model_runner.model.model.fused_decode
+    run = fused.run
+    ran: list[tuple[bool, bool]] = []
+
+    def counted(*args):
+        result = run(*args)
+        ran.append((fused._lora_batch is not None and fused._lora_batch.active, result is not None))
+        return result
+
+    fused.run = counted
+    try:
+        assert_plan_matches(llm, prompts, lora_requests, references, mixed_plan(2, ("a", "b", "base")))
+    finally:
+        del fused.run
+    if not fused._shape:
+        pytest.skip("the fused CPU decode op is not available on this machine")
+    assert (True, True) in ran
+
+
+def test_prefix_cache_is_shared_within_an_adapter_and_never_across(llm, prompts, lora_requests):
+    prompt = {"prompt_token_ids": [7] * 40}
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+
+    def cached_tokens(name: str) -> int:
+        (output,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_requests[name])
+        return output.metrics.num_cached_tokens
+
+    llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    assert cached_tokens("a") == 0
+    assert cached_tokens("b") == 0
+    assert cached_tokens("base") == 0
+    assert cached_tokens("a") == 32
+    assert cached_tokens("b") == 32
+    assert cached_tokens("base") == 32
+
+
+def test_more_adapters_than_slots_queue_and_all_equal_peft(llama_dir, prompts, lora_requests, references):
+    """max_loras=1 and max_cpu_loras=2 with three adapters and the base in one generate: the
+    adapters take turns in the one slot, the host cache drops and reads them again."""
+    llm = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=16,
+              max_model_len=128, max_num_seqs=32)
+    try:
+        steps = []
+        executor = llm.llm_engine.executor
+        run_step = executor.execute_model_async
+        executor.execute_model_async = lambda req: (steps.append(req), run_step(req))[1]
+        assert_plan_matches(llm, prompts, lora_requests, references, mixed_plan(3, ("a", "b", "c", "base")))
+        assert len(llm.llm_engine.list_loras()) <= 2
+        # The one slot changed hands several times, each time in a step with no request of
+        # the adapter it held before.
+        activations = [step.lora_activations for step in steps if step.lora_activations]
+        assert len(activations) >= 3
+        assert all(r.lora_slot in (-1, 0) for step in steps for r in step.requests)
+        assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        llm.shutdown()
+
+
+def test_an_mlp_run_in_row_chunks_keeps_each_rows_adapter(llm, prompts, lora_requests, references, monkeypatch):
+    """A long prefill's MLP runs in row chunks on the CPU (kernels/mlp_row_chunks.py); the LoRA
+    layers follow the chunks' rows. Chunks of a few rows here, so every prefill is chunked."""
+    from raylm.kernels import mlp_row_chunks
+
+    monkeypatch.setattr(mlp_row_chunks, "MLP_PASS_BYTES", 8 * 128 * 4)
+    llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    assert_plan_matches(llm, prompts, lora_requests, references, mixed_plan(2, ("a", "b", "base")))
+
+
+@pytest.mark.parametrize("chunked_mlp", [False, True])
+def test_logprobs_and_prompt_logprobs_under_an_adapter_equal_peft(llm, prompts, lora_requests, adapters,
+                                                                  llama_dir, monkeypatch, chunked_mlp):
+    """Prompt logprobs read every prompt row, the sampled rows first: the last layer's output
+    projection and MLP run on those rows in that order, under each row's adapter (and in row
+    chunks, with chunked_mlp)."""
+    import torch
+
+    from lora_adapters import peft_model
+
+    if chunked_mlp:
+        from raylm.kernels import mlp_row_chunks
+
+        monkeypatch.setattr(mlp_row_chunks, "MLP_PASS_BYTES", 8 * 128 * 4)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    names = ("a", "base", "b")
+    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in range(3)], params, use_tqdm=False,
+                           lora_request=[lora_requests[name] for name in names])
+    for index, (name, output) in enumerate(zip(names, outputs)):
+        tokens = prompts[index] + list(output.outputs[0].token_ids)
+        model = peft_model(str(llama_dir), None if name == "base" else str(adapters[name]))
+        with torch.no_grad():
+            reference = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+        for position in range(1, len(prompts[index])):
+            token = prompts[index][position]
+            assert output.prompt_logprobs[position][token].logprob == pytest.approx(
+                reference[position - 1, token].item(), abs=1e-4)
+        for step, token in enumerate(output.outputs[0].token_ids):
+            row = reference[len(prompts[index]) - 1 + step]
+            assert token == int(row.argmax())
+            assert output.outputs[0].logprobs[step][token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+
+
+def test_a_qwen2_adapter_with_qkv_bias_equals_peft(tiny_model_dirs, tmp_path):
+    qwen2 = tiny_model_dirs["qwen2"]
+    adapter = build_lora_adapter(qwen2, tmp_path / "qwen2_adapter", rank=8, seed=5)
+    prompt = list(range(20, 60))
+    llm = LLM(str(qwen2), dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=128, max_num_seqs=8)
+    try:
+        tokens = greedy(llm, [prompt, prompt], [LoRARequest("q", 1, str(adapter)), None])
+    finally:
+        llm.shutdown()
+    assert tokens == [peft_greedy(qwen2, adapter, prompt, MAX_TOKENS), peft_greedy(qwen2, None, prompt, MAX_TOKENS)]
+    assert tokens[0] != tokens[1]
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_mixed_batch_equals_peft_at_tensor_parallel_2(ray_cluster, llama_dir, prompts, lora_requests, references, tp):
+    llm = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, max_model_len=128,
+              max_num_seqs=32, tensor_parallel_size=tp)
+    try:
+        plan = mixed_plan(NUM_PROMPTS, ("a", "b", "c", "base"))
+        assert_plan_matches(llm, prompts, lora_requests, references, plan)
+        assert_plan_matches(llm, prompts, lora_requests, references, plan)  # with prefix-cache hits
+        assert llm.llm_engine.executor.collective_rpc("list_loras") == [[1, 2, 3], [1, 2, 3]]
+    finally:
+        llm.shutdown()
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+def _copy_adapter(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def _edit_config(folder: Path, **changes) -> Path:
+    config_file = folder / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_lora")
+    other_base = build_tiny_model(root / "other_base", "llama", hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    corrupt = _copy_adapter(adapters["a"], root / "corrupt")
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    no_config = _copy_adapter(adapters["a"], root / "no_config")
+    (no_config / "adapter_config.json").unlink()
+    return {
+        "missing": root / "does-not-exist",
+        "no_config": no_config,
+        "rank": build_lora_adapter(llama_dir, root / "rank32", rank=32),
+        "other_base": build_lora_adapter(other_base, root / "for_other_base", rank=4),
+        "corrupt": corrupt,
+        "dora": _edit_config(_copy_adapter(adapters["a"], root / "dora"), use_dora=True),
+    }
+
+
+BAD_CASES = {
+    "missing": "lora_path is not a folder",
+    "no_config": "has no adapter_config.json",
+    "rank": "rank r=32 is above the engine's max_lora_rank=16",
+    "other_base": "made for another base model",
+    "corrupt": "cannot be read",
+    "dora": "use_dora=True is not supported",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_a_bad_adapter_is_a_clear_error_and_the_engine_keeps_serving(llm, bad_adapters, prompts, lora_requests,
+                                                                     references, case):
+    bad = LoRARequest(f"bad-{case}", 100 + sorted(BAD_CASES).index(case), str(bad_adapters[case]))
+    with pytest.raises(ValueError, match=BAD_CASES[case]):
+        greedy(llm, prompts[:2], [lora_requests["a"], bad])
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_plan_matches(llm, prompts, lora_requests, references, [(0, "a"), (1, "base")])
+    assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_lora_requests_need_enable_lora_and_one_id_names_one_adapter(llama_dir, llm, lora_requests, adapters):
+    plain = LLM(str(llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
+    try:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            plain.generate([[5, 6, 7]], lora_request=lora_requests["a"], use_tqdm=False)
+    finally:
+        plain.shutdown()
+    impostor = LoRARequest("impostor", lora_requests["a"].lora_int_id, str(adapters["b"]))
+    with pytest.raises(ValueError, match="already names LoRA adapter 'a'"):
+        llm.generate([[5, 6, 7]], lora_request=impostor, use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("x", 0, str(adapters["a"]))
+    with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+        llm.generate([[5, 6, 7]], lora_request=[None, None], use_tqdm=False)
+
+
+def test_an_adapter_that_fails_to_load_fails_its_requests_alone(llama_dir, adapters, tmp_path):
+    """The adapter passes the check when its request is added, then breaks before the
+    background load reads it: that request fails with the load's error, the others finish
+    and every KV block is back in the pool."""
+    from raylm.engine import EngineArgs, LLMEngine
+
+    folder = _copy_adapter(adapters["a"], tmp_path / "breaks")
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", enable_lora=True,
+                                                   max_model_len=128, disable_log_stats=True))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        engine.add_request("base", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        engine.add_request("doomed", {"prompt_token_ids": [5, 6, 7, 8]}, params,
+                           lora_request=LoRARequest("breaks", 1, str(folder)))
+        (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+        finished, failed = {}, {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+            failed.update(engine.pop_failed_requests())
+        assert set(finished) == {"base"} and set(failed) == {"doomed"}
+        assert "cannot be read" in str(failed["doomed"])
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+# ---- beam search ---------------------------------------------------------------------------------
+
+def test_beam_search_runs_each_prompts_beams_under_its_adapter(llama_dir, llm, prompts, adapters, lora_requests):
+    """LLM.beam_search with one adapter per prompt: each prompt's beams equal peft's
+    `generate(num_beams=2)` under that adapter (the base model for None); the async engine's
+    beam search under an adapter gives the same beams."""
+    import asyncio
+
+    from lora_adapters import peft_model
+    from raylm.engine import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    names = ["a", "base", "b"]
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:3]], params,
+                              lora_request=[lora_requests[name] for name in names])
+    for prompt, name, output in zip(prompts, names, outputs):
+        model = peft_model(str(llama_dir), None if name == "base" else str(adapters[name]))
+        with torch.no_grad():
+            reference = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                       dtype=torch.long), num_beams=2, num_return_sequences=2, do_sample=False,
+                                       max_new_tokens=6, pad_token_id=0)
+        assert [s.output_tokens for s in output.sequences] == [seq[len(prompt):].tolist() for seq in reference], name
+    assert len({tuple(output.sequences[0].output_tokens) for output in outputs}) == 3
+
+    async def async_beams() -> list[list[int]]:
+        from raylm.engine import AsyncLLMEngine, EngineArgs
+
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), dtype="float32", enable_lora=True,
+                                                            max_lora_rank=16, max_model_len=128))
+        try:
+            result = await engine.beam_search({"prompt_token_ids": prompts[0]}, "beams", params,
+                                              lora_request=lora_requests["a"])
+            return [sequence.output_tokens for sequence in result.sequences]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(async_beams()) == [s.output_tokens for s in outputs[0].sequences]
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+
+def test_ngram_speculation_under_adapters_gives_plain_decodings_tokens(llama_dir, llm, adapters, lora_requests):
+    """N-gram proposals verified by the target under each request's adapter: the greedy tokens
+    are those of the same engine without speculation and of peft, while proposals are made,
+    accepted and rejected under adapters (each verification step's proposals run in the
+    request's slot)."""
+    rng = random.Random(5)
+    patterns = [[rng.randrange(4, 512) for _ in range(rng.randint(2, 4))] for _ in range(4)]
+    repeating = [(pattern * 12)[:rng.randint(20, 34)] for pattern in patterns]
+    plan = [(index, name) for index in range(len(repeating)) for name in ("a", "b", "base")]
+    loras = [lora_requests[name] for _, name in plan]
+    spec = LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128,
+               max_num_seqs=32, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    try:
+        got = greedy(spec, [repeating[i] for i, _ in plan], loras)
+        stats = spec.llm_engine.scheduler.drafter.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert spec.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        spec.shutdown()
+    assert got == greedy(llm, [repeating[i] for i, _ in plan], loras)
+    for (index, name), tokens in zip(plan, got):
+        assert tokens == peft_greedy(llama_dir, adapters.get(name), repeating[index], MAX_TOKENS), (index, name)
+
+
+def test_a_draft_model_with_lora_is_refused_naming_both_settings(llama_dir):
+    from raylm.engine import EngineArgs
+
+    args = EngineArgs(model=str(llama_dir), enable_lora=True,
+                      speculative_config={"model": str(llama_dir), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"enable_lora and a draft model in speculative_config"):
+        args.create_engine_config()
+
+
+# ---- Mixture-of-Experts models ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    from tiny_models import build_tiny_qwen3_moe
+
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+def test_lora_on_a_moe_models_attention_equals_peft_and_expert_adapters_are_refused(moe_dir, tmp_path):
+    """On a MoE model (tiny Qwen3-MoE) an adapter of the attention projections serves as peft
+    computes it; adapters of the experts are refused when they are loaded, naming the module
+    (peft's own, which adapts the stacked expert weights through target_parameters, and one
+    in the per-expert naming), and the engine keeps serving."""
+    from safetensors.torch import load_file, save_file
+
+    attention = build_lora_adapter(moe_dir, tmp_path / "attention", rank=8, targets=("q_proj", "v_proj", "o_proj"),
+                                   seed=6)
+    # peft maps gate/up/down onto the experts' stacked weights (target_parameters).
+    stacked = build_lora_adapter(moe_dir, tmp_path / "stacked", rank=8, targets=("q_proj", "gate_proj", "up_proj",
+                                                                                  "down_proj"), seed=7)
+    per_expert = _copy_adapter(attention, tmp_path / "per_expert")
+    weights = load_file(per_expert / "adapter_model.safetensors")
+    module = "base_model.model.model.layers.0.mlp.experts.1.gate_proj"
+    weights[f"{module}.lora_A.weight"] = torch.zeros(8, 64)
+    weights[f"{module}.lora_B.weight"] = torch.zeros(48, 8)
+    save_file(weights, per_expert / "adapter_model.safetensors")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 512) for _ in range(rng.randint(20, 40))] for _ in range(3)]
+    llm = LLM(str(moe_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
+              max_num_seqs=8)
+    try:
+        good = LoRARequest("attention", 1, str(attention))
+        loras = [good, None, good]
+        assert greedy(llm, prompts, loras) == [peft_greedy(moe_dir, attention if lora else None, prompt, MAX_TOKENS)
+                                               for prompt, lora in zip(prompts, loras)]
+        refused = {"stacked": r"target_parameters=.*\(model\.layers\.0\.mlp\.experts, .*not on MoE experts",
+                   "per_expert": r"'model\.layers\.0\.mlp\.experts\.1\.gate_proj'.*not on MoE experts"}
+        for index, (name, message) in enumerate(refused.items()):
+            folder = stacked if name == "stacked" else per_expert
+            with pytest.raises(ValueError, match=message):
+                greedy(llm, prompts[:2], [good, LoRARequest(name, 2 + index, str(folder))])
+        assert greedy(llm, prompts[:1], [good]) == [peft_greedy(moe_dir, attention, prompts[0], MAX_TOKENS)]
+        assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        llm.shutdown()

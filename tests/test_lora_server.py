@@ -1,0 +1,206 @@
+"""LoRA adapters on a real `raylm serve`: each adapter a model name on /v1/models, `model` picks
+it and the text equals peft's; bad input gets vLLM-shaped 400/404s; loading and unloading
+adapters while requests run loses none of them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lora_adapters import build_lora_adapter, peft_greedy
+from server_process import running_server
+from tiny_models import build_tiny_model
+
+MODEL = "tiny"
+PROMPTS = [[5, 17, 33, 101, 64, 9, 250, 31], [300, 12, 77, 5, 5, 42, 18]]
+MAX_TOKENS = 16
+# A request that is still running while its adapter is unloaded and another one loaded.
+LONG_MAX_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory, llama_dir: Path) -> Path:
+    """The folder the server may load adapters from, with adapters a, b, c and bad ones; plus,
+    outside it, a copy of a."""
+    root = tmp_path_factory.mktemp("served_adapters")
+    build_lora_adapter(llama_dir, root / "a", rank=8, seed=1)
+    build_lora_adapter(llama_dir, root / "b", rank=4, targets=("q_proj", "v_proj", "down_proj"), seed=2)
+    build_lora_adapter(llama_dir, root / "c", rank=16, targets=("k_proj", "o_proj", "up_proj"), seed=4)
+    build_lora_adapter(llama_dir, root / "rank32", rank=32, seed=3)
+    other_base = build_tiny_model(root.parent / f"{root.name}_other_base", "llama", hidden_size=32,
+                                  intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    build_lora_adapter(other_base, root / "other_base", rank=4)
+    shutil.copytree(root / "a", root / "corrupt")
+    weights = root / "corrupt" / "adapter_model.safetensors"
+    weights.write_bytes(b"\x00" * 64)
+    shutil.copytree(root / "a", root.parent / f"{root.name}_outside")
+    return root
+
+
+@pytest.fixture(scope="module")
+def expected_text(llama_dir: Path, adapter_root: Path) -> dict[tuple[str, int], str]:
+    """peft's greedy completion of each prompt under a, b, c and the base model, as the text the
+    server makes of those tokens (its incremental detokenizer, which holds back a character
+    whose bytes are not all there yet, where a whole decode writes U+FFFD)."""
+    from raylm.engine.detokenizer import IncrementalDetokenizer
+    from raylm.engine.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(str(llama_dir))
+
+    def text(tokens: list[int], prompt: list[int]) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True,
+                                             spaces_between_special_tokens=True)
+        return "".join(detokenizer.step(token) for token in tokens)
+
+    return {(name, index): text(peft_greedy(llama_dir, None if name == MODEL else adapter_root / name, prompt,
+                                            MAX_TOKENS), prompt)
+            for name in (MODEL, "a", "b", "c") for index, prompt in enumerate(PROMPTS)}
+
+
+@pytest.fixture(scope="module")
+def long_expected(llama_dir: Path, adapter_root: Path, expected_text) -> str:
+    from raylm.engine.detokenizer import IncrementalDetokenizer
+    from raylm.engine.tokenizer import get_tokenizer
+
+    tokens = peft_greedy(llama_dir, adapter_root / "a", PROMPTS[0], LONG_MAX_TOKENS)
+    detokenizer = IncrementalDetokenizer(get_tokenizer(str(llama_dir)), PROMPTS[0], True, True)
+    return "".join(detokenizer.step(token) for token in tokens)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, adapter_root: Path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("lora_server") / "server.log"
+    args = [str(llama_dir), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "128",
+            "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "3",
+            "--lora-modules", f"a={adapter_root / 'a'}", "--allow-runtime-lora-updating",
+            "--allowed-lora-dirs", str(adapter_root)]
+    with running_server(args, log) as (_, base_url):
+        yield base_url
+
+
+def complete(base_url: str, model: str, index: int, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/completions", timeout=timeout,
+                      json={"model": model, "prompt": PROMPTS[index], "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "ignore_eos": True})
+
+
+def load(base_url: str, name: str, path: Path | str) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                      timeout=60)
+
+
+def unload(base_url: str, name: str) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+
+
+def assert_error(response: httpx.Response, status: int, param: str, text: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["param"] == param and text in error["message"], error
+
+
+def test_models_lists_each_adapter_with_the_base_model_as_parent(server, adapter_root):
+    response = httpx.get(f"{server}/v1/models")
+    cards = {card["id"]: card for card in response.json()["data"]}
+    assert cards["a"]["parent"] == MODEL and cards["a"]["root"] == "a"
+    assert cards[MODEL]["parent"] is None and cards[MODEL]["root"] == MODEL
+    # Names only: where the adapters' folders are is the server's business (as the model's).
+    assert str(adapter_root) not in response.text
+
+
+def test_model_name_selects_the_adapter_and_the_text_equals_peft(server, expected_text):
+    for name in (MODEL, "a"):
+        for index in range(len(PROMPTS)):
+            response = complete(server, name, index)
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == name
+            assert response.json()["choices"][0]["text"] == expected_text[name, index]
+    assert expected_text["a", 0] != expected_text[MODEL, 0]
+
+
+def test_bad_adapters_and_names_get_vllm_shaped_errors_and_the_server_keeps_serving(server, adapter_root,
+                                                                                   expected_text):
+    assert_error(complete(server, "no-such-adapter", 0), 404, "model", "The model `no-such-adapter` does not exist.")
+    assert_error(load(server, "x", adapter_root / "missing"), 404, "lora_path", "is not a folder")
+    assert_error(load(server, "x", adapter_root.parent / f"{adapter_root.name}_outside"), 400, "lora_path",
+                 "outside the folders")
+    assert_error(load(server, "x", adapter_root / ".." / f"{adapter_root.name}_outside"), 400, "lora_path",
+                 "outside the folders")
+    assert_error(load(server, "x", adapter_root / "rank32"), 400, "lora_path", "above the engine's max_lora_rank=16")
+    assert_error(load(server, "x", adapter_root / "other_base"), 400, "lora_path", "another base model")
+    assert_error(load(server, "x", adapter_root / "corrupt"), 400, "lora_path", "cannot be read")
+    assert_error(load(server, "a", adapter_root / "b"), 400, "lora_name", "has already been loaded")
+    assert_error(unload(server, "x"), 404, "lora_name", "cannot be found")
+    assert "x" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
+    response = complete(server, "a", 1)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text["a", 1]
+
+
+def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_root, expected_text, long_expected):
+    """Requests run back to back from 6 threads, to the base model and to a, then to b and c
+    as they are loaded. A long streamed request of a is running when a is unloaded and c is
+    loaded: with both slots held (a by that request, b by b's), c waits for a slot until it
+    ends. It completes with peft's text; so does every request to the base, b and c; every
+    other request to a either completes with peft's text or, after the unload, is a 404."""
+    loaded = {MODEL: threading.Event(), "a": threading.Event(), "b": threading.Event(), "c": threading.Event()}
+    loaded[MODEL].set()
+    loaded["a"].set()
+    unloaded_at: list[float] = []
+    stop = threading.Event()
+    results: list[tuple[str, float, int, str, int]] = []
+    lock = threading.Lock()
+
+    def client(worker: int) -> None:
+        count = 0
+        while not stop.is_set():
+            names = [name for name in (MODEL, "a", "b", "c") if loaded[name].is_set()]
+            name = names[(worker + count) % len(names)]
+            index = (worker + count) % len(PROMPTS)
+            start = time.monotonic()
+            response = complete(server, name, index)
+            text = response.json()["choices"][0]["text"] if response.status_code == 200 else ""
+            with lock:
+                results.append((name, start, response.status_code, text, index))
+            count += 1
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(client, worker) for worker in range(6)]
+        time.sleep(1.0)
+        assert load(server, "b", adapter_root / "b").status_code == 200
+        loaded["b"].set()
+        time.sleep(1.0)
+        body = {"model": "a", "prompt": PROMPTS[0], "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as stream:
+            lines = stream.iter_lines()
+            chunks = [next(line for line in lines if line.startswith("data: "))]  # it runs
+            assert unload(server, "a").status_code == 200
+            unloaded_at.append(time.monotonic())
+            assert load(server, "c", adapter_root / "c").status_code == 200
+            loaded["c"].set()
+            chunks += [line for line in lines if line.startswith("data: ")]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(r[0] == "c" for r in results) < 3:
+            time.sleep(0.1)
+        stop.set()
+        for future in futures:
+            future.result()
+    streamed = "".join(json.loads(chunk[6:])["choices"][0]["text"] for chunk in chunks if chunk != "data: [DONE]")
+    assert streamed == long_expected
+    by_name = {name: [r for r in results if r[0] == name] for name in (MODEL, "a", "b", "c")}
+    assert all(len(rows) >= 3 for rows in by_name.values()), {k: len(v) for k, v in by_name.items()}
+    for name, _, status, text, index in by_name[MODEL] + by_name["b"] + by_name["c"]:
+        assert status == 200 and text == expected_text[name, index], name
+    for name, start, status, text, index in by_name["a"]:
+        assert status in (200, 404)
+        if status == 200:
+            assert text == expected_text["a", index]
+        if start > unloaded_at[0]:
+            assert status == 404

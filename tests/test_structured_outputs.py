@@ -1,0 +1,502 @@
+"""Structured outputs in the engine: every constrained output parses and validates
+(jsonschema, re.fullmatch, membership), an output cut by max_tokens is a prefix a fresh
+xgrammar matcher accepts, greedy constrained decoding equals Hugging Face's greedy under the
+same grammar's masks, and the engine's machinery (compiles off the step, the cache,
+matchers released, preemption, chunked prefill, prefix caching, n > 1, async scheduling,
+tensor and pipeline parallelism over Ray) keeps all of that true."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from hf_reference import hf_model
+from raylm.engine import LLM, SamplingParams, StructuredOutputsParams
+from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.llm_engine import LLMEngine
+from raylm.engine.request import RequestStatus
+from raylm.engine.structured_output import DEFAULT_MAX_WHITESPACE, StructuredOutputsError
+
+ENGINE_KWARGS = dict(max_model_len=256, num_gpu_blocks_override=256, disable_log_stats=True)
+
+# The kinds of JSON schema the issue names: enums, patterns, nested objects, arrays with
+# min/max items, integers with ranges, optional fields. Strings are bounded so that a
+# random-weight model finishes well within max_tokens.
+SCHEMAS = {
+    "enum_pattern_range": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                       "level": {"enum": ["low", "mid", "high"]},
+                       "age": {"type": "integer", "minimum": 18, "maximum": 99}},
+        "required": ["name", "level", "age"]},
+    "nested_optional": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "owner": {"type": "object",
+                                 "properties": {"ok": {"type": "boolean"},
+                                                "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}},
+                                 "required": ["ok"]},
+                       "note": {"type": "string", "maxLength": 4}},
+        "required": ["id", "owner"]},
+    "array_min_max": {
+        "type": "array", "minItems": 2, "maxItems": 4,
+        "items": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5}},
+                  "required": ["x"]}},
+}
+PROMPTS = ["Give me JSON:", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    llm = LLM(str(llama_dir), **ENGINE_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compiler(llama_dir: Path) -> xgr.GrammarCompiler:
+    """A grammar compiler of its own, built from the tokenizer files (the reference)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    vocab_size = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[2])
+    return xgr.GrammarCompiler(info, cache_enabled=False)
+
+
+def _json_grammar(compiler: xgr.GrammarCompiler, schema: dict, **kwargs) -> xgr.CompiledGrammar:
+    return compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=DEFAULT_MAX_WHITESPACE, **kwargs)
+
+
+def _accepts_prefix(grammar: xgr.CompiledGrammar, token_ids: list[int]) -> bool:
+    matcher = xgr.GrammarMatcher(grammar)
+    return all(matcher.accept_token(token) for token in token_ids)
+
+
+def _check_json_output(completion, schema: dict, grammar: xgr.CompiledGrammar) -> bool:
+    """A finished output validates; one cut by max_tokens is a prefix the grammar accepts.
+    Returns whether it finished."""
+    if completion.finish_reason == "stop":
+        jsonschema.validate(json.loads(completion.text), schema)
+        return True
+    assert completion.finish_reason == "length"
+    assert _accepts_prefix(grammar, completion.token_ids), completion.text
+    return False
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_validate(llm: LLM, compiler, name: str, temperature: float) -> None:
+    schema = SCHEMAS[name]
+    n = 1 if temperature == 0.0 else 3
+    params = SamplingParams(temperature=temperature, n=n, seed=7, max_tokens=160,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    grammar = _json_grammar(compiler, schema)
+    finished = [_check_json_output(c, schema, grammar)
+                for output in llm.generate(PROMPTS, params, use_tqdm=False) for c in output.outputs]
+    assert len(finished) == len(PROMPTS) * n
+    assert sum(finished) >= len(finished) / 2, "most outputs should complete within max_tokens"
+
+
+def test_regex_choice_and_grammar_outputs_match(llm: LLM) -> None:
+    cases = [
+        (StructuredOutputsParams(regex=r"[a-z]{3}-\d{2,4}"), lambda t: re.fullmatch(r"[a-z]{3}-\d{2,4}", t)),
+        (StructuredOutputsParams(choice=["yes", "no", 'a "quoted" ünï']),
+         lambda t: t in ("yes", "no", 'a "quoted" ünï')),
+        (StructuredOutputsParams(grammar='root ::= num ("+" num)*\nnum ::= [1-9] [0-9]?'),
+         lambda t: re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*", t)),
+        (StructuredOutputsParams(grammar='start: WORD (" " WORD)?\nWORD: /[a-c]{1,3}/'),  # Lark
+         lambda t: re.fullmatch(r"[a-c]{1,3}( [a-c]{1,3})?", t)),
+        (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    ]
+    for constraint, matches in cases:
+        params = SamplingParams(temperature=1.0, n=3, seed=3, max_tokens=48, structured_outputs=constraint)
+        for output in llm.generate(PROMPTS, params, use_tqdm=False):
+            for completion in output.outputs:
+                if completion.finish_reason == "stop":
+                    assert matches(completion.text), (constraint.kind, completion.text)
+        # Greedy too: the same constraint whatever the sampling.
+        greedy = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=constraint)
+        completion = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0]
+        assert completion.finish_reason != "stop" or matches(completion.text), (constraint.kind, completion.text)
+
+
+def _hf_constrained_greedy(model_dir: Path, prompt_ids: list[int], grammar: xgr.CompiledGrammar,
+                           max_tokens: int, eos: int = 2) -> list[int]:
+    """Greedy decoding on Hugging Face's model, each step's logits masked by a fresh
+    matcher's bitmask (xgrammar's own kernel), one token at a time."""
+    model = hf_model(str(model_dir))
+    matcher = xgr.GrammarMatcher(grammar)
+    tokens = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_tokens:
+            logits = model(torch.tensor([tokens])).logits[0, -1].float().unsqueeze(0)
+            bitmask = xgr.allocate_token_bitmask(1, logits.shape[1])
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax())
+            assert matcher.accept_token(token)
+            out.append(token)
+            tokens.append(token)
+            if token == eos or matcher.is_terminated():
+                break
+    return out
+
+
+def test_greedy_constrained_output_equals_hf_under_the_same_masks(llm: LLM, compiler, llama_dir: Path) -> None:
+    schema = SCHEMAS["enum_pattern_range"]
+    grammar = _json_grammar(compiler, schema)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer.encode(prompt)
+        ours = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs[0]
+        assert ours.token_ids == _hf_constrained_greedy(llama_dir, prompt_ids, grammar, 60)
+
+
+def test_output_cut_by_max_tokens_is_a_prefix_the_grammar_accepts(llm: LLM, compiler) -> None:
+    schema = SCHEMAS["nested_optional"]
+    grammar = _json_grammar(compiler, schema)
+    params = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=6,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+        for completion in output.outputs:
+            assert completion.finish_reason == "length" and len(completion.token_ids) == 6
+            assert _accepts_prefix(grammar, completion.token_ids)
+            matcher = xgr.GrammarMatcher(grammar)
+            for token in completion.token_ids:
+                matcher.accept_token(token)
+            assert not matcher.is_completed()
+
+
+def _whitespace_runs_outside_strings(text: str) -> list[int]:
+    runs, run, in_string, escaped = [], 0, False, False
+    for char in text:
+        if in_string:
+            escaped, in_string = (not escaped and char == "\\"), in_string and (escaped or char != '"')
+            continue
+        if char in " \t\n\r":
+            run += 1
+            continue
+        if run:
+            runs.append(run)
+        run = 0
+        in_string = char == '"'
+    return runs + ([run] if run else [])
+
+
+def test_whitespace_is_bounded_by_default_and_absent_when_disabled(llm: LLM) -> None:
+    schema = SCHEMAS["enum_pattern_range"]
+    bounded = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=160,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+    runs = [run for output in llm.generate(PROMPTS, bounded, use_tqdm=False) for c in output.outputs
+            for run in _whitespace_runs_outside_strings(c.text)]
+    assert runs and max(runs) <= DEFAULT_MAX_WHITESPACE
+    compact = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=80,
+                             structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    for output in llm.generate(PROMPTS, compact, use_tqdm=False):
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop"
+            # No whitespace but the single spaces after "," and ":" (json.dumps' own).
+            assert completion.text == json.dumps(json.loads(completion.text), ensure_ascii=False)
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (dict(json={"type": "object", "properties": 3}), "properties must be an object"),
+    (dict(json='{"type": '), "not valid JSON"),
+    (dict(regex="(a"), "parenthesis"),
+    (dict(grammar="root ::= undefined_rule"), "not defined"),
+])
+def test_bad_constraint_is_a_value_error_and_the_engine_keeps_serving(llm: LLM, constraint: dict,
+                                                                       message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint))
+        llm.generate("hello", params, use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    assert llm.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_constraint_must_name_exactly_one_kind() -> None:
+    with pytest.raises(StructuredOutputsError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(StructuredOutputsError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, temperature=0.0,
+                       structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+# --------------------------------------------------------------- engine machinery
+def _engine(llama_dir: Path, **kwargs) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), **{**ENGINE_KWARGS, **kwargs}))
+
+
+@contextlib.contextmanager
+def _compile_threads_busy(engine: LLMEngine):
+    """Holds every compile thread of the engine's grammar pool until the block ends, so a
+    grammar asked for meanwhile stays in flight for as long as a test needs."""
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    blockers = [manager._pool.submit(release.wait) for _ in range(manager._pool.num_threads)]
+    try:
+        yield
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result()
+
+
+def test_request_waits_for_its_grammar_without_stalling_the_batch(llama_dir: Path) -> None:
+    engine = _engine(llama_dir)
+    try:
+        free_tokens = 0
+        with _compile_threads_busy(engine):
+            engine.add_request("free", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=12,
+                                                                          ignore_eos=True))
+            engine.add_request("constrained", "Once upon a time", SamplingParams(
+                temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+                    json=SCHEMAS["enum_pattern_range"], disable_any_whitespace=True)))
+            (waiting,) = [r for r in engine.scheduler.waiting if r.request_id.startswith("constrained")]
+            for _ in range(5):
+                for output in engine.step():
+                    assert output.request_id == "free"
+                    free_tokens = len(output.outputs[0].token_ids)
+            assert waiting.status == RequestStatus.WAITING_FOR_FSM and waiting.num_computed_tokens == 0
+        assert free_tokens == 5, "the unconstrained request ran while the grammar compiled"
+        finished: dict[str, object] = {}
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert json.loads(finished["constrained"].outputs[0].text)["level"] in ("low", "mid", "high")
+        assert engine.structured_output_manager.num_active_matchers == 0
+    finally:
+        engine.shutdown()
+
+
+def test_grammar_failing_in_the_engine_fails_its_request_alone(llama_dir: Path) -> None:
+    """Added to the engine directly (no compile first), a bad grammar fails its request
+    through pop_failed_requests; the request beside it finishes and no block is held."""
+    engine = _engine(llama_dir)
+    try:
+        engine.add_request("bad", "hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            regex="[z-a]")))
+        engine.add_request("good", "hi", SamplingParams(temperature=0.0, max_tokens=4))
+        failed: dict[str, BaseException] = {}
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+            failed.update(engine.pop_failed_requests())
+        assert finished == ["good"]
+        assert isinstance(failed["bad"], StructuredOutputsError) and failed["bad"].param == "structured_outputs"
+        kv = engine.scheduler.kv_cache_manager
+        assert kv.usage == 0.0 and not engine.scheduler.requests
+    finally:
+        engine.shutdown()
+
+
+def test_matchers_and_blocks_are_released_on_finish_and_abort(llama_dir: Path) -> None:
+    engine = _engine(llama_dir)
+    try:
+        constraint = StructuredOutputsParams(json=SCHEMAS["array_min_max"])
+        manager = engine.structured_output_manager
+        engine.compile_structured_outputs(constraint)
+        for i in range(3):
+            engine.add_request(f"r{i}", "Once upon a time", SamplingParams(
+                temperature=1.0, seed=i, n=2, max_tokens=200, structured_outputs=constraint))
+        for _ in range(4):
+            engine.step()
+        assert manager.num_active_matchers == 6
+        engine.abort_request("r1")
+        assert manager.num_active_matchers == 4
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert manager.num_active_matchers == 0
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+def test_compiled_grammars_are_cached_by_constraint_and_bounded(llama_dir: Path) -> None:
+    engine = _engine(llama_dir)
+    try:
+        manager = engine.structured_output_manager
+        first = StructuredOutputsParams(json=SCHEMAS["enum_pattern_range"])
+        again = StructuredOutputsParams(json=json.dumps(SCHEMAS["enum_pattern_range"]))
+        assert manager.compile(first).result() is manager.compile(again).result()
+        assert len(manager.compile_times) == 1
+        # Whitespace options are part of the key: another grammar.
+        compact = StructuredOutputsParams(json=SCHEMAS["enum_pattern_range"], disable_any_whitespace=True)
+        assert manager.compile(compact).result() is not manager.compile(first).result()
+        manager.cache_entries = 3
+        for i in range(6):
+            manager.compile(StructuredOutputsParams(regex=f"a{{{i + 1}}}")).result()
+        assert manager.num_cached <= 3
+        manager.cache_entries, manager.cache_bytes = 100, 1
+        manager.compile(StructuredOutputsParams(regex="b+")).result()
+        assert manager.num_cached <= 1 and manager.cached_bytes <= manager.compile(
+            StructuredOutputsParams(regex="b+")).result().memory_size_bytes
+    finally:
+        engine.shutdown()
+
+
+def test_compile_timeout_answers_without_waiting_for_the_compile(llama_dir: Path) -> None:
+    engine = _engine(llama_dir)
+    try:
+        constraint = StructuredOutputsParams(regex="[0-9]+")
+        with _compile_threads_busy(engine):
+            # The compile cannot start before the block ends: answering at all is answering
+            # without waiting for it.
+            with pytest.raises(StructuredOutputsError, match="did not compile within 0.05 s") as info:
+                engine.compile_structured_outputs(constraint, timeout_s=0.05)
+            assert info.value.param == "structured_outputs"
+            # Asked again while it is still in flight: the deadline counts from the first ask,
+            # so whatever the deadline, at least the time since then is spent.
+            time.sleep(0.06)
+            assert engine.structured_output_manager.remaining_s(constraint, 10.0) <= 10.0 - 0.06
+            with pytest.raises(StructuredOutputsError, match="did not compile"):
+                engine.compile_structured_outputs(constraint, timeout_s=0.05)
+        engine.compile_structured_outputs(constraint)  # compiled once the threads are free
+        engine.compile_structured_outputs(constraint, timeout_s=0.05)  # and from then on, found at once
+    finally:
+        engine.shutdown()
+
+
+def test_length_bounded_strings_never_hold_raw_control_characters(llama_dir: Path) -> None:
+    """xgrammar 0.2.8 lets U+0000-U+001F into strings with minLength/maxLength; the
+    manager's grammar keeps them out (JSON allows them only escaped)."""
+    engine = _engine(llama_dir)
+    try:
+        schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 3}},
+                  "required": ["s"]}
+        grammar = engine.structured_output_manager.compile(StructuredOutputsParams(json=schema)).result()
+        for text, valid in (('{"s": "ab"}', True), ('{"s": "a\x1cb"}', False), ('{"s": "a\tb"}', False),
+                            ('{"s": "abcd"}', False), ('{"s": "é中"}', True)):
+            matcher = xgr.GrammarMatcher(grammar)
+            assert (matcher.accept_string(text) and matcher.is_completed()) == valid, text
+    finally:
+        engine.shutdown()
+
+
+def _greedy_outputs(llm: LLM, prompts: list, max_tokens: int = 40) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMAS["nested_optional"]))
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_preemption_chunked_prefill_and_prefix_caching_keep_constrained_outputs(llm: LLM, llama_dir: Path) -> None:
+    """Greedy constrained outputs are the same with a roomy engine, with one so short of
+    blocks that it preempts (its matchers resume where they were) and whose budget chunks
+    every prompt, and with the prompts' prefixes already cached."""
+    long_prompt = " ".join(["Paged attention stores keys and values in fixed-size blocks."] * 4)
+    prompts = [long_prompt + f" Example {i}:" for i in range(6)]
+    expected = _greedy_outputs(llm, prompts)
+    tight = LLM(str(llama_dir), max_model_len=256, num_gpu_blocks_override=16, max_num_batched_tokens=32,
+                disable_log_stats=True)
+    try:
+        assert _greedy_outputs(tight, prompts) == expected
+        assert tight.llm_engine.scheduler.num_preemptions > 0
+        again = _greedy_outputs(tight, prompts[:2])
+        assert again == expected[:2]
+    finally:
+        tight.shutdown()
+    cached = _greedy_outputs(llm, prompts)
+    assert cached == expected
+
+
+def test_min_tokens_and_ignore_eos_end_at_the_grammars_end(llm: LLM) -> None:
+    constraint = StructuredOutputsParams(choice=["yes", "no"])
+    for extra in (dict(min_tokens=20), dict(ignore_eos=True)):
+        params = SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=30, structured_outputs=constraint, **extra)
+        for completion in llm.generate(PROMPTS, params, use_tqdm=False)[0].outputs:
+            assert completion.finish_reason == "stop"
+            assert completion.text in ("yes", "no")
+
+
+# ------------------------------------------------------ async scheduling and Ray
+def test_async_scheduling_waits_for_a_constrained_requests_token(llama_dir: Path) -> None:
+    """The scheduler's rule: a constrained request whose token is in flight is not
+    scheduled (its bitmask needs that token); an unconstrained one is, on a placeholder."""
+    engine = _engine(llama_dir)
+    try:
+        constraint = StructuredOutputsParams(regex="[a-z]{40}")
+        engine.compile_structured_outputs(constraint)
+        engine.add_request("free", "hello", SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.add_request("constrained", "hello", SamplingParams(max_tokens=20, structured_outputs=constraint))
+        scheduler = engine.scheduler
+        first = scheduler.schedule()  # both prefill and sample
+        names = [r.request_id.split("-")[0] for r in first.scheduled]
+        assert sorted(names) == ["constrained", "free"]
+        assert first.step.structured_output_req_ids == [r.worker_id for r, name in zip(first.scheduled, names)
+                                                       if name == "constrained"]
+        assert first.step.grammar_bitmask.shape == (1, 512 // 32)
+        second = scheduler.schedule()  # as if the first step were still running
+        assert [r.request_id.split("-")[0] for r in second.scheduled] == ["free"]
+        assert second.step.grammar_bitmask is None and not second.step.structured_output_req_ids
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=[dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                ids=["tp2", "pp2"])
+def tp2_llm(request, ray_cluster, llama_dir: Path) -> LLM:
+    """Two Ray workers: tensor parallel, or two pipeline stages (whose last samples under
+    the step's bitmask while the scheduler keeps micro-batches in flight)."""
+    llm = LLM(str(llama_dir), distributed_executor_backend="ray", **request.param, **ENGINE_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+def test_tensor_or_pipeline_parallel_with_async_scheduling_matches_in_process(tp2_llm: LLM, llm: LLM,
+                                                                              compiler) -> None:
+    assert tp2_llm.llm_engine.engine_core.async_scheduling
+    prompts = PROMPTS + ["Hello, world!", "for i in range(10):"]
+    assert _greedy_outputs(tp2_llm, prompts) == _greedy_outputs(llm, prompts)
+    # Constrained and free requests side by side, sampled: the constrained ones validate.
+    schema = SCHEMAS["enum_pattern_range"]
+    grammar = _json_grammar(compiler, schema)
+    constrained = SamplingParams(temperature=1.0, seed=2, n=3, max_tokens=160,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    free = SamplingParams(temperature=1.0, seed=2, max_tokens=40, ignore_eos=True)
+    outputs = tp2_llm.generate(prompts, [constrained, free] * 2, use_tqdm=False)
+    for output in outputs[::2]:
+        assert sum(_check_json_output(c, schema, grammar) for c in output.outputs) >= 1
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outputs[1::2])
+    assert tp2_llm.llm_engine.structured_output_manager.num_active_matchers == 0
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_not_the_step(llama_dir: Path) -> None:
+    """After "a" this grammar allows nothing (its rule x never ends). The row gets EOS, never
+    all -inf (NaN when sampled): the request fails alone, the one beside it finishes."""
+    engine = _engine(llama_dir)
+    try:
+        constraint = StructuredOutputsParams(grammar='root ::= "a" x\nx ::= x "b"')
+        engine.add_request("dead", "hi", SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=constraint))
+        engine.add_request("free", "hi", SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+        failed: dict[str, BaseException] = {}
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+            failed.update(engine.pop_failed_requests())
+        assert finished == ["free"]
+        assert "allows no token after its 1 output tokens" in str(failed["dead"])
+        assert engine.structured_output_manager.num_active_matchers == 0
+    finally:
+        engine.shutdown()
+
+
+def test_the_eos_that_ends_a_request_is_not_in_its_text_with_special_tokens_kept(llm: LLM) -> None:
+    """Tool-call parsers keep special tokens in the text; the EOS that ends the answer stays
+    out of it all the same (vLLM's rule), in token_ids only."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(choice=["It is sunny."]))
+    completion = llm.generate("Weather?", params, use_tqdm=False)[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.token_ids[-1] == 2
+    assert completion.text == "It is sunny."
