@@ -104,21 +104,21 @@ class RaylmDeployment:
                 pass
 
 
-def deployment_options(tensor_parallel_size: int = 1, deployment: DeploymentArgs | None = None, *,
+def deployment_options(num_workers: int = 1, deployment: DeploymentArgs | None = None, *,
                        use_ray_workers: bool | None = None, worker_cpus: float = 0.5,
                        shutdown_timeout: float = ServerArgs.shutdown_timeout) -> dict[str, Any]:
-    """Serve options for the engine deployment, whose replicas have `tensor_parallel_size`
-    workers each.
+    """Serve options for the engine deployment, whose replicas have `num_workers` workers
+    each (tensor_parallel_size x pipeline_parallel_size).
 
-    The placement group is [{"CPU": replica_cpus}] + [{"GPU": 1} or {"CPU": worker_cpus}] * tp;
-    without Ray workers (tp 1 in process) it is the replica's bundle alone. The
+    The placement group is [{"CPU": replica_cpus}] + [{"GPU": 1} or {"CPU": worker_cpus}] *
+    num_workers; without Ray workers (one worker in process) it is the replica's bundle alone. The
     autoscaling config scales between min_replicas and max_replicas on ongoing requests
     (a fixed num_replicas overrides it). The server's shutdown_timeout is how long Serve
     lets a stopping replica finish its requests. The request router config names the
     router and how often the replicas report their prefix caches.
     """
     deployment = deployment or DeploymentArgs()
-    use_ray_workers = tensor_parallel_size > 1 if use_ray_workers is None else use_ray_workers
+    use_ray_workers = num_workers > 1 if use_ray_workers is None else use_ray_workers
     options: dict[str, Any] = dict(
         name=deployment.name,
         ray_actor_options={"num_cpus": deployment.replica_cpus},
@@ -131,7 +131,7 @@ def deployment_options(tensor_parallel_size: int = 1, deployment: DeploymentArgs
     if use_ray_workers:
         worker_bundle = {"GPU": 1.0} if deployment.use_gpu else {"CPU": worker_cpus}
         options["placement_group_bundles"] = [{"CPU": deployment.replica_cpus}] + [
-            dict(worker_bundle) for _ in range(tensor_parallel_size)]
+            dict(worker_bundle) for _ in range(num_workers)]
         options["placement_group_strategy"] = "STRICT_PACK"
     if deployment.num_replicas is not None:
         options["num_replicas"] = deployment.num_replicas
