@@ -47,6 +47,7 @@ TEST_KERNEL_SWITCHES = {
     "amx_linear": "the AMX decode GEMM only (kernels/cpu_gemm.py)",
     "avx512_linear": "the AVX-512 decode GEMM only (kernels/cpu_gemm.py)",
     "shm_comm": "the shared-memory tensor-parallel collectives (parallel/shm_communicator.py): gloo",
+    "lora_kernel": "the native CPU LoRA kernel (kernels/lora_ops.py): the batched masked GEMMs",
 }
 
 

@@ -8,7 +8,7 @@ adapter's lora_alpha / r, rows past its rank zero). Each token of the step runs 
 slot, or under none (the base model).
 
 On the CPU, `csrc/cpu_lora.cpp` does it gather style (punica's BGMV): each token reads its
-own slot's A and B only. Without the native library (or with RAYLM_CPU_LORA_KERNEL=0) the
+own slot's A and B only. Without the native library (or with RAYLM_TEST_DISABLE_KERNELS=lora_kernel) the
 PyTorch path batches it as GEMMs: ONE shrink of the step's tokens against every slot's A at
 once, [T, in] x [in, n*S*R]; a mask keeps, in each row, the R columns of its own slot (zeros
 for the base model's rows); one expand per output slice against that slice's stacked B,
@@ -21,24 +21,21 @@ On CUDA the Triton kernels in `triton_lora.py` do it gather style too.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from raylm.engine import envs
 from raylm.kernels.native_build import load_native_library
 
 # Slots are a multiple of this many ranks wide: the widest vector of fp32 lanes (AVX-512), over
 # which the CPU kernel runs the ranks; narrower adapters leave the rest of their slot zero.
 SLOT_RANK_MULTIPLE = 16
-# Set RAYLM_CPU_LORA_KERNEL=0 to run the masked GEMM path instead (for comparisons).
-ENV_VAR = "RAYLM_CPU_LORA_KERNEL"
 _native: bool | None = None
 
 
 def native_kernel_available() -> bool:
     global _native
     if _native is None:
-        _native = os.environ.get(ENV_VAR) != "0" and load_native_library("cpu_lora") is not None
+        _native = not envs.kernel_switched_off("lora_kernel") and load_native_library("cpu_lora") is not None
     return _native
 
 

@@ -11,6 +11,8 @@ import pytest
 
 # Keep tests on one thread per process: the machine has 2 cores and Ray workers share them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton 3.9 warns unless its (unchanged) FP-fusion default is stated, as scripts/gpu_check.sh does.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
