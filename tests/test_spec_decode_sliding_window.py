@@ -59,13 +59,13 @@ def _poison_free_blocks_before_each_step(engine: LLMEngine) -> None:
     layers = runner._attention_layers() + (runner.draft_runner._attention_layers() if runner.draft_runner else [])
     execute_model = runner.execute_model
 
-    def poisoned(req):
+    def poisoned(req, *args):
         free = torch.tensor([block.block_id for block in pool.blocks if block.ref_cnt == 0], dtype=torch.long)
         with torch.inference_mode():
             for layer in layers:
                 for cache in layer.kv_cache:
                     cache[free] = float("nan")
-        return execute_model(req)
+        return execute_model(req, *args)
 
     runner.execute_model = poisoned
 
