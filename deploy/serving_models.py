@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import ModelCard, ModelList
@@ -64,8 +64,8 @@ class LoRAModulePath:
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -142,9 +142,8 @@ class OpenAIServingModels:
             if request.lora_name in self.lora_requests or request.lora_name in self.base_model_names:
                 raise OpenAIError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                   param="lora_name")
-            self._check_allowed(request.lora_path)
-            lora_request = LoRARequest(request.lora_name, self._new_lora_id(), request.lora_path,
-                                       self.base_model_names[0])
+            real_path = self._check_allowed(request.lora_path)
+            lora_request = LoRARequest(request.lora_name, self._new_lora_id(), real_path, self.base_model_names[0])
             try:
                 await self.engine.add_lora(lora_request)
             except LoRAAdapterNotFoundError as exc:
@@ -167,15 +166,24 @@ class OpenAIServingModels:
         logger.info("Unloaded LoRA adapter %r.", request.lora_name)
         return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
-    def _check_allowed(self, lora_path: str) -> None:
-        """A runtime load reads only from the operator's folders (symbolic links resolved)."""
+    def _check_allowed(self, lora_path: str) -> str:
+        """A runtime load reads only from the operator's folders, symbolic links resolved: the
+        folder's and those of the two files the engine reads in it (a link inside an allowed
+        folder may point anywhere). Returns the folder's real path, which the engine then
+        reads (not the path given, whose links could change after this check)."""
+        from raylm.executors.lora_adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+        if "\x00" in lora_path:
+            raise OpenAIError("lora_path must not contain a NUL character.", param="lora_path")
+        roots = [os.path.realpath(folder) for folder in self.settings.allowed_lora_dirs or ()]
         real = os.path.realpath(lora_path)
-        for folder in self.settings.allowed_lora_dirs or ():
-            root = os.path.realpath(folder)
-            if os.path.commonpath([real, root]) == root:
-                return
-        raise OpenAIError(f"lora_path {lora_path!r} is outside the folders this server loads adapters from "
-                          f"(--allowed-lora-dirs).", param="lora_path")
+        for name in ("", ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+            path = os.path.realpath(os.path.join(real, name)) if name else real
+            if not any(os.path.commonpath([path, root]) == root for root in roots):
+                where = f": its {name} links out of them" if name else ""  # not saying where to
+                raise OpenAIError(f"lora_path {lora_path!r} is outside the folders this server loads adapters from "
+                                  f"(--allowed-lora-dirs){where}.", param="lora_path")
+        return real
 
     def add_routes(self, app: FastAPI) -> None:
         """The runtime routes, only with allow_runtime_lora_updating."""
