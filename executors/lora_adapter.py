@@ -36,6 +36,8 @@ _UNSUPPORTED_FIELDS = ("use_dora", "fan_in_fan_out", "lora_bias", "modules_to_sa
 # Module path segments of Mixture-of-Experts layers' experts (Qwen-MoE's `mlp.experts` and
 # `shared_expert`, Mixtral's `block_sparse_moe`): raylm's FusedMoE takes no LoRA term.
 _MOE_MODULE = re.compile(r"\.(experts|shared_experts?|block_sparse_moe)(\.|$)")
+# PEFT writes about 1 KB; anything near this is not an adapter config.
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 # lora_alpha beyond this cannot be a float exactly (and past ~1.8e308 not at all).
 _MAX_EXACT_FLOAT_INT = 2 ** 53
 _TENSOR_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
@@ -122,6 +124,10 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
     config_file = folder / ADAPTER_CONFIG_FILE
     if not _is(config_file, "file"):
         raise LoRAAdapterNotFoundError(f"{what}: the folder has no {ADAPTER_CONFIG_FILE}.")
+    size = config_file.stat().st_size
+    if size > MAX_ADAPTER_CONFIG_BYTES:  # read whole, it would be held in memory whole
+        raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} is {size} bytes; an adapter config is about a "
+                               f"thousand (at most {MAX_ADAPTER_CONFIG_BYTES} are read).")
     try:
         raw = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:  # ValueError: bad UTF-8, bad JSON, an integer of over 4300 digits

@@ -6,6 +6,7 @@ and bad adapters refused with clear errors while the engine keeps serving."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -259,6 +260,8 @@ def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
     alpha_past_float = _copy_adapter(adapters["a"], root / "alpha_past_float")
     (alpha_past_float / "adapter_config.json").write_text(
         (alpha_past_float / "adapter_config.json").read_text().replace('"lora_alpha": 16', '"lora_alpha": 1' + "0" * 400))
+    huge_config = _copy_adapter(adapters["a"], root / "huge_config")
+    os.truncate(huge_config / "adapter_config.json", 64 << 20)  # sparse: no disk, but 64 MiB to read
     return {
         "missing": root / "does-not-exist",
         "no_config": no_config,
@@ -268,6 +271,7 @@ def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
         "dora": _edit_config(_copy_adapter(adapters["a"], root / "dora"), use_dora=True),
         # Hostile or broken configs: each an error naming the field, none an uncaught exception.
         "deep_json": deep_json,
+        "huge_config": huge_config,
         "alpha_past_float": alpha_past_float,
         "rslora_string": _edit_config(_copy_adapter(adapters["a"], root / "rslora_string"), use_rslora="false"),
         "name_too_long": root / ("x" * 5000),
@@ -297,6 +301,7 @@ BAD_CASES = {
     "corrupt": "cannot be read",
     "dora": "use_dora=True is not supported",
     "deep_json": "adapter_config.json nests too deep",
+    "huge_config": "adapter_config.json is 67108864 bytes",
     "alpha_past_float": "lora_alpha must be a finite number",
     "rslora_string": "use_rslora must be true or false, got 'false'",
     "name_too_long": "lora_path is not a folder",
