@@ -263,7 +263,13 @@ def inspect_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_ran
     if not tensors:
         raise LoRAAdapterError(f"{what}: {ADAPTER_WEIGHTS_FILE} holds no LoRA weights.")
     pairs: dict[str, set[str]] = {}
+    named: dict[tuple[str, str], str] = {}
     for tensor in tensors:
+        # `...lora_A.weight` and `...lora_A.<adapter>.weight` of one module: which is meant?
+        other = named.setdefault((tensor.module, tensor.kind), tensor.name)
+        if other != tensor.name:
+            raise LoRAAdapterError(f"{what}: tensors {other} and {tensor.name} are both the lora_{tensor.kind} of "
+                                   f"{tensor.module}; an adapter file holds one.")
         pairs.setdefault(tensor.module, set()).add(tensor.kind)
     lonely = sorted(module for module, kinds in pairs.items() if kinds != {"A", "B"})
     if lonely:

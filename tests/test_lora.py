@@ -272,6 +272,7 @@ def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
         # Hostile or broken configs: each an error naming the field, none an uncaught exception.
         "deep_json": deep_json,
         "huge_config": huge_config,
+        "two_lora_a": _two_lora_a_for_one_module(_copy_adapter(adapters["a"], root / "two_lora_a")),
         "alpha_past_float": alpha_past_float,
         "rslora_string": _edit_config(_copy_adapter(adapters["a"], root / "rslora_string"), use_rslora="false"),
         "name_too_long": root / ("x" * 5000),
@@ -281,6 +282,16 @@ def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
         "nan_weights": _nan_weights(_copy_adapter(adapters["a"], root / "nan_weights")),
         "alpha_overflows": _edit_config(_copy_adapter(adapters["a"], root / "alpha_overflows"), lora_alpha=1e300),
     }
+
+
+def _two_lora_a_for_one_module(folder: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "adapter_model.safetensors")
+    name = next(name for name in sorted(weights) if name.endswith("lora_A.weight"))
+    weights[name.replace("lora_A.weight", "lora_A.default.weight")] = weights[name] * 2
+    save_file(weights, folder / "adapter_model.safetensors")
+    return folder
 
 
 def _nan_weights(folder: Path) -> Path:
@@ -302,6 +313,7 @@ BAD_CASES = {
     "dora": "use_dora=True is not supported",
     "deep_json": "adapter_config.json nests too deep",
     "huge_config": "adapter_config.json is 67108864 bytes",
+    "two_lora_a": "are both the lora_A of",
     "alpha_past_float": "lora_alpha must be a finite number",
     "rslora_string": "use_rslora must be true or false, got 'false'",
     "name_too_long": "lora_path is not a folder",
