@@ -76,9 +76,13 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class OpenAIServingModels:
     """The base model's names and the LoRA adapters being served, by name."""
 
-    def __init__(self, engine: Any, base_model_names: list[str], settings: LoRAServerSettings) -> None:
+    def __init__(self, engine: Any, base_model_names: list[str], settings: LoRAServerSettings,
+                 model_aliases: list[str] | tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.base_model_names = base_model_names
+        # Every `model` value that means the base model (the routes take the aliases, the
+        # model's path, before they look for an adapter): no adapter may be named one of them.
+        self.taken_by_base_model = frozenset([*base_model_names, *model_aliases])
         self.settings = settings
         model_config = engine.model_config
         self.max_model_len = model_config.max_model_len
@@ -94,7 +98,7 @@ class OpenAIServingModels:
     def load_static_loras(self) -> None:
         """Loads the --lora-modules adapters before the server starts; a bad one stops it."""
         for module in (LoRAModulePath.parse(value) for value in self.settings.lora_modules or ()):
-            if module.name in self.base_model_names or module.name in self.lora_requests:
+            if module.name in self.taken_by_base_model or module.name in self.lora_requests:
                 raise ValueError(f"lora_modules: the name {module.name!r} is already taken.")
             lora_request = LoRARequest(module.name, self._new_lora_id(), module.path,
                                        module.base_model_name or self.base_model_names[0])
@@ -139,7 +143,7 @@ class OpenAIServingModels:
         from raylm.executors.lora_adapter import LoRAAdapterNotFoundError
 
         async with self._lock:
-            if request.lora_name in self.lora_requests or request.lora_name in self.base_model_names:
+            if request.lora_name in self.lora_requests or request.lora_name in self.taken_by_base_model:
                 raise OpenAIError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                   param="lora_name")
             real_path = self._check_allowed(request.lora_path)

@@ -164,6 +164,17 @@ def test_runtime_loads_stay_inside_the_allowed_folders_and_bad_fields_are_400s(s
     assert not {"x", ""} & {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
 
 
+def test_an_adapter_cannot_take_a_name_the_base_model_answers_to(llama_dir, adapter_root, tmp_path):
+    """Without --served-model-name the base model also answers to its path (as given and
+    resolved, vLLM's default name): an adapter named so would be listed yet never reached."""
+    args = [str(llama_dir), "--dtype", "float32", "--max-model-len", "64", "--enable-lora", "--max-lora-rank", "8",
+            "--allow-runtime-lora-updating", "--allowed-lora-dirs", str(adapter_root)]
+    with running_server(args, tmp_path / "server.log") as (_, base_url):
+        for name in (llama_dir.name, str(llama_dir), str(llama_dir.resolve())):
+            assert_error(load(base_url, name, adapter_root / "a"), 400, "lora_name", "has already been loaded")
+        assert [card["id"] for card in httpx.get(f"{base_url}/v1/models").json()["data"]] == [llama_dir.name]
+
+
 def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_root, expected_text, long_expected):
     """Requests run back to back from 6 threads, to the base model and to a, then to b and c
     as they are loaded. A long streamed request of a is running when a is unloaded and c is
