@@ -63,9 +63,15 @@ class LoRAModulePath:
         raise ValueError(f"lora_modules entries are name=path or JSON {{\"name\": ..., \"path\": ...}}, got {value!r}.")
 
 
+# A name is kept for as long as the adapter is served (and listed on every /v1/models); a
+# path longer than Linux's PATH_MAX names no file.
+MAX_LORA_NAME_CHARS = 1024
+MAX_LORA_PATH_CHARS = 4096
+
+
 class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

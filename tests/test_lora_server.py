@@ -158,10 +158,12 @@ def test_runtime_loads_stay_inside_the_allowed_folders_and_bad_fields_are_400s(s
     for folder in ("linked_folder", "linked_adapter_model", "linked_adapter_config"):
         assert_error(load(server, "x", adapter_root / folder), 400, "lora_path", "outside the folders")
     assert_error(load(server, "x", f"{adapter_root}/a\x00/x"), 400, "lora_path", "must not contain a NUL")
-    assert_error(load(server, "x", adapter_root / ("x" * 5000)), 404, "lora_path", "is not a folder")
+    assert_error(load(server, "x", adapter_root / ("x" * 3000)), 404, "lora_path", "is not a folder")
+    assert_error(load(server, "x", adapter_root / ("x" * 5000)), 400, "lora_path", "at most 4096 characters")
     assert_error(load(server, "", adapter_root / "b"), 400, "lora_name", "")
+    assert_error(load(server, "n" * 1025, adapter_root / "b"), 400, "lora_name", "at most 1024 characters")
     assert_error(load(server, "x", ""), 400, "lora_path", "")
-    assert not {"x", ""} & {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
+    assert {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]} <= {MODEL, "a", "b", "c"}
 
 
 def test_an_adapter_cannot_take_a_name_the_base_model_answers_to(llama_dir, adapter_root, tmp_path):
