@@ -187,7 +187,7 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     api_key = server_args.resolved_api_key()
     aliases = server_args.model_aliases(model_config.model)
     # The base model's names and the LoRA adapters (--lora-modules, loaded now).
-    serving_models = OpenAIServingModels(engine, model_names, server_args.lora)
+    serving_models = OpenAIServingModels(engine, model_names, server_args.lora, aliases)
     serving_models.load_static_loras()
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                           models=serving_models)

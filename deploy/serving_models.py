@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import ModelCard, ModelList
@@ -63,9 +63,15 @@ class LoRAModulePath:
         raise ValueError(f"lora_modules entries are name=path or JSON {{\"name\": ..., \"path\": ...}}, got {value!r}.")
 
 
+# A name is kept for as long as the adapter is served (and listed on every /v1/models); a
+# path longer than Linux's PATH_MAX names no file.
+MAX_LORA_NAME_CHARS = 1024
+MAX_LORA_PATH_CHARS = 4096
+
+
 class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -76,9 +82,13 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class OpenAIServingModels:
     """The base model's names and the LoRA adapters being served, by name."""
 
-    def __init__(self, engine: Any, base_model_names: list[str], settings: LoRAServerSettings) -> None:
+    def __init__(self, engine: Any, base_model_names: list[str], settings: LoRAServerSettings,
+                 model_aliases: list[str] | tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.base_model_names = base_model_names
+        # Every `model` value that means the base model (the routes take the aliases, the
+        # model's path, before they look for an adapter): no adapter may be named one of them.
+        self.taken_by_base_model = frozenset([*base_model_names, *model_aliases])
         self.settings = settings
         model_config = engine.model_config
         self.max_model_len = model_config.max_model_len
@@ -94,7 +104,7 @@ class OpenAIServingModels:
     def load_static_loras(self) -> None:
         """Loads the --lora-modules adapters before the server starts; a bad one stops it."""
         for module in (LoRAModulePath.parse(value) for value in self.settings.lora_modules or ()):
-            if module.name in self.base_model_names or module.name in self.lora_requests:
+            if module.name in self.taken_by_base_model or module.name in self.lora_requests:
                 raise ValueError(f"lora_modules: the name {module.name!r} is already taken.")
             lora_request = LoRARequest(module.name, self._new_lora_id(), module.path,
                                        module.base_model_name or self.base_model_names[0])
@@ -139,12 +149,11 @@ class OpenAIServingModels:
         from raylm.executors.lora_adapter import LoRAAdapterNotFoundError
 
         async with self._lock:
-            if request.lora_name in self.lora_requests or request.lora_name in self.base_model_names:
+            if request.lora_name in self.lora_requests or request.lora_name in self.taken_by_base_model:
                 raise OpenAIError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                   param="lora_name")
-            self._check_allowed(request.lora_path)
-            lora_request = LoRARequest(request.lora_name, self._new_lora_id(), request.lora_path,
-                                       self.base_model_names[0])
+            real_path = self._check_allowed(request.lora_path)
+            lora_request = LoRARequest(request.lora_name, self._new_lora_id(), real_path, self.base_model_names[0])
             try:
                 await self.engine.add_lora(lora_request)
             except LoRAAdapterNotFoundError as exc:
@@ -167,15 +176,24 @@ class OpenAIServingModels:
         logger.info("Unloaded LoRA adapter %r.", request.lora_name)
         return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
-    def _check_allowed(self, lora_path: str) -> None:
-        """A runtime load reads only from the operator's folders (symbolic links resolved)."""
+    def _check_allowed(self, lora_path: str) -> str:
+        """A runtime load reads only from the operator's folders, symbolic links resolved: the
+        folder's and those of the two files the engine reads in it (a link inside an allowed
+        folder may point anywhere). Returns the folder's real path, which the engine then
+        reads (not the path given, whose links could change after this check)."""
+        from raylm.executors.lora_adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+        if "\x00" in lora_path:
+            raise OpenAIError("lora_path must not contain a NUL character.", param="lora_path")
+        roots = [os.path.realpath(folder) for folder in self.settings.allowed_lora_dirs or ()]
         real = os.path.realpath(lora_path)
-        for folder in self.settings.allowed_lora_dirs or ():
-            root = os.path.realpath(folder)
-            if os.path.commonpath([real, root]) == root:
-                return
-        raise OpenAIError(f"lora_path {lora_path!r} is outside the folders this server loads adapters from "
-                          f"(--allowed-lora-dirs).", param="lora_path")
+        for name in ("", ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+            path = os.path.realpath(os.path.join(real, name)) if name else real
+            if not any(os.path.commonpath([path, root]) == root for root in roots):
+                where = f": its {name} links out of them" if name else ""  # not saying where to
+                raise OpenAIError(f"lora_path {lora_path!r} is outside the folders this server loads adapters from "
+                                  f"(--allowed-lora-dirs){where}.", param="lora_path")
+        return real
 
     def add_routes(self, app: FastAPI) -> None:
         """The runtime routes, only with allow_runtime_lora_updating."""

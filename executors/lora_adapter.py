@@ -36,6 +36,10 @@ _UNSUPPORTED_FIELDS = ("use_dora", "fan_in_fan_out", "lora_bias", "modules_to_sa
 # Module path segments of Mixture-of-Experts layers' experts (Qwen-MoE's `mlp.experts` and
 # `shared_expert`, Mixtral's `block_sparse_moe`): raylm's FusedMoE takes no LoRA term.
 _MOE_MODULE = re.compile(r"\.(experts|shared_experts?|block_sparse_moe)(\.|$)")
+# PEFT writes about 1 KB; anything near this is not an adapter config.
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+# lora_alpha beyond this cannot be a float exactly (and past ~1.8e308 not at all).
+_MAX_EXACT_FLOAT_INT = 2 ** 53
 _TENSOR_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -88,6 +92,21 @@ class AdapterSummary:
         return {tensor.target for tensor in self.tensors}
 
 
+def _clip(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (a config's value can be arbitrarily long)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _is(path: Path, kind: str) -> bool:
+    """path.is_dir() / is_file(), False where the path cannot be looked at (a name too long
+    for the file system, a loop of links), where pathlib raises."""
+    try:
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except OSError:
+        return False
+
+
 def _describe(lora_name: str, lora_path: str) -> str:
     return f"LoRA adapter {lora_name!r} at {lora_path!r}"
 
@@ -96,17 +115,25 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
     """adapter_config.json, checked: a LoRA adapter of rank at most max_lora_rank that uses
     nothing raylm does not implement."""
     what = _describe(lora_name, lora_path)
+    if "\x00" in lora_path:
+        raise LoRAAdapterError(f"{what}: lora_path must not contain a NUL character.")
     folder = Path(lora_path)
-    if not folder.is_dir():
+    if not _is(folder, "dir"):
         raise LoRAAdapterNotFoundError(f"{what}: lora_path is not a folder (a PEFT adapter is a folder with "
                                        f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}).")
     config_file = folder / ADAPTER_CONFIG_FILE
-    if not config_file.is_file():
+    if not _is(config_file, "file"):
         raise LoRAAdapterNotFoundError(f"{what}: the folder has no {ADAPTER_CONFIG_FILE}.")
+    size = config_file.stat().st_size
+    if size > MAX_ADAPTER_CONFIG_BYTES:  # read whole, it would be held in memory whole
+        raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} is {size} bytes; an adapter config is about a "
+                               f"thousand (at most {MAX_ADAPTER_CONFIG_BYTES} are read).")
     try:
         raw = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8, bad JSON, an integer of over 4300 digits
         raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} is not valid JSON ({exc}).") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} nests too deep to be an adapter config.") from None
     if not isinstance(raw, dict):
         raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} must hold a JSON object.")
     peft_type = raw.get("peft_type", "LORA")
@@ -114,13 +141,18 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
         raise LoRAAdapterError(f"{what}: peft_type must be 'LORA', got {peft_type!r}.")
     rank = raw.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise LoRAAdapterError(f"{what}: r (the rank) must be a positive integer, got {rank!r}.")
+        raise LoRAAdapterError(f"{what}: r (the rank) must be a positive integer, got {_clip(rank)}.")
     if rank > max_lora_rank:
-        raise LoRAAdapterError(f"{what}: its rank r={rank} is above the engine's max_lora_rank={max_lora_rank} "
-                               f"(start the engine with max_lora_rank >= {rank}).")
+        raise LoRAAdapterError(f"{what}: its rank r={_clip(rank)} is above the engine's "
+                               f"max_lora_rank={max_lora_rank} (start the engine with max_lora_rank >= r).")
     alpha = raw.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise LoRAAdapterError(f"{what}: lora_alpha must be a number, got {alpha!r}.")
+    # JSON integers are unbounded: one past float's range is as unusable as an infinity.
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or (isinstance(alpha, int) and abs(alpha) > _MAX_EXACT_FLOAT_INT) or not math.isfinite(alpha)):
+        raise LoRAAdapterError(f"{what}: lora_alpha must be a finite number, got {_clip(alpha)}.")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):  # bool("false") would silently switch rsLoRA on
+        raise LoRAAdapterError(f"{what}: use_rslora must be true or false, got {_clip(use_rslora)}.")
     if raw.get("target_parameters"):
         # PEFT's LoRA on stacked parameters: in practice a MoE layer's experts.
         modules = _moe_modules(folder / ADAPTER_WEIGHTS_FILE)
@@ -137,7 +169,7 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
     if bias != "none":
         raise LoRAAdapterError(f"{what}: bias={bias!r} is not supported (only 'none': the base model's biases "
                                f"unchanged).")
-    return PeftLoRAConfig(rank=rank, lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)),
+    return PeftLoRAConfig(rank=rank, lora_alpha=float(alpha), use_rslora=use_rslora,
                           base_model_name_or_path=raw.get("base_model_name_or_path"))
 
 
@@ -206,9 +238,9 @@ def inspect_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_ran
     config = read_adapter_config(lora_name, lora_path, max_lora_rank)
     what = _describe(lora_name, lora_path)
     weights = Path(lora_path) / ADAPTER_WEIGHTS_FILE
-    if not weights.is_file():
-        hint = " (adapter_model.bin is not read: save the adapter with safetensors)" if (
-            Path(lora_path) / "adapter_model.bin").is_file() else ""
+    if not _is(weights, "file"):
+        hint = " (adapter_model.bin is not read: save the adapter with safetensors)" if _is(
+            Path(lora_path) / "adapter_model.bin", "file") else ""
         raise LoRAAdapterNotFoundError(f"{what}: the folder has no {ADAPTER_WEIGHTS_FILE}{hint}.")
     shapes = expected_shapes(hf_config)
     num_layers = hf_config.num_hidden_layers
@@ -231,7 +263,13 @@ def inspect_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_ran
     if not tensors:
         raise LoRAAdapterError(f"{what}: {ADAPTER_WEIGHTS_FILE} holds no LoRA weights.")
     pairs: dict[str, set[str]] = {}
+    named: dict[tuple[str, str], str] = {}
     for tensor in tensors:
+        # `...lora_A.weight` and `...lora_A.<adapter>.weight` of one module: which is meant?
+        other = named.setdefault((tensor.module, tensor.kind), tensor.name)
+        if other != tensor.name:
+            raise LoRAAdapterError(f"{what}: tensors {other} and {tensor.name} are both the lora_{tensor.kind} of "
+                                   f"{tensor.module}; an adapter file holds one.")
         pairs.setdefault(tensor.module, set()).add(tensor.kind)
     lonely = sorted(module for module, kinds in pairs.items() if kinds != {"A", "B"})
     if lonely:

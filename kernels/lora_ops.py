@@ -66,6 +66,11 @@ class LoRABatch:
     def set_step(self, token_slots: list[int], output_rows: torch.Tensor | None = None) -> bool:
         """Sets the step's tokens' slots (-1: base model) and its output rows (None: every
         row); returns whether any token runs under an adapter."""
+        # The Triton kernels index the slots' weights with these unchecked (a check there would
+        # cost a device sync per layer): one check per step, here, guards every kernel.
+        bad = next((slot for slot in token_slots if not -1 <= slot < self.max_loras), None)
+        if bad is not None:
+            raise ValueError(f"LoRA step: slot {bad} is not one of the {self.max_loras} slots (or -1, the base model).")
         self.version += 1
         self._masks.clear()
         self.num_tokens = len(token_slots)

@@ -369,3 +369,30 @@ def test_lora_bgmv_adds_each_tokens_own_adapter(dtype):
         torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, offsets_of(out_sizes), slots.to(torch.int32), 16)
         assert_close(out, reference(x, lora_a, lora_b, slots, base), dtype)
         assert torch.equal(out[slots < 0], base[slots < 0])
+
+
+@pytest.mark.parametrize("bad", ["slot_past_the_slots", "offset_past_the_columns", "offset_that_wraps_int64",
+                                 "fewer_slots_than_tokens"])
+def test_lora_bgmv_refuses_indices_out_of_range_before_touching_memory(bad):
+    """csrc/cpu_lora.cpp checks every index it reads or writes through against the tensors'
+    sizes: a bad one is an error and `out` is unchanged (an offset near INT64_MAX used to pass
+    the column check by overflowing `offset + width`, and the kernel wrote far outside `out`)."""
+    from test_lora_kernels import SLOTS, offsets_of, random_case
+
+    if native_build.load_native_library("cpu_lora") is None:
+        pytest.skip("the LoRA kernel cannot be built here")
+    out_sizes = [48]
+    x, lora_a, lora_b, slots, base = random_case(5, 37, out_sizes, torch.float32, seed=0)
+    slots, offsets = slots.to(torch.int32), offsets_of(out_sizes)
+    if bad == "slot_past_the_slots":
+        slots[2] = SLOTS
+    elif bad == "offset_past_the_columns":
+        offsets = [1]
+    elif bad == "offset_that_wraps_int64":
+        offsets = [2 ** 63 - 1]
+    else:
+        slots = slots[:-1]
+    out = base.clone()
+    with pytest.raises(RuntimeError, match="raylm::lora_bgmv"):
+        torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, offsets, slots, 16)
+    assert torch.equal(out, base)

@@ -6,6 +6,7 @@ and bad adapters refused with clear errors while the engine keeps serving."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -254,6 +255,13 @@ def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
     weights.write_bytes(weights.read_bytes()[:-64])
     no_config = _copy_adapter(adapters["a"], root / "no_config")
     (no_config / "adapter_config.json").unlink()
+    deep_json = _copy_adapter(adapters["a"], root / "deep_json")
+    (deep_json / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    alpha_past_float = _copy_adapter(adapters["a"], root / "alpha_past_float")
+    (alpha_past_float / "adapter_config.json").write_text(
+        (alpha_past_float / "adapter_config.json").read_text().replace('"lora_alpha": 16', '"lora_alpha": 1' + "0" * 400))
+    huge_config = _copy_adapter(adapters["a"], root / "huge_config")
+    os.truncate(huge_config / "adapter_config.json", 64 << 20)  # sparse: no disk, but 64 MiB to read
     return {
         "missing": root / "does-not-exist",
         "no_config": no_config,
@@ -261,7 +269,39 @@ def bad_adapters(tmp_path_factory, llama_dir, adapters) -> dict[str, Path]:
         "other_base": build_lora_adapter(other_base, root / "for_other_base", rank=4),
         "corrupt": corrupt,
         "dora": _edit_config(_copy_adapter(adapters["a"], root / "dora"), use_dora=True),
+        # Hostile or broken configs: each an error naming the field, none an uncaught exception.
+        "deep_json": deep_json,
+        "huge_config": huge_config,
+        "two_lora_a": _two_lora_a_for_one_module(_copy_adapter(adapters["a"], root / "two_lora_a")),
+        "alpha_past_float": alpha_past_float,
+        "rslora_string": _edit_config(_copy_adapter(adapters["a"], root / "rslora_string"), use_rslora="false"),
+        "name_too_long": root / ("x" * 5000),
+        "nul_in_path": Path(f"{adapters['a']}\x00/x"),
+        # Weights that would make every logit NaN (and the sampler stop the engine): refused
+        # when the adapter is loaded, whether the file holds them or lora_alpha / r makes them.
+        "nan_weights": _nan_weights(_copy_adapter(adapters["a"], root / "nan_weights")),
+        "alpha_overflows": _edit_config(_copy_adapter(adapters["a"], root / "alpha_overflows"), lora_alpha=1e300),
     }
+
+
+def _two_lora_a_for_one_module(folder: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "adapter_model.safetensors")
+    name = next(name for name in sorted(weights) if name.endswith("lora_A.weight"))
+    weights[name.replace("lora_A.weight", "lora_A.default.weight")] = weights[name] * 2
+    save_file(weights, folder / "adapter_model.safetensors")
+    return folder
+
+
+def _nan_weights(folder: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "adapter_model.safetensors")
+    name = next(name for name in sorted(weights) if "lora_B" in name)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, folder / "adapter_model.safetensors")
+    return folder
 
 
 BAD_CASES = {
@@ -271,14 +311,27 @@ BAD_CASES = {
     "other_base": "made for another base model",
     "corrupt": "cannot be read",
     "dora": "use_dora=True is not supported",
+    "deep_json": "adapter_config.json nests too deep",
+    "huge_config": "adapter_config.json is 67108864 bytes",
+    "two_lora_a": "are both the lora_A of",
+    "alpha_past_float": "lora_alpha must be a finite number",
+    "rslora_string": "use_rslora must be true or false, got 'false'",
+    "name_too_long": "lora_path is not a folder",
+    "nul_in_path": "lora_path must not contain a NUL character",
+}
+# Refused when the workers read the weights (after the check that lets the request in): the
+# request fails with the load's error.
+LOAD_FAILURES = {
+    "nan_weights": "hold NaN or infinite values",
+    "alpha_overflows": "hold NaN or infinite values",
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_CASES))
+@pytest.mark.parametrize("case", sorted(BAD_CASES | LOAD_FAILURES))
 def test_a_bad_adapter_is_a_clear_error_and_the_engine_keeps_serving(llm, bad_adapters, prompts, lora_requests,
                                                                      references, case):
-    bad = LoRARequest(f"bad-{case}", 100 + sorted(BAD_CASES).index(case), str(bad_adapters[case]))
-    with pytest.raises(ValueError, match=BAD_CASES[case]):
+    bad = LoRARequest(f"bad-{case}", 100 + sorted(BAD_CASES | LOAD_FAILURES).index(case), str(bad_adapters[case]))
+    with pytest.raises(ValueError if case in BAD_CASES else RuntimeError, match=(BAD_CASES | LOAD_FAILURES)[case]):
         greedy(llm, prompts[:2], [lora_requests["a"], bad])
     assert not llm.llm_engine.has_unfinished_requests()
     assert_plan_matches(llm, prompts, lora_requests, references, [(0, "a"), (1, "base")])

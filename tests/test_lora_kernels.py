@@ -80,6 +80,15 @@ def test_a_step_without_adapter_tokens_is_inactive():
     assert batch.token_slots is None
 
 
+@pytest.mark.parametrize("bad_slot", [SLOTS, -2])
+def test_a_step_naming_a_slot_that_does_not_exist_is_refused_before_any_kernel(bad_slot):
+    """The Triton kernels read a token's slot's weights unchecked: LoRABatch.set_step, which
+    every step goes through, refuses a slot outside [-1, max_loras)."""
+    batch = LoRABatch(SLOTS, RANK, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=f"slot {bad_slot} is not one of the {SLOTS} slots"):
+        batch.set_step([0, bad_slot, -1])
+
+
 TRITON_CHECK = textwrap.dedent("""
     import json, sys
     import torch

@@ -40,7 +40,16 @@ def adapter_root(tmp_path_factory, llama_dir: Path) -> Path:
     shutil.copytree(root / "a", root / "corrupt")
     weights = root / "corrupt" / "adapter_model.safetensors"
     weights.write_bytes(b"\x00" * 64)
-    shutil.copytree(root / "a", root.parent / f"{root.name}_outside")
+    outside = root.parent / f"{root.name}_outside"
+    shutil.copytree(root / "a", outside)
+    # Links inside the allowed folder that lead out of it: the folder itself, or one of the
+    # two files the engine reads in an otherwise real folder.
+    (root / "linked_folder").symlink_to(outside, target_is_directory=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        folder = root / f"linked_{name.split('.')[0]}"
+        shutil.copytree(root / "a", folder)
+        (folder / name).unlink()
+        (folder / name).symlink_to(outside / name)
     return root
 
 
@@ -141,6 +150,31 @@ def test_bad_adapters_and_names_get_vllm_shaped_errors_and_the_server_keeps_serv
     assert "x" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
     response = complete(server, "a", 1)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text["a", 1]
+
+
+def test_runtime_loads_stay_inside_the_allowed_folders_and_bad_fields_are_400s(server, adapter_root):
+    """Symbolic links are followed to where they lead (the folder's and the two files'), and a
+    path the file system cannot take is a 4xx naming lora_path, not a 500."""
+    for folder in ("linked_folder", "linked_adapter_model", "linked_adapter_config"):
+        assert_error(load(server, "x", adapter_root / folder), 400, "lora_path", "outside the folders")
+    assert_error(load(server, "x", f"{adapter_root}/a\x00/x"), 400, "lora_path", "must not contain a NUL")
+    assert_error(load(server, "x", adapter_root / ("x" * 3000)), 404, "lora_path", "is not a folder")
+    assert_error(load(server, "x", adapter_root / ("x" * 5000)), 400, "lora_path", "at most 4096 characters")
+    assert_error(load(server, "", adapter_root / "b"), 400, "lora_name", "")
+    assert_error(load(server, "n" * 1025, adapter_root / "b"), 400, "lora_name", "at most 1024 characters")
+    assert_error(load(server, "x", ""), 400, "lora_path", "")
+    assert {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]} <= {MODEL, "a", "b", "c"}
+
+
+def test_an_adapter_cannot_take_a_name_the_base_model_answers_to(llama_dir, adapter_root, tmp_path):
+    """Without --served-model-name the base model also answers to its path (as given and
+    resolved, vLLM's default name): an adapter named so would be listed yet never reached."""
+    args = [str(llama_dir), "--dtype", "float32", "--max-model-len", "64", "--enable-lora", "--max-lora-rank", "8",
+            "--allow-runtime-lora-updating", "--allowed-lora-dirs", str(adapter_root)]
+    with running_server(args, tmp_path / "server.log") as (_, base_url):
+        for name in (llama_dir.name, str(llama_dir), str(llama_dir.resolve())):
+            assert_error(load(base_url, name, adapter_root / "a"), 400, "lora_name", "has already been loaded")
+        assert [card["id"] for card in httpx.get(f"{base_url}/v1/models").json()["data"]] == [llama_dir.name]
 
 
 def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_root, expected_text, long_expected):

@@ -199,7 +199,7 @@ void lora_bgmv(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a, a
   for (size_t i = 0; i < pieces.size(); ++i) {
     const at::Tensor& b = pieces[i];
     TORCH_CHECK(b.dim() == 2 && b.is_contiguous() && b.scalar_type() == dtype && b.size(0) == slots_rows &&
-                    offsets[i] >= 0 && offsets[i] + b.size(1) <= out.size(1),
+                    offsets[i] >= 0 && offsets[i] <= out.size(1) - b.size(1),  // no sum to overflow
                 "raylm::lora_bgmv: lora_b[", i, "] must be [S * R, N_i] contiguous, within out's columns");
   }
   TORCH_CHECK(token_slots.dim() == 1 && token_slots.size(0) == x.size(0) && token_slots.scalar_type() == at::kInt &&
