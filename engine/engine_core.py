@@ -237,12 +237,17 @@ class EngineCore:
             structured = request.structured_output_request
             failed = False
             for token in tokens or ():
-                if structured is not None and not structured.accept_token(token.token_id):
+                error = None
+                if token.logits_not_finite:
+                    error = _not_finite_error(request)
+                elif structured is not None and not structured.accept_token(token.token_id):
                     # The bitmask allows only what the grammar accepts, unless the grammar came
                     # to a dead end (it allows nothing, and EOS was let through): the request
                     # fails rather than go on with an output that no longer matches.
+                    error = _grammar_error(request, token.token_id)
+                if error is not None:
                     request.status = RequestStatus.FINISHED_ABORTED
-                    self._failed_requests[request.request_id] = _grammar_error(request, token.token_id)
+                    self._failed_requests[request.request_id] = error
                     finished_while_preempted |= was_preempted
                     finished.append(request)
                     failed = True
@@ -331,6 +336,13 @@ class EngineCore:
         if self.lora_loader is not None:
             self.lora_loader.shutdown()
         self.executor.shutdown()
+
+
+def _not_finite_error(request: Request) -> Exception:
+    adapter = f" under the LoRA adapter {request.lora_request.lora_name!r}" if request.lora_request else ""
+    return RuntimeError(f"The model's logits{adapter} held NaN or infinite values at output token "
+                        f"{request.num_output_tokens}: its weights overflow in this dtype. The request was ended; "
+                        f"the engine serves on.")
 
 
 def _grammar_error(request: Request, token_id: int) -> Exception:

@@ -102,6 +102,9 @@ class SampledToken:
     logprob: float | None
     # Filled only when the request asked for logprobs.
     logprobs: TokenLogprobs | None = None
+    # The model's logits for this row held NaN or +inf (weights or an adapter that overflow
+    # in this dtype): token_id is a placeholder and the engine fails the request alone.
+    logits_not_finite: bool = False
 
 
 @dataclass

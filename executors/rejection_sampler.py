@@ -30,7 +30,8 @@ import itertools
 import torch
 
 from raylm.engine.step import SampledToken
-from raylm.executors.sampler import Sampler, inverse_cdf, process_logits, sampling_probs, token_logprobs
+from raylm.executors.sampler import (Sampler, inverse_cdf, process_logits, rows_not_finite, sampling_probs,
+                                     token_logprobs)
 from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
 
 
@@ -69,9 +70,13 @@ class RejectionSampler:
         starts = list(itertools.accumulate((1 + len(d) for d in draft_token_ids), initial=0))
         emitted: list[list[SampledToken]] = [[] for _ in range(num_requests)]
         one_hot, probabilistic = [], []
+        # A request with a row of NaN or +inf logits goes the plain sampler's way, which
+        # samples such a row from zeros and flags it (its request then fails alone).
+        not_finite = set(rows_not_finite(logits))
         for r in range(num_requests):
             q = draft_probs[r] if draft_probs is not None else None
-            if q is not None and draft_token_ids[r] and not metadata.sampling_params[r].is_greedy:
+            if q is not None and draft_token_ids[r] and not metadata.sampling_params[r].is_greedy \
+                    and not_finite.isdisjoint(range(starts[r], starts[r + 1])):
                 probabilistic.append(r)
             else:
                 one_hot.append(r)

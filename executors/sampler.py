@@ -39,6 +39,13 @@ class Sampler:
         assert num_rows == metadata.num_rows, f"{num_rows} logits rows for {metadata.num_rows} sequences"
         if num_rows == 0:
             return []
+        # A row of NaN or +inf logits would stop every path below (or draw garbage): it is
+        # sampled from zeros instead, and flagged, so that only its request fails.
+        not_finite = not_finite_mask(logits)
+        if logits.device.type != "cpu":
+            logits = logits.masked_fill(not_finite.unsqueeze(1), 0.0)  # no host sync on a GPU
+        elif bool(not_finite.any()):
+            logits = logits.masked_fill(not_finite.unsqueeze(1), 0.0)
         raw_logits = logits
 
         greedy_rows: list[int] = []
@@ -98,8 +105,22 @@ class Sampler:
 
         token_ids = sampled.tolist()
         req_ids = metadata.req_ids
-        return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i))
-                for i in range(num_rows)]
+        tokens = [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i)) for i in range(num_rows)]
+        for row in not_finite.nonzero().flatten().tolist():  # the tokens' sync has been paid
+            tokens[row].logits_not_finite = True
+        return tokens
+
+
+def not_finite_mask(logits: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows of [N, V] logits holding a NaN or +inf (-inf is a masked token, not
+    an error). One reduction: a row's sum is NaN or +inf exactly then (+inf beside -inf
+    sums to NaN)."""
+    row_sums = logits.sum(dim=-1)
+    return torch.isnan(row_sums) | (row_sums == float("inf"))
+
+
+def rows_not_finite(logits: torch.Tensor) -> list[int]:
+    return not_finite_mask(logits).nonzero().flatten().tolist()
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

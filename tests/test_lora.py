@@ -338,6 +338,37 @@ def test_a_bad_adapter_is_a_clear_error_and_the_engine_keeps_serving(llm, bad_ad
     assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
 
 
+def _overflowing_weights(folder: Path) -> Path:
+    """Finite weights (they pass the load's check) whose products overflow fp32 in a forward."""
+    from safetensors.torch import load_file, save_file
+
+    weights_file = folder / "adapter_model.safetensors"
+    save_file({name: torch.full_like(tensor, 1e18) for name, tensor in load_file(weights_file).items()}, weights_file)
+    return folder
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_adapter_whose_logits_overflow_fails_its_request_alone(llm, adapters, tmp_path, prompts, lora_requests,
+                                                                  references, temperature):
+    # Before: the NaN row stopped the sampler, the step failed, and the engine (and a server
+    # with it) stopped.
+    folder = _overflowing_weights(_copy_adapter(adapters["a"], tmp_path / f"overflow-{temperature}"))
+    overflow = LoRARequest(f"overflow-{temperature}", 300 + int(temperature), str(folder))
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("fine", {"prompt_token_ids": prompts[0]}, params, lora_request=lora_requests["a"])
+    engine.add_request("overflow", {"prompt_token_ids": prompts[1]}, params, lora_request=overflow)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({output.request_id: output for output in engine.step() if output.finished})
+    failed = engine.pop_failed_requests()
+    assert list(failed) == ["overflow"] and "held NaN or infinite values" in str(failed["overflow"])
+    assert "overflow" in str(failed["overflow"]) and list(finished) == ["fine"]
+    assert len(finished["fine"].outputs[0].token_ids) == MAX_TOKENS
+    assert engine.scheduler.kv_cache_manager.usage == 0.0
+    assert_plan_matches(llm, prompts, lora_requests, references, [(0, "a"), (1, "base")])
+
+
 def test_lora_requests_need_enable_lora_and_one_id_names_one_adapter(llama_dir, llm, lora_requests, adapters):
     plain = LLM(str(llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
     try:

@@ -336,3 +336,22 @@ def test_rows_of_both_draws_in_one_batch_follow_their_own_distributions():
     for column, (name, (_, probs)) in enumerate(kinds.items()):
         counts = torch.bincount(tokens[:, column], minlength=row.numel())
         assert _chi_square_p_value(counts, probs) > 1e-3, (name, counts, probs * draws_each)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_nan_or_inf_logits_are_flagged_and_leave_the_other_rows_as_alone(temperature):
+    # Before: a NaN row stopped the native sampling pass with an error, failing the whole
+    # step (and the server with it); greedy took a NaN's index silently.
+    logits = _logits(5, seed=12, scale=1.0)
+    logits[1, 7] = float("nan")
+    logits[3, 2] = float("inf")
+    logits[4, :10] = float("-inf")  # masked tokens are no error
+    seeded = [SamplingParams(temperature=temperature, seed=40 + i, logprobs=2) for i in range(5)]
+    batched = _sample(logits, seeded, generators=[sibling_generator(40 + i, 0) for i in range(5)])
+    assert [t.logits_not_finite for t in batched] == [False, True, False, True, False]
+    for row in (0, 2, 4):
+        alone = _sample(logits[row:row + 1], [seeded[row]], generators=[sibling_generator(40 + row, 0)])[0]
+        assert (batched[row].token_id, batched[row].logprob) == (alone.token_id, alone.logprob)
+        assert batched[row].logprobs == alone.logprobs
+    assert all(0 <= t.token_id < VOCAB for t in batched)
+    assert batched[4].token_id >= 10
