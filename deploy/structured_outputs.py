@@ -94,9 +94,10 @@ def _size(fields: dict[str, Any]) -> tuple[str, int]:
         if fields.get(kind) is not None:
             value = fields[kind]
             return json.dumps(value, ensure_ascii=False), json_depth(value)
-    if fields.get("choice") is not None:
-        choice = fields["choice"]
-        return "".join(c for c in choice if isinstance(c, str)), 0
+    if isinstance(fields.get("choice"), list):
+        # As JSON: the grammar has an alternative per choice, an empty string included, so
+        # the count weighs as much as the characters.
+        return json.dumps(fields["choice"], ensure_ascii=False), 0
     for kind in ("regex", "grammar"):
         if isinstance(fields.get(kind), str):
             return fields[kind], 0

@@ -119,7 +119,11 @@ def _required_schema(tools: list[ChatCompletionToolsParam], parallel_tool_calls:
     alternatives = []
     for tool in tools:
         parameters = copy.deepcopy(_parameters(tool))
-        for name, definition in parameters.pop("$defs", {}).items():
+        tool_defs = parameters.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise OpenAIError(f"tools: the $defs of function {tool.function.name!r} must be an object, got "
+                              f"{type(tool_defs).__name__}.", param="tools")
+        for name, definition in tool_defs.items():
             if name in defs and defs[name] != definition:
                 raise OpenAIError(f"tools: two functions define $defs {name!r} differently; with tool_choice "
                                   f"'required' their definitions share one namespace.", param="tools")

@@ -355,7 +355,7 @@ class AsyncLLMEngine:
             try:
                 await asyncio.wait_for(asyncio.shield(wrapped), manager.remaining_s(params, timeout_s))
             except TimeoutError:
-                raise manager.timeout_error(params, timeout_s) from None
+                raise manager.deadline_passed(params, timeout_s) from None
         future.result()
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,

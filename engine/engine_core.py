@@ -26,6 +26,7 @@ from raylm.engine.lora_slots import LoRASlots
 from raylm.engine.output_processor import EngineCoreOutput
 from raylm.engine.pipeline_schedule import steps_in_flight
 from raylm.engine.request import Request, RequestStatus
+from raylm.engine.sampling_params import ParameterError
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stat_logger import StatLogger
 from raylm.engine.step import SampledToken, SamplerOutput
@@ -347,8 +348,10 @@ def _not_finite_error(request: Request) -> Exception:
 
 def _grammar_error(request: Request, token_id: int) -> Exception:
     if request.structured_output_request.dead_end:
-        return ValueError(f"The request's grammar allows no token after its {request.num_output_tokens} output "
-                          f"tokens: it cannot be completed.")
+        structured = request.structured_output_request
+        return ParameterError(f"{structured.params.source}: the request's grammar allows no token after its "
+                              f"{request.num_output_tokens} output tokens: it cannot be completed.",
+                              structured.params.source)
     return RuntimeError(f"Token {token_id} was sampled although the request's grammar does not allow it.")
 
 

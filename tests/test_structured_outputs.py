@@ -359,10 +359,23 @@ def test_compile_timeout_answers_without_waiting_for_the_compile(llama_dir: Path
             assert info.value.param == "structured_outputs"
             # Asked again while it is still in flight: the deadline counts from the first ask,
             # so whatever the deadline, at least the time since then is spent.
+            manager = engine.structured_output_manager
+            in_flight = manager.compile(constraint)
             time.sleep(0.06)
-            assert engine.structured_output_manager.remaining_s(constraint, 10.0) <= 10.0 - 0.06
+            assert manager.remaining_s(constraint, 10.0) <= 10.0 - 0.06
             with pytest.raises(StructuredOutputsError, match="did not compile"):
                 engine.compile_structured_outputs(constraint, timeout_s=0.05)
+            # Its deadline passed before it started: dropped from the queue, so that abandoned
+            # compiles never hold the threads after their requests were answered.
+            assert in_flight.cancelled()
+            abandoned = [manager.compile(StructuredOutputsParams(regex=f"[0-9]{{{n}}}")) for n in range(1, 4)]
+            for n, future in enumerate(abandoned, 1):
+                with pytest.raises(StructuredOutputsError, match="did not compile"):
+                    manager.wait_compiled(StructuredOutputsParams(regex=f"[0-9]{{{n}}}"), timeout_s=0.01)
+                assert future.cancelled()
+            num_compiled = len(manager.compile_times)
+        time.sleep(0.1)
+        assert len(manager.compile_times) == num_compiled  # none of them ran once the threads were free
         engine.compile_structured_outputs(constraint)  # compiled once the threads are free
         engine.compile_structured_outputs(constraint, timeout_s=0.05)  # and from then on, found at once
     finally:
@@ -487,6 +500,7 @@ def test_a_grammar_that_allows_no_token_fails_its_request_not_the_step(llama_dir
             failed.update(engine.pop_failed_requests())
         assert finished == ["free"]
         assert "allows no token after its 1 output tokens" in str(failed["dead"])
+        assert failed["dead"].param == "structured_outputs"
         assert engine.structured_output_manager.num_active_matchers == 0
     finally:
         engine.shutdown()

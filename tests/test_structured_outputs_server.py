@@ -369,6 +369,18 @@ BAD_REQUESTS = [
               "tool_choice": "required"}, "tools", "Unsupported type"),
     ("chat", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
     ("chat", {"tools": [WEATHER_TOOL] * 200, "tool_choice": "none"}, "tools", "--max-tools"),
+    # A string is no list of choices (its characters were taken for them).
+    ("completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs", "non-empty list of strings"),
+    # Empty strings weigh nothing as characters but each is an alternative of the grammar.
+    ("completions", {"structured_outputs": {"choice": [""] * 40000}}, "structured_outputs",
+     "--max-structured-output-chars"),
+    ("completions", {"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+     "structured_outputs", "true or false"),
+    # Grammars with no finite sentence: refused before the request starts.
+    ("completions", {"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs", "allows no output"),
+    ("chat", {"guided_grammar": 'root ::= root "a"'}, "guided_grammar", "allows no output"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+              "tool_choice": "required"}, "tools", "$defs of function 'f' must be an object"),
 ]
 
 

@@ -114,7 +114,7 @@ class StructuredOutputManager:
         try:
             return future.result(self.remaining_s(params, timeout_s))
         except FutureTimeoutError:
-            raise self.timeout_error(params, timeout_s) from None
+            raise self.deadline_passed(params, timeout_s) from None
 
     def remaining_s(self, params: StructuredOutputsParams, timeout_s: float | None) -> float | None:
         """What is left of `timeout_s` for the constraint's compile, counted from when it was
@@ -126,8 +126,20 @@ class StructuredOutputManager:
         started = entry.submitted if entry is not None else time.monotonic()
         return max(0.0, timeout_s - (time.monotonic() - started))
 
-    @staticmethod
-    def timeout_error(params: StructuredOutputsParams, timeout_s: float | None) -> StructuredOutputsError:
+    def deadline_passed(self, params: StructuredOutputsParams, timeout_s: float | None) -> StructuredOutputsError:
+        """The error of a constraint not compiled by its deadline. A compile still queued is
+        cancelled and forgotten: every waiter's deadline counts from the same first ask, so
+        nobody is left to use it, and run later it would only delay the compiles queued
+        behind it (a flood of slow schemas, each answered 400, must not keep both threads
+        busy long after). One already running cannot be stopped; it finishes and is cached."""
+        key = params.cache_key()
+        with self._lock:
+            entry = self._cache.get(key)
+        # Outside the lock: cancelling runs the future's callbacks (_on_compiled takes it).
+        if entry is not None and entry.future.cancel():
+            with self._lock:
+                if self._cache.get(key) is entry:
+                    del self._cache[key]
         return StructuredOutputsError(
             f"{params.source}: the {_KIND_NAMES[params.kind]} did not compile within {timeout_s:g} s "
             f"(the server's --max-grammar-compile-seconds); simplify it.", params.source)
@@ -142,6 +154,12 @@ class StructuredOutputManager:
             raise StructuredOutputsError(f"{params.source}: the {_KIND_NAMES[params.kind]} is not valid: {message}",
                                          params.source) from None
         elapsed = time.perf_counter() - start
+        if not _allows_any_token(grammar, self.vocab_size):
+            # A grammar with no finite sentence (`root ::= root "a"`, a schema that is its own
+            # $ref): refused here, a 400 naming the field, rather than failing the request
+            # after its KV blocks were allocated.
+            raise StructuredOutputsError(f"{params.source}: the {_KIND_NAMES[params.kind]} allows no output at all "
+                                         f"(no finite text matches it; is it infinitely recursive?).", params.source)
         with self._lock:
             self.compile_times.append(elapsed)
             del self.compile_times[:-1024]
@@ -283,6 +301,15 @@ class CompilePool:
                 item[0].cancel()
         for _ in self._threads:
             self._queue.put(None)
+
+
+def _allows_any_token(grammar: Any, vocab_size: int) -> bool:
+    """Whether the grammar's first token may be anything at all (EOS counts)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:

@@ -68,16 +68,23 @@ class StructuredOutputsParams:
             raise StructuredOutputsError(f"{self.source} must set exactly one of {', '.join(KINDS)}; {found}.",
                                          self.source)
         if self.choice is not None:
-            self.choice = list(self.choice)
-            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+            # A string or a dict is iterable too, but its characters or keys are no choices.
+            if not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) for c in self.choice):
                 raise StructuredOutputsError(f"{self.source}: choice must be a non-empty list of strings, got "
                                              f"{self.choice!r}.", self.source)
+            self.choice = list(self.choice)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise StructuredOutputsError(f"{self.source}: {name} must be a non-empty string, got {value!r}.",
                                              self.source)
-        if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int) or self.max_whitespace < 1):
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), (bool, type(None))):
+                raise StructuredOutputsError(f"{self.source}: {name} must be true or false, got "
+                                             f"{getattr(self, name)!r}.", self.source)
+        if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int)
+                                                or isinstance(self.max_whitespace, bool) or self.max_whitespace < 1):
             raise StructuredOutputsError(f"{self.source}: max_whitespace must be a positive integer or None, got "
                                          f"{self.max_whitespace!r}.", self.source)
         if isinstance(self.json, str):

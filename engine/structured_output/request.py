@@ -37,7 +37,7 @@ class StructuredOutputRequest:
     def error(self) -> BaseException | None:
         """Why the grammar did not compile, once it is done; None if it did."""
         if self.grammar.cancelled():
-            return RuntimeError("The grammar's compile was cancelled (engine shutting down).")
+            return RuntimeError("The grammar's compile was cancelled (its deadline passed, or the engine is shutting down).")
         return self.grammar.exception()
 
     @property
