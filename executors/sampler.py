@@ -42,9 +42,10 @@ class Sampler:
         # A row of NaN or +inf logits would stop every path below (or draw garbage): it is
         # sampled from zeros instead, and flagged, so that only its request fails.
         not_finite = not_finite_mask(logits)
-        if logits.device.type != "cpu":
-            logits = logits.masked_fill(not_finite.unsqueeze(1), 0.0)  # no host sync on a GPU
-        elif bool(not_finite.any()):
+        # On a GPU, always (asking whether any row is bad would be a host sync); on the CPU
+        # only when one is, and the usual step pays for the row sums alone.
+        any_not_finite = logits.device.type != "cpu" or bool(not_finite.any())
+        if any_not_finite:
             logits = logits.masked_fill(not_finite.unsqueeze(1), 0.0)
         raw_logits = logits
 
@@ -106,8 +107,9 @@ class Sampler:
         token_ids = sampled.tolist()
         req_ids = metadata.req_ids
         tokens = [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i)) for i in range(num_rows)]
-        for row in not_finite.nonzero().flatten().tolist():  # the tokens' sync has been paid
-            tokens[row].logits_not_finite = True
+        if any_not_finite:
+            for row in not_finite.nonzero().flatten().tolist():  # the tokens' sync has been paid
+                tokens[row].logits_not_finite = True
         return tokens
 
 
