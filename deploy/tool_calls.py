@@ -27,7 +27,7 @@ from raylm.deploy.limits import RequestLimits
 from raylm.deploy.protocol import ChatCompletionToolsParam, FunctionCall, ToolCall
 from raylm.deploy.structured_outputs import json_depth
 from raylm.deploy.tool_parsers import ParsedCall, ParsedToolOutput, ToolParser, check_tool_settings, get_tool_parser
-from raylm.deploy.tool_parsers.base import scan_call, skip_whitespace
+from raylm.deploy.tool_parsers.base import scan_call_array, skip_whitespace
 from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
 
 
@@ -159,22 +159,7 @@ class RequiredToolParser(ToolParser):
         try:
             if pos >= len(text) or text[pos] != "[":
                 raise ValueError("not a list of calls")
-            pos = skip_whitespace(text, pos + 1)
-            closed = False
-            while pos < len(text):
-                if text[pos] == "]":
-                    closed = True
-                    break
-                scanned = scan_call(text, pos, final, argument_keys=("parameters",))
-                if scanned.name is not None:
-                    calls.append(scanned.parsed(text))
-                if scanned.end is None:
-                    break
-                pos = skip_whitespace(text, scanned.end)
-                if pos < len(text) and text[pos] == ",":
-                    pos = skip_whitespace(text, pos + 1)
-            if final and not closed:
-                raise ValueError("an unclosed list of calls")
+            scan_call_array(text, pos, final, calls, argument_keys=("parameters",))
         except ValueError:
             if final:
                 return ParsedToolOutput(text)  # cut short (max_tokens): the text, no calls

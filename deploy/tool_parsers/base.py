@@ -156,3 +156,24 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
+def scan_call_array(text: str, pos: int, final: bool, calls: list[ParsedCall],
+                    argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
+    """`[{"name": ..., "arguments": ...}, ...]` from text[pos] == "[": appends each call
+    scanned so far to `calls`; raises ValueError on a malformed array, or (when final) an
+    unclosed one."""
+    pos = skip_whitespace(text, pos + 1)
+    while pos < len(text):
+        if text[pos] == "]":
+            return
+        scanned = scan_call(text, pos, final, argument_keys)
+        if scanned.name is not None:
+            calls.append(scanned.parsed(text))
+        if scanned.end is None:
+            return
+        pos = skip_whitespace(text, scanned.end)
+        if pos < len(text) and text[pos] == ",":
+            pos = skip_whitespace(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            raise ValueError("expected ',' or ']' between tool calls")
+    if final:
+        raise ValueError("an unclosed list of tool calls")

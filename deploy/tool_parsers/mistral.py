@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, held_back, \
-    random_alphanumeric_id, scan_call, skip_whitespace, value_end
+    random_alphanumeric_id, scan_call_array, skip_whitespace, value_end
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -37,33 +37,13 @@ class MistralToolParser(ToolParser):
         try:
             start = skip_whitespace(text, first + len(TOOL_CALLS))
             if start < len(text) and text[start] == "[":
-                self._parse_array(text, start, final, calls)
+                scan_call_array(text, start, final, calls)
             else:
                 self._parse_named(text, first, final, calls)
         except ValueError:
             if final:
                 return ParsedToolOutput(text)
         return ParsedToolOutput(text[:first], calls)
-
-    @staticmethod
-    def _parse_array(text: str, pos: int, final: bool, calls: list[ParsedCall]) -> None:
-        """`[{"name": ..., "arguments": ...}, ...]`"""
-        pos = skip_whitespace(text, pos + 1)
-        while pos < len(text):
-            if text[pos] == "]":
-                return
-            scanned = scan_call(text, pos, final)
-            if scanned.name is not None:
-                calls.append(scanned.parsed(text))
-            if scanned.end is None:
-                return
-            pos = skip_whitespace(text, scanned.end)
-            if pos < len(text) and text[pos] == ",":
-                pos = skip_whitespace(text, pos + 1)
-            elif pos < len(text) and text[pos] != "]":
-                raise ValueError("expected ',' or ']' between tool calls")
-        if final:
-            raise ValueError("an unclosed list of tool calls")
 
     @staticmethod
     def _parse_named(text: str, pos: int, final: bool, calls: list[ParsedCall]) -> None:
