@@ -117,10 +117,6 @@ class LoRALoader:
             failures, self._failures = self._failures, {}
         return failures
 
-    def has_pending_loads(self) -> bool:
-        with self._cond:
-            return bool(self._loading)
-
     def wait_for_progress(self, timeout: float) -> None:
         """Waits up to `timeout` seconds for a load to end (the engine has nothing else to run)."""
         with self._cond:

@@ -70,16 +70,20 @@ class RejectionSampler:
         starts = list(itertools.accumulate((1 + len(d) for d in draft_token_ids), initial=0))
         emitted: list[list[SampledToken]] = [[] for _ in range(num_requests)]
         one_hot, probabilistic = [], []
-        # A request with a row of NaN or +inf logits goes the plain sampler's way, which
-        # samples such a row from zeros and flags it (its request then fails alone).
-        not_finite = set(rows_not_finite(logits))
         for r in range(num_requests):
             q = draft_probs[r] if draft_probs is not None else None
-            if q is not None and draft_token_ids[r] and not metadata.sampling_params[r].is_greedy \
-                    and not_finite.isdisjoint(range(starts[r], starts[r + 1])):
+            if q is not None and draft_token_ids[r] and not metadata.sampling_params[r].is_greedy:
                 probabilistic.append(r)
             else:
                 one_hot.append(r)
+        if probabilistic:
+            # A request with a row of NaN or +inf logits goes the plain sampler's way, which
+            # samples such a row from zeros and flags it (its request then fails alone).
+            not_finite = set(rows_not_finite(logits))
+            moved = [r for r in probabilistic if not not_finite.isdisjoint(range(starts[r], starts[r + 1]))]
+            if moved:
+                probabilistic = [r for r in probabilistic if r not in moved]
+                one_hot = sorted(one_hot + moved)
         if one_hot:
             self._verify_one_hot(logits, expanded, draft_token_ids, starts, one_hot, emitted)
         for r in probabilistic:
