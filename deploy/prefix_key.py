@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from raylm.deploy.limits import RequestLimits
 from raylm.engine.block_pool import first_block_extra_key, hash_block_tokens
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ KEY_HASH_BYTES = 8
 # Characters tokenized per keyed token at most: a prompt longer than max_blocks blocks is
 # cut at max_blocks * block_size * this before tokenizing (no tokenizer packs more).
 _MAX_CHARS_PER_TOKEN = 16
+
+# A chat request is rendered to be keyed only within the server's default request limits:
+# the ingress's one key thread would otherwise render any conversation a 16 MiB body holds.
+_MAX_KEYED_MESSAGES = RequestLimits.max_chat_messages
+_MAX_KEYED_TOOLS = RequestLimits.max_tools
 
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"
@@ -134,6 +140,8 @@ class PrefixKeyer:
         template = body.get("chat_template") or self.chat_template
         if body.get("chat_template") and not self.trust_request_chat_template:
             return None  # the replica refuses it
+        if len(body["messages"]) > _MAX_KEYED_MESSAGES or len(body.get("tools") or ()) > _MAX_KEYED_TOOLS:
+            return None  # past the default limits (the replica refuses it): not rendered on the key thread
         conversation = [template_message(ChatMessage.model_validate(m)) for m in body["messages"]]
         # As OpenAIServingChat.render does, with the request's own switches; the tools go
         # into the template (whatever tool_choice says), so they are part of the prefix.

@@ -58,7 +58,7 @@ def build_params(source: str, fields: dict[str, Any], limits: RequestLimits) -> 
                 fields[kind] = json.loads(fields[kind])
             except (ValueError, RecursionError) as exc:
                 raise OpenAIError(f"{source}: {kind} is not valid JSON: {exc}.", param=source) from None
-    text, depth = _size(fields)
+    text, depth = _size(fields, limits, source)
     limits.check_structured_output(text, depth, source)
     try:
         return StructuredOutputsParams(**fields, source=source)
@@ -88,12 +88,15 @@ def _requested(request: StructuredOutputFields) -> list[tuple[str, dict[str, Any
     return requested
 
 
-def _size(fields: dict[str, Any]) -> tuple[str, int]:
-    """The constraint as text (what its size is counted on) and its JSON nesting depth."""
+def _size(fields: dict[str, Any], limits: RequestLimits, source: str) -> tuple[str, int]:
+    """The constraint as text (what its size is counted on) and its JSON nesting depth. The
+    depth is checked first: dumping a value nested past the interpreter's recursion limit raises."""
     for kind in ("json", "structural_tag"):
         if fields.get(kind) is not None:
             value = fields[kind]
-            return json.dumps(value, ensure_ascii=False), json_depth(value)
+            depth = json_depth(value)
+            limits.check_structured_output("", depth, source)
+            return json.dumps(value, ensure_ascii=False), depth
     if isinstance(fields.get("choice"), list):
         # As JSON: the grammar has an alternative per choice, an empty string included, so
         # the count weighs as much as the characters.

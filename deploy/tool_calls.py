@@ -102,8 +102,10 @@ def _check_tools(tools: list[ChatCompletionToolsParam], limits: RequestLimits) -
     if len(tools) > limits.max_tools:
         raise OpenAIError(f"tools may have at most {limits.max_tools} entries (--max-tools), got {len(tools)}.",
                           param="tools")
+    # The depth first: dumping a schema nested past the interpreter's recursion limit raises.
+    depth = max((json_depth(tool.function.parameters) for tool in tools), default=0)
+    limits.check_structured_output("", depth, "tools")
     text = json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
-    depth = max(json_depth(tool.function.parameters) for tool in tools)
     limits.check_structured_output(text, depth, "tools")
 
 
