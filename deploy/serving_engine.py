@@ -18,11 +18,13 @@ from starlette.types import Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.serving_models import adapter_unavailable
 from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.structured_output.params import StructuredOutputsParams
+from raylm.executors.lora_adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,8 @@ class OpenAIServing:
         except BaseException as exc:
             for stream in streams:
                 await stream.aclose()
+            if isinstance(exc, LoRAAdapterError):  # the adapter's files went bad since it was loaded
+                raise adapter_unavailable(exc, lora_request.lora_name) from None
             if isinstance(exc, ValueError):
                 # The sampling fields were checked when the params were built; what the
                 # engine still rejects without naming a field is the prompt (its token ids).
@@ -158,6 +162,8 @@ class OpenAIServing:
             if isinstance(exc, AsyncEngineDeadError):
                 raise OpenAIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR) from None
             raise
+        if lora_request is not None:
+            streams = [_adapter_errors_as_openai(stream, lora_request.lora_name) for stream in streams]
         return streams
 
     # -------------------------------------------------------------- logprobs
@@ -165,6 +171,20 @@ class OpenAIServing:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.decode([token_id])
+
+
+async def _adapter_errors_as_openai(stream: AsyncIterator[RequestOutput], lora_name: str
+                                    ) -> AsyncIterator[RequestOutput]:
+    """The stream of a request under a LoRA adapter; the engine fails such a request alone
+    when the adapter's files went bad after it was loaded, which is a 404 or 400 naming the
+    adapter (vLLM's statuses for an adapter it cannot load), not a 500."""
+    try:
+        async for output in stream:
+            yield output
+    except LoRAAdapterError as exc:
+        raise adapter_unavailable(exc, lora_name) from None
+    finally:
+        await stream.aclose()
 
 
 _TOKENIZER_THREADS: dict[int, ThreadPoolExecutor] = {}

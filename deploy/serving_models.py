@@ -5,7 +5,8 @@ serves it under its name: it is listed on /v1/models (with the base model as its
 a request with `model` set to it runs under the adapter. With
 `--allow-runtime-lora-updating` (off by default, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 the routes POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters
-while the server runs, from folders under `--allowed-lora-dirs` only. Every adapter gets a
+while the server runs, from folders under `--allowed-lora-dirs` only (links followed: the
+engine checks where the files it opened are, see executors/lora_adapter.py). Every adapter gets a
 fresh engine id, so an adapter loaded again under an old name never shares cached KV with
 the old one. Unloading lets the adapter's requests in flight finish.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -77,6 +77,20 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_int_id: int | None = None
+
+
+def adapter_unavailable(exc: Exception, lora_name: str) -> OpenAIError:
+    """The answer to a request whose adapter the engine could not read any more (its folder
+    gone: 404, as vLLM answers for an adapter it cannot find; changed or unreadable: 400).
+    The message names the adapter, not its folder (the server log has the engine's error)."""
+    from raylm.executors.lora_adapter import LoRAAdapterNotFoundError
+
+    logger.warning("A request under LoRA adapter %r failed: %s", lora_name, exc)
+    if isinstance(exc, LoRAAdapterNotFoundError):
+        return OpenAIError(f"The LoRA adapter `{lora_name}` cannot be served: its files are no longer where it was "
+                           f"loaded from.", HTTPStatus.NOT_FOUND, "model")
+    return OpenAIError(f"The LoRA adapter `{lora_name}` cannot be served: its files changed since it was loaded or "
+                       f"cannot be read.", HTTPStatus.BAD_REQUEST, "model")
 
 
 class OpenAIServingModels:
@@ -152,10 +166,12 @@ class OpenAIServingModels:
             if request.lora_name in self.lora_requests or request.lora_name in self.taken_by_base_model:
                 raise OpenAIError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                   param="lora_name")
-            real_path = self._check_allowed(request.lora_path)
-            lora_request = LoRARequest(request.lora_name, self._new_lora_id(), real_path, self.base_model_names[0])
+            lora_request = LoRARequest(request.lora_name, self._new_lora_id(), request.lora_path,
+                                       self.base_model_names[0])
             try:
-                await self.engine.add_lora(lora_request)
+                # The engine checks where the files it opens really are, on the descriptors
+                # it then reads (a link swapped in later changes nothing it serves).
+                await self.engine.add_lora(lora_request, allowed_dirs=self.settings.allowed_lora_dirs)
             except LoRAAdapterNotFoundError as exc:
                 raise OpenAIError(str(exc), HTTPStatus.NOT_FOUND, "lora_path") from None
             except ValueError as exc:
@@ -175,25 +191,6 @@ class OpenAIServingModels:
             await self.engine.remove_lora(lora_request.lora_int_id)
         logger.info("Unloaded LoRA adapter %r.", request.lora_name)
         return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
-
-    def _check_allowed(self, lora_path: str) -> str:
-        """A runtime load reads only from the operator's folders, symbolic links resolved: the
-        folder's and those of the two files the engine reads in it (a link inside an allowed
-        folder may point anywhere). Returns the folder's real path, which the engine then
-        reads (not the path given, whose links could change after this check)."""
-        from raylm.executors.lora_adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
-
-        if "\x00" in lora_path:
-            raise OpenAIError("lora_path must not contain a NUL character.", param="lora_path")
-        roots = [os.path.realpath(folder) for folder in self.settings.allowed_lora_dirs or ()]
-        real = os.path.realpath(lora_path)
-        for name in ("", ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
-            path = os.path.realpath(os.path.join(real, name)) if name else real
-            if not any(os.path.commonpath([path, root]) == root for root in roots):
-                where = f": its {name} links out of them" if name else ""  # not saying where to
-                raise OpenAIError(f"lora_path {lora_path!r} is outside the folders this server loads adapters from "
-                                  f"(--allowed-lora-dirs){where}.", param="lora_path")
-        return real
 
     def add_routes(self, app: FastAPI) -> None:
         """The runtime routes, only with allow_runtime_lora_updating."""

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,12 +446,13 @@ class AsyncLLMEngine:
         self._engine_requests.pop(state.engine_request_id, None)
 
     # --------------------------------------------------------------------- LoRA
-    async def add_lora(self, lora_request: LoRARequest) -> bool:
+    async def add_lora(self, lora_request: LoRARequest, allowed_dirs: Sequence[str] | None = None) -> bool:
         """Loads a LoRA adapter into the workers' host memory, on a thread of its own while
         the engine keeps stepping; raises ValueError (LoRAAdapterError) for an adapter the
-        engine cannot serve."""
+        engine cannot serve. `allowed_dirs`: see LLMEngine.add_lora."""
         self._raise_if_dead()
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora_request)
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.engine.add_lora, lora_request, allowed_dirs))
         return True
 
     async def remove_lora(self, lora_int_id: int) -> bool:

@@ -216,6 +216,8 @@ class EngineCore:
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             sampler_output: SamplerOutput) -> list[EngineCoreOutput]:
+        if sampler_output.lora_failures:
+            self._fail_requests_of_unreadable_loras(sampler_output.lora_failures)
         sampled = _tokens_by_request(sampler_output.outputs)
         prompt_logprobs = sampler_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
@@ -321,6 +323,25 @@ class EngineCore:
                   if request.lora_request is not None and request.lora_request.lora_int_id in failures}
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         return failed
+
+    def _fail_requests_of_unreadable_loras(self, failures: dict[int, tuple[str, str]]) -> None:
+        """A step could not put these adapters in their slots (a worker had to read one again,
+        and its files were gone or changed): every request of theirs fails with the error,
+        running or waiting (the slot ran empty, so a running one's tokens are not its
+        adapter's); their blocks and slots are freed. The batch and the engine go on."""
+        from raylm.executors.lora_adapter import lora_error_from_worker
+
+        errors = {lora_int_id: lora_error_from_worker(*failure) for lora_int_id, failure in failures.items()}
+        doomed = {request.request_id: errors[request.lora_request.lora_int_id]
+                  for request in self.scheduler.requests.values()
+                  if request.lora_request is not None and request.lora_request.lora_int_id in errors}
+        self.scheduler.finish_requests(list(doomed), RequestStatus.FINISHED_ABORTED)
+        self._failed_requests.update(doomed)
+        for lora_int_id, error in errors.items():
+            logger.warning("LoRA adapter %d could not be read into its slot; %d of its requests fail: %s",
+                           lora_int_id, sum(e is error for e in doomed.values()), error)
+            self.scheduler.lora_slots.forget(lora_int_id)
+            self.lora_loader.unreadable(lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forgets an adapter (requests already running under it finish with it)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.config import EngineConfig
@@ -20,6 +20,9 @@ from raylm.engine.sampling_params import ParameterError, SamplingParams
 from raylm.engine.structured_output.manager import StructuredOutputManager
 from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.engine.tokenizer import get_tokenizer
+
+if TYPE_CHECKING:
+    from raylm.executors.lora_adapter import AdapterDigest
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ class LLMEngine:
         params = self.get_default_sampling_params() if params is None else params
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
-        self._check_lora_request(lora_request)
+        lora_digest = self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         self._validate_request(prompt_token_ids, params)
@@ -123,7 +126,7 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
                                                  arrival_time, sample_index=index, cache_salt=cache_salt,
-                                                 lora_request=lora_request))
+                                                 lora_request=lora_request, lora_digest=lora_digest))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -183,21 +186,25 @@ class LLMEngine:
         return params
 
     # ------------------------------------------------------------------- LoRA
-    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
+    def _check_lora_request(self, lora_request: LoRARequest | None,
+                            allowed_dirs: Sequence[str] | None = None) -> AdapterDigest | None:
+        """The digest of the adapter's files as checked (None for the base model)."""
         if lora_request is None:
-            return
+            return None
         loader = self.engine_core.lora_loader
         if loader is None:
             raise ParameterError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: LoRA adapters "
                                  f"need an engine started with enable_lora=True (--enable-lora).", "lora_request")
-        loader.check(lora_request)
+        return loader.check(lora_request, allowed_dirs)
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
+    def add_lora(self, lora_request: LoRARequest, allowed_dirs: Sequence[str] | None = None) -> bool:
         """Loads an adapter into the workers' host memory now (vLLM's add_lora), so that its
         first request does not wait for it; raises ValueError for an adapter the engine cannot
-        serve. Safe to call from another thread while the engine steps."""
-        self._check_lora_request(lora_request)
-        self.engine_core.lora_loader.load(lora_request)
+        serve. Safe to call from another thread while the engine steps. `allowed_dirs`: the
+        folders the adapter's folder and files must really be in, links followed (the
+        server's --allowed-lora-dirs)."""
+        self._check_lora_request(lora_request, allowed_dirs)
+        self.engine_core.lora_loader.load(lora_request, allowed_dirs=allowed_dirs)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:

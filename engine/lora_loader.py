@@ -9,6 +9,11 @@ max_cpu_loras adapters stay loaded; to load another, the least recently used one
 running request uses is dropped (`Executor.remove_lora`), and read again if it is needed
 again. A load that fails is reported (`take_failures`) so that the engine fails the
 adapter's waiting requests instead of leaving them waiting.
+
+The check records the digest of the adapter's files (`AdapterDigest`); each request carries
+it, and every read of the adapter on the workers, however much later, must find those bytes
+(see executors/lora_adapter.py). An adapter whose load failed stays known under its id, so
+that the next check reads its files again against that digest, never afresh.
 """
 
 from __future__ import annotations
@@ -17,16 +22,29 @@ import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from raylm.engine.config import LoRAConfig
 from raylm.engine.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    from raylm.executors.lora_adapter import AdapterDigest
 
 logger = logging.getLogger(__name__)
 
 # How often a load waiting for room in host memory (every loaded adapter in use) looks again.
 _ROOM_POLL_S = 0.05
+
+
+@dataclass
+class _KnownAdapter:
+    lora_request: LoRARequest
+    # What the check read: every read of the adapter must find these bytes.
+    digest: AdapterDigest
+    # Its last load failed: the next check reads its files again (against the digest).
+    recheck: bool = False
 
 
 class LoRALoader:
@@ -37,46 +55,60 @@ class LoRALoader:
         # Whether a running request uses the adapter (set by the engine: the slots know).
         self.in_use: Callable[[int], bool] = lambda lora_int_id: False
         self._cond = threading.Condition()
-        # Adapters checked by `check`, by id.
-        self._known: dict[int, LoRARequest] = {}
-        # Loaded in the workers' host memory, least recently used first.
-        self._loaded: OrderedDict[int, LoRARequest] = OrderedDict()
+        # Adapters checked by `check`, by id, until `remove`.
+        self._known: dict[int, _KnownAdapter] = {}
+        # Loaded in the workers' host memory (with the digest read), least recently used first.
+        self._loaded: OrderedDict[int, tuple[LoRARequest, AdapterDigest]] = OrderedDict()
         # Queued or being loaded, with the future a synchronous `load` waits on.
         self._loading: dict[int, concurrent.futures.Future] = {}
-        self._queue: deque[LoRARequest] = deque()
+        self._queue: deque[tuple[LoRARequest, AdapterDigest]] = deque()
         self._failures: dict[int, BaseException] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     # ---- what the engine asks ------------------------------------------------------------------
-    def check(self, lora_request: LoRARequest) -> None:
+    def check(self, lora_request: LoRARequest, allowed_dirs: Sequence[str] | None = None) -> AdapterDigest:
         """Raises ValueError (LoRAAdapterError for the adapter itself) unless the engine can
-        serve the adapter: read from its config and header once per adapter."""
+        serve the adapter: read from its config and files once per adapter (again after a
+        failed load). Returns the digest its reads must match. `allowed_dirs`: folders the
+        adapter's files must really be in (the server's runtime loads)."""
         from raylm.executors.lora_adapter import inspect_adapter
 
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}.")
+        known = self._known_as(lora_request)
+        if known is not None and not known.recheck:
+            return known.digest
+        summary = inspect_adapter(lora_request.lora_name, lora_request.lora_path, self.hf_config,
+                                  self.lora_config.max_lora_rank, expected=known.digest if known else None,
+                                  allowed_dirs=allowed_dirs)
+        with self._cond:
+            known = self._known.setdefault(lora_request.lora_int_id, _KnownAdapter(lora_request, summary.digest))
+            if known.lora_request == lora_request and known.digest == summary.digest:
+                known.recheck = False
+        return self._known_as(lora_request).digest
+
+    def _known_as(self, lora_request: LoRARequest) -> _KnownAdapter | None:
+        """What the engine knows under the request's id: None, or this adapter (one id names
+        one adapter)."""
         with self._cond:
             known = self._known.get(lora_request.lora_int_id)
-        if known == lora_request:
-            return
-        if known is not None:
-            raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names LoRA adapter {known.lora_name!r} "
-                             f"at {known.lora_path!r}; got {lora_request.lora_name!r} at {lora_request.lora_path!r}. "
+        if known is not None and known.lora_request != lora_request:
+            other = known.lora_request
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names LoRA adapter {other.lora_name!r} "
+                             f"at {other.lora_path!r}; got {lora_request.lora_name!r} at {lora_request.lora_path!r}. "
                              f"Give each adapter its own lora_int_id (or remove_lora the other first).")
-        inspect_adapter(lora_request.lora_name, lora_request.lora_path, self.hf_config,
-                        self.lora_config.max_lora_rank)
-        with self._cond:
-            self._known.setdefault(lora_request.lora_int_id, lora_request)
+        return known
 
-    def is_ready(self, lora_request: LoRARequest) -> bool:
-        """Whether the adapter is loaded on the workers; if not, its load is queued."""
+    def is_ready(self, lora_request: LoRARequest, digest: AdapterDigest) -> bool:
+        """Whether the adapter (as `check` read it) is loaded on the workers; if not, its load
+        is queued."""
         lora_int_id = lora_request.lora_int_id
         with self._cond:
-            if self._loaded.get(lora_int_id) == lora_request:
+            if self._loaded.get(lora_int_id) == (lora_request, digest):
                 return True
             if lora_int_id not in self._loading:
-                self._enqueue(lora_request)
+                self._enqueue(lora_request, digest)
             return False
 
     def touch(self, lora_int_id: int) -> None:
@@ -85,16 +117,26 @@ class LoRALoader:
             if lora_int_id in self._loaded:
                 self._loaded.move_to_end(lora_int_id)
 
-    def load(self, lora_request: LoRARequest, timeout: float | None = None) -> None:
+    def load(self, lora_request: LoRARequest, timeout: float | None = None,
+             allowed_dirs: Sequence[str] | None = None) -> None:
         """Checks and loads the adapter now (from any thread but the step's); raises what a
         load raises. vLLM's `add_lora`."""
-        self.check(lora_request)
+        digest = self.check(lora_request, allowed_dirs)
         with self._cond:
-            if self._loaded.get(lora_request.lora_int_id) == lora_request:
+            if self._loaded.get(lora_request.lora_int_id) == (lora_request, digest):
                 self._loaded.move_to_end(lora_request.lora_int_id)
                 return
-            future = self._loading.get(lora_request.lora_int_id) or self._enqueue(lora_request)
+            future = self._loading.get(lora_request.lora_int_id) or self._enqueue(lora_request, digest)
         future.result(timeout)
+
+    def unreadable(self, lora_int_id: int) -> None:
+        """A step could not read the adapter into a slot (the workers dropped it): it is not
+        loaded any more, and the next check reads its files again."""
+        with self._cond:
+            self._loaded.pop(lora_int_id, None)
+            known = self._known.get(lora_int_id)
+            if known is not None:
+                known.recheck = True
 
     def remove(self, lora_int_id: int) -> bool:
         """Forgets the adapter and drops it from the workers' host memory (a running request of
@@ -109,7 +151,7 @@ class LoRALoader:
     def list_loras(self) -> list[LoRARequest]:
         """The adapters loaded in host memory, least recently used first."""
         with self._cond:
-            return list(self._loaded.values())
+            return [lora_request for lora_request, _ in self._loaded.values()]
 
     def take_failures(self) -> dict[int, BaseException]:
         """The adapters whose background load failed since the last call, with the error."""
@@ -131,11 +173,11 @@ class LoRALoader:
             self._cond.notify_all()
 
     # ---- the loading thread --------------------------------------------------------------------
-    def _enqueue(self, lora_request: LoRARequest) -> concurrent.futures.Future:
+    def _enqueue(self, lora_request: LoRARequest, digest: AdapterDigest) -> concurrent.futures.Future:
         """Queues a load (the lock is held)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._loading[lora_request.lora_int_id] = future
-        self._queue.append(lora_request)
+        self._queue.append((lora_request, digest))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="raylm-lora-loader", daemon=True)
             self._thread.start()
@@ -149,14 +191,14 @@ class LoRALoader:
                     self._cond.wait()
                 if self._stopping:
                     return
-                lora_request = self._queue.popleft()
+                lora_request, digest = self._queue.popleft()
             try:
                 self._make_room()
-                self.executor.add_lora(lora_request)
+                self.executor.add_lora(lora_request, digest)
             except BaseException as exc:  # noqa: BLE001 - reported to the requests waiting for it
-                self._finish(lora_request, exc)
+                self._finish(lora_request, digest, exc)
             else:
-                self._finish(lora_request, None)
+                self._finish(lora_request, digest, None)
 
     def _make_room(self) -> None:
         """Drops least recently used adapters nobody runs until one more fits in host memory;
@@ -176,15 +218,17 @@ class LoRALoader:
                         self.lora_config.max_cpu_loras)
             self.executor.remove_lora(victim)
 
-    def _finish(self, lora_request: LoRARequest, error: BaseException | None) -> None:
+    def _finish(self, lora_request: LoRARequest, digest: AdapterDigest, error: BaseException | None) -> None:
         with self._cond:
             future = self._loading.pop(lora_request.lora_int_id)
             if error is None:
-                self._loaded[lora_request.lora_int_id] = lora_request
+                self._loaded[lora_request.lora_int_id] = (lora_request, digest)
             else:
                 logger.warning("LoRA adapter %r failed to load: %s", lora_request.lora_name, error)
                 self._failures[lora_request.lora_int_id] = error
-                self._known.pop(lora_request.lora_int_id, None)
+                known = self._known.get(lora_request.lora_int_id)
+                if known is not None:
+                    known.recheck = True
             self._cond.notify_all()
         if error is None:
             future.set_result(None)

@@ -10,16 +10,24 @@ uses it: the least recently used of those is taken, its old adapter dropped). Ot
 waits, and within the same scheduling pass no later request of any adapter is admitted
 either: the slots then empty as their requests end, so the waiting adapter gets one (base
 model requests still go ahead, as they take no slot). The step tells the workers which slots
-changed adapter (`take_activations`) and each request's slot.
+changed adapter (`take_activations`: the adapter with the digest its files must have, in case
+a worker must read them again) and each request's slot.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from raylm.engine.lora_loader import LoRALoader
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.request import Request
+
+if TYPE_CHECKING:
+    from raylm.executors.lora_adapter import AdapterDigest
+
+# An adapter as a slot holds it: the request naming it and the digest of the files read.
+SlotAdapter = tuple[LoRARequest, "AdapterDigest"]
 
 
 class LoRASlots:
@@ -27,20 +35,20 @@ class LoRASlots:
         self.max_loras = max_loras
         self.loader = loader
         # What the workers' slots hold (the driver decides; the steps tell the workers).
-        self._adapters: list[LoRARequest | None] = [None] * max_loras
+        self._adapters: list[SlotAdapter | None] = [None] * max_loras
         # Running requests per slot.
         self._users = [0] * max_loras
         self._last_used = [0] * max_loras
         self._clock = itertools.count(1)
         self._request_slots: dict[str, int] = {}
         # Slots given a new adapter since the last step was built.
-        self._activations: dict[int, LoRARequest] = {}
+        self._activations: dict[int, SlotAdapter] = {}
         # Set within a scheduling pass once an adapter request found no slot.
         self._blocked = False
 
     def in_use(self, lora_int_id: int) -> bool:
         """Whether a running request uses the adapter (it holds a slot)."""
-        return any(users and adapter is not None and adapter.lora_int_id == lora_int_id
+        return any(users and adapter is not None and adapter[0].lora_int_id == lora_int_id
                    for adapter, users in zip(self._adapters, self._users))
 
     def start_pass(self) -> None:
@@ -52,9 +60,9 @@ class LoRASlots:
         lora_request = request.lora_request
         if lora_request is None:
             return True
-        if self._blocked or not self.loader.is_ready(lora_request):
+        if self._blocked or not self.loader.is_ready(lora_request, request.lora_digest):
             return False
-        if self._slot_holding(lora_request) is not None or self._free_slot() is not None:
+        if self._slot_holding(request) is not None or self._free_slot() is not None:
             return True
         self._blocked = True
         return False
@@ -64,12 +72,11 @@ class LoRASlots:
         lora_request = request.lora_request
         if lora_request is None:
             return
-        slot = self._slot_holding(lora_request)
+        slot = self._slot_holding(request)
         if slot is None:
             slot = self._free_slot()
             assert slot is not None, "acquire without can_admit"
-            self._adapters[slot] = lora_request
-            self._activations[slot] = lora_request
+            self._adapters[slot] = self._activations[slot] = (lora_request, request.lora_digest)
         self._users[slot] += 1
         self._last_used[slot] = next(self._clock)
         self._request_slots[request.request_id] = slot
@@ -85,7 +92,7 @@ class LoRASlots:
         """The request's slot, -1 for the base model."""
         return self._request_slots.get(request.request_id, -1)
 
-    def take_activations(self) -> dict[int, LoRARequest] | None:
+    def take_activations(self) -> dict[int, SlotAdapter] | None:
         """The slots that changed adapter since the last call (for the next step), or None."""
         if not self._activations:
             return None
@@ -93,14 +100,16 @@ class LoRASlots:
         return activations
 
     def forget(self, lora_int_id: int) -> None:
-        """The adapter was removed: slots holding it that no request uses are emptied, so that
-        an adapter loaded again under this id is copied into a slot again."""
+        """The adapter was removed (or a step could not read it into its slot): slots holding
+        it that no request uses are emptied, so that an adapter loaded again under this id is
+        copied into a slot again."""
         for slot, adapter in enumerate(self._adapters):
-            if adapter is not None and adapter.lora_int_id == lora_int_id and not self._users[slot]:
+            if adapter is not None and adapter[0].lora_int_id == lora_int_id and not self._users[slot]:
                 self._adapters[slot] = None
 
-    def _slot_holding(self, lora_request: LoRARequest) -> int | None:
-        return next((slot for slot, adapter in enumerate(self._adapters) if adapter == lora_request), None)
+    def _slot_holding(self, request: Request) -> int | None:
+        held = (request.lora_request, request.lora_digest)
+        return next((slot for slot, adapter in enumerate(self._adapters) if adapter == held), None)
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used one no running request uses."""

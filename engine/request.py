@@ -18,6 +18,7 @@ from raylm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from raylm.engine.structured_output.request import StructuredOutputRequest
+    from raylm.executors.lora_adapter import AdapterDigest
 
 
 class RequestStatus(enum.IntEnum):
@@ -99,6 +100,9 @@ class Request:
     # The LoRA adapter the request runs under (None: the base model); part of the first
     # block's hash too, so that only requests of the same adapter share cached KV.
     lora_request: LoRARequest | None = None
+    # The digest of the adapter's files when the engine checked it: the workers serve the
+    # request only from those bytes.
+    lora_digest: AdapterDigest | None = None
     # The grammar and matcher of a request with structured outputs (None without).
     structured_output_request: StructuredOutputRequest | None = None
     # Speculative decoding: the proposals of this request's verification step in flight

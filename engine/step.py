@@ -10,11 +10,15 @@ keyed by ``req_id``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from raylm.executors.lora_adapter import AdapterDigest
 
 
 # Stands in ScheduledRequest.token_ids for a token the previous step samples and the
@@ -68,8 +72,9 @@ class ExecuteModelRequest:
     requests: list[ScheduledRequest]
     # Requests that ended since the last step: workers drop their sampler state.
     finished_req_ids: list[int] = field(default_factory=list)
-    # LoRA: the adapters that this step puts in slots (slot -> adapter), before it runs.
-    lora_activations: dict[int, LoRARequest] | None = None
+    # LoRA: the adapters that this step puts in slots (slot -> adapter and the digest of its
+    # files, which a worker that must read them again checks), before it runs.
+    lora_activations: dict[int, tuple[LoRARequest, AdapterDigest]] | None = None
     # Structured outputs: the next-token bitmask (int32 [k, ceil(V / 32)], bit j of a row
     # set where token j is allowed) of the k sampled requests in `structured_output_req_ids`,
     # row i for req_id structured_output_req_ids[i]; the sampler masks the others to -inf.
@@ -115,3 +120,7 @@ class SamplerOutput:
     outputs: list[SampledToken] = field(default_factory=list)
     # req_id -> one entry per prompt row scored this step (see ScheduledRequest).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # LoRA: the adapters this step could not put in their slots (a worker had to read one
+    # again and could not), as lora_int_id -> (error class name, message). Their slots ran
+    # empty, so their requests' tokens are not theirs: the engine fails those requests.
+    lora_failures: dict[int, tuple[str, str]] = field(default_factory=dict)

@@ -51,13 +51,14 @@ class Executor(ABC):
         """Calls `Worker.<method>(*args)` on every worker; the results in rank order."""
         raise NotImplementedError(f"{type(self).__name__} does not call worker methods.")
 
-    def add_lora(self, lora_request: Any) -> None:
-        """Loads a LoRA adapter into every worker's host memory (each its share); raises
-        LoRAAdapterError (a ValueError) for an adapter the workers cannot serve. Safe to call
-        from a thread other than the one that runs steps."""
+    def add_lora(self, lora_request: Any, digest: Any = None) -> None:
+        """Loads a LoRA adapter into every worker's host memory (each its share), from the
+        bytes of `digest` (the engine's check of its files); raises LoRAAdapterError (a
+        ValueError) for an adapter the workers cannot serve. Safe to call from a thread other
+        than the one that runs steps."""
         from raylm.executors.lora_adapter import lora_error_from_worker
 
-        for error in self.collective_rpc("add_lora", lora_request):
+        for error in self.collective_rpc("add_lora", lora_request, digest):
             if error is not None:
                 raise lora_error_from_worker(*error)
 

@@ -7,19 +7,36 @@ A PEFT LoRA adapter is a folder with `adapter_config.json` (rank `r`, `lora_alph
 computes `base(x) + scaling * (x A^T) B^T`, scaling = lora_alpha / r (lora_alpha / sqrt(r)
 with rsLoRA).
 
-`inspect_adapter` checks an adapter from its config and the safetensors header alone (no
-tensor is read), against the base model's config: what the engine runs on the driver before
-it accepts a request, so that a bad adapter is a clear error and never reaches the workers.
-`read_adapter` then reads the tensors (on each worker).
+`inspect_adapter` checks an adapter from its config and the safetensors header (no tensor is
+loaded), against the base model's config: what the engine runs on the driver before it
+accepts a request, so that a bad adapter is a clear error and never reaches the workers.
+`read_adapter` then reads the tensors (on each worker, and again whenever the adapter left
+host memory and is needed again, which can be long after the check).
+
+What the check approved is what gets served. Between the check and a read, a file may be
+deleted, rewritten or swapped for a symbolic link that leads elsewhere, so (`_AdapterFolder`):
+- each read opens the folder once and its two files relative to that descriptor (a FIFO or
+  a device is refused, never read), and takes every byte it uses from the descriptors it
+  opened: no file is opened by name twice;
+- the check records both files' size and SHA-256 (`AdapterDigest`); a later read compares
+  the size before it reads (nothing else is allocated) and the digest of the very bytes it
+  parses, so a file changed or swapped since the check is refused with an error naming the
+  adapter, never served;
+- with allowed folders (the server's --allowed-lora-dirs) the check finds where the opened
+  descriptors really are (/proc/self/fd), so a link that leads out of them is refused at the
+  check, and no link made after it can give a later read other bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
+import stat
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +59,11 @@ MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 _MAX_EXACT_FLOAT_INT = 2 ** 53
 _TENSOR_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+# safetensors' dtype names of the floating point types LoRA weights may have.
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_DTYPE_NAMES = {dtype: name for name, dtype in _FLOAT_DTYPES.items()}
+# Bytes read or hashed at a time.
+_READ_CHUNK = 1 << 22
 
 
 class LoRAAdapterError(ValueError):
@@ -53,6 +75,17 @@ class LoRAAdapterError(ValueError):
 
 class LoRAAdapterNotFoundError(LoRAAdapterError):
     """The adapter's folder or one of its files does not exist (the server answers 404)."""
+
+
+@dataclass(frozen=True)
+class AdapterDigest:
+    """The size and SHA-256 of an adapter's two files when the engine checked it: every later
+    read must find these bytes."""
+
+    config_size: int
+    config_sha256: str
+    weights_size: int
+    weights_sha256: str
 
 
 @dataclass(frozen=True)
@@ -86,6 +119,7 @@ class AdapterTensor:
 class AdapterSummary:
     config: PeftLoRAConfig
     tensors: tuple[AdapterTensor, ...]
+    digest: AdapterDigest | None = None
 
     @property
     def targets(self) -> set[str]:
@@ -98,39 +132,151 @@ def _clip(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _is(path: Path, kind: str) -> bool:
-    """path.is_dir() / is_file(), False where the path cannot be looked at (a name too long
-    for the file system, a loop of links), where pathlib raises."""
-    try:
-        return path.is_dir() if kind == "dir" else path.is_file()
-    except OSError:
-        return False
-
-
 def _describe(lora_name: str, lora_path: str) -> str:
     return f"LoRA adapter {lora_name!r} at {lora_path!r}"
 
 
-def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> PeftLoRAConfig:
-    """adapter_config.json, checked: a LoRA adapter of rank at most max_lora_rank that uses
-    nothing raylm does not implement."""
-    what = _describe(lora_name, lora_path)
-    if "\x00" in lora_path:
-        raise LoRAAdapterError(f"{what}: lora_path must not contain a NUL character.")
-    folder = Path(lora_path)
-    if not _is(folder, "dir"):
-        raise LoRAAdapterNotFoundError(f"{what}: lora_path is not a folder (a PEFT adapter is a folder with "
-                                       f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}).")
-    config_file = folder / ADAPTER_CONFIG_FILE
-    if not _is(config_file, "file"):
-        raise LoRAAdapterNotFoundError(f"{what}: the folder has no {ADAPTER_CONFIG_FILE}.")
-    size = config_file.stat().st_size
-    if size > MAX_ADAPTER_CONFIG_BYTES:  # read whole, it would be held in memory whole
-        raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} is {size} bytes; an adapter config is about a "
-                               f"thousand (at most {MAX_ADAPTER_CONFIG_BYTES} are read).")
+# ---- the files -------------------------------------------------------------------------------
+
+def _fd_path(fd: int) -> str:
+    """A path that opens the file of descriptor `fd` itself (for safetensors' safe_open,
+    which takes a path), whatever its name leads to now."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def _is_inside(path: str, roots: Sequence[str]) -> bool:
+    return any(os.path.commonpath([path, root]) == root for root in roots)
+
+
+class _AdapterFolder:
+    """An adapter's folder, opened once; its files are opened relative to it and read from
+    their own descriptors. Closes them all on exit."""
+
+    def __init__(self, what: str, lora_path: str, allowed_dirs: Sequence[str] | None = None) -> None:
+        self.what = what
+        self.lora_path = lora_path
+        # Real paths of the allowed folders (None: any folder).
+        self.roots = None if allowed_dirs is None else [os.path.realpath(folder) for folder in allowed_dirs]
+        self._fds: list[int] = []
+        if "\x00" in lora_path:
+            raise LoRAAdapterError(f"{what}: lora_path must not contain a NUL character.")
+        # Outside the allowed folders as the path reads now: refused before anything is opened,
+        # so that the answer tells nothing of what exists out there.
+        self._check_path_inside(lora_path, "")
+        try:
+            self.fd = os.open(lora_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # missing, not a folder, a name too long, a loop of links, no permission
+            raise LoRAAdapterNotFoundError(f"{what}: lora_path is not a folder (a PEFT adapter is a folder with "
+                                           f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}).") from None
+        self._fds.append(self.fd)
+        self._check_inside(self.fd, lora_path, "")
+
+    def __enter__(self) -> "_AdapterFolder":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def open(self, name: str) -> int | None:
+        """A descriptor of the folder's regular file `name`; None if there is none."""
+        self._check_path_inside(os.path.join(self.lora_path, name), name)
+        try:
+            # O_NONBLOCK: opening a FIFO put in the file's place must not wait for a writer.
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
+        except OSError:
+            return None
+        self._fds.append(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        self._check_inside(fd, os.path.join(self.lora_path, name), name)
+        return fd
+
+    def has(self, name: str) -> bool:
+        if self.roots is not None and not _is_inside(os.path.realpath(os.path.join(self.lora_path, name)),
+                                                     self.roots):
+            return False
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self.fd).st_mode)
+        except OSError:
+            return False
+
+    def _check_path_inside(self, path: str, name: str) -> None:
+        if self.roots is not None and not _is_inside(os.path.realpath(path), self.roots):
+            raise self._outside(name)
+
+    def _check_inside(self, fd: int, path: str, name: str) -> None:
+        """With allowed folders: the opened file or folder must be in one of them, wherever the
+        links of its path led when it was opened."""
+        if self.roots is None:
+            return
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc: the path's links as they are now
+            real = os.path.realpath(path)
+        if not _is_inside(real, self.roots):
+            raise self._outside(name)
+
+    def _outside(self, name: str) -> LoRAAdapterError:
+        where = f": its {name} links out of them" if name else ""  # not saying where to
+        return LoRAAdapterError(f"lora_path {self.lora_path!r} is outside the folders this server loads adapters "
+                                f"from (--allowed-lora-dirs){where}.")
+
+    def check_size(self, fd: int, name: str, size: int) -> None:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise self.changed(name, f"it is {actual} bytes, not {size}")
+
+    def read(self, fd: int, name: str, size: int, sha256: str | None = None) -> bytes:
+        """The file's `size` bytes, from its descriptor (nothing is allocated for a file of
+        another size); with `sha256`, they must have it."""
+        self.check_size(fd, name, size)
+        chunks, offset = [], 0
+        while offset < size:
+            try:
+                chunk = os.pread(fd, min(_READ_CHUNK, size - offset), offset)
+            except OSError as exc:  # an I/O error of the disk or the network file system
+                raise self.unreadable(name, exc) from None
+            if not chunk:
+                raise self.changed(name, f"it ended after {offset} of its {size} bytes")
+            chunks.append(chunk)
+            offset += len(chunk)
+        data = b"".join(chunks)
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+            raise self.changed(name, "its bytes differ")
+        return data
+
+    def sha256(self, fd: int, name: str) -> tuple[int, str]:
+        """The size and SHA-256 of the file, read from its descriptor in chunks."""
+        digest, offset = hashlib.sha256(), 0
+        try:
+            while chunk := os.pread(fd, _READ_CHUNK, offset):
+                digest.update(chunk)
+                offset += len(chunk)
+        except OSError as exc:
+            raise self.unreadable(name, exc) from None
+        return offset, digest.hexdigest()
+
+    def unreadable(self, name: str, exc: BaseException) -> LoRAAdapterError:
+        return LoRAAdapterError(f"{self.what}: {name} cannot be read ({type(exc).__name__}: {exc}).")
+
+    def changed(self, name: str, how: str) -> LoRAAdapterError:
+        return LoRAAdapterError(f"{self.what}: {name} changed since the engine checked the adapter ({how}); it is "
+                                f"not served. Unload the adapter (remove_lora) and load it again to serve the new "
+                                f"files.")
+
+
+# ---- the config ------------------------------------------------------------------------------
+
+def _parse_adapter_config(what: str, text: bytes, max_lora_rank: int,
+                          tensor_names: Callable[[], Iterable[str]]) -> PeftLoRAConfig:
+    """adapter_config.json's bytes, checked: a LoRA adapter of rank at most max_lora_rank that
+    uses nothing raylm does not implement. `tensor_names()` lists the weights' tensors (for
+    the error that refuses MoE expert targets)."""
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8, bad JSON, an integer of over 4300 digits
+        raw = json.loads(text)
+    except ValueError as exc:  # bad UTF-8, bad JSON, an integer of over 4300 digits
         raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} is not valid JSON ({exc}).") from None
     except RecursionError:  # arrays or objects nested thousands deep
         raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} nests too deep to be an adapter config.") from None
@@ -155,7 +301,7 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
         raise LoRAAdapterError(f"{what}: use_rslora must be true or false, got {_clip(use_rslora)}.")
     if raw.get("target_parameters"):
         # PEFT's LoRA on stacked parameters: in practice a MoE layer's experts.
-        modules = _moe_modules(folder / ADAPTER_WEIGHTS_FILE)
+        modules = _moe_modules(tensor_names())
         raise LoRAAdapterError(f"{what}: target_parameters={raw['target_parameters']!r} adapts the stacked expert "
                                f"weights of Mixture-of-Experts layers ({', '.join(modules) or 'named there'}); raylm "
                                f"serves LoRA on {', '.join(PEFT_TARGET_MODULES)} of attention and dense MLP layers, "
@@ -173,15 +319,39 @@ def read_adapter_config(lora_name: str, lora_path: str, max_lora_rank: int) -> P
                           base_model_name_or_path=raw.get("base_model_name_or_path"))
 
 
-def _moe_modules(weights: Path) -> list[str]:
-    """The MoE modules the adapter's tensors adapt (for the error that refuses them)."""
-    from safetensors import safe_open
+def _read_config(folder: _AdapterFolder, max_lora_rank: int, expected: AdapterDigest | None
+                 ) -> tuple[PeftLoRAConfig, bytes]:
+    """The folder's adapter_config.json, checked, and its bytes."""
+    what = folder.what
+    fd = folder.open(ADAPTER_CONFIG_FILE)
+    if fd is None:
+        raise LoRAAdapterNotFoundError(f"{what}: the folder has no {ADAPTER_CONFIG_FILE}.")
+    if expected is not None:
+        text = folder.read(fd, ADAPTER_CONFIG_FILE, expected.config_size, expected.config_sha256)
+    else:
+        size = os.fstat(fd).st_size
+        if size > MAX_ADAPTER_CONFIG_BYTES:  # read whole, it would be held in memory whole
+            raise LoRAAdapterError(f"{what}: {ADAPTER_CONFIG_FILE} is {size} bytes; an adapter config is about a "
+                                   f"thousand (at most {MAX_ADAPTER_CONFIG_BYTES} are read).")
+        text = folder.read(fd, ADAPTER_CONFIG_FILE, size)
 
-    try:
-        with safe_open(str(weights), framework="pt") as handle:
-            names = list(handle.keys())
-    except Exception:  # noqa: BLE001 - only the message loses the names
-        return []
+    def tensor_names() -> list[str]:
+        from safetensors import safe_open
+
+        weights = folder.open(ADAPTER_WEIGHTS_FILE)
+        if weights is None:
+            return []
+        try:
+            with safe_open(_fd_path(weights), framework="pt") as handle:
+                return list(handle.keys())
+        except Exception:  # noqa: BLE001 - only the message loses the names
+            return []
+
+    return _parse_adapter_config(what, text, max_lora_rank, tensor_names), text
+
+
+def _moe_modules(names: Iterable[str]) -> list[str]:
+    """The MoE modules the adapter's tensors adapt (for the error that refuses them)."""
     modules = {match["module"] for match in map(_TENSOR_NAME.match, names) if match is not None}
     return sorted({module[:found.end(1)] for module in modules if (found := _MOE_MODULE.search(module))})
 
@@ -230,36 +400,19 @@ def _check_shape(what: str, tensor: AdapterTensor, shape: tuple[int, ...], rank:
                                f"another base model (or its r does not match its tensors).")
 
 
-def inspect_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_rank: int) -> AdapterSummary:
-    """Checks an adapter against the base model from its config and the safetensors header
-    (no tensor data is read); raises LoRAAdapterError naming what is wrong."""
-    from safetensors import safe_open
-
-    config = read_adapter_config(lora_name, lora_path, max_lora_rank)
-    what = _describe(lora_name, lora_path)
-    weights = Path(lora_path) / ADAPTER_WEIGHTS_FILE
-    if not _is(weights, "file"):
-        hint = " (adapter_model.bin is not read: save the adapter with safetensors)" if _is(
-            Path(lora_path) / "adapter_model.bin", "file") else ""
-        raise LoRAAdapterNotFoundError(f"{what}: the folder has no {ADAPTER_WEIGHTS_FILE}{hint}.")
+def _summarize(what: str, entries: Iterable[tuple[str, str, tuple[int, ...]]], config: PeftLoRAConfig,
+               hf_config: Any) -> tuple[AdapterTensor, ...]:
+    """The adapter's tensors from (name, safetensors dtype, shape) of each, checked against
+    the base model: LoRA weights of its projections, of its shapes, in pairs."""
     shapes = expected_shapes(hf_config)
     num_layers = hf_config.num_hidden_layers
     tensors: list[AdapterTensor] = []
-    try:
-        with safe_open(str(weights), framework="pt") as handle:
-            for name in handle.keys():
-                tensor = _parse_tensor_name(what, name, num_layers)
-                view = handle.get_slice(name)
-                if view.get_dtype() not in ("F32", "F16", "BF16", "F64"):
-                    raise LoRAAdapterError(f"{what}: tensor {name} has dtype {view.get_dtype()}; LoRA weights "
-                                           f"must be floating point.")
-                _check_shape(what, tensor, view.get_shape(), config.rank, shapes)
-                tensors.append(tensor)
-    except LoRAAdapterError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - safetensors' errors for a corrupt or truncated file
-        raise LoRAAdapterError(f"{what}: {ADAPTER_WEIGHTS_FILE} cannot be read ({type(exc).__name__}: {exc}).") \
-            from None
+    for name, dtype, shape in entries:
+        tensor = _parse_tensor_name(what, name, num_layers)
+        if dtype not in _FLOAT_DTYPES:
+            raise LoRAAdapterError(f"{what}: tensor {name} has dtype {dtype}; LoRA weights must be floating point.")
+        _check_shape(what, tensor, shape, config.rank, shapes)
+        tensors.append(tensor)
     if not tensors:
         raise LoRAAdapterError(f"{what}: {ADAPTER_WEIGHTS_FILE} holds no LoRA weights.")
     pairs: dict[str, set[str]] = {}
@@ -274,25 +427,78 @@ def inspect_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_ran
     lonely = sorted(module for module, kinds in pairs.items() if kinds != {"A", "B"})
     if lonely:
         raise LoRAAdapterError(f"{what}: modules {lonely} have lora_A or lora_B but not both.")
-    return AdapterSummary(config, tuple(tensors))
+    return tuple(tensors)
 
 
-def read_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_rank: int
-                 ) -> tuple[PeftLoRAConfig, dict[str, dict[str, torch.Tensor]]]:
-    """The adapter's config and its tensors, checked as `inspect_adapter` does, grouped by the
-    base model's module: {module path: {"A": [r, in], "B": [out, r]}} (as stored)."""
+def _open_weights(folder: _AdapterFolder) -> int:
+    fd = folder.open(ADAPTER_WEIGHTS_FILE)
+    if fd is None:
+        hint = " (adapter_model.bin is not read: save the adapter with safetensors)" if folder.has(
+            "adapter_model.bin") else ""
+        raise LoRAAdapterNotFoundError(f"{folder.what}: the folder has no {ADAPTER_WEIGHTS_FILE}{hint}.")
+    return fd
+
+
+def inspect_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_rank: int,
+                    expected: AdapterDigest | None = None, allowed_dirs: Sequence[str] | None = None
+                    ) -> AdapterSummary:
+    """Checks an adapter against the base model from its config and the safetensors header
+    (no tensor is loaded; the weights file is hashed); raises LoRAAdapterError naming what
+    is wrong. Returns the summary with the files' digest. `expected`: the digest of an
+    earlier check, which the files must still have. `allowed_dirs`: the folders the
+    adapter's folder and files must really be in (links followed)."""
     from safetensors import safe_open
 
-    summary = inspect_adapter(lora_name, lora_path, hf_config, max_lora_rank)
-    modules: dict[str, dict[str, torch.Tensor]] = {}
+    what = _describe(lora_name, lora_path)
+    with _AdapterFolder(what, lora_path, allowed_dirs) as folder:
+        config, config_text = _read_config(folder, max_lora_rank, expected)
+        fd = _open_weights(folder)
+        if expected is not None:  # changed files are named as such, whatever else is wrong with them
+            folder.check_size(fd, ADAPTER_WEIGHTS_FILE, expected.weights_size)
+        weights_size, weights_sha256 = folder.sha256(fd, ADAPTER_WEIGHTS_FILE)
+        digest = AdapterDigest(len(config_text), hashlib.sha256(config_text).hexdigest(), weights_size,
+                               weights_sha256)
+        if expected is not None and digest != expected:
+            raise folder.changed(ADAPTER_WEIGHTS_FILE, "its bytes differ")
+        try:
+            with safe_open(_fd_path(fd), framework="pt") as handle:
+                tensors = _summarize(what, ((name, handle.get_slice(name).get_dtype(),
+                                             tuple(handle.get_slice(name).get_shape())) for name in handle.keys()),
+                                     config, hf_config)
+        except LoRAAdapterError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors' errors for a corrupt or truncated file
+            raise folder.unreadable(ADAPTER_WEIGHTS_FILE, exc) from None
+    return AdapterSummary(config, tensors, digest)
+
+
+def read_adapter(lora_name: str, lora_path: str, hf_config: Any, max_lora_rank: int,
+                 expected: AdapterDigest | None = None) -> tuple[PeftLoRAConfig, dict[str, dict[str, torch.Tensor]]]:
+    """The adapter's config and its tensors, checked as `inspect_adapter` does, grouped by the
+    base model's module: {module path: {"A": [r, in], "B": [out, r]}} (as stored). With
+    `expected` (the check's digest) the files must be the bytes the check saw: their sizes
+    are compared before they are read, their digests before they are parsed."""
+    from safetensors.torch import load
+
+    what = _describe(lora_name, lora_path)
+    with _AdapterFolder(what, lora_path) as folder:
+        config, _ = _read_config(folder, max_lora_rank, expected)
+        fd = _open_weights(folder)
+        if expected is None:
+            data = folder.read(fd, ADAPTER_WEIGHTS_FILE, os.fstat(fd).st_size)
+        else:
+            data = folder.read(fd, ADAPTER_WEIGHTS_FILE, expected.weights_size, expected.weights_sha256)
     try:
-        with safe_open(str(Path(lora_path) / ADAPTER_WEIGHTS_FILE), framework="pt") as handle:
-            for tensor in summary.tensors:
-                modules.setdefault(tensor.module, {})[tensor.kind] = handle.get_tensor(tensor.name)
-    except Exception as exc:  # noqa: BLE001 - the file changed or broke since it was inspected
-        raise LoRAAdapterError(f"{_describe(lora_name, lora_path)}: {ADAPTER_WEIGHTS_FILE} cannot be read "
-                               f"({type(exc).__name__}: {exc}).") from None
-    return summary.config, modules
+        loaded = load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors' errors for a corrupt or truncated file
+        raise folder.unreadable(ADAPTER_WEIGHTS_FILE, exc) from None
+    del data
+    tensors = _summarize(what, ((name, _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)), tuple(tensor.shape))
+                                for name, tensor in loaded.items()), config, hf_config)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor in tensors:
+        modules.setdefault(tensor.module, {})[tensor.kind] = loaded[tensor.name]
+    return config, modules
 
 
 def lora_error_from_worker(class_name: str, message: str) -> LoRAAdapterError:

@@ -7,9 +7,16 @@ gate_up_proj, down_proj: the PEFT names q/k/v/o/gate/up/down through the model's
 `LoRABatch`. `add_lora` reads an adapter (PEFT format) and keeps this rank's share of it in
 host memory; the driver calls it off the engine step (a thread) and decides which adapters
 stay there (at most max_cpu_loras: it calls `remove_lora` for the others). Before each step,
-`prepare_step` copies the adapters the step newly assigns to slots into the slots (an adapter
-missing from host memory, which a race with a removal can cause, is read then) and sets which
-slot each of the step's tokens runs under.
+`prepare_step` copies the adapters the step newly assigns to slots into the slots and sets
+which slot each of the step's tokens runs under.
+
+An adapter the step assigns may be missing from host memory: the driver dropped it (to load
+another, or an unload) after it scheduled the step. It is read then, from the bytes the
+engine's check saw (its digest). That read can fail (the folder deleted, a file changed): the
+step must not, as every other request of the batch would fail with it. The slot is left
+empty (on every tensor-parallel rank: they agree with one all-reduce, in steps that fill
+slots only) and the step's output names the adapter (`SamplerOutput.lora_failures`), so the
+engine fails that adapter's requests alone.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from torch import nn
 from raylm.engine.config import LoRAConfig
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.step import ScheduledRequest
-from raylm.executors.lora_adapter import LoRAAdapterError, read_adapter
+from raylm.executors.lora_adapter import AdapterDigest, LoRAAdapterError, read_adapter
 from raylm.kernels.lora_ops import LoRABatch
+from raylm.parallel.communication import tensor_model_parallel_all_reduce
 from raylm.parallel.lora_linear import BaseLinearWithLoRA, SliceId, wrap_with_lora
+from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +45,26 @@ _UNFUSED_TARGETS = ("o_proj", "down_proj")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
+# What reading or cutting an adapter raises for a bad adapter (LoRAAdapterError is a
+# ValueError; torch's errors are RuntimeErrors): that adapter fails, nothing else.
+LOAD_ERRORS = (ValueError, OSError, RuntimeError)
+
+
 @dataclass
 class LoadedAdapter:
     """This rank's share of one adapter: per LoRA layer, (A [n, r, in], [B_i [out_i, r]])."""
 
     lora_request: LoRARequest
+    digest: AdapterDigest | None = None
     shares: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+
+
+def describe_load_error(lora_request: LoRARequest, exc: BaseException, rank: int) -> tuple[str, str]:
+    """(error class name, message) of a failed read, for the driver (lora_error_from_worker)."""
+    if isinstance(exc, LoRAAdapterError):
+        return type(exc).__name__, str(exc)
+    return LoRAAdapterError.__name__, (f"LoRA adapter {lora_request.lora_name!r} could not be loaded on rank {rank}: "
+                                       f"{type(exc).__name__}: {exc}")
 
 
 def peft_target_map(model: nn.Module) -> dict[str, tuple[str, SliceId]]:
@@ -109,12 +132,16 @@ class WorkerLoRAManager:
         # thread, read by the step.
         self._loaded: dict[int, LoadedAdapter] = {}
         self._lock = threading.Lock()
+        # The adapters the last prepare_step could not put in their slots (lora_int_id ->
+        # error class name and message), for the step's output.
+        self.step_failures: dict[int, tuple[str, str]] = {}
 
     # ---- host memory -----------------------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Reads the adapter and keeps this rank's share in host memory (replacing what was
-        kept under its id). Raises LoRAAdapterError for an adapter raylm cannot serve."""
-        adapter = self._read(lora_request)
+    def add_lora(self, lora_request: LoRARequest, digest: AdapterDigest | None = None) -> None:
+        """Reads the adapter (the bytes of `digest`, when given) and keeps this rank's share in
+        host memory, replacing what was kept under its id. Raises LoRAAdapterError for an
+        adapter raylm cannot serve."""
+        adapter = self._read(lora_request, digest)
         with self._lock:
             self._loaded[lora_request.lora_int_id] = adapter
 
@@ -126,9 +153,9 @@ class WorkerLoRAManager:
         with self._lock:
             return sorted(self._loaded)
 
-    def _read(self, lora_request: LoRARequest) -> LoadedAdapter:
+    def _read(self, lora_request: LoRARequest, digest: AdapterDigest | None) -> LoadedAdapter:
         config, modules = read_adapter(lora_request.lora_name, lora_request.lora_path, self.hf_config,
-                                       self.lora_config.max_lora_rank)
+                                       self.lora_config.max_lora_rank, digest)
         grouped: dict[str, tuple[dict[SliceId, torch.Tensor], dict[SliceId, torch.Tensor]]] = {}
         for module, tensors in modules.items():
             prefix, _, target = module.rpartition(".")
@@ -140,7 +167,7 @@ class WorkerLoRAManager:
                                        f"the adapter was made for another base model.")
             a_parts, b_parts = grouped.setdefault(layer_name, ({}, {}))
             a_parts[slice_id], b_parts[slice_id] = tensors["A"], tensors["B"]
-        adapter = LoadedAdapter(lora_request)
+        adapter = LoadedAdapter(lora_request, digest)
         for layer_name, (a_parts, b_parts) in grouped.items():
             a, b = adapter.shares[layer_name] = self.layers[layer_name].shard_adapter(a_parts, b_parts,
                                                                                         config.scaling)
@@ -154,14 +181,15 @@ class WorkerLoRAManager:
         return adapter
 
     # ---- steps ---------------------------------------------------------------------------------
-    def prepare_step(self, requests: list[ScheduledRequest], activations: dict[int, LoRARequest] | None,
+    def prepare_step(self, requests: list[ScheduledRequest],
+                     activations: dict[int, tuple[LoRARequest, AdapterDigest | None]] | None,
                      output_rows: list[int] | None = None) -> bool:
         """Loads the adapters the step assigns to slots and sets each token's slot (and the
         step's output rows, ForwardContext.output_rows); returns whether any token of the step
-        runs under an adapter."""
+        runs under an adapter. An adapter that could not be read is in `step_failures`."""
+        self.step_failures = {}
         if activations:
-            for slot, lora_request in activations.items():
-                self._activate(slot, lora_request)
+            self._activate_all(activations)
         if all(scheduled.lora_slot < 0 for scheduled in requests):
             return self.batch.set_step([])
         token_slots: list[int] = []
@@ -172,15 +200,46 @@ class WorkerLoRAManager:
         rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
         return self.batch.set_step(token_slots, rows)
 
-    def _activate(self, slot: int, lora_request: LoRARequest) -> None:
+    def _activate_all(self, activations: dict[int, tuple[LoRARequest, AdapterDigest | None]]) -> None:
+        errors: dict[int, BaseException] = {}
+        for slot, (lora_request, digest) in activations.items():
+            try:
+                self._activate(slot, lora_request, digest)
+            except LOAD_ERRORS as exc:
+                logger.warning("LoRA adapter %r could not be put in slot %d: %s", lora_request.lora_name, slot, exc)
+                errors[slot] = exc
+        for slot in self._agree_on_failures(errors):
+            lora_request = activations[slot][0]
+            for layer in self.layers.values():
+                layer.set_slot(slot, None, None)
+            with self._lock:
+                self._loaded.pop(lora_request.lora_int_id, None)
+            exc = errors.get(slot)
+            self.step_failures[lora_request.lora_int_id] = describe_load_error(
+                lora_request, exc, get_tensor_model_parallel_rank()) if exc is not None else (
+                LoRAAdapterError.__name__, f"LoRA adapter {lora_request.lora_name!r} could not be read on another "
+                                           f"tensor-parallel rank (that worker's log says why).")
+
+    def _agree_on_failures(self, errors: dict[int, BaseException]) -> list[int]:
+        """The slots that failed on any tensor-parallel rank. Every rank gets the same
+        activations, so every rank makes this all-reduce in the same steps."""
+        if get_tensor_model_parallel_world_size() == 1:
+            return sorted(errors)
+        flags = torch.zeros(self.lora_config.max_loras, dtype=torch.float32, device=self.batch.device)
+        for slot in errors:
+            flags[slot] = 1.0
+        tensor_model_parallel_all_reduce(flags)
+        return [slot for slot, flag in enumerate(flags.tolist()) if flag > 0]
+
+    def _activate(self, slot: int, lora_request: LoRARequest, digest: AdapterDigest | None) -> None:
         with self._lock:
             adapter = self._loaded.get(lora_request.lora_int_id)
-        if adapter is None or adapter.lora_request != lora_request:
-            # Removed from host memory after the driver scheduled it (or never loaded here):
-            # read it now, on the step.
+        if adapter is None or adapter.lora_request != lora_request or adapter.digest != digest:
+            # Dropped from host memory after the driver scheduled it (or never loaded here):
+            # read it now, on the step, from the bytes the engine checked.
             logger.info("LoRA adapter %r is not in host memory: reading it during the step.",
                         lora_request.lora_name)
-            adapter = self._read(lora_request)
+            adapter = self._read(lora_request, digest)
             with self._lock:
                 self._loaded[lora_request.lora_int_id] = adapter
         for layer_name, layer in self.layers.items():

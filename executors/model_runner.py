@@ -400,19 +400,21 @@ class ModelRunner:
             return self._run_model(host, None, intermediate_tensors)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
         rows = sample_rows + prompt_rows
+        lora_failures: dict[int, tuple[str, str]] = {}
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(req.requests, req.lora_activations,
                                            step_output_rows(rows, len(host.input_ids)))
+            lora_failures = self.lora_manager.step_failures
         selected = self._run_model(host, rows, intermediate_tensors)
         if not rows:
-            return SamplerOutput() if self.rank == 0 else None
+            return SamplerOutput(lora_failures=lora_failures) if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
         logits = self.model.compute_logits(selected)
         if logits is None:  # tensor parallel: only rank 0 holds the logits
             return None
         logits = logits.float()
 
-        output = SamplerOutput()
+        output = SamplerOutput(lora_failures=lora_failures)
         if req.structured_output_req_ids and sample_rows:
             # Structured outputs: tokens the grammar refuses get -inf before any sampling.
             apply_grammar_bitmask(logits, req.grammar_bitmask, _grammar_rows(sampled, req.structured_output_req_ids))

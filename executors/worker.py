@@ -180,19 +180,17 @@ class Worker:
         return self.model_runner.execute_model(req, intermediate_tensors)
 
     # ---- LoRA (enable_lora) -------------------------------------------------------------------
-    def add_lora(self, lora_request) -> tuple[str, str] | None:
-        """Loads an adapter's share for this rank into host memory. A bad adapter is returned
-        as (error class name, message), not raised: a raising worker call stops the engine."""
-        from raylm.executors.lora_adapter import LoRAAdapterError
+    def add_lora(self, lora_request, digest=None) -> tuple[str, str] | None:
+        """Loads an adapter's share for this rank into host memory (from the bytes `digest`
+        names, when given). A bad adapter is returned as (error class name, message), not
+        raised: a raising worker call stops the engine."""
+        from raylm.executors.lora_manager import LOAD_ERRORS, describe_load_error
 
         manager = self._lora_manager()
         try:
-            manager.add_lora(lora_request)
-        except LoRAAdapterError as exc:
-            return type(exc).__name__, str(exc)
-        except (ValueError, OSError, RuntimeError) as exc:  # reading or cutting it failed otherwise: it alone
-            return LoRAAdapterError.__name__, (f"LoRA adapter {lora_request.lora_name!r} could not be loaded on rank "
-                                               f"{self.rank}: {type(exc).__name__}: {exc}")
+            manager.add_lora(lora_request, digest)
+        except LOAD_ERRORS as exc:  # reading or cutting it failed: it alone
+            return describe_load_error(lora_request, exc, self.rank)
         return None
 
     def remove_lora(self, lora_int_id: int) -> bool:
