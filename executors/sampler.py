@@ -116,7 +116,6 @@ def _sampled_tokens(values: list[list], metadata: SamplingMetadata, rows: _RowSt
     """The step's SampledTokens from what `forward` read back."""
     num_rows = metadata.num_rows
     token_ids = values[0]
-    flagged = [False] * num_rows
     if may_be_flagged:
         flagged = [token_id == _NOT_FINITE for token_id in token_ids]
         # Token 0 stands in for a flagged row's (a later step may be fed it before the
@@ -131,6 +130,8 @@ def _sampled_tokens(values: list[list], metadata: SamplingMetadata, rows: _RowSt
                                        [logprob_values[row] for row in rows.logprobs], logprob_counts, values[2:])
         extra = dict(zip(rows.logprobs, entries))
     req_ids = metadata.req_ids
+    if not may_be_flagged:
+        return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i)) for i in range(num_rows)]
     return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i), flagged[i])
             for i in range(num_rows)]
 
@@ -182,7 +183,8 @@ def read_back(tensors: list[torch.Tensor]) -> list[list[int] | list[float]]:
     waits for the device). Several go over as one float64 tensor: exact for float32 values
     and for integers below 2**53 (token ids, ranks); integer tensors come back as ints."""
     if len(tensors) == 1:
-        return [tensors[0].reshape(-1).tolist()]
+        tensor = tensors[0]
+        return [(tensor if tensor.dim() == 1 else tensor.reshape(-1)).tolist()]
     packed = torch.cat([tensor.reshape(-1).to(torch.float64) for tensor in tensors]).tolist()
     values: list[list[int] | list[float]] = []
     start = 0
