@@ -120,6 +120,9 @@ class Scheduler:
         # adapter is loaded and has a slot; see engine/lora_slots.py).
         self.lora_slots = lora_slots
         self.structured_output_manager = structured_output_manager
+        # Unfinished requests with a grammar: while there is none, a step skips the bitmask
+        # (a pass over its requests) altogether.
+        self._num_constrained = 0
         # Requests ended because their grammar did not compile, with the error, until the
         # engine core collects them.
         self.failed_requests: dict[str, BaseException] = {}
@@ -131,6 +134,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.worker_id = next(self._worker_ids)
         self.requests[request.request_id] = request
+        if request.structured_output_request is not None:
+            self._num_constrained += 1
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
@@ -155,6 +160,7 @@ class Scheduler:
             self.lora_slots.release(request)
         if request.structured_output_request is not None:
             request.structured_output_request.release()
+            self._num_constrained -= 1
         if self.drafter is not None:
             self.drafter.free(request)
         del self.requests[request.request_id]
@@ -185,6 +191,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_constrained_requests(self) -> int:
+        """Unfinished requests with structured outputs (a grammar)."""
+        return self._num_constrained
 
     @property
     def num_waiting(self) -> int:
@@ -224,6 +235,8 @@ class Scheduler:
         return out
 
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        if not self._num_constrained:
+            return
         constrained = [request for request, scheduled in zip(out.scheduled, out.step.requests)
                        if scheduled.do_sample and request.structured_output_request is not None]
         if constrained:

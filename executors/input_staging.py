@@ -130,6 +130,17 @@ def fill_block_tables(array: np.ndarray, tables: Sequence[Sequence[int]]) -> Non
         row[n:] = 0
 
 
+def to_device(data: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list (indices, per-row parameters) as a tensor on `device`, without
+    stalling the host: on a GPU through pinned memory and a non-blocking copy (from a plain
+    list PyTorch would wait for every kernel queued before it, as the module's docstring
+    says); PyTorch's pinned-memory cache keeps the buffer until the copy has left it. On
+    the CPU, the tensor itself."""
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -139,3 +150,4 @@ def _aligned(nbytes: int) -> int:
 
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+

@@ -21,6 +21,12 @@ speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
 
 Logprobs of emitted tokens are the target's raw log-softmax at their rows, as without
 speculation.
+
+A request whose target logits hold NaN or +inf is flagged (`SampledToken.logits_not_finite`)
+and the engine core fails it alone: with a draft distribution, a bad row anywhere in it
+does; with one-hot proposals, one that a token is drawn from (the sampler's rule). Each
+group's tokens come back to the host in one read: the draft-distribution requests' whole
+verification is worked out on the device first.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import itertools
 import torch
 
 from raylm.engine.step import SampledToken
-from raylm.executors.sampler import (Sampler, inverse_cdf, process_logits, rows_not_finite, sampling_probs,
-                                     token_logprobs)
+from raylm.executors.input_staging import to_device
+from raylm.executors.sampler import (Sampler, inverse_cdf, not_finite_mask, process_logits, ranks_and_top,
+                                     read_back, sampling_probs, token_logprobs_from)
 from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
 
 
@@ -76,20 +83,11 @@ class RejectionSampler:
                 probabilistic.append(r)
             else:
                 one_hot.append(r)
-        if probabilistic:
-            # A request with a row of NaN or +inf logits goes the plain sampler's way, which
-            # samples such a row from zeros and flags it (its request then fails alone).
-            not_finite = set(rows_not_finite(logits))
-            moved = [r for r in probabilistic if not not_finite.isdisjoint(range(starts[r], starts[r + 1]))]
-            if moved:
-                probabilistic = [r for r in probabilistic if r not in moved]
-                one_hot = sorted(one_hot + moved)
         if one_hot:
             self._verify_one_hot(logits, expanded, draft_token_ids, starts, one_hot, emitted)
-        for r in probabilistic:
-            rows = list(range(starts[r], starts[r + 1]))
-            emitted[r] = self._verify_with_draft_probs(logits[starts[r]:starts[r + 1]], _subset(expanded, rows),
-                                                       draft_token_ids[r], draft_probs[r])
+        if probabilistic:
+            self._verify_with_draft_probs(logits, expanded, draft_token_ids, draft_probs, starts, probabilistic,
+                                          emitted)
         return [token for tokens in emitted for token in tokens]
 
     def _verify_one_hot(self, logits: torch.Tensor, expanded: SamplingMetadata, draft_token_ids: list[list[int]],
@@ -104,7 +102,7 @@ class RejectionSampler:
                 saved[r] = (generator, generator.get_state())
         rows = [row for r in requests for row in range(starts[r], starts[r + 1])]
         if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[to_device(rows, logits.device)]
             expanded = _subset(expanded, rows)
         tokens = self.sampler(logits, expanded)
         offset = 0
@@ -120,45 +118,75 @@ class RejectionSampler:
             generator.set_state(state)
             _advance(generator, len(emitted[r]), logits.device)
 
-    def _verify_with_draft_probs(self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[int],
-                                 q: torch.Tensor) -> list[SampledToken]:
-        """Standard rejection sampling of one request's proposals drawn from q [j, V]. Draws
-        j + 1 uniforms whatever is accepted (from the request's generator when seeded)."""
-        params = metadata.sampling_params[0]
-        num_drafts = len(drafts)
-        device = logits.device
-        processed = process_logits(logits, metadata)
-        temperature = torch.full((num_drafts + 1,), params.temperature, dtype=processed.dtype, device=device)
-        p = sampling_probs(processed, metadata.sampling_params, temperature)
-        u = torch.empty(num_drafts + 1, dtype=torch.float32, device=device)
-        generator = metadata.generators[0]
-        for i in range(num_drafts + 1):
-            u[i].uniform_(generator=generator)
-        index = torch.arange(num_drafts, device=device)
-        drafts_tensor = torch.tensor(drafts, device=device)
-        p_d = p[index, drafts_tensor]
-        q_d = q[index, drafts_tensor].to(p.dtype)
-        rejected = (u[:num_drafts] * q_d >= p_d).tolist()
-        num_accepted = rejected.index(True) if True in rejected else num_drafts
-        if num_accepted < num_drafts:
-            residual = (p[num_accepted] - q[num_accepted].to(p.dtype)).clamp_(min=0.0)
-            if not residual.sum() > 0:  # p == q up to rounding: nothing is left to correct
-                residual = p[num_accepted]
-        else:
-            residual = p[num_drafts]
-        final = int(inverse_cdf(residual.unsqueeze(0), u[num_drafts:]).item())
-        token_ids = drafts[:num_accepted] + [final]
-        return _sampled_tokens(logits[:num_accepted + 1], token_ids, metadata.req_ids[0], params)
+    def _verify_with_draft_probs(self, logits: torch.Tensor, expanded: SamplingMetadata,
+                                 draft_token_ids: list[list[int]], draft_probs: list[torch.Tensor],
+                                 starts: list[int], requests: list[int], emitted: list[list[SampledToken]]) -> None:
+        """Standard rejection sampling of each request's proposals, drawn from its q [j, V]:
+        worked out on the device, request by request, and read back once for all."""
+        reads: list[torch.Tensor] = []
+        spans = []
+        for r in requests:
+            start = len(reads)
+            rows = list(range(starts[r], starts[r + 1]))
+            _verify_on_device(logits[starts[r]:starts[r + 1]], _subset(expanded, rows), draft_token_ids[r],
+                              draft_probs[r], reads)
+            spans.append((start, len(reads)))
+        values = read_back(reads)  # the verification's one wait for the device
+        for r, (start, end) in zip(requests, spans):
+            params = expanded.sampling_params[starts[r]]
+            req_id = expanded.req_ids[starts[r]]
+            [num_accepted], [not_finite], token_ids, *logprobs = values[start:end]
+            if not_finite:
+                # Its request fails alone (the engine core ends it on this flag).
+                emitted[r] = [SampledToken(req_id, 0, None, logits_not_finite=True)]
+                continue
+            num_emitted = num_accepted + 1
+            if not logprobs:
+                emitted[r] = [SampledToken(req_id, token_id, None) for token_id in token_ids[:num_emitted]]
+                continue
+            entries = token_logprobs_from(token_ids, logprobs[0], [params.logprobs or 0] * len(token_ids),
+                                          logprobs[1:])
+            emitted[r] = [SampledToken(req_id, entry.token_id, entry.logprob,
+                                       entry if params.logprobs is not None else None)
+                          for entry in entries[:num_emitted]]
 
 
-def _sampled_tokens(raw_logits: torch.Tensor, token_ids: list[int], req_id: int, params) -> list[SampledToken]:
-    """SampledTokens with the raw logprobs the request asks for (as the sampler's)."""
-    if not params.needs_sampled_logprob:
-        return [SampledToken(req_id, token_id, None) for token_id in token_ids]
-    entries = token_logprobs(raw_logits, torch.tensor(token_ids, device=raw_logits.device),
-                             [params.logprobs or 0] * len(token_ids))
-    return [SampledToken(req_id, entry.token_id, entry.logprob, entry if params.logprobs is not None else None)
-            for entry in entries]
+def _verify_on_device(logits: torch.Tensor, metadata: SamplingMetadata, drafts: list[int], q: torch.Tensor,
+                      reads: list[torch.Tensor]) -> None:
+    """One request's rejection sampling, left on the device: appends to `reads` the number
+    of proposals accepted, whether its logits held NaN or +inf, the j + 1 candidate tokens
+    (the proposals up to the first rejected one, the drawn token in its place) and, when
+    the request needs them, the candidates' logprobs, ranks and top alternatives. Draws
+    j + 1 uniforms whatever is accepted (from the request's generator when seeded)."""
+    params = metadata.sampling_params[0]
+    num_drafts = len(drafts)
+    device = logits.device
+    processed = process_logits(logits, metadata)
+    temperature = torch.full((num_drafts + 1,), params.temperature, dtype=processed.dtype, device=device)
+    p = sampling_probs(processed, metadata.sampling_params, temperature)
+    u = torch.empty(num_drafts + 1, dtype=torch.float32, device=device)
+    generator = metadata.generators[0]
+    for i in range(num_drafts + 1):
+        u[i].uniform_(generator=generator)
+    positions = torch.arange(num_drafts + 1, device=device)
+    proposals = to_device(drafts + [0], device)
+    # q gains a row of zeros after the last proposal: the token after them is drawn from p.
+    q = torch.cat([q.to(p.dtype), p.new_zeros(1, p.shape[1])])
+    rejected = u[:num_drafts] * q[positions[:-1], proposals[:-1]] >= p[positions[:-1], proposals[:-1]]
+    # The first rejected proposal (max finds the first True), or num_drafts when none is.
+    num_accepted = torch.where(rejected.any(), rejected.to(torch.int8).max(dim=0).indices, num_drafts).view(1)
+    # Drawn from max(0, p - q), renormalised, in place of the first rejected proposal; from
+    # p itself where p == q up to rounding leaves nothing to correct.
+    p_next = p.index_select(0, num_accepted)
+    residual = (p_next - q.index_select(0, num_accepted)).clamp_(min=0.0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
+    drawn = inverse_cdf(residual, u[num_drafts:])
+    candidates = torch.where(positions < num_accepted, proposals, drawn)
+    reads += [num_accepted, not_finite_mask(logits).any().view(1), candidates]
+    if params.needs_sampled_logprob:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = raw_logprobs.gather(1, candidates.unsqueeze(1))
+        reads += [chosen, *ranks_and_top(raw_logprobs, chosen, [params.logprobs or 0] * (num_drafts + 1))]
 
 
 def _subset(metadata: SamplingMetadata, rows: list[int]) -> SamplingMetadata:

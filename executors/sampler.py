@@ -10,21 +10,29 @@ batch. Returned logprobs are the raw log-softmax of the model's logits, before a
 above (vLLM's default).
 
 The common cases stay vectorised: work is done only on the rows that need it, and per-row
-Python runs only to read parameters and to build the outputs.
+Python runs only to read parameters and to build the outputs. Nothing waits for a GPU
+until the step's values (tokens, logprobs, which rows were not finite) are read back, in
+one read at the end (`read_back`); host lists reach the device through pinned memory
+(`to_device`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import SampledToken, TokenLogprobs
+from raylm.executors.input_staging import to_device
 from raylm.executors.sampling_metadata import SamplingMetadata
 from raylm.kernels import cpu_ops
 
 _NEG_INF = float("-inf")
 # Largest top_k for which a partial torch.topk beats sorting the whole vocabulary.
 _TOPK_INSTEAD_OF_SORT = 1024
+# The token read back for a row whose logits were not finite (never a vocabulary id).
+_NOT_FINITE = -1
 
 
 class Sampler:
@@ -34,83 +42,132 @@ class Sampler:
         return self.forward(logits, metadata)
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampledToken]:
-        """logits: [N, V] float32, one row per entry of ``metadata``."""
-        num_rows, vocab_size = logits.shape
+        """logits: [N, V] float32, one row per entry of ``metadata``.
+
+        On a GPU the step's values (tokens, which rows were not finite, logprobs) come back
+        to the host in one read at the end: nothing before it waits for the device."""
+        num_rows = logits.shape[0]
         assert num_rows == metadata.num_rows, f"{num_rows} logits rows for {metadata.num_rows} sequences"
         if num_rows == 0:
             return []
-        # A row of NaN or +inf logits would stop every path below (or draw garbage): it is
-        # sampled from zeros instead, and flagged, so that only its request fails.
-        not_finite = not_finite_mask(logits)
-        # On a GPU, always (asking whether any row is bad would be a host sync); on the CPU
-        # only when one is, and the usual step pays for the row sums alone.
-        any_not_finite = logits.device.type != "cpu" or bool(not_finite.any())
-        if any_not_finite:
-            logits = logits.masked_fill(not_finite.unsqueeze(1), 0.0)
-        raw_logits = logits
+        rows = _RowStages.of(metadata)
+        not_finite, logits = _guard_not_finite(logits)
+        sampled = _draw(_process_logits(logits, metadata, rows), metadata, rows)
+        reads = [sampled if not_finite is None else sampled.masked_fill(not_finite, _NOT_FINITE)]
+        logprob_counts = _append_logprob_reads(reads, logits, sampled, metadata, rows)
+        values = read_back(reads)  # the step's one wait for the device
+        return _sampled_tokens(values, metadata, rows, logprob_counts, may_be_flagged=not_finite is not None)
 
-        greedy_rows: list[int] = []
-        random_rows: list[int] = []
-        bias_rows: list[int] = []
-        min_tokens_rows: list[int] = []
-        penalty_rows: list[int] = []
-        logprobs_rows: list[int] = []
-        scored_rows: list[int] = []
+
+def _guard_not_finite(logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A row of NaN or +inf logits (weights or an adapter that overflow) must neither stop
+    the step nor change other rows' tokens: it is flagged, and only its request fails.
+    Returns the rows' [N] bool mask (None when known to be all False) and the logits to use.
+
+    The CPU asks whether any row is bad (the usual step pays the row sums alone) and draws
+    a bad row from zeros, as the native pass refuses NaN. On a GPU asking would wait for
+    the device, and the answer is nearly always no: no copy is made. Every stage works row
+    by row, so a bad row spoils its own draw alone, and its token is replaced."""
+    not_finite = not_finite_mask(logits)
+    if not _reads_back_for_free(logits.device):
+        return not_finite, logits
+    if bool(not_finite.any()):
+        return not_finite, logits.masked_fill(not_finite.unsqueeze(1), 0.0)
+    return None, logits
+
+
+def _reads_back_for_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values on the host costs only the read: on the CPU. On a
+    GPU each read waits for every kernel queued before it (tests force False to walk the
+    GPU's path on the CPU)."""
+    return device.type == "cpu"
+
+
+def _append_logprob_reads(reads: list[torch.Tensor], raw_logits: torch.Tensor, sampled: torch.Tensor,
+                          metadata: SamplingMetadata, rows: _RowStages) -> list[int]:
+    """Appends to `reads` the scored rows' logprobs of their tokens (raw log-softmax) and,
+    for rows asking for logprobs, their ranks and top alternatives; returns those rows'
+    counts of alternatives."""
+    if not rows.scored:
+        return []
+    all_scored = len(rows.scored) == raw_logits.shape[0]
+    rows_idx = None if all_scored else to_device(rows.scored, raw_logits.device)
+    scored_logits = raw_logits if all_scored else raw_logits[rows_idx]
+    scored_sampled = sampled if all_scored else sampled[rows_idx]
+    # log_softmax + gather measured faster on CPU than gather - logsumexp.
+    raw_logprobs = torch.log_softmax(scored_logits, dim=-1)
+    chosen = raw_logprobs.gather(1, scored_sampled.unsqueeze(1))
+    reads.append(chosen)
+    if not rows.logprobs:
+        return []
+    # Every row asking for logprobs is a scored row: their positions among them.
+    position = {row: j for j, row in enumerate(rows.scored)}
+    positions = [position[row] for row in rows.logprobs]
+    if len(positions) != len(rows.scored):
+        positions_idx = to_device(positions, raw_logits.device)
+        raw_logprobs, chosen = raw_logprobs[positions_idx], chosen[positions_idx]
+    counts = [metadata.sampling_params[row].logprobs for row in rows.logprobs]
+    reads += ranks_and_top(raw_logprobs, chosen, counts)
+    return counts
+
+
+def _sampled_tokens(values: list[list], metadata: SamplingMetadata, rows: _RowStages, logprob_counts: list[int],
+                    may_be_flagged: bool) -> list[SampledToken]:
+    """The step's SampledTokens from what `forward` read back."""
+    num_rows = metadata.num_rows
+    token_ids = values[0]
+    if may_be_flagged:
+        flagged = [token_id == _NOT_FINITE for token_id in token_ids]
+        # Token 0 stands in for a flagged row's (a later step may be fed it before the
+        # engine fails the request).
+        token_ids = [0 if bad else token_id for token_id, bad in zip(token_ids, flagged)]
+    logprob_values: list[float | None] = [None] * num_rows
+    for row, value in zip(rows.scored, values[1] if rows.scored else ()):
+        logprob_values[row] = value
+    extra: dict[int, TokenLogprobs] = {}
+    if logprob_counts:
+        entries = token_logprobs_from([token_ids[row] for row in rows.logprobs],
+                                       [logprob_values[row] for row in rows.logprobs], logprob_counts, values[2:])
+        extra = dict(zip(rows.logprobs, entries))
+    req_ids = metadata.req_ids
+    if not may_be_flagged:
+        return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i)) for i in range(num_rows)]
+    return [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i), flagged[i])
+            for i in range(num_rows)]
+
+
+@dataclass
+class _RowStages:
+    """The rows of a batch each stage applies to, from their parameters (one pass)."""
+
+    greedy: list[int] = field(default_factory=list)
+    random: list[int] = field(default_factory=list)
+    bias: list[int] = field(default_factory=list)
+    min_tokens: list[int] = field(default_factory=list)
+    penalty: list[int] = field(default_factory=list)
+    logprobs: list[int] = field(default_factory=list)
+    # Rows whose drawn token's logprob is computed (logprobs asked for, or best_of > n).
+    scored: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, metadata: SamplingMetadata) -> _RowStages:
+        rows = cls()
+        greedy, random, bias, min_tokens = rows.greedy, rows.random, rows.bias, rows.min_tokens
+        penalty, logprobs, scored = rows.penalty, rows.logprobs, rows.scored
         for i, params in enumerate(metadata.sampling_params):
-            (greedy_rows if params.is_greedy else random_rows).append(i)
+            (greedy if params.is_greedy else random).append(i)
             if params.logit_bias:
-                bias_rows.append(i)
+                bias.append(i)
             if params.min_tokens and params.all_stop_token_ids \
                     and len(metadata.output_token_ids[i]) < params.min_tokens:
-                min_tokens_rows.append(i)
+                min_tokens.append(i)
             if params.needs_penalties:
-                penalty_rows.append(i)
+                penalty.append(i)
             if params.logprobs is not None:
-                logprobs_rows.append(i)
+                logprobs.append(i)
             if params.needs_sampled_logprob:
-                scored_rows.append(i)
-
-        logits = _process_logits(logits, metadata, bias_rows, min_tokens_rows, penalty_rows)
-
-        if not random_rows:
-            # max(dim).indices, not argmax: same first-maximum rule, and 3x faster on CPU.
-            sampled = logits.max(dim=-1).indices
-        else:
-            sampled = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-            if greedy_rows:
-                idx = torch.tensor(greedy_rows, device=logits.device)
-                sampled[idx] = logits[idx].max(dim=-1).indices
-            if len(random_rows) == num_rows:
-                sampled[:] = _sample_random(logits, metadata, random_rows)
-            else:
-                idx = torch.tensor(random_rows, device=logits.device)
-                sampled[idx] = _sample_random(logits[idx], metadata, random_rows)
-
-        logprob_values: list[float | None] = [None] * num_rows
-        extra: dict[int, TokenLogprobs] = {}
-        if scored_rows:
-            all_scored = len(scored_rows) == num_rows
-            rows_idx = None if all_scored else torch.tensor(scored_rows, device=logits.device)
-            scored_logits = raw_logits if all_scored else raw_logits[rows_idx]
-            scored_sampled = sampled if all_scored else sampled[rows_idx]
-            # log_softmax + gather measured faster on CPU than gather - logsumexp.
-            raw_logprobs = torch.log_softmax(scored_logits, dim=-1)
-            values = raw_logprobs.gather(1, scored_sampled.unsqueeze(1)).squeeze(1).tolist()
-            for row, value in zip(scored_rows, values):
-                logprob_values[row] = value
-            if logprobs_rows:
-                # Every row asking for logprobs is a scored row: their positions among them.
-                position = {row: j for j, row in enumerate(scored_rows)}
-                extra = _requested_logprobs(raw_logprobs, scored_sampled, metadata, logprobs_rows,
-                                            [position[row] for row in logprobs_rows])
-
-        token_ids = sampled.tolist()
-        req_ids = metadata.req_ids
-        tokens = [SampledToken(req_ids[i], token_ids[i], logprob_values[i], extra.get(i)) for i in range(num_rows)]
-        if any_not_finite:
-            for row in not_finite.nonzero().flatten().tolist():  # the tokens' sync has been paid
-                tokens[row].logits_not_finite = True
-        return tokens
+                scored.append(i)
+        return rows
 
 
 def not_finite_mask(logits: torch.Tensor) -> torch.Tensor:
@@ -121,38 +178,55 @@ def not_finite_mask(logits: torch.Tensor) -> torch.Tensor:
     return torch.isnan(row_sums) | (row_sums == float("inf"))
 
 
-def rows_not_finite(logits: torch.Tensor) -> list[int]:
-    return not_finite_mask(logits).nonzero().flatten().tolist()
+def read_back(tensors: list[torch.Tensor]) -> list[list[int] | list[float]]:
+    """The values of small tensors on the host, flattened, in one read (on a GPU each read
+    waits for the device). Several go over as one float64 tensor: exact for float32 values
+    and for integers below 2**53 (token ids, ranks); integer tensors come back as ints."""
+    if len(tensors) == 1:
+        tensor = tensors[0]
+        return [(tensor if tensor.dim() == 1 else tensor.reshape(-1)).tolist()]
+    packed = torch.cat([tensor.reshape(-1).to(torch.float64) for tensor in tensors]).tolist()
+    values: list[list[int] | list[float]] = []
+    start = 0
+    for tensor in tensors:
+        part = packed[start:start + tensor.numel()]
+        start += tensor.numel()
+        values.append(part if tensor.is_floating_point() else list(map(int, part)))
+    return values
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """logit_bias, min_tokens and penalties, the sampler's first stage (a copy when any
     applies): what the rejection sampler and the draft model draw from, as the sampler does."""
-    bias_rows: list[int] = []
-    min_tokens_rows: list[int] = []
-    penalty_rows: list[int] = []
-    for i, params in enumerate(metadata.sampling_params):
-        if params.logit_bias:
-            bias_rows.append(i)
-        if params.min_tokens and params.all_stop_token_ids \
-                and len(metadata.output_token_ids[i]) < params.min_tokens:
-            min_tokens_rows.append(i)
-        if params.needs_penalties:
-            penalty_rows.append(i)
-    return _process_logits(logits, metadata, bias_rows, min_tokens_rows, penalty_rows)
+    return _process_logits(logits, metadata, _RowStages.of(metadata))
 
 
-def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata, bias_rows: list[int],
-                    min_tokens_rows: list[int], penalty_rows: list[int]) -> torch.Tensor:
-    if bias_rows or min_tokens_rows or penalty_rows:
+def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages) -> torch.Tensor:
+    if rows.bias or rows.min_tokens or rows.penalty:
         logits = logits.clone()
-        if bias_rows:
-            _apply_logit_bias(logits, metadata, bias_rows)
-        if min_tokens_rows:
-            _apply_min_tokens(logits, metadata, min_tokens_rows)
-        if penalty_rows:
-            _apply_penalties(logits, metadata, penalty_rows, logits.shape[1])
+        if rows.bias:
+            _apply_logit_bias(logits, metadata, rows.bias)
+        if rows.min_tokens:
+            _apply_min_tokens(logits, metadata, rows.min_tokens)
+        if rows.penalty:
+            _apply_penalties(logits, metadata, rows.penalty, logits.shape[1])
     return logits
+
+
+def _draw(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages) -> torch.Tensor:
+    """[N] token ids: the argmax of greedy rows, a draw for random ones."""
+    num_rows = logits.shape[0]
+    if not rows.random:
+        # max(dim).indices, not argmax: same first-maximum rule, and 3x faster on CPU.
+        return logits.max(dim=-1).indices
+    if len(rows.random) == num_rows:
+        return _sample_random(logits, metadata, rows.random)
+    sampled = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    idx = to_device(rows.greedy, logits.device)
+    sampled[idx] = logits[idx].max(dim=-1).indices
+    idx = to_device(rows.random, logits.device)
+    sampled[idx] = _sample_random(logits[idx], metadata, rows.random)
+    return sampled
 
 
 def _apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
@@ -165,26 +239,29 @@ def _apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
         col_idx.extend(bias.keys())
         values.extend(bias.values())
     device = logits.device
-    logits.index_put_((torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)),
-                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    logits.index_put_((to_device(row_idx, device), to_device(col_idx, device)),
+                      to_device(values, device, logits.dtype), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
     """Masks the stop tokens of rows short of min_tokens, unless that leaves a row nothing
-    to draw (a structured output whose grammar allows only EOS now: the grammar wins)."""
+    to draw (a structured output whose grammar allows only EOS now: the grammar wins).
+    Decided on the device: asking the host which rows emptied would wait for the GPU."""
     row_idx: list[int] = []
     col_idx: list[int] = []
-    for i in rows:
+    position: list[int] = []  # each masked entry's row among `rows`
+    for j, i in enumerate(rows):
         stop_ids = metadata.sampling_params[i].all_stop_token_ids
         row_idx.extend([i] * len(stop_ids))
         col_idx.extend(stop_ids)
+        position.extend([j] * len(stop_ids))
     device = logits.device
-    index = (torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device))
+    index = (to_device(row_idx, device), to_device(col_idx, device))
     kept = logits[index]
     logits[index] = _NEG_INF
-    emptied = logits[index[0]].amax(dim=-1) == _NEG_INF
-    if emptied.any():
-        logits[index[0][emptied], index[1][emptied]] = kept[emptied]
+    masked_rows = logits if len(rows) == logits.shape[0] else logits[to_device(rows, device)]
+    emptied = masked_rows.amax(dim=-1) == _NEG_INF
+    logits[index] = torch.where(emptied[to_device(position, device)], kept, _NEG_INF)
 
 
 def _padded(token_lists: list[list[int]], pad: int) -> list[list[int]]:
@@ -197,8 +274,8 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
     device = logits.device
     params = [metadata.sampling_params[i] for i in rows]
     # Pad with an extra column (vocab_size) that is dropped afterwards.
-    prompt = torch.tensor(_padded([metadata.prompt_token_ids[i] for i in rows], vocab_size), device=device)
-    output = torch.tensor(_padded([metadata.output_token_ids[i] for i in rows], vocab_size), device=device)
+    prompt = to_device(_padded([metadata.prompt_token_ids[i] for i in rows], vocab_size), device)
+    output = to_device(_padded([metadata.output_token_ids[i] for i in rows], vocab_size), device)
     n = len(rows)
     prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
     prompt_mask.scatter_(1, prompt, True)
@@ -209,14 +286,11 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
     output_mask = output_counts > 0
 
     all_rows = n == logits.shape[0]
-    row_idx = None if all_rows else torch.tensor(rows, device=device)
+    row_idx = None if all_rows else to_device(rows, device)
     sub = logits if all_rows else logits[row_idx]
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
-                              device=device).unsqueeze(1)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype,
-                             device=device).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype,
-                            device=device).unsqueeze(1)
+    repetition = to_device([p.repetition_penalty for p in params], device, logits.dtype).unsqueeze(1)
+    frequency = to_device([p.frequency_penalty for p in params], device, logits.dtype).unsqueeze(1)
+    presence = to_device([p.presence_penalty for p in params], device, logits.dtype).unsqueeze(1)
     seen = prompt_mask | output_mask
     penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
     sub = torch.where(seen, penalised, sub)
@@ -239,7 +313,7 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
     device = logits.device
     vocab_size = logits.shape[1]
     params = [metadata.sampling_params[i] for i in rows]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperature = to_device([p.temperature for p in params], device, logits.dtype)
     uniforms = _uniforms(metadata, rows, device)
     if not (cpu_ops.usable(logits) and logits.dtype == torch.float32):
         return _sample_truncated(logits, params, temperature, uniforms)
@@ -254,9 +328,9 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
         return _sample_truncated(logits, params, temperature, uniforms)
     plain = [j for j, p in enumerate(params) if not _truncates(p, vocab_size)]
     sampled = torch.empty(len(rows), dtype=torch.long, device=device)
-    plain_idx = torch.tensor(plain, device=device)
+    plain_idx = to_device(plain, device)
     sampled[plain_idx] = cpu_ops.random_sample(logits[plain_idx], temperature[plain_idx], uniforms[plain_idx])
-    truncated_idx = torch.tensor(truncated, device=device)
+    truncated_idx = to_device(truncated, device)
     sampled[truncated_idx] = _sample_truncated(logits[truncated_idx], [params[j] for j in truncated],
                                                temperature[truncated_idx], uniforms[truncated_idx])
     return sampled
@@ -290,20 +364,19 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperatu
 
     if need_top_k and not need_top_p and max(top_ks) <= _TOPK_INSTEAD_OF_SORT:
         # top-k alone (the usual small k): a partial topk is much cheaper than a full sort.
-        k = torch.tensor(top_ks, device=device).unsqueeze(1)
+        k = to_device(top_ks, device).unsqueeze(1)
         kth = logits.topk(max(top_ks), dim=-1).values.gather(1, k - 1)
         logits = logits.masked_fill(logits < kth, _NEG_INF)
     elif need_top_k or need_top_p:
         logits = _apply_top_k_top_p(
             logits,
-            torch.tensor(top_ks, device=device) if need_top_k else None,
-            torch.tensor(top_ps, dtype=logits.dtype, device=device) if need_top_p else None,
+            to_device(top_ks, device) if need_top_k else None,
+            to_device(top_ps, device, logits.dtype) if need_top_p else None,
         )
 
     if any(p > 0.0 for p in min_ps):
         probs = logits.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, dtype=probs.dtype,
-                                                                    device=device).unsqueeze(1)
+        threshold = probs.amax(dim=-1, keepdim=True) * to_device(min_ps, device, probs.dtype).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
     return logits.softmax(dim=-1)
@@ -331,10 +404,12 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Llamas' decode steps). Tokens of probability 0 (masked by top-k, top-p, min-p) are never
     drawn: the cumulative sum does not grow at them. In fp32, u < 1 times a total t rounds
     below t (t - t 2^-24 is more than half an ulp under t unless t is a power of two, where
-    it is exact), so some token's cumulative sum always exceeds the target."""
+    it is exact), so some token's cumulative sum always exceeds the target. A row of NaN
+    (whose request fails) would find none: its index is kept in the vocabulary, so that
+    gathering with it cannot fault."""
     cumulative = probs.float().cumsum(dim=-1)
     targets = u.float().unsqueeze(1) * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -352,33 +427,38 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
     return torch.empty_like(logits).scatter_(1, logits_idx, logits_sort)
 
 
-def _requested_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata,
-                        rows: list[int], positions: list[int]) -> dict[int, TokenLogprobs]:
-    """The logprob entries of `rows` (batch rows), found at `positions` of raw_logprobs."""
-    ks = [metadata.sampling_params[i].logprobs for i in rows]
-    if len(positions) != raw_logprobs.shape[0]:
-        row_idx = torch.tensor(positions, device=raw_logprobs.device)
-        raw_logprobs, sampled = raw_logprobs[row_idx], sampled[row_idx]
-    entries = token_logprobs(raw_logprobs, sampled, ks, normalized=True)
-    return dict(zip(rows, entries))
-
-
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_ks: list[int],
                    normalized: bool = False) -> list[TokenLogprobs]:
     """Raw log-softmax logprob, rank (1 = most likely) and top-k alternatives of one chosen
-    token per row. logits: [N, V] (already log-softmaxed if ``normalized``); token_ids: [N];
-    top_ks: N counts (0 allowed)."""
+    token per row, read back in one go. logits: [N, V] (already log-softmaxed if
+    ``normalized``); token_ids: [N]; top_ks: N counts (0 allowed)."""
     logprobs = logits if normalized else torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
-    chosen_values = chosen.squeeze(1).tolist()
-    token_list = token_ids.tolist()
+    values = read_back([token_ids, chosen] + ranks_and_top(logprobs, chosen, top_ks))
+    return token_logprobs_from(values[0], values[1], top_ks, values[2:])
+
+
+def ranks_and_top(logprobs: torch.Tensor, chosen: torch.Tensor, top_ks: list[int]) -> list[torch.Tensor]:
+    """On the device: each row's rank of its chosen logprob ([N, 1] `chosen`), then, if any
+    row asks for alternatives, the indices and values of the top max(top_ks)."""
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1)
     max_k = min(max(top_ks), logprobs.shape[1])
-    if max_k > 0:
-        top_values, top_indices = logprobs.topk(max_k, dim=-1)
-        top_values, top_indices = top_values.tolist(), top_indices.tolist()
+    if max_k == 0:
+        return [ranks]
+    top_values, top_indices = logprobs.topk(max_k, dim=-1)
+    return [ranks, top_indices, top_values]
+
+
+def token_logprobs_from(token_ids: list[int], chosen: list[float], top_ks: list[int],
+                         ranks_and_top: list[list]) -> list[TokenLogprobs]:
+    """The entries from `ranks_and_top`'s values read back (flattened)."""
+    ranks = ranks_and_top[0]
+    width = len(ranks_and_top[1]) // len(ranks) if len(ranks_and_top) > 1 else 0  # the top's k
     entries = []
     for j, k in enumerate(top_ks):
-        top = list(zip(top_indices[j][:k], top_values[j][:k])) if k > 0 else []
-        entries.append(TokenLogprobs(token_list[j], chosen_values[j], ranks[j], top))
+        top = []
+        if k > 0:
+            start, end = j * width, j * width + min(k, width)
+            top = list(zip(ranks_and_top[1][start:end], ranks_and_top[2][start:end]))
+        entries.append(TokenLogprobs(token_ids[j], chosen[j], ranks[j], top))
     return entries

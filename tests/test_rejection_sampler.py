@@ -10,6 +10,7 @@ test has the power to see a sampler that trusts the draft.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
@@ -134,3 +135,29 @@ def test_penalties_read_the_proposals_before_each_position():
     rows = expand_metadata(metadata, [[3, 4]])
     assert rows.output_token_ids == [[8], [8, 3], [8, 3, 4]]
     assert rows.prompt_token_ids == [[9], [9], [9]]
+
+
+@pytest.mark.parametrize("bad_position", [0, 2])
+def test_a_request_whose_target_logits_hold_nan_is_flagged_alone_and_the_others_tokens_are_unchanged(bad_position):
+    # Three seeded requests verify a draft model's proposals; one target row of the middle
+    # request holds a NaN (at its first or its last position). That request's first token is
+    # flagged (the engine core fails it there); the others emit what they emit without it.
+    params = [SamplingParams(temperature=1.0, seed=50 + r, logprobs=1) for r in range(3)]
+    drafts = [[1, 2], [0, 3], [4, 4]]
+    probs = [torch.stack([GOOD_Q0, GOOD_Q1[d[0]]]) for d in drafts]
+    logits = torch.stack([row for d in drafts for row in (P0, P1[d[0]], P1[d[1]])]).log()
+
+    def verify(logits: torch.Tensor, requests: list[int]) -> list:
+        metadata = SamplingMetadata.from_params([params[r] for r in requests], req_ids=requests,
+                                                generators=[sibling_generator(50 + r, 0) for r in requests])
+        rows = [3 * r + i for r in requests for i in range(3)]
+        return RejectionSampler()(logits[rows], metadata, [drafts[r] for r in requests], [probs[r] for r in requests])
+
+    poisoned = logits.clone()
+    poisoned[3 + bad_position, 2] = float("nan")
+    tokens = verify(poisoned, [0, 1, 2])
+    failed = [token for token in tokens if token.req_id == 1]
+    assert failed[0].logits_not_finite
+    others = [token for token in tokens if token.req_id != 1]
+    assert others == verify(logits, [0, 2])
+    assert not any(token.logits_not_finite for token in others)

@@ -289,3 +289,51 @@ def test_seeded_n2_sampling_with_a_draft_model_is_reproducible_and_its_samples_d
         assert a.outputs[0].token_ids != a.outputs[1].token_ids
     assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
     assert_engine_idle(llm.llm_engine)
+
+
+def test_a_request_whose_target_logits_turn_nan_while_verifying_draft_proposals_fails_alone(llama_dir, draft_dirs):
+    # Fault injection at the rejection sampler's input (the sampler and the engine are the
+    # real ones): at its third verification of the draft model's proposals, one target row of
+    # request r1 holds a NaN. r1 fails with the not-finite error, the others' tokens equal a
+    # run without r1, and no block is held.
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
+              speculative_config=_speculative_config("draft-good", draft_dirs))
+    engine = llm.llm_engine
+    prompts = _prompts(3, seed=9)
+
+    def run(names: list[str]) -> tuple[dict[str, list[int]], dict[str, BaseException]]:
+        for name in names:
+            i = int(name[1])
+            engine.add_request(name, {"prompt_token_ids": prompts[i]}, SamplingParams(
+                temperature=0.8, seed=40 + i, max_tokens=20, ignore_eos=True, logprobs=1))
+        finished, failed = {}, {}
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+            failed.update(engine.pop_failed_requests())
+        return finished, failed
+
+    reference, _ = run(["r0", "r2"])
+    runner = engine.executor.driver_worker.model_runner
+    verify = runner.rejection_sampler
+    verifications = []
+
+    def poisoned(logits, metadata, draft_token_ids, draft_probs=None):
+        # r1's child request: its id is the parent's, then "-" and a serial.
+        r1 = [request.worker_id for request in engine.scheduler.requests.values()
+              if request.request_id.rsplit("-", 1)[0] == "r1"]
+        if r1 and r1[0] in metadata.req_ids and draft_probs is not None:
+            r = metadata.req_ids.index(r1[0])
+            if draft_token_ids[r] and draft_probs[r] is not None:
+                verifications.append(r)
+                if len(verifications) == 3:
+                    row = sum(1 + len(drafts) for drafts in draft_token_ids[:r]) + 1  # its second row
+                    logits = logits.clone()
+                    logits[row, 5] = float("nan")
+        return verify(logits, metadata, draft_token_ids, draft_probs)
+
+    runner.rejection_sampler = poisoned
+    finished, failed = run(["r0", "r1", "r2"])
+    assert len(verifications) >= 3
+    assert list(failed) == ["r1"] and "held NaN or infinite values" in str(failed["r1"])
+    assert finished == reference
+    assert_engine_idle(engine)

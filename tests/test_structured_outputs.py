@@ -324,6 +324,50 @@ def test_matchers_and_blocks_are_released_on_finish_and_abort(llama_dir: Path) -
         engine.shutdown()
 
 
+def test_steps_carry_a_bitmask_exactly_for_the_constrained_requests_they_sample(llama_dir: Path) -> None:
+    """The scheduler counts its unfinished constrained requests, and skips the bitmask while
+    there are none: the count follows adds, aborts, a grammar that fails and finishes, and
+    every step's bitmask rows are the constrained requests it samples, none once they are gone."""
+    engine = _engine(llama_dir)
+    try:
+        scheduler = engine.scheduler
+        steps = []
+        schedule = scheduler.schedule
+
+        def recorded():
+            out = schedule()
+            steps.append((out, [r.worker_id for r, s in zip(out.scheduled, out.step.requests)
+                                if s.do_sample and r.structured_output_request is not None]))
+            return out
+
+        scheduler.schedule = recorded
+        constraint = StructuredOutputsParams(regex="[a-z]{6}")
+        engine.compile_structured_outputs(constraint)
+        engine.add_request("free", "hello", SamplingParams(max_tokens=12, ignore_eos=True))
+        assert scheduler.num_constrained_requests == 0
+        engine.add_request("short", "hello", SamplingParams(max_tokens=3, structured_outputs=constraint))
+        engine.add_request("aborted", "hello", SamplingParams(max_tokens=12, structured_outputs=constraint))
+        engine.add_request("bad", "hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            regex="[z-a]")))
+        assert scheduler.num_constrained_requests == 3
+        engine.step()
+        engine.abort_request("aborted")
+        counts = [scheduler.num_constrained_requests]  # "bad" may still be compiling
+        failed = {}
+        while engine.has_unfinished_requests():
+            engine.step()
+            counts.append(scheduler.num_constrained_requests)
+            failed.update(engine.pop_failed_requests())
+        assert counts[0] <= 2 and counts == sorted(counts, reverse=True) and counts[-1] == 0
+        assert list(failed) == ["bad"]
+        for out, constrained in steps:
+            assert out.step.structured_output_req_ids == constrained
+            assert (out.step.grammar_bitmask is None) == (not constrained)
+        assert any(constrained for _, constrained in steps) and not steps[-1][1]
+    finally:
+        engine.shutdown()
+
+
 def test_compiled_grammars_are_cached_by_constraint_and_bounded(llama_dir: Path) -> None:
     engine = _engine(llama_dir)
     try:
