@@ -18,6 +18,7 @@ from raylm.kernels.cpu_fused_decode import CpuFusedDecode
 from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import SiluAndMul
 from raylm.models.attention import Attention
+from raylm.models.causal_lm import CausalLM
 from raylm.models.forward_context import get_forward_context, last_layer_rows, select_rows
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.pipeline import (PPMissingLayer, is_first_stage, is_last_stage, make_layers, skip_other_stages,
@@ -25,7 +26,6 @@ from raylm.models.pipeline import (PPMissingLayer, is_first_stage, is_last_stage
 from raylm.models.rmsnorm import RMSNorm, norm_with_residual
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.models.sliding_window import layer_sliding_windows
-from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 from raylm.parallel.linear import LinearOutputSlice
@@ -201,8 +201,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
-    # Checkpoint names fused into one parameter: (our name, checkpoint name, shard id).
+class LlamaForCausalLM(CausalLM):
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),
         (".qkv_proj", ".k_proj", "k"),
@@ -240,22 +239,11 @@ class LlamaForCausalLM(nn.Module):
         from the previous stage's `intermediate_tensors`; one before the last returns its own."""
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] fp32 logits; None on tensor-parallel ranks other than 0."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors into their (sharded) parameters; returns the names of
-        the parameters it loaded."""
-        return load_stacked_weights(self, self._checkpoint_tensors(weights), self.stacked_params_mapping)
-
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in skip_other_stages(self, weights):
+        for name, tensor in super()._checkpoint_tensors(skip_other_stages(self, weights)):
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
                 continue
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # some tied checkpoints store the shared matrix twice
             yield name, tensor
 
 
