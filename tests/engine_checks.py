@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 # The scheduler's modes every HF-equality test runs under: vLLM's defaults (prefix caching
 # and chunked prefill on), both off, and a budget small enough that prompts are chunked
@@ -12,6 +17,22 @@ ENGINE_MODES: dict[str, dict[str, Any]] = {
     "no-cache-no-chunk": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
     "small-chunks": dict(max_num_batched_tokens=24),
 }
+
+
+@contextmanager
+def tensor_parallel_llm(request: pytest.FixtureRequest, model_dir: Path, tensor_parallel_size: int,
+                        **engine_kwargs: Any) -> Iterator[Any]:
+    """An `LLM` over model_dir on this many tensor-parallel workers (the session's Ray,
+    conftest's `ray_cluster`, when more than one), shut down on leaving."""
+    from raylm.engine import LLM
+
+    if tensor_parallel_size > 1:
+        request.getfixturevalue("ray_cluster")
+    llm = LLM(model=str(model_dir), tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
 
 
 def assert_engine_idle(engine: Any) -> None:
