@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,35 @@ def tensor_parallel_llm(request: pytest.FixtureRequest, model_dir: Path, tensor_
         yield llm
     finally:
         llm.shutdown()
+
+
+class WorkerKill:
+    """When `kill_worker_at_step` killed its worker (time.monotonic(); None: not yet)."""
+
+    killed_at: float | None = None
+
+
+def kill_worker_at_step(llm: Any, rank: int, step: int = 3) -> WorkerKill:
+    """Hooks the engine so that worker `rank` of its Ray executor is killed as step `step`
+    starts (where every step starts, whichever way the engine then hands it to the workers)."""
+    import ray
+
+    executor = llm.llm_engine.executor
+    scheduler = llm.llm_engine.scheduler
+    schedule = scheduler.schedule
+    kill = WorkerKill()
+    steps = 0
+
+    def schedule_and_kill():
+        nonlocal steps
+        steps += 1
+        if steps == step:
+            ray.kill(executor.workers[rank], no_restart=True)
+            kill.killed_at = time.monotonic()
+        return schedule()
+
+    scheduler.schedule = schedule_and_kill
+    return kill
 
 
 def assert_engine_idle(engine: Any) -> None:

@@ -207,7 +207,10 @@ def test_a_running_request_id_cannot_be_reused_until_it_finishes(llm):
     assert_all_blocks_free(llm)
 
 
-def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, monkeypatch):
+@pytest.fixture
+def poisonable_detokenizers(monkeypatch):
+    """A detokenizer bug, injected: IncrementalDetokenizer.step raises for a detokenizer whose
+    `poisoned` is set."""
     from raylm.engine import detokenizer
 
     original_step = detokenizer.IncrementalDetokenizer.step
@@ -218,6 +221,9 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
         return original_step(self, token_id)
 
     monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+
+
+def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, poisonable_detokenizers):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, params)
@@ -288,17 +294,7 @@ def test_aborting_an_n_request_frees_every_samples_blocks(llm, n, best_of):
     assert_all_blocks_free(llm)
 
 
-def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks(llm, monkeypatch):
-    from raylm.engine import detokenizer
-
-    original_step = detokenizer.IncrementalDetokenizer.step
-
-    def step(self, token_id):
-        if getattr(self, "poisoned", False):
-            raise RuntimeError("detokenizer bug")
-        return original_step(self, token_id)
-
-    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks(llm, poisonable_detokenizers):
     engine = llm.llm_engine
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=6, ignore_eos=True))
     engine.add_request("broken", {"prompt_token_ids": list(range(20, 60))},
