@@ -7,6 +7,7 @@ worker dies fails its health check and is replaced by a working one."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,19 +57,25 @@ def cli_args(llama_dir: Path):
                                       "--num-gpu-blocks-override", "256", "--device", "cpu", *SERVER_FLAGS])
 
 
-@pytest.fixture(scope="module")
-def serve_url(session_ray, cli_args):
+def run_cli_serve_app(cli_args, app_name: str) -> Iterator[str]:
+    """Runs what `raylm serve --ray-serve` runs for these flags, with test-sized deployment
+    settings that have no flag, on a free local port; yields its URL, then deletes the app
+    and stops Serve."""
     from raylm.deploy.serve_app import cli_serve_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # What `raylm serve --ray-serve` runs, with test-sized deployment settings that have no flag.
     app, _ = cli_serve_app(cli_args, num_replicas=1, replica_cpus=0.25, health_check_period_s=1.0,
                            health_check_timeout_s=20.0)
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    serve.run(app, name=app_name, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
-    serve.delete(APP_NAME)
+    serve.delete(app_name)
     serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_url(session_ray, cli_args):
+    yield from run_cli_serve_app(cli_args, APP_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from test_serve_app import MODEL, PROMPTS, SERVER_FLAGS, _client, kill_worker_mid_stream_and_await_a_new_replica
+from test_serve_app import (MODEL, PROMPTS, SERVER_FLAGS, _client, kill_worker_mid_stream_and_await_a_new_replica,
+                            run_cli_serve_app)
 from test_serve_app import expected, session_ray  # noqa: F401 - fixtures
 
 ray = pytest.importorskip("ray")
@@ -23,19 +24,10 @@ APP_NAME = "raylm-test-pp"
 @pytest.fixture(scope="module")
 def serve_url(session_ray, llama_dir: Path):  # noqa: F811 - the imported fixture
     from raylm.deploy.cli import build_parser
-    from raylm.deploy.serve_app import cli_serve_app
-    from test_api_server import free_port
 
     cli_args = build_parser().parse_args(["serve", str(llama_dir), "--ray-serve", "--pipeline-parallel-size", "2",
                                           "--num-gpu-blocks-override", "256", "--device", "cpu", *SERVER_FLAGS])
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app, _ = cli_serve_app(cli_args, num_replicas=1, replica_cpus=0.25, health_check_period_s=1.0,
-                           health_check_timeout_s=20.0)
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.delete(APP_NAME)
-    serve.shutdown()
+    yield from run_cli_serve_app(cli_args, APP_NAME)
 
 
 def _stages(handle) -> list[tuple[int, int]]:
