@@ -13,17 +13,15 @@ neither.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from raylm.deploy.limits import RequestLimits
 from raylm.deploy.tool_parsers import TOOL_PARSERS, check_tool_settings
-from raylm.engine import arg_fields, envs
-from raylm.engine.arg_fields import nested, setting
+from raylm.engine import envs
+from raylm.engine.arg_fields import SettingsMixin, nested, setting
 
 # 4x the engine's default max_num_seqs (256): enough waiting requests to keep the batch
 # full, a bounded queue behind it (TGI's --max-concurrent-requests defaults to 128).
@@ -75,8 +73,10 @@ _UVICORN_ONLY = "uvicorn's own; Ray Serve runs its own HTTP proxy."
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(SettingsMixin):
     """The server's settings (the engine's are in `EngineArgs`)."""
+
+    setting_kind = "server setting"
 
     host: str = field(default="127.0.0.1", metadata=setting(
         "Address to listen on; the default listens on loopback only.", key=False, note=_SERVE_HTTP))
@@ -133,27 +133,6 @@ class ServerArgs:
         check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("Give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both.")
-
-    # ------------------------------------------------------------ building
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """One `raylm serve` flag per setting, with its help and default."""
-        return arg_fields.add_cli_args(parser, cls)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        return arg_fields.from_namespace(cls, args)
-
-    @classmethod
-    def from_values(cls, values: dict[str, Any]) -> "ServerArgs":
-        """From the Serve app's keys: strings parsed by each field's type, an unknown or
-        misplaced key a ValueError naming it."""
-        return arg_fields.from_values(cls, values, "server setting")
-
-    @classmethod
-    def keys(cls) -> list[str]:
-        """The Serve app keys that are server settings."""
-        return arg_fields.known_keys(cls)
 
     # ------------------------------------------------------------- reading
     def resolved_api_key(self) -> str | None:
@@ -214,9 +193,11 @@ POWER_OF_TWO_ROUTER = "power_of_two"
 
 
 @dataclass
-class DeploymentArgs:
+class DeploymentArgs(SettingsMixin):
     """How Ray Serve runs the replicas (`raylm serve --ray-serve`, `serve run ... app_builder`):
     Serve app keys, the replica counts and the router's main choices also `raylm serve` flags."""
+
+    setting_kind = "deployment setting"
 
     num_replicas: int | None = field(default=None, metadata=setting(
         "Ray Serve: a fixed number of engine replicas, each with its own engine and placement group; default: "
@@ -317,19 +298,3 @@ class DeploymentArgs:
     def most_replicas(self) -> int:
         """The most engine replicas there can be: num_replicas, else max_replicas."""
         return self.num_replicas if self.num_replicas is not None else self.replica_range[1]
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        return arg_fields.add_cli_args(parser, cls)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "DeploymentArgs":
-        return arg_fields.from_namespace(cls, args)
-
-    @classmethod
-    def from_values(cls, values: dict[str, Any]) -> "DeploymentArgs":
-        return arg_fields.from_values(cls, values, "deployment setting")
-
-    @classmethod
-    def keys(cls) -> list[str]:
-        return arg_fields.known_keys(cls)

@@ -8,7 +8,7 @@ come the command-line flags (`add_cli_args`), the values read from an argparse n
 string is a JSON object, an unknown key is an error naming its near misses), and the
 Markdown reference of the docs (`markdown_table`). A field whose default is another
 settings dataclass (`nested()`) puts that class's settings beside its own, under their own
-names.
+names. `SettingsMixin` gives a settings dataclass these as its own class methods.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass
-from typing import Any
+from typing import Any, Self
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -251,6 +251,37 @@ def _parse_scalar(s: Setting, kind: Any, value: Any) -> Any:
             raise ValueError(f"{s.name} must be a string, got {value!r}.")
         return value
     return value  # a type the generators do not know: taken as given
+
+
+# ---------------------------------------------------------------- the mixin
+class SettingsMixin:
+    """The class methods every top-level settings dataclass offers (`EngineArgs`,
+    `ServerArgs`, `DeploymentArgs`), each the generator above applied to the class.
+    `setting_kind` names its settings in errors ("Unknown engine argument: ...")."""
+
+    setting_kind = "setting"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """One flag per setting (`--max-model-len`) but those in `skip`, with its help and
+        default (see `add_cli_args`)."""
+        return add_cli_args(parser, cls, skip)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> Self:
+        return from_namespace(cls, args)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> Self:
+        """From string-keyed values (Ray Serve's `key=value` app arguments): strings parsed
+        by each field's type; an unknown or misplaced key a ValueError naming it and its
+        near misses."""
+        return from_values(cls, values, cls.setting_kind)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The string keys (Serve app keys) that are settings of this class."""
+        return known_keys(cls)
 
 
 # ------------------------------------------------------------------- docs

@@ -7,15 +7,13 @@ keys, and `docs/engine_args.md` is generated from them, so no setting is spelled
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylm.engine import arg_fields
-
 from raylm.engine import envs
+from raylm.engine.arg_fields import SettingsMixin
 from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
                                  LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
                                  resolve_dtype)
@@ -32,7 +30,9 @@ def _help(text: str) -> dict[str, str]:
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(SettingsMixin):
+    setting_kind = "engine argument"
+
     model: str = field(default="", metadata=_help(f"Path of a Hugging Face model folder (config.json, "
                                                   f"*.safetensors, tokenizer files), or {DEMO_MODEL_NAME!r}; "
                                                   f"default: raylm's bundled demo model, {DEMO_MODEL_NAME!r}."))
@@ -242,23 +242,6 @@ class EngineArgs:
                              f"adapters, or turn LoRA off.")
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             speculative_config, lora_config)
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        """Adds one flag per field (`--max-model-len`), with the field's help and default
-        (see `arg_fields.add_cli_args`)."""
-        return arg_fields.add_cli_args(parser, cls, skip)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return arg_fields.from_namespace(cls, args)
-
-    @classmethod
-    def from_values(cls, values: dict[str, Any]) -> "EngineArgs":
-        """EngineArgs from string-keyed values (Ray Serve's `key=value` app arguments):
-        strings are parsed by each field's type; an unknown key is a ValueError naming its
-        near misses."""
-        return arg_fields.from_values(cls, values, "engine argument")
 
 
 def _check_lora_with_speculative(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None) -> None:

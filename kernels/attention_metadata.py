@@ -43,6 +43,18 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    def decode_seqs_and_rows(self) -> tuple[list[int], list[int]]:
+        """The sequences with one query token this step (decode), and each one's packed row."""
+        seqs: list[int] = []
+        rows: list[int] = []
+        start = 0
+        for i, query_len in enumerate(self.query_lens_list):
+            if query_len == 1:
+                seqs.append(i)
+                rows.append(start)
+            start += query_len
+        return seqs, rows
+
     def for_rows(self, rows: list[int]) -> AttentionMetadata:
         """This step's attention from the packed rows `rows` alone, in that order: each is a
         one-token query at its own position p attending to the first p + 1 tokens of its

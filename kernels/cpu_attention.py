@@ -157,12 +157,7 @@ class _DecodeRows:
 def _decode_rows(md: AttentionMetadata) -> _DecodeRows | None:
     # Cached on the metadata object, which lives exactly one step; not a dataclass field.
     if "_cpu_decode_rows" not in md.__dict__:
-        seqs, rows, start = [], [], 0
-        for i, query_len in enumerate(md.query_lens_list):
-            if query_len == 1:
-                seqs.append(i)
-                rows.append(start)
-            start += query_len
+        seqs, rows = md.decode_seqs_and_rows()
         plan = None
         if len(seqs) == md.num_seqs:  # decode-only with padding rows after the sequences
             plan = _DecodeRows(slice(0, md.num_seqs), md.block_tables, md.seq_lens)

@@ -109,12 +109,7 @@ def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int
         batch, seq_lens_list = md.num_seqs, md.seq_lens_list
         block_tables, seq_lens = md.block_tables, md.seq_lens
     else:
-        decode_seqs, decode_rows, start = [], [], 0
-        for i, query_len in enumerate(md.query_lens_list):
-            if query_len == 1:
-                decode_seqs.append(i)
-                decode_rows.append(start)
-            start += query_len
+        decode_seqs, decode_rows = md.decode_seqs_and_rows()
         if not decode_seqs:
             return None
         seq_index = torch.tensor(decode_seqs, device=device)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.triton_paged_kv import paged_kv_tile_scores
 
 # Split-K partitions are multiples of this many tokens (a multiple of every K/V tile width,
 # so no tile straddles two partitions) ...
@@ -33,15 +34,6 @@ PARTITION_ALIGN = 64
 # ... and at least this many: below it the merge costs more than the parallelism gains.
 _MIN_PARTITION = 512
 _MAX_SPLITS = 64
-
-
-@triton.jit
-def soft_cap_scores(s, cap):
-    """cap * tanh(s / cap) for scores s in the kernels' log2 units and cap in the same units,
-    through exp2 (e = exp(-2|s| / cap) <= 1: nothing overflows)."""
-    e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / cap))
-    magnitude = cap * (1.0 - e) / (1.0 + e)
-    return tl.where(s < 0, -magnitude, magnitude)
 
 
 def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
@@ -117,22 +109,10 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = pos < end
-        physical = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        # Masked loads keep never-written slots (garbage, NaN) out of the arithmetic.
-        k = tl.load(k_cache_ptr + physical[:, None] * stride_kc_block + offset[:, None] * stride_kc_token
-                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + physical[:, None] * stride_vc_block + offset[:, None] * stride_vc_token
-                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        if SOFT_CAP > 0:
-            s = soft_cap_scores(s, SOFT_CAP * 1.4426950408889634)
+        pos, n_mask, s, v = paged_kv_tile_scores(  # s: [BLOCK_G, BLOCK_N]
+            q, qk_scale, block_table, k_cache_ptr, v_cache_ptr, tile_start, end, kv_head, d, d_mask,
+            stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
+            BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SOFT_CAP)
         s = tl.where(n_mask[None, :], s, -float("inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

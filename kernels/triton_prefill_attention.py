@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
-from raylm.kernels.triton_decode_attention import soft_cap_scores
+from raylm.kernels.triton_paged_kv import paged_kv_tile_scores
 
 def prefill_tiles(dtype: torch.dtype, group: int, head_size: int, max_query_len: int, on_gpu: bool = True) -> dict:
     """The prefill kernel's tile shape and warps for a cache dtype, GQA group, head size and
@@ -107,22 +107,10 @@ def _paged_prefill_kernel(
     else:
         kv_start = kv_end * 0
     for tile_start in range(kv_start, kv_end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = pos < kv_end
-        physical = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        # Masked loads keep never-written slots (garbage, NaN) out of the arithmetic.
-        k = tl.load(k_cache_ptr + physical[:, None] * stride_kc_block + offset[:, None] * stride_kc_token
-                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + physical[:, None] * stride_vc_block + offset[:, None] * stride_vc_token
-                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if SOFT_CAP > 0:
-            s = soft_cap_scores(s, SOFT_CAP * 1.4426950408889634)
+        pos, n_mask, s, v = paged_kv_tile_scores(  # s: [BLOCK_M, BLOCK_N]
+            q, qk_scale, block_table, k_cache_ptr, v_cache_ptr, tile_start, kv_end, kv_head, d, d_mask,
+            stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
+            BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SOFT_CAP)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)

@@ -22,12 +22,9 @@ from raylm.models.activation import GeluAndMul
 from raylm.models.attention import Attention
 from raylm.models.forward_context import select_rows
 from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
-from raylm.models.logits_processor import LogitsProcessor
-from raylm.models.pipeline import PPMissingLayer, is_first_stage, is_last_stage, make_layers
-from raylm.models.rmsnorm import GemmaRMSNorm
-from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
-from raylm.models.sliding_window import layer_sliding_windows
-from raylm.parallel import MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from raylm.models.rmsnorm import GemmaRMSNorm, norm_with_residual
+from raylm.models.rotary_embedding import RotaryEmbedding
+from raylm.parallel import MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 # Hugging Face activation names -> F.gelu's `approximate`.
 _GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -76,11 +73,7 @@ class Gemma2DecoderLayer(nn.Module):
                 output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of each block is fused into the next block's pre-norm (as in
         # Llama); the post-norms act on the block's output alone, before that add.
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = norm_with_residual(self.input_layernorm, hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states, output_rows))
         residual = select_rows(residual, output_rows)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
@@ -104,21 +97,14 @@ class Gemma2Model(LlamaModel):
     """Llama's forward (embed, layers with the residual fused into the norms, final norm)
     over Gemma 2's modules."""
 
+    default_tie_word_embeddings = True  # Gemma2Config's default
+
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError("use_bidirectional_attention=True is not supported; raylm's attention is causal.")
-        # Pipeline parallel: as LlamaModel, a stage builds its own parts only.
-        self.is_last_stage = is_last_stage()
-        tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.embed_tokens = (ScaledVocabParallelEmbedding(config.vocab_size, config.hidden_size)
-                             if is_first_stage() or (tied and self.is_last_stage) else PPMissingLayer())
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
-        windows = layer_sliding_windows(config)
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda i: Gemma2DecoderLayer(config, rotary_emb, windows[i]))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        self._build_modules(config, lambda rotary_emb, window: Gemma2DecoderLayer(config, rotary_emb, window),
+                            embedding_type=ScaledVocabParallelEmbedding, norm_type=GemmaRMSNorm)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -126,18 +112,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     soft-capped logits."""
 
     def __init__(self, config: Any) -> None:
-        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama model
-        self.config = config
-        self.model = Gemma2Model(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.model.is_last_stage:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-            if self.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        super().__init__(config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def _init_model(self, config: Any) -> Gemma2Model:
+        return Gemma2Model(config)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] fp32 logits, soft-capped; None on ranks other than 0."""

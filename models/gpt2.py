@@ -10,7 +10,7 @@ Face's, so checkpoints load by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,11 +19,11 @@ from torch import nn
 from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import get_act_fn
 from raylm.models.attention import Attention
+from raylm.models.causal_lm import CausalLM
 from raylm.models.forward_context import last_layer_rows, select_rows
 from raylm.models.layernorm import LayerNorm
 from raylm.models.learned_positional_embedding import LearnedPositionalEmbedding
 from raylm.models.logits_processor import LogitsProcessor
-from raylm.models.weight_utils import default_weight_loader
 from raylm.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
@@ -119,7 +119,7 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden_states)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
@@ -136,28 +136,15 @@ class GPT2LMHeadModel(nn.Module):
         (only the rows ForwardContext.output_rows when it is set)."""
         return self.transformer(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] fp32 logits; None on tensor-parallel ranks other than 0."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors into their (sharded) parameters; returns the names of
-        the parameters it loaded. c_attn's fused q/k/v tensor goes whole to
-        QKVParallelLinear's loader, which splits it (shard id None)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+    def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """c_attn's fused q/k/v tensor goes whole to QKVParallelLinear's loader, which splits
+        it (shard id None); Conv1D weights go transposed."""
+        for name, tensor in super()._checkpoint_tensors(weights):
             if name.endswith((".attn.bias", ".attn.masked_bias")):
                 continue  # causal-mask buffers that older checkpoints saved
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # some tied checkpoints store the shared matrix twice
             if not name.startswith(("transformer.", "lm_head.")):
                 name = "transformer." + name  # saved from GPT2Model (e.g. the original gpt2)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}.")
             if name.endswith(_CONV1D_WEIGHTS):
                 tensor = TransposedWeight(tensor)
-            param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
-        return loaded
+            yield name, tensor

@@ -8,7 +8,7 @@ layers from `max_window_layers` on for Qwen2 with `use_sliding_window`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,14 +18,14 @@ from raylm.kernels.cpu_fused_decode import CpuFusedDecode
 from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import SiluAndMul
 from raylm.models.attention import Attention
+from raylm.models.causal_lm import CausalLM
 from raylm.models.forward_context import get_forward_context, last_layer_rows, select_rows
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.pipeline import (PPMissingLayer, is_first_stage, is_last_stage, make_layers, skip_other_stages,
                                    stage_input)
-from raylm.models.rmsnorm import RMSNorm
+from raylm.models.rmsnorm import RMSNorm, norm_with_residual
 from raylm.models.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from raylm.models.sliding_window import layer_sliding_windows
-from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                             VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 from raylm.parallel.linear import LinearOutputSlice
@@ -118,11 +118,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = norm_with_residual(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, output_rows)
         residual = select_rows(residual, output_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
@@ -143,24 +139,33 @@ class LlamaModel(nn.Module):
     # Decode steps on the CPU through every layer in one native call (None: the layers' loop
     # always, as for models built on other layers).
     fused_decode: CpuFusedDecode | None = None
+    # tie_word_embeddings where the config does not say (LlamaConfig's default).
+    default_tie_word_embeddings = False
 
     def __init__(self, config: Any, qkv_bias: bool) -> None:
         super().__init__()
+        self._build_modules(config, lambda rotary_emb, window: LlamaDecoderLayer(config, rotary_emb, qkv_bias,
+                                                                                 sliding_window=window))
+        self.fused_decode = CpuFusedDecode(self.stage_layers, _is_plain_llama_layer)
+
+    def _build_modules(self, config: Any, make_layer: Callable[[RotaryEmbedding, int | None], nn.Module],
+                       embedding_type: type[VocabParallelEmbedding] = VocabParallelEmbedding,
+                       norm_type: type[RMSNorm] = RMSNorm) -> None:
+        """The token embedding, the decoder layers (`make_layer(rotary_emb, sliding_window)`)
+        and the final norm, for models that run Llama's forward over their own modules."""
         # Pipeline parallel: a stage builds its own layers only (`models/pipeline.py`); the
         # embedding lives on the first stage, and on the last too when the LM head shares it.
         self.is_last_stage = is_last_stage()
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        tied = bool(getattr(config, "tie_word_embeddings", self.default_tie_word_embeddings))
+        self.embed_tokens = (embedding_type(config.vocab_size, config.hidden_size)
                              if is_first_stage() or (tied and self.is_last_stage) else PPMissingLayer())
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
         windows = layer_sliding_windows(config)
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
-            lambda i: LlamaDecoderLayer(config, rotary_emb, qkv_bias, sliding_window=windows[i]))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
-        self.fused_decode = CpuFusedDecode(self.stage_layers, _is_plain_llama_layer)
+            config.num_hidden_layers, lambda i: make_layer(rotary_emb, windows[i]))
+        self.norm = norm_type(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
     @property
     def stage_layers(self) -> nn.ModuleList:
@@ -196,8 +201,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
-    # Checkpoint names fused into one parameter: (our name, checkpoint name, shard id).
+class LlamaForCausalLM(CausalLM):
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),
         (".qkv_proj", ".k_proj", "k"),
@@ -212,9 +216,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        qkv_bias = bool(getattr(config, "attention_bias", self.default_qkv_bias)) or self.default_qkv_bias
-        self.model = LlamaModel(config, qkv_bias=qkv_bias)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = self._init_model(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
+                                                self.model.default_tie_word_embeddings))
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings:
@@ -223,6 +227,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
+    def _init_model(self, config: Any) -> LlamaModel:
+        """The decoder under the LM head; subclasses over other layers build their own."""
+        qkv_bias = bool(getattr(config, "attention_bias", self.default_qkv_bias)) or self.default_qkv_bias
+        return LlamaModel(config, qkv_bias=qkv_bias)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden] (only the rows
@@ -230,22 +239,11 @@ class LlamaForCausalLM(nn.Module):
         from the previous stage's `intermediate_tensors`; one before the last returns its own."""
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] fp32 logits; None on tensor-parallel ranks other than 0."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors into their (sharded) parameters; returns the names of
-        the parameters it loaded."""
-        return load_stacked_weights(self, self._checkpoint_tensors(weights), self.stacked_params_mapping)
-
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in skip_other_stages(self, weights):
+        for name, tensor in super()._checkpoint_tensors(skip_other_stages(self, weights)):
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
                 continue
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # some tied checkpoints store the shared matrix twice
             yield name, tensor
 
 

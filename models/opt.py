@@ -19,11 +19,11 @@ from torch import nn
 from raylm.kernels.mlp_row_chunks import mlp_in_row_chunks
 from raylm.models.activation import get_act_fn
 from raylm.models.attention import Attention
+from raylm.models.causal_lm import CausalLM
 from raylm.models.forward_context import last_layer_rows, select_rows
 from raylm.models.layernorm import LayerNorm
 from raylm.models.learned_positional_embedding import LearnedPositionalEmbedding
 from raylm.models.logits_processor import LogitsProcessor
-from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
                             RowParallelLinear, VocabParallelEmbedding, get_tensor_model_parallel_world_size)
 
@@ -126,8 +126,7 @@ class OPTModel(nn.Module):
         return self.decoder(input_ids, positions)
 
 
-class OPTForCausalLM(nn.Module):
-    # Checkpoint names fused into one parameter: (our name, checkpoint name, shard id).
+class OPTForCausalLM(CausalLM):
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),
         (".qkv_proj", ".k_proj", "k"),
@@ -150,21 +149,9 @@ class OPTForCausalLM(nn.Module):
         [T, word_embed_proj_dim] (only the rows ForwardContext.output_rows when it is set)."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, word_embed_proj_dim] -> [N, vocab] fp32 logits; None on tensor-parallel ranks
-        other than 0."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors into their (sharded) parameters; returns the names of
-        the parameters it loaded."""
-        return load_stacked_weights(self, self._checkpoint_tensors(weights), self.stacked_params_mapping)
-
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
+        for name, tensor in super()._checkpoint_tensors(weights):
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # saved from OPTModel rather than OPTForCausalLM
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # some tied checkpoints store the shared matrix twice
             yield name, tensor

@@ -46,3 +46,12 @@ class GemmaRMSNorm(RMSNorm):
         out = F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())
         out = out.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def norm_with_residual(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm: (norm(x + residual), x + residual), the previous
+    layer's residual add fused in; the first layer, with no residual yet, gets (norm(x), x)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)

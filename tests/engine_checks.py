@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 # The scheduler's modes every HF-equality test runs under: vLLM's defaults (prefix caching
 # and chunked prefill on), both off, and a budget small enough that prompts are chunked
@@ -12,6 +18,51 @@ ENGINE_MODES: dict[str, dict[str, Any]] = {
     "no-cache-no-chunk": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
     "small-chunks": dict(max_num_batched_tokens=24),
 }
+
+
+@contextmanager
+def tensor_parallel_llm(request: pytest.FixtureRequest, model_dir: Path, tensor_parallel_size: int,
+                        **engine_kwargs: Any) -> Iterator[Any]:
+    """An `LLM` over model_dir on this many tensor-parallel workers (the session's Ray,
+    conftest's `ray_cluster`, when more than one), shut down on leaving."""
+    from raylm.engine import LLM
+
+    if tensor_parallel_size > 1:
+        request.getfixturevalue("ray_cluster")
+    llm = LLM(model=str(model_dir), tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+class WorkerKill:
+    """When `kill_worker_at_step` killed its worker (time.monotonic(); None: not yet)."""
+
+    killed_at: float | None = None
+
+
+def kill_worker_at_step(llm: Any, rank: int, step: int = 3) -> WorkerKill:
+    """Hooks the engine so that worker `rank` of its Ray executor is killed as step `step`
+    starts (where every step starts, whichever way the engine then hands it to the workers)."""
+    import ray
+
+    executor = llm.llm_engine.executor
+    scheduler = llm.llm_engine.scheduler
+    schedule = scheduler.schedule
+    kill = WorkerKill()
+    steps = 0
+
+    def schedule_and_kill():
+        nonlocal steps
+        steps += 1
+        if steps == step:
+            ray.kill(executor.workers[rank], no_restart=True)
+            kill.killed_at = time.monotonic()
+        return schedule()
+
+    scheduler.schedule = schedule_and_kill
+    return kill
 
 
 def assert_engine_idle(engine: Any) -> None:

@@ -24,6 +24,13 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt_ids):].tolist()
 
 
+@lru_cache(maxsize=None)
+def cached_hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """`hf_greedy`, remembered: a model run at several tensor-parallel sizes is compared with
+    one reference."""
+    return hf_greedy(model_dir, list(prompt_ids), max_new_tokens)
+
+
 def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab] log-softmax of HF's logits at every position."""
     model = hf_model(str(model_dir))

@@ -19,7 +19,7 @@ import torch
 
 from hf_reference import hf_greedy, hf_model
 from raylm.engine import LLM, SamplingParams
-from test_llm_vs_hf import random_prompts
+from tiny_models import random_prompts
 
 MAX_TOKENS = 10
 MARGIN = 0.02
@@ -55,7 +55,7 @@ def clear_prefix_length(model_dir, prompt: list[int], hf_bf16: list[int]) -> int
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_bf16_greedy_tokens_equal_hf_bf16_where_hf_fp32_agrees_clearly(tiny_model_dirs, arch):
     model_dir = tiny_model_dirs[arch]
-    prompts = random_prompts(12, 512, seed=11, min_len=2, max_len=40)
+    prompts = random_prompts(12, seed=11, min_len=2, max_len=40)
     llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_seqs=16)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],

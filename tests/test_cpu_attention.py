@@ -115,17 +115,19 @@ def test_padding_rows_past_the_last_sequence_are_zero(native, query_lens, seq_le
     assert relative_error(out, expected) < 1e-5
 
 
-def test_results_do_not_depend_on_the_thread_count(native):
-    query, k_cache, v_cache, md = build_step([1] * 16, list(range(5, 85, 5)), 8, 2, 64, seed=7)
+def attention_on_threads(num_threads: int, query, k_cache, v_cache, md) -> torch.Tensor:
+    """cpu_attention.paged_attention run on this many threads (the process's count restored)."""
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
-        torch.set_num_threads(2)
-        two = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
+        torch.set_num_threads(num_threads)
+        return cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+
+
+def test_results_do_not_depend_on_the_thread_count(native):
+    step = build_step([1] * 16, list(range(5, 85, 5)), 8, 2, 64, seed=7)
+    assert torch.equal(attention_on_threads(1, *step), attention_on_threads(2, *step))
 
 
 def test_block_table_too_short_for_its_sequence_is_an_error_not_a_read_out_of_bounds(native):
@@ -270,16 +272,8 @@ def test_prefill_kernel_alone_zeroes_the_rows_of_sequences_it_skips(native_prefi
 
 
 def test_prefill_results_do_not_depend_on_the_thread_count(native_prefill):
-    query, k_cache, v_cache, md = build_step([200, 30, 1], [260, 30, 40], 8, 2, 64, seed=18)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
-        torch.set_num_threads(2)
-        two = cpu_attention.paged_attention(query, k_cache, v_cache, md, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    step = build_step([200, 30, 1], [260, 30, 40], 8, 2, 64, seed=18)
+    assert torch.equal(attention_on_threads(1, *step), attention_on_threads(2, *step))
 
 
 def test_prefill_block_table_too_short_is_an_error_not_a_read_out_of_bounds(native_prefill):

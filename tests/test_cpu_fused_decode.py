@@ -21,8 +21,8 @@ from raylm.kernels import cpu_fused_decode
 from raylm.kernels import cpu_gemm
 from raylm.parallel.linear import LinearBase
 from tests.test_model_runner import PROMPTS, _decode, _engine_config, _loaded_runner, _prefill
-from tests.test_more_models_rmsnorm import build_random_model, qwen3_config
-from tests.tiny_models import build_tiny_model
+from tests.test_more_models_rmsnorm import qwen3_config
+from tests.tiny_models import build_tiny_model, save_random_model_with_random_norms
 
 pytestmark = pytest.mark.skipif(
     not (cpu_ops.usable() and cpu_attention.is_available() and load_native_library("cpu_decode_layers")),
@@ -38,7 +38,7 @@ def model_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen2")}
     # Mistral v0.1's layout: every layer windowed, here to 5 of the prompts' 4-15 tokens.
     dirs["mistral_windowed"] = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=5)
-    return dirs | {"qwen3": build_random_model(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
+    return dirs | {"qwen3": save_random_model_with_random_norms(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
 
 
 def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from raylm.engine import LLM, SamplingParams
-from test_llm_vs_hf import assert_all_blocks_free, random_prompts
+from test_llm_vs_hf import assert_all_blocks_free
+from tiny_models import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +24,10 @@ def token_prompts(prompts: list[list[int]]) -> list[dict]:
 
 
 def test_the_same_seed_gives_the_same_tokens_alone_or_in_a_batch(llm):
-    prompt = random_prompts(1, 512, seed=10, min_len=8, max_len=8)[0]
+    prompt = random_prompts(1, seed=10, min_len=8, max_len=8)[0]
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate(token_prompts([prompt]), seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = random_prompts(5, 512, seed=11)
+    others = random_prompts(5, seed=11, min_len=1, max_len=60)
     batch_params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in (None, 7, None, 9, None)]
     batch = llm.generate(token_prompts(others[:3] + [prompt] + others[3:]), batch_params[:3] + [seeded] + batch_params[3:],
                          use_tqdm=False)
@@ -35,14 +36,14 @@ def test_the_same_seed_gives_the_same_tokens_alone_or_in_a_batch(llm):
 
 
 def test_different_seeds_give_different_samples(llm):
-    prompt = token_prompts(random_prompts(1, 512, seed=12, min_len=8, max_len=8))
+    prompt = token_prompts(random_prompts(1, seed=12, min_len=8, max_len=8))
     a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True), use_tqdm=False)
     b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
 
 
 def test_top_k_1_sampling_equals_greedy(llm):
-    prompts = token_prompts(random_prompts(8, 512, seed=13))
+    prompts = token_prompts(random_prompts(8, seed=13, min_len=1, max_len=60))
     greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     top1 = llm.generate(prompts, SamplingParams(temperature=0.9, top_k=1, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)
@@ -51,7 +52,7 @@ def test_top_k_1_sampling_equals_greedy(llm):
 
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_cuts_the_text_exactly(llm, include):
-    prompt = token_prompts(random_prompts(1, 512, seed=14, min_len=6, max_len=6))
+    prompt = token_prompts(random_prompts(1, seed=14, min_len=6, max_len=6))
     full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].text
     stop = full[10:14]
@@ -66,7 +67,7 @@ def test_stop_string_cuts_the_text_exactly(llm, include):
 
 
 def test_stop_token_id_ends_the_sequence_and_is_reported(llm):
-    prompt = token_prompts(random_prompts(1, 512, seed=15, min_len=6, max_len=6))
+    prompt = token_prompts(random_prompts(1, seed=15, min_len=6, max_len=6))
     full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
     stop_id = full[5]
@@ -77,7 +78,7 @@ def test_stop_token_id_ends_the_sequence_and_is_reported(llm):
 
 
 def test_max_tokens_ends_with_length_and_min_tokens_holds_back_eos(llm):
-    prompt = token_prompts(random_prompts(1, 512, seed=16, min_len=6, max_len=6))
+    prompt = token_prompts(random_prompts(1, seed=16, min_len=6, max_len=6))
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
     # With EOS as a logit-biased certainty, min_tokens alone decides the length.
@@ -91,7 +92,7 @@ def test_n_samples_share_the_prompt_blocks(llm):
     engine = llm.llm_engine
     block_size = engine.engine_config.cache_config.block_size
     total = engine.engine_config.cache_config.num_gpu_blocks
-    prompt = random_prompts(1, 512, seed=17, min_len=40, max_len=40)[0]
+    prompt = random_prompts(1, seed=17, min_len=40, max_len=40)[0]
     kv = engine.scheduler.kv_cache_manager
     hits_before = kv.prefix_cache_hits
     engine.add_request("n4", {"prompt_token_ids": prompt},
@@ -114,7 +115,7 @@ def test_n_samples_share_the_prompt_blocks(llm):
 
 
 def test_best_of_returns_the_n_most_likely_samples(llm):
-    prompt = token_prompts(random_prompts(1, 512, seed=18, min_len=5, max_len=5))
+    prompt = token_prompts(random_prompts(1, seed=18, min_len=5, max_len=5))
     out = llm.generate(prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=6,
                                               ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs) == 2
@@ -123,7 +124,7 @@ def test_best_of_returns_the_n_most_likely_samples(llm):
 
 def test_cumulative_logprob_is_none_unless_logprobs_are_asked_for(llm):
     # vLLM V1's rule: no logprob is computed for a request that asks for none.
-    prompt = token_prompts(random_prompts(1, 512, seed=19, min_len=5, max_len=5))
+    prompt = token_prompts(random_prompts(1, seed=19, min_len=5, max_len=5))
     plain, scored = llm.generate(prompt * 2, [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
                                               SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
                                                              logprobs=0)], use_tqdm=False)
@@ -153,7 +154,7 @@ def test_a_bad_prompt_in_a_batch_leaves_no_request_behind(llm):
 
 def test_aborted_requests_return_their_blocks(llm):
     engine = llm.llm_engine
-    for i, prompt in enumerate(random_prompts(4, 512, seed=19, min_len=20, max_len=30)):
+    for i, prompt in enumerate(random_prompts(4, seed=19, min_len=20, max_len=30)):
         engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()
     engine.step()
@@ -206,7 +207,10 @@ def test_a_running_request_id_cannot_be_reused_until_it_finishes(llm):
     assert_all_blocks_free(llm)
 
 
-def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, monkeypatch):
+@pytest.fixture
+def poisonable_detokenizers(monkeypatch):
+    """A detokenizer bug, injected: IncrementalDetokenizer.step raises for a detokenizer whose
+    `poisoned` is set."""
     from raylm.engine import detokenizer
 
     original_step = detokenizer.IncrementalDetokenizer.step
@@ -217,6 +221,9 @@ def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, mo
         return original_step(self, token_id)
 
     monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+
+
+def test_a_detokenizer_error_fails_only_its_request_and_frees_its_blocks(llm, poisonable_detokenizers):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, params)
@@ -273,7 +280,7 @@ def test_a_request_id_equal_to_another_requests_child_id_runs_beside_it(llm):
 def test_aborting_an_n_request_frees_every_samples_blocks(llm, n, best_of):
     engine = llm.llm_engine
     params = SamplingParams(n=n, best_of=best_of, temperature=1.0, max_tokens=40, ignore_eos=True)
-    engine.add_request("many", {"prompt_token_ids": random_prompts(1, 512, seed=22, min_len=40, max_len=40)[0]},
+    engine.add_request("many", {"prompt_token_ids": random_prompts(1, seed=22, min_len=40, max_len=40)[0]},
                        params)
     engine.add_request("kept", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, ignore_eos=True))
     for _ in range(3):
@@ -287,17 +294,7 @@ def test_aborting_an_n_request_frees_every_samples_blocks(llm, n, best_of):
     assert_all_blocks_free(llm)
 
 
-def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks(llm, monkeypatch):
-    from raylm.engine import detokenizer
-
-    original_step = detokenizer.IncrementalDetokenizer.step
-
-    def step(self, token_id):
-        if getattr(self, "poisoned", False):
-            raise RuntimeError("detokenizer bug")
-        return original_step(self, token_id)
-
-    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step", step)
+def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks(llm, poisonable_detokenizers):
     engine = llm.llm_engine
     engine.add_request("healthy", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=6, ignore_eos=True))
     engine.add_request("broken", {"prompt_token_ids": list(range(20, 60))},
@@ -313,7 +310,7 @@ def test_a_failing_sample_fails_its_whole_request_and_frees_every_samples_blocks
 
 
 def test_cache_salt_isolates_prefix_cache_hits_between_salts(llm):
-    prompt = random_prompts(1, 512, seed=23, min_len=40, max_len=40)[0]
+    prompt = random_prompts(1, seed=23, min_len=40, max_len=40)[0]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     def run(salt: str | None):
@@ -341,7 +338,7 @@ def test_a_salted_beam_search_shares_cached_blocks_only_with_its_salt(llm):
     neither reads nor leaves unsalted blocks (before, beams went into the engine unsalted)."""
     from raylm.engine import BeamSearchParams
 
-    prompt = random_prompts(1, 512, seed=31, min_len=40, max_len=40)[0]
+    prompt = random_prompts(1, seed=31, min_len=40, max_len=40)[0]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant-s"}], BeamSearchParams(beam_width=2,
                                                                                                max_tokens=3))

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from engine_checks import ENGINE_MODES, assert_engine_idle
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
+from tiny_models import random_prompts
 
 ARCHS = ("llama", "qwen2", "mistral")
 NUM_PROMPTS = 36
 MAX_TOKENS = 12
-
-
-def random_prompts(count: int, vocab_size: int, seed: int, min_len: int = 1, max_len: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the special tokens (ids 0-3) so prompts look like text.
-    return [[rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -40,7 +34,7 @@ def arch_llm(request, tiny_model_dirs):
 
 def test_greedy_tokens_equal_hf_generate_for_a_batch_of_varied_prompts(arch_llm):
     model_dir, llm = arch_llm
-    prompts = random_prompts(NUM_PROMPTS, 512, seed=1)
+    prompts = random_prompts(NUM_PROMPTS, seed=1, min_len=1, max_len=60)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
@@ -51,7 +45,7 @@ def test_greedy_tokens_equal_hf_generate_for_a_batch_of_varied_prompts(arch_llm)
 
 def test_sampled_and_top_logprobs_match_hf_log_softmax(arch_llm):
     model_dir, llm = arch_llm
-    prompts = random_prompts(6, 512, seed=2, min_len=3, max_len=40)
+    prompts = random_prompts(6, seed=2, min_len=3, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=5)
@@ -68,7 +62,7 @@ def test_prompt_logprobs_are_scored_once_for_all_samples_and_match_hf(arch_llm, 
     # Every sample used to score the prompt again and append to the request's list: a
     # 40-token prompt gave 40, 79 or 118 entries at n = 1, 2 or 3.
     model_dir, llm = arch_llm
-    prompt = random_prompts(1, 512, seed=4, min_len=40, max_len=40)[0]
+    prompt = random_prompts(1, seed=4, min_len=40, max_len=40)[0]
     kv = llm.llm_engine.scheduler.kv_cache_manager
     hits_before = kv.prefix_cache_hits
     params = SamplingParams(n=n, best_of=best_of, temperature=1.0, seed=5, max_tokens=5, logprobs=2,
@@ -90,7 +84,7 @@ def test_preemption_under_a_small_kv_pool_keeps_greedy_outputs_equal_to_hf(llama
     # force the scheduler to preempt and recompute.
     llm = LLM(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=20, max_model_len=128,
               max_num_seqs=32, **ENGINE_MODES[mode])
-    prompts = random_prompts(24, 512, seed=3, min_len=20, max_len=40)
+    prompts = random_prompts(24, seed=3, min_len=20, max_len=40)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0

@@ -5,20 +5,17 @@ tensor-parallel Ray workers (every expert sharded), and on two with expert paral
 
 from __future__ import annotations
 
-import random
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
-from hf_reference import assert_logprobs_match_hf, hf_greedy
-from raylm.engine import LLM, SamplingParams
+from engine_checks import assert_engine_idle, tensor_parallel_llm
+from hf_reference import assert_logprobs_match_hf, cached_hf_greedy
+from raylm.engine import SamplingParams
 from raylm.kernels import cpu_gemm
-from tiny_models import build_tiny_mixtral, build_tiny_qwen2_moe, build_tiny_qwen3_moe
+from tiny_models import build_tiny_mixtral, build_tiny_qwen2_moe, build_tiny_qwen3_moe, random_prompts_spanning
 
-VOCAB_SIZE = 512
 NUM_PROMPTS = 12
 MAX_TOKENS = 12
 
@@ -32,18 +29,6 @@ CASES = [("mixtral", 1, False), ("qwen3_moe", 1, False), ("qwen2_moe", 1, False)
          ("mixtral", 2, False), ("qwen3_moe", 2, True), ("qwen2_moe", 2, True)]
 
 
-def random_prompts(count: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
-    """`count` prompts, the first of min_len tokens, the second of max_len, the rest between."""
-    rng = random.Random(seed)
-    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(count - 2)]
-    return [[rng.randrange(4, VOCAB_SIZE) for _ in range(length)] for length in lengths]
-
-
-@lru_cache(maxsize=None)
-def cached_hf_greedy(model_dir: Path, prompt: tuple[int, ...]) -> list[int]:
-    return hf_greedy(model_dir, list(prompt), MAX_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_models")
@@ -53,27 +38,24 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-tp{tp}{'-ep' if ep else ''}" for arch, tp, ep in CASES])
 def moe_llm(request, model_dirs):
     arch, tensor_parallel_size, expert_parallel = request.param
-    if tensor_parallel_size > 1:
-        request.getfixturevalue("ray_cluster")
-    llm = LLM(model=str(model_dirs[arch]), dtype="float32", tensor_parallel_size=tensor_parallel_size,
-              enable_expert_parallel=expert_parallel, max_model_len=256, max_num_seqs=32)
-    yield model_dirs[arch], llm, request.param
-    llm.shutdown()
+    with tensor_parallel_llm(request, model_dirs[arch], tensor_parallel_size, dtype="float32",
+                             enable_expert_parallel=expert_parallel, max_model_len=256, max_num_seqs=32) as llm:
+        yield model_dirs[arch], llm, request.param
 
 
 def test_greedy_tokens_equal_hf_generate_for_a_batch_of_varied_prompts(moe_llm):
     model_dir, llm, _ = moe_llm
-    prompts = random_prompts(NUM_PROMPTS, seed=1, min_len=1, max_len=60)
+    prompts = random_prompts_spanning(NUM_PROMPTS, seed=1, min_len=1, max_len=60)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == cached_hf_greedy(model_dir, tuple(prompt))
+        assert output.outputs[0].token_ids == cached_hf_greedy(model_dir, tuple(prompt), MAX_TOKENS)
     assert_engine_idle(llm.llm_engine)
 
 
 def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax_within_1e_4(moe_llm):
     model_dir, llm, _ = moe_llm
-    prompts = random_prompts(4, seed=2, min_len=3, max_len=40)
+    prompts = random_prompts_spanning(4, seed=2, min_len=3, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=3)

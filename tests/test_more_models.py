@@ -3,22 +3,19 @@ random checkpoints, in fp32, on one worker and on two tensor-parallel Ray worker
 
 from __future__ import annotations
 
-import random
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_checks import assert_engine_idle
-from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_model
-from raylm.engine import LLM, SamplingParams
+from engine_checks import assert_engine_idle, tensor_parallel_llm
+from hf_reference import assert_logprobs_match_hf, cached_hf_greedy, hf_model
+from raylm.engine import SamplingParams
 from raylm.engine.config import ModelConfig, load_hf_config
 from raylm.models import get_model
-from tiny_models import build_tiny_gpt2, build_tiny_opt
+from tiny_models import build_tiny_gpt2, build_tiny_opt, random_prompts_spanning
 
-VOCAB_SIZE = 512
 NUM_PROMPTS = 16
 MAX_TOKENS = 12
 
@@ -32,20 +29,6 @@ BUILDERS = {
 CASES = [(arch, tp) for tp in (1, 2) for arch in BUILDERS]
 
 
-def random_prompts(count: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
-    """`count` prompts, the first of min_len tokens, the second of max_len, the rest between."""
-    rng = random.Random(seed)
-    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(count - 2)]
-    # Skip the special tokens (ids 0-3) so prompts look like text.
-    return [[rng.randrange(4, VOCAB_SIZE) for _ in range(length)] for length in lengths]
-
-
-@lru_cache(maxsize=None)
-def cached_hf_greedy(model_dir: Path, prompt: tuple[int, ...]) -> list[int]:
-    # Both tensor-parallel sizes compare with the same reference.
-    return hf_greedy(model_dir, list(prompt), MAX_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("more_models")
@@ -55,28 +38,25 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-tp{tp}" for arch, tp in CASES])
 def arch_llm(request, model_dirs):
     arch, tensor_parallel_size = request.param
-    if tensor_parallel_size > 1:
-        request.getfixturevalue("ray_cluster")
-    llm = LLM(model=str(model_dirs[arch]), dtype="float32", tensor_parallel_size=tensor_parallel_size,
-              max_model_len=128, max_num_seqs=32)
-    yield model_dirs[arch], llm
-    llm.shutdown()
+    with tensor_parallel_llm(request, model_dirs[arch], tensor_parallel_size, dtype="float32", max_model_len=128,
+                             max_num_seqs=32) as llm:
+        yield model_dirs[arch], llm
 
 
 def test_greedy_tokens_equal_hf_generate_for_a_batch_of_varied_prompts(arch_llm):
     model_dir, llm = arch_llm
-    prompts = random_prompts(NUM_PROMPTS, seed=1, min_len=1, max_len=60)
+    prompts = random_prompts_spanning(NUM_PROMPTS, seed=1, min_len=1, max_len=60)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
     for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == cached_hf_greedy(model_dir, tuple(prompt))
+        assert output.outputs[0].token_ids == cached_hf_greedy(model_dir, tuple(prompt), MAX_TOKENS)
     assert_engine_idle(llm.llm_engine)
 
 
 def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax_within_1e_4(arch_llm):
     model_dir, llm = arch_llm
-    prompts = random_prompts(6, seed=2, min_len=3, max_len=40)
+    prompts = random_prompts_spanning(6, seed=2, min_len=3, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=5)
@@ -98,7 +78,7 @@ def test_gpt2_checkpoint_saved_without_the_transformer_prefix_loads_the_same_mod
     config = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), dtype=torch.float32, max_model_len=128,
                          hf_config=load_hf_config(str(tmp_path)))
     model = get_model(config, torch.device("cpu"))  # no attention metadata: plain causal attention
-    input_ids = torch.tensor(random_prompts(2, seed=3, min_len=30, max_len=30)[0])
+    input_ids = torch.tensor(random_prompts_spanning(2, seed=3, min_len=30, max_len=30)[0])
     with torch.no_grad():
         logits = model.compute_logits(model(input_ids, torch.arange(len(input_ids))))
         expected = hf_model(str(source))(input_ids[None]).logits[0]

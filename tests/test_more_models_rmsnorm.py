@@ -4,19 +4,18 @@ parallel sizes 1 and 2."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine_checks import ENGINE_MODES
+from engine_checks import ENGINE_MODES, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax, hf_model
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.config import ModelConfig, load_hf_config
 from raylm.models import get_model
 from raylm.models.forward_context import set_forward_context
-from tiny_models import build_tokenizer
+from tiny_models import random_prompts, save_random_model_with_random_norms
 
 VOCAB_SIZE = 512
 MAX_TOKENS = 12
@@ -47,37 +46,11 @@ def gemma2_config():
 CONFIGS = {"qwen3": qwen3_config, "gemma2": gemma2_config}
 
 
-def build_random_model(path: Path, config, seed: int) -> Path:
-    """Tokenizer, config and random weights. Norm weights are random too (around 1 for
-    Qwen3's w, around 0 for Gemma's 1 + w), so the q/k norms and Gemma's offset matter."""
-    from transformers import AutoModelForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, VOCAB_SIZE)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    norm_center = 0.0 if config.model_type == "gemma2" else 1.0
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(norm_center, 0.1)
-            else:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("more_models_rmsnorm")
-    return {arch: build_random_model(root / arch, make(), seed=index)
+    return {arch: save_random_model_with_random_norms(root / arch, make(), seed=index)
             for index, (arch, make) in enumerate(CONFIGS.items())}
-
-
-def random_prompts(count: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the special tokens (ids 0-3) so prompts look like text.
-    return [[rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
 CASES = [(arch, tp) for arch in CONFIGS for tp in (1, 2)]
@@ -86,13 +59,9 @@ CASES = [(arch, tp) for arch in CONFIGS for tp in (1, 2)]
 @pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-tp{tp}" for arch, tp in CASES])
 def arch_llm(request, model_dirs):
     arch, tensor_parallel_size = request.param
-    if tensor_parallel_size > 1:
-        request.getfixturevalue("ray_cluster")
-    model_dir = model_dirs[arch]
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=32,
-              tensor_parallel_size=tensor_parallel_size)
-    yield model_dir, llm
-    llm.shutdown()
+    with tensor_parallel_llm(request, model_dirs[arch], tensor_parallel_size, dtype="float32", max_model_len=128,
+                             max_num_seqs=32) as llm:
+        yield model_dirs[arch], llm
 
 
 def test_greedy_tokens_equal_hf_generate_for_a_batch_of_varied_prompts(arch_llm):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_engine_idle, kill_worker_at_step
 from hf_reference import assert_logprobs_match_hf, hf_greedy
 from raylm.engine import LLM, SamplingParams
 from raylm.parallel.pipeline import get_pp_indices
@@ -169,24 +169,11 @@ def test_a_killed_stage_fails_its_requests_naming_it_within_30_s(pp_llm):
     _, llm, tp, pp = pp_llm
     executor = llm.llm_engine.executor
     victim = tp * (pp - 1)  # rank 0 of the last stage
-    scheduler = llm.llm_engine.scheduler
-    schedule = scheduler.schedule
-    steps = 0
-    killed_at = None
-
-    def kill_at_third_step():
-        nonlocal steps, killed_at
-        steps += 1
-        if steps == 3:
-            ray.kill(executor.workers[victim], no_restart=True)
-            killed_at = time.monotonic()
-        return schedule()
-
-    scheduler.schedule = kill_at_third_step
+    kill = kill_worker_at_step(llm, rank=victim, step=3)
     prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(6, seed=23)]
     with pytest.raises(RuntimeError) as excinfo:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - killed_at < 30
+    assert time.monotonic() - kill.killed_at < 30
     message = str(excinfo.value)
     assert f"rank(s) [{victim}] died (rank {victim} (pipeline stage {pp - 1}) on node" in message
     with pytest.raises(RuntimeError, match=rf"worker rank\(s\) \[{victim}\] .* dead"):

@@ -21,8 +21,9 @@ from raylm.models.forward_context import set_forward_context
 from raylm.models.pipeline import PPMissingLayer
 from raylm.parallel.parallel_state import override_pipeline_parallel
 from raylm.parallel.pipeline import IntermediateTensors, get_pp_indices
-from test_more_models_rmsnorm import build_random_model, gemma2_config, qwen3_config
-from tiny_models import build_tiny_gpt2, build_tiny_mixtral, build_tiny_model, build_tiny_opt, build_tiny_qwen3_moe
+from test_more_models_rmsnorm import gemma2_config, qwen3_config
+from tiny_models import (build_tiny_gpt2, build_tiny_mixtral, build_tiny_model, build_tiny_opt, build_tiny_qwen3_moe,
+                         save_random_model_with_random_norms)
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 8, 9, 10, 11, 250, 77]
 
@@ -69,10 +70,10 @@ def split_models(tmp_path_factory) -> dict[str, Path]:
         "llama": build_tiny_model(root / "llama", "llama", seed=3, num_hidden_layers=3),
         "qwen2": build_tiny_model(root / "qwen2", "qwen2", seed=4, num_hidden_layers=4),  # tied embeddings
         "mistral": build_tiny_model(root / "mistral", "mistral", seed=5, num_hidden_layers=3),
-        "qwen3": build_random_model(root / "qwen3", qwen3_config(), seed=6),  # 3 layers, tied
+        "qwen3": save_random_model_with_random_norms(root / "qwen3", qwen3_config(), seed=6),  # 3 layers, tied
         "mixtral": build_tiny_mixtral(root / "mixtral", seed=7, num_hidden_layers=3),
         "qwen3_moe": build_tiny_qwen3_moe(root / "qwen3_moe", seed=8),  # 3 layers, the middle one dense
-        "gemma2": build_random_model(root / "gemma2", gemma2_config(), seed=9),  # 4 layers, tied, soft caps
+        "gemma2": save_random_model_with_random_norms(root / "gemma2", gemma2_config(), seed=9),  # 4 layers, tied, soft caps
     }
 
 

@@ -17,6 +17,7 @@ import pytest
 import ray
 from ray.exceptions import RayActorError, RayChannelError
 
+from engine_checks import kill_worker_at_step
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.arg_utils import EngineArgs
 from raylm.executors.worker import Worker
@@ -58,26 +59,11 @@ def killed_during_generate(ray_cluster, llama_dir, compiled):
     call: (llm, the error generate raised, seconds from the kill to the error)."""
     llm = LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64,
               ray_compiled_graph=compiled)
-    executor = llm.llm_engine.executor
-    assert executor.uses_compiled_graph is compiled
-    scheduler = llm.llm_engine.scheduler
-    schedule = scheduler.schedule
-    steps = 0
-    killed_at = None
-
-    def kill_at_third_step():
-        # Hooked where every step starts, whichever way the engine then hands it on.
-        nonlocal steps, killed_at
-        steps += 1
-        if steps == 3:
-            ray.kill(executor.workers[1], no_restart=True)
-            killed_at = time.monotonic()
-        return schedule()
-
-    scheduler.schedule = kill_at_third_step
+    assert llm.llm_engine.executor.uses_compiled_graph is compiled
+    kill = kill_worker_at_step(llm, rank=1, step=3)
     with pytest.raises(RuntimeError) as excinfo:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    elapsed = time.monotonic() - killed_at
+    elapsed = time.monotonic() - kill.killed_at
     yield llm, excinfo.value, elapsed
     llm.shutdown()
 
@@ -177,14 +163,20 @@ def test_more_workers_than_the_cluster_can_place_fail_within_the_timeout_naming_
     assert pending == []
 
 
-def test_a_rank_missing_from_the_rendezvous_is_named_within_the_timeout(llama_dir):
-    # Rank 0 alone: it hosts the rendezvous store and waits for rank 1, which never comes.
+def lone_rank_0(llama_dir) -> tuple[Worker, int]:
+    """Rank 0 of two tensor-parallel workers (worker_timeout_s 2), and the free local port of
+    its rendezvous: alone, it hosts the rendezvous store and waits for rank 1, which never
+    comes."""
     config = EngineArgs(model=str(llama_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
                         worker_timeout_s=2.0).create_engine_config()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    worker = Worker(config, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}")
+    return Worker(config, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}"), port
+
+
+def test_a_rank_missing_from_the_rendezvous_is_named_within_the_timeout(llama_dir):
+    worker, _ = lone_rank_0(llama_dir)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of 2 did not join the rendezvous"):
         worker.init_device()
@@ -194,12 +186,7 @@ def test_a_rank_missing_from_the_rendezvous_is_named_within_the_timeout(llama_di
 def test_rank_0_hosts_the_rendezvous_store_on_the_rendezvous_address_only(llama_dir):
     # torch's own store server listens on every interface, and the store takes writes from
     # anyone who reaches it.
-    config = EngineArgs(model=str(llama_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
-                        worker_timeout_s=2.0).create_engine_config()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    worker = Worker(config, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}")
+    worker, port = lone_rank_0(llama_dir)
     listening: set[str] = set()
     done = threading.Event()
 

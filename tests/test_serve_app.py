@@ -7,6 +7,7 @@ worker dies fails its health check and is replaced by a working one."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,19 +57,25 @@ def cli_args(llama_dir: Path):
                                       "--num-gpu-blocks-override", "256", "--device", "cpu", *SERVER_FLAGS])
 
 
-@pytest.fixture(scope="module")
-def serve_url(session_ray, cli_args):
+def run_cli_serve_app(cli_args, app_name: str) -> Iterator[str]:
+    """Runs what `raylm serve --ray-serve` runs for these flags, with test-sized deployment
+    settings that have no flag, on a free local port; yields its URL, then deletes the app
+    and stops Serve."""
     from raylm.deploy.serve_app import cli_serve_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # What `raylm serve --ray-serve` runs, with test-sized deployment settings that have no flag.
     app, _ = cli_serve_app(cli_args, num_replicas=1, replica_cpus=0.25, health_check_period_s=1.0,
                            health_check_timeout_s=20.0)
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    serve.run(app, name=app_name, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
-    serve.delete(APP_NAME)
+    serve.delete(app_name)
     serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_url(session_ray, cli_args):
+    yield from run_cli_serve_app(cli_args, APP_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -140,38 +147,44 @@ def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, ex
     handle = serve.get_deployment_handle("RaylmDeployment", app_name=APP_NAME)
     workers = handle.worker_actors.remote().result(timeout_s=30)
     assert len(workers) == 2
+    kill_worker_mid_stream_and_await_a_new_replica(serve_url, handle, workers, 1, "its worker")
+    response = _client(serve_url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
+    assert handle.uses_compiled_graph.remote().result(timeout_s=30)
+
+
+def kill_worker_mid_stream_and_await_a_new_replica(serve_url: str, handle, workers: list, index: int,
+                                                   what: str) -> None:
+    """Kills workers[index] of the replica (`what` names it in failures) while a long stream
+    is in flight. The stream must end with an error within 30 s, not hang; the dying replica
+    must report unhealthy (or be taken out already); and Serve must bring up a healthy
+    replica on as many new workers."""
     old_ids = {w._actor_id for w in workers}
-    # A long stream is in flight when the worker dies: it must end with an error, not hang.
     in_flight = _InFlightStream(serve_url)
     assert in_flight.started.wait(timeout=60), "the stream never started"
     killed_at = time.monotonic()
-    ray.kill(workers[1], no_restart=True)
+    ray.kill(workers[index], no_restart=True)
     in_flight.thread.join(timeout=35)
-    assert not in_flight.thread.is_alive(), "the in-flight stream hung after its worker died"
+    assert not in_flight.thread.is_alive(), f"the in-flight stream hung after {what} died"
     assert in_flight.ended_at - killed_at < 30
-    assert not in_flight.done, "the in-flight stream finished normally although its worker died mid-way"
+    assert not in_flight.done, f"the in-flight stream finished normally although {what} died mid-way"
 
-    # The dying replica reports unhealthy (or Serve has already taken it out).
     deadline = time.monotonic() + 30
     while httpx.get(serve_url + "/health", timeout=30).status_code == 200:
-        assert time.monotonic() < deadline, "/health kept answering 200 after a worker died"
+        assert time.monotonic() < deadline, f"/health kept answering 200 after {what} died"
         time.sleep(0.2)
 
-    # Serve starts a new replica with new workers; then requests succeed again.
     deadline = time.monotonic() + 150
     while True:
         try:
             if httpx.get(serve_url + "/health", timeout=30).status_code == 200:
                 new_workers = handle.worker_actors.remote().result(timeout_s=30)
-                if new_workers and not {w._actor_id for w in new_workers} & old_ids:
+                if len(new_workers) == len(workers) and not {w._actor_id for w in new_workers} & old_ids:
                     break
         except Exception:  # noqa: BLE001 - the replica is being replaced
             pass
         assert time.monotonic() < deadline, "Serve did not bring up a healthy replica"
         time.sleep(1.0)
-    response = _client(serve_url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
-    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
-    assert handle.uses_compiled_graph.remote().result(timeout_s=30)
 
 
 class _InFlightStream:

@@ -7,13 +7,12 @@ runs after it, on its own app.)"""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from test_serve_app import MODEL, PROMPTS, SERVER_FLAGS, _client, _InFlightStream
+from test_serve_app import (MODEL, PROMPTS, SERVER_FLAGS, _client, kill_worker_mid_stream_and_await_a_new_replica,
+                            run_cli_serve_app)
 from test_serve_app import expected, session_ray  # noqa: F401 - fixtures
 
 ray = pytest.importorskip("ray")
@@ -25,19 +24,10 @@ APP_NAME = "raylm-test-pp"
 @pytest.fixture(scope="module")
 def serve_url(session_ray, llama_dir: Path):  # noqa: F811 - the imported fixture
     from raylm.deploy.cli import build_parser
-    from raylm.deploy.serve_app import cli_serve_app
-    from test_api_server import free_port
 
     cli_args = build_parser().parse_args(["serve", str(llama_dir), "--ray-serve", "--pipeline-parallel-size", "2",
                                           "--num-gpu-blocks-override", "256", "--device", "cpu", *SERVER_FLAGS])
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app, _ = cli_serve_app(cli_args, num_replicas=1, replica_cpus=0.25, health_check_period_s=1.0,
-                           health_check_timeout_s=20.0)
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.delete(APP_NAME)
-    serve.shutdown()
+    yield from run_cli_serve_app(cli_args, APP_NAME)
 
 
 def _stages(handle) -> list[tuple[int, int]]:
@@ -59,32 +49,8 @@ def test_a_two_stage_replica_serves_llm_generate_text_and_is_replaced_when_a_sta
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
 
     workers = handle.worker_actors.remote().result(timeout_s=30)
-    old_ids = {w._actor_id for w in workers}
-    in_flight = _InFlightStream(serve_url)
-    assert in_flight.started.wait(timeout=60), "the stream never started"
-    killed_at = time.monotonic()
-    ray.kill(workers[1], no_restart=True)  # the last stage
-    in_flight.thread.join(timeout=35)
-    assert not in_flight.thread.is_alive(), "the in-flight stream hung after a stage died"
-    assert in_flight.ended_at - killed_at < 30
-    assert not in_flight.done, "the in-flight stream finished normally although a stage died mid-way"
-
-    deadline = time.monotonic() + 30
-    while httpx.get(serve_url + "/health", timeout=30).status_code == 200:
-        assert time.monotonic() < deadline, "/health kept answering 200 after a stage died"
-        time.sleep(0.2)
-
-    deadline = time.monotonic() + 150
-    while True:
-        try:
-            if httpx.get(serve_url + "/health", timeout=30).status_code == 200:
-                new_workers = handle.worker_actors.remote().result(timeout_s=30)
-                if len(new_workers) == 2 and not {w._actor_id for w in new_workers} & old_ids:
-                    break
-        except Exception:  # noqa: BLE001 - the replica is being replaced
-            pass
-        assert time.monotonic() < deadline, "Serve did not bring up a healthy replica"
-        time.sleep(1.0)
+    assert len(workers) == 2
+    kill_worker_mid_stream_and_await_a_new_replica(serve_url, handle, workers, 1, "the last stage")
     assert _stages(handle) == [(0, 0), (1, 0)]
     response = _client(serve_url).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected

@@ -6,17 +6,16 @@ prefill (chunks of a 96-token budget) and prefix caching on."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax
 from raylm.engine import LLM, EngineArgs, LLMEngine, SamplingParams
 from raylm.engine.config import max_blocks_per_request
-from tiny_models import WINDOWED_ARCHS, build_tiny_windowed_model
+from tiny_models import WINDOWED_ARCHS, build_tiny_windowed_model, random_prompts
 
 VOCAB_SIZE = 512
 WINDOWS = {"mistral": 24, "gemma2": 20, "qwen2": 28}
@@ -30,12 +29,6 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("windowed_models")
     return {arch: build_tiny_windowed_model(root / arch, arch, WINDOWS[arch], VOCAB_SIZE, seed=index)
             for index, arch in enumerate(WINDOWED_ARCHS)}
-
-
-def random_prompts(count: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the special tokens (ids 0-3) so prompts look like text.
-    return [[rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
 def prompts_with_shared_prefixes() -> list[list[int]]:
@@ -59,12 +52,8 @@ CASES = [(arch, tp) for arch in WINDOWED_ARCHS for tp in (1, 2)]
 @pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-tp{tp}" for arch, tp in CASES])
 def arch_llm(request, model_dirs):
     arch, tensor_parallel_size = request.param
-    if tensor_parallel_size > 1:
-        request.getfixturevalue("ray_cluster")
-    model_dir = model_dirs[arch]
-    llm = LLM(model=str(model_dir), tensor_parallel_size=tensor_parallel_size, **ENGINE_KWARGS)
-    yield arch, model_dir, llm
-    llm.shutdown()
+    with tensor_parallel_llm(request, model_dirs[arch], tensor_parallel_size, **ENGINE_KWARGS) as llm:
+        yield arch, model_dirs[arch], llm
 
 
 def test_the_engine_takes_hugging_faces_windows_and_the_whole_context(arch_llm):

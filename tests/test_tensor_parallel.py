@@ -6,7 +6,6 @@ asks for actor calls; both paths are checked against Hugging Face."""
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from engine_checks import ENGINE_MODES
 from hf_reference import assert_logprobs_match_hf, hf_greedy
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.config import ParallelConfig
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, random_prompts
 
 ARCHS = ("llama", "qwen2", "mistral")
 NUM_PROMPTS = 24
@@ -24,11 +23,6 @@ MAX_TOKENS = 16
 # 24 prompts of 20-40 tokens growing by 16 need 3-4 blocks each (~85 in all): 20 blocks
 # force the scheduler to preempt and recompute, which every rank must follow.
 SMALL_KV_POOL = dict(num_gpu_blocks_override=20, max_model_len=128, max_num_seqs=32)
-
-
-def random_prompts(count: int, seed: int, min_len: int, max_len: int, vocab_size: int = 512) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
 def greedy_token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

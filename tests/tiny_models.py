@@ -8,6 +8,7 @@ random weights saved with safetensors, and a byte-level BPE tokenizer trained wi
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -59,6 +60,22 @@ def build_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(path))
 
 
+def random_prompts(count: int, seed: int, min_len: int, max_len: int, vocab_size: int = 512) -> list[list[int]]:
+    """`count` prompts of token ids, each min_len to max_len long, with no special token
+    (ids 0-3), so that they look like text."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def random_prompts_spanning(count: int, seed: int, min_len: int, max_len: int,
+                            vocab_size: int = 512) -> list[list[int]]:
+    """As `random_prompts`, but the first prompt is min_len long and the second max_len, so
+    that a batch holds both extremes."""
+    rng = random.Random(seed)
+    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(count - 2)]
+    return [[rng.randrange(4, vocab_size) for _ in range(length)] for length in lengths]
+
+
 def _llama_like_config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -90,24 +107,7 @@ def _llama_like_config(arch: str, vocab_size: int, **overrides):
 def build_tiny_model(path: Path, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
                      dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
     """Writes config.json, model.safetensors and tokenizer files for a tiny random model."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, vocab_size)
-    config = _llama_like_config(arch, vocab_size, **config_overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # Larger-than-default init makes next-token distributions less flat, so greedy
-    # decoding does not hinge on near-ties and tests compare meaningful tokens.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.08)
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return _save_random_model(path, _llama_like_config(arch, vocab_size, **config_overrides), vocab_size, seed, dtype)
 
 
 def read_config(path: Path) -> dict:
@@ -115,15 +115,10 @@ def read_config(path: Path) -> dict:
 
 
 def _save_random_model(path: Path, config, vocab_size: int, seed: int, dtype: torch.dtype) -> Path:
-    """Tokenizer, config and random weights, initialised like `build_tiny_model` (norm
-    weights, including GPT-2's `ln_*`, keep their ones)."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, vocab_size)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    """Tokenizer, config and random weights (norm weights, including GPT-2's `ln_*`, keep
+    their ones). Larger-than-default init makes next-token distributions less flat, so
+    greedy decoding does not hinge on near-ties and tests compare meaningful tokens."""
+    model = _random_model(path, config, vocab_size, seed, dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_norm = "norm" in name or ".ln_" in name
@@ -132,7 +127,32 @@ def _save_random_model(path: Path, config, vocab_size: int, seed: int, dtype: to
             if name.endswith("bias"):
                 param.normal_(0.0, 0.1)
     model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return Path(path)
+
+
+def save_random_model_with_random_norms(path: Path, config, seed: int, dtype: torch.dtype = torch.float32) -> Path:
+    """Tokenizer, config and random weights, norm weights random too (around 1, around 0
+    for Gemma's 1 + w), so that the norms (a model's q/k norms, Gemma's offset) matter."""
+    model = _random_model(path, config, config.vocab_size, seed, dtype)
+    norm_center = 0.0 if config.model_type == "gemma2" else 1.0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(norm_center, 0.1)
+            else:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return Path(path)
+
+
+def _random_model(path: Path, config, vocab_size: int, seed: int, dtype: torch.dtype):
+    """Makes the folder with its tokenizer, and the model of `config` seeded by `seed`."""
+    from transformers import AutoModelForCausalLM
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    build_tokenizer(Path(path), vocab_size)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def build_tiny_opt(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -174,7 +194,7 @@ def build_tiny_windowed_model(path: Path, arch: str, sliding_window: int, vocab_
     max_window_layers = 1 on of 3 (use_sliding_window). Norm weights are random too (around 1,
     around 0 for Gemma's 1 + w), and embeddings untied: tied ones made these tiny models repeat
     the last token, where greedy tokens should vary from step to step."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig, Qwen2Config
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
@@ -190,20 +210,7 @@ def build_tiny_windowed_model(path: Path, arch: str, sliding_window: int, vocab_
                              tie_word_embeddings=False, **config_overrides)
     else:
         raise ValueError(f"unknown windowed test architecture {arch!r}; one of {WINDOWED_ARCHS}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, vocab_size)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    norm_center = 0.0 if arch == "gemma2" else 1.0
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(norm_center, 0.1)
-            else:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return save_random_model_with_random_norms(path, config, seed, dtype)
 
 
 # ---- Mixture-of-Experts -------------------------------------------------------------------------

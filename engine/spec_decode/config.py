@@ -19,9 +19,10 @@ while its estimated chance of reaching and accepting it is above this). vLLM's
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from raylm.engine.arg_fields import json_object
 
 # Bounds on what a request can make the engine allocate or loop over per step.
 MAX_NUM_SPECULATIVE_TOKENS = 32
@@ -72,9 +73,10 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> dict[str, An
         return None
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r} ({error}).") from None
+            value = json_object(value)
+        except ValueError as error:
+            # The wording of the Serve key's error (arg_fields.parse_value) for the same mistake.
+            raise ValueError(f"speculative_config: {error}.") from None
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a dict (a JSON object), got {value!r}.")
     return value
