@@ -365,3 +365,15 @@ def test_streaming_reads_each_character_a_bounded_number_of_times(name: str, mon
     # Each character is read a few times (the delta, a window, a slice sent on, a decode).
     assert max(per_size.values()) < 6, per_size
     assert per_size[40_000] < 1.2 * per_size[10_000], per_size
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_arguments_nested_past_the_decoders_reach_are_content_not_an_error(parser_name: str) -> None:
+    """The decoder raises RecursionError on them (a 500 when it reached the server)."""
+    arguments = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    text = {"hermes": f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>',
+            "llama3_json": f'{{"name": "f", "parameters": {arguments}}}',
+            "mistral": f"[TOOL_CALLS]f[ARGS]{arguments}"}[parser_name]
+    parsed = get_tool_parser(parser_name).parse(text, final=True)
+    assert parsed.content == text and not parsed.calls
+    _stream(get_tool_parser(parser_name), text, 0)  # streamed, it raises nothing either
