@@ -103,11 +103,23 @@ def _check_tools(tools: list[ChatCompletionToolsParam], limits: RequestLimits) -
     if len(tools) > limits.max_tools:
         raise OpenAIError(f"tools may have at most {limits.max_tools} entries (--max-tools), got {len(tools)}.",
                           param="tools")
+    _check_unique_names(tools)
     # The depth first: dumping a schema nested past the interpreter's recursion limit raises.
     depth = max((json_depth(tool.function.parameters) for tool in tools), default=0)
     limits.check_structured_output("", depth, "tools")
     text = json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
     limits.check_structured_output(text, depth, "tools")
+
+
+def _check_unique_names(tools: list[ChatCompletionToolsParam]) -> None:
+    """OpenAI refuses tools that repeat a function name: a call names its function only."""
+    first_index: dict[str, int] = {}
+    for index, tool in enumerate(tools):
+        name = tool.function.name
+        if name in first_index:
+            raise OpenAIError(f"tools names the function {name!r} twice (tools[{first_index[name]}] and "
+                              f"tools[{index}]); each function needs a name of its own.", param="tools")
+        first_index[name] = index
 
 
 def _parameters(tool: ChatCompletionToolsParam) -> dict[str, Any]:

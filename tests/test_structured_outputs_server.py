@@ -369,6 +369,11 @@ BAD_REQUESTS = [
               "tool_choice": "required"}, "tools", "Unsupported type"),
     ("chat", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
     ("chat", {"tools": [WEATHER_TOOL] * 200, "tool_choice": "none"}, "tools", "--max-tools"),
+    # A call names its function only: OpenAI refuses a name given twice, whatever tool_choice.
+    ("chat", {"tools": [WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL], "tool_choice": "none"}, "tools",
+     "'get_weather' twice (tools[0] and tools[2])"),
+    ("chat", {"tools": [TIME_TOOL, {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "required"},
+     "tools", "'get_time' twice"),
     # A string is no list of choices (its characters were taken for them).
     ("completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs", "non-empty list of strings"),
     # Empty strings weigh nothing as characters but each is an alternative of the grammar.
