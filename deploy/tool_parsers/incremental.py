@@ -205,12 +205,10 @@ class JsonValueScan:
 
     def _begin(self, first: str) -> None:
         self.first = first
-        if first in "{[":
-            self._depth = 0
-        elif first == "-" or first in "0123456789":
+        if first in "-0123456789":
             self._number = _NumberScan(negative=first == "-")
-        elif first not in _LITERALS and first != '"':
-            self.broken = True
+        elif first not in _LITERALS and first not in "{[\"":
+            self.broken = True  # no JSON value starts so
 
     def _advance_container(self, window: str, base: int, i: int) -> None:
         n = len(window)
