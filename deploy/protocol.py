@@ -96,8 +96,13 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaResponseFormat | None = None
+    # type "structural_tag" (vLLM's): xgrammar's `format`, or the legacy `structures` and
+    # `triggers` (checked where the constraint is built, deploy/structured_outputs.py).
+    format: Any = None
+    structures: Any = None
+    triggers: Any = None
 
 
 class StructuredOutputFields(OpenAIBaseModel):

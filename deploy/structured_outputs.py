@@ -1,7 +1,9 @@
 """A request's output constraint, from whichever of its fields asks for one (vLLM's names):
 
 - `response_format`: `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
-  {"name", "schema", "strict"}}` (OpenAI's; `{"type": "text"}` constrains nothing);
+  {"name", "schema", "strict"}}` (OpenAI's; `{"type": "text"}` constrains nothing), or
+  vLLM's `{"type": "structural_tag", "format": ...}` and its legacy `{"type":
+  "structural_tag", "structures": [...], "triggers": [...]}`;
 - `structured_outputs`: `{"json" | "regex" | "choice" | "grammar" | "json_object" |
   "structural_tag": ..., "disable_any_whitespace": bool}` (vLLM's extra field; raylm adds
   `max_whitespace`);
@@ -18,7 +20,7 @@ from typing import Any
 
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.limits import RequestLimits
-from raylm.deploy.protocol import StructuredOutputFields
+from raylm.deploy.protocol import ResponseFormat, StructuredOutputFields
 from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
 
 # vLLM's structured_outputs fields that raylm accepts and leaves to xgrammar's defaults.
@@ -73,6 +75,8 @@ def _requested(request: StructuredOutputFields) -> list[tuple[str, dict[str, Any
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
             requested.append(("response_format", {"json_object": True}))
+        elif response_format.type == "structural_tag":
+            requested.append(("response_format", {"structural_tag": _structural_tag(response_format)}))
         else:
             schema = response_format.json_schema.json_schema if response_format.json_schema else None
             if schema is None:
@@ -86,6 +90,23 @@ def _requested(request: StructuredOutputFields) -> list[tuple[str, dict[str, Any
         if value is not None:
             requested.append((name, {kind: value}))
     return requested
+
+
+def _structural_tag(response_format: ResponseFormat) -> dict[str, Any]:
+    """The structural tag a response_format of type "structural_tag" carries, in whichever
+    form it came (vLLM takes both)."""
+    tag: dict[str, Any] = {"type": "structural_tag"}
+    if response_format.format is not None:
+        if response_format.structures is not None or response_format.triggers is not None:
+            raise OpenAIError('response_format of type "structural_tag" takes format, or structures and triggers '
+                              '(the legacy form), not both.', param="response_format")
+        tag["format"] = response_format.format
+    elif response_format.structures is not None:
+        tag.update(structures=response_format.structures, triggers=response_format.triggers)
+    else:
+        raise OpenAIError('response_format of type "structural_tag" needs format, or structures and triggers '
+                          '(the legacy form).', param="response_format")
+    return tag
 
 
 def _size(fields: dict[str, Any], limits: RequestLimits, source: str) -> tuple[str, int]:

@@ -28,6 +28,7 @@ from raylm.deploy.protocol import ChatCompletionToolsParam, FunctionCall, ToolCa
 from raylm.deploy.structured_outputs import json_depth
 from raylm.deploy.tool_parsers import ParsedCall, ParsedToolOutput, ToolParser, check_tool_settings, get_tool_parser
 from raylm.deploy.tool_parsers.base import scan_call_array, skip_whitespace
+from raylm.deploy.tool_parsers.incremental import CallArrayScan, CallView, IncrementalParse, ParseView, TextLog
 from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
 
 
@@ -102,11 +103,23 @@ def _check_tools(tools: list[ChatCompletionToolsParam], limits: RequestLimits) -
     if len(tools) > limits.max_tools:
         raise OpenAIError(f"tools may have at most {limits.max_tools} entries (--max-tools), got {len(tools)}.",
                           param="tools")
+    _check_unique_names(tools)
     # The depth first: dumping a schema nested past the interpreter's recursion limit raises.
     depth = max((json_depth(tool.function.parameters) for tool in tools), default=0)
     limits.check_structured_output("", depth, "tools")
     text = json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
     limits.check_structured_output(text, depth, "tools")
+
+
+def _check_unique_names(tools: list[ChatCompletionToolsParam]) -> None:
+    """OpenAI refuses tools that repeat a function name: a call names its function only."""
+    first_index: dict[str, int] = {}
+    for index, tool in enumerate(tools):
+        name = tool.function.name
+        if name in first_index:
+            raise OpenAIError(f"tools names the function {name!r} twice (tools[{first_index[name]}] and "
+                              f"tools[{index}]); each function needs a name of its own.", param="tools")
+        first_index[name] = index
 
 
 def _parameters(tool: ChatCompletionToolsParam) -> dict[str, Any]:
@@ -167,6 +180,46 @@ class RequiredToolParser(ToolParser):
                 return ParsedToolOutput(text)  # cut short (max_tokens): the text, no calls
         return ParsedToolOutput("", calls)
 
+    def incremental(self) -> IncrementalParse:
+        return RequiredIncrementalParse()
+
+
+class RequiredIncrementalParse(IncrementalParse):
+    """RequiredToolParser.parse, a delta at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "lead"  # lead (whitespace), array; error
+        self._array: CallArrayScan | None = None
+
+    def _advance(self, window: str, base: int) -> None:
+        i = self.pos - base
+        if self.phase == "lead":
+            i = skip_whitespace(window, i)
+            self.pos = base + i
+            if i < len(window):
+                if window[i] == "[":
+                    self.phase = "array"
+                    self._array = CallArrayScan(self.log, self.pos, self.completed, argument_keys=("parameters",))
+                else:
+                    self.phase = "error"
+        elif self.phase == "array":
+            self._array.advance(window, base)
+            self.pos = self._array.pos
+        else:
+            self.pos = base + len(window)
+
+    def _view(self, text_end: int, final: bool) -> ParseView | None:
+        try:
+            if self.phase != "array":
+                raise ValueError("not a list of calls")
+            active = self._array.view(text_end, final)
+        except ValueError:
+            if final:
+                return None  # cut short (max_tokens): the text, no calls
+            return ParseView(0, len(self.completed))
+        return ParseView(0, len(self.completed), active)
+
 
 class NamedToolParser(ToolParser):
     """The reply of a named tool_choice: the whole text is the function's arguments."""
@@ -179,6 +232,23 @@ class NamedToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         return ParsedToolOutput("", [ParsedCall(self.function_name, text, final)])
 
+    def incremental(self) -> IncrementalParse:
+        return NamedIncrementalParse(self.function_name)
+
+
+class NamedIncrementalParse(IncrementalParse):
+    """NamedToolParser.parse, a delta at a time: all the text is the arguments."""
+
+    def __init__(self, function_name: str) -> None:
+        super().__init__()
+        self._call = CallView(function_name)
+
+    def _advance(self, window: str, base: int) -> None:
+        self.pos = base + len(window)
+
+    def _view(self, text_end: int, final: bool) -> ParseView:
+        return ParseView(0, 0, self._call)
+
 
 def tool_calls_of(parsed: ParsedToolOutput, parser: ToolParser) -> list[ToolCall]:
     """The response's tool_calls (each with a new id)."""
@@ -188,43 +258,60 @@ def tool_calls_of(parsed: ParsedToolOutput, parser: ToolParser) -> list[ToolCall
 
 # ------------------------------------------------------------------ streaming
 class ToolCallStreamer:
-    """One choice's stream: parses the text so far at every delta and sends what is new,
-    content and OpenAI's tool-call deltas (a call's id, type and name when its name is
-    known, then its arguments as they grow)."""
+    """One choice's stream: reads each delta into the parser's incremental parse and sends
+    what the parse of the text so far adds, content and OpenAI's tool-call deltas (a call's
+    id, type and name when its name is known, then its arguments as they grow). A delta
+    costs its own length, however long the reply."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
-        self.text = ""
+        self._parse = parser.incremental()
         self._content_sent = 0
-        # Per call announced: its id and how much of its arguments was sent.
-        self._calls_sent: list[list[Any]] = []
+        # Per call announced: how much of its arguments was sent.
+        self._arguments_sent: list[int] = []
+        # The first call that may still need deltas: those before are complete and sent.
+        self._settled = 0
 
     @property
     def tools_called(self) -> bool:
-        return bool(self._calls_sent)
+        return bool(self._arguments_sent)
 
     def feed(self, delta_text: str, final: bool) -> tuple[str | None, list[dict[str, Any]] | None]:
         """The content delta and the tool-call deltas (as JSON-ready dicts) that `delta_text`
         brings; None for either when there is nothing new."""
-        self.text += delta_text
-        parsed = self.parser.parse(self.text, final)
-        if final and self._calls_sent and not parsed.tools_called:
+        self._parse.feed(delta_text)
+        view = self._parse.view(final)
+        if final and self._arguments_sent and not view.tools_called:
             # Cut short (max_tokens) after calls went out: what was sent stands, and the rest
             # of the arguments follow; the text is not content after all that.
-            parsed = self.parser.parse(self.text, False)
-        content = parsed.content[self._content_sent:]
-        self._content_sent = max(self._content_sent, len(parsed.content))
-        deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(parsed.calls):
-            if index < len(self._calls_sent):
-                sent = self._calls_sent[index]
-                new_arguments = call.arguments[sent[1]:]
-                if new_arguments:
-                    deltas.append({"index": index, "function": {"arguments": new_arguments}})
-                    sent[1] = len(call.arguments)
-            elif call.name is not None and index == len(self._calls_sent):
-                call_id = self.parser.make_tool_call_id()
-                deltas.append({"index": index, "id": call_id, "type": "function",
-                               "function": {"name": call.name, "arguments": call.arguments}})
-                self._calls_sent.append([call_id, len(call.arguments)])
+            view = self._parse.view(False)
+        log = self._parse.log
+        content = log.slice(self._content_sent, view.content_end)
+        self._content_sent = max(self._content_sent, view.content_end)
+        deltas = [delta for index in range(self._settled, view.calls_done + (view.active is not None))
+                  if (delta := self._call_delta(index, self._call_at(view, index), log)) is not None]
+        self._settle()
         return content or None, deltas or None
+
+    def _call_at(self, view: ParseView, index: int) -> CallView:
+        return self._parse.completed[index] if index < view.calls_done else view.active
+
+    def _call_delta(self, index: int, call: CallView, log: TextLog) -> dict[str, Any] | None:
+        length = call.arguments_length(log.length)
+        if index < len(self._arguments_sent):
+            sent = self._arguments_sent[index]
+            if length <= sent:
+                return None
+            self._arguments_sent[index] = length
+            return {"index": index, "function": {"arguments": call.arguments(log, sent, length)}}
+        if index > len(self._arguments_sent):
+            return None
+        self._arguments_sent.append(length)
+        return {"index": index, "id": self.parser.make_tool_call_id(), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments(log, 0, length)}}
+
+    def _settle(self) -> None:
+        completed, sent = self._parse.completed, self._arguments_sent
+        while self._settled < min(len(completed), len(sent)) and \
+                sent[self._settled] == completed[self._settled].arguments_length(0):
+            self._settled += 1

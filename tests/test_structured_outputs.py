@@ -235,6 +235,72 @@ def test_constraint_must_name_exactly_one_kind() -> None:
                        structured_outputs=StructuredOutputsParams(regex="a"))
 
 
+# vLLM's legacy structural tag: free text until a trigger, then a structure whose begin
+# starts with it: its begin, JSON valid against its schema, its end; then free text again.
+TAG_SCHEMAS = {
+    "weather": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                 "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                "required": ["city", "days"]},
+    "time": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]},
+}
+LEGACY_TAG = {"structures": [{"begin": f"<{name}>", "schema": schema, "end": f"</{name}>"}
+                             for name, schema in TAG_SCHEMAS.items()],
+              "triggers": ["<"]}
+_TAG = re.compile(r"<(weather|time)>(.*?)</\1>", re.S)
+
+
+def check_tagged_text(text: str, finished: bool, max_whitespace: int) -> int:
+    """Each trigger ("<") in the text opens a structure whose JSON validates against its
+    schema, with whitespace runs of at most `max_whitespace`; returns how many complete
+    structures there are."""
+    pos = count = 0
+    for match in _TAG.finditer(text):
+        assert "<" not in text[pos:match.start()], text
+        jsonschema.validate(json.loads(match.group(2)), TAG_SCHEMAS[match.group(1)])
+        assert max(_whitespace_runs_outside_strings(match.group(2)), default=0) <= max_whitespace, text
+        pos, count = match.end(), count + 1
+    assert not finished or "<" not in text[pos:], text
+    return count
+
+
+def test_legacy_structural_tag_outputs_obey_their_tags(llm: LLM, compiler) -> None:
+    """The tag compiles (through xgrammar's conversion of the legacy form) and every output
+    obeys it: checked by jsonschema on each structure, and token by token by a grammar
+    compiled with xgrammar's own legacy entry point; the request's whitespace bound holds
+    inside the structures. The trigger's token is favoured, so that the random-weight model
+    opens structures often."""
+    trigger = llm.get_tokenizer().encode("<", add_special_tokens=False)
+    assert len(trigger) == 1
+    params = SamplingParams(temperature=1.0, n=4, seed=13, max_tokens=120, logit_bias={trigger[0]: 8.0},
+                            structured_outputs=StructuredOutputsParams(structural_tag=LEGACY_TAG, max_whitespace=3))
+    reference = compiler.compile_structural_tag(
+        [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+         for s in LEGACY_TAG["structures"]], LEGACY_TAG["triggers"])
+    structures = 0
+    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+        for completion in output.outputs:
+            assert _accepts_prefix(reference, completion.token_ids), completion.text
+            structures += check_tagged_text(completion.text, completion.finish_reason == "stop", 3)
+    assert structures >= 4
+
+
+@pytest.mark.parametrize("tag, message", [
+    (dict(LEGACY_TAG, triggers=[]), "triggers must be a non-empty list"),
+    (dict(LEGACY_TAG, triggers=["<w"]), "'<time>' must start with exactly one of the triggers; it starts with none"),
+    (dict(LEGACY_TAG, triggers=["<", "<w"]), "'<weather>' must start with exactly one of the triggers; it starts with 2"),
+    (dict(LEGACY_TAG, structures=[]), "structures must be a non-empty list"),
+    (dict(LEGACY_TAG, structures=[{"begin": "<a>", "end": "</a>"}]), "missing: schema"),
+    (dict(LEGACY_TAG, structures=[{"begin": "<a>", "schema": "x", "end": "</a>"}]), "an object or a boolean"),
+    (dict(LEGACY_TAG, at_least_one=True), "unknown field(s) at_least_one"),
+    (dict(LEGACY_TAG, structures=[{"begin": "<a>", "schema": {"type": "foo"}, "end": "</a>"}]), "Unsupported type"),
+])
+def test_bad_legacy_structural_tag_is_a_value_error_naming_it(llm: LLM, tag: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(structural_tag=tag))
+        llm.generate("hello", params, use_tqdm=False)
+    assert info.value.param == "structured_outputs" and "structural" in str(info.value)
+
+
 # --------------------------------------------------------------- engine machinery
 def _engine(llama_dir: Path, **kwargs) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), **{**ENGINE_KWARGS, **kwargs}))

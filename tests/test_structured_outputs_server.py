@@ -344,6 +344,11 @@ def _nested(depth: int) -> dict:
     return schema
 
 
+# vLLM's legacy structural tag: free text until the trigger "<", then <weather>{...}</weather>.
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<"],
+              "structures": [{"begin": "<weather>", "schema": WEATHER_TOOL["function"]["parameters"],
+                              "end": "</weather>"}]}
+
 BAD_REQUESTS = [
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format", "Unsupported type"),
@@ -369,6 +374,11 @@ BAD_REQUESTS = [
               "tool_choice": "required"}, "tools", "Unsupported type"),
     ("chat", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
     ("chat", {"tools": [WEATHER_TOOL] * 200, "tool_choice": "none"}, "tools", "--max-tools"),
+    # A call names its function only: OpenAI refuses a name given twice, whatever tool_choice.
+    ("chat", {"tools": [WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL], "tool_choice": "none"}, "tools",
+     "'get_weather' twice (tools[0] and tools[2])"),
+    ("chat", {"tools": [TIME_TOOL, {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "required"},
+     "tools", "'get_time' twice"),
     # A string is no list of choices (its characters were taken for them).
     ("completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs", "non-empty list of strings"),
     # Empty strings weigh nothing as characters but each is an alternative of the grammar.
@@ -381,6 +391,23 @@ BAD_REQUESTS = [
     ("chat", {"guided_grammar": 'root ::= root "a"'}, "guided_grammar", "allows no output"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
               "tool_choice": "required"}, "tools", "$defs of function 'f' must be an object"),
+    # vLLM's legacy structural tag, in response_format or structured_outputs: checked before it compiles.
+    ("completions", {"structured_outputs": {"structural_tag": {**LEGACY_TAG, "triggers": []}}}, "structured_outputs",
+     "structural_tag.triggers must be a non-empty list"),
+    ("chat", {"response_format": {**LEGACY_TAG, "triggers": ["<tool"]}}, "response_format",
+     "structures[0].begin '<weather>' must start with exactly one of the triggers"),
+    ("chat", {"response_format": {**LEGACY_TAG, "structures": [{"begin": "<w>", "end": "</w>"}]}}, "response_format",
+     "missing: schema"),
+    ("completions", {"response_format": {**LEGACY_TAG, "structures": [
+        {"begin": "<w>", "schema": {"type": "foo"}, "end": "</w>"}]}}, "response_format", "Unsupported type"),
+    ("chat", {"response_format": {**LEGACY_TAG, "format": {"type": "any_text"}}}, "response_format", "not both"),
+    ("chat", {"response_format": {"type": "structural_tag"}}, "response_format", "needs format, or structures"),
+    ("completions", {"structured_outputs": {"structural_tag": json.dumps(
+        {**LEGACY_TAG, "structures": [{"begin": "<" + "w" * 70000, "schema": {}, "end": ""}]})}},
+     "structured_outputs", "--max-structured-output-chars"),
+    ("chat", {"response_format": {**LEGACY_TAG, "structures": [{"begin": "<w>", "schema": _nested(MAX_DEPTH // 2),
+                                                                 "end": "</w>"}]}},
+     "response_format", "--max-json-schema-depth"),
 ]
 
 
@@ -394,6 +421,31 @@ def test_bad_constraint_is_a_400_naming_its_field(servers, plain: openai.OpenAI,
     # The server goes on serving, constrained requests too.
     ok = plain.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"guided_choice": ["ok"]})
     assert ok.choices[0].text == "ok"
+
+
+def test_structural_tags_in_either_form_constrain_the_answer(servers, llama_dir: Path) -> None:
+    """vLLM's structural tag in response_format, legacy and xgrammar's form, and the legacy
+    one in structured_outputs: each <weather> the model opens holds JSON valid against the
+    schema. The trigger's token is favoured, so that the random model opens some."""
+    trigger = AutoTokenizer.from_pretrained(str(llama_dir)).encode("<", add_special_tokens=False)[0]
+    schema = WEATHER_TOOL["function"]["parameters"]
+    current = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], "tags": [
+        {"type": "tag", "begin": "<weather>", "content": {"type": "json_schema", "json_schema": schema},
+         "end": "</weather>"}]}}
+    opened = 0
+    for field in ({"response_format": LEGACY_TAG}, {"response_format": current},
+                  {"structured_outputs": {"structural_tag": json.dumps(LEGACY_TAG)}}):
+        response = _post(servers["plain"], "completions", {**field, "max_tokens": 80, "temperature": 1.0, "n": 2,
+                                                             "seed": 4, "logit_bias": {str(trigger): 8}})
+        assert response.status_code == 200, response.text
+        for choice in response.json()["choices"]:
+            text, pos = choice["text"], 0
+            for match in re.finditer(r"<weather>(.*?)</weather>", text, re.S):
+                assert "<" not in text[pos:match.start()], text
+                jsonschema.validate(json.loads(match.group(1)), schema)
+                pos, opened = match.end(), opened + 1
+            assert choice["finish_reason"] == "length" or "<" not in text[pos:], text
+    assert opened >= 3
 
 
 # Fuzzer-made schemas: the JSON-schema vocabulary the issue names, nested at random, and

@@ -151,3 +151,229 @@ def test_named_reply_is_the_arguments() -> None:
     assert parsed.content == "" and parsed.calls[0].name == "get_weather" and parsed.calls[0].arguments == arguments
     content, calls = _stream(NamedToolParser("get_weather"), arguments, 0)
     assert content == "" and calls == [{"id": calls[0]["id"], "name": "get_weather", "arguments": arguments}]
+
+
+# ------------------------------------------------------------ incremental parsing
+# The stream reads each delta once (tool_parsers/incremental.py); what it answers after every
+# delta must be what `parse` answers for the text so far, and its deltas those of a stream
+# that re-parses the whole text at every delta (ReparseStreamer, the reference below).
+PARSERS = {"hermes": lambda: get_tool_parser("hermes"), "llama3_json": lambda: get_tool_parser("llama3_json"),
+           "mistral": lambda: get_tool_parser("mistral"), "required": RequiredToolParser,
+           "named": lambda: NamedToolParser("f")}
+# Replies beyond the recorded ones: numbers and literals as arguments (which the decoder
+# reads as "1" in "1.x"), Unicode whitespace, escapes, arguments before the name, empty
+# lists and trailing commas, and calls by name with values of every kind.
+EDGE_REPLIES = [
+    '{"name": "f", "arguments": 12}', '{"name": "f", "arguments": -1.5e3}', '{"name": "f", "arguments": true}',
+    '<tool_call>{"name": "f", "arguments": 1.}</tool_call>', '[TOOL_CALLS]f[ARGS]1.5e+2[TOOL_CALLS]g[ARGS]-Infinity',
+    '[TOOL_CALLS]f[ARGS] null', '<tool_call>\u00a0{\u00a0"name"\u00a0:"f","arguments":{"a":"\\u00e9"}}',
+    '{"name": "f\\\\n", "parameters": {}} ; {"parameters": {"x": [1,2]}, "name": "g"};',
+    '[TOOL_CALLS] [{"name": "a", "arguments": {}}, ]', '[TOOL_CALLS][]', '<tool_call>"str"</tool_call>',
+]
+# What mutations insert: JSON's structure, numbers, literals, markers and call heads.
+MUTATION_PIECES = ['{', '}', '[', ']', '"', '\\', ':', ',', ';', ' ', '\n', '\u00a0', '1', '0', '.', 'e', '-', '+',
+                   'x', 'n', 'u', 'l', 'true', 'null', 'NaN', '-Infinity', '"name"', '"arguments"', '"parameters"',
+                   '<tool_call>', '</tool_call>', '[TOOL_CALLS]', '[ARGS]', '<|python_tag|>', '"f"',
+                   '{"name": "f", "arguments": ', '{"name": "g", "parameters": ', '1.5e+3', '12', '"a\\"b"', '\\n']
+
+
+def _replies() -> list[tuple[str, str]]:
+    replies = [(name, text) for name, cases in CASES.items() for text, _, _ in cases]
+    replies.append(("required", REQUIRED_REPLY))
+    replies += [(name, text) for text in EDGE_REPLIES for name in ("hermes", "llama3_json", "mistral", "required")]
+    return replies
+
+
+def _mutated_replies(count: int, seed: int) -> list[tuple[str, str]]:
+    """Replies with up to three insertions, deletions or cuts each, and some read by the
+    parsers of tool_choice "required" and a named function instead."""
+    rng = random.Random(seed)
+    replies, out = _replies(), []
+    for _ in range(count):
+        name, text = rng.choice(replies)
+        for _ in range(rng.randint(0, 3) if rng.random() < 0.8 else 0):
+            pos, op = rng.randint(0, len(text)), rng.random()
+            if op < 0.4:
+                text = text[:pos] + rng.choice(MUTATION_PIECES) + text[pos:]
+            elif op < 0.7:
+                text = text[:pos] + text[pos + rng.randint(1, 3):]
+            else:
+                text = text[:pos]
+        out.append(("named" if rng.random() < 0.1 else name, text))
+    return out
+
+
+def _pieces(text: str, rng: random.Random, longest: int = 5) -> list[str]:
+    pieces, pos = [], 0
+    while pos < len(text):
+        pieces.append(text[pos:pos + rng.randint(0, longest)])
+        pos += len(pieces[-1])
+    return pieces or [""]
+
+
+def _as_parsed(incremental_parse, final: bool) -> tuple[str, list[tuple[str, str]]]:
+    view, log = incremental_parse.view(final), incremental_parse.log
+    calls = list(incremental_parse.completed[:view.calls_done]) + ([view.active] if view.active else [])
+    return log.slice(0, view.content_end), \
+        [(call.name, call.arguments(log, 0, call.arguments_length(log.length))) for call in calls]
+
+
+def test_incremental_parse_answers_what_parse_answers_after_every_delta() -> None:
+    rng = random.Random(0)
+    for name, text in _mutated_replies(1500, seed=0):
+        parser, read = PARSERS[name](), ""
+        incremental_parse = parser.incremental()
+        for piece in _pieces(text, rng):
+            incremental_parse.feed(piece)
+            read += piece
+            for final in (False, True):
+                parsed = parser.parse(read, final)
+                assert _as_parsed(incremental_parse, final) == \
+                    (parsed.content, [(call.name, call.arguments) for call in parsed.calls]), (name, read, final)
+
+
+class ReparseStreamer:
+    """The reference: parses the whole text at every delta and sends what is new (the
+    streamer as it was before the incremental parse)."""
+
+    def __init__(self, parser) -> None:
+        self.parser, self.text, self.content_sent, self.arguments_sent = parser, "", 0, []
+
+    def feed(self, delta_text: str, final: bool) -> tuple[str | None, list[dict] | None]:
+        self.text += delta_text
+        parsed = self.parser.parse(self.text, final)
+        if final and self.arguments_sent and not parsed.tools_called:
+            parsed = self.parser.parse(self.text, False)
+        content = parsed.content[self.content_sent:]
+        self.content_sent = max(self.content_sent, len(parsed.content))
+        deltas = []
+        for index, call in enumerate(parsed.calls):
+            if index < len(self.arguments_sent):
+                if call.arguments[self.arguments_sent[index]:]:
+                    deltas.append({"index": index,
+                                   "function": {"arguments": call.arguments[self.arguments_sent[index]:]}})
+                    self.arguments_sent[index] = len(call.arguments)
+            elif index == len(self.arguments_sent):
+                deltas.append({"index": index, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})
+                self.arguments_sent.append(len(call.arguments))
+        return content or None, deltas or None
+
+
+def test_streamed_deltas_are_those_of_a_stream_that_reparses_the_whole_text() -> None:
+    rng = random.Random(1)
+    for name, text in _mutated_replies(1500, seed=1):
+        streamer, reference = ToolCallStreamer(PARSERS[name]()), ReparseStreamer(PARSERS[name]())
+        pieces = _pieces(text, rng)
+        for index, piece in enumerate(pieces):
+            final = index == len(pieces) - 1
+            content, deltas = streamer.feed(piece, final)
+            for delta in deltas or ():
+                delta.pop("id", None)  # ids are random
+            assert (content, deltas) == reference.feed(piece, final), (name, text, index)
+
+
+def _long_reply(name: str, size: int) -> str:
+    """A reply of about `size` characters in the parser's format: three calls, one with long
+    string arguments and nested values (content first where the format has content)."""
+    rng = random.Random(size)
+    words = " ".join(rng.choice(["lorem", "ipsum", "dolor", "ünïcode ✓", 'say "hi"', "a\\b", "x\ny"])
+                     for _ in range(size // 7))
+    arguments = [json.dumps({"text": words, "items": [1, 2.5, None, True, {"k": "v"}]}), '{"city": "Paris"}',
+                 '{"n": -3}']
+    names = ["write", "get_weather", "count"]
+    if name == "hermes":
+        return "Let me do that.\n" + "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>\n'
+                                             for n, a in zip(names, arguments))
+    if name == "llama3_json":
+        return "<|python_tag|>" + "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in zip(names, arguments))
+    if name == "mistral":
+        return "Sure.[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}'
+                                                for n, a in zip(names, arguments)) + "]"
+    if name == "mistral_named":
+        return "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in zip(names, arguments))
+    if name == "required":
+        return "[" + ", ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in zip(names, arguments)) + "]"
+    return arguments[0]  # named
+
+
+LONG_REPLY_PARSERS = {**PARSERS, "mistral_named": PARSERS["mistral"]}
+
+
+def _tokens(text: str) -> list[str]:
+    """The text as a byte-level BPE tokenizer splits it: never across a word, a run of
+    spaces or a punctuation mark, and words in pieces of at most four characters."""
+    import re
+    pieces = re.findall(r"\s+|\w+|[^\w\s]", text)
+    return [piece[i:i + 4] for piece in pieces for i in range(0, len(piece), 4)]
+
+
+@pytest.mark.parametrize("name", sorted(LONG_REPLY_PARSERS))
+def test_long_reply_streamed_a_token_at_a_time_adds_up_to_its_parse(name: str) -> None:
+    parser = LONG_REPLY_PARSERS[name]()
+    text = _long_reply(name, 100_000)
+    tokens = _tokens(text)
+    assert "".join(tokens) == text and len(tokens) > 20_000
+    streamer, content, calls = ToolCallStreamer(parser), "", []
+    for index, token in enumerate(tokens):
+        new_content, deltas = streamer.feed(token, final=index == len(tokens) - 1)
+        content += new_content or ""
+        for delta in deltas or ():
+            if "id" in delta:
+                calls.append([delta["function"]["name"], ""])
+            calls[delta["index"]][1] += delta["function"]["arguments"]
+    parsed = parser.parse(text, final=True)
+    assert len(parsed.calls) == (1 if name == "named" else 3)
+    assert (content, calls) == (parsed.content, [[call.name, call.arguments] for call in parsed.calls])
+
+
+@pytest.mark.parametrize("name", sorted(LONG_REPLY_PARSERS))
+def test_streaming_reads_each_character_a_bounded_number_of_times(name: str, monkeypatch) -> None:
+    """Counts the characters a stream reads: the whole texts handed to `parse`, the deltas
+    and what is read back from the text so far. Linear in the reply's length, where a
+    parse of the whole text at every delta reads the square of it."""
+    from raylm.deploy.tool_parsers import incremental
+    from raylm.deploy.tool_parsers.base import ToolParser
+
+    read = [0]
+
+    def counted(method):
+        def reading(self, text, *args):
+            read[0] += len(text)
+            return method(self, text, *args)
+        return reading
+
+    def counted_slice(self, start: int, end: int) -> str:
+        piece = log_slice(self, start, end)
+        read[0] += len(piece)
+        return piece
+
+    log_slice = incremental.TextLog.slice
+    monkeypatch.setattr(incremental.TextLog, "slice", counted_slice)
+    for parser_class in {type(LONG_REPLY_PARSERS[name]()), ToolParser}:
+        if "parse" in vars(parser_class):
+            monkeypatch.setattr(parser_class, "parse", counted(vars(parser_class)["parse"]))
+    per_size = {}
+    for size in (10_000, 40_000):
+        read[0] = 0
+        streamer = ToolCallStreamer(LONG_REPLY_PARSERS[name]())
+        tokens = _tokens(_long_reply(name, size))
+        for index, token in enumerate(tokens):
+            read[0] += len(token)
+            streamer.feed(token, final=index == len(tokens) - 1)
+        per_size[size] = read[0] / sum(map(len, tokens))
+    # Each character is read a few times (the delta, a window, a slice sent on, a decode).
+    assert max(per_size.values()) < 6, per_size
+    assert per_size[40_000] < 1.2 * per_size[10_000], per_size
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_arguments_nested_past_the_decoders_reach_are_content_not_an_error(parser_name: str) -> None:
+    """The decoder raises RecursionError on them (a 500 when it reached the server)."""
+    arguments = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    text = {"hermes": f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>',
+            "llama3_json": f'{{"name": "f", "parameters": {arguments}}}',
+            "mistral": f"[TOOL_CALLS]f[ARGS]{arguments}"}[parser_name]
+    parsed = get_tool_parser(parser_name).parse(text, final=True)
+    assert parsed.content == text and not parsed.calls
+    _stream(get_tool_parser(parser_name), text, 0)  # streamed, it raises nothing either

@@ -17,6 +17,10 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylm.deploy.tool_parsers.incremental import IncrementalParse
 
 _DECODER = json.JSONDecoder()
 _WHITESPACE = re.compile(r"\s*")
@@ -48,6 +52,10 @@ class ToolParser:
     name = ""
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        raise NotImplementedError
+
+    def incremental(self) -> IncrementalParse:
+        """`parse` of one streamed reply, a delta at a time (tool_parsers/incremental.py)."""
         raise NotImplementedError
 
     def adjust_skip_special_tokens(self) -> bool | None:
@@ -84,6 +92,9 @@ def value_end(text: str, pos: int, final: bool) -> int | None:
         if final:
             raise ValueError(f"no JSON value at {pos}: {exc.msg}") from None
         return None
+    except RecursionError:
+        # Nested past what the decoder follows: not calls this server can read.
+        raise ValueError(f"a JSON value at {pos} nested too deeply to decode") from None
     if end == len(text) and not final and text[pos] in "-0123456789":
         return None
     return end

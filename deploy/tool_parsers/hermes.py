@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, held_back, scan_call, \
     skip_whitespace
+from raylm.deploy.tool_parsers.incremental import CallScan, IncrementalParse, ParseView, find_marker
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -50,3 +51,56 @@ class HermesToolParser(ToolParser):
                 return ParsedToolOutput(text)  # not calls after all: all of it is content
             # Mid-stream: what was announced stays; more text cannot make this a call.
         return ParsedToolOutput(text[:first], calls)
+
+    def incremental(self) -> IncrementalParse:
+        return HermesIncrementalParse()
+
+
+class HermesIncrementalParse(IncrementalParse):
+    """`parse`, a delta at a time: the content up to the first tag, then per tag a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "content"  # content, call_ws (after a tag), call, between (after a call); error
+        self._first = 0  # where the first tag starts
+        self._call: CallScan | None = None
+
+    def _advance(self, window: str, base: int) -> None:
+        i = self.pos - base
+        if self.phase in ("content", "between"):
+            found, i = find_marker(window, i, TOOL_CALL_START)
+            if found is not None:
+                if self.phase == "content":
+                    self._first = base + found
+                self.phase = "call_ws"
+            self.pos = base + i
+        elif self.phase == "call_ws":
+            i = skip_whitespace(window, i)
+            self.pos = base + i
+            if i < len(window):
+                self.phase, self._call = "call", CallScan(self.log, self.pos, ("arguments", "parameters"))
+        elif self.phase == "call":
+            self._call.advance(window, base)
+            self.pos = self._call.pos
+            if self._call.phase == "done":
+                self.completed.append(self._call.call)
+                self.phase = "between"
+            elif self._call.phase == "error":
+                self.phase = "error"
+        else:
+            self.pos = base + len(window)
+
+    def _view(self, text_end: int, final: bool) -> ParseView | None:
+        if self.phase == "content":
+            return ParseView(text_end if final else self.pos)
+        try:
+            active = None
+            if self.phase == "call_ws" and final:
+                raise ValueError("an empty tool call")
+            if self.phase in ("call", "error"):
+                active = self._call.view(text_end, final)
+        except ValueError:
+            if final:
+                return None  # not calls after all: all of it is content
+            active = None
+        return ParseView(self._first, len(self.completed), active)

@@ -14,6 +14,8 @@ import json
 
 from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, held_back, \
     random_alphanumeric_id, scan_call_array, skip_whitespace, value_end
+from raylm.deploy.tool_parsers.incremental import CallArrayScan, CallView, IncrementalParse, JsonValueScan, \
+    ParseView, find_marker
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -67,3 +69,78 @@ class MistralToolParser(ToolParser):
             json.loads(text[start:end])
             calls.append(ParsedCall(name, text[start:end], True))
             pos = text.find(TOOL_CALLS, end)
+
+    def incremental(self) -> IncrementalParse:
+        return MistralIncrementalParse()
+
+
+class MistralIncrementalParse(IncrementalParse):
+    """`parse`, a delta at a time: the content up to the first [TOOL_CALLS], then either a
+    list of calls or calls by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # content, form (after the first [TOOL_CALLS]), array; name, arguments_ws, arguments, between
+        self.phase = "content"
+        self._first = 0
+        self._name_start = 0
+        self._name = ""
+        self._array: CallArrayScan | None = None
+        self._value: JsonValueScan | None = None
+
+    def _advance(self, window: str, base: int) -> None:
+        i, phase = self.pos - base, self.phase
+        if phase in ("content", "between", "name"):
+            found, i = find_marker(window, i, ARGS if phase == "name" else TOOL_CALLS)
+            self.pos = base + i
+            if found is None:
+                return
+            if phase == "name":
+                self._name = self.log.slice(self._name_start, base + found).strip()
+                self.phase = "arguments_ws"
+                return
+            if phase == "content":
+                self._first = base + found
+            self._name_start = self.pos
+            self.phase = "form" if phase == "content" else "name"
+        elif phase == "form":
+            i = skip_whitespace(window, i)
+            self.pos = base + i
+            if i < len(window):
+                if window[i] == "[":
+                    self.phase, self._array = "array", CallArrayScan(self.log, self.pos, self.completed)
+                else:
+                    self.phase = "name"
+        elif phase == "array":
+            self._array.advance(window, base)
+            self.pos = self._array.pos
+        elif phase == "arguments_ws":
+            i = skip_whitespace(window, i)
+            self.pos = base + i
+            if i < len(window):
+                self.phase, self._value = "arguments", JsonValueScan(self.log, self.pos)
+        else:  # arguments
+            self._value.advance(window, base)
+            self.pos = self._value.pos
+            if self._value.end is not None:
+                self.completed.append(CallView(self._name, self._value.start, self._value.end))
+                self.phase = "between"
+
+    def _view(self, text_end: int, final: bool) -> ParseView | None:
+        if self.phase == "content":
+            return ParseView(text_end if final else self.pos)
+        try:
+            active = None
+            if self.phase in ("form", "name") and final:
+                raise ValueError("a tool call without [ARGS]")
+            if self.phase == "array":
+                active = self._array.view(text_end, final)
+            elif self.phase == "arguments_ws":
+                active = CallView(self._name, text_end)
+            elif self.phase == "arguments":
+                active = CallView(self._name, self._value.start, self._value.end_at(text_end, final))
+        except ValueError:
+            if final:
+                return None
+            active = None
+        return ParseView(self._first, len(self.completed), active)

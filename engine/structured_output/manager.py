@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams, \
+    is_legacy_structural_tag
 from raylm.engine.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
@@ -334,8 +335,25 @@ def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
             return compiler.compile_grammar(params.grammar)
         return compiler.compile_lark(params.grammar)
     if kind == "structural_tag":
-        return compiler.compile_structural_tag(json.dumps(params.structural_tag))
+        return compiler.compile_structural_tag(_structural_tag(params))
     raise AssertionError(kind)
+
+
+def _structural_tag(params: StructuredOutputsParams) -> Any:
+    """The structural tag as xgrammar compiles it. The legacy form (vLLM's `structures` and
+    `triggers`) goes through xgrammar's own conversion, and its schemas get the request's
+    whitespace bound, as every other JSON schema does (the conversion sets none; a tag's
+    content has no counterpart of disable_any_whitespace)."""
+    if not is_legacy_structural_tag(params.structural_tag):
+        return json.dumps(params.structural_tag)
+    import xgrammar as xgr
+
+    items = [xgr.StructuralTagItem(begin=structure["begin"], schema=json.dumps(structure["schema"]),
+                                   end=structure["end"]) for structure in params.structural_tag["structures"]]
+    tag = xgr.StructuralTag.from_legacy_structural_tag(items, params.structural_tag["triggers"])
+    for tag_format in tag.format.tags:
+        tag_format.content.max_whitespace_cnt = params.max_whitespace
+    return tag
 
 
 # How xgrammar 0.2.8 writes a character of a string with minLength or maxLength (printed

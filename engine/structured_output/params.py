@@ -42,7 +42,11 @@ class StructuredOutputsParams:
         choice: The output is exactly one of these strings.
         grammar: A context-free grammar, in EBNF (GBNF, ``root ::= ...``) or Lark syntax.
         json_object: True: the output is any JSON object (OpenAI's ``json_object`` mode).
-        structural_tag: An xgrammar structural tag (a dict or its JSON text).
+        structural_tag: An xgrammar structural tag (a dict or its JSON text):
+            ``{"type": "structural_tag", "format": {...}}``, or vLLM's legacy form
+            ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`` (free
+            text until a trigger, then one of the structures whose begin starts with it: its
+            begin, JSON valid against its schema, its end).
         disable_any_whitespace: JSON without any whitespace between elements beyond
             single spaces after ``,`` and ``:``.
         max_whitespace: raylm's bound on the whitespace JSON output may hold between two
@@ -91,6 +95,12 @@ class StructuredOutputsParams:
             self.json = _parse_json(self.json, "json", self.source)
         if isinstance(self.structural_tag, str):
             self.structural_tag = _parse_json(self.structural_tag, "structural_tag", self.source)
+        if self.structural_tag is not None:
+            if not isinstance(self.structural_tag, dict):
+                raise StructuredOutputsError(f"{self.source}: structural_tag must be an object, got "
+                                             f"{type(self.structural_tag).__name__}.", self.source)
+            if is_legacy_structural_tag(self.structural_tag):
+                _check_legacy_structural_tag(self.structural_tag, self.source)
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise StructuredOutputsError(f"{self.source}: json must be a JSON schema (an object), got "
                                          f"{type(self.json).__name__}.", self.source)
@@ -112,3 +122,58 @@ def _parse_json(text: str, name: str, source: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise StructuredOutputsError(f"{source}: {name} is not valid JSON: {exc}.", source) from None
+
+
+# The keys of vLLM's legacy structural tag and of each of its structures.
+_LEGACY_TAG_KEYS = frozenset({"type", "structures", "triggers"})
+_LEGACY_STRUCTURE_KEYS = frozenset({"begin", "schema", "end"})
+
+
+def is_legacy_structural_tag(tag: dict[str, Any]) -> bool:
+    """vLLM's legacy structural tag (`structures` and `triggers`), which xgrammar compiles
+    through its own conversion (manager.py); the other form has `format`."""
+    return "structures" in tag
+
+
+def _check_legacy_structural_tag(tag: dict[str, Any], source: str) -> None:
+    """The legacy tag's shape, as xgrammar will need it: non-empty triggers, non-empty
+    structures, each with a begin that starts with exactly one trigger, an end and a schema
+    (an object or a boolean; what is in it is the compiler's to check)."""
+    def fail(what: str) -> None:
+        raise StructuredOutputsError(f"{source}: structural_tag{what}.", source)
+
+    unknown = set(tag) - _LEGACY_TAG_KEYS
+    if unknown:
+        fail(f" (legacy: structures and triggers) has unknown field(s) {', '.join(sorted(unknown))}")
+    if tag.get("type", "structural_tag") != "structural_tag":
+        fail(f'.type must be "structural_tag", got {tag["type"]!r}')
+    if "format" in tag:
+        fail(" has both format and structures: give one form")
+    triggers, structures = tag.get("triggers"), tag["structures"]
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        fail(f".triggers must be a non-empty list of non-empty strings, got {triggers!r}")
+    if not isinstance(structures, list) or not structures:
+        fail(f".structures must be a non-empty list of {{begin, schema, end}} objects, got {structures!r}")
+    trigger_set = set(triggers)
+    for index, structure in enumerate(structures):
+        where = f".structures[{index}]"
+        if not isinstance(structure, dict):
+            fail(f"{where} must be a {{begin, schema, end}} object, got {type(structure).__name__}")
+        unknown = set(structure) - _LEGACY_STRUCTURE_KEYS
+        missing = _LEGACY_STRUCTURE_KEYS - set(structure)
+        if unknown or missing:
+            fail(f"{where} must have exactly begin, schema and end; "
+                 + "; ".join(part for part in (f"unknown: {', '.join(sorted(unknown))}" if unknown else "",
+                                               f"missing: {', '.join(sorted(missing))}" if missing else "") if part))
+        begin, end, schema = structure["begin"], structure["end"], structure["schema"]
+        if not isinstance(begin, str) or not begin:
+            fail(f"{where}.begin must be a non-empty string, got {begin!r}")
+        if not isinstance(end, str):
+            fail(f"{where}.end must be a string, got {end!r}")
+        if not isinstance(schema, (dict, bool)):
+            fail(f"{where}.schema must be a JSON schema (an object or a boolean), got {type(schema).__name__}")
+        # Each begin's prefixes looked up, not each trigger tried: linear in the tag's size.
+        matching = [begin[:length] for length in range(1, len(begin) + 1) if begin[:length] in trigger_set]
+        if len(matching) != 1:
+            fail(f"{where}.begin {begin!r} must start with exactly one of the triggers; it starts with "
+                 + (f"{len(matching)} ({', '.join(map(repr, matching))})" if matching else "none"))
