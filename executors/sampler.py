@@ -3,8 +3,8 @@
 Order of operations (vLLM's): logit_bias, min_tokens (stop tokens masked), penalties
 (repetition on prompt+output tokens, frequency/presence on output tokens); then greedy
 rows take the argmax and random rows apply temperature, top-k and top-p, min-p and draw
-from the softmax (by inverse CDF: one uniform draw a row; rows with temperature alone take one
-native pass on the CPU, `cpu_ops.random_sample`, whatever the other rows ask for). Seeded rows
+from the softmax (by inverse CDF: one uniform draw a row; on the CPU native passes that cut
+top-k and top-p by a radix select, with no sort of the vocabulary). Seeded rows
 draw with their own generator, so a request's tokens do not depend on what else is in the
 batch. Returned logprobs are the raw log-softmax of the model's logits, before any of the
 above (vLLM's default).
@@ -304,12 +304,13 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
 def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> torch.Tensor:
     """logits: [len(rows), V], the random rows only. Returns [len(rows)] token ids.
 
-    The draw's implementation is chosen per row, from that row's parameters alone: rows with
-    temperature alone take the native pass where it runs, rows that truncate (top-k, top-p,
-    min-p) the PyTorch one. The two round their sums differently and pick different tokens for
-    the same logits and uniform in about 0.7% (32k vocabulary) to 5% (128k) of draws, so a
-    choice made for the whole batch would make a seeded request's tokens depend on its
-    neighbours' parameters."""
+    On the CPU every row takes the native pass: temperature alone is one pass a row
+    (`cpu_ops.random_sample`), and rows that truncate (top-k, top-p, min-p) find their cut
+    by a radix select instead of sorting the vocabulary (`cpu_ops.random_sample_truncated`,
+    which draws a row that cuts nothing exactly as `random_sample` does). So a row's draw
+    depends on its own parameters only: the native and the PyTorch draws round their sums
+    differently, and a choice made for the whole batch would make a seeded request's tokens
+    depend on its neighbours'. Elsewhere (a GPU) the PyTorch path sorts."""
     device = logits.device
     vocab_size = logits.shape[1]
     params = [metadata.sampling_params[i] for i in rows]
@@ -319,21 +320,18 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
         return _sample_truncated(logits, params, temperature, uniforms)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the native pass reads rows as runs of memory
-    truncated = [j for j, p in enumerate(params) if _truncates(p, vocab_size)]
-    if not truncated:
+    if not any(_truncates(p, vocab_size) for p in params):
         # Temperature alone (the common case): one native pass a row does the division, the
         # softmax and the inverse CDF.
         return cpu_ops.random_sample(logits, temperature, uniforms)
-    if len(truncated) == len(rows):
-        return _sample_truncated(logits, params, temperature, uniforms)
-    plain = [j for j, p in enumerate(params) if not _truncates(p, vocab_size)]
-    sampled = torch.empty(len(rows), dtype=torch.long, device=device)
-    plain_idx = to_device(plain, device)
-    sampled[plain_idx] = cpu_ops.random_sample(logits[plain_idx], temperature[plain_idx], uniforms[plain_idx])
-    truncated_idx = to_device(truncated, device)
-    sampled[truncated_idx] = _sample_truncated(logits[truncated_idx], [params[j] for j in truncated],
-                                               temperature[truncated_idx], uniforms[truncated_idx])
-    return sampled
+    return cpu_ops.random_sample_truncated(logits, temperature, uniforms, *_native_cuts(params, vocab_size))
+
+
+def _native_cuts(params: list[SamplingParams], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' top-k (V for none), top-p and min-p as the native CPU passes take them."""
+    return (torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32))
 
 
 def _truncates(params: SamplingParams, vocab_size: int) -> bool:
@@ -352,9 +350,12 @@ def _sample_truncated(logits: torch.Tensor, params: list[SamplingParams], temper
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor) -> torch.Tensor:
     """The distribution random rows draw from: [N, V] probabilities after temperature,
-    top-k and top-p, and min-p (logits already through `process_logits`)."""
+    top-k and top-p, and min-p (logits already through `process_logits`). On the CPU the
+    native pass cuts without sorting (a row of NaN comes out NaN either way)."""
     device = logits.device
     vocab_size = logits.shape[1]
+    if cpu_ops.usable(logits) and logits.dtype == torch.float32:
+        return cpu_ops.truncated_probs(logits.contiguous(), temperature, *_native_cuts(params, vocab_size))
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_ps = [p.top_p for p in params]
     need_top_k = any(k < vocab_size for k in top_ks)

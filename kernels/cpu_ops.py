@@ -1,6 +1,7 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
-`rotary_embedding`, `write_kv_cache` and `random_sample` (the sampler's draw); and
+`rotary_embedding`, `write_kv_cache`, and `random_sample`, `random_sample_truncated` and
+`truncated_probs` (the sampler's draws); and
 `zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
@@ -97,6 +98,25 @@ def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: to
     that is not positive, a uniform outside [0, 1) or a row with no finite logit is a
     ValueError."""
     return torch.ops.raylm.random_sample(logits, temperatures.float().contiguous(), uniforms.float().contiguous())
+
+
+def random_sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
+                            top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """`random_sample` with each row cut first, as vLLM cuts it: top-k (int64 [N]; V or more
+    keeps all), then top-p over what top-k keeps (fp32 [N] in (0, 1]; 1 keeps all), then
+    min-p (fp32 [N] in [0, 1]; 0 keeps all). No sort: a radix select finds each row's cut in
+    a few passes. A row that cuts nothing draws what `random_sample` draws."""
+    return torch.ops.raylm.random_sample_truncated(
+        logits, temperatures.float().contiguous(), uniforms.float().contiguous(), top_ks.long().contiguous(),
+        top_ps.float().contiguous(), min_ps.float().contiguous())
+
+
+def truncated_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                    min_ps: torch.Tensor) -> torch.Tensor:
+    """The distribution `random_sample_truncated` draws from: fp32 [N, V], each row
+    softmax(logits / temperature) cut by its top-k, top-p and min-p (cut tokens 0)."""
+    return torch.ops.raylm.truncated_probs(logits, temperatures.float().contiguous(), top_ks.long().contiguous(),
+                                           top_ps.float().contiguous(), min_ps.float().contiguous())
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -73,6 +73,14 @@ def test_vllm_peer_cannot_take_a_dataset(tmp_path):
         vllm_command(args, tmp_path / "out.json")
 
 
+@pytest.mark.parametrize("cut", [("--top-p", "0.9"), ("--top-k", "50")])
+def test_vllm_peer_cannot_take_top_p_or_top_k_and_says_where_to_compare_them(tmp_path, cut):
+    # vLLM's throughput benchmark has no such flags: the two engines would sample differently.
+    args = parse("/models/m", "--temperature", "1.0", *cut, "--peer", "vllm")
+    with pytest.raises(ValueError, match="serve_vs_vllm"):
+        vllm_command(args, tmp_path / "out.json")
+
+
 def test_peer_vllm_without_vllm_fails_before_any_run_naming_peer_env(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable))  # no vllm there
     monkeypatch.setattr("raylm.cluster.benchmarks.bench_throughput.bench_raylm", None)  # must not be reached

@@ -246,6 +246,147 @@ def test_random_sample_rejects_what_it_cannot_draw_from(case):
         cpu_ops.random_sample(logits, temperatures, uniforms)
 
 
+def float64_truncated(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                      min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's probabilities after vLLM's cuts, in float64 by a full sort: top-k keeps the
+    logits >= the k-th largest; top-p over what is left keeps a token while the tokens before
+    it in a descending sort hold less than p of the mass; min-p drops probabilities under
+    min_p times the largest. Also returns, per token, how far its kept-or-not decision is
+    from the top-p boundary (the mass before it minus p), for rows where rounding decides."""
+    scaled = logits.double() / temperature
+    vocab = scaled.numel()
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if top_k < vocab:
+        keep &= scaled >= scaled.sort(descending=True).values[top_k - 1]
+    probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=0)
+    margin = torch.full((vocab,), math.inf, dtype=torch.float64)
+    if top_p < 1.0:
+        order = probs.sort(descending=True, stable=True).indices
+        before = torch.cat([torch.zeros(1, dtype=torch.float64), probs[order].cumsum(0)[:-1]])
+        keep[order] &= before < top_p
+        margin[order] = before - top_p
+    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs.masked_fill(probs < probs.max() * min_p, 0.0)
+    return probs / probs.sum(), margin
+
+
+@pytest.mark.parametrize("vocab", [4096, 1003, 37])
+def test_random_sample_truncated_draws_from_what_a_sort_keeps(vocab):
+    # Every row cuts differently (k from 1 to past V, p, min-p, each on or off), with masked
+    # tokens and runs of equal logits; the token drawn must be one the float64 sort keeps
+    # (unless the top-p boundary is within rounding of it), and u must fall in its interval
+    # of the kept distribution.
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 240
+    logits = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 8
+    logits[::7, ::3] = -math.inf
+    logits[::5, 10:20] = 1.5  # ties, at the cut in some rows
+    temperatures = torch.rand(rows, generator=gen) * 1.5 + 0.1
+    top_ks = torch.randint(1, vocab + 50, (rows,), generator=gen)
+    top_ps = torch.where(torch.rand(rows, generator=gen) < 0.3, 1.0, torch.rand(rows, generator=gen) * 0.98 + 0.01)
+    min_ps = torch.where(torch.rand(rows, generator=gen) < 0.5, 0.0, torch.rand(rows, generator=gen) * 0.4)
+    uniforms = torch.rand(rows, generator=gen)
+    tokens = cpu_ops.random_sample_truncated(logits, temperatures, uniforms, top_ks, top_ps, min_ps)
+    assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    for r in range(rows):
+        probs, margin = float64_truncated(logits[r], float(temperatures[r]), int(top_ks[r]), float(top_ps[r]),
+                                          float(min_ps[r]))
+        token = int(tokens[r])
+        if probs[token] == 0:
+            assert abs(float(margin[token])) < 1e-5, f"row {r}: token {token} is cut off by the sort"
+            continue
+        cumulative = probs.cumsum(0)
+        lower = float(cumulative[token - 1]) if token else 0.0
+        assert lower - 1e-5 <= float(uniforms[r]) <= float(cumulative[token]) + 1e-5, f"row {r}"
+
+
+def test_random_sample_truncated_cuts_as_vllm_does_at_its_edges():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, -math.inf, 1.0, 3.0]])
+    one = torch.ones(1)
+
+    def draws(top_k: int, top_p: float, min_p: float = 0.0, count: int = 4000) -> set[int]:
+        u = (torch.arange(count, dtype=torch.float32) + 0.5) / count
+        return set(cpu_ops.random_sample_truncated(logits.expand(count, -1).contiguous(), one.expand(count), u,
+                                                   torch.full((count,), top_k), torch.full((count,), top_p),
+                                                   torch.full((count,), min_p)).tolist())
+
+    assert draws(1, 1.0) == {6}  # top-k 1 is greedy
+    assert draws(2, 1.0) == {1, 3, 6}  # both logits equal to the 2nd largest are kept
+    assert draws(7, 1.0) == {0, 1, 2, 3, 5, 6}  # k = V cuts nothing; -inf is never drawn
+    # softmax of [0, 2, 1, 2, 1, 3]: 3 holds 0.4551, each 2 holds 0.1674. Top-p keeps a token
+    # while the mass before it is under p: 0.3 keeps the maximum only, 0.5 one of the ties
+    # (the first in vocabulary order, as a stable sort), 0.7 both.
+    assert draws(7, 0.3) == {6}
+    assert draws(7, 0.5) == {1, 6}
+    assert draws(7, 0.7) == {1, 3, 6}
+    # Top-k first, then top-p over what it keeps, renormalised: k = 3 leaves 3 with 0.576 and
+    # each 2 with 0.212, so p = 0.7 now keeps one tie and 0.8 both.
+    assert draws(3, 0.7) == {1, 6}
+    assert draws(3, 0.8) == {1, 3, 6}
+    assert draws(7, 1.0, min_p=0.3) == {1, 3, 6}  # e^-1 = 0.37 of the max stays, e^-2 goes
+    # A row that cuts nothing draws what random_sample draws, bit for bit.
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(64, 5000, generator=gen) * 4
+    t, u = torch.rand(64, generator=gen) + 0.2, torch.rand(64, generator=gen)
+    assert torch.equal(cpu_ops.random_sample_truncated(wide, t, u, torch.full((64,), 5000), torch.ones(64),
+                                                       torch.zeros(64)), cpu_ops.random_sample(wide, t, u))
+
+
+def test_random_sample_truncated_frequencies():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 300, generator=gen) * 2
+    logits[0, 50:60] = float(logits.max())  # ten tokens tie for the maximum
+    draws = 40000
+    tokens = cpu_ops.random_sample_truncated(logits.expand(draws, -1).contiguous(), torch.full((draws,), 0.8),
+                                             torch.rand(draws, generator=gen), torch.full((draws,), 40),
+                                             torch.full((draws,), 0.9), torch.full((draws,), 0.01))
+    frequencies = torch.bincount(tokens, minlength=300).double() / draws
+    probabilities, _ = float64_truncated(logits[0], 0.8, 40, 0.9, 0.01)
+    assert bool(((frequencies - probabilities).abs() <= 4 * (probabilities * (1 - probabilities) / draws).sqrt()
+                 + 1e-12).all())
+
+
+def test_truncated_probs_are_what_a_sort_keeps_and_nan_rows_stay_nan():
+    gen = torch.Generator().manual_seed(2)
+    rows, vocab = 60, 2000
+    logits = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 6
+    logits[::6, 5:15] = 1.0  # ties
+    temperatures = torch.rand(rows, generator=gen) + 0.2
+    top_ks = torch.randint(1, vocab + 10, (rows,), generator=gen)
+    top_ps = torch.where(torch.rand(rows, generator=gen) < 0.3, 1.0, torch.rand(rows, generator=gen) * 0.9 + 0.05)
+    min_ps = torch.where(torch.rand(rows, generator=gen) < 0.5, 0.0, torch.rand(rows, generator=gen) * 0.3)
+    logits[7] = math.nan
+    logits[8] = -math.inf
+    probs = cpu_ops.truncated_probs(logits, temperatures, top_ks, top_ps, min_ps)
+    assert probs.dtype == torch.float32 and probs.shape == (rows, vocab)
+    assert bool(probs[7].isnan().all()) and bool(probs[8].isnan().all())
+    for r in set(range(rows)) - {7, 8}:
+        expected, margin = float64_truncated(logits[r], float(temperatures[r]), int(top_ks[r]), float(top_ps[r]),
+                                             float(min_ps[r]))
+        differs = (probs[r] > 0) != (expected > 0)
+        assert bool((margin[differs].abs() < 1e-5).all()), f"row {r}: the kept tokens differ from the sort's"
+        if not differs.any():
+            torch.testing.assert_close(probs[r].double(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["top_k of 0", "top_p of 0", "top_p over 1", "min_p over 1", "a row of nan"])
+def test_random_sample_truncated_rejects_what_it_cannot_cut(case):
+    logits, temperatures, uniforms = torch.zeros(2, 8), torch.ones(2), torch.full((2,), 0.5)
+    top_ks, top_ps, min_ps = torch.full((2,), 4), torch.full((2,), 0.9), torch.zeros(2)
+    if case == "top_k of 0":
+        top_ks[1] = 0
+    elif case == "top_p of 0":
+        top_ps[0] = 0.0
+    elif case == "top_p over 1":
+        top_ps[1] = 1.5
+    elif case == "min_p over 1":
+        min_ps[0] = 2.0
+    else:
+        logits[1] = math.nan
+    with pytest.raises(ValueError):
+        cpu_ops.random_sample_truncated(logits, temperatures, uniforms, top_ks, top_ps, min_ps)
+
+
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)

@@ -190,10 +190,11 @@ def bench_raylm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[Thr
 
     llm = LLM(**engine_kwargs(args))
     requests = [{"prompt_token_ids": p} for p in prompts]
-    warmup = SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, temperature=args.temperature)
+    cuts = dict(top_p=args.top_p, top_k=args.top_k)
+    warmup = SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, temperature=args.temperature, **cuts)
     llm.generate(requests[:WARMUP_PROMPTS], warmup, use_tqdm=False)
 
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, **cuts)
     times = []
     for _ in range(args.num_iters):
         start = time.perf_counter()
@@ -356,6 +357,8 @@ def run(args: argparse.Namespace) -> dict:
         output_len=args.output_len,
         dtype=args.dtype,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         seed=args.seed,
         num_iters=args.num_iters,
         engine_args=engine_overrides(args),
@@ -464,6 +467,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           help="timed runs of the whole workload (raylm and HF batched); the fastest "
                                "counts (default 1)")
     workload.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    workload.add_argument("--top-p", type=float, default=1.0, help="top-p of every request (default 1: none)")
+    workload.add_argument("--top-k", type=int, default=-1, help="top-k of every request (default -1: none)")
     from raylm.engine import EngineArgs
 
     engine = parser.add_argument_group("engine (passed to LLM(...))")

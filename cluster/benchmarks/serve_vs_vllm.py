@@ -6,7 +6,8 @@
 Starts `raylm serve MODEL_DIR` and `vllm serve MODEL_DIR` in turn on one port (alternating,
 `--runs` times each, so drift of a shared machine hits both), and against each runs
 `vllm bench serve` with vLLM's random dataset: `--num-prompts` prompts of `--input-len`
-tokens, `--output-len` tokens each, all sent at once, greedy, EOS ignored. Each server is
+tokens, `--output-len` tokens each, all sent at once, EOS ignored, greedy unless
+`--temperature` (with `--top-p`, `--top-k`) says otherwise. Each server is
 stopped before the next starts. Prints one row per run and the ratio of the medians of
 output tokens/s, then ``RESULT {json}``.
 
@@ -63,8 +64,10 @@ def client_command(args: argparse.Namespace, result_dir: Path, name: str) -> lis
         "vllm", "bench", "serve", "--backend", "vllm", "--model", str(Path(args.model).resolve()),
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--port", str(args.port), "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
-        "--save-result", "--result-dir", str(result_dir), "--result-filename", name])
+        "--port", str(args.port), "--ignore-eos", "--temperature", str(args.temperature), "--seed", str(args.seed),
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+        + (["--top-p", str(args.top_p)] if args.top_p is not None else [])
+        + (["--top-k", str(args.top_k)] if args.top_k is not None else []))
 
 
 def wait_until_healthy(port: int, server: subprocess.Popen, timeout_s: float) -> None:
@@ -141,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="top-p of every request (default: none)")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k of every request (default: none)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if not Path(args.peer_env).is_file():

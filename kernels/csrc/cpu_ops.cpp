@@ -273,7 +273,15 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 // div, softmax, cumsum and searchsorted (four passes and as many tensors), in two passes:
 // ~0.3 ms of a ~100M-Llama decode step of 64 rows x 4096 logits on 2 cores. Tokens of zero
 // weight (-inf logits) are never drawn: the running sum does not grow at them.
-int64_t sample_row(const float* logits, int64_t V, float temperature, float u, float* scratch) {
+// A row's largest logit, and whether the row can be drawn from: it holds no NaN and has a
+// finite maximum.
+struct RowMax {
+  float max;
+  bool holds_nan;
+  bool drawable() const { return !holds_nan && std::isfinite(max); }
+};
+
+RowMax row_max(const float* logits, int64_t V) {
   // The sum is there to see NaNs: vmax drops a NaN lane on some ISAs, an add never does.
   vfloat max_v = vset1(-std::numeric_limits<float>::infinity()), sum_logits_v = vset1(0.0f);
   int64_t i = 0;
@@ -287,12 +295,21 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, float u, f
     max = std::max(max, logits[i]);
     sum_logits += logits[i];
   }
-  TORCH_CHECK_VALUE(!std::isnan(sum_logits), "sampling: a row of logits holds NaN");
-  TORCH_CHECK_VALUE(std::isfinite(max), "sampling: a row of logits has no finite maximum (", max, ")");
+  return RowMax{max, std::isnan(sum_logits)};
+}
+
+void check_drawable(const RowMax& row) {
+  TORCH_CHECK_VALUE(!row.holds_nan, "sampling: a row of logits holds NaN");
+  TORCH_CHECK_VALUE(std::isfinite(row.max), "sampling: a row of logits has no finite maximum (", row.max, ")");
+}
+
+// The weights exp((logit - max) / temperature) of one row into scratch; returns their sum.
+// The row's maximum has weight 1.
+float row_weights(const float* logits, int64_t V, float max, float temperature, float* scratch) {
   // exp(x / T) = 2^(x log2(e) / T); (logit - max) <= 0, so the exponent is too.
   const vfloat scale = vset1(1.44269504088896341f / temperature), max_b = vset1(max);
   vfloat sum_v = vset1(0.0f);
-  i = 0;
+  int64_t i = 0;
   for (; i + kVecWidth <= V; i += kVecWidth) {
     const vfloat weight = vexp2_nonpositive(vmul(vsub(vload(logits + i), max_b), scale));
     vstore(scratch + i, weight);
@@ -303,25 +320,196 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, float u, f
     scratch[i] = exp2_nonpositive((logits[i] - max) * (1.44269504088896341f / temperature));
     total += scratch[i];
   }
+  return total;
+}
+
+// Inverse CDF over non-negative weights of sum total: the first token whose running sum
+// exceeds u times the total (u in [0, 1)). Tokens of weight 0 are never drawn.
+int64_t draw_from_weights(const float* weights, int64_t V, float total, float u) {
   const float target = u * total;
   // Whole vectors while their sum stays at or under the target, then token by token.
   float running = 0.0f;
-  i = 0;
+  int64_t i = 0;
   for (; i + kVecWidth <= V; i += kVecWidth) {
-    const float chunk = vsum(vload(scratch + i));
+    const float chunk = vsum(vload(weights + i));
     if (running + chunk > target) break;
     running += chunk;
   }
   for (; i < V; ++i) {
-    running += scratch[i];
+    running += weights[i];
     if (running > target) return i;
   }
-  // The sums of the two passes may round differently: with u just under 1 the scan can end
-  // at or under the target. The last token of nonzero weight is then the one u points at
+  // The sums of two passes may round differently: with u just under 1 the scan can end at
+  // or under the target. The last token of nonzero weight is then the one u points at
   // (there is one: the maximum's weight is 1).
   int64_t last = V - 1;
-  while (last > 0 && scratch[last] == 0.0f) --last;
+  while (last > 0 && weights[last] == 0.0f) --last;
   return last;
+}
+
+// One draw from softmax(logits / temperature) by inverse CDF, for one row of V logits: the
+// first token whose running sum of exp((logit - max) / temperature) exceeds u times the
+// total (u in [0, 1)). scratch holds V floats. What the sampler's PyTorch path computes as
+// div, softmax, cumsum and searchsorted (four passes and as many tensors), in two passes:
+// ~0.3 ms of a ~100M-Llama decode step of 64 rows x 4096 logits on 2 cores. Tokens of zero
+// weight (-inf logits) are never drawn: the running sum does not grow at them.
+int64_t sample_row(const float* logits, int64_t V, float temperature, float u, float* scratch) {
+  const RowMax row = row_max(logits, V);
+  check_drawable(row);
+  const float total = row_weights(logits, V, row.max, temperature, scratch);
+  return draw_from_weights(scratch, V, total, u);
+}
+
+// ---- Top-k, top-p and min-p without sorting the vocabulary ----
+//
+// vLLM (and the sampler's PyTorch path) sort each row to cut it: 64 rows of a 32k vocabulary
+// took ~130 ms on one Zen 5 core, 128k ~1.2 s, many times the model's decode step. The cut
+// only needs one value, the row's k-th largest logit (top-k) or the logit where the mass of
+// the larger ones reaches p (top-p), and a radix select finds it in a few passes: histograms
+// of 11, 11 and 10 bits of an order-preserving key of the logit, each narrowing to the
+// bucket the cut falls in.
+
+// An unsigned key with the order of the float's value: a < b iff order_key(a) < order_key(b).
+inline uint32_t order_key(float x) {
+  x += 0.0f;  // -0 becomes +0, so equal values have equal keys
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Where a cut falls: the key of the element it falls in, and the weight (count or mass) of
+// the elements with larger keys, which is under the target. key 0 keeps everything (no
+// element has it: it is a NaN's).
+struct Cut {
+  uint32_t key = 0;
+  double above = 0.0;
+};
+
+// The key v of the elements of `keys` (those with key >= floor) at which the weight of the
+// larger keys is under target and with v's own elements reaches it. weight(i) >= 0. When the
+// total is under the target (rounding), the cut keeps everything. candidates: scratch.
+template <typename Weight>
+Cut radix_select(const uint32_t* keys, int64_t V, uint32_t floor, double target, Weight weight,
+                 std::vector<int32_t>& candidates) {
+  constexpr int kShifts[3] = {21, 10, 0};
+  constexpr uint32_t kMasks[3] = {0x7ffu, 0x7ffu, 0x3ffu};
+  double histogram[2048];
+  Cut cut;
+  uint32_t prefix = 0;  // the key bits above the current level, fixed by the levels before
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShifts[level];
+    const uint32_t mask = kMasks[level];
+    std::fill(histogram, histogram + mask + 1, 0.0);
+    if (level == 0) {
+      for (int64_t i = 0; i < V; ++i) {
+        if (keys[i] >= floor) histogram[keys[i] >> shift] += weight(i);
+      }
+    } else {
+      for (const int32_t i : candidates) histogram[(keys[i] >> shift) & mask] += weight(i);
+    }
+    // From the largest bucket down, until the running weight reaches the target.
+    int64_t bucket = mask;
+    double running = cut.above;
+    for (; bucket >= 0; --bucket) {
+      if (running + histogram[bucket] >= target) break;
+      running += histogram[bucket];
+    }
+    if (bucket < 0) return Cut{};  // the total is under the target: keep everything
+    cut.above = running;
+    prefix |= static_cast<uint32_t>(bucket) << shift;
+    // Keep the candidates of that bucket only.
+    const uint32_t high_mask = ~((1u << shift) - 1u);
+    if (level == 0) {
+      candidates.clear();
+      for (int64_t i = 0; i < V; ++i) {
+        if (keys[i] >= floor && (keys[i] & high_mask) == prefix) candidates.push_back(static_cast<int32_t>(i));
+      }
+    } else {
+      size_t kept = 0;
+      for (const int32_t i : candidates) {
+        if ((keys[i] & high_mask) == prefix) candidates[kept++] = i;
+      }
+      candidates.resize(kept);
+    }
+  }
+  cut.key = prefix;
+  return cut;
+}
+
+// What a row keeps: keys above `key`, the first `ties` elements (in vocabulary order) whose
+// key equals it, and weights of at least min_weight.
+struct Kept {
+  uint32_t key = 0;
+  int64_t ties = std::numeric_limits<int64_t>::max();
+  float min_weight = 0.0f;
+};
+
+// The weights exp((logit - max) / temperature) of one row cut by top-k (k < V cuts), then
+// top-p over what top-k keeps (p < 1 cuts: a token is kept when the tokens more likely than
+// it hold less than p of the mass; the most likely is always kept), then min-p (tokens under
+// min_p times the most likely's probability go), written to weights (cut tokens 0); returns
+// their sum. What the PyTorch path computes by sort, mask and softmax, up to rounding. max:
+// the row's largest logit (finite); keys holds V uint32 of scratch.
+float truncated_weights(const float* logits, int64_t V, float max, float temperature, int64_t top_k, float top_p,
+                        float min_p, float* weights, uint32_t* keys, std::vector<int32_t>& candidates) {
+  row_weights(logits, V, max, temperature, weights);
+  const bool cuts_k = top_k < V, cuts_p = top_p < 1.0f;
+  Kept kept;
+  kept.min_weight = min_p;  // the most likely token's weight is 1
+  if (cuts_k || cuts_p) {
+    for (int64_t i = 0; i < V; ++i) keys[i] = order_key(logits[i]);
+  }
+  if (cuts_k) {
+    // The k-th largest logit; every logit equal to it is kept, as vLLM's mask keeps them.
+    kept.key = radix_select(keys, V, 0, static_cast<double>(top_k), [](int64_t) { return 1.0; }, candidates).key;
+  }
+  if (cuts_p) {
+    const uint32_t floor = kept.key;
+    double mass = 0.0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (keys[i] >= floor) mass += weights[i];
+    }
+    const double target = static_cast<double>(top_p) * mass;
+    const Cut cut = radix_select(keys, V, floor, target, [&](int64_t i) { return static_cast<double>(weights[i]); },
+                                 candidates);
+    if (cut.key != 0) {
+      // Equal logits at the cut are kept in vocabulary order while the mass before each stays
+      // under the target, as a sort would keep some of them.
+      kept.key = cut.key;
+      const double tie_weight = weights[candidates.front()];
+      if (tie_weight > 0.0) {
+        kept.ties = std::max<int64_t>(1, static_cast<int64_t>(std::ceil((target - cut.above) / tie_weight)));
+      }
+    }
+  }
+  // Zero the weights cut off, summing what stays.
+  float kept_total = 0.0f;
+  int64_t ties_seen = 0;
+  const bool cuts_keys = cuts_k || cuts_p;
+  for (int64_t i = 0; i < V; ++i) {
+    bool keep = weights[i] >= kept.min_weight;
+    if (keep && cuts_keys) {
+      keep = keys[i] > kept.key || (keys[i] == kept.key && ties_seen++ < kept.ties);
+    }
+    if (keep) {
+      kept_total += weights[i];
+    } else {
+      weights[i] = 0.0f;
+    }
+  }
+  return kept_total;
+}
+
+// One draw from the cut distribution (truncated_weights) by inverse CDF in vocabulary order:
+// the token the PyTorch path (sort, mask, softmax, cumsum, searchsorted) draws for the same u,
+// up to the rounding of its sums.
+int64_t sample_row_truncated(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p,
+                             float min_p, float u, float* weights, uint32_t* keys, std::vector<int32_t>& candidates) {
+  const RowMax row = row_max(logits, V);
+  check_drawable(row);
+  const float total = truncated_weights(logits, V, row.max, temperature, top_k, top_p, min_p, weights, keys,
+                                        candidates);
+  return draw_from_weights(weights, V, total, u);
 }
 
 // logits [N, V] fp32 (rows contiguous), temperatures [N] fp32 > 0, uniforms [N] fp32 in
@@ -354,6 +542,109 @@ at::Tensor random_sample(const at::Tensor& logits, const at::Tensor& temperature
   return tokens;
 }
 
+// Each row's cut, as the ops below take it: temperatures [N] fp32 > 0, top_ks [N] int64 (V or
+// more: none), top_ps [N] fp32 in (0, 1] (1: none), min_ps [N] fp32 in [0, 1] (0: none).
+struct RowCuts {
+  const float* temperature;
+  const int64_t* top_k;
+  const float* top_p;
+  const float* min_p;
+
+  bool cuts(int64_t r, int64_t V) const { return top_k[r] < V || top_p[r] < 1.0f || min_p[r] > 0.0f; }
+};
+
+RowCuts checked_cuts(const char* op, const at::Tensor& logits, const at::Tensor& temperatures,
+                     const at::Tensor& top_ks, const at::Tensor& top_ps, const at::Tensor& min_ps) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1, "raylm::", op,
+              " takes fp32 logits [N, V] with contiguous rows");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "raylm::", op, ": a vocabulary of ", V, " logits");
+  for (const at::Tensor* t : {&temperatures, &top_ps, &min_ps}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous(), "raylm::",
+                op, ": temperatures, top_ps and min_ps are fp32 [N], one per row of logits");
+  }
+  TORCH_CHECK(top_ks.dim() == 1 && top_ks.size(0) == N && top_ks.scalar_type() == at::kLong && top_ks.is_contiguous(),
+              "raylm::", op, ": top_ks is int64 [N], one per row of logits");
+  const RowCuts cuts{temperatures.data_ptr<float>(), top_ks.data_ptr<int64_t>(), top_ps.data_ptr<float>(),
+                     min_ps.data_ptr<float>()};
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK_VALUE(cuts.temperature[r] > 0.0f && std::isfinite(cuts.temperature[r]), "raylm::", op,
+                      ": temperature ", cuts.temperature[r], " of row ", r, " is not a positive number");
+    TORCH_CHECK_VALUE(cuts.top_k[r] >= 1, "raylm::", op, ": top_k ", cuts.top_k[r], " of row ", r, " is under 1");
+    TORCH_CHECK_VALUE(cuts.top_p[r] > 0.0f && cuts.top_p[r] <= 1.0f, "raylm::", op, ": top_p ", cuts.top_p[r],
+                      " of row ", r, " is outside (0, 1]");
+    TORCH_CHECK_VALUE(cuts.min_p[r] >= 0.0f && cuts.min_p[r] <= 1.0f, "raylm::", op, ": min_p ", cuts.min_p[r],
+                      " of row ", r, " is outside [0, 1]");
+  }
+  return cuts;
+}
+
+// random_sample with each row's cut (RowCuts). A row that cuts nothing is drawn exactly as
+// random_sample draws it.
+at::Tensor random_sample_truncated(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
+                                   const at::Tensor& top_ks, const at::Tensor& top_ps, const at::Tensor& min_ps) {
+  const RowCuts cuts = checked_cuts("random_sample_truncated", logits, temperatures, top_ks, top_ps, min_ps);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == N && uniforms.scalar_type() == at::kFloat &&
+              uniforms.is_contiguous(), "raylm::random_sample_truncated: uniforms are fp32 [N]");
+  const float* u = uniforms.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK_VALUE(u[r] >= 0.0f && u[r] < 1.0f, "raylm::random_sample_truncated: uniform ", u[r], " of row ", r,
+                      " is outside [0, 1)");
+  }
+  at::Tensor tokens = at::empty({N}, logits.options().dtype(at::kLong));
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const float* base = logits.data_ptr<float>();
+  const int64_t row_stride = logits.stride(0);
+  at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(V);
+    std::vector<uint32_t> keys(V);
+    std::vector<int32_t> candidates;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = base + r * row_stride;
+      out[r] = cuts.cuts(r, V) ? sample_row_truncated(row, V, cuts.temperature[r], cuts.top_k[r], cuts.top_p[r],
+                                                      cuts.min_p[r], u[r], weights.data(), keys.data(), candidates)
+                               : sample_row(row, V, cuts.temperature[r], u[r], weights.data());
+    }
+  });
+  return tokens;
+}
+
+// The distribution random_sample_truncated draws from: [N, V] fp32 probabilities, each row
+// softmax(logits / temperature) cut by its top-k, top-p and min-p (RowCuts), cut tokens 0.
+// For speculative decoding's rejection sampling, which needs the probabilities themselves. A
+// row holding NaN or no finite logit comes out NaN, as softmax makes it (its request is
+// failed by the caller's check; this op must not stop the others).
+at::Tensor truncated_probs(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& top_ks,
+                           const at::Tensor& top_ps, const at::Tensor& min_ps) {
+  const RowCuts cuts = checked_cuts("truncated_probs", logits, temperatures, top_ks, top_ps, min_ps);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  at::Tensor probs = at::empty({N, V}, logits.options());
+  float* out = probs.data_ptr<float>();
+  const float* base = logits.data_ptr<float>();
+  const int64_t row_stride = logits.stride(0);
+  at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> keys(V);
+    std::vector<int32_t> candidates;
+    for (int64_t r = begin; r < end; ++r) {
+      float* weights = out + r * V;
+      const float* row_logits = base + r * row_stride;
+      const RowMax row = row_max(row_logits, V);
+      if (!row.drawable()) {
+        std::fill(weights, weights + V, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const float total = truncated_weights(row_logits, V, row.max, cuts.temperature[r], cuts.top_k[r],
+                                            cuts.top_p[r], cuts.min_p[r], weights, keys.data(), candidates);
+      const vfloat inverse = vset1(1.0f / total);
+      int64_t i = 0;
+      for (; i + kVecWidth <= V; i += kVecWidth) vstore(weights + i, vmul(vload(weights + i), inverse));
+      for (; i < V; ++i) weights[i] /= total;
+    }
+  });
+  return probs;
+}
+
 // A zeroed tensor on transparent huge pages (huge_pages.h), for the KV cache: a decode step's
 // attention reads every sequence's blocks, scattered over the cache, so with 4 KiB pages most
 // block reads start with a TLB miss. One layer's cold decode attention call of the ~100M Llama
@@ -372,6 +663,9 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("vector_width() -> int", &vector_width);
   m.def("zeros_on_huge_pages(int[] size, ScalarType dtype) -> Tensor", &zeros_on_huge_pages_op);
   m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
+  m.def("random_sample_truncated(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor top_ks, Tensor top_ps, "
+        "Tensor min_ps) -> Tensor");
+  m.def("truncated_probs(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, Tensor min_ps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -386,4 +680,6 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("random_sample", &random_sample);
+  m.impl("random_sample_truncated", &random_sample_truncated);
+  m.impl("truncated_probs", &truncated_probs);
 }
