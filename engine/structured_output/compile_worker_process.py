@@ -129,10 +129,10 @@ class _Child:
 class CompileServer:
     """Runs each compile in a child, up to `max_children` at once (the rest wait in order),
     relays each child's answer, and kills a child whose compile is cancelled. A few children
-    are forked ahead (`spare_children`), so that forking (tens of milliseconds for a process
-    this size) is not on a compile's path."""
+    are forked ahead (`spare_children`), so that forking (10-20 ms for a process this size)
+    is not on a compile's path."""
 
-    def __init__(self, tokenizer_info: Any, max_children: int, fast_compile_s: float, spare_children: int = 1) -> None:
+    def __init__(self, tokenizer_info: Any, max_children: int, fast_compile_s: float, spare_children: int = 2) -> None:
         self.tokenizer_info = tokenizer_info
         self.max_children = max_children
         self.fast_compile_s = fast_compile_s
@@ -152,9 +152,9 @@ class CompileServer:
         while True:
             while self._queue and len(self._running) < self.max_children:
                 self._start(*self._queue.popleft())
-            # A spare is forked only when nothing waits to be relayed (a fork takes the
-            # server 10-20 ms).
-            wants_spare = not self._queue and len(self._spares) < self.spare_children
+            # Spares are forked only while no compile runs: a fork takes the server 10-20 ms,
+            # during which it relays nothing.
+            wants_spare = not self._queue and not self._running and len(self._spares) < self.spare_children
             events = self._selector.select(0 if wants_spare else None)
             if not events and wants_spare:
                 self._spares.append(self._fork())
