@@ -64,6 +64,9 @@ class CompileWorker:
 
     def __init__(self, tokenizer_info: Callable[[], Any], max_concurrent: int, fast_compile_s: float,
                  compile_threads: int) -> None:
+        if max_concurrent < 1 or compile_threads < 1:
+            raise ValueError(f"the compile worker needs at least one process and one engine compile thread, got "
+                             f"{max_concurrent} and {compile_threads}")
         self._make_tokenizer_info = tokenizer_info
         self.max_concurrent = max_concurrent
         self.fast_compile_s = fast_compile_s
@@ -170,6 +173,11 @@ class CompileWorker:
 
             self.tokenizer_info = self._make_tokenizer_info()
             self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        if self._process is not None and self._process.stdin is not None:
+            try:
+                self._process.stdin.close()  # of a process that died (its reader closed its stdout)
+            except OSError:
+                pass
         # One thread in the process: OpenMP and BLAS would each start a pool at import (see
         # compile_worker_process on why its forks need a single thread).
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -35,6 +35,7 @@ import signal
 import struct
 import sys
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,7 +167,7 @@ class CompileServer:
                     continue
                 data = os.read(stdin, _READ_SIZE)
                 if not data:
-                    self._kill_all()
+                    self.kill_all()
                     return
                 self._handle(requests.feed(data))
 
@@ -182,9 +183,16 @@ class CompileServer:
     def _start(self, compile_id: int, key: bytes) -> None:
         child = self._spares.popleft() if self._spares else self._fork()
         child.compile_id = compile_id
+        try:
+            _write_all(child.request_fd, encode_frame({"id": compile_id}, key))
+        except OSError:  # a spare that died idle (killed from outside): its compile fails
+            self._kill(child)
+            _write_all(sys.stdout.fileno(), encode_frame({"op": "failed", "id": compile_id, "reason": "crashed",
+                                                          "message": "the compiler's process was gone"}))
+            return
+        finally:
+            os.close(child.request_fd)
         self._running[compile_id] = child
-        _write_all(child.request_fd, encode_frame({"id": compile_id}, key))
-        os.close(child.request_fd)
 
     def _fork(self) -> _Child:
         request_read, request_write = os.pipe()
@@ -199,6 +207,8 @@ class CompileServer:
                 _detach_from_engine(self._pid)
                 _compile_one(self.tokenizer_info, request_read, answer_write, self.fast_compile_s)
                 status = 0
+            except BaseException:  # noqa: BLE001 - a bug here: to the engine's log, and the compile fails
+                traceback.print_exc()
             finally:
                 os._exit(status)
         os.close(request_read)
@@ -243,7 +253,7 @@ class CompileServer:
         os.kill(child.pid, signal.SIGKILL)
         os.waitpid(child.pid, 0)
 
-    def _kill_all(self) -> None:
+    def kill_all(self) -> None:
         """Ends every child: running, answered and exiting, and spare."""
         children = [key.data for key in self._selector.get_map().values() if isinstance(key.data, _Child)]
         for child in children:
@@ -314,7 +324,11 @@ def main() -> None:
     # touch (and so copy) every page of it. Children do not collect at all (they live for one compile).
     gc.freeze()
     _write_all(sys.stdout.fileno(), encode_frame({"op": "ready", "pid": os.getpid()}))
-    CompileServer(tokenizer_info, header["max_children"], header["fast_compile_s"]).serve(requests, pending)
+    server = CompileServer(tokenizer_info, header["max_children"], header["fast_compile_s"])
+    try:
+        server.serve(requests, pending)
+    except BrokenPipeError:  # the engine died: nobody is left to answer
+        server.kill_all()
 
 
 if __name__ == "__main__":
