@@ -305,8 +305,11 @@ def _detach_from_engine(server_pid: int) -> None:
 
 
 def main() -> None:
-    # Ctrl-C reaches the whole process group; the engine ends this process by closing stdin.
+    # Ctrl-C, or a supervisor's SIGTERM, may reach the whole process group: this process (and
+    # its children, which inherit this) ends when the engine does, by its stdin closing, so
+    # that the compiles of requests a draining server still answers go on.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # stdin is read raw (a buffered reader could hold frames that select() then never sees).
     requests = FrameReader()
     frames: list[tuple[dict[str, Any], bytes]] = []
