@@ -179,8 +179,10 @@ class CompileWorker:
             except OSError:
                 pass
         # One thread in the process: OpenMP and BLAS would each start a pool at import (see
-        # compile_worker_process on why its forks need a single thread).
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        # compile_worker_process on why its forks need a single thread). No GPU: compiling
+        # needs none, and a CUDA context would cost each process device memory.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "CUDA_VISIBLE_DEVICES": ""}
         process = subprocess.Popen([sys.executable, "-m", "raylm.engine.structured_output.compile_worker_process"],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._process = process

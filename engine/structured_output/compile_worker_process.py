@@ -6,15 +6,17 @@ every compile starts here, not in the engine: this program imports xgrammar and 
 model's vocabulary once, then forks one child per compile. A fork shares the loaded library
 and the vocabulary index, so a child pays for its grammar alone, and the engine has it
 killed when its request's deadline passes: a hostile grammar holds a CPU no longer than the
-deadline, and never a slot an ordinary grammar waits for, since the children run side by
-side (up to `max_children`; the OS shares the cores among them).
+deadline. The children run side by side (up to `max_children`; the OS shares the cores
+among them), so a slow grammar makes an ordinary one wait only when `max_children` slow
+ones run at once.
 
 A child answers in one of two ways. A grammar that compiled within `fast_compile_s` is
 only reported ("fast"): the engine compiles it again itself, which costs it that much once
 more (xgrammar's compile does the same work on the same input), far less than moving the
 grammar would (xgrammar's JSON takes 2-4x the compile to write and 1-1.5x to read). A
 slower one is sent back as xgrammar's JSON ("compiled"), so that the engine never runs a
-compile longer than `fast_compile_s`. A child that crashes (a bug in the compiler met by
+compile for much longer than `fast_compile_s` (the same work; slower only as far as the
+engine's process is busier). A child that crashes (a bug in the compiler met by
 some grammar) fails its compile alone.
 
 This process is single-threaded (its environment pins OpenMP and BLAS to one thread):
