@@ -46,6 +46,9 @@ from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 
+# How long the server waits for its grammar compile worker to start.
+COMPILE_WORKER_START_S = 120.0
+
 VERSION = "0.1.0"
 
 # Routes a load balancer's health probe and a Prometheus scrape reach without the API key
@@ -198,8 +201,7 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                              tool_config=tool_config, models=serving_models)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
-        # Ready before the first constrained request, whose compile deadline it would spend.
-        engine.engine.structured_output_manager.start_warm_up()
+        _start_compile_worker(engine.engine.structured_output_manager)
 
     app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
     app.state.engine = engine
@@ -325,6 +327,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"Cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
                          f"there? --port picks another port).") from None
     return sock
+
+
+def _start_compile_worker(manager: Any) -> None:
+    """Starts the grammar compile worker and waits until it is ready (xgrammar imported, the
+    vocabulary indexed: 1-3 s), so that no constrained request spends its compile deadline
+    on it. One that does not start fails the constrained requests alone."""
+    started = time.perf_counter()
+    try:
+        manager.start_warm_up().result(timeout=COMPILE_WORKER_START_S)
+    except Exception as exc:  # noqa: BLE001 - the server serves unconstrained requests all the same
+        logger.error("The grammar compile worker did not start (%s): constrained requests will fail.", exc)
+        return
+    logger.info("Grammar compile worker ready in %.1f s.", time.perf_counter() - started)
 
 
 def resolve_model(args: argparse.Namespace) -> str:

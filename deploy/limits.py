@@ -51,8 +51,8 @@ class RequestLimits:
         "parameters); compile time grows with the cube of a schema's nesting."))
     max_tools: int = field(default=128, metadata=setting("Most tools in one chat request."))
     max_grammar_compile_seconds: float = field(default=10.0, metadata=setting(
-        "Seconds a request's grammar may take to compile before the request is answered 400 (the compile goes on "
-        "in its own thread and is cached; the engine keeps serving meanwhile)."))
+        "Seconds a request's grammar may take to compile before the request is answered 400 (its compile, which "
+        "runs in a process of its own, is stopped then; the engine keeps serving meanwhile)."))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from raylm.deploy.errors import INTERNAL_ERROR_MESSAGE
+from process_tree import descendants, wait_gone
 from server_process import free_port, server_env, start_server
 from server_process import stop_server as stop
 
@@ -225,14 +226,29 @@ def refuses_connections(base_url: str, timeout: float) -> bool:
     return False
 
 
+def _compile_worker_tree(server_pid: int) -> list[int]:
+    """The server's grammar compile worker and the processes below it, once it runs."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = descendants(server_pid)
+        workers = [pid for pid, command in found.items() if "compile_worker_process" in command]
+        if workers:
+            return [pid for pid in found if pid in workers or pid in descendants(workers[0])]
+        time.sleep(0.1)
+    raise AssertionError("the server started no grammar compile worker")
+
+
 def test_sigterm_stops_accepting_lets_streams_finish_and_exits_0(llama_dir, log):
     process, base_url = start(llama_dir, log, "--max-num-seqs", "1", "--shutdown-timeout", "30")
     try:
         streams = start_streams(base_url, 16)
+        # The grammar compile worker (started with the server) and its processes.
+        helpers = _compile_worker_tree(process.pid)
         process.send_signal(signal.SIGTERM)
         assert refuses_connections(base_url, timeout=5)
         assert any(stream.is_alive() for stream in streams), "all streams ended before the listener closed"
         assert process.wait(timeout=40) == 0
+        assert not wait_gone(helpers, timeout=5), "processes outlived the server"
         for stream in streams:
             stream.join(10)
             assert stream.error is None and stream.tokens == 250
@@ -268,29 +284,6 @@ def test_sigterm_aborts_what_still_runs_after_the_shutdown_timeout_and_exits_0(l
 
 
 # ------------------------------------------------------------------ engine death
-def descendants(pid: int) -> dict[int, str]:
-    """Command lines of the processes below `pid` (Linux /proc)."""
-    parents: dict[int, int] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = {}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child not in found:
-                found[child] = commands.get(child, "")
-                frontier.append(child)
-    return found
-
-
 def test_a_killed_worker_fails_its_stream_without_internals_and_the_server_exits_1(llama_dir, log):
     """A fault of the engine itself (a tensor-parallel worker killed mid-stream): the
     stream ends in an error within 30 s, /health fails, the process exits 1."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
-import threading
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from hf_reference import hf_model
+from process_tree import children, cpu_seconds, descendants, wait_gone
 from raylm.engine import LLM, SamplingParams, StructuredOutputsParams
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.llm_engine import LLMEngine
@@ -307,25 +309,23 @@ def _engine(llama_dir: Path, **kwargs) -> LLMEngine:
 
 
 @contextlib.contextmanager
-def _compile_threads_busy(engine: LLMEngine):
-    """Holds every compile thread of the engine's grammar pool until the block ends, so a
+def _compile_worker_paused(engine: LLMEngine):
+    """Stops the engine's grammar compile worker (SIGSTOP) until the block ends, so a
     grammar asked for meanwhile stays in flight for as long as a test needs."""
-    manager = engine.structured_output_manager
-    release = threading.Event()
-    blockers = [manager._pool.submit(release.wait) for _ in range(manager._pool.num_threads)]
+    worker = engine.structured_output_manager.compile_worker
+    pid = worker.start().result()
+    os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        release.set()
-        for blocker in blockers:
-            blocker.result()
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_request_waits_for_its_grammar_without_stalling_the_batch(llama_dir: Path) -> None:
     engine = _engine(llama_dir)
     try:
         free_tokens = 0
-        with _compile_threads_busy(engine):
+        with _compile_worker_paused(engine):
             engine.add_request("free", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=12,
                                                                           ignore_eos=True))
             engine.add_request("constrained", "Once upon a time", SamplingParams(
@@ -461,7 +461,7 @@ def test_compile_timeout_answers_without_waiting_for_the_compile(llama_dir: Path
     engine = _engine(llama_dir)
     try:
         constraint = StructuredOutputsParams(regex="[0-9]+")
-        with _compile_threads_busy(engine):
+        with _compile_worker_paused(engine):
             # The compile cannot start before the block ends: answering at all is answering
             # without waiting for it.
             with pytest.raises(StructuredOutputsError, match="did not compile within 0.05 s") as info:
@@ -476,7 +476,7 @@ def test_compile_timeout_answers_without_waiting_for_the_compile(llama_dir: Path
             with pytest.raises(StructuredOutputsError, match="did not compile"):
                 engine.compile_structured_outputs(constraint, timeout_s=0.05)
             # Its deadline passed before it started: dropped from the queue, so that abandoned
-            # compiles never hold the threads after their requests were answered.
+            # compiles never hold the worker after their requests were answered.
             assert in_flight.cancelled()
             abandoned = [manager.compile(StructuredOutputsParams(regex=f"[0-9]{{{n}}}")) for n in range(1, 4)]
             for n, future in enumerate(abandoned, 1):
@@ -485,8 +485,8 @@ def test_compile_timeout_answers_without_waiting_for_the_compile(llama_dir: Path
                 assert future.cancelled()
             num_compiled = len(manager.compile_times)
         time.sleep(0.1)
-        assert len(manager.compile_times) == num_compiled  # none of them ran once the threads were free
-        engine.compile_structured_outputs(constraint)  # compiled once the threads are free
+        assert len(manager.compile_times) == num_compiled  # none of them ran once the worker went on
+        engine.compile_structured_outputs(constraint)  # compiled once the worker goes on
         engine.compile_structured_outputs(constraint, timeout_s=0.05)  # and from then on, found at once
     finally:
         engine.shutdown()
@@ -624,3 +624,92 @@ def test_the_eos_that_ends_a_request_is_not_in_its_text_with_special_tokens_kept
     completion = llm.generate("Weather?", params, use_tqdm=False)[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.token_ids[-1] == 2
     assert completion.text == "It is sunny."
+
+
+# ------------------------------------------------------------- the compile worker's processes
+def _chain_grammar(num_rules: int, tag: str = "x") -> str:
+    """An EBNF grammar of chained rules, each beginning with the next: xgrammar's compile
+    time grows about as the cube of their number (1,500 take seconds on one core)."""
+    rules = ["root ::= r0"] + [f'r{i} ::= r{i + 1} "{tag}{i}" | "y"' for i in range(num_rules - 1)]
+    return "\n".join(rules + [f'r{num_rules - 1} ::= "z"'])
+
+
+SLOW = StructuredOutputsParams(grammar=_chain_grammar(1500))
+
+
+def _compiling_process(worker_pid: int, timeout: float = 10.0) -> int:
+    """The worker's child that is compiling: the one that has used the most CPU (a spare
+    child waits for its compile without using any)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = [pid for pid in children(worker_pid) if cpu_seconds(pid) >= 0.05]
+        if busy:
+            return max(busy, key=cpu_seconds)
+        time.sleep(0.02)
+    raise AssertionError("no process of the compile worker is compiling")
+
+
+def test_a_compile_past_its_deadline_is_stopped(llama_dir: Path) -> None:
+    """The slow grammar is refused at its deadline and the process compiling it is killed
+    then, not left running (xgrammar cannot interrupt a compile in a thread)."""
+    engine = _engine(llama_dir)
+    try:
+        worker_pid = engine.structured_output_manager.compile_worker.start().result()
+        future = engine.structured_output_manager.compile(SLOW)
+        compiling = _compiling_process(worker_pid)
+        with pytest.raises(StructuredOutputsError, match="did not compile within 0.3 s"):
+            engine.compile_structured_outputs(SLOW, timeout_s=0.3)
+        assert future.cancelled()
+        assert not wait_gone([compiling], timeout=2.0), "the compile went on past its deadline"
+        # The worker serves on.
+        engine.compile_structured_outputs(StructuredOutputsParams(json=SCHEMAS["enum_pattern_range"]), timeout_s=10)
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_compile_process_or_worker_fails_only_its_compiles(llama_dir: Path) -> None:
+    """A compile whose process dies (a compiler crash, here a real SIGSEGV) fails with a
+    StructuredOutputsError naming the field; the worker's own death fails what it held, and
+    the next compile starts a new worker."""
+    engine = _engine(llama_dir)
+    try:
+        manager = engine.structured_output_manager
+        worker_pid = manager.compile_worker.start().result()
+        future = manager.compile(SLOW)
+        os.kill(_compiling_process(worker_pid), signal.SIGSEGV)
+        with pytest.raises(StructuredOutputsError, match="could not be compiled: the compiler's process was killed "
+                                                         "by SIGSEGV") as info:
+            future.result(timeout=10)
+        assert info.value.param == "structured_outputs"
+        engine.compile_structured_outputs(StructuredOutputsParams(regex="[0-9]{3}"), timeout_s=10)
+
+        slow_again = StructuredOutputsParams(grammar=_chain_grammar(1500, "w"))
+        future = manager.compile(slow_again)
+        compiling = _compiling_process(worker_pid)
+        os.kill(worker_pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="compile worker exited"):
+            future.result(timeout=10)
+        assert not wait_gone([worker_pid, compiling], timeout=2.0), "the worker's compile outlived it"
+        engine.compile_structured_outputs(StructuredOutputsParams(regex="[0-9]{4}"), timeout_s=30)
+        assert manager.compile_worker.pid not in (None, worker_pid)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_ends_the_compile_worker_and_its_processes(llama_dir: Path) -> None:
+    """With a compile running, engine shutdown ends the worker and every process below it,
+    reaped (none left, not even a zombie), within seconds."""
+    engine = _engine(llama_dir)
+    try:
+        worker_pid = engine.structured_output_manager.compile_worker.start().result()
+        future = engine.structured_output_manager.compile(SLOW)
+        _compiling_process(worker_pid)
+        processes = [worker_pid, *descendants(worker_pid)]
+        assert len(processes) >= 2
+    finally:
+        start = time.monotonic()
+        engine.shutdown()
+    assert time.monotonic() - start < 5.0
+    assert future.cancelled()
+    assert not wait_gone(processes, timeout=2.0)
+    assert not [pid for pid in children(os.getpid()) if pid in processes]

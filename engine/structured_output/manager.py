@@ -2,11 +2,14 @@
 each step's token bitmask.
 
 Compiling a grammar takes from microseconds to seconds (a JSON schema's size and nesting
-decide), so it never runs on the engine step or the event loop: `compile` hands it to a
-small thread pool (xgrammar releases the GIL while it compiles) and returns a future. A
+decide, or an EBNF grammar's rules), and xgrammar cannot interrupt a compile once it has
+started. So every compile starts in a process of its own: `compile` hands it to the compile
+worker (`compile_worker.py`) and returns a future. A grammar that compiles there fast is
+compiled again on one of the engine's compile threads, a slower one comes back whole. A
 request whose grammar is not ready waits (`RequestStatus.WAITING_FOR_FSM`) while the batch
 runs on; the server awaits the future, with a deadline, before it adds the request, so a
-schema that does not compile, or compiles too slowly, is a 400.
+schema that does not compile, or compiles too slowly, is a 400, and its compile is killed:
+no request holds a CPU, or a slot another request's compile waits for, past its deadline.
 
 Compiled grammars are kept in an LRU cache keyed by the constraint (`cache_key`), bounded
 in bytes (xgrammar reports each grammar's size) and in entries; a compile in flight is
@@ -16,14 +19,9 @@ remembered, so a bad schema sent again fails at once.
 
 from __future__ import annotations
 
-import json
-import logging
-import queue
-import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
@@ -31,24 +29,24 @@ from typing import Any
 
 import numpy as np
 
-from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams, \
-    is_legacy_structural_tag
+from raylm.engine.structured_output.compile_worker import KIND_NAMES, CompileWorker
+from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
 from raylm.engine.structured_output.request import StructuredOutputRequest
-
-logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse. A JSON schema's grammar over a 128k vocabulary is a few
 # MB (most of it the token-mask cache), over 4k tokens some tens of KB.
 DEFAULT_CACHE_BYTES = 512 * 1024**2
 DEFAULT_CACHE_ENTRIES = 4096
-# Grammars compiling at once. Each holds a thread until it is done (a compile cannot be
-# interrupted): the server's deadline answers the request, not the thread.
+# Grammars compiling at once in the compile worker, each in a process of its own (the OS
+# shares the cores among them; more wait in order). A compile lives at most until its
+# request's deadline, so an ordinary grammar waits only while this many slow ones run at once.
+DEFAULT_COMPILE_PROCESSES = 8
+# A grammar the worker compiled within this many seconds is compiled again in the engine
+# (cheaper than moving it: see compile_worker_process), on one of its compile threads; so no
+# engine thread compiles for much longer than this. Schemas of tens of fields take 30-75 ms
+# over a 128k vocabulary (2 cores of a Zen 5).
+FAST_COMPILE_S = 0.25
 DEFAULT_COMPILE_THREADS = 2
-
-# xgrammar's errors begin with a timestamp and a C++ source location; the rest is the message.
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-               "json_object": "json_object", "structural_tag": "structural tag"}
 
 
 @dataclass
@@ -71,23 +69,25 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
                  cache_bytes: int = DEFAULT_CACHE_BYTES, cache_entries: int = DEFAULT_CACHE_ENTRIES,
+                 compile_processes: int = DEFAULT_COMPILE_PROCESSES, fast_compile_s: float = FAST_COMPILE_S,
                  compile_threads: int = DEFAULT_COMPILE_THREADS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_bytes = cache_bytes
         self.cache_entries = cache_entries
-        self._pool = CompilePool(compile_threads)
+        self.compile_worker = CompileWorker(self._tokenizer_info, compile_processes, fast_compile_s, compile_threads)
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._cached_bytes = 0
-        self._compiler: Any = None
-        self._compiler_lock = threading.Lock()
         self._batch_matcher: Any = None
         # Matchers held by live requests (released on finish or abort).
         self.num_active_matchers = 0
-        # Seconds each compile took, newest last (the last 1024): for logs and benchmarks.
-        self.compile_times: list[float] = []
+
+    @property
+    def compile_times(self) -> list[float]:
+        """Seconds each compile took, newest last (the last 1024): for logs and benchmarks."""
+        return self.compile_worker.compile_times
 
     # ------------------------------------------------------------------ compiling
     def compile(self, params: StructuredOutputsParams) -> Future:
@@ -98,7 +98,7 @@ class StructuredOutputManager:
             if entry is not None:
                 self._cache.move_to_end(key)
                 return entry.future
-            future = self._pool.submit(self._compile, params)
+            future = self.compile_worker.submit(params)
             self._cache[key] = _CacheEntry(future, time.monotonic())
             self._evict()
         # Outside the lock: a compile already done runs the callback here, at once.
@@ -128,11 +128,11 @@ class StructuredOutputManager:
         return max(0.0, timeout_s - (time.monotonic() - started))
 
     def deadline_passed(self, params: StructuredOutputsParams, timeout_s: float | None) -> StructuredOutputsError:
-        """The error of a constraint not compiled by its deadline. A compile still queued is
-        cancelled and forgotten: every waiter's deadline counts from the same first ask, so
-        nobody is left to use it, and run later it would only delay the compiles queued
-        behind it (a flood of slow schemas, each answered 400, must not keep both threads
-        busy long after). One already running cannot be stopped; it finishes and is cached."""
+        """The error of a constraint not compiled by its deadline. Its compile is cancelled,
+        queued or running (its process is killed), and forgotten: every waiter's deadline
+        counts from the same first ask, so nobody is left to use it, and a flood of slow
+        grammars, each answered 400, holds no CPU past its deadline. Sent again, the
+        constraint compiles again, and is refused again at its deadline."""
         key = params.cache_key()
         with self._lock:
             entry = self._cache.get(key)
@@ -142,49 +142,20 @@ class StructuredOutputManager:
                 if self._cache.get(key) is entry:
                     del self._cache[key]
         return StructuredOutputsError(
-            f"{params.source}: the {_KIND_NAMES[params.kind]} did not compile within {timeout_s:g} s "
+            f"{params.source}: the {KIND_NAMES[params.kind]} did not compile within {timeout_s:g} s "
             f"(the server's --max-grammar-compile-seconds); simplify it.", params.source)
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
-        compiler = self._get_compiler()
-        start = time.perf_counter()
-        try:
-            grammar = _compile_with(compiler, params)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
-            raise StructuredOutputsError(f"{params.source}: the {_KIND_NAMES[params.kind]} is not valid: {message}",
-                                         params.source) from None
-        elapsed = time.perf_counter() - start
-        if not _allows_any_token(grammar, self.vocab_size):
-            # A grammar with no finite sentence (`root ::= root "a"`, a schema that is its own
-            # $ref): refused here, a 400 naming the field, rather than failing the request
-            # after its KV blocks were allocated.
-            raise StructuredOutputsError(f"{params.source}: the {_KIND_NAMES[params.kind]} allows no output at all "
-                                         f"(no finite text matches it; is it infinitely recursive?).", params.source)
-        with self._lock:
-            self.compile_times.append(elapsed)
-            del self.compile_times[:-1024]
-        if elapsed > 1.0:
-            logger.info("Compiling a %s took %.1f s.", _KIND_NAMES[params.kind], elapsed)
-        return grammar
-
     def start_warm_up(self) -> Future:
-        """Imports xgrammar and indexes the vocabulary now, in a compile thread, so that the
-        first request's compile deadline does not pay for them (the server calls this)."""
-        return self._pool.submit(self._get_compiler)
+        """Starts the compile worker now (it imports xgrammar and indexes the vocabulary), so
+        that the first request's compile deadline does not pay for it (the server calls this)."""
+        return self.compile_worker.start()
 
-    def _get_compiler(self) -> Any:
-        """xgrammar's compiler over the model's vocabulary, built on first use (importing
-        xgrammar and indexing a large vocabulary take a while)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                import xgrammar as xgr
+    def _tokenizer_info(self) -> Any:
+        """xgrammar's index of the model's vocabulary (the compile worker builds it on first use)."""
+        import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_token_ids or None)
-                # The cache is ours (bounded, shared futures); xgrammar's would hold a second copy.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+        return xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.eos_token_ids or None)
 
     def _on_compiled(self, key: str, future: Future) -> None:
         grammar = None if future.cancelled() or future.exception() is not None else future.result()
@@ -242,135 +213,5 @@ class StructuredOutputManager:
         return words
 
     def shutdown(self) -> None:
-        self._pool.shutdown()
-
-
-class CompilePool:
-    """A few daemon threads that run compiles. Daemon, unlike ThreadPoolExecutor's, which
-    the interpreter joins at exit: a server shutting down must not wait for a compile it
-    has already answered 400."""
-
-    def __init__(self, num_threads: int) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"raylm-grammar-{i}", daemon=True)
-                         for i in range(num_threads)]
-        self._started = False
-        self._lock = threading.Lock()
-        self._shutdown = False
-
-    @property
-    def num_threads(self) -> int:
-        return len(self._threads)
-
-    def submit(self, function: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._shutdown:
-                future.cancel()
-                future.set_running_or_notify_cancel()
-                return future
-            if not self._started:
-                for thread in self._threads:
-                    thread.start()
-                self._started = True
-        self._queue.put((future, function, args))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, function, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(function(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-
-    def shutdown(self) -> None:
-        """Cancels the compiles not started; running ones finish in their daemon threads."""
-        with self._lock:
-            self._shutdown = True
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in self._threads:
-            self._queue.put(None)
-
-
-def _allows_any_token(grammar: Any, vocab_size: int) -> bool:
-    """Whether the grammar's first token may be anything at all (EOS counts)."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
-    return bool(bitmask.any())
-
-
-def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
-    kind = params.kind
-    any_whitespace = not params.disable_any_whitespace
-    whitespace = dict(any_whitespace=any_whitespace,
-                      max_whitespace_cnt=params.max_whitespace if any_whitespace else None)
-    if kind == "json":
-        return _compile_json_schema(compiler, params.json, **whitespace)
-    if kind == "json_object":
-        # Any object: not strict, or the schema's lack of properties would allow only {}.
-        return _compile_json_schema(compiler, {"type": "object"}, strict_mode=False, **whitespace)
-    if kind == "regex":
-        return compiler.compile_regex(params.regex)
-    if kind == "choice":
-        # Each choice as an EBNF string literal: JSON's escapes are EBNF's.
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                 for c in params.choice))
-    if kind == "grammar":
-        # vLLM takes EBNF (GBNF) or Lark; EBNF rules are written `name ::= ...`.
-        if "::=" in params.grammar:
-            return compiler.compile_grammar(params.grammar)
-        return compiler.compile_lark(params.grammar)
-    if kind == "structural_tag":
-        return compiler.compile_structural_tag(_structural_tag(params))
-    raise AssertionError(kind)
-
-
-def _structural_tag(params: StructuredOutputsParams) -> Any:
-    """The structural tag as xgrammar compiles it. The legacy form (vLLM's `structures` and
-    `triggers`) goes through xgrammar's own conversion, and its schemas get the request's
-    whitespace bound, as every other JSON schema does (the conversion sets none; a tag's
-    content has no counterpart of disable_any_whitespace)."""
-    if not is_legacy_structural_tag(params.structural_tag):
-        return json.dumps(params.structural_tag)
-    import xgrammar as xgr
-
-    items = [xgr.StructuralTagItem(begin=structure["begin"], schema=json.dumps(structure["schema"]),
-                                   end=structure["end"]) for structure in params.structural_tag["structures"]]
-    tag = xgr.StructuralTag.from_legacy_structural_tag(items, params.structural_tag["triggers"])
-    for tag_format in tag.format.tags:
-        tag_format.content.max_whitespace_cnt = params.max_whitespace
-    return tag
-
-
-# How xgrammar 0.2.8 writes a character of a string with minLength or maxLength (printed
-# EBNF), and JSON's string character: it leaves U+0000-U+001F in, which JSON allows only
-# escaped, so a length-bounded string could hold a raw control character (invalid JSON;
-# strings without a length bound, and patterns, exclude them).
-_LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
-
-
-def _compile_json_schema(compiler: Any, schema: Any, **options: Any) -> Any:
-    """A JSON schema's grammar; one with length-bounded strings goes through its EBNF with
-    their character class mended (see _LENGTH_BOUNDED_CHARACTER)."""
-    import xgrammar as xgr
-
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **options)
-    ebnf = str(grammar)
-    if _LENGTH_BOUNDED_CHARACTER not in ebnf:
-        return compiler.compile_grammar(grammar)
-    return compiler.compile_grammar(ebnf.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
+        """Cancels the compiles in flight and ends the compile worker and its processes."""
+        self.compile_worker.shutdown()
