@@ -18,6 +18,7 @@ one read at the end (`read_back`); host lists reach the device through pinned me
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -271,6 +272,12 @@ def _padded(token_lists: list[list[int]], pad: int) -> list[list[int]]:
 
 def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int],
                      vocab_size: int) -> None:
+    """vLLM's repetition (prompt and output tokens), frequency and presence (output tokens)
+    penalties, in place. On the CPU a native pass touches only the tokens each row has seen;
+    elsewhere masks and counts over the whole vocabulary."""
+    if cpu_ops.usable(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        _apply_penalties_native(logits, metadata, rows)
+        return
     device = logits.device
     params = [metadata.sampling_params[i] for i in rows]
     # Pad with an extra column (vocab_size) that is dropped afterwards.
@@ -299,6 +306,25 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
         logits.copy_(sub)
     else:
         logits[row_idx] = sub
+
+
+def _apply_penalties_native(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
+    # The rows' token lists, concatenated into one int64 buffer: array.extend converts a list
+    # at about half the cost of torch.tensor (a 64-row step of 2k-token prompts holds ~140k).
+    token_ids = array.array("q")
+    offsets = [0]
+    output_starts: list[int] = []
+    for i in rows:
+        token_ids.extend(metadata.prompt_token_ids[i])
+        output_starts.append(len(token_ids))
+        token_ids.extend(metadata.output_token_ids[i])
+        offsets.append(len(token_ids))
+    params = [metadata.sampling_params[i] for i in rows]
+    tokens = torch.frombuffer(token_ids, dtype=torch.long) if token_ids else torch.zeros(0, dtype=torch.long)
+    cpu_ops.apply_penalties(logits, torch.tensor(rows), tokens, torch.tensor(offsets), torch.tensor(output_starts),
+                            torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+                            torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+                            torch.tensor([p.presence_penalty for p in params], dtype=torch.float32))
 
 
 def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
 `rotary_embedding`, `write_kv_cache`, and `random_sample`, `random_sample_truncated` and
-`truncated_probs` (the sampler's draws); and
+`truncated_probs` (the sampler's draws), `apply_penalties`; and
 `zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
@@ -117,6 +117,20 @@ def truncated_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: to
     softmax(logits / temperature) cut by its top-k, top-p and min-p (cut tokens 0)."""
     return torch.ops.raylm.truncated_probs(logits, temperatures.float().contiguous(), top_ks.long().contiguous(),
                                            top_ps.float().contiguous(), min_ps.float().contiguous())
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, offsets: torch.Tensor,
+                    output_starts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> None:
+    """vLLM's repetition, frequency and presence penalties, in place on fp32 logits [*, V]
+    (rows contiguous), touching only the tokens each row has seen. Entry j penalises logits
+    row rows[j] (int64 [n]) from its tokens token_ids[offsets[j]:offsets[j + 1]] (int64:
+    the prompt's, then from output_starts[j] the output's) with repetition[j], frequency[j]
+    and presence[j] (fp32 [n]). A token id outside the vocabulary is a ValueError."""
+    torch.ops.raylm.apply_penalties(logits, rows.long().contiguous(), token_ids.long().contiguous(),
+                                    offsets.long().contiguous(), output_starts.long().contiguous(),
+                                    repetition.float().contiguous(), frequency.float().contiguous(),
+                                    presence.float().contiguous())
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

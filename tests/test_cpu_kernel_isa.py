@@ -387,6 +387,57 @@ def test_random_sample_truncated_rejects_what_it_cannot_cut(case):
         cpu_ops.random_sample_truncated(logits, temperatures, uniforms, top_ks, top_ps, min_ps)
 
 
+def dense_penalties(logits: torch.Tensor, entries: list[tuple[int, list[int], list[int], float, float, float]]) -> torch.Tensor:
+    """vLLM's penalties written out over the whole vocabulary, one entry (row, prompt, output,
+    repetition, frequency, presence) at a time."""
+    out = logits.clone()
+    for row, prompt, output, repetition, frequency, presence in entries:
+        x = out[row]
+        seen = torch.zeros(x.numel(), dtype=torch.bool)
+        seen[prompt + output] = True
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=x.numel()).float()
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        out[row] = x - frequency * counts - presence * (counts > 0).float()
+    return out
+
+
+def test_apply_penalties_touches_only_seen_tokens_as_the_dense_form_does():
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3001
+    logits = torch.randn(12, vocab, generator=gen) * 4
+    entries = []
+    for j, row in enumerate([0, 2, 3, 5, 6, 7, 9, 11]):  # rows 1, 4, 8, 10 are not penalised
+        prompt = torch.randint(0, vocab, (int(torch.randint(0, 300, (1,), generator=gen)),), generator=gen).tolist()
+        output = torch.randint(0, 50, (int(torch.randint(0, 80, (1,), generator=gen)),), generator=gen).tolist()
+        if j == 1:
+            prompt, output = [], []  # nothing seen
+        if j == 2:
+            output = prompt[:5] * 3  # repeated tokens, also in the prompt
+        repetition = [1.0, 1.3, 0.8, 2.0][j % 4]
+        frequency, presence = [(0.0, 0.0), (0.5, 0.0), (0.0, -0.7), (1.2, 0.4)][(j // 2) % 4]
+        entries.append((row, prompt, output, repetition, frequency, presence))
+    token_ids, offsets, output_starts = [], [0], []
+    for _, prompt, output, *_ in entries:
+        token_ids += prompt
+        output_starts.append(len(token_ids))
+        token_ids += output
+        offsets.append(len(token_ids))
+    actual = logits.clone()
+    cpu_ops.apply_penalties(actual, torch.tensor([e[0] for e in entries]), torch.tensor(token_ids, dtype=torch.long),
+                            torch.tensor(offsets), torch.tensor(output_starts),
+                            torch.tensor([e[3] for e in entries]), torch.tensor([e[4] for e in entries]),
+                            torch.tensor([e[5] for e in entries]))
+    torch.testing.assert_close(actual, dense_penalties(logits, entries), rtol=0, atol=0)
+
+
+def test_apply_penalties_refuses_a_token_outside_the_vocabulary():
+    logits = torch.zeros(2, 10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        cpu_ops.apply_penalties(logits, torch.tensor([1]), torch.tensor([3, 10]), torch.tensor([0, 2]),
+                                torch.tensor([1]), torch.tensor([1.2]), torch.zeros(1), torch.zeros(1))
+    assert not logits.any()  # nothing written
+
+
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
