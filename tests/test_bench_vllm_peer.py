@@ -73,7 +73,7 @@ def test_vllm_peer_cannot_take_a_dataset(tmp_path):
         vllm_command(args, tmp_path / "out.json")
 
 
-@pytest.mark.parametrize("cut", [("--top-p", "0.9"), ("--top-k", "50")])
+@pytest.mark.parametrize("cut", [("--top-p", "0.9"), ("--top-k", "50"), ("--repetition-penalty", "1.1")])
 def test_vllm_peer_cannot_take_top_p_or_top_k_and_says_where_to_compare_them(tmp_path, cut):
     # vLLM's throughput benchmark has no such flags: the two engines would sample differently.
     args = parse("/models/m", "--temperature", "1.0", *cut, "--peer", "vllm")

@@ -190,7 +190,7 @@ def bench_raylm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[Thr
 
     llm = LLM(**engine_kwargs(args))
     requests = [{"prompt_token_ids": p} for p in prompts]
-    cuts = dict(top_p=args.top_p, top_k=args.top_k)
+    cuts = dict(top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     warmup = SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, temperature=args.temperature, **cuts)
     llm.generate(requests[:WARMUP_PROMPTS], warmup, use_tqdm=False)
 
@@ -359,6 +359,7 @@ def run(args: argparse.Namespace) -> dict:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         num_iters=args.num_iters,
         engine_args=engine_overrides(args),
@@ -469,6 +470,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     workload.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     workload.add_argument("--top-p", type=float, default=1.0, help="top-p of every request (default 1: none)")
     workload.add_argument("--top-k", type=int, default=-1, help="top-k of every request (default -1: none)")
+    workload.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="repetition penalty of every request (default 1: none)")
     from raylm.engine import EngineArgs
 
     engine = parser.add_argument_group("engine (passed to LLM(...))")

@@ -35,9 +35,11 @@ def vllm_command(args: argparse.Namespace, output_json: Path) -> list[str]:
     if args.dataset:
         raise ValueError(f"--peer vllm runs vLLM's random dataset, so it cannot take --dataset {args.dataset!r}; "
                          f"use --input-len instead")
-    if getattr(args, "top_p", 1.0) != 1.0 or getattr(args, "top_k", -1) != -1:
-        raise ValueError("--peer vllm runs `vllm bench throughput`, which samples without top-p or top-k; compare "
-                         "those with `python -m raylm.cluster.benchmarks.serve_vs_vllm --top-p P --top-k K`")
+    if (getattr(args, "top_p", 1.0) != 1.0 or getattr(args, "top_k", -1) != -1
+            or getattr(args, "repetition_penalty", 1.0) != 1.0):
+        raise ValueError("--peer vllm runs `vllm bench throughput`, which samples without top-p, top-k or penalties; "
+                         "compare top-p and top-k with `python -m raylm.cluster.benchmarks.serve_vs_vllm --top-p P "
+                         "--top-k K`")
     # Absolute: the peer runs in a folder of its own (run_vllm_peer).
     model = Path(args.model).resolve() if Path(args.model).exists() else args.model
     command = ["vllm", "bench", "throughput", "--model", str(model), "--dtype", args.dtype,
