@@ -172,7 +172,8 @@ def _verify_on_device(logits: torch.Tensor, metadata: SamplingMetadata, drafts: 
     proposals = to_device(drafts + [0], device)
     # q gains a row of zeros after the last proposal: the token after them is drawn from p.
     q = torch.cat([q.to(p.dtype), p.new_zeros(1, p.shape[1])])
-    rejected = u[:num_drafts] * q[positions[:-1], proposals[:-1]] >= p[positions[:-1], proposals[:-1]]
+    # Written as "not accepted" so that a NaN in the draft's probabilities rejects its proposal.
+    rejected = ~(u[:num_drafts] * q[positions[:-1], proposals[:-1]] < p[positions[:-1], proposals[:-1]])
     # The first rejected proposal (max finds the first True), or num_drafts when none is.
     num_accepted = torch.where(rejected.any(), rejected.to(torch.int8).max(dim=0).indices, num_drafts).view(1)
     # Drawn from max(0, p - q), renormalised, in place of the first rejected proposal; from

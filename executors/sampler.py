@@ -54,6 +54,7 @@ class Sampler:
         rows = _RowStages.of(metadata)
         not_finite, logits = _guard_not_finite(logits)
         sampled = _draw(_process_logits(logits, metadata, rows), metadata, rows)
+        not_finite, sampled = _flag_undrawable(not_finite, sampled)
         reads = [sampled if not_finite is None else sampled.masked_fill(not_finite, _NOT_FINITE)]
         logprob_counts = _append_logprob_reads(reads, logits, sampled, metadata, rows)
         values = read_back(reads)  # the step's one wait for the device
@@ -75,6 +76,20 @@ def _guard_not_finite(logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.
     if bool(not_finite.any()):
         return not_finite, logits.masked_fill(not_finite.unsqueeze(1), 0.0)
     return None, logits
+
+
+def _flag_undrawable(not_finite: torch.Tensor | None, sampled: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Adds to the flagged rows those the native CPU draw found nothing to draw from (-1):
+    rows whose logits turned NaN or lost every finite value after the guard (a penalty that
+    overflows, a row of -inf). Their token becomes 0 for the logprob gathers; the request
+    fails. The native draw runs on the CPU only, where asking costs nothing."""
+    if not _reads_back_for_free(sampled.device):
+        return not_finite, sampled
+    undrawable = sampled == _NOT_FINITE
+    if not bool(undrawable.any()):
+        return not_finite, sampled
+    flagged = undrawable if not_finite is None else not_finite | undrawable
+    return flagged, sampled.masked_fill(undrawable, 0)
 
 
 def _reads_back_for_free(device: torch.device) -> bool:
@@ -356,7 +371,10 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
 def _native_cuts(params: list[SamplingParams], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' top-k (V for none), top-p and min-p as the native CPU passes take them."""
     return (torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            # A top_p under fp32's smallest normal number (SamplingParams takes any p > 0) would
+            # round to 0, which the native pass refuses; that small a p keeps the most likely
+            # token alone either way.
+            torch.tensor([p.top_p for p in params], dtype=torch.float32).clamp_(min=torch.finfo(torch.float32).tiny),
             torch.tensor([p.min_p for p in params], dtype=torch.float32))
 
 

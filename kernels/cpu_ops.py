@@ -94,9 +94,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of fp32 logits [N, V] (rows contiguous): the first token whose cumulative
     softmax(logits / temperature) exceeds the row's uniform (fp32 [N] in [0, 1)) times the
-    total, as the sampler's `inverse_cdf` of that softmax draws it; int64 [N]. A temperature
-    that is not positive, a uniform outside [0, 1) or a row with no finite logit is a
-    ValueError."""
+    total, as the sampler's `inverse_cdf` of that softmax draws it; int64 [N]. A row holding
+    NaN or no finite logit draws -1 (its request fails; the others' rows are drawn). A
+    temperature that is not positive or a uniform outside [0, 1) is a ValueError."""
     return torch.ops.raylm.random_sample(logits, temperatures.float().contiguous(), uniforms.float().contiguous())
 
 

@@ -228,22 +228,43 @@ def test_random_sample_ends_of_the_interval_and_its_frequencies():
     assert bool(((frequencies - probabilities).abs() <= 4 * (probabilities * (1 - probabilities) / draws).sqrt()).all())
 
 
-@pytest.mark.parametrize("case", ["zero temperature", "u of one", "a row of nan", "one nan among finite logits",
-                                  "a row of -inf"])
-def test_random_sample_rejects_what_it_cannot_draw_from(case):
+@pytest.mark.parametrize("case", ["zero temperature", "u of one"])
+def test_random_sample_rejects_what_it_cannot_draw_with(case):
     logits, temperatures, uniforms = torch.zeros(2, 8), torch.ones(2), torch.full((2,), 0.5)
     if case == "zero temperature":
         temperatures[1] = 0.0
-    elif case == "u of one":
+    else:
         uniforms[0] = 1.0
-    elif case == "a row of nan":
+    with pytest.raises(ValueError):
+        cpu_ops.random_sample(logits, temperatures, uniforms)
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+@pytest.mark.parametrize("case", ["a row of nan", "one nan among finite logits", "a row of -inf", "a row of +inf"])
+def test_a_row_with_nothing_to_draw_from_draws_minus_one_and_the_others_draw(case, truncated):
+    # A bad row (weights or a penalty that overflowed) must fail its own request, not the batch.
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 50, generator=gen)
+    temperatures, uniforms = torch.ones(3), torch.rand(3, generator=gen)
+    expected = cpu_ops.random_sample(logits, temperatures, uniforms)
+    if case == "a row of nan":
         logits[1] = math.nan
     elif case == "one nan among finite logits":
         logits[1, 5] = math.nan
+    elif case == "a row of -inf":
+        logits[1] = -math.inf
     else:
-        logits[0] = -math.inf
-    with pytest.raises(ValueError):
-        cpu_ops.random_sample(logits, temperatures, uniforms)
+        logits[1, 7] = math.inf
+    if truncated:
+        tokens = cpu_ops.random_sample_truncated(logits, temperatures, uniforms, torch.full((3,), 10),
+                                                 torch.full((3,), 1.0), torch.zeros(3))
+        expected = cpu_ops.random_sample_truncated(logits[[0, 2]], temperatures[:2], uniforms[[0, 2]],
+                                                   torch.full((2,), 10), torch.full((2,), 1.0), torch.zeros(2))
+        assert tokens[[0, 2]].tolist() == expected.tolist()
+    else:
+        tokens = cpu_ops.random_sample(logits, temperatures, uniforms)
+        assert tokens[[0, 2]].tolist() == expected[[0, 2]].tolist()
+    assert tokens[1].item() == -1
 
 
 def float64_truncated(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -369,7 +390,7 @@ def test_truncated_probs_are_what_a_sort_keeps_and_nan_rows_stay_nan():
             torch.testing.assert_close(probs[r].double(), expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", ["top_k of 0", "top_p of 0", "top_p over 1", "min_p over 1", "a row of nan"])
+@pytest.mark.parametrize("case", ["top_k of 0", "top_p of 0", "top_p over 1", "min_p over 1"])
 def test_random_sample_truncated_rejects_what_it_cannot_cut(case):
     logits, temperatures, uniforms = torch.zeros(2, 8), torch.ones(2), torch.full((2,), 0.5)
     top_ks, top_ps, min_ps = torch.full((2,), 4), torch.full((2,), 0.9), torch.zeros(2)
@@ -379,10 +400,8 @@ def test_random_sample_truncated_rejects_what_it_cannot_cut(case):
         top_ps[0] = 0.0
     elif case == "top_p over 1":
         top_ps[1] = 1.5
-    elif case == "min_p over 1":
-        min_ps[0] = 2.0
     else:
-        logits[1] = math.nan
+        min_ps[0] = 2.0
     with pytest.raises(ValueError):
         cpu_ops.random_sample_truncated(logits, temperatures, uniforms, top_ks, top_ps, min_ps)
 

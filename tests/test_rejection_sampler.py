@@ -161,3 +161,17 @@ def test_a_request_whose_target_logits_hold_nan_is_flagged_alone_and_the_others_
     others = [token for token in tokens if token.req_id != 1]
     assert others == verify(logits, [0, 2])
     assert not any(token.logits_not_finite for token in others)
+
+
+def test_a_draft_whose_probabilities_are_nan_has_its_proposal_rejected():
+    # A draft model whose logits overflowed gives NaN probabilities; "u * q >= p" is False for
+    # NaN, which accepted its proposal whatever the target said. The target here puts nearly
+    # all its mass on token 1, so a rejected proposal is replaced by token 1.
+    vocab = 20
+    logits = torch.full((3, vocab), -10.0)
+    logits[:, 1] = 10.0
+    metadata = SamplingMetadata.from_params([SamplingParams(temperature=1.0, seed=5)],
+                                            generators=[sibling_generator(5, 0)])
+    tokens = RejectionSampler()(logits, metadata, [[vocab - 1, vocab - 1]], [torch.full((2, vocab), float("nan"))])
+    assert [t.token_id for t in tokens] == [1]
+    assert not tokens[0].logits_not_finite

@@ -355,3 +355,35 @@ def test_rows_of_nan_or_inf_logits_are_flagged_and_leave_the_other_rows_as_alone
         assert batched[row].logprobs == alone.logprobs
     assert all(0 <= t.token_id < VOCAB for t in batched)
     assert batched[4].token_id >= 10
+
+
+@pytest.mark.parametrize("top_k", [-1, 5])
+def test_rows_whose_penalties_or_logits_leave_nothing_to_draw_fail_alone(top_k):
+    # Rows that pass the not-finite guard and only then lose every finite logit: a positive
+    # logit divided by a repetition penalty that rounds to 0 in fp32 (SamplingParams takes any
+    # penalty > 0) becomes +inf, and a row of -inf has no maximum. Before, the native draw
+    # raised for the whole batch, which stopped the engine.
+    logits = _logits(4, seed=13, scale=1.0)
+    logits[0, 3] = 5.0
+    logits[2] = float("-inf")
+    params = [SamplingParams(temperature=1.0, top_k=top_k, repetition_penalty=1e-50, seed=1),
+              SamplingParams(temperature=1.0, top_k=top_k, seed=2),
+              SamplingParams(temperature=1.0, top_k=top_k, seed=3),
+              SamplingParams(temperature=1.0, top_k=top_k, seed=4, logprobs=1)]
+    generators = [sibling_generator(1 + i, 0) for i in range(4)]
+    tokens = _sample(logits, params, prompt_token_ids=[[3], [], [], []], output_token_ids=[[], [], [], []],
+                     generators=generators)
+    assert [t.logits_not_finite for t in tokens] == [True, False, True, False]
+    for row in (1, 3):
+        alone = _sample(logits[row:row + 1], [params[row]], generators=[sibling_generator(1 + row, 0)])[0]
+        assert (tokens[row].token_id, tokens[row].logprob, tokens[row].logprobs) == \
+            (alone.token_id, alone.logprob, alone.logprobs)
+
+
+def test_a_top_p_too_small_for_fp32_keeps_the_most_likely_token():
+    # SamplingParams takes any top_p > 0; 1e-50 rounds to 0 in fp32, which the native cut
+    # refused for the whole batch. Such a p keeps the most likely token alone.
+    logits = _logits(3, seed=14, scale=2.0)
+    tokens = _sample(logits, [SamplingParams(temperature=1.0, top_p=1e-50) for _ in range(3)])
+    assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
+    assert not any(t.logits_not_finite for t in tokens)

@@ -298,10 +298,10 @@ RowMax row_max(const float* logits, int64_t V) {
   return RowMax{max, std::isnan(sum_logits)};
 }
 
-void check_drawable(const RowMax& row) {
-  TORCH_CHECK_VALUE(!row.holds_nan, "sampling: a row of logits holds NaN");
-  TORCH_CHECK_VALUE(std::isfinite(row.max), "sampling: a row of logits has no finite maximum (", row.max, ")");
-}
+// The token drawn for a row with no distribution to draw from (a NaN, or no finite logit:
+// weights or an adapter that overflowed, a penalty that pushed a logit to +inf). The caller
+// fails that row's request alone; one bad row must not stop the batch.
+constexpr int64_t kUndrawable = -1;
 
 // The weights exp((logit - max) / temperature) of one row into scratch; returns their sum.
 // The row's maximum has weight 1.
@@ -352,10 +352,11 @@ int64_t draw_from_weights(const float* weights, int64_t V, float total, float u)
 // total (u in [0, 1)). scratch holds V floats. What the sampler's PyTorch path computes as
 // div, softmax, cumsum and searchsorted (four passes and as many tensors), in two passes:
 // ~0.3 ms of a ~100M-Llama decode step of 64 rows x 4096 logits on 2 cores. Tokens of zero
-// weight (-inf logits) are never drawn: the running sum does not grow at them.
+// weight (-inf logits) are never drawn: the running sum does not grow at them. kUndrawable
+// for a row holding NaN or no finite logit.
 int64_t sample_row(const float* logits, int64_t V, float temperature, float u, float* scratch) {
   const RowMax row = row_max(logits, V);
-  check_drawable(row);
+  if (!row.drawable()) return kUndrawable;
   const float total = row_weights(logits, V, row.max, temperature, scratch);
   return draw_from_weights(scratch, V, total, u);
 }
@@ -502,11 +503,11 @@ float truncated_weights(const float* logits, int64_t V, float max, float tempera
 
 // One draw from the cut distribution (truncated_weights) by inverse CDF in vocabulary order:
 // the token the PyTorch path (sort, mask, softmax, cumsum, searchsorted) draws for the same u,
-// up to the rounding of its sums.
+// up to the rounding of its sums. kUndrawable for a row holding NaN or no finite logit.
 int64_t sample_row_truncated(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p,
                              float min_p, float u, float* weights, uint32_t* keys, std::vector<int32_t>& candidates) {
   const RowMax row = row_max(logits, V);
-  check_drawable(row);
+  if (!row.drawable()) return kUndrawable;
   const float total = truncated_weights(logits, V, row.max, temperature, top_k, top_p, min_p, weights, keys,
                                         candidates);
   return draw_from_weights(weights, V, total, u);
