@@ -2,7 +2,8 @@
 
 Order of operations (vLLM's): logit_bias, min_tokens (stop tokens masked), penalties
 (repetition on prompt+output tokens, frequency/presence on output tokens); then greedy
-rows take the argmax and random rows apply temperature, top-k and top-p, min-p and draw
+rows take the argmax and random rows apply temperature, min-p, top-k and top-p (vLLM v1's
+order: top-p is over the mass min-p and top-k leave) and draw
 from the softmax (by inverse CDF: one uniform draw a row; on the CPU native passes that cut
 top-k and top-p by a radix select, with no sort of the vocabulary). Seeded rows
 draw with their own generator, so a request's tokens do not depend on what else is in the
@@ -407,6 +408,11 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperatu
     min_ps = [p.min_p for p in params]
     logits = logits / temperature.unsqueeze(1)
 
+    if any(p > 0.0 for p in min_ps):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * to_device(min_ps, device, probs.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+
     if need_top_k and not need_top_p and max(top_ks) <= _TOPK_INSTEAD_OF_SORT:
         # top-k alone (the usual small k): a partial topk is much cheaper than a full sort.
         k = to_device(top_ks, device).unsqueeze(1)
@@ -418,11 +424,6 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperatu
             to_device(top_ks, device) if need_top_k else None,
             to_device(top_ps, device, logits.dtype) if need_top_p else None,
         )
-
-    if any(p > 0.0 for p in min_ps):
-        probs = logits.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * to_device(min_ps, device, probs.dtype).unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
     return logits.softmax(dim=-1)
 

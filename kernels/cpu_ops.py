@@ -102,10 +102,11 @@ def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: to
 
 def random_sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
                             top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """`random_sample` with each row cut first, as vLLM cuts it: top-k (int64 [N]; V or more
-    keeps all), then top-p over what top-k keeps (fp32 [N] in (0, 1]; 1 keeps all), then
-    min-p (fp32 [N] in [0, 1]; 0 keeps all). No sort: a radix select finds each row's cut in
-    a few passes. A row that cuts nothing draws what `random_sample` draws."""
+    """`random_sample` with each row cut first, in vLLM's (v1) order: min-p (fp32 [N] in
+    [0, 1]; 0 keeps all), then top-k over what is left (int64 [N]; V or more keeps all), then
+    top-p over what top-k keeps (fp32 [N] in (0, 1]; 1 keeps all). No sort: a radix select
+    finds each row's cut in a few passes. A row that cuts nothing draws what `random_sample`
+    draws; a row holding NaN or no finite logit draws -1."""
     return torch.ops.raylm.random_sample_truncated(
         logits, temperatures.float().contiguous(), uniforms.float().contiguous(), top_ks.long().contiguous(),
         top_ps.float().contiguous(), min_ps.float().contiguous())
@@ -114,7 +115,8 @@ def random_sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, un
 def truncated_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                     min_ps: torch.Tensor) -> torch.Tensor:
     """The distribution `random_sample_truncated` draws from: fp32 [N, V], each row
-    softmax(logits / temperature) cut by its top-k, top-p and min-p (cut tokens 0)."""
+    softmax(logits / temperature) cut by its min-p, top-k and top-p (cut tokens 0); a row
+    holding NaN or no finite logit comes out NaN."""
     return torch.ops.raylm.truncated_probs(logits, temperatures.float().contiguous(), top_ks.long().contiguous(),
                                            top_ps.float().contiguous(), min_ps.float().contiguous())
 

@@ -269,16 +269,19 @@ def test_a_row_with_nothing_to_draw_from_draws_minus_one_and_the_others_draw(cas
 
 def float64_truncated(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                       min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's probabilities after vLLM's cuts, in float64 by a full sort: top-k keeps the
-    logits >= the k-th largest; top-p over what is left keeps a token while the tokens before
-    it in a descending sort hold less than p of the mass; min-p drops probabilities under
-    min_p times the largest. Also returns, per token, how far its kept-or-not decision is
-    from the top-p boundary (the mass before it minus p), for rows where rounding decides."""
+    """One row's probabilities after vLLM's (v1) cuts, in float64 by a full sort: min-p drops
+    probabilities under min_p times the largest; top-k over what is left keeps the logits >=
+    the k-th largest; top-p over what top-k keeps keeps a token while the tokens before it in
+    a descending sort hold less than p of that mass. Also returns, per token, how far its
+    kept-or-not decision is from the top-p boundary (the mass before it minus p), for rows
+    where rounding decides."""
     scaled = logits.double() / temperature
     vocab = scaled.numel()
-    keep = torch.ones(vocab, dtype=torch.bool)
+    probs = torch.softmax(scaled, dim=0)
+    keep = probs >= probs.max() * min_p
     if top_k < vocab:
-        keep &= scaled >= scaled.sort(descending=True).values[top_k - 1]
+        kept_logits = scaled.masked_fill(~keep, -math.inf)
+        keep &= kept_logits >= kept_logits.sort(descending=True).values[top_k - 1]
     probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=0)
     margin = torch.full((vocab,), math.inf, dtype=torch.float64)
     if top_p < 1.0:
@@ -287,7 +290,6 @@ def float64_truncated(logits: torch.Tensor, temperature: float, top_k: int, top_
         keep[order] &= before < top_p
         margin[order] = before - top_p
     probs = probs.masked_fill(~keep, 0.0)
-    probs = probs.masked_fill(probs < probs.max() * min_p, 0.0)
     return probs / probs.sum(), margin
 
 
@@ -345,6 +347,12 @@ def test_random_sample_truncated_cuts_as_vllm_does_at_its_edges():
     assert draws(3, 0.7) == {1, 6}
     assert draws(3, 0.8) == {1, 3, 6}
     assert draws(7, 1.0, min_p=0.3) == {1, 3, 6}  # e^-1 = 0.37 of the max stays, e^-2 goes
+    # Min-p comes first (vLLM v1): min_p 0.3 leaves 3 and the two 2s, which top-p 0.7 then
+    # weighs anew (0.576, 0.212, 0.212), keeping the max and one 2. Applied after top-p (vLLM
+    # v0's order), min-p would have kept both 2s.
+    assert draws(7, 0.7, min_p=0.3) == {1, 6}
+    # Top-k counts only what min-p left: k = 5 of 3 survivors keeps the 3.
+    assert draws(5, 1.0, min_p=0.3) == {1, 3, 6}
     # A row that cuts nothing draws what random_sample draws, bit for bit.
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(64, 5000, generator=gen) * 4

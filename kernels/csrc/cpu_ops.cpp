@@ -445,37 +445,42 @@ struct Kept {
   float min_weight = 0.0f;
 };
 
-// The weights exp((logit - max) / temperature) of one row cut by top-k (k < V cuts), then
-// top-p over what top-k keeps (p < 1 cuts: a token is kept when the tokens more likely than
-// it hold less than p of the mass; the most likely is always kept), then min-p (tokens under
-// min_p times the most likely's probability go), written to weights (cut tokens 0); returns
-// their sum. What the PyTorch path computes by sort, mask and softmax, up to rounding. max:
-// the row's largest logit (finite); keys holds V uint32 of scratch.
+// The weights exp((logit - max) / temperature) of one row cut in vLLM's (v1) order: min-p
+// first (tokens under min_p times the most likely's probability go), then top-k over what is
+// left (k < V cuts; every logit equal to the k-th stays), then top-p over what top-k keeps
+// (p < 1 cuts: a token stays while the tokens more likely than it hold less than p of that
+// mass; the most likely always stays). Written to weights (cut tokens 0); returns their sum.
+// What the PyTorch path computes by masks, sort and softmax, up to rounding. max: the row's
+// largest logit (finite); keys holds V uint32 of scratch.
 float truncated_weights(const float* logits, int64_t V, float max, float temperature, int64_t top_k, float top_p,
                         float min_p, float* weights, uint32_t* keys, std::vector<int32_t>& candidates) {
   row_weights(logits, V, max, temperature, weights);
   const bool cuts_k = top_k < V, cuts_p = top_p < 1.0f;
   Kept kept;
   kept.min_weight = min_p;  // the most likely token's weight is 1
+  // Whether min-p keeps token i: top-k and top-p count and weigh these alone.
+  const auto passes_min_p = [&](int64_t i) { return weights[i] >= min_p; };
   if (cuts_k || cuts_p) {
     for (int64_t i = 0; i < V; ++i) keys[i] = order_key(logits[i]);
   }
   if (cuts_k) {
-    // The k-th largest logit; every logit equal to it is kept, as vLLM's mask keeps them.
-    kept.key = radix_select(keys, V, 0, static_cast<double>(top_k), [](int64_t) { return 1.0; }, candidates).key;
+    // The k-th largest logit min-p left (fewer than k left: all of them stay).
+    kept.key = radix_select(keys, V, 0, static_cast<double>(top_k),
+                            [&](int64_t i) { return passes_min_p(i) ? 1.0 : 0.0; }, candidates).key;
   }
   if (cuts_p) {
     const uint32_t floor = kept.key;
+    const auto mass_of = [&](int64_t i) { return passes_min_p(i) ? static_cast<double>(weights[i]) : 0.0; };
     double mass = 0.0;
     for (int64_t i = 0; i < V; ++i) {
-      if (keys[i] >= floor) mass += weights[i];
+      if (keys[i] >= floor) mass += mass_of(i);
     }
     const double target = static_cast<double>(top_p) * mass;
-    const Cut cut = radix_select(keys, V, floor, target, [&](int64_t i) { return static_cast<double>(weights[i]); },
-                                 candidates);
+    const Cut cut = radix_select(keys, V, floor, target, mass_of, candidates);
     if (cut.key != 0) {
-      // Equal logits at the cut are kept in vocabulary order while the mass before each stays
-      // under the target, as a sort would keep some of them.
+      // Equal logits at the cut (equal weights) stay while the mass before each is under the
+      // target: the first ones in vocabulary order (vLLM's sort is not stable, so which of
+      // them it keeps is unspecified).
       kept.key = cut.key;
       const double tie_weight = weights[candidates.front()];
       if (tie_weight > 0.0) {
