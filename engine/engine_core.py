@@ -328,14 +328,18 @@ class EngineCore:
         """A step could not put these adapters in their slots (a worker had to read one again,
         and its files were gone or changed): every request of theirs fails with the error,
         running or waiting (the slot ran empty, so a running one's tokens are not its
-        adapter's); their blocks and slots are freed. The batch and the engine go on."""
+        adapter's); their blocks and slots are freed, and their blocks leave the prefix cache
+        (the step registered them under the adapter's key but computed them without it). The
+        batch and the engine go on."""
         from raylm.executors.lora_adapter import lora_error_from_worker
 
         errors = {lora_int_id: lora_error_from_worker(*failure) for lora_int_id, failure in failures.items()}
         doomed = {request.request_id: errors[request.lora_request.lora_int_id]
                   for request in self.scheduler.requests.values()
                   if request.lora_request is not None and request.lora_request.lora_int_id in errors}
-        self.scheduler.finish_requests(list(doomed), RequestStatus.FINISHED_ABORTED)
+        kv_cache_manager = self.scheduler.kv_cache_manager
+        for request in self.scheduler.finish_requests(list(doomed), RequestStatus.FINISHED_ABORTED):
+            kv_cache_manager.evict_cached_blocks(request)
         self._failed_requests.update(doomed)
         for lora_int_id, error in errors.items():
             logger.warning("LoRA adapter %d could not be read into its slot; %d of its requests fail: %s",

@@ -357,3 +357,65 @@ def test_a_link_swapped_in_after_the_folder_is_opened_changes_nothing_read(llama
     assert weights.is_symlink()
     assert summary.digest.weights_sha256 == hashlib.sha256(original).hexdigest()
     assert summary.digest.weights_size == len(original)
+
+
+# Two full blocks of 16 and a partial one: the prefix cache registers the full ones.
+LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+
+
+def test_kv_of_a_step_that_ran_without_its_adapter_is_not_reused(llama_dir, built, tmp_path):
+    """The step that ran a's request with its slot empty (a unloaded and its folder deleted
+    before the worker read it) computed the prompt's full blocks without the adapter, under
+    a's prefix-cache key. Once the folder is back, the same prompt under a must not reuse
+    that KV: its tokens equal peft's."""
+    want = peft_greedy(llama_dir, built["a"], LONG_PROMPT, MAX_TOKENS)
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    a = LoRARequest("a", 1, str(folder))
+    engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
+    try:
+        engine.add_lora(a)
+
+        def unload() -> None:
+            assert engine.remove_lora(a.lora_int_id)
+            shutil.rmtree(folder)
+
+        done = before_the_step_that_activates(engine, a.lora_int_id, unload)
+        engine.add_request("a", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert done and set(failed) == {"a"} and finished == {}
+
+        shutil.copytree(built["a"], folder)
+        engine.add_lora(a)
+        engine.add_request("again", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert failed == {}
+        assert finished == {"again": want}
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama_dir, built, tmp_path):
+    """a is served (its prompt's full blocks cached), removed, its folder filled with other
+    weights and added again under the same id, name and path: the prefix cache keys the
+    adapter by its files' digest too, so the prompt is computed with the new weights (peft's
+    tokens of the new adapter), and the old adapter's KV is not reused."""
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    a = LoRARequest("a", 1, str(folder))
+    engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
+    try:
+        engine.add_lora(a)
+        engine.add_request("old", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, _ = run_to_end(engine)
+        assert finished["old"] == peft_greedy(llama_dir, built["a"], LONG_PROMPT, MAX_TOKENS)
+
+        assert engine.remove_lora(a.lora_int_id)
+        shutil.rmtree(folder)
+        shutil.copytree(built["outsider"], folder)
+        engine.add_lora(a)
+        engine.add_request("new", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert failed == {}
+        assert finished == {"new": peft_greedy(llama_dir, built["outsider"], LONG_PROMPT, MAX_TOKENS)}
+    finally:
+        engine.shutdown()
