@@ -419,3 +419,52 @@ def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama
         assert finished == {"new": peft_greedy(llama_dir, built["outsider"], LONG_PROMPT, MAX_TOKENS)}
     finally:
         engine.shutdown()
+
+
+def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built, peft_tokens, tmp_path,
+                                                                monkeypatch):
+    """a's weights are changed (one byte, same size) after it was served, and b drops it from
+    host memory: its read fails and it is marked for re-checking. Five requests naming a are
+    refused with the same error, but its weights are hashed once (the verdict is kept while
+    the files' stat is unchanged), not once a request on the step thread. Its bytes put back,
+    a is checked again and served."""
+    from raylm.executors import lora_adapter
+
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    weights = folder / "adapter_model.safetensors"
+    a = LoRARequest("a", 1, str(folder))
+    b = LoRARequest("b", 2, str(built["b"]))
+    engine = new_engine(llama_dir, max_loras=1, max_cpu_loras=1)
+    try:
+        engine.add_request("a", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        assert run_to_end(engine) == ({"a": peft_tokens["a"]}, {})
+        original = weights.read_bytes()
+        weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        engine.add_request("b", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=b)
+        assert run_to_end(engine) == ({"b": peft_tokens["b"]}, {})
+        engine.add_request("a-again", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert finished == {} and set(failed) == {"a-again"}
+
+        hashed: list[str] = []
+        sha256 = lora_adapter._AdapterFolder.sha256
+
+        def counting_sha256(self, fd: int, name: str) -> tuple[int, str]:
+            hashed.append(name)
+            return sha256(self, fd, name)
+
+        monkeypatch.setattr(lora_adapter._AdapterFolder, "sha256", counting_sha256)
+        errors = []
+        for index in range(5):
+            with pytest.raises(LoRAAdapterError, match="LoRA adapter 'a'.*changed") as caught:
+                engine.add_request(f"a-{index}", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+            errors.append(str(caught.value))
+        assert hashed == ["adapter_model.safetensors"]
+        assert len(set(errors)) == 1
+
+        weights.write_bytes(original)
+        engine.add_request("a-restored", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        assert run_to_end(engine) == ({"a-restored": peft_tokens["a"]}, {})
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        engine.shutdown()
