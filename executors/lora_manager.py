@@ -205,8 +205,10 @@ class WorkerLoRAManager:
         for slot, (lora_request, digest) in activations.items():
             try:
                 self._activate(slot, lora_request, digest)
-            except LOAD_ERRORS as exc:
-                logger.warning("LoRA adapter %r could not be put in slot %d: %s", lora_request.lora_name, slot, exc)
+            except Exception as exc:  # noqa: BLE001 - any error (a MemoryError too) must reach the all-reduce below:
+                # a rank that raised past it would leave the other ranks waiting in it forever.
+                logger.warning("LoRA adapter %r could not be put in slot %d: %s: %s", lora_request.lora_name, slot,
+                               type(exc).__name__, exc, exc_info=not isinstance(exc, LOAD_ERRORS))
                 errors[slot] = exc
         for slot in self._agree_on_failures(errors):
             lora_request = activations[slot][0]
