@@ -165,13 +165,14 @@ class LoRALoader:
             future = self._loading.get(lora_request.lora_int_id) or self._enqueue(lora_request, digest)
         future.result(timeout)
 
-    def unreadable(self, lora_int_id: int) -> None:
-        """A step could not read the adapter into a slot (the workers dropped it): it is not
-        loaded any more, and the next check reads its files again."""
+    def unreadable(self, lora_int_id: int, digest: AdapterDigest | None = None) -> None:
+        """A step could not read the adapter (with these files' digest) into a slot (the
+        workers dropped it): it is not loaded any more, and the next check reads its files
+        again, unless the engine now knows the id with other files."""
         with self._cond:
             self._loaded.pop(lora_int_id, None)
             known = self._known.get(lora_int_id)
-            if known is not None:
+            if known is not None and (digest is None or known.digest == digest):
                 known.recheck = True
 
     def remove(self, lora_int_id: int) -> bool:

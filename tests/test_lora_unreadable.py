@@ -468,3 +468,39 @@ def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built
         assert engine.scheduler.kv_cache_manager.usage == 0.0
     finally:
         engine.shutdown()
+
+
+def test_a_failure_under_new_files_spares_running_requests_of_the_same_id_under_the_old(llama_dir, built,
+                                                                                       peft_tokens, tmp_path):
+    """a's request runs; a is removed (the running request keeps its slot), its folder filled
+    with other weights and a added again under the same id. The step that puts the new a in
+    a second slot finds it gone from host memory and its folder deleted: the new a's request
+    fails, and the one still running under the old a's files (its own slot, already filled)
+    finishes with peft's tokens of the old a."""
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    a = LoRARequest("a", 1, str(folder))
+    engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
+    try:
+        engine.add_lora(a)
+        engine.add_request("old", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        engine.step()
+        assert engine.scheduler.lora_slots.in_use(a.lora_int_id)  # its slot holds the old a now
+        assert engine.remove_lora(a.lora_int_id)
+        shutil.rmtree(folder)
+        shutil.copytree(built["outsider"], folder)
+        engine.add_lora(a)
+
+        def unload() -> None:
+            assert engine.remove_lora(a.lora_int_id)
+            shutil.rmtree(folder)
+
+        done = before_the_step_that_activates(engine, a.lora_int_id, unload)
+        engine.add_request("new", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert done
+        assert set(failed) == {"new"} and isinstance(failed["new"], LoRAAdapterNotFoundError)
+        assert finished == {"old": peft_tokens["a"]}
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+        assert not engine.scheduler.lora_slots.in_use(a.lora_int_id)
+    finally:
+        engine.shutdown()
