@@ -18,8 +18,8 @@ tokenizing), which bounds the router's cost whatever the prompt's length.
 A request for a LoRA adapter (`model` naming neither the base model nor one of its aliases,
 with LoRA on) is keyed with the adapter's name in its first block, so two adapters'
 requests, or an adapter's and the base model's, with the same prompt never count as the same
-prefix. The replicas hash an adapter by its engine id, name and folder, which the router
-does not know: their reports never match an adapter request's key, and such requests follow
+prefix. The replicas hash an adapter by its engine id, name, folder and files' SHA-256, which the
+router does not know: their reports never match an adapter request's key, and such requests follow
 only what the router remembers sending where (`router_retention_s`).
 
 A request the key cannot be computed for (a body that is no completion, a malformed one, a

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
 from raylm.engine.lora_loader import LoRALoader
@@ -324,24 +324,31 @@ class EngineCore:
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         return failed
 
-    def _fail_requests_of_unreadable_loras(self, failures: dict[int, tuple[str, str]]) -> None:
+    def _fail_requests_of_unreadable_loras(self, failures: dict[tuple[int, Any], tuple[str, str]]) -> None:
         """A step could not put these adapters in their slots (a worker had to read one again,
         and its files were gone or changed): every request of theirs fails with the error,
         running or waiting (the slot ran empty, so a running one's tokens are not its
-        adapter's); their blocks and slots are freed. The batch and the engine go on."""
+        adapter's); their blocks and slots are freed, and their blocks leave the prefix cache
+        (the step registered them under the adapter's key but computed them without it). The
+        batch and the engine go on."""
         from raylm.executors.lora_adapter import lora_error_from_worker
 
-        errors = {lora_int_id: lora_error_from_worker(*failure) for lora_int_id, failure in failures.items()}
-        doomed = {request.request_id: errors[request.lora_request.lora_int_id]
+        # By id and digest: requests of the same id under the files of an earlier add (the
+        # adapter removed and added again) hold another slot, filled then, and go on.
+        errors = {adapter: lora_error_from_worker(*failure) for adapter, failure in failures.items()}
+        doomed = {request.request_id: errors[request.lora_request.lora_int_id, request.lora_digest]
                   for request in self.scheduler.requests.values()
-                  if request.lora_request is not None and request.lora_request.lora_int_id in errors}
-        self.scheduler.finish_requests(list(doomed), RequestStatus.FINISHED_ABORTED)
+                  if request.lora_request is not None
+                  and (request.lora_request.lora_int_id, request.lora_digest) in errors}
+        kv_cache_manager = self.scheduler.kv_cache_manager
+        for request in self.scheduler.finish_requests(list(doomed), RequestStatus.FINISHED_ABORTED):
+            kv_cache_manager.evict_cached_blocks(request)
         self._failed_requests.update(doomed)
-        for lora_int_id, error in errors.items():
+        for (lora_int_id, digest), error in errors.items():
             logger.warning("LoRA adapter %d could not be read into its slot; %d of its requests fail: %s",
                            lora_int_id, sum(e is error for e in doomed.values()), error)
             self.scheduler.lora_slots.forget(lora_int_id)
-            self.lora_loader.unreadable(lora_int_id)
+            self.lora_loader.unreadable(lora_int_id, digest)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forgets an adapter (requests already running under it finish with it)."""

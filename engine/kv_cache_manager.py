@@ -210,6 +210,14 @@ class KVCacheManager:
         del blocks[keep:]
         self.block_pool.free_blocks(reversed(extra))
 
+    def evict_cached_blocks(self, request: Request) -> int:
+        """Drops the blocks of the request's tokens from the prefix cache (vLLM evicts block
+        hashes so when their KV turned out wrong): every hash of its prompt and output so far,
+        whoever computed the block, and whether the request still holds it (a preempted one
+        does not). Call it for requests whose step computed KV that must not be reused; free
+        them as usual. Returns how many blocks were cached."""
+        return self.block_pool.evict_cached_hashes(request.block_hashes) if self.enable_caching else 0
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
@@ -281,9 +289,16 @@ class KVCacheManager:
 
 
 def _first_block_extra_key(request: Request) -> bytes:
-    """The request's cache_salt and LoRA adapter, as the first block's hash takes them."""
+    """The request's cache_salt and LoRA adapter, as the first block's hash takes them. The
+    adapter is its id, name and path and the SHA-256 of its files as the engine checked them:
+    an adapter removed and added again under the same names with other files computes other
+    KV, and must not find the old one."""
     lora = request.lora_request
-    return first_block_extra_key(request.cache_salt, None if lora is None else lora.cache_key())
+    if lora is None:
+        return first_block_extra_key(request.cache_salt)
+    digest = request.lora_digest
+    files = b"" if digest is None else f"\x00{digest.config_sha256}\x00{digest.weights_sha256}".encode()
+    return first_block_extra_key(request.cache_salt, lora.cache_key() + files)
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

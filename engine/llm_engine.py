@@ -186,8 +186,8 @@ class LLMEngine:
         return params
 
     # ------------------------------------------------------------------- LoRA
-    def _check_lora_request(self, lora_request: LoRARequest | None,
-                            allowed_dirs: Sequence[str] | None = None) -> AdapterDigest | None:
+    def _check_lora_request(self, lora_request: LoRARequest | None, allowed_dirs: Sequence[str] | None = None,
+                            fresh: bool = False) -> AdapterDigest | None:
         """The digest of the adapter's files as checked (None for the base model)."""
         if lora_request is None:
             return None
@@ -195,7 +195,7 @@ class LLMEngine:
         if loader is None:
             raise ParameterError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: LoRA adapters "
                                  f"need an engine started with enable_lora=True (--enable-lora).", "lora_request")
-        return loader.check(lora_request, allowed_dirs)
+        return loader.check(lora_request, allowed_dirs, fresh=fresh)
 
     def add_lora(self, lora_request: LoRARequest, allowed_dirs: Sequence[str] | None = None) -> bool:
         """Loads an adapter into the workers' host memory now (vLLM's add_lora), so that its
@@ -203,7 +203,7 @@ class LLMEngine:
         serve. Safe to call from another thread while the engine steps. `allowed_dirs`: the
         folders the adapter's folder and files must really be in, links followed (the
         server's --allowed-lora-dirs)."""
-        self._check_lora_request(lora_request, allowed_dirs)
+        self._check_lora_request(lora_request, allowed_dirs, fresh=True)  # never an earlier failure's verdict
         self.engine_core.lora_loader.load(lora_request, allowed_dirs=allowed_dirs)
         return True
 

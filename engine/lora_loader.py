@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from raylm.engine.config import LoRAConfig
 from raylm.engine.lora_request import LoRARequest
 
 if TYPE_CHECKING:
-    from raylm.executors.lora_adapter import AdapterDigest
+    from raylm.executors.lora_adapter import AdapterDigest, LoRAAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,27 @@ class _KnownAdapter:
     digest: AdapterDigest
     # Its last load failed: the next check reads its files again (against the digest).
     recheck: bool = False
+    # The last re-check's failure, with what the folder's files looked like then (`_stat_key`)
+    # and the allowed folders: a request naming the adapter gets the same error without its
+    # weights hashed again on the step thread, until the files change or it is added again.
+    failed_check: tuple[tuple, LoRAAdapterError] | None = None
+
+
+def _stat_key(lora_path: str) -> tuple:
+    """What the adapter's folder and files look like to lstat (device, inode, size, change
+    times; None for one missing): any write, rename, deletion or replacement changes it."""
+    from raylm.executors.lora_adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+    key = []
+    for path in (lora_path, os.path.join(lora_path, ADAPTER_CONFIG_FILE),
+                 os.path.join(lora_path, ADAPTER_WEIGHTS_FILE)):
+        try:
+            st = os.lstat(path)
+        except (OSError, ValueError):
+            key.append(None)
+        else:
+            key.append((st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(key)
 
 
 class LoRALoader:
@@ -67,25 +89,39 @@ class LoRALoader:
         self._stopping = False
 
     # ---- what the engine asks ------------------------------------------------------------------
-    def check(self, lora_request: LoRARequest, allowed_dirs: Sequence[str] | None = None) -> AdapterDigest:
+    def check(self, lora_request: LoRARequest, allowed_dirs: Sequence[str] | None = None,
+              fresh: bool = False) -> AdapterDigest:
         """Raises ValueError (LoRAAdapterError for the adapter itself) unless the engine can
         serve the adapter: read from its config and files once per adapter (again after a
         failed load). Returns the digest its reads must match. `allowed_dirs`: folders the
-        adapter's files must really be in (the server's runtime loads)."""
-        from raylm.executors.lora_adapter import inspect_adapter
+        adapter's files must really be in (the server's runtime loads). A re-check that
+        failed is answered from memory while the files' stat is unchanged, unless `fresh`
+        (the adapter added again)."""
+        from raylm.executors.lora_adapter import LoRAAdapterError, inspect_adapter
 
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}.")
         known = self._known_as(lora_request)
         if known is not None and not known.recheck:
             return known.digest
-        summary = inspect_adapter(lora_request.lora_name, lora_request.lora_path, self.hf_config,
-                                  self.lora_config.max_lora_rank, expected=known.digest if known else None,
-                                  allowed_dirs=allowed_dirs)
+        verdict_key = (_stat_key(lora_request.lora_path), tuple(allowed_dirs or ()))
+        failed = known.failed_check if known is not None else None
+        if failed is not None and not fresh and failed[0] == verdict_key:
+            raise failed[1].with_traceback(None)
+        try:
+            summary = inspect_adapter(lora_request.lora_name, lora_request.lora_path, self.hf_config,
+                                      self.lora_config.max_lora_rank, expected=known.digest if known else None,
+                                      allowed_dirs=allowed_dirs)
+        except LoRAAdapterError as exc:
+            if known is not None:
+                with self._cond:
+                    known.failed_check = (verdict_key, exc)
+            raise
         with self._cond:
             known = self._known.setdefault(lora_request.lora_int_id, _KnownAdapter(lora_request, summary.digest))
             if known.lora_request == lora_request and known.digest == summary.digest:
                 known.recheck = False
+                known.failed_check = None
         return self._known_as(lora_request).digest
 
     def _known_as(self, lora_request: LoRARequest) -> _KnownAdapter | None:
@@ -129,13 +165,14 @@ class LoRALoader:
             future = self._loading.get(lora_request.lora_int_id) or self._enqueue(lora_request, digest)
         future.result(timeout)
 
-    def unreadable(self, lora_int_id: int) -> None:
-        """A step could not read the adapter into a slot (the workers dropped it): it is not
-        loaded any more, and the next check reads its files again."""
+    def unreadable(self, lora_int_id: int, digest: AdapterDigest | None = None) -> None:
+        """A step could not read the adapter (with these files' digest) into a slot (the
+        workers dropped it): it is not loaded any more, and the next check reads its files
+        again, unless the engine now knows the id with other files."""
         with self._cond:
             self._loaded.pop(lora_int_id, None)
             known = self._known.get(lora_int_id)
-            if known is not None:
+            if known is not None and (digest is None or known.digest == digest):
                 known.recheck = True
 
     def remove(self, lora_int_id: int) -> bool:

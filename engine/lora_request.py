@@ -48,5 +48,6 @@ class LoRARequest:
         return self.lora_path
 
     def cache_key(self) -> bytes:
-        """What the prefix cache keys this adapter's KV by: its id, name and path."""
+        """What the prefix cache keys this adapter's KV by: its id, name and path (the KV-cache
+        manager adds the digest of its files)."""
         return f"{self.lora_int_id}\x00{self.lora_name}\x00{self.lora_path}".encode()

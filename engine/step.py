@@ -10,7 +10,7 @@ keyed by ``req_id``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -121,6 +121,8 @@ class SamplerOutput:
     # req_id -> one entry per prompt row scored this step (see ScheduledRequest).
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     # LoRA: the adapters this step could not put in their slots (a worker had to read one
-    # again and could not), as lora_int_id -> (error class name, message). Their slots ran
-    # empty, so their requests' tokens are not theirs: the engine fails those requests.
-    lora_failures: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # again and could not), as (lora_int_id, digest of the files read) -> (error class name,
+    # message). Their slots ran empty, so their requests' tokens are not theirs: the engine
+    # fails those requests (requests of the same id under another digest, which an adapter
+    # removed and added again with other files has, hold another slot and go on).
+    lora_failures: dict[tuple[int, Any], tuple[str, str]] = field(default_factory=dict)

@@ -132,9 +132,9 @@ class WorkerLoRAManager:
         # thread, read by the step.
         self._loaded: dict[int, LoadedAdapter] = {}
         self._lock = threading.Lock()
-        # The adapters the last prepare_step could not put in their slots (lora_int_id ->
-        # error class name and message), for the step's output.
-        self.step_failures: dict[int, tuple[str, str]] = {}
+        # The adapters the last prepare_step could not put in their slots ((lora_int_id,
+        # digest) -> error class name and message), for the step's output.
+        self.step_failures: dict[tuple[int, AdapterDigest | None], tuple[str, str]] = {}
 
     # ---- host memory -----------------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest, digest: AdapterDigest | None = None) -> None:
@@ -205,17 +205,19 @@ class WorkerLoRAManager:
         for slot, (lora_request, digest) in activations.items():
             try:
                 self._activate(slot, lora_request, digest)
-            except LOAD_ERRORS as exc:
-                logger.warning("LoRA adapter %r could not be put in slot %d: %s", lora_request.lora_name, slot, exc)
+            except Exception as exc:  # noqa: BLE001 - any error (a MemoryError too) must reach the all-reduce below:
+                # a rank that raised past it would leave the other ranks waiting in it forever.
+                logger.warning("LoRA adapter %r could not be put in slot %d: %s: %s", lora_request.lora_name, slot,
+                               type(exc).__name__, exc, exc_info=not isinstance(exc, LOAD_ERRORS))
                 errors[slot] = exc
         for slot in self._agree_on_failures(errors):
-            lora_request = activations[slot][0]
+            lora_request, digest = activations[slot]
             for layer in self.layers.values():
                 layer.set_slot(slot, None, None)
             with self._lock:
                 self._loaded.pop(lora_request.lora_int_id, None)
             exc = errors.get(slot)
-            self.step_failures[lora_request.lora_int_id] = describe_load_error(
+            self.step_failures[lora_request.lora_int_id, digest] = describe_load_error(
                 lora_request, exc, get_tensor_model_parallel_rank()) if exc is not None else (
                 LoRAAdapterError.__name__, f"LoRA adapter {lora_request.lora_name!r} could not be read on another "
                                            f"tensor-parallel rank (that worker's log says why).")

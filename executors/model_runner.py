@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -400,7 +401,7 @@ class ModelRunner:
             return self._run_model(host, None, intermediate_tensors)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
         rows = sample_rows + prompt_rows
-        lora_failures: dict[int, tuple[str, str]] = {}
+        lora_failures: dict[tuple[int, Any], tuple[str, str]] = {}
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(req.requests, req.lora_activations,
                                            step_output_rows(rows, len(host.input_ids)))

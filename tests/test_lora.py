@@ -260,6 +260,41 @@ def test_mixed_batch_equals_peft_at_tensor_parallel_2(ray_cluster, llama_dir, pr
         assert "LoRA adapter 'd' could not be read on another tensor-parallel rank" in str(failed["d"])
         assert engine.scheduler.kv_cache_manager.usage == 0.0
         assert [4 in ids for ids in executor.collective_rpc("list_loras")] == [False, False]
+
+        # Rank 1 must read adapter e in the step, and the read raises an error that is not a
+        # bad adapter's (a MemoryError): rank 1 still joins the ranks' agreement on failed
+        # slots (raising past it left rank 0 waiting in its all-reduce: the step hung), and e's
+        # request alone fails.
+        e = LoRARequest("e", 5, str(adapters["b"]))
+        engine.add_lora(e)
+
+        def rank_1_runs_out_of_memory(actor) -> None:
+            manager = actor.worker.model_runner.lora_manager
+            manager.remove_lora(5)
+
+            def read(lora_request, digest):
+                raise MemoryError("no room for the adapter's share")
+
+            manager._read = read
+
+        def rank_1_cannot_read_e(req):
+            if any(lora.lora_int_id == 5 for lora, _ in (req.lora_activations or {}).values()):
+                executor.execute_model_async = run_step
+                ray.get(executor.workers[1].__ray_call__.remote(rank_1_runs_out_of_memory))
+            return run_step(req)
+
+        executor.execute_model_async = rank_1_cannot_read_e
+        for name, lora in (("e", e), ("b", lora_requests["b"]), ("base", None)):
+            engine.add_request(name, {"prompt_token_ids": prompts[0]}, params, lora_request=lora)
+        finished, failed = {}, {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+            failed.update(engine.pop_failed_requests())
+        assert finished == {"b": references[0, "b"], "base": references[0, "base"]}
+        assert set(failed) == {"e"}
+        assert "LoRA adapter 'e' could not be read on another tensor-parallel rank" in str(failed["e"])
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+        assert [5 in ids for ids in executor.collective_rpc("list_loras")] == [False, False]
     finally:
         llm.shutdown()
 

@@ -357,3 +357,150 @@ def test_a_link_swapped_in_after_the_folder_is_opened_changes_nothing_read(llama
     assert weights.is_symlink()
     assert summary.digest.weights_sha256 == hashlib.sha256(original).hexdigest()
     assert summary.digest.weights_size == len(original)
+
+
+# Two full blocks of 16 and a partial one: the prefix cache registers the full ones.
+LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+
+
+def test_kv_of_a_step_that_ran_without_its_adapter_is_not_reused(llama_dir, built, tmp_path):
+    """The step that ran a's request with its slot empty (a unloaded and its folder deleted
+    before the worker read it) computed the prompt's full blocks without the adapter, under
+    a's prefix-cache key. Once the folder is back, the same prompt under a must not reuse
+    that KV: its tokens equal peft's."""
+    want = peft_greedy(llama_dir, built["a"], LONG_PROMPT, MAX_TOKENS)
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    a = LoRARequest("a", 1, str(folder))
+    engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
+    try:
+        engine.add_lora(a)
+
+        def unload() -> None:
+            assert engine.remove_lora(a.lora_int_id)
+            shutil.rmtree(folder)
+
+        done = before_the_step_that_activates(engine, a.lora_int_id, unload)
+        engine.add_request("a", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert done and set(failed) == {"a"} and finished == {}
+
+        shutil.copytree(built["a"], folder)
+        engine.add_lora(a)
+        engine.add_request("again", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert failed == {}
+        assert finished == {"again": want}
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama_dir, built, tmp_path):
+    """a is served (its prompt's full blocks cached), removed, its folder filled with other
+    weights and added again under the same id, name and path: the prefix cache keys the
+    adapter by its files' digest too, so the prompt is computed with the new weights (peft's
+    tokens of the new adapter), and the old adapter's KV is not reused."""
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    a = LoRARequest("a", 1, str(folder))
+    engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
+    try:
+        engine.add_lora(a)
+        engine.add_request("old", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, _ = run_to_end(engine)
+        assert finished["old"] == peft_greedy(llama_dir, built["a"], LONG_PROMPT, MAX_TOKENS)
+
+        assert engine.remove_lora(a.lora_int_id)
+        shutil.rmtree(folder)
+        shutil.copytree(built["outsider"], folder)
+        engine.add_lora(a)
+        engine.add_request("new", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert failed == {}
+        assert finished == {"new": peft_greedy(llama_dir, built["outsider"], LONG_PROMPT, MAX_TOKENS)}
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built, peft_tokens, tmp_path,
+                                                                monkeypatch):
+    """a's weights are changed (one byte, same size) after it was served, and b drops it from
+    host memory: its read fails and it is marked for re-checking. Five requests naming a are
+    refused with the same error, but its weights are hashed once (the verdict is kept while
+    the files' stat is unchanged), not once a request on the step thread. Its bytes put back,
+    a is checked again and served."""
+    from raylm.executors import lora_adapter
+
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    weights = folder / "adapter_model.safetensors"
+    a = LoRARequest("a", 1, str(folder))
+    b = LoRARequest("b", 2, str(built["b"]))
+    engine = new_engine(llama_dir, max_loras=1, max_cpu_loras=1)
+    try:
+        engine.add_request("a", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        assert run_to_end(engine) == ({"a": peft_tokens["a"]}, {})
+        original = weights.read_bytes()
+        weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        engine.add_request("b", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=b)
+        assert run_to_end(engine) == ({"b": peft_tokens["b"]}, {})
+        engine.add_request("a-again", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert finished == {} and set(failed) == {"a-again"}
+
+        hashed: list[str] = []
+        sha256 = lora_adapter._AdapterFolder.sha256
+
+        def counting_sha256(self, fd: int, name: str) -> tuple[int, str]:
+            hashed.append(name)
+            return sha256(self, fd, name)
+
+        monkeypatch.setattr(lora_adapter._AdapterFolder, "sha256", counting_sha256)
+        errors = []
+        for index in range(5):
+            with pytest.raises(LoRAAdapterError, match="LoRA adapter 'a'.*changed") as caught:
+                engine.add_request(f"a-{index}", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+            errors.append(str(caught.value))
+        assert hashed == ["adapter_model.safetensors"]
+        assert len(set(errors)) == 1
+
+        weights.write_bytes(original)
+        engine.add_request("a-restored", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        assert run_to_end(engine) == ({"a-restored": peft_tokens["a"]}, {})
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+def test_a_failure_under_new_files_spares_running_requests_of_the_same_id_under_the_old(llama_dir, built,
+                                                                                       peft_tokens, tmp_path):
+    """a's request runs; a is removed (the running request keeps its slot), its folder filled
+    with other weights and a added again under the same id. The step that puts the new a in
+    a second slot finds it gone from host memory and its folder deleted: the new a's request
+    fails, and the one still running under the old a's files (its own slot, already filled)
+    finishes with peft's tokens of the old a."""
+    folder = shutil.copytree(built["a"], tmp_path / "a")
+    a = LoRARequest("a", 1, str(folder))
+    engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
+    try:
+        engine.add_lora(a)
+        engine.add_request("old", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        engine.step()
+        assert engine.scheduler.lora_slots.in_use(a.lora_int_id)  # its slot holds the old a now
+        assert engine.remove_lora(a.lora_int_id)
+        shutil.rmtree(folder)
+        shutil.copytree(built["outsider"], folder)
+        engine.add_lora(a)
+
+        def unload() -> None:
+            assert engine.remove_lora(a.lora_int_id)
+            shutil.rmtree(folder)
+
+        done = before_the_step_that_activates(engine, a.lora_int_id, unload)
+        engine.add_request("new", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
+        finished, failed = run_to_end(engine)
+        assert done
+        assert set(failed) == {"new"} and isinstance(failed["new"], LoRAAdapterNotFoundError)
+        assert finished == {"old": peft_tokens["a"]}
+        assert engine.scheduler.kv_cache_manager.usage == 0.0
+        assert not engine.scheduler.lora_slots.in_use(a.lora_int_id)
+    finally:
+        engine.shutdown()
