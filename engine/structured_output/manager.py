@@ -4,8 +4,9 @@ each step's token bitmask.
 Compiling a grammar takes from microseconds to seconds (a JSON schema's size and nesting
 decide, or an EBNF grammar's rules), and xgrammar cannot interrupt a compile once it has
 started. So every compile starts in a process of its own: `compile` hands it to the compile
-worker (`compile_worker.py`) and returns a future. A grammar that compiles there fast is
-compiled again on one of the engine's compile threads, a slower one comes back whole. A
+worker (`compile_worker.py`) and returns a future. A grammar that compiles there fast, or
+whose xgrammar JSON would cost more to move than compiling it again, is compiled again on
+one of the engine's compile threads; another comes back whole. A
 request whose grammar is not ready waits (`RequestStatus.WAITING_FOR_FSM`) while the batch
 runs on; the server awaits the future, with a deadline, before it adds the request, so a
 schema that does not compile, or compiles too slowly, is a 400, and its compile is killed:
