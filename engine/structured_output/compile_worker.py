@@ -202,7 +202,7 @@ class CompileWorker:
             except OSError as exc:
                 # The process died between our check and the write: its reader fails what
                 # it was sent, and a compile not sent yet goes to the next process.
-                logger.warning("The grammar compile worker stopped (%s); restarting it.", exc)
+                logger.warning("The grammar compile worker stopped (%s).", exc)
                 if item is not None and item[0] == "compile":
                     self._outbox.put(item)
             except Exception as exc:  # noqa: BLE001 - e.g. the vocabulary cannot be indexed
