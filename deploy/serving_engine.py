@@ -23,7 +23,7 @@ from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import SamplingParams
-from raylm.engine.structured_output.params import StructuredOutputsParams
+from raylm.engine.structured_output.params import GrammarCompilerUnavailableError, StructuredOutputsParams
 from raylm.executors.lora_adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,9 @@ class OpenAIServing:
     async def compile_structured_outputs(self, params: list[SamplingParams]) -> None:
         """Waits until the requests' grammars are compiled (off the event loop and the engine
         step), so that they start at once; one that does not compile, or not within
-        --max-grammar-compile-seconds, is a 400 naming its field."""
+        --max-grammar-compile-seconds, is a 400 naming its field. The grammar compile worker
+        down (it died, or cannot start) is a 503, as when no replica can answer: the request
+        may succeed once it is back."""
         constraints = {p.structured_outputs.cache_key(): p.structured_outputs
                        for p in params if p.structured_outputs is not None}
         for constraint in constraints.values():
@@ -140,6 +142,8 @@ class OpenAIServing:
                 await self.engine.compile_structured_outputs(constraint, self.limits.max_grammar_compile_seconds)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
+            except GrammarCompilerUnavailableError as exc:
+                raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from None
 
     async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
                            lora_request: Any = None) -> list[AsyncIterator[RequestOutput]]:

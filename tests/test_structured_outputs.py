@@ -27,7 +27,11 @@ from raylm.engine import LLM, SamplingParams, StructuredOutputsParams
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.llm_engine import LLMEngine
 from raylm.engine.request import RequestStatus
-from raylm.engine.structured_output import DEFAULT_MAX_WHITESPACE, StructuredOutputsError
+from raylm.engine.structured_output import (DEFAULT_MAX_WHITESPACE, GrammarCompilerUnavailableError,
+                                            StructuredOutputsError)
+from raylm.engine.structured_output.compile_worker import CompileWorker
+from raylm.engine.structured_output.compile_worker_process import (MAX_GRAMMAR_JSON_BYTES, FrameReader,
+                                                                   compile_result)
 
 ENGINE_KWARGS = dict(max_model_len=256, num_gpu_blocks_override=256, disable_log_stats=True)
 
@@ -669,8 +673,9 @@ def test_a_compile_past_its_deadline_is_stopped(llama_dir: Path) -> None:
 
 def test_a_dead_compile_process_or_worker_fails_only_its_compiles(llama_dir: Path) -> None:
     """A compile whose process dies (a compiler crash, here a real SIGSEGV) fails with a
-    StructuredOutputsError naming the field; the worker's own death fails what it held, and
-    the next compile starts a new worker."""
+    StructuredOutputsError naming the field; the worker's own death fails what it held with
+    GrammarCompilerUnavailableError, and the next compile starts a new worker. Neither
+    failure is remembered: the same constraint asked for again compiles again."""
     engine = _engine(llama_dir)
     try:
         manager = engine.structured_output_manager
@@ -681,19 +686,85 @@ def test_a_dead_compile_process_or_worker_fails_only_its_compiles(llama_dir: Pat
                                                          "by SIGSEGV") as info:
             future.result(timeout=10)
         assert info.value.param == "structured_outputs"
+        again = manager.compile(SLOW)
+        assert again is not future and not again.done()
+        again.cancel()
         engine.compile_structured_outputs(StructuredOutputsParams(regex="[0-9]{3}"), timeout_s=10)
 
         slow_again = StructuredOutputsParams(grammar=_chain_grammar(1500, "w"))
         future = manager.compile(slow_again)
         compiling = _compiling_process(worker_pid)
         os.kill(worker_pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match="compile worker exited"):
+        with pytest.raises(GrammarCompilerUnavailableError, match="compile worker exited while compiling"):
             future.result(timeout=10)
+        again = manager.compile(slow_again)
+        assert again is not future and not again.done()
+        again.cancel()
         assert not wait_gone([worker_pid, compiling], timeout=2.0), "the worker's compile outlived it"
         engine.compile_structured_outputs(StructuredOutputsParams(regex="[0-9]{4}"), timeout_s=30)
         assert manager.compile_worker.pid not in (None, worker_pid)
     finally:
         engine.shutdown()
+
+
+def _unreadable_tokenizer_info() -> xgr.TokenizerInfo:
+    """A vocabulary index whose serialised form is not JSON: the worker's process really
+    starts, and really dies (reading it) before it is ready."""
+    info = xgr.TokenizerInfo([f"t{i}" for i in range(64)])
+    info.serialize_json = lambda: "not json"
+    return info
+
+
+def test_a_worker_that_dies_before_it_is_ready_fails_its_compiles_and_is_not_restarted_in_a_loop() -> None:
+    """The start fails (it used never to settle, and a server waited 120 s at start), every
+    compile asked for fails rather than waits (an offline LLM has no deadline), and the
+    worker is started again only after a pause, not once per compile."""
+    worker = CompileWorker(_unreadable_tokenizer_info, 2, 0.25, 1)
+    try:
+        with pytest.raises(GrammarCompilerUnavailableError, match="exited before it was ready"):
+            worker.start().result(timeout=20)
+        failures = 0
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            with pytest.raises(GrammarCompilerUnavailableError, match="grammar compile worker"):
+                worker.submit(StructuredOutputsParams(regex="a")).result(timeout=20)
+            failures += 1
+        assert failures >= 3
+        # The first start, and at most one more (a second after the first died; the next
+        # pause is two seconds).
+        assert worker.num_starts <= 2
+    finally:
+        worker.shutdown()
+
+
+def test_a_grammar_whose_json_costs_more_than_its_compile_is_compiled_again_in_the_engine(compiler) -> None:
+    """xgrammar's JSON of a grammar holds its token-mask cache: 500 chained rules compile in
+    a fraction of a second but write out to tens of MB in seconds, and reading them would
+    hold the engine longer than compiling again. The child reports such a grammar
+    ("recompile") rather than send it: when writing takes longer than the compile, and,
+    given all the time it needs, when the JSON is over MAX_GRAMMAR_JSON_BYTES. A schema's
+    small JSON is sent and reads back as the grammar compiled here."""
+    chain_grammar = compiler.compile_grammar(_chain_grammar(500))
+    assert len(chain_grammar.serialize_json()) > MAX_GRAMMAR_JSON_BYTES
+    info = chain_grammar.tokenizer_info
+    chain = StructuredOutputsParams(grammar=_chain_grammar(500)).cache_key()
+    for max_write_per_compile in (1.0, float("inf")):
+        ((header, payload),) = FrameReader().feed(compile_result(info, 7, chain, 0.0, max_write_per_compile))
+        assert header["op"] == "recompile" and header["id"] == 7 and payload == b""
+
+    schema = SCHEMAS["enum_pattern_range"]
+    key = StructuredOutputsParams(json=schema).cache_key()
+    ((header, payload),) = FrameReader().feed(compile_result(info, 8, key, 0.0, float("inf")))
+    assert header["op"] == "compiled" and 0 < len(payload) <= MAX_GRAMMAR_JSON_BYTES
+    sent = xgr.CompiledGrammar.deserialize_json(payload.decode(), info)
+    expected = _json_grammar(compiler, schema)
+    assert sent.memory_size_bytes == expected.memory_size_bytes
+    masks = []
+    for grammar in (sent, expected):
+        bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+        masks.append(bitmask.tolist())
+    assert masks[0] == masks[1]
 
 
 def test_shutdown_ends_the_compile_worker_and_its_processes(llama_dir: Path) -> None:

@@ -2,13 +2,15 @@
 openai client: response_format, vLLM's structured_outputs and guided_* fields on chat and
 completions (streamed and not, temperature 0 and 1, n=3), tools with every tool_choice,
 and bad input (each a 400 naming its field, the server serving on), fuzzer-made and deeply
-nested schemas, and a compile past its deadline."""
+nested schemas, a compile past its deadline, and the compile worker's death (a 503)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from process_tree import children, cpu_seconds
 from server_process import start_servers, stop_server
 
 MODEL = "tiny"
@@ -89,7 +92,7 @@ def servers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         (common + ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(template)],
          root / "tools.log")])
     try:
-        yield {"plain": started[0][1], "tools": started[1][1]}
+        yield {"plain": started[0][1], "tools": started[1][1], "tools_pid": started[1][0].pid}
     finally:
         for process, _ in started:
             process.terminate()
@@ -557,3 +560,39 @@ def test_slow_grammars_sent_at_once_do_not_make_an_ordinary_schema_wait(servers)
     choice = answer.json()["choices"][0]
     if choice["finish_reason"] == "stop":
         jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+
+
+def _compile_worker(server_pid: int, timeout: float = 30.0) -> tuple[int, int]:
+    """The server's grammar compile worker and its child that is compiling (the one that has
+    used CPU: a spare child waits without using any)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in children(server_pid):
+            try:
+                command = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"compile_worker_process" not in command:
+                continue
+            busy = [child for child in children(pid) if cpu_seconds(child) >= 0.05]
+            if busy:
+                return pid, busy[0]
+        time.sleep(0.02)
+    raise AssertionError("the server's compile worker is not compiling")
+
+
+def test_the_compile_workers_death_is_a_503_and_the_next_request_compiles(servers) -> None:
+    """The compile worker killed while it compiles a request's grammar (as the OOM killer
+    would): that request is a 503 (the server's fault, not the grammar's, and worth a
+    retry), and the next constrained request starts a new worker and is served."""
+    url = servers["tools"]
+    slow = {"structured_outputs": {"grammar": _chain_grammar(2000, "k")}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_post, url, "completions", slow)
+        worker, _ = _compile_worker(servers["tools_pid"])
+        os.kill(worker, signal.SIGKILL)
+        response = pending.result()
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+    again = _post(url, "completions", {"max_tokens": 20, "response_format": {"type": "json_object"}})
+    assert again.status_code == 200, again.text

@@ -118,7 +118,8 @@ def bench_vocabulary(size: int, repeats: int, num_slow: int, num_rules: int) -> 
     info = xgr.TokenizerInfo(synthetic_vocabulary(size), stop_token_ids=[2])
     worker = CompileWorker(lambda: info, DEFAULT_COMPILE_PROCESSES, FAST_COMPILE_S, DEFAULT_COMPILE_THREADS)
     # Every grammar sent back as xgrammar's JSON, however fast it compiled.
-    sending = CompileWorker(lambda: info, DEFAULT_COMPILE_PROCESSES, 0.0, DEFAULT_COMPILE_THREADS)
+    sending = CompileWorker(lambda: info, DEFAULT_COMPILE_PROCESSES, 0.0, DEFAULT_COMPILE_THREADS,
+                            max_write_per_compile=float("inf"))
     try:
         start = time.perf_counter()
         pid = worker.start().result()

@@ -7,7 +7,8 @@ keeps them in a bounded cache and fills each step's token bitmask from the reque
 matchers (`request.py`).
 """
 
-from raylm.engine.structured_output.params import (DEFAULT_MAX_WHITESPACE, StructuredOutputsError,
-                                                   StructuredOutputsParams)
+from raylm.engine.structured_output.params import (DEFAULT_MAX_WHITESPACE, GrammarCompilerUnavailableError,
+                                                   StructuredOutputsError, StructuredOutputsParams)
 
-__all__ = ["StructuredOutputsParams", "StructuredOutputsError", "DEFAULT_MAX_WHITESPACE"]
+__all__ = ["StructuredOutputsParams", "StructuredOutputsError", "GrammarCompilerUnavailableError",
+           "DEFAULT_MAX_WHITESPACE"]

@@ -10,14 +10,19 @@ deadline. The children run side by side (up to `max_children`; the OS shares the
 among them), so a slow grammar makes an ordinary one wait only when `max_children` slow
 ones run at once.
 
-A child answers in one of two ways. A grammar that compiled within `fast_compile_s` is
-only reported ("fast"): the engine compiles it again itself, which costs it that much once
-more (xgrammar's compile does the same work on the same input), far less than moving the
-grammar would (xgrammar's JSON takes 2-4x the compile to write and 1-1.5x to read). A
-slower one is sent back as xgrammar's JSON ("compiled"), so that the engine never runs a
-compile for much longer than `fast_compile_s` (the same work; slower only as far as the
-engine's process is busier). A child that crashes (a bug in the compiler met by
-some grammar) fails its compile alone.
+A child answers in one of two ways: "recompile" (the engine compiles the grammar again
+itself, which costs it about the compile's time once more: xgrammar does the same work on
+the same input) or "compiled" with xgrammar's JSON of the grammar, which the engine reads
+instead. Which is cheaper for the engine depends on the grammar: the JSON holds the token
+mask cache, so it can be 10-80x larger than the grammar's size in memory, and take 2-10x
+the compile to write and about 0.33-0.5x that to read (a 40-field schema: compiles in
+0.01 s, 3.6 MB; 900 chained rules: 0.4 s, 89 MB written in 3.9 s and read in 1.9 s; 512-
+token vocabulary). So a grammar that compiled within `fast_compile_s` is only reported;
+for a slower one the child writes the JSON for up to `MAX_WRITE_PER_COMPILE` times the
+compile, and sends it if it is done by then and within `MAX_GRAMMAR_JSON_BYTES`, and
+otherwise reports "recompile". The engine thus spends about the lesser of the compile and
+the read on each grammar, never more than about the compile. A child that crashes (a bug
+in the compiler met by some grammar) fails its compile alone.
 
 This process is single-threaded (its environment pins OpenMP and BLAS to one thread):
 a fork copies only the calling thread, so no lock can be held by a thread the child lacks.
@@ -31,11 +36,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import math
 import os
 import selectors
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -47,6 +54,13 @@ from raylm.engine.structured_output.constraint_compiler import allows_any_token,
 # A frame: the lengths of its JSON header and of its payload, then both.
 _FRAME_LENGTHS = struct.Struct("!II")
 _READ_SIZE = 1 << 20
+# Reading a grammar's JSON takes the engine about 0.33-0.5x the time writing it took here
+# (see the module's docstring): a grammar whose JSON is not written within this many times its
+# compile is cheaper for the engine to compile again.
+MAX_WRITE_PER_COMPILE = 1.0
+# The largest grammar JSON sent to the engine (it is held whole here, in the server and in the
+# engine); a grammar with a larger one is compiled again in the engine.
+MAX_GRAMMAR_JSON_BYTES = 16 * 1024**2
 # Compiled once at start (a cache key: kind, value, whitespace options), so that what
 # xgrammar and torch set up on first use is set up once, in the memory the children share.
 _WARM_UP_KEY = json.dumps(["json", {"type": "object", "properties": {"a": {"type": "integer"}}}, False, 20])
@@ -98,10 +112,11 @@ def _is_one_frame(data: bytes) -> bool:
 
 
 # ------------------------------------------------------------------------------ a compile
-def compile_result(tokenizer_info: Any, compile_id: int, key: str, fast_compile_s: float) -> bytes:
-    """The frame that answers one compile (see the module's docstring): "fast", "compiled"
-    with the grammar's JSON, or "failed" with the reason ("invalid": xgrammar refused it;
-    "empty": no finite text matches it)."""
+def compile_result(tokenizer_info: Any, compile_id: int, key: str, fast_compile_s: float,
+                   max_write_per_compile: float = MAX_WRITE_PER_COMPILE) -> bytes:
+    """The frame that answers one compile (see the module's docstring): "recompile",
+    "compiled" with the grammar's JSON, or "failed" with the reason ("invalid": xgrammar
+    refused it; "empty": no finite text matches it)."""
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
@@ -114,8 +129,23 @@ def compile_result(tokenizer_info: Any, compile_id: int, key: str, fast_compile_
     if not allows_any_token(grammar):
         return encode_frame({"op": "failed", "id": compile_id, "reason": "empty", "message": ""})
     if seconds <= fast_compile_s:
-        return encode_frame({"op": "fast", "id": compile_id, "seconds": seconds})
-    return encode_frame({"op": "compiled", "id": compile_id, "seconds": seconds}, grammar.serialize_json().encode())
+        return encode_frame({"op": "recompile", "id": compile_id, "seconds": seconds})
+    payload = _grammar_json(grammar, max_write_per_compile * seconds)
+    if payload is None or len(payload) > MAX_GRAMMAR_JSON_BYTES:
+        return encode_frame({"op": "recompile", "id": compile_id, "seconds": seconds})
+    return encode_frame({"op": "compiled", "id": compile_id, "seconds": seconds}, payload)
+
+
+def _grammar_json(grammar: Any, within_s: float) -> bytes | None:
+    """xgrammar's JSON of the grammar, or None if writing it takes longer than `within_s`.
+    Written on a thread (xgrammar lets go of the GIL meanwhile), which a child, given up
+    on, leaves running: the child exits once it has answered. Only children call this: the
+    server, which forks, must keep to one thread."""
+    written: list[str] = []
+    thread = threading.Thread(target=lambda: written.append(grammar.serialize_json()), daemon=True)
+    thread.start()
+    thread.join(within_s if math.isfinite(within_s) else None)
+    return written[0].encode() if written else None
 
 
 # ------------------------------------------------------------------------------- the server
@@ -135,10 +165,12 @@ class CompileServer:
     are forked ahead (`spare_children`), so that forking (10-20 ms for a process this size)
     is not on a compile's path."""
 
-    def __init__(self, tokenizer_info: Any, max_children: int, fast_compile_s: float, spare_children: int = 2) -> None:
+    def __init__(self, tokenizer_info: Any, max_children: int, fast_compile_s: float,
+                 max_write_per_compile: float = MAX_WRITE_PER_COMPILE, spare_children: int = 2) -> None:
         self.tokenizer_info = tokenizer_info
         self.max_children = max_children
         self.fast_compile_s = fast_compile_s
+        self.max_write_per_compile = max_write_per_compile
         self.spare_children = spare_children
         self._queue: deque[tuple[int, bytes]] = deque()
         self._running: dict[int, _Child] = {}
@@ -207,7 +239,8 @@ class CompileServer:
                 os.close(request_write)
                 os.close(answer_read)
                 _detach_from_engine(self._pid)
-                _compile_one(self.tokenizer_info, request_read, answer_write, self.fast_compile_s)
+                _compile_one(self.tokenizer_info, request_read, answer_write, self.fast_compile_s,
+                             self.max_write_per_compile)
                 status = 0
             except BaseException:  # noqa: BLE001 - a bug here: to the engine's log, and the compile fails
                 traceback.print_exc()
@@ -266,7 +299,8 @@ class CompileServer:
         self._spares.clear()
 
 
-def _compile_one(tokenizer_info: Any, request_fd: int, answer_fd: int, fast_compile_s: float) -> None:
+def _compile_one(tokenizer_info: Any, request_fd: int, answer_fd: int, fast_compile_s: float,
+                 max_write_per_compile: float) -> None:
     """A child's life: waits for its one compile request, compiles, answers."""
     requests = FrameReader()
     frames: list[tuple[dict[str, Any], bytes]] = []
@@ -276,7 +310,8 @@ def _compile_one(tokenizer_info: Any, request_fd: int, answer_fd: int, fast_comp
             return
         frames = requests.feed(data)
     header, key = frames[0]
-    _write_all(answer_fd, compile_result(tokenizer_info, header["id"], key.decode(), fast_compile_s))
+    _write_all(answer_fd, compile_result(tokenizer_info, header["id"], key.decode(), fast_compile_s,
+                                         max_write_per_compile))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -324,12 +359,13 @@ def main() -> None:
     import xgrammar as xgr
 
     tokenizer_info = xgr.TokenizerInfo.deserialize_json(payload.decode())
-    compile_result(tokenizer_info, -1, _WARM_UP_KEY, fast_compile_s=0.0)
+    compile_result(tokenizer_info, -1, _WARM_UP_KEY, fast_compile_s=float("inf"))  # no thread: see _grammar_json
     # Everything loaded so far is shared with the children; a collection in a child would
     # touch (and so copy) every page of it. Children do not collect at all (they live for one compile).
     gc.freeze()
     _write_all(sys.stdout.fileno(), encode_frame({"op": "ready", "pid": os.getpid()}))
-    server = CompileServer(tokenizer_info, header["max_children"], header["fast_compile_s"])
+    server = CompileServer(tokenizer_info, header["max_children"], header["fast_compile_s"],
+                           header["max_write_per_compile"])
     try:
         server.serve(requests, pending)
     except BrokenPipeError:  # the engine died: nobody is left to answer

@@ -4,8 +4,9 @@ each step's token bitmask.
 Compiling a grammar takes from microseconds to seconds (a JSON schema's size and nesting
 decide, or an EBNF grammar's rules), and xgrammar cannot interrupt a compile once it has
 started. So every compile starts in a process of its own: `compile` hands it to the compile
-worker (`compile_worker.py`) and returns a future. A grammar that compiles there fast is
-compiled again on one of the engine's compile threads, a slower one comes back whole. A
+worker (`compile_worker.py`) and returns a future. A grammar that compiles there fast, or
+whose xgrammar JSON would cost more to move than compiling it again, is compiled again on
+one of the engine's compile threads; another comes back whole. A
 request whose grammar is not ready waits (`RequestStatus.WAITING_FOR_FSM`) while the batch
 runs on; the server awaits the future, with a deadline, before it adds the request, so a
 schema that does not compile, or compiles too slowly, is a 400, and its compile is killed:
@@ -13,8 +14,10 @@ no request holds a CPU, or a slot another request's compile waits for, past its 
 
 Compiled grammars are kept in an LRU cache keyed by the constraint (`cache_key`), bounded
 in bytes (xgrammar reports each grammar's size) and in entries; a compile in flight is
-shared by every request that asks for the same constraint, and a failed one is
-remembered, so a bad schema sent again fails at once.
+shared by every request that asks for the same constraint, and a constraint the compiler
+refused is remembered, so a bad schema sent again fails at once. A failure that may not be
+the constraint's fault (its compile's process killed, the compile worker down, a deadline
+passed) is forgotten as it happens: sent again, the constraint compiles again.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from raylm.engine.structured_output.compile_worker import KIND_NAMES, CompileWorker
-from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+from raylm.engine.structured_output.params import CompileCrashedError, StructuredOutputsError, StructuredOutputsParams
 from raylm.engine.structured_output.request import StructuredOutputRequest
 
 # Compiled grammars kept for reuse. A JSON schema's grammar over a 128k vocabulary is a few
@@ -158,10 +161,14 @@ class StructuredOutputManager:
                                                   stop_token_ids=self.eos_token_ids or None)
 
     def _on_compiled(self, key: str, future: Future) -> None:
-        grammar = None if future.cancelled() or future.exception() is not None else future.result()
+        error = None if future.cancelled() else future.exception()
+        grammar = None if future.cancelled() or error is not None else future.result()
         with self._lock:
             entry = self._cache.get(key)
             if entry is None or entry.future is not future:
+                return
+            if grammar is None and not _is_the_constraints_fault(error):
+                del self._cache[key]  # its waiters have the future; later requests compile again
                 return
             entry.nbytes = grammar.memory_size_bytes if grammar is not None else 0
             self._cached_bytes += entry.nbytes
@@ -215,3 +222,9 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         """Cancels the compiles in flight and ends the compile worker and its processes."""
         self.compile_worker.shutdown()
+
+
+def _is_the_constraints_fault(error: BaseException | None) -> bool:
+    """Whether a failed compile's error is the constraint's own (the compiler refused it), to
+    be remembered, rather than its process's fate (a signal, the worker down, a cancel)."""
+    return isinstance(error, StructuredOutputsError) and not isinstance(error, CompileCrashedError)

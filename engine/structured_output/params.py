@@ -30,6 +30,18 @@ class StructuredOutputsError(ValueError):
         self.param = param
 
 
+class CompileCrashedError(StructuredOutputsError):
+    """A compile whose process crashed or was killed (a compiler bug the grammar met, or the
+    kernel's OOM killer): refused like any bad constraint, but not remembered, since a
+    signal may have had nothing to do with it; sent again, the constraint compiles again."""
+
+
+class GrammarCompilerUnavailableError(RuntimeError):
+    """The grammar compile worker cannot compile right now (it did not start, died, or is
+    waiting before it starts again): no fault of the constraint, which may compile once the
+    worker is back (the server answers 503). Never cached."""
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrains a request's output to a JSON schema, a regex, one of given strings or a
