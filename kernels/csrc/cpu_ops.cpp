@@ -518,6 +518,18 @@ int64_t sample_row_truncated(const float* logits, int64_t V, float temperature, 
   return draw_from_weights(weights, V, total, u);
 }
 
+// The uniforms of a draw: fp32 [N], each in [0, 1) (a u of 1 would point past the last token).
+const float* checked_uniforms(const char* op, const at::Tensor& uniforms, int64_t N) {
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == N && uniforms.scalar_type() == at::kFloat &&
+              uniforms.is_contiguous(), "raylm::", op, ": uniforms are fp32 [N], one per row of logits");
+  const float* u = uniforms.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK_VALUE(u[r] >= 0.0f && u[r] < 1.0f, "raylm::", op, ": uniform ", u[r], " of row ", r,
+                      " is outside [0, 1)");
+  }
+  return u;
+}
+
 // logits [N, V] fp32 (rows contiguous), temperatures [N] fp32 > 0, uniforms [N] fp32 in
 // [0, 1) -> [N] int64: each row's draw (sample_row).
 at::Tensor random_sample(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms) {
@@ -525,18 +537,14 @@ at::Tensor random_sample(const at::Tensor& logits, const at::Tensor& temperature
               "raylm::random_sample takes fp32 logits [N, V] with contiguous rows");
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0, "raylm::random_sample: no logits to sample from");
-  for (const at::Tensor* t : {&temperatures, &uniforms}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "raylm::random_sample: temperatures and uniforms are fp32 [N], one per row of logits");
-  }
+  TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == N && temperatures.scalar_type() == at::kFloat &&
+              temperatures.is_contiguous(), "raylm::random_sample: temperatures are fp32 [N], one per row of logits");
   const float* temperature = temperatures.data_ptr<float>();
-  const float* u = uniforms.data_ptr<float>();
   for (int64_t r = 0; r < N; ++r) {
     TORCH_CHECK_VALUE(temperature[r] > 0.0f && std::isfinite(temperature[r]), "raylm::random_sample: temperature ",
                       temperature[r], " of row ", r, " is not a positive number");
-    TORCH_CHECK_VALUE(u[r] >= 0.0f && u[r] < 1.0f, "raylm::random_sample: uniform ", u[r], " of row ", r,
-                      " is outside [0, 1)");
   }
+  const float* u = checked_uniforms("random_sample", uniforms, N);
   at::Tensor tokens = at::empty({N}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   const float* base = logits.data_ptr<float>();
@@ -591,13 +599,7 @@ at::Tensor random_sample_truncated(const at::Tensor& logits, const at::Tensor& t
                                    const at::Tensor& top_ks, const at::Tensor& top_ps, const at::Tensor& min_ps) {
   const RowCuts cuts = checked_cuts("random_sample_truncated", logits, temperatures, top_ks, top_ps, min_ps);
   const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == N && uniforms.scalar_type() == at::kFloat &&
-              uniforms.is_contiguous(), "raylm::random_sample_truncated: uniforms are fp32 [N]");
-  const float* u = uniforms.data_ptr<float>();
-  for (int64_t r = 0; r < N; ++r) {
-    TORCH_CHECK_VALUE(u[r] >= 0.0f && u[r] < 1.0f, "raylm::random_sample_truncated: uniform ", u[r], " of row ", r,
-                      " is outside [0, 1)");
-  }
+  const float* u = checked_uniforms("random_sample_truncated", uniforms, N);
   at::Tensor tokens = at::empty({N}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   const float* base = logits.data_ptr<float>();
