@@ -146,18 +146,14 @@ class BlockPool:
         self.cached_blocks.clear()
         return True
 
-    def evict_cached_hashes(self, block_hashes: Iterable[bytes]) -> int:
+    def evict_cached_hashes(self, block_hashes: Iterable[bytes]) -> None:
         """Drops these hashes from the prefix cache, held blocks' too: their KV is not what the
         hash names (a step that computed it ran without its LoRA adapter). The blocks
-        themselves stay where they are (held, or free without a hash). Returns how many were
-        cached."""
-        evicted = 0
+        themselves stay where they are (held, or free without a hash)."""
         for block_hash in block_hashes:
             block = self.cached_blocks.get(block_hash)
             if block is not None:
                 self._evict(block)
-                evicted += 1
-        return evicted
 
     def _evict(self, block: KVCacheBlock) -> None:
         if self.cached_blocks.get(block.block_hash) is block:

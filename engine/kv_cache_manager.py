@@ -210,13 +210,14 @@ class KVCacheManager:
         del blocks[keep:]
         self.block_pool.free_blocks(reversed(extra))
 
-    def evict_cached_blocks(self, request: Request) -> int:
+    def evict_cached_blocks(self, request: Request) -> None:
         """Drops the blocks of the request's tokens from the prefix cache (vLLM evicts block
         hashes so when their KV turned out wrong): every hash of its prompt and output so far,
         whoever computed the block, and whether the request still holds it (a preempted one
         does not). Call it for requests whose step computed KV that must not be reused; free
-        them as usual. Returns how many blocks were cached."""
-        return self.block_pool.evict_cached_hashes(request.block_hashes) if self.enable_caching else 0
+        them as usual."""
+        if self.enable_caching:
+            self.block_pool.evict_cached_hashes(request.block_hashes)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -150,4 +150,3 @@ def _aligned(nbytes: int) -> int:
 
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
-

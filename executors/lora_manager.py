@@ -172,8 +172,8 @@ class WorkerLoRAManager:
             a, b = adapter.shares[layer_name] = self.layers[layer_name].shard_adapter(a_parts, b_parts,
                                                                                         config.scaling)
             # A NaN or infinity here (in the file, or B times lora_alpha / r past the layer
-            # dtype's range) would make every logit of the adapter's requests NaN, and the
-            # sampler would stop the engine: refused at load, with the adapter named.
+            # dtype's range) would make every logit of the adapter's requests NaN, each failing
+            # with no word of why: refused at load instead, with the adapter named.
             if not (torch.isfinite(a).all() and all(torch.isfinite(part).all() for part in b)):
                 raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_name!r} at {lora_request.lora_path!r}: "
                                        f"its weights for {layer_name} hold NaN or infinite values (after scaling "

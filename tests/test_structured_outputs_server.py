@@ -23,6 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from raylm.cluster.benchmarks.bench_grammar_compile import WEATHER_SCHEMA
+
 from process_tree import children, cpu_seconds
 from server_process import start_servers, stop_server
 
@@ -52,14 +54,7 @@ Tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|end|>
 {%- if add_generation_prompt %}<|assistant|>
 {% endif %}"""
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                   "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"},
-                            "minItems": 1, "maxItems": 3},
-                   "unit": {"type": "string", "enum": ["c", "f"]}},
-    "required": ["city", "days", "tags"]}
+SCHEMA = WEATHER_SCHEMA
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},

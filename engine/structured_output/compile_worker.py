@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ class CompileWorker:
         self._next_start_at = 0.0
         self._last_failure = ""
         # Seconds each compile took in its child, newest last (the last 1024).
-        self.compile_times: list[float] = []
+        self.compile_times: deque[float] = deque(maxlen=1024)
 
     @property
     def pid(self) -> int | None:
@@ -359,7 +360,6 @@ class CompileWorker:
     def _record(self, seconds: float, params: StructuredOutputsParams) -> None:
         with self._lock:
             self.compile_times.append(seconds)
-            del self.compile_times[:-1024]
         if seconds > 1.0:
             logger.info("Compiling a %s took %.1f s.", KIND_NAMES[params.kind], seconds)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class StructuredOutputManager:
         self.num_active_matchers = 0
 
     @property
-    def compile_times(self) -> list[float]:
+    def compile_times(self) -> Sequence[float]:
         """Seconds each compile took, newest last (the last 1024): for logs and benchmarks."""
         return self.compile_worker.compile_times
 
