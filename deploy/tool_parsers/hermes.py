@@ -61,7 +61,9 @@ class HermesIncrementalParse(IncrementalParse):
 
     def __init__(self) -> None:
         super().__init__()
-        self.phase = "content"  # content, call_ws (after a tag), call, between (after a call); error
+        # content, call_ws (after a tag), call (also once the call is in error: it answers
+        # its error), between (after a call)
+        self.phase = "content"
         self._first = 0  # where the first tag starts
         self._call: CallScan | None = None
 
@@ -80,15 +82,9 @@ class HermesIncrementalParse(IncrementalParse):
             if i < len(window):
                 self.phase, self._call = "call", CallScan(self.log, self.pos, ("arguments", "parameters"))
         elif self.phase == "call":
-            self._call.advance(window, base)
-            self.pos = self._call.pos
-            if self._call.phase == "done":
-                self.completed.append(self._call.call)
+            if self._call.advance_into(self.completed, window, base):
                 self.phase = "between"
-            elif self._call.phase == "error":
-                self.phase = "error"
-        else:
-            self.pos = base + len(window)
+            self.pos = self._call.pos
 
     def _view(self, text_end: int, final: bool) -> ParseView | None:
         if self.phase == "content":
@@ -97,7 +93,7 @@ class HermesIncrementalParse(IncrementalParse):
             active = None
             if self.phase == "call_ws" and final:
                 raise ValueError("an empty tool call")
-            if self.phase in ("call", "error"):
+            if self.phase == "call":
                 active = self._call.view(text_end, final)
         except ValueError:
             if final:

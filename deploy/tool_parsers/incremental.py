@@ -353,6 +353,16 @@ class CallScan:
             if self.pos < base or self.phase == phase:
                 return
 
+    def advance_into(self, completed: list[CallView], window: str, base: int) -> bool:
+        """`advance`, for a reader of several calls: True once the call is done, appended to
+        `completed` (the reader goes on past it). A call in error stays so and reads to the
+        window's end; the reader, still on it, answers its error through `view`."""
+        self.advance(window, base)
+        if self.phase != "done":
+            return False
+        completed.append(self.call)
+        return True
+
     def _advance_head(self, window: str, base: int) -> None:
         i, n = self.pos - base, len(window)
         while i < n and self._step < len(self._HEAD):
@@ -500,7 +510,9 @@ class CallArrayScan:
         self.pos = start + 1
         self.completed = completed
         self.argument_keys = argument_keys
-        self.phase = "item_ws"  # item_ws (after "[" or ","), call, after_call_ws, closed, error
+        # item_ws (after "[" or ","), call, after_call_ws, closed; error (between calls: a call
+        # in error stays in phase call and answers its own error)
+        self.phase = "item_ws"
         self.error = ""
         self._call: CallScan | None = None
 
@@ -516,14 +528,9 @@ class CallArrayScan:
         if self.phase in ("closed", "error"):
             self.pos = base + len(window)
         elif self.phase == "call":
-            call = self._call
-            call.advance(window, base)
-            self.pos = call.pos
-            if call.phase == "done":
-                self.completed.append(call.call)
+            if self._call.advance_into(self.completed, window, base):
                 self.phase = "after_call_ws"
-            elif call.phase == "error":
-                self.phase, self.error = "error", call.error
+            self.pos = self._call.pos
         else:
             i = skip_whitespace(window, i)
             self.pos = base + i

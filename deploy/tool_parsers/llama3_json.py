@@ -63,7 +63,8 @@ class Llama3JsonIncrementalParse(IncrementalParse):
 
     def __init__(self) -> None:
         super().__init__()
-        # lead (whitespace), tag, tag_ws (after the tag), content; call, after_call, after_semicolon; error
+        # lead (whitespace), tag, tag_ws (after the tag), content; call (also once the call is
+        # in error: it answers its error), after_call, after_semicolon; error (no ';' after a call)
         self.phase = "lead"
         self._tag_read = 0
         self._call: CallScan | None = None
@@ -82,13 +83,9 @@ class Llama3JsonIncrementalParse(IncrementalParse):
             if self._tag_read == len(PYTHON_TAG):
                 self.phase = "tag_ws"
         elif phase == "call":
-            self._call.advance(window, base)
-            self.pos = self._call.pos
-            if self._call.phase == "done":
-                self.completed.append(self._call.call)
+            if self._call.advance_into(self.completed, window, base):
                 self.phase = "after_call"
-            elif self._call.phase == "error":
-                self.phase = "error"
+            self.pos = self._call.pos
         else:  # whitespace, then what decides
             i = skip_whitespace(window, i)
             self.pos = base + i
