@@ -75,3 +75,14 @@ def assert_engine_idle(engine: Any) -> None:
     assert kv.req_to_blocks == {}
     assert kv.get_num_free_blocks() == kv.num_blocks
     kv.check_invariants()
+
+
+def run_to_end(engine: Any) -> tuple[dict[str, list[int]], dict[str, BaseException]]:
+    """Steps an `LLMEngine` until it has no request left: the token ids of each request that
+    finished, and the error of each that failed, by request id."""
+    finished: dict[str, list[int]] = {}
+    failed: dict[str, BaseException] = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+        failed.update(engine.pop_failed_requests())
+    return finished, failed

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_checks import run_to_end
 from lora_adapters import build_lora_adapter, peft_greedy
 from raylm.engine import LLM, LoRARequest, SamplingParams
 from tiny_models import build_tiny_model
@@ -215,6 +216,22 @@ def test_a_qwen2_adapter_with_qkv_bias_equals_peft(tiny_model_dirs, tmp_path):
     assert tokens[0] != tokens[1]
 
 
+def assert_fails_alone_beside_b_and_base(engine, lora: LoRARequest, prompts, lora_requests, references) -> None:
+    """`lora`'s request, run in the same steps as b's and the base model's at tensor-parallel
+    size 2, fails alone with the error of an adapter another rank could not read; b and base
+    equal peft's, no KV block is held and neither rank keeps `lora`."""
+    name = lora.lora_name
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for request_id, request_lora in ((name, lora), ("b", lora_requests["b"]), ("base", None)):
+        engine.add_request(request_id, {"prompt_token_ids": prompts[0]}, params, lora_request=request_lora)
+    finished, failed = run_to_end(engine)
+    assert finished == {"b": references[0, "b"], "base": references[0, "base"]}
+    assert set(failed) == {name}
+    assert f"LoRA adapter '{name}' could not be read on another tensor-parallel rank" in str(failed[name])
+    assert engine.scheduler.kv_cache_manager.usage == 0.0
+    assert [lora.lora_int_id in ids for ids in engine.executor.collective_rpc("list_loras")] == [False, False]
+
+
 @pytest.mark.parametrize("tp", [2])
 def test_mixed_batch_equals_peft_at_tensor_parallel_2(ray_cluster, llama_dir, prompts, adapters, lora_requests,
                                                       references, tmp_path, tp):
@@ -248,18 +265,7 @@ def test_mixed_batch_equals_peft_at_tensor_parallel_2(ray_cluster, llama_dir, pr
             return run_step(req)
 
         executor.execute_model_async = rank_1_loses_d
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        for name, lora in (("d", d), ("b", lora_requests["b"]), ("base", None)):
-            engine.add_request(name, {"prompt_token_ids": prompts[0]}, params, lora_request=lora)
-        finished, failed = {}, {}
-        while engine.has_unfinished_requests():
-            finished.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-            failed.update(engine.pop_failed_requests())
-        assert finished == {"b": references[0, "b"], "base": references[0, "base"]}
-        assert set(failed) == {"d"}
-        assert "LoRA adapter 'd' could not be read on another tensor-parallel rank" in str(failed["d"])
-        assert engine.scheduler.kv_cache_manager.usage == 0.0
-        assert [4 in ids for ids in executor.collective_rpc("list_loras")] == [False, False]
+        assert_fails_alone_beside_b_and_base(engine, d, prompts, lora_requests, references)
 
         # Rank 1 must read adapter e in the step, and the read raises an error that is not a
         # bad adapter's (a MemoryError): rank 1 still joins the ranks' agreement on failed
@@ -284,17 +290,7 @@ def test_mixed_batch_equals_peft_at_tensor_parallel_2(ray_cluster, llama_dir, pr
             return run_step(req)
 
         executor.execute_model_async = rank_1_cannot_read_e
-        for name, lora in (("e", e), ("b", lora_requests["b"]), ("base", None)):
-            engine.add_request(name, {"prompt_token_ids": prompts[0]}, params, lora_request=lora)
-        finished, failed = {}, {}
-        while engine.has_unfinished_requests():
-            finished.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-            failed.update(engine.pop_failed_requests())
-        assert finished == {"b": references[0, "b"], "base": references[0, "base"]}
-        assert set(failed) == {"e"}
-        assert "LoRA adapter 'e' could not be read on another tensor-parallel rank" in str(failed["e"])
-        assert engine.scheduler.kv_cache_manager.usage == 0.0
-        assert [5 in ids for ids in executor.collective_rpc("list_loras")] == [False, False]
+        assert_fails_alone_beside_b_and_base(engine, e, prompts, lora_requests, references)
     finally:
         llm.shutdown()
 

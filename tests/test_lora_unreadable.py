@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine_checks import run_to_end
 from lora_adapters import build_lora_adapter, peft_greedy
 from raylm.engine import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from raylm.executors.lora_adapter import LoRAAdapterError, LoRAAdapterNotFoundError
@@ -71,13 +72,15 @@ def before_the_step_that_activates(engine: LLMEngine, lora_int_id: int, action: 
     return done
 
 
-def run_to_end(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, BaseException]]:
-    finished: dict[str, list[int]] = {}
-    failed: dict[str, BaseException] = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
-        failed.update(engine.pop_failed_requests())
-    return finished, failed
+def unload_and_delete_before_its_step(engine: LLMEngine, lora: LoRARequest, folder: Path) -> list[bool]:
+    """before_the_step_that_activates, the action an unload (as /v1/unload_lora_adapter
+    does) and then the adapter's folder deleted."""
+
+    def unload_and_delete() -> None:
+        assert engine.remove_lora(lora.lora_int_id)
+        shutil.rmtree(folder)
+
+    return before_the_step_that_activates(engine, lora.lora_int_id, unload_and_delete)
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -374,12 +377,7 @@ def test_kv_of_a_step_that_ran_without_its_adapter_is_not_reused(llama_dir, buil
     engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
     try:
         engine.add_lora(a)
-
-        def unload() -> None:
-            assert engine.remove_lora(a.lora_int_id)
-            shutil.rmtree(folder)
-
-        done = before_the_step_that_activates(engine, a.lora_int_id, unload)
+        done = unload_and_delete_before_its_step(engine, a, folder)
         engine.add_request("a", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
         finished, failed = run_to_end(engine)
         assert done and set(failed) == {"a"} and finished == {}
@@ -489,12 +487,7 @@ def test_a_failure_under_new_files_spares_running_requests_of_the_same_id_under_
         shutil.rmtree(folder)
         shutil.copytree(built["outsider"], folder)
         engine.add_lora(a)
-
-        def unload() -> None:
-            assert engine.remove_lora(a.lora_int_id)
-            shutil.rmtree(folder)
-
-        done = before_the_step_that_activates(engine, a.lora_int_id, unload)
+        done = unload_and_delete_before_its_step(engine, a, folder)
         engine.add_request("new", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
         finished, failed = run_to_end(engine)
         assert done
