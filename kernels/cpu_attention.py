@@ -129,14 +129,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if md.max_query_len > 1 and load_prefill_kernel() is not None:
         out = paged_prefill_attention(query, k_cache, v_cache, md, scale, min_query_len=2, **options)
     else:
-        out = query.new_zeros(query.shape)
-        start = 0
-        for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
-            if query_len > 1:
-                out[start:start + query_len] = torch_attention._prefill_one(
-                    query[start:start + query_len], k_cache, v_cache, md.block_tables[i], seq_len, scale,
-                    logits_soft_cap, sliding_window)
-            start += query_len
+        out = torch_attention.paged_prefill_attention(query, k_cache, v_cache, md, scale, **options)
     plan = _decode_rows(md)
     if plan is not None:
         out[plan.rows] = paged_decode_attention(query[plan.rows], k_cache, v_cache, plan.block_tables,

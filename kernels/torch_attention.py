@@ -59,6 +59,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if md.max_query_len == 1 and plan is not None and plan.rows is None and plan.batch == num_tokens:
         return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap)
 
+    out = paged_prefill_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
+                                  logits_soft_cap=logits_soft_cap)
+    if plan is not None:
+        # Decoding sequences go through one batched call, also in mixed batches.
+        rows = plan.rows if plan.rows is not None else slice(0, plan.batch)
+        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap)
+    return out
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None) -> torch.Tensor:
+    """`paged_attention` for the sequences with more than one query, one sequence at a time;
+    the rows of the others (decoding sequences) and of padding tokens are zero."""
+    md = attn_metadata
     out = query.new_zeros(query.shape)
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_list, md.seq_lens_list)):
@@ -67,10 +82,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                                         md.block_tables[i], seq_len, scale, logits_soft_cap,
                                                         sliding_window)
         start += query_len
-    if plan is not None:
-        # Decoding sequences go through one batched call, also in mixed batches.
-        rows = plan.rows if plan.rows is not None else slice(0, plan.batch)
-        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap)
     return out
 
 
