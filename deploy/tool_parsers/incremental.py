@@ -319,7 +319,27 @@ class JsonValueScan:
         return None if end == text_end and not final else end
 
 
-class CallScan:
+class PhasedScan:
+    """Text read in phases, a window at a time: `_advance(window, base)` reads what it can of
+    the window (the text from offset `base`) in the current phase, moving `pos` and `phase`."""
+
+    pos = 0
+    phase = ""
+
+    def advance(self, window: str, base: int) -> None:
+        # Each phase reads all it can; a new phase may read on. A scan that went back before
+        # the window (a call to be read whole, from its start) stops for the text from there.
+        while True:
+            phase = self.phase
+            self._advance(window, base)
+            if self.pos < base or self.phase == phase:
+                return
+
+    def _advance(self, window: str, base: int) -> None:
+        raise NotImplementedError
+
+
+class CallScan(PhasedScan):
     """One call object, read as base.scan_call reads it: written name first,
     `{"name": "...", "arguments": ` (the head), its name is known at the head's end and its
     arguments are the value that follows; otherwise the object is read whole."""
@@ -345,13 +365,8 @@ class CallScan:
         self._key_span = [0, 0]
         self._value: JsonValueScan | None = None
 
-    def advance(self, window: str, base: int) -> None:
-        # Each phase reads all it can; a new phase may read on.
-        while True:
-            phase = self.phase
-            getattr(self, f"_advance_{phase}")(window, base)
-            if self.pos < base or self.phase == phase:
-                return
+    def _advance(self, window: str, base: int) -> None:
+        getattr(self, f"_advance_{self.phase}")(window, base)
 
     def advance_into(self, completed: list[CallView], window: str, base: int) -> bool:
         """`advance`, for a reader of several calls: True once the call is done, appended to
@@ -500,7 +515,7 @@ class CallScan:
         return CallView(self.name, self._value.start, self._value.end)
 
 
-class CallArrayScan:
+class CallArrayScan(PhasedScan):
     """`[{"name": ..., "arguments": ...}, ...]` from its "[", read as base.scan_call_array
     reads it; each call complete is appended to `completed`."""
 
@@ -515,13 +530,6 @@ class CallArrayScan:
         self.phase = "item_ws"
         self.error = ""
         self._call: CallScan | None = None
-
-    def advance(self, window: str, base: int) -> None:
-        while True:
-            phase = self.phase
-            self._advance(window, base)
-            if self.pos < base or self.phase == phase:
-                return
 
     def _advance(self, window: str, base: int) -> None:
         i = self.pos - base
@@ -562,7 +570,7 @@ class CallArrayScan:
         return None
 
 
-class IncrementalParse:
+class IncrementalParse(PhasedScan):
     """A parser's incremental parse of one reply: `feed` each delta, then `view(final)`
     answers what `parse(text, final)` would. Subclasses read the text in `_advance(window,
     base)` (window: the text from offset `base`, where reading stopped) and answer in
@@ -578,11 +586,7 @@ class IncrementalParse:
         while True:
             base = self.pos
             window = delta if base == self.log.length - len(delta) else self.log.slice(base, self.log.length)
-            while True:  # each phase reads all it can; a new phase may read on
-                phase = self.phase
-                self._advance(window, base)
-                if self.pos < base or self.phase == phase:
-                    break
+            self.advance(window, base)
             if self.pos >= base:
                 return  # else a call is read again from its start
 
@@ -590,11 +594,6 @@ class IncrementalParse:
         """`parse(text, final)` now; when the parse fails at the end, all the text is content."""
         view = self._view(self.log.length, final)
         return view if view is not None else ParseView(self.log.length)
-
-    phase = ""
-
-    def _advance(self, window: str, base: int) -> None:
-        raise NotImplementedError
 
     def _view(self, text_end: int, final: bool) -> ParseView | None:
         """None where `parse` finds the text not to be calls after all (final only)."""
