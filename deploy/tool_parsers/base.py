@@ -158,6 +158,17 @@ def scan_call(text: str, pos: int, final: bool, argument_keys: tuple[str, ...] =
     return ScannedCall(name, start, arguments_end, close + 1)
 
 
+def scan_call_into(text: str, pos: int, final: bool, calls: list[ParsedCall],
+                   argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> int | None:
+    """`scan_call`, for a parse of several calls: appends the call to `calls` once its name
+    is known (with its arguments so far) and returns the object's end, None while it is
+    open."""
+    scanned = scan_call(text, pos, final, argument_keys)
+    if scanned.name is not None:
+        calls.append(scanned.parsed(text))
+    return scanned.end
+
+
 def held_back(text: str, marker: str) -> int:
     """How many characters at the end of `text` could be the start of `marker` (they are
     held back from the content until the next text tells)."""
@@ -176,12 +187,10 @@ def scan_call_array(text: str, pos: int, final: bool, calls: list[ParsedCall],
     while pos < len(text):
         if text[pos] == "]":
             return
-        scanned = scan_call(text, pos, final, argument_keys)
-        if scanned.name is not None:
-            calls.append(scanned.parsed(text))
-        if scanned.end is None:
+        end = scan_call_into(text, pos, final, calls, argument_keys)
+        if end is None:
             return
-        pos = skip_whitespace(text, scanned.end)
+        pos = skip_whitespace(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = skip_whitespace(text, pos + 1)
         elif pos < len(text) and text[pos] != "]":

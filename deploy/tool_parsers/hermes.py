@@ -11,7 +11,7 @@ the tags. Text that does not parse as calls is all content, as in vLLM.
 
 from __future__ import annotations
 
-from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, held_back, scan_call, \
+from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, held_back, scan_call_into, \
     skip_whitespace
 from raylm.deploy.tool_parsers.incremental import CallScan, IncrementalParse, ParseView, find_marker
 
@@ -40,12 +40,10 @@ class HermesToolParser(ToolParser):
                     if final:
                         raise ValueError("an empty tool call")
                     break
-                scanned = scan_call(text, start, final)
-                if scanned.name is not None:
-                    calls.append(scanned.parsed(text))
-                if scanned.end is None:
+                end = scan_call_into(text, start, final, calls)
+                if end is None:
                     break
-                pos = text.find(TOOL_CALL_START, scanned.end)
+                pos = text.find(TOOL_CALL_START, end)
         except ValueError:
             if final:
                 return ParsedToolOutput(text)  # not calls after all: all of it is content

@@ -10,7 +10,7 @@ its first object shows a name).
 
 from __future__ import annotations
 
-from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, scan_call, skip_whitespace
+from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser, scan_call_into, skip_whitespace
 from raylm.deploy.tool_parsers.incremental import CallScan, IncrementalParse, ParseView
 
 PYTHON_TAG = "<|python_tag|>"
@@ -33,12 +33,10 @@ class Llama3JsonToolParser(ToolParser):
         pos = start
         try:
             while True:
-                scanned = scan_call(text, pos, final)
-                if scanned.name is not None:
-                    calls.append(scanned.parsed(text))
-                if scanned.end is None:
+                end = scan_call_into(text, pos, final, calls)
+                if end is None:
                     break
-                pos = skip_whitespace(text, scanned.end)
+                pos = skip_whitespace(text, end)
                 if pos >= len(text):
                     break
                 if text[pos] != ";":
