@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 _DECODER = json.JSONDecoder()
 _WHITESPACE = re.compile(r"\s*")
+# The keys under which a call object may hold its arguments: "arguments" (Hermes, Mistral)
+# or "parameters" (Llama 3.1's JSON calls).
+ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 @dataclass
@@ -126,7 +129,7 @@ class ScannedCall:
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?P<key>[A-Za-z_]+)"\s*:\s*')
 
 
-def scan_call(text: str, pos: int, final: bool, argument_keys: tuple[str, ...] = ("arguments", "parameters")
+def scan_call(text: str, pos: int, final: bool, argument_keys: tuple[str, ...] = ARGUMENT_KEYS
               ) -> ScannedCall:
     """Scans the call object `{"name": ..., "arguments": {...}}` starting at `pos` (a "{").
     Written name first (as models and the grammars here write it), its name and its
@@ -159,7 +162,7 @@ def scan_call(text: str, pos: int, final: bool, argument_keys: tuple[str, ...] =
 
 
 def scan_call_into(text: str, pos: int, final: bool, calls: list[ParsedCall],
-                   argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> int | None:
+                   argument_keys: tuple[str, ...] = ARGUMENT_KEYS) -> int | None:
     """`scan_call`, for a parse of several calls: appends the call to `calls` once its name
     is known (with its arguments so far) and returns the object's end, None while it is
     open."""
@@ -179,7 +182,7 @@ def held_back(text: str, marker: str) -> int:
 
 
 def scan_call_array(text: str, pos: int, final: bool, calls: list[ParsedCall],
-                    argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
+                    argument_keys: tuple[str, ...] = ARGUMENT_KEYS) -> None:
     """`[{"name": ..., "arguments": ...}, ...]` from text[pos] == "[": appends each call
     scanned so far to `calls`; raises ValueError on a malformed array, or (when final) an
     unclosed one."""

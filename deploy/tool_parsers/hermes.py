@@ -78,7 +78,7 @@ class HermesIncrementalParse(IncrementalParse):
             i = skip_whitespace(window, i)
             self.pos = base + i
             if i < len(window):
-                self.phase, self._call = "call", CallScan(self.log, self.pos, ("arguments", "parameters"))
+                self.phase, self._call = "call", CallScan(self.log, self.pos)
         elif self.phase == "call":
             if self._call.advance_into(self.completed, window, base):
                 self.phase = "between"

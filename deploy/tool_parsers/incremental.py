@@ -25,7 +25,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from raylm.deploy.tool_parsers.base import held_back, skip_whitespace
+from raylm.deploy.tool_parsers.base import ARGUMENT_KEYS, held_back, skip_whitespace
 
 _DECODER = json.JSONDecoder()
 _STRING_STOP = re.compile(r'["\\]')
@@ -349,7 +349,7 @@ class CallScan(PhasedScan):
     _WS, _NAME, _KEY = object(), object(), object()
     _HEAD = ("{", _WS, '"name"', _WS, ":", _WS, '"', _NAME, _WS, ",", _WS, '"', _KEY, '"', _WS, ":")
 
-    def __init__(self, log: TextLog, start: int, argument_keys: tuple[str, ...]) -> None:
+    def __init__(self, log: TextLog, start: int, argument_keys: tuple[str, ...] = ARGUMENT_KEYS) -> None:
         self.log = log
         self.start = start
         self.argument_keys = argument_keys
@@ -520,7 +520,7 @@ class CallArrayScan(PhasedScan):
     reads it; each call complete is appended to `completed`."""
 
     def __init__(self, log: TextLog, start: int, completed: list[CallView],
-                 argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
+                 argument_keys: tuple[str, ...] = ARGUMENT_KEYS) -> None:
         self.log = log
         self.pos = start + 1
         self.completed = completed

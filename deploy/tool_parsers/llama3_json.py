@@ -99,7 +99,7 @@ class Llama3JsonIncrementalParse(IncrementalParse):
                 self.phase = "after_semicolon"
                 self.pos += 1
             elif phase == "after_semicolon" or char == "{":
-                self.phase, self._call = "call", CallScan(self.log, self.pos, ("arguments", "parameters"))
+                self.phase, self._call = "call", CallScan(self.log, self.pos)
             else:
                 self.phase = "content"
 
