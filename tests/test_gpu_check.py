@@ -70,3 +70,17 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
 
+
+
+def test_dry_run_names_the_versions_whose_interpreter_cannot_run_the_kernels():
+    """Triton 3.6 (the device image's) interprets a scalar loop bound with int() on a
+    one-element array, an error since NumPy 2.4: the dry run says so instead of failing in
+    the interpreter (Triton 3.7 fixed it)."""
+    from raylm.cluster.benchmarks.gpu_kernel_check import interpreter_problem
+
+    problem = interpreter_problem("3.6.0", "2.5.2")
+    assert problem and "triton 3.6.0" in problem and "numpy 2.5.2" in problem
+    assert interpreter_problem("3.6.0", "2.4.0rc1") is not None
+    assert interpreter_problem("3.6.0", "2.3.5") is None
+    assert interpreter_problem("3.7.0", "2.5.2") is None
+    assert interpreter_problem("3.9.0", "2.4.6") is None

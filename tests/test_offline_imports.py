@@ -1,6 +1,6 @@
 """Offline generation with one worker needs neither Ray nor the HTTP stack: on a machine
-without ray, fastapi, uvicorn (the GPU device image has none of them), `LLM(...)` loads,
-generates and shuts down, importing none of them."""
+without ray, fastapi, uvicorn, pydantic or xgrammar (the GPU device image has none of them),
+`LLM(...)` loads, generates and shuts down, importing none of them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 SCRIPT = r"""
 import importlib.abc, json, sys
 
-ABSENT = {"ray", "fastapi", "uvicorn", "starlette"}
+ABSENT = {"ray", "fastapi", "uvicorn", "starlette", "pydantic", "xgrammar"}
 
 
 class Absent(importlib.abc.MetaPathFinder):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -329,6 +330,23 @@ def compile_resources(variant: Variant, capability: int = 90) -> dict:
 
 # ---- command line ----------------------------------------------------------------------
 
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run the kernels with these versions, or None.
+
+    Before Triton 3.7 the interpreter turns a scalar into a Python int with int() on a
+    one-element NumPy array, which NumPy 2.4 made an error, so every kernel whose loop
+    bounds are loaded values (all of ours) fails with "only 0-dimensional arrays can be
+    converted to Python scalars" (triton-lang/triton#9171). The device image pairs Triton
+    3.6 with NumPy 2.5: its native run never meets this, only a dry run there would."""
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+    if release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
+        return (f"--dry-run runs the kernels under Triton's interpreter, which triton {triton_version} cannot do "
+                f"with numpy {numpy_version}: it needs numpy < 2.4 or triton >= 3.7")
+    return None
+
+
 def run(out: Path, dry_run: bool, part: tuple[int, int]) -> dict:
     """Runs this part's configurations, rewriting `out` after each one (a stage cut off
     by its timeout keeps what it finished)."""
@@ -356,6 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--dry-run needs TRITON_INTERPRET=1 in the environment (set before the kernels are imported)")
+    if args.dry_run:
+        import numpy
+        import triton
+
+        problem = interpreter_problem(triton.__version__, numpy.__version__)
+        if problem:
+            parser.error(problem)
     index, parts = (int(x) for x in args.part.split("/"))
     run(args.out, args.dry_run, (index, parts))
     return 0
