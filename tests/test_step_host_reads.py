@@ -83,14 +83,15 @@ def xgrammar_kernel(monkeypatch):
     monkeypatch.setattr(grammar_bitmask, "_uses_xgrammar_kernel", lambda device: True)
 
 
-def _runner(model_dir: Path, **engine_args) -> ModelRunner:
-    """A runner on the CPU whose step inputs go through a staging buffer, as on CUDA."""
+def _runner(model_dir: Path, device: str = "cpu", **engine_args) -> ModelRunner:
+    """A runner whose step inputs go through a staging buffer, on the CPU too (as on CUDA)."""
     config = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=NUM_BLOCKS,
-                        device="cpu", **engine_args).create_engine_config()
-    runner = ModelRunner(config, rank=0, device="cpu")
+                        device=device, **engine_args).create_engine_config()
+    runner = ModelRunner(config, rank=0, device=device)
     runner.load_model()
     runner.initialize_cache(NUM_BLOCKS)
-    runner.staging = InputStaging(torch.device("cpu"), runner._max_step_input_bytes())
+    if runner.staging is None:
+        runner.staging = InputStaging(torch.device(device), runner._max_step_input_bytes())
     return runner
 
 
@@ -251,13 +252,31 @@ SPECULATIVE_BATCHES = {
 }
 
 
+def _second_speculative_step(runner: ModelRunner, params: list[SamplingParams], num_proposals: list[int]
+                             ) -> list[ScheduledRequest]:
+    """Runs PROMPTS' prefill and a first step verifying draft proposals; the next step, as
+    the driver would schedule it: each request's last emitted token after its verified
+    ones (whose KV the draft may lack: the accepted proposals), and new placeholders."""
+    tokens = _prefill(runner, params)
+    output = runner.execute_model(ExecuteModelRequest(requests=_decode(tokens, num_proposals)))
+    emitted: dict[int, list[int]] = {}
+    for token in output.outputs:
+        emitted.setdefault(token.req_id, []).append(token.token_id)
+    return [ScheduledRequest(i, [emitted[i][-1]], len(PROMPTS[i]) + len(emitted[i]), TABLES[i], len(PROMPTS[i]),
+                             None, spec_token_ids=[PLACEHOLDER_TOKEN_ID] * num_proposals[i])
+            for i in range(len(PROMPTS))]
+
+
+DRAFT_IS_TARGET = {"num_speculative_tokens": 3}
+
+
 @pytest.mark.parametrize("batch", list(SPECULATIVE_BATCHES))
 def test_a_step_with_draft_model_proposals_reads_them_back_once(gpu_path, monkeypatch, llama_dir, batch):
     # Proposing k tokens runs k draft forwards, each fed the last proposals on the device;
     # the host reads the proposals once, then the verification once.
     params, num_proposals = SPECULATIVE_BATCHES[batch]
-    runner = _runner(llama_dir, speculative_config={"model": str(llama_dir), "num_speculative_tokens": 3})
-    step = _decode(_prefill(runner, params), num_proposals)
+    runner = _runner(llama_dir, speculative_config={"model": str(llama_dir), **DRAFT_IS_TARGET})
+    step = _second_speculative_step(runner, params, num_proposals)
     counter = _counted(monkeypatch, runner)
     with counter:
         output = runner.execute_model(ExecuteModelRequest(requests=step))
@@ -265,6 +284,29 @@ def test_a_step_with_draft_model_proposals_reads_them_back_once(gpu_path, monkey
     assert [len(s.spec_token_ids) for s in step] == num_proposals
     assert all(PLACEHOLDER_TOKEN_ID not in s.spec_token_ids for s in step)
     assert {t.req_id for t in output.outputs} == {0, 1, 2}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", list(SPECULATIVE_BATCHES))
+def test_on_a_gpu_a_step_with_draft_model_proposals_waits_for_the_device_twice(llama_dir, batch):
+    # PyTorch's own detector of synchronising calls: the proposals' read and the
+    # verification's, nothing else (blocking copies of host lists included).
+    import warnings
+
+    params, num_proposals = SPECULATIVE_BATCHES[batch]
+    runner = _runner(llama_dir, "cuda", speculative_config={"model": str(llama_dir), **DRAFT_IS_TARGET},
+                     enforce_eager=True)
+    step = _second_speculative_step(runner, params, num_proposals)  # also the warm-up: kernels compiled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.execute_model(ExecuteModelRequest(requests=step))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 2, syncs
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
@@ -288,7 +330,7 @@ def test_draft_proposals_under_penalties_and_min_tokens_are_the_drafts_own_greed
         for history, token in zip(expected, plain.execute_model(ExecuteModelRequest(requests=step)).outputs):
             history.append(token.token_id)
     assert expected[2][1:] == [expected[2][1], expected[2][2], 2] and 2 not in expected[2][1:3]
-    speculative = _runner(llama_dir, speculative_config={"model": str(llama_dir), "num_speculative_tokens": 3})
+    speculative = _runner(llama_dir, speculative_config={"model": str(llama_dir), **DRAFT_IS_TARGET})
     assert _prefill(speculative, params) == tokens
     step = _decode(tokens, [3, 3, 3])
     speculative.execute_model(ExecuteModelRequest(requests=step))
