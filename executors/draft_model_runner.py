@@ -11,8 +11,12 @@ target's forward:
 
 Rank 0 draws the proposals with the request's own sampling parameters and history (greedy
 requests take the argmax; others draw from the processed distribution q, kept for the
-rejection sampler) and broadcasts them, so that every rank feeds the same tokens. The
-proposals then fill the request's PLACEHOLDER_TOKEN_ID entries of `spec_token_ids`.
+rejection sampler) and broadcasts them, so that every rank feeds the same tokens. They
+stay on the device from one forward to the next (each feeds the last proposals as its
+input ids; penalties read the proposals so far as `SamplingMetadata.output_suffix`), and
+come back to the host in one read after the last: on a GPU the host waits for the draft
+once a step, not once a proposal. They then fill the request's PLACEHOLDER_TOKEN_ID
+entries of `spec_token_ids`.
 
 What the draft's KV holds is tracked per request: proposals e_1..e_j write the KV of
 e_1..e_{j-1} while proposing; the next step's num_computed_tokens says how many were
@@ -22,6 +26,7 @@ when all were accepted (its KV was never written).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +34,7 @@ import torch
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
+from raylm.executors.input_staging import to_device
 from raylm.executors.sampler import inverse_cdf, process_logits, sampling_probs
 from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
 from raylm.kernels.backend import get_attention_backend
@@ -107,29 +113,39 @@ class DraftModelRunner:
             return None
 
         requests = [req.requests[i] for i in proposing]
+        counts = [len(scheduled.spec_token_ids) for scheduled in requests]
         base = runner._sampling_metadata(requests) if self.rank == 0 else None
-        proposals: list[list[int]] = [[] for _ in requests]
+        # The proposals stay on the device until the last is drawn: step i's tokens, of the
+        # requests then still proposing (active), feed step i + 1 as its input ids.
+        drawn: list[torch.Tensor] = []
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
-        while True:
-            tokens = self._draw(logits, base, requests, active, proposals, probs)
-            for j, token in zip(active, tokens):
-                proposals[j].append(token)
-            active = [j for j in active if len(proposals[j]) < len(requests[j].spec_token_ids)]
-            if not active:
+        # Rank 0, when a request's sampling reads its history (penalties, min_tokens): the
+        # active requests' proposals so far, [len(active), step], on the device.
+        history = (torch.zeros(len(requests), 0, dtype=torch.long, device=self.device)
+                   if base is not None and any(map(needs_token_history, base.sampling_params)) else None)
+        for step in itertools.count():
+            tokens = self._draw(logits, None if base is None else _rows_after(base, active, history), active, probs)
+            drawn.append(tokens)
+            still = [index for index, j in enumerate(active) if counts[j] > step + 1]
+            if not still:
                 break
+            keep = None if len(still) == len(active) else to_device(still, self.device)
+            if history is not None:
+                history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
+                history = history if keep is None else history.index_select(0, keep)
+            active = [active[index] for index in still]
             # The next proposal of each request still short of its count: feed the last one.
-            step_inputs = [ScheduledRequest(req_id=requests[j].req_id, token_ids=[proposals[j][-1]],
-                                            num_computed_tokens=self._states[requests[j].req_id].num_computed
-                                            + len(proposals[j]) - 1,
+            step_inputs = [ScheduledRequest(req_id=requests[j].req_id, token_ids=[0],
+                                            num_computed_tokens=self._states[requests[j].req_id].num_computed + step,
                                             block_table=requests[j].block_table, num_prompt_tokens=0,
                                             sampling_params=None)
                            for j in active]
-            logits = self._forward(step_inputs, list(range(len(step_inputs))), runner)
-        for scheduled, tokens in zip(requests, proposals):
-            scheduled.spec_token_ids = tokens
-            state = self._states[scheduled.req_id]
-            state.proposed = tokens
+            logits = self._forward(step_inputs, list(range(len(step_inputs))), runner,
+                                   input_ids=tokens if keep is None else tokens.index_select(0, keep))
+        for scheduled, proposed in zip(requests, _read_proposals(drawn, counts)):
+            scheduled.spec_token_ids = proposed
+            self._states[scheduled.req_id].proposed = proposed
         if self.rank != 0:
             return None
         return {scheduled.req_id: torch.stack(rows) for scheduled, rows in zip(requests, probs) if rows}
@@ -158,41 +174,47 @@ class DraftModelRunner:
                                 num_computed_tokens=state.num_computed, block_table=scheduled.block_table,
                                 num_prompt_tokens=scheduled.num_prompt_tokens, sampling_params=None)
 
-    def _forward(self, inputs: list[ScheduledRequest], read: list[int], runner) -> torch.Tensor | None:
-        """One draft forward; rank 0 returns fp32 logits of the last row of the inputs in `read`."""
+    def _forward(self, inputs: list[ScheduledRequest], read: list[int], runner,
+                 input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One draft forward; rank 0 returns fp32 logits of the last row of the inputs in
+        `read`. input_ids: the step's tokens on the device, in place of the inputs' own
+        (the last proposals, which the host has not read)."""
         host = runner._host_inputs(inputs)
         rows = [host.last_rows[i] for i in read]
         # One-row queries (runner.MAX_QUERY_AS_DECODE_ROWS): every row goes through the last
         # layer, so that the CPU's fused decode layers take the whole forward, and the rows
         # read are picked after.
         output_rows = None if host.is_decode_only else step_output_rows(rows, len(host.input_ids))
-        input_ids, positions, attn_metadata, rows_tensor, rows_metadata = runner._step_tensors(host, output_rows)
+        staged_ids, positions, attn_metadata, rows_tensor, rows_metadata = runner._step_tensors(host, output_rows)
         with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(staged_ids if input_ids is None else input_ids, positions)
         if not rows:
             return None
         if output_rows is None and len(rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            hidden = hidden.index_select(0, to_device(rows, hidden.device))
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
-    def _draw(self, logits: torch.Tensor | None, base: SamplingMetadata | None, requests: list[ScheduledRequest],
-              active: list[int], proposals: list[list[int]], probs: list[list[torch.Tensor]]) -> list[int]:
-        """The next proposal of each active request, drawn on rank 0 and broadcast."""
-        tokens = torch.zeros(len(active), dtype=torch.long, device=self.device)
-        if self.rank == 0:
-            metadata = _rows_after(base, active, proposals)
+    def _draw(self, logits: torch.Tensor | None, metadata: SamplingMetadata | None, active: list[int],
+              probs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The next proposal of each active request, drawn on rank 0 (metadata: one row per
+        active request) and broadcast; [len(active)] on the device, unread."""
+        if self.rank != 0:
+            tokens = torch.zeros(len(active), dtype=torch.long, device=self.device)
+        else:
             processed = process_logits(logits, metadata)
             params = metadata.sampling_params
             greedy = [row for row, p in enumerate(params) if p.is_greedy]
             drawn = [row for row, p in enumerate(params) if not p.is_greedy]
-            if greedy:
-                index = torch.tensor(greedy, device=self.device)
-                tokens[index] = processed[index].max(dim=-1).indices
-            if drawn:
-                index = torch.tensor(drawn, device=self.device)
-                temperature = torch.tensor([params[row].temperature for row in drawn], dtype=processed.dtype,
-                                           device=self.device)
+            if not drawn:
+                tokens = processed.max(dim=-1).indices
+            else:
+                tokens = torch.empty(len(active), dtype=torch.long, device=self.device)
+                if greedy:
+                    index = to_device(greedy, self.device)
+                    tokens[index] = processed[index].max(dim=-1).indices
+                index = to_device(drawn, self.device)
+                temperature = to_device([params[row].temperature for row in drawn], self.device, processed.dtype)
                 q = sampling_probs(processed[index], [params[row] for row in drawn], temperature)
                 # One uniform a row, from the request's own generator when seeded.
                 u = torch.empty(len(drawn), dtype=torch.float32, device=self.device)
@@ -203,16 +225,29 @@ class DraftModelRunner:
                     probs[active[row]].append(q[i])
         if self.tensor_parallel_size > 1:
             tokens = tensor_model_parallel_broadcast(tokens, src=0)
-        return tokens.tolist()
+        return tokens
 
 
-def _rows_after(base: SamplingMetadata, active: list[int], proposals: list[list[int]]) -> SamplingMetadata:
-    """One row per active request j: its parameters and generator, and its history
-    followed by its proposals so far (when its parameters read the history)."""
-    outputs = []
-    for j in active:
-        history = base.output_token_ids[j]
-        outputs.append(history + proposals[j] if proposals[j] and needs_token_history(base.sampling_params[j])
-                       else history)
-    return SamplingMetadata([base.req_ids[j] for j in active], [base.sampling_params[j] for j in active],
-                            [base.prompt_token_ids[j] for j in active], outputs, [base.generators[j] for j in active])
+def _read_proposals(drawn: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
+    """Each request's proposals, from the tokens of every draft step (step i's: one per
+    request with more than i proposals, in request order), in one read of the device."""
+    values = torch.cat(drawn).tolist()
+    proposals: list[list[int]] = [[] for _ in counts]
+    tokens = iter(values)
+    for step in range(len(drawn)):
+        for j, count in enumerate(counts):
+            if count > step:
+                proposals[j].append(next(tokens))
+    return proposals
+
+
+def _rows_after(base: SamplingMetadata, active: list[int], history: torch.Tensor | None) -> SamplingMetadata:
+    """One row per active request j: its parameters, generator and history; `history`
+    (the active requests' proposals so far, on the device) follows the output tokens of
+    the rows whose parameters read them."""
+    metadata = SamplingMetadata([base.req_ids[j] for j in active], [base.sampling_params[j] for j in active],
+                                [base.prompt_token_ids[j] for j in active],
+                                [base.output_token_ids[j] for j in active], [base.generators[j] for j in active])
+    if history is not None and history.shape[1]:
+        metadata.output_suffix = history
+    return metadata

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from raylm.executors.input_staging import to_device
+
 # Bit j of a row, for j in 0..31, as a shift count.
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 # The bit pattern of float32 -inf, as an int32.
@@ -27,21 +29,33 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[
     logits: float32 [N, V]; rows: distinct row indices, one per bitmask row."""
     if not rows:
         return
-    bits = torch.from_numpy(bitmask)
-    vocab_size = logits.shape[1]
-    if logits.device.type == "cuda":
-        import xgrammar as xgr
-
-        full = bits.new_full((logits.shape[0], bits.shape[1]), -1)
-        full[torch.tensor(rows)] = bits
-        xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), vocab_size=vocab_size,
-                                        indices=rows)
+    if _uses_xgrammar_kernel(logits.device):
+        _apply_with_xgrammar(logits, bitmask, rows)
         return
-    penalty = token_penalty(bits, vocab_size)
+    bits = torch.from_numpy(bitmask)
+    penalty = token_penalty(bits, logits.shape[1])
     if rows == list(range(logits.shape[0])):
         logits.add_(penalty)
     else:
         logits.index_add_(0, torch.tensor(rows, device=logits.device), penalty)
+
+
+def _uses_xgrammar_kernel(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _apply_with_xgrammar(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """xgrammar's kernel masks logits row r with bitmask row r: the step's rows go into a
+    bitmask of the whole batch (the other rows allow every token), filled in pinned memory
+    and copied without making the host wait, as are the row indices."""
+    import xgrammar as xgr
+
+    device = logits.device
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+    full[torch.tensor(rows)] = torch.from_numpy(bitmask)
+    on_device = full if device.type == "cpu" else full.to(device, non_blocking=True)
+    indices = None if len(rows) == logits.shape[0] else to_device(rows, device, torch.int32)
+    xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=logits.shape[1], indices=indices)
 
 
 def token_penalty(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

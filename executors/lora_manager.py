@@ -32,6 +32,7 @@ from torch import nn
 from raylm.engine.config import LoRAConfig
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.step import ScheduledRequest
+from raylm.executors.input_staging import to_device
 from raylm.executors.lora_adapter import AdapterDigest, LoRAAdapterError, read_adapter
 from raylm.kernels.lora_ops import LoRABatch
 from raylm.parallel.communication import tensor_model_parallel_all_reduce
@@ -168,16 +169,21 @@ class WorkerLoRAManager:
             a_parts, b_parts = grouped.setdefault(layer_name, ({}, {}))
             a_parts[slice_id], b_parts[slice_id] = tensors["A"], tensors["B"]
         adapter = LoadedAdapter(lora_request, digest)
+        finite: list[torch.Tensor] = []
         for layer_name, (a_parts, b_parts) in grouped.items():
             a, b = adapter.shares[layer_name] = self.layers[layer_name].shard_adapter(a_parts, b_parts,
                                                                                         config.scaling)
-            # A NaN or infinity here (in the file, or B times lora_alpha / r past the layer
-            # dtype's range) would make every logit of the adapter's requests NaN, each failing
-            # with no word of why: refused at load instead, with the adapter named.
-            if not (torch.isfinite(a).all() and all(torch.isfinite(part).all() for part in b)):
-                raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_name!r} at {lora_request.lora_path!r}: "
-                                       f"its weights for {layer_name} hold NaN or infinite values (after scaling "
-                                       f"by lora_alpha / r = {config.scaling:g}, in {a.dtype}).")
+            finite.append(torch.stack([torch.isfinite(t).all() for t in (a, *b)]).all())
+        # A NaN or infinity here (in the file, or B times lora_alpha / r past the layer dtype's
+        # range) would make every logit of the adapter's requests NaN, each failing with no
+        # word of why: refused at load instead, with the adapter and the layer named. One
+        # read for the whole adapter, not one per layer.
+        layer_finite = torch.stack(finite).tolist() if finite else []
+        bad = next((name for name, ok in zip(adapter.shares, layer_finite) if not ok), None)
+        if bad is not None:
+            raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_name!r} at {lora_request.lora_path!r}: "
+                                   f"its weights for {bad} hold NaN or infinite values (after scaling "
+                                   f"by lora_alpha / r = {config.scaling:g}, in {adapter.shares[bad][0].dtype}).")
         return adapter
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -197,7 +203,7 @@ class WorkerLoRAManager:
             # A verification step's proposals follow the request's tokens (speculative decoding).
             num_tokens = len(scheduled.token_ids) + len(scheduled.spec_token_ids or ())
             token_slots += [scheduled.lora_slot] * num_tokens
-        rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
+        rows = None if output_rows is None else to_device(output_rows, self.batch.device, torch.long)
         return self.batch.set_step(token_slots, rows)
 
     def _activate_all(self, activations: dict[int, tuple[LoRARequest, AdapterDigest | None]]) -> None:

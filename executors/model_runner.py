@@ -23,7 +23,7 @@ from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, Sample
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
-from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes
+from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
@@ -684,7 +684,7 @@ class ModelRunner:
         for scheduled in requests:
             targets.extend(scheduled.prompt_logprobs_targets)
             top_ks.extend([scheduled.sampling_params.prompt_logprobs or 0] * len(scheduled.prompt_logprobs_targets))
-        entries = token_logprobs(logits, torch.tensor(targets, device=logits.device), top_ks)
+        entries = token_logprobs(logits, to_device(targets, logits.device), top_ks)
         result: dict[int, list[TokenLogprobs]] = {}
         offset = 0
         for scheduled in requests:

@@ -176,7 +176,7 @@ class _RowStages:
             if params.logit_bias:
                 bias.append(i)
             if params.min_tokens and params.all_stop_token_ids \
-                    and len(metadata.output_token_ids[i]) < params.min_tokens:
+                    and metadata.num_output_tokens(i) < params.min_tokens:
                 min_tokens.append(i)
             if params.needs_penalties:
                 penalty.append(i)
@@ -300,6 +300,9 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
     prompt = to_device(_padded([metadata.prompt_token_ids[i] for i in rows], vocab_size), device)
     output = to_device(_padded([metadata.output_token_ids[i] for i in rows], vocab_size), device)
     n = len(rows)
+    if metadata.output_suffix is not None:
+        suffix = metadata.output_suffix
+        output = torch.cat([output, suffix if n == suffix.shape[0] else suffix[to_device(rows, device)]], dim=1)
     prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
     prompt_mask.scatter_(1, prompt, True)
     output_counts = torch.zeros(n, vocab_size + 1, dtype=logits.dtype, device=device)
@@ -330,10 +333,14 @@ def _apply_penalties_native(logits: torch.Tensor, metadata: SamplingMetadata, ro
     token_ids = array.array("q")
     offsets = [0]
     output_starts: list[int] = []
+    # On the CPU reading the suffix back costs nothing.
+    suffix = None if metadata.output_suffix is None else metadata.output_suffix.tolist()
     for i in rows:
         token_ids.extend(metadata.prompt_token_ids[i])
         output_starts.append(len(token_ids))
         token_ids.extend(metadata.output_token_ids[i])
+        if suffix is not None:
+            token_ids.extend(suffix[i])
         offsets.append(len(token_ids))
     params = [metadata.sampling_params[i] for i in rows]
     tokens = torch.frombuffer(token_ids, dtype=torch.long) if token_ids else torch.zeros(0, dtype=torch.long)

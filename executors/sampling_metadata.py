@@ -49,6 +49,8 @@ class SamplingMetadata:
 
     ``prompt_token_ids`` / ``output_token_ids`` may be empty lists for rows whose
     parameters read no history; ``generators`` is None for unseeded rows.
+    ``output_suffix``, when set, is [N, s] token ids on the device that follow every row's
+    ``output_token_ids`` (a draft model's proposals so far, which the host has not read).
     """
 
     req_ids: list[int]
@@ -56,6 +58,7 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
+    output_suffix: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
@@ -81,3 +84,7 @@ class SamplingMetadata:
     @property
     def num_rows(self) -> int:
         return len(self.req_ids)
+
+    def num_output_tokens(self, row: int) -> int:
+        suffix = 0 if self.output_suffix is None else self.output_suffix.shape[1]
+        return len(self.output_token_ids[row]) + suffix

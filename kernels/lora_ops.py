@@ -64,8 +64,8 @@ class LoRABatch:
         self._column_slots = torch.arange(max_loras * max_rank, device=self.device) // max_rank
 
     def set_step(self, token_slots: list[int], output_rows: torch.Tensor | None = None) -> bool:
-        """Sets the step's tokens' slots (-1: base model) and its output rows (None: every
-        row); returns whether any token runs under an adapter."""
+        """Sets the step's tokens' slots (-1: base model) and its output rows (on the
+        device; None: every row); returns whether any token runs under an adapter."""
         # The Triton kernels index the slots' weights with these unchecked (a check there would
         # cost a device sync per layer): one check per step, here, guards every kernel.
         bad = next((slot for slot in token_slots if not -1 <= slot < self.max_loras), None)
@@ -75,9 +75,8 @@ class LoRABatch:
         self._masks.clear()
         self.num_tokens = len(token_slots)
         self.active = any(slot >= 0 for slot in token_slots)
-        self.token_slots = (torch.tensor(token_slots, dtype=torch.int32, device=self.device) if self.active
-                            else None)
-        self.output_token_slots = (self.token_slots.index_select(0, output_rows.to(self.device))
+        self.token_slots = _to_device(token_slots, self.device, torch.int32) if self.active else None
+        self.output_token_slots = (self.token_slots.index_select(0, output_rows)
                                    if self.active and output_rows is not None else None)
         return self.active
 
@@ -98,6 +97,15 @@ class LoRABatch:
             one = (slots[:, None] == self._column_slots[None, :]).to(self.dtype)
             mask = self._masks[key] = one.repeat(1, num_slices) if num_slices > 1 else one
         return mask
+
+
+def _to_device(values: list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list on `device` without making the host wait for the GPU: through pinned
+    memory and a non-blocking copy there (as executors/input_staging.to_device, which
+    kernels do not import)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
