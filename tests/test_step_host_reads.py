@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from lora_adapters import build_lora_adapter
-from test_grammar_bitmask import _reference as bitmask_reference
 from test_sampler_host_reads import HostReads, gpu_path  # noqa: F401 - gpu_path is a fixture
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.lora_request import LoRARequest
@@ -66,6 +64,10 @@ def _counted(monkeypatch, runner: ModelRunner) -> ReadsOutsideForwards:
     models = [runner.model] + ([runner.draft_runner.model] if runner.draft_runner is not None else [])
     for model in models:
         monkeypatch.setattr(model, "forward", _pausing(counter, model.forward))
+    # xgrammar and peft are imported where used: the GPU check runs this file's cuda test on
+    # an image that has neither.
+    import xgrammar as xgr
+
     monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", _pausing(counter, xgr.apply_token_bitmask_inplace))
     return counter
 
@@ -236,6 +238,8 @@ def test_the_bitmask_through_xgrammars_kernel_masks_what_the_rule_masks(xgrammar
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(len(rows)))
     bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), 4), dtype=torch.int32,
                             generator=torch.Generator().manual_seed(7)).numpy()
+    from test_grammar_bitmask import _reference as bitmask_reference
+
     expected = bitmask_reference(logits, bitmask, rows)
     grammar_bitmask.apply_grammar_bitmask(logits, bitmask, rows)
     assert torch.equal(logits, expected)
