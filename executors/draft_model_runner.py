@@ -30,7 +30,7 @@ import torch
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.sampler import inverse_cdf, process_logits, sampling_probs
-from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
+from raylm.executors.sampling_metadata import SamplingMetadata
 from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
 from raylm.models.attention import Attention
@@ -207,12 +207,14 @@ class DraftModelRunner:
 
 
 def _rows_after(base: SamplingMetadata, active: list[int], proposals: list[list[int]]) -> SamplingMetadata:
-    """One row per active request j: its parameters and generator, and its history
-    followed by its proposals so far (when its parameters read the history)."""
-    outputs = []
+    """One row per active request j: its parameters and generator, and (when it keeps one)
+    its history followed by its proposals so far, staged in the history's buffer."""
+    history_lens = []
     for j in active:
-        history = base.output_token_ids[j]
-        outputs.append(history + proposals[j] if proposals[j] and needs_token_history(base.sampling_params[j])
-                       else history)
-    return SamplingMetadata([base.req_ids[j] for j in active], [base.sampling_params[j] for j in active],
-                            [base.prompt_token_ids[j] for j in active], outputs, [base.generators[j] for j in active])
+        history = base.histories[j]
+        if history is not None and proposals[j]:
+            history.stage(proposals[j])
+        history_lens.append(base.history_lens[j] + (len(proposals[j]) if history is not None else 0))
+    rows = base.subset(active)
+    rows.history_lens = history_lens
+    return rows
