@@ -209,12 +209,10 @@ class DraftModelRunner:
 def _rows_after(base: SamplingMetadata, active: list[int], proposals: list[list[int]]) -> SamplingMetadata:
     """One row per active request j: its parameters and generator, and (when it keeps one)
     its history followed by its proposals so far, staged in the history's buffer."""
-    history_lens = []
-    for j in active:
-        history = base.histories[j]
+    rows = base.subset(active)
+    for row, j in enumerate(active):
+        history = rows.histories[row]
         if history is not None and proposals[j]:
             history.stage(proposals[j])
-        history_lens.append(base.history_lens[j] + (len(proposals[j]) if history is not None else 0))
-    rows = base.subset(active)
-    rows.history_lens = history_lens
+            rows.history_lens[row] += len(proposals[j])
     return rows

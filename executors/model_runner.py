@@ -621,8 +621,9 @@ class ModelRunner:
             if state is None:
                 state = states[scheduled.req_id] = RequestSamplingState()
             if scheduled.resumed or state.history is None:
-                # (Re)admitted: rebuild the whole history; a kept generator continues its
-                # stream, so a recomputed request does not replay its draws.
+                # (Re)admitted: rebuild the whole history (the prompt written once); a kept
+                # generator continues its stream, so a recomputed request does not replay
+                # its draws.
                 state.history = TokenHistory((scheduled.context_token_ids or []) + scheduled.token_ids,
                                              scheduled.num_prompt_tokens)
                 continue

@@ -3,7 +3,7 @@ about each sequence between steps to provide it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
