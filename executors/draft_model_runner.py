@@ -243,11 +243,9 @@ def _read_proposals(drawn: list[torch.Tensor], counts: list[int]) -> list[list[i
 
 def _rows_after(base: SamplingMetadata, active: list[int], history: torch.Tensor | None) -> SamplingMetadata:
     """One row per active request j: its parameters, generator and history; `history`
-    (the active requests' proposals so far, on the device) follows the output tokens of
-    the rows whose parameters read them."""
-    metadata = SamplingMetadata([base.req_ids[j] for j in active], [base.sampling_params[j] for j in active],
-                                [base.prompt_token_ids[j] for j in active],
-                                [base.output_token_ids[j] for j in active], [base.generators[j] for j in active])
+    (the active requests' proposals so far, on the device) follows the tokens of the rows
+    whose parameters read them."""
+    metadata = base.subset(active)
     if history is not None and history.shape[1]:
         metadata.output_suffix = history
     return metadata

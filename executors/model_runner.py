@@ -28,6 +28,7 @@ from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
+from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
@@ -607,7 +608,11 @@ class ModelRunner:
                 kept[scheduled.req_id] = scheduled.sampling_params
 
     def _update_states(self, requests: list[ScheduledRequest]) -> None:
-        """Brings each tracked history up to date with this step's tokens, before sampling."""
+        """Brings each tracked history up to date with this step's tokens, before sampling.
+        Only the worker that samples keeps histories (tensor-parallel rank 0 of the last
+        pipeline stage): the others never read them."""
+        if not (self.rank == 0 and self.is_last_stage):
+            return
         states = self._states
         for scheduled in requests:
             if not needs_token_history(scheduled.sampling_params):
@@ -615,29 +620,24 @@ class ModelRunner:
             state = states.get(scheduled.req_id)
             if state is None:
                 state = states[scheduled.req_id] = RequestSamplingState()
-            if scheduled.resumed:
-                # (Re)admitted: rebuild the whole history; a kept generator continues its
-                # stream, so a recomputed request does not replay its draws.
-                history = (scheduled.context_token_ids or []) + scheduled.token_ids
-                state.prompt_token_ids = history[:scheduled.num_prompt_tokens]
-                state.output_token_ids = history[scheduled.num_prompt_tokens:]
+            if scheduled.resumed or state.history is None:
+                # (Re)admitted: rebuild the whole history (the prompt written once); a kept
+                # generator continues its stream, so a recomputed request does not replay
+                # its draws.
+                state.history = TokenHistory((scheduled.context_token_ids or []) + scheduled.token_ids,
+                                             scheduled.num_prompt_tokens)
                 continue
-            split = scheduled.num_prompt_tokens - scheduled.num_computed_tokens
-            if split <= 0:
-                state.output_token_ids.extend(scheduled.token_ids)
-            else:
-                state.prompt_token_ids.extend(scheduled.token_ids[:split])
-                state.output_token_ids.extend(scheduled.token_ids[split:])
+            num_prompt = scheduled.num_prompt_tokens - scheduled.num_computed_tokens
+            state.history.extend(scheduled.token_ids, min(max(num_prompt, 0), len(scheduled.token_ids)))
 
     def _sampling_metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
         """One row per sampled request."""
         req_ids: list[int] = []
         params_list = []
-        prompts: list[list[int]] = []
-        outputs: list[list[int]] = []
+        histories: list[TokenHistory | None] = []
+        history_lens: list[int] = []
         generators: list[torch.Generator | None] = []
         states = self._states
-        no_history: list[int] = []
         for scheduled in requests:
             params = scheduled.sampling_params
             req_ids.append(scheduled.req_id)
@@ -646,8 +646,8 @@ class ModelRunner:
             seeded = params.seed is not None and not params.is_greedy
             if not (tracked or seeded):
                 # The common case: nothing remembered between steps.
-                prompts.append(no_history)
-                outputs.append(no_history)
+                histories.append(None)
+                history_lens.append(0)
                 generators.append(None)
                 continue
             state = states.get(scheduled.req_id)
@@ -655,10 +655,11 @@ class ModelRunner:
                 state = states[scheduled.req_id] = RequestSamplingState()
             if seeded and state.generator is None:
                 state.generator = sibling_generator(params.seed, scheduled.sample_index, self.device)
-            prompts.append(state.prompt_token_ids)
-            outputs.append(state.output_token_ids)
+            history = state.history if tracked else None
+            histories.append(history)
+            history_lens.append(history.num_tokens if history is not None else 0)
             generators.append(state.generator if seeded else None)
-        return SamplingMetadata(req_ids, params_list, prompts, outputs, generators)
+        return SamplingMetadata(req_ids, params_list, histories, history_lens, generators)
 
     def _verify(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
                 draft_probs: dict[int, torch.Tensor] | None) -> list[SampledToken]:
@@ -673,8 +674,8 @@ class ModelRunner:
             num_emitted[token.req_id] = num_emitted.get(token.req_id, 0) + 1
         for scheduled, proposals in zip(sampled, drafts):
             state = self._states.get(scheduled.req_id)
-            if proposals and state is not None and needs_token_history(scheduled.sampling_params):
-                state.output_token_ids.extend(proposals[:num_emitted[scheduled.req_id] - 1])
+            if proposals and state is not None and state.history is not None:
+                state.history.extend(proposals[:num_emitted[scheduled.req_id] - 1])
         return outputs
 
     def _prompt_logprobs(self, logits: torch.Tensor, requests: list[ScheduledRequest]

@@ -39,24 +39,26 @@ from raylm.engine.step import SampledToken
 from raylm.executors.input_staging import to_device
 from raylm.executors.sampler import (Sampler, inverse_cdf, not_finite_mask, process_logits, ranks_and_top,
                                      read_back, sampling_probs, token_logprobs_from)
-from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
+from raylm.executors.sampling_metadata import SamplingMetadata
 
 
 def expand_metadata(metadata: SamplingMetadata, draft_token_ids: list[list[int]]) -> SamplingMetadata:
     """One row per verified position: request r's row i has the request's parameters, its
-    generator, and (when its parameters read it) its output history followed by its first
-    i proposals."""
-    req_ids, params, prompts, outputs, generators = [], [], [], [], []
+    generator, and (when it keeps one) its history followed by its first i proposals, which
+    are staged in the history's buffer for that (no copy of the history)."""
+    req_ids, params, histories, history_lens, generators = [], [], [], [], []
     for r, drafts in enumerate(draft_token_ids):
-        history = metadata.output_token_ids[r]
-        tracked = needs_token_history(metadata.sampling_params[r])
+        history = metadata.histories[r]
+        if history is not None and drafts:
+            assert metadata.history_lens[r] == history.num_tokens, "proposals follow the whole history"
+            history.stage(drafts)
         for i in range(len(drafts) + 1):
             req_ids.append(metadata.req_ids[r])
             params.append(metadata.sampling_params[r])
-            prompts.append(metadata.prompt_token_ids[r])
-            outputs.append(history + drafts[:i] if tracked and i else history)
+            histories.append(history)
+            history_lens.append(metadata.history_lens[r] + (i if history is not None else 0))
             generators.append(metadata.generators[r])
-    return SamplingMetadata(req_ids, params, prompts, outputs, generators)
+    return SamplingMetadata(req_ids, params, histories, history_lens, generators)
 
 
 class RejectionSampler:
@@ -103,7 +105,7 @@ class RejectionSampler:
         rows = [row for r in requests for row in range(starts[r], starts[r + 1])]
         if len(rows) != logits.shape[0]:
             logits = logits[to_device(rows, logits.device)]
-            expanded = _subset(expanded, rows)
+            expanded = expanded.subset(rows)
         tokens = self.sampler(logits, expanded)
         offset = 0
         for r in requests:
@@ -128,7 +130,7 @@ class RejectionSampler:
         for r in requests:
             start = len(reads)
             rows = list(range(starts[r], starts[r + 1]))
-            _verify_on_device(logits[starts[r]:starts[r + 1]], _subset(expanded, rows), draft_token_ids[r],
+            _verify_on_device(logits[starts[r]:starts[r + 1]], expanded.subset(rows), draft_token_ids[r],
                               draft_probs[r], reads)
             spans.append((start, len(reads)))
         values = read_back(reads)  # the verification's one wait for the device
@@ -188,12 +190,6 @@ def _verify_on_device(logits: torch.Tensor, metadata: SamplingMetadata, drafts: 
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         chosen = raw_logprobs.gather(1, candidates.unsqueeze(1))
         reads += [chosen, *ranks_and_top(raw_logprobs, chosen, [params.logprobs or 0] * (num_drafts + 1))]
-
-
-def _subset(metadata: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
-    return SamplingMetadata([metadata.req_ids[i] for i in rows], [metadata.sampling_params[i] for i in rows],
-                            [metadata.prompt_token_ids[i] for i in rows], [metadata.output_token_ids[i] for i in rows],
-                            [metadata.generators[i] for i in rows])
 
 
 def _advance(generator: torch.Generator, num_draws: int, device: torch.device) -> None:

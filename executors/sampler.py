@@ -19,7 +19,6 @@ one read at the end (`read_back`); host lists reach the device through pinned me
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass, field
 
 import torch
@@ -281,9 +280,18 @@ def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
     logits[index] = torch.where(emptied[to_device(position, device)], kept, _NEG_INF)
 
 
-def _padded(token_lists: list[list[int]], pad: int) -> list[list[int]]:
-    width = max(1, max(len(tokens) for tokens in token_lists))
-    return [tokens + [pad] * (width - len(tokens)) for tokens in token_lists]
+def _padded_token_ids(metadata: SamplingMetadata, rows: list[int], output: bool, pad: int,
+                      device: torch.device) -> torch.Tensor:
+    """[len(rows), width] int64 on `device`: each row's output (else prompt) tokens, padded
+    with `pad`; gathered from the histories' buffers on the host and sent in one copy
+    (through pinned memory on a GPU, which does not wait for the device)."""
+    spans = [metadata.output_token_ids(i) if output else metadata.prompt_token_ids(i) for i in rows]
+    on_host = device.type == "cpu"
+    padded = torch.full((len(rows), max(1, max(len(span) for span in spans))), pad, dtype=torch.long,
+                        pin_memory=not on_host)
+    for j, span in enumerate(spans):
+        padded[j, :len(span)] = span
+    return padded if on_host else padded.to(device, non_blocking=True)
 
 
 def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int],
@@ -297,8 +305,8 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
     device = logits.device
     params = [metadata.sampling_params[i] for i in rows]
     # Pad with an extra column (vocab_size) that is dropped afterwards.
-    prompt = to_device(_padded([metadata.prompt_token_ids[i] for i in rows], vocab_size), device)
-    output = to_device(_padded([metadata.output_token_ids[i] for i in rows], vocab_size), device)
+    prompt = _padded_token_ids(metadata, rows, False, vocab_size, device)
+    output = _padded_token_ids(metadata, rows, True, vocab_size, device)
     n = len(rows)
     if metadata.output_suffix is not None:
         suffix = metadata.output_suffix
@@ -328,23 +336,20 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
 
 
 def _apply_penalties_native(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
-    # The rows' token lists, concatenated into one int64 buffer: array.extend converts a list
-    # at about half the cost of torch.tensor (a 64-row step of 2k-token prompts holds ~140k).
-    token_ids = array.array("q")
-    offsets = [0]
-    output_starts: list[int] = []
-    # On the CPU reading the suffix back costs nothing.
-    suffix = None if metadata.output_suffix is None else metadata.output_suffix.tolist()
-    for i in rows:
-        token_ids.extend(metadata.prompt_token_ids[i])
-        output_starts.append(len(token_ids))
-        token_ids.extend(metadata.output_token_ids[i])
-        if suffix is not None:
-            token_ids.extend(suffix[i])
-        offsets.append(len(token_ids))
+    # The op reads each row's history where the worker keeps it: the step copies no token.
+    histories = [metadata.histories[i] for i in rows]
+    history_lens = [metadata.history_lens[i] for i in rows]
+    if metadata.output_suffix is not None:
+        # A draft model's proposals so far, staged after each row's history (on the CPU
+        # reading them back costs nothing).
+        suffix = metadata.output_suffix.tolist()
+        for k, i in enumerate(rows):
+            histories[k].stage(suffix[i])
+            history_lens[k] += len(suffix[i])
     params = [metadata.sampling_params[i] for i in rows]
-    tokens = torch.frombuffer(token_ids, dtype=torch.long) if token_ids else torch.zeros(0, dtype=torch.long)
-    cpu_ops.apply_penalties(logits, torch.tensor(rows), tokens, torch.tensor(offsets), torch.tensor(output_starts),
+    cpu_ops.apply_penalties(logits, torch.tensor(rows), [history.token_ids for history in histories],
+                            torch.tensor(history_lens),
+                            torch.tensor([history.num_prompt_tokens for history in histories]),
                             torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
                             torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
                             torch.tensor([p.presence_penalty for p in params], dtype=torch.float32))

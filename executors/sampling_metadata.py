@@ -3,11 +3,12 @@ about each sequence between steps to provide it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
+from raylm.executors.token_history import TokenHistory
 
 # Golden-ratio increment (splitmix64): spreads sibling seeds far apart in seed space.
 _SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -27,14 +28,11 @@ def sibling_generator(seed: int, index: int, device: torch.device | str = "cpu")
 
 @dataclass
 class RequestSamplingState:
-    """A request's sampler state, kept by the worker between steps (keyed by req_id).
+    """A request's sampler state, kept by the worker that samples between steps (keyed by
+    req_id)."""
 
-    The token history is tracked only for requests that read it (penalties, min_tokens),
-    so plain decoding costs no list appends.
-    """
-
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    # Only for requests that read it (penalties, min_tokens): plain decoding appends nothing.
+    history: TokenHistory | None = None
     # The request's own random stream (seeded requests only); it survives a recompute.
     generator: torch.Generator | None = None
 
@@ -47,22 +45,23 @@ def needs_token_history(params: SamplingParams) -> bool:
 class SamplingMetadata:
     """One entry per logits row the sampler draws from (siblings each have their own row).
 
-    ``prompt_token_ids`` / ``output_token_ids`` may be empty lists for rows whose
-    parameters read no history; ``generators`` is None for unseeded rows.
-    ``output_suffix``, when set, is [N, s] token ids on the device that follow every row's
-    ``output_token_ids`` (a draft model's proposals so far, which the host has not read).
+    ``histories`` holds each row's request's token history (None for rows whose parameters
+    read none), of which the row reads the first ``history_lens[row]`` tokens: the whole
+    history, or, for a row scoring the position after some proposals, the history followed
+    by them (staged in its buffer: `TokenHistory.stage`). ``generators`` is None for
+    unseeded rows.
     """
 
     req_ids: list[int]
     sampling_params: list[SamplingParams]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
+    histories: list[TokenHistory | None]
+    history_lens: list[int]
     generators: list[torch.Generator | None]
     output_suffix: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
-        assert len(self.sampling_params) == len(self.prompt_token_ids) == len(self.output_token_ids) \
+        assert len(self.sampling_params) == len(self.histories) == len(self.history_lens) \
             == len(self.generators) == n, "SamplingMetadata lists must have one entry per row"
 
     @classmethod
@@ -71,13 +70,17 @@ class SamplingMetadata:
                     output_token_ids: list[list[int]] | None = None,
                     generators: list[torch.Generator | None] | None = None,
                     req_ids: list[int] | None = None) -> "SamplingMetadata":
-        """Convenience constructor: missing histories are empty, missing generators None."""
+        """Convenience constructor from token lists: missing histories are empty, missing
+        generators None."""
         n = len(sampling_params)
+        prompts = prompt_token_ids if prompt_token_ids is not None else [[] for _ in range(n)]
+        outputs = output_token_ids if output_token_ids is not None else [[] for _ in range(n)]
+        histories = [TokenHistory(prompt + output, len(prompt)) for prompt, output in zip(prompts, outputs)]
         return cls(
             req_ids=list(range(n)) if req_ids is None else req_ids,
             sampling_params=sampling_params,
-            prompt_token_ids=prompt_token_ids if prompt_token_ids is not None else [[] for _ in range(n)],
-            output_token_ids=output_token_ids if output_token_ids is not None else [[] for _ in range(n)],
+            histories=histories,
+            history_lens=[history.num_tokens for history in histories],
             generators=generators if generators is not None else [None] * n,
         )
 
@@ -87,4 +90,17 @@ class SamplingMetadata:
 
     def num_output_tokens(self, row: int) -> int:
         suffix = 0 if self.output_suffix is None else self.output_suffix.shape[1]
-        return len(self.output_token_ids[row]) + suffix
+        return self.history_lens[row] - self.histories[row].num_prompt_tokens + suffix
+
+    def prompt_token_ids(self, row: int) -> torch.Tensor:
+        return self.histories[row].prompt_token_ids()
+
+    def output_token_ids(self, row: int) -> torch.Tensor:
+        """The row's output tokens: its request's, then the proposals it reads."""
+        return self.histories[row].output_token_ids(self.history_lens[row])
+
+    def subset(self, rows: list[int]) -> "SamplingMetadata":
+        """The metadata of these rows, in this order."""
+        return SamplingMetadata([self.req_ids[i] for i in rows], [self.sampling_params[i] for i in rows],
+                                [self.histories[i] for i in rows], [self.history_lens[i] for i in rows],
+                                [self.generators[i] for i in rows])

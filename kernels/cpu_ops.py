@@ -121,18 +121,18 @@ def truncated_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: to
                                            top_ps.float().contiguous(), min_ps.float().contiguous())
 
 
-def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, offsets: torch.Tensor,
-                    output_starts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, histories: list[torch.Tensor], lengths: torch.Tensor,
+                    prompt_lens: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                     presence: torch.Tensor) -> None:
     """vLLM's repetition, frequency and presence penalties, in place on fp32 logits [*, V]
     (rows contiguous), touching only the tokens each row has seen. Entry j penalises logits
-    row rows[j] (int64 [n]) from its tokens token_ids[offsets[j]:offsets[j + 1]] (int64:
-    the prompt's, then from output_starts[j] the output's) with repetition[j], frequency[j]
-    and presence[j] (fp32 [n]). A token id outside the vocabulary is a ValueError."""
-    torch.ops.raylm.apply_penalties(logits, rows.long().contiguous(), token_ids.long().contiguous(),
-                                    offsets.long().contiguous(), output_starts.long().contiguous(),
-                                    repetition.float().contiguous(), frequency.float().contiguous(),
-                                    presence.float().contiguous())
+    row rows[j] (int64 [n]) from its tokens histories[j][:lengths[j]] (contiguous int64
+    vectors, read where they lie: the prompt's first prompt_lens[j] of them, then the
+    output's) with repetition[j], frequency[j] and presence[j] (fp32 [n]). A token id
+    outside the vocabulary is a ValueError, and nothing is written."""
+    torch.ops.raylm.apply_penalties(logits, rows.long().contiguous(), histories, lengths.long().contiguous(),
+                                    prompt_lens.long().contiguous(), repetition.float().contiguous(),
+                                    frequency.float().contiguous(), presence.float().contiguous())
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from raylm.engine import envs
 from raylm.kernels import cpu_attention, cpu_ops, native_build
 from paged_steps import build_cached_step
+from penalty_reference import dense_penalties
 from test_cpu_attention import float64_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -414,20 +415,6 @@ def test_random_sample_truncated_rejects_what_it_cannot_cut(case):
         cpu_ops.random_sample_truncated(logits, temperatures, uniforms, top_ks, top_ps, min_ps)
 
 
-def dense_penalties(logits: torch.Tensor, entries: list[tuple[int, list[int], list[int], float, float, float]]) -> torch.Tensor:
-    """vLLM's penalties written out over the whole vocabulary, one entry (row, prompt, output,
-    repetition, frequency, presence) at a time."""
-    out = logits.clone()
-    for row, prompt, output, repetition, frequency, presence in entries:
-        x = out[row]
-        seen = torch.zeros(x.numel(), dtype=torch.bool)
-        seen[prompt + output] = True
-        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=x.numel()).float()
-        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-        out[row] = x - frequency * counts - presence * (counts > 0).float()
-    return out
-
-
 def test_apply_penalties_touches_only_seen_tokens_as_the_dense_form_does():
     gen = torch.Generator().manual_seed(3)
     vocab = 3001
@@ -443,15 +430,13 @@ def test_apply_penalties_touches_only_seen_tokens_as_the_dense_form_does():
         repetition = [1.0, 1.3, 0.8, 2.0][j % 4]
         frequency, presence = [(0.0, 0.0), (0.5, 0.0), (0.0, -0.7), (1.2, 0.4)][(j // 2) % 4]
         entries.append((row, prompt, output, repetition, frequency, presence))
-    token_ids, offsets, output_starts = [], [0], []
-    for _, prompt, output, *_ in entries:
-        token_ids += prompt
-        output_starts.append(len(token_ids))
-        token_ids += output
-        offsets.append(len(token_ids))
+    # Each history is read up to its length: what follows in its buffer (a worker's has room
+    # for later tokens) is out of the vocabulary here, and must not be read.
+    histories = [torch.tensor(prompt + output + [vocab + 7] * 5) for _, prompt, output, *_ in entries]
     actual = logits.clone()
-    cpu_ops.apply_penalties(actual, torch.tensor([e[0] for e in entries]), torch.tensor(token_ids, dtype=torch.long),
-                            torch.tensor(offsets), torch.tensor(output_starts),
+    cpu_ops.apply_penalties(actual, torch.tensor([e[0] for e in entries]), histories,
+                            torch.tensor([len(e[1]) + len(e[2]) for e in entries]),
+                            torch.tensor([len(e[1]) for e in entries]),
                             torch.tensor([e[3] for e in entries]), torch.tensor([e[4] for e in entries]),
                             torch.tensor([e[5] for e in entries]))
     torch.testing.assert_close(actual, dense_penalties(logits, entries), rtol=0, atol=0)
@@ -460,7 +445,7 @@ def test_apply_penalties_touches_only_seen_tokens_as_the_dense_form_does():
 def test_apply_penalties_refuses_a_token_outside_the_vocabulary():
     logits = torch.zeros(2, 10)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        cpu_ops.apply_penalties(logits, torch.tensor([1]), torch.tensor([3, 10]), torch.tensor([0, 2]),
+        cpu_ops.apply_penalties(logits, torch.tensor([1]), [torch.tensor([3, 10])], torch.tensor([2]),
                                 torch.tensor([1]), torch.tensor([1.2]), torch.zeros(1), torch.zeros(1))
     assert not logits.any()  # nothing written
 

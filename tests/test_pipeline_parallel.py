@@ -2,6 +2,7 @@
 stages of 2 tensor-parallel workers (actor calls) give Hugging Face's greedy tokens and
 logprobs with chunked prefill, prefix caching and preemption; micro-batches of different
 requests keep the stages busy and never hold a request whose token is still in flight;
+penalised greedy tokens equal the dense PyTorch reference's;
 each stage holds its own layers and their KV cache only; a killed stage fails its requests
 with an error naming it."""
 
@@ -17,6 +18,7 @@ import ray
 
 from engine_checks import assert_engine_idle, kill_worker_at_step
 from hf_reference import assert_logprobs_match_hf, hf_greedy
+from penalty_reference import penalised_greedy
 from raylm.engine import LLM, SamplingParams
 from raylm.parallel.pipeline import get_pp_indices
 from tiny_models import build_tiny_model
@@ -161,6 +163,19 @@ def test_without_async_scheduling_one_batch_at_a_time_gives_the_same_tokens(pp_l
     stepwise_llm.shutdown()
     assert stepwise == pipelined
     assert seen["max_in_flight"] == 1
+
+
+def test_penalised_greedy_tokens_equal_the_dense_reference(pp_llm):
+    # The token histories that penalties read are kept by the worker that samples alone
+    # (the last stage's tensor-parallel rank 0).
+    model_dir, llm, _, _ = pp_llm
+    prompts = shared_prefix_prompts(6, seed=23)
+    penalties = [(1.3, 0.0, 0.0), (1.2, 0.4, 0.3), (0.8, 0.2, -0.5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=r,
+                             frequency_penalty=f, presence_penalty=p) for r, f, p in penalties * 2]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert output.outputs[0].token_ids == penalised_greedy(model_dir, prompt, MAX_TOKENS, *penalties[i % 3])
 
 
 # Last: it kills a worker of the module's engine (pytest runs a parametrized module

@@ -133,8 +133,38 @@ def test_penalties_read_the_proposals_before_each_position():
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0)
     metadata = SamplingMetadata.from_params([params], prompt_token_ids=[[9]], output_token_ids=[[8]])
     rows = expand_metadata(metadata, [[3, 4]])
-    assert rows.output_token_ids == [[8], [8, 3], [8, 3, 4]]
-    assert rows.prompt_token_ids == [[9], [9], [9]]
+    assert [rows.output_token_ids(i).tolist() for i in range(3)] == [[8], [8, 3], [8, 3, 4]]
+    assert [rows.prompt_token_ids(i).tolist() for i in range(3)] == [[9], [9], [9]]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "dense"])
+def test_penalised_rows_after_proposals_equal_the_dense_reference(native, monkeypatch):
+    # Each row reads its request's history and the proposals before it, staged in the
+    # history's buffer: the CPU's native pass and the dense form (a GPU's) alike.
+    from penalty_reference import dense_penalties
+    from raylm.executors.sampler import process_logits
+    from raylm.kernels import cpu_ops
+
+    if not native:
+        monkeypatch.setattr(cpu_ops, "usable", lambda *tensors: False)
+    gen = torch.Generator().manual_seed(8)
+    vocab = 97
+    prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (30, 1, 12)]
+    outputs = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (5, 0, 70)]
+    drafts = [[3, 3, 41], [], [7, 60]]
+    penalties = [(1.4, 0.3, 0.2), (0.7, -0.2, 0.5), (1.1, 1.0, 0.0)]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+              for r, f, p in penalties]
+    metadata = SamplingMetadata.from_params(params, prompt_token_ids=prompts, output_token_ids=outputs)
+    # Whatever lay past a history (proposals staged an earlier step) is not read.
+    metadata.histories[1].stage([5, 6])
+    rows = expand_metadata(metadata, drafts)
+    logits = torch.randn(rows.num_rows, vocab, generator=gen) * 3
+    entries = []
+    for r, proposals in enumerate(drafts):
+        for i in range(len(proposals) + 1):
+            entries.append((len(entries), prompts[r], outputs[r] + proposals[:i], *penalties[r]))
+    torch.testing.assert_close(process_logits(logits, rows), dense_penalties(logits, entries), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad_position", [0, 2])

@@ -8,13 +8,26 @@ generation config sends: temperature alone, top-p, top-k + top-p, min-p, and Qwe
 defaults (temperature 0.7, top-p 0.8, top-k 20, repetition penalty 1.05, over
 --prompt-len prompt and --output-len output tokens of history). The two paths alternate call
 by call (so drift of a shared machine hits both) and the fastest of --repeats calls counts.
+
+Then the penalised decode step timed whole, history handling included: --rows rows with
+Qwen2.5's defaults over --history-prompt-len + --history-output-len tokens, each step
+appending every row's drawn token to its history, building the metadata and sampling.
+"buffers" is what the worker does (executors/token_history.py: the token appended to a
+growing int64 buffer, which the native pass reads in place); "lists" is what it did before:
+Python lists appended, and every step converted into one int64 buffer (array.extend, as the
+sampler did) whose per-row views go to the same native pass. The two alternate step by step
+for --history-steps steps each, timed whole ("step") and up to the penalised logits, without
+the draw ("to penalties": the history's share); the native penalty pass alone is timed
+beside them.
 Prints one row per case and the ratio, then ``RESULT {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import json
+import statistics
 import random
 import time
 from collections.abc import Callable
@@ -22,8 +35,9 @@ from collections.abc import Callable
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
-from raylm.executors.sampler import Sampler
+from raylm.executors.sampler import Sampler, process_logits
 from raylm.executors.sampling_metadata import SamplingMetadata
+from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 
 CASES: dict[str, dict] = {
@@ -37,11 +51,84 @@ CASES: dict[str, dict] = {
 
 def case_metadata(params: dict, rows: int, vocab_size: int, prompt_len: int, output_len: int,
                   rng: random.Random) -> SamplingMetadata:
-    histories = "repetition_penalty" in params
-    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] if histories else [] for _ in range(rows)]
-    outputs = [[rng.randrange(vocab_size) for _ in range(output_len)] if histories else [] for _ in range(rows)]
-    return SamplingMetadata(list(range(rows)), [SamplingParams(**params) for _ in range(rows)], prompts, outputs,
-                            [None] * rows)
+    if "repetition_penalty" not in params:
+        return SamplingMetadata(list(range(rows)), [SamplingParams(**params) for _ in range(rows)], [None] * rows,
+                                [0] * rows, [None] * rows)
+    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(rows)]
+    outputs = [[rng.randrange(vocab_size) for _ in range(output_len)] for _ in range(rows)]
+    return SamplingMetadata.from_params([SamplingParams(**params) for _ in range(rows)], prompts, outputs)
+
+
+class _ListsSnapshot:
+    """A row's history as the sampler reads it, over a view of the step's converted lists."""
+
+    def __init__(self, token_ids, num_prompt_tokens: int) -> None:
+        self.token_ids, self.num_prompt_tokens = token_ids, num_prompt_tokens
+
+
+def history_step_times(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, prompt_len: int,
+                       output_len: int, steps: int, rng: random.Random) -> dict:
+    """Seconds per penalised decode step, history handling included, for the worker's
+    buffers and for the former per-step conversion of lists (module docstring), the two
+    alternating; and of the native penalty pass alone over the buffers."""
+    rows, vocab_size = logits.shape
+    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(rows)]
+    outputs = [[rng.randrange(vocab_size) for _ in range(output_len)] for _ in range(rows)]
+    histories = [TokenHistory(prompt + output, prompt_len) for prompt, output in zip(prompts, outputs)]
+    req_ids, params_list, generators = list(range(rows)), [params] * rows, [None] * rows
+    drawn = {"buffers": [0] * rows, "lists": [0] * rows}
+
+    def buffers_metadata() -> SamplingMetadata:
+        return SamplingMetadata(req_ids, params_list, histories, [h.num_tokens for h in histories], generators)
+
+    def lists_metadata() -> SamplingMetadata:
+        token_ids = array.array("q")
+        lengths = []
+        for prompt, output in zip(prompts, outputs):
+            token_ids.extend(prompt)
+            token_ids.extend(output)
+            lengths.append(len(prompt) + len(output))
+        views = torch.frombuffer(token_ids, dtype=torch.long).split(lengths)
+        return SamplingMetadata(req_ids, params_list, [_ListsSnapshot(view, prompt_len) for view in views], lengths,
+                                generators)
+
+    def buffers_step(whole: bool = True) -> None:
+        for history, token in zip(histories, drawn["buffers"]):
+            history.extend([token])
+        if whole:
+            drawn["buffers"] = [token.token_id for token in sampler(logits, buffers_metadata())]
+        else:
+            process_logits(logits, buffers_metadata())
+
+    def lists_step(whole: bool = True) -> None:
+        for output, token in zip(outputs, drawn["lists"]):
+            output.append(token)
+        if whole:
+            drawn["lists"] = [token.token_id for token in sampler(logits, lists_metadata())]
+        else:
+            process_logits(logits, lists_metadata())
+
+    def penalty_pass() -> None:
+        cpu_ops.apply_penalties(logits.clone(), torch.arange(rows), [h.token_ids for h in histories],
+                                torch.tensor([h.num_tokens for h in histories]), torch.full((rows,), prompt_len),
+                                torch.full((rows,), params.repetition_penalty), torch.zeros(rows), torch.zeros(rows))
+
+    clone = lambda: logits.clone()  # noqa: E731 (what the penalty pass pays beside its work)
+    calls = {"buffers": buffers_step, "lists": lists_step, "penalty_pass": penalty_pass, "clone": clone,
+             # The history's share alone: the step up to the penalised logits, without the draw.
+             "buffers_penalties": lambda: buffers_step(whole=False), "lists_penalties": lambda: lists_step(whole=False)}
+    # The two read the same histories the same way (the draws, unseeded, then differ).
+    assert torch.equal(process_logits(logits, buffers_metadata()), process_logits(logits, lists_metadata()))
+    for call in calls.values():
+        call()  # warm
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for step in range(steps):
+        for name in (names if step % 2 else names[::-1]):
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: (min(values), statistics.median(values)) for name, values in times.items()}
 
 
 def fastest_alternating(native: Callable[[], object], pytorch: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -63,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--history-prompt-len", type=int, default=2048)
+    parser.add_argument("--history-output-len", type=int, default=128)
+    parser.add_argument("--history-steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not cpu_ops.usable(torch.zeros(1)):
@@ -91,7 +181,30 @@ def main(argv: list[str] | None = None) -> dict:
                                 pytorch_over_native=pytorch_s / native_s))
             print(f"{vocab_size:>7}  {name:22s} {native_s * 1e3:10.2f} {pytorch_s * 1e3:11.2f} "
                   f"{pytorch_s / native_s:6.1f}x", flush=True)
-    result = dict(rows=args.rows, prompt_len=args.prompt_len, output_len=args.output_len, cases=results)
+    history_steps = []
+    print(f"\n{args.rows} penalised rows over {args.history_prompt_len} + {args.history_output_len} tokens, "
+          f"the decode step with its history handling (min / median of {args.history_steps} steps, ms)")
+    print(f"{'vocab':>7}  {'timed':13s} {'buffers':>15} {'lists':>15} {'lists/buffers':>13} {'penalty pass':>15}")
+    for vocab_size in args.vocab_sizes:
+        logits = torch.randn(args.rows, vocab_size, generator=torch.Generator().manual_seed(args.seed)) * 3
+        times = history_step_times(sampler, logits, SamplingParams(**CASES["qwen2.5 defaults"]),
+                                   args.history_prompt_len, args.history_output_len, args.history_steps,
+                                   random.Random(args.seed))
+        # The pass works on a copy of the logits: the copy's time is taken off.
+        penalty_pass = tuple(a - b for a, b in zip(times["penalty_pass"], times["clone"]))
+        times["penalty_pass"] = penalty_pass
+        history_steps.append(dict(vocab_size=vocab_size, **{f"{name}_ms": [t * 1e3 for t in times[name]] for name in
+                                                            ("buffers", "lists", "buffers_penalties", "lists_penalties",
+                                                             "penalty_pass")},
+                                  lists_over_buffers=times["lists"][1] / times["buffers"][1]))
+        for label, buffers, lists in (("step", "buffers", "lists"),
+                                      ("to penalties", "buffers_penalties", "lists_penalties")):
+            cells = [f"{t[0] * 1e3:7.2f}/{t[1] * 1e3:7.2f}" for t in (times[buffers], times[lists], penalty_pass)]
+            print(f"{vocab_size:>7}  {label:13s} {cells[0]} {cells[1]} {times[lists][1] / times[buffers][1]:12.2f}x "
+                  f"{cells[2]}", flush=True)
+    result = dict(rows=args.rows, prompt_len=args.prompt_len, output_len=args.output_len, cases=results,
+                  history_prompt_len=args.history_prompt_len, history_output_len=args.history_output_len,
+                  history_steps=history_steps)
     print("RESULT " + json.dumps(result))
     return result
 

@@ -659,38 +659,44 @@ at::Tensor truncated_probs(const at::Tensor& logits, const at::Tensor& temperatu
 // and counts over the whole vocabulary, ~10 passes of [N, V]) cost 25-150 ms a step at batch
 // 64 with a 32k-128k vocabulary; a row's work here is its token count.
 // logits [*, V] fp32 (rows contiguous); rows [n] int64: the logits row of each entry;
-// token_ids [T] int64: entry j's prompt then output tokens, token_ids[offsets[j]:offsets[j+1]],
-// its output from output_starts[j]; repetition, frequency, presence [n] fp32.
-void apply_penalties(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& token_ids, const at::Tensor& offsets,
-                     const at::Tensor& output_starts, const at::Tensor& repetition, const at::Tensor& frequency,
+// histories: n int64 vectors, entry j's prompt then output tokens in
+// histories[j][0:lengths[j]], its prompt the first prompt_lens[j] of them; repetition,
+// frequency, presence [n] fp32. The histories are the workers' own growing buffers (a
+// request's, or several entries' one when they score positions after proposals): nothing
+// is copied to call this.
+void apply_penalties(at::Tensor& logits, const at::Tensor& rows, at::TensorList histories, const at::Tensor& lengths,
+                     const at::Tensor& prompt_lens, const at::Tensor& repetition, const at::Tensor& frequency,
                      const at::Tensor& presence) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "raylm::apply_penalties takes fp32 logits [N, V] with contiguous rows");
   const int64_t n = rows.numel(), V = logits.size(1), N = logits.size(0);
-  for (const at::Tensor* t : {&rows, &token_ids, &offsets, &output_starts}) {
-    TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous(),
-                "raylm::apply_penalties: rows, token_ids, offsets and output_starts are contiguous int64 vectors");
+  for (const at::Tensor* t : {&rows, &lengths, &prompt_lens}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "raylm::apply_penalties: rows, lengths and prompt_lens are contiguous int64 [n], one per entry");
   }
   for (const at::Tensor* t : {&repetition, &frequency, &presence}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "raylm::apply_penalties: repetition, frequency and presence are fp32 [n], one per row");
   }
-  TORCH_CHECK(offsets.numel() == n + 1 && output_starts.numel() == n,
-              "raylm::apply_penalties: offsets holds n + 1 entries and output_starts n");
+  TORCH_CHECK(static_cast<int64_t>(histories.size()) == n, "raylm::apply_penalties: ", histories.size(),
+              " histories for ", n, " entries");
   const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* tokens = token_ids.data_ptr<int64_t>();
-  const int64_t* offset = offsets.data_ptr<int64_t>();
-  const int64_t* output_start = output_starts.data_ptr<int64_t>();
-  const int64_t T = token_ids.numel();
-  TORCH_CHECK(offset[0] == 0 && offset[n] == T, "raylm::apply_penalties: offsets must run from 0 to the token count");
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* prompt_len = prompt_lens.data_ptr<int64_t>();
+  std::vector<const int64_t*> history(n);
   for (int64_t j = 0; j < n; ++j) {
+    const at::Tensor& h = histories[j];
+    TORCH_CHECK(h.device().is_cpu() && h.dim() == 1 && h.scalar_type() == at::kLong && h.is_contiguous(),
+                "raylm::apply_penalties: history ", j, " is not a contiguous int64 vector on the CPU");
     TORCH_CHECK(row[j] >= 0 && row[j] < N, "raylm::apply_penalties: row ", row[j], " is outside the logits");
-    TORCH_CHECK(offset[j] <= output_start[j] && output_start[j] <= offset[j + 1],
-                "raylm::apply_penalties: entry ", j, "'s offsets are out of order");
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK_VALUE(tokens[t] >= 0 && tokens[t] < V, "raylm::apply_penalties: token id ", tokens[t],
-                      " is outside the vocabulary of ", V);
+    TORCH_CHECK(0 <= prompt_len[j] && prompt_len[j] <= length[j] && length[j] <= h.numel(),
+                "raylm::apply_penalties: entry ", j, " reads ", length[j], " tokens (", prompt_len[j],
+                " of the prompt) of a history of ", h.numel());
+    history[j] = h.data_ptr<int64_t>();
+    for (int64_t t = 0; t < length[j]; ++t) {
+      TORCH_CHECK_VALUE(history[j][t] >= 0 && history[j][t] < V, "raylm::apply_penalties: token id ", history[j][t],
+                        " is outside the vocabulary of ", V);
+    }
   }
   const float* rep = repetition.data_ptr<float>();
   const float* freq = frequency.data_ptr<float>();
@@ -706,13 +712,14 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& rows, const at::Tenso
       const uint32_t stamp = static_cast<uint32_t>(j + 1);
       seen_tokens.clear();
       output_tokens.clear();
-      for (int64_t t = offset[j]; t < offset[j + 1]; ++t) {
+      const int64_t* tokens = history[j];
+      for (int64_t t = 0; t < length[j]; ++t) {
         const int64_t token = tokens[t];
         if (seen[token] != stamp) {
           seen[token] = stamp;
           seen_tokens.push_back(token);
         }
-        if (t >= output_start[j]) {
+        if (t >= prompt_len[j]) {
           if (counted[token] != stamp) {
             counted[token] = stamp;
             count[token] = 0;
@@ -752,7 +759,7 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
   m.def("random_sample_truncated(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor top_ks, Tensor top_ps, "
         "Tensor min_ps) -> Tensor");
-  m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor token_ids, Tensor offsets, Tensor output_starts, "
+  m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor[] histories, Tensor lengths, Tensor prompt_lens, "
         "Tensor repetition, Tensor frequency, Tensor presence) -> ()");
   m.def("truncated_probs(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, Tensor min_ps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
