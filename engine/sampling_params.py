@@ -16,6 +16,10 @@ _GREEDY_TEMPERATURE = 1e-5
 # native sampler refuses, failing the step. Far beyond any useful value (at 1e4 a draw is
 # already uniform over logits within a few units of each other).
 _MAX_SCALE = 1e4
+# Least a repetition penalty may be: positive logits are divided by it, so a tiny one (1e-45
+# is a valid JSON number) makes them inf and the request fails as if the model overflowed.
+# Its inverse is bounded as the penalty itself is.
+_MIN_SCALE = 1 / _MAX_SCALE
 
 # The most samples one request may ask for (n and best_of), vLLM's limit; each sample is a
 # request of its own inside the engine. RAYLM_MAX_N_SEQUENCES changes it.
@@ -50,6 +54,7 @@ class SamplingParams:
             appeared in the output. Range [-2, 2].
         repetition_penalty: Multiplicative penalty (CTRL-style) for tokens in the prompt
             or output: logits > 0 are divided by it, logits < 0 multiplied. 1 disables it.
+            Range [1e-4, 1e4].
         temperature: Softmax temperature, 0 to 1e4; 0 means greedy decoding.
         top_p: Keep the smallest set of tokens whose cumulative probability >= top_p.
         top_k: Keep the ``top_k`` most likely tokens; 0 or -1 keeps all.
@@ -135,8 +140,8 @@ class SamplingParams:
         _check(self.best_of <= MAX_N_SEQUENCES, "best_of", self.best_of, f"must be at most {MAX_N_SEQUENCES}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= _MAX_SCALE, "repetition_penalty", self.repetition_penalty,
-               f"must be greater than 0 and at most {_MAX_SCALE:g}")
+        _check(_MIN_SCALE <= self.repetition_penalty <= _MAX_SCALE, "repetition_penalty", self.repetition_penalty,
+               f"must be in [{_MIN_SCALE:g}, {_MAX_SCALE:g}]")
         _check(0.0 <= self.temperature <= _MAX_SCALE, "temperature", self.temperature,
                f"must be in [0, {_MAX_SCALE:g}]")
         _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")

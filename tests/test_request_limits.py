@@ -77,6 +77,9 @@ HOSTILE = {
     "chat temperature of 1e39": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1e39}, "temperature"),
     "repetition_penalty of 1e39": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e39},
                                    "repetition_penalty"),
+    # Positive logits are divided by it: 1e-45 made them inf, and the request a 500.
+    "repetition_penalty of 1e-45": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-45},
+                                    "repetition_penalty"),
     "max_tokens of 10**18": ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**18}, "max_tokens"),
     "chat max_tokens of 10**18": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**18}, "max_tokens"),
 }
