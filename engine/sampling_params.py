@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from raylm.engine import envs
+from raylm.engine.beam_search import MAX_LENGTH_PENALTY
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
@@ -79,7 +79,7 @@ class SamplingParams:
         use_beam_search: vLLM 0.4's beam search: `best_of` beams (more than 1), greedy
             (temperature 0, top_p 1, top_k off), the `n` best returned.
         length_penalty: Beam search: finished beams are scored by
-            sum(logprobs) / length ** length_penalty.
+            sum(logprobs) / length ** length_penalty (from -10 to 10).
         early_stopping: Beam search: True stops when `best_of` beams have finished, False
             when no running beam can heuristically beat them, "never" when none can at all.
         structured_outputs: Constrains the output to a JSON schema, a regex, a choice or a
@@ -144,7 +144,8 @@ class SamplingParams:
                f"must be in [{_MIN_SCALE:g}, {_MAX_SCALE:g}]")
         _check(0.0 <= self.temperature <= _MAX_SCALE, "temperature", self.temperature,
                f"must be in [0, {_MAX_SCALE:g}]")
-        _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")
+        _check(-MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY, "length_penalty", self.length_penalty,
+               f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (disable) or at least 1")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")

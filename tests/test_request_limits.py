@@ -80,6 +80,13 @@ HOSTILE = {
     # Positive logits are divided by it: 1e-45 made them inf, and the request a 500.
     "repetition_penalty of 1e-45": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-45},
                                     "repetition_penalty"),
+    # A finished beam's score divides by length ** length_penalty: these overflowed, a 500.
+    "beam search length_penalty of 1e308": ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "best_of": 2,
+                                                                "temperature": 0, "length_penalty": 1e308},
+                                            "length_penalty"),
+    "beam search length_penalty of -1e308": ("/v1/completions", {"prompt": "Hi", "use_beam_search": True,
+                                                                 "best_of": 2, "temperature": 0,
+                                                                 "length_penalty": -1e308}, "length_penalty"),
     "max_tokens of 10**18": ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**18}, "max_tokens"),
     "chat max_tokens of 10**18": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**18}, "max_tokens"),
 }
