@@ -7,6 +7,7 @@ fields are accepted and ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -28,6 +29,35 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body, whose text must be Unicode. JSON's \\ud800-\\udfff escapes can spell a
+    lone surrogate, which Python keeps in a str but nothing downstream can encode: the
+    tokenizer raises on it, and a constraint holding one would make the grammar compile
+    worker look dead (every constrained request a 503 for a while). Refused here, once, with
+    a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if name in cls.model_fields and not _is_unicode(value):
+                    raise ParameterError(f"{name} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without "
+                                         f"its pair), which is not Unicode text.", name)
+        return data
+
+
+def _is_unicode(value: Any) -> bool:
+    """Whether every string in a JSON value (keys included) encodes as UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, TypeError, RecursionError):
+        return True  # not the JSON its field takes: the field's own validation says so
+    return True
 
 
 # ------------------------------------------------------------------ errors
@@ -105,7 +135,7 @@ class ResponseFormat(OpenAIBaseModel):
     triggers: Any = None
 
 
-class StructuredOutputFields(OpenAIBaseModel):
+class StructuredOutputFields(OpenAIRequest):
     """The request fields that may ask for an output constraint, in completions and chat
     (read by deploy/structured_outputs.py)."""
 
@@ -467,7 +497,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # ------------------------------------------------------- tokenize endpoints
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -487,7 +517,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 

@@ -4,6 +4,7 @@ flat and the server serving; tokenizing and chat templates run off the event loo
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -119,6 +120,44 @@ def test_a_number_json_reads_as_infinite_is_a_400_naming_its_field(server, field
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+    assert_served(base_url)
+
+
+# case: (route, body, the error's "param"); each body holds a lone surrogate, which
+# json.dumps writes as a \\udfff escape (valid JSON that no UTF-8 can encode).
+LONE_SURROGATES = {
+    "prompt": ("/v1/completions", {"prompt": "Hi \udfff"}, "prompt"),
+    "one of several prompts": ("/v1/completions", {"prompt": ["Hi", "\ud800 there"]}, "prompt"),
+    "stop string": ("/v1/completions", {"prompt": "Hi", "stop": ["\udfff"]}, "stop"),
+    "chat message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    "chat content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]}, "messages"),
+    "chat role": ("/v1/chat/completions", {"messages": [{"role": "\udfff", "content": "Hi"}]}, "messages"),
+    "chat_template_kwargs": ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"x": "\udfff"}},
+                             "chat_template_kwargs"),
+    "model": ("/v1/completions", {"prompt": "Hi", "model": "\udfff"}, "model"),
+    "/tokenize prompt": ("/tokenize", {"prompt": "\udfff"}, "prompt"),
+    "/tokenize messages": ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    "guided_regex": ("/v1/completions", {"prompt": "Hi", "guided_regex": "\udfff"}, "guided_regex"),
+    "a JSON schema's key": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"\udfff": {}}}}}},
+        "response_format"),
+}
+
+
+@pytest.mark.parametrize("case", list(LONE_SURROGATES))
+def test_a_lone_surrogate_anywhere_is_a_400_naming_its_field(server, case):
+    # The tokenizer raised on these (a 500), and one in a constraint made the grammar compile
+    # worker refuse every constrained request (a 503) for a growing pause.
+    base_url, _ = server
+    path, body, param = LONE_SURROGATES[case]
+    response = httpx.post(base_url + path, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+    constrained = post(base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "guided_regex": "[ab]+"})
+    assert constrained.status_code == 200, constrained.text
     assert_served(base_url)
 
 
