@@ -5,6 +5,7 @@ flat and the server serving; tokenizing and chat templates run off the event loo
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from raylm.deploy.limits import PROMPT_CHARS_PER_TOKEN, RequestLimits
 from raylm.deploy.server_args import ServerArgs
 from raylm.engine import LLM, BeamSearchParams, SamplingParams
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
+from raylm.engine.structured_output.params import StructuredOutputsParams
 from server_process import rss_kib, running_server
 
 MODEL = "tiny-llama"
@@ -278,4 +280,25 @@ def test_max_logprobs_bounds_the_beam_width_at_half(llm):
     assert len(output.sequences) == 2
     with pytest.raises(ValueError, match="beam search asks for 2 x beam_width"):
         llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=3, max_tokens=2))
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_llm_refuses_text_that_is_not_unicode_naming_its_field_and_keeps_compiling_grammars(llm):
+    # Lone surrogates (what JSON's \\udXXX escapes can spell) were a TypeError from the
+    # tokenizer, went unseen in a short cache_salt, and in a constraint stopped the grammar
+    # compile worker for a growing pause (a GrammarCompilerUnavailableError for everything).
+    params = SamplingParams(max_tokens=3)
+    cases = {
+        "prompt": lambda: llm.generate(["Hi \udfff"], params, use_tqdm=False),
+        "messages": lambda: llm.chat([{"role": "user", "content": "\udfff"}], params, use_tqdm=False),
+        "cache_salt": lambda: llm.generate([{"prompt": "Hi", "cache_salt": "\udfff"}], params, use_tqdm=False),
+        "structured_outputs": lambda: llm.generate(["Hi"], SamplingParams(
+            max_tokens=3, structured_outputs=StructuredOutputsParams(regex="\udfff")), use_tqdm=False),
+    }
+    for param, run in cases.items():
+        with pytest.raises(ValueError, match="lone UTF-16 surrogate") as error:
+            run()
+        assert error.value.param == param
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    assert re.fullmatch("[ab]+", llm.generate(["Hi"], constrained, use_tqdm=False)[0].outputs[0].text)
     assert llm.llm_engine.get_num_unfinished_requests() == 0
