@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
@@ -378,6 +378,17 @@ class ChatMessage(OpenAIBaseModel):
     # An assistant message's calls and a tool message's answer (deploy/tool_calls.py).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_text_parts(cls, content: Any) -> Any:
+        """A text part's text is a string (OpenAI's and vLLM's rule): anything else failed
+        when the parts were joined, a 500, and escaped the character limit."""
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{index}] is a text part whose text must be a string, got "
+                                 f"{type(part.get('text')).__name__}.")
+        return content
 
     def text(self) -> str:
         """The message's text; a list of content parts is joined (text parts only)."""

@@ -224,6 +224,12 @@ BAD_REQUESTS = {
     "message without a role": ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}, 400, "messages"),
     "image content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    "text part whose text is a number": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, 400, "messages"),
+    "text part without text": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}, 400, "messages"),
+    "/tokenize text part whose text is a list": ("/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": ["a", "b"]}]}]}, 400, "messages"),
     "top_logprobs above 20": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
                               "top_logprobs"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400,
