@@ -239,6 +239,6 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python's parser reads
         return call
     return {**call, "function": {**function, "arguments": arguments}}

@@ -264,6 +264,18 @@ def test_bad_request_gets_openai_error_naming_its_field_and_server_keeps_serving
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
 
+def test_a_tool_call_whose_arguments_nest_past_pythons_json_parser_is_kept_as_text(server, client):
+    # The arguments are handed to the chat template as an object when they parse; 100,000
+    # brackets raised RecursionError in json.loads, a 500.
+    call = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    messages = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "1"}]
+    response = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
 def test_bad_streamed_request_names_its_field_too(server):
     body = {"model": MODEL, "prompt": "Hi", "stream": True, "n": 2, "best_of": 3, "temperature": 1}
     response = httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
