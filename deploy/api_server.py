@@ -262,7 +262,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
         else:
             text = request.prompt
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
-        tokens = await completions.off_loop(completions.tokenize, text, add_special)
+        param = "prompt" if request.messages is None else "messages"
+        tokens = await completions.off_loop(completions.tokenize, text, add_special, param)
         return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=model_config.max_model_len,
                                              tokens=tokens).model_dump())
 

@@ -75,6 +75,9 @@ HOSTILE = {
         {"role": "user", "content": "Hi " * 700_000}]}, "messages"),
     "a 2,000,000-character prompt": ("/v1/completions", {"prompt": "Hi " * 700_000}, "prompt"),
     "a 2,000,000-character /tokenize prompt": ("/tokenize", {"prompt": "Hi " * 700_000}, "prompt"),
+    # 8,192 characters of content, the limit, rendered with the template's role tags: 77,838.
+    "/tokenize messages rendered past the character limit": ("/tokenize", {"messages": [
+        {"role": "user", "content": "xx"}] * 4096}, "messages"),
     # 1e39 is finite in JSON and in Python, inf in the sampler's fp32.
     "temperature of 1e39": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, "temperature"),
     "chat temperature of 1e39": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1e39}, "temperature"),
