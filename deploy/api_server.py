@@ -40,6 +40,7 @@ from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, Det
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
 from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
@@ -56,6 +57,8 @@ VERSION = "0.1.0"
 # and the metrics hold only aggregate counters (no prompt, output or key), so a scraper
 # needs no key that could also spend the engine's time (vLLM leaves /metrics open too).
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
+# The status of a request whose client left before its answer (nginx's, which HTTP lacks).
+CLIENT_CLOSED_REQUEST = 499
 # How often `raylm serve` looks whether the engine loop has died.
 ENGINE_WATCH_PERIOD_S = 0.5
 
@@ -212,6 +215,12 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.exception_handler(AsyncEngineDeadError)
     async def _engine_dead(_: Request, exc: AsyncEngineDeadError) -> JSONResponse:
         return error_response(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_disconnected(_: Request, __: ClientDisconnected) -> Response:
+        # Nobody reads it; nginx's 499 tells the access log what happened. Raised unhandled,
+        # as it was, each left request logged a traceback of some 50 lines.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     # The last added is the outermost.
     app.add_middleware(_BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)

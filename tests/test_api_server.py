@@ -25,8 +25,13 @@ PROMPTS = ["The quick brown fox", "Paged attention stores", "Hello, world!", "fo
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, server_log: Path):
+    log = server_log
     with running_server([str(llama_dir), "--api-key", API_KEY, "--served-model-name", MODEL,
                          "--num-gpu-blocks-override", str(ENGINE_KWARGS["num_gpu_blocks_override"])], log) as (_, url):
         yield url
@@ -365,6 +370,36 @@ def test_disconnected_clients_leave_no_running_request_and_no_block(server):
         assert time.monotonic() < deadline, f"still running={running} waiting={waiting} blocks={used}"
         time.sleep(0.2)
     assert _metric(metrics, "raylm:kv_cache_usage_perc") == 0
+
+
+def wait_idle(server: str, timeout: float = 30) -> None:
+    """Until no request runs or waits and no KV block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = httpx.get(server + "/metrics").text
+        state = [_metric(metrics, name) for name in ("raylm:num_requests_running", "raylm:num_requests_waiting",
+                                                     "raylm:num_kv_cache_blocks_used")]
+        if state == [0, 0, 0]:
+            return
+        assert time.monotonic() < deadline, f"still running, waiting, blocks held: {state}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it_without_a_traceback(server, server_log, route):
+    # The disconnect was raised as an unhandled CancelledError: uvicorn logged "Exception in
+    # ASGI application" and ~50 lines of traceback for every client that left.
+    # About 50,000 tokens: seconds of work for the tiny model, which the client leaves after one.
+    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "temperature": 1, "n": 256,
+            **({"prompt": PROMPTS[0]} if route == "/v1/completions" else {"messages": CHAT})}
+    tracebacks = server_log.read_text().count("Traceback")
+    generated = _metric(httpx.get(server + "/metrics").text, "raylm:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + route, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.0)
+    wait_idle(server)
+    # It was stopped, not run to the end.
+    assert _metric(httpx.get(server + "/metrics").text, "raylm:generation_tokens_total") - generated < 256 * 200
+    assert server_log.read_text().count("Traceback") == tracebacks, server_log.read_text()[-3000:]
 
 
 def test_metrics_count_tokens_and_latencies(server, client):
