@@ -84,6 +84,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
+        self.limits.check_response_size([(len(token_ids), params)])
         if tool_mode is not None and tool_mode.choice == "auto":
             skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
             if skip_special_tokens is not None:

@@ -78,6 +78,19 @@ HOSTILE = {
     # 8,192 characters of content, the limit, rendered with the template's role tags: 77,838.
     "/tokenize messages rendered past the character limit": ("/tokenize", {"messages": [
         {"role": "user", "content": "xx"}] * 4096}, "messages"),
+    # Each size within its own limit, their product not: this one grew the server by 3 GB in two
+    # minutes until the engine died for want of memory.
+    "16,384 samples x 254 tokens x 20 logprobs": ("/v1/completions", {"prompt": "Hi", "n": 16384, "temperature": 1,
+                                                                       "max_tokens": 254, "logprobs": 20},
+                                                  "max_tokens"),
+    "chat: 16,384 samples to the end of the context x 20 logprobs": ("/v1/chat/completions", {
+        "messages": CHAT, "n": 16384, "temperature": 1, "logprobs": True, "top_logprobs": 20}, "max_tokens"),
+    "1,024 prompts of 250 tokens x 20 prompt_logprobs": ("/v1/completions", {"prompt": [[5] * 250] * 1024,
+                                                                             "max_tokens": 1, "prompt_logprobs": 20},
+                                                         "prompt_logprobs"),
+    "echo of 1,024 prompts of 250 tokens x 20 logprobs": ("/v1/completions", {"prompt": [[5] * 250] * 1024,
+                                                                              "max_tokens": 1, "echo": True,
+                                                                              "logprobs": 20}, "logprobs"),
     # 1e39 is finite in JSON and in Python, inf in the sampler's fp32.
     "temperature of 1e39": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, "temperature"),
     "chat temperature of 1e39": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1e39}, "temperature"),
@@ -172,7 +185,10 @@ def test_limit_errors_name_the_limit(server):
         "/v1/completions": [({"prompt": "Hi", "logprobs": 21}, "20"), ({"prompt": ["Hi"] * 1025}, "1024"),
                             ({"prompt": "Hi", "stop": ["s"] * 65}, "64"),
                             ({"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "1024")],
-        "/v1/chat/completions": [({"messages": CHAT * 4097}, "4096")],
+        "/v1/chat/completions": [({"messages": CHAT * 4097}, "4096"),
+                                 ({"messages": CHAT, "n": 16384, "temperature": 1, "max_tokens": 230,
+                                   "logprobs": True, "top_logprobs": 1},
+                                  "4,194,304 are allowed (--max-response-tokens)")],
     }
     for path, cases in checks.items():
         for body, limit in cases:
@@ -250,8 +266,8 @@ def test_limits_are_serve_flags_with_documented_defaults():
     assert RequestLimits() == ServerArgs.from_cli_args(build_parser().parse_args(["serve"])).limits
     defaults = RequestLimits()
     assert (defaults.max_prompts_per_request, defaults.max_stop_strings, defaults.max_stop_string_chars,
-            defaults.max_stop_token_ids, defaults.max_logit_bias, defaults.max_chat_messages) == \
-        (1024, 64, 256, 1024, 1024, 4096)
+            defaults.max_stop_token_ids, defaults.max_logit_bias, defaults.max_chat_messages,
+            defaults.max_response_tokens) == (1024, 64, 256, 1024, 1024, 4096, 2**22)
     assert defaults.prompt_chars(MAX_MODEL_LEN) == PROMPT_CHARS_PER_TOKEN * MAX_MODEL_LEN
     assert RequestLimits(max_prompt_chars=10).prompt_chars(MAX_MODEL_LEN) == 10
     assert MAX_N_SEQUENCES == 16384
