@@ -294,6 +294,20 @@ def test_malformed_json_is_400(server, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.parametrize("body,says", [
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper than its JSON parser goes"),
+    (b'{"prompt": "\xff\xfe"}', "not UTF-8 text: invalid start byte at byte 12"),
+    (b'{"prompt": "Hi", "seed": ' + b"9" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
+], ids=["nested 100,000 deep", "not UTF-8", "a 5,000-digit integer"])
+def test_a_body_json_loads_raises_on_is_400_saying_why(server, client, body, says):
+    # FastAPI answers these "There was an error parsing the body", whatever the cause.
+    response = httpx.post(server + "/v1/completions", content=body,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    _check_error(response, 400)
+    assert says in response.json()["error"]["message"], response.text
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
 def test_missing_or_wrong_api_key_is_401_and_openai_client_raises(server, client):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         _check_error(httpx.post(server + "/v1/completions", json={"prompt": "Hi"}, headers=headers), 401)
