@@ -68,7 +68,9 @@ class OpenAIServingChat(OpenAIServing):
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise OpenAIError(f"The chat template failed on these messages: {exc}", param="messages") from None
+            # A MemoryError (a trusted template asking for gigabytes) says nothing of itself.
+            raise OpenAIError(f"The chat template failed on these messages: {str(exc) or type(exc).__name__}",
+                              param="messages") from None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)

@@ -258,6 +258,16 @@ def test_health_answers_while_a_chat_template_renders(server):
     assert latencies and max(latencies) < 1.0, latencies
 
 
+def test_a_template_error_without_a_message_is_named_by_its_type(server):
+    # A trusted template that asks for gigabytes fails with a MemoryError whose message is
+    # empty: the 400 read "The chat template failed on these messages: " and stopped there.
+    base_url, _ = server
+    response = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                       "chat_template": "{{ raise_exception('') }}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].endswith("messages: TemplateError"), response.text
+
+
 # ------------------------------------------------------------- unit level
 def test_limits_are_serve_flags_with_documented_defaults():
     args = build_parser().parse_args(["serve", "--max-stop-strings", "3", "--max-logprobs", "5"])
