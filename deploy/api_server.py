@@ -9,9 +9,10 @@ GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 
 What guards them, outermost first (pure ASGI middleware, so streams and client disconnects
 pass through untouched): the API key, on every route but /health and /metrics; the bound on
-requests in flight (429 past it); the bound on the body's size (413 past it, found while
-the body is read). `raylm serve` adds the process's lifecycle: SIGTERM drains, and the
-process exits non-zero once the engine loop has died.
+requests in flight (429 past it); the bounds on the body's size (413 past it, found while
+the body is read) and on the time it takes to arrive (408 past it). `raylm serve` adds the
+process's lifecycle: SIGTERM drains, and the process exits non-zero once the engine loop
+has died.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, Det
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
 from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
@@ -56,6 +58,8 @@ VERSION = "0.1.0"
 # and the metrics hold only aggregate counters (no prompt, output or key), so a scraper
 # needs no key that could also spend the engine's time (vLLM leaves /metrics open too).
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
+# The status of a request whose client left before its answer (nginx's, which HTTP lacks).
+CLIENT_CLOSED_REQUEST = 499
 # How often `raylm serve` looks whether the engine loop has died.
 ENGINE_WATCH_PERIOD_S = 0.5
 
@@ -143,13 +147,16 @@ class _ConcurrencyLimitMiddleware:
             in_flight.count -= 1
 
 
-class _BodySizeLimitMiddleware:
+class _BodyLimitMiddleware:
     """Answers 413 to a body over `max_bytes`: at once when its Content-Length says so,
-    else as soon as the bytes read pass the limit (a chunked body), never buffering more."""
+    else as soon as the bytes read pass the limit (a chunked body), never buffering more;
+    and 408 to a body not all read `timeout_s` after the request began, so that a client
+    that sends part of one and waits does not hold a place among the requests in flight."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     def _too_large(self) -> str:
         return (f"The request body is larger than {self.max_bytes} bytes, the server's limit "
@@ -164,19 +171,29 @@ class _BodySizeLimitMiddleware:
             await error_response(self._too_large(), HTTPStatus.REQUEST_ENTITY_TOO_LARGE)(scope, receive, send)
             return
         received = 0
+        body_read = False
+        deadline = time.monotonic() + self.timeout_s
 
-        async def receive_within_limit() -> Message:
-            nonlocal received
-            message = await receive()
+        async def receive_within_limits() -> Message:
+            nonlocal received, body_read
+            if body_read:  # later reads wait for the client to leave: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                # FastAPI re-raises an HTTPException from reading the body; the error
+                # handlers turn it into the OpenAI error body.
+                raise StarletteHTTPException(int(HTTPStatus.REQUEST_TIMEOUT), (
+                    f"The request body did not arrive within {self.timeout_s:g} s of the request "
+                    f"(--request-body-timeout).")) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    # FastAPI re-raises an HTTPException from reading the body; the error
-                    # handlers turn it into the OpenAI error body.
                     raise StarletteHTTPException(int(HTTPStatus.REQUEST_ENTITY_TOO_LARGE), self._too_large())
+                body_read = not message.get("more_body", False)
             return message
 
-        await self.app(scope, receive_within_limit, send)
+        await self.app(scope, receive_within_limits, send)
 
 
 def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> FastAPI:
@@ -213,8 +230,15 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     async def _engine_dead(_: Request, exc: AsyncEngineDeadError) -> JSONResponse:
         return error_response(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
 
+    @app.exception_handler(ClientDisconnected)
+    async def _client_disconnected(_: Request, __: ClientDisconnected) -> Response:
+        # Nobody reads it; nginx's 499 tells the access log what happened. Raised unhandled,
+        # as it was, each left request logged a traceback of some 50 lines.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     # The last added is the outermost.
-    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=server_args.max_request_body_bytes,
+                       timeout_s=server_args.request_body_timeout)
     app.add_middleware(_ConcurrencyLimitMiddleware, max_requests=server_args.max_concurrent_requests,
                        in_flight=app.state.requests_in_flight)
     if api_key:
@@ -262,7 +286,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
         else:
             text = request.prompt
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
-        tokens = await completions.off_loop(completions.tokenize, text, add_special)
+        param = "prompt" if request.messages is None else "messages"
+        tokens = await completions.off_loop(completions.tokenize, text, add_special, param)
         return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=model_config.max_model_len,
                                              tokens=tokens).model_dump())
 

@@ -97,6 +97,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{location}: {message}" if location else message), param
 
 
+def _http_error_message(exc: Exception) -> str:
+    """The message of an HTTPException. FastAPI answers a body that json.loads raised on
+    with anything but a JSONDecodeError (nesting past the recursion limit, bytes that are
+    not UTF-8, an integer of thousands of digits) with a bare "There was an error parsing the
+    body"; the error it chains says which."""
+    cause = exc.__cause__
+    if getattr(exc, "status_code", None) != HTTPStatus.BAD_REQUEST or cause is None:
+        return str(getattr(exc, "detail", exc))
+    if isinstance(cause, RecursionError):
+        return "The request body is not JSON the server can read: it nests deeper than its JSON parser goes."
+    if isinstance(cause, UnicodeDecodeError):
+        return f"The request body is not UTF-8 text: {cause.reason} at byte {cause.start}."
+    if isinstance(cause, ValueError):  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        return f"The request body is not JSON the server can read: {str(cause).split(':')[0]}."
+    return str(getattr(exc, "detail", exc))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
@@ -114,7 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), HTTPStatus(exc.status_code))
+        return error_response(_http_error_message(exc), HTTPStatus(exc.status_code))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -42,6 +42,11 @@ class RequestLimits:
     max_prompt_chars: int | None = field(default=None, metadata=setting(
         f"Most characters of one text prompt, or of a chat request's messages together, before tokenization; "
         f"default: {PROMPT_CHARS_PER_TOKEN} x max_model_len (longer text could not fit the context)."))
+    max_response_tokens: int = field(default=1 << 22, metadata=setting(
+        "Most tokens one request's response may hold, logprobs counted, checked before it runs: its prompts x "
+        "best_of x max_tokens generated tokens, each counting 1 + logprobs, and with prompt_logprobs (or echo with "
+        "logprobs) each prompt token counting 1 + prompt_logprobs in each of its n choices. Bounds what one request "
+        "holds in memory (some 200 bytes each) and its share of the engine."))
     # Structured outputs and tools: what a grammar's compile time grows with.
     max_structured_output_chars: int = field(default=65536, metadata=setting(
         "Most characters of a request's structured-output constraint (its JSON schema as JSON, regex, grammar or "
@@ -100,6 +105,31 @@ class RequestLimits:
         if depth > self.max_json_schema_depth:
             raise OpenAIError(f"{param}: the JSON schema nests {depth} levels deep; at most "
                               f"{self.max_json_schema_depth} are allowed (--max-json-schema-depth).", param=param)
+
+    def check_response_size(self, prompts: list[tuple[int, Any]], prompt_logprobs_param: str = "prompt_logprobs"
+                            ) -> None:
+        """What the response to a request may hold, from each prompt's length and its
+        SamplingParams (max_tokens resolved): n, best_of and max_tokens multiply, and every
+        logprob asked for is one more entry per token. Past the limit, a 400 naming the field
+        that weighs most: max_tokens, or the one that asked for the prompt's logprobs
+        (`prompt_logprobs_param`: completions' echo asks with logprobs)."""
+        generated = scored = 0
+        for prompt_len, params in prompts:
+            generated += params.best_of * params.max_tokens * (1 + (params.logprobs or 0))
+            if params.prompt_logprobs is not None:
+                scored += params.n * prompt_len * (1 + params.prompt_logprobs)
+        if generated + scored <= self.max_response_tokens:
+            return
+        params = prompts[0][1]
+        parts = [f"{len(prompts)} prompt(s) x best_of {params.best_of} x max_tokens {params.max_tokens} x "
+                 f"(1 + logprobs {params.logprobs or 0}) = {generated:,}"]
+        if scored:
+            parts.append(f"{sum(length for length, _ in prompts):,} prompt tokens x (1 + prompt_logprobs "
+                         f"{params.prompt_logprobs}) x n {params.n} = {scored:,}")
+        param = "max_tokens" if generated >= scored else prompt_logprobs_param
+        raise OpenAIError(f"This request's response would hold {generated + scored:,} tokens, logprobs counted "
+                          f"({'; '.join(parts)}); at most {self.max_response_tokens:,} are allowed "
+                          f"(--max-response-tokens). Ask for fewer samples, tokens or logprobs.", param=param)
 
     def check_messages(self, messages: list[Any], max_model_len: int) -> None:
         """The number of chat messages and the characters of their content together."""

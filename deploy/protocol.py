@@ -7,11 +7,12 @@ fields are accepted and ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
@@ -28,6 +29,35 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body, whose text must be Unicode. JSON's \\ud800-\\udfff escapes can spell a
+    lone surrogate, which Python keeps in a str but nothing downstream can encode: the
+    tokenizer raises on it, and a constraint holding one would make the grammar compile
+    worker look dead (every constrained request a 503 for a while). Refused here, once, with
+    a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if name in cls.model_fields and not _is_unicode(value):
+                    raise ParameterError(f"{name} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without "
+                                         f"its pair), which is not Unicode text.", name)
+        return data
+
+
+def _is_unicode(value: Any) -> bool:
+    """Whether every string in a JSON value (keys included) encodes as UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, TypeError, RecursionError):
+        return True  # not the JSON its field takes: the field's own validation says so
+    return True
 
 
 # ------------------------------------------------------------------ errors
@@ -105,7 +135,7 @@ class ResponseFormat(OpenAIBaseModel):
     triggers: Any = None
 
 
-class StructuredOutputFields(OpenAIBaseModel):
+class StructuredOutputFields(OpenAIRequest):
     """The request fields that may ask for an output constraint, in completions and chat
     (read by deploy/structured_outputs.py)."""
 
@@ -349,6 +379,17 @@ class ChatMessage(OpenAIBaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _check_text_parts(cls, content: Any) -> Any:
+        """A text part's text is a string (OpenAI's and vLLM's rule): anything else failed
+        when the parts were joined, a 500, and escaped the character limit."""
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{index}] is a text part whose text must be a string, got "
+                                 f"{type(part.get('text')).__name__}.")
+        return content
+
     def text(self) -> str:
         """The message's text; a list of content parts is joined (text parts only)."""
         if self.content is None:
@@ -467,7 +508,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # ------------------------------------------------------- tokenize endpoints
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -487,7 +528,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 

@@ -29,6 +29,9 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 # A prompt of 128k tokens as text or as token ids, or --max-prompts-per-request prompts
 # of a few thousand token ids, fit several times over.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# A 16 MiB body at 4 Mbit/s, with room to spare; nginx's client_body_timeout is 60 s too
+# (between two reads, where this bounds the whole body).
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
 # Below Kubernetes' default grace period (30 s, then SIGKILL), so the engine and its
 # workers are shut down before the kill.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
@@ -112,6 +115,10 @@ class ServerArgs(SettingsMixin):
         "/health and /metrics do not count."))
     max_request_body_bytes: int = field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=setting(
         "Largest request body (16 MiB by default); a larger one is answered 413 before it is read."))
+    request_body_timeout: float = field(default=DEFAULT_REQUEST_BODY_TIMEOUT_S, metadata=setting(
+        "Seconds a request's body may take to arrive after its headers; a slower one is answered 408 and no longer "
+        "counts against --max-concurrent-requests (a client that sent part of a body and waited held its place "
+        "for ever).", key=False, note=_UVICORN_ONLY))
     shutdown_timeout: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=setting(
         "Seconds SIGTERM lets the requests in flight finish before it aborts them (under Ray Serve: the "
         "replica's graceful_shutdown_timeout_s)."))
@@ -125,6 +132,9 @@ class ServerArgs(SettingsMixin):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        if not self.request_body_timeout > 0:
+            raise ValueError(f"request_body_timeout (--request-body-timeout) must be > 0 seconds, got "
+                             f"{self.request_body_timeout}.")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout (--shutdown-timeout) must be >= 0 seconds, got "
                              f"{self.shutdown_timeout}.")

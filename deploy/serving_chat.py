@@ -68,7 +68,9 @@ class OpenAIServingChat(OpenAIServing):
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise OpenAIError(f"The chat template failed on these messages: {exc}", param="messages") from None
+            # A MemoryError (a trusted template asking for gigabytes) says nothing of itself.
+            raise OpenAIError(f"The chat template failed on these messages: {str(exc) or type(exc).__name__}",
+                              param="messages") from None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)
@@ -84,6 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
+        self.limits.check_response_size([(len(token_ids), params)])
         if tool_mode is not None and tool_mode.choice == "auto":
             skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
             if skip_special_tokens is not None:
@@ -239,6 +242,6 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python's parser reads
         return call
     return {**call, "function": {**function, "arguments": arguments}}

@@ -34,6 +34,9 @@ class OpenAIServingCompletion(OpenAIServing):
             params.append(self.sampling_params(build, len(token_ids), request.max_tokens))
             prompts.append(request.with_cache_salt({"prompt": prompt, "prompt_token_ids": token_ids}
                                                    if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
+        echo_logprobs = request.echo and request.logprobs is not None  # the prompt's logprobs, asked by logprobs
+        self.limits.check_response_size([(len(ids), p) for ids, p in zip(token_ids_list, params)],
+                                        prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs")
         request_id = random_id("cmpl")
         created = int(time.time())
         if request.use_beam_search and request.stream:

@@ -191,6 +191,11 @@ async def _adapter_errors_as_openai(stream: AsyncIterator[RequestOutput], lora_n
         await stream.aclose()
 
 
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request left before its answer: its engine requests are
+    aborted, and the app answers quietly (api_server's handler), with nothing to log."""
+
+
 _TOKENIZER_THREADS: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -228,7 +233,7 @@ async def merge_async_iterators(iterators: list[AsyncIterator[Any]],
         while True:
             await asyncio.sleep(DISCONNECT_POLL_S)
             if await is_cancelled():
-                queue.put_nowait((-1, asyncio.CancelledError("client disconnected")))
+                queue.put_nowait((-1, ClientDisconnected()))
                 return
 
     tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]

@@ -23,6 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _NEG = -1.0e9
+# Most |length_penalty| may be. Scores divide by length ** length_penalty in Python floats:
+# past this a long beam's divisor can overflow (OverflowError) or round to 0 (division by
+# zero) and fail the search; within it any length up to 2**31 stays finite and non-zero.
+# Far beyond any useful value (Hugging Face's examples use 0.6 to 2).
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -34,7 +39,8 @@ class BeamSearchParams:
         max_tokens: Most tokens generated per beam.
         ignore_eos: Keep extending beams past the end-of-sequence token.
         temperature: Must be 0: beams are ranked by the model's raw log-probabilities.
-        length_penalty: Finished beams are scored by sum(logprobs) / length ** length_penalty.
+        length_penalty: Finished beams are scored by sum(logprobs) / length ** length_penalty
+            (from -10 to 10).
         early_stopping: True stops as soon as beam_width beams have finished; False stops
             when no running beam can (heuristically) beat the finished ones; "never" only
             when none can under the most optimistic length.
@@ -56,6 +62,9 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be 0 for beam search, got {self.temperature!r}.")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:  # NaN fails too
+            raise ValueError(f"length_penalty must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got "
+                             f"{self.length_penalty!r}.")
 
 
 def beams_to_keep(beam_width: int, num_eos_token_ids: int) -> int:

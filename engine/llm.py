@@ -17,6 +17,7 @@ from raylm.engine.logger import init_default_logging
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.tokenizer import check_unicode
 
 ChatMessages = list[dict[str, Any]]
 
@@ -140,6 +141,7 @@ class LLM:
                 conversation, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message)
+            check_unicode(text, "messages")
             # The template already holds any BOS it wants: do not add special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

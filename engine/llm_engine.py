@@ -19,7 +19,7 @@ from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request
 from raylm.engine.sampling_params import ParameterError, SamplingParams
 from raylm.engine.structured_output.manager import StructuredOutputManager
 from raylm.engine.structured_output.params import StructuredOutputsParams
-from raylm.engine.tokenizer import get_tokenizer
+from raylm.engine.tokenizer import check_unicode, get_tokenizer
 
 if TYPE_CHECKING:
     from raylm.executors.lora_adapter import AdapterDigest
@@ -139,6 +139,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("Text prompts need a tokenizer; this engine runs with skip_tokenizer_init.")
+            check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -323,6 +324,7 @@ def cache_salt_of(prompt: PromptType) -> str | None:
     elif len(salt) > MAX_CACHE_SALT_CHARS:
         got = f"a string of {len(salt)} characters"
     else:
+        check_unicode(salt, "cache_salt")  # its blocks' hashes encode it
         return salt
     raise ParameterError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                          f"got {got}.", "cache_salt")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from raylm.engine import envs
+from raylm.engine.beam_search import MAX_LENGTH_PENALTY
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows.
@@ -16,6 +16,10 @@ _GREEDY_TEMPERATURE = 1e-5
 # native sampler refuses, failing the step. Far beyond any useful value (at 1e4 a draw is
 # already uniform over logits within a few units of each other).
 _MAX_SCALE = 1e4
+# Least a repetition penalty may be: positive logits are divided by it, so a tiny one (1e-45
+# is a valid JSON number) makes them inf and the request fails as if the model overflowed.
+# Its inverse is bounded as the penalty itself is.
+_MIN_SCALE = 1 / _MAX_SCALE
 
 # The most samples one request may ask for (n and best_of), vLLM's limit; each sample is a
 # request of its own inside the engine. RAYLM_MAX_N_SEQUENCES changes it.
@@ -50,6 +54,7 @@ class SamplingParams:
             appeared in the output. Range [-2, 2].
         repetition_penalty: Multiplicative penalty (CTRL-style) for tokens in the prompt
             or output: logits > 0 are divided by it, logits < 0 multiplied. 1 disables it.
+            Range [1e-4, 1e4].
         temperature: Softmax temperature, 0 to 1e4; 0 means greedy decoding.
         top_p: Keep the smallest set of tokens whose cumulative probability >= top_p.
         top_k: Keep the ``top_k`` most likely tokens; 0 or -1 keeps all.
@@ -74,7 +79,7 @@ class SamplingParams:
         use_beam_search: vLLM 0.4's beam search: `best_of` beams (more than 1), greedy
             (temperature 0, top_p 1, top_k off), the `n` best returned.
         length_penalty: Beam search: finished beams are scored by
-            sum(logprobs) / length ** length_penalty.
+            sum(logprobs) / length ** length_penalty (from -10 to 10).
         early_stopping: Beam search: True stops when `best_of` beams have finished, False
             when no running beam can heuristically beat them, "never" when none can at all.
         structured_outputs: Constrains the output to a JSON schema, a regex, a choice or a
@@ -135,11 +140,12 @@ class SamplingParams:
         _check(self.best_of <= MAX_N_SEQUENCES, "best_of", self.best_of, f"must be at most {MAX_N_SEQUENCES}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= _MAX_SCALE, "repetition_penalty", self.repetition_penalty,
-               f"must be greater than 0 and at most {_MAX_SCALE:g}")
+        _check(_MIN_SCALE <= self.repetition_penalty <= _MAX_SCALE, "repetition_penalty", self.repetition_penalty,
+               f"must be in [{_MIN_SCALE:g}, {_MAX_SCALE:g}]")
         _check(0.0 <= self.temperature <= _MAX_SCALE, "temperature", self.temperature,
                f"must be in [0, {_MAX_SCALE:g}]")
-        _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")
+        _check(-MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY, "length_penalty", self.length_penalty,
+               f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (disable) or at least 1")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from raylm.engine.sampling_params import ParameterError
+
 
 def get_tokenizer(tokenizer: str, trust_remote_code: bool = False, revision: str | None = None,
                   tokenizer_mode: str = "auto") -> Any:
@@ -23,3 +25,13 @@ def get_tokenizer(tokenizer: str, trust_remote_code: bool = False, revision: str
                                            use_fast=tokenizer_mode == "auto")
     loaded.model_max_length = VERY_LARGE_INTEGER
     return loaded
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Raises a ParameterError naming `param` if `text` holds a lone UTF-16 surrogate: a Python
+    string may (JSON's \\ud800-\\udfff escapes spell one), but no tokenizer can encode it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ParameterError(f"{param} holds a lone UTF-16 surrogate at character {exc.start}, which is not "
+                             f"Unicode text.", param) from None

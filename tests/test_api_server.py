@@ -25,8 +25,13 @@ PROMPTS = ["The quick brown fox", "Paged attention stores", "Hello, world!", "fo
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, server_log: Path):
+    log = server_log
     with running_server([str(llama_dir), "--api-key", API_KEY, "--served-model-name", MODEL,
                          "--num-gpu-blocks-override", str(ENGINE_KWARGS["num_gpu_blocks_override"])], log) as (_, url):
         yield url
@@ -224,6 +229,12 @@ BAD_REQUESTS = {
     "message without a role": ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}, 400, "messages"),
     "image content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    "text part whose text is a number": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, 400, "messages"),
+    "text part without text": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}, 400, "messages"),
+    "/tokenize text part whose text is a list": ("/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": ["a", "b"]}]}]}, 400, "messages"),
     "top_logprobs above 20": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
                               "top_logprobs"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400,
@@ -258,6 +269,18 @@ def test_bad_request_gets_openai_error_naming_its_field_and_server_keeps_serving
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
 
+def test_a_tool_call_whose_arguments_nest_past_pythons_json_parser_is_kept_as_text(server, client):
+    # The arguments are handed to the chat template as an object when they parse; 100,000
+    # brackets raised RecursionError in json.loads, a 500.
+    call = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    messages = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "1"}]
+    response = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
 def test_bad_streamed_request_names_its_field_too(server):
     body = {"model": MODEL, "prompt": "Hi", "stream": True, "n": 2, "best_of": 3, "temperature": 1}
     response = httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
@@ -269,6 +292,20 @@ def test_malformed_json_is_400(server, client):
                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     _check_error(response, 400)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("body,says", [
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper than its JSON parser goes"),
+    (b'{"prompt": "\xff\xfe"}', "not UTF-8 text: invalid start byte at byte 12"),
+    (b'{"prompt": "Hi", "seed": ' + b"9" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
+], ids=["nested 100,000 deep", "not UTF-8", "a 5,000-digit integer"])
+def test_a_body_json_loads_raises_on_is_400_saying_why(server, client, body, says):
+    # FastAPI answers these "There was an error parsing the body", whatever the cause.
+    response = httpx.post(server + "/v1/completions", content=body,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    _check_error(response, 400)
+    assert says in response.json()["error"]["message"], response.text
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
 
 def test_missing_or_wrong_api_key_is_401_and_openai_client_raises(server, client):
@@ -347,6 +384,40 @@ def test_disconnected_clients_leave_no_running_request_and_no_block(server):
         assert time.monotonic() < deadline, f"still running={running} waiting={waiting} blocks={used}"
         time.sleep(0.2)
     assert _metric(metrics, "raylm:kv_cache_usage_perc") == 0
+
+
+def wait_idle(server: str, timeout: float = 30) -> None:
+    """Until no request runs or waits and no KV block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = httpx.get(server + "/metrics").text
+        state = [_metric(metrics, name) for name in ("raylm:num_requests_running", "raylm:num_requests_waiting",
+                                                     "raylm:num_kv_cache_blocks_used")]
+        if state == [0, 0, 0]:
+            return
+        assert time.monotonic() < deadline, f"still running, waiting, blocks held: {state}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it_without_a_traceback(server, server_log, route):
+    # The disconnect was raised as an unhandled CancelledError: uvicorn logged "Exception in
+    # ASGI application" and ~50 lines of traceback for every client that left.
+    # 204,800 tokens, of which the 512 KV blocks hold 8,192 at a time: thousands of steps,
+    # seconds of work even for the tiny model; the client leaves after one.
+    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "temperature": 1, "n": 1024,
+            **({"prompt": PROMPTS[0]} if route == "/v1/completions" else {"messages": CHAT})}
+    tracebacks = server_log.read_text().count("Traceback")
+    generated = _metric(httpx.get(server + "/metrics").text, "raylm:generation_tokens_total")
+    try:
+        response = httpx.post(server + route, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.0)
+    except httpx.ReadTimeout:
+        response = None
+    assert response is None, f"answered before the client left: {response.status_code} {response.text[:300]}"
+    wait_idle(server)
+    # It was stopped, not run to the end.
+    assert _metric(httpx.get(server + "/metrics").text, "raylm:generation_tokens_total") - generated < 1024 * 200
+    assert server_log.read_text().count("Traceback") == tracebacks, server_log.read_text()[-3000:]
 
 
 def test_metrics_count_tokens_and_latencies(server, client):

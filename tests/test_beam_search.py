@@ -118,6 +118,20 @@ def test_beam_search_rejects_sampling_settings():
         SamplingParams(use_beam_search=True, temperature=0)
 
 
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_a_length_penalty_past_10_is_refused_before_any_step(llm, length_penalty):
+    # A finished beam's score divides by length ** length_penalty: 2 ** 1e308 overflowed
+    # (OverflowError) and 2 ** -1e308 rounded to 0 (ZeroDivisionError) in the middle of the search.
+    with pytest.raises(ValueError, match=r"length_penalty must be in \[-10, 10\]"):
+        llm.beam_search([{"prompt_token_ids": PROMPTS[0]}],
+                        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=length_penalty))
+    with pytest.raises(ValueError, match=r"length_penalty must be in \[-10, 10\]"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                     SamplingParams(use_beam_search=True, best_of=2, temperature=0, max_tokens=4,
+                                    length_penalty=length_penalty), use_tqdm=False)
+    assert_engine_idle(llm.llm_engine)
+
+
 def test_async_engine_beam_search_equals_the_offline_one(llm, llama_dir):
     import asyncio
 

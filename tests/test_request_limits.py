@@ -4,6 +4,8 @@ flat and the server serving; tokenizing and chat templates run off the event loo
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ from raylm.deploy.limits import PROMPT_CHARS_PER_TOKEN, RequestLimits
 from raylm.deploy.server_args import ServerArgs
 from raylm.engine import LLM, BeamSearchParams, SamplingParams
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
+from raylm.engine.structured_output.params import StructuredOutputsParams
 from server_process import rss_kib, running_server
 
 MODEL = "tiny-llama"
@@ -72,11 +75,37 @@ HOSTILE = {
         {"role": "user", "content": "Hi " * 700_000}]}, "messages"),
     "a 2,000,000-character prompt": ("/v1/completions", {"prompt": "Hi " * 700_000}, "prompt"),
     "a 2,000,000-character /tokenize prompt": ("/tokenize", {"prompt": "Hi " * 700_000}, "prompt"),
+    # 8,192 characters of content, the limit, rendered with the template's role tags: 77,838.
+    "/tokenize messages rendered past the character limit": ("/tokenize", {"messages": [
+        {"role": "user", "content": "xx"}] * 4096}, "messages"),
+    # Each size within its own limit, their product not: this one grew the server by 3 GB in two
+    # minutes until the engine died for want of memory.
+    "16,384 samples x 254 tokens x 20 logprobs": ("/v1/completions", {"prompt": "Hi", "n": 16384, "temperature": 1,
+                                                                       "max_tokens": 254, "logprobs": 20},
+                                                  "max_tokens"),
+    "chat: 16,384 samples to the end of the context x 20 logprobs": ("/v1/chat/completions", {
+        "messages": CHAT, "n": 16384, "temperature": 1, "logprobs": True, "top_logprobs": 20}, "max_tokens"),
+    "1,024 prompts of 250 tokens x 20 prompt_logprobs": ("/v1/completions", {"prompt": [[5] * 250] * 1024,
+                                                                             "max_tokens": 1, "prompt_logprobs": 20},
+                                                         "prompt_logprobs"),
+    "echo of 1,024 prompts of 250 tokens x 20 logprobs": ("/v1/completions", {"prompt": [[5] * 250] * 1024,
+                                                                              "max_tokens": 1, "echo": True,
+                                                                              "logprobs": 20}, "logprobs"),
     # 1e39 is finite in JSON and in Python, inf in the sampler's fp32.
     "temperature of 1e39": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, "temperature"),
     "chat temperature of 1e39": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1e39}, "temperature"),
     "repetition_penalty of 1e39": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e39},
                                    "repetition_penalty"),
+    # Positive logits are divided by it: 1e-45 made them inf, and the request a 500.
+    "repetition_penalty of 1e-45": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-45},
+                                    "repetition_penalty"),
+    # A finished beam's score divides by length ** length_penalty: these overflowed, a 500.
+    "beam search length_penalty of 1e308": ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "best_of": 2,
+                                                                "temperature": 0, "length_penalty": 1e308},
+                                            "length_penalty"),
+    "beam search length_penalty of -1e308": ("/v1/completions", {"prompt": "Hi", "use_beam_search": True,
+                                                                 "best_of": 2, "temperature": 0,
+                                                                 "length_penalty": -1e308}, "length_penalty"),
     "max_tokens of 10**18": ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**18}, "max_tokens"),
     "chat max_tokens of 10**18": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**18}, "max_tokens"),
 }
@@ -112,13 +141,54 @@ def test_a_number_json_reads_as_infinite_is_a_400_naming_its_field(server, field
     assert_served(base_url)
 
 
+# case: (route, body, the error's "param"); each body holds a lone surrogate, which
+# json.dumps writes as a \\udfff escape (valid JSON that no UTF-8 can encode).
+LONE_SURROGATES = {
+    "prompt": ("/v1/completions", {"prompt": "Hi \udfff"}, "prompt"),
+    "one of several prompts": ("/v1/completions", {"prompt": ["Hi", "\ud800 there"]}, "prompt"),
+    "stop string": ("/v1/completions", {"prompt": "Hi", "stop": ["\udfff"]}, "stop"),
+    "chat message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    "chat content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]}, "messages"),
+    "chat role": ("/v1/chat/completions", {"messages": [{"role": "\udfff", "content": "Hi"}]}, "messages"),
+    "chat_template_kwargs": ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"x": "\udfff"}},
+                             "chat_template_kwargs"),
+    "model": ("/v1/completions", {"prompt": "Hi", "model": "\udfff"}, "model"),
+    "/tokenize prompt": ("/tokenize", {"prompt": "\udfff"}, "prompt"),
+    "/tokenize messages": ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    "guided_regex": ("/v1/completions", {"prompt": "Hi", "guided_regex": "\udfff"}, "guided_regex"),
+    "a JSON schema's key": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"\udfff": {}}}}}},
+        "response_format"),
+}
+
+
+@pytest.mark.parametrize("case", list(LONE_SURROGATES))
+def test_a_lone_surrogate_anywhere_is_a_400_naming_its_field(server, case):
+    # The tokenizer raised on these (a 500), and one in a constraint made the grammar compile
+    # worker refuse every constrained request (a 503) for a growing pause.
+    base_url, _ = server
+    path, body, param = LONE_SURROGATES[case]
+    response = httpx.post(base_url + path, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+    constrained = post(base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "guided_regex": "[ab]+"})
+    assert constrained.status_code == 200, constrained.text
+    assert_served(base_url)
+
+
 def test_limit_errors_name_the_limit(server):
     base_url, _ = server
     checks = {
         "/v1/completions": [({"prompt": "Hi", "logprobs": 21}, "20"), ({"prompt": ["Hi"] * 1025}, "1024"),
                             ({"prompt": "Hi", "stop": ["s"] * 65}, "64"),
                             ({"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "1024")],
-        "/v1/chat/completions": [({"messages": CHAT * 4097}, "4096")],
+        "/v1/chat/completions": [({"messages": CHAT * 4097}, "4096"),
+                                 ({"messages": CHAT, "n": 16384, "temperature": 1, "max_tokens": 230,
+                                   "logprobs": True, "top_logprobs": 1},
+                                  "4,194,304 are allowed (--max-response-tokens)")],
     }
     for path, cases in checks.items():
         for body, limit in cases:
@@ -188,6 +258,16 @@ def test_health_answers_while_a_chat_template_renders(server):
     assert latencies and max(latencies) < 1.0, latencies
 
 
+def test_a_template_error_without_a_message_is_named_by_its_type(server):
+    # A trusted template that asks for gigabytes fails with a MemoryError whose message is
+    # empty: the 400 read "The chat template failed on these messages: " and stopped there.
+    base_url, _ = server
+    response = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                       "chat_template": "{{ raise_exception('') }}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].endswith("messages: TemplateError"), response.text
+
+
 # ------------------------------------------------------------- unit level
 def test_limits_are_serve_flags_with_documented_defaults():
     args = build_parser().parse_args(["serve", "--max-stop-strings", "3", "--max-logprobs", "5"])
@@ -196,8 +276,8 @@ def test_limits_are_serve_flags_with_documented_defaults():
     assert RequestLimits() == ServerArgs.from_cli_args(build_parser().parse_args(["serve"])).limits
     defaults = RequestLimits()
     assert (defaults.max_prompts_per_request, defaults.max_stop_strings, defaults.max_stop_string_chars,
-            defaults.max_stop_token_ids, defaults.max_logit_bias, defaults.max_chat_messages) == \
-        (1024, 64, 256, 1024, 1024, 4096)
+            defaults.max_stop_token_ids, defaults.max_logit_bias, defaults.max_chat_messages,
+            defaults.max_response_tokens) == (1024, 64, 256, 1024, 1024, 4096, 2**22)
     assert defaults.prompt_chars(MAX_MODEL_LEN) == PROMPT_CHARS_PER_TOKEN * MAX_MODEL_LEN
     assert RequestLimits(max_prompt_chars=10).prompt_chars(MAX_MODEL_LEN) == 10
     assert MAX_N_SEQUENCES == 16384
@@ -229,4 +309,25 @@ def test_max_logprobs_bounds_the_beam_width_at_half(llm):
     assert len(output.sequences) == 2
     with pytest.raises(ValueError, match="beam search asks for 2 x beam_width"):
         llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=3, max_tokens=2))
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_llm_refuses_text_that_is_not_unicode_naming_its_field_and_keeps_compiling_grammars(llm):
+    # Lone surrogates (what JSON's \\udXXX escapes can spell) were a TypeError from the
+    # tokenizer, went unseen in a short cache_salt, and in a constraint stopped the grammar
+    # compile worker for a growing pause (a GrammarCompilerUnavailableError for everything).
+    params = SamplingParams(max_tokens=3)
+    cases = {
+        "prompt": lambda: llm.generate(["Hi \udfff"], params, use_tqdm=False),
+        "messages": lambda: llm.chat([{"role": "user", "content": "\udfff"}], params, use_tqdm=False),
+        "cache_salt": lambda: llm.generate([{"prompt": "Hi", "cache_salt": "\udfff"}], params, use_tqdm=False),
+        "structured_outputs": lambda: llm.generate(["Hi"], SamplingParams(
+            max_tokens=3, structured_outputs=StructuredOutputsParams(regex="\udfff")), use_tqdm=False),
+    }
+    for param, run in cases.items():
+        with pytest.raises(ValueError, match="lone UTF-16 surrogate") as error:
+            run()
+        assert error.value.param == param
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    assert re.fullmatch("[ab]+", llm.generate(["Hi"], constrained, use_tqdm=False)[0].outputs[0].text)
     assert llm.llm_engine.get_num_unfinished_requests() == 0

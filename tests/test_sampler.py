@@ -360,13 +360,16 @@ def test_rows_of_nan_or_inf_logits_are_flagged_and_leave_the_other_rows_as_alone
 @pytest.mark.parametrize("top_k", [-1, 5])
 def test_rows_whose_penalties_or_logits_leave_nothing_to_draw_fail_alone(top_k):
     # Rows that pass the not-finite guard and only then lose every finite logit: a positive
-    # logit divided by a repetition penalty that rounds to 0 in fp32 (SamplingParams takes any
-    # penalty > 0) becomes +inf, and a row of -inf has no maximum. Before, the native draw
-    # raised for the whole batch, which stopped the engine.
+    # logit divided by a repetition penalty that rounds to 0 in fp32 becomes +inf, and a row of
+    # -inf has no maximum. Before, the native draw raised for the whole batch, which stopped
+    # the engine. SamplingParams now refuses such a penalty; it is set past its check here, so
+    # that the sampler's own guard is what is tested.
     logits = _logits(4, seed=13, scale=1.0)
     logits[0, 3] = 5.0
     logits[2] = float("-inf")
-    params = [SamplingParams(temperature=1.0, top_k=top_k, repetition_penalty=1e-50, seed=1),
+    tiny_penalty = SamplingParams(temperature=1.0, top_k=top_k, seed=1)
+    tiny_penalty.repetition_penalty = 1e-50
+    params = [tiny_penalty,
               SamplingParams(temperature=1.0, top_k=top_k, seed=2),
               SamplingParams(temperature=1.0, top_k=top_k, seed=3),
               SamplingParams(temperature=1.0, top_k=top_k, seed=4, logprobs=1)]

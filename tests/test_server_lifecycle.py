@@ -29,6 +29,7 @@ API_KEY = "lifecycle-key"
 MODEL = "tiny-llama"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+BODY_TIMEOUT_S = 4
 
 
 def start(llama_dir: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -43,11 +44,12 @@ def log(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def guarded(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A server behind a proxy's root path, with a key, 2 requests in flight at most and a
-    1 MB body limit."""
+    """A server behind a proxy's root path, with a key, 2 requests in flight at most, a
+    1 MB body limit and 4 s for a body to arrive."""
     log = tmp_path_factory.mktemp("guarded") / "server.log"
     process, base_url = start(llama_dir, log, "--api-key", API_KEY, "--root-path", "/raylm",
-                                     "--max-concurrent-requests", "2", "--max-request-body-bytes", "1000000")
+                                     "--max-concurrent-requests", "2", "--max-request-body-bytes", "1000000",
+                                     "--request-body-timeout", str(BODY_TIMEOUT_S))
     yield base_url
     stop(process)
 
@@ -126,6 +128,24 @@ def test_past_max_concurrent_requests_a_request_gets_429_at_once_and_later_ones_
     for request in held:
         status, body = finish_request(request)
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4
+    response = httpx.post(guarded + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_body_that_stops_arriving_gets_408_and_frees_its_place(guarded):
+    # With no deadline, clients that sent part of a body and waited held every place in
+    # flight for as long as they liked: all other requests were 429s (90 s in the red-team
+    # run, until the clients let go).
+    held = [held_request(guarded, COMPLETION) for _ in range(2)]
+    time.sleep(0.5)
+    assert_error(httpx.post(guarded + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=30), 429,
+                 "RateLimitError")
+    start = time.monotonic()
+    for conn, _ in held:  # the rest of the body never comes: the server answers on its own
+        response = conn.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 408 and "--request-body-timeout" in error["message"], error
+    assert time.monotonic() - start < BODY_TIMEOUT_S
     response = httpx.post(guarded + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
 

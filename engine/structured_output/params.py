@@ -116,6 +116,17 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise StructuredOutputsError(f"{self.source}: json must be a JSON schema (an object), got "
                                          f"{type(self.json).__name__}.", self.source)
+        # The compile worker is sent the cache key as UTF-8: a key that cannot be written so
+        # (a lone surrogate in a regex, a schema's key, ...) failed the worker's writer, which
+        # then took every client's constrained requests for a worker that cannot start.
+        try:
+            self.cache_key().encode()
+        except UnicodeEncodeError:
+            raise StructuredOutputsError(f"{self.source} holds a lone UTF-16 surrogate, which is not Unicode text.",
+                                         self.source) from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise StructuredOutputsError(f"{self.source}: the {self.kind} is not JSON the grammar compiler can read "
+                                         f"({type(exc).__name__}: {exc}).", self.source) from None
 
     @property
     def kind(self) -> str:
