@@ -142,7 +142,7 @@ def test_penalised_rows_after_proposals_equal_the_dense_reference(native, monkey
     # Each row reads its request's history and the proposals before it, staged in the
     # history's buffer: the CPU's native pass and the dense form (a GPU's) alike.
     from penalty_reference import dense_penalties
-    from raylm.executors.sampler import process_logits
+    from raylm.executors.sampler import process_logits_
     from raylm.kernels import cpu_ops
 
     if not native:
@@ -164,7 +164,10 @@ def test_penalised_rows_after_proposals_equal_the_dense_reference(native, monkey
     for r, proposals in enumerate(drafts):
         for i in range(len(proposals) + 1):
             entries.append((len(entries), prompts[r], outputs[r] + proposals[:i], *penalties[r]))
-    torch.testing.assert_close(process_logits(logits, rows), dense_penalties(logits, entries), rtol=0, atol=0)
+    expected = dense_penalties(logits, entries)
+    processed = process_logits_(logits, rows)
+    assert processed is logits  # in place: no copy of the logits
+    torch.testing.assert_close(processed, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad_position", [0, 2])

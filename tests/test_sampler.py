@@ -54,8 +54,8 @@ def test_sampled_logprob_is_raw_log_softmax():
     params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.7, logprobs=0),
               SamplingParams(temperature=0.0, logit_bias={5: 100.0}, logprobs=0),
               SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=1.0, logprobs=0)]
+    reference = torch.log_softmax(logits, dim=-1)  # before the sampler biases and penalises them in place
     outputs = _sample(logits, params, output_token_ids=[[], [], [], [1, 2, 3]])
-    reference = torch.log_softmax(logits, dim=-1)
     for i, out in enumerate(outputs):
         assert out.logprob == pytest.approx(reference[i, out.token_id].item(), abs=1e-6)
         assert out.logprobs.top == []
@@ -124,10 +124,11 @@ def test_penalised_greedy_matches_reference_formula():
     params = [SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 2.0][i % 3],
                              frequency_penalty=[0.0, 0.4, -0.3, 1.0][i % 4],
                              presence_penalty=[0.5, 0.0, -0.5][i % 3]) for i in range(rows)]
+    raw = logits.clone()  # the sampler penalises its logits in place
     sampled = _sample(logits, params, prompt_token_ids=prompts, output_token_ids=outputs)
     for i in range(rows):
         p = params[i]
-        reference = _reference_penalties(logits[i].tolist(), prompts[i], outputs[i],
+        reference = _reference_penalties(raw[i].tolist(), prompts[i], outputs[i],
                                          p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         assert sampled[i].token_id == max(range(vocab), key=lambda t: reference[t]), i
 
