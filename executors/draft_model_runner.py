@@ -35,7 +35,7 @@ import torch
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.input_staging import to_device
-from raylm.executors.sampler import inverse_cdf, process_logits, sampling_probs
+from raylm.executors.sampler import inverse_cdf, process_logits_, sampling_probs
 from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
 from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
@@ -202,7 +202,7 @@ class DraftModelRunner:
         if self.rank != 0:
             tokens = torch.zeros(len(active), dtype=torch.long, device=self.device)
         else:
-            processed = process_logits(logits, metadata)
+            processed = process_logits_(logits, metadata)
             params = metadata.sampling_params
             greedy = [row for row, p in enumerate(params) if p.is_greedy]
             drawn = [row for row, p in enumerate(params) if not p.is_greedy]
@@ -215,7 +215,8 @@ class DraftModelRunner:
                     tokens[index] = processed[index].max(dim=-1).indices
                 index = to_device(drawn, self.device)
                 temperature = to_device([params[row].temperature for row in drawn], self.device, processed.dtype)
-                q = sampling_probs(processed[index], [params[row] for row in drawn], temperature)
+                drawn_logits = processed if len(drawn) == len(active) else processed[index]
+                q = sampling_probs(drawn_logits, [params[row] for row in drawn], temperature)
                 # One uniform a row, from the request's own generator when seeded.
                 u = torch.empty(len(drawn), dtype=torch.float32, device=self.device)
                 for i, row in enumerate(drawn):

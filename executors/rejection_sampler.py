@@ -37,7 +37,7 @@ import torch
 
 from raylm.engine.step import SampledToken
 from raylm.executors.input_staging import to_device
-from raylm.executors.sampler import (Sampler, inverse_cdf, not_finite_mask, process_logits, ranks_and_top,
+from raylm.executors.sampler import (Sampler, inverse_cdf, not_finite_mask, process_logits_, ranks_and_top,
                                      read_back, sampling_probs, token_logprobs_from)
 from raylm.executors.sampling_metadata import SamplingMetadata
 
@@ -71,7 +71,8 @@ class RejectionSampler:
         consecutive; metadata: one row per request; draft_token_ids: each request's
         proposals ([] for a plain decode); draft_probs: per request, the [len(proposals), V]
         distributions its proposals were drawn from, or None for deterministic ones.
-        Returns each request's emitted tokens (1 to len(proposals) + 1), in request order."""
+        Returns each request's emitted tokens (1 to len(proposals) + 1), in request order.
+        The logits are changed in place, as the `Sampler` changes its own."""
         num_requests = metadata.num_rows
         assert len(draft_token_ids) == num_requests
         expanded = expand_metadata(metadata, draft_token_ids)
@@ -163,7 +164,10 @@ def _verify_on_device(logits: torch.Tensor, metadata: SamplingMetadata, drafts: 
     params = metadata.sampling_params[0]
     num_drafts = len(drafts)
     device = logits.device
-    processed = process_logits(logits, metadata)
+    # What is read of the raw logits, read before they are processed in place.
+    not_finite = not_finite_mask(logits).any().view(1)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if params.needs_sampled_logprob else None
+    processed = process_logits_(logits, metadata)
     temperature = torch.full((num_drafts + 1,), params.temperature, dtype=processed.dtype, device=device)
     p = sampling_probs(processed, metadata.sampling_params, temperature)
     u = torch.empty(num_drafts + 1, dtype=torch.float32, device=device)
@@ -185,9 +189,8 @@ def _verify_on_device(logits: torch.Tensor, metadata: SamplingMetadata, drafts: 
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
     drawn = inverse_cdf(residual, u[num_drafts:])
     candidates = torch.where(positions < num_accepted, proposals, drawn)
-    reads += [num_accepted, not_finite_mask(logits).any().view(1), candidates]
-    if params.needs_sampled_logprob:
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    reads += [num_accepted, not_finite, candidates]
+    if raw_logprobs is not None:
         chosen = raw_logprobs.gather(1, candidates.unsqueeze(1))
         reads += [chosen, *ranks_and_top(raw_logprobs, chosen, [params.logprobs or 0] * (num_drafts + 1))]
 

@@ -8,7 +8,9 @@ from the softmax (by inverse CDF: one uniform draw a row; on the CPU native pass
 top-k and top-p by a radix select, with no sort of the vocabulary). Seeded rows
 draw with their own generator, so a request's tokens do not depend on what else is in the
 batch. Returned logprobs are the raw log-softmax of the model's logits, before any of the
-above (vLLM's default).
+above (vLLM's default): they are computed first, and the stages then work on the logits in
+place, as vLLM's sampler does, with no copy of the [N, V] logits (at a 152k vocabulary and 64
+rows a copy is 39 MB a step, which cost more than the penalties themselves).
 
 The common cases stay vectorised: work is done only on the rows that need it, and per-row
 Python runs only to read parameters and to build the outputs. Nothing waits for a GPU
@@ -43,7 +45,9 @@ class Sampler:
         return self.forward(logits, metadata)
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampledToken]:
-        """logits: [N, V] float32, one row per entry of ``metadata``.
+        """logits: [N, V] float32, one row per entry of ``metadata``. They are the sampler's
+        to change (as in vLLM): logit_bias, min_tokens and penalties are applied to them in
+        place, so a caller that reads them afterwards passes a copy.
 
         On a GPU the step's values (tokens, which rows were not finite, logprobs) come back
         to the host in one read at the end: nothing before it waits for the device."""
@@ -53,10 +57,11 @@ class Sampler:
             return []
         rows = _RowStages.of(metadata)
         not_finite, logits = _guard_not_finite(logits)
-        sampled = _draw(_process_logits(logits, metadata, rows), metadata, rows)
+        raw_logprobs = _raw_logprobs(logits, rows)  # before the stages below change the logits
+        sampled = _draw(process_logits_(logits, metadata, rows), metadata, rows)
         not_finite, sampled = _flag_undrawable(not_finite, sampled)
         reads = [sampled if not_finite is None else sampled.masked_fill(not_finite, _NOT_FINITE)]
-        logprob_counts = _append_logprob_reads(reads, logits, sampled, metadata, rows)
+        logprob_counts = _append_logprob_reads(reads, raw_logprobs, sampled, metadata, rows)
         values = read_back(reads)  # the step's one wait for the device
         return _sampled_tokens(values, metadata, rows, logprob_counts, may_be_flagged=not_finite is not None)
 
@@ -99,19 +104,25 @@ def _reads_back_for_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _append_logprob_reads(reads: list[torch.Tensor], raw_logits: torch.Tensor, sampled: torch.Tensor,
-                          metadata: SamplingMetadata, rows: _RowStages) -> list[int]:
-    """Appends to `reads` the scored rows' logprobs of their tokens (raw log-softmax) and,
-    for rows asking for logprobs, their ranks and top alternatives; returns those rows'
-    counts of alternatives."""
+def _raw_logprobs(logits: torch.Tensor, rows: _RowStages) -> torch.Tensor | None:
+    """[len(rows.scored), V]: the scored rows' raw log-softmax (None when no row is scored),
+    taken before any stage changes the logits."""
     if not rows.scored:
-        return []
-    all_scored = len(rows.scored) == raw_logits.shape[0]
-    rows_idx = None if all_scored else to_device(rows.scored, raw_logits.device)
-    scored_logits = raw_logits if all_scored else raw_logits[rows_idx]
-    scored_sampled = sampled if all_scored else sampled[rows_idx]
+        return None
+    scored_logits = logits if len(rows.scored) == logits.shape[0] else logits[to_device(rows.scored, logits.device)]
     # log_softmax + gather measured faster on CPU than gather - logsumexp.
-    raw_logprobs = torch.log_softmax(scored_logits, dim=-1)
+    return torch.log_softmax(scored_logits, dim=-1)
+
+
+def _append_logprob_reads(reads: list[torch.Tensor], raw_logprobs: torch.Tensor | None, sampled: torch.Tensor,
+                          metadata: SamplingMetadata, rows: _RowStages) -> list[int]:
+    """Appends to `reads` the scored rows' logprobs of their tokens (`raw_logprobs`, one row
+    per scored row) and, for rows asking for logprobs, their ranks and top alternatives;
+    returns those rows' counts of alternatives."""
+    if raw_logprobs is None:
+        return []
+    all_scored = len(rows.scored) == sampled.shape[0]
+    scored_sampled = sampled if all_scored else sampled[to_device(rows.scored, sampled.device)]
     chosen = raw_logprobs.gather(1, scored_sampled.unsqueeze(1))
     reads.append(chosen)
     if not rows.logprobs:
@@ -120,7 +131,7 @@ def _append_logprob_reads(reads: list[torch.Tensor], raw_logits: torch.Tensor, s
     position = {row: j for j, row in enumerate(rows.scored)}
     positions = [position[row] for row in rows.logprobs]
     if len(positions) != len(rows.scored):
-        positions_idx = to_device(positions, raw_logits.device)
+        positions_idx = to_device(positions, raw_logprobs.device)
         raw_logprobs, chosen = raw_logprobs[positions_idx], chosen[positions_idx]
     counts = [metadata.sampling_params[row].logprobs for row in rows.logprobs]
     reads += ranks_and_top(raw_logprobs, chosen, counts)
@@ -211,21 +222,18 @@ def read_back(tensors: list[torch.Tensor]) -> list[list[int] | list[float]]:
     return values
 
 
-def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, min_tokens and penalties, the sampler's first stage (a copy when any
-    applies): what the rejection sampler and the draft model draw from, as the sampler does."""
-    return _process_logits(logits, metadata, _RowStages.of(metadata))
-
-
-def _process_logits(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages) -> torch.Tensor:
-    if rows.bias or rows.min_tokens or rows.penalty:
-        logits = logits.clone()
-        if rows.bias:
-            _apply_logit_bias(logits, metadata, rows.bias)
-        if rows.min_tokens:
-            _apply_min_tokens(logits, metadata, rows.min_tokens)
-        if rows.penalty:
-            _apply_penalties(logits, metadata, rows.penalty, logits.shape[1])
+def process_logits_(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages | None = None) -> torch.Tensor:
+    """logit_bias, min_tokens and penalties, the sampler's first stage, applied to the logits
+    in place (no copy: a caller that needs the raw values reads them first, as `Sampler`
+    does its raw logprobs); returns them. What the rejection sampler and the draft model
+    draw from, as the sampler does. rows: the batch's `_RowStages`, if already known."""
+    rows = _RowStages.of(metadata) if rows is None else rows
+    if rows.bias:
+        _apply_logit_bias(logits, metadata, rows.bias)
+    if rows.min_tokens:
+        _apply_min_tokens(logits, metadata, rows.min_tokens)
+    if rows.penalty:
+        _apply_penalties(logits, metadata, rows.penalty, logits.shape[1])
     return logits
 
 
@@ -407,7 +415,7 @@ def _sample_truncated(logits: torch.Tensor, params: list[SamplingParams], temper
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor) -> torch.Tensor:
     """The distribution random rows draw from: [N, V] probabilities after temperature,
-    top-k and top-p, and min-p (logits already through `process_logits`). On the CPU the
+    top-k and top-p, and min-p (logits already through `process_logits_`). On the CPU the
     native pass cuts without sorting (a row of NaN comes out NaN either way)."""
     device = logits.device
     vocab_size = logits.shape[1]
@@ -498,8 +506,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_ks: list[i
 
 def ranks_and_top(logprobs: torch.Tensor, chosen: torch.Tensor, top_ks: list[int]) -> list[torch.Tensor]:
     """On the device: each row's rank of its chosen logprob ([N, 1] `chosen`), then, if any
-    row asks for alternatives, the indices and values of the top max(top_ks)."""
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1)
+    row asks for alternatives, the indices and values of the top max(top_ks). On the CPU
+    the ranks are counted in one native pass: the comparison's bool [N, V], cast to int64
+    to be summed, cost more than the step's draw at a 152k vocabulary."""
+    if cpu_ops.usable(logprobs) and logprobs.dtype == torch.float32 and logprobs.stride(-1) == 1:
+        ranks = cpu_ops.count_greater(logprobs, chosen.reshape(-1)).add_(1)
+    else:
+        ranks = (logprobs > chosen).sum(dim=-1).add_(1)
     max_k = min(max(top_ks), logprobs.shape[1])
     if max_k == 0:
         return [ranks]

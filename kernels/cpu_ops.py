@@ -1,7 +1,7 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
 `rotary_embedding`, `write_kv_cache`, and `random_sample`, `random_sample_truncated` and
-`truncated_probs` (the sampler's draws), `apply_penalties`; and
+`truncated_probs` (the sampler's draws), `apply_penalties`, `count_greater` (logprob ranks); and
 `zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
@@ -133,6 +133,13 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, histories: list[to
     torch.ops.raylm.apply_penalties(logits, rows.long().contiguous(), histories, lengths.long().contiguous(),
                                     prompt_lens.long().contiguous(), repetition.float().contiguous(),
                                     frequency.float().contiguous(), presence.float().contiguous())
+
+
+def count_greater(values: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: for each row of fp32 values [N, V] (rows contiguous), how many of its values
+    are greater than the row's threshold (fp32 [N]): what (values > thresholds[:, None]).sum(-1)
+    counts, in one read and without its bool and int64 [N, V] intermediates."""
+    return torch.ops.raylm.count_greater(values, thresholds.float().contiguous())
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

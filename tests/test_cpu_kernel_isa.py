@@ -450,6 +450,37 @@ def test_apply_penalties_refuses_a_token_outside_the_vocabulary():
     assert not logits.any()  # nothing written
 
 
+# Row counts on both sides of the threading grain; widths with and without a SIMD tail.
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 1000), (70, 333)])
+def test_count_greater_counts_what_the_comparison_finds_greater(rows, vocab):
+    # A logprob's rank (ranks_and_top): NaN is greater than nothing and nothing than NaN;
+    # a value equal to the threshold is not greater.
+    gen = torch.Generator().manual_seed(rows + vocab)
+    padded = torch.randn(rows, vocab + 7, generator=gen)
+    values = padded[:, 3:3 + vocab]  # strided rows, as a column slice of padded logits
+    values[0, 0] = math.nan
+    values[-1, -1] = math.inf
+    values[rows // 2, :2] = -math.inf
+    specials = [None, math.nan, math.inf, -math.inf]
+    thresholds = torch.tensor([values[r, r % vocab].item() if specials[r % 4] is None else specials[r % 4]
+                               for r in range(rows)])
+    expected = (values > thresholds.unsqueeze(1)).sum(dim=-1)
+    assert torch.equal(cpu_ops.count_greater(values, thresholds), expected)
+
+
+@pytest.mark.parametrize("case", ["bf16 values", "strided values", "thresholds per row"])
+def test_count_greater_rejects_what_it_cannot_count(case):
+    values, thresholds = torch.zeros(3, 8), torch.zeros(3)
+    if case == "bf16 values":
+        values = values.to(torch.bfloat16)
+    elif case == "strided values":
+        values = torch.zeros(8, 3).t()
+    else:
+        thresholds = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="count_greater"):
+        cpu_ops.count_greater(values, thresholds)
+
+
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)

@@ -142,7 +142,7 @@ def test_penalised_rows_after_proposals_equal_the_dense_reference(native, monkey
     # Each row reads its request's history and the proposals before it, staged in the
     # history's buffer: the CPU's native pass and the dense form (a GPU's) alike.
     from penalty_reference import dense_penalties
-    from raylm.executors.sampler import process_logits
+    from raylm.executors.sampler import process_logits_
     from raylm.kernels import cpu_ops
 
     if not native:
@@ -164,7 +164,33 @@ def test_penalised_rows_after_proposals_equal_the_dense_reference(native, monkey
     for r, proposals in enumerate(drafts):
         for i in range(len(proposals) + 1):
             entries.append((len(entries), prompts[r], outputs[r] + proposals[:i], *penalties[r]))
-    torch.testing.assert_close(process_logits(logits, rows), dense_penalties(logits, entries), rtol=0, atol=0)
+    expected = dense_penalties(logits, entries)
+    processed = process_logits_(logits, rows)
+    assert processed is logits  # in place: no copy of the logits
+    torch.testing.assert_close(processed, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("draft_probs", [True, False], ids=["draft-model", "n-gram"])
+def test_verified_tokens_logprobs_are_the_raw_log_softmax_though_bias_and_penalties_change_the_draw(draft_probs):
+    # Both ways of verifying apply logit_bias and penalties to the logits in place; the
+    # logprobs they report are read from the target's raw logits first.
+    params = [SamplingParams(temperature=1.0, seed=60 + r, logprobs=2, logit_bias={0: -3.0, 4: 2.0},
+                             repetition_penalty=1.5, presence_penalty=0.5) for r in range(2)]
+    drafts = [[1, 2], [0, 3]]
+    logits = torch.stack([row for d in drafts for row in (P0, P1[d[0]], P1[d[1]])]).log()
+    reference = torch.log_softmax(logits, dim=-1)
+    metadata = SamplingMetadata.from_params(params, prompt_token_ids=[[4, 5], [1]], output_token_ids=[[2], [3, 3]],
+                                            generators=[sibling_generator(60 + r, 0) for r in range(2)])
+    probs = [torch.stack([GOOD_Q0, GOOD_Q1[d[0]]]) for d in drafts] if draft_probs else None
+    tokens = RejectionSampler()(logits, metadata, drafts, probs)
+    position = {0: 0, 1: 0}
+    for token in tokens:
+        row = reference[3 * token.req_id + position[token.req_id]]
+        position[token.req_id] += 1
+        assert token.logprob == pytest.approx(row[token.token_id].item(), abs=1e-6)
+        assert token.logprobs.rank == int((row > row[token.token_id]).sum()) + 1
+        assert [t for t, _ in token.logprobs.top] == torch.topk(row, 2).indices.tolist()
+    assert not torch.equal(torch.log_softmax(logits, dim=-1), reference)  # the stages did change the logits
 
 
 @pytest.mark.parametrize("bad_position", [0, 2])

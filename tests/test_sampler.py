@@ -54,11 +54,45 @@ def test_sampled_logprob_is_raw_log_softmax():
     params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.7, logprobs=0),
               SamplingParams(temperature=0.0, logit_bias={5: 100.0}, logprobs=0),
               SamplingParams(temperature=1.3, repetition_penalty=1.5, presence_penalty=1.0, logprobs=0)]
+    reference = torch.log_softmax(logits, dim=-1)  # before the sampler biases and penalises them in place
     outputs = _sample(logits, params, output_token_ids=[[], [], [], [1, 2, 3]])
-    reference = torch.log_softmax(logits, dim=-1)
     for i, out in enumerate(outputs):
         assert out.logprob == pytest.approx(reference[i, out.token_id].item(), abs=1e-6)
         assert out.logprobs.top == []
+
+
+def test_stages_change_the_logits_in_place_and_logprobs_stay_raw():
+    # The sampler copied all [N, V] logits whenever a row had a bias, min_tokens or a
+    # penalty (39 MB a step at 152k x 64), to report raw logprobs after penalising. It now
+    # reads the scored rows' raw log-softmax first and processes the logits themselves.
+    logits = _logits(4, seed=15)
+    raw = logits.clone()
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 4.0, 8: -2.5}, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.4, frequency_penalty=0.3, logprobs=1),
+              SamplingParams(temperature=0.0, repetition_penalty=2.0),
+              SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[11], logprobs=0)]
+    prompts, outputs = [[], [1, 2], [4, 4, 5], []], [[], [2, 6, 6], [7], [9]]
+    tokens = _sample(logits, params, prompt_token_ids=prompts, output_token_ids=outputs)
+    processed = raw.clone()
+    processed[0, 3] += 4.0
+    processed[0, 8] -= 2.5
+    for row in (1, 2):
+        processed[row] = torch.tensor(_reference_penalties(
+            raw[row].tolist(), prompts[row], outputs[row], params[row].repetition_penalty,
+            params[row].frequency_penalty, params[row].presence_penalty))
+    processed[3, 11] = float("-inf")
+    torch.testing.assert_close(logits, processed, rtol=0, atol=1e-6)
+    reference = torch.log_softmax(raw, dim=-1)
+    assert [t.token_id for t in tokens if t.logprob is None] == [int(processed[2].argmax())]
+    for row in (0, 1, 3):
+        entry = tokens[row].logprobs
+        assert entry.logprob == pytest.approx(reference[row, entry.token_id].item(), abs=1e-6)
+        assert entry.rank == int((reference[row] > reference[row, entry.token_id]).sum()) + 1
+        top = torch.topk(reference[row], params[row].logprobs)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert tokens[0].token_id == int(processed[0].argmax())
+    assert tokens[3].token_id == int(processed[3].argmax())
 
 
 def test_rows_without_logprobs_get_none_and_scored_rows_keep_their_own_entries():
@@ -124,10 +158,11 @@ def test_penalised_greedy_matches_reference_formula():
     params = [SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 2.0][i % 3],
                              frequency_penalty=[0.0, 0.4, -0.3, 1.0][i % 4],
                              presence_penalty=[0.5, 0.0, -0.5][i % 3]) for i in range(rows)]
+    raw = logits.clone()  # the sampler penalises its logits in place
     sampled = _sample(logits, params, prompt_token_ids=prompts, output_token_ids=outputs)
     for i in range(rows):
         p = params[i]
-        reference = _reference_penalties(logits[i].tolist(), prompts[i], outputs[i],
+        reference = _reference_penalties(raw[i].tolist(), prompts[i], outputs[i],
                                          p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         assert sampled[i].token_id == max(range(vocab), key=lambda t: reference[t]), i
 

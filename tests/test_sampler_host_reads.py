@@ -153,10 +153,10 @@ def test_the_gpu_path_draws_what_the_cpu_path_draws(monkeypatch, batch):
     params, logits = _batches()[batch]
     monkeypatch.setattr(cpu_ops, "usable", lambda *tensors: False)
     torch.manual_seed(0)
-    cpu = Sampler()(logits, _metadata(params))
+    cpu = Sampler()(logits.clone(), _metadata(params))  # each from the raw logits: the sampler changes its own
     monkeypatch.setattr(sampler_module, "_reads_back_for_free", lambda device: False)
     torch.manual_seed(0)
-    gpu = Sampler()(logits, _metadata(params))
+    gpu = Sampler()(logits.clone(), _metadata(params))
     finite = (~(logits.isnan() | logits.isposinf()).any(dim=-1)).tolist()  # -inf masks a token
     assert [t.logits_not_finite for t in gpu] == [t.logits_not_finite for t in cpu] == [not f for f in finite]
     for row, ok in enumerate(finite):
@@ -168,10 +168,11 @@ def test_the_gpu_path_draws_what_the_cpu_path_draws(monkeypatch, batch):
 
 def test_on_the_gpu_path_min_tokens_holds_back_stop_tokens_unless_nothing_else_is_left(gpu_path):
     params, logits = _batches()["min_tokens, penalties, logit_bias"]
+    row_0_without_stop = logits[0].index_fill(0, torch.tensor([3]), -math.inf)
     tokens = [t.token_id for t in Sampler()(logits, _metadata(params))]
     # Rows 0 and 1 are short of min_tokens: their leading stop token is held back (row 0
     # is greedy: the argmax of the rest); row 4 has reached it; row 5 has nothing else.
-    assert tokens[0] == logits[0].index_fill(0, torch.tensor([3]), -math.inf).argmax().item()
+    assert tokens[0] == row_0_without_stop.argmax().item()
     assert tokens[1] not in (3, 4)
     assert tokens[4] == 3 and tokens[5] == 3
 

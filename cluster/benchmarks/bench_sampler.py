@@ -8,6 +8,8 @@ generation config sends: temperature alone, top-p, top-k + top-p, min-p, and Qwe
 defaults (temperature 0.7, top-p 0.8, top-k 20, repetition penalty 1.05, over
 --prompt-len prompt and --output-len output tokens of history). The two paths alternate call
 by call (so drift of a shared machine hits both) and the fastest of --repeats calls counts.
+The sampler changes its logits in place (penalties, logit_bias), so each call is handed the
+same random logits afresh, copied in untimed, as a model's step hands it new ones.
 
 Then the penalised decode step timed whole, history handling included: --rows rows with
 Qwen2.5's defaults over --history-prompt-len + --history-output-len tokens, each step
@@ -35,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
-from raylm.executors.sampler import Sampler, process_logits
+from raylm.executors.sampler import Sampler, process_logits_
 from raylm.executors.sampling_metadata import SamplingMetadata
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
@@ -72,6 +74,7 @@ def history_step_times(sampler: Sampler, logits: torch.Tensor, params: SamplingP
     buffers and for the former per-step conversion of lists (module docstring), the two
     alternating; and of the native penalty pass alone over the buffers."""
     rows, vocab_size = logits.shape
+    work = torch.empty_like(logits)  # what each step samples, changed in place: the logits copied in untimed
     prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(rows)]
     outputs = [[rng.randrange(vocab_size) for _ in range(output_len)] for _ in range(rows)]
     histories = [TokenHistory(prompt + output, prompt_len) for prompt, output in zip(prompts, outputs)]
@@ -96,47 +99,52 @@ def history_step_times(sampler: Sampler, logits: torch.Tensor, params: SamplingP
         for history, token in zip(histories, drawn["buffers"]):
             history.extend([token])
         if whole:
-            drawn["buffers"] = [token.token_id for token in sampler(logits, buffers_metadata())]
+            drawn["buffers"] = [token.token_id for token in sampler(work, buffers_metadata())]
         else:
-            process_logits(logits, buffers_metadata())
+            process_logits_(work, buffers_metadata())
 
     def lists_step(whole: bool = True) -> None:
         for output, token in zip(outputs, drawn["lists"]):
             output.append(token)
         if whole:
-            drawn["lists"] = [token.token_id for token in sampler(logits, lists_metadata())]
+            drawn["lists"] = [token.token_id for token in sampler(work, lists_metadata())]
         else:
-            process_logits(logits, lists_metadata())
+            process_logits_(work, lists_metadata())
 
     def penalty_pass() -> None:
-        cpu_ops.apply_penalties(logits.clone(), torch.arange(rows), [h.token_ids for h in histories],
+        cpu_ops.apply_penalties(work, torch.arange(rows), [h.token_ids for h in histories],
                                 torch.tensor([h.num_tokens for h in histories]), torch.full((rows,), prompt_len),
                                 torch.full((rows,), params.repetition_penalty), torch.zeros(rows), torch.zeros(rows))
 
-    clone = lambda: logits.clone()  # noqa: E731 (what the penalty pass pays beside its work)
-    calls = {"buffers": buffers_step, "lists": lists_step, "penalty_pass": penalty_pass, "clone": clone,
+    calls = {"buffers": buffers_step, "lists": lists_step, "penalty_pass": penalty_pass,
              # The history's share alone: the step up to the penalised logits, without the draw.
              "buffers_penalties": lambda: buffers_step(whole=False), "lists_penalties": lambda: lists_step(whole=False)}
     # The two read the same histories the same way (the draws, unseeded, then differ).
-    assert torch.equal(process_logits(logits, buffers_metadata()), process_logits(logits, lists_metadata()))
+    assert torch.equal(process_logits_(logits.clone(), buffers_metadata()),
+                       process_logits_(logits.clone(), lists_metadata()))
     for call in calls.values():
+        work.copy_(logits)
         call()  # warm
     times: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for step in range(steps):
         for name in (names if step % 2 else names[::-1]):
+            work.copy_(logits)
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
     return {name: (min(values), statistics.median(values)) for name, values in times.items()}
 
 
-def fastest_alternating(native: Callable[[], object], pytorch: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """The fastest of `repeats` calls of each, the two alternating (order swapped each round)."""
+def fastest_alternating(native: Callable[[], object], pytorch: Callable[[], object], repeats: int,
+                        untimed: Callable[[], object] = lambda: None) -> tuple[float, float]:
+    """The fastest of `repeats` calls of each, the two alternating (order swapped each round);
+    `untimed` runs before each call."""
     times: dict[str, list[float]] = {"native": [], "pytorch": []}
     calls = {"native": native, "pytorch": pytorch}
     for round_index in range(repeats):
         for name in (("native", "pytorch") if round_index % 2 else ("pytorch", "native")):
+            untimed()
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     for vocab_size in args.vocab_sizes:
         rng = random.Random(args.seed)
         logits = torch.randn(args.rows, vocab_size, generator=torch.Generator().manual_seed(args.seed)) * 3
+        work = torch.empty_like(logits)  # what each call samples (and changes): the logits copied in untimed
         for name, params in CASES.items():
             metadata = case_metadata(params, args.rows, vocab_size, args.prompt_len, args.output_len, rng)
 
@@ -171,12 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
                 # The PyTorch path is what the sampler takes where the native library is unusable.
                 cpu_ops.usable = native_usable if native else (lambda *tensors: False)
                 try:
-                    sampler(logits, metadata)
+                    sampler(work, metadata)
                 finally:
                     cpu_ops.usable = native_usable
 
-            run(True), run(False)  # warm
-            native_s, pytorch_s = fastest_alternating(lambda: run(True), lambda: run(False), args.repeats)
+            for native in (True, False):  # warm
+                work.copy_(logits)
+                run(native)
+            native_s, pytorch_s = fastest_alternating(lambda: run(True), lambda: run(False), args.repeats,
+                                                      untimed=lambda: work.copy_(logits))
             results.append(dict(vocab_size=vocab_size, case=name, native_ms=native_s * 1e3, pytorch_ms=pytorch_s * 1e3,
                                 pytorch_over_native=pytorch_s / native_s))
             print(f"{vocab_size:>7}  {name:22s} {native_s * 1e3:10.2f} {pytorch_s * 1e3:11.2f} "
@@ -190,9 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         times = history_step_times(sampler, logits, SamplingParams(**CASES["qwen2.5 defaults"]),
                                    args.history_prompt_len, args.history_output_len, args.history_steps,
                                    random.Random(args.seed))
-        # The pass works on a copy of the logits: the copy's time is taken off.
-        penalty_pass = tuple(a - b for a, b in zip(times["penalty_pass"], times["clone"]))
-        times["penalty_pass"] = penalty_pass
+        penalty_pass = times["penalty_pass"]
         history_steps.append(dict(vocab_size=vocab_size, **{f"{name}_ms": [t * 1e3 for t in times[name]] for name in
                                                             ("buffers", "lists", "buffers_penalties", "lists_penalties",
                                                              "penalty_pass")},

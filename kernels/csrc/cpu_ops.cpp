@@ -653,6 +653,35 @@ at::Tensor truncated_probs(const at::Tensor& logits, const at::Tensor& temperatu
   return probs;
 }
 
+// For each row r of values [N, V] fp32 (rows contiguous), how many of its values are greater
+// than thresholds[r] (fp32 [N]; NaN is greater than nothing, and nothing than NaN): a logprob's
+// rank among its row's, less one. One read of the rows; PyTorch's (values > thresholds).sum(-1)
+// writes a bool [N, V] and casts it to int64 before summing: 64 rows of a 152k vocabulary
+// took 50-80 ms that way on a shared 2-core EPYC, against about a millisecond.
+at::Tensor count_greater(const at::Tensor& values, const at::Tensor& thresholds) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && values.stride(1) == 1,
+              "raylm::count_greater takes fp32 values [N, V] with contiguous rows");
+  const int64_t N = values.size(0), V = values.size(1);
+  TORCH_CHECK(V < std::numeric_limits<int32_t>::max(), "raylm::count_greater: rows of ", V, " values");
+  TORCH_CHECK(thresholds.dim() == 1 && thresholds.size(0) == N && thresholds.scalar_type() == at::kFloat &&
+              thresholds.is_contiguous(), "raylm::count_greater: thresholds are fp32 [N], one per row of values");
+  at::Tensor counts = at::empty({N}, values.options().dtype(at::kLong));
+  int64_t* out = counts.data_ptr<int64_t>();
+  const float* base = values.data_ptr<float>();
+  const float* threshold = thresholds.data_ptr<float>();
+  const int64_t row_stride = values.stride(0);
+  at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = base + r * row_stride;
+      const float t = threshold[r];
+      int32_t count = 0;  // V < 2^31; a 32-bit count vectorises twice as wide as a 64-bit one
+      for (int64_t i = 0; i < V; ++i) count += x[i] > t;
+      out[r] = count;
+    }
+  });
+  return counts;
+}
+
 // vLLM's penalties, in place, touching only the tokens a row has seen: repetition (a seen
 // logit x becomes x / r when positive, x * r otherwise; seen = in the prompt or the output),
 // then frequency and presence over the output ((x - f * count) - p). The dense form (masks
@@ -762,6 +791,7 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor[] histories, Tensor lengths, Tensor prompt_lens, "
         "Tensor repetition, Tensor frequency, Tensor presence) -> ()");
   m.def("truncated_probs(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, Tensor min_ps) -> Tensor");
+  m.def("count_greater(Tensor values, Tensor thresholds) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -779,4 +809,5 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("random_sample_truncated", &random_sample_truncated);
   m.impl("truncated_probs", &truncated_probs);
   m.impl("apply_penalties", &apply_penalties);
+  m.impl("count_greater", &count_greater);
 }
