@@ -1,7 +1,8 @@
 """Fused CPU versions of a decoder layer's small ops (`csrc/cpu_ops.cpp`), as PyTorch
 operators: `torch.ops.raylm.fused_add_rms_norm`, `rms_norm`, `silu_and_mul`,
 `rotary_embedding`, `write_kv_cache`, and `random_sample`, `random_sample_truncated` and
-`truncated_probs` (the sampler's draws), `apply_penalties`, `count_greater` (logprob ranks); and
+`truncated_probs` (the sampler's draws), `argmax_rows` (its greedy tokens), `apply_penalties`,
+`count_greater` (logprob ranks); and
 `zeros_on_huge_pages`, the KV cache's allocation.
 
 At decode batch sizes a layer's RMSNorms, SiLU-and-multiply, rotary embedding and KV write
@@ -140,6 +141,16 @@ def count_greater(values: torch.Tensor, thresholds: torch.Tensor) -> torch.Tenso
     are greater than the row's threshold (fp32 [N]): what (values > thresholds[:, None]).sum(-1)
     counts, in one read and without its bool and int64 [N, V] intermediates."""
     return torch.ops.raylm.count_greater(values, thresholds.float().contiguous())
+
+
+def argmax_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """int64: logits.max(dim=-1).indices of fp32 logits [N, V] (any strides), exactly: the
+    first index of each row's largest value, a NaN counting as the largest (its first index).
+    With rows (int64 [n], each a row of logits) only those rows, in that order, read in
+    place: what logits[rows].max(dim=-1).indices gives, without the gather's copy. One read
+    of each row in L1-sized blocks; torch's reduction took 5-11 ms for 64 rows of a 152k
+    vocabulary on a shared 2-core EPYC, several times one read of them."""
+    return torch.ops.raylm.argmax_rows(logits, None if rows is None else rows.long().contiguous())
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -682,6 +683,171 @@ at::Tensor count_greater(const at::Tensor& values, const at::Tensor& thresholds)
   return counts;
 }
 
+// ---- Greedy argmax ----
+//
+// torch's max(dim=-1).indices over 64 rows of a 152k vocabulary took 4.9-10.9 ms on the shared
+// 2-core EPYC, against ~0.9 ms for one plain read of them. Here a row is read in blocks that
+// stay in L1: a block's maximum (and whether it holds a NaN) in one vectorised pass, and the
+// block is scanned again, from L1, only when it beats the maximum so far.
+
+// The entries an op reads: entry j is logits row rows[j] (int64 [n], each a row of logits;
+// the mixed batch's greedy or random rows, read in place with no gather copy) or, without
+// rows, row j of every row.
+struct EntryRows {
+  const int64_t* rows = nullptr;
+  int64_t count = 0;
+  int64_t operator()(int64_t j) const { return rows == nullptr ? j : rows[j]; }
+};
+
+EntryRows checked_rows(const char* op, const at::Tensor& logits, const std::optional<at::Tensor>& rows) {
+  const int64_t N = logits.size(0);
+  if (!rows.has_value()) return EntryRows{nullptr, N};
+  TORCH_CHECK(rows->device().is_cpu() && rows->dim() == 1 && rows->scalar_type() == at::kLong && rows->is_contiguous(),
+              "raylm::", op, ": rows is a contiguous int64 vector on the CPU");
+  const EntryRows entries{rows->data_ptr<int64_t>(), rows->numel()};
+  for (int64_t j = 0; j < entries.count; ++j) {
+    TORCH_CHECK_VALUE(entries.rows[j] >= 0 && entries.rows[j] < N, "raylm::", op, ": row ", entries.rows[j],
+                      " is outside the ", N, " rows of logits");
+  }
+  return entries;
+}
+
+constexpr int64_t kArgmaxBlock = 2048;  // 8 KiB of fp32: a block's second read hits L1
+
+struct BlockMax {
+  float max;
+  bool holds_nan;
+};
+
+// The largest of x[0:n] (n > 0) and whether any is NaN (vmax drops NaN lanes, so they are
+// looked for apart).
+BlockMax block_max(const float* x, int64_t n) {
+  int64_t i = 0;
+  float max = -std::numeric_limits<float>::infinity();
+  bool holds_nan = false;
+#if RAYLM_AVX512
+  __m512 m0 = _mm512_set1_ps(max), m1 = m0, m2 = m0, m3 = m0;
+  __mmask16 nan = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16), c = _mm512_loadu_ps(x + i + 32),
+                 d = _mm512_loadu_ps(x + i + 48);
+    m0 = _mm512_max_ps(m0, a);
+    m1 = _mm512_max_ps(m1, b);
+    m2 = _mm512_max_ps(m2, c);
+    m3 = _mm512_max_ps(m3, d);
+    nan |= _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = _mm512_loadu_ps(x + i);
+    m0 = _mm512_max_ps(m0, a);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  }
+  max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  holds_nan = nan != 0;
+#elif RAYLM_AVX2
+  __m256 m0 = _mm256_set1_ps(max), m1 = m0, m2 = m0, m3 = m0, nan = _mm256_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8), c = _mm256_loadu_ps(x + i + 16),
+                 d = _mm256_loadu_ps(x + i + 24);
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+    m2 = _mm256_max_ps(m2, c);
+    m3 = _mm256_max_ps(m3, d);
+    nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    m0 = _mm256_max_ps(m0, a);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  max = max8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  holds_nan = _mm256_movemask_ps(nan) != 0;
+#endif
+  for (; i < n; ++i) {
+    holds_nan |= std::isnan(x[i]);
+    max = x[i] > max ? x[i] : max;
+  }
+  return BlockMax{max, holds_nan};
+}
+
+// The first i of x[0:n] with x[i] == value, or with x[i] NaN when value is NaN (one exists).
+int64_t first_index_of(const float* x, int64_t n, float value) {
+  const bool nan = std::isnan(value);
+  int64_t i = 0;
+#if RAYLM_AVX512
+  const __m512 target = _mm512_set1_ps(value);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 hits = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hits != 0) return i + __builtin_ctz(hits);
+  }
+#elif RAYLM_AVX2
+  const __m256 target = _mm256_set1_ps(value);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int hits = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
+    if (hits != 0) return i + __builtin_ctz(hits);
+  }
+#endif
+  for (; i < n; ++i) {
+    if (nan ? std::isnan(x[i]) : x[i] == value) return i;
+  }
+  return n;  // not reached: the caller found value in x
+}
+
+// torch.max(row, dim=-1).indices of one row of V > 0 logits, contiguous: the first index of the
+// largest value; a NaN counts as larger than everything, so the first NaN's index (-0 and +0
+// are equal, and a row of -inf gives 0).
+int64_t argmax_row(const float* x, int64_t V) {
+  float best = 0.0f;
+  int64_t best_index = -1;
+  for (int64_t start = 0; start < V; start += kArgmaxBlock) {
+    const int64_t n = std::min(kArgmaxBlock, V - start);
+    const BlockMax block = block_max(x + start, n);
+    if (block.holds_nan) return start + first_index_of(x + start, n, std::numeric_limits<float>::quiet_NaN());
+    if (best_index < 0 || block.max > best) {  // strictly larger: an earlier block keeps a tie
+      best = block.max;
+      best_index = start + first_index_of(x + start, n, block.max);
+    }
+  }
+  return best_index;
+}
+
+// argmax_row for a row whose elements lie `stride` apart (a transposed or column-sliced view).
+int64_t argmax_strided_row(const float* x, int64_t V, int64_t stride) {
+  float best = x[0];
+  int64_t best_index = 0;
+  for (int64_t i = 0; i < V && !std::isnan(best); ++i) {
+    const float v = x[i * stride];
+    if (std::isnan(v) || v > best) {
+      best = v;
+      best_index = i;
+    }
+  }
+  return best_index;
+}
+
+// logits [N, V] fp32 (any strides), rows: optional int64 [n] (EntryRows) -> int64 [n] (N
+// without rows): each entry's torch.max(dim=-1).indices, the greedy token.
+at::Tensor argmax_rows(const at::Tensor& logits, const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "raylm::argmax_rows takes fp32 logits [N, V] on the CPU");
+  const int64_t V = logits.size(1);
+  TORCH_CHECK(V > 0, "raylm::argmax_rows: rows of no logits have no argmax");
+  const EntryRows entries = checked_rows("argmax_rows", logits, rows);
+  at::Tensor tokens = at::empty({entries.count}, logits.options().dtype(at::kLong));
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const float* base = logits.data_ptr<float>();
+  const int64_t row_stride = logits.stride(0), column_stride = logits.stride(1);
+  at::parallel_for(0, entries.count, grain_rows(V), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* row = base + entries(j) * row_stride;
+      out[j] = column_stride == 1 ? argmax_row(row, V) : argmax_strided_row(row, V, column_stride);
+    }
+  });
+  return tokens;
+}
+
 // vLLM's penalties, in place, touching only the tokens a row has seen: repetition (a seen
 // logit x becomes x / r when positive, x * r otherwise; seen = in the prompt or the output),
 // then frequency and presence over the output ((x - f * count) - p). The dense form (masks
@@ -792,6 +958,7 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
         "Tensor repetition, Tensor frequency, Tensor presence) -> ()");
   m.def("truncated_probs(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, Tensor min_ps) -> Tensor");
   m.def("count_greater(Tensor values, Tensor thresholds) -> Tensor");
+  m.def("argmax_rows(Tensor logits, Tensor? rows=None) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -810,4 +977,5 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("truncated_probs", &truncated_probs);
   m.impl("apply_penalties", &apply_penalties);
   m.impl("count_greater", &count_greater);
+  m.impl("argmax_rows", &argmax_rows);
 }
