@@ -35,7 +35,7 @@ import torch
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
 from raylm.executors.input_staging import to_device
-from raylm.executors.sampler import inverse_cdf, process_logits_, sampling_probs
+from raylm.executors.sampler import greedy_tokens, inverse_cdf, process_logits_, sampling_probs
 from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
 from raylm.kernels.backend import get_attention_backend
 from raylm.models import get_model
@@ -207,12 +207,12 @@ class DraftModelRunner:
             greedy = [row for row, p in enumerate(params) if p.is_greedy]
             drawn = [row for row, p in enumerate(params) if not p.is_greedy]
             if not drawn:
-                tokens = processed.max(dim=-1).indices
+                tokens = greedy_tokens(processed)
             else:
                 tokens = torch.empty(len(active), dtype=torch.long, device=self.device)
                 if greedy:
                     index = to_device(greedy, self.device)
-                    tokens[index] = processed[index].max(dim=-1).indices
+                    tokens[index] = greedy_tokens(processed, index)
                 index = to_device(drawn, self.device)
                 temperature = to_device([params[row].temperature for row in drawn], self.device, processed.dtype)
                 drawn_logits = processed if len(drawn) == len(active) else processed[index]

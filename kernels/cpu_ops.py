@@ -92,25 +92,35 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     torch.ops.raylm.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.contiguous())
 
 
-def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of fp32 logits [N, V] (rows contiguous): the first token whose cumulative
-    softmax(logits / temperature) exceeds the row's uniform (fp32 [N] in [0, 1)) times the
-    total, as the sampler's `inverse_cdf` of that softmax draws it; int64 [N]. A row holding
-    NaN or no finite logit draws -1 (its request fails; the others' rows are drawn). A
-    temperature that is not positive or a uniform outside [0, 1) is a ValueError."""
-    return torch.ops.raylm.random_sample(logits, temperatures.float().contiguous(), uniforms.float().contiguous())
+    softmax(logits / temperature) exceeds the row's uniform (fp32 in [0, 1)) times the
+    total, as the sampler's `inverse_cdf` of that softmax draws it; int64, one per row. A row
+    holding NaN or no finite logit draws -1 (its request fails; the others' rows are drawn).
+    A temperature that is not positive or a uniform outside [0, 1) is a ValueError. rows
+    (int64 [n], each a row of logits): draw only those rows, in that order, read in place
+    (temperatures and uniforms are then [n]): a mixed batch's random rows without a copy."""
+    return torch.ops.raylm.random_sample(logits, temperatures.float().contiguous(), uniforms.float().contiguous(),
+                                         _row_index(rows))
 
 
 def random_sample_truncated(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
-                            top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """`random_sample` with each row cut first, in vLLM's (v1) order: min-p (fp32 [N] in
-    [0, 1]; 0 keeps all), then top-k over what is left (int64 [N]; V or more keeps all), then
-    top-p over what top-k keeps (fp32 [N] in (0, 1]; 1 keeps all). No sort: a radix select
-    finds each row's cut in a few passes. A row that cuts nothing draws what `random_sample`
-    draws; a row holding NaN or no finite logit draws -1."""
+                            top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`random_sample` with each row cut first, in vLLM's (v1) order: min-p (fp32 in
+    [0, 1]; 0 keeps all), then top-k over what is left (int64; V or more keeps all), then
+    top-p over what top-k keeps (fp32 in (0, 1]; 1 keeps all); one of each a row drawn. No
+    sort: a radix select finds each row's cut in a few passes. A row that cuts nothing draws
+    what `random_sample` draws; a row holding NaN or no finite logit draws -1. rows: as
+    `random_sample`'s."""
     return torch.ops.raylm.random_sample_truncated(
         logits, temperatures.float().contiguous(), uniforms.float().contiguous(), top_ks.long().contiguous(),
-        top_ps.float().contiguous(), min_ps.float().contiguous())
+        top_ps.float().contiguous(), min_ps.float().contiguous(), _row_index(rows))
+
+
+def _row_index(rows: torch.Tensor | None) -> torch.Tensor | None:
+    return None if rows is None else rows.long().contiguous()
 
 
 def truncated_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
@@ -150,7 +160,7 @@ def argmax_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch
     place: what logits[rows].max(dim=-1).indices gives, without the gather's copy. One read
     of each row in L1-sized blocks; torch's reduction took 5-11 ms for 64 rows of a 152k
     vocabulary on a shared 2-core EPYC, several times one read of them."""
-    return torch.ops.raylm.argmax_rows(logits, None if rows is None else rows.long().contiguous())
+    return torch.ops.raylm.argmax_rows(logits, _row_index(rows))
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -519,6 +519,28 @@ int64_t sample_row_truncated(const float* logits, int64_t V, float temperature, 
   return draw_from_weights(weights, V, total, u);
 }
 
+// The entries an op reads: entry j is logits row rows[j] (int64 [n], each a row of logits;
+// the mixed batch's greedy or random rows, read in place with no gather copy) or, without
+// rows, row j of every row.
+struct EntryRows {
+  const int64_t* rows = nullptr;
+  int64_t count = 0;
+  int64_t operator()(int64_t j) const { return rows == nullptr ? j : rows[j]; }
+};
+
+EntryRows checked_rows(const char* op, const at::Tensor& logits, const std::optional<at::Tensor>& rows) {
+  const int64_t N = logits.size(0);
+  if (!rows.has_value()) return EntryRows{nullptr, N};
+  TORCH_CHECK(rows->device().is_cpu() && rows->dim() == 1 && rows->scalar_type() == at::kLong && rows->is_contiguous(),
+              "raylm::", op, ": rows is a contiguous int64 vector on the CPU");
+  const EntryRows entries{rows->data_ptr<int64_t>(), rows->numel()};
+  for (int64_t j = 0; j < entries.count; ++j) {
+    TORCH_CHECK_VALUE(entries.rows[j] >= 0 && entries.rows[j] < N, "raylm::", op, ": row ", entries.rows[j],
+                      " is outside the ", N, " rows of logits");
+  }
+  return entries;
+}
+
 // The uniforms of a draw: fp32 [N], each in [0, 1) (a u of 1 would point past the last token).
 const float* checked_uniforms(const char* op, const at::Tensor& uniforms, int64_t N) {
   TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == N && uniforms.scalar_type() == at::kFloat &&
@@ -531,28 +553,34 @@ const float* checked_uniforms(const char* op, const at::Tensor& uniforms, int64_
   return u;
 }
 
-// logits [N, V] fp32 (rows contiguous), temperatures [N] fp32 > 0, uniforms [N] fp32 in
-// [0, 1) -> [N] int64: each row's draw (sample_row).
-at::Tensor random_sample(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms) {
+// logits [N, V] fp32 (rows contiguous), temperatures [n] fp32 > 0, uniforms [n] fp32 in
+// [0, 1), rows: optional int64 [n] (EntryRows; n = N without) -> [n] int64: each entry's draw
+// (sample_row).
+at::Tensor random_sample(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
+                         const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "raylm::random_sample takes fp32 logits [N, V] with contiguous rows");
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t V = logits.size(1);
   TORCH_CHECK(V > 0, "raylm::random_sample: no logits to sample from");
-  TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == N && temperatures.scalar_type() == at::kFloat &&
-              temperatures.is_contiguous(), "raylm::random_sample: temperatures are fp32 [N], one per row of logits");
+  const EntryRows entries = checked_rows("random_sample", logits, rows);
+  const int64_t n = entries.count;
+  TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == n && temperatures.scalar_type() == at::kFloat &&
+              temperatures.is_contiguous(), "raylm::random_sample: temperatures are fp32 [n], one per row drawn");
   const float* temperature = temperatures.data_ptr<float>();
-  for (int64_t r = 0; r < N; ++r) {
+  for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK_VALUE(temperature[r] > 0.0f && std::isfinite(temperature[r]), "raylm::random_sample: temperature ",
                       temperature[r], " of row ", r, " is not a positive number");
   }
-  const float* u = checked_uniforms("random_sample", uniforms, N);
-  at::Tensor tokens = at::empty({N}, logits.options().dtype(at::kLong));
+  const float* u = checked_uniforms("random_sample", uniforms, n);
+  at::Tensor tokens = at::empty({n}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   const float* base = logits.data_ptr<float>();
   const int64_t row_stride = logits.stride(0);
-  at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_rows(V), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(V);
-    for (int64_t r = begin; r < end; ++r) out[r] = sample_row(base + r * row_stride, V, temperature[r], u[r], scratch.data());
+    for (int64_t r = begin; r < end; ++r) {
+      out[r] = sample_row(base + entries(r) * row_stride, V, temperature[r], u[r], scratch.data());
+    }
   });
   return tokens;
 }
@@ -568,11 +596,12 @@ struct RowCuts {
   bool cuts(int64_t r, int64_t V) const { return top_k[r] < V || top_p[r] < 1.0f || min_p[r] > 0.0f; }
 };
 
-RowCuts checked_cuts(const char* op, const at::Tensor& logits, const at::Tensor& temperatures,
+// N: the rows cut (the entries of EntryRows).
+RowCuts checked_cuts(const char* op, const at::Tensor& logits, int64_t N, const at::Tensor& temperatures,
                      const at::Tensor& top_ks, const at::Tensor& top_ps, const at::Tensor& min_ps) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1, "raylm::", op,
               " takes fp32 logits [N, V] with contiguous rows");
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t V = logits.size(1);
   TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "raylm::", op, ": a vocabulary of ", V, " logits");
   for (const at::Tensor* t : {&temperatures, &top_ps, &min_ps}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous(), "raylm::",
@@ -595,11 +624,15 @@ RowCuts checked_cuts(const char* op, const at::Tensor& logits, const at::Tensor&
 }
 
 // random_sample with each row's cut (RowCuts). A row that cuts nothing is drawn exactly as
-// random_sample draws it.
+// random_sample draws it. rows: as random_sample's.
 at::Tensor random_sample_truncated(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
-                                   const at::Tensor& top_ks, const at::Tensor& top_ps, const at::Tensor& min_ps) {
-  const RowCuts cuts = checked_cuts("random_sample_truncated", logits, temperatures, top_ks, top_ps, min_ps);
-  const int64_t N = logits.size(0), V = logits.size(1);
+                                   const at::Tensor& top_ks, const at::Tensor& top_ps, const at::Tensor& min_ps,
+                                   const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(logits.dim() == 2, "raylm::random_sample_truncated takes fp32 logits [N, V] with contiguous rows");
+  const EntryRows entries = checked_rows("random_sample_truncated", logits, rows);
+  const RowCuts cuts = checked_cuts("random_sample_truncated", logits, entries.count, temperatures, top_ks, top_ps,
+                                    min_ps);
+  const int64_t N = entries.count, V = logits.size(1);
   const float* u = checked_uniforms("random_sample_truncated", uniforms, N);
   at::Tensor tokens = at::empty({N}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
@@ -610,7 +643,7 @@ at::Tensor random_sample_truncated(const at::Tensor& logits, const at::Tensor& t
     std::vector<uint32_t> keys(V);
     std::vector<int32_t> candidates;
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = base + r * row_stride;
+      const float* row = base + entries(r) * row_stride;
       out[r] = cuts.cuts(r, V) ? sample_row_truncated(row, V, cuts.temperature[r], cuts.top_k[r], cuts.top_p[r],
                                                       cuts.min_p[r], u[r], weights.data(), keys.data(), candidates)
                                : sample_row(row, V, cuts.temperature[r], u[r], weights.data());
@@ -626,7 +659,8 @@ at::Tensor random_sample_truncated(const at::Tensor& logits, const at::Tensor& t
 // failed by the caller's check; this op must not stop the others).
 at::Tensor truncated_probs(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& top_ks,
                            const at::Tensor& top_ps, const at::Tensor& min_ps) {
-  const RowCuts cuts = checked_cuts("truncated_probs", logits, temperatures, top_ks, top_ps, min_ps);
+  TORCH_CHECK(logits.dim() == 2, "raylm::truncated_probs takes fp32 logits [N, V] with contiguous rows");
+  const RowCuts cuts = checked_cuts("truncated_probs", logits, logits.size(0), temperatures, top_ks, top_ps, min_ps);
   const int64_t N = logits.size(0), V = logits.size(1);
   at::Tensor probs = at::empty({N, V}, logits.options());
   float* out = probs.data_ptr<float>();
@@ -689,28 +723,6 @@ at::Tensor count_greater(const at::Tensor& values, const at::Tensor& thresholds)
 // 2-core EPYC, against ~0.9 ms for one plain read of them. Here a row is read in blocks that
 // stay in L1: a block's maximum (and whether it holds a NaN) in one vectorised pass, and the
 // block is scanned again, from L1, only when it beats the maximum so far.
-
-// The entries an op reads: entry j is logits row rows[j] (int64 [n], each a row of logits;
-// the mixed batch's greedy or random rows, read in place with no gather copy) or, without
-// rows, row j of every row.
-struct EntryRows {
-  const int64_t* rows = nullptr;
-  int64_t count = 0;
-  int64_t operator()(int64_t j) const { return rows == nullptr ? j : rows[j]; }
-};
-
-EntryRows checked_rows(const char* op, const at::Tensor& logits, const std::optional<at::Tensor>& rows) {
-  const int64_t N = logits.size(0);
-  if (!rows.has_value()) return EntryRows{nullptr, N};
-  TORCH_CHECK(rows->device().is_cpu() && rows->dim() == 1 && rows->scalar_type() == at::kLong && rows->is_contiguous(),
-              "raylm::", op, ": rows is a contiguous int64 vector on the CPU");
-  const EntryRows entries{rows->data_ptr<int64_t>(), rows->numel()};
-  for (int64_t j = 0; j < entries.count; ++j) {
-    TORCH_CHECK_VALUE(entries.rows[j] >= 0 && entries.rows[j] < N, "raylm::", op, ": row ", entries.rows[j],
-                      " is outside the ", N, " rows of logits");
-  }
-  return entries;
-}
 
 constexpr int64_t kArgmaxBlock = 2048;  // 8 KiB of fp32: a block's second read hits L1
 
@@ -951,9 +963,9 @@ int64_t vector_width() { return kVecWidth; }
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("vector_width() -> int", &vector_width);
   m.def("zeros_on_huge_pages(int[] size, ScalarType dtype) -> Tensor", &zeros_on_huge_pages_op);
-  m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
+  m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor? rows=None) -> Tensor");
   m.def("random_sample_truncated(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor top_ks, Tensor top_ps, "
-        "Tensor min_ps) -> Tensor");
+        "Tensor min_ps, Tensor? rows=None) -> Tensor");
   m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor[] histories, Tensor lengths, Tensor prompt_lens, "
         "Tensor repetition, Tensor frequency, Tensor presence) -> ()");
   m.def("truncated_probs(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, Tensor min_ps) -> Tensor");
