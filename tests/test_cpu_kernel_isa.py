@@ -481,6 +481,81 @@ def test_count_greater_rejects_what_it_cannot_count(case):
         cpu_ops.count_greater(values, thresholds)
 
 
+# Widths inside one block, with and without a SIMD tail, and across blocks (2048) with a tail.
+@pytest.mark.parametrize("vocab", [1, 7, 16, 100, 2048, 5003])
+def test_argmax_rows_is_torchs_max_indices_exactly(vocab):
+    # The greedy token: the first index of the maximum on ties, a NaN counting as the maximum
+    # (its first index), a row of -inf giving 0, -0 equal to +0; strided rows, transposed
+    # views and a row index list (rows read in place, repeated, in any order).
+    gen = torch.Generator().manual_seed(vocab)
+    padded = torch.randint(-4, 4, (12, vocab + 5), generator=gen).float()  # few values: many ties
+    logits = padded[:, 2:2 + vocab]
+    logits[1] = -math.inf
+    logits[2, vocab // 2] = math.nan
+    logits[3] = math.nan
+    logits[4, -1] = math.inf
+    logits[4, vocab // 3] = math.inf
+    logits[5] = torch.where(torch.arange(vocab) % 2 == 0, -0.0, 0.0)
+    logits[6, -1] = 100.0  # the maximum in the last element (a block's tail)
+    logits[7, vocab // 2:] = math.nan
+    logits[7, vocab - 1] = 1000.0
+    logits[8, :-1] = -math.inf
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(cpu_ops.argmax_rows(logits), expected)
+    transposed = logits.t().contiguous().t()
+    assert transposed.stride(1) != 1 or vocab == 1
+    assert torch.equal(cpu_ops.argmax_rows(transposed), expected)
+    rows = torch.tensor([8, 3, 3, 0, 11, 2])
+    assert torch.equal(cpu_ops.argmax_rows(logits, rows), logits[rows].max(dim=-1).indices)
+    assert cpu_ops.argmax_rows(logits, torch.tensor([], dtype=torch.long)).shape == (0,)
+
+
+def test_argmax_rows_of_many_random_rows_across_threads():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(70, 3000, generator=gen).round(decimals=1)  # ties of the maximum
+    assert torch.equal(cpu_ops.argmax_rows(logits), logits.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("case", ["bf16 logits", "no logits", "a row outside", "a negative row", "int32 rows"])
+def test_argmax_rows_rejects_what_it_cannot_read(case):
+    logits, rows = torch.zeros(3, 8), torch.tensor([0, 2])
+    if case == "bf16 logits":
+        logits = logits.to(torch.bfloat16)
+    elif case == "no logits":
+        logits = torch.zeros(3, 0)
+    elif case == "a row outside":
+        rows = torch.tensor([0, 3])
+    elif case == "a negative row":
+        rows = torch.tensor([-1])
+    with pytest.raises((RuntimeError, ValueError), match="argmax_rows"):
+        if case == "int32 rows":
+            torch.ops.raylm.argmax_rows(logits, rows.int())
+        cpu_ops.argmax_rows(logits, rows)
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_draws_of_a_row_index_list_are_the_draws_of_the_gathered_rows(truncated):
+    # A mixed batch's random rows drawn in place: the same tokens as drawing a copy of them.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 3001, generator=gen)
+    logits[4] = math.nan
+    rows = torch.tensor([7, 1, 4, 1, 8])
+    temperatures, uniforms = torch.rand(5, generator=gen) + 0.5, torch.rand(5, generator=gen)
+    if truncated:
+        cuts = torch.tensor([3000, 20, 5, 3001, 100]), torch.tensor([1.0, 0.9, 1.0, 0.5, 0.99]), torch.zeros(5)
+        tokens = cpu_ops.random_sample_truncated(logits, temperatures, uniforms, *cuts, rows=rows)
+        expected = cpu_ops.random_sample_truncated(logits[rows], temperatures, uniforms, *cuts)
+    else:
+        tokens = cpu_ops.random_sample(logits, temperatures, uniforms, rows)
+        expected = cpu_ops.random_sample(logits[rows], temperatures, uniforms)
+    assert torch.equal(tokens, expected)
+    assert tokens[2].item() == -1
+    with pytest.raises(ValueError, match="row 9 is outside"):
+        cpu_ops.random_sample(logits, temperatures, uniforms, torch.tensor([0, 1, 2, 3, 9]))
+    with pytest.raises(RuntimeError, match="one per row"):
+        cpu_ops.random_sample(logits, temperatures, uniforms, torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("cache_dtype", DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
