@@ -4,7 +4,7 @@ dense masks, the way vLLM's CPU build samples), in one process, alternating.
     python -m raylm.cluster.benchmarks.bench_sampler --vocab-sizes 32000 128256 --rows 64
 
 Each case samples --rows rows of random logits with the parameters a user or a model's
-generation config sends: temperature alone, top-p, top-k + top-p, min-p, and Qwen2.5's
+generation config sends: greedy (the native argmax against torch's max), temperature alone, top-p, top-k + top-p, min-p, and Qwen2.5's
 defaults (temperature 0.7, top-p 0.8, top-k 20, repetition penalty 1.05, over
 --prompt-len prompt and --output-len output tokens of history). The two paths alternate call
 by call (so drift of a shared machine hits both) and the fastest of --repeats calls counts.
@@ -43,6 +43,7 @@ from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 
 CASES: dict[str, dict] = {
+    "greedy": dict(temperature=0.0),
     "temperature": dict(temperature=1.0),
     "top_p=0.9": dict(temperature=1.0, top_p=0.9),
     "top_k=50,top_p=0.9": dict(temperature=1.0, top_k=50, top_p=0.9),
