@@ -9,6 +9,12 @@ from pathlib import Path
 import torch
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Two correct fp32 engines part on a greedy choice whose best two logits lie within their
+# rounding of each other: raylm sums in another order than peft (tensor-parallel partial sums,
+# its own GEMM kernels), and its logprobs differ from peft's by up to ~2e-6 on the tiny Llama
+# (the suite allows 1e-4 wherever it compares fp32 logprobs with Hugging Face's). A token whose
+# logit lies within NEAR_TIE of peft's best is as right as peft's own pick.
+NEAR_TIE = 1e-4
 
 
 def build_lora_adapter(base_dir: Path, out_dir: Path, rank: int, targets=ALL_TARGETS, lora_alpha: float = 16,
@@ -42,6 +48,33 @@ def peft_model(base_dir: str, adapter_dir: str | None):
 
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
+
+
+def assert_peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], tokens: list[int],
+                       max_new_tokens: int, what: str = "") -> None:
+    """`tokens`, an engine's greedy tokens after `prompt_ids`, are peft's: max_new_tokens of
+    them, each the argmax of peft's logits after the prompt and the engine's tokens before it,
+    or within NEAR_TIE of it. peft reads the engine's own tokens, so a near-tie that rounding
+    decided the other way leaves every later token checked all the same."""
+    assert len(tokens) == max_new_tokens, f"{what}: {len(tokens)} tokens, not {max_new_tokens}"
+    for step, (token, best, lag) in enumerate(zip(tokens, *_peft_lags(
+            str(base_dir), None if adapter_dir is None else str(adapter_dir), tuple(prompt_ids), tuple(tokens)))):
+        assert lag <= NEAR_TIE, (f"{what}: token {step} is {token}, whose logit lies {lag:.3g} below that of "
+                                 f"peft's pick {best} (after {tokens[:step]})")
+
+
+@lru_cache(maxsize=1024)
+def _peft_lags(base_dir: str, adapter_dir: str | None, prompt_ids: tuple[int, ...], tokens: tuple[int, ...]
+               ) -> tuple[list[int], list[float]]:
+    """peft's argmax after the prompt and each prefix of `tokens`, and how far below its logit
+    each token's lies (one forward over the whole sequence)."""
+    model = peft_model(base_dir, adapter_dir)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + tokens]), use_cache=False).logits[0].float()
+    rows = logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(tokens)]
+    best = rows.argmax(dim=-1)
+    lags = rows.gather(1, best[:, None]) - rows.gather(1, torch.tensor(tokens)[:, None])
+    return best.tolist(), lags[:, 0].tolist()
 
 
 def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
