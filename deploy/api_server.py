@@ -294,6 +294,12 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         completions.check_model(request.model)
+        # vLLM's rule for token ids: no more than the context holds. Checked first: the
+        # vocabulary scan below and the decode on the tokenizer thread (which every
+        # request's tokenizing shares) grow with the count.
+        if len(request.tokens) > model_config.max_model_len:
+            raise OpenAIError(f"This model's maximum context length is {model_config.max_model_len} tokens. "
+                              f"However, /detokenize was given {len(request.tokens)} tokens.", param="tokens")
         vocab_size = model_config.vocab_size
         bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
