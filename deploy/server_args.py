@@ -134,7 +134,7 @@ class ServerArgs(SettingsMixin):
     request_body_timeout: float = field(default=DEFAULT_REQUEST_BODY_TIMEOUT_S, metadata=setting(
         "Seconds a request's body may take to arrive after its headers; a slower one is answered 408 and no longer "
         "counts against --max-concurrent-requests (a client that sent part of a body and waited held its place "
-        "for ever).", key=False, note=_UVICORN_ONLY))
+        "for ever; under Ray Serve, the ingress's place among its max_ongoing_requests)."))
     shutdown_timeout: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=setting(
         "Seconds SIGTERM lets the requests in flight finish before it aborts them (under Ray Serve: the "
         "replica's graceful_shutdown_timeout_s)."))
