@@ -129,6 +129,11 @@ class ServerArgs(SettingsMixin):
     max_concurrent_requests: int = field(default=DEFAULT_MAX_CONCURRENT_REQUESTS, metadata=setting(
         "Requests in flight (received, not yet fully answered) past which a new one is answered 429 at once; "
         "/health and /metrics do not count."))
+    max_response_tokens_in_flight: int | None = field(default=None, metadata=setting(
+        "Most tokens the responses in flight may hold together, each request counted as --max-response-tokens "
+        "counts it (tokens, logprobs and prompt copies, at some 512 bytes each); a request that does not fit beside "
+        "the others is answered 429 with Retry-After. Default: a quarter of the memory the process may use (the "
+        "machine's, or its cgroup's limit where lower) / 512 bytes, at least --max-response-tokens."))
     max_request_body_bytes: int = field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=setting(
         "Largest request body (16 MiB by default); a larger one is answered 413 before it is read."))
     request_body_timeout: float = field(default=DEFAULT_REQUEST_BODY_TIMEOUT_S, metadata=setting(
@@ -146,6 +151,15 @@ class ServerArgs(SettingsMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        in_flight = self.max_response_tokens_in_flight
+        if in_flight is not None:
+            if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
+                raise ValueError(f"max_response_tokens_in_flight must be a positive integer, got {in_flight!r}.")
+            if in_flight < self.limits.max_response_tokens:
+                raise ValueError(f"max_response_tokens_in_flight (--max-response-tokens-in-flight) {in_flight} is "
+                                 f"below max_response_tokens (--max-response-tokens) "
+                                 f"{self.limits.max_response_tokens}: a request within the one could never fit "
+                                 f"the other.")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
         if not self.request_body_timeout > 0:

@@ -86,23 +86,30 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
-        self.limits.check_response_size([(len(token_ids), params)])
+        held = self.limits.check_response_size([(len(token_ids), params)])
         if tool_mode is not None and tool_mode.choice == "auto":
             skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
             if skip_special_tokens is not None:
                 params.skip_special_tokens = skip_special_tokens
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        (stream,) = await self.add_requests(
-            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
-            self.lora_request(model_name))
-        echo = self._echo_text(request)
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo, tool_mode))
-        final: RequestOutput | None = None
-        async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
-            final = output
-        assert final is not None and final.finished
+        with self.response_budget.reserve(held) as reservation:
+            (stream,) = await self.add_requests(
+                request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
+                self.lora_request(model_name))
+            echo = self._echo_text(request)
+            if request.stream:
+                return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo, tool_mode),
+                                   reservation.keep())
+            final: RequestOutput | None = None
+            async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
+                final = output
+            assert final is not None and final.finished
+            return JSONResponse(self._response(request, request_id, created, model_name, final, echo,
+                                               tool_mode).model_dump())
+
+    def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                  final: RequestOutput, echo: str, tool_mode: ToolMode | None) -> ChatCompletionResponse:
         choices = []
         for completion in final.outputs:
             logprobs = None
@@ -112,12 +119,11 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason))
+        prompt_tokens = len(final.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
-                          total_tokens=len(token_ids) + completion_tokens)
-        response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                          usage=usage)
-        return JSONResponse(response.model_dump())
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
 
     def _render_and_tokenize(self, request: ChatCompletionRequest, tool_mode: ToolMode | None
                              ) -> tuple[str, list[int]]:

@@ -35,22 +35,25 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(request.with_cache_salt({"prompt": prompt, "prompt_token_ids": token_ids}
                                                    if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's logprobs, asked by logprobs
-        self.limits.check_response_size([(len(ids), p) for ids, p in zip(token_ids_list, params)],
-                                        prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs")
+        held = self.limits.check_response_size(
+            [(len(ids), p) for ids, p in zip(token_ids_list, params)],
+            prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs")
         request_id = random_id("cmpl")
         created = int(time.time())
         if request.use_beam_search and request.stream:
             raise OpenAIError("use_beam_search cannot be streamed: the best beams are known only at the end.",
                               param="stream")
-        # A beam search is a request like any other here (its stream yields the final
-        # output), so a client that leaves stops it as it stops the others.
-        streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, created, model_name, streams))
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
-            finals[index] = output
-        return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
+        with self.response_budget.reserve(held) as reservation:
+            # A beam search is a request like any other here (its stream yields the final
+            # output), so a client that leaves stops it as it stops the others.
+            streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
+            if request.stream:
+                return SSEResponse(self._stream(request, request_id, created, model_name, streams),
+                                   reservation.keep())
+            finals: list[RequestOutput | None] = [None] * len(streams)
+            async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
+                finals[index] = output
+            return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
 
     def check_limits(self, request: CompletionRequest, prompts: list[str | list[int]]) -> None:
         """Every size the request asks for, before anything is tokenized or allocated."""

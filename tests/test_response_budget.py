@@ -1,9 +1,11 @@
 """What requests hold in memory, bounded: each request's response and its sequences' prompt
-copies (--max-response-tokens), on a real `raylm serve` over a tiny model with a 32k
-context."""
+copies (--max-response-tokens), and all responses in flight together
+(--max-response-tokens-in-flight, 429 with Retry-After past it), on a real `raylm serve` over
+a tiny model with a 32k context."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,8 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(long_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("budget_server") / "server.log"
     with running_server([str(long_model), "--served-model-name", MODEL, "--num-gpu-blocks-override", "4096",
-                         "--max-response-tokens", str(MAX_RESPONSE_TOKENS)], log) as (_, base_url):
+                         "--max-response-tokens", str(MAX_RESPONSE_TOKENS),
+                         "--max-response-tokens-in-flight", str(MAX_RESPONSE_TOKENS)], log) as (_, base_url):
         yield base_url
 
 
@@ -45,3 +48,57 @@ def test_each_sequences_copy_of_a_long_prompt_counts_against_max_response_tokens
     response = post(server, {"prompt": LONG_PROMPT, "n": 64, "temperature": 1, "max_tokens": 1})
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 64
+
+
+def first_chunk_status(base_url: str, path: str, body: dict) -> int:
+    """The status of a streamed request, which is closed (and so aborted) after its first
+    event."""
+    with httpx.stream("POST", base_url + path, json={"model": MODEL, "stream": True, **body}, timeout=120) as response:
+        if response.status_code == 200:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+        return response.status_code
+
+
+def test_past_the_tokens_in_flight_a_request_gets_429_with_retry_after_until_others_end(server):
+    # Each request within --max-response-tokens, up to --max-concurrent-requests (1024) of
+    # them asked for 1024 x 2^22 tokens together, some 2 TiB. The holder's client reads one
+    # event and no more: its 30,000 tokens of events (7 MB) cannot all be sent, so it stays
+    # in flight, as a slow reader's stream does, until its client leaves.
+    big = {"prompt": "Hi", "n": 3, "temperature": 1, "max_tokens": 24_000}  # 72,001 of the 100,000
+    holder = httpx.stream("POST", server + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 30_000, "ignore_eos": True, "stream": True})  # 30,001
+    with holder as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()  # kept: a dropped iterator closes the connection
+        next(line for line in lines if line.startswith("data: "))
+        refused = post(server, big)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "RateLimitError" and "--max-response-tokens-in-flight" in error["message"], error
+        assert "hold 30,001 of the 100,000 tokens" in error["message"] and "asks for 72,001" in error["message"]
+        assert refused.headers["retry-after"] == "1"
+        chat = httpx.post(server + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 3, "temperature": 1,
+            "max_tokens": 24_000})
+        assert chat.status_code == 429, chat.text
+        small = post(server, {"prompt": "Hi", "max_tokens": 4})  # what fits beside it is served
+        assert small.status_code == 200, small.text
+    # The holder's client left: its request is aborted and its tokens given back.
+    deadline = time.monotonic() + 30
+    while (status := first_chunk_status(server, "/v1/completions", big)) == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status == 200
+
+
+def test_the_default_budget_is_a_quarter_of_memory_at_512_bytes_a_token():
+    from raylm.deploy.response_budget import default_response_tokens_in_flight, memory_limit_bytes
+    from raylm.deploy.server_args import ServerArgs
+
+    mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemTotal:"))
+    assert 0 < memory_limit_bytes() <= mem_total
+    assert default_response_tokens_in_flight(1) == memory_limit_bytes() // 4 // 512
+    assert default_response_tokens_in_flight(10**15) == 10**15  # never below one request's limit
+    with pytest.raises(ValueError, match="below max_response_tokens"):
+        ServerArgs(max_response_tokens_in_flight=1000)
