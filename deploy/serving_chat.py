@@ -99,8 +99,8 @@ class OpenAIServingChat(OpenAIServing):
                 self.lora_request(model_name))
             echo = self._echo_text(request)
             if request.stream:
-                return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo, tool_mode),
-                                   reservation.keep())
+                return SSEResponse(self._stream(request, request_id, created, model_name, stream, len(token_ids), echo,
+                                                tool_mode), reservation.keep())
             final: RequestOutput | None = None
             async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
                 final = output
@@ -119,10 +119,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason))
-        prompt_tokens = len(final.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+        usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
 
     def _render_and_tokenize(self, request: ChatCompletionRequest, tool_mode: ToolMode | None
@@ -166,25 +163,29 @@ class OpenAIServingChat(OpenAIServing):
         return last.text() if request.echo and last.role == "assistant" else ""
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      stream: AsyncIterator[RequestOutput], echo: str, tool_mode: ToolMode | None = None
-                      ) -> AsyncIterator[str]:
+                      stream: AsyncIterator[RequestOutput], prompt_tokens: int, echo: str,
+                      tool_mode: ToolMode | None = None) -> AsyncIterator[str]:
+        usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
+        choice_tokens = [0] * request.n
+
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            usage = _usage(prompt_tokens, choice_tokens[choice.index]) if usage_per_chunk else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                    choices=[choice]))
+                                                    choices=[choice], usage=usage))
 
         # Per choice, what parses tool calls out of its text as it grows.
         streamers = {index: ToolCallStreamer(tool_mode.parser) for index in range(request.n)} \
             if tool_mode is not None and tool_mode.parser is not None else None
-        prompt_tokens = completion_tokens = 0
+        completion_tokens = 0
         try:
             # vLLM opens every choice with the assistant role and empty content (or the echo).
             for index in range(request.n):
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content=echo)))
             async for _, output in merge_async_iterators([stream]):
-                prompt_tokens = len(output.prompt_token_ids)
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
+                    choice_tokens[completion.index] += len(completion.token_ids)
                     logprobs = None
                     if request.logprobs:
                         logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
@@ -204,10 +205,8 @@ class OpenAIServingChat(OpenAIServing):
                         index=completion.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=completion.stop_reason))
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                       usage=usage))
+                                                       usage=_usage(prompt_tokens, completion_tokens)))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE
@@ -228,6 +227,11 @@ class OpenAIServingChat(OpenAIServing):
                 token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
                 bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
