@@ -229,6 +229,11 @@ BAD_REQUESTS = {
     "top_p above one": ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
     "top_k below -1": ("/v1/completions", {"prompt": "Hi", "top_k": -2}, 400, "top_k"),
     "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1, "temperature": 1}, 400, "best_of"),
+    # The error named best_of, which the request did not set.
+    "greedy n above one": ("/v1/completions", {"prompt": "Hi", "n": 3, "temperature": 0}, 400, "n"),
+    "chat greedy n above one": ("/v1/chat/completions", {"messages": CHAT, "n": 2, "temperature": 0}, 400, "n"),
+    "greedy best_of above one": ("/v1/completions", {"prompt": "Hi", "best_of": 3, "temperature": 0}, 400,
+                                 "best_of"),
     "negative max_tokens": ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
     "min_tokens above max_tokens": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400,
                                     "min_tokens"),
