@@ -44,7 +44,8 @@ BODY_TIMEOUT_S = 3
 # Every server setting away from its default (uvicorn's own, host and port aside).
 SERVER_FLAGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--root-path", ROOT,
                 "--max-concurrent-requests", "64", "--max-request-body-bytes", "200000", "--shutdown-timeout", "7",
-                "--request-body-timeout", str(BODY_TIMEOUT_S),
+                "--request-body-timeout", str(BODY_TIMEOUT_S), "--max-response-tokens-in-flight", "5000000",
+                "--max-served-loras", "7",
                 "--trust-request-chat-template", "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
                 "--max-prompts-per-request", "8", "--max-stop-strings", "2", "--max-stop-string-chars", "50",
                 "--max-stop-token-ids", "9", "--max-logit-bias", "10", "--max-chat-messages", "11",
