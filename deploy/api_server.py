@@ -9,7 +9,8 @@ GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 
 What guards them, outermost first (pure ASGI middleware, so streams and client disconnects
 pass through untouched): the API key, on every route but /health and /metrics; the bound on
-requests in flight (429 past it); the bounds on the body's size (413 past it, found while
+requests in flight (429 past it; the routes that generate add a bound on the tokens their
+responses in flight hold together, deploy/response_budget.py); the bounds on the body's size (413 past it, found while
 the body is read) and on the time it takes to arrive (408 past it). `raylm serve` adds the
 process's lifecycle: SIGTERM drains, and the process exits non-zero once the engine loop
 has died.
@@ -36,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_response, install_error_handlers
 from raylm.deploy.metrics import ServerMetrics
+from raylm.deploy.response_budget import RETRY_AFTER_S, ResponseBudget, default_response_tokens_in_flight
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                    TokenizeRequest, TokenizeResponse)
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
@@ -137,7 +139,8 @@ class _ConcurrencyLimitMiddleware:
         in_flight = self.in_flight
         if in_flight.count >= self.max_requests:
             response = error_response(f"The server is busy: {self.max_requests} requests are in flight, its limit "
-                                      f"(--max-concurrent-requests). Retry later.", HTTPStatus.TOO_MANY_REQUESTS)
+                                      f"(--max-concurrent-requests). Retry later.", HTTPStatus.TOO_MANY_REQUESTS,
+                                      headers={"Retry-After": str(RETRY_AFTER_S)})
             await response(scope, receive, send)
             return
         in_flight.count += 1
@@ -209,13 +212,16 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     # The base model's names and the LoRA adapters (--lora-modules, loaded now).
     serving_models = OpenAIServingModels(engine, model_names, server_args.lora, aliases)
     serving_models.load_static_loras()
+    # What the responses in flight may hold together, shared by the routes that generate.
+    response_budget = ResponseBudget(server_args.max_response_tokens_in_flight
+                                     or default_response_tokens_in_flight(limits.max_response_tokens))
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
-                                          models=serving_models)
+                                          models=serving_models, response_budget=response_budget)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
                              model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template,
-                             tool_config=tool_config, models=serving_models)
+                             tool_config=tool_config, models=serving_models, response_budget=response_budget)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)
@@ -224,6 +230,7 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.requests_in_flight = RequestsInFlight()
+    app.state.response_budget = response_budget
     install_error_handlers(app)
 
     @app.exception_handler(AsyncEngineDeadError)
@@ -294,6 +301,12 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         completions.check_model(request.model)
+        # vLLM's rule for token ids: no more than the context holds. Checked first: the
+        # vocabulary scan below and the decode on the tokenizer thread (which every
+        # request's tokenizing shares) grow with the count.
+        if len(request.tokens) > model_config.max_model_len:
+            raise OpenAIError(f"This model's maximum context length is {model_config.max_model_len} tokens. "
+                              f"However, /detokenize was given {len(request.tokens)} tokens.", param="tokens")
         vocab_size = model_config.vocab_size
         bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:

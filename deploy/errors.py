@@ -4,7 +4,8 @@ Every error the server returns reads `{"error": {"message", "type", "param", "co
 (vLLM's ErrorResponse): 400 for bad parameters, malformed JSON and prompts over the
 context (FastAPI's 422 for a body that fails validation becomes 400, as in vLLM), 401
 for a missing or wrong API key, 404 for an unknown model, 413 for a body over
---max-request-body-bytes, 429 past --max-concurrent-requests, 500 when the engine fails.
+--max-request-body-bytes, 429 (with Retry-After) past --max-concurrent-requests or
+--max-response-tokens-in-flight, 500 when the engine fails.
 A 5xx body says only INTERNAL_ERROR_MESSAGE: the message a caller gives it (an exception's
 text, which can hold file paths or a worker's traceback) goes to the server log.
 """
@@ -43,11 +44,14 @@ INTERNAL_ERROR_MESSAGE = "Internal server error; the server log has the details.
 class OpenAIError(Exception):
     """An error a route raises to answer with `status` and an OpenAI error body."""
 
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None) -> None:
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = HTTPStatus(status)
         self.param = param
+        # Response headers (a 429's Retry-After).
+        self.headers = headers
 
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> ErrorResponse:
@@ -61,10 +65,11 @@ def error_body(message: str, status: HTTPStatus, param: str | None = None) -> Er
                                          param=param, code=int(status)))
 
 
-def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
+def error_response(message: str, status: HTTPStatus, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
+    return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status), headers=headers)
 
 
 def _error_param(error: dict) -> str | None:
@@ -122,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

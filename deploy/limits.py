@@ -25,6 +25,14 @@ from raylm.engine.arg_fields import setting
 # tokens are longer than 16 characters, so a prompt past this could never fit the
 # context; the bound keeps a huge prompt from costing seconds of tokenizer time first.
 PROMPT_CHARS_PER_TOKEN = 32
+# What one token held for a response costs the server, each logprob alternative counting as
+# one: 200 to 700 bytes measured on `raylm serve` (a token's id and text in the request, its
+# output and the response; a Logprob and its text per alternative).
+RESPONSE_TOKEN_BYTES = 512
+# Each of a request's sequences (its n, or best_of) holds a copy of the prompt's token ids,
+# some 8 bytes a token (2,048 sequences of a 16,000-token prompt grew the server by 235 MB):
+# a copied prompt token counts as 1/64 of a response token.
+PROMPT_COPY_SHARE = RESPONSE_TOKEN_BYTES // 8
 
 
 @dataclass(frozen=True)
@@ -45,8 +53,9 @@ class RequestLimits:
     max_response_tokens: int = field(default=1 << 22, metadata=setting(
         "Most tokens one request's response may hold, logprobs counted, checked before it runs: its prompts x "
         "best_of x max_tokens generated tokens, each counting 1 + logprobs, and with prompt_logprobs (or echo with "
-        "logprobs) each prompt token counting 1 + prompt_logprobs in each of its n choices. Bounds what one request "
-        "holds in memory (some 200 bytes each) and its share of the engine."))
+        "logprobs) each prompt token counting 1 + prompt_logprobs in each of its n choices; each sequence's copy of "
+        "its prompt counts 1/64 token a prompt token. Bounds what one request holds in memory (some 200-700 bytes "
+        "a token) and its share of the engine."))
     # Structured outputs and tools: what a grammar's compile time grows with.
     max_structured_output_chars: int = field(default=65536, metadata=setting(
         "Most characters of a request's structured-output constraint (its JSON schema as JSON, regex, grammar or "
@@ -107,27 +116,36 @@ class RequestLimits:
                               f"{self.max_json_schema_depth} are allowed (--max-json-schema-depth).", param=param)
 
     def check_response_size(self, prompts: list[tuple[int, Any]], prompt_logprobs_param: str = "prompt_logprobs"
-                            ) -> None:
+                            ) -> int:
         """What the response to a request may hold, from each prompt's length and its
-        SamplingParams (max_tokens resolved): n, best_of and max_tokens multiply, and every
-        logprob asked for is one more entry per token. Past the limit, a 400 naming the field
-        that weighs most: max_tokens, or the one that asked for the prompt's logprobs
-        (`prompt_logprobs_param`: completions' echo asks with logprobs)."""
-        generated = scored = 0
+        SamplingParams (max_tokens resolved): n, best_of and max_tokens multiply, every
+        logprob asked for is one more entry per token, and each sequence copies its prompt.
+        Returns that count; past the limit, a 400 naming the field that weighs most:
+        max_tokens, the one that asked for the prompt's logprobs (`prompt_logprobs_param`:
+        completions' echo asks with logprobs), or n (best_of) for the prompt's copies."""
+        generated = scored = copies = 0
         for prompt_len, params in prompts:
             generated += params.best_of * params.max_tokens * (1 + (params.logprobs or 0))
+            copies += params.best_of * prompt_len
             if params.prompt_logprobs is not None:
                 scored += params.n * prompt_len * (1 + params.prompt_logprobs)
-        if generated + scored <= self.max_response_tokens:
-            return
+        copied = -(-copies // PROMPT_COPY_SHARE)
+        total = generated + scored + copied
+        if total <= self.max_response_tokens:
+            return total
         params = prompts[0][1]
+        prompt_tokens = sum(length for length, _ in prompts)
         parts = [f"{len(prompts)} prompt(s) x best_of {params.best_of} x max_tokens {params.max_tokens} x "
                  f"(1 + logprobs {params.logprobs or 0}) = {generated:,}"]
         if scored:
-            parts.append(f"{sum(length for length, _ in prompts):,} prompt tokens x (1 + prompt_logprobs "
-                         f"{params.prompt_logprobs}) x n {params.n} = {scored:,}")
-        param = "max_tokens" if generated >= scored else prompt_logprobs_param
-        raise OpenAIError(f"This request's response would hold {generated + scored:,} tokens, logprobs counted "
+            parts.append(f"{prompt_tokens:,} prompt tokens x (1 + prompt_logprobs {params.prompt_logprobs}) x "
+                         f"n {params.n} = {scored:,}")
+        parts.append(f"{prompt_tokens:,} prompt tokens copied into each of best_of {params.best_of} sequences, "
+                     f"1/{PROMPT_COPY_SHARE} each = {copied:,}")
+        heaviest = max(generated, scored, copied)
+        param = ("max_tokens" if heaviest == generated else prompt_logprobs_param if heaviest == scored
+                 else "best_of" if params.best_of > params.n else "n")
+        raise OpenAIError(f"This request's response would hold {total:,} tokens, logprobs counted "
                           f"({'; '.join(parts)}); at most {self.max_response_tokens:,} are allowed "
                           f"(--max-response-tokens). Ask for fewer samples, tokens or logprobs.", param=param)
 

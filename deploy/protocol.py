@@ -77,6 +77,12 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
+    @property
+    def usage_per_chunk(self) -> bool:
+        """vLLM's continuous usage: every chunk carries its choice's usage so far (with
+        include_usage only)."""
+        return bool(self.include_usage and self.continuous_usage_stats)
+
 
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0

@@ -234,7 +234,7 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
     ingress = serve.deployment(RaylmIngress).options(
         **ingress_options(deployment, server_args.shutdown_timeout))
     return ingress.bind(engine, keyer_args, server_args.max_request_body_bytes, server_args.root_path,
-                        server_args.resolved_api_key())
+                        server_args.resolved_api_key(), server_args.request_body_timeout)
 
 
 @dataclass

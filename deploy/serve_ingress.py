@@ -4,7 +4,8 @@ it to an engine replica.
 Serve's proxy hands an HTTP request to its deployment without the body (the replica pulls
 it later), so a router in front of the engine replicas would see nothing to route on.
 This small deployment sits between: it reads the body (refusing one over
---max-request-body-bytes with 413, as the server does), computes its prefix key
+--max-request-body-bytes with 413, and one not all arrived --request-body-timeout seconds
+after the request with 408, as the server does: Serve's proxy bounds neither), computes its prefix key
 (deploy/prefix_key.py) on a thread of its own, and calls the engine deployment's
 `handle_http` through a handle whose router (deploy/prefix_router.py, or Serve's default)
 picks the replica. The replica runs the request through the same FastAPI app `raylm serve`
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from typing import Any
 from ray import serve
 
 from raylm.deploy.prefix_key import CHAT_ROUTE, COMPLETIONS_ROUTE, PrefixKey, PrefixKeyer
+from raylm.deploy.server_args import DEFAULT_REQUEST_BODY_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +106,11 @@ class RaylmIngress:
     the engine deployment; `keyer` None routes without keys."""
 
     def __init__(self, engine: Any, keyer_args: dict[str, Any] | None, max_request_body_bytes: int,
-                 root_path: str = "", api_key: str | None = None) -> None:
+                 root_path: str = "", api_key: str | None = None,
+                 request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S) -> None:
         self.engine = engine.options(stream=True)
         self.max_request_body_bytes = max_request_body_bytes
+        self.request_body_timeout = request_body_timeout
         self.root_path = root_path
         self._authorization = f"Bearer {api_key}".encode() if api_key else None
         self.keyer = _build_keyer(**keyer_args) if keyer_args is not None else None
@@ -150,15 +155,24 @@ class RaylmIngress:
         return hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self._authorization)
 
     async def _read_body(self, scope: dict[str, Any], receive: Any, send: Any) -> bytes | None:
-        """The whole body, or None after answering 413 to one over the limit."""
+        """The whole body, or None after answering 413 to one over the limit or 408 to one
+        that did not all arrive in time (it held one of the ingress's max_ongoing_requests
+        for as long as its client liked: past them, every other request waited in Serve's
+        queue)."""
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_request_body_bytes:
             await self._too_large(send)
             return None
         chunks: list[bytes] = []
         size = 0
+        deadline = time.monotonic() + self.request_body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await _send_error(send, f"The request body did not arrive within {self.request_body_timeout:g} s of "
+                                        f"the request (--request-body-timeout).", HTTPStatus.REQUEST_TIMEOUT)
+                return None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")

@@ -35,6 +35,11 @@ DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
 # Below Kubernetes' default grace period (30 s, then SIGKILL), so the engine and its
 # workers are shut down before the kill.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
+# What an adapter being served costs is its name and path (at most 5 KiB together), its
+# files' digest and its /v1/models entry; its weights are held only while it is in host
+# memory (max_cpu_loras, least recently used dropped). vLLM bounds none of it; this leaves
+# room for the hundreds of adapters multi-tenant servers run.
+DEFAULT_MAX_SERVED_LORAS = 1024
 # The environment variable holding the API key, so that it need not be on the command
 # line (where `ps` shows it): vLLM reads VLLM_API_KEY.
 API_KEY_ENV = envs.API_KEY_VARIABLE
@@ -54,6 +59,11 @@ class LoRAServerSettings:
     allowed_lora_dirs: list[str] | None = field(default=None, metadata=setting(
         "Folders under which /v1/load_lora_adapter may load adapters (needed by --allow-runtime-lora-updating); "
         "a path outside them, symbolic links resolved, is refused. Default: none."))
+    max_served_loras: int = field(default=DEFAULT_MAX_SERVED_LORAS, metadata=setting(
+        "Most LoRA adapters served at once, --lora-modules and runtime loads together: a /v1/load_lora_adapter past "
+        "it is answered 400 (unload one first). Any number of them may be served while at most --max-cpu-loras are "
+        "in host memory (the least recently used are dropped and read again when needed), as in vLLM, which bounds "
+        "neither."))
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, str):
@@ -66,6 +76,12 @@ class LoRAServerSettings:
         if self.allow_runtime_lora_updating and not self.allowed_lora_dirs:
             raise ValueError("allow_runtime_lora_updating needs allowed_lora_dirs (--allowed-lora-dirs): the folders "
                              "from which clients may load adapters.")
+        if isinstance(self.max_served_loras, bool) or not isinstance(self.max_served_loras, int) \
+                or self.max_served_loras < 1:
+            raise ValueError(f"max_served_loras must be a positive integer, got {self.max_served_loras!r}.")
+        if len(self.lora_modules or ()) > self.max_served_loras:
+            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters; at most max_served_loras "
+                             f"(--max-served-loras) = {self.max_served_loras} may be served.")
         for folder in self.allowed_lora_dirs or ():
             if not os.path.isdir(folder):
                 raise ValueError(f"allowed_lora_dirs: {folder!r} is not a folder.")
@@ -113,12 +129,17 @@ class ServerArgs(SettingsMixin):
     max_concurrent_requests: int = field(default=DEFAULT_MAX_CONCURRENT_REQUESTS, metadata=setting(
         "Requests in flight (received, not yet fully answered) past which a new one is answered 429 at once; "
         "/health and /metrics do not count."))
+    max_response_tokens_in_flight: int | None = field(default=None, metadata=setting(
+        "Most tokens the responses in flight may hold together, each request counted as --max-response-tokens "
+        "counts it (tokens, logprobs and prompt copies, at some 512 bytes each); a request that does not fit beside "
+        "the others is answered 429 with Retry-After. Default: a quarter of the memory the process may use (the "
+        "machine's, or its cgroup's limit where lower) / 512 bytes, at least --max-response-tokens."))
     max_request_body_bytes: int = field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=setting(
         "Largest request body (16 MiB by default); a larger one is answered 413 before it is read."))
     request_body_timeout: float = field(default=DEFAULT_REQUEST_BODY_TIMEOUT_S, metadata=setting(
         "Seconds a request's body may take to arrive after its headers; a slower one is answered 408 and no longer "
         "counts against --max-concurrent-requests (a client that sent part of a body and waited held its place "
-        "for ever).", key=False, note=_UVICORN_ONLY))
+        "for ever; under Ray Serve, the ingress's place among its max_ongoing_requests)."))
     shutdown_timeout: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=setting(
         "Seconds SIGTERM lets the requests in flight finish before it aborts them (under Ray Serve: the "
         "replica's graceful_shutdown_timeout_s)."))
@@ -130,6 +151,15 @@ class ServerArgs(SettingsMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        in_flight = self.max_response_tokens_in_flight
+        if in_flight is not None:
+            if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
+                raise ValueError(f"max_response_tokens_in_flight must be a positive integer, got {in_flight!r}.")
+            if in_flight < self.limits.max_response_tokens:
+                raise ValueError(f"max_response_tokens_in_flight (--max-response-tokens-in-flight) {in_flight} is "
+                                 f"below max_response_tokens (--max-response-tokens) "
+                                 f"{self.limits.max_response_tokens}: a request within the one could never fit "
+                                 f"the other.")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
         if not self.request_body_timeout > 0:

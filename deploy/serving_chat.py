@@ -86,23 +86,30 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
-        self.limits.check_response_size([(len(token_ids), params)])
+        held = self.limits.check_response_size([(len(token_ids), params)])
         if tool_mode is not None and tool_mode.choice == "auto":
             skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
             if skip_special_tokens is not None:
                 params.skip_special_tokens = skip_special_tokens
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        (stream,) = await self.add_requests(
-            request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
-            self.lora_request(model_name))
-        echo = self._echo_text(request)
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, created, model_name, stream, echo, tool_mode))
-        final: RequestOutput | None = None
-        async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
-            final = output
-        assert final is not None and final.finished
+        with self.response_budget.reserve(held) as reservation:
+            (stream,) = await self.add_requests(
+                request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
+                self.lora_request(model_name))
+            echo = self._echo_text(request)
+            if request.stream:
+                return SSEResponse(self._stream(request, request_id, created, model_name, stream, len(token_ids), echo,
+                                                tool_mode), reservation.keep())
+            final: RequestOutput | None = None
+            async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
+                final = output
+            assert final is not None and final.finished
+            return JSONResponse(self._response(request, request_id, created, model_name, final, echo,
+                                               tool_mode).model_dump())
+
+    def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                  final: RequestOutput, echo: str, tool_mode: ToolMode | None) -> ChatCompletionResponse:
         choices = []
         for completion in final.outputs:
             logprobs = None
@@ -112,12 +119,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason))
-        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
-                          total_tokens=len(token_ids) + completion_tokens)
-        response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                          usage=usage)
-        return JSONResponse(response.model_dump())
+        usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
+        return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
 
     def _render_and_tokenize(self, request: ChatCompletionRequest, tool_mode: ToolMode | None
                              ) -> tuple[str, list[int]]:
@@ -160,25 +163,29 @@ class OpenAIServingChat(OpenAIServing):
         return last.text() if request.echo and last.role == "assistant" else ""
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      stream: AsyncIterator[RequestOutput], echo: str, tool_mode: ToolMode | None = None
-                      ) -> AsyncIterator[str]:
+                      stream: AsyncIterator[RequestOutput], prompt_tokens: int, echo: str,
+                      tool_mode: ToolMode | None = None) -> AsyncIterator[str]:
+        usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
+        choice_tokens = [0] * request.n
+
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            usage = _usage(prompt_tokens, choice_tokens[choice.index]) if usage_per_chunk else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                    choices=[choice]))
+                                                    choices=[choice], usage=usage))
 
         # Per choice, what parses tool calls out of its text as it grows.
         streamers = {index: ToolCallStreamer(tool_mode.parser) for index in range(request.n)} \
             if tool_mode is not None and tool_mode.parser is not None else None
-        prompt_tokens = completion_tokens = 0
+        completion_tokens = 0
         try:
             # vLLM opens every choice with the assistant role and empty content (or the echo).
             for index in range(request.n):
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content=echo)))
             async for _, output in merge_async_iterators([stream]):
-                prompt_tokens = len(output.prompt_token_ids)
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
+                    choice_tokens[completion.index] += len(completion.token_ids)
                     logprobs = None
                     if request.logprobs:
                         logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
@@ -198,10 +205,8 @@ class OpenAIServingChat(OpenAIServing):
                         index=completion.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=completion.stop_reason))
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                       usage=usage))
+                                                       usage=_usage(prompt_tokens, completion_tokens)))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE
@@ -222,6 +227,11 @@ class OpenAIServingChat(OpenAIServing):
                 token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
                 bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -35,22 +35,25 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(request.with_cache_salt({"prompt": prompt, "prompt_token_ids": token_ids}
                                                    if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's logprobs, asked by logprobs
-        self.limits.check_response_size([(len(ids), p) for ids, p in zip(token_ids_list, params)],
-                                        prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs")
+        held = self.limits.check_response_size(
+            [(len(ids), p) for ids, p in zip(token_ids_list, params)],
+            prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs")
         request_id = random_id("cmpl")
         created = int(time.time())
         if request.use_beam_search and request.stream:
             raise OpenAIError("use_beam_search cannot be streamed: the best beams are known only at the end.",
                               param="stream")
-        # A beam search is a request like any other here (its stream yields the final
-        # output), so a client that leaves stops it as it stops the others.
-        streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, created, model_name, streams))
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
-            finals[index] = output
-        return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
+        with self.response_budget.reserve(held) as reservation:
+            # A beam search is a request like any other here (its stream yields the final
+            # output), so a client that leaves stops it as it stops the others.
+            streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
+            if request.stream:
+                return SSEResponse(self._stream(request, request_id, created, model_name, streams),
+                                   reservation.keep())
+            finals: list[RequestOutput | None] = [None] * len(streams)
+            async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
+                finals[index] = output
+            return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
 
     def check_limits(self, request: CompletionRequest, prompts: list[str | list[int]]) -> None:
         """Every size the request asks for, before anything is tokenized or allocated."""
@@ -116,8 +119,10 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         text_lens = [0] * (len(streams) * n)  # characters sent per choice, for text_offset
         echoed = [False] * (len(streams) * n)
+        choice_tokens = [0] * (len(streams) * n)
         completion_tokens = 0
         prompt_tokens = [0] * len(streams)
+        usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
         try:
             async for prompt_index, output in merge_async_iterators(streams):
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
@@ -136,17 +141,18 @@ class OpenAIServingCompletion(OpenAIServing):
                                                             text_lens[choice_index])
                     text_lens[choice_index] += len(text)
                     completion_tokens += len(completion.token_ids)
+                    choice_tokens[choice_index] += len(completion.token_ids)
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
                             index=choice_index, text=text, logprobs=logprobs,
                             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)])
+                    if usage_per_chunk:
+                        chunk.usage = _usage(prompt_tokens[prompt_index], choice_tokens[choice_index])
                     yield sse(chunk)
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = UsageInfo(prompt_tokens=sum(prompt_tokens), completion_tokens=completion_tokens,
-                                  total_tokens=sum(prompt_tokens) + completion_tokens)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                   usage=usage))
+                                                   usage=_usage(sum(prompt_tokens), completion_tokens)))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE
@@ -178,6 +184,11 @@ class OpenAIServingCompletion(OpenAIServing):
             result.text_offset.append(offset)
             offset += len(token)
         return result
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def _prompt_logprobs_body(output: RequestOutput) -> list[dict[int, dict[str, Any]] | None] | None:

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.response_budget import Reservation, ResponseBudget, default_response_tokens_in_flight
 from raylm.deploy.serving_models import adapter_unavailable
 from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
@@ -39,7 +40,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
                  limits: RequestLimits | None = None, model_aliases: Iterable[str] = (),
-                 models: Any = None) -> None:
+                 models: Any = None, response_budget: ResponseBudget | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         # Names a request may use that are not advertised (ServerArgs.model_aliases).
@@ -49,6 +50,9 @@ class OpenAIServing:
         self.models = models
         self.tokenizer = tokenizer
         self.limits = limits or RequestLimits()
+        # What the responses in flight hold together (shared by the routes that generate).
+        self.response_budget = response_budget or ResponseBudget(
+            default_response_tokens_in_flight(self.limits.max_response_tokens))
         self.max_model_len: int = engine.model_config.max_model_len
         # The sampling defaults of the model's generation_config.json, for fields a request leaves unset.
         self.model_defaults: dict[str, Any] = dict(engine.engine.generation_defaults.sampling)
@@ -294,14 +298,23 @@ SSE_DONE = "data: [DONE]\n\n"
 
 class SSEResponse(StreamingResponse):
     """Server-sent events whose body generator is always closed, whatever ended the
-    response (a client disconnect included), so the request behind it is aborted."""
+    response (a client disconnect included), so the request behind it is aborted; then
+    the request's `reservation` of the response budget is given back."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], reservation: Reservation | None = None) -> None:
+        super().__init__(content)
+        self.reservation = reservation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.reservation is not None:
+                    self.reservation.release()

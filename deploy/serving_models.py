@@ -166,6 +166,11 @@ class OpenAIServingModels:
             if request.lora_name in self.lora_requests or request.lora_name in self.taken_by_base_model:
                 raise OpenAIError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                   param="lora_name")
+            limit = self.settings.max_served_loras
+            if len(self.lora_requests) >= limit:
+                raise OpenAIError(f"The server serves {len(self.lora_requests)} LoRA adapters, its limit "
+                                  f"(--max-served-loras {limit}); unload one before loading "
+                                  f"'{request.lora_name}'.", param="lora_name")
             lora_request = LoRARequest(request.lora_name, self._new_lora_id(), request.lora_path,
                                        self.base_model_names[0])
             try:

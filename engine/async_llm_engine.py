@@ -191,6 +191,10 @@ class AsyncLLMEngine:
         # Unfinished requests by the caller's id and by the engine's (see _RequestState).
         self._requests: dict[str, _RequestState] = {}
         self._engine_requests: dict[str, _RequestState] = {}
+        # Running `use_beam_search` requests by the caller's id (their beams are requests
+        # of ids of their own): `abort` cancels them, a second one of the id is refused.
+        # None while the search's first step is being added.
+        self._beam_searches: dict[str, asyncio.Task | None] = {}
         self._add_counter = itertools.count()
         # Work for the engine's thread, queued on the event loop (see _take_pending).
         self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, LoRARequest | None,
@@ -307,7 +311,7 @@ class AsyncLLMEngine:
         it refuses one, the others are aborted and its error is raised."""
         self._raise_if_dead()
         ids = [request_id for request_id, *_ in requests]
-        taken = next((i for n, i in enumerate(ids) if i in self._requests or i in ids[:n]), None)
+        taken = next((i for n, i in enumerate(ids) if self._is_running(i) or i in ids[:n]), None)
         if taken is not None:
             raise ValueError(f"request_id {taken!r} is already running.")
         loop = asyncio.get_running_loop()
@@ -334,6 +338,9 @@ class AsyncLLMEngine:
                 self._abort_state(state)
             raise
         return [RequestStream(self, state) for state in states]
+
+    def _is_running(self, request_id: str) -> bool:
+        return request_id in self._requests or request_id in self._beam_searches
 
     async def compile_structured_outputs(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
         """Waits, off the event loop, until the constraint's grammar is compiled (or found in
@@ -388,12 +395,20 @@ class AsyncLLMEngine:
                                lora_request: LoRARequest | None = None) -> "_TaskStream":
         """`use_beam_search`: the search's first step is added before this returns, so a
         bad prompt raises here as for any request; the rest runs in a task that closing the
-        stream cancels (aborting its beams)."""
-        prompt_text, token_ids = await self._prompt_token_ids(prompt)
-        max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
-        driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
-                                  self.engine.eos_token_ids, [cache_salt_of(prompt)], [lora_request])
-        first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
+        stream, or `abort(request_id)`, cancels (aborting its beams)."""
+        if self._is_running(request_id):
+            raise ValueError(f"request_id {request_id!r} is already running.")
+        self._beam_searches[request_id] = None
+        try:
+            prompt_text, token_ids = await self._prompt_token_ids(prompt)
+            max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
+            driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
+                                      self.engine.eos_token_ids, [cache_salt_of(prompt)], [lora_request])
+            first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
+        except BaseException:
+            if request_id in self._beam_searches:
+                del self._beam_searches[request_id]
+            raise
 
         async def search() -> RequestOutput:
             driver.advance(await _finals(first_step))
@@ -401,7 +416,18 @@ class AsyncLLMEngine:
             (result,) = driver.outputs(self.get_tokenizer())
             return beam_search_request_output(request_id, prompt_text, token_ids, result, params.n)
 
-        return _TaskStream(request_id, asyncio.get_running_loop().create_task(search(), name=f"beam-{request_id}"))
+        loop = asyncio.get_running_loop()
+        if request_id not in self._beam_searches:  # aborted while its first step was added
+            for stream in first_step:
+                stream.close()
+            aborted = loop.create_future()
+            aborted.cancel()
+            return _TaskStream(request_id, aborted)
+        task = loop.create_task(search(), name=f"beam-{request_id}")
+        self._beam_searches[request_id] = task
+        task.add_done_callback(lambda _: self._beam_searches.pop(request_id, None)
+                               if self._beam_searches.get(request_id) is task else None)
+        return _TaskStream(request_id, task)
 
     async def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; text is tokenized on the engine's thread."""
@@ -427,6 +453,9 @@ class AsyncLLMEngine:
         state = self._requests.get(request_id)
         if state is not None:
             self._abort_state(state)
+        search = self._beam_searches.pop(request_id, None)
+        if search is not None:
+            search.cancel()
 
     def _abort_state(self, state: _RequestState) -> None:
         """Ends this one incarnation of a request (never a later one that reuses its id)."""
@@ -720,11 +749,17 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
             stream.close()
 
 
+def _current_task_cancelling() -> bool:
+    """Whether the task running now is being cancelled (not only a task it awaits)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class _TaskStream:
     """A stream whose one output is a task's result (a beam search's): closing it,
     dropping it or cancelling its reader cancels the task."""
 
-    def __init__(self, request_id: str, task: asyncio.Task) -> None:
+    def __init__(self, request_id: str, task: asyncio.Future) -> None:
         self.request_id = request_id
         self._task = task
         self._loop = task.get_loop()
@@ -738,6 +773,10 @@ class _TaskStream:
             raise StopAsyncIteration
         try:
             return await self._task  # a reader cancelled here cancels the task too
+        except asyncio.CancelledError:
+            if self._task.cancelled() and not _current_task_cancelling():
+                raise StopAsyncIteration from None  # aborted: the stream ends, as any request's
+            raise
         finally:
             self._done = True
 

@@ -77,18 +77,33 @@ class _TextStream:
             return None
         window = self._recent + text
         committed = len(self._recent) - self._num_held
-        for stop_str in self.stop:
-            index = window.find(stop_str, max(0, len(self._recent) - len(stop_str) + 1))
-            if index != -1:
-                cut = index + len(stop_str) if self.include_stop else index
-                self._commit(window[committed:cut])
-                self._recent, self._num_held = "", 0
-                return stop_str
+        found = self._first_stop(window)
+        if found is not None:
+            stop_str, index = found
+            cut = index + len(stop_str) if self.include_stop else index
+            self._commit(window[committed:cut])
+            self._recent, self._num_held = "", 0
+            return stop_str
         held = 0 if self.include_stop else min(self._window, len(window))
         self._commit(window[committed:len(window) - held])
         self._recent = window[max(0, len(window) - self._window):] if self._window else ""
         self._num_held = min(held, len(self._recent))
         return None
+
+    def _first_stop(self, window: str) -> tuple[str, int] | None:
+        """The stop string the new text completes first, and where it starts: the one that
+        ends earliest (the first in `stop` among those ending at the same character), as if
+        the text had come one character at a time. (vLLM takes the first in `stop` found
+        anywhere in the new text, so when one token completes two stop strings the text it
+        returns can hold the other one.)"""
+        new_from = len(self._recent)
+        best: tuple[str, int] | None = None
+        best_end = len(window) + 1
+        for stop_str in self.stop:
+            index = window.find(stop_str, max(0, new_from - len(stop_str) + 1))
+            if index != -1 and index + len(stop_str) < best_end:
+                best, best_end = (stop_str, index), index + len(stop_str)
+        return best
 
     def flush(self) -> None:
         """Commits the held-back tail (the request ended without a stop string)."""

@@ -175,8 +175,10 @@ class SamplingParams:
                    "cannot be combined with beam search")
             self._verify_beam_search()
         elif self.best_of > 1 and self.sampling_type == SamplingType.GREEDY:
-            # Greedy samples would all be identical: vLLM rejects this too.
-            _check(False, "best_of", self.best_of, "must be 1 when using greedy sampling (temperature 0)")
+            # Greedy samples would all be identical: vLLM rejects this too. Named as the
+            # request asked: best_of is n unless it was given.
+            name = "n" if self.best_of == self.n else "best_of"
+            _check(False, name, self.best_of, "must be 1 when using greedy sampling (temperature 0)")
 
     def _verify_beam_search(self) -> None:
         # vLLM 0.4's rules: beam search ranks by the model's own probabilities.

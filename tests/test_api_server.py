@@ -101,6 +101,32 @@ def test_streamed_completion_equals_llm_generate_and_reports_usage(client, llm):
     assert usage.completion_tokens == len(expected.token_ids)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(client, llm, chat):
+    # vLLM's stream_options.continuous_usage_stats was accepted and ignored: usage came once.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model=MODEL, max_tokens=6, temperature=1.0, n=2, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+    if chat:
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        tokenizer = llm.get_tokenizer()
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        chunks = list(client.chat.completions.create(messages=messages, **common))
+    else:
+        prompt_tokens = len(llm.get_tokenizer().encode(PROMPTS[0]))
+        chunks = list(client.completions.create(prompt=PROMPTS[0], **common))
+    so_far = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert chunk.usage.prompt_tokens == prompt_tokens
+        assert chunk.usage.completion_tokens >= so_far[choice.index]
+        assert chunk.usage.total_tokens == prompt_tokens + chunk.usage.completion_tokens
+        so_far[choice.index] = chunk.usage.completion_tokens
+    assert so_far == {0: 6, 1: 6}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
 def test_token_id_prompt_equals_text_prompt(client, llm):
     token_ids = llm.get_tokenizer().encode(PROMPTS[2])
     expected = greedy(llm, PROMPTS[2])[0].outputs[0].text
@@ -203,6 +229,11 @@ BAD_REQUESTS = {
     "top_p above one": ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
     "top_k below -1": ("/v1/completions", {"prompt": "Hi", "top_k": -2}, 400, "top_k"),
     "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1, "temperature": 1}, 400, "best_of"),
+    # The error named best_of, which the request did not set.
+    "greedy n above one": ("/v1/completions", {"prompt": "Hi", "n": 3, "temperature": 0}, 400, "n"),
+    "chat greedy n above one": ("/v1/chat/completions", {"messages": CHAT, "n": 2, "temperature": 0}, 400, "n"),
+    "greedy best_of above one": ("/v1/completions", {"prompt": "Hi", "best_of": 3, "temperature": 0}, 400,
+                                 "best_of"),
     "negative max_tokens": ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
     "min_tokens above max_tokens": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400,
                                     "min_tokens"),

@@ -109,6 +109,47 @@ def test_use_beam_search_through_generate_equals_llm_generate(engine, llama_dir)
     assert_engine_idle(engine.engine)
 
 
+def test_abort_stops_a_use_beam_search_request_by_its_id(engine):
+    # Its beams run under ids of their own: abort(request_id) found nothing to stop, and the
+    # search ran on to max_tokens.
+    params = SamplingParams(use_beam_search=True, best_of=4, temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request("searched", PROMPT, params)
+        while engine.engine.engine_core.num_generation_tokens_total < 20:
+            await asyncio.sleep(0.01)
+        await engine.abort("searched")
+        outputs = [output async for output in stream]  # it ends without a final output
+        for _ in range(200):
+            if not engine.engine.has_unfinished_requests() and not engine._pending_aborts:
+                break
+            await asyncio.sleep(0.01)
+        return outputs, engine.engine.engine_core.num_generation_tokens_total
+
+    outputs, generated = asyncio.run(main())
+    assert outputs == [] and generated < 4 * 100
+    assert_engine_idle(engine.engine)
+
+
+def test_a_second_use_beam_search_request_of_a_running_id_is_refused_at_once(engine):
+    # It was refused a step later, naming one of the first search's beams.
+    params = SamplingParams(use_beam_search=True, best_of=2, temperature=0, max_tokens=4)
+
+    async def main():
+        first = await engine.add_request("twice", PROMPT, params)
+        with pytest.raises(ValueError, match="request_id 'twice' is already running"):
+            await engine.add_request("twice", PROMPT, params)
+        with pytest.raises(ValueError, match="request_id 'twice' is already running"):
+            await engine.add_request("twice", PROMPT, SamplingParams(max_tokens=2))
+        (output,) = [output async for output in first]
+        again = await engine.add_request("twice", PROMPT, params)  # free once it ended
+        return output, [output async for output in again]
+
+    output, again = asyncio.run(main())
+    assert output.finished and len(again) == 1 and again[0].outputs[0].token_ids == output.outputs[0].token_ids
+    assert_engine_idle(engine.engine)
+
+
 def test_a_bad_beam_search_prompt_is_refused_when_added(engine):
     params = SamplingParams(use_beam_search=True, best_of=2, temperature=0, max_tokens=4)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -63,6 +64,37 @@ def test_stop_string_cuts_the_text_exactly(llm, include):
     assert out.text == (full[:cut + len(stop)] if include else full[:cut])
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop
+    assert_all_blocks_free(llm)
+
+
+def _first_stop_cut(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
+    """`text` read one character at a time, cut at the first stop string to appear (the
+    first in `stop` of those completing at the same character)."""
+    for end in range(1, len(text) + 1):
+        for stop_str in stop:
+            if text.endswith(stop_str, 0, end):
+                return text[:end if include else end - len(stop_str)], stop_str
+    return text, None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_several_stop_strings_cut_at_the_one_that_comes_first(llm, include):
+    # When one token's text completed two stop strings, the first of them in the list was
+    # taken, so the text could be cut at the later one and hold the earlier.
+    prompt = token_prompts(random_prompts(1, seed=16, min_len=6, max_len=6))
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    rng = random.Random(17)
+    stops = []
+    for _ in range(40):
+        starts = [rng.randrange(len(full)) for _ in range(rng.randint(2, 8))]
+        stops.append([full[i:i + rng.randint(1, 5)] for i in starts])
+    outputs = llm.generate(prompt * len(stops), [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=include)
+        for stop in stops], use_tqdm=False)
+    for stop, output in zip(stops, outputs):
+        completion = output.outputs[0]
+        assert (completion.text, completion.stop_reason) == _first_stop_cut(full, stop, include), stop
     assert_all_blocks_free(llm)
 
 

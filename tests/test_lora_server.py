@@ -21,6 +21,8 @@ from tiny_models import build_tiny_model
 MODEL = "tiny"
 PROMPTS = [[5, 17, 33, 101, 64, 9, 250, 31], [300, 12, 77, 5, 5, 42, 18]]
 MAX_TOKENS = 16
+# The fixture's server serves a, b and c at most (--max-served-loras).
+MAX_SERVED_LORAS = 3
 # A request that is still running while its adapter is unloaded and another one loaded.
 LONG_MAX_TOKENS = 100
 
@@ -89,7 +91,7 @@ def server(llama_dir: Path, adapter_root: Path, tmp_path_factory):
     args = [str(llama_dir), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "128",
             "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "3",
             "--lora-modules", f"a={adapter_root / 'a'}", "--allow-runtime-lora-updating",
-            "--allowed-lora-dirs", str(adapter_root)]
+            "--allowed-lora-dirs", str(adapter_root), "--max-served-loras", str(MAX_SERVED_LORAS)]
     with running_server(args, log) as (_, base_url):
         yield base_url
 
@@ -164,6 +166,35 @@ def test_runtime_loads_stay_inside_the_allowed_folders_and_bad_fields_are_400s(s
     assert_error(load(server, "n" * 1025, adapter_root / "b"), 400, "lora_name", "at most 1024 characters")
     assert_error(load(server, "x", ""), 400, "lora_path", "")
     assert {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]} <= {MODEL, "a", "b", "c"}
+
+
+def test_loads_past_max_served_loras_are_400s_naming_the_limit_until_one_is_unloaded(server, adapter_root,
+                                                                                     expected_text):
+    """Each load registered one more adapter for as long as the server ran, however many a
+    client asked for (vLLM bounds none: only max_cpu_loras, the adapters in host memory)."""
+    served = [card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"] if card["id"] != MODEL]
+    extra = [f"extra-{i}" for i in range(MAX_SERVED_LORAS - len(served))]
+    try:
+        for name in extra:
+            assert load(server, name, adapter_root / "b").status_code == 200
+        assert_error(load(server, "one-too-many", adapter_root / "b"), 400, "lora_name",
+                     f"its limit (--max-served-loras {MAX_SERVED_LORAS})")
+        assert "one-too-many" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
+        response = complete(server, extra[-1], 0)  # the adapters within the limit serve
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text["b", 0]
+        assert unload(server, extra.pop()).status_code == 200
+        assert load(server, "one-too-many", adapter_root / "b").status_code == 200
+        extra.append("one-too-many")
+    finally:
+        for name in extra:
+            unload(server, name)
+
+
+def test_more_lora_modules_than_max_served_loras_is_refused_at_startup():
+    from raylm.deploy.server_args import LoRAServerSettings
+
+    with pytest.raises(ValueError, match=r"names 3 adapters; at most max_served_loras \(--max-served-loras\) = 2"):
+        LoRAServerSettings(lora_modules=["a=x", "b=y", "c=z"], max_served_loras=2)
 
 
 def test_an_adapter_cannot_take_a_name_the_base_model_answers_to(llama_dir, adapter_root, tmp_path):

@@ -38,15 +38,17 @@ def _run(processor: OutputProcessor, request_id: str, params: SamplingParams, to
 
 
 def _reference_cut(pieces: list[str], stop: list[str], include: bool) -> tuple[str, str | None, int]:
-    """The text a client must see: grown piece by piece, cut at the first stop string found
-    (in the order of `stop`) once it appears; also the stop string and its piece's index."""
+    """The text a client must see: grown one character at a time, cut at the first stop
+    string that appears (the first in `stop` among those that complete at the same
+    character); also the stop string and the index of the piece that completed it."""
     text = ""
     for position, piece in enumerate(pieces):
-        text += piece
-        for stop_str in stop:
-            index = text.find(stop_str)
-            if index != -1:
-                return (text[:index + len(stop_str)] if include else text[:index]), stop_str, position
+        for char in piece:
+            text += char
+            for stop_str in stop:
+                if text.endswith(stop_str):
+                    cut = len(text) if include else len(text) - len(stop_str)
+                    return text[:cut], stop_str, position
     return text, None, len(pieces)
 
 

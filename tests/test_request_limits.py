@@ -78,6 +78,11 @@ HOSTILE = {
     # 8,192 characters of content, the limit, rendered with the template's role tags: 77,838.
     "/tokenize messages rendered past the character limit": ("/tokenize", {"messages": [
         {"role": "user", "content": "xx"}] * 4096}, "messages"),
+    # The decode ran on the tokenizer thread every request shares: 7.5 million ids held the
+    # others up 1.7 s.
+    "/detokenize of a million token ids": ("/detokenize", {"tokens": [5] * 1_000_000}, "tokens"),
+    "/detokenize of one token id past the context": ("/detokenize", {"tokens": [5] * (MAX_MODEL_LEN + 1)},
+                                                      "tokens"),
     # Each size within its own limit, their product not: this one grew the server by 3 GB in two
     # minutes until the engine died for want of memory.
     "16,384 samples x 254 tokens x 20 logprobs": ("/v1/completions", {"prompt": "Hi", "n": 16384, "temperature": 1,
@@ -216,6 +221,8 @@ def test_sizes_just_under_the_limits_are_served(server):
     response = post(base_url, "/v1/completions", body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 64
+    detokenized = post(base_url, "/detokenize", {"tokens": [5] * MAX_MODEL_LEN})
+    assert detokenized.status_code == 200, detokenized.text
 
 
 @pytest.mark.parametrize("seed", [2**100, -5, 2**64 - 1])

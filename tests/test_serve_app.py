@@ -6,6 +6,8 @@ worker dies fails its health check and is replaced by a working one."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,9 +40,12 @@ def session_ray(request: pytest.FixtureRequest):
 API_KEY = "serve-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROOT = "/raylm"
+BODY_TIMEOUT_S = 3
 # Every server setting away from its default (uvicorn's own, host and port aside).
 SERVER_FLAGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--root-path", ROOT,
                 "--max-concurrent-requests", "64", "--max-request-body-bytes", "200000", "--shutdown-timeout", "7",
+                "--request-body-timeout", str(BODY_TIMEOUT_S), "--max-response-tokens-in-flight", "5000000",
+                "--max-served-loras", "7",
                 "--trust-request-chat-template", "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
                 "--max-prompts-per-request", "8", "--max-stop-strings", "2", "--max-stop-string-chars", "50",
                 "--max-stop-token-ids", "9", "--max-logit-bias", "10", "--max-chat-messages", "11",
@@ -141,6 +146,29 @@ def test_serve_app_applies_the_server_flags(serve_url):
     response = httpx.post(serve_url + ROOT + "/v1/chat/completions", headers=AUTH, timeout=60,
                           json={**chat, "tools": [tool, {**tool, "function": {**tool["function"], "name": "g"}}]})
     assert response.status_code == 400 and "--max-tools" in response.json()["error"]["message"], response.text
+
+
+def test_a_body_that_stops_arriving_gets_408_from_the_ingress(serve_url):
+    # The ingress read the body with no deadline (Serve's proxy sets none): a client that
+    # sent part of one and waited held one of its max_ongoing_requests for as long as it
+    # liked, and with all of them held every other request waited in Serve's queue.
+    payload = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    url = httpx.URL(serve_url)
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=60)
+    conn.putrequest("POST", ROOT + "/v1/completions")
+    for name, value in {**AUTH, "Content-Type": "application/json", "Content-Length": str(len(payload))}.items():
+        conn.putheader(name, value)
+    conn.endheaders()
+    conn.send(payload[:8])  # the rest never comes
+    start = time.monotonic()
+    response = conn.getresponse()
+    waited = time.monotonic() - start
+    error = json.loads(response.read())["error"]
+    conn.close()
+    assert response.status == 408 and "--request-body-timeout" in error["message"], error
+    assert waited < BODY_TIMEOUT_S + 10
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(serve_url + ROOT + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
 
 
 def test_killed_worker_fails_health_and_serve_replaces_the_replica(serve_url, expected):

@@ -122,7 +122,7 @@ def test_past_max_concurrent_requests_a_request_gets_429_at_once_and_later_ones_
     refused = httpx.post(guarded + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)
     assert time.monotonic() - start < 1.0
     error = assert_error(refused, 429, "RateLimitError")
-    assert "--max-concurrent-requests" in error["message"]
+    assert "--max-concurrent-requests" in error["message"] and refused.headers["retry-after"] == "1"
     assert httpx.get(guarded + "/health").status_code == 200  # probes are never refused
 
     for request in held:
