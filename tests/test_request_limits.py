@@ -238,9 +238,11 @@ def test_any_integer_seed_is_served(server, seed):
 
 def test_health_answers_while_a_chat_template_renders(server):
     """Chat templates (and tokenizing) run on a thread of their own: a template that takes
-    seconds to render leaves /health answering at once."""
+    seconds to render leaves /health answering meanwhile. Were /health queued behind the
+    template, its first call (0.3 s in) would wait for the rest of the render; the bound is
+    half of that, so that a loaded machine, which slows both alike, cannot fail the test."""
     base_url, _ = server
-    slow = ("{% set ns = namespace(x=0) %}{% for i in range(600) %}{% for j in range(1000) %}"
+    slow = ("{% set ns = namespace(x=0) %}{% for i in range(1500) %}{% for j in range(1000) %}"
             "{% set ns.x = ns.x + 1 %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}")
     result = {}
 
@@ -262,7 +264,7 @@ def test_health_answers_while_a_chat_template_renders(server):
     thread.join()
     assert result["response"].status_code == 200, result["response"].text
     assert result["seconds"] > 1.0, "the template rendered too fast to show anything"
-    assert latencies and max(latencies) < 1.0, latencies
+    assert latencies and max(latencies) < (result["seconds"] - 0.3) / 2, (result["seconds"], latencies)
 
 
 def test_a_template_error_without_a_message_is_named_by_its_type(server):
