@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -60,9 +61,26 @@ def is_gone(pid: int) -> bool:
     return _stat_fields(pid) is None
 
 
+def has_exited(pid: int) -> bool:
+    """Whether the process has stopped running: gone, or a zombie. A zombie whose parent died
+    waits for init to reap it, which no process of ours decides (init here took 1-2.5 s)."""
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     """Waits up to `timeout` seconds for the processes to be gone; returns those left."""
+    return _wait(pids, is_gone, timeout)
+
+
+def wait_exited(pids: list[int], timeout: float) -> list[int]:
+    """Waits up to `timeout` seconds for the processes to have exited (`has_exited`); returns
+    those still running."""
+    return _wait(pids, has_exited, timeout)
+
+
+def _wait(pids: list[int], done: Callable[[int], bool], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
-    while (left := [pid for pid in pids if not is_gone(pid)]) and time.monotonic() < deadline:
+    while (left := [pid for pid in pids if not done(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left

@@ -99,11 +99,15 @@ class StructuredOutputManager:
         key = params.cache_key()
         with self._lock:
             entry = self._cache.get(key)
-            if entry is not None:
+            # A failure to forget may still be here: a future wakes its waiters before it runs
+            # its callbacks (_on_compiled, which drops the entry), so whoever saw it fail can
+            # ask again first. It compiles again all the same.
+            if entry is not None and not _is_forgotten(entry.future):
                 self._cache.move_to_end(key)
                 return entry.future
             future = self.compile_worker.submit(params)
             self._cache[key] = _CacheEntry(future, time.monotonic())
+            self._cache.move_to_end(key)  # in place of a failure not dropped yet
             self._evict()
         # Outside the lock: a compile already done runs the callback here, at once.
         future.add_done_callback(lambda done: self._on_compiled(key, done))
@@ -162,13 +166,13 @@ class StructuredOutputManager:
                                                   stop_token_ids=self.eos_token_ids or None)
 
     def _on_compiled(self, key: str, future: Future) -> None:
-        error = None if future.cancelled() else future.exception()
-        grammar = None if future.cancelled() or error is not None else future.result()
+        forgotten = _is_forgotten(future)
+        grammar = None if forgotten or future.exception() is not None else future.result()
         with self._lock:
             entry = self._cache.get(key)
             if entry is None or entry.future is not future:
                 return
-            if grammar is None and not _is_the_constraints_fault(error):
+            if forgotten:
                 del self._cache[key]  # its waiters have the future; later requests compile again
                 return
             entry.nbytes = grammar.memory_size_bytes if grammar is not None else 0
@@ -223,6 +227,15 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         """Cancels the compiles in flight and ends the compile worker and its processes."""
         self.compile_worker.shutdown()
+
+
+def _is_forgotten(future: Future) -> bool:
+    """Whether a compile settled in a way the cache forgets: cancelled (a deadline passed), or
+    failed by its process's fate rather than the constraint's own fault."""
+    if not future.done():
+        return False
+    return future.cancelled() or (future.exception() is not None
+                                  and not _is_the_constraints_fault(future.exception()))
 
 
 def _is_the_constraints_fault(error: BaseException | None) -> bool:
