@@ -70,6 +70,10 @@ INLINE_STEP_BYTES = 64 * 1024
 # Writing a step into the compiled graph waits only for every worker to have read the
 # previous one, which they have once its answers are back; longer means a worker is stuck.
 GRAPH_SUBMIT_TIMEOUT_S = 10.0
+# At shutdown, how long the steps still in flight (async scheduling leaves one) get to
+# finish before the graph is torn down: a rank that has begun a step waits in its
+# collectives for the others, and a rank whose channel closes first never joins them.
+SHUTDOWN_DRAIN_S = 30.0
 # A worker's exception is quoted in the error up to this many characters.
 _MAX_CAUSE_CHARS = 200
 # Variables never copied into a worker's runtime environment.
@@ -132,6 +136,8 @@ class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
         self._failure: str | None = None
         self._resources = _RayResources()
+        # Compiled-graph steps written but not yet read back (see shutdown).
+        self._unread_steps: list[Any] = []
         # Releases the actors and placement group when the engine is garbage-collected or
         # the interpreter exits, if shutdown() was never called.
         self._finalizer = weakref.finalize(self, self._resources.release)
@@ -360,8 +366,9 @@ class RayDistributedExecutor(Executor):
             raise RuntimeError("The Ray executor is unhealthy: " + "; ".join(problems) + ".")
 
     def shutdown(self) -> None:
-        """Tears down the compiled graph, kills the worker actors and removes the placement
-        group if this executor made it."""
+        """Lets the steps in flight finish, tears down the compiled graph, kills the worker
+        actors and removes the placement group if this executor made it."""
+        self._drain_unread_steps()
         self._finalizer()
         self.workers = []
 
@@ -406,8 +413,10 @@ class RayDistributedExecutor(Executor):
             step_ref = graph.execute(payload)
         except Exception as e:  # noqa: BLE001 - whatever broke the graph ends the engine, named below
             self._fail_graph(e, timeout)
+        self._unread_steps.append(step_ref)
 
         def wait() -> SamplerOutput:
+            self._unread_steps.remove(step_ref)
             try:
                 outputs = ray.get(step_ref, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - as above
@@ -415,6 +424,23 @@ class RayDistributedExecutor(Executor):
             return pickle.loads(outputs[0])
 
         return wait
+
+    def _drain_unread_steps(self) -> None:
+        """Reads back the compiled-graph steps nobody waited for (the engine shut down with
+        a step in flight). Tearing the graph down under them let one rank begin the step
+        while another's channel closed first: the first then waited in a collective, and
+        the teardown for it, forever."""
+        steps, self._unread_steps = self._unread_steps, []
+        if self._failure is not None or self._resources.workers_failed:
+            return  # the release kills the actors first
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        for step_ref in steps:
+            try:
+                ray.get(step_ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - shutting down: a failed step changes nothing
+                logger.warning("A step in flight at shutdown failed: %s: %s", type(e).__name__, _last_line(e))
+                self._resources.workers_failed = True  # its loops may be stuck: kill before teardown
+                return
 
     def _fail_graph(self, error: Exception, timeout: float) -> NoReturn:
         self._resources.workers_failed = True
