@@ -416,7 +416,8 @@ class RayDistributedExecutor(Executor):
         self._unread_steps.append(step_ref)
 
         def wait() -> SamplerOutput:
-            self._unread_steps.remove(step_ref)
+            if step_ref in self._unread_steps:  # not when a shutdown on another thread took it
+                self._unread_steps.remove(step_ref)
             try:
                 outputs = ray.get(step_ref, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - as above
