@@ -249,26 +249,47 @@ def ttft_ms(llm, shape: Shape, prompt_len: int) -> float:
 def profile_decode_steps(llm, shape: Shape, batch: int, device: torch.device, steps: int = 10) -> dict:
     """Wall time of `steps` engine steps of a batch-`batch` decode against the GPU kernel
     time the profiler records in them, and the kernels that take most of it."""
-    from torch.profiler import ProfilerActivity, profile
-
     from raylm.engine import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, 32, shape.vocab_size, seed=20)):
-        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(f"profile-{batch}-{i}", {"prompt_token_ids": prompt}, params)
     for _ in range(8):  # past the prefill and into steady decode
         engine.step()
+    result = profile_engine_steps(engine, device, steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return dict(steps=steps, batch=batch, **result)
+
+
+def profile_prefill(llm, shape: Shape, prompt_len: int, device: torch.device) -> dict:
+    """The same summary for one fresh prompt's prefill, to its first token (TTFT's steps)."""
+    from raylm.engine import SamplingParams
+
+    engine = llm.llm_engine
+    prompt = random_prompts(1, prompt_len, shape.vocab_size, seed=40)[0]
+    engine.add_request("profile-prefill", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    result = profile_engine_steps(engine, device, steps=None)
+    return dict(prompt_len=prompt_len, **result)
+
+
+def profile_engine_steps(engine, device: torch.device, steps: int | None) -> dict:
+    """Runs `steps` engine steps (None: until no request is left) under torch.profiler:
+    wall time, GPU kernel time, and the kernels that take most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ran = 0
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        for _ in range(steps):
+        while (ran < steps) if steps is not None else engine.has_unfinished_requests():
             engine.step()
+            ran += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
-    while engine.has_unfinished_requests():
-        engine.step()
     events = prof.key_averages()
     if device.type == "cuda":
         kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
@@ -280,9 +301,10 @@ def profile_decode_steps(llm, shape: Shape, batch: int, device: torch.device, st
             return e.self_cpu_time_total
     kernels.sort(key=device_us, reverse=True)
     kernel_ms = sum(device_us(e) for e in kernels) / 1e3
-    return dict(steps=steps, batch=batch, wall_ms=wall_ms, kernel_ms=kernel_ms if device.type == "cuda" else None,
+    return dict(engine_steps=ran, wall_ms=wall_ms, kernel_ms=kernel_ms if device.type == "cuda" else None,
                 kernel_fraction=kernel_ms / wall_ms if device.type == "cuda" else None,
-                top=[dict(name=e.key[:80], ms=device_us(e) / 1e3, calls=e.count) for e in kernels[:10]])
+                kernel_launches=sum(e.count for e in kernels) if device.type == "cuda" else None,
+                top=[dict(name=e.key[:80], ms=device_us(e) / 1e3, calls=e.count) for e in kernels[:12]])
 
 
 def throughput(llm, shape: Shape, sizes: Sizes) -> dict:
@@ -399,6 +421,10 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
 
         began = time.perf_counter()
         save("profile", profile_decode_steps(llm, shape, sizes.profile_batch, device), began)
+        began = time.perf_counter()
+        save("profile_batch_1", profile_decode_steps(llm, shape, 1, device), began)
+        began = time.perf_counter()
+        save("profile_prefill", profile_prefill(llm, shape, sizes.ttft_prompt, device), began)
 
         began = time.perf_counter()
         save("throughput", throughput(llm, shape, sizes), began)
