@@ -22,11 +22,12 @@ own sync detector.
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+
+from cuda_syncs import synchronizing_calls
 
 from raylm.engine.sampling_params import SamplingParams
 from raylm.executors import sampler as sampler_module
@@ -238,14 +239,6 @@ def test_on_a_gpu_a_sampling_step_waits_for_the_device_once():
                                for p, g in zip(params, metadata.generators)]
         logits = logits.to(device)
         Sampler()(logits, metadata)  # warm-up: the pinned-memory cache fills
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                tokens = Sampler()(logits, metadata)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        tokens, syncs = synchronizing_calls(lambda: Sampler()(logits, metadata))
         assert len(syncs) == 1, (batch, syncs)
         assert len(tokens) == len(params)

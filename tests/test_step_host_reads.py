@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cuda_syncs import synchronizing_calls
 from lora_adapters import build_lora_adapter
 from test_sampler_host_reads import HostReads, gpu_path  # noqa: F401 - gpu_path is a fixture
 from raylm.engine.arg_utils import EngineArgs
@@ -295,21 +296,12 @@ def test_a_step_with_draft_model_proposals_reads_them_back_once(gpu_path, monkey
 def test_on_a_gpu_a_step_with_draft_model_proposals_waits_for_the_device_twice(llama_dir, batch):
     # PyTorch's own detector of synchronising calls: the proposals' read and the
     # verification's, nothing else (blocking copies of host lists included).
-    import warnings
 
     params, num_proposals = SPECULATIVE_BATCHES[batch]
     runner = _runner(llama_dir, "cuda", speculative_config={"model": str(llama_dir), **DRAFT_IS_TARGET},
                      enforce_eager=True)
     step = _second_speculative_step(runner, params, num_proposals)  # also the warm-up: kernels compiled
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            runner.execute_model(ExecuteModelRequest(requests=step))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    _, syncs = synchronizing_calls(lambda: runner.execute_model(ExecuteModelRequest(requests=step)))
     assert len(syncs) == 2, syncs
 
 
