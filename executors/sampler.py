@@ -294,7 +294,8 @@ def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
     device = logits.device
     index = (to_device(row_idx, device), to_device(col_idx, device))
     kept = logits[index]
-    logits[index] = _NEG_INF
+    # A tensor already on the device: a Python scalar would go over as a blocking copy.
+    logits[index] = logits.new_full((), _NEG_INF)
     masked_rows = logits if len(rows) == logits.shape[0] else logits[to_device(rows, device)]
     emptied = masked_rows.amax(dim=-1) == _NEG_INF
     logits[index] = torch.where(emptied[to_device(position, device)], kept, _NEG_INF)
