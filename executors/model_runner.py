@@ -25,7 +25,7 @@ from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
 from raylm.executors.rejection_sampler import RejectionSampler
-from raylm.executors.sampler import Sampler, token_logprobs
+from raylm.executors.sampler import PendingSample, Sampler, token_logprobs
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
 from raylm.executors.token_history import TokenHistory
@@ -103,6 +103,12 @@ class ModelRunner:
         # Rank 0: each running request's last sampled token; with async scheduling the next
         # step arrives before the driver has seen it, as a placeholder (step.py).
         self._last_sampled: dict[int, int] = {}
+        # Rank 0, deferred reads (`execute_model(defer_read=True)`): each request whose last
+        # sampled token is still on its way to the host -> (the step's token tensor on the
+        # device, the request's row in it, the step's serial). The next step takes such a
+        # token from the device; the step's collect() moves it to _last_sampled.
+        self._pending_samples: dict[int, tuple[torch.Tensor, int, int]] = {}
+        self._launch_serial = 0
         self.attn_backend: AttentionBackend | None = None
         # CUDA only: the pinned staging buffer every step's integer inputs go through, and
         # the decode graphs captured over its decode layout (None: eager).
@@ -367,6 +373,7 @@ class ModelRunner:
         self._states.clear()
         self._sampling_params.clear()
         self._last_sampled.clear()
+        self._pending_samples.clear()
         gc.collect()  # model modules refer to each other (the CPU fused decode holds its layers)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -374,22 +381,29 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None
-                      ) -> SamplerOutput | IntermediateTensors | None:
+    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None,
+                      defer_read: bool = False) -> SamplerOutput | DeferredSamplerOutput | IntermediateTensors | None:
         """Runs one step; rank 0 returns the drawn tokens (and prompt logprobs), other
         tensor-parallel ranks return None. Pipeline parallel: a stage after the first
         starts from the previous stage's `intermediate_tensors`; a stage before the last
-        returns its own (None for an empty step), and only the last stage samples."""
+        returns its own (None for an empty step), and only the last stage samples.
+
+        defer_read (single worker): a step that only draws tokens returns once they are
+        queued on the device, as a DeferredSamplerOutput whose collect() reads them; the
+        next step may be run first, and takes those tokens from the device (the GPU then
+        never waits for the host between steps). Steps that need a pending token on the
+        host (`needs_collected_tokens`) must wait for its collect()."""
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
             self._sampling_params.pop(req_id, None)
             self._last_sampled.pop(req_id, None)
+            self._pending_samples.pop(req_id, None)
         if self.draft_runner is not None:
             self.draft_runner.finish(req.finished_req_ids)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         self._fill_sampling_params(req.requests)
-        self._fill_placeholders(req.requests)
+        device_holes = self._fill_placeholders(req.requests)
         self._update_states(req.requests)
         draft_probs = None
         if self.draft_runner is not None:
@@ -398,8 +412,9 @@ class ModelRunner:
             draft_probs = self.draft_runner.propose(req, self)
 
         host = self._host_inputs(req.requests)
+        holes = [(host.last_rows[index], token) for index, token in device_holes]
         if not self.is_last_stage:  # pipeline parallel: every row goes on to the next stage
-            return self._run_model(host, None, intermediate_tensors)
+            return self._run_model(host, None, intermediate_tensors, holes)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
         rows = sample_rows + prompt_rows
         lora_failures: dict[tuple[int, Any], tuple[str, str]] = {}
@@ -407,7 +422,7 @@ class ModelRunner:
             self.lora_manager.prepare_step(req.requests, req.lora_activations,
                                            step_output_rows(rows, len(host.input_ids)))
             lora_failures = self.lora_manager.step_failures
-        selected = self._run_model(host, rows, intermediate_tensors)
+        selected = self._run_model(host, rows, intermediate_tensors, holes)
         if not rows:
             return SamplerOutput(lora_failures=lora_failures) if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
@@ -425,28 +440,38 @@ class ModelRunner:
             # _update_states appends them to the histories.
             if any(scheduled.spec_token_ids for scheduled in sampled):
                 output.outputs = self._verify(logits[:len(sample_rows)], sampled, draft_probs)
+            elif defer_read and not prompt_rows and self.draft_runner is None:
+                pending = self.sampler.launch(logits[:len(sample_rows)], self._sampling_metadata(sampled))
+                return self._deferred(output, pending, sampled)
             else:
                 output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
-            last = self._last_sampled
+            last, pending_samples = self._last_sampled, self._pending_samples
             for token in output.outputs:
                 last[token.req_id] = token.token_id
+                pending_samples.pop(token.req_id, None)  # an older deferred step's token
         if prompt_rows:
             output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
         return output
 
     def _run_model(self, host: HostStep, rows: list[int] | None,
-                   intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+                   intermediate_tensors: IntermediateTensors | None = None,
+                   holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = ()) -> torch.Tensor | IntermediateTensors:
         """The final hidden states of `rows`, in that order: a decode graph's replay where
         one is captured for the batch, else an eager forward. rows None: a pipeline stage
-        before the last, which hands every row on."""
+        before the last, which hands every row on. holes: input rows whose token is taken
+        on the device from a step not read yet (`_fill_placeholders`)."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(len(host.input_ids)) if graphs is not None else None
         if batch_size is not None and host.is_decode_only and rows == list(range(len(host.input_ids))):
             graphs.inputs.write(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                 host.block_tables, batch_size)
+            if holes:
+                _fill_holes(graphs.inputs.views(batch_size).input_ids, holes)
             return graphs.replay(batch_size)[:len(rows)]
         output_rows = None if rows is None else step_output_rows(rows, len(host.input_ids))
         input_ids, positions, attn_metadata, rows_tensor, rows_metadata = self._step_tensors(host, output_rows)
+        if holes:
+            _fill_holes(input_ids, holes)
         stage_input = () if intermediate_tensors is None else (intermediate_tensors,)
         with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
             return self.model(input_ids, positions, *stage_input)
@@ -578,22 +603,71 @@ class ModelRunner:
 
     # ---- async scheduling ----------------------------------------------------------------
 
-    def _fill_placeholders(self, requests: list[ScheduledRequest]) -> None:
+    def _fill_placeholders(self, requests: list[ScheduledRequest]) -> list[tuple[int, tuple[torch.Tensor, int, int]]]:
         """Puts the tokens rank 0 sampled in the previous step where the driver, which
         scheduled this step before it saw them, left placeholders (always a chunk's last
-        token). Every rank sees the same step, so all take part in the broadcast or none."""
-        holes = [scheduled for scheduled in requests if scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+        token). Every rank sees the same step, so all take part in the broadcast or none.
+        A token not read back yet (a deferred step's) stays on the device: returns those
+        holes as (index of the request, where the token is); the host lists hold 0 there."""
+        holes = [(index, scheduled) for index, scheduled in enumerate(requests)
+                 if scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID]
         if not holes:
-            return
+            return []
+        on_device: list[tuple[int, tuple[torch.Tensor, int, int]]] = []
         if self.rank == 0:
-            token_ids = [self._last_sampled[scheduled.req_id] for scheduled in holes]
+            token_ids = []
+            for index, scheduled in holes:
+                pending = self._pending_samples.get(scheduled.req_id)
+                if pending is not None:
+                    on_device.append((index, pending))
+                    token_ids.append(0)
+                else:
+                    token_ids.append(self._last_sampled[scheduled.req_id])
         else:
             token_ids = [0] * len(holes)
         if self.parallel_config.tensor_parallel_size > 1:
+            assert not on_device, "deferred reads run on a single worker"
             tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             token_ids = tensor_model_parallel_broadcast(tensor, src=0).tolist()
-        for scheduled, token_id in zip(holes, token_ids):
+        for (_, scheduled), token_id in zip(holes, token_ids):
             scheduled.token_ids[-1] = token_id
+        return on_device
+
+    def needs_collected_tokens(self, req: ExecuteModelRequest) -> bool:
+        """Whether this step needs on the host a token of a deferred step not collected yet:
+        a request whose penalties read its history's tokens, or with proposals to verify,
+        or a draft model that proposes from the tokens. Other steps take such tokens on the
+        device (min_tokens counts its history's tokens but reads none: 0 stands in there)."""
+        if not self._pending_samples:
+            return False
+        if self.draft_runner is not None:
+            return True
+        for scheduled in req.requests:
+            if scheduled.req_id not in self._pending_samples or scheduled.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+                continue
+            params = scheduled.sampling_params or self._sampling_params.get(scheduled.req_id)
+            if scheduled.spec_token_ids or params is None or params.needs_penalties:
+                return True
+        return False
+
+    def _deferred(self, output: SamplerOutput, pending: PendingSample,
+                  sampled: list[ScheduledRequest]) -> DeferredSamplerOutput:
+        """Registers a launched step's tokens as pending, each on its row of the step."""
+        self._launch_serial += 1
+        serial = self._launch_serial
+        for row, scheduled in enumerate(sampled):
+            self._pending_samples[scheduled.req_id] = (pending.token_ids, row, serial)
+        return DeferredSamplerOutput(output, pending, self, serial)
+
+    def _collected(self, tokens: list[SampledToken], serial: int) -> None:
+        """A deferred step's tokens reached the host: they become the requests' last
+        sampled tokens, unless a later step sampled again or the request finished."""
+        pending_samples, last = self._pending_samples, self._last_sampled
+        for token in tokens:
+            entry = pending_samples.get(token.req_id)
+            if entry is not None and entry[2] == serial:
+                del pending_samples[token.req_id]
+                last[token.req_id] = token.token_id
 
     # ---- sampler state -----------------------------------------------------------------
 
@@ -755,3 +829,33 @@ def _rows_to_read(requests: list[ScheduledRequest], last_rows: list[int]
             prompt_rows.extend(range(first, first + len(scheduled.prompt_logprobs_targets)))
             prompt_requests.append(scheduled)
     return sampled, sample_rows, prompt_requests, prompt_rows
+
+
+@dataclass
+class DeferredSamplerOutput:
+    """A step launched with `execute_model(defer_read=True)`: its tokens are queued on the
+    device; collect() waits for them (that step's work alone) and returns the step's
+    SamplerOutput. Collect each in launch order, on the thread that runs the steps."""
+
+    output: SamplerOutput
+    pending: PendingSample
+    runner: ModelRunner
+    serial: int
+
+    def collect(self) -> SamplerOutput:
+        self.output.outputs = self.pending.result()
+        self.runner._collected(self.output.outputs, self.serial)
+        return self.output
+
+
+def _fill_holes(input_ids: torch.Tensor, holes: list[tuple[int, tuple[torch.Tensor, int, int]]]) -> None:
+    """Writes each hole's token from its step's token tensor into `input_ids` on the device,
+    without waiting for it: holes are (input row, (token tensor, row in it, serial))."""
+    device = input_ids.device
+    by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for input_row, (tokens, row, _) in holes:
+        entry = by_tensor.setdefault(id(tokens), (tokens, [], []))
+        entry[1].append(input_row)
+        entry[2].append(row)
+    for tokens, input_rows, rows in by_tensor.values():
+        input_ids[to_device(input_rows, device, torch.long)] = tokens[to_device(rows, device, torch.long)]

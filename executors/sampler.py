@@ -51,10 +51,22 @@ class Sampler:
 
         On a GPU the step's values (tokens, which rows were not finite, logprobs) come back
         to the host in one read at the end: nothing before it waits for the device."""
+        if logits.shape[0] == 0:
+            return []
+        step = self._sample(logits, metadata)
+        return step.tokens_from(read_back(step.reads))  # the step's one wait for the device
+
+    def launch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> PendingSample:
+        """`forward` without the wait: the draws are queued on the device and their values
+        start for the host; `PendingSample.result()` waits for them. Meanwhile the device
+        may be given more work (the next step), which reads the tokens from `token_ids`."""
+        step = self._sample(logits, metadata)
+        step.host_read = HostRead(step.reads)
+        return step
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> PendingSample:
         num_rows = logits.shape[0]
         assert num_rows == metadata.num_rows, f"{num_rows} logits rows for {metadata.num_rows} sequences"
-        if num_rows == 0:
-            return []
         rows = _RowStages.of(metadata)
         not_finite, logits = _guard_not_finite(logits)
         raw_logprobs = _raw_logprobs(logits, rows)  # before the stages below change the logits
@@ -62,8 +74,30 @@ class Sampler:
         not_finite, sampled = _flag_undrawable(not_finite, sampled)
         reads = [sampled if not_finite is None else sampled.masked_fill(not_finite, _NOT_FINITE)]
         logprob_counts = _append_logprob_reads(reads, raw_logprobs, sampled, metadata, rows)
-        values = read_back(reads)  # the step's one wait for the device
-        return _sampled_tokens(values, metadata, rows, logprob_counts, may_be_flagged=not_finite is not None)
+        return PendingSample(sampled, reads, metadata, rows, logprob_counts, may_be_flagged=not_finite is not None)
+
+
+@dataclass
+class PendingSample:
+    """A sampling step queued on the device whose values are not read yet."""
+
+    # [N] int64 on the device: the drawn tokens, each a vocabulary id (a flagged row's too),
+    # which the next step may take as its input without a read.
+    token_ids: torch.Tensor
+    reads: list[torch.Tensor]  # what goes to the host: tokens (-1 flagged), logprobs
+    metadata: SamplingMetadata
+    rows: _RowStages
+    logprob_counts: list[int]
+    may_be_flagged: bool
+    host_read: HostRead | None = None
+
+    def result(self) -> list[SampledToken]:
+        """Waits for the values (this step's work alone, not what was queued after it)."""
+        assert self.host_read is not None, "Sampler.launch starts the read"
+        return self.tokens_from(self.host_read.values())
+
+    def tokens_from(self, values: list[list]) -> list[SampledToken]:
+        return _sampled_tokens(values, self.metadata, self.rows, self.logprob_counts, self.may_be_flagged)
 
 
 def _guard_not_finite(logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -209,14 +243,46 @@ def read_back(tensors: list[torch.Tensor]) -> list[list[int] | list[float]]:
     """The values of small tensors on the host, flattened, in one read (on a GPU each read
     waits for the device). Several go over as one float64 tensor: exact for float32 values
     and for integers below 2**53 (token ids, ranks); integer tensors come back as ints."""
+    return _unpack(_packed(tensors).tolist(), tensors)
+
+
+class HostRead:
+    """`read_back` in two halves: the copy starts now (on a GPU into pinned memory, with an
+    event behind it) and `values()` waits for that event alone, so work queued on the
+    device after the copy does not delay the read."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+        packed = _packed(tensors)
+        self._event: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:  # read now: the CPU draws may reuse their buffers in the next step
+            self._values = _unpack(packed.tolist(), tensors)
+
+    def values(self) -> list[list[int] | list[float]]:
+        if self._event is None:
+            return self._values
+        self._event.synchronize()
+        return _unpack(self._host.tolist(), self._tensors)
+
+
+def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1:
-        tensor = tensors[0]
-        return [(tensor if tensor.dim() == 1 else tensor.reshape(-1)).tolist()]
-    packed = torch.cat([tensor.reshape(-1).to(torch.float64) for tensor in tensors]).tolist()
+        return tensors[0].reshape(-1)
+    return torch.cat([tensor.reshape(-1).to(torch.float64) for tensor in tensors])
+
+
+def _unpack(flat: list, tensors: list[torch.Tensor]) -> list[list[int] | list[float]]:
+    if len(tensors) == 1:
+        return [flat]
     values: list[list[int] | list[float]] = []
     start = 0
     for tensor in tensors:
-        part = packed[start:start + tensor.numel()]
+        part = flat[start:start + tensor.numel()]
         start += tensor.numel()
         values.append(part if tensor.is_floating_point() else list(map(int, part)))
     return values

@@ -23,7 +23,7 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.cpu_malloc import keep_freed_memory
 from raylm.executors.cpu_threads import user_thread_count, warn_if_openmp_started_first, worker_thread_count
-from raylm.executors.model_runner import ModelRunner
+from raylm.executors.model_runner import DeferredSamplerOutput, ModelRunner
 from raylm.parallel import parallel_state
 from raylm.parallel.machine_layout import MachineLayout, exchange_machine_layout
 from raylm.parallel.pipeline import IntermediateTensors
@@ -173,11 +173,11 @@ class Worker:
         self.model_runner.initialize_cache(num_blocks)
         self.model_runner.warm_up()
 
-    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None
-                      ) -> SamplerOutput | IntermediateTensors | None:
-        """The step's sampled tokens on rank 0; None on the other ranks. Pipeline parallel:
-        see `ModelRunner.execute_model`."""
-        return self.model_runner.execute_model(req, intermediate_tensors)
+    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None,
+                      defer_read: bool = False) -> SamplerOutput | DeferredSamplerOutput | IntermediateTensors | None:
+        """The step's sampled tokens on rank 0; None on the other ranks. Pipeline parallel
+        and defer_read: see `ModelRunner.execute_model`."""
+        return self.model_runner.execute_model(req, intermediate_tensors, defer_read)
 
     # ---- LoRA (enable_lora) -------------------------------------------------------------------
     def add_lora(self, lora_request, digest=None) -> tuple[str, str] | None:

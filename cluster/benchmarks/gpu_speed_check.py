@@ -316,9 +316,13 @@ def throughput(llm, shape: Shape, sizes: Sizes) -> dict:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # When the last prompt got its first token: the run's prefill-bound part, roughly.
+    last_first_token_s = (max(o.metrics.first_token_time for o in outputs)
+                          - min(o.metrics.arrival_time for o in outputs))
     return dict(prompts=len(prompts), input_len=sizes.throughput_in, output_len=sizes.throughput_out, seconds=seconds,
                 output_tok_s=generated / seconds,
-                total_tok_s=(generated + len(prompts) * sizes.throughput_in) / seconds)
+                total_tok_s=(generated + len(prompts) * sizes.throughput_in) / seconds,
+                last_first_token_s=last_first_token_s)
 
 
 def _straight_onto(device: torch.device) -> dict:
@@ -428,6 +432,8 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
 
         began = time.perf_counter()
         save("throughput", throughput(llm, shape, sizes), began)
+        began = time.perf_counter()
+        save("profile_batch_max", profile_decode_steps(llm, shape, sizes.throughput_prompts, device), began)
         result["engine"]["compiles_after_warm_up"] = count_compiled_variants() - compiled_after_start
     finally:
         llm.shutdown()
