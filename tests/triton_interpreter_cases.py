@@ -152,6 +152,50 @@ def test_prefill_matches_reference(kernels, dtype, head_size, num_heads, num_kv_
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+# The keys before a program's first query are visible to all its rows: whole tiles of them
+# run without any mask; the tiles from there to its last query's key (the diagonal) are
+# masked. Tiles forced small so that each program has several of both: chunks behind cached
+# context (prefix-cache hits) whose lengths are and are not tile multiples, windows whose
+# edge falls inside the unmasked tiles, a soft cap, GQA 1, 3 and 4, decode rows.
+# (dtype, BLOCK_M, BLOCK_N, num_heads, num_kv_heads, query_lens, seq_lens, window, soft cap)
+UNMASKED_TILE_CASES = [
+    (torch.float32, 16, 16, 4, 4, [64, 37, 1], [128, 90, 40], None, None),
+    (torch.bfloat16, 32, 16, 8, 2, [48, 21, 1], [112, 21, 64], None, None),
+    (torch.float16, 16, 32, 4, 1, [40, 1, 17], [72, 50, 17], 24, None),
+    (torch.float32, 64, 16, 8, 2, [33, 5], [97, 5], 40, 3.0),
+    (torch.float32, 16, 16, 6, 2, [30, 2], [77, 34], None, 2.0),
+]
+
+
+@pytest.mark.parametrize("dtype,block_m,block_n,num_heads,num_kv_heads,query_lens,seq_lens,window,soft_cap",
+                         UNMASKED_TILE_CASES)
+def test_prefill_unmasked_and_diagonal_tiles_match_reference(kernels, dtype, block_m, block_n, num_heads,
+                                                             num_kv_heads, query_lens, seq_lens, window, soft_cap):
+    query, k_cache, v_cache, md = build_step(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                             head_size=64, block_size=16, dtype=dtype, seed=sum(seq_lens),
+                                             padding_tokens=2, sliding_window=window)
+    options = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3)
+    out = kernels["triton_prefill_attention"].paged_prefill_attention(
+        query, k_cache, v_cache, md, 0.125, out=poisoned_like(query), tiles=tiles, **options)
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 0.125, **options)
+    packed = sum(query_lens)
+    assert torch.equal(out[packed:], torch.zeros_like(out[packed:]))
+    assert relative_error(out[:packed], expected[:packed]) < TOLERANCE[dtype]
+
+
+def test_prefill_long_chunk_tiles_match_reference_behind_a_prefix_hit(kernels):
+    """The tiles a long 16-bit chunk gets (LONG_CHUNK_TILES: 128 rows at head size 128), over
+    80 cached tokens (five blocks, not a whole tile) and beside a decode row."""
+    prefill = kernels["triton_prefill_attention"]
+    assert prefill.prefill_tiles(torch.bfloat16, 4, 128, 70)["BLOCK_M"] == 128
+    query, k_cache, v_cache, md = build_step([70, 1], [150, 9], num_heads=8, num_kv_heads=2, head_size=128,
+                                             block_size=16, dtype=torch.bfloat16, seed=11)
+    out = prefill.paged_prefill_attention(query, k_cache, v_cache, md, 128 ** -0.5, out=poisoned_like(query))
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 128 ** -0.5)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
 def test_prefill_zeroes_padding_rows_past_the_last_sequence(kernels):
     query, k_cache, v_cache, md = build_step([5, 1], [12, 20], num_heads=4, num_kv_heads=2, head_size=64,
                                              block_size=16, dtype=torch.float32, seed=4, padding_tokens=2)
