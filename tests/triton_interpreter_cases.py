@@ -318,3 +318,20 @@ def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch)
     assert decodes == {False, True}
     assert merges == {2, 4}
     assert prefills == set(prefill.block_m_variants(torch.float32, 4, 64))
+
+
+def test_speed_checks_prefill_tile_sweep_runs_every_tile_shape_to_the_same_output(kernels):
+    """cluster/benchmarks/gpu_speed_check.py's prefill sweep (the device run's choice among
+    tile shapes), interpreted on a small shape: every configuration runs, with tiles passed
+    through paged_prefill_attention(tiles=), and agrees with the chosen one."""
+    from raylm.cluster.benchmarks.gpu_speed_check import PREFILL_TILE_ALTERNATIVES, Shape, prefill_attention_sweep
+
+    shape = Shape(num_heads=8, num_kv_heads=2, head_size=64)
+    sweep = prefill_attention_sweep(shape, 80, torch.device("cpu"), PREFILL_TILE_ALTERNATIVES, use_triton=True,
+                                    repeats=1, warmup=0)
+    assert [case["case"] for case in sweep["cases"]] == ["fresh prompt", "prefix hit"]
+    for case in sweep["cases"]:
+        assert len(case["configs"]) == 1 + len(PREFILL_TILE_ALTERNATIVES)
+        assert all("error" not in row and row["rel_diff_from_chosen"] < TOLERANCE[torch.bfloat16]
+                   for row in case["configs"]), case["configs"]
+        assert case["chosen"]["tiles"]["BLOCK_M"] == 128
