@@ -80,8 +80,17 @@ def complete_tiles(dtype: torch.dtype, group: int, head_size: int, tiles: dict, 
 def block_m_variants(dtype: torch.dtype, group: int, head_size: int) -> list[int]:
     """Every BLOCK_M prefill_tiles can choose for this dtype, group and head size (one
     compiled kernel each: the rest of a tile choice follows from its BLOCK_M)."""
-    return sorted({prefill_tiles(dtype, group, head_size, n)["BLOCK_M"]
-                   for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
+    return sorted(variant_query_lens(dtype, group, head_size))
+
+
+def variant_query_lens(dtype: torch.dtype, group: int, head_size: int) -> dict[int, int]:
+    """For each BLOCK_M prefill_tiles can choose, the shortest longest-chunk that gets it:
+    what a warm-up launches to compile that variant. (BLOCK_M // group queries need not:
+    at head size 256 a 64-row tile comes only with chunks of 128 rows or more.)"""
+    query_lens: dict[int, int] = {}
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        query_lens.setdefault(prefill_tiles(dtype, group, head_size, n)["BLOCK_M"], n)
+    return query_lens
 
 
 @triton.jit

@@ -285,7 +285,10 @@ def test_llm_with_triton_backend_matches_hf_greedy_tokens(kernels, llama_dir):
         assert output.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 6)
 
 
-def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch):
+# (cache dtype, head size, query heads): at bf16 head size 256 GQA 8 the 64-row tile comes only
+# with chunks of 16 queries or more, not BLOCK_M // group = 8.
+@pytest.mark.parametrize("dtype,head_size,num_heads", [(torch.float32, 64, 8), (torch.bfloat16, 256, 16)])
+def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch, dtype, head_size, num_heads):
     from raylm.kernels import backend
 
     launched = []
@@ -306,18 +309,18 @@ def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch)
 
         monkeypatch.setattr(module, name, Recording(kernel, name))
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(4, 16, 2, 64, generator=gen)
-    v_cache = torch.randn(4, 16, 2, 64, generator=gen)
+    k_cache = torch.randn(4, 16, 2, head_size, generator=gen).to(dtype)
+    v_cache = torch.randn(4, 16, 2, head_size, generator=gen).to(dtype)
     before = (k_cache.clone(), v_cache.clone())
     # max_model_len 2048: split counts 2..4 (merges with BLOCK_S 2 and 4).
-    backend.launch_every_variant(8, 2, 64, 0.125, k_cache, v_cache, 2048)
+    backend.launch_every_variant(num_heads, 2, head_size, 0.125, k_cache, v_cache, 2048)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
     decodes = {split for name, split, _, _ in launched if name == "_paged_decode_kernel"}
     merges = {block_s for name, _, block_s, _ in launched if name == "_merge_partitions_kernel"}
     prefills = {block_m for name, _, _, block_m in launched if name == "_paged_prefill_kernel"}
     assert decodes == {False, True}
     assert merges == {2, 4}
-    assert prefills == set(prefill.block_m_variants(torch.float32, 4, 64))
+    assert prefills == set(prefill.block_m_variants(dtype, num_heads // 2, head_size))
 
 
 def test_speed_checks_prefill_tile_sweep_runs_every_tile_shape_to_the_same_output(kernels):

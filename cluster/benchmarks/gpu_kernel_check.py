@@ -290,8 +290,8 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
                                 dict(HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_S=block_s,
                                      SLIDING_WINDOW=sliding_window), 4, pointer))
-    for block_m in prefill.block_m_variants(dtype, group, head_size):
-        tiles = prefill.prefill_tiles(dtype, group, head_size, max(1, block_m // group))
+    for query_len in prefill.variant_query_lens(dtype, group, head_size).values():
+        tiles = prefill.prefill_tiles(dtype, group, head_size, query_len)
         variants.append(prefill_variant(tiles, shape, pointer))
     variants.append(Variant("kv_write", functions["kv_write"],
                             dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d), 4, pointer))
