@@ -57,10 +57,9 @@ def prefill_tiles(dtype: torch.dtype, group: int, head_size: int, max_query_len:
         block_m = max(triton.next_power_of_2(group), min(max_rows, wanted_rows))
         num_stages = 3
         if dtype == torch.float32:
-            # fp32 dots run on the CUDA cores from registers: 32 rows x 32 keys at head size
-            # 128 spilled 200 bytes (sm_90a); 16 keys and two stages leave no stack at all.
-            block_n = 16 if block_d >= 128 else block_n
-            num_stages = 2
+            # fp32 dots run on the CUDA cores from registers: 32 keys spilled 16-200 bytes
+            # (sm_90a, head sizes 64 and 128); 16 keys and two stages leave no stack at all.
+            block_n, num_stages = 16, 2
     return complete_tiles(dtype, group, head_size, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
                                                         num_stages=num_stages), on_gpu)
 

@@ -53,7 +53,7 @@ def _heaviest_variants():
     from raylm.cluster.benchmarks.gpu_kernel_check import launch_variants
 
     for dtype, head_size, group in ((torch.bfloat16, 64, 8), (torch.bfloat16, 128, 4), (torch.bfloat16, 256, 8),
-                                    (torch.float32, 128, 1), (torch.float32, 256, 4)):
+                                    (torch.float32, 64, 1), (torch.float32, 128, 1), (torch.float32, 256, 4)):
         variants = launch_variants(dtype, group, head_size, max_model_len=4096)
         prefills = [v for v in variants if v.name.startswith("prefill")]
         largest_prefill = max(prefills, key=lambda v: v.constexprs["BLOCK_M"])
