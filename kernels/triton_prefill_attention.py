@@ -29,7 +29,7 @@ from raylm.kernels.triton_paged_kv import paged_kv_tile_scores
 # Tiles of a 16-bit cache when the step's chunks are long (BLOCK_M at least 128 rows would
 # be wanted), by BLOCK_D: (BLOCK_M, BLOCK_N, num_warps, num_stages). Large tiles feed
 # Hopper's warpgroup MMA (wgmma) and reuse each K/V tile for 128 rows; the chunk's causal
-# diagonal costs at most two masked tiles per program. Compiled for sm_90a:
+# diagonal costs a program (BLOCK_Q + BLOCK_N - 1) / BLOCK_N masked tiles at most. For sm_90a:
 # cluster/benchmarks/gpu_kernel_check.py reports their registers, and gpu_speed_check.py
 # times them against alternatives (`speed["prefill_attention"]`).
 LONG_CHUNK_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 3),
