@@ -250,6 +250,7 @@ def launched_resources() -> list[dict]:
         for kernel in compiled_kernels(function):
             metadata = kernel.metadata
             rows.append(dict(kernel=name, num_warps=getattr(metadata, "num_warps", None),
+                             num_stages=getattr(metadata, "num_stages", None),
                              registers=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
                              shared_bytes=getattr(metadata, "shared", None)))
     return rows
