@@ -113,8 +113,7 @@ def launch_every_variant(num_heads: int, num_kv_heads: int, head_size: int, scal
         query = torch.randn(1, num_heads, head_size, dtype=dtype, device=device)
         decode.paged_decode_attention(query, k_cache, v_cache, _block_zero_step([1], [seq_len], block_size, device),
                                       scale, num_splits=num_splits, **layer)
-    for block_m in prefill.block_m_variants(dtype, group, head_size):
-        query_len = max(1, block_m // group)
+    for query_len in prefill.variant_query_lens(dtype, group, head_size).values():
         query = torch.randn(query_len, num_heads, head_size, dtype=dtype, device=device)
         step = _block_zero_step([query_len], [query_len], block_size, device)
         keys = torch.randn(query_len, num_kv_heads, head_size, dtype=dtype, device=device)

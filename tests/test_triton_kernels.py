@@ -52,8 +52,8 @@ def test_dispatcher_splits_long_contexts_of_small_batches_only():
 def _heaviest_variants():
     from raylm.cluster.benchmarks.gpu_kernel_check import launch_variants
 
-    for dtype, head_size, group in ((torch.bfloat16, 128, 4), (torch.bfloat16, 256, 8), (torch.float32, 128, 1),
-                                    (torch.float32, 256, 4)):
+    for dtype, head_size, group in ((torch.bfloat16, 64, 8), (torch.bfloat16, 128, 4), (torch.bfloat16, 256, 8),
+                                    (torch.float32, 64, 1), (torch.float32, 128, 1), (torch.float32, 256, 4)):
         variants = launch_variants(dtype, group, head_size, max_model_len=4096)
         prefills = [v for v in variants if v.name.startswith("prefill")]
         largest_prefill = max(prefills, key=lambda v: v.constexprs["BLOCK_M"])
@@ -63,7 +63,7 @@ def _heaviest_variants():
                 yield pytest.param(variant, id=name.replace(" ", ""))
     # A sliding-window, soft-capped layer (Gemma 2's): its own compiled variants.
     for variant in launch_variants(torch.bfloat16, 2, 256, max_model_len=8192, sliding_window=4096, soft_cap=50.0):
-        if variant.name in ("decode", "decode_split_k") or variant.name.startswith("merge"):
+        if variant.name in ("decode", "decode_split_k") or variant.name.startswith(("merge", "prefill")):
             yield pytest.param(variant, id=f"{variant.name}-windowed-softcap-bf16-d256-gqa2".replace(" ", ""))
 
 

@@ -152,6 +152,50 @@ def test_prefill_matches_reference(kernels, dtype, head_size, num_heads, num_kv_
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+# The keys before a program's first query are visible to all its rows: whole tiles of them
+# run without any mask; the tiles from there to its last query's key (the diagonal) are
+# masked. Tiles forced small so that each program has several of both: chunks behind cached
+# context (prefix-cache hits) whose lengths are and are not tile multiples, windows whose
+# edge falls inside the unmasked tiles, a soft cap, GQA 1, 3 and 4, decode rows.
+# (dtype, BLOCK_M, BLOCK_N, num_heads, num_kv_heads, query_lens, seq_lens, window, soft cap)
+UNMASKED_TILE_CASES = [
+    (torch.float32, 16, 16, 4, 4, [64, 37, 1], [128, 90, 40], None, None),
+    (torch.bfloat16, 32, 16, 8, 2, [48, 21, 1], [112, 21, 64], None, None),
+    (torch.float16, 16, 32, 4, 1, [40, 1, 17], [72, 50, 17], 24, None),
+    (torch.float32, 64, 16, 8, 2, [33, 5], [97, 5], 40, 3.0),
+    (torch.float32, 16, 16, 6, 2, [30, 2], [77, 34], None, 2.0),
+]
+
+
+@pytest.mark.parametrize("dtype,block_m,block_n,num_heads,num_kv_heads,query_lens,seq_lens,window,soft_cap",
+                         UNMASKED_TILE_CASES)
+def test_prefill_unmasked_and_diagonal_tiles_match_reference(kernels, dtype, block_m, block_n, num_heads,
+                                                             num_kv_heads, query_lens, seq_lens, window, soft_cap):
+    query, k_cache, v_cache, md = build_step(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                             head_size=64, block_size=16, dtype=dtype, seed=sum(seq_lens),
+                                             padding_tokens=2, sliding_window=window)
+    options = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3)
+    out = kernels["triton_prefill_attention"].paged_prefill_attention(
+        query, k_cache, v_cache, md, 0.125, out=poisoned_like(query), tiles=tiles, **options)
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 0.125, **options)
+    packed = sum(query_lens)
+    assert torch.equal(out[packed:], torch.zeros_like(out[packed:]))
+    assert relative_error(out[:packed], expected[:packed]) < TOLERANCE[dtype]
+
+
+def test_prefill_long_chunk_tiles_match_reference_behind_a_prefix_hit(kernels):
+    """The tiles a long 16-bit chunk gets (LONG_CHUNK_TILES: 128 rows at head size 128), over
+    80 cached tokens (five blocks, not a whole tile) and beside a decode row."""
+    prefill = kernels["triton_prefill_attention"]
+    assert prefill.prefill_tiles(torch.bfloat16, 4, 128, 70)["BLOCK_M"] == 128
+    query, k_cache, v_cache, md = build_step([70, 1], [150, 9], num_heads=8, num_kv_heads=2, head_size=128,
+                                             block_size=16, dtype=torch.bfloat16, seed=11)
+    out = prefill.paged_prefill_attention(query, k_cache, v_cache, md, 128 ** -0.5, out=poisoned_like(query))
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 128 ** -0.5)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
 def test_prefill_zeroes_padding_rows_past_the_last_sequence(kernels):
     query, k_cache, v_cache, md = build_step([5, 1], [12, 20], num_heads=4, num_kv_heads=2, head_size=64,
                                              block_size=16, dtype=torch.float32, seed=4, padding_tokens=2)
@@ -241,7 +285,10 @@ def test_llm_with_triton_backend_matches_hf_greedy_tokens(kernels, llama_dir):
         assert output.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 6)
 
 
-def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch):
+# (cache dtype, head size, query heads): at bf16 head size 256 GQA 8 the 64-row tile comes only
+# with chunks of 16 queries or more, not BLOCK_M // group = 8.
+@pytest.mark.parametrize("dtype,head_size,num_heads", [(torch.float32, 64, 8), (torch.bfloat16, 256, 16)])
+def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch, dtype, head_size, num_heads):
     from raylm.kernels import backend
 
     launched = []
@@ -262,15 +309,32 @@ def test_warm_up_launches_every_variant_and_writes_nothing(kernels, monkeypatch)
 
         monkeypatch.setattr(module, name, Recording(kernel, name))
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(4, 16, 2, 64, generator=gen)
-    v_cache = torch.randn(4, 16, 2, 64, generator=gen)
+    k_cache = torch.randn(4, 16, 2, head_size, generator=gen).to(dtype)
+    v_cache = torch.randn(4, 16, 2, head_size, generator=gen).to(dtype)
     before = (k_cache.clone(), v_cache.clone())
     # max_model_len 2048: split counts 2..4 (merges with BLOCK_S 2 and 4).
-    backend.launch_every_variant(8, 2, 64, 0.125, k_cache, v_cache, 2048)
+    backend.launch_every_variant(num_heads, 2, head_size, 0.125, k_cache, v_cache, 2048)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
     decodes = {split for name, split, _, _ in launched if name == "_paged_decode_kernel"}
     merges = {block_s for name, _, block_s, _ in launched if name == "_merge_partitions_kernel"}
     prefills = {block_m for name, _, _, block_m in launched if name == "_paged_prefill_kernel"}
     assert decodes == {False, True}
     assert merges == {2, 4}
-    assert prefills == set(prefill.block_m_variants(torch.float32, 4, 64))
+    assert prefills == set(prefill.block_m_variants(dtype, num_heads // 2, head_size))
+
+
+def test_speed_checks_prefill_tile_sweep_runs_every_tile_shape_to_the_same_output(kernels):
+    """cluster/benchmarks/gpu_speed_check.py's prefill sweep (the device run's choice among
+    tile shapes), interpreted on a small shape: every configuration runs, with tiles passed
+    through paged_prefill_attention(tiles=), and agrees with the chosen one."""
+    from raylm.cluster.benchmarks.gpu_speed_check import PREFILL_TILE_ALTERNATIVES, Shape, prefill_attention_sweep
+
+    shape = Shape(num_heads=8, num_kv_heads=2, head_size=64)
+    sweep = prefill_attention_sweep(shape, 80, torch.device("cpu"), PREFILL_TILE_ALTERNATIVES, use_triton=True,
+                                    repeats=1, warmup=0)
+    assert [case["case"] for case in sweep["cases"]] == ["fresh prompt", "prefix hit"]
+    for case in sweep["cases"]:
+        assert len(case["configs"]) == 1 + len(PREFILL_TILE_ALTERNATIVES)
+        assert all("error" not in row and row["rel_diff_from_chosen"] < TOLERANCE[torch.bfloat16]
+                   for row in case["configs"]), case["configs"]
+        assert case["chosen"]["tiles"]["BLOCK_M"] == 128

@@ -223,6 +223,14 @@ def summary_lines(record: dict) -> list[str]:
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
     lines.append(f"throughput {number(record['throughput_tok_s'], 0)} tok/s vs HF {number(record['hf_throughput_tok_s'], 0)};"
                  f" decode attention at 8k: {number(record['decode_attention_bw_fraction'])} of copy bandwidth")
+    for case in (record.get("speed") or {}).get("prefill_attention", {}).get("cases", []):
+        def tiles(row: dict | None) -> str:
+            if not row or "ms" not in row:
+                return "-"
+            shape = "x".join(str(v) for v in row["tiles"].values()) if row["tiles"] else "backend"
+            return f"{shape} {number(row['tflop_s'], 1)} TFLOP/s"
+        lines.append(f"prefill attention, {case['case']} ({case['query_len']} new, {case['context_len']} cached): "
+                     f"chosen {tiles(case['chosen'])}; fastest {tiles(case['best'])}")
     return lines
 
 

@@ -250,6 +250,7 @@ def launched_resources() -> list[dict]:
         for kernel in compiled_kernels(function):
             metadata = kernel.metadata
             rows.append(dict(kernel=name, num_warps=getattr(metadata, "num_warps", None),
+                             num_stages=getattr(metadata, "num_stages", None),
                              registers=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
                              shared_bytes=getattr(metadata, "shared", None)))
     return rows
@@ -264,6 +265,7 @@ class Variant:
     constexprs: dict
     num_warps: int
     pointer_dtype: str
+    num_stages: int = 3  # Triton's default on CUDA
 
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
@@ -289,20 +291,39 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
                                 dict(HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_S=block_s,
                                      SLIDING_WINDOW=sliding_window), 4, pointer))
-    for block_m in prefill.block_m_variants(dtype, group, head_size):
-        tiles = prefill.prefill_tiles(dtype, group, head_size, max(1, block_m // group))
-        warps = tiles.pop("num_warps")
-        variants.append(Variant(f"prefill BLOCK_M={block_m}", functions["prefill"], dict(shape, **tiles), warps,
-                                pointer))
+    for query_len in prefill.variant_query_lens(dtype, group, head_size).values():
+        tiles = prefill.prefill_tiles(dtype, group, head_size, query_len)
+        variants.append(prefill_variant(tiles, shape, pointer))
     variants.append(Variant("kv_write", functions["kv_write"],
                             dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d), 4, pointer))
     return variants
 
 
-def compile_resources(variant: Variant, capability: int = 90) -> dict:
+def prefill_variant(tiles: dict, shape: dict, pointer_dtype: str) -> Variant:
+    """The prefill kernel compiled with these launch options (prefill_tiles' or
+    complete_tiles' dict) for a layer's shape constexprs."""
+    tiles = dict(tiles)
+    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+    name = f"prefill BLOCK_M={tiles['BLOCK_M']} BLOCK_N={tiles['BLOCK_N']} warps={warps} stages={stages}"
+    return Variant(name, kernel_functions()["prefill"], dict(shape, **tiles), warps, pointer_dtype, stages)
+
+
+# Arguments the launchers pass that are not 16-aligned pointers or multiples of 16 in the
+# engine's layouts (a layer's KV head count; the block-table stride, never specialised).
+UNALIGNED_ARGS = {"qk_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq", "stride_pl_head"}
+
+
+def compile_resources(variant: Variant, capability: int = 90, aligned: bool = True) -> dict:
     """Compiles a variant ahead of time for a GPU of this compute capability (no GPU
     needed) with the ptxas Triton ships, and reads registers, stack frame (spills) and
-    shared memory: from cuobjdump's resource report and Triton's metadata."""
+    shared memory: from cuobjdump's resource report and Triton's metadata.
+
+    aligned: as a launch on the engine's tensors compiles it. Triton specialises every
+    pointer argument that is 16-byte aligned and every integer divisible by 16 (torch's
+    allocations; the strides of [tokens, heads, head size] layouts whose head size is a
+    multiple of 16): only then can it prove a K/V row contiguous and aligned, load it in
+    16-byte vectors and pipeline it through shared memory (cp.async). Compiled without
+    that knowledge the prefill kernel loads 2-byte scalars and needs twice the registers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -314,8 +335,11 @@ def compile_resources(variant: Variant, capability: int = 90) -> dict:
     kernel = variant.kernel
     signature = {name: "constexpr" if name in variant.constexprs else types.get(name, "i32")
                  for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=variant.constexprs),
-                              target=GPUTarget("cuda", capability, 32), options={"num_warps": variant.num_warps})
+    attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+             if aligned and signature[name] != "constexpr" and name not in UNALIGNED_ARGS}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -323,7 +347,8 @@ def compile_resources(variant: Variant, capability: int = 90) -> dict:
         report = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
                                 text=True, check=True).stdout
     fields = dict(item.split(":", 1) for item in next(line for line in report.splitlines() if "REG:" in line).split())
-    return dict(kernel=variant.name, num_warps=variant.num_warps, registers=int(fields["REG"]),
+    return dict(kernel=variant.name, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                registers=int(fields["REG"]),
                 stack_bytes=int(fields["STACK"]), local_bytes=int(fields["LOCAL"]),
                 shared_bytes=compiled.metadata.shared)
 

@@ -15,6 +15,11 @@ Figures, in the order they run (each is written to the JSON as soon as it is mea
 - decode attention bandwidth: the Triton decode kernel alone at 1k, 8k and 32k context,
   batch 64, scattered blocks: K and V bytes read over its median time, as a fraction of
   the copy bandwidth;
+- prefill attention: the Triton prefill kernel alone on one 4096-token sequence (a fresh
+  prompt, and 2048 new tokens behind 2048 cached: a prefix-cache hit), scattered blocks,
+  with prefill_tiles' choice and PREFILL_TILE_ALTERNATIVES: causal FLOPs (QK^T and PV over
+  the visible keys) per second each, the fastest named, and each output's largest
+  difference from the choice's (a broken tile shape shows);
 - TPOT at batch 1 (128-token prompt, 128 new tokens) against its floor: the bytes a decode
   step must read (every weight but the input embedding, and the context's KV) over the
   copy bandwidth;
@@ -95,6 +100,10 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4096, 64, 256, 512, 256, 60.0)
+# The prefill kernel's alternatives to prefill_tiles' choice, timed beside it on the 8B shape
+# (bf16, head size 128, GQA 4): (BLOCK_M, BLOCK_N, num_warps, num_stages). All compile for
+# sm_90a without a stack frame (Triton 3.9's ptxas, 16-aligned arguments).
+PREFILL_TILE_ALTERNATIVES = [(128, 128, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 8, 3)]
 DRY_SIZES = Sizes(Shape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_size=16, vocab_size=512, max_model_len=256),
                   2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0)
@@ -198,6 +207,90 @@ def decode_attention_bandwidth(shape: Shape, batch: int, context: int, device: t
     ms = median_ms(lambda: backend.paged_attention(query, k_cache, v_cache, metadata, scale), device)
     kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * k_cache.element_size()
     return dict(context=context, batch=batch, backend=backend.name, ms=ms, bytes_per_s=kv_bytes / (ms / 1e3))
+
+
+def paged_step(shape: Shape, query_len: int, context_len: int, device: torch.device, dtype: torch.dtype,
+               seed: int = 0):
+    """One sequence of `query_len` new tokens behind `context_len` cached ones, its keys and
+    values (all of them already written) at shuffled blocks: query, caches, metadata."""
+    from raylm.kernels.attention_metadata import AttentionMetadata
+
+    block_size = 16
+    seq_len = context_len + query_len
+    num_blocks = -(-seq_len // block_size)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_size)
+    k_cache = torch.randn(cache_shape, device=device, dtype=dtype, generator=generator)
+    v_cache = torch.randn(cache_shape, device=device, dtype=dtype, generator=generator)
+    block_tables = torch.randperm(num_blocks, device=device, generator=generator).view(1, -1).to(torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.full((query_len,), -1, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device), block_tables=block_tables,
+        max_query_len=query_len, max_seq_len=seq_len, query_lens_list=[query_len], seq_lens_list=[seq_len])
+    query = torch.randn(query_len, shape.num_heads, shape.head_size, device=device, dtype=dtype, generator=generator)
+    return query, k_cache, v_cache, metadata
+
+
+def causal_attention_flops(shape: Shape, query_len: int, context_len: int) -> float:
+    """QK^T and PV over the keys each query sees: its context and the chunk up to itself."""
+    visible_keys = query_len * context_len + query_len * (query_len + 1) / 2
+    return 2 * 2 * shape.num_heads * shape.head_size * visible_keys
+
+
+def prefill_attention_sweep(shape: Shape, tokens: int, device: torch.device,
+                            alternatives: list[tuple[int, int, int, int]], use_triton: bool | None = None,
+                            repeats: int = 10, warmup: int = 2) -> dict:
+    """The prefill kernel alone on a fresh `tokens`-token prompt and on a prefix-cache hit
+    (half of it cached), with prefill_tiles' choice and each alternative tile shape: FLOP/s
+    each. Off the GPU the Triton kernel runs only interpreted (use_triton=True, in a process
+    with TRITON_INTERPRET=1: the tests); otherwise the CPU's attention backend runs the
+    cases (the plumbing only, no tile shapes)."""
+    from raylm.kernels.backend import get_attention_backend
+
+    on_gpu = device.type == "cuda" if use_triton is None else use_triton
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    scale = shape.head_size ** -0.5
+    group = shape.num_heads // shape.num_kv_heads
+    if on_gpu:
+        from raylm.kernels.triton_prefill_attention import paged_prefill_attention, prefill_tiles
+
+        chosen = prefill_tiles(dtype, group, shape.head_size, tokens)
+        configs = [dict(BLOCK_M=chosen["BLOCK_M"], BLOCK_N=chosen["BLOCK_N"], num_warps=chosen["num_warps"],
+                        num_stages=chosen["num_stages"])]
+        configs += [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in alternatives
+                    if dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) != configs[0]]
+    else:
+        backend = get_attention_backend()
+        configs = [None]
+    cases = []
+    for name, query_len, context_len in (("fresh prompt", tokens, 0), ("prefix hit", tokens // 2, tokens // 2)):
+        query, k_cache, v_cache, metadata = paged_step(shape, query_len, context_len, device, dtype)
+        flops = causal_attention_flops(shape, query_len, context_len)
+        rows, reference = [], None
+        for tiles in configs:
+            if on_gpu:
+                def run(tiles=tiles):
+                    return paged_prefill_attention(query, k_cache, v_cache, metadata, scale, tiles=tiles)
+            else:
+                def run():
+                    return backend.paged_attention(query, k_cache, v_cache, metadata, scale)
+            try:
+                out = run()  # compiles this variant
+                ms = median_ms(run, device, repeats=repeats, warmup=warmup)
+            except Exception as error:  # a tile shape this device cannot run: record it, go on
+                rows.append(dict(tiles=tiles, error=f"{type(error).__name__}: {str(error)[:200]}"))
+                continue
+            reference = out.float() if reference is None else reference
+            difference = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+            rows.append(dict(tiles=tiles, ms=ms, tflop_s=flops / (ms / 1e3) / 1e12, rel_diff_from_chosen=difference))
+        timed = [row for row in rows if "ms" in row]
+        best = min(timed, key=lambda row: row["ms"]) if timed else None
+        cases.append(dict(case=name, query_len=query_len, context_len=context_len, flops=flops,
+                          chosen=rows[0] if rows else None, best=best, configs=rows))
+        del query, k_cache, v_cache, metadata
+    return dict(dtype=str(dtype).removeprefix("torch."), num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                head_size=shape.head_size, block_size=16, backend="triton" if on_gpu else backend.name, cases=cases)
 
 
 def tpot_floor_ms(shape: Shape, context: float, bandwidth: float) -> float:
@@ -390,6 +483,9 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
     for row in attention:
         row["fraction_of_copy"] = row["bytes_per_s"] / result["copy_bandwidth_bytes_s"]
     save("decode_attention", attention, began)
+    began = time.perf_counter()
+    save("prefill_attention", prefill_attention_sweep(shape, sizes.ttft_prompt, device, PREFILL_TILE_ALTERNATIVES),
+         began)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
