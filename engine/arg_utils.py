@@ -73,7 +73,9 @@ class EngineArgs(SettingsMixin):
         "scheduling): each decoding request's next token is a placeholder that the workers fill with the token "
         "they sampled, so they start the next step as soon as one ends and the driver's Python (scheduling, "
         "applying tokens, detokenizing) runs beside the forward. A request that stops (EOS, stop token, stop "
-        "string) has computed one more token, which is dropped. No effect in process. With pipeline_parallel_size P "
+        "string) has computed one more token, which is dropped. In process on a GPU the worker's step thread does "
+        "the same, and launches step k+1 on the device's copy of step k's tokens before reading them; on the CPU "
+        "in process it has no effect. With pipeline_parallel_size P "
         "above 1 it keeps up to P + 1 micro-batches of different requests in flight instead (off: one batch at a "
         "time)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
