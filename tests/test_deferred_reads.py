@@ -87,3 +87,36 @@ def test_a_penalised_request_waits_for_its_tokens_and_others_do_not(llama_dir, m
         assert outputs[1].outputs[0].token_ids == alone.outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+def test_aborting_mid_run_frees_everything_and_leaves_the_others_unchanged(llama_dir, monkeypatch,
+                                                                           holes_filled_on_device):
+    # Aborted while its deferred step is still unread: its pending token must not come back
+    # as a later step's input for anyone, and its blocks go back to the pool.
+    monkeypatch.setattr(UniProcExecutor, "step_thread_devices", ("cuda", "cpu"))
+    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=8, max_model_len=160, block_size=16)
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        expected = {o.request_id: o.outputs[0].token_ids
+                    for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)}
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        for i, prompt in enumerate(PROMPTS[:4]):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        finished = {}
+        for step in range(200):
+            if step == 6:
+                engine.abort_request(["r1", "r3"])
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0].token_ids
+            if not engine.has_unfinished_requests():
+                break
+        assert holes_filled_on_device[0] > 0
+        assert set(finished) >= {"r0", "r2"}
+        assert [finished["r0"], finished["r2"]] == [expected["0"], expected["2"]]
+        assert pool.get_num_free_blocks() == free_before
+        assert not engine.executor.driver_worker.model_runner._pending_samples
+    finally:
+        llm.shutdown()
