@@ -627,8 +627,14 @@ class ModelRunner:
             token_ids = [0] * len(holes)
         if self.parallel_config.tensor_parallel_size > 1:
             assert not on_device, "deferred reads run on a single worker"
-            tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-            token_ids = tensor_model_parallel_broadcast(tensor, src=0).tolist()
+            tensor = tensor_model_parallel_broadcast(to_device(token_ids, self.device, torch.long), src=0)
+            if self.rank != 0 and self.draft_runner is None:
+                # The other ranks need the tokens only as model input: they stay on the
+                # device (reading them would wait for the broadcast, and on a GPU for
+                # everything queued before it). A draft model builds its input on the host.
+                return [(index, (tensor, row, 0)) for row, (index, _) in enumerate(holes)]
+            if self.rank != 0:
+                token_ids = tensor.tolist()
         for (_, scheduled), token_id in zip(holes, token_ids):
             scheduled.token_ids[-1] = token_id
         return on_device
