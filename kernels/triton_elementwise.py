@@ -28,10 +28,19 @@ SILU_BLOCK = 1024
 ROTARY_HEADS_PER_PROGRAM = 8
 
 
-def _norm_launch(hidden: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for one row of `hidden` values: 8 to 16 values a thread."""
+def norm_tiles(hidden: int) -> dict:
+    """The norm kernel's launch for rows of `hidden` values: the whole row a program, 8 to
+    16 values a thread."""
     block = triton.next_power_of_2(hidden)
-    return block, min(16, max(1, block // 256))
+    return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)))
+
+
+def rotary_tiles(rotary_dim: int) -> dict:
+    """The rotary kernel's launch: ROTARY_HEADS_PER_PROGRAM heads a program, each head's
+    rotary_dim / 2 pairs."""
+    block_r = triton.next_power_of_2(rotary_dim // 2)
+    return dict(HALF_ROTARY=rotary_dim // 2, BLOCK_R=block_r, BLOCK_H=ROTARY_HEADS_PER_PROGRAM,
+                num_warps=4 if block_r * ROTARY_HEADS_PER_PROGRAM >= 512 else 2)
 
 
 @triton.jit
@@ -139,11 +148,10 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     rows, hidden = x.shape
     if rows == 0:
         return
-    block, num_warps = _norm_launch(hidden)
     _rms_norm_kernel[(rows,)](
         x, x if residual is None else residual, weight, out, x.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, WEIGHT_OFFSET=weight_offset == 1.0, BLOCK=block, num_warps=num_warps)
+        HAS_RESIDUAL=residual is not None, WEIGHT_OFFSET=weight_offset == 1.0, **norm_tiles(hidden))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -177,10 +185,7 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
     key_heads = 0 if key is None else key.shape[1] // head_size
     query_blocks = triton.cdiv(query_heads, ROTARY_HEADS_PER_PROGRAM)
     key_blocks = triton.cdiv(key_heads, ROTARY_HEADS_PER_PROGRAM)
-    half = rotary_dim // 2
-    block_r = triton.next_power_of_2(half)
     _rotary_embedding_kernel[(num_tokens, query_blocks + key_blocks)](
         positions, query, query if key is None else key, cos_sin_cache, query.stride(0),
         query.stride(0) if key is None else key.stride(0), cos_sin_cache.stride(0), query_heads, key_heads,
-        query_blocks, HEAD_SIZE=head_size, HALF_ROTARY=half, BLOCK_R=block_r, BLOCK_H=ROTARY_HEADS_PER_PROGRAM,
-        num_warps=4 if block_r * ROTARY_HEADS_PER_PROGRAM >= 512 else 2)
+        query_blocks, HEAD_SIZE=head_size, **rotary_tiles(rotary_dim))
