@@ -39,8 +39,12 @@ def rotary_tiles(rotary_dim: int) -> dict:
     """The rotary kernel's launch: ROTARY_HEADS_PER_PROGRAM heads a program, each head's
     rotary_dim / 2 pairs."""
     block_r = triton.next_power_of_2(rotary_dim // 2)
+    # No FMA contraction: Triton turns each product rounded to bf16/fp16 into a native
+    # 16-bit multiply and would fuse it with the sum (PTX fma.rn.bf16), rounding once where
+    # PyTorch rounds twice (a quarter of bf16 outputs one unit off on an H100); in fp32 the
+    # same holds for fp32 FMAs.
     return dict(HALF_ROTARY=rotary_dim // 2, BLOCK_R=block_r, BLOCK_H=ROTARY_HEADS_PER_PROGRAM,
-                num_warps=4 if block_r * ROTARY_HEADS_PER_PROGRAM >= 512 else 2)
+                num_warps=4 if block_r * ROTARY_HEADS_PER_PROGRAM >= 512 else 2, enable_fp_fusion=False)
 
 
 @triton.jit

@@ -269,6 +269,7 @@ class Variant:
     constexprs: dict
     num_warps: int
     pointer_dtype: str
+    fp_fusion: bool = True  # Triton's enable_fp_fusion (FMA contraction)
 
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
@@ -321,9 +322,9 @@ def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size
     variants.append(Variant(f"silu_and_mul d={intermediate_size}", functions["silu_and_mul"],
                             dict(BLOCK=elementwise.SILU_BLOCK), 4, pointer))
     rotary = elementwise.rotary_tiles(rotary_dim)
-    rotary_warps = rotary.pop("num_warps")
+    rotary_warps, fp_fusion = rotary.pop("num_warps"), rotary.pop("enable_fp_fusion")
     variants.append(Variant(f"rotary_embedding D={head_size} rotary={rotary_dim}", functions["rotary_embedding"],
-                            dict(rotary, HEAD_SIZE=head_size), rotary_warps, pointer))
+                            dict(rotary, HEAD_SIZE=head_size), rotary_warps, pointer, fp_fusion))
     return variants
 
 
@@ -344,7 +345,8 @@ def compile_resources(variant: Variant, capability: int = 90) -> dict:
     signature = {name: "constexpr" if name in variant.constexprs else types.get(name, "i32")
                  for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=variant.constexprs),
-                              target=GPUTarget("cuda", capability, 32), options={"num_warps": variant.num_warps})
+                              target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": variant.num_warps, "enable_fp_fusion": variant.fp_fusion})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
