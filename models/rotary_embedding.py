@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ class RotaryEmbedding(nn.Module):
             return query, key
         return self.rotate(positions, query), self.rotate(positions, key)
 
-    def _cuda_ops(self, *tensors: torch.Tensor):
+    def _cuda_ops(self, *tensors: torch.Tensor) -> ModuleType | None:
         """The Triton kernels' module where they take these [T, H * D] tensors, else None:
         cos and sin in the tensors' dtype, as the PyTorch path computes in."""
         ops = cuda_ops.usable(*tensors, self.cos_sin_cache)
