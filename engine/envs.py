@@ -48,6 +48,7 @@ TEST_KERNEL_SWITCHES = {
     "avx512_linear": "the AVX-512 decode GEMM only (kernels/cpu_gemm.py)",
     "shm_comm": "the shared-memory tensor-parallel collectives (parallel/shm_communicator.py): gloo",
     "lora_kernel": "the native CPU LoRA kernel (kernels/lora_ops.py): the batched masked GEMMs",
+    "triton_elementwise": "the fused Triton pointwise ops on CUDA (kernels/triton_elementwise.py): PyTorch's ops run",
 }
 
 

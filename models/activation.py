@@ -7,13 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylm.kernels import cpu_ops
+from raylm.kernels import cpu_ops, cuda_ops
 
 
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for the fused gate_up projection output [..., 2d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cuda_ops.usable(x)
+        if ops is not None and x.dim() == 2 and x.stride(1) == 1:
+            return ops.silu_and_mul(x)  # one Triton kernel on CUDA
         return cpu_ops.silu_and_mul_any(x)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylm.kernels import cpu_ops
+from raylm.kernels import cpu_ops, cuda_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +18,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or, given a residual, (norm(x + residual), x + residual). On the CPU in
-        fp32 the fused op reuses x and residual for the two results."""
+        fp32 the fused op reuses x and residual for the two results, as does the Triton
+        kernel on CUDA."""
+        fused = _cuda_norm(self, x, residual, weight_offset=0.0)
+        if fused is not None:
+            return fused
         if cpu_ops.usable(x, self.weight) and x.is_contiguous():
             if residual is None:
                 return cpu_ops.rms_norm(x, self.weight, self.eps)
@@ -40,12 +44,29 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = _cuda_norm(self, x, residual, weight_offset=1.0)
+        if fused is not None:
+            return fused
         if residual is not None:
             x = x + residual
             residual = x
         out = F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())
         out = out.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def _cuda_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight_offset: float
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """The norm by the Triton kernel on CUDA (the residual add fused in, in place, as on
+    the CPU), or None where it does not take these tensors."""
+    ops = cuda_ops.usable(x, norm.weight)
+    if ops is None or not ops.rms_norm_supported(x):
+        return None
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps, weight_offset)
+    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous() or not residual.is_cuda:
+        return None
+    return ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps, weight_offset)
 
 
 def norm_with_residual(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None

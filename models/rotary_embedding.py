@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from raylm.kernels import cpu_ops
+from raylm.kernels import cpu_ops, cuda_ops
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +81,31 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates query [T, Hq * D] and key [T, Hkv * D] by their tokens' positions."""
+        """Rotates query [T, Hq * D] and key [T, Hkv * D] by their tokens' positions (in
+        place, in one launch, by the Triton kernel on CUDA)."""
+        ops = self._cuda_ops(query, key)
+        if ops is not None:
+            ops.rotary_embedding_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim)
+            return query, key
         return self.rotate(positions, query), self.rotate(positions, key)
+
+    def _cuda_ops(self, *tensors: torch.Tensor) -> ModuleType | None:
+        """The Triton kernels' module where they take these [T, H * D] tensors, else None:
+        cos and sin in the tensors' dtype, as the PyTorch path computes in."""
+        ops = cuda_ops.usable(*tensors, self.cos_sin_cache)
+        if ops is None or any(x.dim() != 2 or x.stride(1) != 1 or x.dtype != self.cos_sin_cache.dtype
+                              for x in tensors):
+            return None
+        return ops
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotates every head of x [T, H * D]; the layers pass q and k as one tensor, which
         halves the number of (small, overhead-bound) ops per layer. On the CPU in fp32 the
-        fused op rotates x in place and returns it."""
+        fused op rotates x in place and returns it, as does the Triton kernel on CUDA."""
+        ops = self._cuda_ops(x)
+        if ops is not None:
+            ops.rotary_embedding_(positions, x, None, self.cos_sin_cache, self.head_size, self.rotary_dim)
+            return x
         if x.dim() == 2 and x.stride(1) == 1 and cpu_ops.usable(x, self.cos_sin_cache):
             return cpu_ops.rotary_embedding_(x, positions, self.cos_sin_cache, self.head_size, self.rotary_dim)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)

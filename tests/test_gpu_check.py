@@ -50,7 +50,8 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     kernels = record["kernels"]
     assert record["kernels_pass"] is True and not kernels["failed"]
     assert {(r["kernel"], r["dtype"]) for r in kernels["records"]} == {
-        (k, d) for k in ("kv_write", "decode", "decode_split_k", "prefill") for d in ("fp32", "fp16", "bf16")}
+        (k, d) for k in ("kv_write", "decode", "decode_split_k", "prefill", "rms_norm", "fused_add_rms_norm",
+                         "silu_and_mul", "rotary_embedding") for d in ("fp32", "fp16", "bf16")}
     # Stage b: the engine's tokens equal HF's, through a preemption and a prefix-cache hit.
     assert record["hf_tokens_equal"] == "1/1"
     (model,) = record["models"]

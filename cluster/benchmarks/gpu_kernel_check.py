@@ -1,5 +1,6 @@
 """Stage a of `scripts/gpu_check.sh`: the Triton attention kernels, compiled natively,
-against the PyTorch reference computed in fp32.
+against the PyTorch reference computed in fp32; and the fused pointwise kernels (RMSNorm
+with the residual add, SiLU-and-mul, rotary embedding: `gpu_elementwise_check.py`).
 
 Every case draws fresh random keys and values into shuffled physical blocks of a
 NaN-poisoned cache (block tables padded with a poisoned block) and poisons the output
@@ -221,11 +222,14 @@ def check_config(dtype: torch.dtype, head_size: int, group: int, device: torch.d
 
 def kernel_functions() -> dict[str, object]:
     from raylm.kernels import triton_decode_attention as decode
+    from raylm.kernels import triton_elementwise as elementwise
     from raylm.kernels import triton_kv_cache as kv
     from raylm.kernels import triton_prefill_attention as prefill
 
     return {"decode": decode._paged_decode_kernel, "merge": decode._merge_partitions_kernel,
-            "prefill": prefill._paged_prefill_kernel, "kv_write": kv._write_kv_cache_kernel}
+            "prefill": prefill._paged_prefill_kernel, "kv_write": kv._write_kv_cache_kernel,
+            "rms_norm": elementwise._rms_norm_kernel, "silu_and_mul": elementwise._silu_and_mul_kernel,
+            "rotary_embedding": elementwise._rotary_embedding_kernel}
 
 
 def compiled_kernels(function) -> list:
@@ -239,7 +243,8 @@ def compiled_kernels(function) -> list:
 
 
 def count_compiled_variants() -> int:
-    """How many variants of raylm's attention kernels Triton has compiled in this process."""
+    """How many variants of raylm's Triton kernels (attention and the fused pointwise ops)
+    Triton has compiled in this process."""
     return sum(len(compiled_kernels(function)) for function in kernel_functions().values())
 
 
@@ -266,6 +271,7 @@ class Variant:
     num_warps: int
     pointer_dtype: str
     num_stages: int = 3  # Triton's default on CUDA
+    fp_fusion: bool = True  # Triton's enable_fp_fusion (FMA contraction)
 
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
@@ -308,6 +314,29 @@ def prefill_variant(tiles: dict, shape: dict, pointer_dtype: str) -> Variant:
     return Variant(name, kernel_functions()["prefill"], dict(shape, **tiles), warps, pointer_dtype, stages)
 
 
+def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_size: int,
+                         rotary_dim: int) -> list[Variant]:
+    """The variants of the fused pointwise kernels a model of these sizes launches: the
+    norm with and without the residual add (Llama's weight; Gemma's 1 + weight is one more
+    of each), SiLU-and-mul, the rotary embedding (launch choices of kernels/triton_elementwise.py)."""
+    from raylm.kernels import triton_elementwise as elementwise
+
+    functions = kernel_functions()
+    pointer = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    norm = elementwise.norm_tiles(hidden_size)
+    norm_warps = norm.pop("num_warps")
+    variants = [Variant(f"rms_norm{' + residual' if residual else ''} H={hidden_size}", functions["rms_norm"],
+                        dict(norm, HAS_RESIDUAL=residual, WEIGHT_OFFSET=False), norm_warps, pointer)
+                for residual in (False, True)]
+    variants.append(Variant(f"silu_and_mul d={intermediate_size}", functions["silu_and_mul"],
+                            dict(BLOCK=elementwise.SILU_BLOCK), 4, pointer))
+    rotary = elementwise.rotary_tiles(rotary_dim)
+    rotary_warps, fp_fusion = rotary.pop("num_warps"), rotary.pop("enable_fp_fusion")
+    variants.append(Variant(f"rotary_embedding D={head_size} rotary={rotary_dim}", functions["rotary_embedding"],
+                            dict(rotary, HEAD_SIZE=head_size), rotary_warps, pointer, fp_fusion=fp_fusion))
+    return variants
+
+
 # Arguments the launchers pass that are not 16-aligned pointers or multiples of 16 in the
 # engine's layouts (a layer's KV head count; the block-table stride, never specialised).
 UNALIGNED_ARGS = {"qk_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq", "stride_pl_head"}
@@ -331,7 +360,8 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     ptr = "*" + variant.pointer_dtype
     types = dict(query_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
-                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32")
+                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
+                 weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32")
     kernel = variant.kernel
     signature = {name: "constexpr" if name in variant.constexprs else types.get(name, "i32")
                  for name in kernel.arg_names}
@@ -339,7 +369,8 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
              if aligned and signature[name] != "constexpr" and name not in UNALIGNED_ARGS}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs),
                               target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
+                              options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
+                                       "enable_fp_fusion": variant.fp_fusion})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -386,6 +417,15 @@ def run(out: Path, dry_run: bool, part: tuple[int, int]) -> dict:
         start = time.perf_counter()
         result["records"] += check_config(dtype, head_size, group, device, dry_run, seed=index * 100 + config_index)
         result["seconds"][f"{DTYPE_NAMES[dtype]} d{head_size} gqa{group}"] = round(time.perf_counter() - start, 1)
+        result["resources"] = launched_resources()
+        out.write_text(json.dumps(result, indent=1))
+    # The fused pointwise kernels: one dtype a part (bf16, fp16, fp32 for parts 0, 1, 2 of 3).
+    from raylm.cluster.benchmarks.gpu_elementwise_check import check_elementwise
+
+    for dtype in list(DTYPE_NAMES)[::-1][index::parts]:
+        start = time.perf_counter()
+        result["records"] += check_elementwise(dtype, device, dry_run)
+        result["seconds"][f"{DTYPE_NAMES[dtype]} pointwise ops"] = round(time.perf_counter() - start, 1)
         result["resources"] = launched_resources()
         out.write_text(json.dumps(result, indent=1))
     return result
