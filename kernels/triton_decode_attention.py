@@ -36,24 +36,48 @@ _MIN_PARTITION = 512
 _MAX_SPLITS = 64
 
 
-def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
-    """The decode kernel's tile shape and warps for a cache dtype, GQA group and head size.
+# The tiles of one pipeline stage, K and V together, hold about this many bytes: BLOCK_N
+# follows from the head size and the cache's element size (bf16 d128: 32 keys).
+DECODE_STAGE_BYTES = 16384
+# Triton's software pipeliner splits num_stages - 2 between the block-table load and the K/V
+# loads it feeds (an indirect load). At 3 or 4 stages the K/V tiles got one shared-memory
+# buffer and each tile's copy was waited for right after it was issued (compiled for sm_90a:
+# no overlap at all); at 5 they get two, and tile i+1 is copied (cp.async, 16-byte vectors)
+# while tile i is computed.
+DECODE_WARPS, DECODE_STAGES = 4, 5
 
-    A program holds one K and one V tile of BLOCK_N x BLOCK_D in registers. Compiled for
-    sm_90a (Triton 3.9's ptxas), more than 32 16-bit or 16 fp32 elements of a tile per thread
-    spilled: bf16 at BLOCK_N 64, head size 128 and 4 warps used 255 registers and 96 bytes of
-    stack, fp32 at BLOCK_N 64 336 bytes; within these budgets every variant compiled to 168-212
-    registers without a stack frame (`cluster/benchmarks/gpu_kernel_check.py` reports them).
-    Off the GPU (the interpreter) the shape only has to be valid."""
+
+def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
+    """The decode kernel's tile shape, warps and pipeline stages for a cache dtype, GQA group
+    and head size.
+
+    Decode reads each key and value once: the kernel is bound by memory bandwidth, which
+    takes enough bytes in flight per SM, from several programs at once. Compiled for sm_90a
+    with the launch's alignment (Triton 3.9's ptxas; cluster/benchmarks/gpu_kernel_check.py),
+    bf16 d128 at BLOCK_N 32, 4 warps, 5 stages: 94 registers, 37 KiB of shared memory, no
+    stack, so 5 programs share an SM, each with its next tile (16 KiB) in flight while it
+    computes one (BLOCK_N 64, 8 warps and 3 stages: 3 programs, nothing in flight while they
+    compute). Every dtype and head size compiles without a stack. `speed["decode_attention_sweep"]`
+    times the alternatives. Off the GPU (the interpreter) the shape only has to be valid."""
     block_d = max(16, triton.next_power_of_2(head_size))
-    num_warps = 4 if block_d <= 64 else 8
-    per_thread = 16 if dtype == torch.float32 else 32
-    block_n = max(16, min(64, per_thread * 32 * num_warps // block_d))
+    element_size = 4 if dtype == torch.float32 else 2
+    block_n = max(16, min(PARTITION_ALIGN, DECODE_STAGE_BYTES // (2 * block_d * element_size)))
+    return complete_decode_tiles(dtype, group, head_size, dict(BLOCK_N=block_n, num_warps=DECODE_WARPS,
+                                                               num_stages=DECODE_STAGES), on_gpu)
+
+
+def complete_decode_tiles(dtype: torch.dtype, group: int, head_size: int, tiles: dict, on_gpu: bool = True) -> dict:
+    """The kernel's launch options from a choice of BLOCK_N, num_warps and num_stages
+    (decode_tiles' or a benchmark's): the padded group, BLOCK_D and the dot's precision follow."""
+    block_n = tiles["BLOCK_N"]
+    # A power of two that divides PARTITION_ALIGN: no tile straddles two split-K partitions.
+    assert 16 <= block_n <= PARTITION_ALIGN and block_n & (block_n - 1) == 0, tiles
     # The interpreter gets low-precision dots wrong, and fp32 caches need fp32 dots on a GPU
     # too (Triton's default for them is TF32).
     dot_fp32 = not on_gpu or dtype == torch.float32
-    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-                DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=num_warps)
+    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+                BLOCK_N=block_n, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
+                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
 # The block table's row stride (its width, the longest context of the step in blocks) and the
@@ -108,6 +132,11 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Every tile masks its positions against `end` (only the last can hold any past it). The
+    # masked loads compile to the same 16-byte cp.async copies (zero-filled past the mask);
+    # whole tiles without the mask saved registers (sm_90a, bf16 d128: 94 -> 72) that do not
+    # bound how many programs share an SM (shared memory does), and the last tile in a loop
+    # of its own would not be prefetched behind the others.
     for tile_start in range(start, end, BLOCK_N):
         pos, n_mask, s, v = paged_kv_tile_scores(  # s: [BLOCK_G, BLOCK_N]
             q, qk_scale, block_table, k_cache_ptr, v_cache_ptr, tile_start, end, kv_head, d, d_mask,
@@ -209,13 +238,15 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            attn_metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, *, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None, tiles: dict | None = None) -> torch.Tensor:
     """Decode step (every query_len is 1): query [T, Hq, D] -> [T, Hq, D] in the query's dtype.
 
     Sequence i's query is row query_start_loc[i]; rows past the last sequence (padding) are
     zero. `out`, if given, is written in place and returned. `num_splits` None lets the
     dispatcher choose between the single-pass kernel (1) and split-K (more than 1).
-    `sliding_window` and `logits_soft_cap` as in the reference (torch_attention).
+    `sliding_window` and `logits_soft_cap` as in the reference (torch_attention). `tiles`
+    (BLOCK_N, num_warps, num_stages) overrides decode_tiles' choice: for benchmarks that
+    compare tile shapes.
     """
     md = attn_metadata
     num_tokens, num_heads, head_size = query.shape
@@ -236,9 +267,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     partition_size, num_splits = partition(max_keys, num_splits)
 
     group = num_heads // num_kv_heads
+    on_gpu = query.device.type == "cuda"
+    tiles = (decode_tiles(k_cache.dtype, group, head_size, on_gpu) if tiles is None
+             else complete_decode_tiles(k_cache.dtype, group, head_size, tiles, on_gpu))
     common = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
-                  **decode_tiles(k_cache.dtype, group, head_size, query.device.type == "cuda"))
+                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), **tiles)
     qk_scale = scale * math.log2(math.e)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))

@@ -112,6 +112,36 @@ def test_split_k_decode_matches_reference_including_sequences_shorter_than_a_par
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+# Tile and partition boundaries: contexts that end on a whole tile, one past it and one short
+# of it, at every BLOCK_N the launcher or the speed check's sweep can pick, single-pass and
+# split into 64-token-multiple partitions (a tile never straddles two); window edges mid-tile.
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 4, 5), (32, 4, 7), (64, 8, 3)])
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_decode_tiles_end_whole_or_partial_at_every_tile_width_and_split(kernels, block_n, num_warps, num_stages,
+                                                                         num_splits):
+    seq_lens = [block_n, block_n + 1, 2 * block_n - 1, 64, 65, 128, 129, 191]
+    query, k_cache, v_cache, md = build_step([1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2,
+                                             head_size=32, block_size=16, dtype=torch.float32,
+                                             seed=block_n + num_splits)
+    tiles = dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    out = kernels["triton_decode_attention"].paged_decode_attention(
+        query, k_cache, v_cache, md, 0.2, out=poisoned_like(query), num_splits=num_splits, tiles=tiles)
+    expected = reference.paged_attention(query, k_cache, v_cache, md, 0.2)
+    assert relative_error(out, expected) < 1e-3
+
+
+def test_decode_tiles_fill_16_kib_a_stage_and_divide_the_partitions(kernels):
+    decode = kernels["triton_decode_attention"]
+    for dtype, head_size, block_n in ((torch.bfloat16, 64, 64), (torch.bfloat16, 128, 32), (torch.float16, 256, 16),
+                                      (torch.float32, 64, 32), (torch.float32, 128, 16), (torch.float32, 256, 16),
+                                      (torch.float32, 80, 16)):
+        tiles = decode.decode_tiles(dtype, 4, head_size)
+        assert tiles["BLOCK_N"] == block_n and decode.PARTITION_ALIGN % block_n == 0
+        assert (tiles["num_warps"], tiles["num_stages"]) == (4, 5)
+    with pytest.raises(AssertionError):
+        decode.complete_decode_tiles(torch.bfloat16, 4, 128, dict(BLOCK_N=48, num_warps=4, num_stages=5))
+
+
 def test_decode_zeroes_padding_rows_past_the_last_sequence(kernels):
     query, k_cache, v_cache, md = build_step([1, 1], [7, 30], num_heads=4, num_kv_heads=2, head_size=64,
                                              block_size=16, dtype=torch.float32, seed=3, padding_tokens=3)
@@ -338,3 +368,22 @@ def test_speed_checks_prefill_tile_sweep_runs_every_tile_shape_to_the_same_outpu
         assert all("error" not in row and row["rel_diff_from_chosen"] < TOLERANCE[torch.bfloat16]
                    for row in case["configs"]), case["configs"]
         assert case["chosen"]["tiles"]["BLOCK_M"] == 128
+
+
+def test_speed_checks_decode_tile_sweep_runs_every_configuration_to_the_same_output(kernels):
+    """cluster/benchmarks/gpu_speed_check.py's decode sweep (the device run's choice among
+    tile shapes and split counts), interpreted on a small shape: every configuration runs,
+    through paged_decode_attention(tiles=, num_splits=), and agrees with the chosen one."""
+    from raylm.cluster.benchmarks.gpu_speed_check import DECODE_TILE_ALTERNATIVES, Shape, decode_attention_sweep
+
+    shape = Shape(num_heads=8, num_kv_heads=2, head_size=64)
+    sweep = decode_attention_sweep(shape, ((3, 100), (2, 130)), torch.device("cpu"), DECODE_TILE_ALTERNATIVES,
+                                   copy_bytes_s=1e9, use_triton=True, repeats=1)
+    assert [case["case"] for case in sweep["cases"]] == ["batch 3, context 100", "batch 2, context 130"]
+    for case in sweep["cases"]:
+        assert len(case["configs"]) == 1 + len(DECODE_TILE_ALTERNATIVES)
+        assert all("error" not in row and row["rel_diff_from_chosen"] < TOLERANCE[torch.bfloat16]
+                   and row["fraction_of_copy"] > 0 for row in case["configs"]), case["configs"]
+        assert case["chosen"]["tiles"] == dict(BLOCK_N=64, num_warps=4, num_stages=5)
+        assert [row["num_splits"] for row in case["configs"]][-1] == 2
+        assert case["best"] in case["configs"]

@@ -223,6 +223,17 @@ def summary_lines(record: dict) -> list[str]:
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
     lines.append(f"throughput {number(record['throughput_tok_s'], 0)} tok/s vs HF {number(record['hf_throughput_tok_s'], 0)};"
                  f" decode attention at 8k: {number(record['decode_attention_bw_fraction'])} of copy bandwidth")
+    for case in (record.get("speed") or {}).get("decode_attention_sweep", {}).get("cases", []):
+        def decode_tiles(row: dict | None) -> str:
+            if not row or "ms" not in row:
+                return "-"
+            shape = "x".join(str(v) for v in row["tiles"].values()) if row["tiles"] else "backend"
+            fraction = row.get("fraction_of_copy")
+            splits = f" {row['num_splits']} split(s)" if row.get("num_splits") else ""
+            return (f"{shape}{splits} {number(row['ms'] * 1e3, 0)} us"
+                    + (f" ({number(fraction)} of copy)" if fraction is not None else ""))
+        lines.append(f"decode attention, {case['case']}: chosen {decode_tiles(case['chosen'])}; "
+                     f"fastest {decode_tiles(case['best'])}")
     for case in (record.get("speed") or {}).get("prefill_attention", {}).get("cases", []):
         def tiles(row: dict | None) -> str:
             if not row or "ms" not in row:

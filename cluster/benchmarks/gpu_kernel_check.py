@@ -288,10 +288,10 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
                  SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap))
     variants = []
     tiles = decode.decode_tiles(dtype, group, head_size)
-    warps = tiles.pop("num_warps")
+    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     for split in (False, True):
         variants.append(Variant("decode_split_k" if split else "decode", functions["decode"],
-                                dict(shape, **tiles, SPLIT_K=split), warps, pointer))
+                                dict(shape, **tiles, SPLIT_K=split), warps, pointer, stages))
     block_d = max(16, 1 << (head_size - 1).bit_length())
     for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],

@@ -15,6 +15,11 @@ Figures, in the order they run (each is written to the JSON as soon as it is mea
 - decode attention bandwidth: the Triton decode kernel alone at 1k, 8k and 32k context,
   batch 64, scattered blocks: K and V bytes read over its median time, as a fraction of
   the copy bandwidth;
+- decode attention sweep: the Triton decode kernel alone at batch 256 x 640-token contexts
+  (the offline throughput run's decode), batch 64 x 1k and batch 64 x 8k, with
+  decode_tiles' choice and the dispatcher's split count, and DECODE_TILE_ALTERNATIVES:
+  K/V bytes per second over the time of a CUDA graph of launches (no host overhead), as a
+  fraction of the copy bandwidth, the fastest named;
 - prefill attention: the Triton prefill kernel alone on one 4096-token sequence (a fresh
   prompt, and 2048 new tokens behind 2048 cached: a prefix-cache hit), scattered blocks,
   with prefill_tiles' choice and PREFILL_TILE_ALTERNATIVES: causal FLOPs (QK^T and PV over
@@ -97,6 +102,8 @@ class Sizes:
     throughput_in: int
     throughput_out: int
     hf_max_time_s: float
+    # The decode sweep's (batch, context) cases.
+    decode_sweep_cases: tuple[tuple[int, int], ...] = ((256, 640), (64, 1024), (64, 8192))
 
 
 GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4096, 64, 256, 512, 256, 60.0)
@@ -104,9 +111,17 @@ GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4
 # (bf16, head size 128, GQA 4): (BLOCK_M, BLOCK_N, num_warps, num_stages). All compile for
 # sm_90a without a stack frame (Triton 3.9's ptxas, 16-aligned arguments).
 PREFILL_TILE_ALTERNATIVES = [(128, 128, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 8, 3)]
+# The decode kernel's alternatives to decode_tiles' choice (BLOCK_N 32, 4 warps, 5 stages at
+# bf16 head size 128) and the dispatcher's split count, timed beside it on the 8B shape:
+# (BLOCK_N, num_warps, num_stages, split count or None for the dispatcher's). Compiled for
+# sm_90a (Triton 3.9's ptxas, 16-aligned arguments), none has a stack frame: 64x8x3 (the
+# tiles before) 69 registers, 38 KiB shared, its K/V tiles single-buffered; 64x8x5 77, 70 KiB;
+# 32x4x7 83, 53 KiB, three buffers; 16x4x5 64, 21 KiB. The last splits the context in two.
+DECODE_TILE_ALTERNATIVES = [(64, 8, 3, None), (64, 8, 5, None), (32, 4, 7, None), (16, 4, 5, None),
+                            (32, 4, 5, 2)]
 DRY_SIZES = Sizes(Shape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_size=16, vocab_size=512, max_model_len=256),
-                  2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0)
+                  2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0, decode_sweep_cases=((4, 40), (2, 100)))
 
 
 # ---- timing ---------------------------------------------------------------------------
@@ -184,29 +199,128 @@ def write_random_checkpoint(path: Path, shape: Shape, device: torch.device, seed
 # ---- figures ----------------------------------------------------------------------------
 
 def decode_attention_bandwidth(shape: Shape, batch: int, context: int, device: torch.device) -> dict:
-    """The decode kernel the engine uses alone: K/V bytes read per second, scattered blocks."""
-    from raylm.kernels.attention_metadata import AttentionMetadata
+    """The decode kernel the engine uses alone: K/V bytes read per second, scattered blocks
+    (each call timed on its own: the launch's host time counts where it exceeds the kernel's)."""
     from raylm.kernels.backend import get_attention_backend
 
     backend = get_attention_backend()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    query, k_cache, v_cache, metadata = decode_step(shape, batch, context, device, dtype)
+    scale = shape.head_size ** -0.5
+    ms = median_ms(lambda: backend.paged_attention(query, k_cache, v_cache, metadata, scale), device)
+    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * k_cache.element_size()
+    return dict(context=context, batch=batch, backend=backend.name, ms=ms, bytes_per_s=kv_bytes / (ms / 1e3))
+
+
+def decode_step(shape: Shape, batch: int, context: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """`batch` sequences of `context` cached tokens each (all written, at shuffled blocks) and
+    one query row each: query, caches, metadata."""
+    from raylm.kernels.attention_metadata import AttentionMetadata
+
     block_size = 16
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
+    generator = torch.Generator(device=device).manual_seed(seed)
     cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_size)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    k_cache = torch.randn(cache_shape, device=device, dtype=dtype)
-    v_cache = torch.randn(cache_shape, device=device, dtype=dtype)
-    block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    k_cache = torch.randn(cache_shape, device=device, dtype=dtype, generator=generator)
+    v_cache = torch.randn(cache_shape, device=device, dtype=dtype, generator=generator)
+    block_tables = (torch.randperm(num_blocks, device=device, generator=generator).view(batch, blocks_per_seq)
+                    .to(torch.int32))
     metadata = AttentionMetadata(
         slot_mapping=torch.full((batch,), -1, dtype=torch.long, device=device),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
         seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device), block_tables=block_tables,
         max_query_len=1, max_seq_len=context, query_lens_list=[1] * batch, seq_lens_list=[context] * batch)
-    query = torch.randn(batch, shape.num_heads, shape.head_size, device=device, dtype=dtype)
+    query = torch.randn(batch, shape.num_heads, shape.head_size, device=device, dtype=dtype, generator=generator)
+    return query, k_cache, v_cache, metadata
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, launches: int = 5, repeats: int = 10) -> float:
+    """Median time of one fn in ms, from a CUDA graph of `launches` calls replayed `repeats`
+    times (the engine's decode runs in graphs: no host overhead between kernels); off the GPU,
+    median_ms. fn must have run once already (Triton compiles at the first launch)."""
+    if device.type != "cuda":
+        return median_ms(fn, device, repeats=repeats, warmup=0)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # allocations on the capture stream first, as torch's graph recipe asks
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    ms = median_ms(graph.replay, device, repeats=repeats, warmup=1) / launches
+    del graph
+    return ms
+
+
+def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], device: torch.device,
+                           alternatives: list[tuple[int, int, int, int | None]], copy_bytes_s: float | None = None,
+                           use_triton: bool | None = None, repeats: int = 10) -> dict:
+    """The decode kernel alone at each (batch, context) case, with decode_tiles' choice and
+    the dispatcher's split count, and each alternative (BLOCK_N, num_warps, num_stages,
+    split count or None): K/V bytes read per second each (and as a fraction of
+    copy_bytes_s), the fastest named, and each output's largest difference from the
+    choice's. Off the GPU the Triton kernel runs only interpreted (use_triton=True, in a
+    process with TRITON_INTERPRET=1: the tests); otherwise the CPU's attention backend runs
+    the cases (the plumbing only, no tile shapes)."""
+    from raylm.kernels.backend import get_attention_backend
+
+    on_gpu = device.type == "cuda" if use_triton is None else use_triton
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     scale = shape.head_size ** -0.5
-    ms = median_ms(lambda: backend.paged_attention(query, k_cache, v_cache, metadata, scale), device)
-    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * k_cache.element_size()
-    return dict(context=context, batch=batch, backend=backend.name, ms=ms, bytes_per_s=kv_bytes / (ms / 1e3))
+    group = shape.num_heads // shape.num_kv_heads
+    if on_gpu:
+        from raylm.kernels import triton_decode_attention as decode
+
+        chosen = decode.decode_tiles(dtype, group, shape.head_size)
+        configs = [(dict(BLOCK_N=chosen["BLOCK_N"], num_warps=chosen["num_warps"], num_stages=chosen["num_stages"]),
+                    None)]
+        configs += [(dict(BLOCK_N=n, num_warps=w, num_stages=st), splits) for n, w, st, splits in alternatives
+                    if (dict(BLOCK_N=n, num_warps=w, num_stages=st), splits) != configs[0]]
+        num_sms = decode._num_sms(device)
+    else:
+        backend = get_attention_backend()
+        configs = [(None, None)]
+    results = []
+    for batch, context in cases:
+        query, k_cache, v_cache, metadata = decode_step(shape, batch, context, device, dtype)
+        kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * k_cache.element_size()
+        rows, reference = [], None
+        for tiles, num_splits in configs:
+            if on_gpu:
+                splits = decode.partition(context, num_splits or decode.choose_num_splits(
+                    batch, shape.num_kv_heads, context, num_sms))[1]
+
+                def run(tiles=tiles, num_splits=num_splits):
+                    return decode.paged_decode_attention(query, k_cache, v_cache, metadata, scale,
+                                                         num_splits=num_splits, tiles=tiles)
+            else:
+                splits = None
+
+                def run():
+                    return backend.paged_attention(query, k_cache, v_cache, metadata, scale)
+            try:
+                out = run()  # compiles this variant
+                ms = graph_ms(run, device, repeats=repeats)
+            except Exception as error:  # a tile shape this device cannot run: record it, go on
+                rows.append(dict(tiles=tiles, num_splits=splits, error=f"{type(error).__name__}: {str(error)[:200]}"))
+                continue
+            reference = out.float() if reference is None else reference
+            difference = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+            bytes_per_s = kv_bytes / (ms / 1e3)
+            rows.append(dict(tiles=tiles, num_splits=splits, ms=ms, bytes_per_s=bytes_per_s,
+                             fraction_of_copy=bytes_per_s / copy_bytes_s if copy_bytes_s else None,
+                             rel_diff_from_chosen=difference))
+        timed = [row for row in rows if "ms" in row]
+        best = min(timed, key=lambda row: row["ms"]) if timed else None
+        results.append(dict(case=f"batch {batch}, context {context}", batch=batch, context=context, kv_bytes=kv_bytes,
+                            chosen=rows[0] if rows else None, best=best, configs=rows))
+        del query, k_cache, v_cache, metadata
+    return dict(dtype=str(dtype).removeprefix("torch."), num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                head_size=shape.head_size, block_size=16, backend="triton" if on_gpu else backend.name,
+                timing="CUDA graph of 5 launches" if device.type == "cuda" else "perf_counter", cases=results)
 
 
 def paged_step(shape: Shape, query_len: int, context_len: int, device: torch.device, dtype: torch.dtype,
@@ -483,6 +597,10 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
     for row in attention:
         row["fraction_of_copy"] = row["bytes_per_s"] / result["copy_bandwidth_bytes_s"]
     save("decode_attention", attention, began)
+    began = time.perf_counter()
+    save("decode_attention_sweep", decode_attention_sweep(shape, sizes.decode_sweep_cases, device,
+                                                          DECODE_TILE_ALTERNATIVES, result["copy_bandwidth_bytes_s"]),
+         began)
     began = time.perf_counter()
     save("prefill_attention", prefill_attention_sweep(shape, sizes.ttft_prompt, device, PREFILL_TILE_ALTERNATIVES),
          began)
