@@ -67,9 +67,13 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
                 "ttft_4k_ms", "decode_attention_bw_fraction"):
         assert isinstance(record[key], float) and record[key] > 0, key
     assert record["cuda_graphs"] is False  # none on the CPU
+    sweep = record["speed"]["decode_attention_sweep"]
+    assert [(case["batch"], case["context"]) for case in sweep["cases"]] == [(4, 40), (2, 100)]
+    assert all(case["best"]["ms"] > 0 and case["chosen"]["fraction_of_copy"] > 0 for case in sweep["cases"])
     # Stage t: the cuda-marked engine tests, collected and skipped here.
     assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
+    assert "decode attention, batch 4, context 40: chosen backend" in result.stdout
 
 
 
