@@ -45,6 +45,11 @@ DECODE_STAGE_BYTES = 16384
 # no overlap at all); at 5 they get two, and tile i+1 is copied (cp.async, 16-byte vectors)
 # while tile i is computed.
 DECODE_WARPS, DECODE_STAGES = 4, 5
+# Registers per thread that let five 4-warp programs share an SM's 64K, for 16-bit caches at
+# head size 128 (Llama's, Qwen's, Mistral's): Triton 3.6's ptxas (the device image's) took
+# 103 without the cap, four programs; with it 96 and no stack (Triton 3.9: 94 uncapped, 92).
+# Other head sizes and fp32 spilled under the same cap with Triton 3.6 and go uncapped.
+DECODE_MAX_REGISTERS = {(2, 128): 96}
 
 
 def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
@@ -54,21 +59,25 @@ def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = 
     Decode reads each key and value once: the kernel is bound by memory bandwidth, which
     takes enough bytes in flight per SM, from several programs at once. Compiled for sm_90a
     with the launch's alignment (Triton 3.9's ptxas; cluster/benchmarks/gpu_kernel_check.py),
-    bf16 d128 at BLOCK_N 32, 4 warps, 5 stages: 94 registers, 37 KiB of shared memory, no
-    stack, so 5 programs share an SM, each with its next tile (16 KiB) in flight while it
+    bf16 d128 at BLOCK_N 32, 4 warps, 5 stages: 94 registers (capped at 96 for Triton 3.6),
+    37 KiB of shared memory, no stack, so 5 programs share an SM, each with its next tile (16 KiB) in flight while it
     computes one (BLOCK_N 64, 8 warps and 3 stages: 3 programs, nothing in flight while they
     compute). Every dtype and head size compiles without a stack. `speed["decode_attention_sweep"]`
     times the alternatives. Off the GPU (the interpreter) the shape only has to be valid."""
     block_d = max(16, triton.next_power_of_2(head_size))
     element_size = 4 if dtype == torch.float32 else 2
     block_n = max(16, min(PARTITION_ALIGN, DECODE_STAGE_BYTES // (2 * block_d * element_size)))
-    return complete_decode_tiles(dtype, group, head_size, dict(BLOCK_N=block_n, num_warps=DECODE_WARPS,
-                                                               num_stages=DECODE_STAGES), on_gpu)
+    tiles = dict(BLOCK_N=block_n, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+    max_registers = DECODE_MAX_REGISTERS.get((element_size, block_d))
+    if max_registers:
+        tiles["maxnreg"] = max_registers
+    return complete_decode_tiles(dtype, group, head_size, tiles, on_gpu)
 
 
 def complete_decode_tiles(dtype: torch.dtype, group: int, head_size: int, tiles: dict, on_gpu: bool = True) -> dict:
-    """The kernel's launch options from a choice of BLOCK_N, num_warps and num_stages
-    (decode_tiles' or a benchmark's): the padded group, BLOCK_D and the dot's precision follow."""
+    """The kernel's launch options from a choice of BLOCK_N, num_warps, num_stages and
+    optionally maxnreg, Triton's cap on registers per thread (decode_tiles' or a
+    benchmark's): the padded group, BLOCK_D and the dot's precision follow."""
     block_n = tiles["BLOCK_N"]
     # A power of two that divides PARTITION_ALIGN: no tile straddles two split-K partitions.
     assert 16 <= block_n <= PARTITION_ALIGN and block_n & (block_n - 1) == 0, tiles
@@ -77,7 +86,8 @@ def complete_decode_tiles(dtype: torch.dtype, group: int, head_size: int, tiles:
     dot_fp32 = not on_gpu or dtype == torch.float32
     return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_size)),
                 BLOCK_N=block_n, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
-                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+                **({"maxnreg": tiles["maxnreg"]} if tiles.get("maxnreg") else {}))
 
 
 # The block table's row stride (its width, the longest context of the step in blocks) and the

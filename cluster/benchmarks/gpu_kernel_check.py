@@ -272,6 +272,7 @@ class Variant:
     pointer_dtype: str
     num_stages: int = 3  # Triton's default on CUDA
     fp_fusion: bool = True  # Triton's enable_fp_fusion (FMA contraction)
+    max_registers: int | None = None  # Triton's maxnreg
 
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
@@ -288,10 +289,11 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
                  SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap))
     variants = []
     tiles = decode.decode_tiles(dtype, group, head_size)
-    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+    warps, stages, max_registers = tiles.pop("num_warps"), tiles.pop("num_stages"), tiles.pop("maxnreg", None)
     for split in (False, True):
         variants.append(Variant("decode_split_k" if split else "decode", functions["decode"],
-                                dict(shape, **tiles, SPLIT_K=split), warps, pointer, stages))
+                                dict(shape, **tiles, SPLIT_K=split), warps, pointer, stages,
+                                max_registers=max_registers))
     block_d = max(16, 1 << (head_size - 1).bit_length())
     for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
@@ -370,7 +372,8 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs),
                               target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
-                                       "enable_fp_fusion": variant.fp_fusion})
+                                       "enable_fp_fusion": variant.fp_fusion,
+                                       **({"maxnreg": variant.max_registers} if variant.max_registers else {})})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
