@@ -56,7 +56,8 @@ class _RequestState:
 
     `engine_request_id` is the id the `LLMEngine` knows it by, unique per add: a caller may
     reuse `request_id` after an abort while the engine still steps the old request, and
-    the old request's outputs must not reach the new stream.
+    the old request's outputs must not reach the new stream. A beam of a beam search holds
+    its search's `request_id` but is known by its engine id alone (see `_add_requests`).
     """
 
     request_id: str
@@ -65,6 +66,20 @@ class _RequestState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+
+@dataclass(eq=False)
+class _BeamSearchHandle:
+    """A running beam search under its caller's id: `task` runs it (None while the
+    `use_beam_search` first step is being added); `aborted` once `abort` ended it."""
+
+    task: asyncio.Task | None = None
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.task is not None:
+            self.task.cancel()
 
 
 @dataclass
@@ -191,10 +206,9 @@ class AsyncLLMEngine:
         # Unfinished requests by the caller's id and by the engine's (see _RequestState).
         self._requests: dict[str, _RequestState] = {}
         self._engine_requests: dict[str, _RequestState] = {}
-        # Running `use_beam_search` requests by the caller's id (their beams are requests
-        # of ids of their own): `abort` cancels them, a second one of the id is refused.
-        # None while the search's first step is being added.
-        self._beam_searches: dict[str, asyncio.Task | None] = {}
+        # Running beam searches by the caller's id (their beams are requests known by
+        # engine ids alone): `abort` cancels them, a second request of the id is refused.
+        self._beam_searches: dict[str, _BeamSearchHandle] = {}
         self._add_counter = itertools.count()
         # Work for the engine's thread, queued on the event loop (see _take_pending).
         self._pending_adds: list[tuple[_RequestState, PromptType, SamplingParams, LoRARequest | None,
@@ -270,7 +284,8 @@ class AsyncLLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        """Running requests by the caller's ids, a beam search counting once."""
+        return len(self._requests) + len(self._beam_searches)
 
     async def recent_cached_block_hashes(self, limit: int) -> list[bytes]:
         """Up to `limit` block hashes of the prefix cache, most recently used first, read
@@ -306,14 +321,19 @@ class AsyncLLMEngine:
         return stream
 
     async def _add_requests(self, requests: list[tuple[str, PromptType, SamplingParams, LoRARequest | None]],
-                            arrival_time: float | None = None) -> list[RequestStream]:
+                            arrival_time: float | None = None, beams_of: str | None = None) -> list[RequestStream]:
         """Queues requests together and waits until the engine has accepted them all; if
-        it refuses one, the others are aborted and its error is raised."""
+        it refuses one, the others are aborted and its error is raised.
+
+        beams_of: the caller's id of the beam search these requests are beams of. Beams are
+        known by their engine ids alone, never by a caller's id: no caller's request can
+        collide with them, and `abort` reaches them only through their search."""
         self._raise_if_dead()
-        ids = [request_id for request_id, *_ in requests]
-        taken = next((i for n, i in enumerate(ids) if self._is_running(i) or i in ids[:n]), None)
-        if taken is not None:
-            raise ValueError(f"request_id {taken!r} is already running.")
+        if beams_of is None:
+            ids = [request_id for request_id, *_ in requests]
+            taken = next((i for n, i in enumerate(ids) if self._is_running(i) or i in ids[:n]), None)
+            if taken is not None:
+                raise ValueError(f"request_id {taken!r} is already running.")
         loop = asyncio.get_running_loop()
         arrival_time = arrival_time or time.time()
         states, accepted = [], []
@@ -321,7 +341,8 @@ class AsyncLLMEngine:
             state = _RequestState(request_id, f"{request_id}@{next(self._add_counter)}", arrival_time,
                                   output_kind=params.output_kind)
             future = loop.create_future()
-            self._requests[request_id] = state
+            if beams_of is None:
+                self._requests[request_id] = state
             self._engine_requests[state.engine_request_id] = state
             self._pending_adds.append((state, prompt, params, lora_request, future))
             states.append(state)
@@ -383,22 +404,49 @@ class AsyncLLMEngine:
                           lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         """`LLM.beam_search` for one prompt (token ids, text or a prompt dict), on the
         running engine: each step's beams are one-token requests, added together, that run
-        alongside everything else, under `lora_request`'s adapter if given. Cancelling it aborts
-        them."""
-        _, token_ids = await self._prompt_token_ids(prompt)
-        driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids, [cache_salt_of(prompt)],
-                                  [lora_request])
-        await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
-        return driver.outputs(self.get_tokenizer())[0]
+        alongside everything else, under `lora_request`'s adapter if given.
+
+        `request_id` is taken while the search runs, as a plain request's is: a second
+        request of it raises ValueError. Cancelling the call, or `abort(request_id)`, aborts
+        the beams; after an abort this raises asyncio.CancelledError and the id is free."""
+        handle = self._register_beam_search(request_id)
+
+        async def search() -> BeamSearchOutput:
+            _, token_ids = await self._prompt_token_ids(prompt)
+            driver = BeamSearchDriver([(token_ids, params)], self.engine.eos_token_ids, [cache_salt_of(prompt)],
+                                      [lora_request])
+            await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
+            return driver.outputs(self.get_tokenizer())[0]
+
+        handle.task = asyncio.get_running_loop().create_task(search(), name=f"beam-{request_id}")
+        handle.task.add_done_callback(lambda _: self._unregister_beam_search(request_id, handle))
+        try:
+            return await handle.task  # cancelling this call cancels the search's task too
+        except asyncio.CancelledError:
+            if handle.aborted and not _current_task_cancelling():
+                raise asyncio.CancelledError(f"Beam search {request_id!r} was aborted.") from None
+            raise
+
+    def _register_beam_search(self, request_id: str) -> _BeamSearchHandle:
+        """Takes `request_id` for a beam search; ValueError if a request of it is running."""
+        self._raise_if_dead()
+        if self._is_running(request_id):
+            raise ValueError(f"request_id {request_id!r} is already running.")
+        handle = _BeamSearchHandle()
+        self._beam_searches[request_id] = handle
+        return handle
+
+    def _unregister_beam_search(self, request_id: str, handle: _BeamSearchHandle) -> None:
+        # A search aborted by its id no longer holds it: a new request may hold it now.
+        if self._beam_searches.get(request_id) is handle:
+            del self._beam_searches[request_id]
 
     async def _add_beam_search(self, request_id: str, prompt: PromptType, params: SamplingParams,
                                lora_request: LoRARequest | None = None) -> "_TaskStream":
         """`use_beam_search`: the search's first step is added before this returns, so a
         bad prompt raises here as for any request; the rest runs in a task that closing the
         stream, or `abort(request_id)`, cancels (aborting its beams)."""
-        if self._is_running(request_id):
-            raise ValueError(f"request_id {request_id!r} is already running.")
-        self._beam_searches[request_id] = None
+        handle = self._register_beam_search(request_id)
         try:
             prompt_text, token_ids = await self._prompt_token_ids(prompt)
             max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
@@ -406,8 +454,7 @@ class AsyncLLMEngine:
                                       self.engine.eos_token_ids, [cache_salt_of(prompt)], [lora_request])
             first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
         except BaseException:
-            if request_id in self._beam_searches:
-                del self._beam_searches[request_id]
+            self._unregister_beam_search(request_id, handle)
             raise
 
         async def search() -> RequestOutput:
@@ -417,17 +464,15 @@ class AsyncLLMEngine:
             return beam_search_request_output(request_id, prompt_text, token_ids, result, params.n)
 
         loop = asyncio.get_running_loop()
-        if request_id not in self._beam_searches:  # aborted while its first step was added
+        if handle.aborted:  # aborted while its first step was added
             for stream in first_step:
                 stream.close()
             aborted = loop.create_future()
             aborted.cancel()
             return _TaskStream(request_id, aborted)
-        task = loop.create_task(search(), name=f"beam-{request_id}")
-        self._beam_searches[request_id] = task
-        task.add_done_callback(lambda _: self._beam_searches.pop(request_id, None)
-                               if self._beam_searches.get(request_id) is task else None)
-        return _TaskStream(request_id, task)
+        handle.task = loop.create_task(search(), name=f"beam-{request_id}")
+        handle.task.add_done_callback(lambda _: self._unregister_beam_search(request_id, handle))
+        return _TaskStream(request_id, handle.task)
 
     async def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; text is tokenized on the engine's thread."""
@@ -440,8 +485,8 @@ class AsyncLLMEngine:
     async def _add_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
                              ) -> list[RequestStream]:
         loras = driver.step_lora_requests()
-        return await self._add_requests([(f"{request_id}-beam{driver.num_steps}-{i}", prompt, params, loras[i])
-                                         for i, (prompt, params) in enumerate(requests)])
+        return await self._add_requests([(request_id, prompt, params, loras[i])
+                                         for i, (prompt, params) in enumerate(requests)], beams_of=request_id)
 
     async def _run_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
                              ) -> list[RequestOutput]:
@@ -455,7 +500,7 @@ class AsyncLLMEngine:
             self._abort_state(state)
         search = self._beam_searches.pop(request_id, None)
         if search is not None:
-            search.cancel()
+            search.abort()
 
     def _abort_state(self, state: _RequestState) -> None:
         """Ends this one incarnation of a request (never a later one that reuses its id)."""
@@ -689,7 +734,8 @@ class AsyncLLMEngine:
         self._interrupt.set()
 
     def _fail_all(self, exc: BaseException) -> None:
-        for state in list(self._requests.values()):
+        # Every state, beams (known by their engine ids alone) included.
+        for state in list(self._engine_requests.values()):
             if not state.finished:
                 state.finished = True
                 state.queue.put_nowait(exc)
