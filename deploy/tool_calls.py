@@ -13,6 +13,8 @@ Calls come back as `tool_calls` with ids; `finish_reason` is "tool_calls" when t
 called tools on its own ("auto") or was required to, and the engine's reason otherwise
 (vLLM's rule: a named function keeps "stop"). Streamed, they come as OpenAI's incremental
 deltas: a call's id, type and name first, then its arguments' JSON text piece by piece.
+A reply cut by max_tokens ("length") answers the same streamed or not: the calls whose
+name was written, the last with its arguments' text as far as it goes.
 """
 
 from __future__ import annotations
@@ -164,7 +166,12 @@ def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
 
 # --------------------------------------------------------- constrained replies
 class RequiredToolParser(ToolParser):
-    """The reply of tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`."""
+    """The reply of tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`.
+
+    A reply cut short (max_tokens) gives what a stream of it gives, since streamed calls
+    cannot be taken back: the calls whose name was written, the last with its arguments'
+    text as far as it goes (OpenAI's answer too; finish_reason "length" says so). Cut
+    before any name, the text is the content."""
 
     name = "required"
 
@@ -177,7 +184,8 @@ class RequiredToolParser(ToolParser):
             scan_call_array(text, pos, final, calls, argument_keys=("parameters",))
         except ValueError:
             if final:
-                return ParsedToolOutput(text)  # cut short (max_tokens): the text, no calls
+                cut = self.parse(text, final=False)
+                return cut if cut.tools_called else ParsedToolOutput(text)
         return ParsedToolOutput("", calls)
 
     def incremental(self) -> IncrementalParse:
@@ -216,7 +224,9 @@ class RequiredIncrementalParse(IncrementalParse):
             active = self._array.view(text_end, final)
         except ValueError:
             if final:
-                return None  # cut short (max_tokens): the text, no calls
+                # Cut short (max_tokens): the calls so far, or the text when none was named.
+                cut = self._view(text_end, False)
+                return cut if cut.tools_called else None
             return ParseView(0, len(self.completed))
         return ParseView(0, len(self.completed), active)
 

@@ -272,6 +272,67 @@ def test_required_tool_choice_calls_one_or_more_tools(tools_client: openai.OpenA
             assert [(c["name"], json.loads(c["arguments"])) for c in calls] == _calls(choice.message)
 
 
+def _token_ids_of(llama_dir: Path, keep) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    return [i for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and keep(text)]
+
+
+# The reference for a "required" reply cut short: each call whose name and "parameters" key
+# were written, with its arguments' text as far as it goes (the replies here are written
+# without whitespace and their arguments are flat objects).
+_CUT_CALL = re.compile(r'\{"name":"([^"]*)","parameters":(\{[^}]*\}?)?')
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_tool_call_reply_cut_by_max_tokens_streams_as_it_answers(tools_client: openai.OpenAI, llama_dir: Path,
+                                                                   choice: str) -> None:
+    """Cut by max_tokens inside a name, inside arguments or between calls, the streamed deltas
+    add up to the message the same tokens give unstreamed: the calls written so far (the last
+    with its arguments as far as they go), no content, finish_reason "length"."""
+    # Greedy, without whitespace (the random model would write nothing else), and for
+    # "required" never closing the list, so that the calls go on past any cut.
+    banned = _token_ids_of(llama_dir, lambda text: not text.strip() or (choice == "required" and "]" in text))
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=0.0,
+                  logit_bias={str(token): -100 for token in banned})
+    full = tools_client.chat.completions.create(model=MODEL, max_tokens=100, logprobs=True, **kwargs).choices[0]
+    ends = [0]
+    for entry in full.logprobs.content:
+        ends.append(ends[-1] + len(entry.token))
+    text = "".join(entry.token for entry in full.logprobs.content)
+
+    def tokens_to(chars: int) -> int:
+        return next(count for count, end in enumerate(ends) if end >= chars)
+
+    if choice == "required":
+        first_arguments = text.index('"parameters":') + len('"parameters":')
+        first_end = text.index("},{") + 2
+        second_name = text.index('"name":"', first_end) + len('"name":"')
+        cuts = {"inside the first name": tokens_to(text.index('"name":"') + len('"name":"') + 2),
+                "inside the first arguments": tokens_to(first_arguments + 3),
+                "after the first call": tokens_to(first_end), "after its comma": tokens_to(first_end + 1),
+                "inside the second name": tokens_to(second_name + 2),
+                "inside the second arguments": tokens_to(text.index('"parameters":', second_name) + 16)}
+    else:
+        cuts = {"inside the arguments": tokens_to(3), "inside a value": tokens_to(text.index(":") + 3)}
+    for where, max_tokens in cuts.items():
+        cut = text[:ends[max_tokens]]
+        response = tools_client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **kwargs).choices[0]
+        calls = [(call.function.name, call.function.arguments) for call in response.message.tool_calls or ()]
+        content, streamed, finish_reason = _stream_tool_calls(tools_client, max_tokens=max_tokens, **kwargs)[0]
+        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish_reason) == \
+            (response.message.content or "", calls, response.finish_reason), (where, cut)
+        assert response.finish_reason == "length", (where, cut)
+        if choice == "named":
+            assert calls == [("get_weather", cut)] and response.message.content is None, (where, cut)
+            continue
+        expected = [(match[1], match[2] or "") for match in _CUT_CALL.finditer(cut)]
+        if expected:
+            assert calls == expected and response.message.content is None, (where, cut)
+        else:  # no call named yet: the text is all there is
+            assert not calls and response.message.content == cut, (where, cut)
+
+
 # The model's reply for "auto", made to be a Hermes tool call by a regex (the random model
 # would not write one by itself); the hermes parser finds the call in it.
 HERMES_REPLY = (r'(Let me check\. )?<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '

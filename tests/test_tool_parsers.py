@@ -135,14 +135,35 @@ def test_required_reply_is_a_list_of_calls() -> None:
             [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
-def test_required_reply_cut_short_is_text_without_calls() -> None:
-    cut = REQUIRED_REPLY[:30]
+# REQUIRED_REPLY cut short (max_tokens) and the calls it gives: those whose name and
+# "parameters" key were written, the last with its arguments' text as far as it goes.
+REQUIRED_CUTS = [
+    (30, []),  # inside the first call's head: no call, the text is the content
+    (45, [("get_weather", '{"city')]),
+    (58, [("get_weather", '{"city": "Paris"}')]),  # between the calls
+    (59, [("get_weather", '{"city": "Paris"}')]),
+    (70, [("get_weather", '{"city": "Paris"}')]),  # inside the second name
+    (85, [("get_weather", '{"city": "Paris"}')]),
+    (len('[{"name": "get_weather", "parameters": {"city": "Paris"}},\n {"name": "get_time", "parameters": '),
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "")]),
+]
+
+
+@pytest.mark.parametrize("length, expected", REQUIRED_CUTS)
+def test_required_reply_cut_short_gives_the_calls_named_so_far_streamed_or_not(length: int, expected: list) -> None:
+    cut = REQUIRED_REPLY[:length]
     parsed = RequiredToolParser().parse(cut, final=True)
-    assert parsed.content == cut and not parsed.calls
-    # Streamed, the call announced before the cut stands, and no text follows it as content.
-    content, calls = _stream(RequiredToolParser(), REQUIRED_REPLY[:45], 0)
-    assert content == "" and calls[0]["name"] == "get_weather"
-    assert REQUIRED_REPLY[:45].endswith(calls[0]["arguments"])
+    assert [(call.name, call.arguments) for call in parsed.calls] == expected
+    assert parsed.content == ("" if expected else cut)
+    # Streamed in pieces, or in one delta that both names a call and ends the reply: the same.
+    for seed in (*range(3), None):
+        if seed is None:
+            content, deltas = ToolCallStreamer(RequiredToolParser()).feed(cut, final=True)
+            content = content or ""
+            calls = [{"name": d["function"]["name"], "arguments": d["function"]["arguments"]} for d in deltas or ()]
+        else:
+            content, calls = _stream(RequiredToolParser(), cut, seed)
+        assert (content, [(c["name"], c["arguments"]) for c in calls]) == (parsed.content, expected)
 
 
 def test_named_reply_is_the_arguments() -> None:
