@@ -170,8 +170,9 @@ class RequiredToolParser(ToolParser):
 
     A reply cut short (max_tokens) gives what a stream of it gives, since streamed calls
     cannot be taken back: the calls whose name was written, the last with its arguments'
-    text as far as it goes (OpenAI's answer too; finish_reason "length" says so). Cut
-    before any name, the text is the content."""
+    text as far as it goes, and finish_reason "length" to say so (vLLM's stream sends the
+    calls so far too; its unstreamed reply is a 400, the cut JSON failing to validate).
+    Cut before any name, the text is the content."""
 
     name = "required"
 

@@ -7,6 +7,7 @@ nested schemas, a compile past its deadline, and the compile worker's death (a 5
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import os
 import re
@@ -331,6 +332,48 @@ def test_a_tool_call_reply_cut_by_max_tokens_streams_as_it_answers(tools_client:
             assert calls == expected and response.message.content is None, (where, cut)
         else:  # no call named yet: the text is all there is
             assert not calls and response.message.content == cut, (where, cut)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_n2_with_one_choice_cut_by_max_tokens_streams_as_it_answers(tools_client: openai.OpenAI, choice: str) -> None:
+    """n=2, sampled with a seed: a max_tokens past the shorter reply's end and inside the
+    longer one's last arguments cuts that one and leaves the other whole. Each choice's
+    stream adds up to its unstreamed message, and each keeps its own finish_reason."""
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    whole_reason = "tool_calls" if choice == "required" else "stop"
+    kwargs = dict(messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, n=2)
+    for seed in range(20):
+        full = tools_client.chat.completions.create(model=MODEL, max_tokens=160, logprobs=True, seed=seed,
+                                                    **kwargs).choices
+        if any(c.finish_reason != whole_reason for c in full):
+            continue
+        short, long = sorted(full, key=lambda c: len(c.logprobs.content))
+        tokens = [entry.token for entry in long.logprobs.content]
+        ends = list(itertools.accumulate(len(token) for token in tokens))  # ends[k - 1]: k tokens' text
+        arguments = long.message.tool_calls[-1].function.arguments
+        start = "".join(tokens).rindex(arguments)
+        max_tokens = next((k for k in range(len(short.logprobs.content) + 1, len(tokens))
+                           if start < ends[k - 1] < start + len(arguments)), None)
+        if max_tokens is not None:
+            break
+    else:
+        pytest.fail("no seed gave a longer reply whose last arguments go on past the shorter one's end")
+    response = tools_client.chat.completions.create(model=MODEL, max_tokens=max_tokens, seed=seed, **kwargs)
+    reasons = {c.index: c.finish_reason for c in response.choices}
+    assert reasons == {short.index: whole_reason, long.index: "length"}
+    # The cut reply: the longer one's calls, the last with its arguments' text up to the cut.
+    whole_calls = [(c.function.name, c.function.arguments) for c in long.message.tool_calls]
+    cut = response.choices[long.index].message
+    assert cut.content is None
+    assert [(c.function.name, c.function.arguments) for c in cut.tool_calls] == \
+        whole_calls[:-1] + [(whole_calls[-1][0], "".join(tokens)[start:ends[max_tokens - 1]])]
+    assert _calls(response.choices[short.index].message) == _calls(short.message)
+    streamed = _stream_tool_calls(tools_client, max_tokens=max_tokens, seed=seed, **kwargs)
+    for answer in response.choices:
+        content, calls, finish_reason = streamed[answer.index]
+        assert (content, [(c["name"], c["arguments"]) for c in calls], finish_reason) == \
+            (answer.message.content or "", [(c.function.name, c.function.arguments) for c in answer.message.tool_calls],
+             answer.finish_reason), answer.index
 
 
 # The model's reply for "auto", made to be a Hermes tool call by a regex (the random model
