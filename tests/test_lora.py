@@ -233,6 +233,7 @@ def test_logprobs_and_prompt_logprobs_under_an_adapter_equal_peft(llm, prompts, 
     outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in range(3)], params, use_tqdm=False,
                            lora_request=[lora_requests[name] for name in names])
     for index, (name, output) in enumerate(zip(names, outputs)):
+        assert_peft_greedy(llama_dir, adapters.get(name), prompts[index], list(output.outputs[0].token_ids), 3, name)
         tokens = prompts[index] + list(output.outputs[0].token_ids)
         model = peft_model(str(llama_dir), None if name == "base" else str(adapters[name]))
         with torch.no_grad():
@@ -243,7 +244,6 @@ def test_logprobs_and_prompt_logprobs_under_an_adapter_equal_peft(llm, prompts, 
                 reference[position - 1, token].item(), abs=1e-4)
         for step, token in enumerate(output.outputs[0].token_ids):
             row = reference[len(prompts[index]) - 1 + step]
-            assert token == int(row.argmax())
             assert output.outputs[0].logprobs[step][token].logprob == pytest.approx(row[token].item(), abs=1e-4)
 
 
@@ -256,7 +256,8 @@ def test_a_qwen2_adapter_with_qkv_bias_equals_peft(tiny_model_dirs, tmp_path):
         tokens = greedy(llm, [prompt, prompt], [LoRARequest("q", 1, str(adapter)), None])
     finally:
         llm.shutdown()
-    assert tokens == [peft_greedy(qwen2, adapter, prompt, MAX_TOKENS), peft_greedy(qwen2, None, prompt, MAX_TOKENS)]
+    assert_peft_greedy(qwen2, adapter, prompt, tokens[0], MAX_TOKENS, "qwen2 under its adapter")
+    assert_peft_greedy(qwen2, None, prompt, tokens[1], MAX_TOKENS, "qwen2's base")
     assert tokens[0] != tokens[1]
 
 
@@ -587,7 +588,7 @@ def test_ngram_speculation_under_adapters_gives_plain_decodings_tokens(llama_dir
         spec.shutdown()
     assert got == greedy(llm, [repeating[i] for i, _ in plan], loras)
     for (index, name), tokens in zip(plan, got):
-        assert tokens == peft_greedy(llama_dir, adapters.get(name), repeating[index], MAX_TOKENS), (index, name)
+        assert_peft_greedy(llama_dir, adapters.get(name), repeating[index], tokens, MAX_TOKENS, f"{index} under {name}")
 
 
 def test_a_draft_model_with_lora_is_refused_naming_both_settings(llama_dir):
@@ -633,15 +634,16 @@ def test_lora_on_a_moe_models_attention_equals_peft_and_expert_adapters_are_refu
     try:
         good = LoRARequest("attention", 1, str(attention))
         loras = [good, None, good]
-        assert greedy(llm, prompts, loras) == [peft_greedy(moe_dir, attention if lora else None, prompt, MAX_TOKENS)
-                                               for prompt, lora in zip(prompts, loras)]
+        for index, (prompt, lora, tokens) in enumerate(zip(prompts, loras, greedy(llm, prompts, loras))):
+            assert_peft_greedy(moe_dir, attention if lora else None, prompt, tokens, MAX_TOKENS, f"prompt {index}")
         refused = {"stacked": r"target_parameters=.*\(model\.layers\.0\.mlp\.experts, .*not on MoE experts",
                    "per_expert": r"'model\.layers\.0\.mlp\.experts\.1\.gate_proj'.*not on MoE experts"}
         for index, (name, message) in enumerate(refused.items()):
             folder = stacked if name == "stacked" else per_expert
             with pytest.raises(ValueError, match=message):
                 greedy(llm, prompts[:2], [good, LoRARequest(name, 2 + index, str(folder))])
-        assert greedy(llm, prompts[:1], [good]) == [peft_greedy(moe_dir, attention, prompts[0], MAX_TOKENS)]
+        (tokens,) = greedy(llm, prompts[:1], [good])
+        assert_peft_greedy(moe_dir, attention, prompts[0], tokens, MAX_TOKENS, "prompt 0 after the refusals")
         assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
     finally:
         llm.shutdown()

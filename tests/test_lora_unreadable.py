@@ -17,13 +17,14 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from engine_checks import run_to_end
-from lora_adapters import build_lora_adapter, peft_greedy
+from lora_adapters import assert_peft_greedy, build_lora_adapter, peft_greedy
 from raylm.engine import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from raylm.executors.lora_adapter import LoRAAdapterError, LoRAAdapterNotFoundError
 
@@ -46,6 +47,34 @@ def peft_tokens(llama_dir: Path, built: dict[str, Path]) -> dict[str, list[int]]
     """peft's greedy tokens of PROMPT under each adapter, and HF's for the base model."""
     return {name: peft_greedy(llama_dir, None if name == "base" else built[name], PROMPT, MAX_TOKENS)
             for name in ("base", "a", "b", "outsider")}
+
+
+@dataclass(frozen=True)
+class PeftJudge:
+    """peft as the judge of finished requests' greedy tokens (up to near-ties:
+    lora_adapters.assert_peft_greedy), each request under the adapter of `built` it names."""
+
+    llama_dir: Path
+    built: dict[str, Path]
+
+    def __call__(self, finished: dict[str, list[int]], adapters: dict[str, str], prompt: list[int] = PROMPT) -> None:
+        """`finished` holds exactly the requests of `adapters` ({request id: adapter name or
+        "base"}), each with peft's greedy tokens of `prompt` under its adapter."""
+        assert set(finished) == set(adapters), finished
+        for request_id, name in adapters.items():
+            assert_peft_greedy(self.llama_dir, None if name == "base" else self.built[name], prompt,
+                               finished[request_id], MAX_TOKENS, f"{request_id} under {name}")
+
+    def run(self, engine: LLMEngine, adapters: dict[str, str], prompt: list[int] = PROMPT) -> None:
+        """Runs the engine's requests to the end: none fails, and they are `adapters`' (as above)."""
+        finished, failed = run_to_end(engine)
+        assert failed == {}
+        self(finished, adapters, prompt)
+
+
+@pytest.fixture(scope="module")
+def assert_peft(llama_dir: Path, built: dict[str, Path]) -> PeftJudge:
+    return PeftJudge(llama_dir, built)
 
 
 def new_engine(llama_dir: Path, max_loras: int, max_cpu_loras: int) -> LLMEngine:
@@ -87,7 +116,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.mark.parametrize("cause", ["unloaded", "evicted"])
-def test_an_adapter_unreadable_when_its_step_runs_fails_its_requests_alone(llama_dir, built, peft_tokens, tmp_path,
+def test_an_adapter_unreadable_when_its_step_runs_fails_its_requests_alone(llama_dir, built, assert_peft, tmp_path,
                                                                            cause):
     """The step that puts adapter a in a slot finds it gone from host memory (unloaded: as
     /v1/unload_lora_adapter does; evicted: its request aborted, loading c under
@@ -121,7 +150,7 @@ def test_an_adapter_unreadable_when_its_step_runs_fails_its_requests_alone(llama
         finished, failed = run_to_end(engine)
 
         assert done
-        assert finished == {"base": peft_tokens["base"], "b": peft_tokens["b"]}
+        assert_peft(finished, {"base": "base", "b": "b"})
         doomed = "a" if cause == "unloaded" else "a-late"
         assert set(failed) == {doomed}
         error = failed[doomed]
@@ -138,12 +167,12 @@ def test_an_adapter_unreadable_when_its_step_runs_fails_its_requests_alone(llama
         engine.add_request("b-again", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=b)
         finished, failed = run_to_end(engine)
         assert failed == {}
-        assert finished == {"again": peft_tokens["a"], "b-again": peft_tokens["b"]}
+        assert_peft(finished, {"again": "a", "b-again": "b"})
     finally:
         engine.shutdown()
 
 
-def test_a_deleted_adapter_read_again_after_eviction_fails_its_requests_alone(llama_dir, built, peft_tokens, tmp_path):
+def test_a_deleted_adapter_read_again_after_eviction_fails_its_requests_alone(llama_dir, built, assert_peft, tmp_path):
     """max_cpu_loras=1: a is loaded and served, its folder deleted, b's request drops it from
     host memory; a's next request (beside a base one) fails naming a, and so does a request
     added once that failure is known (refused at once, as the adapter is read again)."""
@@ -153,15 +182,16 @@ def test_a_deleted_adapter_read_again_after_eviction_fails_its_requests_alone(ll
     engine = new_engine(llama_dir, max_loras=1, max_cpu_loras=1)
     try:
         engine.add_request("a", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
-        assert run_to_end(engine) == ({"a": peft_tokens["a"]}, {})
+        assert_peft.run(engine, {"a": "a"})
         shutil.rmtree(folder)
         engine.add_request("b", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=b)
-        assert run_to_end(engine) == ({"b": peft_tokens["b"]}, {})
+        assert_peft.run(engine, {"b": "b"})
         assert engine.list_loras() == {b.lora_int_id}
         engine.add_request("a-again", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
         engine.add_request("base", {"prompt_token_ids": PROMPT}, PARAMS)
         finished, failed = run_to_end(engine)
-        assert finished == {"base": peft_tokens["base"]} and set(failed) == {"a-again"}
+        assert_peft(finished, {"base": "base"})
+        assert set(failed) == {"a-again"}
         assert isinstance(failed["a-again"], LoRAAdapterNotFoundError) and "'a'" in str(failed["a-again"])
         with pytest.raises(LoRAAdapterNotFoundError, match="LoRA adapter 'a'.*is not a folder"):
             engine.add_request("a-later", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
@@ -302,7 +332,7 @@ def test_a_link_swapped_in_between_the_check_and_the_read_is_refused(llama_dir, 
         engine.shutdown()
 
 
-def test_a_link_swapped_in_while_the_adapter_is_served_is_refused_when_it_is_read_again(llama_dir, built,
+def test_a_link_swapped_in_while_the_adapter_is_served_is_refused_when_it_is_read_again(llama_dir, built, assert_peft,
                                                                                        peft_tokens, tmp_path):
     """a (from an allowed folder) is served; its weights file then becomes a link to an
     outside adapter's, and b's request drops a from host memory (max_cpu_loras=1). a's next
@@ -317,15 +347,15 @@ def test_a_link_swapped_in_while_the_adapter_is_served_is_refused_when_it_is_rea
     try:
         engine.add_lora(a, allowed_dirs=[str(allowed)])
         engine.add_request("a", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
-        assert run_to_end(engine) == ({"a": peft_tokens["a"]}, {})
+        assert_peft.run(engine, {"a": "a"})
         swap_for_link(folder / "adapter_model.safetensors", outsider / "adapter_model.safetensors")
         engine.add_request("b", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=b)
-        assert run_to_end(engine) == ({"b": peft_tokens["b"]}, {})
+        assert_peft.run(engine, {"b": "b"})
         engine.add_request("a-again", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
         engine.add_request("base", {"prompt_token_ids": PROMPT}, PARAMS)
         finished, failed = run_to_end(engine)
         assert peft_tokens["outsider"] != peft_tokens["a"]
-        assert finished == {"base": peft_tokens["base"]}
+        assert_peft(finished, {"base": "base"})
         assert set(failed) == {"a-again"} and "changed since the engine checked" in str(failed["a-again"])
     finally:
         engine.shutdown()
@@ -366,12 +396,11 @@ def test_a_link_swapped_in_after_the_folder_is_opened_changes_nothing_read(llama
 LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
 
 
-def test_kv_of_a_step_that_ran_without_its_adapter_is_not_reused(llama_dir, built, tmp_path):
+def test_kv_of_a_step_that_ran_without_its_adapter_is_not_reused(llama_dir, built, assert_peft, tmp_path):
     """The step that ran a's request with its slot empty (a unloaded and its folder deleted
     before the worker read it) computed the prompt's full blocks without the adapter, under
     a's prefix-cache key. Once the folder is back, the same prompt under a must not reuse
     that KV: its tokens equal peft's."""
-    want = peft_greedy(llama_dir, built["a"], LONG_PROMPT, MAX_TOKENS)
     folder = shutil.copytree(built["a"], tmp_path / "a")
     a = LoRARequest("a", 1, str(folder))
     engine = new_engine(llama_dir, max_loras=2, max_cpu_loras=2)
@@ -387,13 +416,13 @@ def test_kv_of_a_step_that_ran_without_its_adapter_is_not_reused(llama_dir, buil
         engine.add_request("again", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
         finished, failed = run_to_end(engine)
         assert failed == {}
-        assert finished == {"again": want}
+        assert_peft(finished, {"again": "a"}, LONG_PROMPT)
         assert engine.scheduler.kv_cache_manager.usage == 0.0
     finally:
         engine.shutdown()
 
 
-def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama_dir, built, tmp_path):
+def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama_dir, built, assert_peft, tmp_path):
     """a is served (its prompt's full blocks cached), removed, its folder filled with other
     weights and added again under the same id, name and path: the prefix cache keys the
     adapter by its files' digest too, so the prompt is computed with the new weights (peft's
@@ -404,8 +433,7 @@ def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama
     try:
         engine.add_lora(a)
         engine.add_request("old", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
-        finished, _ = run_to_end(engine)
-        assert finished["old"] == peft_greedy(llama_dir, built["a"], LONG_PROMPT, MAX_TOKENS)
+        assert_peft.run(engine, {"old": "a"}, LONG_PROMPT)
 
         assert engine.remove_lora(a.lora_int_id)
         shutil.rmtree(folder)
@@ -414,12 +442,12 @@ def test_an_adapter_added_again_with_other_files_does_not_reuse_its_old_kv(llama
         engine.add_request("new", {"prompt_token_ids": LONG_PROMPT}, PARAMS, lora_request=a)
         finished, failed = run_to_end(engine)
         assert failed == {}
-        assert finished == {"new": peft_greedy(llama_dir, built["outsider"], LONG_PROMPT, MAX_TOKENS)}
+        assert_peft(finished, {"new": "outsider"}, LONG_PROMPT)
     finally:
         engine.shutdown()
 
 
-def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built, peft_tokens, tmp_path,
+def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built, assert_peft, tmp_path,
                                                                 monkeypatch):
     """a's weights are changed (one byte, same size) after it was served, and b drops it from
     host memory: its read fails and it is marked for re-checking. Five requests naming a are
@@ -435,11 +463,11 @@ def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built
     engine = new_engine(llama_dir, max_loras=1, max_cpu_loras=1)
     try:
         engine.add_request("a", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
-        assert run_to_end(engine) == ({"a": peft_tokens["a"]}, {})
+        assert_peft.run(engine, {"a": "a"})
         original = weights.read_bytes()
         weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
         engine.add_request("b", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=b)
-        assert run_to_end(engine) == ({"b": peft_tokens["b"]}, {})
+        assert_peft.run(engine, {"b": "b"})
         engine.add_request("a-again", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
         finished, failed = run_to_end(engine)
         assert finished == {} and set(failed) == {"a-again"}
@@ -462,14 +490,14 @@ def test_a_failed_recheck_is_not_hashed_again_for_every_request(llama_dir, built
 
         weights.write_bytes(original)
         engine.add_request("a-restored", {"prompt_token_ids": PROMPT}, PARAMS, lora_request=a)
-        assert run_to_end(engine) == ({"a-restored": peft_tokens["a"]}, {})
+        assert_peft.run(engine, {"a-restored": "a"})
         assert engine.scheduler.kv_cache_manager.usage == 0.0
     finally:
         engine.shutdown()
 
 
 def test_a_failure_under_new_files_spares_running_requests_of_the_same_id_under_the_old(llama_dir, built,
-                                                                                       peft_tokens, tmp_path):
+                                                                                       assert_peft, tmp_path):
     """a's request runs; a is removed (the running request keeps its slot), its folder filled
     with other weights and a added again under the same id. The step that puts the new a in
     a second slot finds it gone from host memory and its folder deleted: the new a's request
@@ -492,7 +520,7 @@ def test_a_failure_under_new_files_spares_running_requests_of_the_same_id_under_
         finished, failed = run_to_end(engine)
         assert done
         assert set(failed) == {"new"} and isinstance(failed["new"], LoRAAdapterNotFoundError)
-        assert finished == {"old": peft_tokens["a"]}
+        assert_peft(finished, {"old": "a"})
         assert engine.scheduler.kv_cache_manager.usage == 0.0
         assert not engine.scheduler.lora_slots.in_use(a.lora_int_id)
     finally:
