@@ -9,15 +9,10 @@ set before any kernel is decorated, so it runs in a pytest subprocess of its own
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-TESTS = Path(__file__).resolve().parent
+from triton_interpreter import assert_cases_pass_under_the_interpreter
 
 
 def _has_triton() -> bool:
@@ -32,12 +27,7 @@ def test_kernels_match_the_fp32_reference_under_the_interpreter():
     """tests/triton_elementwise_cases.py: every kernel in bf16, fp16 and fp32, hidden sizes
     4096, 5120, 896 and 64, 1 to 300 rows, GQA and partial rotary dimensions, interpreted."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                             str(TESTS / "triton_elementwise_cases.py")], cwd=TESTS.parent, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+    assert_cases_pass_under_the_interpreter("triton_elementwise_cases.py", timeout_s=600)
 
 
 def test_the_layers_keep_their_cpu_paths_off_cuda():

@@ -10,26 +10,18 @@ leak into every later test of this process; one pytest subprocess runs them inst
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-TESTS = Path(__file__).resolve().parent
+from triton_interpreter import assert_cases_pass_under_the_interpreter
 
 
 def test_kernels_match_the_reference_under_the_interpreter():
     """tests/triton_interpreter_cases.py: decode (with and without split-K), prefill/extend,
     KV write and an LLM on the Triton backend against HF, interpreted on the CPU."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                             str(TESTS / "triton_interpreter_cases.py")], cwd=TESTS.parent, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+    assert_cases_pass_under_the_interpreter("triton_interpreter_cases.py", timeout_s=900)
 
 
 def test_dispatcher_splits_long_contexts_of_small_batches_only():

@@ -201,10 +201,12 @@ def _commit() -> str | None:
         return None
 
 
-def summary_lines(record: dict) -> list[str]:
-    def number(value, digits: int = 2) -> str:
-        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+def number(value, digits: int = 2) -> str:
+    """A record's value for the summary: floats rounded, None as "-"."""
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
+
+def summary_lines(record: dict) -> list[str]:
     lines = [f"device {record['device']}, commit {str(record['commit'])[:12]}, {record['date']}"]
     for stage, jobs in record["stages"].items():
         lines.append(f"stage {stage}: " + ", ".join(f"{j['status']} ({j['seconds']} s)" for j in jobs))
@@ -223,26 +225,34 @@ def summary_lines(record: dict) -> list[str]:
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
     lines.append(f"throughput {number(record['throughput_tok_s'], 0)} tok/s vs HF {number(record['hf_throughput_tok_s'], 0)};"
                  f" decode attention at 8k: {number(record['decode_attention_bw_fraction'])} of copy bandwidth")
-    for case in (record.get("speed") or {}).get("decode_attention_sweep", {}).get("cases", []):
-        def decode_tiles(row: dict | None) -> str:
-            if not row or "ms" not in row:
-                return "-"
-            shape = "x".join(str(v) for v in row["tiles"].values()) if row["tiles"] else "backend"
-            fraction = row.get("fraction_of_copy")
-            splits = f" {row['num_splits']} split(s)" if row.get("num_splits") else ""
-            return (f"{shape}{splits} {number(row['ms'] * 1e3, 0)} us"
-                    + (f" ({number(fraction)} of copy)" if fraction is not None else ""))
-        lines.append(f"decode attention, {case['case']}: chosen {decode_tiles(case['chosen'])}; "
-                     f"fastest {decode_tiles(case['best'])}")
-    for case in (record.get("speed") or {}).get("prefill_attention", {}).get("cases", []):
-        def tiles(row: dict | None) -> str:
-            if not row or "ms" not in row:
-                return "-"
-            shape = "x".join(str(v) for v in row["tiles"].values()) if row["tiles"] else "backend"
-            return f"{shape} {number(row['tflop_s'], 1)} TFLOP/s"
+    speed = record.get("speed") or {}
+    for case in speed.get("decode_attention_sweep", {}).get("cases", []):
+        lines.append(f"decode attention, {case['case']}: chosen {_decode_row(case['chosen'])}; "
+                     f"fastest {_decode_row(case['best'])}")
+    for case in speed.get("prefill_attention", {}).get("cases", []):
         lines.append(f"prefill attention, {case['case']} ({case['query_len']} new, {case['context_len']} cached): "
-                     f"chosen {tiles(case['chosen'])}; fastest {tiles(case['best'])}")
+                     f"chosen {_prefill_row(case['chosen'])}; fastest {_prefill_row(case['best'])}")
     return lines
+
+
+def _tile_shape(row: dict) -> str:
+    """A sweep row's launch options as BLOCKxBLOCKxwarpsxstages ("backend" without tiles)."""
+    return "x".join(str(v) for v in row["tiles"].values()) if row["tiles"] else "backend"
+
+
+def _decode_row(row: dict | None) -> str:
+    if not row or "ms" not in row:
+        return "-"
+    fraction = row.get("fraction_of_copy")
+    splits = f" {row['num_splits']} split(s)" if row.get("num_splits") else ""
+    return (f"{_tile_shape(row)}{splits} {number(row['ms'] * 1e3, 0)} us"
+            + (f" ({number(fraction)} of copy)" if fraction is not None else ""))
+
+
+def _prefill_row(row: dict | None) -> str:
+    if not row or "ms" not in row:
+        return "-"
+    return f"{_tile_shape(row)} {number(row['tflop_s'], 1)} TFLOP/s"
 
 
 def main(argv: list[str] | None = None) -> int:
