@@ -47,6 +47,7 @@ from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
 from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from raylm.engine.usage_context import UsageContext
 
 logger = logging.getLogger(__name__)
 
@@ -407,7 +408,8 @@ def run_server(args: argparse.Namespace) -> int:
     args.model = resolve_model(args)
     sock = bind_socket(server_args.host, server_args.port)
     try:
-        engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args),
+                                                 usage_context=UsageContext.OPENAI_API_SERVER)
         try:
             app = build_app(engine, server_args)
         except BaseException:

@@ -55,13 +55,15 @@ class RaylmDeployment:
                  reported_blocks: int = DeploymentArgs.router_reported_blocks) -> None:
         from raylm.deploy.api_server import build_app, freeze_startup_heap
         from raylm.engine.async_llm_engine import AsyncLLMEngine
+        from raylm.engine.usage_context import UsageContext
 
         logging.getLogger("raylm").setLevel(logging.INFO)
         self.server_args = server_args
         self.reported_blocks = reported_blocks
         # Built here, on the replica's own thread: the executor reads the replica's
         # placement group from the task context and puts its workers in bundles 1..tp.
-        self.engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
+        self.engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs),
+                                                     usage_context=UsageContext.OPENAI_API_SERVER)
         self.app = build_app(self.engine, self.server_args)
         freeze_startup_heap()
 

@@ -14,9 +14,10 @@ from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin
-from raylm.engine.config import (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, EngineConfig,
-                                 LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, derive_max_model_len, load_hf_config,
-                                 resolve_dtype)
+from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, default_max_num_batched_tokens, derive_max_model_len, load_hf_config,
+                                 resolve_dtype, visible_gpu)
+from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.pipeline import check_pipeline_parallel
@@ -59,8 +60,9 @@ class EngineArgs(SettingsMixin):
                                                                              "instead of measuring (tests)."))
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences in one batch."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_help(
-        "Most tokens in one step (the step's token budget). Default: 2048 with chunked prefill, else "
-        "max(max_model_len, 2048)."))
+        "Most tokens in one step (the step's token budget). Default with chunked prefill: 2048 on the CPU; on a "
+        "GPU vLLM's, 8192 for `LLM` and 2048 for the server, or 16384 and 8192 on GPUs of 70 GiB or more other than "
+        "the A100 (2048 for the engine classes used directly). Without chunked prefill: max(max_model_len, 2048)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help(
         "Split long prompts over several steps, so that decoding requests keep a token per step while they "
         "prefill."))
@@ -167,7 +169,9 @@ class EngineArgs(SettingsMixin):
             raise TypeError(f"Unknown engine argument(s): {', '.join(hints)}.")
         return cls(**kwargs)
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> EngineConfig:
+        """The engine's configuration; `usage_context` (who builds the engine) picks the
+        default step token budget on a GPU, as in vLLM."""
         envs.check_all()  # a bad RAYLM_* value stops the start here, before anything is loaded
         # The one place a model argument is resolved: no model, or the demo model's short
         # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
@@ -222,11 +226,12 @@ class EngineArgs(SettingsMixin):
             enable_prefix_caching=self.enable_prefix_caching,
             sliding_window=sliding_window,
         )
-        default_budget = (DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
-                          else max(max_model_len, 2048))
+        max_num_batched_tokens = self.max_num_batched_tokens or default_max_num_batched_tokens(
+            device_config.device, usage_context, self.enable_chunked_prefill, max_model_len,
+            visible_gpu() if device_config.device == "cuda" else None)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or default_budget,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             disable_async_output_proc=self.disable_async_output_proc,

@@ -28,6 +28,7 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import CompletionOutput, RequestOutput
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.structured_output.params import StructuredOutputsParams
+from raylm.engine.usage_context import UsageContext
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,8 @@ class AsyncLLMEngine:
         self._shutdown = False
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, step_in_thread: bool = True) -> "AsyncLLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, step_in_thread: bool = True,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "AsyncLLMEngine":
         """Builds the engine on the thread that will run its steps. The model's load and
         the KV cache's allocation run torch's parallel ops, and each thread that does so
         gets its own OpenMP thread team: two teams on the same cores slowed every step of
@@ -238,10 +240,10 @@ class AsyncLLMEngine:
         if not (step_in_thread and in_process):
             # Ray workers compute in their own processes; Ray itself is joined from the
             # caller's (main) thread.
-            return cls(LLMEngine.from_engine_args(engine_args), step_in_thread=step_in_thread)
+            return cls(LLMEngine.from_engine_args(engine_args, usage_context), step_in_thread=step_in_thread)
         pool = _step_thread_pool()
         try:
-            engine = pool.submit(LLMEngine.from_engine_args, engine_args).result()
+            engine = pool.submit(LLMEngine.from_engine_args, engine_args, usage_context).result()
         except BaseException:
             pool.shutdown(wait=False)
             raise

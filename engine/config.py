@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from raylm.engine.usage_context import UsageContext
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -209,6 +211,37 @@ def max_blocks_per_request(max_model_len: int, block_size: int, sliding_window: 
 # time of a step (and so every running request's inter-token latency) while staying large
 # enough for efficient matmuls; vLLM's V1 server uses the same default on most GPUs.
 DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS = 2048
+
+# vLLM's budgets on a GPU by who built the engine: offline runs favour throughput (fewer,
+# larger prefill chunks), servers the inter-token latency of running requests. GPUs of 70
+# GiB or more get larger ones, except the A100, where vLLM measured a larger budget lower
+# throughput (its PR #17885). Other contexts keep DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS.
+_LARGE_GPU_BYTES = 70 * 2**30
+_GPU_BUDGETS = {UsageContext.LLM_CLASS: 8192, UsageContext.OPENAI_API_SERVER: 2048}
+_LARGE_GPU_BUDGETS = {UsageContext.LLM_CLASS: 16384, UsageContext.OPENAI_API_SERVER: 8192}
+
+
+def default_max_num_batched_tokens(device: str, usage_context: UsageContext, enable_chunked_prefill: bool,
+                                   max_model_len: int, gpu: tuple[int, str] | None = None) -> int:
+    """The step's token budget when none is given. Without chunked prefill a whole prompt
+    must fit in one step. On the CPU chunked prefill keeps 2048 for every context (its
+    figures in docs/performance.md were measured there). `gpu`: (total memory in bytes,
+    name) of the first visible GPU, None where this process sees none (a Ray driver on a
+    GPU-less head node: the smaller GPU budgets, as vLLM falls back)."""
+    if not enable_chunked_prefill:
+        return max(max_model_len, DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS)
+    if device != "cuda":
+        return DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS
+    large = gpu is not None and gpu[0] >= _LARGE_GPU_BYTES and "a100" not in gpu[1].lower()
+    return (_LARGE_GPU_BUDGETS if large else _GPU_BUDGETS).get(usage_context, DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS)
+
+
+def visible_gpu() -> tuple[int, str] | None:
+    """(total memory in bytes, name) of the first GPU this process sees, or None."""
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(0)
+    return properties.total_memory, properties.name
 
 
 @dataclass

@@ -18,6 +18,7 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 from raylm.engine.tokenizer import check_unicode
+from raylm.engine.usage_context import UsageContext
 
 ChatMessages = list[dict[str, Any]]
 
@@ -48,7 +49,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         init_default_logging()
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, UsageContext.LLM_CLASS)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

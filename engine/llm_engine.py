@@ -20,6 +20,7 @@ from raylm.engine.sampling_params import ParameterError, SamplingParams
 from raylm.engine.structured_output.manager import StructuredOutputManager
 from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.engine.tokenizer import check_unicode, get_tokenizer
+from raylm.engine.usage_context import UsageContext
 
 if TYPE_CHECKING:
     from raylm.executors.lora_adapter import AdapterDigest
@@ -67,8 +68,9 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+    def from_engine_args(cls, engine_args: EngineArgs,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "LLMEngine":
+        return cls(engine_args.create_engine_config(usage_context), log_stats=not engine_args.disable_log_stats)
 
     @property
     def scheduler(self) -> Any:

@@ -64,7 +64,7 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
         name: "ok" for name in supported_architectures()}
     # Stage c: every figure measured (CPU figures: they only show the plumbing works).
     for key in ("tpot_bs1_ms", "floor_ms", "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s",
-                "ttft_4k_ms", "decode_attention_bw_fraction"):
+                "ttft_4k_ms", "decode_attention_bw_fraction", "throughput_over_floor", "throughput_floor_tok_s"):
         assert isinstance(record[key], float) and record[key] > 0, key
     assert record["cuda_graphs"] is False  # none on the CPU
     sweep = record["speed"]["decode_attention_sweep"]
@@ -89,3 +89,22 @@ def test_dry_run_names_the_versions_whose_interpreter_cannot_run_the_kernels():
     assert interpreter_problem("3.6.0", "2.3.5") is None
     assert interpreter_problem("3.7.0", "2.5.2") is None
     assert interpreter_problem("3.9.0", "2.4.6") is None
+
+
+def test_throughput_floor_adds_the_prefill_flops_and_each_decode_steps_reads():
+    """The floor by hand on a toy shape: one-token outputs are the prefill alone; each
+    further token adds a step of max(weights over bandwidth, matmuls over the GEMM rate)
+    and the batch's keys and values over the bandwidth."""
+    from dataclasses import replace
+
+    from raylm.cluster.benchmarks.gpu_speed_check import DRY_SIZES, prefill_flops, throughput_floor_s
+
+    shape, bandwidth, flops = DRY_SIZES.shape, 1e9, 1e12
+    prompts, prompt_len = DRY_SIZES.throughput_prompts, DRY_SIZES.throughput_in
+    prefill = prompts * prefill_flops(shape, prompt_len) / flops
+    assert throughput_floor_s(shape, replace(DRY_SIZES, throughput_out=1), bandwidth, flops) == pytest.approx(prefill)
+    weights = 2 * (shape.num_layers * shape.layer_params() + shape.vocab_size * shape.hidden_size)
+    kv = prompts * ((prompt_len + 1) + (prompt_len + 2)) * shape.kv_bytes_per_token()
+    # At 1 GB/s and 1 TFLOP/s these tiny steps are bound by their weight reads.
+    three = throughput_floor_s(shape, replace(DRY_SIZES, throughput_out=3), bandwidth, flops)
+    assert three == pytest.approx(prefill + (2 * weights + kv) / bandwidth)

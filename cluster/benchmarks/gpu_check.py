@@ -159,6 +159,8 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
             cuda_graphs=speed.get("engine", {}).get("cuda_graphs"),
             tpot_bs1_ms=tpot.get("ms"), floor_ms=tpot.get("floor_ms"), tpot_over_floor=tpot.get("over_floor"),
             throughput_tok_s=speed.get("throughput", {}).get("output_tok_s"),
+            throughput_over_floor=speed.get("throughput", {}).get("over_floor"),
+            throughput_floor_tok_s=speed.get("throughput", {}).get("floor_output_tok_s"),
             hf_throughput_tok_s=speed.get("hf_throughput", {}).get("output_tok_s"),
             ttft_4k_ms=ttft.get("ms"), ttft_floor_ms=ttft.get("floor_ms"),
             decode_attention_bw_fraction=middle.get("fraction_of_copy"),
@@ -223,7 +225,9 @@ def summary_lines(record: dict) -> list[str]:
     lines.append(f"TPOT bs1 {number(record['tpot_bs1_ms'])} ms, floor {number(record['floor_ms'])} ms "
                  f"({number(record['tpot_over_floor'])}x); TTFT 4k {number(record['ttft_4k_ms'], 1)} ms, floor "
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
-    lines.append(f"throughput {number(record['throughput_tok_s'], 0)} tok/s vs HF {number(record['hf_throughput_tok_s'], 0)};"
+    lines.append(f"throughput {number(record['throughput_tok_s'], 0)} tok/s vs HF {number(record['hf_throughput_tok_s'], 0)}"
+                 f" (floor {number(record.get('throughput_floor_tok_s'), 0)} tok/s, run"
+                 f" {number(record.get('throughput_over_floor'))}x its time);"
                  f" decode attention at 8k: {number(record['decode_attention_bw_fraction'])} of copy bandwidth")
     speed = record.get("speed") or {}
     for case in speed.get("decode_attention_sweep", {}).get("cases", []):

@@ -427,6 +427,25 @@ def prefill_flops(shape: Shape, tokens: int) -> float:
     return matmuls + attention + 2 * shape.vocab_size * shape.hidden_size
 
 
+def throughput_floor_s(shape: Shape, sizes: Sizes, bandwidth: float, flops: float) -> float:
+    """The offline throughput run's floor: every prompt's prefill FLOPs at the measured GEMM
+    rate, then each decode step of the whole batch at the larger of its weight reads and
+    its matrix FLOPs, plus its keys and values read at the copy bandwidth. Phases are not
+    overlapped (a GPU runs one kernel at a time here)."""
+    prompts, prompt_len = sizes.throughput_prompts, sizes.throughput_in
+    prefill = prompts * prefill_flops(shape, prompt_len) / flops
+    weight_bytes = 2 * (shape.num_layers * shape.layer_params() + shape.vocab_size * shape.hidden_size)
+    step_matmul_flops = 2 * prompts * (shape.num_layers * (shape.layer_params() - 2 * shape.hidden_size)
+                                      + shape.vocab_size * shape.hidden_size)
+    step_weights = max(weight_bytes / bandwidth, step_matmul_flops / flops)
+    # The first token comes with the prefill; the step drawing token t reads prompt_len + t
+    # positions' keys and values (its own included).
+    kv_positions = sum(prompt_len + t for t in range(1, sizes.throughput_out))
+    decode = ((sizes.throughput_out - 1) * step_weights
+              + prompts * kv_positions * shape.kv_bytes_per_token() / bandwidth)
+    return prefill + decode
+
+
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
@@ -619,14 +638,16 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
     began = time.perf_counter()
     llm = LLM(model=str(model_dir), dtype="bfloat16" if device.type == "cuda" else "float32",
               device=device.type, skip_tokenizer_init=True, max_model_len=shape.max_model_len, max_num_seqs=256,
-              max_num_batched_tokens=8192 if device.type == "cuda" else 256, disable_log_stats=True)
+              # On the GPU the step's token budget is the user's default (vLLM's for LLM).
+              **({} if device.type == "cuda" else dict(max_num_batched_tokens=256)), disable_log_stats=True)
     runner = llm.llm_engine.executor.driver_worker.model_runner
     compiled_after_start = count_compiled_variants()
     engine_info = dict(cuda_graphs=runner.decode_graphs is not None,
                        graph_sizes=runner.decode_graphs.sizes if runner.decode_graphs else [],
                        graph_memory_bytes=runner.decode_graphs.memory_bytes if runner.decode_graphs else 0,
                        graph_memory_estimate_bytes=runner.cuda_graph_memory_estimate,
-                       num_kv_blocks=llm.llm_engine.engine_config.cache_config.num_gpu_blocks)
+                       num_kv_blocks=llm.llm_engine.engine_config.cache_config.num_gpu_blocks,
+                       max_num_batched_tokens=llm.llm_engine.engine_config.scheduler_config.max_num_batched_tokens)
     save("engine", engine_info, began)
 
     try:
@@ -649,7 +670,10 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
         save("profile_prefill", profile_prefill(llm, shape, sizes.ttft_prompt, device), began)
 
         began = time.perf_counter()
-        save("throughput", throughput(llm, shape, sizes), began)
+        measured = throughput(llm, shape, sizes)
+        floor_s = throughput_floor_s(shape, sizes, result["copy_bandwidth_bytes_s"], result["gemm_flops"])
+        save("throughput", dict(measured, floor_s=floor_s, over_floor=measured["seconds"] / floor_s,
+                                floor_output_tok_s=sizes.throughput_prompts * sizes.throughput_out / floor_s), began)
         began = time.perf_counter()
         save("profile_batch_max", profile_decode_steps(llm, shape, sizes.throughput_prompts, device), began)
         result["engine"]["compiles_after_warm_up"] = count_compiled_variants() - compiled_after_start
