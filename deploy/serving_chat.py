@@ -18,7 +18,8 @@ from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
                                    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
                                    ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
 from raylm.deploy.serving_engine import SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error
-from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, resolve_tool_mode, tool_calls_of
+from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, parse_reply, resolve_tool_mode, \
+    tool_calls_of
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
@@ -149,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         """A choice's message (its tool calls parsed out of the text) and finish_reason."""
         if tool_mode is None or tool_mode.parser is None:
             return ChatResponseMessage(content=echo + text), finish_reason
-        parsed = tool_mode.parser.parse(text, final=True)
+        parsed = parse_reply(tool_mode.parser, text, finish_reason)
         if not parsed.tools_called:
             return ChatResponseMessage(content=echo + parsed.content), finish_reason
         message = ChatResponseMessage(content=(echo + parsed.content) or None,
@@ -196,7 +197,8 @@ class OpenAIServingChat(OpenAIServing):
                             if completion.text or not completion.finished() else DeltaMessage()
                     else:
                         streamer = streamers[completion.index]
-                        content, tool_calls = streamer.feed(completion.text, final=completion.finished())
+                        content, tool_calls = streamer.feed(completion.text, final=completion.finished(),
+                                                            cut=finish_reason == "length")
                         if content is None and tool_calls is None and not completion.finished() and not logprobs:
                             continue  # held back: it may be the start of a tool call
                         delta = DeltaMessage(content=content, tool_calls=tool_calls)

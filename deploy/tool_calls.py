@@ -10,11 +10,12 @@
   function's parameters schema, and is its arguments.
 
 Calls come back as `tool_calls` with ids; `finish_reason` is "tool_calls" when the model
-called tools on its own ("auto") or was required to, and the engine's reason otherwise
-(vLLM's rule: a named function keeps "stop"). Streamed, they come as OpenAI's incremental
-deltas: a call's id, type and name first, then its arguments' JSON text piece by piece.
-A reply cut by max_tokens ("length") answers the same streamed or not: the calls whose
-name was written, the last with its arguments' text as far as it goes.
+called tools on its own ("auto") or was required to and finished ("stop"), and the
+engine's reason otherwise (vLLM's rule: a named function keeps "stop"). Streamed, they come
+as OpenAI's incremental deltas: a call's id, type and name first, then its arguments' JSON
+text piece by piece. A reply cut by max_tokens ("length") answers the same streamed or not
+(`parse_reply`): the calls whose name was written, the last with its arguments' text as far
+as it goes, and finish_reason "length".
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class ToolMode:
     tools: list[dict[str, Any]] = field(default_factory=list)
 
     def finish_reason(self, tools_called: bool, engine_reason: str | None) -> str | None:
-        if tools_called and (self.choice == "auto" or (self.choice == "required" and engine_reason == "stop")):
+        """"tool_calls" for calls the model made on its own or was required to, once it
+        finished; any other end keeps the engine's reason, so that a client can tell calls
+        cut by max_tokens ("length") from whole ones."""
+        if tools_called and self.choice in ("auto", "required") and engine_reason == "stop":
             return "tool_calls"
         return engine_reason
 
@@ -261,6 +265,18 @@ class NamedIncrementalParse(IncrementalParse):
         return ParseView(0, 0, self._call)
 
 
+def parse_reply(parser: ToolParser, text: str, finish_reason: str | None) -> ParsedToolOutput:
+    """The content and calls of a whole reply. A reply the engine cut ("length") inside a
+    call gives what its stream gives, since streamed calls cannot be taken back: the calls
+    whose name was written, the last with its arguments' text as far as it goes (the parse
+    of the text so far); cut before any name, the parse of the whole text (its content)."""
+    parsed = parser.parse(text, final=True)
+    if parsed.tools_called or finish_reason != "length":
+        return parsed
+    so_far = parser.parse(text, final=False)
+    return so_far if so_far.tools_called else parsed
+
+
 def tool_calls_of(parsed: ParsedToolOutput, parser: ToolParser) -> list[ToolCall]:
     """The response's tool_calls (each with a new id)."""
     return [ToolCall(id=parser.make_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
@@ -287,15 +303,20 @@ class ToolCallStreamer:
     def tools_called(self) -> bool:
         return bool(self._arguments_sent)
 
-    def feed(self, delta_text: str, final: bool) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def feed(self, delta_text: str, final: bool, cut: bool = False
+             ) -> tuple[str | None, list[dict[str, Any]] | None]:
         """The content delta and the tool-call deltas (as JSON-ready dicts) that `delta_text`
-        brings; None for either when there is nothing new."""
+        brings; None for either when there is nothing new. `cut`: the engine ended the reply
+        for its length (finish_reason "length"), answered as `parse_reply` answers it."""
         self._parse.feed(delta_text)
         view = self._parse.view(final)
-        if final and self._arguments_sent and not view.tools_called:
-            # Cut short (max_tokens) after calls went out: what was sent stands, and the rest
-            # of the arguments follow; the text is not content after all that.
-            view = self._parse.view(False)
+        if final and not view.tools_called:
+            # The reply ends inside a call. Calls sent stand, and the rest of their arguments
+            # follow; a cut reply gives the calls so far even when none was sent yet (the
+            # last delta named the first), as its unstreamed message does.
+            so_far = self._parse.view(False)
+            if self._arguments_sent or (cut and so_far.tools_called):
+                view = so_far
         log = self._parse.log
         content = log.slice(self._content_sent, view.content_end)
         self._content_sent = max(self._content_sent, view.content_end)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
-from raylm.deploy.tool_calls import NamedToolParser, RequiredToolParser, ToolCallStreamer
+from raylm.deploy.tool_calls import NamedToolParser, RequiredToolParser, ToolCallStreamer, parse_reply
 from raylm.deploy.tool_parsers import get_tool_parser
 
 # (reply text, expected content, expected [(name, arguments as a Python value)]). The
@@ -65,18 +66,19 @@ def test_parser_finds_the_calls_of_a_whole_reply(parser_name: str, text: str, co
     assert all(call.complete for call in parsed.calls)
 
 
-def _stream(parser, text: str, seed: int) -> tuple[str, list[dict]]:
-    """Feeds the text in random pieces (1 to 7 characters, as tokens come); returns the
-    content and the calls the deltas add up to."""
+def _stream(parser, text: str, seed: int | None, cut: bool = False) -> tuple[str, list[dict]]:
+    """Feeds the text in random pieces (1 to 7 characters, as tokens come; all at once for
+    seed None), the last with the engine's `cut`; returns the content and the calls the
+    deltas add up to."""
     rng = random.Random(seed)
     streamer = ToolCallStreamer(parser)
     content = ""
     calls: list[dict] = []
     pos = 0
-    while pos < len(text):
-        piece = text[pos:pos + rng.randint(1, 7)]
+    while pos < len(text) or not text:
+        piece = text[pos:pos + (len(text) if seed is None else rng.randint(1, 7))]
         pos += len(piece)
-        new_content, deltas = streamer.feed(piece, final=pos >= len(text))
+        new_content, deltas = streamer.feed(piece, final=pos >= len(text), cut=cut)
         content += new_content or ""
         for delta in deltas or ():
             if "id" in delta:
@@ -85,6 +87,8 @@ def _stream(parser, text: str, seed: int) -> tuple[str, list[dict]]:
             else:
                 assert "name" not in delta["function"], "a call's name is sent once, with its id"
             calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+        if not text:
+            break
     return content, calls
 
 
@@ -164,6 +168,55 @@ def test_required_reply_cut_short_gives_the_calls_named_so_far_streamed_or_not(l
         else:
             content, calls = _stream(RequiredToolParser(), cut, seed)
         assert (content, [(c["name"], c["arguments"]) for c in calls]) == (parsed.content, expected)
+
+
+# Replies of two calls with content before them where the format has it, for "auto" replies
+# cut by max_tokens: (parser, text, the calls' names and arguments, the regex of the point
+# from which a call counts as named: its argument key's colon, or Mistral's [ARGS]).
+AUTO_CALLS = [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", '{"tz": "CET"}')]
+AUTO_REPLIES = [
+    ("hermes", "Let me check.\n" + "\n".join(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+                                            for name, arguments in AUTO_CALLS), r'"arguments":'),
+    ("llama3_json", "<|python_tag|>" + "; ".join(f'{{"name": "{name}", "parameters": {arguments}}}'
+                                                 for name, arguments in AUTO_CALLS), r'"parameters":'),
+    ("mistral", "Checking.[TOOL_CALLS][" + ", ".join(f'{{"name": "{name}", "arguments": {arguments}}}'
+                                                     for name, arguments in AUTO_CALLS) + "]", r'"arguments":'),
+    ("mistral", "".join(f"[TOOL_CALLS]{name}[ARGS]{arguments}" for name, arguments in AUTO_CALLS), r"\[ARGS\]"),
+]
+_CONTENT_END = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+
+
+def _cut_reference(parser_name: str, text: str, named_at: str, length: int) -> tuple[str, list[tuple[str, str]]]:
+    """What a reply cut after `length` characters gives, by its layout: each call whose name
+    was written (its marker's end is within the cut), with its arguments' text up to the
+    cut; the content before the first call, or all the text when no call was named."""
+    calls = []
+    for (name, arguments), marker in zip(AUTO_CALLS, re.finditer(named_at, text)):
+        if length >= marker.end():
+            start = text.index(arguments, marker.end())
+            calls.append((name, arguments[:max(0, length - start)]))
+    return (text[:text.index(_CONTENT_END[parser_name])] if calls else text[:length]), calls
+
+
+@pytest.mark.parametrize("parser_name, text, named_at", AUTO_REPLIES)
+def test_auto_reply_cut_anywhere_gives_the_calls_named_so_far_streamed_or_not(parser_name: str, text: str,
+                                                                              named_at: str) -> None:
+    """Cut by max_tokens after every character (in the content, in a marker, a name, the
+    arguments, between calls), the unstreamed message and the stream's deltas, in random
+    pieces or in one delta, agree with the reference by the reply's layout."""
+    parser = get_tool_parser(parser_name)
+    for length in range(len(text) + 1):
+        cut = text[:length]
+        expected = _cut_reference(parser_name, text, named_at, length)
+        parsed = parse_reply(parser, cut, "length")
+        assert (parsed.content, [(call.name, call.arguments) for call in parsed.calls]) == expected, cut
+        for seed in (0, 1, None):
+            content, calls = _stream(parser, cut, seed, cut=True)
+            assert (content, [(call["name"], call["arguments"]) for call in calls]) == expected, (cut, seed)
+    # Whole (or cut at a call's end), every call is complete JSON.
+    assert [(name, json.loads(arguments)) for name, arguments in _cut_reference(parser_name, text, named_at,
+                                                                               len(text))[1]] == \
+        [(name, json.loads(arguments)) for name, arguments in AUTO_CALLS]
 
 
 def test_named_reply_is_the_arguments() -> None:
@@ -260,11 +313,13 @@ class ReparseStreamer:
     def __init__(self, parser) -> None:
         self.parser, self.text, self.content_sent, self.arguments_sent = parser, "", 0, []
 
-    def feed(self, delta_text: str, final: bool) -> tuple[str | None, list[dict] | None]:
+    def feed(self, delta_text: str, final: bool, cut: bool = False) -> tuple[str | None, list[dict] | None]:
         self.text += delta_text
         parsed = self.parser.parse(self.text, final)
-        if final and self.arguments_sent and not parsed.tools_called:
-            parsed = self.parser.parse(self.text, False)
+        if final and not parsed.tools_called:
+            so_far = self.parser.parse(self.text, False)
+            if self.arguments_sent or (cut and so_far.tools_called):
+                parsed = so_far
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))
         deltas = []
@@ -285,13 +340,13 @@ def test_streamed_deltas_are_those_of_a_stream_that_reparses_the_whole_text() ->
     rng = random.Random(1)
     for name, text in _mutated_replies(1500, seed=1):
         streamer, reference = ToolCallStreamer(PARSERS[name]()), ReparseStreamer(PARSERS[name]())
-        pieces = _pieces(text, rng)
+        pieces, cut = _pieces(text, rng), rng.random() < 0.5  # the last piece ended for its length or not
         for index, piece in enumerate(pieces):
             final = index == len(pieces) - 1
-            content, deltas = streamer.feed(piece, final)
+            content, deltas = streamer.feed(piece, final, cut)
             for delta in deltas or ():
                 delta.pop("id", None)  # ids are random
-            assert (content, deltas) == reference.feed(piece, final), (name, text, index)
+            assert (content, deltas) == reference.feed(piece, final, cut), (name, text, index)
 
 
 def _long_reply(name: str, size: int) -> str:
