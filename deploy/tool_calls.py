@@ -311,9 +311,10 @@ class ToolCallStreamer:
         self._parse.feed(delta_text)
         view = self._parse.view(final)
         if final and not view.tools_called:
-            # The reply ends inside a call. Calls sent stand, and the rest of their arguments
-            # follow; a cut reply gives the calls so far even when none was sent yet (the
-            # last delta named the first), as its unstreamed message does.
+            # The whole text is not calls (it ends inside one, or went wrong). Calls sent
+            # stand, and the rest of their arguments follow; a cut reply gives the calls so
+            # far even when none was sent yet (the last delta named the first), as its
+            # unstreamed message does.
             so_far = self._parse.view(False)
             if self._arguments_sent or (cut and so_far.tools_called):
                 view = so_far

@@ -334,14 +334,18 @@ def test_a_tool_call_reply_cut_by_max_tokens_streams_as_it_answers(tools_client:
             assert not calls and response.message.content == cut, (where, cut)
 
 
-@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
 def test_n2_with_one_choice_cut_by_max_tokens_streams_as_it_answers(tools_client: openai.OpenAI, choice: str) -> None:
     """n=2, sampled with a seed: a max_tokens past the shorter reply's end and inside the
     longer one's last arguments cuts that one and leaves the other whole. Each choice's
-    stream adds up to its unstreamed message, and each keeps its own finish_reason."""
-    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
-    whole_reason = "tool_calls" if choice == "required" else "stop"
+    stream adds up to its unstreamed message, and each keeps its own finish_reason ("auto":
+    Hermes replies of one or two calls, made so by a regex)."""
+    tool_choice = {"required": "required", "auto": "auto"}.get(choice, {"type": "function",
+                                                                        "function": {"name": "get_weather"}})
+    whole_reason = "stop" if choice == "named" else "tool_calls"
     kwargs = dict(messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, n=2)
+    if choice == "auto":
+        kwargs["extra_body"] = {"structured_outputs": {"regex": HERMES_REPLY + f"({HERMES_SECOND_CALL})?"}}
     for seed in range(20):
         full = tools_client.chat.completions.create(model=MODEL, max_tokens=160, logprobs=True, seed=seed,
                                                     **kwargs).choices
@@ -364,7 +368,7 @@ def test_n2_with_one_choice_cut_by_max_tokens_streams_as_it_answers(tools_client
     # The cut reply: the longer one's calls, the last with its arguments' text up to the cut.
     whole_calls = [(c.function.name, c.function.arguments) for c in long.message.tool_calls]
     cut = response.choices[long.index].message
-    assert cut.content is None
+    assert cut.content == long.message.content  # None, or for "auto" the text before the calls
     assert [(c.function.name, c.function.arguments) for c in cut.tool_calls] == \
         whole_calls[:-1] + [(whole_calls[-1][0], "".join(tokens)[start:ends[max_tokens - 1]])]
     assert _calls(response.choices[short.index].message) == _calls(short.message)
@@ -377,9 +381,60 @@ def test_n2_with_one_choice_cut_by_max_tokens_streams_as_it_answers(tools_client
 
 
 # The model's reply for "auto", made to be a Hermes tool call by a regex (the random model
-# would not write one by itself); the hermes parser finds the call in it.
-HERMES_REPLY = (r'(Let me check\. )?<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
-                r'"days": [1-3]\}\}\n</tool_call>')
+# would not write one by itself); the hermes parser finds the call in it. A second call may
+# follow the first.
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-3]\}\}'
+               r'\n</tool_call>')
+HERMES_REPLY = r"(Let me check\. )?" + HERMES_CALL
+HERMES_SECOND_CALL = r'\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
+# The reference for a Hermes reply cut short: each call whose name and "arguments" key were
+# written, with its arguments' text as far as it goes (the arguments here are flat objects).
+_CUT_HERMES_CALL = re.compile(r'<tool_call>\n\{"name": "([^"]*)", "arguments":(?: (\{[^}]*\}?)?)?')
+
+
+def test_auto_reply_cut_by_max_tokens_streams_as_it_answers(tools_client: openai.OpenAI) -> None:
+    """tool_choice "auto" with the hermes parser, cut by max_tokens in the content, in a
+    tag, a name or arguments, between calls, inside the last closing tag and right after it
+    (the calls whole, the reply not ended): the streamed
+    deltas add up to the message the same tokens give unstreamed, which is the calls whose
+    name was written (the last with its arguments as far as they go) after the content
+    before them, or, cut before any name, the text as content; finish_reason "length"."""
+    kwargs = dict(messages=USER, tools=TOOLS, tool_choice="auto", temperature=0.0,
+                  extra_body={"structured_outputs": {"regex": r"Let me check\. " + HERMES_CALL + HERMES_SECOND_CALL}})
+    full = tools_client.chat.completions.create(model=MODEL, max_tokens=180, logprobs=True, **kwargs).choices[0]
+    assert full.finish_reason == "tool_calls" and [c.function.name for c in full.message.tool_calls] == \
+        ["get_weather", "get_time"]
+    ends = [0]
+    for entry in full.logprobs.content:
+        ends.append(ends[-1] + len(entry.token))
+    text = "".join(entry.token for entry in full.logprobs.content)
+
+    def tokens_to(chars: int) -> int:
+        return next(count for count, end in enumerate(ends) if end >= chars)
+
+    first_tag, first_end = text.index("<tool_call>"), text.index("</tool_call>") + len("</tool_call>")
+    second_tag = text.index("<tool_call>", first_end)
+    cuts = {"inside the content": tokens_to(len("Let me")), "inside the first tag": tokens_to(first_tag + 5),
+            "after the first tag": tokens_to(first_tag + len("<tool_call>\n")),
+            "inside the first name": tokens_to(text.index('"name": "') + len('"name": "') + 3),
+            "inside the first arguments": tokens_to(text.index('"arguments": ') + len('"arguments": ') + 5),
+            "after the first call": tokens_to(first_end), "inside the second tag": tokens_to(second_tag + 5),
+            "inside the second name": tokens_to(text.index('"name": "', second_tag) + len('"name": "') + 3),
+            "inside the second arguments": tokens_to(text.index('"tz"', second_tag) + 2),
+            "inside the last closing tag": tokens_to(text.rindex("</tool_call>") + 5),
+            "after the last call, before the end of the reply": len(ends) - 2}  # the last token: </s>
+    assert text[:ends[-2]].endswith("</tool_call>"), text
+    for where, max_tokens in cuts.items():
+        cut = text[:ends[max_tokens]]
+        response = tools_client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **kwargs).choices[0]
+        calls = [(call.function.name, call.function.arguments) for call in response.message.tool_calls or ()]
+        content, streamed, finish_reason = _stream_tool_calls(tools_client, max_tokens=max_tokens, **kwargs)[0]
+        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish_reason) == \
+            (response.message.content or "", calls, response.finish_reason), (where, cut)
+        assert response.finish_reason == "length", (where, cut)
+        expected = [(match[1], match[2] or "") for match in _CUT_HERMES_CALL.finditer(cut)]
+        assert calls == expected, (where, cut)
+        assert response.message.content == ("Let me check. " if expected else cut), (where, cut)
 
 
 def test_auto_tool_choice_parses_the_models_calls(tools_client: openai.OpenAI) -> None:

@@ -175,8 +175,8 @@ def test_required_reply_cut_short_gives_the_calls_named_so_far_streamed_or_not(l
 # from which a call counts as named: its argument key's colon, or Mistral's [ARGS]).
 AUTO_CALLS = [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", '{"tz": "CET"}')]
 AUTO_REPLIES = [
-    ("hermes", "Let me check.\n" + "\n".join(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-                                            for name, arguments in AUTO_CALLS), r'"arguments":'),
+    ("hermes", "Let me check.\n" + "\n".join(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n'
+                                            "</tool_call>" for name, arguments in AUTO_CALLS), r'"arguments":'),
     ("llama3_json", "<|python_tag|>" + "; ".join(f'{{"name": "{name}", "parameters": {arguments}}}'
                                                  for name, arguments in AUTO_CALLS), r'"parameters":'),
     ("mistral", "Checking.[TOOL_CALLS][" + ", ".join(f'{{"name": "{name}", "arguments": {arguments}}}'
