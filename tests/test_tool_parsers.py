@@ -198,7 +198,8 @@ def _cut_reference(parser_name: str, text: str, named_at: str, length: int) -> t
     return (text[:text.index(_CONTENT_END[parser_name])] if calls else text[:length]), calls
 
 
-@pytest.mark.parametrize("parser_name, text, named_at", AUTO_REPLIES)
+@pytest.mark.parametrize("parser_name, text, named_at", AUTO_REPLIES,
+                         ids=["hermes", "llama3_json", "mistral", "mistral_named"])
 def test_auto_reply_cut_anywhere_gives_the_calls_named_so_far_streamed_or_not(parser_name: str, text: str,
                                                                               named_at: str) -> None:
     """Cut by max_tokens after every character (in the content, in a marker, a name, the
