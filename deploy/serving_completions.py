@@ -153,14 +153,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     text_lens[choice_index] += len(text)
                     completion_tokens += len(completion.token_ids)
                     choice_tokens[choice_index] += len(completion.token_ids)
-                    returned_ids = request.return_token_ids
+                    ids = request.return_token_ids  # the prompt's in the choice's first chunk, as vLLM's
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
                             index=choice_index, text=text, logprobs=logprobs,
                             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                            prompt_token_ids=output.prompt_token_ids if returned_ids and first else None,
-                            token_ids=list(completion.token_ids) if returned_ids else None)])
+                            prompt_token_ids=output.prompt_token_ids if ids and first else None,
+                            token_ids=list(completion.token_ids) if ids else None)])
                     if usage_per_chunk:
                         chunk.usage = _usage(prompt_tokens[prompt_index], choice_tokens[choice_index])
                     yield sse(chunk)
