@@ -216,13 +216,16 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     # What the responses in flight may hold together, shared by the routes that generate.
     response_budget = ResponseBudget(server_args.max_response_tokens_in_flight
                                      or default_response_tokens_in_flight(limits.max_response_tokens))
+    as_ids = server_args.return_tokens_as_token_ids
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
-                                          models=serving_models, response_budget=response_budget)
+                                          models=serving_models, response_budget=response_budget,
+                                          return_tokens_as_token_ids=as_ids)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
                              model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template,
-                             tool_config=tool_config, models=serving_models, response_budget=response_budget)
+                             tool_config=tool_config, models=serving_models, response_budget=response_budget,
+                             return_tokens_as_token_ids=as_ids)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)

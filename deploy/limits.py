@@ -33,6 +33,10 @@ RESPONSE_TOKEN_BYTES = 512
 # some 8 bytes a token (2,048 sequences of a 16,000-token prompt grew the server by 235 MB):
 # a copied prompt token counts as 1/64 of a response token.
 PROMPT_COPY_SHARE = RESPONSE_TOKEN_BYTES // 8
+# A prompt token id returned with return_token_ids, in each of the n choices (completions)
+# or chunks that open them (streamed chat), costs some 32 bytes: the choice's list of ids,
+# its dump, and its JSON text. It counts as 1/16 of a response token.
+RETURNED_PROMPT_ID_SHARE = RESPONSE_TOKEN_BYTES // 32
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class RequestLimits:
         "Most tokens one request's response may hold, logprobs counted, checked before it runs: its prompts x "
         "best_of x max_tokens generated tokens, each counting 1 + logprobs, and with prompt_logprobs (or echo with "
         "logprobs) each prompt token counting 1 + prompt_logprobs in each of its n choices; each sequence's copy of "
-        "its prompt counts 1/64 token a prompt token. Bounds what one request holds in memory (some 200-700 bytes "
+        "its prompt counts 1/64 token a prompt token, and with return_token_ids each of the n choices' copy of the "
+        "prompt's ids 1/16 token an id. Bounds what one request holds in memory (some 200-700 bytes "
         "a token) and its share of the engine."))
     # Structured outputs and tools: what a grammar's compile time grows with.
     max_structured_output_chars: int = field(default=65536, metadata=setting(
@@ -115,21 +120,25 @@ class RequestLimits:
             raise OpenAIError(f"{param}: the JSON schema nests {depth} levels deep; at most "
                               f"{self.max_json_schema_depth} are allowed (--max-json-schema-depth).", param=param)
 
-    def check_response_size(self, prompts: list[tuple[int, Any]], prompt_logprobs_param: str = "prompt_logprobs"
-                            ) -> int:
+    def check_response_size(self, prompts: list[tuple[int, Any]], prompt_logprobs_param: str = "prompt_logprobs",
+                            returns_prompt_ids: bool = False) -> int:
         """What the response to a request may hold, from each prompt's length and its
         SamplingParams (max_tokens resolved): n, best_of and max_tokens multiply, every
-        logprob asked for is one more entry per token, and each sequence copies its prompt.
-        Returns that count; past the limit, a 400 naming the field that weighs most:
-        max_tokens, the one that asked for the prompt's logprobs (`prompt_logprobs_param`:
-        completions' echo asks with logprobs), or n (best_of) for the prompt's copies."""
-        generated = scored = copies = 0
+        logprob asked for is one more entry per token, each sequence copies its prompt, and
+        with `returns_prompt_ids` (return_token_ids) each of the n choices carries the
+        prompt's ids. Returns that count; past the limit, a 400 naming the field that weighs
+        most: max_tokens, the one that asked for the prompt's logprobs
+        (`prompt_logprobs_param`: completions' echo asks with logprobs), or n (best_of) for
+        the prompt's copies."""
+        generated = scored = copies = returned = 0
         for prompt_len, params in prompts:
             generated += params.best_of * params.max_tokens * (1 + (params.logprobs or 0))
             copies += params.best_of * prompt_len
             if params.prompt_logprobs is not None:
                 scored += params.n * prompt_len * (1 + params.prompt_logprobs)
-        copied = -(-copies // PROMPT_COPY_SHARE)
+            if returns_prompt_ids:
+                returned += params.n * prompt_len
+        copied = -(-copies // PROMPT_COPY_SHARE) + -(-returned // RETURNED_PROMPT_ID_SHARE)
         total = generated + scored + copied
         if total <= self.max_response_tokens:
             return total
@@ -140,8 +149,10 @@ class RequestLimits:
         if scored:
             parts.append(f"{prompt_tokens:,} prompt tokens x (1 + prompt_logprobs {params.prompt_logprobs}) x "
                          f"n {params.n} = {scored:,}")
+        returned_part = (f" and returned as ids in each of n {params.n} choices (return_token_ids), "
+                         f"1/{RETURNED_PROMPT_ID_SHARE} each" if returns_prompt_ids else "")
         parts.append(f"{prompt_tokens:,} prompt tokens copied into each of best_of {params.best_of} sequences, "
-                     f"1/{PROMPT_COPY_SHARE} each = {copied:,}")
+                     f"1/{PROMPT_COPY_SHARE} each{returned_part} = {copied:,}")
         heaviest = max(generated, scored, copied)
         param = ("max_tokens" if heaviest == generated else prompt_logprobs_param if heaviest == scored
                  else "best_of" if params.best_of > params.n else "n")

@@ -222,6 +222,12 @@ class _SamplingFields(StructuredOutputFields):
     # vLLM's per-tenant prefix-cache salt: requests share cached KV only with requests of the
     # same salt (checked here, before tokenizing, as the engine checks LLM prompts).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's token ids in the response. return_tokens_as_token_ids: logprobs name each token
+    # (and each alternative) `token_id:{id}` instead of its text; unset, the server's
+    # --return-tokens-as-token-ids decides. return_token_ids: the prompt's and each choice's
+    # token ids beside the text (token_ids per chunk when streamed, the prompt's in the first).
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
 
     def with_cache_salt(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """The engine's prompt dict, with this request's cache_salt when it has one."""
@@ -348,6 +354,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    # With return_token_ids (vLLM's placement: on each choice in completions).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -365,6 +374,9 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With return_token_ids: the prompt's ids in the choice's first chunk, each chunk's new ids.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -477,6 +489,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -487,6 +500,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    # With return_token_ids (vLLM's placement: once, on the response, in chat).
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -502,6 +517,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's new token ids
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -511,6 +527,8 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    # With return_token_ids: in each choice's first chunk (the one opening it with the role).
+    prompt_token_ids: list[int] | None = None
 
 
 # ------------------------------------------------------- tokenize endpoints

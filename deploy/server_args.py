@@ -123,6 +123,10 @@ class ServerArgs(SettingsMixin):
     tool_call_parser: str | None = field(default=None, metadata=setting(
         "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
         "llama3_json (Llama 3.1 / 3.2 JSON), mistral; default: none.", choices=tuple(sorted(TOOL_PARSERS))))
+    return_tokens_as_token_ids: bool = field(default=False, metadata=setting(
+        "Name each token in logprobs `token_id:{id}` instead of its text, the alternatives in top_logprobs too, so "
+        "that tokens whose text is not valid UTF-8 on their own can be told apart (vLLM's flag; off). A request's "
+        "return_tokens_as_token_ids overrides it either way."))
     uvicorn_log_level: str = field(default="warning", metadata=setting(
         "uvicorn's log level.", key=False, note=_UVICORN_ONLY,
         choices=("critical", "error", "warning", "info", "debug", "trace")))

@@ -17,7 +17,8 @@ from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
                                    ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
-from raylm.deploy.serving_engine import SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error
+from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error,
+                                         token_id_placeholder)
 from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, parse_reply, resolve_tool_mode, \
     tool_calls_of
 from raylm.engine.outputs import Logprob, RequestOutput
@@ -87,7 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
-        held = self.limits.check_response_size([(len(token_ids), params)])
+        held = self.limits.check_response_size([(len(token_ids), params)],
+                                               returns_prompt_ids=bool(request.return_token_ids))
         if tool_mode is not None and tool_mode.choice == "auto":
             skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
             if skip_special_tokens is not None:
@@ -100,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
                 self.lora_request(model_name))
             echo = self._echo_text(request)
             if request.stream:
-                return SSEResponse(self._stream(request, request_id, created, model_name, stream, len(token_ids), echo,
+                return SSEResponse(self._stream(request, request_id, created, model_name, stream, token_ids, echo,
                                                 tool_mode), reservation.keep())
             final: RequestOutput | None = None
             async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
@@ -112,16 +114,20 @@ class OpenAIServingChat(OpenAIServing):
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   final: RequestOutput, echo: str, tool_mode: ToolMode | None) -> ChatCompletionResponse:
         choices = []
+        as_ids = self.tokens_as_ids(request)
         for completion in final.outputs:
             logprobs = None
             if request.logprobs:
-                logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs)
+                logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs,
+                                              as_ids)
             message, finish_reason = self._message(completion.text, completion.finish_reason, echo, tool_mode)
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
-                logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason))
+                logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if request.return_token_ids else None))
         usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
-        return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage,
+                                      prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
 
     def _render_and_tokenize(self, request: ChatCompletionRequest, tool_mode: ToolMode | None
                              ) -> tuple[str, list[int]]:
@@ -164,15 +170,17 @@ class OpenAIServingChat(OpenAIServing):
         return last.text() if request.echo and last.role == "assistant" else ""
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      stream: AsyncIterator[RequestOutput], prompt_tokens: int, echo: str,
+                      stream: AsyncIterator[RequestOutput], prompt_token_ids: list[int], echo: str,
                       tool_mode: ToolMode | None = None) -> AsyncIterator[str]:
         usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
         choice_tokens = [0] * request.n
+        prompt_tokens = len(prompt_token_ids)
+        as_ids = self.tokens_as_ids(request)
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None = None) -> str:
             usage = _usage(prompt_tokens, choice_tokens[choice.index]) if usage_per_chunk else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                    choices=[choice], usage=usage))
+                                                    choices=[choice], usage=usage, prompt_token_ids=prompt_ids))
 
         # Per choice, what parses tool calls out of its text as it grows.
         streamers = {index: ToolCallStreamer(tool_mode.parser) for index in range(request.n)} \
@@ -180,9 +188,11 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         try:
             # vLLM opens every choice with the assistant role and empty content (or the echo).
+            # With return_token_ids each of those chunks carries the prompt's ids, as vLLM's do.
             for index in range(request.n):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=echo)))
+                    index=index, delta=DeltaMessage(role="assistant", content=echo)),
+                    prompt_token_ids if request.return_token_ids else None)
             async for _, output in merge_async_iterators([stream]):
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
@@ -190,7 +200,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs:
                         logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
-                                                      request.top_logprobs)
+                                                      request.top_logprobs, as_ids)
                     finish_reason = completion.finish_reason
                     if streamers is None:
                         delta = DeltaMessage(content=completion.text) \
@@ -199,13 +209,17 @@ class OpenAIServingChat(OpenAIServing):
                         streamer = streamers[completion.index]
                         content, tool_calls = streamer.feed(completion.text, final=completion.finished(),
                                                             cut=finish_reason == "length")
-                        if content is None and tool_calls is None and not completion.finished() and not logprobs:
-                            continue  # held back: it may be the start of a tool call
+                        if (content is None and tool_calls is None and not completion.finished() and not logprobs
+                                and not request.return_token_ids):
+                            # Held back: it may be the start of a tool call. Its logprobs or
+                            # token ids go out all the same, with an empty delta (as vLLM's).
+                            continue
                         delta = DeltaMessage(content=content, tool_calls=tool_calls)
                         finish_reason = tool_mode.finish_reason(streamer.tools_called, finish_reason)
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=completion.index, delta=delta, logprobs=logprobs,
-                        finish_reason=finish_reason, stop_reason=completion.stop_reason))
+                        finish_reason=finish_reason, stop_reason=completion.stop_reason,
+                        token_ids=list(completion.token_ids) if request.return_token_ids else None))
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
                                                        usage=_usage(prompt_tokens, completion_tokens)))
@@ -214,20 +228,23 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
-                      top_logprobs: int | None) -> ChatCompletionLogProbs:
+                      top_logprobs: int | None, as_ids: bool = False) -> ChatCompletionLogProbs:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the
-        `top_logprobs` most likely alternatives, most likely first."""
+        `top_logprobs` most likely alternatives, most likely first. With `as_ids` every
+        token is named `token_id:{id}`; as in vLLM, the chosen token's bytes stay its text's
+        while an alternative's are those of its `token_id:` name."""
         content = []
         for token_id, entry in zip(token_ids, entries):
             chosen = entry.get(token_id)
-            token = self.token_text(token_id, chosen)
+            text = self.token_text(token_id, chosen)
             ranked = sorted((alt for alt in entry.items() if alt[1].rank is not None), key=lambda alt: alt[1].rank)
-            top = [ChatLogProb(token=(text := self.token_text(alt_id, alt)), logprob=max(alt.logprob, -9999.0),
-                               bytes=list(text.encode("utf-8", errors="replace")))
+            top = [ChatLogProb(token=(name := self.token_name(alt_id, alt, as_ids)), logprob=max(alt.logprob, -9999.0),
+                               bytes=list(name.encode("utf-8", errors="replace")))
                    for alt_id, alt in ranked[:top_logprobs or 0]]
             content.append(ChatLogProbsContent(
-                token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
-                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
+                token=token_id_placeholder(token_id) if as_ids else text,
+                logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
+                bytes=list(text.encode("utf-8", errors="replace")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
 

@@ -15,7 +15,7 @@ from raylm.deploy.protocol import (CompletionLogProbs, CompletionRequest, Comple
                                    CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
                                    UsageInfo, random_id)
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse,
-                                         sse_error)
+                                         sse_error, token_id_placeholder)
 from raylm.engine.beam_search import beams_to_keep
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
@@ -37,7 +37,8 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's logprobs, asked by logprobs
         held = self.limits.check_response_size(
             [(len(ids), p) for ids, p in zip(token_ids_list, params)],
-            prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs")
+            prompt_logprobs_param="logprobs" if echo_logprobs else "prompt_logprobs",
+            returns_prompt_ids=bool(request.return_token_ids))
         request_id = random_id("cmpl")
         created = int(time.time())
         if request.use_beam_search and request.stream:
@@ -89,10 +90,11 @@ class OpenAIServingCompletion(OpenAIServing):
                   finals: list[RequestOutput | None]) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
         prompt_tokens = completion_tokens = 0
+        as_ids = self.tokens_as_ids(request)
         for prompt_index, output in enumerate(finals):
             assert output is not None and output.finished
             prompt_tokens += len(output.prompt_token_ids)
-            prompt_text = self._prompt_text(output) if request.echo else ""
+            prompt_text = self._echo_text(request, output)
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
                 logprobs = None
@@ -101,16 +103,23 @@ class OpenAIServingCompletion(OpenAIServing):
                     if request.echo:
                         token_ids = output.prompt_token_ids + token_ids
                         entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + entries
-                    logprobs = self.completion_logprobs(token_ids, entries, request.logprobs, 0)
+                    logprobs = self.completion_logprobs(token_ids, entries, request.logprobs, 0, as_ids)
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * request.n + completion.index, text=prompt_text + completion.text,
                     logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                    prompt_logprobs=_prompt_logprobs_body(output)))
+                    prompt_logprobs=_prompt_logprobs_body(output),
+                    prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
+                    token_ids=list(completion.token_ids) if request.return_token_ids else None))
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
 
-    def _prompt_text(self, output: RequestOutput) -> str:
+    def _echo_text(self, request: CompletionRequest, output: RequestOutput) -> str:
+        """The prompt's text that `echo` puts before a choice's text. With return_token_ids
+        vLLM echoes the prompt as prompt_token_ids only (its text stays out, as do the
+        decode's costs), and so does raylm; the echo's logprobs still cover the prompt."""
+        if not request.echo or request.return_token_ids:
+            return ""
         return output.prompt if output.prompt is not None else self.decode(output.prompt_token_ids)
 
     # --------------------------------------------------------------- streaming
@@ -118,8 +127,9 @@ class OpenAIServingCompletion(OpenAIServing):
                       streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         n = request.n
         text_lens = [0] * (len(streams) * n)  # characters sent per choice, for text_offset
-        echoed = [False] * (len(streams) * n)
+        started = [False] * (len(streams) * n)  # the choice's first chunk (echo, prompt_token_ids) was sent
         choice_tokens = [0] * (len(streams) * n)
+        as_ids = self.tokens_as_ids(request)
         completion_tokens = 0
         prompt_tokens = [0] * len(streams)
         usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
@@ -130,23 +140,27 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice_index = prompt_index * n + completion.index
                     text, token_ids = completion.text, list(completion.token_ids)
                     entries: list[Any] = list(completion.logprobs or [])
-                    if request.echo and not echoed[choice_index]:
-                        echoed[choice_index] = True
-                        text = self._prompt_text(output) + text
+                    first = not started[choice_index]
+                    started[choice_index] = True
+                    if request.echo and first:
+                        text = self._echo_text(request, output) + text
                         token_ids = output.prompt_token_ids + token_ids
                         entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + entries
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = self.completion_logprobs(token_ids, entries, request.logprobs,
-                                                            text_lens[choice_index])
+                                                            text_lens[choice_index], as_ids)
                     text_lens[choice_index] += len(text)
                     completion_tokens += len(completion.token_ids)
                     choice_tokens[choice_index] += len(completion.token_ids)
+                    ids = request.return_token_ids  # the prompt's in the choice's first chunk, as vLLM's
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
                             index=choice_index, text=text, logprobs=logprobs,
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)])
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                            prompt_token_ids=output.prompt_token_ids if ids and first else None,
+                            token_ids=list(completion.token_ids) if ids else None)])
                     if usage_per_chunk:
                         chunk.usage = _usage(prompt_tokens[prompt_index], choice_tokens[choice_index])
                     yield sse(chunk)
@@ -159,30 +173,31 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---------------------------------------------------------------- logprobs
     def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], num_logprobs: int,
-                            initial_text_offset: int) -> CompletionLogProbs:
-        """OpenAI's completions logprobs: per token its text, logprob, offset in the
-        choice's text, and the top `num_logprobs` alternatives (plus the chosen one)."""
+                            initial_text_offset: int, as_ids: bool = False) -> CompletionLogProbs:
+        """OpenAI's completions logprobs: per token its text (`token_id:{id}` with `as_ids`,
+        the alternatives' too), logprob, offset in the choice's text, and the top
+        `num_logprobs` alternatives (plus the chosen one). The offsets count the tokens'
+        text even when they are named by id (vLLM's advance by the length of the
+        `token_id:` name, which is no offset in the text)."""
         result = CompletionLogProbs()
         offset = initial_text_offset
         for position, token_id in enumerate(token_ids):
             entry = entries[position] if position < len(entries) else None
+            chosen = entry.get(token_id) if entry is not None else None
+            text = self.token_text(token_id, chosen)
+            result.tokens.append(token_id_placeholder(token_id) if as_ids else text)
             if entry is None:
-                token = self.token_text(token_id)
-                result.tokens.append(token)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
-                chosen = entry.get(token_id)
-                token = self.token_text(token_id, chosen)
-                result.tokens.append(token)
                 result.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen is not None else None)
                 top: dict[str, float] = {}
                 for alt_id, alt in entry.items():
                     if alt_id == token_id or (alt.rank is not None and alt.rank <= num_logprobs):
-                        top.setdefault(self.token_text(alt_id, alt), max(alt.logprob, -9999.0))
+                        top.setdefault(self.token_name(alt_id, alt, as_ids), max(alt.logprob, -9999.0))
                 result.top_logprobs.append(top)
             result.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text)
         return result
 
 

@@ -40,8 +40,11 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
                  limits: RequestLimits | None = None, model_aliases: Iterable[str] = (),
-                 models: Any = None, response_budget: ResponseBudget | None = None) -> None:
+                 models: Any = None, response_budget: ResponseBudget | None = None,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
+        # --return-tokens-as-token-ids: logprobs name tokens `token_id:{id}` unless a request says.
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_names = served_model_names
         # Names a request may use that are not advertised (ServerArgs.model_aliases).
         self.accepted_model_names = frozenset([*served_model_names, *model_aliases])
@@ -175,10 +178,27 @@ class OpenAIServing:
         return streams
 
     # -------------------------------------------------------------- logprobs
+    def tokens_as_ids(self, request: Any) -> bool:
+        """Whether the request's logprobs name tokens `token_id:{id}`: its own
+        return_tokens_as_token_ids, else the server's --return-tokens-as-token-ids."""
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids
+
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.decode([token_id])
+
+    def token_name(self, token_id: int, logprob: Logprob | None, as_id: bool) -> str:
+        """How a logprobs entry names a token: `token_id:{id}` with as_id (vLLM's form, which
+        tells apart tokens whose text is not valid UTF-8 alone), else its text."""
+        return token_id_placeholder(token_id) if as_id else self.token_text(token_id, logprob)
+
+
+def token_id_placeholder(token_id: int) -> str:
+    """vLLM's name of a token in logprobs under return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
 
 
 async def _adapter_errors_as_openai(stream: AsyncIterator[RequestOutput], lora_name: str

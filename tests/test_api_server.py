@@ -180,6 +180,16 @@ def test_completion_logprobs_match_llm_generate(client, llm):
                                                                               abs=1e-4)  # greedy: the top one
 
 
+def test_return_tokens_as_token_ids_in_a_request_names_tokens_by_id_on_a_server_without_the_flag(client, llm):
+    expected = greedy(llm, PROMPTS[3], max_tokens=4, logprobs=1)[0].outputs[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=4, temperature=0, logprobs=1,
+                                         extra_body={"return_tokens_as_token_ids": True})
+    assert response.choices[0].logprobs.tokens == [f"token_id:{token_id}" for token_id in expected.token_ids]
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=4, temperature=0, logprobs=1)
+    assert plain.choices[0].logprobs.tokens == [entry[token_id].decoded_token
+                                                for token_id, entry in zip(expected.token_ids, expected.logprobs)]
+
+
 def test_echo_prepends_the_prompt_with_prompt_logprobs(client):
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
                                          logprobs=1)

@@ -1,6 +1,8 @@
 """The Ray Serve application takes the LoRA settings as a Serve config's `args` (what
-deploy/serve_config.yaml spells): the adapters are model names, `model` selects one, and
-runtime loading works behind its switch."""
+deploy/serve_config.yaml spells): the adapters are model names, `model` selects one (its
+tokens, return_token_ids, are peft's greedy ones up to near-ties), and runtime loading works
+behind its switch. The server's other keys reach the replica's app too
+(return_tokens_as_token_ids names the logprobs' tokens by id)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_adapters import build_lora_adapter, peft_greedy
+from lora_adapters import assert_peft_greedy, build_lora_adapter
 from test_api_server import free_port
 
 ray = pytest.importorskip("ray")
@@ -37,7 +39,7 @@ def serve_url(ray_cluster, llama_dir: Path, adapters: Path):
     args = {"model": str(llama_dir), "served_model_name": MODEL, "dtype": "float32", "max_model_len": 128,
             "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "lora_modules": [f"a={adapters / 'a'}"],
             "allow_runtime_lora_updating": True, "allowed_lora_dirs": [str(adapters)],
-            "num_replicas": 1, "replica_cpus": 0.25}
+            "return_tokens_as_token_ids": True, "num_replicas": 1, "replica_cpus": 0.25}
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app_builder(args), name=APP_NAME, route_prefix="/")
@@ -46,33 +48,31 @@ def serve_url(ray_cluster, llama_dir: Path, adapters: Path):
     serve.shutdown()
 
 
-def completion_tokens(url: str, model: str) -> list[int]:
+def assert_peft_tokens(url: str, model: str, llama_dir: Path, adapter: Path | None) -> None:
+    """The greedy completion of PROMPT under `model` is peft's under `adapter`, token by token
+    up to near-ties; its logprobs name the same tokens `token_id:{id}` (the Serve key)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0}
+            "logprobs": 0, "return_token_ids": True}
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["logprobs"]["tokens"]
-
-
-def token_texts(llama_dir: Path, tokens: list[int]) -> list[str]:
-    from raylm.engine.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer(str(llama_dir))
-    return [tokenizer.decode([token]) for token in tokens]
+    (choice,) = response.json()["choices"]
+    assert choice["prompt_token_ids"] == PROMPT
+    assert_peft_greedy(llama_dir, adapter, PROMPT, choice["token_ids"], MAX_TOKENS, model)
+    assert choice["logprobs"]["tokens"] == [f"token_id:{token}" for token in choice["token_ids"]]
 
 
 def test_serve_app_serves_the_adapters_its_args_name(serve_url, llama_dir, adapters):
     models = {card["id"]: card for card in httpx.get(serve_url + "/v1/models", timeout=30).json()["data"]}
     assert set(models) == {MODEL, "a"} and models["a"]["parent"] == MODEL
-    assert completion_tokens(serve_url, "a") == token_texts(
-        llama_dir, peft_greedy(llama_dir, adapters / "a", PROMPT, MAX_TOKENS))
+    assert_peft_tokens(serve_url, "a", llama_dir, adapters / "a")
     response = httpx.post(serve_url + "/v1/load_lora_adapter", timeout=60,
                           json={"lora_name": "b", "lora_path": str(adapters / "b")})
     assert response.status_code == 200, response.text
-    assert completion_tokens(serve_url, "b") == token_texts(
-        llama_dir, peft_greedy(llama_dir, adapters / "b", PROMPT, MAX_TOKENS))
-    assert completion_tokens(serve_url, MODEL) == token_texts(
-        llama_dir, peft_greedy(llama_dir, None, PROMPT, MAX_TOKENS))
+    assert_peft_tokens(serve_url, "b", llama_dir, adapters / "b")
+    assert_peft_tokens(serve_url, MODEL, llama_dir, None)
+    # Each is told apart: a's tokens are not b's.
+    with pytest.raises(AssertionError, match="token"):
+        assert_peft_tokens(serve_url, "a", llama_dir, adapters / "b")
 
 
 def test_runtime_loading_needs_one_replica_and_the_router_keys_adapters_apart(llama_dir, adapters):

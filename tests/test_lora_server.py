@@ -1,6 +1,7 @@
 """LoRA adapters on a real `raylm serve`: each adapter a model name on /v1/models, `model` picks
-it and the text equals peft's; bad input gets vLLM-shaped 400/404s; loading and unloading
-adapters while requests run loses none of them."""
+it and its tokens (return_token_ids) are peft's greedy ones up to near-ties, its text theirs;
+bad input gets vLLM-shaped 400/404s; loading and unloading adapters while requests run loses
+none of them."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from lora_adapters import build_lora_adapter, peft_greedy
+from lora_adapters import assert_peft_greedy, build_lora_adapter
 from server_process import running_server
 from tiny_models import build_tiny_model
 
@@ -56,33 +58,27 @@ def adapter_root(tmp_path_factory, llama_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected_text(llama_dir: Path, adapter_root: Path) -> dict[tuple[str, int], str]:
-    """peft's greedy completion of each prompt under a, b, c and the base model, as the text the
-    server makes of those tokens (its incremental detokenizer, which holds back a character
-    whose bytes are not all there yet, where a whole decode writes U+FFFD)."""
+def judge(llama_dir: Path, adapter_root: Path) -> Callable[..., None]:
+    """peft as the judge of a served greedy completion (a choice with its token_ids) of
+    PROMPTS[index] under `adapter` (a folder's name under adapter_root, or MODEL for the base):
+    each token peft's pick or within NEAR_TIE of it (lora_adapters.assert_peft_greedy), so a
+    near-tie that rounding decided the other way fails nothing, and the text is those tokens'
+    as the server's incremental detokenizer writes them (it holds back a character whose bytes
+    are not all there yet, where a whole decode writes U+FFFD)."""
     from raylm.engine.detokenizer import IncrementalDetokenizer
     from raylm.engine.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer(str(llama_dir))
 
-    def text(tokens: list[int], prompt: list[int]) -> str:
+    def check(adapter: str, index: int, choice: dict, max_tokens: int = MAX_TOKENS) -> None:
+        prompt, tokens = PROMPTS[index], choice["token_ids"]
+        assert_peft_greedy(llama_dir, None if adapter == MODEL else adapter_root / adapter, prompt, tokens, max_tokens,
+                           f"{adapter} on prompt {index}")
         detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True,
                                              spaces_between_special_tokens=True)
-        return "".join(detokenizer.step(token) for token in tokens)
+        assert choice["text"] == "".join(detokenizer.step(token) for token in tokens)
 
-    return {(name, index): text(peft_greedy(llama_dir, None if name == MODEL else adapter_root / name, prompt,
-                                            MAX_TOKENS), prompt)
-            for name in (MODEL, "a", "b", "c") for index, prompt in enumerate(PROMPTS)}
-
-
-@pytest.fixture(scope="module")
-def long_expected(llama_dir: Path, adapter_root: Path, expected_text) -> str:
-    from raylm.engine.detokenizer import IncrementalDetokenizer
-    from raylm.engine.tokenizer import get_tokenizer
-
-    tokens = peft_greedy(llama_dir, adapter_root / "a", PROMPTS[0], LONG_MAX_TOKENS)
-    detokenizer = IncrementalDetokenizer(get_tokenizer(str(llama_dir)), PROMPTS[0], True, True)
-    return "".join(detokenizer.step(token) for token in tokens)
+    return check
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +95,7 @@ def server(llama_dir: Path, adapter_root: Path, tmp_path_factory):
 def complete(base_url: str, model: str, index: int, timeout: float = 60) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", timeout=timeout,
                       json={"model": model, "prompt": PROMPTS[index], "max_tokens": MAX_TOKENS, "temperature": 0,
-                            "ignore_eos": True})
+                            "ignore_eos": True, "return_token_ids": True})
 
 
 def load(base_url: str, name: str, path: Path | str) -> httpx.Response:
@@ -126,18 +122,22 @@ def test_models_lists_each_adapter_with_the_base_model_as_parent(server, adapter
     assert str(adapter_root) not in response.text
 
 
-def test_model_name_selects_the_adapter_and_the_text_equals_peft(server, expected_text):
+def test_model_name_selects_the_adapter_and_the_tokens_are_peft_s(server, judge):
+    served = {}
     for name in (MODEL, "a"):
         for index in range(len(PROMPTS)):
             response = complete(server, name, index)
             assert response.status_code == 200, response.text
             assert response.json()["model"] == name
-            assert response.json()["choices"][0]["text"] == expected_text[name, index]
-    assert expected_text["a", 0] != expected_text[MODEL, 0]
+            served[name, index] = response.json()["choices"][0]
+            judge(name, index, served[name, index])
+    # The judge tells the adapter from the base: a's tokens are not the base model's, nor b's.
+    for wrong in (MODEL, "b"):
+        with pytest.raises(AssertionError, match=f"{wrong} on prompt 0: token"):
+            judge(wrong, 0, served["a", 0])
 
 
-def test_bad_adapters_and_names_get_vllm_shaped_errors_and_the_server_keeps_serving(server, adapter_root,
-                                                                                   expected_text):
+def test_bad_adapters_and_names_get_vllm_shaped_errors_and_the_server_keeps_serving(server, adapter_root, judge):
     assert_error(complete(server, "no-such-adapter", 0), 404, "model", "The model `no-such-adapter` does not exist.")
     assert_error(load(server, "x", adapter_root / "missing"), 404, "lora_path", "is not a folder")
     assert_error(load(server, "x", adapter_root.parent / f"{adapter_root.name}_outside"), 400, "lora_path",
@@ -151,7 +151,8 @@ def test_bad_adapters_and_names_get_vllm_shaped_errors_and_the_server_keeps_serv
     assert_error(unload(server, "x"), 404, "lora_name", "cannot be found")
     assert "x" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
     response = complete(server, "a", 1)
-    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text["a", 1]
+    assert response.status_code == 200, response.text
+    judge("a", 1, response.json()["choices"][0])
 
 
 def test_runtime_loads_stay_inside_the_allowed_folders_and_bad_fields_are_400s(server, adapter_root):
@@ -168,8 +169,7 @@ def test_runtime_loads_stay_inside_the_allowed_folders_and_bad_fields_are_400s(s
     assert {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]} <= {MODEL, "a", "b", "c"}
 
 
-def test_loads_past_max_served_loras_are_400s_naming_the_limit_until_one_is_unloaded(server, adapter_root,
-                                                                                     expected_text):
+def test_loads_past_max_served_loras_are_400s_naming_the_limit_until_one_is_unloaded(server, adapter_root, judge):
     """Each load registered one more adapter for as long as the server ran, however many a
     client asked for (vLLM bounds none: only max_cpu_loras, the adapters in host memory)."""
     served = [card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"] if card["id"] != MODEL]
@@ -181,7 +181,8 @@ def test_loads_past_max_served_loras_are_400s_naming_the_limit_until_one_is_unlo
                      f"its limit (--max-served-loras {MAX_SERVED_LORAS})")
         assert "one-too-many" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
         response = complete(server, extra[-1], 0)  # the adapters within the limit serve
-        assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text["b", 0]
+        assert response.status_code == 200, response.text
+        judge("b", 0, response.json()["choices"][0])
         assert unload(server, extra.pop()).status_code == 200
         assert load(server, "one-too-many", adapter_root / "b").status_code == 200
         extra.append("one-too-many")
@@ -208,18 +209,18 @@ def test_an_adapter_cannot_take_a_name_the_base_model_answers_to(llama_dir, adap
         assert [card["id"] for card in httpx.get(f"{base_url}/v1/models").json()["data"]] == [llama_dir.name]
 
 
-def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_root, expected_text, long_expected):
+def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_root, judge):
     """Requests run back to back from 6 threads, to the base model and to a, then to b and c
     as they are loaded. A long streamed request of a is running when a is unloaded and c is
     loaded: with both slots held (a by that request, b by b's), c waits for a slot until it
-    ends. It completes with peft's text; so does every request to the base, b and c; every
-    other request to a either completes with peft's text or, after the unload, is a 404."""
+    ends. It completes with peft's tokens; so does every request to the base, b and c; every
+    other request to a either completes with peft's tokens or, after the unload, is a 404."""
     loaded = {MODEL: threading.Event(), "a": threading.Event(), "b": threading.Event(), "c": threading.Event()}
     loaded[MODEL].set()
     loaded["a"].set()
     unloaded_at: list[float] = []
     stop = threading.Event()
-    results: list[tuple[str, float, int, str, int]] = []
+    results: list[tuple[str, float, int, dict, int]] = []
     lock = threading.Lock()
 
     def client(worker: int) -> None:
@@ -230,9 +231,9 @@ def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_roo
             index = (worker + count) % len(PROMPTS)
             start = time.monotonic()
             response = complete(server, name, index)
-            text = response.json()["choices"][0]["text"] if response.status_code == 200 else ""
+            choice = response.json()["choices"][0] if response.status_code == 200 else {}
             with lock:
-                results.append((name, start, response.status_code, text, index))
+                results.append((name, start, response.status_code, choice, index))
             count += 1
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -242,7 +243,7 @@ def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_roo
         loaded["b"].set()
         time.sleep(1.0)
         body = {"model": "a", "prompt": PROMPTS[0], "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
         with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as stream:
             lines = stream.iter_lines()
             chunks = [next(line for line in lines if line.startswith("data: "))]  # it runs
@@ -257,15 +258,17 @@ def test_loading_and_unloading_while_requests_run_loses_none(server, adapter_roo
         stop.set()
         for future in futures:
             future.result()
-    streamed = "".join(json.loads(chunk[6:])["choices"][0]["text"] for chunk in chunks if chunk != "data: [DONE]")
-    assert streamed == long_expected
+    pieces = [json.loads(chunk[6:])["choices"][0] for chunk in chunks if chunk != "data: [DONE]"]
+    judge("a", 0, {"text": "".join(piece["text"] for piece in pieces),
+                   "token_ids": [token for piece in pieces for token in piece["token_ids"]]}, LONG_MAX_TOKENS)
     by_name = {name: [r for r in results if r[0] == name] for name in (MODEL, "a", "b", "c")}
     assert all(len(rows) >= 3 for rows in by_name.values()), {k: len(v) for k, v in by_name.items()}
-    for name, _, status, text, index in by_name[MODEL] + by_name["b"] + by_name["c"]:
-        assert status == 200 and text == expected_text[name, index], name
-    for name, start, status, text, index in by_name["a"]:
+    for name, _, status, choice, index in by_name[MODEL] + by_name["b"] + by_name["c"]:
+        assert status == 200, name
+        judge(name, index, choice)
+    for name, start, status, choice, index in by_name["a"]:
         assert status in (200, 404)
         if status == 200:
-            assert text == expected_text["a", index]
+            judge("a", index, choice)
         if start > unloaded_at[0]:
             assert status == 404

@@ -50,6 +50,22 @@ def test_each_sequences_copy_of_a_long_prompt_counts_against_max_response_tokens
     assert len(response.json()["choices"]) == 64
 
 
+def test_prompt_ids_returned_in_each_choice_count_against_max_response_tokens(server):
+    # return_token_ids puts the prompt's ids in each of the n choices, some 32 bytes an id by
+    # the time the body is written: 1/16 token each. 64 choices of 20,000 ids are 80,000, with
+    # the copies' 20,000 and the 64 tokens past 100,000.
+    body = {"prompt": LONG_PROMPT, "n": 64, "temperature": 1, "max_tokens": 1, "return_token_ids": True}
+    response = post(server, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "n" and "returned as ids in each of n 64 choices" in error["message"], error
+    assert "would hold 100,064 tokens" in error["message"], error
+    # 32 choices (40,032) are served, each with the prompt's ids.
+    response = post(server, {**body, "n": 32})
+    assert response.status_code == 200, response.text
+    assert [choice["prompt_token_ids"] == LONG_PROMPT for choice in response.json()["choices"]] == [True] * 32
+
+
 def first_chunk_status(base_url: str, path: str, body: dict) -> int:
     """The status of a streamed request, which is closed (and so aborted) after its first
     event."""

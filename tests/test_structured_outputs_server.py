@@ -460,6 +460,25 @@ def test_auto_tool_choice_parses_the_models_calls(tools_client: openai.OpenAI) -
     assert choice.finish_reason == "stop"
 
 
+def test_streamed_tool_calls_carry_every_token_id_held_back_text_included(servers) -> None:
+    """With return_token_ids, a chunk whose text the hermes parser holds back (it may start
+    a call) still goes out, with an empty delta and its token ids, as vLLM's do: the streamed
+    ids are the whole reply's, as the non-streamed choice has them."""
+    body = {"model": MODEL, "messages": USER, "tools": TOOLS, "max_tokens": 120, "temperature": 0.0,
+            "structured_outputs": {"regex": HERMES_REPLY}, "return_token_ids": True}
+    url = f"{servers['tools']}/v1/chat/completions"
+    whole = httpx.post(url, json=body, timeout=120).json()
+    (choice,) = whole["choices"]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["token_ids"]) > 10
+    streamed_ids: list[int] = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for chunk_choice in json.loads(line[6:])["choices"]:
+                    streamed_ids += chunk_choice["token_ids"] or []
+    assert streamed_ids == choice["token_ids"]
+
+
 def test_tools_and_tool_calls_go_through_the_chat_template(tools_client: openai.OpenAI, llama_dir: Path) -> None:
     """The prompt the server builds is the template's rendering of the tools and of a
     conversation holding an assistant's tool call and the tool's answer."""
