@@ -63,15 +63,18 @@ class ChatTemplateLimitError(ChatTemplateError):
 
 @dataclass
 class _Budget:
-    steps_left: int
+    max_steps: int
     max_chars: int
+
+    def __post_init__(self) -> None:
+        self.steps_left = self.max_steps
 
     def charge(self, steps: int = 1) -> None:
         self.steps_left -= steps
         if self.steps_left < 0:
             raise ChatTemplateLimitError(
-                "the chat template took too many steps (loop iterations, calls and range items together); "
-                "at most --max-chat-template-steps are allowed")
+                f"the chat template took too many steps (loop iterations, calls and range items together); at "
+                f"most {self.max_steps:,} are allowed (--max-chat-template-steps)")
 
 
 # The render in progress on this thread (None while compiling: constant folding runs filters).
