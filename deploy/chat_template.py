@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
@@ -59,6 +60,10 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplateLimitError(ChatTemplateError):
     """A template that went past a bound (steps, a string's size, the rendered size)."""
+
+
+class ChatTemplateUnavailableError(ChatTemplateError):
+    """The sandbox could not render at all (its process did not start): the server's fault."""
 
 
 @dataclass
@@ -262,12 +267,11 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             limit = _max_chars(environment.max_chars)
             # The filter's own arguments (after its context and its value): a width, a count.
             _check_int_args((*args[2 if pass_arg else 1:], *kwargs.values()), limit, f"the filter {name}")
-            if name == "indent" and len(args) > (2 if pass_arg else 1):
-                value = args[1 if pass_arg else 0]
-                lines = str(value).count("\n") + 1
-                width = args[2 if pass_arg else 1]
+            if name == "indent":  # each line grows by the width
+                value, width = args[0], args[1] if len(args) > 1 else kwargs.get("width", 4)
                 if isinstance(width, int):
-                    _sized_count(len(str(value)) + lines * width, limit, "an indented string")
+                    text = str(value)
+                    _sized_count(len(text) + (text.count("\n") + 1) * width, limit, "an indented string")
             return _sized(function(*args, **kwargs), limit, f"the filter {name}'s value")
 
         if pass_arg is not None:
@@ -295,22 +299,27 @@ class ChatTemplateRenderer:
         self.max_steps = max_steps
         self.environment = BoundedEnvironment(max_chars)
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, template: str) -> jinja2.Template:
         """The compiled template (the last COMPILED_TEMPLATES are kept). Compiling is bounded by
         the template's length: its constants fold within the size bounds."""
-        compiled = self._compiled.get(template)
-        if compiled is None:
-            try:
-                compiled = self.environment.from_string(template)
-            except jinja2.TemplateSyntaxError as exc:
-                raise ChatTemplateError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") \
-                    from None
+        with self._lock:
+            compiled = self._compiled.get(template)
+            if compiled is not None:
+                self._compiled.move_to_end(template)
+                return compiled
+        try:
+            compiled = self.environment.from_string(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") \
+                from None
+        except RecursionError:  # an expression nested thousands deep
+            raise ChatTemplateLimitError("the chat template nests too deeply to compile") from None
+        with self._lock:
             self._compiled[template] = compiled
             while len(self._compiled) > COMPILED_TEMPLATES:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(template)
         return compiled
 
     def render(self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = False,

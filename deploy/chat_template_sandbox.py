@@ -36,7 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer
+from raylm.deploy.chat_template import (ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer,
+                                       ChatTemplateUnavailableError)
 
 # Processes rendering request templates at once; more renders wait for one.
 DEFAULT_MAX_PROCESSES = 2
@@ -159,13 +160,13 @@ class ChatTemplateSandbox:
     def _take(self) -> _Worker:
         with self._lock:
             if self._closed:
-                raise ChatTemplateError("the server is shutting down")
+                raise ChatTemplateUnavailableError("the server is shutting down")
             worker = self._idle.pop() if self._idle else None
         if worker is None:
             try:
                 worker = _Worker(self.memory_bytes)
             except (OSError, _WorkerDied, TimeoutError) as exc:
-                raise ChatTemplateError(f"the chat template's render process did not start: "
+                raise ChatTemplateUnavailableError(f"the chat template's render process did not start: "
                                         f"{exc or type(exc).__name__}") from None
         with self._lock:
             self._busy.add(worker)

@@ -6,13 +6,14 @@ import functools
 import json
 import time
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateRenderer
+from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateRenderer, ChatTemplateUnavailableError
 from raylm.deploy.chat_template_sandbox import ChatTemplateSandbox
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
@@ -78,6 +79,9 @@ class OpenAIServingChat(OpenAIServing):
         try:
             return await self.sandbox.render(template, conversation, add_generation_prompt, continue_final_message,
                                              variables)
+        except ChatTemplateUnavailableError as exc:
+            raise OpenAIError(f"Request chat templates cannot be rendered now: {exc}",
+                              HTTPStatus.SERVICE_UNAVAILABLE) from None
         except ChatTemplateError as exc:
             raise OpenAIError(f"The request's chat_template failed on these messages: {exc}",
                               param="chat_template") from None

@@ -128,6 +128,7 @@ HOSTILE = {
         "{% set s %}{% for i in range(5000) %}" + "y" * 1000 + "{% endfor %}{% endset %}", "block's text"),
     "5 * 10**6 characters of output": ("{% for i in range(5000) %}" + "z" * 1000 + "{% endfor %}", "rendered more"),
     "lipsum": ("{{ lipsum(1000000) }}", "'lipsum' is undefined"),
+    "an expression nested 5,000 deep": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nests too deeply"),
 }
 
 
