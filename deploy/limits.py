@@ -14,6 +14,7 @@ field's help. The structured-output limits bound what a grammar's compile time g
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,12 @@ PROMPT_COPY_SHARE = RESPONSE_TOKEN_BYTES // 8
 # or chunks that open them (streamed chat), costs some 32 bytes: the choice's list of ids,
 # its dump, and its JSON text. It counts as 1/16 of a response token.
 RETURNED_PROMPT_ID_SHARE = RESPONSE_TOKEN_BYTES // 32
+# chat_template_kwargs nested deeper than this are refused (JSON's own nesting: some parsers
+# stop at 100, Python's recursion sooner in the code that walks them).
+MAX_TEMPLATE_KWARGS_DEPTH = 64
+# chat_template_kwargs keys the request's own fields set (vLLM refuses the first two).
+RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "messages", "add_generation_prompt",
+                            "continue_final_message")
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,21 @@ class RequestLimits:
     max_grammar_compile_seconds: float = field(default=10.0, metadata=setting(
         "Seconds a request's grammar may take to compile before the request is answered 400 (its compile, which "
         "runs in a process of its own, is stopped then; the engine keeps serving meanwhile)."))
+    # Chat templates (deploy/chat_template.py): a template is code, and a request's content its input.
+    max_chat_template_chars: int = field(default=65536, metadata=setting(
+        "Most characters of a chat_template sent in a request (with --trust-request-chat-template)."))
+    max_chat_template_kwargs_chars: int = field(default=65536, metadata=setting(
+        f"Most characters of a request's chat_template_kwargs, as JSON; they may nest at most "
+        f"{MAX_TEMPLATE_KWARGS_DEPTH} levels deep."))
+    max_chat_template_steps: int = field(default=1_000_000, metadata=setting(
+        "Most steps one chat template render may take, every template (the model's, --chat-template's, a "
+        "request's): each loop iteration, each call (macros, methods) and each item of a range is one; past it the "
+        "request is answered 400. The rendered text, and every string or list made on the way, may hold at most "
+        "--max-prompt-chars characters or items."))
+    max_chat_template_render_seconds: float = field(default=5.0, metadata=setting(
+        "Seconds a chat_template sent in a request may take to render before the request is answered 400 (it "
+        "renders in a process of its own, killed then, with an address-space limit of 512 MiB + 32 bytes a "
+        "prompt character; the server keeps serving meanwhile)."))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -159,6 +181,32 @@ class RequestLimits:
         raise OpenAIError(f"This request's response would hold {total:,} tokens, logprobs counted "
                           f"({'; '.join(parts)}); at most {self.max_response_tokens:,} are allowed "
                           f"(--max-response-tokens). Ask for fewer samples, tokens or logprobs.", param=param)
+
+    def check_chat_template(self, template: str | None, template_kwargs: dict[str, Any] | None) -> None:
+        """A request's chat_template (its length) and chat_template_kwargs (their keys, nesting
+        and size as JSON), before anything renders."""
+        if template is not None and len(template) > self.max_chat_template_chars:
+            raise OpenAIError(f"chat_template is {len(template)} characters long; at most "
+                              f"{self.max_chat_template_chars} are allowed (--max-chat-template-chars).",
+                              param="chat_template")
+        if not template_kwargs:
+            return
+        from raylm.deploy.structured_outputs import json_depth
+
+        reserved = sorted(set(RESERVED_TEMPLATE_KWARGS) & template_kwargs.keys())
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                              f"{', '.join(RESERVED_TEMPLATE_KWARGS)} are the request's own fields or the server's.",
+                              param="chat_template_kwargs")
+        depth = json_depth(template_kwargs)
+        if depth > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise OpenAIError(f"chat_template_kwargs nest {depth} levels deep; at most {MAX_TEMPLATE_KWARGS_DEPTH} "
+                              f"are allowed.", param="chat_template_kwargs")
+        chars = len(json.dumps(template_kwargs, ensure_ascii=False))
+        if chars > self.max_chat_template_kwargs_chars:
+            raise OpenAIError(f"chat_template_kwargs are {chars} characters long as JSON; at most "
+                              f"{self.max_chat_template_kwargs_chars} are allowed (--max-chat-template-kwargs-chars).",
+                              param="chat_template_kwargs")
 
     def check_messages(self, messages: list[Any], max_model_len: int) -> None:
         """The number of chat messages and the characters of their content together."""

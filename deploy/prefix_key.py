@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from raylm.deploy.chat_template import ChatTemplateRenderer
 from raylm.deploy.limits import RequestLimits
 from raylm.engine.block_pool import first_block_extra_key, hash_block_tokens
 
@@ -50,6 +51,9 @@ _MAX_CHARS_PER_TOKEN = 16
 # the ingress's one key thread would otherwise render any conversation a 16 MiB body holds.
 _MAX_KEYED_MESSAGES = RequestLimits.max_chat_messages
 _MAX_KEYED_TOOLS = RequestLimits.max_tools
+# The longest text a template may make on the way while keying (the replicas bound it by
+# their model's prompt limit, which the router does not know): a 16 MiB body's worth.
+_MAX_KEYED_TEMPLATE_CHARS = 1 << 24
 
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"
@@ -105,6 +109,8 @@ class PrefixKeyer:
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self._max_chars = max_blocks * block_size * _MAX_CHARS_PER_TOKEN
+        self._limits = RequestLimits()
+        self._renderer = ChatTemplateRenderer(_MAX_KEYED_TEMPLATE_CHARS, self._limits.max_chat_template_steps)
 
     def key(self, route: str, body: bytes) -> PrefixKey | None:
         """The key of a POST to `route` with `body`, or None where there is none to compute."""
@@ -137,22 +143,26 @@ class PrefixKeyer:
 
         if self.tokenizer is None:
             return None
-        template = body.get("chat_template") or self.chat_template
-        if body.get("chat_template") and not self.trust_request_chat_template:
-            return None  # the replica refuses it
+        if body.get("chat_template"):
+            # A request's own template is code: only the replica runs it, in its sandbox. Such
+            # a request is routed without a key.
+            return None
         if len(body["messages"]) > _MAX_KEYED_MESSAGES or len(body.get("tools") or ()) > _MAX_KEYED_TOOLS:
             return None  # past the default limits (the replica refuses it): not rendered on the key thread
+        template_kwargs = body.get("chat_template_kwargs") or {}
+        self._limits.check_chat_template(None, template_kwargs)  # past the default limits: no key
         conversation = [template_message(ChatMessage.model_validate(m)) for m in body["messages"]]
         # As OpenAIServingChat.render does, with the request's own switches; the tools go
         # into the template (whatever tool_choice says), so they are part of the prefix.
-        template_kwargs = dict(body.get("chat_template_kwargs") or {})
+        variables = {**self.tokenizer.special_tokens_map, **template_kwargs}
         if body.get("tools"):
-            template_kwargs["tools"] = template_tools([ChatCompletionToolsParam.model_validate(tool)
-                                                       for tool in body["tools"]])
-        text = self.tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False,
-            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            continue_final_message=bool(body.get("continue_final_message", False)), **template_kwargs)
+            variables["tools"] = template_tools([ChatCompletionToolsParam.model_validate(tool)
+                                                 for tool in body["tools"]])
+        # Only the first max_blocks blocks are keyed: the render stops past their characters.
+        text = self._renderer.render(self.tokenizer.get_chat_template(self.chat_template, variables.get("tools")),
+                                     conversation, bool(body.get("add_generation_prompt", True)),
+                                     bool(body.get("continue_final_message", False)), variables,
+                                     prefix_chars=self._max_chars + 1)
         return self._key(self._tokenize(text, bool(body.get("add_special_tokens", False))), body.get("cache_salt"),
                          body.get("model"))
 

@@ -116,7 +116,9 @@ class ServerArgs(SettingsMixin):
         "Chat template (a Jinja file or the template itself) instead of the tokenizer's; default: the "
         "tokenizer's."))
     trust_request_chat_template: bool = field(default=False, metadata=setting(
-        "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs)."))
+        "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs); "
+        "it renders in a process of its own, within --max-chat-template-render-seconds and "
+        "--max-chat-template-steps (docs/serving.md, Chat templates)."))
     enable_auto_tool_choice: bool = field(default=False, metadata=setting(
         "Serve tool_choice 'auto' (the default when a chat request gives tools): the model decides whether to "
         "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))

@@ -6,12 +6,15 @@ import functools
 import json
 import time
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateRenderer, ChatTemplateUnavailableError
+from raylm.deploy.chat_template_sandbox import ChatTemplateSandbox
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
@@ -47,11 +50,50 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_config = tool_config or ToolCallConfig()
+        # Every template renders within the prompt's character limit and the step limit; a
+        # request's own template, in addition, in a process of its own (deploy/chat_template_sandbox.py).
+        max_chars = self.limits.prompt_chars(self.max_model_len)
+        self.renderer = ChatTemplateRenderer(max_chars, self.limits.max_chat_template_steps)
+        self.sandbox = ChatTemplateSandbox(max_chars, self.limits.max_chat_template_steps,
+                                           self.limits.max_chat_template_render_seconds) \
+            if trust_request_chat_template else None
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False,
-               chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        """The conversation as the prompt text the model was trained on."""
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the prompt text the model was trained on, rendered with the
+        server's template (--chat-template, else the tokenizer's)."""
+        template, conversation, variables = self.template_inputs(messages, None, template_kwargs, tools)
+        try:
+            return self.renderer.render(template, conversation, add_generation_prompt, continue_final_message,
+                                        variables)
+        except ChatTemplateError as exc:
+            raise OpenAIError(f"The chat template failed on these messages: {exc}", param="messages") from None
+
+    async def render_request_template(self, messages: list[ChatMessage], chat_template: str,
+                                      add_generation_prompt: bool, continue_final_message: bool = False,
+                                      template_kwargs: dict[str, Any] | None = None,
+                                      tools: list[dict[str, Any]] | None = None) -> str:
+        """As `render`, with the request's own template, in the sandbox (a 400 naming
+        chat_template when it fails or passes a bound)."""
+        assert self.sandbox is not None
+        template, conversation, variables = await self.off_loop(self.template_inputs, messages, chat_template,
+                                                                template_kwargs, tools)
+        try:
+            return await self.sandbox.render(template, conversation, add_generation_prompt, continue_final_message,
+                                             variables)
+        except ChatTemplateUnavailableError as exc:
+            raise OpenAIError(f"Request chat templates cannot be rendered now: {exc}",
+                              HTTPStatus.SERVICE_UNAVAILABLE) from None
+        except ChatTemplateError as exc:
+            raise OpenAIError(f"The request's chat_template failed on these messages: {exc}",
+                              param="chat_template") from None
+
+    def template_inputs(self, messages: list[ChatMessage], chat_template: str | None,
+                        template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None
+                        ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """The template (`chat_template`, else the server's), the messages as templates read
+        them, and the template's other variables: the tokenizer's special tokens, then
+        chat_template_kwargs, then the request's tools (what apply_chat_template passes)."""
         if self.tokenizer is None:
             raise OpenAIError("Chat needs a tokenizer; this server runs without one.", param="messages")
         self.limits.check_messages(messages, self.max_model_len)
@@ -63,16 +105,14 @@ class OpenAIServingChat(OpenAIServing):
             conversation = [template_message(m) for m in messages]
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from None
+        variables = {**self.tokenizer.special_tokens_map, **(template_kwargs or {})}
         if tools:
-            template_kwargs = {**(template_kwargs or {}), "tools": tools}
+            variables["tools"] = tools
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(template_kwargs or {}))
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            # A MemoryError (a trusted template asking for gigabytes) says nothing of itself.
-            raise OpenAIError(f"The chat template failed on these messages: {str(exc) or type(exc).__name__}",
-                              param="messages") from None
+            template = self.tokenizer.get_chat_template(template, variables.get("tools"))
+        except ValueError as exc:  # a template name the tokenizer does not have
+            raise OpenAIError(str(exc), param="chat_template") from None
+        return template, conversation, variables
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)
@@ -81,7 +121,18 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs(request)
         tool_mode = resolve_tool_mode(request, self.tool_config, self.limits)
         structured_outputs = self._constraint(request, tool_mode)
-        text, token_ids = await self.off_loop(self._render_and_tokenize, request, tool_mode)
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is not accepted: this server was not started with "
+                              "--trust-request-chat-template.", param="chat_template")
+        self.limits.check_chat_template(request.chat_template, request.chat_template_kwargs)
+        tools = tool_mode.tools if tool_mode is not None else None
+        if request.chat_template is None:
+            text, token_ids = await self.off_loop(self._render_and_tokenize, request, tools)
+        else:
+            text = await self.render_request_template(request.messages, request.chat_template,
+                                                       request.add_generation_prompt, request.continue_final_message,
+                                                       request.chat_template_kwargs, tools)
+            token_ids = await self.off_loop(self.tokenize, text, request.add_special_tokens, "messages")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
             self.check_context(len(token_ids), max_tokens, noun="messages")
@@ -129,15 +180,11 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage,
                                       prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
 
-    def _render_and_tokenize(self, request: ChatCompletionRequest, tool_mode: ToolMode | None
+    def _render_and_tokenize(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None
                              ) -> tuple[str, list[int]]:
-        """The prompt text and its token ids (on the tokenizer thread)."""
-        if request.chat_template is not None and not self.trust_request_chat_template:
-            raise OpenAIError("chat_template in a request is not accepted: this server was not started with "
-                              "--trust-request-chat-template.", param="chat_template")
+        """The prompt text and its token ids, with the server's template (on the tokenizer thread)."""
         text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
-                           request.chat_template, request.chat_template_kwargs,
-                           tools=tool_mode.tools if tool_mode is not None else None)
+                           request.chat_template_kwargs, tools)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")
 
     def _constraint(self, request: ChatCompletionRequest, tool_mode: ToolMode | None) -> StructuredOutputsParams | None:

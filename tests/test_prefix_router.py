@@ -437,3 +437,30 @@ def test_a_chat_past_the_default_message_limit_is_not_rendered_for_a_key(llama_d
     limit = RequestLimits().max_chat_messages
     assert key(limit) is not None and key(limit).block_hashes
     assert key(limit + 1) is None
+
+
+def test_the_router_renders_no_request_template_and_keys_the_servers_as_transformers(llama_dir):
+    """A request's own template is code: the key thread never runs it (the request goes
+    without a key), nor a template over chat_template_kwargs past the default limits. The
+    server's template is keyed on the text transformers renders, cut at the keyed blocks."""
+    from transformers import AutoTokenizer
+
+    from raylm.deploy.prefix_key import PrefixKeyer, block_hash_key
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {{ note }}\n{% endfor %}"
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    keyer = PrefixKeyer(tokenizer, BLOCK, max_blocks=4, chat_template=template, trust_request_chat_template=True)
+    messages = [{"role": "user", "content": f"message number {i}"} for i in range(40)]
+
+    def key(**fields):
+        return keyer.key("/v1/chat/completions", json.dumps({"messages": messages, **fields}).encode())
+
+    hostile = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    started = time.monotonic()
+    assert key(chat_template=hostile) is None
+    assert key(chat_template_kwargs={"note": "x" * 100_000}) is None
+    assert time.monotonic() - started < 1
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                         note="ok")
+    expected = block_hash_key(tokenizer.encode(text, add_special_tokens=False), BLOCK, None, 4)
+    assert key(chat_template_kwargs={"note": "ok"}).block_hashes == expected

@@ -18,11 +18,14 @@ from raylm.deploy.server_args import ServerArgs
 from raylm.engine import LLM, BeamSearchParams, SamplingParams
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
 from raylm.engine.structured_output.params import StructuredOutputsParams
+from process_tree import descendants
 from server_process import rss_kib, running_server
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256  # the tiny model's context
 CHAT = [{"role": "user", "content": "Hi"}]
+# The server's --max-chat-template-render-seconds.
+RENDER_SECONDS = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,8 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """`raylm serve` with its default limits; yields (base_url, pid)."""
     log = tmp_path_factory.mktemp("limits_server") / "server.log"
     with running_server([str(llama_dir), "--served-model-name", MODEL, "--num-gpu-blocks-override", "256",
-                         "--trust-request-chat-template"], log) as (process, base_url):
+                         "--trust-request-chat-template", "--max-chat-template-render-seconds", str(RENDER_SECONDS)],
+                        log) as (process, base_url):
         yield base_url, process.pid
 
 
@@ -237,19 +241,17 @@ def test_any_integer_seed_is_served(server, seed):
 
 
 def test_health_answers_while_a_chat_template_renders(server):
-    """Chat templates (and tokenizing) run on a thread of their own: a template that takes
-    seconds to render leaves /health answering meanwhile. Were /health queued behind the
-    template, its first call (0.3 s in) would wait for the rest of the render; the bound is
+    """A request's template renders in a process of its own, waited for off the event loop: one
+    that runs until its deadline (RENDER_SECONDS) leaves /health answering meanwhile, at once.
+    Were /health queued behind the render, a call would wait for the rest of it; the bound is
     half of that, so that a loaded machine, which slows both alike, cannot fail the test."""
     base_url, _ = server
-    slow = ("{% set ns = namespace(x=0) %}{% for i in range(1500) %}{% for j in range(1000) %}"
-            "{% set ns.x = ns.x + 1 %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}")
     result = {}
 
     def chat() -> None:
         started = time.monotonic()
         result["response"] = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
-                                                                     "chat_template": slow})
+                                                                     "chat_template": PAST_THE_DEADLINE})
         result["seconds"] = time.monotonic() - started
 
     thread = threading.Thread(target=chat)
@@ -262,9 +264,105 @@ def test_health_answers_while_a_chat_template_renders(server):
         latencies.append(time.monotonic() - started)
         time.sleep(0.1)
     thread.join()
-    assert result["response"].status_code == 200, result["response"].text
-    assert result["seconds"] > 1.0, "the template rendered too fast to show anything"
+    assert result["response"].status_code == 400, result["response"].text
+    assert f"did not render within {RENDER_SECONDS:g} s" in result["response"].json()["error"]["message"]
+    assert result["seconds"] >= RENDER_SECONDS
     assert latencies and max(latencies) < (result["seconds"] - 0.3) / 2, (result["seconds"], latencies)
+
+
+# A request's template that stays within every bound (8,000 characters, 600,000 steps) but
+# sorts 8,000 characters at each of its 300,000 iterations: minutes of work, stopped at the deadline.
+PAST_THE_DEADLINE = ("{% set big = 'ab' * 4000 %}{% for i in range(300000) %}{% set x = big|list|sort|join %}"
+                     "{% endfor %}")
+# case: (request fields, the error's "param", what its message says: one of several where the
+# steps (1,000,000 macro calls: some 4 s on a loaded machine) and the deadline race)
+HOSTILE_TEMPLATES = {
+    "nested ranges of 10**5 x 10**5": ({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}"
+                                                         "{% endfor %}{% endfor %}"}, "chat_template",
+                                       "too many steps"),
+    "'x' * 10**10": ({"chat_template": "{{ 'x' * 10**10 }}"}, "chat_template", "repeated string"),
+    "a string doubled 60 times": ({"chat_template": "{% set ns = namespace(s='x') %}{% for i in range(60) %}"
+                                                    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"},
+                                  "chat_template", "characters or items"),
+    "a macro calling itself": ({"chat_template": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"},
+                               "chat_template", "recursed too deeply"),
+    "a macro calling itself twice, 60 deep": ({"chat_template": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}"
+                                                                "{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}"},
+                                              "chat_template", ("too many steps", "did not render within")),
+    "a str.format padded to 3 GB": ({"chat_template": "{{ '{:>3000000000}'.format('x') }}"}, "chat_template",
+                                    "ran out of memory"),
+    "minutes of sorting": ({"chat_template": PAST_THE_DEADLINE}, "chat_template", "did not render within"),
+    "kwargs the template repeats 10**9 times": ({"chat_template": "{{ pad * count }}",
+                                                 "chat_template_kwargs": {"pad": "x", "count": 10**9}},
+                                                "chat_template", "repeated string"),
+    "a template of 100,000 characters": ({"chat_template": "{{ 1 }}" * 15_000}, "chat_template",
+                                         "at most 65536 are allowed (--max-chat-template-chars)"),
+    "chat_template_kwargs of 100,000 characters": ({"chat_template_kwargs": {"x": "y" * 100_000}},
+                                                   "chat_template_kwargs",
+                                                   "at most 65536 are allowed (--max-chat-template-kwargs-chars)"),
+    "chat_template_kwargs nested 100 deep": ({"chat_template_kwargs": {"x": json.loads("[" * 99 + "]" * 99)}},
+                                             "chat_template_kwargs", "at most 64 are allowed"),
+    "a chat_template inside chat_template_kwargs": ({"chat_template_kwargs": {"chat_template": "{{ 'x' * 9 }}"}},
+                                                    "chat_template_kwargs", "may not set chat_template"),
+}
+
+
+def server_threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)", status, re.MULTILINE).group(1))
+
+
+def test_hostile_chat_templates_are_400s_within_seconds_and_the_server_serves_on(server, llama_dir):
+    from transformers import AutoTokenizer
+
+    base_url, pid = server
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}[assistant]"
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT, chat_template=template, tokenize=False),
+                                  add_special_tokens=False)
+
+    def served_as_transformers_renders() -> None:
+        # The request's template renders as transformers does: the engine answers as it
+        # answers those token ids.
+        chat = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "temperature": 0,
+                                                       "chat_template": template, "ignore_eos": True})
+        assert chat.status_code == 200, chat.text
+        completion = post(base_url, "/v1/completions", {"prompt": prompt_ids, "max_tokens": 6, "temperature": 0,
+                                                        "ignore_eos": True})
+        assert chat.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+        assert chat.json()["choices"][0]["message"]["content"] == completion.json()["choices"][0]["text"]
+
+    served_as_transformers_renders()
+    threads = server_threads(pid)
+    wrong = {}
+    for case, (fields, param, messages) in HOSTILE_TEMPLATES.items():
+        started = time.monotonic()
+        response = post(base_url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **fields})
+        seconds = time.monotonic() - started
+        error = response.json().get("error", {})
+        said = any(message in error.get("message", "") for message in
+                   ((messages,) if isinstance(messages, str) else messages))
+        if not (response.status_code == 400 and error.get("param") == param and said and seconds < RENDER_SECONDS + 5):
+            wrong[case] = (response.status_code, f"{seconds:.1f} s", response.text[:300])
+    assert not wrong, wrong
+    served_as_transformers_renders()
+    assert_served(base_url)
+    wait_for_no_kv_blocks(base_url)
+    assert server_threads(pid) <= threads
+    sandboxes = [command for command in descendants(pid).values() if "chat_template_sandbox" in command]
+    assert len(sandboxes) <= 2, sandboxes  # DEFAULT_MAX_PROCESSES: the killed ones are gone
+
+
+def wait_for_no_kv_blocks(base_url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = httpx.get(base_url + "/metrics").text
+        used = float(re.search(r"^raylm:num_kv_cache_blocks_used(?:{[^}]*})? ([0-9.e+-]+)$", metrics,
+                               re.MULTILINE).group(1))
+        if used == 0:
+            return
+        assert time.monotonic() < deadline, f"{used} KV blocks still held"
+        time.sleep(0.2)
 
 
 def test_a_template_error_without_a_message_is_named_by_its_type(server):

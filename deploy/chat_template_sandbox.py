@@ -1,0 +1,242 @@
+"""`ChatTemplateSandbox`: renders the chat templates requests send (under
+--trust-request-chat-template) in processes of their own.
+
+A template is code. The bounds of deploy/chat_template.py (steps, sizes) stop the usual ways
+of burning time or memory, but a thread cannot be interrupted in Python, and one C-level call
+(a str.format with a huge padding, a join of a long list) can still run long or ask for
+gigabytes. So a request's template renders in a worker process with an address-space limit
+(`memory_limit_bytes`: an allocation past it is a MemoryError, reported as the template's
+error), and one that has not answered within the deadline is killed; the next render starts
+a fresh process. The server's own templates (the model's, --chat-template) render in the
+server, where their bounds suffice: what a request sends them is data, not code.
+
+Each render runs on one of `max_processes` threads (the waiting for the process happens
+there, never on the event loop), with one worker process each, started on first use (some
+0.1 s: Python and Jinja, nothing of the server). A worker ends when its stdin closes (the
+server ended) or, on Linux, when the server dies.
+
+Protocol: one JSON line each way. To the worker: {"template", "messages",
+"add_generation_prompt", "continue_final_message", "variables", "max_chars", "max_steps"};
+from it: {"text"} or {"error", "limit"} (limit: a bound was passed). The worker first writes
+{"ready": true}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from raylm.deploy.chat_template import (ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer,
+                                       ChatTemplateUnavailableError)
+
+# Processes rendering request templates at once; more renders wait for one.
+DEFAULT_MAX_PROCESSES = 2
+# A worker's address space: Python and Jinja take some 25 MB; the rest is room for the
+# template's values, a few copies of a prompt of max_chars characters at 4 bytes each.
+BASE_MEMORY_BYTES = 512 * 1024 * 1024
+MEMORY_BYTES_PER_CHAR = 32
+# How long a worker may take to start (Python and Jinja) before its render fails.
+_START_TIMEOUT_S = 30.0
+
+
+def memory_limit_bytes(max_chars: int) -> int:
+    return BASE_MEMORY_BYTES + MEMORY_BYTES_PER_CHAR * max_chars
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+class _Worker:
+    """One worker process and its pipes."""
+
+    def __init__(self, memory_bytes: int) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "raylm.deploy.chat_template_sandbox", str(memory_bytes), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._buffer = b""
+        if self._read_line(time.monotonic() + _START_TIMEOUT_S, 1024) != {"ready": True}:
+            raise _WorkerDied("the chat template worker did not start")
+
+    def ask(self, job: dict[str, Any], deadline: float, max_reply_bytes: int) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps(job, ensure_ascii=False).encode() + b"\n")
+            self.process.stdin.flush()
+        except OSError as exc:
+            raise _WorkerDied(f"the chat template worker stopped ({exc})") from None
+        return self._read_line(deadline, max_reply_bytes)
+
+    def _read_line(self, deadline: float, max_bytes: int) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            wait_s = deadline - time.monotonic()
+            if wait_s <= 0:
+                raise TimeoutError
+            readable, _, _ = select.select([fd], [], [], wait_s)
+            if not readable:
+                continue
+            data = os.read(fd, 1 << 20)
+            if not data:
+                code = self.process.wait()
+                raise _WorkerDied(f"the chat template worker ended ({_describe_exit(code)})")
+            self._buffer += data
+            if len(self._buffer) > max_bytes:
+                raise _WorkerDied("the chat template worker answered more than its limit")
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+
+
+class ChatTemplateSandbox:
+    """Renders request templates in worker processes within `timeout_s` seconds each (see the
+    module's docstring); the renders' other bounds are `max_chars` and `max_steps`."""
+
+    def __init__(self, max_chars: int, max_steps: int, timeout_s: float,
+                 max_processes: int = DEFAULT_MAX_PROCESSES) -> None:
+        self.max_chars = max_chars
+        self.max_steps = max_steps
+        self.timeout_s = timeout_s
+        self.memory_bytes = memory_limit_bytes(max_chars)
+        self._executor = ThreadPoolExecutor(max_processes, thread_name_prefix="raylm-template-sandbox")
+        self._idle: list[_Worker] = []
+        self._busy: set[_Worker] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes (idle or rendering)."""
+        with self._lock:
+            return [worker.process.pid for worker in (*self._idle, *self._busy)]
+
+    async def render(self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     continue_final_message: bool, variables: dict[str, Any]) -> str:
+        """As ChatTemplateRenderer.render, in a worker process, without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        job = {"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, "variables": variables,
+               "max_chars": self.max_chars, "max_steps": self.max_steps}
+        return await loop.run_in_executor(self._executor, self.render_job, job)
+
+    def render_job(self, job: dict[str, Any]) -> str:
+        """Renders `job` (the protocol's request) in a worker; blocks up to the deadline."""
+        worker = self._take()
+        keep = False
+        try:
+            try:
+                reply = worker.ask(job, time.monotonic() + self.timeout_s, 8 * self.max_chars + (1 << 20))
+            except TimeoutError:
+                raise ChatTemplateLimitError(f"the chat template did not render within {self.timeout_s:g} s "
+                                             f"(--max-chat-template-render-seconds)") from None
+            except (_WorkerDied, ValueError) as exc:  # ValueError: a reply that is not JSON
+                raise ChatTemplateError(f"the chat template's render process failed: {exc}") from None
+            keep = True
+        finally:
+            self._give_back(worker, keep)
+        if "error" in reply:
+            raise (ChatTemplateLimitError if reply.get("limit") else ChatTemplateError)(reply["error"])
+        return reply["text"]
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise ChatTemplateUnavailableError("the server is shutting down")
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            try:
+                worker = _Worker(self.memory_bytes)
+            except (OSError, _WorkerDied, TimeoutError) as exc:
+                raise ChatTemplateUnavailableError(f"the chat template's render process did not start: "
+                                        f"{exc or type(exc).__name__}") from None
+        with self._lock:
+            self._busy.add(worker)
+        return worker
+
+    def _give_back(self, worker: _Worker, keep: bool) -> None:
+        with self._lock:
+            self._busy.discard(worker)
+            keep = keep and not self._closed
+            if keep:
+                self._idle.append(worker)
+        if not keep:
+            worker.kill()
+
+    def close(self) -> None:
+        """Kills the idle workers; a render in flight kills its own when it ends."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
+        self._executor.shutdown(wait=False)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
+
+
+# ----------------------------------------------------------------- the worker process
+def _limit_worker(memory_bytes: int, server_pid: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != server_pid:  # the server died before the call
+            os._exit(1)
+
+
+def _answer(renderers: dict[tuple[int, int], ChatTemplateRenderer], job: dict[str, Any]) -> dict[str, Any]:
+    key = (job["max_chars"], job["max_steps"])
+    renderer = renderers.get(key)
+    if renderer is None:
+        renderer = renderers[key] = ChatTemplateRenderer(*key)
+    try:
+        return {"text": renderer.render(job["template"], job["messages"], job["add_generation_prompt"],
+                                        job["continue_final_message"], job["variables"])}
+    except ChatTemplateError as exc:
+        return {"error": str(exc), "limit": isinstance(exc, ChatTemplateLimitError)}
+    except MemoryError:  # outside the render (reading the job, writing the answer)
+        return {"error": "the chat template ran out of memory", "limit": True}
+
+
+def main() -> None:
+    # Ctrl-C reaches the whole process group; the worker ends with the server, by its stdin closing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _limit_worker(int(sys.argv[1]), int(sys.argv[2]))
+    renderers: dict[tuple[int, int], ChatTemplateRenderer] = {}
+    out = sys.stdout.buffer
+    out.write(b'{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin.buffer:
+        reply = _answer(renderers, json.loads(line))
+        out.write(json.dumps(reply, ensure_ascii=False).encode() + b"\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Bounded chat-template rendering (deploy/chat_template.py, deploy/chat_template_sandbox.py):
+templates render exactly as transformers' apply_chat_template renders them, and hostile ones
+stop at a bound within a fraction of a second with a message; a request's template that runs
+past its deadline, or asks for more memory than its process may have, is stopped there, and
+the sandbox goes on rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer
+from raylm.deploy.chat_template_sandbox import ChatTemplateSandbox
+from tiny_models import CHAT_TEMPLATE
+
+MAX_CHARS = 32 * 4096
+MAX_STEPS = 100_000
+
+# Written for these tests: what real templates use (macros, namespace, loop.last, tojson with
+# an indent, slices, `{% generation %}`, `is defined`, special tokens, keyword arguments).
+TOOLS_TEMPLATE = """\
+{%- macro render_args(args) -%}
+{%- for key, value in args.items() -%}{{ key }}={{ value | tojson }}{% if not loop.last %}, {% endif %}{%- endfor -%}
+{%- endmacro -%}
+{{ bos_token }}
+{%- if tools %}<|system|>
+You may call:{% for tool in tools %}
+{{ tool | tojson(indent=2) }}{% endfor %}
+{% endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}{% if message.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for message in messages %}
+<|{{ message['role'] }}|>{% if message.role == 'assistant' %}{% generation %}{{ message['content'] | trim }}\
+{% endgeneration %}{% else %}{{ message['content'] | trim }}{% endif %}
+{%- if message.tool_calls is defined %}{% for call in message.tool_calls %}
+call {{ call.function.name }}({{ render_args(call.function.arguments) }}){% endfor %}{% endif %}
+{%- if loop.index0 == ns.last_user %} [last of {{ messages[::-1] | length }}]{% endif %}{{ eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}\
+<think></think>{% endif %}{% endif %}"""
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 6 x 7?  "},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": "7"}}}]},
+    {"role": "tool", "content": "42", "tool_call_id": "1"},
+    {"role": "user", "content": "Thanks"},
+]
+TOOLS = [{"type": "function", "function": {"name": "multiply", "description": "a x b",
+                                           "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dirs: dict[str, Path]):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dirs["llama"]))
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatTemplateRenderer:
+    return ChatTemplateRenderer(MAX_CHARS, MAX_STEPS)
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, TOOLS_TEMPLATE], ids=["tiny model's", "tools"])
+@pytest.mark.parametrize("switches", [(True, False), (False, False), (False, True)],
+                         ids=["generation prompt", "none", "continue final message"])
+@pytest.mark.parametrize("kwargs", [{}, {"tools": TOOLS, "enable_thinking": False}], ids=["plain", "tools"])
+def test_templates_render_as_transformers_apply_chat_template(tokenizer, renderer, template, switches, kwargs):
+    add_generation_prompt, continue_final_message = switches
+    messages = MESSAGES + ([{"role": "assistant", "content": "It is "}] if continue_final_message else [])
+    expected = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    rendered = renderer.render(template, messages, add_generation_prompt, continue_final_message,
+                               {**tokenizer.special_tokens_map, **kwargs})
+    assert rendered == expected
+
+
+def test_a_long_conversation_renders_as_transformers_within_the_default_steps(tokenizer):
+    messages = MESSAGES * 800  # 4,000 messages, near the server's 4,096
+    renderer = ChatTemplateRenderer(MAX_CHARS * 8, 1_000_000)
+    expected = tokenizer.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True, tools=TOOLS)
+    assert renderer.render(TOOLS_TEMPLATE, messages, True, False,
+                           {**tokenizer.special_tokens_map, "tools": TOOLS}) == expected
+
+
+def test_a_rendered_prefix_is_the_texts_start(tokenizer, renderer):
+    variables = {**tokenizer.special_tokens_map, "tools": TOOLS}
+    whole = renderer.render(TOOLS_TEMPLATE, MESSAGES, True, False, variables)
+    assert renderer.render(TOOLS_TEMPLATE, MESSAGES, True, False, variables, prefix_chars=50) == whole[:50]
+
+
+# case: (template, what the error says)
+HOSTILE = {
+    "nested ranges of 10**5 x 10**5": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "too many steps"),
+    "a loop over a long list, 10**5 times": (
+        "{% set items = range(50000)|list %}{% for i in range(100000) %}{% for x in items %}{% endfor %}{% endfor %}",
+        "too many steps"),
+    "'x' * 10**10": ("{{ 'x' * 10**10 }}", "repeated string"),
+    "a literal 'x' * 10000000000 (folded while compiling)": ("{{ 'x' * 10000000000 }}", "repeated string"),
+    "a list * 10**9": ("{{ ([1] * 1000000000) | length }}", "repeated string or list"),
+    "a macro calling itself": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
+    "a macro calling itself twice, 60 deep": (
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+        "too many steps"),
+    "a string doubled 60 times with ~": (
+        "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "a string of"),
+    "a string doubled 60 times with +": (
+        "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "joined string"),
+    "a list joined with itself 60 times": (
+        "{% set ns = namespace(s=['x']) %}{% for i in range(60) %}{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}",
+        "join's value"),
+    "str.ljust(10**10)": ("{{ 'x'.ljust(10000000000) }}", "the method ljust"),
+    "center(10**10)": ("{{ 'x' | center(10000000000) }}", "the filter center"),
+    "a %-format 10**10 wide": ("{{ '%10000000000s' % 'x' }}", "%-format"),
+    "indent of 5,000 lines by 5,000": ("{{ ('a\n' * 5000) | indent(5000) }}", "indented string"),
+    "2 ** 10 ** 9": ("{{ 2 ** (10 ** 9) }}", "bits"),
+    "a block of 5 * 10**6 characters": (
+        "{% set s %}{% for i in range(5000) %}" + "y" * 1000 + "{% endfor %}{% endset %}", "block's text"),
+    "5 * 10**6 characters of output": ("{% for i in range(5000) %}" + "z" * 1000 + "{% endfor %}", "rendered more"),
+    "lipsum": ("{{ lipsum(1000000) }}", "'lipsum' is undefined"),
+    "an expression nested 5,000 deep": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nests too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_template_stops_at_a_bound_at_once(renderer, case):
+    template, message = HOSTILE[case]
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=message):
+        renderer.render(template, MESSAGES, True)
+    # 100,000 steps take some 0.4 s on a loaded 2-core machine; the bounds stop the others at once.
+    assert time.monotonic() - started < 5
+
+
+def test_the_step_bound_counts_loop_iterations_calls_and_range_items(renderer):
+    bounded = ChatTemplateRenderer(MAX_CHARS, 1000)
+    # 1 call and 300 items of range, 1 call and 300 iterations of the loop, 300 calls of the method.
+    template = "{% for i in range(300) %}{{ 'a'.upper() }}{% endfor %}"
+    assert bounded.render(template, MESSAGES) == "A" * 300
+    with pytest.raises(ChatTemplateLimitError, match="too many steps"):
+        bounded.render(template.replace("300", "400"), MESSAGES)  # 1,602 steps
+
+
+def test_invalid_jinja_is_a_template_error_naming_the_line(renderer):
+    with pytest.raises(ChatTemplateError, match="not valid Jinja.*line 2"):
+        renderer.render("ok\n{% for %}", MESSAGES)
+
+
+def test_the_sandbox_is_still_a_sandbox(renderer):
+    with pytest.raises(ChatTemplateError, match="unsafe|not safely|has no attribute"):
+        renderer.render("{{ messages.__class__.__mro__ }}{{ ''.__class__ }}", MESSAGES)
+    with pytest.raises(ChatTemplateError, match="underscore"):
+        renderer.render("{% set ns = namespace() %}{% set ns._x = 1 %}", MESSAGES)
+
+
+# ------------------------------------------------------------------- the sandbox
+@pytest.fixture(scope="module")
+def sandbox():
+    sandbox = ChatTemplateSandbox(MAX_CHARS, MAX_STEPS, timeout_s=2.0)
+    yield sandbox
+    sandbox.close()
+
+
+def render(sandbox: ChatTemplateSandbox, template: str, variables: dict | None = None) -> str:
+    return asyncio.run(sandbox.render(template, MESSAGES, True, False, variables or {}))
+
+
+def test_the_sandbox_renders_as_the_renderer(tokenizer, renderer, sandbox):
+    variables = {**tokenizer.special_tokens_map, "tools": TOOLS}
+    assert render(sandbox, TOOLS_TEMPLATE, variables) == renderer.render(TOOLS_TEMPLATE, MESSAGES, True, False,
+                                                                         variables)
+
+
+def test_a_render_past_the_deadline_is_killed_and_the_next_renders(sandbox):
+    # Each iteration sorts 100,000 characters: within every bound, but minutes of work.
+    slow = "{% set big = 'ab' * 50000 %}{% for i in range(30000) %}{% set x = big|list|sort|join %}{% endfor %}"
+    render(sandbox, "{{ 1 }}")
+    before = set(sandbox.worker_pids)
+    threads = threading.active_count()
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateLimitError, match="did not render within 2 s"):
+        render(sandbox, slow)
+    assert time.monotonic() - started < 4
+    assert before and not before & set(sandbox.worker_pids)  # that process is gone
+    assert render(sandbox, "{{ messages[1].content }}") == MESSAGES[1]["content"]
+    assert threading.active_count() <= threads + 1
+
+
+def test_a_render_past_the_memory_limit_is_a_template_error(sandbox):
+    # A padded str.format allocates 3 GB in one call, past the process's address-space limit.
+    with pytest.raises(ChatTemplateLimitError, match="ran out of memory"):
+        render(sandbox, "{{ '{:>3000000000}'.format('x') }}")
+    assert render(sandbox, "{{ 2 }}") == "2"
+
+
+def test_the_sandbox_reports_the_templates_own_errors(sandbox):
+    with pytest.raises(ChatTemplateError, match="no such thing"):
+        render(sandbox, "{{ raise_exception('no such thing') }}")
+    with pytest.raises(ChatTemplateLimitError, match="too many steps"):
+        render(sandbox, HOSTILE["nested ranges of 10**5 x 10**5"][0])
