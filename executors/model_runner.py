@@ -8,7 +8,6 @@ here, keyed by ``req_id``.
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
-from raylm.models import get_model
+from raylm.models import get_model, release_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context, step_output_rows
 from raylm.parallel.communication import tensor_model_parallel_broadcast
@@ -372,10 +371,10 @@ class ModelRunner:
             self.decode_graphs.release()
             self.decode_graphs = None
         if self.model is not None:
-            for layer in self._attention_layers():
-                layer.kv_cache = None
+            release_model(self.model)  # its modules are in cycles: freed now, without a collection
         self.kv_caches = []
         self.model = None
+        self.lora_manager = None  # it holds the model's LoRA layers and the adapters' weights
         if self.draft_runner is not None:
             self.draft_runner.release_memory()
         if self.staging is not None:
@@ -385,7 +384,6 @@ class ModelRunner:
         self._sampling_params.clear()
         self._last_sampled.clear()
         self._pending_samples.clear()
-        gc.collect()  # model modules refer to each other (the CPU fused decode holds its layers)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
