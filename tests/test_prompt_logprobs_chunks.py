@@ -109,3 +109,18 @@ def test_llm_prompt_logprobs_in_small_chunks_match_hf(llama_dir, monkeypatch):
         assert_logprobs_match_hf(llama_dir, prompts, outputs, top_k=2)
     finally:
         llm.shutdown()
+
+
+def test_tp2_prompt_logprobs_over_several_chunks_match_hf(ray_cluster, tmp_path):
+    # 299 scored rows: two chunks of the default 256, each gathered from both ranks to rank 0.
+    model_dir = build_tiny_model(tmp_path / "long", "llama", max_position_embeddings=512)
+    prompt = random_prompts(1, seed=8, min_len=300, max_len=300)[0]
+    assert len(prompt) - 1 > prompt_logprobs.PROMPT_LOGPROBS_CHUNK_ROWS
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=4, tensor_parallel_size=2,
+              distributed_executor_backend="ray")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert_logprobs_match_hf(model_dir, [prompt], outputs, top_k=1)
+    finally:
+        llm.shutdown()
