@@ -38,7 +38,7 @@ from raylm.executors.input_staging import to_device
 from raylm.executors.sampler import greedy_tokens, inverse_cdf, process_logits_, sampling_probs
 from raylm.executors.sampling_metadata import SamplingMetadata, needs_token_history
 from raylm.kernels.backend import get_attention_backend
-from raylm.models import get_model
+from raylm.models import get_model, release_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context, step_output_rows
 from raylm.parallel.communication import tensor_model_parallel_broadcast
@@ -86,8 +86,7 @@ class DraftModelRunner:
     def release_memory(self) -> None:
         """Drops the draft's KV cache and model (`ModelRunner.release_memory`)."""
         if self.model is not None:
-            for layer in self._attention_layers():
-                layer.kv_cache = None
+            release_model(self.model)
         self.model = None
         self._states.clear()
 

@@ -8,7 +8,6 @@ here, keyed by ``req_id``.
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +19,20 @@ from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_p
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
                                ScheduledRequest, TokenLogprobs)
+from raylm.executors import prompt_logprobs
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
 from raylm.executors.rejection_sampler import RejectionSampler
-from raylm.executors.sampler import PendingSample, Sampler, token_logprobs
+from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
                                                sibling_generator)
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
-from raylm.models import get_model
+from raylm.models import get_model, release_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context, step_output_rows
 from raylm.parallel.communication import tensor_model_parallel_broadcast
@@ -91,6 +91,8 @@ class ModelRunner:
         self.lora_manager = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
+        # Prompt rows scored at once (executors/prompt_logprobs.py).
+        self.prompt_logprobs_chunk_rows = prompt_logprobs.PROMPT_LOGPROBS_CHUNK_ROWS
         self.rejection_sampler = RejectionSampler(self.sampler)
         # Speculative decoding with a draft model: it runs beside the target on every rank.
         speculative_config = engine_config.speculative_config
@@ -175,7 +177,8 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> int:
         """Bytes a forward over a full token budget (CUDA), without a KV cache, allocates
-        at its peak beyond what was allocated before it (the weights)."""
+        at its peak beyond what was allocated before it (the weights), its logits over a
+        full batch and a chunk of prompt rows' logprobs included."""
         num_tokens = self._profile_num_tokens()
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         # Positions stay within the context length the rotary tables cover.
@@ -189,6 +192,13 @@ class ModelRunner:
         num_rows = min(num_tokens, self.scheduler_config.max_num_seqs)
         if self.is_last_stage:
             self.model.compute_logits(hidden[:num_rows])
+            # A step scoring prompt logprobs holds one chunk of rows' logits and their
+            # log-softmax instead (executors/prompt_logprobs.py), at the most alternatives.
+            chunk = min(num_tokens, self.prompt_logprobs_chunk_rows)
+            max_k = self.model_config.max_logprobs
+            max_k = self.model_config.vocab_size if max_k < 0 else min(max_k, self.model_config.vocab_size)
+            prompt_logprobs.compute_prompt_logprobs(self.model.compute_logits, hidden[:chunk], [0] * chunk,
+                                                    [max_k] * chunk, chunk)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden, input_ids, positions
@@ -361,10 +371,10 @@ class ModelRunner:
             self.decode_graphs.release()
             self.decode_graphs = None
         if self.model is not None:
-            for layer in self._attention_layers():
-                layer.kv_cache = None
+            release_model(self.model)  # its modules are in cycles: freed now, without a collection
         self.kv_caches = []
         self.model = None
+        self.lora_manager = None  # it holds the model's LoRA layers and the adapters' weights
         if self.draft_runner is not None:
             self.draft_runner.release_memory()
         if self.staging is not None:
@@ -374,7 +384,6 @@ class ModelRunner:
         self._sampling_params.clear()
         self._last_sampled.clear()
         self._pending_samples.clear()
-        gc.collect()  # model modules refer to each other (the CPU fused decode holds its layers)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -426,32 +435,44 @@ class ModelRunner:
         if not rows:
             return SamplerOutput(lora_failures=lora_failures) if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
-        logits = self.model.compute_logits(selected)
-        if logits is None:  # tensor parallel: only rank 0 holds the logits
-            return None
-        logits = logits.float()
-
         output = SamplerOutput(lora_failures=lora_failures)
-        if req.structured_output_req_ids and sample_rows:
+        num_sampled = len(sample_rows)
+        if sample_rows:
+            logits = self.model.compute_logits(selected[:num_sampled])
+            if logits is not None:  # tensor parallel: only rank 0 holds the logits and samples
+                pending = self._sample(logits, req, sampled, draft_probs, output, defer_read and not prompt_rows)
+                if pending is not None:
+                    return self._deferred(output, pending, sampled)
+            del logits  # before the prompt rows' logits exist
+        if prompt_rows:
+            # Every rank takes part in each chunk's logits gather; rank 0 gets the values.
+            scored = self._prompt_logprobs(selected[num_sampled:], prompt_requests)
+            if scored is not None:
+                output.prompt_logprobs = scored
+        return output if self.rank == 0 else None
+
+    def _sample(self, logits: torch.Tensor, req: ExecuteModelRequest, sampled: list[ScheduledRequest],
+                draft_probs: dict[int, torch.Tensor] | None, output: SamplerOutput,
+                defer_read: bool) -> PendingSample | None:
+        """Draws (or verifies) the sampled requests' tokens from their logits rows into
+        `output`; with defer_read, only launches the draws and returns them."""
+        logits = logits.float()
+        if req.structured_output_req_ids:
             # Structured outputs: tokens the grammar refuses get -inf before any sampling.
             apply_grammar_bitmask(logits, req.grammar_bitmask, _grammar_rows(sampled, req.structured_output_req_ids))
-        if sample_rows:
-            # The drawn tokens come back as the next step's token_ids, which is when
-            # _update_states appends them to the histories.
-            if any(scheduled.spec_token_ids for scheduled in sampled):
-                output.outputs = self._verify(logits[:len(sample_rows)], sampled, draft_probs)
-            elif defer_read and not prompt_rows and self.draft_runner is None:
-                pending = self.sampler.launch(logits[:len(sample_rows)], self._sampling_metadata(sampled))
-                return self._deferred(output, pending, sampled)
-            else:
-                output.outputs = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
-            last, pending_samples = self._last_sampled, self._pending_samples
-            for token in output.outputs:
-                last[token.req_id] = token.token_id
-                pending_samples.pop(token.req_id, None)  # an older deferred step's token
-        if prompt_rows:
-            output.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], prompt_requests)
-        return output
+        # The drawn tokens come back as the next step's token_ids, which is when
+        # _update_states appends them to the histories.
+        if any(scheduled.spec_token_ids for scheduled in sampled):
+            output.outputs = self._verify(logits, sampled, draft_probs)
+        elif defer_read and self.draft_runner is None:
+            return self.sampler.launch(logits, self._sampling_metadata(sampled))
+        else:
+            output.outputs = self.sampler(logits, self._sampling_metadata(sampled))
+        last, pending_samples = self._last_sampled, self._pending_samples
+        for token in output.outputs:
+            last[token.req_id] = token.token_id
+            pending_samples.pop(token.req_id, None)  # an older deferred step's token
+        return None
 
     def _run_model(self, host: HostStep, rows: list[int] | None,
                    intermediate_tensors: IntermediateTensors | None = None,
@@ -758,14 +779,19 @@ class ModelRunner:
                 state.history.extend(proposals[:num_emitted[scheduled.req_id] - 1])
         return outputs
 
-    def _prompt_logprobs(self, logits: torch.Tensor, requests: list[ScheduledRequest]
-                         ) -> dict[int, list[TokenLogprobs]]:
+    def _prompt_logprobs(self, hidden_states: torch.Tensor, requests: list[ScheduledRequest]
+                         ) -> dict[int, list[TokenLogprobs]] | None:
+        """The prompt logprobs of the requests' scored rows, whose final hidden states are
+        `hidden_states` in the requests' order; None on ranks other than 0."""
         targets: list[int] = []
         top_ks: list[int] = []
         for scheduled in requests:
             targets.extend(scheduled.prompt_logprobs_targets)
             top_ks.extend([scheduled.sampling_params.prompt_logprobs or 0] * len(scheduled.prompt_logprobs_targets))
-        entries = token_logprobs(logits, to_device(targets, logits.device), top_ks)
+        entries = prompt_logprobs.compute_prompt_logprobs(self.model.compute_logits, hidden_states, targets, top_ks,
+                                                          self.prompt_logprobs_chunk_rows)
+        if entries is None:
+            return None
         result: dict[int, list[TokenLogprobs]] = {}
         offset = 0
         for scheduled in requests:

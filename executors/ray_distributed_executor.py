@@ -14,8 +14,9 @@ Set-up, in order:
    (the driver's node first) so each node's ranks are contiguous. Under pipeline
    parallelism the stages take the ranks in order, T at a time, and none may straddle two
    nodes (`executors/pipeline_stages.py`).
-4. Rendezvous at rank 0's node (on loopback when every worker is there); every worker
-   sizes its thread pool (`cpu_threads`) and loads its shard.
+4. Rendezvous at rank 0's node (on loopback when every worker is there), on a port rank 0
+   listens on from the moment it is chosen (`RayWorkerWrapper.open_rendezvous_port`);
+   every worker sizes its thread pool (`cpu_threads`) and loads its shard.
 
 Each step the same request, serialized once, goes to every worker, and rank 0 (of the last
 pipeline stage) answers with the sampled tokens (the other ranks with None); each pipeline
@@ -214,8 +215,9 @@ class RayDistributedExecutor(Executor):
         local_ranks = self._set_node_environments()
 
         host = _rendezvous_host(self.placements)
-        port = self._wait_all([self.workers[0].find_free_port.remote(host)], "find a free port")[0]
-        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        # Rank 0 listens on the port before anyone learns it: no other process can take it.
+        port = self._wait_all([self.workers[0].open_rendezvous_port.remote(host)], "open the rendezvous port")[0]
+        init_method = tcp_init_method(host, port)
         config_ref = ray.put(self._worker_engine_config())
         self._wait_all([worker.init_worker.remote(config_ref, rank, local_rank, init_method)
                         for rank, (worker, local_rank) in enumerate(zip(self.workers, local_ranks))],
@@ -573,6 +575,11 @@ def worker_env_vars() -> dict[str, str]:
            if name.startswith("RAYLM_") and not _SECRET_NAME.search(name)}
     env.update(openmp_environment_for_workers())
     return env
+
+
+def tcp_init_method(host: str, port: int) -> str:
+    """torch.distributed's init method for a store at host:port (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _rendezvous_host(placements: Sequence[WorkerPlacement]) -> str:

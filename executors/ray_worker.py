@@ -66,6 +66,8 @@ class RayWorkerWrapper:
         # Pipeline parallel: whether this stage hands its activations on as device tensors
         # (the compiled graph's NCCL channel) rather than bytes.
         self.stage_output_on_device = False
+        # Rank 0: the socket its rendezvous store will listen on (`open_rendezvous_port`).
+        self._rendezvous_listener: socket.socket | None = None
 
     def set_stage_output_on_device(self, on_device: bool) -> None:
         self.stage_output_on_device = on_device
@@ -81,13 +83,15 @@ class RayWorkerWrapper:
         # (same ordinal for local_rank on every rank), which NCCL needs for P2P.
         os.environ.update(env)
 
-    def find_free_port(self, host: str) -> int:
-        """A TCP port free on `host` (an address of this node) now, for the rendezvous store
-        rank 0 will host there."""
+    def open_rendezvous_port(self, host: str) -> int:
+        """Listens on a free TCP port of `host` (an address of this node) and returns it, for
+        the rendezvous store this rank (0) hosts: the store takes this socket over
+        (`init_worker`), so from the moment the port is known until the other ranks reach
+        the store no other process can take it (a port found free by binding and closing a
+        socket could be taken before the store bound it again)."""
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            return sock.getsockname()[1]
+        self._rendezvous_listener = socket.create_server((host, 0), family=family)
+        return self._rendezvous_listener.getsockname()[1]
 
     def init_worker(self, engine_config: EngineConfig, rank: int, local_rank: int,
                     distributed_init_method: str | None) -> None:
@@ -96,8 +100,10 @@ class RayWorkerWrapper:
         # What the actor's bundle reserves (for a bundle of a placement group Ray reports
         # it under the plain resource name).
         reserved_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        listener, self._rendezvous_listener = self._rendezvous_listener, None
         self.worker = Worker(engine_config, rank=rank, local_rank=local_rank,
-                             distributed_init_method=distributed_init_method, reserved_cpus=reserved_cpus)
+                             distributed_init_method=distributed_init_method, reserved_cpus=reserved_cpus,
+                             rendezvous_listener=listener)
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)

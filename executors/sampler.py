@@ -584,10 +584,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_ks: list[i
     """Raw log-softmax logprob, rank (1 = most likely) and top-k alternatives of one chosen
     token per row, read back in one go. logits: [N, V] (already log-softmaxed if
     ``normalized``); token_ids: [N]; top_ks: N counts (0 allowed)."""
+    values = read_back([token_ids] + token_logprob_reads(logits, token_ids, max(top_ks), normalized))
+    return token_logprobs_from(values[0], values[1], top_ks, values[2:])
+
+
+def token_logprob_reads(logits: torch.Tensor, token_ids: torch.Tensor, max_k: int,
+                        normalized: bool = False) -> list[torch.Tensor]:
+    """On the device, what `token_logprobs_from` reads: the chosen tokens' logprobs [N, 1],
+    then `ranks_and_top`'s (the top max_k of every row)."""
     logprobs = logits if normalized else torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    values = read_back([token_ids, chosen] + ranks_and_top(logprobs, chosen, top_ks))
-    return token_logprobs_from(values[0], values[1], top_ks, values[2:])
+    return [chosen] + ranks_and_top(logprobs, chosen, [max_k])
 
 
 def ranks_and_top(logprobs: torch.Tensor, chosen: torch.Tensor, top_ks: list[int]) -> list[torch.Tensor]:

@@ -36,9 +36,12 @@ PREFLIGHT_TIMEOUT_S = 60.0
 
 class Worker:
     def __init__(self, engine_config: EngineConfig, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str | None = None, reserved_cpus: float | None = None) -> None:
+                 distributed_init_method: str | None = None, reserved_cpus: float | None = None,
+                 rendezvous_listener: socket.socket | None = None) -> None:
         """`reserved_cpus`: the CPUs Ray reserved for this worker (None outside Ray); see
-        `cpu_threads.worker_thread_count`."""
+        `cpu_threads.worker_thread_count`. `rendezvous_listener`: rank 0, a socket already
+        listening on distributed_init_method's port, which its store takes over (else it
+        binds the port when it sets the store up)."""
         self.engine_config = engine_config
         self.rank = rank
         tp_size = engine_config.parallel_config.tensor_parallel_size
@@ -54,6 +57,7 @@ class Worker:
         # The tensor-parallel ranks on this worker's machine, this one included.
         self.ranks_on_machine: list[int] = [rank]
         self._rendezvous: dist.Store | None = None
+        self._rendezvous_listener = rendezvous_listener
 
     def init_device(self) -> None:
         """Picks the device, joins the tensor-parallel group, sizes the CPU thread pool and
@@ -105,7 +109,8 @@ class Worker:
                              f"{self.distributed_init_method!r}.")
         preflight_s = min(PREFLIGHT_TIMEOUT_S, parallel_config.worker_timeout_s)
         try:
-            store = _rendezvous_store(address.hostname, address.port, self.rank, world_size, preflight_s)
+            listener, self._rendezvous_listener = self._rendezvous_listener, None
+            store = _rendezvous_store(address.hostname, address.port, self.rank, world_size, preflight_s, listener)
         except Exception as e:
             raise RuntimeError(f"Rank {self.rank} could not reach the rendezvous store of rank 0 at "
                                f"{self.distributed_init_method} within {preflight_s:.0f} s: {e}") from e
@@ -230,15 +235,18 @@ def _usable_cores() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def _rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+def _rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                      listener: socket.socket | None = None) -> dist.TCPStore:
     """The rendezvous store: rank 0 hosts it, listening on `host` only (torch's own server
-    listens on every interface, and the store takes writes from anyone who reaches it);
-    the other ranks connect."""
+    listens on every interface, and the store takes writes from anyone who reaches it), on
+    `listener` when it already listens there; the other ranks connect."""
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    listener = socket.create_server((host, port), family=family)
+    if listener is None:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, port), family=family)
+    assert listener.getsockname()[1] == port, "the listener must be on distributed_init_method's port"
     # The store's server owns the socket from here on (and closes it).
     return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=listener.detach())

@@ -47,3 +47,18 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
             if hook is not None:
                 hook()
     return model.eval()
+
+
+def release_model(model: nn.Module) -> None:
+    """Takes a model apart, so that dropping the last reference to it frees its weights,
+    buffers and whatever its modules hold (packed weights, the CPU fused decode's tables)
+    by reference counting, at once, with no garbage collection.
+
+    A model's modules are in reference cycles: every parallel layer's parameters carry the
+    layer's bound `weight_loader` (vLLM's convention), so module -> parameter -> method ->
+    module. Only a full collection found those, which takes ~0.2 s over a test process's
+    400k objects and finds nothing in a server whose heap was frozen after startup
+    (`deploy/api_server.freeze_startup_heap`). Emptying every module's attributes breaks
+    each such cycle. The model cannot run afterwards."""
+    for module in list(model.modules()):
+        module.__dict__.clear()
