@@ -664,7 +664,7 @@ class ModelRunner:
         """Whether this step needs on the host a token of a deferred step not collected yet:
         a request with proposals to verify, or a draft model that proposes from the tokens,
         or a request whose penalties read its history's tokens on the host (without a
-        `PenaltyState`: the state counts drawn tokens on the device). Other steps take such
+        `PenaltyState`, which counts such a token from the device). Other steps take such
         tokens on the device (min_tokens counts its history's tokens but reads none: 0
         stands in there)."""
         if not self._pending_samples:
