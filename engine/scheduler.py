@@ -109,6 +109,8 @@ class Scheduler:
         self._worker_ids = itertools.count()
         # Worker ids of requests freed since the last step that workers hold state for.
         self._finished_worker_ids: list[int] = []
+        # Worker ids of requests preempted since the last step that workers hold state for.
+        self._preempted_worker_ids: list[int] = []
         self._on_workers: set[int] = set()
         # Pipeline parallel (`pipeline_schedule.py`): requests wait for their tokens in
         # flight, and each step takes at most _step_request_limit requests.
@@ -229,6 +231,7 @@ class Scheduler:
         if scheduled:
             # An empty step never reaches the workers: its ids ride along with the next one.
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
+            out.step.preempted_req_ids, self._preempted_worker_ids = self._preempted_worker_ids, []
             if self.lora_slots is not None:
                 out.step.lora_activations = self.lora_slots.take_activations()
             self._fill_grammar_bitmask(out)
@@ -398,6 +401,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.lora_slots is not None:
             self.lora_slots.release(request)
+        if request.worker_id in self._on_workers:
+            self._preempted_worker_ids.append(request.worker_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.resumed = True

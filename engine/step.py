@@ -72,6 +72,10 @@ class ExecuteModelRequest:
     requests: list[ScheduledRequest]
     # Requests that ended since the last step: workers drop their sampler state.
     finished_req_ids: list[int] = field(default_factory=list)
+    # Requests preempted since the last step (vLLM's preempted_req_ids): workers give back
+    # what a request holds only while it runs (a penalty state row); the rest stays for
+    # its readmission, which rebuilds its state (ScheduledRequest.resumed).
+    preempted_req_ids: list[int] = field(default_factory=list)
     # LoRA: the adapters that this step puts in slots (slot -> adapter and the digest of its
     # files, which a worker that must read them again checks), before it runs.
     lora_activations: dict[int, tuple[LoRARequest, AdapterDigest]] | None = None

@@ -2,8 +2,8 @@
 paged KV cache, and samples.
 
 The step carries only each request's new tokens and block table; what the sampler needs
-across steps (token history for penalties and min_tokens, seeded generators) is kept
-here, keyed by ``req_id``.
+across steps (token history for penalties and min_tokens, seeded generators; on a GPU the
+penalties' state on the device, executors/penalty_state.py) is kept here, keyed by ``req_id``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeI
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
+from raylm.executors.penalty_state import PenaltyState
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
@@ -76,6 +77,11 @@ class HostStep:
 
 
 class ModelRunner:
+    # Devices on which penalties read per-request state kept on the device (`PenaltyState`)
+    # rather than the host's histories, which the CPU's native pass reads in place (tests
+    # add "cpu" to walk the GPU's path).
+    penalty_state_devices: tuple[str, ...] = ("cuda",)
+
     def __init__(self, engine_config: EngineConfig, rank: int = 0, device: torch.device | str = "cpu") -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
@@ -100,6 +106,9 @@ class ModelRunner:
             DraftModelRunner(engine_config, rank, self.device)
             if speculative_config is not None and speculative_config.uses_draft_model else None)
         self._states: dict[int, RequestSamplingState] = {}
+        # The sampling worker on a device in penalty_state_devices: penalised requests' rows
+        # of penalty state, allocated in load_model (before the KV cache is sized).
+        self.penalty_state: PenaltyState | None = None
         # Each running request's sampling parameters, sent once per admission (step.py).
         self._sampling_params: dict[int, SamplingParams] = {}
         # Rank 0: each running request's last sampled token; with async scheduling the next
@@ -141,6 +150,11 @@ class ModelRunner:
             self.draft_runner.load_model()
         if self.device.type == "cuda":
             self.staging = InputStaging(self.device, self._max_step_input_bytes())
+        if self.rank == 0 and self.is_last_stage and self.device.type in self.penalty_state_devices:
+            # One row per request that can run at once: allocated now, the KV cache is
+            # sized around it (on CUDA it is part of what is in use after loading).
+            self.penalty_state = PenaltyState(self.scheduler_config.max_num_seqs, self.model_config.vocab_size,
+                                              self.device)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -249,10 +263,12 @@ class ModelRunner:
         self.cuda_graph_memory_estimate = self._cuda_graph_memory_estimate(activation_peak)
         available = (int(total * self.cache_config.gpu_memory_utilization) - in_use - activation_peak
                      - self.cuda_graph_memory_estimate)
-        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB forward peak, %.2f GiB "
-                    "for CUDA graphs: %.2f GiB left for the KV cache at gpu_memory_utilization %.2f.",
-                    total / 2**30, in_use / 2**30, activation_peak / 2**30, self.cuda_graph_memory_estimate / 2**30,
-                    max(0, available) / 2**30, self.cache_config.gpu_memory_utilization)
+        penalty_bytes = self.penalty_state.nbytes if self.penalty_state is not None else 0
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading (%.2f GiB of it penalty state), "
+                    "%.2f GiB forward peak, %.2f GiB for CUDA graphs: %.2f GiB left for the KV cache at "
+                    "gpu_memory_utilization %.2f.", total / 2**30, in_use / 2**30, penalty_bytes / 2**30,
+                    activation_peak / 2**30, self.cuda_graph_memory_estimate / 2**30, max(0, available) / 2**30,
+                    self.cache_config.gpu_memory_utilization)
         return available
 
     def _cuda_graph_memory_estimate(self, activation_peak: int) -> int:
@@ -381,6 +397,7 @@ class ModelRunner:
             self.staging.release()
             self.staging = None
         self._states.clear()
+        self.penalty_state = None
         self._sampling_params.clear()
         self._last_sampled.clear()
         self._pending_samples.clear()
@@ -407,13 +424,17 @@ class ModelRunner:
             self._sampling_params.pop(req_id, None)
             self._last_sampled.pop(req_id, None)
             self._pending_samples.pop(req_id, None)
+        if self.penalty_state is not None:
+            # Preempted ones are given a fresh row when readmitted (`PenaltyState.update`).
+            self.penalty_state.release(req.finished_req_ids)
+            self.penalty_state.release(req.preempted_req_ids)
         if self.draft_runner is not None:
             self.draft_runner.finish(req.finished_req_ids)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         self._fill_sampling_params(req.requests)
         device_holes = self._fill_placeholders(req.requests)
-        self._update_states(req.requests)
+        self._update_states(req.requests, device_holes)
         draft_probs = None
         if self.draft_runner is not None:
             # Fills the proposal placeholders of spec_token_ids; rank 0 gets the
@@ -662,9 +683,11 @@ class ModelRunner:
 
     def needs_collected_tokens(self, req: ExecuteModelRequest) -> bool:
         """Whether this step needs on the host a token of a deferred step not collected yet:
-        a request whose penalties read its history's tokens, or with proposals to verify,
-        or a draft model that proposes from the tokens. Other steps take such tokens on the
-        device (min_tokens counts its history's tokens but reads none: 0 stands in there)."""
+        a request with proposals to verify, or a draft model that proposes from the tokens,
+        or a request whose penalties read its history's tokens on the host (without a
+        `PenaltyState`, which counts such a token from the device). Other steps take such
+        tokens on the device (min_tokens counts its history's tokens but reads none: 0
+        stands in there)."""
         if not self._pending_samples:
             return False
         if self.draft_runner is not None:
@@ -673,7 +696,7 @@ class ModelRunner:
             if scheduled.req_id not in self._pending_samples or scheduled.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
                 continue
             params = scheduled.sampling_params or self._sampling_params.get(scheduled.req_id)
-            if scheduled.spec_token_ids or params is None or params.needs_penalties:
+            if scheduled.spec_token_ids or params is None or (params.needs_penalties and self.penalty_state is None):
                 return True
         return False
 
@@ -708,12 +731,19 @@ class ModelRunner:
             else:
                 kept[scheduled.req_id] = scheduled.sampling_params
 
-    def _update_states(self, requests: list[ScheduledRequest]) -> None:
-        """Brings each tracked history up to date with this step's tokens, before sampling.
-        Only the worker that samples keeps histories (tensor-parallel rank 0 of the last
-        pipeline stage): the others never read them."""
+    def _update_states(self, requests: list[ScheduledRequest],
+                       device_holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = ()) -> None:
+        """Brings each tracked history, and the penalty state's rows, up to date with this
+        step's tokens, before sampling. Only the worker that samples keeps them
+        (tensor-parallel rank 0 of the last pipeline stage): the others never read them.
+        device_holes: `_fill_placeholders`' tokens left on the device."""
         if not (self.rank == 0 and self.is_last_stage):
             return
+        if self.penalty_state is not None:
+            penalised = [scheduled for scheduled in requests if scheduled.sampling_params.needs_penalties]
+            if penalised:
+                holes = {requests[index].req_id: (tokens, row) for index, (tokens, row, _) in device_holes}
+                self.penalty_state.update(penalised, holes)
         states = self._states
         for scheduled in requests:
             if not needs_token_history(scheduled.sampling_params):
@@ -760,7 +790,13 @@ class ModelRunner:
             histories.append(history)
             history_lens.append(history.num_tokens if history is not None else 0)
             generators.append(state.generator if seeded else None)
-        return SamplingMetadata(req_ids, params_list, histories, history_lens, generators)
+        metadata = SamplingMetadata(req_ids, params_list, histories, history_lens, generators)
+        state = self.penalty_state
+        if state is not None:
+            metadata.penalty_state = state
+            metadata.penalty_rows = [state.row_of(scheduled.req_id) if params.needs_penalties else -1
+                                     for scheduled, params in zip(requests, params_list)]
+        return metadata
 
     def _verify(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
                 draft_probs: dict[int, torch.Tensor] | None) -> list[SampledToken]:
@@ -773,10 +809,15 @@ class ModelRunner:
         num_emitted: dict[int, int] = {}
         for token in outputs:
             num_emitted[token.req_id] = num_emitted.get(token.req_id, 0) + 1
+        accepted: dict[int, list[int]] = {}
         for scheduled, proposals in zip(sampled, drafts):
             state = self._states.get(scheduled.req_id)
             if proposals and state is not None and state.history is not None:
                 state.history.extend(proposals[:num_emitted[scheduled.req_id] - 1])
+            if proposals and scheduled.sampling_params.needs_penalties:
+                accepted[scheduled.req_id] = proposals[:num_emitted[scheduled.req_id] - 1]
+        if self.penalty_state is not None and accepted:
+            self.penalty_state.add_output_tokens(accepted)
         return outputs
 
     def _prompt_logprobs(self, hidden_states: torch.Tensor, requests: list[ScheduledRequest]

@@ -45,9 +45,16 @@ from raylm.executors.sampling_metadata import SamplingMetadata
 def expand_metadata(metadata: SamplingMetadata, draft_token_ids: list[list[int]]) -> SamplingMetadata:
     """One row per verified position: request r's row i has the request's parameters, its
     generator, and (when it keeps one) its history followed by its first i proposals, which
-    are staged in the history's buffer for that (no copy of the history)."""
+    are staged in the history's buffer for that (no copy of the history); with the penalty
+    state on the device, the request's row there and its first i proposals beside it."""
     req_ids, params, histories, history_lens, generators = [], [], [], [], []
+    on_device = metadata.penalty_state is not None
+    penalty_rows: list[int] | None = [] if on_device else None
+    proposals: list[list[int]] | None = [] if on_device else None
     for r, drafts in enumerate(draft_token_ids):
+        if on_device:
+            penalty_rows += [metadata.penalty_rows[r]] * (len(drafts) + 1)
+            proposals += [drafts[:i] for i in range(len(drafts) + 1)]
         history = metadata.histories[r]
         if history is not None and drafts:
             assert metadata.history_lens[r] == history.num_tokens, "proposals follow the whole history"
@@ -58,7 +65,8 @@ def expand_metadata(metadata: SamplingMetadata, draft_token_ids: list[list[int]]
             histories.append(history)
             history_lens.append(metadata.history_lens[r] + (i if history is not None else 0))
             generators.append(metadata.generators[r])
-    return SamplingMetadata(req_ids, params, histories, history_lens, generators)
+    return SamplingMetadata(req_ids, params, histories, history_lens, generators,
+                            penalty_state=metadata.penalty_state, penalty_rows=penalty_rows, proposals=proposals)
 
 
 class RejectionSampler:

@@ -384,29 +384,22 @@ def _padded_token_ids(metadata: SamplingMetadata, rows: list[int], output: bool,
 def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int],
                      vocab_size: int) -> None:
     """vLLM's repetition (prompt and output tokens), frequency and presence (output tokens)
-    penalties, in place. On the CPU a native pass touches only the tokens each row has seen;
-    elsewhere masks and counts over the whole vocabulary."""
-    if cpu_ops.usable(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+    penalties, in place. Where the worker keeps them on the device (`PenaltyState`: a GPU)
+    the rows' masks and counts are read from there, with nothing sent from the host but row
+    indices; on the CPU a native pass reads the host histories and touches only the tokens
+    each row has seen; otherwise (metadata without either) masks and counts are built from
+    the histories' tokens, sent over."""
+    if metadata.penalty_state is not None:
+        prompt_mask, output_counts = _state_masks_and_counts(metadata, rows, logits.dtype)
+    elif cpu_ops.usable(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         _apply_penalties_native(logits, metadata, rows)
         return
+    else:
+        prompt_mask, output_counts = _history_masks_and_counts(metadata, rows, vocab_size, logits.device, logits.dtype)
     device = logits.device
     params = [metadata.sampling_params[i] for i in rows]
-    # Pad with an extra column (vocab_size) that is dropped afterwards.
-    prompt = _padded_token_ids(metadata, rows, False, vocab_size, device)
-    output = _padded_token_ids(metadata, rows, True, vocab_size, device)
-    n = len(rows)
-    if metadata.output_suffix is not None:
-        suffix = metadata.output_suffix
-        output = torch.cat([output, suffix if n == suffix.shape[0] else suffix[to_device(rows, device)]], dim=1)
-    prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
-    prompt_mask.scatter_(1, prompt, True)
-    output_counts = torch.zeros(n, vocab_size + 1, dtype=logits.dtype, device=device)
-    output_counts.scatter_add_(1, output, torch.ones_like(output, dtype=logits.dtype))
-    prompt_mask = prompt_mask[:, :vocab_size]
-    output_counts = output_counts[:, :vocab_size]
     output_mask = output_counts > 0
-
-    all_rows = n == logits.shape[0]
+    all_rows = len(rows) == logits.shape[0]
     row_idx = None if all_rows else to_device(rows, device)
     sub = logits if all_rows else logits[row_idx]
     repetition = to_device([p.repetition_penalty for p in params], device, logits.dtype).unsqueeze(1)
@@ -420,6 +413,46 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
         logits.copy_(sub)
     else:
         logits[row_idx] = sub
+
+
+def _history_masks_and_counts(metadata: SamplingMetadata, rows: list[int], vocab_size: int, device: torch.device,
+                              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' [n, V] prompt mask and output counts (`dtype`), scattered from their
+    histories' tokens, copied to the device for the step."""
+    # Pad with an extra column (vocab_size) that is dropped afterwards.
+    prompt = _padded_token_ids(metadata, rows, False, vocab_size, device)
+    output = _padded_token_ids(metadata, rows, True, vocab_size, device)
+    n = len(rows)
+    if metadata.output_suffix is not None:
+        suffix = metadata.output_suffix
+        output = torch.cat([output, suffix if n == suffix.shape[0] else suffix[to_device(rows, device)]], dim=1)
+    prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
+    prompt_mask.scatter_(1, prompt, True)
+    output_counts = torch.zeros(n, vocab_size + 1, dtype=dtype, device=device)
+    output_counts.scatter_add_(1, output, torch.ones_like(output, dtype=dtype))
+    return prompt_mask[:, :vocab_size], output_counts[:, :vocab_size]
+
+
+def _state_masks_and_counts(metadata: SamplingMetadata, rows: list[int], dtype: torch.dtype
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' [n, V] prompt mask and output counts (`dtype`) from the device penalty
+    state, with the tokens each row reads beyond its request's (proposals) counted in."""
+    state = metadata.penalty_state
+    device = state.device
+    index = to_device([metadata.penalty_rows[i] for i in rows], device)
+    prompt_mask = state.prompt_mask.index_select(0, index)
+    output_counts = state.output_counts.index_select(0, index)
+    if metadata.proposals is not None and any(metadata.proposals[i] for i in rows):
+        spans = [metadata.proposals[i] for i in rows]
+        width = max(len(span) for span in spans)
+        tokens = to_device([t for span in spans for t in span + [0] * (width - len(span))], device)
+        present = to_device([int(j < len(span)) for span in spans for j in range(width)], device, torch.int32)
+        output_counts.scatter_add_(1, tokens.view(len(rows), width), present.view(len(rows), width))
+    if metadata.output_suffix is not None:
+        suffix = metadata.output_suffix
+        suffix = suffix if len(rows) == suffix.shape[0] else suffix[to_device(rows, device)]
+        output_counts.scatter_add_(1, suffix, torch.ones_like(suffix, dtype=torch.int32))
+    return prompt_mask, output_counts.to(dtype)
 
 
 def _apply_penalties_native(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:

@@ -4,11 +4,15 @@ about each sequence between steps to provide it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from raylm.engine.sampling_params import SamplingParams
 from raylm.executors.token_history import TokenHistory
+
+if TYPE_CHECKING:
+    from raylm.executors.penalty_state import PenaltyState
 
 # Golden-ratio increment (splitmix64): spreads sibling seeds far apart in seed space.
 _SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -50,6 +54,13 @@ class SamplingMetadata:
     history, or, for a row scoring the position after some proposals, the history followed
     by them (staged in its buffer: `TokenHistory.stage`). ``generators`` is None for
     unseeded rows.
+
+    Where the worker keeps penalties on the device (`PenaltyState`, not the CPU), the
+    penalties read ``penalty_state`` instead of the histories: ``penalty_rows`` holds each
+    row's row there (-1 for rows without penalties), and ``proposals`` the tokens each row
+    reads after its request's (speculative decoding: the proposals before its position),
+    which the state does not hold. ``output_suffix`` (a draft model's proposals so far, on
+    the device) follows either.
     """
 
     req_ids: list[int]
@@ -58,6 +69,9 @@ class SamplingMetadata:
     history_lens: list[int]
     generators: list[torch.Generator | None]
     output_suffix: torch.Tensor | None = None
+    penalty_state: PenaltyState | None = None
+    penalty_rows: list[int] | None = None
+    proposals: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
@@ -103,4 +117,9 @@ class SamplingMetadata:
         """The metadata of these rows, in this order."""
         return SamplingMetadata([self.req_ids[i] for i in rows], [self.sampling_params[i] for i in rows],
                                 [self.histories[i] for i in rows], [self.history_lens[i] for i in rows],
-                                [self.generators[i] for i in rows])
+                                [self.generators[i] for i in rows], penalty_state=self.penalty_state,
+                                penalty_rows=_pick(self.penalty_rows, rows), proposals=_pick(self.proposals, rows))
+
+
+def _pick(values: list | None, rows: list[int]) -> list | None:
+    return None if values is None else [values[i] for i in rows]

@@ -67,12 +67,18 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
                 "ttft_4k_ms", "decode_attention_bw_fraction", "throughput_over_floor", "throughput_floor_tok_s"):
         assert isinstance(record[key], float) and record[key] > 0, key
     assert record["cuda_graphs"] is False  # none on the CPU
+    # Penalised decoding beside plain (the penalty state on a GPU's path; CPU figures).
+    penalised = record["speed"]["penalties"]
+    assert penalised["repetition_penalty"] == 1.05 and (penalised["batch"], penalised["prompt_len"]) == (4, 32)
+    assert all(penalised[key] > 0 for key in ("tpot_ms", "tpot_over_plain", "step_ms", "step_plain_ms"))
+    assert record["tpot_bs1_penalised_ms"] == penalised["tpot_ms"]
     sweep = record["speed"]["decode_attention_sweep"]
     assert [(case["batch"], case["context"]) for case in sweep["cases"]] == [(4, 40), (2, 100)]
     assert all(case["best"]["ms"] > 0 and case["chosen"]["fraction_of_copy"] > 0 for case in sweep["cases"])
     # Stage t: the cuda-marked engine tests, collected and skipped here.
     assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
+    assert "repetition_penalty 1.05: TPOT bs1" in result.stdout
     assert "decode attention, batch 4, context 40: chosen backend" in result.stdout
 
 

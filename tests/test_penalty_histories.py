@@ -5,7 +5,10 @@ reference that penalises Hugging Face's logits over the whole vocabulary at ever
 (tests/penalty_reference.py), while requests are preempted and recomputed, prefilled in
 chunks and hit the prefix cache, and while speculative decoding appends several tokens a
 step and takes back rejected ones (a draft model reads its own proposals too); and
-repetition_penalty alone gives HF generate's own tokens (its RepetitionPenaltyLogitsProcessor)."""
+repetition_penalty alone gives HF generate's own tokens (its RepetitionPenaltyLogitsProcessor).
+Every test runs twice: penalties from the host's histories (the CPU's native pass), and from
+the penalty state a GPU keeps on the device (executors/penalty_state.py, turned on here for
+the CPU), whose rows are rebuilt on readmission and count accepted proposals."""
 
 from __future__ import annotations
 
@@ -20,12 +23,20 @@ from hf_reference import hf_model
 from penalty_reference import penalised_greedy
 from test_spec_decode import draft_dirs, _speculative_config  # noqa: F401 (a fixture)
 from raylm.engine import LLM, SamplingParams
+from raylm.executors.model_runner import ModelRunner
 
 # 12 requests of up to ~70 tokens over 12 blocks of 16, prefilled in chunks of up to 24
 # tokens: they preempt each other and resume from the prefix cache.
 SMALL_POOL = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=12, max_num_batched_tokens=24)
 # (repetition, frequency, presence), cycled over the requests.
 PENALTIES = [(1.3, 0.0, 0.0), (1.2, 0.4, 0.3), (0.8, 0.0, -0.5), (1.0, 0.5, 0.0), (2.0, -0.3, 0.6)]
+
+
+@pytest.fixture(autouse=True, params=["host-histories", "device-state"])
+def penalty_path(request, monkeypatch):
+    if request.param == "device-state":
+        monkeypatch.setattr(ModelRunner, "penalty_state_devices", ("cuda", "cpu"))
+    return request.param
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:

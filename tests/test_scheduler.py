@@ -241,6 +241,16 @@ def test_latest_admitted_request_is_preempted_when_blocks_run_out() -> None:
     assert scheduler.num_preemptions == 1
 
 
+def test_the_step_after_a_preemption_names_the_preempted_request_to_the_workers_once() -> None:
+    # Workers give back what a request holds only while it runs (a penalty state row).
+    scheduler, a, b, c = two_requests_filling_the_pool()
+    out = run_step(scheduler)
+    assert out.num_preempted == 1 and out.step.preempted_req_ids == [b.worker_id]
+    reported = [out.step.preempted_req_ids for out in run_to_completion(scheduler)]
+    assert sum(reported, []).count(b.worker_id) == scheduler.num_preemptions - 1
+    assert set(sum(reported, [])) <= {b.worker_id}
+
+
 def test_preempted_request_is_readmitted_ahead_of_earlier_waiting_requests() -> None:
     scheduler, a, b, c = two_requests_filling_the_pool()
     run_step(scheduler)

@@ -154,8 +154,18 @@ def test_preparing_a_steps_inputs_reads_nothing_back(monkeypatch, llama_dir, ada
 
 # ---- whole steps: the sampler's read, and nothing else ------------------------------------
 
-def test_a_decode_step_reads_the_device_back_once(gpu_path, monkeypatch, llama_dir):
+@pytest.fixture(params=["host-histories", "device-state"])
+def penalties_from(request, monkeypatch):
+    """Penalties from the histories' tokens sent over, or from the penalty state kept on the
+    device (a GPU's way: executors/penalty_state.py)."""
+    if request.param == "device-state":
+        monkeypatch.setattr(ModelRunner, "penalty_state_devices", ("cuda", "cpu"))
+    return request.param
+
+
+def test_a_decode_step_reads_the_device_back_once(gpu_path, penalties_from, monkeypatch, llama_dir):
     runner = _runner(llama_dir)
+    assert (runner.penalty_state is not None) == (penalties_from == "device-state")
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
               SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2)]
     step = _decode(_prefill(runner, params))
@@ -246,6 +256,59 @@ def test_the_bitmask_through_xgrammars_kernel_masks_what_the_rule_masks(xgrammar
     assert torch.equal(logits, expected)
 
 
+PENALISED = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+             SamplingParams(temperature=0.8, seed=1, frequency_penalty=0.5, presence_penalty=0.2),
+             SamplingParams(temperature=0.0, presence_penalty=1.1)]
+
+
+def _placeholder_decode(num_sampled: int) -> list[ScheduledRequest]:
+    """The decode step launched before the last one's tokens are read: a placeholder each."""
+    return [ScheduledRequest(i, [PLACEHOLDER_TOKEN_ID], len(PROMPTS[i]) + num_sampled - 1, TABLES[i], len(PROMPTS[i]),
+                             None) for i in range(len(PROMPTS))]
+
+
+def test_deferred_penalised_decodes_take_the_last_tokens_on_the_device_and_draw_what_plain_steps_draw(
+        gpu_path, monkeypatch, llama_dir):
+    # Two decode steps, the second launched before the first's tokens are read: its
+    # penalties count them from the device. Reference: the same steps one at a time, with
+    # penalties from the host histories.
+    plain = _runner(llama_dir)
+    tokens = [[t] for t in _prefill(plain, PENALISED)]
+    for _ in range(2):
+        step = [ScheduledRequest(i, [history[-1]], len(PROMPTS[i]) + len(history) - 1, TABLES[i], len(PROMPTS[i]),
+                                 None) for i, history in enumerate(tokens)]
+        for history, token in zip(tokens, plain.execute_model(ExecuteModelRequest(requests=step)).outputs):
+            history.append(token.token_id)
+    monkeypatch.setattr(ModelRunner, "penalty_state_devices", ("cuda", "cpu"))
+    runner = _runner(llama_dir)
+    assert _prefill(runner, PENALISED) == [history[0] for history in tokens]
+    first = runner.execute_model(ExecuteModelRequest(requests=_decode([h[0] for h in tokens])), defer_read=True)
+    second_step = ExecuteModelRequest(requests=_placeholder_decode(2))
+    assert not runner.needs_collected_tokens(second_step)
+    counter = _counted(monkeypatch, runner)
+    with counter:
+        second = runner.execute_model(second_step, defer_read=True)
+    assert counter.reads == ["tolist"]  # the CPU reads a launched step's tokens at once; a GPU at collect()
+    assert [[t.token_id for t in first.collect().outputs], [t.token_id for t in second.collect().outputs]] == [
+        [history[1] for history in tokens], [history[2] for history in tokens]]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_deferred_penalised_decode_waits_for_the_device_no_more_than_a_plain_one(llama_dir):
+    # The launch of a decode step whose tokens of the step before are still unread on the
+    # device: penalties (the penalty state) add no wait to it.
+    syncs = {}
+    for name, params in (("plain", [SamplingParams(temperature=0.0)] * 3), ("penalised", PENALISED)):
+        runner = _runner(llama_dir, "cuda", enforce_eager=True)
+        assert runner.penalty_state is not None
+        first = runner.execute_model(ExecuteModelRequest(requests=_decode(_prefill(runner, params))), defer_read=True)
+        step = ExecuteModelRequest(requests=_placeholder_decode(2))
+        assert not runner.needs_collected_tokens(step)
+        second, syncs[name] = synchronizing_calls(lambda: runner.execute_model(step, defer_read=True))
+        first.collect(), second.collect()
+    assert len(syncs["penalised"]) == len(syncs["plain"]), syncs
+
+
 # ---- speculative decoding with a draft model -------------------------------------------------
 
 SPECULATIVE_BATCHES = {
@@ -305,14 +368,17 @@ def test_on_a_gpu_a_step_with_draft_model_proposals_waits_for_the_device_twice(l
     assert len(syncs) == 2, syncs
 
 
-@pytest.mark.parametrize("path", ["cpu", "gpu"])
-def test_draft_proposals_under_penalties_and_min_tokens_are_the_drafts_own_greedy_tokens(request, llama_dir, path):
+@pytest.mark.parametrize("path", ["cpu", "gpu", "gpu-penalty-state"])
+def test_draft_proposals_under_penalties_and_min_tokens_are_the_drafts_own_greedy_tokens(request, monkeypatch,
+                                                                                          llama_dir, path):
     # The draft is the target itself: its greedy proposals are the tokens plain decoding of
     # the same model emits, whose penalties and min_tokens count every token drawn before,
     # proposals included. The stop token leads every row of the third request (logit_bias),
     # so only min_tokens, counting the proposals so far, keeps it back.
-    if path == "gpu":
+    if path.startswith("gpu"):
         request.getfixturevalue("gpu_path")
+    if path == "gpu-penalty-state":
+        monkeypatch.setattr(ModelRunner, "penalty_state_devices", ("cuda", "cpu"))
     params = [SamplingParams(temperature=0.0, repetition_penalty=3.0, frequency_penalty=2.0),
               SamplingParams(temperature=0.0, presence_penalty=2.0),
               SamplingParams(temperature=0.0, min_tokens=3, logit_bias={2: 100.0})]

@@ -165,6 +165,9 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
             ttft_4k_ms=ttft.get("ms"), ttft_floor_ms=ttft.get("floor_ms"),
             decode_attention_bw_fraction=middle.get("fraction_of_copy"),
             layers=speed.get("shape", {}).get("num_layers"))
+        penalised = speed.get("penalties", {})
+        record.update(tpot_bs1_penalised_ms=penalised.get("tpot_ms"),
+                      penalised_step_over_plain=penalised.get("step_over_plain"))
     return record
 
 
@@ -225,6 +228,12 @@ def summary_lines(record: dict) -> list[str]:
     lines.append(f"TPOT bs1 {number(record['tpot_bs1_ms'])} ms, floor {number(record['floor_ms'])} ms "
                  f"({number(record['tpot_over_floor'])}x); TTFT 4k {number(record['ttft_4k_ms'], 1)} ms, floor "
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
+    penalised = (record.get("speed") or {}).get("penalties")
+    if penalised:
+        lines.append(f"repetition_penalty {penalised['repetition_penalty']}: TPOT bs1 {number(penalised['tpot_ms'])} ms "
+                     f"({number(penalised['tpot_over_plain'])}x plain); decode step at batch {penalised['batch']} x "
+                     f"{penalised['prompt_len']} {number(penalised['step_ms'])} ms "
+                     f"({number(penalised['step_over_plain'])}x plain {number(penalised['step_plain_ms'])} ms)")
     lines.append(f"throughput {number(record['throughput_tok_s'], 0)} tok/s vs HF {number(record['hf_throughput_tok_s'], 0)}"
                  f" (floor {number(record.get('throughput_floor_tok_s'), 0)} tok/s, run"
                  f" {number(record.get('throughput_over_floor'))}x its time);"

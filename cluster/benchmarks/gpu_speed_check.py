@@ -28,6 +28,11 @@ Figures, in the order they run (each is written to the JSON as soon as it is mea
 - TPOT at batch 1 (128-token prompt, 128 new tokens) against its floor: the bytes a decode
   step must read (every weight but the input embedding, and the context's KV) over the
   copy bandwidth;
+- penalties (repetition_penalty 1.05, what Qwen2.5's generation_config gives every request)
+  beside plain decoding: TPOT at batch 1 as above, and the wall time of a decode step at
+  batch 64 behind 1024-token prompts (the penalty state on the device against the plain
+  step: before it, the step thread waited for every penalised step's tokens and each step
+  sent every row's prompt and output over);
 - TTFT of a 4096-token prompt against its floor: its FLOPs (2 x parameters x tokens for
   the matrix products, less the embedding; causal attention; the LM head for one row)
   over the bf16 GEMM rate;
@@ -104,6 +109,8 @@ class Sizes:
     hf_max_time_s: float
     # The decode sweep's (batch, context) cases.
     decode_sweep_cases: tuple[tuple[int, int], ...] = ((256, 640), (64, 1024), (64, 8192))
+    # The penalised decode step's (batch, prompt length).
+    penalty_decode: tuple[int, int] = (64, 1024)
 
 
 GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4096, 64, 256, 512, 256, 60.0)
@@ -123,7 +130,10 @@ DECODE_TILE_ALTERNATIVES = [(64, 8, 3, None), (64, 8, 5, None), (32, 4, 7, None)
                             (32, 4, 5, None), (32, 4, 5, 2)]
 DRY_SIZES = Sizes(Shape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_size=16, vocab_size=512, max_model_len=256),
-                  2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0, decode_sweep_cases=((4, 40), (2, 100)))
+                  2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0, decode_sweep_cases=((4, 40), (2, 100)),
+                  penalty_decode=(4, 32))
+# Qwen2.5's generation_config gives every request this repetition penalty.
+REPETITION_PENALTY = 1.05
 
 
 # ---- timing ---------------------------------------------------------------------------
@@ -451,17 +461,54 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
 
 
-def tpot_ms(llm, shape: Shape, prompt_len: int, new_tokens: int) -> float:
+def tpot_ms(llm, shape: Shape, prompt_len: int, new_tokens: int, repetition_penalty: float = 1.0) -> float:
     from raylm.engine import SamplingParams
 
     prompt = random_prompts(1, prompt_len, shape.vocab_size, seed=1)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                            repetition_penalty=repetition_penalty)
     best = float("inf")
     for _ in range(2):  # the first run also pays whatever was left to warm up
         output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         metrics = output.metrics
         best = min(best, (metrics.finished_time - metrics.first_token_time) / (new_tokens - 1) * 1e3)
     return best
+
+
+def decode_step_ms(llm, shape: Shape, batch: int, prompt_len: int, repetition_penalty: float = 1.0,
+                   steps: int = 16) -> float:
+    """Wall time of one engine step of a batch-`batch` decode behind `prompt_len`-token
+    prompts (the median of `steps`, once every request is decoding)."""
+    from raylm.engine import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True,
+                            repetition_penalty=repetition_penalty)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, shape.vocab_size, seed=50)):
+        engine.add_request(f"decode-{repetition_penalty}-{i}", {"prompt_token_ids": prompt}, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(request.num_output_tokens < 2 for request in scheduler.running):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times)
+
+
+def penalties(llm, shape: Shape, sizes: Sizes, tpot_plain_ms: float) -> dict:
+    """Penalised decoding (REPETITION_PENALTY) beside plain: TPOT at batch 1, and a decode
+    step at sizes.penalty_decode, each ratio over plain (1.0: penalties cost nothing)."""
+    tpot = tpot_ms(llm, shape, sizes.tpot_prompt, sizes.tpot_tokens, REPETITION_PENALTY)
+    batch, prompt_len = sizes.penalty_decode
+    plain_step = decode_step_ms(llm, shape, batch, prompt_len)
+    step = decode_step_ms(llm, shape, batch, prompt_len, REPETITION_PENALTY)
+    return dict(repetition_penalty=REPETITION_PENALTY, tpot_ms=tpot, tpot_plain_ms=tpot_plain_ms,
+                tpot_over_plain=tpot / tpot_plain_ms, batch=batch, prompt_len=prompt_len, step_ms=step,
+                step_plain_ms=plain_step, step_over_plain=step / plain_step)
 
 
 def ttft_ms(llm, shape: Shape, prompt_len: int) -> float:
@@ -655,6 +702,8 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
         tpot = tpot_ms(llm, shape, sizes.tpot_prompt, sizes.tpot_tokens)
         floor = tpot_floor_ms(shape, sizes.tpot_prompt + sizes.tpot_tokens / 2, result["copy_bandwidth_bytes_s"])
         save("tpot", dict(ms=tpot, floor_ms=floor, over_floor=tpot / floor), began)
+        began = time.perf_counter()
+        save("penalties", penalties(llm, shape, sizes, tpot), began)
 
         began = time.perf_counter()
         ttft = ttft_ms(llm, shape, sizes.ttft_prompt)
