@@ -17,6 +17,7 @@ or under `enforce_eager` run eagerly.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,12 @@ class DecodeGraphInputs:
                             metadata)
 
 
+def _empty_cache(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _fill(array: np.ndarray, values: list[int], batch_size: int, pad: int) -> None:
     n = len(values)
     array[:n] = values
@@ -142,7 +149,11 @@ class DecodeGraphs:
         device = self.inputs.staging.device
         on_cuda = device.type == "cuda"
         if on_cuda:
-            torch.cuda.synchronize(device)
+            # Measured between emptied caches: torch.cuda.graph empties the allocator's cache
+            # as each capture starts, which frees what the warm-up left cached (free memory
+            # then grew during the capture and the graphs seemed to take nothing), and the
+            # eager runs below leave their blocks cached.
+            _empty_cache(device)
             free_before = torch.cuda.mem_get_info(device)[0]
             pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
@@ -157,7 +168,7 @@ class DecodeGraphs:
                 self.outputs[size] = graph.capture(lambda size=size: self.run_forward(self.inputs.views(size)))
             self.graphs[size] = graph
         if on_cuda:
-            torch.cuda.synchronize(device)
+            _empty_cache(device)
             self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
 
     def batch_size_for(self, num_seqs: int) -> int | None:

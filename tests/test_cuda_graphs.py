@@ -17,6 +17,7 @@ from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelC
                                  SchedulerConfig, load_hf_config)
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
+from raylm.executors import model_runner as model_runner_module
 from raylm.executors.cuda_graphs import DecodeGraphInputs, capture_sizes, padded_size
 from raylm.executors.input_staging import InputStaging, layout, layout_bytes
 from raylm.executors.model_runner import ModelRunner
@@ -257,3 +258,52 @@ def test_no_triton_kernel_compiles_after_the_warm_up(llama_dir):
         assert count_compiled_variants() == before
     finally:
         llm.shutdown()
+
+
+@pytest.mark.cuda
+def test_graph_capture_measures_the_memory_its_graphs_hold(llama_dir):
+    # Blocks the caching allocator holds but nothing uses (the warm-up's prefill leaves such):
+    # capturing empties the cache (torch.cuda.graph does), which frees them; that must not
+    # hide what the graphs take. latest.json of be08b85 recorded 0 bytes for 35 graphs.
+    llm = _llm(llama_dir)
+    try:
+        runner = llm.llm_engine.executor.driver_worker.model_runner
+        cached = 256 * 2**20
+        torch.empty(cached, dtype=torch.uint8, device="cuda")  # freed at once, kept cached
+        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= cached
+        runner.capture_decode_graphs()
+        # At least one segment of the graphs' pool holds their outputs; the freed cache is
+        # not theirs.
+        assert 2 * 2**20 <= runner.decode_graphs.memory_bytes < cached
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("with_penalties", [True, False], ids=["with-penalties", "without-histories"])
+def test_deferred_reads_on_the_gpu_give_what_host_filled_placeholders_give(llama_dir, monkeypatch, with_penalties):
+    """The step thread on a GPU launches a step before the last one's tokens are read, which
+    its decodes take on the device (`_fill_holes`, into the decode graphs' static inputs or
+    the staging buffer). The same engine whose every step first waits for those tokens and
+    takes them from the host (same schedule, same kernels) must give the same outputs, bit
+    for bit: tokens, logprobs, prompt logprobs, finish reasons, through preemptions (24
+    blocks), chunked prefill, seeded draws, stop tokens; and the same free blocks after."""
+    import test_deferred_reads as deferred
+
+    params = deferred.PARAMS if with_penalties else deferred.NO_HISTORY
+    filled_on_device = [0]
+    fill = model_runner_module._fill_holes
+
+    def counting(input_ids, holes):
+        filled_on_device[0] += len(holes)
+        fill(input_ids, holes)
+
+    monkeypatch.setattr(model_runner_module, "_fill_holes", counting)
+    with monkeypatch.context() as host_tokens:
+        host_tokens.setattr(ModelRunner, "needs_collected_tokens", lambda self, req: bool(self._pending_samples))
+        expected, free_expected, preemptions = deferred._generate(llama_dir, params)
+    assert filled_on_device[0] == 0 and preemptions > 0
+    got, free_after, _ = deferred._generate(llama_dir, params)
+    assert filled_on_device[0] > (30 if not with_penalties else 0)
+    assert got == expected
+    assert free_after == free_expected
