@@ -108,3 +108,19 @@ def test_throughput_floor_adds_the_prefill_flops_and_each_decode_steps_reads():
     # At 1 GB/s and 1 TFLOP/s these tiny steps are bound by their weight reads.
     three = throughput_floor_s(shape, replace(DRY_SIZES, throughput_out=3), bandwidth, flops)
     assert three == pytest.approx(prefill + (2 * weights + kv) / bandwidth)
+
+
+def test_each_job_is_timed_to_its_own_exit_and_one_past_its_deadline_is_ended(tmp_path):
+    """Jobs side by side: one that exits at once is not timed to the end of a slower one
+    beside it (stage t's seconds were b's), and one still running at its stage's deadline is
+    ended and says so."""
+    from raylm.cluster.benchmarks.gpu_check import Job, run_jobs
+
+    def sleeping(seconds: float, name: str) -> Job:
+        return Job("t", ["timeit", "-n", "1", "-r", "1", f"import time; time.sleep({seconds})"], tmp_path / name)
+
+    slow, fast, hung = sleeping(3, "slow.json"), sleeping(0, "fast.json"), sleeping(60, "hung.json")
+    run_jobs({"b": [slow], "t": [fast], "c": [hung]}, tmp_path, {"b": 30, "t": 30, "c": 1})
+    assert (slow.status, fast.status, hung.status) == ("ok", "ok", "timed out")
+    assert slow.seconds >= 3 and fast.seconds < 2.5
+    assert 1 <= hung.seconds < 10 and hung.process.returncode == -9
