@@ -25,6 +25,7 @@ from engine_checks import assert_engine_idle, run_to_end
 from hf_reference import assert_hf_greedy, assert_logprobs_match_hf, assert_seeded_draws, hf_greedy
 from lora_adapters import merge_lora_adapter, write_lora_adapter
 from penalty_reference import assert_penalised_greedy, penalised_greedy
+from test_spec_decode import _prompts as spec_prompts, _speculative_config, draft_dirs  # noqa: F401 (a fixture)
 from tiny_models import build_tiny_mixtral, build_tiny_windowed_model, random_prompts
 from raylm.engine import LLM, LoRARequest, SamplingParams
 from raylm.executors.uniproc_executor import UniProcExecutor
@@ -126,9 +127,7 @@ def test_two_adapters_and_the_base_in_one_batch_equal_hf_on_the_merged_weights(d
 def test_ngram_speculative_decoding_keeps_greedy_and_seeded_tokens(device, llama_dir):
     """Greedy requests give HF's tokens; seeded ones draw each token with the uniform plain
     decoding would use, so they are the seeded reference's draws."""
-    from test_spec_decode import _prompts, _speculative_config
-
-    prompts = _prompts(6, seed=1)
+    prompts = spec_prompts(6, seed=1)
     params = [greedy(16) if i % 2 == 0 else SamplingParams(temperature=0.5, seed=100 + i, max_tokens=16, ignore_eos=True)
               for i in range(len(prompts))]
     with engine_on(device, llama_dir, speculative_config=_speculative_config("ngram", {})) as llm:
@@ -143,6 +142,19 @@ def test_ngram_speculative_decoding_keeps_greedy_and_seeded_tokens(device, llama
             assert_hf_greedy(llama_dir, prompt, tokens, f"greedy request {i}")
         else:
             assert_seeded_draws(llama_dir, prompt, tokens, 100 + i, 0, 0.5, device, what=f"seeded request {i}")
+
+
+def test_draft_model_speculative_decoding_keeps_greedy_tokens(device, llama_dir, draft_dirs):
+    """A draft model (the target's weights with a little noise) proposes 3 tokens a step on
+    the device; two requests' 4 rows each make verification steps of 8 rows (a graph's)."""
+    prompts = spec_prompts(2, seed=2)
+    with engine_on(device, llama_dir, speculative_config=_speculative_config("draft-good", draft_dirs)) as llm:
+        outputs = llm.generate(token_prompts(prompts), greedy(16), use_tqdm=False)
+        assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
+        assert_engine_idle(llm.llm_engine)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert len(output.outputs[0].token_ids) == 16
+        assert_hf_greedy(llama_dir, prompt, output.outputs[0].token_ids, f"request {i}")
 
 
 # ---- structured outputs ------------------------------------------------------------------
