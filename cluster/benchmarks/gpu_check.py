@@ -103,8 +103,9 @@ def stage_jobs(stage: str, work: Path, dry_run: bool) -> list[Job]:
         return [Job("a", ["raylm.cluster.benchmarks.gpu_kernel_check", "--part", f"{i}/{KERNEL_PARTS}", *dry],
                     work / f"a{i}.json", env) for i in range(KERNEL_PARTS)]
     if stage == "t":
-        return [Job("t", ["pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *CUDA_TEST_FILES],
-                    work / "t.log.json")]
+        # pytest's JUnit XML names each test's outcome and seconds (`cuda_test_results`).
+        return [Job("t", ["pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", f"--junitxml={work / 't.xml'}",
+                          *CUDA_TEST_FILES], work / "t.xml")]
     module = {"b": "gpu_model_check", "c": "gpu_speed_check"}[stage]
     return [Job(stage, [f"raylm.cluster.benchmarks.{module}", *dry], work / f"{stage}.json")]
 
@@ -161,6 +162,7 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
     if "t" in jobs:
         # pytest's last line: "N passed, M skipped in S s" (or the failures).
         record["cuda_tests"] = jobs["t"][0].log_tail(1)
+        record["cuda_test_results"] = junit_results(jobs["t"][0].out)
     if "c" in jobs:
         speed = jobs["c"][0].result()
         record["speed"] = speed
@@ -178,6 +180,24 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
             decode_attention_bw_fraction=middle.get("fraction_of_copy"),
             layers=speed.get("shape", {}).get("num_layers"))
     return record
+
+
+def junit_results(path: Path) -> list[dict]:
+    """Each test of a pytest JUnit XML report: its id (module::name), outcome (passed, failed,
+    error, skipped) and seconds; none when the report is missing or cut short."""
+    import xml.etree.ElementTree as ElementTree
+
+    try:
+        cases = ElementTree.parse(path).getroot().iter("testcase")
+    except (OSError, ElementTree.ParseError):
+        return []
+    results = []
+    for case in cases:
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        results.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                        "outcome": {"failure": "failed"}.get(outcome, outcome),
+                        "seconds": round(float(case.get("time") or 0.0), 1)})
+    return results
 
 
 def _resource_summary(rows: list[dict]) -> list[dict]:
@@ -234,6 +254,9 @@ def summary_lines(record: dict) -> list[str]:
     lines.append(f"tokens equal to HF (fp32): {record['hf_tokens_equal']}; cuda graphs: {record['cuda_graphs']}")
     if "cuda_tests" in record:
         lines.append(f"cuda tests: {record['cuda_tests']}")
+        for result in record.get("cuda_test_results", []):
+            if result["outcome"] in ("failed", "error"):
+                lines.append(f"  {result['outcome']}: {result['test']} ({result['seconds']} s)")
     lines.append(f"TPOT bs1 {number(record['tpot_bs1_ms'])} ms, floor {number(record['floor_ms'])} ms "
                  f"({number(record['tpot_over_floor'])}x); TTFT 4k {number(record['ttft_4k_ms'], 1)} ms, floor "
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
