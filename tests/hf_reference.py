@@ -89,10 +89,10 @@ def assert_seeded_draws(model_dir: Path, prompt_ids: list[int], tokens: list[int
         target = u * cumulative[step, -1].item()
         low = cumulative[step, token - 1].item() if token else 0.0
         high = cumulative[step, token].item()
+        drawn = int(torch.searchsorted(cumulative[step], torch.tensor([target], dtype=torch.float64), right=True))
         assert low - tolerance <= target <= high + tolerance, (
             f"{what}: token {step} is {token}, whose interval [{low:.6f}, {high:.6f}) misses the draw {target:.6f} "
-            f"(HF's draw: {int(torch.searchsorted(cumulative[step], torch.tensor([target], dtype=torch.float64), right=True))}; "
-            f"after {tokens[:step]})")
+            f"(HF's draw: {drawn}; after {tokens[:step]})")
 
 
 def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:

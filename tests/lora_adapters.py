@@ -51,8 +51,9 @@ def write_lora_adapter(base_dir: Path, out_dir: Path, rank: int, targets=ALL_TAR
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in targets:
             out_features, in_features = weight.shape
-            weights[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
-            weights[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
+            peft_name = f"base_model.model.{module}"
+            weights[f"{peft_name}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
+            weights[f"{peft_name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})

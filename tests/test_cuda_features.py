@@ -84,7 +84,8 @@ def merged_loras(llama_dir: Path, tmp_path_factory) -> dict[str, tuple[Path, Pat
     adapters = {"a": write_lora_adapter(llama_dir, root / "a", rank=8, lora_alpha=16, seed=1),
                 "b": write_lora_adapter(llama_dir, root / "b", rank=4, targets=("q_proj", "v_proj", "o_proj",
                                                                                 "down_proj"), lora_alpha=8, seed=2)}
-    return {name: (path, merge_lora_adapter(llama_dir, path, root / f"{name}-merged")) for name, path in adapters.items()}
+    return {name: (path, merge_lora_adapter(llama_dir, path, root / f"{name}-merged"))
+            for name, path in adapters.items()}
 
 
 def test_an_adapter_written_and_merged_by_hand_gives_peft_logits(llama_dir, merged_loras):
@@ -128,8 +129,8 @@ def test_ngram_speculative_decoding_keeps_greedy_and_seeded_tokens(device, llama
     """Greedy requests give HF's tokens; seeded ones draw each token with the uniform plain
     decoding would use, so they are the seeded reference's draws."""
     prompts = spec_prompts(6, seed=1)
-    params = [greedy(16) if i % 2 == 0 else SamplingParams(temperature=0.5, seed=100 + i, max_tokens=16, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [greedy(16) if i % 2 == 0 else
+              SamplingParams(temperature=0.5, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(len(prompts))]
     with engine_on(device, llama_dir, speculative_config=_speculative_config("ngram", {})) as llm:
         outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
         stats = llm.llm_engine.scheduler.drafter.stats
