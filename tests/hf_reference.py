@@ -7,6 +7,13 @@ from pathlib import Path
 
 import torch
 
+# Two correct fp32 engines part on a greedy choice whose best two logits lie within their
+# rounding of each other: they sum in other orders (their own GEMM and attention kernels,
+# a GPU's against the CPU's), and raylm's fp32 logprobs differ from HF's by up to a few 1e-6
+# (the suite allows 1e-4 wherever it compares them). A token whose logit lies within NEAR_TIE
+# of HF's best is as right as HF's own pick.
+NEAR_TIE = 1e-4
+
 
 @lru_cache(maxsize=4)
 def hf_model(model_dir: str):
@@ -29,6 +36,63 @@ def cached_hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...], max_new_token
     """`hf_greedy`, remembered: a model run at several tensor-parallel sizes is compared with
     one reference."""
     return hf_greedy(model_dir, list(prompt_ids), max_new_tokens)
+
+
+def hf_logits_after(model_dir: Path, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] fp32 logits of HF's model at the positions that chose `tokens`
+    after `prompt_ids` (one forward over the whole sequence)."""
+    model = hf_model(str(model_dir))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens])).logits[0].float()
+    return logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(tokens)]
+
+
+def assert_greedy_up_to_near_ties(rows: torch.Tensor, tokens: list[int], what: str = "") -> None:
+    """Each of `tokens` is the argmax of its row of the reference's logits [len(tokens),
+    vocab], or lies within NEAR_TIE of it. The rows are the reference's after the engine's
+    own tokens, so a near-tie that rounding decided the other way leaves every later token
+    checked all the same."""
+    assert rows.shape[0] == len(tokens), f"{what}: {rows.shape[0]} rows for {len(tokens)} tokens"
+    best = rows.argmax(dim=-1)
+    lags = (rows.gather(1, best[:, None]) - rows.gather(1, torch.tensor(tokens)[:, None]))[:, 0]
+    for step, (token, pick, lag) in enumerate(zip(tokens, best.tolist(), lags.tolist())):
+        assert lag <= NEAR_TIE, (f"{what}: token {step} is {token}, whose logit lies {lag:.3g} below that of "
+                                 f"the reference's pick {pick} (after {tokens[:step]})")
+
+
+def assert_hf_greedy(model_dir: Path, prompt_ids: list[int], tokens: list[int], what: str = "") -> None:
+    """`tokens` are HF's greedy continuation of `prompt_ids` up to near-ties (EOS is a token
+    like any other, as with ignore_eos)."""
+    assert tokens, f"{what}: no tokens"
+    assert_greedy_up_to_near_ties(hf_logits_after(model_dir, prompt_ids, tokens), tokens, what)
+
+
+def assert_seeded_draws(model_dir: Path, prompt_ids: list[int], tokens: list[int], seed: int, sample_index: int,
+                        temperature: float, device: str, top_k: int = 0, tolerance: float = 1e-4,
+                        what: str = "") -> None:
+    """`tokens` are what raylm's sampler draws for sample `sample_index` of a request seeded
+    with `seed` from HF's distribution: at each step, one uniform u from the sample's own
+    generator (`sibling_generator` on the engine's device, one draw a step), and the token
+    whose interval of the cumulative softmax(logits / temperature) (top-k first, where set)
+    holds u times the total, or lies within `tolerance` of it (the engine's probabilities
+    round differently)."""
+    from raylm.executors.sampling_metadata import sibling_generator
+
+    rows = hf_logits_after(model_dir, prompt_ids, tokens).double() / temperature
+    if top_k:
+        kth = rows.topk(top_k, dim=-1).values[:, -1:]
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    cumulative = rows.softmax(dim=-1).cumsum(dim=-1)
+    generator = sibling_generator(seed, sample_index, device)
+    for step, token in enumerate(tokens):
+        u = torch.empty(1, dtype=torch.float32, device=device).uniform_(generator=generator).item()
+        target = u * cumulative[step, -1].item()
+        low = cumulative[step, token - 1].item() if token else 0.0
+        high = cumulative[step, token].item()
+        drawn = int(torch.searchsorted(cumulative[step], torch.tensor([target], dtype=torch.float64), right=True))
+        assert low - tolerance <= target <= high + tolerance, (
+            f"{what}: token {step} is {token}, whose interval [{low:.6f}, {high:.6f}) misses the draw {target:.6f} "
+            f"(HF's draw: {drawn}; after {tokens[:step]})")
 
 
 def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:

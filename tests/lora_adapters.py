@@ -1,20 +1,21 @@
 """LoRA adapters for the tests, made with peft over a tiny model, and peft's PeftModel as the
-reference that raylm's LoRA serving is checked against."""
+reference that raylm's LoRA serving is checked against; and, where peft is absent (the GPU
+check's device image), adapters written in PEFT's format by hand and merged into the base
+weights by hand, for Hugging Face's model to be the reference."""
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from hf_reference import NEAR_TIE  # noqa: F401 (the judges' tolerance, here too for the LoRA tests)
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Two correct fp32 engines part on a greedy choice whose best two logits lie within their
-# rounding of each other: raylm sums in another order than peft (tensor-parallel partial sums,
-# its own GEMM kernels), and its logprobs differ from peft's by up to ~2e-6 on the tiny Llama
-# (the suite allows 1e-4 wherever it compares fp32 logprobs with Hugging Face's). A token whose
-# logit lies within NEAR_TIE of peft's best is as right as peft's own pick.
-NEAR_TIE = 1e-4
+# raylm sums an adapter's terms in another order than peft (tensor-parallel partial sums, its
+# own GEMM kernels): their greedy choices part at near-ties (hf_reference.NEAR_TIE).
 
 
 def build_lora_adapter(base_dir: Path, out_dir: Path, rank: int, targets=ALL_TARGETS, lora_alpha: float = 16,
@@ -35,6 +36,58 @@ def build_lora_adapter(base_dir: Path, out_dir: Path, rank: int, targets=ALL_TAR
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     peft_model.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def write_lora_adapter(base_dir: Path, out_dir: Path, rank: int, targets=ALL_TARGETS, lora_alpha: float = 16,
+                       seed: int = 0, std: float = 0.1) -> Path:
+    """Saves a LoRA adapter of `base_dir` in PEFT's format with safetensors and json alone (no
+    peft, which the GPU check's device image lacks): random A [rank, in] and B [out, rank] for
+    every `targets` linear of the base checkpoint, at PEFT's tensor names."""
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, weight in sorted(load_file(str(Path(base_dir) / "model.safetensors")).items()):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in targets:
+            out_features, in_features = weight.shape
+            peft_name = f"base_model.model.{module}"
+            weights[f"{peft_name}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
+            weights[f"{peft_name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=str(base_dir), r=rank,
+                  lora_alpha=lora_alpha, target_modules=sorted(targets), lora_dropout=0.0, bias="none",
+                  use_rslora=False, use_dora=False, fan_in_fan_out=False, modules_to_save=None)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return out_dir
+
+
+def merge_lora_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
+    """The base model with the adapter merged into its weights by hand, W + (lora_alpha / r)
+    B @ A (PEFT's scaling without rsLoRA), saved with the base's config and tokenizer: Hugging
+    Face's model of this folder is the reference for the adapter, no peft needed."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    assert not config.get("use_rslora"), "merge_lora_adapter scales by lora_alpha / r"
+    scaling = config["lora_alpha"] / config["r"]
+    adapter = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    weights = load_file(str(Path(base_dir) / "model.safetensors"))
+    for name, lora_a in adapter.items():
+        if ".lora_A." in name:
+            module = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+            lora_b = adapter[name.replace(".lora_A.", ".lora_B.")]
+            base = weights[f"{module}.weight"]
+            weights[f"{module}.weight"] = (base.double() + scaling * lora_b.double() @ lora_a.double()).to(base.dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in Path(base_dir).iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            (out_dir / item.name).write_bytes(item.read_bytes())
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
 
 
 @lru_cache(maxsize=8)

@@ -77,6 +77,10 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert all(case["best"]["ms"] > 0 and case["chosen"]["fraction_of_copy"] > 0 for case in sweep["cases"])
     # Stage t: the cuda-marked engine tests, collected and skipped here.
     assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
+    results = record["cuda_test_results"]
+    assert {r["outcome"] for r in results} == {"skipped"}
+    assert "tests.test_cuda_features::test_ngram_speculative_decoding_keeps_greedy_and_seeded_tokens[cuda]" in {
+        r["test"] for r in results}
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
     assert "repetition_penalty 1.05: TPOT bs1" in result.stdout
     assert "decode attention, batch 4, context 40: chosen backend" in result.stdout
@@ -114,3 +118,37 @@ def test_throughput_floor_adds_the_prefill_flops_and_each_decode_steps_reads():
     # At 1 GB/s and 1 TFLOP/s these tiny steps are bound by their weight reads.
     three = throughput_floor_s(shape, replace(DRY_SIZES, throughput_out=3), bandwidth, flops)
     assert three == pytest.approx(prefill + (2 * weights + kv) / bandwidth)
+
+
+def test_each_job_is_timed_to_its_own_exit_and_one_past_its_deadline_is_ended(tmp_path):
+    """Jobs side by side: one that exits at once is not timed to the end of a slower one
+    beside it (stage t's seconds were b's), and one still running at its stage's deadline is
+    ended and says so."""
+    from raylm.cluster.benchmarks.gpu_check import Job, run_jobs
+
+    def sleeping(seconds: float, name: str) -> Job:
+        return Job("t", ["timeit", "-n", "1", "-r", "1", f"import time; time.sleep({seconds})"], tmp_path / name)
+
+    slow, fast, hung = sleeping(3, "slow.json"), sleeping(0, "fast.json"), sleeping(60, "hung.json")
+    run_jobs({"b": [slow], "t": [fast], "c": [hung]}, tmp_path, {"b": 30, "t": 30, "c": 1})
+    assert (slow.status, fast.status, hung.status) == ("ok", "ok", "timed out")
+    assert slow.seconds >= 3 and fast.seconds < 2.5
+    assert 1 <= hung.seconds < 10 and hung.process.returncode == -9
+
+
+def test_stage_t_results_name_each_tests_outcome_from_pytests_junit_report(tmp_path):
+    from raylm.cluster.benchmarks.gpu_check import junit_results
+
+    (tmp_path / "test_three.py").write_text(
+        "import pytest, time\n"
+        "def test_passes():\n    time.sleep(0.2)\n"
+        "def test_fails():\n    assert 1 == 2\n"
+        "@pytest.mark.skip(reason='no GPU')\ndef test_skipped():\n    pass\n")
+    report = tmp_path / "t.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                    str(tmp_path / "test_three.py")], cwd=tmp_path, capture_output=True, timeout=120)
+    results = {r["test"]: (r["outcome"], r["seconds"]) for r in junit_results(report)}
+    assert {test: outcome for test, (outcome, _) in results.items()} == {
+        "test_three::test_passes": "passed", "test_three::test_fails": "failed", "test_three::test_skipped": "skipped"}
+    assert results["test_three::test_passes"][1] >= 0.2
+    assert junit_results(tmp_path / "missing.xml") == []

@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Seconds per stage on the device: a and b side by side, then c; 8 minutes in all at most.
-TIMEOUTS = {"a": 150, "b": 180, "t": 150, "c": 270}
+# Seconds per stage on the device: a, b and t side by side (t's engine tests may take as long
+# as b, which bounds the group), then c; 7.5 minutes in all at most.
+TIMEOUTS = {"a": 150, "b": 180, "t": 180, "c": 270}
 DRY_TIMEOUTS = {"a": 240, "b": 300, "t": 240, "c": 300}
 # The cuda-marked tests stage t runs (the kernels' own are stage a's).
 CUDA_TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_engine_shutdown.py", "tests/test_sampler_host_reads.py",
-                   "tests/test_step_host_reads.py", "tests/test_triton_elementwise.py")
+                   "tests/test_step_host_reads.py", "tests/test_triton_elementwise.py", "tests/test_cuda_features.py")
 KERNEL_PARTS = 3
 RECORD_KEYS = ("device", "commit", "date", "kernels_pass", "hf_tokens_equal", "cuda_graphs", "tpot_bs1_ms", "floor_ms",
                "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s", "ttft_4k_ms",
@@ -66,15 +67,20 @@ class Job:
                                         stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()
 
-    def wait(self, deadline: float) -> None:
-        try:
-            code = self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            self.status = "ok" if code == 0 else f"exit status {code}"
-        except subprocess.TimeoutExpired:
+    def poll(self, deadline: float) -> bool:
+        """Whether the job is over: it exited, or it ran past `deadline` and was ended.
+        Its seconds run from its start to the moment it is seen over (within a poll)."""
+        code = self.process.poll()
+        if code is None and time.monotonic() < deadline:
+            return False
+        if code is None:
             os.killpg(self.process.pid, 9)
             self.process.wait()
             self.status = "timed out"
+        else:
+            self.status = "ok" if code == 0 else f"exit status {code}"
         self.seconds = round(time.monotonic() - self.started, 1)
+        return True
 
     def result(self) -> dict:
         try:
@@ -97,26 +103,33 @@ def stage_jobs(stage: str, work: Path, dry_run: bool) -> list[Job]:
         return [Job("a", ["raylm.cluster.benchmarks.gpu_kernel_check", "--part", f"{i}/{KERNEL_PARTS}", *dry],
                     work / f"a{i}.json", env) for i in range(KERNEL_PARTS)]
     if stage == "t":
-        return [Job("t", ["pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *CUDA_TEST_FILES],
-                    work / "t.log.json")]
+        # pytest's JUnit XML names each test's outcome and seconds (`cuda_test_results`).
+        return [Job("t", ["pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", f"--junitxml={work / 't.xml'}",
+                          *CUDA_TEST_FILES], work / "t.xml")]
     module = {"b": "gpu_model_check", "c": "gpu_speed_check"}[stage]
     return [Job(stage, [f"raylm.cluster.benchmarks.{module}", *dry], work / f"{stage}.json")]
 
 
 def run_stages(stages: str, work: Path, dry_run: bool) -> dict[str, list[Job]]:
-    timeouts = DRY_TIMEOUTS if dry_run else TIMEOUTS
     jobs = {stage: stage_jobs(stage, work, dry_run) for stage in stages}
-    # Correctness side by side, then timing alone.
+    run_jobs(jobs, work, DRY_TIMEOUTS if dry_run else TIMEOUTS)
+    return jobs
+
+
+def run_jobs(jobs: dict[str, list[Job]], work: Path, timeouts: dict[str, float]) -> None:
+    """Correctness side by side, then timing alone. Every job is polled, so that each
+    one's seconds are its own (a stage that ends early is not timed to the end of a slower
+    one beside it)."""
     for group in (["a", "b", "t"], ["c"]):
         started = [stage for stage in group if stage in jobs]
         for stage in started:
             for job in jobs[stage]:
                 job.start(work)
-        for stage in started:
-            deadline = jobs[stage][0].started + timeouts[stage]
-            for job in jobs[stage]:
-                job.wait(deadline)
-    return jobs
+        running = [(job, jobs[stage][0].started + timeouts[stage]) for stage in started for job in jobs[stage]]
+        while running:
+            running = [(job, deadline) for job, deadline in running if not job.poll(deadline)]
+            if running:
+                time.sleep(0.1)
 
 
 def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) -> dict:
@@ -149,6 +162,7 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
     if "t" in jobs:
         # pytest's last line: "N passed, M skipped in S s" (or the failures).
         record["cuda_tests"] = jobs["t"][0].log_tail(1)
+        record["cuda_test_results"] = junit_results(jobs["t"][0].out)
     if "c" in jobs:
         speed = jobs["c"][0].result()
         record["speed"] = speed
@@ -169,6 +183,24 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
         record.update(tpot_bs1_penalised_ms=penalised.get("tpot_ms"),
                       penalised_step_over_plain=penalised.get("step_over_plain"))
     return record
+
+
+def junit_results(path: Path) -> list[dict]:
+    """Each test of a pytest JUnit XML report: its id (module::name), outcome (passed, failed,
+    error, skipped) and seconds; none when the report is missing or cut short."""
+    import xml.etree.ElementTree as ElementTree
+
+    try:
+        cases = ElementTree.parse(path).getroot().iter("testcase")
+    except (OSError, ElementTree.ParseError):
+        return []
+    results = []
+    for case in cases:
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        results.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                        "outcome": {"failure": "failed"}.get(outcome, outcome),
+                        "seconds": round(float(case.get("time") or 0.0), 1)})
+    return results
 
 
 def _resource_summary(rows: list[dict]) -> list[dict]:
@@ -225,6 +257,9 @@ def summary_lines(record: dict) -> list[str]:
     lines.append(f"tokens equal to HF (fp32): {record['hf_tokens_equal']}; cuda graphs: {record['cuda_graphs']}")
     if "cuda_tests" in record:
         lines.append(f"cuda tests: {record['cuda_tests']}")
+        for result in record.get("cuda_test_results", []):
+            if result["outcome"] in ("failed", "error"):
+                lines.append(f"  {result['outcome']}: {result['test']} ({result['seconds']} s)")
     lines.append(f"TPOT bs1 {number(record['tpot_bs1_ms'])} ms, floor {number(record['floor_ms'])} ms "
                  f"({number(record['tpot_over_floor'])}x); TTFT 4k {number(record['ttft_4k_ms'], 1)} ms, floor "
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
