@@ -404,9 +404,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per thread and stream it ran on (the caller's, the
             # step thread's, the graph capture's): 3 x 32 MiB the be08b85 record found still
-            # allocated after shutdown. Private in torch 2.x, hence the guard. (Another live
-            # engine in this process would allocate them again; its captured graphs keep
-            # workspaces of their own memory pool.)
+            # allocated after shutdown. Private in torch 2.x, hence the guard. Assumes no other
+            # engine in this process still replays graphs: a graph captured after its stream's
+            # workspace existed may use that workspace.
             clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear_workspaces is not None:
                 clear_workspaces()
