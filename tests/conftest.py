@@ -61,3 +61,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def holes_filled_on_device(monkeypatch):
+    """Counts the input rows whose token a step took on the device (a spy on the real
+    function, which still runs)."""
+    from raylm.executors import model_runner as model_runner_module
+
+    count = [0]
+    fill = model_runner_module._fill_holes
+
+    def counting(input_ids, holes):
+        count[0] += len(holes)
+        fill(input_ids, holes)
+
+    monkeypatch.setattr(model_runner_module, "_fill_holes", counting)
+    return count

@@ -17,7 +17,6 @@ from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelC
                                  SchedulerConfig, load_hf_config)
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
-from raylm.executors import model_runner as model_runner_module
 from raylm.executors.cuda_graphs import DecodeGraphInputs, capture_sizes, padded_size
 from raylm.executors.input_staging import InputStaging, layout, layout_bytes
 from raylm.executors.model_runner import ModelRunner
@@ -281,7 +280,8 @@ def test_graph_capture_measures_the_memory_its_graphs_hold(llama_dir):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("with_penalties", [True, False], ids=["with-penalties", "without-histories"])
-def test_deferred_reads_on_the_gpu_give_what_host_filled_placeholders_give(llama_dir, monkeypatch, with_penalties):
+def test_deferred_reads_on_the_gpu_give_what_host_filled_placeholders_give(llama_dir, monkeypatch, with_penalties,
+                                                                           holes_filled_on_device):
     """The step thread on a GPU launches a step before the last one's tokens are read, which
     its decodes take on the device (`_fill_holes`, into the decode graphs' static inputs or
     the staging buffer). The same engine whose every step first waits for those tokens and
@@ -291,14 +291,7 @@ def test_deferred_reads_on_the_gpu_give_what_host_filled_placeholders_give(llama
     import test_deferred_reads as deferred
 
     params = deferred.PARAMS if with_penalties else deferred.NO_HISTORY
-    filled_on_device = [0]
-    fill = model_runner_module._fill_holes
-
-    def counting(input_ids, holes):
-        filled_on_device[0] += len(holes)
-        fill(input_ids, holes)
-
-    monkeypatch.setattr(model_runner_module, "_fill_holes", counting)
+    filled_on_device = holes_filled_on_device
     with monkeypatch.context() as host_tokens:
         host_tokens.setattr(ModelRunner, "needs_collected_tokens", lambda self, req: bool(self._pending_samples))
         expected, free_expected, preemptions = deferred._generate(llama_dir, params)

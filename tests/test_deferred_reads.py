@@ -14,7 +14,6 @@ import pytest
 
 from penalty_reference import penalised_greedy
 from raylm.engine import LLM, SamplingParams
-from raylm.executors import model_runner as model_runner_module
 from raylm.executors import sampler as sampler_module
 from raylm.executors.model_runner import ModelRunner
 from raylm.executors.uniproc_executor import UniProcExecutor
@@ -99,21 +98,6 @@ def forced_collects(monkeypatch):
         return answer
 
     monkeypatch.setattr(ModelRunner, "needs_collected_tokens", counting)
-    return count
-
-
-@pytest.fixture
-def holes_filled_on_device(monkeypatch):
-    """Counts the input rows whose token a step took on the device (a spy on the real
-    function, which still runs)."""
-    count = [0]
-    fill = model_runner_module._fill_holes
-
-    def counting(input_ids, holes):
-        count[0] += len(holes)
-        fill(input_ids, holes)
-
-    monkeypatch.setattr(model_runner_module, "_fill_holes", counting)
     return count
 
 

@@ -230,6 +230,21 @@ def _stream_tool_calls(client: openai.OpenAI, **kwargs) -> dict[int, tuple[str, 
             for index in sorted(content)}
 
 
+def _cut_replies(client: openai.OpenAI, text: str, ends: list[int], cuts: dict[str, int], kwargs: dict):
+    """For each cut (a name -> max_tokens): the request unstreamed, after checking that its
+    stream adds up to the same content, calls and finish_reason, which is "length". Yields
+    (where, the cut text, the choice, its calls as (name, arguments))."""
+    for where, max_tokens in cuts.items():
+        cut = text[:ends[max_tokens]]
+        response = client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **kwargs).choices[0]
+        calls = [(call.function.name, call.function.arguments) for call in response.message.tool_calls or ()]
+        content, streamed, finish_reason = _stream_tool_calls(client, max_tokens=max_tokens, **kwargs)[0]
+        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish_reason) == \
+            (response.message.content or "", calls, response.finish_reason), (where, cut)
+        assert response.finish_reason == "length", (where, cut)
+        yield where, cut, response, calls
+
+
 def _calls(message) -> list[tuple[str, object]]:
     return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
 
@@ -316,14 +331,7 @@ def test_a_tool_call_reply_cut_by_max_tokens_streams_as_it_answers(tools_client:
                 "inside the second arguments": tokens_to(text.index('"parameters":', second_name) + 16)}
     else:
         cuts = {"inside the arguments": tokens_to(3), "inside a value": tokens_to(text.index(":") + 3)}
-    for where, max_tokens in cuts.items():
-        cut = text[:ends[max_tokens]]
-        response = tools_client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **kwargs).choices[0]
-        calls = [(call.function.name, call.function.arguments) for call in response.message.tool_calls or ()]
-        content, streamed, finish_reason = _stream_tool_calls(tools_client, max_tokens=max_tokens, **kwargs)[0]
-        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish_reason) == \
-            (response.message.content or "", calls, response.finish_reason), (where, cut)
-        assert response.finish_reason == "length", (where, cut)
+    for where, cut, response, calls in _cut_replies(tools_client, text, ends, cuts, kwargs):
         if choice == "named":
             assert calls == [("get_weather", cut)] and response.message.content is None, (where, cut)
             continue
@@ -424,14 +432,7 @@ def test_auto_reply_cut_by_max_tokens_streams_as_it_answers(tools_client: openai
             "inside the last closing tag": tokens_to(text.rindex("</tool_call>") + 5),
             "after the last call, before the end of the reply": len(ends) - 2}  # the last token: </s>
     assert text[:ends[-2]].endswith("</tool_call>"), text
-    for where, max_tokens in cuts.items():
-        cut = text[:ends[max_tokens]]
-        response = tools_client.chat.completions.create(model=MODEL, max_tokens=max_tokens, **kwargs).choices[0]
-        calls = [(call.function.name, call.function.arguments) for call in response.message.tool_calls or ()]
-        content, streamed, finish_reason = _stream_tool_calls(tools_client, max_tokens=max_tokens, **kwargs)[0]
-        assert (content, [(c["name"], c["arguments"]) for c in streamed], finish_reason) == \
-            (response.message.content or "", calls, response.finish_reason), (where, cut)
-        assert response.finish_reason == "length", (where, cut)
+    for where, cut, response, calls in _cut_replies(tools_client, text, ends, cuts, kwargs):
         expected = [(match[1], match[2] or "") for match in _CUT_HERMES_CALL.finditer(cut)]
         assert calls == expected, (where, cut)
         assert response.message.content == ("Let me check. " if expected else cut), (where, cut)
