@@ -13,19 +13,21 @@ requests in flight (429 past it; the routes that generate add a bound on the tok
 responses in flight hold together, deploy/response_budget.py); the bounds on the body's size (413 past it, found while
 the body is read) and on the time it takes to arrive (408 past it). `raylm serve` adds the
 process's lifecycle: SIGTERM drains, and the process exits non-zero once the engine loop
-has died.
+has died. `shutdown_app` (the app's lifespan shutdown) ends the processes the app started.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
@@ -230,8 +232,9 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)
 
-    app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION)
+    app = FastAPI(title="raylm OpenAI-compatible server", version=VERSION, lifespan=_lifespan)
     app.state.engine = engine
+    app.state.chat = chat
     app.state.metrics = metrics
     app.state.requests_in_flight = RequestsInFlight()
     app.state.response_budget = response_budget
@@ -321,6 +324,20 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     return app
+
+
+def shutdown_app(app: FastAPI) -> None:
+    """Stops what `build_app` started beside the engine: the processes that render request
+    chat templates (--trust-request-chat-template). Idempotent; the engine is the caller's.
+    uvicorn runs it at the app's lifespan shutdown, `raylm serve` once more after uvicorn
+    (a forced exit skips the lifespan), the Serve replica when it goes away."""
+    app.state.chat.close()
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    shutdown_app(app)
 
 
 def _frontend_tokenizer(engine: AsyncLLMEngine) -> Any:
@@ -433,7 +450,7 @@ def run_server(args: argparse.Namespace) -> int:
     announcement = (f"Serving {args.model} as {', '.join(server_args.model_names(args.model))} on "
                     f"http://{server_args.host}:{server_args.port}{server_args.root_path}")
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        engine_died = runner.run(_serve(server, engine, sock, announcement))
+        engine_died = runner.run(_serve(server, app, engine, sock, announcement))
     return 1 if engine_died else 0
 
 
@@ -463,7 +480,7 @@ def _after_drain(signum: int, _: Any) -> None:
     logger.debug("Signal %d after the drain: ignored.", signum)
 
 
-async def _serve(server: Any, engine: AsyncLLMEngine, sock: socket.socket, announcement: str) -> bool:
+async def _serve(server: Any, app: FastAPI, engine: AsyncLLMEngine, sock: socket.socket, announcement: str) -> bool:
     """Runs uvicorn on `sock` until a signal or the engine's death; True if the engine died."""
     async def watch_engine() -> None:
         while not engine.errored:
@@ -488,6 +505,7 @@ async def _serve(server: Any, engine: AsyncLLMEngine, sock: socket.socket, annou
         started = server.shutdown_started
         logger.info("HTTP server stopped%s; shutting the engine down.",
                     f" {time.monotonic() - started:.1f} s after the signal" if started is not None else "")
+        shutdown_app(app)
         engine.shutdown()
         logger.info("Shutdown complete.")
     return died

@@ -12,8 +12,10 @@ server, where their bounds suffice: what a request sends them is data, not code.
 
 Each render runs on one of `max_processes` threads (the waiting for the process happens
 there, never on the event loop), with one worker process each, started on first use (some
-0.1 s: Python and Jinja, nothing of the server). A worker ends when its stdin closes (the
-server ended) or, on Linux, when the server dies.
+0.1 s: Python and Jinja, nothing of the server). `close` (the app's shutdown) kills them all,
+rendering or not; a render asked for after it fails at once (ChatTemplateUnavailableError).
+Should the server end without closing, a worker ends when its stdin closes or, on Linux, when
+the server dies.
 
 Protocol: one JSON line each way. To the worker: {"template", "messages",
 "add_generation_prompt", "continue_final_message", "variables", "max_chars", "max_steps"};
@@ -136,7 +138,12 @@ class ChatTemplateSandbox:
         job = {"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "variables": variables,
                "max_chars": self.max_chars, "max_steps": self.max_steps}
-        return await loop.run_in_executor(self._executor, self.render_job, job)
+        try:
+            return await loop.run_in_executor(self._executor, self.render_job, job)
+        except RuntimeError:  # the executor was shut down: closed
+            if not self._closed:
+                raise
+            raise _shutting_down() from None
 
     def render_job(self, job: dict[str, Any]) -> str:
         """Renders `job` (the protocol's request) in a worker; blocks up to the deadline."""
@@ -149,6 +156,8 @@ class ChatTemplateSandbox:
                 raise ChatTemplateLimitError(f"the chat template did not render within {self.timeout_s:g} s "
                                              f"(--max-chat-template-render-seconds)") from None
             except (_WorkerDied, ValueError) as exc:  # ValueError: a reply that is not JSON
+                if self._closed:  # close() killed it: not the template's doing
+                    raise _shutting_down() from None
                 raise ChatTemplateError(f"the chat template's render process failed: {exc}") from None
             keep = True
         finally:
@@ -160,7 +169,7 @@ class ChatTemplateSandbox:
     def _take(self) -> _Worker:
         with self._lock:
             if self._closed:
-                raise ChatTemplateUnavailableError("the server is shutting down")
+                raise _shutting_down()
             worker = self._idle.pop() if self._idle else None
         if worker is None:
             try:
@@ -169,7 +178,12 @@ class ChatTemplateSandbox:
                 raise ChatTemplateUnavailableError(f"the chat template's render process did not start: "
                                         f"{exc or type(exc).__name__}") from None
         with self._lock:
-            self._busy.add(worker)
+            closed = self._closed  # close() ran while the worker started
+            if not closed:
+                self._busy.add(worker)
+        if closed:
+            worker.kill()
+            raise _shutting_down()
         return worker
 
     def _give_back(self, worker: _Worker, keep: bool) -> None:
@@ -182,13 +196,24 @@ class ChatTemplateSandbox:
             worker.kill()
 
     def close(self) -> None:
-        """Kills the idle workers; a render in flight kills its own when it ends."""
+        """Kills every worker process and refuses renders from now on (idempotent). A render
+        in flight fails with ChatTemplateUnavailableError; its thread reaps its worker."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            busy = list(self._busy)
         for worker in idle:
             worker.kill()
+        for worker in busy:
+            # Only the signal: the rendering thread reads the worker's pipes, so it closes
+            # them and waits for the process (_give_back), once the read sees it end.
+            with contextlib.suppress(OSError):
+                worker.process.kill()
         self._executor.shutdown(wait=False)
+
+
+def _shutting_down() -> ChatTemplateUnavailableError:
+    return ChatTemplateUnavailableError("the server is shutting down")
 
 
 def _describe_exit(code: int) -> str:

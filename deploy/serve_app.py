@@ -24,6 +24,7 @@ carries to the router every `router_stats_period_s`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -98,12 +99,17 @@ class RaylmDeployment:
         return bool(getattr(self.engine.engine.executor, "uses_compiled_graph", False))
 
     def __del__(self) -> None:
+        # Serve calls this when it stops the replica; the app gets no lifespan events here.
+        from raylm.deploy.api_server import shutdown_app
+
+        app = getattr(self, "app", None)
+        if app is not None:
+            with contextlib.suppress(Exception):  # best effort while the replica goes away
+                shutdown_app(app)
         engine = getattr(self, "engine", None)
         if engine is not None:
-            try:
+            with contextlib.suppress(Exception):
                 engine.shutdown()
-            except Exception:  # noqa: BLE001 - best effort while the replica goes away
-                pass
 
 
 def deployment_options(num_workers: int = 1, deployment: DeploymentArgs | None = None, *,

@@ -58,6 +58,11 @@ class OpenAIServingChat(OpenAIServing):
                                            self.limits.max_chat_template_render_seconds) \
             if trust_request_chat_template else None
 
+    def close(self) -> None:
+        """Ends the sandbox's processes, if any (idempotent): the app's shutdown."""
+        if self.sandbox is not None:
+            self.sandbox.close()
+
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False,
                template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the prompt text the model was trained on, rendered with the

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,3 +117,31 @@ def running_server(args: list[str], log: Path | None = None,
         raise
     finally:
         stop_server(process)
+
+
+class InProcessServer:
+    """The real app on a real port, served by uvicorn in a thread of this process, so that the
+    test can reach its engine and its app (`app`, for instance `app.state.chat`). Leaving the
+    with-block stops uvicorn as a signal would (its lifespan shutdown included); the engine is
+    the test's."""
+
+    def __init__(self, engine, server_args) -> None:
+        import uvicorn
+
+        from raylm.deploy.api_server import build_app
+
+        self.port = free_port()
+        self.app = build_app(engine, server_args)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        base_url = f"http://127.0.0.1:{self.port}"
+        wait_healthy(base_url, timeout=60)
+        return base_url
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

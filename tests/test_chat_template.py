@@ -7,13 +7,16 @@ the sandbox goes on rendering."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer
+from raylm.deploy.chat_template import (ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer,
+                                       ChatTemplateUnavailableError)
 from raylm.deploy.chat_template_sandbox import ChatTemplateSandbox
+from process_tree import descendants, wait_gone
 from tiny_models import CHAT_TEMPLATE
 
 MAX_CHARS = 32 * 4096
@@ -208,3 +211,72 @@ def test_the_sandbox_reports_the_templates_own_errors(sandbox):
         render(sandbox, "{{ raise_exception('no such thing') }}")
     with pytest.raises(ChatTemplateLimitError, match="too many steps"):
         render(sandbox, HOSTILE["nested ranges of 10**5 x 10**5"][0])
+
+
+# ------------------------------------------------------------------- closing the sandbox
+SLOW = "{% set big = 'ab' * 50000 %}{% for i in range(30000) %}{% set x = big|list|sort|join %}{% endfor %}"
+
+
+def test_close_kills_every_worker_and_a_render_after_it_fails_at_once():
+    sandbox = ChatTemplateSandbox(MAX_CHARS, MAX_STEPS, timeout_s=30.0)
+    assert render(sandbox, "{{ 1 }}") == "1"
+    failures: list[BaseException] = []
+    rendering = threading.Thread(target=lambda: failures.extend(_render_failure(sandbox, SLOW)))
+    rendering.start()
+    assert render(sandbox, "{{ 2 }}") == "2"
+    deadline = time.monotonic() + 10
+    while len(sandbox.worker_pids) < 2 and time.monotonic() < deadline:  # one idle, one rendering SLOW
+        time.sleep(0.02)
+    pids = sandbox.worker_pids
+    assert len(pids) == 2
+    started = time.monotonic()
+    sandbox.close()
+    sandbox.close()  # idempotent
+    rendering.join(5)
+    assert not rendering.is_alive() and time.monotonic() - started < 2
+    assert [type(f) for f in failures] == [ChatTemplateUnavailableError]
+    assert "shutting down" in str(failures[0])
+    assert wait_gone(pids, 2) == []
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateUnavailableError, match="shutting down"):
+        render(sandbox, "{{ 1 }}")
+    assert time.monotonic() - started < 1 and sandbox.worker_pids == []
+
+
+def _render_failure(sandbox: ChatTemplateSandbox, template: str) -> list[BaseException]:
+    try:
+        render(sandbox, template)
+    except BaseException as exc:  # noqa: BLE001 - the test looks at it
+        return [exc]
+    return []
+
+
+def test_a_servers_shutdown_ends_its_request_template_processes(llama_dir):
+    """`raylm serve`'s app over a real engine on a real port: once uvicorn has stopped (its
+    lifespan shutdown), the processes that rendered request templates are gone, while this
+    process (the server's) lives on."""
+    import httpx
+    from raylm.deploy.server_args import ServerArgs
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+    from server_process import InProcessServer
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), max_model_len=128,
+                                                        num_gpu_blocks_override=64, disable_log_stats=True))
+    try:
+        server = InProcessServer(engine, ServerArgs(trust_request_chat_template=True))
+        with server as base_url:
+            others = sandbox_pids()  # this module's own sandbox, say
+            reply = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+            assert reply.status_code == 200, reply.text
+            pids = sandbox_pids() - others
+            assert pids
+        assert wait_gone(list(pids), 2) == []
+    finally:
+        engine.shutdown()
+
+
+def sandbox_pids() -> set[int]:
+    """The chat-template worker processes below this one."""
+    return {pid for pid, command in descendants(os.getpid()).items() if "chat_template_sandbox" in command}

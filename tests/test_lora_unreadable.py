@@ -25,6 +25,7 @@ import pytest
 
 from engine_checks import run_to_end
 from lora_adapters import assert_peft_greedy, build_lora_adapter, peft_greedy
+from server_process import InProcessServer
 from raylm.engine import EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from raylm.executors.lora_adapter import LoRAAdapterError, LoRAAdapterNotFoundError
 
@@ -201,34 +202,6 @@ def test_a_deleted_adapter_read_again_after_eviction_fails_its_requests_alone(ll
 
 
 # ---- the server -------------------------------------------------------------------------------
-
-class InProcessServer:
-    """The real app on a real port, served by uvicorn in a thread of this process, so that the
-    test can reach its engine's executor."""
-
-    def __init__(self, engine, server_args) -> None:
-        import uvicorn
-
-        from raylm.deploy.api_server import build_app
-        from server_process import free_port
-
-        self.port = free_port()
-        config = uvicorn.Config(build_app(engine, server_args), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        from server_process import wait_healthy
-
-        self.thread.start()
-        base_url = f"http://127.0.0.1:{self.port}"
-        wait_healthy(base_url, timeout=60)
-        return base_url
-
-    def __exit__(self, *exc_info) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
 
 def test_over_http_an_adapter_unreadable_in_its_step_is_a_404_and_the_server_serves_on(llama_dir, built,
                                                                                       peft_tokens, tmp_path):
