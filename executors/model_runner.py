@@ -27,7 +27,7 @@ from raylm.executors.input_staging import InputStaging, fill_block_tables, layou
 from raylm.executors.penalty_state import PenaltyState
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
-from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, needs_token_history,
+from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, keeps_host_history,
                                                sibling_generator)
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
@@ -741,10 +741,10 @@ class ModelRunner:
 
     def _update_states(self, requests: list[ScheduledRequest],
                        device_holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = ()) -> None:
-        """Brings each tracked history, and the penalty state's rows, up to date with this
-        step's tokens, before sampling. Only the worker that samples keeps them
-        (tensor-parallel rank 0 of the last pipeline stage): the others never read them.
-        device_holes: `_fill_placeholders`' tokens left on the device."""
+        """Brings each kept host history (`keeps_host_history`), and the penalty state's
+        rows, up to date with this step's tokens, before sampling. Only the worker that
+        samples keeps them (tensor-parallel rank 0 of the last pipeline stage): the others
+        never read them. device_holes: `_fill_placeholders`' tokens left on the device."""
         if not (self.rank == 0 and self.is_last_stage):
             return
         if self.penalty_state is not None:
@@ -753,8 +753,9 @@ class ModelRunner:
                 holes = {requests[index].req_id: (tokens, row) for index, (tokens, row, _) in device_holes}
                 self.penalty_state.update(penalised, holes)
         states = self._states
+        on_device = self.penalty_state is not None
         for scheduled in requests:
-            if not needs_token_history(scheduled.sampling_params):
+            if not keeps_host_history(scheduled.sampling_params, on_device):
                 continue
             state = states.get(scheduled.req_id)
             if state is None:
@@ -777,11 +778,12 @@ class ModelRunner:
         history_lens: list[int] = []
         generators: list[torch.Generator | None] = []
         states = self._states
+        on_device = self.penalty_state is not None
         for scheduled in requests:
             params = scheduled.sampling_params
             req_ids.append(scheduled.req_id)
             params_list.append(params)
-            tracked = needs_token_history(params)
+            tracked = keeps_host_history(params, on_device)
             seeded = params.seed is not None and not params.is_greedy
             if not (tracked or seeded):
                 # The common case: nothing remembered between steps.

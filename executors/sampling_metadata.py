@@ -35,14 +35,30 @@ class RequestSamplingState:
     """A request's sampler state, kept by the worker that samples between steps (keyed by
     req_id)."""
 
-    # Only for requests that read it (penalties, min_tokens): plain decoding appends nothing.
+    # Only for requests whose sampling reads it (`keeps_host_history`): plain decoding, and
+    # penalties kept on the device, append nothing.
     history: TokenHistory | None = None
     # The request's own random stream (seeded requests only); it survives a recompute.
     generator: torch.Generator | None = None
 
 
 def needs_token_history(params: SamplingParams) -> bool:
-    return params.needs_penalties or (params.min_tokens > 0 and bool(params.all_stop_token_ids))
+    """Whether the request's sampling reads its tokens so far (penalties, min_tokens with
+    stop token ids), from a host history or the device's penalty state."""
+    return params.needs_penalties or _counts_output_tokens(params)
+
+
+def keeps_host_history(params: SamplingParams, penalties_on_device: bool) -> bool:
+    """Whether the worker that samples keeps the request's host `TokenHistory`: its
+    penalties read it, unless a `PenaltyState` on the device holds them
+    (`penalties_on_device`); min_tokens with stop token ids counts its output tokens in it
+    (`SamplingMetadata.num_output_tokens`)."""
+    return (params.needs_penalties and not penalties_on_device) or _counts_output_tokens(params)
+
+
+def _counts_output_tokens(params: SamplingParams) -> bool:
+    # min_tokens holds the stop token ids back until enough output tokens are out.
+    return params.min_tokens > 0 and bool(params.all_stop_token_ids)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""A request's token history as the sampler reads it (penalties, min_tokens), kept by the
-worker that samples."""
+"""A request's token history as the sampler reads it on the host (penalties, min_tokens), kept by
+the worker that samples; penalties kept on the device (executors/penalty_state.py) read none."""
 
 from __future__ import annotations
 

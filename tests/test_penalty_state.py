@@ -157,3 +157,47 @@ def test_the_runner_allocates_its_rows_before_the_kv_cache_and_frees_them_on_fin
     assert state.num_free_rows == 4  # the unpenalised request holds none
     runner.execute_model(ExecuteModelRequest(requests=[], finished_req_ids=[0], preempted_req_ids=[2]))
     assert state.num_free_rows == 6
+
+
+def _runner_tokens(llama_dir, params: list[SamplingParams], prompts: list[list[int]], num_steps: int
+                   ) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens a ModelRunner draws step by step (a prefill, then decodes), and the
+    requests whose sampler state holds a host history at the end."""
+    from raylm.engine.arg_utils import EngineArgs
+    from raylm.engine.step import ExecuteModelRequest
+    from raylm.executors.model_runner import ModelRunner
+
+    config = EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=64, max_num_seqs=4,
+                        num_gpu_blocks_override=8).create_engine_config()
+    runner = ModelRunner(config, rank=0, device="cpu")
+    runner.load_model()
+    runner.initialize_cache(8)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    step = [ScheduledRequest(i, prompt, 0, [i], len(prompt), p, resumed=True)
+            for i, (prompt, p) in enumerate(zip(prompts, params))]
+    for _ in range(num_steps):
+        for sampled in runner.execute_model(ExecuteModelRequest(requests=step)).outputs:
+            tokens[sampled.req_id].append(sampled.token_id)
+        step = [ScheduledRequest(i, [tokens[i][-1]], len(prompt) + len(tokens[i]) - 1, [i], len(prompt), None)
+                for i, prompt in enumerate(prompts)]
+    kept = sorted(req_id for req_id, state in runner._states.items() if state.history is not None)
+    return tokens, kept
+
+
+def test_with_penalties_on_the_device_only_min_tokens_keeps_a_host_history_and_tokens_are_unchanged(
+        monkeypatch, llama_dir):
+    from raylm.executors.model_runner import ModelRunner
+
+    # Penalties alone read the device rows: their host history would be written every step
+    # and never read. min_tokens with stop token ids counts its output tokens in one.
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4),
+              SamplingParams(temperature=0.0, presence_penalty=0.8, min_tokens=6, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=[9]),
+              SamplingParams(temperature=0.0)]
+    prompts = [[5, 6, 7, 5, 6, 7], [11, 12, 11, 12], [20, 21, 22], [30, 31, 30]]
+    host_tokens, host_kept = _runner_tokens(llama_dir, params, prompts, num_steps=8)
+    monkeypatch.setattr(ModelRunner, "penalty_state_devices", ("cuda", "cpu"))
+    device_tokens, device_kept = _runner_tokens(llama_dir, params, prompts, num_steps=8)
+    assert host_kept == [0, 1, 2]  # the native pass reads the penalised requests' histories
+    assert device_kept == [1, 2]
+    assert device_tokens == host_tokens
