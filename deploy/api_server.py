@@ -42,6 +42,7 @@ from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.response_budget import RETRY_AFTER_S, ResponseBudget, default_response_tokens_in_flight
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                    TokenizeRequest, TokenizeResponse)
+from raylm.deploy.reasoning_parsers import get_reasoning_parser
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
@@ -223,11 +224,13 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                                           models=serving_models, response_budget=response_budget,
                                           return_tokens_as_token_ids=as_ids)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
+    reasoning_parser = get_reasoning_parser(server_args.reasoning_parser, tokenizer) \
+        if server_args.reasoning_parser is not None else None
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
                              model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template,
-                             tool_config=tool_config, models=serving_models, response_budget=response_budget,
-                             return_tokens_as_token_ids=as_ids)
+                             tool_config=tool_config, reasoning_parser=reasoning_parser, models=serving_models,
+                             response_budget=response_budget, return_tokens_as_token_ids=as_ids)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)

@@ -84,10 +84,16 @@ class StreamOptions(OpenAIBaseModel):
         return bool(self.include_usage and self.continuous_usage_stats)
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
+    # Chat under --reasoning-parser: the completion's tokens spent reasoning (OpenAI's field).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ModelPermission(OpenAIBaseModel):
@@ -439,6 +445,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: under --reasoning-parser, whether the reply's reasoning is returned.
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -480,6 +488,9 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # Under --reasoning-parser: the reply's thinking, apart from its content (vLLM's field,
+    # which older vLLM called reasoning_content).
+    reasoning: str | None = None
     tool_calls: list[Any] = Field(default_factory=list)
 
 
@@ -507,6 +518,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     # OpenAI's tool-call deltas, JSON-ready (deploy/tool_calls.py's ToolCallStreamer).
     tool_calls: list[dict[str, Any]] | None = None
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from raylm.deploy.tool_parsers import TOOL_PARSERS, check_tool_settings
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, nested, setting
@@ -125,6 +126,12 @@ class ServerArgs(SettingsMixin):
     tool_call_parser: str | None = field(default=None, metadata=setting(
         "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
         "llama3_json (Llama 3.1 / 3.2 JSON), mistral; default: none.", choices=tuple(sorted(TOOL_PARSERS))))
+    reasoning_parser: str | None = field(default=None, metadata=setting(
+        "The reasoning model's format: chat replies come split into `reasoning` (the thinking between <think> and "
+        "</think>) and `content` (the answer after it), tool calls and structured outputs applying to the answer "
+        "alone (docs/reasoning.md). deepseek_r1 (DeepSeek-R1, QwQ), qwen3 (Qwen3, whose thinking a request's "
+        "chat_template_kwargs {\"enable_thinking\": false} turns off); default: none.",
+        choices=tuple(sorted(REASONING_PARSERS))))
     return_tokens_as_token_ids: bool = field(default=False, metadata=setting(
         "Name each token in logprobs `token_id:{id}` instead of its text, the alternatives in top_logprobs too, so "
         "that tokens whose text is not valid UTF-8 on their own can be told apart (vLLM's flag; off). A request's "
@@ -177,6 +184,7 @@ class ServerArgs(SettingsMixin):
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
         check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
+        check_reasoning_parser(self.reasoning_parser)
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("Give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both.")
 

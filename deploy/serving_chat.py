@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -19,7 +20,8 @@ from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
-                                   ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
+                                   ChatResponseMessage, CompletionTokensDetails, DeltaMessage, UsageInfo, random_id)
+from raylm.deploy.reasoning_parsers import ReasoningParser, ReasoningSplit
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error,
                                          token_id_placeholder)
 from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, parse_reply, resolve_tool_mode, \
@@ -45,11 +47,13 @@ def load_chat_template(template: str | None) -> str | None:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 tool_config: ToolCallConfig | None = None, **kwargs: Any) -> None:
+                 tool_config: ToolCallConfig | None = None, reasoning_parser: ReasoningParser | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_config = tool_config or ToolCallConfig()
+        self.reasoning_parser = reasoning_parser
         # Every template renders within the prompt's character limit and the step limit; a
         # request's own template, in addition, in a process of its own (deploy/chat_template_sandbox.py).
         max_chars = self.limits.prompt_chars(self.max_model_len)
@@ -141,6 +145,10 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
             self.check_context(len(token_ids), max_tokens, noun="messages")
+        in_reasoning = self.reasoning_parser is not None and \
+            self.reasoning_parser.starts_in_reasoning(text, request.chat_template_kwargs)
+        if in_reasoning and structured_outputs is not None:
+            structured_outputs = self._after_reasoning(structured_outputs)
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
@@ -150,6 +158,8 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens = tool_mode.parser.adjust_skip_special_tokens()
             if skip_special_tokens is not None:
                 params.skip_special_tokens = skip_special_tokens
+        if in_reasoning and self.reasoning_parser.adjust_skip_special_tokens() is not None:
+            params.skip_special_tokens = self.reasoning_parser.adjust_skip_special_tokens()
         request_id = random_id("chatcmpl")
         created = int(time.time())
         with self.response_budget.reserve(held) as reservation:
@@ -159,16 +169,17 @@ class OpenAIServingChat(OpenAIServing):
             echo = self._echo_text(request)
             if request.stream:
                 return SSEResponse(self._stream(request, request_id, created, model_name, stream, token_ids, echo,
-                                                tool_mode), reservation.keep())
+                                                tool_mode, in_reasoning), reservation.keep())
             final: RequestOutput | None = None
             async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
                 final = output
             assert final is not None and final.finished
             return JSONResponse(self._response(request, request_id, created, model_name, final, echo,
-                                               tool_mode).model_dump())
+                                               tool_mode, in_reasoning).model_dump())
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                  final: RequestOutput, echo: str, tool_mode: ToolMode | None) -> ChatCompletionResponse:
+                  final: RequestOutput, echo: str, tool_mode: ToolMode | None,
+                  in_reasoning: bool = False) -> ChatCompletionResponse:
         choices = []
         as_ids = self.tokens_as_ids(request)
         for completion in final.outputs:
@@ -176,12 +187,18 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs,
                                               as_ids)
-            message, finish_reason = self._message(completion.text, completion.finish_reason, echo, tool_mode)
+            split = self._split(completion.text, in_reasoning)
+            message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
+            if split.reasoning is not None and request.include_reasoning:
+                message.reasoning = split.reasoning
+            if self.reasoning_parser is not None and not message.content and not echo:
+                message.content = None  # vLLM's: no answer after the reasoning is a null content
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason,
                 token_ids=list(completion.token_ids) if request.return_token_ids else None))
-        usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
+        usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
+                       self._reasoning_tokens([c.token_ids for c in final.outputs], in_reasoning))
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage,
                                       prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
 
@@ -191,6 +208,29 @@ class OpenAIServingChat(OpenAIServing):
         text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
                            request.chat_template_kwargs, tools)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")
+
+    def _split(self, text: str, in_reasoning: bool) -> ReasoningSplit:
+        """A reply's reasoning and content (all content without a reasoning parser)."""
+        if self.reasoning_parser is None:
+            return ReasoningSplit(None, text)
+        return self.reasoning_parser.split(text, in_reasoning)
+
+    def _reasoning_tokens(self, token_ids: list[list[int]], in_reasoning: bool) -> int | None:
+        """The choices' tokens spent reasoning, for usage (None without a reasoning parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return sum(self.reasoning_parser.count_reasoning_tokens(list(ids), in_reasoning) for ids in token_ids)
+
+    def _after_reasoning(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
+        """The constraint applied from the token after the reasoning's end (vLLM's structured
+        outputs under a reasoning parser): the thinking is free, the answer constrained."""
+        end_token_id = self.reasoning_parser.end_token_id
+        if end_token_id is None:
+            raise OpenAIError(f"{constraint.source} cannot be combined with --reasoning-parser "
+                              f"{self.reasoning_parser.name} on this model: its tokenizer has no single token for "
+                              f"{self.reasoning_parser.end_tag!r}, so the engine cannot tell where the reasoning "
+                              f"ends and the constraint starts.", param=constraint.source)
+        return dataclasses.replace(constraint, reasoning_end_token_id=end_token_id)
 
     def _constraint(self, request: ChatCompletionRequest, tool_mode: ToolMode | None) -> StructuredOutputsParams | None:
         """The output's constraint: the request's own, or the one tool_choice sets."""
@@ -223,14 +263,21 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       stream: AsyncIterator[RequestOutput], prompt_token_ids: list[int], echo: str,
-                      tool_mode: ToolMode | None = None) -> AsyncIterator[str]:
+                      tool_mode: ToolMode | None = None, in_reasoning: bool = False) -> AsyncIterator[str]:
         usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
         choice_tokens = [0] * request.n
+        # Per choice, the split of its text into reasoning and content as it grows, and its
+        # token ids (usage counts those spent reasoning).
+        reasoning_streamers = {index: self.reasoning_parser.streamer(in_reasoning) for index in range(request.n)} \
+            if self.reasoning_parser is not None else None
+        choice_token_ids: list[list[int]] = [[] for _ in range(request.n)]
         prompt_tokens = len(prompt_token_ids)
         as_ids = self.tokens_as_ids(request)
 
         def chunk(choice: ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None = None) -> str:
-            usage = _usage(prompt_tokens, choice_tokens[choice.index]) if usage_per_chunk else None
+            usage = _usage(prompt_tokens, choice_tokens[choice.index],
+                           self._reasoning_tokens([choice_token_ids[choice.index]], in_reasoning)) \
+                if usage_per_chunk else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                     choices=[choice], usage=usage, prompt_token_ids=prompt_ids))
 
@@ -249,32 +296,45 @@ class OpenAIServingChat(OpenAIServing):
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     choice_tokens[completion.index] += len(completion.token_ids)
+                    if reasoning_streamers is not None:
+                        choice_token_ids[completion.index].extend(completion.token_ids)
                     logprobs = None
                     if request.logprobs:
                         logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
                                                       request.top_logprobs, as_ids)
                     finish_reason = completion.finish_reason
+                    text, reasoning = completion.text, None
+                    if reasoning_streamers is not None:
+                        reasoning, text = reasoning_streamers[completion.index].feed(text, completion.finished())
+                        reasoning = (reasoning or None) if request.include_reasoning else None
                     if streamers is None:
-                        delta = DeltaMessage(content=completion.text) \
-                            if completion.text or not completion.finished() else DeltaMessage()
+                        if reasoning_streamers is not None and not text and not reasoning and \
+                                not completion.finished() and not logprobs and not request.return_token_ids:
+                            continue  # held back: it may be the start of a reasoning tag
+                        if reasoning_streamers is not None:
+                            text = text or None  # a reasoning delta carries no empty content
+                        delta = DeltaMessage(content=text, reasoning=reasoning) \
+                            if text or reasoning or not completion.finished() else DeltaMessage()
                     else:
                         streamer = streamers[completion.index]
-                        content, tool_calls = streamer.feed(completion.text, final=completion.finished(),
+                        content, tool_calls = streamer.feed(text, final=completion.finished(),
                                                             cut=finish_reason == "length")
-                        if (content is None and tool_calls is None and not completion.finished() and not logprobs
-                                and not request.return_token_ids):
+                        if (content is None and tool_calls is None and reasoning is None and not completion.finished()
+                                and not logprobs and not request.return_token_ids):
                             # Held back: it may be the start of a tool call. Its logprobs or
                             # token ids go out all the same, with an empty delta (as vLLM's).
                             continue
-                        delta = DeltaMessage(content=content, tool_calls=tool_calls)
+                        delta = DeltaMessage(content=content, reasoning=reasoning, tool_calls=tool_calls)
                         finish_reason = tool_mode.finish_reason(streamer.tools_called, finish_reason)
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=completion.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=completion.stop_reason,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
             if request.stream_options is not None and request.stream_options.include_usage:
-                yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                       usage=_usage(prompt_tokens, completion_tokens)))
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[],
+                    usage=_usage(prompt_tokens, completion_tokens, self._reasoning_tokens(choice_token_ids,
+                                                                                          in_reasoning))))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE
@@ -300,9 +360,10 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> UsageInfo:
+    details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if reasoning_tokens is not None else None
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

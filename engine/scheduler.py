@@ -240,8 +240,10 @@ class Scheduler:
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
         if not self._num_constrained:
             return
+        # A request still reasoning is sampled unmasked (its grammar starts after the reasoning).
         constrained = [request for request, scheduled in zip(out.scheduled, out.step.requests)
-                       if scheduled.do_sample and request.structured_output_request is not None]
+                       if scheduled.do_sample and request.structured_output_request is not None
+                       and request.structured_output_request.reasoning_ended]
         if constrained:
             out.step.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 [request.structured_output_request for request in constrained])

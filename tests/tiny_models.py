@@ -258,3 +258,61 @@ def build_tiny_qwen2_moe(path: Path, vocab_size: int = 512, seed: int = 0, dtype
                   tie_word_embeddings=False)
     common.update(config_overrides)
     return _save_random_model(path, Qwen2MoeConfig(**common), vocab_size, seed, dtype)
+
+
+# ------------------------------------------------------------ reasoning models
+# A chat template in Qwen3's and DeepSeek-R1's ways: `think_open` opens <think> in the
+# prompt (R1's template), `enable_thinking: false` closes an empty one (Qwen3's).
+REASONING_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+    "{% elif think_open is defined and think_open %}<think>{% endif %}{% endif %}"
+)
+THINK_TAGS = ("<think>", "</think>")
+
+
+def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer has <think> and </think> as added tokens (as Qwen3's and
+    DeepSeek-R1's have), with `REASONING_CHAT_TEMPLATE`, and weights chosen so that greedy
+    decoding follows `chain`: each piece of text is followed by the next, the last by EOS.
+
+    The next token depends on the current token alone: attention and MLP write nothing to
+    the residual stream (o_proj and down_proj are zero), so the final hidden state is the
+    normalised embedding of the current token, and lm_head's row of each successor is its
+    predecessor's embedding, scaled (random 64-dimensional embeddings are nearly
+    orthogonal, so the successor's logit stands far above every other). Every piece must
+    be one token, and no token may appear twice in the chain."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    build_tokenizer(Path(path), 512)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens(list(THINK_TAGS))
+    tokenizer.chat_template = REASONING_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    ids = []
+    for piece in chain:
+        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+        assert len(piece_ids) == 1, f"{piece!r} is {len(piece_ids)} tokens"
+        ids.extend(piece_ids)
+    ids.append(tokenizer.eos_token_id)
+    assert len(set(ids)) == len(ids), f"a token appears twice in the chain {ids}"
+    config = _llama_like_config("llama", len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight
+        embeddings.normal_(0.0, 1.0)
+        head = model.lm_head.weight
+        head.zero_()
+        for current, following in zip(ids, ids[1:]):
+            head[following] = 4.0 * embeddings[current] / embeddings[current].norm()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return Path(path)

@@ -63,6 +63,11 @@ class StructuredOutputsParams:
             single spaces after ``,`` and ``:``.
         max_whitespace: raylm's bound on the whitespace JSON output may hold between two
             elements (default `DEFAULT_MAX_WHITESPACE`); None lifts it (vLLM's behaviour).
+        reasoning_end_token_id: The token that ends a reasoning model's reasoning (``</think>``):
+            the output is free until it, and the constraint holds from the token after it
+            (vLLM's structured outputs under ``--reasoning-parser``). None: from the first
+            output token. The server sets it for its reasoning parser; it is no part of the
+            grammar.
     """
 
     json: str | dict[str, Any] | None = None
@@ -76,6 +81,7 @@ class StructuredOutputsParams:
     # Set by whoever builds the params from a request, to name the request's field in
     # errors (the server: "response_format", "tool_choice", "guided_json", ...).
     source: str = field(default="structured_outputs", compare=False, repr=False)
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -99,6 +105,10 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise StructuredOutputsError(f"{self.source}: {name} must be true or false, got "
                                              f"{getattr(self, name)!r}.", self.source)
+        end = self.reasoning_end_token_id
+        if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < 0):
+            raise StructuredOutputsError(f"{self.source}: reasoning_end_token_id must be a token id (an integer >= 0) "
+                                         f"or None, got {end!r}.", self.source)
         if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int)
                                                 or isinstance(self.max_whitespace, bool) or self.max_whitespace < 1):
             raise StructuredOutputsError(f"{self.source}: max_whitespace must be a positive integer or None, got "

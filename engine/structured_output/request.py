@@ -4,6 +4,10 @@ The matcher is the grammar's parse state over the request's output tokens: the e
 advances it with each token it appends, and the scheduler asks it for the next token's
 bitmask when the request is sampled. It follows the output tokens alone, which recompute
 after a preemption keeps, so a preempted request resumes with its matcher as it was.
+
+Under a reasoning parser (`params.reasoning_end_token_id`) the matcher starts after the
+token that ends the reasoning: until then every token is allowed and none advances it, as
+in vLLM, so that the grammar constrains the answer and not the thinking before it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class StructuredOutputRequest:
         self.released = False
         # Set when the grammar allowed no token at all (see grammar_bitmask).
         self.dead_end = False
+        # False while the output is still reasoning: the grammar does not apply yet.
+        self.reasoning_ended = params.reasoning_end_token_id is None
 
     @property
     def is_ready(self) -> bool:
@@ -53,13 +59,18 @@ class StructuredOutputRequest:
         return self._matcher
 
     def accept_token(self, token_id: int) -> bool:
-        """Advances the matcher over a sampled token; False if the grammar does not allow it."""
+        """Advances the matcher over a sampled token; False if the grammar does not allow it.
+        A token of the reasoning is not the grammar's: it is accepted as it is, and the
+        reasoning's end token starts the grammar with the next one."""
+        if not self.reasoning_ended:
+            self.reasoning_ended = token_id == self.params.reasoning_end_token_id
+            return True
         return self.matcher.accept_token(token_id)
 
     def is_terminated_by(self, token_id: int) -> bool:
         """Whether the token just accepted ended the grammar (only a stop token, EOS, can):
         nothing may follow it."""
-        return token_id in self._stop_token_ids and self.matcher.is_terminated()
+        return self.reasoning_ended and token_id in self._stop_token_ids and self.matcher.is_terminated()
 
     def release(self) -> None:
         """Drops the matcher (the request finished, was aborted or failed)."""

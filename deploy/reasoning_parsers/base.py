@@ -1,0 +1,130 @@
+"""What every reasoning parser shares: the split of a reply into its reasoning (the text
+between `<think>` and `</think>`) and its content (the text after), whole or a delta at a
+time.
+
+The split is made on the text: the end tag's first occurrence ends the reasoning, and a
+start tag that opens the reply is dropped (vLLM's non-streamed split). A stream holds back
+a delta's tail while it could be the start of a tag, so that whatever way the text is cut
+into deltas, the deltas add up to the split of the whole text. The tags' token ids serve
+where the text cannot: whether the prompt already opened or closed the reasoning, and in
+the engine, where the grammar of a structured output starts (`reasoning_end_token_id`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raylm.deploy.tool_parsers.base import held_back
+
+
+@dataclass
+class ReasoningSplit:
+    """A reply split: None where a part is empty (vLLM's `reasoning` / `content` null)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+class ReasoningParser:
+    """A model family's reasoning format (vLLM's `--reasoning-parser NAME`).
+
+    Args:
+        tokenizer: the model's tokenizer; the tags' ids are looked up in it (None where a
+            tag is not one token of its vocabulary: the split is made on the text alone,
+            and the grammar of a structured output cannot wait for the reasoning's end).
+    """
+
+    name = ""
+    start_tag = "<think>"
+    end_tag = "</think>"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.start_token_id = single_token_id(tokenizer, self.start_tag)
+        self.end_token_id = single_token_id(tokenizer, self.end_tag)
+        # A tokenizer may make the tags special tokens, which skip_special_tokens would
+        # take out of the text the split reads.
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.tags_are_special = bool({self.start_token_id, self.end_token_id} & special - {None})
+
+    def thinking_enabled(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        """Whether the request lets the model reason (a family's template switch)."""
+        return True
+
+    def starts_in_reasoning(self, prompt_text: str, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        """Whether the reply begins inside the reasoning. Not when thinking is off, nor when
+        the prompt ends with the end tag (Qwen3's template closes an empty `<think></think>`
+        when thinking is off); otherwise it does, whether the prompt opened `<think>`
+        (DeepSeek-R1's template: the reply holds only the end tag) or the model writes it.
+        Only the prompt's end is read: earlier turns' tags say nothing of this reply."""
+        if not self.thinking_enabled(chat_template_kwargs):
+            return False
+        return not prompt_text.rstrip().endswith(self.end_tag)
+
+    def adjust_skip_special_tokens(self) -> bool | None:
+        """False when the tags are special tokens (they must stay in the text the split
+        reads), None to leave the request's setting."""
+        return False if self.tags_are_special else None
+
+    def streamer(self, in_reasoning: bool) -> ReasoningStreamer:
+        return ReasoningStreamer(self, in_reasoning)
+
+    def split(self, text: str, in_reasoning: bool) -> ReasoningSplit:
+        """The split of a whole reply (the stream's deltas add up to it)."""
+        reasoning, content = self.streamer(in_reasoning).feed(text, final=True)
+        return ReasoningSplit(reasoning or None, content or None)
+
+    def count_reasoning_tokens(self, token_ids: list[int], in_reasoning: bool) -> int:
+        """The reply's tokens spent reasoning: those before the end tag's token, the tags'
+        own tokens not counted (0 where the end tag is not one token)."""
+        if not in_reasoning or self.end_token_id is None:
+            return 0
+        end = token_ids.index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
+        start = 1 if end and token_ids[0] == self.start_token_id else 0
+        return end - start
+
+
+class ReasoningStreamer:
+    """One reply's split, a delta at a time: `feed` returns the reasoning and the content
+    each delta adds. A delta costs its own length (plus a held-back tag's)."""
+
+    def __init__(self, parser: ReasoningParser, in_reasoning: bool) -> None:
+        self.parser = parser
+        # "start": a start tag may open the reply; "reasoning"; "content".
+        self.phase = "start" if in_reasoning else "content"
+        self._pending = ""  # text read but not yet given out (it may be part of a tag)
+
+    @property
+    def reasoning_ended(self) -> bool:
+        return self.phase == "content"
+
+    def feed(self, delta_text: str, final: bool) -> tuple[str, str]:
+        """The (reasoning, content) that `delta_text` adds; `final` on the reply's last delta
+        gives out whatever was held back."""
+        if self.phase == "content":
+            return "", delta_text
+        text = self._pending + delta_text
+        self._pending = ""
+        start_tag, end_tag = self.parser.start_tag, self.parser.end_tag
+        if self.phase == "start":
+            if text.startswith(start_tag):
+                text = text[len(start_tag):]
+            elif start_tag.startswith(text) and not final:
+                self._pending = text  # may still become the start tag
+                return "", ""
+            self.phase = "reasoning"
+        end = text.find(end_tag)
+        if end != -1:
+            self.phase = "content"
+            return text[:end], text[end + len(end_tag):]
+        keep = 0 if final else held_back(text, end_tag)
+        self._pending = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+
+def single_token_id(tokenizer: Any, tag: str) -> int | None:
+    """The id of `tag` where the tokenizer's vocabulary holds it as one token, else None."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

@@ -1,0 +1,145 @@
+"""Reasoning parsers (deepseek_r1, qwen3): the split of replies written as DeepSeek-R1 and
+Qwen3 write them into reasoning and content, against splits made by hand; streamed in any
+chunking, the deltas add up to the whole reply's split; where the reply starts (inside the
+reasoning or not) from the prompt's end and Qwen3's enable_thinking; the tokens counted as
+reasoning; and the grammar of a structured output waiting for the reasoning's end."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from raylm.deploy.reasoning_parsers import REASONING_PARSERS, ReasoningSplit, get_reasoning_parser
+from raylm.deploy.server_args import ServerArgs
+
+# (reply, expected reasoning, expected content), for a reply that starts inside the reasoning.
+SPLITS = [
+    # R1 (template opened <think>): the reply holds the end tag only.
+    ("Okay, 9.11 < 9.8.\n</think>\n\n9.8 is greater.", "Okay, 9.11 < 9.8.\n", "\n\n9.8 is greater."),
+    # Qwen3 and older R1: the reply opens <think> itself; the tag is dropped.
+    ("<think>\nLet me count: 1 2 3.\n</think>\n\nThree.", "\nLet me count: 1 2 3.\n", "\n\nThree."),
+    # Cut by max_tokens inside the reasoning: all reasoning, no content.
+    ("<think>\nHmm, the user asks", "\nHmm, the user asks", None),
+    ("Hmm, the user asks", "Hmm, the user asks", None),
+    # Stopped right after the end tag: no content (vLLM's null).
+    ("<think>Short.</think>", "Short.", None),
+    # No reasoning at all.
+    ("</think>Just the answer.", None, "Just the answer."),
+    # Text that only looks like tags: a later <think> and a partial end tag stay where they are.
+    ("a <think> b </thin c</think>d <think>e</think>", "a <think> b </thin c", "d <think>e</think>"),
+    ("<", "<", None),
+    ("<think", "<think", None),
+    ("</think", "</think", None),
+    ("", None, None),
+]
+
+
+def test_registry_and_unknown_parser_name():
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
+    with pytest.raises(ValueError, match=r"reasoning_parser \(--reasoning-parser\) 'deepseek' is not one of "
+                                         r"deepseek_r1, qwen3"):
+        ServerArgs(reasoning_parser="deepseek")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'r1'"):
+        ServerArgs.from_values({"reasoning_parser": "r1"})
+    assert ServerArgs.from_values({"reasoning_parser": "qwen3"}).reasoning_parser == "qwen3"
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("reply,reasoning,content", SPLITS)
+def test_split_of_a_whole_reply(name, reply, reasoning, content):
+    parser = get_reasoning_parser(name, None)
+    assert parser.split(reply, in_reasoning=True) == ReasoningSplit(reasoning, content)
+    # A reply that starts after the reasoning is all content, tags and all.
+    assert parser.split(reply, in_reasoning=False) == ReasoningSplit(None, reply or None)
+
+
+def _random_cuts(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
+    bounds = [0, *cuts, len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    # Empty deltas happen too (a token whose text is not complete yet).
+    for _ in range(rng.randint(0, 2)):
+        pieces.insert(rng.randrange(len(pieces) + 1), "")
+    return pieces
+
+
+@pytest.mark.parametrize("reply,reasoning,content", SPLITS)
+def test_streamed_deltas_add_up_to_the_split_in_any_chunking(reply, reasoning, content):
+    parser = get_reasoning_parser("deepseek_r1", None)
+    rng = random.Random(reply)
+    for _ in range(200):
+        pieces = _random_cuts(reply, rng) or [""]
+        streamer = parser.streamer(in_reasoning=True)
+        got_reasoning, got_content = "", ""
+        for index, piece in enumerate(pieces):
+            r, c = streamer.feed(piece, final=index == len(pieces) - 1)
+            got_reasoning += r
+            got_content += c
+            # Nothing is given out that a later delta could take back: what came out so far
+            # is a prefix of the whole split.
+            assert (reasoning or "").startswith(got_reasoning) and (content or "").startswith(got_content)
+        assert (got_reasoning or None, got_content or None) == (reasoning, content), pieces
+
+
+def test_a_stream_holds_back_only_what_may_be_a_tag():
+    streamer = get_reasoning_parser("deepseek_r1", None).streamer(in_reasoning=True)
+    assert streamer.feed("<thi", final=False) == ("", "")  # may be the start tag
+    assert streamer.feed("s is", final=False) == ("<this is", "")
+    assert streamer.feed(" it</", final=False) == (" it", "")  # may be the end tag
+    assert streamer.feed("think>", final=False) == ("", "")
+    assert streamer.reasoning_ended
+    assert streamer.feed(" <done", final=False) == ("", " <done")  # content is never held back
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tiny_models import build_tokenizer, REASONING_CHAT_TEMPLATE, THINK_TAGS
+
+    path: Path = tmp_path_factory.mktemp("reasoning_tokenizer")
+    build_tokenizer(path, 512)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens(list(THINK_TAGS))
+    tokenizer.chat_template = REASONING_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _prompt(tokenizer, **kwargs) -> str:
+    messages = [{"role": "user", "content": "Which is greater?"}, {"role": "assistant", "content": "<think>x</think>"},
+                {"role": "user", "content": "And now?"}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def test_where_the_reply_starts(tokenizer):
+    r1, qwen3 = get_reasoning_parser("deepseek_r1", tokenizer), get_reasoning_parser("qwen3", tokenizer)
+    # The model opens <think> itself, or the template did (R1): the reply starts reasoning,
+    # whatever tags earlier turns hold.
+    for kwargs in ({}, {"think_open": True}):
+        assert r1.starts_in_reasoning(_prompt(tokenizer, **kwargs), kwargs)
+        assert qwen3.starts_in_reasoning(_prompt(tokenizer, **kwargs), kwargs)
+    # Qwen3 with thinking off: the template closed an empty <think></think>.
+    off = {"enable_thinking": False}
+    assert _prompt(tokenizer, **off).endswith("<think></think>")
+    assert not qwen3.starts_in_reasoning(_prompt(tokenizer, **off), off)
+    assert not qwen3.starts_in_reasoning(_prompt(tokenizer), off)  # the switch alone turns it off
+    assert not r1.starts_in_reasoning(_prompt(tokenizer, **off), off)  # the prompt closed it
+    assert qwen3.starts_in_reasoning(_prompt(tokenizer), {"enable_thinking": True})
+
+
+def test_tag_token_ids_and_reasoning_token_count(tokenizer):
+    parser = get_reasoning_parser("qwen3", tokenizer)
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert (parser.start_token_id, parser.end_token_id) == (start, end)
+    assert not parser.tags_are_special and parser.adjust_skip_special_tokens() is None
+    thinking = tokenizer.encode("Let me count.", add_special_tokens=False)
+    answer = tokenizer.encode("Three.", add_special_tokens=False)
+    assert parser.count_reasoning_tokens([start, *thinking, end, *answer], True) == len(thinking)
+    assert parser.count_reasoning_tokens([*thinking, end, *answer], True) == len(thinking)
+    assert parser.count_reasoning_tokens([start, *thinking], True) == len(thinking)  # cut while thinking
+    assert parser.count_reasoning_tokens([*answer], False) == 0
+    # A tokenizer without the tags as tokens: the text split works, ids are unknown.
+    plain = get_reasoning_parser("qwen3", None)
+    assert plain.end_token_id is None and plain.count_reasoning_tokens([1, 2, 3], True) == 0
