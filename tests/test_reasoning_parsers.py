@@ -143,3 +143,34 @@ def test_tag_token_ids_and_reasoning_token_count(tokenizer):
     # A tokenizer without the tags as tokens: the text split works, ids are unknown.
     plain = get_reasoning_parser("qwen3", None)
     assert plain.end_token_id is None and plain.count_reasoning_tokens([1, 2, 3], True) == 0
+
+
+# A Qwen3 reply that thinks, then calls a tool (Hermes tags), as --tool-call-parser hermes reads it.
+TOOL_REPLY = ('<think>\nThe user wants Paris; <tool_call> comes later.\n</think>\n\nChecking.\n<tool_call>\n'
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def test_tool_calls_are_parsed_from_the_content_after_the_reasoning():
+    from raylm.deploy.tool_calls import ToolCallStreamer, parse_reply
+    from raylm.deploy.tool_parsers import get_tool_parser
+
+    reasoning_parser, tool_parser = get_reasoning_parser("qwen3", None), get_tool_parser("hermes")
+    split = reasoning_parser.split(TOOL_REPLY, in_reasoning=True)
+    # The <tool_call> mentioned while thinking is reasoning, not a call.
+    assert split.reasoning == "\nThe user wants Paris; <tool_call> comes later.\n"
+    parsed = parse_reply(tool_parser, split.content, "stop")
+    assert parsed.content == "\n\nChecking.\n"
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", '{"city": "Paris"}')]
+    # Streamed as the server streams it: the reasoning streamer's content feeds the tool streamer.
+    rng = random.Random(0)
+    for _ in range(100):
+        pieces = _random_cuts(TOOL_REPLY, rng)
+        reasoning_stream, tool_stream = reasoning_parser.streamer(True), ToolCallStreamer(tool_parser)
+        reasoning, content, arguments = "", "", ""
+        for index, piece in enumerate(pieces):
+            r, c = reasoning_stream.feed(piece, final=index == len(pieces) - 1)
+            content_delta, calls = tool_stream.feed(c, final=index == len(pieces) - 1)
+            reasoning += r
+            content += content_delta or ""
+            arguments += "".join(call["function"]["arguments"] for call in calls or ())
+        assert (reasoning, content, arguments) == (split.reasoning, parsed.content, parsed.calls[0].arguments)

@@ -1,0 +1,178 @@
+"""Reasoning outputs over HTTP (`raylm serve --reasoning-parser`), on a tiny model whose
+weights write a known reply: `<think>Ray places</think>The quick fox` after a prompt that
+ends the generation prompt with a newline, `Ray places</think>The quick fox` after R1's
+`<think>`, and `The quick fox` after Qwen3's closed `<think></think>`. The reference is that
+chain, built into the weights and tokenized with the model's own tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from raylm.deploy import cli
+
+from server_process import start_servers, stop_server
+from tiny_models import build_tiny_reasoning_model
+
+MODEL = "thinker"
+REASONING, ANSWER = "Ray places", "The quick fox"
+# The tokens the model writes after the prompt's final newline, one piece each, then EOS.
+CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "The", " quick", " fox"]
+USER = [{"role": "user", "content": "Where do workers go?"}]
+CITY_TOOL = {"type": "function", "function": {
+    "name": "pick_city", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                                        "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_reasoning_model(tmp_path_factory.mktemp("thinker"), CHAIN)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("reasoning_servers")
+    common = [str(model_dir), "--served-model-name", MODEL, "--max-model-len", "128"]
+    started = start_servers([(common + ["--reasoning-parser", "qwen3"], root / "qwen3.log"),
+                             (common + ["--reasoning-parser", "deepseek_r1"], root / "r1.log")])
+    try:
+        yield {"qwen3": _client(started[0][1]), "deepseek_r1": _client(started[1][1])}
+    finally:
+        for process, _ in started:
+            stop_server(process)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _tokens(model_dir: Path, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(model_dir)).encode(text, add_special_tokens=False))
+
+
+def _chat(client: openai.OpenAI, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=USER, temperature=0, **kwargs)
+
+
+def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str | None, str | None, str, object, list]:
+    """The stream's reasoning and content (joined deltas), finish_reason, usage and deltas."""
+    reasoning, content, finish, usage, deltas = "", "", None, None, []
+    for chunk in _chat(client, stream=True, stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            deltas.append((extra.get("reasoning"), choice.delta.content))
+            reasoning += extra.get("reasoning") or ""
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return reasoning or None, content or None, finish, usage, deltas
+
+
+@pytest.mark.parametrize("parser,template_kwargs", [("qwen3", None), ("deepseek_r1", None),
+                                                     ("deepseek_r1", {"think_open": True})])
+def test_reasoning_apart_from_content_streamed_or_not(servers, model_dir, parser, template_kwargs):
+    client = servers[parser]
+    extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
+    response = _chat(client, extra_body=extra)
+    choice = response.choices[0]
+    assert (choice.message.model_extra["reasoning"], choice.message.content) == (REASONING, ANSWER)
+    assert choice.finish_reason == "stop"
+    # Usage: every token written (the tags and EOS too); reasoning the tokens between the tags.
+    written = len(CHAIN) - 1 - (template_kwargs is not None) + 1
+    assert response.usage.completion_tokens == written
+    assert response.usage.completion_tokens_details.reasoning_tokens == _tokens(model_dir, REASONING)
+    reasoning, content, finish, usage, deltas = _streamed(client, extra_body=extra)
+    assert (reasoning, content, finish) == (REASONING, ANSWER, "stop")
+    assert usage.model_dump() == response.usage.model_dump()
+    # Token by token, no delta carries both, and none carries a tag.
+    assert all(r is None or c is None for r, c in deltas)
+    assert not any("think>" in (r or "") + (c or "") for r, c in deltas)
+
+
+def test_qwen3_enable_thinking_false_is_all_content(servers):
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    response = _chat(servers["qwen3"], extra_body=extra)
+    message = response.choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == (None, ANSWER)
+    assert response.usage.completion_tokens_details.reasoning_tokens == 0
+    assert _streamed(servers["qwen3"], extra_body=extra)[:3] == (None, ANSWER, "stop")
+
+
+def test_reply_cut_while_reasoning_is_all_reasoning(servers):
+    response = _chat(servers["qwen3"], max_tokens=3)  # <think>, Ray, " places"
+    message = response.choices[0].message
+    assert (message.model_extra["reasoning"], message.content, response.choices[0].finish_reason) == \
+        (REASONING, None, "length")
+    assert _streamed(servers["qwen3"], max_tokens=3)[:3] == (REASONING, None, "length")
+
+
+def test_include_reasoning_false_leaves_it_out(servers):
+    response = _chat(servers["qwen3"], extra_body={"include_reasoning": False})
+    assert (response.choices[0].message.model_extra["reasoning"], response.choices[0].message.content) == \
+        (None, ANSWER)
+    assert _streamed(servers["qwen3"], extra_body={"include_reasoning": False})[:2] == (None, ANSWER)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_constrains_only_the_answer(servers, stream):
+    """The regex holds from the token after </think>: the reasoning is the model's own; the
+    answer, which the model would write as 'The quick fox', is one of the regex's."""
+    extra = {"structured_outputs": {"regex": "(yes|no)"}}
+    if stream:
+        reasoning, content, finish, _, _ = _streamed(servers["qwen3"], extra_body=extra)
+    else:
+        message = _chat(servers["qwen3"], extra_body=extra).choices[0].message
+        reasoning, content = message.model_extra["reasoning"], message.content
+    assert reasoning == REASONING
+    assert content in ("yes", "no")
+    # Reasoning already ended in the prompt: the grammar holds from the first token.
+    off = _chat(servers["qwen3"], extra_body={**extra, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content in ("yes", "no")
+
+
+def test_named_tool_call_is_parsed_from_the_answer(servers):
+    response = _chat(servers["deepseek_r1"], tools=[CITY_TOOL],
+                     tool_choice={"type": "function", "function": {"name": "pick_city"}})
+    message = response.choices[0].message
+    assert message.model_extra["reasoning"] == REASONING
+    (call,) = message.tool_calls
+    assert call.function.name == "pick_city"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_unknown_parser_name_is_a_startup_error_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "some-model", "--reasoning-parser", "deepseek"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reasoning-parser: invalid choice: 'deepseek'" in err and "deepseek_r1" in err and "qwen3" in err, err
+
+
+def test_offline_grammar_starts_after_the_reasoning_end_token(model_dir):
+    """The engine's side, without the server: `reasoning_end_token_id` lets the chain run
+    free up to </think>, then the regex holds; without it the regex holds from the start."""
+    from transformers import AutoTokenizer
+
+    from raylm.engine import LLM, SamplingParams
+    from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    end_id = tokenizer.convert_tokens_to_ids("</think>")
+    prompt = tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4)
+    try:
+        gated, plain = llm.generate([prompt, prompt], [
+            SamplingParams(temperature=0, max_tokens=16,
+                           structured_outputs=StructuredOutputsParams(regex="(yes|no)", reasoning_end_token_id=end_id)),
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(yes|no)"))])
+        assert gated.outputs[0].text in ("<think>Ray places</think>yes", "<think>Ray places</think>no")
+        assert plain.outputs[0].text in ("yes", "no")
+    finally:
+        llm.shutdown()
+    with pytest.raises(StructuredOutputsError, match="reasoning_end_token_id must be a token id"):
+        StructuredOutputsParams(regex="a", reasoning_end_token_id=-1)
