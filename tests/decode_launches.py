@@ -75,11 +75,17 @@ class _Recorder:
             self.launches.add(self.section, name)
 
 
-def _launches_a_kernel(func) -> bool:
+def _launches_a_kernel(func, args: tuple, out) -> bool:
     if str(func) in _NO_KERNEL_OPS:
         return False
-    # A view (split, slice, view, unsqueeze, t, ...) aliases its input and launches nothing.
-    return not getattr(func, "is_view", False)
+    if not getattr(func, "is_view", False):
+        return True
+    # A view (split, slice, view, unsqueeze, t, ...) aliases its input and launches nothing;
+    # but reshape may copy (a view of its schema, seen here before its decomposition).
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    results = out if isinstance(out, (list, tuple)) else [out]
+    return source is not None and any(isinstance(r, torch.Tensor) and r.numel() and r.untyped_storage().data_ptr()
+                                      != source.untyped_storage().data_ptr() for r in results)
 
 
 class _AtenLaunches(TorchDispatchMode):
@@ -88,9 +94,10 @@ class _AtenLaunches(TorchDispatchMode):
         self.record = record
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _launches_a_kernel(func):
+        out = func(*args, **(kwargs or {}))
+        if _launches_a_kernel(func, args, out):
             self.record(f"aten:{func.overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 @contextmanager
