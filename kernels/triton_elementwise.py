@@ -2,7 +2,10 @@
 RMSNorm that follows it, plain RMSNorm (Llama's `weight` and Gemma's `1 + weight`),
 SiLU-and-mul of the fused gate/up projection, and the rotary embedding of queries and keys
 in place. Each is one launch where PyTorch's eager ops take two to five (vLLM runs its own
-CUDA kernels for the same four ops).
+CUDA kernels for the same four ops). The rotary launch also takes what surrounds it in an
+attention layer: Qwen3's per-head q/k RMSNorms before it and the KV-cache write after it
+(the keys it rotated and the values), so a decode layer launches ten kernels
+(tests/test_decode_launches.py).
 
 They round where the PyTorch path of `models/` rounds, so that greedy tokens stay those of
 Hugging Face: the residual sum in the model dtype before the norm, the norm in fp32 and once

@@ -91,7 +91,7 @@ class LlamaAttention(nn.Module):
         kv_cache = self.fused_kv_cache()
         if self.rotary_emb.rotate_and_cache(positions, q, k, v, kv_cache):  # one launch on CUDA
             return self.o_proj(self.attn(q, k, v, output_rows, kv_cached=kv_cache is not None))
-        q, k = self.rotary_emb.rotate(positions, qkv[:, :self.q_size + self.kv_size]).split(
+        q, k = self.rotary_emb.rotate(positions, qkv.narrow(-1, 0, self.q_size + self.kv_size)).split(
             [self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, output_rows))
 
