@@ -374,7 +374,8 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     types = dict(query_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
                  partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
-                 weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr, k_norm_ptr=ptr)
+                 weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr,
+                 k_norm_ptr=ptr)
     kernel = variant.kernel
     signature = {name: "constexpr" if name in variant.constexprs else types.get(name, "i32")
                  for name in kernel.arg_names}
