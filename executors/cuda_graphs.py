@@ -1,5 +1,5 @@
 """CUDA graphs for decode steps: one graph per padded batch size, captured once over
-static input buffers, replayed instead of launching the model's ~20 kernels per layer.
+static input buffers, replayed instead of launching the model's ~10 kernels per layer one by one.
 
 A decode step of n sequences runs the graph of the smallest captured size B >= n. Its
 inputs sit at fixed addresses (the decode layout of the runner's `InputStaging`): the n

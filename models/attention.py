@@ -42,8 +42,20 @@ class Attention(nn.Module):
         # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
 
+    def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, slot_mapping) of this step where the rotary kernel may store its
+        keys and values itself (the Triton backend's cache, a step with attention metadata),
+        saving the KV write's launch: `forward(..., kv_cached=True)` then skips it. None
+        elsewhere."""
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None or self.kv_cache is None or self.attn_backend.name != "triton":
+            return None
+        return (*self.kv_cache, attn_metadata.slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, kv_cached: bool = False) -> torch.Tensor:
+        """kv_cached: k and v are in the cache already (stored by the rotary kernel at
+        `fused_kv_cache()`'s slots)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -55,7 +67,8 @@ class Attention(nn.Module):
         else:
             assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
             k_cache, v_cache = self.kv_cache
-            self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+            if not kv_cached:
+                self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
             out = self._paged_attention(q, attn_metadata)
         # The kernels attend for every query row; the last layer's is 1 / num_layers of them.
         return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)

@@ -86,9 +86,19 @@ class LlamaAttention(nn.Module):
         if (output_rows is not None and self.output_row_projections is not None and type(self.attn) is Attention
                 and get_forward_context().attn_metadata is not None):
             return self._forward_output_rows(positions, hidden_states, output_rows)
-        qk, v = self.qkv_proj(hidden_states).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        kv_cache = self.fused_kv_cache()
+        if self.rotary_emb.rotate_and_cache(positions, q, k, v, kv_cache):  # one launch on CUDA
+            return self.o_proj(self.attn(q, k, v, output_rows, kv_cached=kv_cache is not None))
+        q, k = self.rotary_emb.rotate(positions, qkv.narrow(-1, 0, self.q_size + self.kv_size)).split(
+            [self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, output_rows))
+
+    def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the rotary kernel may store this step's keys and values (`Attention.fused_kv_cache`);
+        None for attention layers of other kinds, which write their own."""
+        return self.attn.fused_kv_cache() if type(self.attn) is Attention else None
 
     def _forward_output_rows(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                              output_rows: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,10 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        kv_cache = self.fused_kv_cache()
+        if self.rotary_emb.rotate_and_cache(positions, q, k, v, kv_cache, qk_norm=(self.q_norm, self.k_norm)):
+            # One launch on CUDA: the norms, rotary and the KV write, in place in the QKV output.
+            return self.o_proj(self.attn(q, k, v, output_rows, kv_cached=kv_cache is not None))
         q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
         k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)

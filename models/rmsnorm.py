@@ -64,7 +64,8 @@ def _cuda_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, we
         return None
     if residual is None:
         return ops.rms_norm(x, norm.weight, norm.eps, weight_offset)
-    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous() or not residual.is_cuda:
+    if (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+            or cuda_ops.usable(residual) is None):
         return None
     return ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps, weight_offset)
 

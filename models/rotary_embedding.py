@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raylm.kernels import cpu_ops, cuda_ops
+from raylm.models.rmsnorm import RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,34 @@ class RotaryEmbedding(nn.Module):
             ops.rotary_embedding_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim)
             return query, key
         return self.rotate(positions, query), self.rotate(positions, key)
+
+    def rotate_and_cache(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                         qk_norm: tuple[nn.Module, nn.Module] | None = None) -> bool:
+        """In one Triton launch on CUDA: normalises each head of query [T, Hq * D] and key
+        [T, Hkv * D] with qk_norm's two RMSNorms (Qwen3's q_norm, k_norm), rotates them,
+        all in place, and stores the keys and value [T, Hkv * D] in kv_cache (k_cache,
+        v_cache, slot_mapping: `Attention.fused_kv_cache`) when given. True if it did;
+        False, having done nothing, where the kernel does not take these tensors (the
+        caller runs the separate ops)."""
+        tensors = [query, key, value]
+        norm_args = None
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            if (type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps
+                    or q_norm.weight.shape != (self.head_size,)):
+                return False
+            tensors += [q_norm.weight, k_norm.weight]
+            norm_args = (q_norm.weight, k_norm.weight, q_norm.eps)
+        if kv_cache is not None:
+            tensors += kv_cache[:2]
+        ops = self._cuda_ops(*tensors[:3])
+        if ops is None or cuda_ops.usable(*tensors[3:]) is None or value.shape != key.shape:
+            return False
+        cache_args = None if kv_cache is None else (value, *kv_cache)
+        ops.rotary_embedding_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
+                              qk_norm=norm_args, kv_cache=cache_args)
+        return True
 
     def _cuda_ops(self, *tensors: torch.Tensor) -> ModuleType | None:
         """The Triton kernels' module where they take these [T, H * D] tensors, else None:

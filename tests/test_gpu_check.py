@@ -67,6 +67,10 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
                 "ttft_4k_ms", "decode_attention_bw_fraction", "throughput_over_floor", "throughput_floor_tok_s"):
         assert isinstance(record[key], float) and record[key] > 0, key
     assert record["cuda_graphs"] is False  # none on the CPU
+    # Kernel launches per batch-1 decode step: the profiler counts them on a GPU only.
+    assert "launches_per_step" in record and record["launches_per_step"] is None
+    assert record["speed"]["profile_batch_1"]["launches_per_step"] is None
+    assert "decode step bs1: - kernel launches per step" in result.stdout
     # Penalised decoding beside plain (the penalty state on a GPU's path; CPU figures).
     penalised = record["speed"]["penalties"]
     assert penalised["repetition_penalty"] == 1.05 and (penalised["batch"], penalised["prompt_len"]) == (4, 32)

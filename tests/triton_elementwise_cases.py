@@ -64,6 +64,13 @@ def test_rotary_embedding_matches_the_fp32_reference_in_place(ops, shape, dtype,
     assert_passed(check.check_rotary(ops, *shape, dtype, CPU, separate_key), dtype)
 
 
+@pytest.mark.parametrize("dtype", check.TOLERANCE, ids=str)
+@pytest.mark.parametrize("shape", check.ROTARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk_norm"])
+def test_rotary_stores_keys_and_values_into_the_cache_in_the_same_launch(ops, shape, dtype, qk_norm):
+    assert_passed(check.check_rotary_fused(ops, *shape, dtype, CPU, qk_norm), dtype)
+
+
 def test_stage_a_records_every_case_and_passes_them(ops):
     records = check.check_elementwise(torch.float32, CPU, dry_run=True)
     assert {r["kernel"] for r in records} == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"}

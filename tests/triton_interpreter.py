@@ -12,9 +12,11 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 
-def assert_cases_pass_under_the_interpreter(cases_file: str, timeout_s: float) -> None:
-    """Every case of tests/<cases_file> passes interpreted, and none was skipped."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def assert_cases_pass_under_the_interpreter(cases_file: str, timeout_s: float,
+                                            env: dict[str, str] | None = None) -> None:
+    """Every case of tests/<cases_file> passes interpreted (with `env`'s variables added),
+    and none was skipped."""
+    env = dict(os.environ, **(env or {}), TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                              str(TESTS / cases_file)], cwd=TESTS.parent, env=env,
                             capture_output=True, text=True, timeout=timeout_s)

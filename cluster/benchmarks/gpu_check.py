@@ -178,7 +178,8 @@ def merge(jobs: dict[str, list[Job]], dry_run: bool, commit: str | None = None) 
             hf_throughput_tok_s=speed.get("hf_throughput", {}).get("output_tok_s"),
             ttft_4k_ms=ttft.get("ms"), ttft_floor_ms=ttft.get("floor_ms"),
             decode_attention_bw_fraction=middle.get("fraction_of_copy"),
-            layers=speed.get("shape", {}).get("num_layers"))
+            layers=speed.get("shape", {}).get("num_layers"),
+            launches_per_step=speed.get("profile_batch_1", {}).get("launches_per_step"))
         penalised = speed.get("penalties", {})
         record.update(tpot_bs1_penalised_ms=penalised.get("tpot_ms"),
                       penalised_step_over_plain=penalised.get("step_over_plain"))
@@ -263,6 +264,9 @@ def summary_lines(record: dict) -> list[str]:
     lines.append(f"TPOT bs1 {number(record['tpot_bs1_ms'])} ms, floor {number(record['floor_ms'])} ms "
                  f"({number(record['tpot_over_floor'])}x); TTFT 4k {number(record['ttft_4k_ms'], 1)} ms, floor "
                  f"{number(record.get('ttft_floor_ms'), 1)} ms")
+    profile = (record.get("speed") or {}).get("profile_batch_1") or {}
+    lines.append(f"decode step bs1: {number(record.get('launches_per_step'), 0)} kernel launches per step "
+                 f"({record.get('layers')} layers), kernels {number(profile.get('kernel_fraction'))} of wall time")
     penalised = (record.get("speed") or {}).get("penalties")
     if penalised:
         lines.append(f"repetition_penalty {penalised['repetition_penalty']}: TPOT bs1 {number(penalised['tpot_ms'])} ms "

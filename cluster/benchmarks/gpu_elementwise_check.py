@@ -144,6 +144,61 @@ def check_rotary(ops, rows: int, query_heads: int, key_heads: int, head_size: in
                 torch_path_error=relative_error(rotated, torch_path), torch_path_equal=equal_fraction(rotated, torch_path))
 
 
+def check_rotary_fused(ops, rows: int, query_heads: int, key_heads: int, head_size: int, rotary_dim: int,
+                       dtype: torch.dtype, device: torch.device, qk_norm: bool, block_size: int = 16) -> dict:
+    """The rotary kernel with what it fuses in one launch, as the attention layers call it
+    on CUDA: q and k column slices of one QKV output, each head RMS-normalised first with
+    `qk_norm` (Qwen3), the rotated keys and the values stored at their cache slots (the
+    last of several tokens a padding row, slot -1) in a NaN-poisoned paged cache."""
+    gen = torch.Generator().manual_seed(rows * head_size + query_heads + 7 * int(qk_norm))
+    q_size, k_size = query_heads * head_size, key_heads * head_size
+    qkv = torch.randn(rows, q_size + 2 * k_size, generator=gen).to(device, dtype)
+    positions = torch.randint(0, MAX_POSITION, (rows,), generator=gen).to(device)
+    cache = cos_sin_cache(MAX_POSITION, rotary_dim, dtype, device)
+    weights = [(torch.rand(head_size, generator=gen) + 0.5).to(device, dtype) for _ in range(2)]
+    eps = 1e-6
+    num_blocks = 2 * (-(-rows // block_size)) + 1
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    if rows > 1:
+        slot_mapping[-1] = -1  # a padding row
+    stored = slot_mapping >= 0
+    slot_mapping = slot_mapping.to(device)
+    k_cache = torch.full((num_blocks, block_size, key_heads, head_size), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    before = qkv.clone()
+    q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + k_size], qkv[:, q_size + k_size:]
+    ops.rotary_embedding_(positions, q, k, cache, head_size, rotary_dim,
+                          qk_norm=(weights[0], weights[1], eps) if qk_norm else None,
+                          kv_cache=(v, k_cache, v_cache, slot_mapping))
+    expected, torch_path = [], []
+    for part, weight in ((before[:, :q_size], weights[0]), (before[:, q_size:q_size + k_size], weights[1])):
+        heads = part.reshape(rows, -1, head_size)
+        normed = reference_rms_norm(heads, weight, eps, 0.0) if qk_norm else heads.float()
+        path = F.rms_norm(heads, weight.shape, weight, eps) if qk_norm else heads
+        expected.append(reference_rotary(normed.flatten(1), positions, cache.float(), head_size, rotary_dim))
+        torch_path.append(torch_path_rotary(path.flatten(1), positions, cache, head_size, rotary_dim))
+    rotated = qkv[:, :q_size + k_size]
+    expected_qk, torch_path_qk = torch.cat(expected, dim=1), torch.cat(torch_path, dim=1)
+    written = slot_mapping[stored.to(device)].long().cpu()
+    cached_keys = k_cache.flatten(0, 1)[written.to(device)].flatten(1)
+    cached_values = v_cache.flatten(0, 1)[written.to(device)].flatten(1)
+    unwritten = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    unwritten[written] = False
+    untouched = (torch.equal(v, before[:, q_size + k_size:])
+                 and bool(k_cache.flatten(0, 1)[unwritten.to(device)].isnan().all())
+                 and bool(v_cache.flatten(0, 1)[unwritten.to(device)].isnan().all()))
+    if not qk_norm:  # the channels past the rotary ones stay as they were
+        heads, original = rotated.reshape(rows, -1, head_size), before[:, :q_size + k_size].reshape(rows, -1, head_size)
+        untouched = untouched and torch.equal(heads[..., rotary_dim:], original[..., rotary_dim:])
+    return dict(shape_ok=True, in_place=True, untouched=untouched,
+                rel_error=relative_error(rotated, expected_qk),
+                # The cache holds exactly what the key rows hold after the launch, and the values.
+                cache_error=max(relative_error(cached_keys, rotated[stored.to(device), q_size:]),
+                                relative_error(cached_values, v[stored.to(device)])),
+                torch_path_error=relative_error(rotated, torch_path_qk),
+                torch_path_equal=equal_fraction(rotated, torch_path_qk))
+
+
 def elementwise_cases(dtype: torch.dtype, dry_run: bool):
     """(kernel name, case label, check(ops, device) -> dict) for every case in this dtype."""
     for rows, hidden in (NORM_SHAPES if dry_run else GPU_NORM_SHAPES):
@@ -166,13 +221,18 @@ def elementwise_cases(dtype: torch.dtype, dry_run: bool):
                      + ("q and k apart" if separate_key else "q and k as one tensor"))
             yield ("rotary_embedding", label,
                    lambda ops, device, s=shape, k=separate_key: check_rotary(ops, *s, dtype, device, k))
+        for qk_norm in (False, True):
+            label = (f"{rows} tokens, {query_heads}/{key_heads} heads of {head_size}, rotary {rotary_dim}, "
+                     + ("q/k norms, " if qk_norm else "") + "keys and values into the paged cache")
+            yield ("rotary_embedding", label,
+                   lambda ops, device, s=shape, n=qk_norm: check_rotary_fused(ops, *s, dtype, device, n))
 
 
 def passed(result: dict, dtype: torch.dtype, native: bool) -> bool:
     """Within the tolerance of the fp32 reference, and of the PyTorch path natively (the
     interpreter rounds otherwise); in place, shapes and untouched memory as promised."""
     tolerance = TOLERANCE[dtype]
-    errors = [result["rel_error"], result.get("residual_error", 0.0)]
+    errors = [result["rel_error"], result.get("residual_error", 0.0), result.get("cache_error", 0.0)]
     if native:
         errors.append(result["torch_path_error"])
     return all(e <= tolerance for e in errors) and result["in_place"] and result["untouched"] and result["shape_ok"]

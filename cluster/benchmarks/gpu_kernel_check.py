@@ -334,8 +334,19 @@ def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size
                             dict(BLOCK=elementwise.SILU_BLOCK), 4, pointer))
     rotary = elementwise.rotary_tiles(rotary_dim)
     rotary_warps, fp_fusion = rotary.pop("num_warps"), rotary.pop("enable_fp_fusion")
-    variants.append(Variant(f"rotary_embedding D={head_size} rotary={rotary_dim}", functions["rotary_embedding"],
-                            dict(rotary, HEAD_SIZE=head_size), rotary_warps, pointer, fp_fusion=fp_fusion))
+    rest = head_size - rotary_dim
+    block_d = 1 << (head_size - 1).bit_length()
+    # Plain (queries and keys alone), with the KV-cache write (the attention layers' call on
+    # CUDA), and with Qwen3's q/k norms too.
+    for qk_norm, cache in ((False, False), (False, True), (True, True)):
+        reads_rest = rest > 0 and (qk_norm or cache)
+        name = (f"rotary_embedding D={head_size} rotary={rotary_dim}" + (" + q/k norm" if qk_norm else "")
+                + (" + kv cache" if cache else ""))
+        variants.append(Variant(name, functions["rotary_embedding"],
+                                dict(rotary, HEAD_SIZE=head_size, QK_NORM=qk_norm,
+                                     BLOCK_REST=(1 << (rest - 1).bit_length()) if reads_rest else 0,
+                                     CACHE_BLOCK_SIZE=BLOCK_SIZE if cache else 0, BLOCK_D=block_d),
+                                rotary_warps, pointer, fp_fusion=fp_fusion))
     return variants
 
 
@@ -363,7 +374,8 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     types = dict(query_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
                  partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
-                 weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32")
+                 weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr,
+                 k_norm_ptr=ptr)
     kernel = variant.kernel
     signature = {name: "constexpr" if name in variant.constexprs else types.get(name, "i32")
                  for name in kernel.arg_names}

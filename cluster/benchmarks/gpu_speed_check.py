@@ -537,7 +537,11 @@ def profile_decode_steps(llm, shape: Shape, batch: int, device: torch.device, st
     result = profile_engine_steps(engine, device, steps)
     while engine.has_unfinished_requests():
         engine.step()
-    return dict(steps=steps, batch=batch, **result)
+    # Kernels one decode step launches, the graph's and the eager ones around it (LM head,
+    # sampling): what the fused kernels cut (tests/test_decode_launches.py counts the layers').
+    launches = result["kernel_launches"]
+    per_step = None if launches is None else launches / result["engine_steps"]
+    return dict(steps=steps, batch=batch, launches_per_step=per_step, **result)
 
 
 def profile_prefill(llm, shape: Shape, prompt_len: int, device: torch.device) -> dict:
