@@ -24,18 +24,24 @@ MAX_TOKENS = 32
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Each 18 tokens: a random pattern of 3 repeated (which n-gram lookups find)."""
     rng = random.Random(seed)
-    return [[rng.randrange(4, 512) for _ in range(18)] for _ in range(count)]
+    return [[rng.randrange(4, 512) for _ in range(3)] * 6 for _ in range(count)]
 
 
-def _first_token_order(policy: str, llama_dir) -> tuple[list[str], dict[str, list[int]], int]:
+# N-gram speculative decoding: a decode then holds proposals whose KV slots count against
+# the pool, and a victim the step had scheduled gives its proposals' budget back too.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
+def _first_token_order(policy: str, llama_dir, **engine_kwargs) -> tuple[list[str], dict[str, list[int]], int]:
     """Two requests fill a pool of 6 blocks of 16 tokens (each grows to 50 tokens, 4 blocks;
     together they outgrow it, so one is preempted), then "mid" (priority 0) and "high"
     (priority -1 under "priority") are added behind them. Returns the order in which the
     requests produced their first token, every request's tokens, and the preemptions."""
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(llama_dir), dtype="float32", max_model_len=64, block_size=16, num_gpu_blocks_override=6,
-        max_num_seqs=2, scheduling_policy=policy, disable_log_stats=True))
+        max_num_seqs=2, scheduling_policy=policy, disable_log_stats=True, **engine_kwargs))
     prompts = dict(zip(["low0", "low1", "mid", "high"], _prompts(4)))
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
     order: list[str] = []
@@ -64,8 +70,9 @@ def _first_token_order(policy: str, llama_dir) -> tuple[list[str], dict[str, lis
     return order, tokens, num_preemptions
 
 
-def test_a_better_priority_request_behind_a_full_pool_is_admitted_first_with_hf_tokens(llama_dir):
-    order, _, num_preemptions = _first_token_order("priority", llama_dir)
+@pytest.mark.parametrize("engine_kwargs", [{}, {"speculative_config": NGRAM}], ids=["plain", "ngram"])
+def test_a_better_priority_request_behind_a_full_pool_is_admitted_first_with_hf_tokens(llama_dir, engine_kwargs):
+    order, _, num_preemptions = _first_token_order("priority", llama_dir, **engine_kwargs)
     assert num_preemptions > 0, "the pool was meant to run out"
     assert order.index("high") < order.index("mid")
 
@@ -73,6 +80,40 @@ def test_a_better_priority_request_behind_a_full_pool_is_admitted_first_with_hf_
 def test_fcfs_admits_the_same_requests_in_arrival_order(llama_dir):
     order, _, _ = _first_token_order("fcfs", llama_dir)
     assert order.index("mid") < order.index("high")
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"speculative_config": NGRAM}], ids=["plain", "ngram"])
+def test_a_worse_priority_admitted_earlier_gives_its_blocks_to_a_better_one(llama_dir, engine_kwargs):
+    """"early" (priority 1) is admitted a step before "late" (priority 0); both outgrow the
+    6-block pool. The running request of the worst priority is early, scheduled ahead of
+    late in the very step where late finds no block: early is taken back out of that step
+    and preempted, so late finishes first (under fcfs late, the latest admitted, would be
+    the one preempted, and early would finish first)."""
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(llama_dir), dtype="float32", max_model_len=64, block_size=16, num_gpu_blocks_override=6,
+        max_num_seqs=2, scheduling_policy="priority", disable_log_stats=True, **engine_kwargs))
+    prompts = dict(zip(["early", "late"], _prompts(2, seed=2)))
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    finished: list[str] = []
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+            if output.finished:
+                finished.append(output.request_id)
+
+    engine.add_request("early", {"prompt_token_ids": prompts["early"]}, params, priority=1)
+    step()
+    engine.add_request("late", {"prompt_token_ids": prompts["late"]}, params, priority=0)
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.scheduler.num_preemptions > 0
+    assert finished == ["late", "early"]
+    for request_id, prompt in prompts.items():
+        assert tokens[request_id] == hf_greedy(llama_dir, prompt, MAX_TOKENS), request_id
+    assert_engine_idle(engine)
+    engine.shutdown()
 
 
 # -------------------------------------------------------------------- checks
