@@ -173,6 +173,9 @@ def test_async_engine_refuses_a_priority_under_fcfs_and_keeps_serving(llama_dir)
             with pytest.raises(ValueError, match="priority must be 0 under the 'fcfs' scheduling policy"):
                 async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "bad", priority=1):
                     pass
+            beams = SamplingParams(use_beam_search=True, best_of=2, n=1, max_tokens=2, temperature=0.0)
+            with pytest.raises(ValueError, match="priority must be 0 under the 'fcfs' scheduling policy"):
+                await engine.add_request("beams", {"prompt_token_ids": [5, 6, 7]}, beams, priority=2)
             final = None
             async for output in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "good", priority=0):
                 final = output
