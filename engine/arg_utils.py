@@ -15,8 +15,8 @@ from typing import Any
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, setting
 from raylm.engine.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig,
-                                 ModelConfig, ParallelConfig, SchedulerConfig, default_max_num_batched_tokens, derive_max_model_len, load_hf_config,
-                                 resolve_dtype, visible_gpu)
+                                 ModelConfig, ParallelConfig, SchedulerConfig, default_max_num_batched_tokens,
+                                 derive_max_model_len, load_hf_config, resolve_dtype, visible_gpu)
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
