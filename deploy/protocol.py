@@ -12,9 +12,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from raylm.engine.request import MAX_CACHE_SALT_CHARS
+from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
@@ -234,6 +234,10 @@ class _SamplingFields(StructuredOutputFields):
     # token ids beside the text (token_ids per chunk when streamed, the prompt's in the first).
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    # vLLM's request priority: lower is served first under --scheduling-policy priority; any
+    # value but 0 is a 400 under fcfs (OpenAIServing.check_priority). A JSON integer only
+    # (not true, 1.0 or "1"), within a 32-bit signed range.
+    priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     def with_cache_salt(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """The engine's prompt dict, with this request's cache_salt when it has one."""

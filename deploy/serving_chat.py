@@ -125,6 +125,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)
+        self.check_priority(request)
         self.limits.check_messages(request.messages, self.max_model_len)
         self.limits.check_sampling(request)
         self.check_logprobs(request)
@@ -165,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         with self.response_budget.reserve(held) as reservation:
             (stream,) = await self.add_requests(
                 request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
-                self.lora_request(model_name))
+                self.lora_request(model_name), request.priority)
             echo = self._echo_text(request)
             if request.stream:
                 return SSEResponse(self._stream(request, request_id, created, model_name, stream, token_ids, echo,

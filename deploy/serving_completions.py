@@ -24,6 +24,7 @@ from raylm.engine.sampling_params import MAX_N_SEQUENCES
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_model(request.model)
+        self.check_priority(request)
         requested = request.prompts()
         self.check_limits(request, requested)
         structured_outputs = self.structured_outputs(request)
@@ -47,7 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
         with self.response_budget.reserve(held) as reservation:
             # A beam search is a request like any other here (its stream yields the final
             # output), so a client that leaves stops it as it stops the others.
-            streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name))
+            streams = await self.add_requests(request_id, prompts, params, self.lora_request(model_name),
+                                              request.priority)
             if request.stream:
                 return SSEResponse(self._stream(request, request_id, created, model_name, streams),
                                    reservation.keep())

@@ -23,6 +23,7 @@ from raylm.deploy.serving_models import adapter_unavailable
 from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
+from raylm.engine.request import check_priority
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.structured_output.params import GrammarCompilerUnavailableError, StructuredOutputsParams
 from raylm.executors.lora_adapter import LoRAAdapterError
@@ -103,6 +104,14 @@ class OpenAIServing:
                 raise OpenAIError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.",
                                   param=name)
 
+    def check_priority(self, request: Any) -> None:
+        """vLLM's rule for the request's `priority`: any value but 0 needs the server started
+        with --scheduling-policy priority (a 400 naming the field otherwise)."""
+        try:
+            check_priority(request.priority, self.engine.engine.engine_config.scheduler_config.policy)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="priority") from None
+
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
@@ -153,14 +162,15 @@ class OpenAIServing:
                 raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from None
 
     async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
-                           lora_request: Any = None) -> list[AsyncIterator[RequestOutput]]:
-        """Adds one engine request per prompt; a rejected prompt aborts the others."""
+                           lora_request: Any = None, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+        """Adds one engine request per prompt (all of `priority`); a rejected prompt aborts
+        the others."""
         await self.compile_structured_outputs(params)
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for index, (prompt, sampling_params) in enumerate(zip(prompts, params)):
                 streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params,
-                                                             lora_request=lora_request))
+                                                             lora_request=lora_request, priority=priority))
         except BaseException as exc:
             for stream in streams:
                 await stream.aclose()

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.engine import envs
-from raylm.engine.arg_fields import SettingsMixin
-from raylm.engine.config import (CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                                 SchedulerConfig, default_max_num_batched_tokens, derive_max_model_len, load_hf_config,
-                                 resolve_dtype, visible_gpu)
+from raylm.engine.arg_fields import SettingsMixin, setting
+from raylm.engine.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig,
+                                 ModelConfig, ParallelConfig, SchedulerConfig, default_max_num_batched_tokens,
+                                 derive_max_model_len, load_hf_config, resolve_dtype, visible_gpu)
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
@@ -80,6 +80,12 @@ class EngineArgs(SettingsMixin):
         "in process it has no effect. With pipeline_parallel_size P "
         "above 1 it keeps up to P + 1 micro-batches of different requests in flight instead (off: one batch at a "
         "time)."))
+    scheduling_policy: str = field(default="fcfs", metadata=setting(
+        "How the scheduler orders requests (vLLM's flag). 'fcfs': first come, first served; when KV blocks run "
+        "out the latest admitted request is preempted. 'priority': each request's priority (an integer, lower "
+        "first; LLM.generate's priority=, the server's `priority` field) orders the waiting queue, ties by "
+        "arrival, and when blocks run out the running request of the worst priority (the latest among equals) is "
+        "preempted. A non-zero priority under 'fcfs' is an error (docs/architecture.md).", choices=SCHEDULING_POLICIES))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Keep the KV of full blocks after their request ends and reuse it for prompts with the same prefix."))
     tensor_parallel_size: int = field(default=1, metadata=_help("Number of tensor-parallel workers."))
@@ -237,6 +243,7 @@ class EngineArgs(SettingsMixin):
             disable_async_output_proc=self.disable_async_output_proc,
             async_scheduling=self.async_scheduling,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            policy=self.scheduling_policy,
         )
         lora_config = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                        else None)

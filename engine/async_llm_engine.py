@@ -67,6 +67,8 @@ class _RequestState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's request priority (scheduling_policy "priority"; 0 otherwise).
+    priority: int = 0
 
 
 @dataclass(eq=False)
@@ -302,8 +304,8 @@ class AsyncLLMEngine:
 
     # ----------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
-                          ) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                          priority: int = 0) -> RequestStream:
         """Queues a request and waits until the engine has accepted it.
 
         Raises ValueError for a bad request (the engine's validation) and
@@ -311,19 +313,22 @@ class AsyncLLMEngine:
         its outputs. Closing or dropping that stream before the request finished (break,
         cancellation, `aclose()`, even before reading it) aborts the request. The id may be
         reused once the request has ended or been aborted. `lora_request` runs it under a
-        LoRA adapter (needs enable_lora).
+        LoRA adapter (needs enable_lora). `priority` (vLLM's): under scheduling_policy
+        "priority", lower is scheduled first (ties by arrival); it must be 0 under "fcfs".
 
         vLLM 0.4's `SamplingParams(use_beam_search=True)` runs a beam search (see
         `beam_search`) whose stream yields one finished output: the n best of best_of beams.
         """
         params = SamplingParams() if params is None else params
         if params.use_beam_search:
-            return await self._add_beam_search(request_id, prompt, params, lora_request)
-        (stream,) = await self._add_requests([(request_id, prompt, params, lora_request)], arrival_time)
+            return await self._add_beam_search(request_id, prompt, params, lora_request, priority)
+        (stream,) = await self._add_requests([(request_id, prompt, params, lora_request)], arrival_time,
+                                             priority=priority)
         return stream
 
     async def _add_requests(self, requests: list[tuple[str, PromptType, SamplingParams, LoRARequest | None]],
-                            arrival_time: float | None = None, beams_of: str | None = None) -> list[RequestStream]:
+                            arrival_time: float | None = None, beams_of: str | None = None,
+                            priority: int = 0) -> list[RequestStream]:
         """Queues requests together and waits until the engine has accepted them all; if
         it refuses one, the others are aborted and its error is raised.
 
@@ -341,7 +346,7 @@ class AsyncLLMEngine:
         states, accepted = [], []
         for request_id, prompt, params, lora_request in requests:
             state = _RequestState(request_id, f"{request_id}@{next(self._add_counter)}", arrival_time,
-                                  output_kind=params.output_kind)
+                                  output_kind=params.output_kind, priority=priority)
             future = loop.create_future()
             if beams_of is None:
                 self._requests[request_id] = state
@@ -389,12 +394,14 @@ class AsyncLLMEngine:
         future.result()
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as the engine produces them, the last one with
         `finished=True`. `sampling_params.output_kind` picks cumulative outputs
         (default), deltas, or only the final one. `lora_request` runs it under a LoRA
-        adapter. Raises ValueError for a bad request."""
-        stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request)
+        adapter; `priority` as in `add_request`. Raises ValueError for a bad request."""
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
+                                        priority=priority)
         try:
             async for output in stream:
                 yield output
@@ -444,7 +451,7 @@ class AsyncLLMEngine:
             del self._beam_searches[request_id]
 
     async def _add_beam_search(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                               lora_request: LoRARequest | None = None) -> "_TaskStream":
+                               lora_request: LoRARequest | None = None, priority: int = 0) -> "_TaskStream":
         """`use_beam_search`: the search's first step is added before this returns, so a
         bad prompt raises here as for any request; the rest runs in a task that closing the
         stream, or `abort(request_id)`, cancels (aborting its beams)."""
@@ -454,14 +461,14 @@ class AsyncLLMEngine:
             max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
             driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
                                       self.engine.eos_token_ids, [cache_salt_of(prompt)], [lora_request])
-            first_step = await self._add_beam_step(request_id, driver, driver.step_requests())
+            first_step = await self._add_beam_step(request_id, driver, driver.step_requests(), priority)
         except BaseException:
             self._unregister_beam_search(request_id, handle)
             raise
 
         async def search() -> RequestOutput:
             driver.advance(await _finals(first_step))
-            await run_async(driver, functools.partial(self._run_beam_step, request_id, driver))
+            await run_async(driver, functools.partial(self._run_beam_step, request_id, driver, priority=priority))
             (result,) = driver.outputs(self.get_tokenizer())
             return beam_search_request_output(request_id, prompt_text, token_ids, result, params.n)
 
@@ -484,15 +491,16 @@ class AsyncLLMEngine:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return await self._on_engine_thread(functools.partial(self.engine._tokenize_prompt, prompt))
 
-    async def _add_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
-                             ) -> list[RequestStream]:
+    async def _add_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests,
+                             priority: int = 0) -> list[RequestStream]:
         loras = driver.step_lora_requests()
         return await self._add_requests([(request_id, prompt, params, loras[i])
-                                         for i, (prompt, params) in enumerate(requests)], beams_of=request_id)
+                                         for i, (prompt, params) in enumerate(requests)], beams_of=request_id,
+                                        priority=priority)
 
-    async def _run_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests
-                             ) -> list[RequestOutput]:
-        return await _finals(await self._add_beam_step(request_id, driver, requests))
+    async def _run_beam_step(self, request_id: str, driver: BeamSearchDriver, requests: StepRequests,
+                             priority: int = 0) -> list[RequestOutput]:
+        return await _finals(await self._add_beam_step(request_id, driver, requests, priority))
 
     async def abort(self, request_id: str) -> None:
         """Stops a request; its blocks return to the pool before the next step.
@@ -646,7 +654,8 @@ class AsyncLLMEngine:
             if accepted.done() or state.finished:  # cancelled or aborted while queued
                 continue
             try:
-                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time, lora_request)
+                self.engine.add_request(state.engine_request_id, prompt, params, state.arrival_time, lora_request,
+                                        priority=state.priority)
             except Exception as exc:  # noqa: BLE001 - bad input fails this request only
                 settled.append((accepted, None, exc))
                 continue

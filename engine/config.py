@@ -244,6 +244,10 @@ def visible_gpu() -> tuple[int, str] | None:
     return properties.total_memory, properties.name
 
 
+# vLLM's scheduling policies (`--scheduling-policy`).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -264,8 +268,15 @@ class SchedulerConfig:
     # requests are split into micro-batches that keep every stage busy
     # (`pipeline_schedule.py`).
     pipeline_parallel_size: int = 1
+    # vLLM's scheduling policy: "fcfs" admits waiting requests in arrival order and preempts
+    # the latest admitted; "priority" orders both by (priority, arrival_time), lowest first
+    # (engine/scheduler.py).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:

@@ -16,7 +16,7 @@ from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.logger import init_default_logging
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.outputs import RequestOutput
-from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.tokenizer import check_unicode
 from raylm.engine.usage_context import UsageContext
 
@@ -64,7 +64,8 @@ class LLM:
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+                 priority: SequenceABC[int] | None = None) -> list[RequestOutput]:
         """Generates completions for prompts, returned in prompt order.
 
         prompts: a string, a list of token ids, a dict with "prompt" or
@@ -73,15 +74,21 @@ class LLM:
         lora_request: the LoRA adapter to run every prompt under, or a list with one per
         prompt (None: the base model); needs enable_lora. One batch mixes them; prompts of
         more adapters than max_loras wait for a slot. A bad adapter is a ValueError.
+        priority: one int per prompt (vLLM's), only with scheduling_policy="priority":
+        lower is scheduled first, ties in prompt order; default 0 for every prompt. Not
+        with beam search.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         lora_list = _as_lora_list(lora_request, len(prompt_list))
+        priority_list = _as_priority_list(priority, len(prompt_list))
         if any(params.use_beam_search for params in params_list):
+            if any(priority_list):
+                raise ParameterError("priority is not supported with beam search (use_beam_search).", "priority")
             return self._generate_with_beam_search(prompt_list, params_list, use_tqdm, lora_list)
-        return self._run(prompt_list, params_list, use_tqdm, lora_list)
+        return self._run(prompt_list, params_list, use_tqdm, lora_list, priority_list)
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False,
@@ -148,16 +155,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool, lora_list: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool, lora_list: list[LoRARequest | None] | None = None,
+             priority_list: list[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         self._compile_grammars(params_list)
         request_ids: list[str] = []
         lora_list = lora_list or [None] * len(prompts)
+        priority_list = priority_list or [0] * len(prompts)
         try:
-            for prompt, params, lora in zip(prompts, params_list, lora_list):
+            for prompt, params, lora, priority in zip(prompts, params_list, lora_list, priority_list):
                 request_id = str(next(self._request_counter))
                 params = _final_only(params)
-                engine.add_request(request_id, prompt, params, lora_request=lora)
+                engine.add_request(request_id, prompt, params, lora_request=lora, priority=priority)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
@@ -245,6 +254,18 @@ def _as_lora_list(lora_request: Any, count: int) -> list[LoRARequest | None]:
     if len(lora_request) != count:
         raise ValueError(f"Got {len(lora_request)} lora_requests for {count} prompts: give one, or one per prompt.")
     return list(lora_request)
+
+
+def _as_priority_list(priority: Any, count: int) -> list[int]:
+    """One priority per prompt (vLLM's generate takes a list); each is checked by the engine."""
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, (list, tuple)):
+        raise ParameterError(f"priority must be a list of integers, one per prompt; got "
+                             f"{type(priority).__name__}.", "priority")
+    if len(priority) != count:
+        raise ParameterError(f"Got {len(priority)} priorities for {count} prompts: give one per prompt.", "priority")
+    return list(priority)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

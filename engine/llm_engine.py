@@ -15,7 +15,7 @@ from raylm.engine.generation_config import load_generation_defaults
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
-from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request
+from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request, check_priority
 from raylm.engine.sampling_params import ParameterError, SamplingParams
 from raylm.engine.structured_output.manager import StructuredOutputManager
 from raylm.engine.structured_output.params import StructuredOutputsParams
@@ -104,13 +104,17 @@ class LLMEngine:
 
     # --------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> None:
         """Validates a request and queues it; raises ValueError for bad input. The
         caller's `params` is never changed: the engine works on its own copy.
-        `lora_request` runs it under a LoRA adapter (needs enable_lora)."""
+        `lora_request` runs it under a LoRA adapter (needs enable_lora). `priority` (vLLM's):
+        under scheduling_policy "priority", lower is scheduled first (ties by arrival); an
+        int in [-2**31, 2**31 - 1], and 0 under "fcfs"."""
         params = self.get_default_sampling_params() if params is None else params
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
+        priority = check_priority(priority, self.engine_config.scheduler_config.policy)
         lora_digest = self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
@@ -127,7 +131,8 @@ class LLMEngine:
             sibling_params.prompt_logprobs = None
         for index, child_id in enumerate(child_ids):
             self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
-                                                 arrival_time, sample_index=index, cache_salt=cache_salt,
+                                                 arrival_time, sample_index=index, priority=priority,
+                                                 cache_salt=cache_salt,
                                                  lora_request=lora_request, lora_digest=lora_digest))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from raylm.engine.lora_request import LoRARequest
-from raylm.engine.sampling_params import SamplingParams
+from raylm.engine.sampling_params import ParameterError, SamplingParams
 
 if TYPE_CHECKING:
     from raylm.engine.structured_output.request import StructuredOutputRequest
@@ -57,6 +57,28 @@ _FINISH_REASONS = {
 # key, and 1024 characters hold any hash or id).
 MAX_CACHE_SALT_CHARS = 1024
 
+# The range of a request's priority: a 32-bit signed integer (vLLM sets no bound; this one
+# holds any tiering scheme and keeps the value a plain machine integer).
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 2**31 - 1
+
+
+def check_priority(priority: object, policy: str) -> int:
+    """A request's priority as the engine takes it: an int (not a bool) in [MIN_PRIORITY,
+    MAX_PRIORITY], and 0 (the default) unless the engine schedules by priority (vLLM refuses
+    a priority under "fcfs" too). Raises ParameterError naming "priority"."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ParameterError(f"priority must be an integer, got {priority!r} ({type(priority).__name__}).",
+                             "priority")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ParameterError(f"priority must be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}.",
+                             "priority")
+    if priority != 0 and policy != "priority":
+        raise ParameterError(f"priority must be 0 under the {policy!r} scheduling policy, got {priority}: start "
+                             f"the engine with scheduling_policy='priority' (--scheduling-policy priority) to "
+                             f"order requests by priority.", "priority")
+    return priority
+
 
 @dataclass(eq=False)
 class Request:
@@ -72,6 +94,9 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float
     sample_index: int = 0
+    # Under the "priority" scheduling policy, lower is served first (ties by arrival_time);
+    # always 0 under "fcfs".
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt then outputs, appended as tokens arrive (never rebuilt by concatenation).

@@ -15,6 +15,15 @@ Every step has one token budget (max_num_batched_tokens). In this order:
    the requests behind it are considered (`engine/lora_slots.py`: a step never holds more
    distinct adapters than the workers' slots).
 
+Under the "priority" scheduling policy (vLLM V1's), the waiting queue is kept ordered by
+(priority, arrival_time), lowest first, ties in the order the requests were added, so step 2
+takes them in that order (a preempted request goes back to its place, not to the front); and
+in step 1 the running request preempted when blocks run out is the one with the worst
+(priority, arrival_time), wherever it is in the running list: if this step had already
+scheduled it, it is taken out of the step and its tokens given back to the budget. As in
+vLLM, a waiting request never preempts a running one: priority orders the queue and picks
+the victims.
+
 A request always fits the pool alone (the engine checks that the pool holds max_model_len
 tokens, or with a sliding window on every layer, the window and one step's tokens: see
 `max_blocks_per_request`), so the earliest request always makes progress and no request can
@@ -51,6 +60,7 @@ Speculative decoding and pipeline parallelism are not combined (EngineArgs refus
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Iterable
@@ -101,8 +111,11 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(cache_config.num_gpu_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
+        # "priority": waiting requests are kept in _priority_order, and the running request
+        # of the worst order is preempted first; "fcfs": the waiting queue in arrival order.
+        self.schedules_by_priority = scheduler_config.policy == "priority"
         self.waiting: deque[Request] = deque()
-        # In admission order: the last is the first to be preempted.
+        # In admission order: under fcfs the last is the first to be preempted.
         self.running: list[Request] = []
         # Total requests preempted since the start.
         self.num_preemptions = 0
@@ -138,7 +151,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.structured_output_request is not None:
             self._num_constrained += 1
-        self.waiting.append(request)
+        if self.schedules_by_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends the requests with `status` (an abort, or a stop the engine found in the
@@ -283,7 +299,15 @@ class Scheduler:
                 if drafts:
                     drafts = []
                     continue
-                victim = self.running.pop()
+                if self.schedules_by_priority:
+                    victim = max(self.running, key=_priority_order)
+                    victim_index = self.running.index(victim)
+                    del self.running[victim_index]
+                    if victim_index < index:  # already passed in this step: taken back out
+                        budget += self._unschedule(scheduled, victim)
+                        index -= 1
+                else:
+                    victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
@@ -293,6 +317,23 @@ class Scheduler:
             budget -= num_new_tokens + len(drafts)
             index += 1
         return budget
+
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[Request, int]], victim: Request) -> int:
+        """Takes a request out of this step if the step scheduled it (before any of it
+        reached the step's description); returns the budget its tokens and proposals held
+        (0 if it was passed over)."""
+        position = next((i for i, (request, _) in enumerate(scheduled) if request is victim), None)
+        if position is None:
+            return 0
+        _, num_new_tokens = scheduled.pop(position)
+        num_tokens = num_new_tokens + len(victim.spec_token_ids)
+        victim.spec_token_ids = []
+        return num_tokens
+
+    def _enqueue_by_priority(self, request: Request) -> None:
+        """Puts a request in its place in the waiting queue under the "priority" policy."""
+        bisect.insort_right(self.waiting, request, key=_priority_order)
 
     def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         kv = self.kv_cache_manager
@@ -408,6 +449,15 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.resumed = True
-        # Victims are taken latest first, so the earliest preempted ends up in front.
-        self.waiting.appendleft(request)
+        if self.schedules_by_priority:
+            self._enqueue_by_priority(request)
+        else:
+            # Victims are taken latest first, so the earliest preempted ends up in front.
+            self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+
+def _priority_order(request: Request) -> tuple[int, float, int]:
+    """The "priority" policy's order, lowest first: priority, then arrival time, then the
+    order the scheduler was given the requests in (worker ids are handed out in that order)."""
+    return request.priority, request.arrival_time, request.worker_id
