@@ -4,7 +4,8 @@
 `ServerArgs`, deploy/server_args.py); `raylm serve` runs it with uvicorn and the Ray Serve
 deployment mounts the same app as its ingress.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (runner "pooling"),
+GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 
 What guards them, outermost first (pure ASGI middleware, so streams and client disconnects
@@ -41,11 +42,13 @@ from raylm.deploy.errors import OpenAIError, error_response, install_error_handl
 from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.response_budget import RETRY_AFTER_S, ResponseBudget, default_response_tokens_in_flight
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                   EmbeddingRequest,
                                    TokenizeRequest, TokenizeResponse)
 from raylm.deploy.reasoning_parsers import get_reasoning_parser
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.serving_embedding import OpenAIServingEmbedding
 from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
 from raylm.deploy.tool_calls import ToolCallConfig
@@ -223,6 +226,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                           models=serving_models, response_budget=response_budget,
                                           return_tokens_as_token_ids=as_ids)
+    embeddings = OpenAIServingEmbedding(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
+                                        models=serving_models, response_budget=response_budget)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     reasoning_parser = get_reasoning_parser(server_args.reasoning_parser, tokenizer) \
         if server_args.reasoning_parser is not None else None
@@ -288,6 +293,10 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create_embedding(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:

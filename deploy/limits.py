@@ -122,8 +122,8 @@ class RequestLimits:
                      "max_stop_token_ids")
         _check_count(len(request.logit_bias or {}), self.max_logit_bias, "logit_bias", "entries", "max_logit_bias")
 
-    def check_num_prompts(self, count: int) -> None:
-        _check_count(count, self.max_prompts_per_request, "prompt", "prompts", "max_prompts_per_request")
+    def check_num_prompts(self, count: int, param: str = "prompt") -> None:
+        _check_count(count, self.max_prompts_per_request, param, "prompts", "max_prompts_per_request")
 
     def check_prompt_chars(self, chars: int, max_model_len: int, param: str = "prompt") -> None:
         limit = self.prompt_chars(max_model_len)

@@ -575,3 +575,52 @@ class DetokenizeRequest(OpenAIRequest):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# -------------------------------------------------------------- embeddings
+class EmbeddingRequest(OpenAIRequest):
+    """`POST /v1/embeddings` (OpenAI's fields and vLLM's extras: truncate_prompt_tokens,
+    add_special_tokens, normalize)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_embedding(self) -> "EmbeddingRequest":
+        inputs = self.inputs()
+        if not inputs:
+            raise ParameterError("input must not be an empty list.", "input")
+        if any(len(item) == 0 for item in inputs):
+            raise ParameterError("input must not hold an empty string or an empty list of token ids.", "input")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input field as a list of inputs (text or token ids)."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(item, int) for item in value):
+            return [list(value)]
+        return list(value)
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "embedding"
+    # A list of floats, or with encoding_format "base64" the little-endian float32 bytes in base64.
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo

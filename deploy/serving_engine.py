@@ -23,6 +23,7 @@ from raylm.deploy.serving_models import adapter_unavailable
 from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.outputs import Logprob, RequestOutput
+from raylm.engine.pooling_params import PoolingParams
 from raylm.engine.request import check_priority
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.structured_output.params import GrammarCompilerUnavailableError, StructuredOutputsParams
@@ -152,7 +153,7 @@ class OpenAIServing:
         down (it died, or cannot start) is a 503, as when no replica can answer: the request
         may succeed once it is back."""
         constraints = {p.structured_outputs.cache_key(): p.structured_outputs
-                       for p in params if p.structured_outputs is not None}
+                       for p in params if getattr(p, "structured_outputs", None) is not None}
         for constraint in constraints.values():
             try:
                 await self.engine.compile_structured_outputs(constraint, self.limits.max_grammar_compile_seconds)
@@ -161,10 +162,11 @@ class OpenAIServing:
             except GrammarCompilerUnavailableError as exc:
                 raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from None
 
-    async def add_requests(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
-                           lora_request: Any = None, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
-        """Adds one engine request per prompt (all of `priority`); a rejected prompt aborts
-        the others."""
+    async def add_requests(self, request_id: str, prompts: list[dict],
+                           params: list[SamplingParams] | list[PoolingParams], lora_request: Any = None,
+                           priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+        """Adds one engine request per prompt (all of `priority`; PoolingParams: one
+        embedding each); a rejected prompt aborts the others."""
         await self.compile_structured_outputs(params)
         streams: list[AsyncIterator[RequestOutput]] = []
         try:

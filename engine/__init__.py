@@ -1,4 +1,5 @@
-"""raylm's public API: `LLM`, `SamplingParams`, `EngineArgs`, `LLMEngine`, `LoRARequest` and the outputs."""
+"""raylm's public API: `LLM`, `SamplingParams`, `PoolingParams`, `EngineArgs`, `LLMEngine`, `LoRARequest` and the
+outputs."""
 
 # First, before anything imports torch: OpenMP reads how its idle threads wait once, when
 # torch loads (raylm's default: they sleep; see raylm.executors.cpu_threads).
@@ -8,7 +9,9 @@ apply_openmp_defaults()
 
 from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from raylm.engine.lora_request import LoRARequest  # noqa: E402
-from raylm.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from raylm.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,  # noqa: E402
+                                  PoolingOutput, PoolingRequestOutput, RequestOutput)
+from raylm.engine.pooling_params import PoolingParams  # noqa: E402
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from raylm.engine.structured_output.params import StructuredOutputsParams  # noqa: E402
 
@@ -23,7 +26,8 @@ _LAZY = {
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
-           "LoRARequest"]
+           "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput"]
 
 
 def __getattr__(name: str):

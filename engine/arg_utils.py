@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, setting
 from raylm.engine.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig,
-                                 ModelConfig, ParallelConfig, SchedulerConfig, default_max_num_batched_tokens,
-                                 derive_max_model_len, load_hf_config, resolve_dtype, visible_gpu)
+                                 ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                                 default_max_num_batched_tokens, derive_max_model_len, load_hf_config, resolve_dtype,
+                                 visible_gpu)
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
@@ -24,6 +26,8 @@ from raylm.models.pipeline import check_pipeline_parallel
 from raylm.models.sliding_window import kv_cache_sliding_window
 
 _GiB = 1024**3
+
+logger = logging.getLogger(__name__)
 
 
 def _help(text: str) -> dict[str, str]:
@@ -162,6 +166,20 @@ class EngineArgs(SettingsMixin):
         "LoRA: most adapters kept loaded in host memory (least recently used ones are dropped and read again "
         "when needed); at least max_loras. Default: max_loras."))
 
+    runner: str = field(default="auto", metadata=_help(
+        "vLLM's model runner: 'generate' samples tokens (LLM.generate, the completions and chat routes); "
+        "'pooling' turns each prompt into one vector (LLM.embed, /v1/embeddings) from the final norm's hidden "
+        "states, pooled as pooler_config says; 'auto' is 'generate' (every architecture raylm loads is a "
+        "causal LM)."))
+    task: str | None = field(default=None, metadata=_help(
+        "vLLM's older spelling of runner: 'embed' (or 'embedding') is runner 'pooling', 'generate' is runner "
+        "'generate'."))
+    pooler_config: dict[str, Any] | None = field(default=None, metadata=_help(
+        "runner 'pooling': how hidden states become the embedding, as vLLM's PoolerConfig (a JSON object on the "
+        "command line): {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}; "
+        "default LAST, normalized (what decoder embedding models such as Qwen3-Embedding and e5-mistral use). "
+        "MEAN and CLS need the whole prompt in one step, so they turn chunked prefill and prefix caching off."))
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
         """Builds EngineArgs, naming unknown keyword arguments (and near misses) in the error."""
@@ -200,7 +218,14 @@ class EngineArgs(SettingsMixin):
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
+            runner_type=self._runner_type(),
         )
+        enable_chunked_prefill, enable_prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
+        if model_config.is_pooling:
+            model_config.pooler_config = PoolerConfig.from_value(self.pooler_config)
+            enable_chunked_prefill, enable_prefix_caching = self._pooling_scheduling(model_config.pooler_config)
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config applies to runner='pooling' only; this engine runs runner='generate'.")
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -229,17 +254,17 @@ class EngineArgs(SettingsMixin):
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_space_bytes=None if self.kv_cache_space is None else int(self.kv_cache_space * _GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or default_max_num_batched_tokens(
-            device_config.device, usage_context, self.enable_chunked_prefill, max_model_len,
+            device_config.device, usage_context, enable_chunked_prefill, max_model_len,
             visible_gpu() if device_config.device == "cuda" else None)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=enable_chunked_prefill,
             disable_async_output_proc=self.disable_async_output_proc,
             async_scheduling=self.async_scheduling,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -254,8 +279,52 @@ class EngineArgs(SettingsMixin):
             raise ValueError(f"enable_lora is not supported with pipeline_parallel_size "
                              f"{parallel_config.pipeline_parallel_size}: use pipeline_parallel_size 1 to serve LoRA "
                              f"adapters, or turn LoRA off.")
+        if model_config.is_pooling:
+            _check_pooling_features(lora_config, speculative_config, parallel_config)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             speculative_config, lora_config)
+
+    def _runner_type(self) -> str:
+        """runner, or the older task, resolved to 'generate' or 'pooling'."""
+        if self.runner not in _RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(_RUNNERS)}, got {self.runner!r}.")
+        runner = "generate" if self.runner == "auto" else self.runner
+        if self.task is None or self.task == "auto":
+            return runner
+        if self.task not in _TASK_RUNNERS:
+            raise ValueError(f"task must be one of {', '.join(_TASK_RUNNERS)} (vLLM's older spelling of runner), got "
+                             f"{self.task!r}.")
+        if self.runner != "auto" and _TASK_RUNNERS[self.task] != runner:
+            raise ValueError(f"task {self.task!r} and runner {self.runner!r} disagree: give runner alone.")
+        return _TASK_RUNNERS[self.task]
+
+    def _pooling_scheduling(self, pooler_config: PoolerConfig) -> tuple[bool, bool]:
+        """(enable_chunked_prefill, enable_prefix_caching) of a pooling engine: MEAN and CLS
+        pool rows that a chunk or a cache hit would skip, so both go off (vLLM does the same);
+        LAST reads only the prompt's last row and keeps them."""
+        if pooler_config.supports_chunked_prefill:
+            return self.enable_chunked_prefill, self.enable_prefix_caching
+        if self.enable_chunked_prefill or self.enable_prefix_caching:
+            logger.info("%s pooling pools every prompt row: chunked prefill and prefix caching are off.",
+                        pooler_config.pooling_type)
+        return False, False
+
+
+_RUNNERS = ("auto", "generate", "pooling")
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def _check_pooling_features(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None,
+                            parallel_config: ParallelConfig) -> None:
+    """What a pooling engine does not combine with (yet): each is refused by name."""
+    if lora_config is not None:
+        raise ValueError("enable_lora is not supported with runner='pooling' (yet): turn LoRA off.")
+    if speculative_config is not None:
+        raise ValueError("speculative_config has nothing to speed up with runner='pooling' (nothing is decoded): "
+                         "drop it.")
+    if parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(f"runner='pooling' is not supported with pipeline_parallel_size "
+                         f"{parallel_config.pipeline_parallel_size} (yet): use tensor_parallel_size.")
 
 
 def _check_lora_with_speculative(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None) -> None:

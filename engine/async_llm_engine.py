@@ -25,7 +25,8 @@ from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSe
                                       beam_search_params_from, beam_search_request_output, run_async)
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.lora_request import LoRARequest
-from raylm.engine.outputs import CompletionOutput, RequestOutput
+from raylm.engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from raylm.engine.pooling_params import PoolingParams
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.engine.usage_context import UsageContext
@@ -303,7 +304,8 @@ class AsyncLLMEngine:
         self._stats_listeners.append(listener)
 
     # ----------------------------------------------------------------- requests
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams | None = None,
                           arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                           priority: int = 0) -> RequestStream:
         """Queues a request and waits until the engine has accepted it.
@@ -320,7 +322,7 @@ class AsyncLLMEngine:
         `beam_search`) whose stream yields one finished output: the n best of best_of beams.
         """
         params = SamplingParams() if params is None else params
-        if params.use_beam_search:
+        if isinstance(params, SamplingParams) and params.use_beam_search:
             return await self._add_beam_search(request_id, prompt, params, lora_request, priority)
         (stream,) = await self._add_requests([(request_id, prompt, params, lora_request)], arrival_time,
                                              priority=priority)
@@ -402,6 +404,17 @@ class AsyncLLMEngine:
         adapter; `priority` as in `add_request`. Raises ValueError for a bad request."""
         stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
                                         priority=priority)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None,
+                     request_id: str) -> AsyncIterator[PoolingRequestOutput]:
+        """Yields the request's one output, its pooled vector (vLLM's AsyncLLM.encode); the
+        engine must run runner='pooling'. Raises ValueError for a bad request."""
+        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams())
         try:
             async for output in stream:
                 yield output
@@ -723,7 +736,8 @@ class AsyncLLMEngine:
         metrics = output.metrics
         stats = FinishedRequestStats(
             request_id=state.request_id,
-            finish_reasons=[c.finish_reason for c in output.outputs],
+            finish_reasons=([c.finish_reason for c in output.outputs] if isinstance(output, RequestOutput)
+                            else ["stop"]),
             num_prompt_tokens=len(output.prompt_token_ids),
             num_generation_tokens=metrics.num_generation_tokens if metrics else 0,
             arrival_time=state.arrival_time,

@@ -74,6 +74,55 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
     return _DTYPES[dtype]
 
 
+# vLLM's sequence pooling types: the last token's final hidden state, the mean over the
+# prompt's, or the first token's.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling engine turns a prompt's final hidden states into its embedding (vLLM's
+    PoolerConfig, `--pooler-config`): `pooling_type` LAST (the default for embeddings), MEAN
+    or CLS; `normalize` L2-normalizes it (a request's PoolingParams.normalize overrides it).
+    Only LAST pooling reads a single row, so only it is computed across chunked prefill and
+    prefix-cache hits; MEAN and CLS turn both off (as vLLM does)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}.")
+        self.pooling_type = self.pooling_type.upper()
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config normalize must be true or false, got {self.normalize!r}.")
+
+    @property
+    def supports_chunked_prefill(self) -> bool:
+        return self.pooling_type == "LAST"
+
+    @classmethod
+    def from_value(cls, value: "PoolerConfig | dict | str | None") -> "PoolerConfig":
+        """From a PoolerConfig, a dict or a JSON object string (the flag); None: defaults."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"pooler_config must be a JSON object, got {value!r}: {error}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a dict (a JSON object), got {type(value).__name__}.")
+        known = {"pooling_type", "normalize"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"pooler_config: unknown key(s) {unknown}; known: {sorted(known)}.")
+        return cls(**value)
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -95,6 +144,14 @@ class ModelConfig:
     max_logprobs: int = 20
     # vLLM's flag: no CUDA graphs, every step runs eagerly (executors/cuda_graphs.py).
     enforce_eager: bool = False
+    # vLLM's runner: "generate" samples tokens; "pooling" returns one pooled vector per
+    # prompt (embeddings), under `pooler_config`.
+    runner_type: str = "generate"
+    pooler_config: PoolerConfig | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner_type == "pooling"
 
     @property
     def vocab_size(self) -> int:

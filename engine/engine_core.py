@@ -82,6 +82,9 @@ class EngineCore:
                                                    self.executor.runs_steps_asynchronously)
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.misses_count_as_rejections = self.async_scheduling
+        if engine_config.model_config.is_pooling:
+            # Chosen once: the generating engine's per-step path stays as it is.
+            self._update_from_output = self._update_from_pooling_output
 
     def _lora_state(self, engine_config: EngineConfig) -> tuple[LoRALoader | None, LoRASlots | None]:
         """enable_lora: the adapters in the workers' host memory and their slots."""
@@ -271,6 +274,30 @@ class EngineCore:
                     break
             if not failed:
                 outputs.append(output)
+        self.scheduler.free_finished(finished, preempted=finished_while_preempted)
+        return outputs
+
+    def _update_from_pooling_output(self, scheduler_output: SchedulerOutput,
+                                    sampler_output: SamplerOutput) -> list[EngineCoreOutput]:
+        """A pooling engine's step: each request whose prompt ended in it gets its pooled
+        vector and finishes ("stop"); its blocks go back to the pool (full ones stay cached
+        for later prompts with the same prefix). Earlier chunks produce nothing."""
+        pooled = sampler_output.pooler_output or {}
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        finished_while_preempted = False
+        for request, scheduled in zip(scheduler_output.scheduled, scheduler_output.step.requests):
+            if not scheduled.do_sample:
+                continue  # a prompt chunk short of the prompt's end
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue  # aborted while its step ran
+            finished_while_preempted |= request.status == RequestStatus.PREEMPTED
+            request.status = RequestStatus.FINISHED_STOPPED
+            finished.append(request)
+            outputs.append(EngineCoreOutput(request.request_id, [], [], finish_reason="stop",
+                                            num_cached_tokens=request.num_cached_tokens,
+                                            pooling_output=pooled[request.worker_id]))
         self.scheduler.free_finished(finished, preempted=finished_while_preempted)
         return outputs
 

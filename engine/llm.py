@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence as SequenceABC
@@ -15,7 +16,8 @@ from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSe
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.logger import init_default_logging
 from raylm.engine.lora_request import LoRARequest
-from raylm.engine.outputs import RequestOutput
+from raylm.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from raylm.engine.pooling_params import PoolingParams
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.tokenizer import check_unicode
 from raylm.engine.usage_context import UsageContext
@@ -40,7 +42,9 @@ class LLM:
             requests of max_model_len tokens can fill), `enable_lora=False` (serve LoRA
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
-            max_loras). An unknown argument is a TypeError naming it.
+            max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`),
+            `pooler_config=None` (runner "pooling": {"pooling_type": "LAST" | "MEAN" | "CLS",
+            "normalize": True}). An unknown argument is a TypeError naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
     application configured logging first (see `raylm.engine.logger`).
@@ -89,6 +93,64 @@ class LLM:
                 raise ParameterError("priority is not supported with beam search (use_beam_search).", "priority")
             return self._generate_with_beam_search(prompt_list, params_list, use_tqdm, lora_list)
         return self._run(prompt_list, params_list, use_tqdm, lora_list, priority_list)
+
+    def embed(self, prompts: PromptType | SequenceABC[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt, in prompt order (vLLM's LLM.embed); needs an engine
+        started with runner='pooling'. prompts as in `generate`. pooling_params: one for all
+        prompts or one per prompt (default PoolingParams()); truncate_prompt_tokens, when
+        given, sets theirs (see PoolingParams)."""
+        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(output)
+                for output in self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)]
+
+    def encode(self, prompts: PromptType | SequenceABC[PromptType],
+               pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The pooled vector of each prompt as a tensor (vLLM's LLM.encode); as `embed`."""
+        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens)
+        return self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)
+
+    def _pooling_params_list(self, prompts: Any, pooling_params: Any,
+                             truncate_prompt_tokens: int | None) -> list[PoolingParams]:
+        if not self.llm_engine.is_pooling:
+            raise ValueError("LLM.embed and LLM.encode need a pooling model: start the LLM with runner='pooling' "
+                             "(vLLM's --runner pooling, or the older task='embed').")
+        count = len(_as_prompt_list(prompts))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * count
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != count:
+                raise ValueError(f"Got {len(params_list)} pooling_params for {count} prompts: give one, or one per "
+                                 f"prompt.")
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for params in params_list]
+        return params_list
+
+    def _run_pooling(self, prompts: list[PromptType], params_list: list[PoolingParams],
+                     use_tqdm: bool) -> list[PoolingRequestOutput]:
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        finished: dict[str, PoolingRequestOutput] = {}
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+            with tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                      disable=not use_tqdm) as progress:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        finished[output.request_id] = output
+                        progress.update(1)
+        except BaseException:
+            # A bad prompt in the list, Ctrl-C or a worker failure: leave nothing queued.
+            engine.abort_request(request_ids)
+            raise
+        return [finished[request_id] for request_id in request_ids]
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -16,7 +17,8 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request, check_priority
-from raylm.engine.sampling_params import ParameterError, SamplingParams
+from raylm.engine.pooling_params import PoolingParams
+from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.structured_output.manager import StructuredOutputManager
 from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.engine.tokenizer import check_unicode, get_tokenizer
@@ -66,6 +68,11 @@ class LLMEngine:
         self._failed_requests: dict[str, BaseException] = {}
         # Prompt tokens of the requests accepted since start.
         self.num_prompt_tokens_total = 0
+        self.is_pooling = self.model_config.is_pooling
+        self._process_outputs = self.output_processor.process_outputs
+        if self.is_pooling:
+            self._process_outputs = functools.partial(self.output_processor.process_pooling_outputs,
+                                                      default_normalize=self.model_config.pooler_config.normalize)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
@@ -103,18 +110,26 @@ class LLMEngine:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     # --------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                     priority: int = 0) -> None:
         """Validates a request and queues it; raises ValueError for bad input. The
         caller's `params` is never changed: the engine works on its own copy.
-        `lora_request` runs it under a LoRA adapter (needs enable_lora). `priority` (vLLM's):
-        under scheduling_policy "priority", lower is scheduled first (ties by arrival); an
-        int in [-2**31, 2**31 - 1], and 0 under "fcfs"."""
-        params = self.get_default_sampling_params() if params is None else params
+        `lora_request` runs it under a LoRA adapter (needs enable_lora). PoolingParams
+        make it a pooling request (an engine with runner='pooling' takes only those).
+        `priority` (vLLM's): under scheduling_policy "priority", lower is scheduled first
+        (ties by arrival); an int in [-2**31, 2**31 - 1], and 0 under "fcfs"."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
         priority = check_priority(priority, self.engine_config.scheduler_config.policy)
+        if isinstance(params, PoolingParams) or (params is None and self.is_pooling):
+            self._add_pooling_request(request_id, prompt, params or PoolingParams(), arrival_time, lora_request)
+            return
+        if self.is_pooling:
+            raise ValueError("This engine runs runner='pooling' (embeddings): it pools prompts and generates no "
+                             "text. Start it with runner='generate' to generate (LLM.generate, the completions and "
+                             "chat routes).")
+        params = self.get_default_sampling_params() if params is None else params
         lora_digest = self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
@@ -136,6 +151,37 @@ class LLMEngine:
                                                  lora_request=lora_request, lora_digest=lora_digest))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                             arrival_time: float | None, lora_request: LoRARequest | None) -> None:
+        """Queues a prompt to be prefilled once and pooled (its prompt truncated as
+        truncate_prompt_tokens says, then checked like any prompt)."""
+        if not self.is_pooling:
+            raise ValueError("Embeddings (PoolingParams, LLM.embed, /v1/embeddings) need an engine started with "
+                             "runner='pooling' (--runner pooling); this one runs runner='generate'.")
+        if lora_request is not None:
+            raise ParameterError("lora_request is not supported with runner='pooling' (yet).", "lora_request")
+        cache_salt = cache_salt_of(prompt)
+        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        max_model_len = self.model_config.max_model_len
+        prompt_token_ids = params.truncate(prompt_token_ids, max_model_len)
+        if len(prompt_token_ids) > max_model_len:
+            raise ParameterError(f"The prompt is {len(prompt_token_ids)} tokens long, more than the model's context "
+                                 f"length (max_model_len = {max_model_len}): shorten it, or set "
+                                 f"truncate_prompt_tokens to pool only its last tokens.", "truncate_prompt_tokens")
+        self._validate_prompt(prompt_token_ids)
+        params.verify(self.model_config.hf_config, self.model_config.hf_config.hidden_size)
+        params = params.clone()
+        # The scheduler's view of a pooling request: one step past the prompt's end, so that
+        # it is never scheduled again once its last chunk is in flight; nothing samples.
+        step_params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        step_params.all_stop_token_ids = set()
+        arrival_time = arrival_time or time.time()
+        parent = ParentRequest(request_id, prompt_text, prompt_token_ids, step_params, arrival_time)
+        child_id = self.output_processor.add_pooling_request(parent, params)
+        self.engine_core.add_request(Request(child_id, prompt_token_ids, step_params, arrival_time,
+                                             cache_salt=cache_salt, pooling_params=params))
+        self.num_prompt_tokens_total += len(prompt_token_ids)
+
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -152,7 +198,7 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"A prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}.")
 
-    def _validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         max_model_len = self.model_config.max_model_len
         vocab_size = self.model_config.vocab_size
         if not prompt_token_ids:
@@ -163,6 +209,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
+
+    def _validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate_prompt(prompt_token_ids)
+        vocab_size = self.model_config.vocab_size
         params.verify_vocab(vocab_size)
         if params.structured_outputs is not None and self.structured_output_manager is None:
             raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
@@ -279,7 +329,7 @@ class LLMEngine:
             core.start_step()
         else:
             core_outputs = core.step()
-        outputs, to_stop, failed = self.output_processor.process_outputs(core_outputs)
+        outputs, to_stop, failed = self._process_outputs(core_outputs)
         if to_stop:
             self.engine_core.stop_requests(to_stop)
         self._failed_requests.update(failed)

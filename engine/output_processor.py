@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from raylm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from raylm.engine.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                  RequestOutput)
+from raylm.engine.pooling_params import PoolingParams
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams
 from raylm.engine.step import TokenLogprobs
 
@@ -43,6 +45,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # A pooling request's pooled hidden state (float32, CPU), in its finishing output.
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:
@@ -236,6 +240,15 @@ class ParentRequest:
                              completions, finished, self.metrics)
 
 
+@dataclass
+class _PoolingRequestState:
+    """A pooling request as the output processor tracks it: no tokens, no text."""
+
+    request_id: str
+    parent: ParentRequest
+    pooling_params: PoolingParams
+
+
 class OutputProcessor:
     """Turns `EngineCoreOutput`s into `RequestOutput`s, request by request."""
 
@@ -258,6 +271,33 @@ class OutputProcessor:
             parent.children.append(state)
             self.request_states[child_id] = state
         return [child.request_id for child in parent.children]
+
+    def add_pooling_request(self, parent: ParentRequest, pooling_params: PoolingParams) -> str:
+        """Registers a pooling request (one engine request, no text); returns its engine id."""
+        self.parents[parent.request_id] = parent
+        state = _PoolingRequestState(parent.child_request_id(0, next(self._serials)), parent, pooling_params)
+        parent.children.append(state)
+        self.request_states[state.request_id] = state
+        return state.request_id
+
+    def process_pooling_outputs(self, core_outputs: list[EngineCoreOutput], default_normalize: bool
+                                ) -> tuple[list[PoolingRequestOutput], list[str], dict[str, BaseException]]:
+        """`process_outputs` for a pooling engine: each finished request's embedding (its
+        PoolingParams applied to the pooled vector). Nothing to stop, nothing fails here."""
+        now = time.time()
+        outputs = []
+        for core_output in core_outputs:
+            state = self.request_states.get(core_output.request_id)
+            if state is None or core_output.pooling_output is None:
+                continue
+            parent = state.parent
+            self.abort_requests([parent.request_id])  # done: forgotten
+            parent.metrics.first_token_time = parent.metrics.finished_time = now
+            parent.metrics.num_cached_tokens = core_output.num_cached_tokens
+            data = state.pooling_params.apply(core_output.pooling_output, default_normalize)
+            outputs.append(PoolingRequestOutput(parent.request_id, PoolingOutput(data), parent.prompt_token_ids,
+                                                True, parent.metrics))
+        return outputs, [], {}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)

@@ -1,8 +1,13 @@
-"""What a request returns: `RequestOutput` holding one `CompletionOutput` per sample."""
+"""What a request returns: `RequestOutput` holding one `CompletionOutput` per sample; a pooling
+request's `PoolingRequestOutput` (`EmbeddingRequestOutput` from `LLM.embed`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Position -> {token id -> Logprob}: the chosen token plus the top alternatives.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -69,3 +74,52 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt (float32, on the CPU)."""
+
+    data: "torch.Tensor"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request returns (vLLM's): its prompt's tokens, as pooled (after
+    truncate_prompt_tokens), and its vector. Always finished: it is made in one go."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's): `outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

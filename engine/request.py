@@ -17,6 +17,7 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import ParameterError, SamplingParams
 
 if TYPE_CHECKING:
+    from raylm.engine.pooling_params import PoolingParams
     from raylm.engine.structured_output.request import StructuredOutputRequest
     from raylm.executors.lora_adapter import AdapterDigest
 
@@ -134,6 +135,10 @@ class Request:
     # (their KV slots are allocated and num_computed_tokens counts them until the step's
     # output says how many were accepted); empty otherwise.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A pooling request (runner="pooling"): its prompt is prefilled and pooled, nothing is
+    # sampled. Its sampling_params are then the engine's one-step stand-in (max_tokens=1),
+    # which ends its scheduling once its last chunk is in flight.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -130,3 +130,6 @@ class SamplerOutput:
     # fails those requests (requests of the same id under another digest, which an adapter
     # removed and added again with other files has, hold another slot and go on).
     lora_failures: dict[tuple[int, Any], tuple[str, str]] = field(default_factory=dict)
+    # Pooling runner: req_id -> the pooled final hidden state (float32, CPU) of each request
+    # whose prompt ended in this step (see executors/pooling_model_runner.py).
+    pooler_output: dict[int, Any] | None = None

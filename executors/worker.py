@@ -77,7 +77,12 @@ class Worker:
         if self.device.type == "cpu":
             warn_if_openmp_started_first(threads)
         torch.manual_seed(self.engine_config.model_config.seed)
-        self.model_runner = ModelRunner(self.engine_config, self.tp_rank, self.device)
+        runner_class = ModelRunner
+        if self.engine_config.model_config.is_pooling:
+            from raylm.executors.pooling_model_runner import PoolingModelRunner
+
+            runner_class = PoolingModelRunner
+        self.model_runner = runner_class(self.engine_config, self.tp_rank, self.device)
 
     def cpu_thread_count(self) -> int:
         """The threads this worker computes with: an OMP_NUM_THREADS the user chose, else

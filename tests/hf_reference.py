@@ -124,3 +124,21 @@ def assert_logprobs_match_hf(model_dir: Path, prompts: list[list[int]], outputs,
         for position in range(1, len(prompt)):
             expected = reference[position - 1, prompt[position]].item()
             assert output.prompt_logprobs[position][prompt[position]].logprob == pytest.approx(expected, abs=abs_tol)
+
+
+@lru_cache(maxsize=2)
+def hf_base_model(model_dir: str):
+    """The checkpoint's decoder without its LM head (AutoModel): what an embedding model is."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_embedding(model_dir: Path, prompt_ids: list[int], pooling_type: str = "LAST",
+                 normalize: bool = True) -> torch.Tensor:
+    """The prompt's last hidden state (after the final norm) pooled at its last token, its
+    first, or averaged over all (MEAN), then L2-normalized: vLLM's embedding of a decoder."""
+    with torch.no_grad():
+        hidden = hf_base_model(str(model_dir))(torch.tensor([prompt_ids])).last_hidden_state[0]
+    pooled = {"LAST": hidden[-1], "CLS": hidden[0], "MEAN": hidden.mean(dim=0)}[pooling_type]
+    return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled

@@ -1,0 +1,61 @@
+"""`PoolingModelRunner`: the model runner of a pooling engine (runner="pooling").
+
+Each step is prompt chunks only. The runner asks the model for the final-norm hidden
+states of the rows each request pools (`models/pooler.py`): with LAST pooling the last
+prompt row, in the chunk that reaches it (earlier chunks only write their KV); with MEAN
+or CLS, whose engines run whole prompts in one step, every row or the first. Rank 0
+returns each finished prompt's pooled vector, float32 on the CPU; nothing is sampled and
+nothing is kept per request between steps. Under tensor parallelism the final norm's
+output is whole on every rank (the last row-parallel layer all-reduces), so rank 0 pools
+alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+from raylm.executors.model_runner import ModelRunner
+from raylm.models.pooler import pool_rows, pooled_row_span
+from raylm.parallel.pipeline import IntermediateTensors
+
+
+class PoolingModelRunner(ModelRunner):
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return False  # decode graphs: a pooling engine never decodes
+
+    def load_model(self) -> None:
+        super().load_model()
+        self.penalty_state = None  # nothing is sampled
+
+    @torch.inference_mode()
+    def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None,
+                      defer_read: bool = False) -> SamplerOutput | None:
+        """Runs one step of prompt chunks; rank 0 returns the pooled vectors of the requests
+        whose prompt ended in it (SamplerOutput.pooler_output), other ranks None."""
+        if not req.requests:
+            return SamplerOutput(pooler_output={}) if self.rank == 0 else None
+        pooling_type = self.model_config.pooler_config.pooling_type
+        host = self._host_inputs(req.requests)
+        rows: list[int] = []
+        counts: list[int] = []
+        pooled_ids: list[int] = []
+        chunk_start = 0
+        for scheduled in req.requests:
+            chunk_len = len(scheduled.token_ids)
+            if scheduled.do_sample:  # the chunk ends the prompt
+                span = pooled_row_span(pooling_type, scheduled.num_computed_tokens, chunk_len,
+                                       scheduled.num_prompt_tokens)
+                rows.extend(chunk_start + row for row in span)
+                counts.append(len(span))
+                pooled_ids.append(scheduled.req_id)
+            chunk_start += chunk_len
+        hidden_states = self._run_model(host, rows)
+        if self.rank != 0:
+            return None
+        if not rows:
+            return SamplerOutput(pooler_output={})
+        pooled = pool_rows(hidden_states, counts).cpu()
+        # One tensor each (a view would carry the whole batch's storage when pickled for Ray).
+        return SamplerOutput(pooler_output={req_id: row.clone() for req_id, row in zip(pooled_ids, pooled)})
