@@ -21,7 +21,7 @@ ChatTemplateBusyError without running. Renders take threads in the order they ca
 each ends by its deadline, so a waiting one gets a thread by its own deadline (plus, at
 worst, a process start). The worker is given the time left too, and stops a render at it
 itself (deploy/chat_template.py counts it), so that it is killed, and a fresh one started,
-only when one long C-level call holds it past the deadline. `close` (the app's shutdown) kills them all,
+only when something holds it past the deadline (one long C-level call) by _KILL_GRACE_S. `close` (the app's shutdown) kills them all,
 rendering or not; a render asked for after it fails at once (ChatTemplateUnavailableError).
 Should the server end without closing, a worker ends when its stdin closes or, on Linux, when
 the server dies.
@@ -58,9 +58,10 @@ DEFAULT_MAX_PROCESSES = 2
 # (seconds) are refused beyond a few deadlines' worth instead of queueing without end.
 QUEUED_RENDERS_PER_PROCESS = 4
 DEFAULT_MAX_QUEUED = QUEUED_RENDERS_PER_PROCESS * DEFAULT_MAX_PROCESSES
-# The worker stops a render itself this long before the deadline (at most half the time
-# left), so that its answer arrives before the server would kill it.
-_WORKER_MARGIN_S = 0.1
+# The worker stops a render itself at the deadline; the server waits this much longer for
+# its answer (the worker reads its clock every few operations, each up to tens of
+# milliseconds) before it kills it.
+_KILL_GRACE_S = 0.25
 # A worker's address space: Python and Jinja take some 25 MB; the rest is room for the
 # template's values, a few copies of a prompt of max_chars characters at 4 bytes each.
 BASE_MEMORY_BYTES = 512 * 1024 * 1024
@@ -210,9 +211,9 @@ class ChatTemplateSandbox:
         time_left = deadline - time.monotonic()
         keep = False
         try:
-            job = {**job, "timeout_s": max(time_left - _WORKER_MARGIN_S, time_left / 2)}
             try:
-                reply = worker.ask(job, deadline, 8 * self.max_chars + (1 << 20))
+                reply = worker.ask({**job, "timeout_s": time_left}, deadline + _KILL_GRACE_S,
+                                   8 * self.max_chars + (1 << 20))
             except TimeoutError:
                 raise self._timed_out(asked_at, deadline - time_left) from None
             except (_WorkerDied, ValueError) as exc:  # ValueError: a reply that is not JSON

@@ -168,8 +168,8 @@ def test_a_render_with_few_costly_steps_stops_at_its_deadline():
     started = time.monotonic()
     with pytest.raises(ChatTemplateTimeoutError, match="did not render within 0.5 s"):
         timed.render(COSTLY_STEPS, LONG_CONTENT)
-    # The clock is read every CLOCK_EVERY_OPS operations: 2 iterations of some 60 ms at worst.
-    assert time.monotonic() - started < 0.5 + 0.4
+    # The clock is read every CLOCK_EVERY_OPS operations: an iteration of some 20-150 ms at worst.
+    assert time.monotonic() - started < 0.5 + 0.5
     assert timed.render("{{ messages[0].content|length }}", LONG_CONTENT) == "100000"  # the next renders
 
 
@@ -209,11 +209,13 @@ def test_the_sandbox_renders_as_the_renderer(tokenizer, renderer, sandbox):
 def test_a_render_past_the_deadline_is_stopped_there_and_the_next_renders(sandbox):
     # The worker stops SLOW at the time it was given, and renders the next one.
     render(sandbox, "{{ 1 }}")
+    workers = sandbox.worker_pids
     threads = threading.active_count()
     started = time.monotonic()
     with pytest.raises(ChatTemplateTimeoutError, match="did not render within 2 s"):
         render(sandbox, SLOW)
-    assert time.monotonic() - started < 2.5
+    assert 2 <= time.monotonic() - started < 2.5
+    assert sandbox.worker_pids == workers  # no process killed, none started
     assert render(sandbox, "{{ messages[1].content }}") == MESSAGES[1]["content"]
     assert threading.active_count() <= threads + 1
 
@@ -228,7 +230,7 @@ def test_a_worker_that_does_not_answer_by_the_deadline_is_killed(sandbox):
     started = time.monotonic()
     with pytest.raises(ChatTemplateTimeoutError, match="did not render within 2 s"):
         render(sandbox, SLOW)
-    assert time.monotonic() - started < 2.5
+    assert 2 <= time.monotonic() - started < 3  # killed _KILL_GRACE_S after its deadline
     stopper.join()
     assert wait_gone([pid], 2) == [] and pid not in sandbox.worker_pids
     assert render(sandbox, "{{ 2 }}") == "2"
