@@ -40,7 +40,8 @@ class LLM:
             requests of max_model_len tokens can fill), `enable_lora=False` (serve LoRA
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
-            max_loras). An unknown argument is a TypeError naming it.
+            max_loras), `load_format="auto"` ("dummy": random weights, no checkpoint read, to
+            measure speed). An unknown argument is a TypeError naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
     application configured logging first (see `raylm.engine.logger`).
