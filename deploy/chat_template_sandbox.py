@@ -8,7 +8,8 @@ gigabytes. So a request's template renders in a worker process with an address-s
 (`memory_limit_bytes`: an allocation past it is a MemoryError, reported as the template's
 error), and one that has not answered within the deadline is killed; the next render starts
 a fresh process. The server's own templates (the model's, --chat-template) render in the
-server, where their bounds suffice: what a request sends them is data, not code.
+server, where their bounds (steps, sizes, and the time limit, checked as they step)
+suffice: what a request sends them is data, not code.
 
 Each render runs on one of `max_processes` threads (the waiting for the process happens
 there, never on the event loop), with one worker process each, started on first use (some
@@ -21,8 +22,9 @@ ChatTemplateBusyError without running. Renders take threads in the order they ca
 each ends by its deadline, so a waiting one gets a thread by its own deadline (plus, at
 worst, a process start). The worker is given the time left too, and stops a render at it
 itself (deploy/chat_template.py counts it), so that it is killed, and a fresh one started,
-only when something holds it past the deadline (one long C-level call) by _KILL_GRACE_S. `close` (the app's shutdown) kills them all,
-rendering or not; a render asked for after it fails at once (ChatTemplateUnavailableError).
+only when something holds it past the deadline (one long C-level call) by _KILL_GRACE_S.
+`close` (the app's shutdown) kills them all, rendering or not; a render asked for after it
+fails at once (ChatTemplateUnavailableError).
 Should the server end without closing, a worker ends when its stdin closes or, on Linux, when
 the server dies.
 

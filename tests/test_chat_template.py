@@ -246,7 +246,8 @@ def test_renders_past_the_queue_bound_are_refused_at_once_and_waiting_counts_aga
         assert [text for text, _ in asyncio.run(_gather(sandbox, ["{{ 1 }}", "{{ 2 }}"]))] == ["1", "2"]
 
         outcomes = asyncio.run(_gather(sandbox, [SLOW] * 7))
-        refused = [(outcome, took) for outcome, took in outcomes if "--max-queued-chat-template-renders" in str(outcome)]
+        refused = [(outcome, took) for outcome, took in outcomes
+                   if "--max-queued-chat-template-renders" in str(outcome)]
         assert len(refused) == 3 and all(isinstance(outcome, ChatTemplateBusyError) for outcome, _ in refused)
         assert max(took for _, took in refused) < 0.3
         # The 4 admitted: out of time while rendering (a 400) or, the 2 that waited, maybe
