@@ -110,7 +110,8 @@ class PrefixKeyer:
         self.trust_request_chat_template = trust_request_chat_template
         self._max_chars = max_blocks * block_size * _MAX_CHARS_PER_TOKEN
         self._limits = RequestLimits()
-        self._renderer = ChatTemplateRenderer(_MAX_KEYED_TEMPLATE_CHARS, self._limits.max_chat_template_steps)
+        self._renderer = ChatTemplateRenderer(_MAX_KEYED_TEMPLATE_CHARS, self._limits.max_chat_template_steps,
+                                              self._limits.max_chat_template_render_seconds)
 
     def key(self, route: str, body: bytes) -> PrefixKey | None:
         """The key of a POST to `route` with `body`, or None where there is none to compute."""

@@ -15,10 +15,10 @@ from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, setting
-from raylm.engine.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig,
-                                 ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
-                                 default_max_num_batched_tokens, derive_max_model_len, load_hf_config, resolve_dtype,
-                                 visible_gpu)
+from raylm.engine.config import (LOAD_FORMATS, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
+                                 LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                                 check_load_format, default_max_num_batched_tokens, derive_max_model_len,
+                                 load_hf_config, resolve_dtype, visible_gpu)
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
@@ -42,6 +42,12 @@ class EngineArgs(SettingsMixin):
                                                   f"*.safetensors, tokenizer files), or {DEMO_MODEL_NAME!r}; "
                                                   f"default: raylm's bundled demo model, {DEMO_MODEL_NAME!r}."))
     tokenizer: str | None = field(default=None, metadata=_help("Tokenizer folder; defaults to the model folder."))
+    load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS, **_help(
+        "How the weights are read (vLLM's flag): 'auto' and 'safetensors' read the model folder's *.safetensors "
+        "files; 'dummy' reads none and gives every weight a random value, uniform in [-0.001, 0.001] (vLLM's range "
+        "and seed, 1234, per parameter: the same every run, and each tensor-parallel rank draws its own shard so), "
+        "to measure speed without the weights; config.json and the tokenizer are still read from the folder. "
+        "Its outputs are meaningless. vLLM's other formats (pt, gguf, ...) are not read.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "
@@ -219,6 +225,7 @@ class EngineArgs(SettingsMixin):
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
             runner_type=self._runner_type(),
+            load_format=check_load_format(self.load_format),
         )
         enable_chunked_prefill, enable_prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
         if model_config.is_pooling:
@@ -364,7 +371,7 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
                                max_model_len=derive_max_model_len(hf_config, None), hf_config=hf_config,
                                seed=model_config.seed, trust_remote_code=model_config.trust_remote_code,
                                skip_tokenizer_init=True, attention_backend=model_config.attention_backend,
-                               generation_config="vllm")
+                               generation_config="vllm", load_format=model_config.load_format)
     if draft_config.max_model_len < model_config.max_model_len:
         raise ValueError(f"speculative_config model {config.model!r} handles {draft_config.max_model_len} tokens of "
                          f"context, fewer than max_model_len ({model_config.max_model_len}): lower max_model_len "

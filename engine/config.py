@@ -23,6 +23,28 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 
+# vLLM's load_format values raylm reads: "auto" and "safetensors" read the model folder's
+# *.safetensors files (raylm reads no other checkpoint format), "dummy" reads none of them
+# and gives every weight random values (models/weight_utils.initialize_dummy_weights), to
+# benchmark a model's shape without its weights; config.json and the tokenizer are still
+# read from the folder.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's other values, named in the error that refuses them.
+_VLLM_ONLY_LOAD_FORMATS = ("pt", "npcache", "tensorizer", "sharded_state", "gguf", "bitsandbytes", "mistral",
+                           "runai_streamer", "runai_streamer_sharded", "fastsafetensors")
+
+
+def check_load_format(load_format: str) -> str:
+    """`load_format`, if raylm reads it; else a ValueError naming the choices."""
+    if load_format in LOAD_FORMATS:
+        return load_format
+    choices = ", ".join(repr(choice) for choice in LOAD_FORMATS)
+    if load_format in _VLLM_ONLY_LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is one of vLLM's that raylm does not read; raylm reads "
+                         f"safetensors checkpoints only. load_format must be one of {choices}.")
+    raise ValueError(f"load_format must be one of {choices}; got {load_format!r}.")
+
+
 # Config keys that bound the context length, in the order transformers models use them.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
@@ -148,6 +170,9 @@ class ModelConfig:
     # prompt (embeddings), under `pooler_config`.
     runner_type: str = "generate"
     pooler_config: PoolerConfig | None = None
+    # One of LOAD_FORMATS (vLLM keeps it in its LoadConfig; here the loader reads it with
+    # the rest of the model's settings, and a draft model gets the target's).
+    load_format: str = "auto"
 
     @property
     def is_pooling(self) -> bool:

@@ -44,7 +44,8 @@ class LLM:
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
             max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`),
             `pooler_config=None` (runner "pooling": {"pooling_type": "LAST" | "MEAN" | "CLS",
-            "normalize": True}). An unknown argument is a TypeError naming it.
+            "normalize": True}), `load_format="auto"` ("dummy": random weights, no checkpoint
+            read, to measure speed). An unknown argument is a TypeError naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
     application configured logging first (see `raylm.engine.logger`).
