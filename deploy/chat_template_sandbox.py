@@ -163,6 +163,12 @@ class ChatTemplateSandbox:
             return [worker.process.pid for worker in (*self._idle, *self._busy)]
 
     @property
+    def rendering_pids(self) -> list[int]:
+        """The pids of the worker processes rendering now."""
+        with self._lock:
+            return [worker.process.pid for worker in self._busy]
+
+    @property
     def renders_admitted(self) -> int:
         """Renders rendering or waiting for a process now."""
         with self._lock:
