@@ -198,7 +198,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs,
                                               as_ids)
-            split = self._split(completion.text, in_reasoning)
+            split = self._split(completion.text, in_reasoning, completion.token_ids)
             message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
             if split.reasoning is not None and request.include_reasoning:
                 message.reasoning = split.reasoning
@@ -220,11 +220,11 @@ class OpenAIServingChat(OpenAIServing):
                            request.chat_template_kwargs, tools)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")
 
-    def _split(self, text: str, in_reasoning: bool) -> ReasoningSplit:
+    def _split(self, text: str, in_reasoning: bool, token_ids: list[int]) -> ReasoningSplit:
         """A reply's reasoning and content (all content without a reasoning parser)."""
         if self.reasoning_parser is None:
             return ReasoningSplit(None, text)
-        return self.reasoning_parser.split(text, in_reasoning)
+        return self.reasoning_parser.split(text, in_reasoning, token_ids)
 
     def _reasoning_tokens(self, token_ids: list[list[int]], in_reasoning: bool) -> int | None:
         """The choices' tokens spent reasoning, for usage (None without a reasoning parser)."""
@@ -316,7 +316,8 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = completion.finish_reason
                     text, reasoning = completion.text, None
                     if reasoning_streamers is not None:
-                        reasoning, text = reasoning_streamers[completion.index].feed(text, completion.finished())
+                        reasoning, text = reasoning_streamers[completion.index].feed(text, completion.finished(),
+                                                                                     completion.token_ids)
                         reasoning = (reasoning or None) if request.include_reasoning else None
                     if streamers is None:
                         if reasoning_streamers is not None and not text and not reasoning and \
