@@ -220,7 +220,7 @@ class _SamplingFields(StructuredOutputFields):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -310,7 +310,8 @@ _VLLM_SAMPLING_DEFAULTS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p
 
 # ------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # JSON integers only: lax parsing reads `true` as token id 1 and "5" as 5.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -570,7 +571,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
