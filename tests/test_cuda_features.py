@@ -1,17 +1,22 @@
 """The engine's features on the device that runs it: every test runs on the CPU (CI) and,
 marked `cuda`, on a GPU, where stage t of `scripts/gpu_check.sh` runs it. On the GPU decode
-steps replay CUDA graphs (LoRA aside: its steps run eagerly) and the in-process step thread
-launches each step before it reads the last one's tokens (executors/uniproc_executor.py);
-the CPU variants run that step thread too, so the two differ only in the device's kernels
-and graphs. Each test checks against a reference the device image also has (no peft,
-xgrammar or ray there; a case that needs one is skipped where it is absent): Hugging Face
-transformers on the same weights (LoRA: the adapter merged into them by hand), PyTorch over
-HF's logits (penalties, logit_bias, min_tokens; seeded draws from the sample's own
-generator), HF's log-softmax (logprobs). Greedy tokens are HF's up to near-ties
-(`hf_reference.NEAR_TIE`: a GPU's fp32 sums round otherwise than the CPU's HF does).
+steps replay CUDA graphs (LoRA aside: its steps run eagerly; an embedding engine decodes
+nothing) and the in-process step thread launches each step before it reads the last one's
+tokens (executors/uniproc_executor.py); the CPU variants run that step thread too, so the
+two differ only in the device's kernels and graphs. Each test checks against a reference
+the device image also has (no peft, xgrammar or ray there; a case that needs one is skipped
+where it is absent): Hugging Face transformers on the same weights (LoRA: the adapter
+merged into them by hand), PyTorch over HF's logits (penalties, logit_bias, min_tokens;
+seeded draws from the sample's own generator), HF's log-softmax (logprobs). Greedy tokens
+are HF's up to near-ties (`hf_reference.NEAR_TIE`: a GPU's fp32 sums round otherwise than
+the CPU's HF does).
 
-Kept small for stage t's time limit: one engine per test, shut down at its end, 8 sequences
-at most (graphs of 1, 2, 4 and 8 rows), 128 tokens of context, a few tokens per request."""
+Embeddings (runner="pooling") are checked against HF AutoModel's pooled, normalized last
+hidden state; load_format="dummy" against vLLM's recipe drawn on the engine's device.
+
+Kept small for stage t's time limit: one engine per test (the embeddings' two, LAST and
+MEAN pooling), shut down at its end, 8 sequences at most (graphs of 1, 2, 4 and 8 rows), 128
+tokens of context, a few tokens per request."""
 
 from __future__ import annotations
 
