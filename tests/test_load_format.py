@@ -37,21 +37,25 @@ def weightless_mixtral(tmp_path_factory) -> Path:
     return weightless_copy(build_tiny_mixtral(root / "with_weights"), root / "weightless")
 
 
-def expected_stats(shape: tuple[int, ...]) -> tuple[float, float, float]:
-    """Sum, min and max of vLLM's dummy values for a float32 parameter of `shape`."""
-    values = torch.empty(shape, dtype=torch.float32).uniform_(LOW, HIGH, generator=torch.Generator().manual_seed(SEED))
+def expected_stats(shape: tuple[int, ...], device: str = "cpu") -> tuple[float, float, float]:
+    """Sum, min and max of vLLM's dummy values for a float32 parameter of `shape` on
+    `device` (vLLM draws on the parameter's device, from that device's generator: a GPU's
+    values are not the CPU's)."""
+    generator = torch.Generator(device=device).manual_seed(SEED)
+    values = torch.empty(shape, dtype=torch.float32, device=device).uniform_(LOW, HIGH, generator=generator)
     return float(values.double().sum()), float(values.min()), float(values.max())
 
 
-def assert_dummy_parameters(stats: dict[str, tuple], names: list[str] | None = None) -> None:
+def assert_dummy_parameters(stats: dict[str, tuple], names: list[str] | None = None, device: str = "cpu") -> None:
     """Each parameter (of `names`, default all) holds the recipe's values for its shape:
-    finite, within [LOW, HIGH), and the very values a generator seeded SEED draws."""
+    finite, within [LOW, HIGH), and the very values a generator of `device` seeded SEED
+    draws."""
     assert stats
     for name in names or list(stats):
         shape, total, smallest, largest = stats[name]
         assert all(math.isfinite(v) for v in (total, smallest, largest)), name
         assert LOW <= smallest and largest < HIGH, (name, smallest, largest)
-        assert (total, smallest, largest) == pytest.approx(expected_stats(shape), rel=1e-9, abs=1e-12), name
+        assert (total, smallest, largest) == pytest.approx(expected_stats(shape, device), rel=1e-9, abs=1e-12), name
 
 
 def greedy(llm, max_tokens: int, **kwargs) -> list[list[int]]:
