@@ -27,9 +27,9 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     """The model named by model_config.hf_config.architectures, with parameters in
     model_config.dtype on `device` (this rank's shards under tensor parallel), loaded from
     the safetensors files in model_config.model (load_format "dummy": random values, no
-    file read), in eval mode."""
+    file read), in eval mode; for runner "pooling" without its LM head (models/adapters.py)."""
     hf_config = model_config.hf_config
-    model_class = resolve_model_class(getattr(hf_config, "architectures", None))
+    model_class = resolve_model_class(getattr(hf_config, "architectures", None), model_config.runner_type)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(hf_config)
     if model_config.load_format == "dummy":

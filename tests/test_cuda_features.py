@@ -477,3 +477,26 @@ def test_last_and_mean_embeddings_equal_hfs_pooled_normalized_hidden_states(devi
             assert embedding.dtype == torch.float32 and embedding.shape == (64,)
             torch.testing.assert_close(embedding, hf_embedding(llama_dir, prompt, pooling_type), atol=tolerance,
                                        rtol=0, msg=lambda m: f"{pooling_type} pooling, {len(prompt)} tokens: {m}")
+
+# ---- embeddings --------------------------------------------------------------------------
+
+def test_a_bare_decoder_checkpoint_embeds_as_hf_with_its_kv_cache_sized_by_profiling(device, tmp_path):
+    """runner "auto" pools a `LlamaModel` checkpoint; on a GPU the KV cache is sized by a
+    profiled forward (no num_gpu_blocks_override), which for the headless pooling model
+    computes no logits."""
+    from hf_reference import hf_embedding
+    from tiny_models import build_tiny_base_model
+
+    model_dir = build_tiny_base_model(tmp_path / "base", "llama", seed=9)
+    llm = LLM(str(model_dir), device=device, dtype="float32", max_model_len=128, max_num_seqs=8,
+              disable_log_stats=True)
+    try:
+        assert llm.llm_engine.model_config.runner_type == "pooling"
+        prompts = random_prompts(6, seed=10, min_len=1, max_len=100)
+        outputs = llm.embed(token_prompts(prompts), use_tqdm=False)
+        for prompt, output in zip(prompts, outputs):
+            torch.testing.assert_close(torch.tensor(output.outputs.embedding), hf_embedding(model_dir, prompt),
+                                       atol=1e-4, rtol=0)
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
