@@ -478,7 +478,8 @@ def test_last_and_mean_embeddings_equal_hfs_pooled_normalized_hidden_states(devi
             torch.testing.assert_close(embedding, hf_embedding(llama_dir, prompt, pooling_type), atol=tolerance,
                                        rtol=0, msg=lambda m: f"{pooling_type} pooling, {len(prompt)} tokens: {m}")
 
-# ---- embeddings --------------------------------------------------------------------------
+
+# ---- embeddings: a bare decoder checkpoint --------------------------------------------------------------------------
 
 def test_a_bare_decoder_checkpoint_embeds_as_hf_with_its_kv_cache_sized_by_profiling(device, tmp_path):
     """runner "auto" pools a `LlamaModel` checkpoint; on a GPU the KV cache is sized by a
