@@ -369,11 +369,15 @@ def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | N
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it: role and text, and an assistant's tool calls
-    (their arguments as objects, as Hugging Face templates expect, where they parse) or a
-    tool answer's tool_call_id."""
+    (their arguments as objects, as Hugging Face templates expect, where they parse) and
+    reasoning, or a tool answer's tool_call_id. The reasoning goes under both of its names,
+    as vLLM passes it: `reasoning`, and `reasoning_content`, which Qwen3's template reads."""
     entry: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.tool_calls is not None:
         entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    reasoning = message.reasoning_text()
+    if reasoning is not None and message.role == "assistant":
+        entry["reasoning"] = entry["reasoning_content"] = reasoning
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     return entry

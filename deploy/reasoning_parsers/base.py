@@ -38,10 +38,16 @@ class ReasoningParser:
     name = ""
     start_tag = "<think>"
     end_tag = "</think>"
+    # A tag that ends unclosed reasoning where the text after it confirms (`implicit_end_at`),
+    # itself the start of the content (Qwen3.5's <tool_call>); None where only end_tag ends it.
+    implicit_end_tag: str | None = None
 
     def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
         self.start_token_id = single_token_id(tokenizer, self.start_tag)
         self.end_token_id = single_token_id(tokenizer, self.end_tag)
+        self.implicit_end_token_id = single_token_id(tokenizer, self.implicit_end_tag) \
+            if self.implicit_end_tag is not None else None
         # A tokenizer may make the tags special tokens, which skip_special_tokens would
         # take out of the text the split reads.
         special = set(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -74,14 +80,39 @@ class ReasoningParser:
         reasoning, content = self.streamer(in_reasoning).feed(text, final=True)
         return ReasoningSplit(reasoning or None, content or None)
 
+    def implicit_end_at(self, after: str, final: bool) -> bool | None:
+        """Whether `implicit_end_tag`, followed by `after` (the text up to the reply's end),
+        ends the reasoning: True, False, or None while `after` is too short to tell."""
+        return False
+
+    def reasoning_token_span(self, token_ids: list[int], in_reasoning: bool) -> tuple[int, int]:
+        """How many of the reply's first tokens belong to its reasoning, tags included (what
+        `include_reasoning: false` hides), and how many of those are tags. The reasoning ends
+        at the end tag's token (included) or where `implicit_end_tag`'s token ends it (not
+        included: it opens the content); without either, every token is the reasoning's,
+        which is also the answer where the end tag is not one token (the text may end the
+        reasoning where the token ids cannot tell). (0, 0) for a reply that starts after it."""
+        if not in_reasoning:
+            return 0, 0
+        tags = 1 if token_ids and token_ids[0] == self.start_token_id else 0
+        if self.end_token_id is None:
+            return len(token_ids), tags
+        for index, token_id in enumerate(token_ids):
+            if token_id == self.end_token_id:
+                return index + 1, tags + 1
+            if token_id == self.implicit_end_token_id and \
+                    self.implicit_end_at(self.tokenizer.decode(token_ids[index + 1:index + 1 + IMPLICIT_END_LOOKAHEAD],
+                                                               skip_special_tokens=False), final=True):
+                return index, tags
+        return len(token_ids), tags
+
     def count_reasoning_tokens(self, token_ids: list[int], in_reasoning: bool) -> int:
-        """The reply's tokens spent reasoning: those before the end tag's token, the tags'
-        own tokens not counted (0 where the end tag is not one token)."""
+        """The reply's tokens spent reasoning: those of its reasoning span but the tags'
+        own (0 where the end tag is not one token)."""
         if not in_reasoning or self.end_token_id is None:
             return 0
-        end = token_ids.index(self.end_token_id) if self.end_token_id in token_ids else len(token_ids)
-        start = 1 if end and token_ids[0] == self.start_token_id else 0
-        return end - start
+        span, tags = self.reasoning_token_span(token_ids, in_reasoning)
+        return span - tags
 
 
 class ReasoningStreamer:
@@ -114,12 +145,41 @@ class ReasoningStreamer:
                 return "", ""
             self.phase = "reasoning"
         end = text.find(end_tag)
+        implicit, undecided = self._implicit_end(text, end if end != -1 else len(text), final)
+        if implicit is not None:
+            self.phase = "content"
+            return text[:implicit], text[implicit:]
         if end != -1:
             self.phase = "content"
             return text[:end], text[end + len(end_tag):]
-        keep = 0 if final else held_back(text, end_tag)
+        if undecided is not None:
+            keep = len(text) - undecided  # the tag and what follows it, until the next text tells
+        else:
+            keep = 0 if final else held_back(text, end_tag)
+            if self.parser.implicit_end_tag is not None and not final:
+                keep = max(keep, held_back(text, self.parser.implicit_end_tag))
         self._pending = text[len(text) - keep:]
         return text[:len(text) - keep], ""
+
+    def _implicit_end(self, text: str, before: int, final: bool) -> tuple[int | None, int | None]:
+        """Where, before `before`, the parser's implicit end tag ends the reasoning (its
+        first confirmed occurrence), or where the first one not yet decided starts."""
+        tag = self.parser.implicit_end_tag
+        if tag is None:
+            return None, None
+        at = text.find(tag)
+        while at != -1 and at < before:
+            decided = self.parser.implicit_end_at(text[at + len(tag):], final)
+            if decided is None:
+                return None, at
+            if decided:
+                return at, None
+            at = text.find(tag, at + 1)
+        return None, None
+
+
+# Tokens after an implicit end tag's token decoded to confirm it (vLLM's lookahead).
+IMPLICIT_END_LOOKAHEAD = 8
 
 
 def single_token_id(tokenizer: Any, tag: str) -> int | None:
