@@ -13,6 +13,7 @@ the engine, where the grammar of a structured output starts (`reasoning_end_toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from raylm.deploy.tool_parsers.base import held_back
@@ -74,6 +75,9 @@ class ReasoningParser:
 
     def streamer(self, in_reasoning: bool) -> ReasoningStreamer:
         return ReasoningStreamer(self, in_reasoning)
+
+    def token_filter(self) -> ReasoningTokenFilter:
+        return ReasoningTokenFilter(self)
 
     def split(self, text: str, in_reasoning: bool) -> ReasoningSplit:
         """The split of a whole reply (the stream's deltas add up to it)."""
@@ -176,6 +180,38 @@ class ReasoningStreamer:
                 return at, None
             at = text.find(tag, at + 1)
         return None, None
+
+
+class ReasoningTokenFilter:
+    """One reply's token ids and logprobs without its reasoning's (`include_reasoning:
+    false`), a delta at a time: a delta's are held while the text's reasoning goes on, and
+    given out from where `reasoning_token_span` ends it once the text's has ended, so that
+    the deltas add up to the whole reply's ids after its span. Where the end tag is not one
+    token, the ids cannot tell where the reasoning ends: none are given out."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self._token_ids: list[int] = []
+        self._entries: list[Any] = []
+        self._released = 0  # ids before this one were given out or dropped
+        self._span: int | None = None  # the reasoning's tokens, once the ids tell
+
+    def feed(self, token_ids: Sequence[int], entries: Sequence[Any], reasoning_ended: bool, final: bool
+             ) -> tuple[list[int], list[Any]]:
+        """The ids (and their logprob entries, where given) of this delta's that are not the
+        reasoning's, with any held before that turn out not to be."""
+        self._token_ids.extend(token_ids)
+        self._entries.extend(entries)
+        if self.parser.end_token_id is None or not (reasoning_ended or final):
+            return [], []
+        span = self._span
+        if span is None:
+            span, _ = self.parser.reasoning_token_span(self._token_ids, True)
+            if span < len(self._token_ids):
+                self._span = span  # the ids showed where it ends: that stays
+        start = max(span, self._released)
+        self._released = len(self._token_ids)
+        return self._token_ids[start:], self._entries[start:]
 
 
 # Tokens after an implicit end tag's token decoded to confirm it (vLLM's lookahead).
