@@ -12,8 +12,8 @@ the engine, where the grammar of a structured output starts (`reasoning_end_toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from raylm.deploy.tool_parsers.base import held_back
