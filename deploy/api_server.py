@@ -234,6 +234,7 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     chat = OpenAIServingChat(engine, model_names, tokenizer, chat_template=chat_template, limits=limits,
                              model_aliases=aliases,
                              trust_request_chat_template=server_args.trust_request_chat_template,
+                             max_queued_chat_template_renders=server_args.max_queued_chat_template_renders,
                              tool_config=tool_config, reasoning_parser=reasoning_parser, models=serving_models,
                              response_budget=response_budget, return_tokens_as_token_ids=as_ids)
     metrics = ServerMetrics(engine, model_names[0])

@@ -13,6 +13,11 @@ checked as it renders:
 
 - steps: each loop iteration, each call (macros, methods, globals) and each item of a
   `range` costs one; a render may take `max_steps` (the fuel minijinja's own guard counts).
+- time: a render may take `timeout_s` seconds (--max-chat-template-render-seconds), the
+  clock read at every CLOCK_EVERY_OPS steps and sized operations (filters, operators), so
+  that few steps each doing much (string work on long request content) stop at the deadline
+  too; a single operation is bounded by the size bounds, so the deadline is passed by at
+  most CLOCK_EVERY_OPS of them.
 - size: a string or list that `*`, `+`, `%`, `~`, a filter, a call or a captured block makes,
   and the rendered text itself, may hold at most `max_chars` characters (the prompt's own
   limit: text longer could not be tokenized into the context); an integer argument above it
@@ -30,6 +35,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
@@ -48,6 +54,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 MAX_INT_BITS = 65536
 # Compiled templates kept per renderer (the model's, the server's and the last requests').
 COMPILED_TEMPLATES = 64
+# A render reads the clock for its deadline once every this many steps and sized operations
+# (filters, operators, concatenations): a read costs some 50 ns, an operation a microsecond
+# or more (a 4,000-message render, 0.1 s, reads it some 8,000 times: 0.4 ms), and one
+# operation on prompt-sized values some tens of milliseconds, so the deadline is passed by at
+# most a few of those.
+CLOCK_EVERY_OPS = 4
 # transformers marks the message to continue with this tag and cuts the rendered text there.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # A %-format's width or precision: `'%10000000000s' % x`.
@@ -62,17 +74,30 @@ class ChatTemplateLimitError(ChatTemplateError):
     """A template that went past a bound (steps, a string's size, the rendered size)."""
 
 
+class ChatTemplateTimeoutError(ChatTemplateLimitError):
+    """A template that did not render within its time limit."""
+
+
 class ChatTemplateUnavailableError(ChatTemplateError):
     """The sandbox could not render at all (its process did not start): the server's fault."""
+
+
+class ChatTemplateBusyError(ChatTemplateError):
+    """The sandbox had no room for a render: too many were waiting for its processes, or the
+    render's time ran out while it waited. Not the template's fault; a retry may succeed."""
 
 
 @dataclass
 class _Budget:
     max_steps: int
     max_chars: int
+    # The render's time limit (None: none), and so its deadline on time.monotonic().
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self.steps_left = self.max_steps
+        self.deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        self._ops_to_clock = CLOCK_EVERY_OPS
 
     def charge(self, steps: int = 1) -> None:
         self.steps_left -= steps
@@ -80,6 +105,17 @@ class _Budget:
             raise ChatTemplateLimitError(
                 f"the chat template took too many steps (loop iterations, calls and range items together); at "
                 f"most {self.max_steps:,} are allowed (--max-chat-template-steps)")
+        self.tick()
+
+    def tick(self) -> None:
+        """One operation done: every CLOCK_EVERY_OPS of them, the deadline is checked."""
+        self._ops_to_clock -= 1
+        if self._ops_to_clock > 0 or self.deadline is None:
+            return
+        self._ops_to_clock = CLOCK_EVERY_OPS
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateTimeoutError(f"the chat template did not render within {self.timeout_s:g} s "
+                                           f"(--max-chat-template-render-seconds)")
 
 
 # The render in progress on this thread (None while compiling: constant folding runs filters).
@@ -93,8 +129,13 @@ def _charge(steps: int = 1) -> None:
 
 
 def _max_chars(default: int) -> int:
+    """The render's size bound (`default` while compiling); counts as an operation for the
+    render's clock, since every sized operation asks for it."""
     budget = _BUDGET.get()
-    return default if budget is None else budget.max_chars
+    if budget is None:
+        return default
+    budget.tick()
+    return budget.max_chars
 
 
 def _sized(value: Any, limit: int, what: str) -> Any:
@@ -291,12 +332,14 @@ def _sized_count(count: int, limit: int, what: str) -> None:
 
 class ChatTemplateRenderer:
     """Renders chat templates as transformers does, within `max_chars` characters (of the
-    text and of any value made on the way) and `max_steps` steps (see the module's docstring).
-    Thread-safe: each render keeps its budget in a context variable."""
+    text and of any value made on the way), `max_steps` steps and `timeout_s` seconds (None:
+    no time limit) each (see the module's docstring). Thread-safe: each render keeps its
+    budget in a context variable."""
 
-    def __init__(self, max_chars: int, max_steps: int) -> None:
+    def __init__(self, max_chars: int, max_steps: int, timeout_s: float | None = None) -> None:
         self.max_chars = max_chars
         self.max_steps = max_steps
+        self.timeout_s = timeout_s
         self.environment = BoundedEnvironment(max_chars)
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
         self._lock = threading.Lock()
@@ -324,14 +367,15 @@ class ChatTemplateRenderer:
 
     def render(self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                continue_final_message: bool = False, variables: dict[str, Any] | None = None,
-               prefix_chars: int | None = None) -> str:
+               prefix_chars: int | None = None, timeout_s: float | None = None) -> str:
         """What `tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
         add_generation_prompt=..., continue_final_message=..., **variables)` renders, with
         `variables` holding the tokenizer's special tokens (its special_tokens_map) and the
         template's keyword arguments (`tools`, `documents` and any other). Raises
         ChatTemplateError (ChatTemplateLimitError past a bound). `prefix_chars`: only the text's
         first prefix_chars characters are wanted (the render stops there; not with
-        continue_final_message, whose cut needs the whole text)."""
+        continue_final_message, whose cut needs the whole text). `timeout_s`: this render's time
+        limit, if not the renderer's."""
         compiled = self.compile(template)
         # transformers drops a message's keys whose value is None (templates test presence).
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
@@ -350,7 +394,7 @@ class ChatTemplateRenderer:
                 chat[-1] = {**chat[-1], "content": final_content + _CONTINUE_TAG}
         if continue_final_message:
             prefix_chars = None
-        token = _BUDGET.set(_Budget(self.max_steps, self.max_chars))
+        token = _BUDGET.set(_Budget(self.max_steps, self.max_chars, timeout_s or self.timeout_s))
         try:
             text = self._generate(compiled, {**context, "messages": chat,
                                              "add_generation_prompt": add_generation_prompt}, prefix_chars)

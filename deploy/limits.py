@@ -91,9 +91,11 @@ class RequestLimits:
         "request is answered 400. The rendered text, and every string or list made on the way, may hold at most "
         "--max-prompt-chars characters or items."))
     max_chat_template_render_seconds: float = field(default=5.0, metadata=setting(
-        "Seconds a chat_template sent in a request may take to render before the request is answered 400 (it "
-        "renders in a process of its own, killed then, with an address-space limit of 512 MiB + 32 bytes a "
-        "prompt character; the server keeps serving meanwhile)."))
+        "Seconds one chat template render may take, every template (the model's, --chat-template's, a "
+        "request's), before the request is answered 400; the render checks its clock as it counts its steps. A "
+        "chat_template sent in a request renders in a process of its own, killed at this deadline, with an "
+        "address-space limit of 512 MiB + 32 bytes a prompt character; the time it waits for such a process "
+        "counts (--max-queued-chat-template-renders). The server keeps serving meanwhile."))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

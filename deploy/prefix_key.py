@@ -22,6 +22,12 @@ prefix. The replicas hash an adapter by its engine id, name, folder and files' S
 router does not know: their reports never match an adapter request's key, and such requests follow
 only what the router remembers sending where (`router_retention_s`).
 
+An embeddings request (`/v1/embeddings`: a prompt with no chat template, prefilled as a
+completion's is) is keyed as a completion by its input: with LAST pooling a replica's prefix
+cache serves the instruction prefix that decoder embedding models put before every query.
+(A pooling engine with MEAN or CLS pooling caches nothing, and its app keys nothing:
+deploy/serve_app.keyer_arguments.)
+
 A request the key cannot be computed for (a body that is no completion, a malformed one, a
 server without a tokenizer) gets no key; the router then sends it to the least loaded
 replica and the replica answers it as it would without the router (a 400 for bad input).
@@ -57,6 +63,7 @@ _MAX_KEYED_TEMPLATE_CHARS = 1 << 24
 
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"
+EMBEDDINGS_ROUTE = "/v1/embeddings"
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,8 @@ class PrefixKeyer:
         self.trust_request_chat_template = trust_request_chat_template
         self._max_chars = max_blocks * block_size * _MAX_CHARS_PER_TOKEN
         self._limits = RequestLimits()
-        self._renderer = ChatTemplateRenderer(_MAX_KEYED_TEMPLATE_CHARS, self._limits.max_chat_template_steps)
+        self._renderer = ChatTemplateRenderer(_MAX_KEYED_TEMPLATE_CHARS, self._limits.max_chat_template_steps,
+                                              self._limits.max_chat_template_render_seconds)
 
     def key(self, route: str, body: bytes) -> PrefixKey | None:
         """The key of a POST to `route` with `body`, or None where there is none to compute."""
@@ -119,6 +127,8 @@ class PrefixKeyer:
                 return self._completion_key(json.loads(body))
             if route == CHAT_ROUTE:
                 return self._chat_key(json.loads(body))
+            if route == EMBEDDINGS_ROUTE:
+                return self._embedding_key(json.loads(body))
         except Exception as exc:  # noqa: BLE001 - the replica answers a bad body; the router only routes it
             logger.debug("No prefix key for a %s request: %r", route, exc)
         return None
@@ -135,6 +145,15 @@ class PrefixKeyer:
         else:
             return None
         return self._key(token_ids, body.get("cache_salt"), body.get("model"))
+
+    def _embedding_key(self, body: dict[str, Any]) -> PrefixKey | None:
+        """An embedding request's input is a prompt with no template, prefilled as a
+        completion's is: keyed as one, by its first input. Not with truncate_prompt_tokens,
+        which keeps the input's last tokens: its leading blocks are never prefilled."""
+        if body.get("truncate_prompt_tokens") is not None:
+            return None
+        return self._completion_key({"prompt": body["input"], "model": body.get("model"),
+                                     "add_special_tokens": body.get("add_special_tokens", True)})
 
     def _chat_key(self, body: dict[str, Any]) -> PrefixKey | None:
         from raylm.deploy.protocol import ChatCompletionToolsParam, ChatMessage

@@ -26,8 +26,9 @@ Serve counts them):
   then the least loaded (`load_imbalance`);
 - with no match worth the name, the least loaded; among equals, the one the router has
   sent the fewest blocks (so new prefixes spread): `no_match`;
-- a request without a key (not a completion, or no tokenizer): the less loaded of two
-  replicas drawn at random, as Serve's power-of-two-choices router: `no_key`.
+- a request without a key (not a completion, chat or embeddings request, or no
+  tokenizer): the less loaded of two replicas drawn at random, as Serve's
+  power-of-two-choices router: `no_key`.
 A replica at its `max_ongoing_requests` refuses the request and Serve tries the next in
 the router's ranking (`replica_full`). Each routed request's decision is counted on the
 ingress's /metrics (deploy/router_metrics.py) and logged at debug level on the "ray.serve"

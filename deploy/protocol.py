@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
@@ -220,7 +220,7 @@ class _SamplingFields(StructuredOutputFields):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -310,7 +310,8 @@ _VLLM_SAMPLING_DEFAULTS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p
 
 # ------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # JSON integers only: lax parsing reads `true` as token id 1 and "5" as 5.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -587,7 +588,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
@@ -600,13 +601,16 @@ class EmbeddingRequest(OpenAIRequest):
     add_special_tokens, normalize)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    # JSON integers and booleans only where they are meant: lax parsing would read `true` as
+    # token id 1 or truncate_prompt_tokens 1 (PoolingParams refuses a bool, but never saw
+    # one), "5" as 5, and "yes" as normalize true.
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
-    normalize: bool | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    add_special_tokens: StrictBool = True
+    normalize: StrictBool | None = None
 
     @model_validator(mode="after")
     def _check_embedding(self) -> "EmbeddingRequest":

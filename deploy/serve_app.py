@@ -187,9 +187,10 @@ def ingress_options(deployment: DeploymentArgs, shutdown_timeout: float) -> dict
 def keyer_arguments(engine_args: EngineArgs, server_args: ServerArgs, deployment: DeploymentArgs
                     ) -> dict[str, Any] | None:
     """What the ingress builds its prefix keyer from, or None when nothing is keyed (Serve's
-    default router, prefix caching off, or a single replica: nothing to choose)."""
-    if (deployment.request_router != PREFIX_AWARE_ROUTER or not engine_args.enable_prefix_caching
-            or deployment.most_replicas < 2):
+    default router, prefix caching off, as a MEAN or CLS pooling engine has it, or a single
+    replica: nothing to choose)."""
+    if (deployment.request_router != PREFIX_AWARE_ROUTER or deployment.most_replicas < 2
+            or not engine_args.caches_prefixes()):
         return None
     return dict(tokenizer=None if engine_args.skip_tokenizer_init else engine_args.tokenizer or engine_args.model,
                 trust_remote_code=engine_args.trust_remote_code, revision=engine_args.revision,

@@ -41,6 +41,10 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
 # memory (max_cpu_loras, least recently used dropped). vLLM bounds none of it; this leaves
 # room for the hundreds of adapters multi-tenant servers run.
 DEFAULT_MAX_SERVED_LORAS = 1024
+# Request chat templates that may wait for one of the 2 processes that render them
+# (deploy/chat_template_sandbox.py: DEFAULT_MAX_PROCESSES x QUEUED_RENDERS_PER_PROCESS, not
+# imported here, since it would bring Jinja into the command line's start).
+DEFAULT_MAX_QUEUED_CHAT_TEMPLATE_RENDERS = 8
 # The environment variable holding the API key, so that it need not be on the command
 # line (where `ps` shows it): vLLM reads VLLM_API_KEY.
 API_KEY_ENV = envs.API_KEY_VARIABLE
@@ -120,6 +124,11 @@ class ServerArgs(SettingsMixin):
         "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs); "
         "it renders in a process of its own, within --max-chat-template-render-seconds and "
         "--max-chat-template-steps (docs/serving.md, Chat templates)."))
+    max_queued_chat_template_renders: int = field(default=DEFAULT_MAX_QUEUED_CHAT_TEMPLATE_RENDERS, metadata=setting(
+        "Request chat templates (--trust-request-chat-template) that may wait for one of the 2 processes that "
+        "render them; one more is answered 429 with Retry-After at once. The time a template waits counts against "
+        "its --max-chat-template-render-seconds; one whose time runs out before a process is free is answered 429 "
+        "too."))
     enable_auto_tool_choice: bool = field(default=False, metadata=setting(
         "Serve tool_choice 'auto' (the default when a chat request gives tools): the model decides whether to "
         "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))
@@ -160,7 +169,7 @@ class ServerArgs(SettingsMixin):
     lora: LoRAServerSettings = field(default_factory=LoRAServerSettings, metadata=nested())
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent_requests", "max_request_body_bytes"):
+        for name in ("max_concurrent_requests", "max_request_body_bytes", "max_queued_chat_template_renders"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -14,14 +14,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateRenderer, ChatTemplateUnavailableError
-from raylm.deploy.chat_template_sandbox import ChatTemplateSandbox
+from raylm.deploy.chat_template import (ChatTemplateBusyError, ChatTemplateError, ChatTemplateRenderer,
+                                       ChatTemplateUnavailableError)
+from raylm.deploy.chat_template_sandbox import DEFAULT_MAX_QUEUED, ChatTemplateSandbox
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
                                    ChatResponseMessage, CompletionTokensDetails, DeltaMessage, UsageInfo, random_id)
 from raylm.deploy.reasoning_parsers import ReasoningParser, ReasoningSplit
+from raylm.deploy.response_budget import RETRY_AFTER_S
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error,
                                          token_id_placeholder)
 from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, parse_reply, resolve_tool_mode, \
@@ -48,18 +50,21 @@ def load_chat_template(template: str | None) -> str | None:
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, chat_template: str | None = None, trust_request_chat_template: bool = False,
                  tool_config: ToolCallConfig | None = None, reasoning_parser: ReasoningParser | None = None,
+                 max_queued_chat_template_renders: int = DEFAULT_MAX_QUEUED,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_config = tool_config or ToolCallConfig()
         self.reasoning_parser = reasoning_parser
-        # Every template renders within the prompt's character limit and the step limit; a
-        # request's own template, in addition, in a process of its own (deploy/chat_template_sandbox.py).
+        # Every template renders within the prompt's character limit, the step limit and the
+        # time limit; a request's own template, in addition, in a process of its own
+        # (deploy/chat_template_sandbox.py), killed past the time limit.
         max_chars = self.limits.prompt_chars(self.max_model_len)
-        self.renderer = ChatTemplateRenderer(max_chars, self.limits.max_chat_template_steps)
-        self.sandbox = ChatTemplateSandbox(max_chars, self.limits.max_chat_template_steps,
-                                           self.limits.max_chat_template_render_seconds) \
+        render_seconds = self.limits.max_chat_template_render_seconds
+        self.renderer = ChatTemplateRenderer(max_chars, self.limits.max_chat_template_steps, render_seconds)
+        self.sandbox = ChatTemplateSandbox(max_chars, self.limits.max_chat_template_steps, render_seconds,
+                                           max_queued=max_queued_chat_template_renders) \
             if trust_request_chat_template else None
 
     def close(self) -> None:
@@ -93,6 +98,11 @@ class OpenAIServingChat(OpenAIServing):
         except ChatTemplateUnavailableError as exc:
             raise OpenAIError(f"Request chat templates cannot be rendered now: {exc}",
                               HTTPStatus.SERVICE_UNAVAILABLE) from None
+        except ChatTemplateBusyError as exc:
+            # 429 with Retry-After, as the server's other overload bounds answer: OpenAI's
+            # clients retry it after the time it names, and unlike a 5xx its body keeps the reason.
+            raise OpenAIError(f"The server is busy: {exc}. Retry later.", HTTPStatus.TOO_MANY_REQUESTS,
+                              param="chat_template", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ChatTemplateError as exc:
             raise OpenAIError(f"The request's chat_template failed on these messages: {exc}",
                               param="chat_template") from None
@@ -191,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = self.chat_logprobs(token_ids, (completion.logprobs or [])[hidden:], request.top_logprobs,
                                               as_ids)
-            split = self._split(completion.text, in_reasoning)
+            split = self._split(completion.text, in_reasoning, completion.token_ids)
             message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
             if split.reasoning is not None and request.include_reasoning:
                 message.reasoning = split.reasoning
@@ -213,11 +223,11 @@ class OpenAIServingChat(OpenAIServing):
                            request.chat_template_kwargs, tools)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")
 
-    def _split(self, text: str, in_reasoning: bool) -> ReasoningSplit:
+    def _split(self, text: str, in_reasoning: bool, token_ids: list[int]) -> ReasoningSplit:
         """A reply's reasoning and content (all content without a reasoning parser)."""
         if self.reasoning_parser is None:
             return ReasoningSplit(None, text)
-        return self.reasoning_parser.split(text, in_reasoning)
+        return self.reasoning_parser.split(text, in_reasoning, token_ids)
 
     def _hidden_tokens(self, request: ChatCompletionRequest, token_ids: list[int], in_reasoning: bool) -> int:
         """How many of a reply's first tokens are left out of its logprobs and token_ids: its
@@ -316,7 +326,8 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = completion.finish_reason
                     text, reasoning = completion.text, None
                     if reasoning_streamers is not None:
-                        reasoning, text = reasoning_streamers[completion.index].feed(text, completion.finished())
+                        reasoning, text = reasoning_streamers[completion.index].feed(text, completion.finished(),
+                                                                                     completion.token_ids)
                         reasoning = (reasoning or None) if request.include_reasoning else None
                     token_ids, entries = list(completion.token_ids), completion.logprobs or []
                     if token_filters is not None:

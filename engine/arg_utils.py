@@ -15,14 +15,15 @@ from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, setting
-from raylm.engine.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig,
-                                 ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
-                                 default_max_num_batched_tokens, derive_max_model_len, load_hf_config, resolve_dtype,
-                                 visible_gpu)
+from raylm.engine.config import (LOAD_FORMATS, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
+                                 LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                                 check_load_format, default_max_num_batched_tokens, derive_max_model_len,
+                                 load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.pipeline import check_pipeline_parallel
+from raylm.models.registry import default_runner_type
 from raylm.models.sliding_window import kv_cache_sliding_window
 
 _GiB = 1024**3
@@ -42,6 +43,12 @@ class EngineArgs(SettingsMixin):
                                                   f"*.safetensors, tokenizer files), or {DEMO_MODEL_NAME!r}; "
                                                   f"default: raylm's bundled demo model, {DEMO_MODEL_NAME!r}."))
     tokenizer: str | None = field(default=None, metadata=_help("Tokenizer folder; defaults to the model folder."))
+    load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS, **_help(
+        "How the weights are read (vLLM's flag): 'auto' and 'safetensors' read the model folder's *.safetensors "
+        "files; 'dummy' reads none and gives every weight a random value, uniform in [-0.001, 0.001] (vLLM's range "
+        "and seed, 1234, per parameter: the same every run, and each tensor-parallel rank draws its own shard so), "
+        "to measure speed without the weights; config.json and the tokenizer are still read from the folder. "
+        "Its outputs are meaningless. vLLM's other formats (pt, gguf, ...) are not read.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "
@@ -169,15 +176,19 @@ class EngineArgs(SettingsMixin):
     runner: str = field(default="auto", metadata=_help(
         "vLLM's model runner: 'generate' samples tokens (LLM.generate, the completions and chat routes); "
         "'pooling' turns each prompt into one vector (LLM.embed, /v1/embeddings) from the final norm's hidden "
-        "states, pooled as pooler_config says; 'auto' is 'generate' (every architecture raylm loads is a "
-        "causal LM)."))
+        "states, pooled as pooler_config says; 'auto' picks as vLLM does: 'pooling' for a model folder with "
+        "sentence-transformers pooling files (modules.json listing a Pooling module) or a config.json whose "
+        "architectures name a bare decoder (LlamaModel, MistralModel, Qwen2Model, Qwen3Model, ...: an embedding "
+        "checkpoint without an LM head), 'generate' otherwise."))
     task: str | None = field(default=None, metadata=_help(
         "vLLM's older spelling of runner: 'embed' (or 'embedding') is runner 'pooling', 'generate' is runner "
         "'generate'."))
     pooler_config: dict[str, Any] | None = field(default=None, metadata=_help(
         "runner 'pooling': how hidden states become the embedding, as vLLM's PoolerConfig (a JSON object on the "
         "command line): {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}; "
-        "default LAST, normalized (what decoder embedding models such as Qwen3-Embedding and e5-mistral use). "
+        "default LAST, normalized (what decoder embedding models such as Qwen3-Embedding and e5-mistral use), "
+        "or what the model folder's sentence-transformers files say (1_Pooling/config.json's pooling_mode_*, "
+        "normalized where modules.json lists a Normalize module); the keys given here override those. "
         "MEAN and CLS need the whole prompt in one step, so they turn chunked prefill and prefix caching off."))
 
     @classmethod
@@ -202,6 +213,7 @@ class EngineArgs(SettingsMixin):
         self.model = resolve_model_path(self.model)
         device_config = DeviceConfig.detect(self.device)
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
+        runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
         max_model_len = derive_max_model_len(hf_config, self.max_model_len)
         model_config = ModelConfig(
             model=self.model,
@@ -218,14 +230,13 @@ class EngineArgs(SettingsMixin):
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
-            runner_type=self._runner_type(),
+            runner_type=runner_type,
+            pooler_config=pooler_config,
+            load_format=check_load_format(self.load_format),
         )
         enable_chunked_prefill, enable_prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
         if model_config.is_pooling:
-            model_config.pooler_config = PoolerConfig.from_value(self.pooler_config)
             enable_chunked_prefill, enable_prefix_caching = self._pooling_scheduling(model_config.pooler_config)
-        elif self.pooler_config is not None:
-            raise ValueError("pooler_config applies to runner='pooling' only; this engine runs runner='generate'.")
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -260,6 +271,8 @@ class EngineArgs(SettingsMixin):
         max_num_batched_tokens = self.max_num_batched_tokens or default_max_num_batched_tokens(
             device_config.device, usage_context, enable_chunked_prefill, max_model_len,
             visible_gpu() if device_config.device == "cuda" else None)
+        if model_config.is_pooling:
+            _check_whole_prompt_budget(model_config.pooler_config, max_num_batched_tokens, max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -284,17 +297,53 @@ class EngineArgs(SettingsMixin):
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             speculative_config, lora_config)
 
-    def _runner_type(self) -> str:
-        """runner, or the older task, resolved to 'generate' or 'pooling'."""
+    def caches_prefixes(self) -> bool:
+        """Whether the engine these arguments build caches prefixes, known without building
+        it (a pooling engine's MEAN or CLS pooling turns caching off): what the Serve app's
+        router asks before keying requests. Reads the model folder's config files."""
+        if not self.enable_prefix_caching:
+            return False
+        model = resolve_model_path(self.model)
+        hf_config = load_hf_config(model, self.trust_remote_code, self.revision)
+        _, pooler_config = self._runner_and_pooler_config(hf_config, model)
+        return pooler_config is None or pooler_config.supports_chunked_prefill
+
+    def _runner_and_pooler_config(self, hf_config: Any, model: str | None = None) -> tuple[str, PoolerConfig | None]:
+        """The runner type and, for 'pooling', its PoolerConfig: pooler_config over the
+        model folder's sentence-transformers pooling files (vLLM's order)."""
+        pooling_files = sentence_transformers_pooling(model or self.model)
+        runner_type = self._runner_type(getattr(hf_config, "architectures", None), pooling_files is not None)
+        if runner_type != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies to runner='pooling' only; this engine runs "
+                                 "runner='generate'.")
+            return runner_type, None
+        defaults, source = pooling_files or (None, None)
+        return runner_type, PoolerConfig.from_value(self.pooler_config, defaults, source)
+
+    def _runner_type(self, architectures: list[str] | None, has_pooling_files: bool) -> str:
+        """runner, or the older task, resolved to 'generate' or 'pooling'; 'auto' as vLLM
+        resolves it (sentence-transformers pooling files, then the architecture's name)."""
+        requested = self._requested_runner()
+        model_default = default_runner_type(architectures)
+        if requested == "auto":
+            return "pooling" if has_pooling_files else model_default
+        if requested == "generate" and model_default == "pooling":
+            raise ValueError(f"config.json architectures {architectures!r} name a decoder without an LM head (an "
+                             f"embedding checkpoint), which cannot generate: run it with runner='pooling' (or "
+                             f"'auto').")
+        return requested
+
+    def _requested_runner(self) -> str:
+        """'auto', 'generate' or 'pooling', from runner or the older task."""
         if self.runner not in _RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(_RUNNERS)}, got {self.runner!r}.")
-        runner = "generate" if self.runner == "auto" else self.runner
         if self.task is None or self.task == "auto":
-            return runner
+            return self.runner
         if self.task not in _TASK_RUNNERS:
             raise ValueError(f"task must be one of {', '.join(_TASK_RUNNERS)} (vLLM's older spelling of runner), got "
                              f"{self.task!r}.")
-        if self.runner != "auto" and _TASK_RUNNERS[self.task] != runner:
+        if self.runner != "auto" and _TASK_RUNNERS[self.task] != self.runner:
             raise ValueError(f"task {self.task!r} and runner {self.runner!r} disagree: give runner alone.")
         return _TASK_RUNNERS[self.task]
 
@@ -312,6 +361,19 @@ class EngineArgs(SettingsMixin):
 
 _RUNNERS = ("auto", "generate", "pooling")
 _TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def _check_whole_prompt_budget(pooler_config: PoolerConfig, max_num_batched_tokens: int, max_model_len: int) -> None:
+    """MEAN and CLS pooling prefill each prompt in one step (chunking is off for them, so the
+    scheduler's own advice, to turn chunked prefill on, does not apply): the step's budget
+    must hold the longest prompt."""
+    if pooler_config.supports_chunked_prefill or max_num_batched_tokens >= max_model_len:
+        return
+    raise ValueError(f"pooler_config pooling_type {pooler_config.pooling_type} pools every token of a prompt, so each "
+                     f"prompt is prefilled in one step (chunked prefill is off for it), but max_num_batched_tokens "
+                     f"({max_num_batched_tokens}) is smaller than max_model_len ({max_model_len}): raise "
+                     f"max_num_batched_tokens to at least {max_model_len}, lower max_model_len, or use pooling_type "
+                     f"LAST, which prefills prompts in chunks.")
 
 
 def _check_pooling_features(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None,
@@ -364,7 +426,7 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
                                max_model_len=derive_max_model_len(hf_config, None), hf_config=hf_config,
                                seed=model_config.seed, trust_remote_code=model_config.trust_remote_code,
                                skip_tokenizer_init=True, attention_backend=model_config.attention_backend,
-                               generation_config="vllm")
+                               generation_config="vllm", load_format=model_config.load_format)
     if draft_config.max_model_len < model_config.max_model_len:
         raise ValueError(f"speculative_config model {config.model!r} handles {draft_config.max_model_len} tokens of "
                          f"context, fewer than max_model_len ({model_config.max_model_len}): lower max_model_len "

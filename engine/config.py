@@ -23,6 +23,28 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 
+# vLLM's load_format values raylm reads: "auto" and "safetensors" read the model folder's
+# *.safetensors files (raylm reads no other checkpoint format), "dummy" reads none of them
+# and gives every weight random values (models/weight_utils.initialize_dummy_weights), to
+# benchmark a model's shape without its weights; config.json and the tokenizer are still
+# read from the folder.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's other values, named in the error that refuses them.
+_VLLM_ONLY_LOAD_FORMATS = ("pt", "npcache", "tensorizer", "sharded_state", "gguf", "bitsandbytes", "mistral",
+                           "runai_streamer", "runai_streamer_sharded", "fastsafetensors")
+
+
+def check_load_format(load_format: str) -> str:
+    """`load_format`, if raylm reads it; else a ValueError naming the choices."""
+    if load_format in LOAD_FORMATS:
+        return load_format
+    choices = ", ".join(repr(choice) for choice in LOAD_FORMATS)
+    if load_format in _VLLM_ONLY_LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is one of vLLM's that raylm does not read; raylm reads "
+                         f"safetensors checkpoints only. load_format must be one of {choices}.")
+    raise ValueError(f"load_format must be one of {choices}; got {load_format!r}.")
+
+
 # Config keys that bound the context length, in the order transformers models use them.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
@@ -103,10 +125,14 @@ class PoolerConfig:
         return self.pooling_type == "LAST"
 
     @classmethod
-    def from_value(cls, value: "PoolerConfig | dict | str | None") -> "PoolerConfig":
-        """From a PoolerConfig, a dict or a JSON object string (the flag); None: defaults."""
-        if value is None or isinstance(value, cls):
-            return value or cls()
+    def from_value(cls, value: "PoolerConfig | dict | str | None", defaults: dict[str, Any] | None = None,
+                   defaults_source: str | None = None) -> "PoolerConfig":
+        """From a PoolerConfig, a dict or a JSON object string (the flag); None: defaults.
+        `defaults` (the model folder's sentence-transformers pooling, read from
+        `defaults_source`) fill the keys a dict or string leaves out, as vLLM fills the
+        unset fields of its PoolerConfig; a PoolerConfig is taken whole."""
+        if isinstance(value, cls):
+            return value
         if isinstance(value, str):
             import json
 
@@ -114,13 +140,64 @@ class PoolerConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"pooler_config must be a JSON object, got {value!r}: {error}.") from None
+        value = {} if value is None else value
         if not isinstance(value, dict):
             raise ValueError(f"pooler_config must be a dict (a JSON object), got {type(value).__name__}.")
         known = {"pooling_type", "normalize"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"pooler_config: unknown key(s) {unknown}; known: {sorted(known)}.")
-        return cls(**value)
+        merged = {**(defaults or {}), **value}
+        try:
+            return cls(**merged)
+        except ValueError as error:
+            if defaults_source is None or "pooling_type" in value or "pooling_type" not in merged:
+                raise
+            raise ValueError(f"{error} The pooling type comes from {defaults_source}; give pooler_config's "
+                             f"pooling_type to pool otherwise.") from None
+
+
+# sentence-transformers' Pooling modes that are vLLM's pooling types (the others, max,
+# weighted mean and mean / sqrt(length), are not pooled by raylm).
+_SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                                "pooling_mode_cls_token": "CLS"}
+_ST_POOLING_MODULE = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
+
+
+def sentence_transformers_pooling(model: str) -> tuple[dict[str, Any], str] | None:
+    """The pooler defaults a sentence-transformers model folder sets (vLLM's
+    get_pooling_config), and the file they come from; None where the folder has no
+    `modules.json` or it lists no Pooling module. `pooling_type` is the Pooling module's
+    config's one `pooling_mode_*` that is true (absent where none is; where several are,
+    or one raylm does not pool, their names, which PoolerConfig refuses); `normalize` is
+    whether a Normalize module follows."""
+    import json
+
+    modules_path = Path(model) / "modules.json"
+    if not modules_path.is_file():
+        return None
+    try:
+        modules = json.loads(modules_path.read_text())
+        types = [module["type"] for module in modules]
+        pooling = next((module for module in modules if module["type"] == _ST_POOLING_MODULE), None)
+    except (json.JSONDecodeError, TypeError, KeyError) as error:
+        raise ValueError(f"{modules_path} is not a sentence-transformers module list (a JSON list of objects with "
+                         f"a 'type' and a 'path'): {error!r}.") from None
+    if pooling is None:
+        return None
+    pooling_path = Path(model) / pooling.get("path", "") / "config.json"
+    try:
+        pooling_config = json.loads(pooling_path.read_text()) if pooling_path.is_file() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{pooling_path} is not JSON: {error}.") from None
+    defaults: dict[str, Any] = {"normalize": _ST_NORMALIZE_MODULE in types}
+    modes = [key for key, value in pooling_config.items() if key.startswith("pooling_mode_") and value is True]
+    if len(modes) == 1 and modes[0] in _SENTENCE_TRANSFORMERS_MODES:
+        defaults["pooling_type"] = _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+    elif modes:
+        defaults["pooling_type"] = " + ".join(modes)
+    return defaults, str(pooling_path)
 
 
 @dataclass
@@ -148,6 +225,9 @@ class ModelConfig:
     # prompt (embeddings), under `pooler_config`.
     runner_type: str = "generate"
     pooler_config: PoolerConfig | None = None
+    # One of LOAD_FORMATS (vLLM keeps it in its LoadConfig; here the loader reads it with
+    # the rest of the model's settings, and a draft model gets the target's).
+    load_format: str = "auto"
 
     @property
     def is_pooling(self) -> bool:

@@ -42,9 +42,13 @@ class LLM:
             requests of max_model_len tokens can fill), `enable_lora=False` (serve LoRA
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
-            max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`),
-            `pooler_config=None` (runner "pooling": {"pooling_type": "LAST" | "MEAN" | "CLS",
-            "normalize": True}). An unknown argument is a TypeError naming it.
+            max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`; "auto" pools
+            bare-decoder checkpoints such as `MistralModel` and folders with
+            sentence-transformers pooling files), `pooler_config=None` (runner "pooling":
+            {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": True}, or what the
+            folder's sentence-transformers files say), `load_format="auto"` ("dummy": random
+            weights, no checkpoint read, to measure speed). An unknown argument is a TypeError
+            naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
     application configured logging first (see `raylm.engine.logger`).

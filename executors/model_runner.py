@@ -203,21 +203,26 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         with set_forward_context(None):
             hidden = self.model(input_ids, positions, *self._stage_inputs(num_tokens))
-        num_rows = min(num_tokens, self.scheduler_config.max_num_seqs)
         if self.is_last_stage:
-            self.model.compute_logits(hidden[:num_rows])
-            # A step scoring prompt logprobs holds one chunk of rows' logits and their
-            # log-softmax instead (executors/prompt_logprobs.py), at the most alternatives.
-            chunk = min(num_tokens, self.prompt_logprobs_chunk_rows)
-            max_k = self.model_config.max_logprobs
-            max_k = self.model_config.vocab_size if max_k < 0 else min(max_k, self.model_config.vocab_size)
-            prompt_logprobs.compute_prompt_logprobs(self.model.compute_logits, hidden[:chunk], [0] * chunk,
-                                                    [max_k] * chunk, chunk)
+            self._profile_outputs(hidden, num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden, input_ids, positions
         torch.cuda.empty_cache()
         return peak
+
+    def _profile_outputs(self, hidden: torch.Tensor, num_tokens: int) -> None:
+        """What the last stage computes from a full step's hidden states at its peak: the
+        logits of a full batch, and a chunk of prompt rows' logprobs."""
+        num_rows = min(num_tokens, self.scheduler_config.max_num_seqs)
+        self.model.compute_logits(hidden[:num_rows])
+        # A step scoring prompt logprobs holds one chunk of rows' logits and their
+        # log-softmax instead (executors/prompt_logprobs.py), at the most alternatives.
+        chunk = min(num_tokens, self.prompt_logprobs_chunk_rows)
+        max_k = self.model_config.max_logprobs
+        max_k = self.model_config.vocab_size if max_k < 0 else min(max_k, self.model_config.vocab_size)
+        prompt_logprobs.compute_prompt_logprobs(self.model.compute_logits, hidden[:chunk], [0] * chunk,
+                                                [max_k] * chunk, chunk)
 
     def _fillable_blocks(self) -> int:
         """What max_num_seqs requests of max_model_len tokens can fill, plus a tenth for the

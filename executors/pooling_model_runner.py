@@ -5,7 +5,8 @@ states of the rows each request pools (`models/pooler.py`): with LAST pooling th
 prompt row, in the chunk that reaches it (earlier chunks only write their KV); with MEAN
 or CLS, whose engines run whole prompts in one step, every row or the first. Rank 0
 returns each finished prompt's pooled vector, float32 on the CPU; nothing is sampled and
-nothing is kept per request between steps. Under tensor parallelism the final norm's
+nothing is kept per request between steps. The model is the causal LM without its LM head
+(models/adapters.py), so no logits are computed, not even when profiling. Under tensor parallelism the final norm's
 output is whole on every rank (the last row-parallel layer all-reduces), so rank 0 pools
 alone.
 """
@@ -28,6 +29,10 @@ class PoolingModelRunner(ModelRunner):
     def load_model(self) -> None:
         super().load_model()
         self.penalty_state = None  # nothing is sampled
+
+    def _profile_outputs(self, hidden: torch.Tensor, num_tokens: int) -> None:
+        """Nothing past the final norm: the pooling model has no LM head (pooling a few
+        rows costs next to nothing)."""
 
     @torch.inference_mode()
     def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None,

@@ -225,6 +225,13 @@ class Worker:
         model = self.model_runner.model
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
+    def parameter_stats(self) -> dict[str, tuple[tuple[int, ...], float, float, float]]:
+        """Per parameter of this rank's model (its shard): shape, sum, min and max, in
+        float64 (what a load check compares; a NaN or inf shows in all three)."""
+        model = self.model_runner.model
+        return {name: (tuple(p.shape), *(float(v) for v in (p.double().sum(), p.min(), p.max())))
+                for name, p in model.named_parameters() if p.numel()}
+
     def shutdown(self) -> None:
         """Frees the model, its KV cache and CUDA graphs and leaves the tensor-parallel
         group; the worker cannot run steps afterwards."""

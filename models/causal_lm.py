@@ -21,6 +21,10 @@ class CausalLM(nn.Module):
 
     # Checkpoint names fused into one parameter: (our name, checkpoint name, shard id).
     stacked_params_mapping: list[tuple[str, str, Any]] = []
+    # The attribute (and checkpoint name prefix) of the decoder under the LM head, as
+    # transformers' PreTrainedModel.base_model_prefix: a bare `*Model` checkpoint saves
+    # the decoder's tensors without it.
+    base_model_prefix = "model"
     lm_head: nn.Module
     logits_processor: LogitsProcessor
     tie_word_embeddings: bool

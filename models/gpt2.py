@@ -120,6 +120,8 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(CausalLM):
+    base_model_prefix = "transformer"
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config

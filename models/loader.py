@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from raylm.models.registry import resolve_model_class
-from raylm.models.weight_utils import safetensors_weights_iterator
+from raylm.models.weight_utils import initialize_dummy_weights, safetensors_weights_iterator
 from raylm.kernels import cpu_gemm
 
 
@@ -26,15 +26,25 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def get_model(model_config, device: torch.device | str) -> nn.Module:
     """The model named by model_config.hf_config.architectures, with parameters in
     model_config.dtype on `device` (this rank's shards under tensor parallel), loaded from
-    the safetensors files in model_config.model, in eval mode."""
+    the safetensors files in model_config.model (load_format "dummy": random values, no
+    file read), in eval mode; for runner "pooling" without its LM head (models/adapters.py)."""
     hf_config = model_config.hf_config
-    model_class = resolve_model_class(getattr(hf_config, "architectures", None))
+    model_class = resolve_model_class(getattr(hf_config, "architectures", None), model_config.runner_type)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(hf_config)
-    loaded = model.load_weights(safetensors_weights_iterator(model_config.model))
-    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
-    if missing:
-        raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model)
+        for module in model.modules():
+            # Layers that check their checkpoint was complete (the fused experts) take the
+            # random values as loaded.
+            mark = getattr(module, "mark_all_weights_loaded", None)
+            if mark is not None:
+                mark()
+    else:
+        loaded = model.load_weights(safetensors_weights_iterator(model_config.model))
+        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
     # A decode step reads every weight once: where they are more than the last-level cache
     # holds, each kernel runs with its weight cold, and the CPU GEMM's probes time it so.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

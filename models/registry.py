@@ -1,9 +1,19 @@
-"""Maps Hugging Face `architectures` names to raylm model classes."""
+"""Maps Hugging Face `architectures` names to raylm model classes, and says which runner
+an architecture runs by default (vLLM's `--runner auto`).
+
+Every registered class is a causal LM. An architecture not registered is read by its
+suffix, as vLLM reads it (Transformers' auto classes): `*ForCausalLM` and the like
+generate, a bare `*Model` (`LlamaModel`, `MistralModel`, `Qwen2Model`, ...: a decoder saved
+without its LM head, what embedding checkpoints such as e5-mistral-7b-instruct are) pools.
+Such a name runs the registered causal LM of the same family (`LlamaModel` ->
+`LlamaForCausalLM`), adapted for pooling (models/adapters.py).
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
+from raylm.models.adapters import as_embedding_model
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -26,6 +36,55 @@ _MODELS: dict[str, type[nn.Module]] = {
 }
 
 
+# vLLM's defaults by an architecture's suffix, the first that matches winning: (suffix,
+# runner, convert). raylm pools by "embed" only; classification and reward heads are named
+# so that their `*Model` suffixes are not read as bare decoders.
+_SUFFIX_DEFAULTS: tuple[tuple[str, str, str], ...] = (
+    ("ForCausalLM", "generate", "none"),
+    ("ForConditionalGeneration", "generate", "none"),
+    ("ChatModel", "generate", "none"),
+    ("LMHeadModel", "generate", "none"),
+    ("ForTextEncoding", "pooling", "embed"),
+    ("EmbeddingModel", "pooling", "embed"),
+    ("ForSequenceClassification", "pooling", "classify"),
+    ("ForTokenClassification", "pooling", "classify"),
+    ("ClassificationModel", "pooling", "classify"),
+    ("ForRewardModeling", "pooling", "reward"),
+    ("RewardModel", "pooling", "reward"),
+    ("Model", "pooling", "embed"),
+)
+
+
+def _suffix_defaults(architecture: str) -> tuple[str, str, str] | None:
+    return next((entry for entry in _SUFFIX_DEFAULTS if architecture.endswith(entry[0])), None)
+
+
+def _registered_name(architecture: str) -> str | None:
+    """The registered architecture `architecture` runs as: itself, or for an embedding
+    suffix the generating architecture of the same family (vLLM's `_normalize_arch`)."""
+    if architecture in _MODELS:
+        return architecture
+    defaults = _suffix_defaults(architecture)
+    if defaults is None or defaults[2] != "embed":
+        return None
+    stem = architecture.removesuffix(defaults[0])
+    return next((stem + suffix for suffix, runner, _ in _SUFFIX_DEFAULTS
+                 if runner == "generate" and stem + suffix in _MODELS), None)
+
+
+def default_runner_type(architectures: list[str] | None) -> str:
+    """The runner `runner="auto"` picks (vLLM's rule): "generate" for a registered
+    architecture (all are causal LMs), else what the first name's suffix says, else
+    "generate"."""
+    for architecture in architectures or []:
+        if architecture in _MODELS:
+            return "generate"
+        defaults = _suffix_defaults(architecture)
+        if defaults is not None:
+            return defaults[1]
+    return "generate"
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
@@ -35,10 +94,15 @@ def pipeline_parallel_architectures() -> list[str]:
     return sorted(name for name, cls in _MODELS.items() if getattr(cls, "supports_pipeline_parallel", False))
 
 
-def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
-    """The class of the first supported name in config.json's `architectures`."""
+def resolve_model_class(architectures: list[str] | None, runner_type: str = "generate") -> type[nn.Module]:
+    """The class of the first supported name in config.json's `architectures`: a registered
+    causal LM, or the one a bare `*Model` name belongs to; for runner_type "pooling" that
+    class adapted to pool (no LM head; `*Model` checkpoints load)."""
     for arch in architectures or []:
-        if arch in _MODELS:
-            return _MODELS[arch]
+        name = _registered_name(arch)
+        if name is not None:
+            model_class = _MODELS[name]
+            return as_embedding_model(model_class) if runner_type == "pooling" else model_class
     raise ValueError(f"config.json architectures {architectures!r} name no supported model; raylm supports "
-                     f"{', '.join(supported_architectures())}.")
+                     f"{', '.join(supported_architectures())}, and their bare decoders (LlamaModel, "
+                     f"Qwen2Model, ...) as embedding models.")

@@ -28,6 +28,32 @@ def safetensors_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, C
                 yield name, CheckpointSlice(source, tuple(source.get_shape()))
 
 
+# vLLM's dummy weights: uniform in [low, high), which keeps activations finite through any
+# number of layers, each parameter drawn from a generator seeded alike (so a weight's values
+# depend only on its size and dtype, the same every run and on every rank).
+DUMMY_WEIGHT_LOW = -1e-3
+DUMMY_WEIGHT_HIGH = 1e-3
+DUMMY_WEIGHT_SEED = 1234
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: torch.nn.Module, low: float = DUMMY_WEIGHT_LOW, high: float = DUMMY_WEIGHT_HIGH,
+                             seed: int = DUMMY_WEIGHT_SEED) -> None:
+    """Gives every floating-point parameter of `model` (this rank's shards) random values
+    uniform in [low, high), what load_format="dummy" loads instead of a checkpoint.
+    Buffers (rotary tables, scales computed from the config) keep their values: they come
+    from the config, not the checkpoint."""
+    for param in model.parameters():
+        if not param.is_floating_point():
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(seed)
+        if param.element_size() < 2:  # 8-bit floats have no uniform_: drawn in fp16
+            param.copy_(torch.empty(param.shape, dtype=torch.float16, device=param.device)
+                        .uniform_(low, high, generator=generator))
+        else:
+            param.uniform_(low, high, generator=generator)
+
+
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
     """For unsharded parameters (norms): the whole checkpoint tensor, dtype-converted."""
     if param.shape != loaded_weight.shape:

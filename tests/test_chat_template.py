@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from raylm.deploy.chat_template import (ChatTemplateError, ChatTemplateLimitError, ChatTemplateRenderer,
-                                       ChatTemplateUnavailableError)
+from raylm.deploy.chat_template import (ChatTemplateBusyError, ChatTemplateError, ChatTemplateLimitError,
+                                       ChatTemplateRenderer, ChatTemplateTimeoutError, ChatTemplateUnavailableError)
 from raylm.deploy.chat_template_sandbox import ChatTemplateSandbox
 from process_tree import descendants, wait_gone
 from tiny_models import CHAT_TEMPLATE
@@ -154,6 +155,24 @@ def test_the_step_bound_counts_loop_iterations_calls_and_range_items(renderer):
         bounded.render(template.replace("300", "400"), MESSAGES)  # 1,602 steps
 
 
+# Few steps, each much work on request content within the size bounds: every iteration
+# sorts the 100,000 characters of the user's message (some 20-60 ms on a loaded 2-core
+# machine), 4 steps and operations an iteration, so 80 iterations take 2-5 s.
+COSTLY_STEPS = "{% for i in range(80) %}{% set x = messages[0].content|list|sort|join %}{% endfor %}done"
+LONG_CONTENT = [{"role": "user", "content": "ab" * 50_000}]
+
+
+def test_a_render_with_few_costly_steps_stops_at_its_deadline():
+    """The steps and sizes stay far within their bounds; the time limit stops it."""
+    timed = ChatTemplateRenderer(MAX_CHARS, MAX_STEPS, timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateTimeoutError, match="did not render within 0.5 s"):
+        timed.render(COSTLY_STEPS, LONG_CONTENT)
+    # The clock is read every CLOCK_EVERY_OPS operations: an iteration of some 20-150 ms at worst.
+    assert time.monotonic() - started < 0.5 + 0.5
+    assert timed.render("{{ messages[0].content|length }}", LONG_CONTENT) == "100000"  # the next renders
+
+
 def test_invalid_jinja_is_a_template_error_naming_the_line(renderer):
     with pytest.raises(ChatTemplateError, match="not valid Jinja.*line 2"):
         renderer.render("ok\n{% for %}", MESSAGES)
@@ -167,6 +186,9 @@ def test_the_sandbox_is_still_a_sandbox(renderer):
 
 
 # ------------------------------------------------------------------- the sandbox
+# Each iteration sorts 100,000 characters: within every bound, but minutes of work.
+SLOW = "{% set big = 'ab' * 50000 %}{% for i in range(30000) %}{% set x = big|list|sort|join %}{% endfor %}"
+
 @pytest.fixture(scope="module")
 def sandbox():
     sandbox = ChatTemplateSandbox(MAX_CHARS, MAX_STEPS, timeout_s=2.0)
@@ -184,19 +206,73 @@ def test_the_sandbox_renders_as_the_renderer(tokenizer, renderer, sandbox):
                                                                          variables)
 
 
-def test_a_render_past_the_deadline_is_killed_and_the_next_renders(sandbox):
-    # Each iteration sorts 100,000 characters: within every bound, but minutes of work.
-    slow = "{% set big = 'ab' * 50000 %}{% for i in range(30000) %}{% set x = big|list|sort|join %}{% endfor %}"
+def test_a_render_past_the_deadline_is_stopped_there_and_the_next_renders(sandbox):
+    # The worker stops SLOW at the time it was given, and renders the next one.
     render(sandbox, "{{ 1 }}")
-    before = set(sandbox.worker_pids)
+    workers = sandbox.worker_pids
     threads = threading.active_count()
     started = time.monotonic()
-    with pytest.raises(ChatTemplateLimitError, match="did not render within 2 s"):
-        render(sandbox, slow)
-    assert time.monotonic() - started < 4
-    assert before and not before & set(sandbox.worker_pids)  # that process is gone
+    with pytest.raises(ChatTemplateTimeoutError, match="did not render within 2 s"):
+        render(sandbox, SLOW)
+    assert 2 <= time.monotonic() - started < 2.5
+    assert sandbox.worker_pids == workers  # no process killed, none started
     assert render(sandbox, "{{ messages[1].content }}") == MESSAGES[1]["content"]
     assert threading.active_count() <= threads + 1
+
+
+def test_a_worker_that_does_not_answer_by_the_deadline_is_killed(sandbox):
+    """A worker held past the deadline (here stopped by SIGSTOP, as one long C-level call
+    would hold it) is killed then, and the next render starts a fresh one."""
+    render(sandbox, "{{ 1 }}")
+    (pid,) = sandbox.worker_pids
+    stopper = threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP))
+    stopper.start()
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateTimeoutError, match="did not render within 2 s"):
+        render(sandbox, SLOW)
+    assert 2 <= time.monotonic() - started < 3  # killed _KILL_GRACE_S after its deadline
+    stopper.join()
+    assert wait_gone([pid], 2) == [] and pid not in sandbox.worker_pids
+    assert render(sandbox, "{{ 2 }}") == "2"
+
+
+def test_renders_past_the_queue_bound_are_refused_at_once_and_waiting_counts_against_the_deadline():
+    """2 processes, 2 places to wait, 1.5 s each, 7 slow templates at once: 3 are refused at
+    once; 2 render and are stopped at their deadline; the 2 that waited had used their
+    whole time waiting when a process came free, and end then (not 1.5 s after it)."""
+    sandbox = ChatTemplateSandbox(MAX_CHARS, MAX_STEPS, timeout_s=1.5, max_processes=2, max_queued=2)
+    try:
+        # Both processes started first, so that no start counts in the figures below.
+        assert [text for text, _ in asyncio.run(_gather(sandbox, ["{{ 1 }}", "{{ 2 }}"]))] == ["1", "2"]
+
+        outcomes = asyncio.run(_gather(sandbox, [SLOW] * 7))
+        refused = [(outcome, took) for outcome, took in outcomes
+                   if "--max-queued-chat-template-renders" in str(outcome)]
+        assert len(refused) == 3 and all(isinstance(outcome, ChatTemplateBusyError) for outcome, _ in refused)
+        assert max(took for _, took in refused) < 0.3
+        # The 4 admitted: out of time while rendering (a 400) or, the 2 that waited, maybe
+        # before they could start (a 429); the ones that waited say so.
+        admitted = [outcome for outcome, _ in outcomes if (outcome, _) not in refused]
+        assert all(isinstance(outcome, (ChatTemplateTimeoutError, ChatTemplateBusyError)) for outcome in admitted)
+        assert sum("waited" in str(outcome) for outcome in admitted) == 2, admitted
+        assert max(took for _, took in outcomes) < 1.5 + 0.7
+        assert sandbox.renders_admitted == 0 and len(sandbox.worker_pids) <= 2
+        assert render(sandbox, "{{ 3 }}") == "3"
+    finally:
+        sandbox.close()
+
+
+async def _gather(sandbox: ChatTemplateSandbox, templates: list[str]) -> list[tuple[object, float]]:
+    """Each template's text or error, and the seconds it took, all asked for at once."""
+    async def one(template: str) -> tuple[object, float]:
+        started = time.monotonic()
+        try:
+            outcome: object = await sandbox.render(template, MESSAGES, True, False, {})
+        except ChatTemplateError as exc:
+            outcome = exc
+        return outcome, time.monotonic() - started
+
+    return await asyncio.gather(*(one(template) for template in templates))
 
 
 def test_a_render_past_the_memory_limit_is_a_template_error(sandbox):
@@ -214,19 +290,17 @@ def test_the_sandbox_reports_the_templates_own_errors(sandbox):
 
 
 # ------------------------------------------------------------------- closing the sandbox
-SLOW = "{% set big = 'ab' * 50000 %}{% for i in range(30000) %}{% set x = big|list|sort|join %}{% endfor %}"
-
-
 def test_close_kills_every_worker_and_a_render_after_it_fails_at_once():
     sandbox = ChatTemplateSandbox(MAX_CHARS, MAX_STEPS, timeout_s=30.0)
     assert render(sandbox, "{{ 1 }}") == "1"
     failures: list[BaseException] = []
     rendering = threading.Thread(target=lambda: failures.extend(_render_failure(sandbox, SLOW)))
     rendering.start()
-    assert render(sandbox, "{{ 2 }}") == "2"
     deadline = time.monotonic() + 10
-    while len(sandbox.worker_pids) < 2 and time.monotonic() < deadline:  # one idle, one rendering SLOW
+    while not sandbox.rendering_pids and time.monotonic() < deadline:  # SLOW took the idle worker
         time.sleep(0.02)
+    # A second worker starts for this one (had it run first, SLOW could take its worker after it).
+    assert render(sandbox, "{{ 2 }}") == "2"
     pids = sandbox.worker_pids
     assert len(pids) == 2
     started = time.monotonic()

@@ -1,34 +1,46 @@
 """The engine's features on the device that runs it: every test runs on the CPU (CI) and,
 marked `cuda`, on a GPU, where stage t of `scripts/gpu_check.sh` runs it. On the GPU decode
-steps replay CUDA graphs (LoRA aside: its steps run eagerly) and the in-process step thread
-launches each step before it reads the last one's tokens (executors/uniproc_executor.py);
-the CPU variants run that step thread too, so the two differ only in the device's kernels
-and graphs. Each test checks against a reference the device image also has (no peft,
-xgrammar or ray there; a case that needs one is skipped where it is absent): Hugging Face
-transformers on the same weights (LoRA: the adapter merged into them by hand), PyTorch over
-HF's logits (penalties, logit_bias, min_tokens; seeded draws from the sample's own
-generator), HF's log-softmax (logprobs). Greedy tokens are HF's up to near-ties
-(`hf_reference.NEAR_TIE`: a GPU's fp32 sums round otherwise than the CPU's HF does).
+steps replay CUDA graphs (LoRA aside: its steps run eagerly; an embedding engine decodes
+nothing) and the in-process step thread launches each step before it reads the last one's
+tokens (executors/uniproc_executor.py); the CPU variants run that step thread too, so the
+two differ only in the device's kernels and graphs. Each test checks against a reference
+the device image also has (no peft, xgrammar or ray there; a case that needs one is skipped
+where it is absent): Hugging Face transformers on the same weights (LoRA: the adapter
+merged into them by hand), PyTorch over HF's logits (penalties, logit_bias, min_tokens;
+seeded draws from the sample's own generator), HF's log-softmax (logprobs). Greedy tokens
+are HF's up to near-ties (`hf_reference.NEAR_TIE`: a GPU's fp32 sums round otherwise than
+the CPU's HF does).
 
-Kept small for stage t's time limit: one engine per test, shut down at its end, 8 sequences
-at most (graphs of 1, 2, 4 and 8 rows), 128 tokens of context, a few tokens per request."""
+Embeddings (runner="pooling") are checked against HF AutoModel's pooled, normalized last
+hidden state; load_format="dummy" against vLLM's recipe drawn on the engine's device.
+
+Kept small for stage t's time limit: one engine per test (the embeddings' two, LAST and
+MEAN pooling), shut down at its end, 8 sequences at most (graphs of 1, 2, 4 and 8 rows), 128
+tokens of context, a few tokens per request."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_checks import assert_engine_idle, run_to_end
-from hf_reference import assert_hf_greedy, assert_logprobs_match_hf, assert_seeded_draws, hf_greedy
+from hf_reference import assert_hf_greedy, assert_logprobs_match_hf, assert_seeded_draws, hf_embedding, hf_greedy
 from lora_adapters import merge_lora_adapter, write_lora_adapter
 from penalty_reference import assert_penalised_greedy, penalised_greedy
+from test_load_format import assert_dummy_parameters, weightless_copy
+from test_more_models_rmsnorm import qwen3_config
+from test_priority_scheduling import _prompts as priority_prompts
 from test_spec_decode import _prompts as spec_prompts, _speculative_config, draft_dirs  # noqa: F401 (a fixture)
-from tiny_models import build_tiny_mixtral, build_tiny_windowed_model, random_prompts
+from tiny_models import (build_tiny_mixtral, build_tiny_windowed_model, random_prompts, random_prompts_spanning,
+                         save_random_model_with_random_norms)
 from raylm.engine import LLM, LoRARequest, SamplingParams
 from raylm.executors.uniproc_executor import UniProcExecutor
+from raylm.models.rotary_embedding import RotaryEmbedding
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=16, num_gpu_blocks_override=64,
@@ -91,7 +103,6 @@ def merged_loras(llama_dir: Path, tmp_path_factory) -> dict[str, tuple[Path, Pat
 def test_an_adapter_written_and_merged_by_hand_gives_peft_logits(llama_dir, merged_loras):
     """The LoRA reference below (no peft on the device) is peft's PeftModel where peft is."""
     pytest.importorskip("peft")
-    import torch
 
     from hf_reference import hf_model
     from lora_adapters import peft_model
@@ -323,17 +334,169 @@ def mixtral_dir(tmp_path_factory) -> Path:
     return build_tiny_mixtral(tmp_path_factory.mktemp("cuda_features_moe") / "mixtral", seed=20)
 
 
-@pytest.mark.parametrize("model", ["windowed_dir", "mixtral_dir"])
-def test_sliding_window_and_moe_models_give_hf_tokens_and_logprobs(device, model, request):
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3 (3 layers, tied embeddings) whose norms, its per-head q/k norms included,
+    are random: on a GPU the rotary kernel applies those norms and writes the keys and values
+    into the paged cache in the same launch (QK_NORM, CACHE_BLOCK_SIZE). Heads of 16, the
+    tiny Llama's (and stage b's), so that the attention kernels compiled for the tests above
+    serve it and only the rotary kernel's q/k-norm variant is new (stage t's time limit)."""
+    config = qwen3_config()
+    config.head_dim = 16
+    return save_random_model_with_random_norms(tmp_path_factory.mktemp("cuda_features_qwen3") / "qwen3", config,
+                                               seed=22)
+
+
+@pytest.mark.parametrize("model", ["windowed_dir", "mixtral_dir", "qwen3_dir"])
+def test_sliding_window_moe_and_qk_norm_models_give_hf_tokens_and_logprobs(device, model, request, monkeypatch):
     """Prompts longer than the window and the step's budget (chunks across the window's
-    edge); greedy tokens, top logprobs and prompt logprobs against HF."""
+    edge); greedy tokens, top logprobs and prompt logprobs against HF. Qwen3 on a GPU: every
+    forward with a KV cache (eager steps, and the decode graphs' captures) normalised,
+    rotated and cached its keys in the rotary kernel's one launch (the CPU's backend has no
+    such kernel: it runs the ops apart)."""
     model_dir = request.getfixturevalue(model)
+    fused: list[bool] = []  # per rotate_and_cache call that had a cache to write: done in one launch
+    rotate_and_cache = RotaryEmbedding.rotate_and_cache
+
+    def spy(self, positions, query, key, value, kv_cache, qk_norm=None) -> bool:
+        done = rotate_and_cache(self, positions, query, key, value, kv_cache, qk_norm=qk_norm)
+        if kv_cache is not None:
+            fused.append(done and qk_norm is not None)
+        return done
+
+    monkeypatch.setattr(RotaryEmbedding, "rotate_and_cache", spy)
     prompts = random_prompts(4, seed=9, min_len=30, max_len=90)
     with engine_on(device, model_dir, max_num_batched_tokens=32) as llm:
         if model == "windowed_dir":
             assert llm.llm_engine.engine_config.cache_config.sliding_window == 24
         outputs = llm.generate(token_prompts(prompts), greedy(8, logprobs=3, prompt_logprobs=1), use_tqdm=False)
         assert_engine_idle(llm.llm_engine)
+    if model == "qwen3_dir" and device == "cuda":
+        assert fused and all(fused), f"{fused.count(False)} of {len(fused)} forwards ran the norms or KV write apart"
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         assert_hf_greedy(model_dir, prompt, output.outputs[0].token_ids, f"prompt {i}")
     assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=3)
+
+
+# ---- priority scheduling -----------------------------------------------------------------
+
+def test_priority_scheduling_admits_the_better_request_first_and_preempts_with_hf_tokens(device, llama_dir):
+    """vLLM's scheduling_policy="priority" (tests/test_priority_scheduling.py on the CPU's
+    synchronous path): two requests of 18 prompt tokens growing to 50 outgrow a pool of 6
+    blocks of 16, so one is preempted; "mid" (priority 0) and then "high" (priority -1) are
+    added behind them, and high produces its first token before mid. Every greedy token is
+    HF's and every block comes back."""
+    prompts = dict(zip(["low0", "low1", "mid", "high"], priority_prompts(4)))
+    priorities = {"low0": 0, "low1": 0, "mid": 0, "high": -1}
+    with engine_on(device, llama_dir, scheduling_policy="priority", max_model_len=64, max_num_seqs=2,
+                   num_gpu_blocks_override=6) as llm:
+        engine = llm.llm_engine
+        order: list[str] = []
+        tokens: dict[str, list[int]] = {}
+
+        def step() -> None:
+            for output in engine.step():
+                if output.outputs[0].token_ids and output.request_id not in order:
+                    order.append(output.request_id)
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+
+        for name in ("low0", "low1"):
+            engine.add_request(name, {"prompt_token_ids": prompts[name]}, greedy(32), priority=priorities[name])
+        while len(order) < 2:  # both running (with async scheduling, their first tokens come a step late)
+            step()
+        assert not engine.scheduler.waiting
+        for name in ("mid", "high"):
+            engine.add_request(name, {"prompt_token_ids": prompts[name]}, greedy(32), priority=priorities[name])
+        while engine.has_unfinished_requests():
+            step()
+        assert engine.scheduler.num_preemptions > 0, "the pool was meant to run out"
+        assert_engine_idle(engine)
+    assert order.index("high") < order.index("mid")
+    for name, prompt in prompts.items():
+        assert len(tokens[name]) == 32
+        assert_hf_greedy(llama_dir, prompt, tokens[name], name)
+
+
+# ---- load_format="dummy" -----------------------------------------------------------------
+
+def test_a_dummy_engine_draws_vllms_values_on_its_device_and_generates(device, llama_dir, tmp_path):
+    """load_format="dummy" from a folder without weights: every parameter holds what a
+    generator of the engine's device seeded 1234 draws uniform in [-1e-3, 1e-3) for its shape
+    (tests/test_load_format.py's recipe, drawn on that device), and the engine generates the
+    requested tokens, the same twice, with finite logprobs, through its decode graphs."""
+    model_dir = weightless_copy(llama_dir, tmp_path / "weightless")
+    with engine_on(device, model_dir, load_format="dummy") as llm:
+        (stats,) = llm.llm_engine.executor.collective_rpc("parameter_stats")
+        assert_dummy_parameters(stats, device=device)
+        prompts = random_prompts(3, seed=12, min_len=4, max_len=20)
+        first, again = (llm.generate(token_prompts(prompts), greedy(6, logprobs=1), use_tqdm=False) for _ in range(2))
+        assert_engine_idle(llm.llm_engine)
+    for output, repeat in zip(first, again):
+        completion = output.outputs[0]
+        assert len(completion.token_ids) == 6 and all(0 <= t < 512 for t in completion.token_ids)
+        assert completion.token_ids == repeat.outputs[0].token_ids
+        assert all(math.isfinite(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs))
+
+
+# ---- embeddings (runner="pooling") -------------------------------------------------------
+
+# fp32: the suite's tolerance for fp32 against HF. bf16: the final norm's output is stored in
+# bf16 (8 significant bits: entries of these unit vectors, up to ~0.5, round by up to 2e-3)
+# after two layers' bf16 rounding of the residual stream; HF's own bf16 run lies 2e-3 to
+# 3.3e-3 from its fp32 embedding on these prompts, and so does the engine's on the CPU.
+# 1e-2 leaves three times that, while pooling one row off (the token before the last, or
+# a mean missing the first row) moves entries by 0.17 to 0.5 on these prompts.
+EMBEDDING_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_last_and_mean_embeddings_equal_hfs_pooled_normalized_hidden_states(device, dtype, llama_dir):
+    """LLM.embed against HF AutoModel's last hidden state (fp32) pooled and L2-normalized
+    (`hf_reference.hf_embedding`). LAST: prompts of 1 to 60 tokens prefilled in chunks of a
+    24-token budget (the pooled row is in the chunk that ends the prompt), then the longest
+    two again, found in the prefix cache. MEAN: whole prompts (its engine turns chunking and
+    prefix caching off). No CUDA graphs: a pooling engine never decodes."""
+    prompts = random_prompts_spanning(6, seed=10, min_len=1, max_len=60)
+    tolerance = EMBEDDING_TOLERANCE[dtype]
+    for pooling_type, budget in (("LAST", dict(max_num_batched_tokens=24)), ("MEAN", {})):
+        with engine_on(device, llama_dir, cuda_graphs=False, dtype=dtype, runner="pooling",
+                       pooler_config={"pooling_type": pooling_type}, **budget) as llm:
+            outputs = llm.embed(token_prompts(prompts), use_tqdm=False)
+            if pooling_type == "LAST":
+                cached = sorted(prompts, key=len)[-2:]
+                kv = llm.llm_engine.scheduler.kv_cache_manager
+                hits = kv.prefix_cache_hits
+                again = llm.embed(token_prompts(cached), use_tqdm=False)
+                assert kv.prefix_cache_hits > hits
+                outputs, prompts_checked = outputs + again, prompts + cached
+            else:
+                prompts_checked = prompts
+            assert_engine_idle(llm.llm_engine)
+        for prompt, output in zip(prompts_checked, outputs):
+            embedding = torch.tensor(output.outputs.embedding)
+            assert embedding.dtype == torch.float32 and embedding.shape == (64,)
+            torch.testing.assert_close(embedding, hf_embedding(llama_dir, prompt, pooling_type), atol=tolerance,
+                                       rtol=0, msg=lambda m: f"{pooling_type} pooling, {len(prompt)} tokens: {m}")
+
+# ---- embeddings --------------------------------------------------------------------------
+
+def test_a_bare_decoder_checkpoint_embeds_as_hf_with_its_kv_cache_sized_by_profiling(device, tmp_path):
+    """runner "auto" pools a `LlamaModel` checkpoint; on a GPU the KV cache is sized by a
+    profiled forward (no num_gpu_blocks_override), which for the headless pooling model
+    computes no logits."""
+    from hf_reference import hf_embedding
+    from tiny_models import build_tiny_base_model
+
+    model_dir = build_tiny_base_model(tmp_path / "base", "llama", seed=9)
+    llm = LLM(str(model_dir), device=device, dtype="float32", max_model_len=128, max_num_seqs=8,
+              disable_log_stats=True)
+    try:
+        assert llm.llm_engine.model_config.runner_type == "pooling"
+        prompts = random_prompts(6, seed=10, min_len=1, max_len=100)
+        outputs = llm.embed(token_prompts(prompts), use_tqdm=False)
+        for prompt, output in zip(prompts, outputs):
+            torch.testing.assert_close(torch.tensor(output.outputs.embedding), hf_embedding(model_dir, prompt),
+                                       atol=1e-4, rtol=0)
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()

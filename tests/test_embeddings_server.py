@@ -138,3 +138,28 @@ def test_a_pooling_server_refuses_completions(server):
     reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60)
     assert reply.status_code == 400 and "runner='pooling'" in reply.json()["error"]["message"]
     assert_no_block_held(engine)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [True, False]}, "input"),  # read laxly: token ids 1 and 0
+    ({"input": [[5, 6], [True]]}, "input"),
+    ({"input": [5.0, 6.0]}, "input"),
+    ({"input": ["5", 6]}, "input"),  # read laxly: token ids 5 and 6
+    ({"input": "hello", "truncate_prompt_tokens": True}, "truncate_prompt_tokens"),  # read laxly: the last token
+    ({"input": "hello", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ({"input": "hello", "truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+    ({"input": "hello", "dimensions": True}, "dimensions"),
+    ({"input": "hello", "normalize": "yes"}, "normalize"),
+    ({"input": "hello", "add_special_tokens": 0}, "add_special_tokens"),
+])
+def test_json_types_are_not_coerced_into_token_ids_or_sizes(server, body, param):
+    """A JSON boolean, float or string where an integer (or a boolean) is meant is a 400
+    naming the field, not read as another value (PoolingParams refuses a bool
+    truncate_prompt_tokens; the HTTP layer used to turn `true` into 1 before it saw it)."""
+    base_url, engine = server
+    reply = post(base_url, body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param or param in error["message"], error
+    assert post(base_url, {"input": [5, 6]}).status_code == 200
+    assert_no_block_held(engine)

@@ -110,6 +110,50 @@ def build_tiny_model(path: Path, arch: str = "llama", vocab_size: int = 512, see
     return _save_random_model(path, _llama_like_config(arch, vocab_size, **config_overrides), vocab_size, seed, dtype)
 
 
+def build_tiny_base_model(path: Path, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
+                          **config_overrides) -> Path:
+    """A tiny random bare decoder (transformers' AutoModel: `LlamaModel`, `Qwen2Model`,
+    `MistralModel`, `Qwen3Model`), saved as embedding checkpoints are: architectures
+    names the base model, tensors have no `model.` prefix, there is no LM head. Norm
+    weights are random too, so that the final norm matters to the pooled states."""
+    from transformers import AutoModel, Qwen3Config
+
+    if arch == "qwen3":
+        config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **config_overrides)
+    else:
+        config = _llama_like_config(arch, vocab_size, **config_overrides)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    build_tokenizer(Path(path), vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return Path(path)
+
+
+def write_sentence_transformers_pooling(path: Path, pooling_mode: str | None, normalize: bool) -> None:
+    """The sentence-transformers module files of a model folder, as `save` writes them:
+    modules.json listing the Transformer, the Pooling module (1_Pooling/config.json with
+    `pooling_mode` true, e.g. "pooling_mode_mean_tokens"; None: no mode set) and, if
+    `normalize`, the Normalize module."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (Path(path) / "2_Normalize").mkdir(exist_ok=True)
+    (Path(path) / "modules.json").write_text(json.dumps(modules, indent=2))
+    modes = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+             "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
+    config = {"word_embedding_dimension": 64, **{mode: mode == pooling_mode for mode in modes},
+              "include_prompt": True}
+    (Path(path) / "1_Pooling").mkdir(exist_ok=True)
+    (Path(path) / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 

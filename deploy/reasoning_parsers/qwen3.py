@@ -10,6 +10,8 @@ Qwen3.5 may open a tool call while still thinking, without `</think>`: as in vLL
 call format) ends the reasoning there and opens the content, the tag included, so the tool
 parser sees the call. Any other `<tool_call>` (a JSON call, or the tag mentioned in the
 thinking) stays reasoning. Whichever comes first, this or `</think>`, ends the reasoning.
+Where both tags are tokens of their own and the reply's token ids are given, only the
+tags' tokens count: the same text spelled in pieces stays reasoning (base.py).
 """
 
 from __future__ import annotations

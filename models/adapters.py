@@ -1,0 +1,63 @@
+"""`as_embedding_model`: the pooling model of a causal LM class (vLLM's adapter of the same name).
+
+A pooling engine (runner="pooling") reads the final norm's hidden states and never the LM
+head, so the adapted class drops it (and the logits processor), as vLLM's does. It loads the
+checkpoints of both the generating class (`*ForCausalLM`: the decoder's tensors under
+`base_model_prefix`, an `lm_head` it skips) and of the bare decoder an embedding model is
+saved as (`*Model`, e.g. e5-mistral-7b-instruct's `MistralModel`: the same tensors with no
+prefix and no LM head).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from raylm.models.causal_lm import CausalLM
+from raylm.models.pipeline import PPMissingLayer
+
+# Suffixes of generating architectures that a pooling class's name does without (vLLM's).
+_GENERATE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "ChatModel", "LMHeadModel")
+
+
+def _pooling_model_name(name: str) -> str:
+    for suffix in _GENERATE_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name + "ForEmbedding"
+
+
+@functools.cache
+def as_embedding_model(cls: type[CausalLM]) -> type[CausalLM]:
+    """`cls` without its LM head, loading `*ForCausalLM` and bare `*Model` checkpoints alike."""
+
+    class ModelForEmbedding(cls):  # type: ignore[valid-type, misc]
+        is_pooling_model = True
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            # Built by the causal LM and freed here (vLLM's adapter does the same): a
+            # transient vocab x hidden matrix at load, none while serving.
+            self.lm_head = PPMissingLayer()
+            del self.logits_processor
+
+        def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+            raise RuntimeError(f"{type(self).__name__} is a pooling model: it has no LM head to compute logits with.")
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            return super().load_weights(self._with_base_model_prefix(weights))
+
+        def _with_base_model_prefix(self, weights: Iterable[tuple[str, torch.Tensor]]
+                                    ) -> Iterator[tuple[str, torch.Tensor]]:
+            """The checkpoint's decoder tensors named as the causal LM names them; its LM
+            head, if any, left out."""
+            prefix = self.base_model_prefix + "."
+            for name, tensor in weights:
+                if name.startswith("lm_head."):
+                    continue
+                yield (name if name.startswith(prefix) else prefix + name), tensor
+
+    ModelForEmbedding.__name__ = ModelForEmbedding.__qualname__ = _pooling_model_name(cls.__name__)
+    return ModelForEmbedding
