@@ -213,13 +213,20 @@ class RequestLimits:
     def check_messages(self, messages: list[Any], max_model_len: int) -> None:
         """The number of chat messages and the characters of their content together."""
         _check_count(len(messages), self.max_chat_messages, "messages", "messages", "max_chat_messages")
-        self.check_prompt_chars(sum(_content_chars(m.content) for m in messages), max_model_len, "messages")
+        self.check_prompt_chars(sum(_content_chars(m.content) + len(_reasoning_of(m)) for m in messages),
+                                max_model_len, "messages")
 
 
 def _check_count(count: int, limit: int, param: str, noun: str, flag: str) -> None:
     if count > limit:
         raise OpenAIError(f"{param} may have at most {limit} {noun} (--{flag.replace('_', '-')}), got {count}.",
                           param=param)
+
+
+def _reasoning_of(message: Any) -> str:
+    """An assistant turn's reasoning, which templates may render into the prompt too."""
+    reasoning_text = getattr(message, "reasoning_text", None)
+    return (reasoning_text() or "") if reasoning_text is not None else ""
 
 
 def _content_chars(content: Any) -> int:

@@ -407,6 +407,23 @@ class ChatMessage(OpenAIBaseModel):
     # An assistant message's calls and a tool message's answer (deploy/tool_calls.py).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An earlier assistant turn's thinking, for templates that show it (Qwen3's reads
+    # `reasoning_content` of the turns since the last user message): vLLM's `reasoning`, or
+    # the name vLLM replied with before, which clients still send back.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _check_reasoning(self) -> "ChatMessage":
+        if self.reasoning is not None and self.reasoning_content is not None and \
+                self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content are two names of one field (the turn's thinking); "
+                             "send one, or both equal.")
+        return self
+
+    def reasoning_text(self) -> str | None:
+        """The turn's thinking, under either name."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     @field_validator("content")
     @classmethod

@@ -194,9 +194,12 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         as_ids = self.tokens_as_ids(request)
         for completion in final.outputs:
+            # Without the reasoning, its tokens' ids and logprobs go too (they spell it out).
+            hidden = self._hidden_tokens(request, completion.token_ids, in_reasoning)
+            token_ids = list(completion.token_ids)[hidden:]
             logprobs = None
             if request.logprobs:
-                logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs,
+                logprobs = self.chat_logprobs(token_ids, (completion.logprobs or [])[hidden:], request.top_logprobs,
                                               as_ids)
             split = self._split(completion.text, in_reasoning, completion.token_ids)
             message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
@@ -207,7 +210,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason,
-                token_ids=list(completion.token_ids) if request.return_token_ids else None))
+                token_ids=token_ids if request.return_token_ids else None))
         usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
                        self._reasoning_tokens([c.token_ids for c in final.outputs], in_reasoning))
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage,
@@ -225,6 +228,13 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is None:
             return ReasoningSplit(None, text)
         return self.reasoning_parser.split(text, in_reasoning, token_ids)
+
+    def _hidden_tokens(self, request: ChatCompletionRequest, token_ids: list[int], in_reasoning: bool) -> int:
+        """How many of a reply's first tokens are left out of its logprobs and token_ids: its
+        reasoning's (tags included) under `include_reasoning: false`, else none."""
+        if self.reasoning_parser is None or request.include_reasoning:
+            return 0
+        return self.reasoning_parser.reasoning_token_span(list(token_ids), in_reasoning)[0]
 
     def _reasoning_tokens(self, token_ids: list[list[int]], in_reasoning: bool) -> int | None:
         """The choices' tokens spent reasoning, for usage (None without a reasoning parser)."""
@@ -282,6 +292,10 @@ class OpenAIServingChat(OpenAIServing):
         reasoning_streamers = {index: self.reasoning_parser.streamer(in_reasoning) for index in range(request.n)} \
             if self.reasoning_parser is not None else None
         choice_token_ids: list[list[int]] = [[] for _ in range(request.n)]
+        # Under include_reasoning false, per choice what leaves the reasoning's token ids and
+        # logprobs out of its chunks.
+        token_filters = {index: self.reasoning_parser.token_filter() for index in range(request.n)} \
+            if self.reasoning_parser is not None and in_reasoning and not request.include_reasoning else None
         prompt_tokens = len(prompt_token_ids)
         as_ids = self.tokens_as_ids(request)
 
@@ -309,19 +323,25 @@ class OpenAIServingChat(OpenAIServing):
                     choice_tokens[completion.index] += len(completion.token_ids)
                     if reasoning_streamers is not None:
                         choice_token_ids[completion.index].extend(completion.token_ids)
-                    logprobs = None
-                    if request.logprobs:
-                        logprobs = self.chat_logprobs(completion.token_ids, completion.logprobs or [],
-                                                      request.top_logprobs, as_ids)
                     finish_reason = completion.finish_reason
                     text, reasoning = completion.text, None
                     if reasoning_streamers is not None:
                         reasoning, text = reasoning_streamers[completion.index].feed(text, completion.finished(),
                                                                                      completion.token_ids)
                         reasoning = (reasoning or None) if request.include_reasoning else None
+                    token_ids, entries = list(completion.token_ids), completion.logprobs or []
+                    if token_filters is not None:
+                        token_ids, entries = token_filters[completion.index].feed(
+                            token_ids, entries, reasoning_streamers[completion.index].reasoning_ended,
+                            completion.finished())
+                    logprobs = None
+                    if request.logprobs and (token_ids or token_filters is None):
+                        logprobs = self.chat_logprobs(token_ids, entries, request.top_logprobs, as_ids)
+                    # Whether the chunk carries token ids, which alone make it worth sending.
+                    sends_ids = request.return_token_ids and (token_ids or token_filters is None)
                     if streamers is None:
                         if reasoning_streamers is not None and not text and not reasoning and \
-                                not completion.finished() and not logprobs and not request.return_token_ids:
+                                not completion.finished() and not logprobs and not sends_ids:
                             continue  # held back: it may be the start of a reasoning tag
                         if reasoning_streamers is not None:
                             text = text or None  # a reasoning delta carries no empty content
@@ -332,7 +352,7 @@ class OpenAIServingChat(OpenAIServing):
                         content, tool_calls = streamer.feed(text, final=completion.finished(),
                                                             cut=finish_reason == "length")
                         if (content is None and tool_calls is None and reasoning is None and not completion.finished()
-                                and not logprobs and not request.return_token_ids):
+                                and not logprobs and not sends_ids):
                             # Held back: it may be the start of a tool call. Its logprobs or
                             # token ids go out all the same, with an empty delta (as vLLM's).
                             continue
@@ -341,7 +361,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=completion.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=completion.stop_reason,
-                        token_ids=list(completion.token_ids) if request.return_token_ids else None))
+                        token_ids=token_ids if request.return_token_ids else None))
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[],
@@ -380,11 +400,15 @@ def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | N
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it: role and text, and an assistant's tool calls
-    (their arguments as objects, as Hugging Face templates expect, where they parse) or a
-    tool answer's tool_call_id."""
+    (their arguments as objects, as Hugging Face templates expect, where they parse) and
+    reasoning, or a tool answer's tool_call_id. The reasoning goes under both of its names,
+    as vLLM passes it: `reasoning`, and `reasoning_content`, which Qwen3's template reads."""
     entry: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.tool_calls is not None:
         entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    reasoning = message.reasoning_text()
+    if reasoning is not None and message.role == "assistant":
+        entry["reasoning"] = entry["reasoning_content"] = reasoning
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     return entry

@@ -10,7 +10,9 @@ over a tiny model whose weights spell the tag before writing an answer."""
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import time
 from pathlib import Path
 
@@ -82,6 +84,95 @@ def test_streamed_and_whole_splits_end_at_the_end_token_not_its_spelling(tokeniz
         r, c = streamer.feed(delta_text, final, group)
         reasoning, content = reasoning + r, content + c
     assert (reasoning or None, content or None) == expected, (groups, late)
+
+
+# Qwen3's <tool_call> followed by <function=... ends unclosed thinking too: as a token of
+# its own, whichever of it and the end token comes first (pieces: one token or a few each).
+CALL_PIECES = ["<think>", "</think>", "<tool_call>", "<tool_", "call>", "<", "/", "think", ">", "<function=f>",
+               "<function ", "{", "\n", " ", "Ray"]
+IMPLICIT_END_LOOKAHEAD = 8  # tokens after <tool_call> read to confirm it (vLLM's lookahead)
+
+
+@pytest.fixture(scope="module")
+def call_tokenizer(tokenizer):
+    call_tokenizer = copy.deepcopy(tokenizer)  # the module's tokenizer stays without <tool_call>
+    call_tokenizer.add_tokens(["<tool_call>"])
+    return call_tokenizer
+
+
+def _by_hand_with_calls(tokenizer, token_ids: list[int]) -> tuple[str | None, str | None, int]:
+    """The split from the tokens, and how many of them are the reasoning's: the end token ends
+    it (after it), or, before it, a <tool_call> token whose next tokens decode to a
+    `<function=` or `<function ` after any whitespace (at it: the call is content)."""
+    end_id, call_id = tokenizer.convert_tokens_to_ids([END_TAG, "<tool_call>"])
+    cut, after, span = len(token_ids), len(token_ids), len(token_ids)
+    for index, token_id in enumerate(token_ids):
+        lookahead = tokenizer.decode(token_ids[index + 1:index + 1 + IMPLICIT_END_LOOKAHEAD])
+        if token_id == end_id:
+            cut, after, span = index, index + 1, index + 1
+            break
+        if token_id == call_id and re.match(r"\s*<function[\s=]", lookahead):
+            cut, after, span = index, index, index
+            break
+    reasoning = tokenizer.decode(token_ids[:cut]).removeprefix(START_TAG)
+    return reasoning or None, tokenizer.decode(token_ids[after:]) or None, span
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_first_of_the_end_token_and_a_confirmed_tool_call_token_ends_the_reasoning(call_tokenizer, data):
+    """Split, streamed split (text arriving late), the token span include_reasoning false
+    hides and usage counts, and the token filter all end the reasoning at the same token."""
+    from raylm.deploy.reasoning_parsers import get_reasoning_parser
+
+    tokenizer = call_tokenizer
+    parser = get_reasoning_parser("qwen3", tokenizer)
+    pieces = data.draw(st.lists(st.sampled_from(CALL_PIECES), max_size=16))
+    token_ids = [token_id for piece in pieces for token_id in tokenizer.encode(piece, add_special_tokens=False)]
+    reasoning_expected, content_expected, span = _by_hand_with_calls(tokenizer, token_ids)
+    whole = parser.split(tokenizer.decode(token_ids), True, token_ids)
+    assert (whole.reasoning, whole.content) == (reasoning_expected, content_expected)
+    assert parser.reasoning_token_span(token_ids, True)[0] == span
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(token_ids)), max_size=8))))
+    groups = [token_ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(token_ids)])]
+    late = data.draw(st.lists(st.booleans(), min_size=len(groups), max_size=len(groups)))
+    streamer, token_filter = parser.streamer(in_reasoning=True), parser.token_filter()
+    reasoning, content, carried, kept_ids = "", "", "", []
+    for index, group in enumerate(groups):
+        final = index == len(groups) - 1
+        carried += tokenizer.decode(group)
+        if late[index] and not final:
+            delta_text = ""
+        else:
+            delta_text, carried = carried, ""
+        r, c = streamer.feed(delta_text, final, group)
+        reasoning, content = reasoning + r, content + c
+        kept_ids += token_filter.feed(group, group, streamer.reasoning_ended, final)[0]
+        assert (reasoning_expected or "").startswith(reasoning) and (content_expected or "").startswith(content)
+    assert (reasoning or None, content or None) == (reasoning_expected, content_expected), (groups, late)
+    assert kept_ids == token_ids[span:]
+
+
+def test_a_tool_call_spelled_in_pieces_does_not_end_the_reasoning(call_tokenizer):
+    """Given the token ids, only <tool_call>'s own token opens a call in unclosed thinking;
+    the end token still ends it where it comes first."""
+    from raylm.deploy.reasoning_parsers import ReasoningSplit, get_reasoning_parser
+
+    parser = get_reasoning_parser("qwen3", call_tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return call_tokenizer.encode(text, add_special_tokens=False)
+
+    spelled = [*encode("Ray"), *encode("<tool_"), *encode("call>"), *encode("<function=f>")]
+    text = call_tokenizer.decode(spelled)
+    assert parser.split(text, True, spelled) == ReasoningSplit(text, None)
+    assert parser.split(text, True) == ReasoningSplit("Ray", "<tool_call><function=f>")  # the text alone
+    as_token = [*encode("Ray"), *encode("<tool_call>"), *encode("<function=f>")]
+    assert parser.split(call_tokenizer.decode(as_token), True, as_token) == \
+        ReasoningSplit("Ray", "<tool_call><function=f>")
+    closed_first = [*encode("Ray</think>"), *encode("<tool_call><function=f>")]
+    assert parser.split(call_tokenizer.decode(closed_first), True, closed_first) == \
+        ReasoningSplit("Ray", "<tool_call><function=f>")
 
 
 # ------------------------------------------------------------------ server

@@ -6,6 +6,7 @@ reasoning; and the grammar of a structured output waiting for the reasoning's en
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -174,3 +175,83 @@ def test_tool_calls_are_parsed_from_the_content_after_the_reasoning():
             content += content_delta or ""
             arguments += "".join(call["function"]["arguments"] for call in calls or ())
         assert (reasoning, content, arguments) == (split.reasoning, parsed.content, parsed.calls[0].arguments)
+
+
+# Qwen3.5 opening a tool call while still thinking (its XML call format), without </think>:
+# (reply, qwen3's reasoning, qwen3's content). deepseek_r1 has no such rule: all reasoning.
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+IMPLICIT_END_SPLITS = [
+    ("<think>\nParis, then.\n" + XML_CALL, "\nParis, then.\n", XML_CALL),
+    ("Paris.<tool_call><function name=\"f\"></function></tool_call>", "Paris.",
+     "<tool_call><function name=\"f\"></function></tool_call>"),
+    # A mention of the tag, then the call: the first confirmed tag ends the reasoning.
+    ("Use <tool_call> for it. " + XML_CALL, "Use <tool_call> for it. ", XML_CALL),
+    # A JSON (Hermes) call, or a tag followed by nothing that opens a function: still reasoning.
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', None),
+    ("It ends with <tool_call>\n<func", "It ends with <tool_call>\n<func", None),
+    ("<tool_call>\n<functional>", "<tool_call>\n<functional>", None),
+    # </think> first: it ends the reasoning, and the call after it is content.
+    ("Done.</think>\n" + XML_CALL, "Done.", "\n" + XML_CALL),
+    # A call written inside the thinking, then </think>: the call came first.
+    (XML_CALL + "</think>Paris", None, XML_CALL + "</think>Paris"),
+]
+
+
+@pytest.mark.parametrize("reply,reasoning,content", IMPLICIT_END_SPLITS)
+def test_a_qwen3_tool_call_in_unclosed_thinking_ends_it(reply, reasoning, content):
+    qwen3 = get_reasoning_parser("qwen3", None)
+    assert qwen3.split(reply, in_reasoning=True) == ReasoningSplit(reasoning, content)
+    r1 = get_reasoning_parser("deepseek_r1", None)
+    before, _, after = reply.removeprefix("<think>").partition("</think>")
+    assert r1.split(reply, in_reasoning=True) == ReasoningSplit(before or None, after or None)
+    rng = random.Random(reply)
+    for _ in range(200):
+        pieces = _random_cuts(reply, rng) or [""]
+        streamer = qwen3.streamer(in_reasoning=True)
+        got_reasoning, got_content = "", ""
+        for index, piece in enumerate(pieces):
+            r, c = streamer.feed(piece, final=index == len(pieces) - 1)
+            got_reasoning += r
+            got_content += c
+            assert (reasoning or "").startswith(got_reasoning) and (content or "").startswith(got_content)
+        assert (got_reasoning or None, got_content or None) == (reasoning, content), pieces
+
+
+def test_a_stream_holds_a_tool_call_tag_back_until_the_text_after_it_tells():
+    streamer = get_reasoning_parser("qwen3", None).streamer(in_reasoning=True)
+    assert streamer.feed("Paris <tool_", final=False) == ("Paris ", "")
+    assert streamer.feed("call>\n", final=False) == ("", "")
+    assert streamer.feed("<func", final=False) == ("", "")
+    assert streamer.feed("tion=f>", final=False) == ("", "<tool_call>\n<function=f>")
+    assert streamer.reasoning_ended
+    streamer = get_reasoning_parser("qwen3", None).streamer(in_reasoning=True)
+    assert streamer.feed("<tool_call>\n", final=False) == ("", "")
+    assert streamer.feed("{", final=False) == ("<tool_call>\n{", "")  # not a function: reasoning
+
+
+def test_the_reasoning_token_span(tokenizer):
+    """What include_reasoning false hides of the token ids, and usage's reasoning tokens."""
+    qwen3, r1 = get_reasoning_parser("qwen3", tokenizer), get_reasoning_parser("deepseek_r1", tokenizer)
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    thinking = tokenizer.encode("Let me count.", add_special_tokens=False)
+    answer = tokenizer.encode("Three.", add_special_tokens=False)
+    for parser in (qwen3, r1):
+        assert parser.reasoning_token_span([start, *thinking, end, *answer], True) == (len(thinking) + 2, 2)
+        assert parser.reasoning_token_span([*thinking, end, *answer], True) == (len(thinking) + 1, 1)
+        assert parser.reasoning_token_span([start, *thinking], True) == (len(thinking) + 1, 1)
+        assert parser.reasoning_token_span([*answer], False) == (0, 0)
+    # The end tag not one token: the ids cannot tell where the reasoning ends, all of it is hidden.
+    plain = get_reasoning_parser("qwen3", None)
+    assert plain.reasoning_token_span([*thinking, 7, *answer], True) == (len(thinking) + 1 + len(answer), 0)
+    # Qwen3.5's call in unclosed thinking: the reasoning ends before <tool_call>'s token.
+    tokenizer = copy.deepcopy(tokenizer)  # the module's tokenizer stays as it is
+    tokenizer.add_tokens(["<tool_call>"])
+    qwen3 = get_reasoning_parser("qwen3", tokenizer)
+    call = tokenizer.encode(XML_CALL, add_special_tokens=False)
+    assert call[0] == qwen3.implicit_end_token_id
+    assert qwen3.reasoning_token_span([start, *thinking, *call], True) == (len(thinking) + 1, 1)
+    assert qwen3.count_reasoning_tokens([start, *thinking, *call], True) == len(thinking)
+    mention = tokenizer.encode("<tool_call> is a tag.", add_special_tokens=False)
+    assert qwen3.reasoning_token_span([*mention, end, *answer], True) == (len(mention) + 1, 1)
+    assert r1.reasoning_token_span([start, *thinking, *call], True) == (len(thinking) + 1 + len(call), 1)

@@ -27,19 +27,36 @@ CITY_TOOL = {"type": "function", "function": {
                                         "required": ["city"]}}}
 
 
+# A second model thinks, then calls pick_city in Hermes' tags (Qwen3's tool calls): each JSON
+# piece is one added token, since every token of a chain must be a different one.
+CALL = ('{"name": "pick_city", ', '"arguments": {"city": "Paris"}}')
+TOOL_CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "<tool_call>", *CALL, "</tool_call>"]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_reasoning_model(tmp_path_factory.mktemp("thinker"), CHAIN)
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_reasoning_model(tmp_path_factory.mktemp("caller"), TOOL_CHAIN,
+                                      added_tokens=("<tool_call>", "</tool_call>", *CALL))
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tool_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("reasoning_servers")
-    common = [str(model_dir), "--served-model-name", MODEL, "--max-model-len", "128"]
-    started = start_servers([(common + ["--reasoning-parser", "qwen3"], root / "qwen3.log"),
-                             (common + ["--reasoning-parser", "deepseek_r1"], root / "r1.log")])
+    # The template writes the tools' JSON into the prompt: some 190 tokens.
+    common = ["--served-model-name", MODEL, "--max-model-len", "256"]
+    started = start_servers([
+        ([str(model_dir), *common, "--reasoning-parser", "qwen3"], root / "qwen3.log"),
+        ([str(model_dir), *common, "--reasoning-parser", "deepseek_r1"], root / "r1.log"),
+        ([str(tool_model_dir), *common, "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
+          "--tool-call-parser", "hermes"], root / "tools.log")])
     try:
-        yield {"qwen3": _client(started[0][1]), "deepseek_r1": _client(started[1][1])}
+        yield {"qwen3": _client(started[0][1]), "deepseek_r1": _client(started[1][1]),
+               "tools": _client(started[2][1])}
     finally:
         for process, _ in started:
             stop_server(process)
@@ -116,6 +133,96 @@ def test_include_reasoning_false_leaves_it_out(servers):
     assert (response.choices[0].message.model_extra["reasoning"], response.choices[0].message.content) == \
         (None, ANSWER)
     assert _streamed(servers["qwen3"], extra_body={"include_reasoning": False})[:2] == (None, ANSWER)
+
+
+def _chain_ids(model_dir: Path, pieces: list[str]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return [token_id for piece in pieces for token_id in tokenizer.encode(piece, add_special_tokens=False)]
+
+
+def _token_metadata(client: openai.OpenAI, stream: bool, **extra) -> tuple[list[int], list[str], list[float]]:
+    """A reply's token_ids, and its logprobs' tokens and logprobs, joined over the chunks."""
+    common = dict(logprobs=True, top_logprobs=1, extra_body={"return_token_ids": True, **extra})
+    if not stream:
+        choice = _chat(client, **common).choices[0]
+        entries = choice.logprobs.content if choice.logprobs else []
+        return choice.model_extra["token_ids"], [e.token for e in entries], [e.logprob for e in entries]
+    ids, tokens, logprobs = [], [], []
+    for chunk in _chat(client, stream=True, **common):
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+            entries = choice.logprobs.content if choice.logprobs else []
+            tokens += [e.token for e in entries or ()]
+            logprobs += [e.logprob for e in entries or ()]
+    return ids, tokens, logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_hides_the_reasonings_token_ids_and_logprobs(servers, model_dir, stream):
+    """The reasoning's tokens (<think> through </think>) leave token_ids and logprobs with
+    its text; the answer's stay, as the full reply has them."""
+    full_ids, full_tokens, full_logprobs = _token_metadata(servers["qwen3"], stream=False)
+    reasoning_ids = _chain_ids(model_dir, CHAIN[1:5])  # <think> Ray places </think>
+    assert full_ids[:len(reasoning_ids)] == reasoning_ids and len(full_tokens) == len(full_ids)
+    answer = len(reasoning_ids)
+    ids, tokens, logprobs = _token_metadata(servers["qwen3"], stream, include_reasoning=False)
+    assert (ids, tokens) == (full_ids[answer:], full_tokens[answer:])
+    assert logprobs == pytest.approx(full_logprobs[answer:], abs=1e-4)
+    assert "".join(tokens).startswith(ANSWER)
+    # Nothing to hide where thinking is off: every token stays.
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert _token_metadata(servers["qwen3"], stream, include_reasoning=False, **off)[0] == \
+        _token_metadata(servers["qwen3"], False, **off)[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_call_after_reasoning(servers, stream):
+    """tool_choice auto: the reasoning apart, the call parsed from the answer after it, no
+    content, finish_reason tool_calls; streamed, the deltas add up to the same."""
+    if not stream:
+        choice = _chat(servers["tools"], tools=[CITY_TOOL]).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        got = (choice.message.model_extra["reasoning"], choice.message.content, calls, choice.finish_reason)
+    else:
+        reasoning, content, finish, names, arguments = "", "", None, {}, {}
+        for chunk in _chat(servers["tools"], tools=[CITY_TOOL], stream=True):
+            for choice in chunk.choices:
+                reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+                for call in choice.delta.tool_calls or ():
+                    names[call.index] = names.get(call.index, "") + (call.function.name or "")
+                    arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+        calls = [(names[index], arguments[index]) for index in sorted(names)]
+        got = (reasoning or None, content or None, calls, finish)
+    reasoning, content, ((name, arguments),), finish = got
+    assert (reasoning, content, name, finish) == (REASONING, None, "pick_city", "tool_calls")
+    assert json.loads(arguments) == {"city": "Paris"}
+
+
+def test_earlier_turns_reasoning_reaches_the_chat_template(servers, model_dir):
+    """An assistant turn's reasoning, sent as `reasoning` (vLLM's) or `reasoning_content`
+    (the older name), renders as transformers renders a message's reasoning_content (what
+    Qwen3's template reads)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    url = str(servers["qwen3"].base_url).removesuffix("/v1/")
+    thought, answer = "Workers go to GPUs.", "To the GPUs."
+    expected = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        [*USER, {"role": "assistant", "content": answer, "reasoning_content": thought},
+         {"role": "user", "content": "And actors?"}], tokenize=True, add_generation_prompt=True)
+    expected = list(getattr(expected, "input_ids", expected))
+    for name in ("reasoning", "reasoning_content"):
+        messages = [*USER, {"role": "assistant", "content": answer, name: thought},
+                    {"role": "user", "content": "And actors?"}]
+        tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+        assert tokens == expected
+    both = [{"role": "assistant", "content": answer, "reasoning": thought, "reasoning_content": "other"}]
+    refused = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": both})
+    assert refused.status_code == 400 and "reasoning_content" in refused.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

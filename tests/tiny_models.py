@@ -306,9 +306,14 @@ def build_tiny_qwen2_moe(path: Path, vocab_size: int = 512, seed: int = 0, dtype
 
 # ------------------------------------------------------------ reasoning models
 # A chat template in Qwen3's and DeepSeek-R1's ways: `think_open` opens <think> in the
-# prompt (R1's template), `enable_thinking: false` closes an empty one (Qwen3's).
+# prompt (R1's template), `enable_thinking: false` closes an empty one (Qwen3's); tools go in
+# a system turn, and an earlier assistant turn's `reasoning_content` is shown in its tags
+# (Qwen3's template shows those of the turns since the last user message).
 REASONING_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<|system|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message.reasoning_content is defined %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+    "{{ message['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
     "{% elif think_open is defined and think_open %}<think>{% endif %}{% endif %}"
@@ -316,10 +321,13 @@ REASONING_CHAT_TEMPLATE = (
 THINK_TAGS = ("<think>", "</think>")
 
 
-def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0) -> Path:
+def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0, added_tokens: tuple[str, ...] = ()
+                               ) -> Path:
     """A tiny Llama whose tokenizer has <think> and </think> as added tokens (as Qwen3's and
-    DeepSeek-R1's have), with `REASONING_CHAT_TEMPLATE`, and weights chosen so that greedy
-    decoding follows `chain`: each piece of text is followed by the next, the last by EOS.
+    DeepSeek-R1's have), and `added_tokens` too (Qwen3's <tool_call> and </tool_call>, or
+    pieces of text the chain writes as one token each), with `REASONING_CHAT_TEMPLATE`, and
+    weights chosen so that greedy decoding follows `chain`: each piece of text is followed by
+    the next, the last by EOS.
 
     The next token depends on the current token alone: attention and MLP write nothing to
     the residual stream (o_proj and down_proj are zero), so the final hidden state is the
@@ -332,7 +340,7 @@ def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0) -> P
     Path(path).mkdir(parents=True, exist_ok=True)
     build_tokenizer(Path(path), 512)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_tokens(list(THINK_TAGS))
+    tokenizer.add_tokens([*THINK_TAGS, *added_tokens])
     tokenizer.chat_template = REASONING_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
     ids = []
