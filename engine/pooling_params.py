@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind
+
+if TYPE_CHECKING:  # raylm.engine (and so engine/envs.py) imports this module without torch
+    import torch
 
 
 @dataclass
@@ -82,4 +84,7 @@ class PoolingParams:
         if self.dimensions is not None:
             pooled = pooled[:self.dimensions]
         normalize = default_normalize if self.normalize is None else self.normalize
-        return torch.nn.functional.normalize(pooled, p=2.0, dim=-1) if normalize else pooled
+        if not normalize:
+            return pooled
+        import torch.nn.functional as F
+        return F.normalize(pooled, p=2.0, dim=-1)
