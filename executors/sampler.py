@@ -400,8 +400,7 @@ def _apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata, rows: lis
                 if metadata.output_suffix is not None:
                     continue
                 if tail is None:
-                    longest = max(map(len, sequences)) - 1
-                    tail = metadata.output_token_ids(i)[-longest:].tolist()
+                    tail = metadata.output_tail(i, max(map(len, sequences)) - 1)
                 if len(tail) < prefix_len or tail[len(tail) - prefix_len:] != sequence[:-1]:
                     continue
             row_idx.append(i)

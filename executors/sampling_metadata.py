@@ -133,6 +133,11 @@ class SamplingMetadata:
         """The row's output tokens: its request's, then the proposals it reads."""
         return self.histories[row].output_token_ids(self.history_lens[row])
 
+    def output_tail(self, row: int, count: int) -> list[int]:
+        """The row's last `count` (or fewer) output tokens, proposals it reads included
+        (not `output_suffix`'s)."""
+        return self.histories[row].output_tail(self.history_lens[row], count)
+
     def subset(self, rows: list[int]) -> "SamplingMetadata":
         """The metadata of these rows, in this order."""
         return SamplingMetadata([self.req_ids[i] for i in rows], [self.sampling_params[i] for i in rows],

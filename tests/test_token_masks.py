@@ -8,19 +8,24 @@ speculative decoding's verification, where vLLM applies them too."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_checks import assert_engine_idle
 from hf_reference import assert_hf_greedy
 from test_deferred_reads import forced_collects  # noqa: F401 (a fixture)
+from test_sampler_host_reads import VOCAB, HostReads, gpu_path  # noqa: F401 (a fixture)
 from test_spec_decode import _speculative_config, draft_dirs  # noqa: F401 (a fixture)
 from token_mask_reference import assert_masked_greedy, bad_steps
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.sampling_params import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, ParameterError
 from raylm.executors import sampler as sampler_module
 from raylm.executors.model_runner import ModelRunner
+from raylm.executors.sampler import Sampler
+from raylm.executors.sampling_metadata import SamplingMetadata
 from raylm.executors.uniproc_executor import UniProcExecutor
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8)
@@ -233,3 +238,25 @@ def test_masks_apply_to_speculative_verification(llama_dir, draft_dirs, method):
                              what=f"{method}: bad_words")
         assert tokens[1] != free_tokens
         assert_engine_idle(llm.llm_engine)
+
+
+def test_the_masks_read_nothing_back_from_the_device(gpu_path):
+    """On a GPU's path (forced on the CPU) allowed_token_ids and bad_words send their ids to
+    the device and read nothing back: the step's one read stays its only one."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[5, 9, 60]),
+              SamplingParams(temperature=0.8, seed=1, allowed_token_ids=[2, 3]),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0)]
+    params[2].bad_words_token_ids = [[7], [11, 12], [40, 41]]
+    params[3].bad_words_token_ids = [[8, 9, 10]]
+    metadata = SamplingMetadata.from_params(params, [[1, 2]] * 4, [[3], [4], [11], [8, 9]])
+    expected = logits.clone()
+    expected[2, [7, 12]] = -math.inf
+    expected[3, 10] = -math.inf
+    with HostReads() as counter:
+        tokens = Sampler()(logits.clone(), metadata)
+    assert counter.reads == ["tolist"]  # the step's one read of its tokens
+    assert tokens[0].token_id == max([5, 9, 60], key=lambda t: expected[0, t])
+    assert tokens[1].token_id in (2, 3)
+    assert tokens[2].token_id == int(expected[2].argmax()) and tokens[3].token_id == int(expected[3].argmax())
