@@ -227,16 +227,26 @@ def test_masks_apply_to_speculative_verification(llama_dir, draft_dirs, method):
         sequences = SamplingParams(bad_words=[word])
         sequences.update_from_tokenizer(llm.get_tokenizer())
         params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed),
-                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, bad_words=[word])]
+                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, bad_words=[word]),
+                  # Drawn: a draft model's proposals are verified against its distribution q.
+                  SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=16, ignore_eos=True,
+                                 allowed_token_ids=allowed),
+                  SamplingParams(temperature=0.3, seed=4, n=2, max_tokens=16, ignore_eos=True, bad_words=[word])]
         stats = llm.llm_engine.scheduler.drafter.stats
         drafted = stats.num_draft_tokens
-        outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * 4, params, use_tqdm=False)
         assert stats.num_draft_tokens > drafted  # proposals were verified under the masks
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         assert_masked_greedy(llama_dir, prompt, tokens[0], allowed=allowed, what=f"{method}: allowed_token_ids")
         assert_masked_greedy(llama_dir, prompt, tokens[1], bad_sequences=sequences.bad_words_token_ids,
                              what=f"{method}: bad_words")
         assert tokens[1] != free_tokens
+        for completion in outputs[2].outputs:
+            assert set(completion.token_ids) <= set(allowed)
+        for completion in outputs[3].outputs:
+            drawn = list(completion.token_ids)
+            for sequence in sequences.bad_words_token_ids:
+                assert not any(drawn[i:i + len(sequence)] == sequence for i in range(len(drawn))), (word, drawn)
         assert_engine_idle(llm.llm_engine)
 
 
