@@ -270,3 +270,13 @@ def test_the_masks_read_nothing_back_from_the_device(gpu_path):
     assert tokens[0].token_id == max([5, 9, 60], key=lambda t: expected[0, t])
     assert tokens[1].token_id in (2, 3)
     assert tokens[2].token_id == int(expected[2].argmax()) and tokens[3].token_id == int(expected[3].argmax())
+
+
+def test_beam_search_runs_on_the_truncated_prompt(llm):
+    prompt = _ids(llm, PROMPT + " the lazy dog.")
+    beams = dict(use_beam_search=True, best_of=2, n=2, temperature=0.0, max_tokens=4, ignore_eos=True)
+    truncated, kept = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[-5:]}],
+                                   [SamplingParams(truncate_prompt_tokens=5, **beams), SamplingParams(**beams)],
+                                   use_tqdm=False)
+    assert truncated.prompt_token_ids == prompt[-5:]
+    assert [c.token_ids for c in truncated.outputs] == [c.token_ids for c in kept.outputs]
