@@ -129,3 +129,20 @@ def test_out_of_bounds_fields_are_a_400_naming_them(server, route, body, param):
     error = response.json()["error"]
     assert error["param"] == param and param in error["message"], error
     assert complete(server, {"max_tokens": 2})["choices"][0]["token_ids"]  # still serving
+
+
+def test_a_truncated_request_gets_no_prefix_key(llama_dir):
+    # The prefix-aware router keys a request by its prompt's first blocks, which a truncated
+    # prompt never prefills: such a request is routed as one without a key.
+    import json
+
+    from transformers import AutoTokenizer
+
+    from raylm.deploy.prefix_key import PrefixKeyer
+
+    keyer = PrefixKeyer(AutoTokenizer.from_pretrained(str(llama_dir)), 4, max_blocks=64)
+    bodies = {"/v1/completions": {"prompt": list(range(5, 40))},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": PROMPT}]}}
+    for route, body in bodies.items():
+        assert keyer.key(route, json.dumps(body).encode()) is not None
+        assert keyer.key(route, json.dumps({**body, "truncate_prompt_tokens": 8}).encode()) is None
