@@ -134,6 +134,8 @@ class PrefixKeyer:
         return None
 
     def _completion_key(self, body: dict[str, Any]) -> PrefixKey | None:
+        if body.get("truncate_prompt_tokens") is not None:
+            return None  # the prompt's last tokens run: its leading blocks are never prefilled
         prompt = body["prompt"]
         # A request of several prompts goes where its first prompt's prefix is.
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -160,7 +162,7 @@ class PrefixKeyer:
         from raylm.deploy.serving_chat import template_message
         from raylm.deploy.tool_calls import template_tools
 
-        if self.tokenizer is None:
+        if self.tokenizer is None or body.get("truncate_prompt_tokens") is not None:
             return None
         if body.get("chat_template"):
             # A request's own template is code: only the replica runs it, in its sandbox. Such

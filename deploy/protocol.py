@@ -225,6 +225,14 @@ class _SamplingFields(StructuredOutputFields):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # vLLM's token masks and prompt truncation (SamplingParams documents them); sizes are
+    # checked before the prompt is tokenized (`check_token_fields`).
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    # SamplingParams.detokenize: false returns token ids only (ask for them with
+    # return_token_ids); the text is "".
+    detokenize: bool = True
     # vLLM's per-tenant prefix-cache salt: requests share cached KV only with requests of the
     # same salt (checked here, before tokenizing, as the engine checks LLM prompts).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -251,6 +259,26 @@ class _SamplingFields(StructuredOutputFields):
             raise ParameterError("best_of must equal n when streaming: the best samples are known only at the end.",
                                  "best_of")
         return self
+
+    def check_token_fields(self, vocab_size: int, max_model_len: int) -> None:
+        """allowed_token_ids, bad_words, truncate_prompt_tokens and detokenize (with stop)
+        by SamplingParams' own rules, before anything is tokenized: ParameterError naming
+        the field."""
+        if (self.allowed_token_ids is None and self.bad_words is None and self.truncate_prompt_tokens is None
+                and self.detokenize):
+            return
+        params = SamplingParams(allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                                truncate_prompt_tokens=self.truncate_prompt_tokens, detokenize=self.detokenize,
+                                stop=self.stop)
+        params.verify_vocab(vocab_size)
+        params.truncated_prompt([], max_model_len)
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids as the request runs them (truncate_prompt_tokens)."""
+        if self.truncate_prompt_tokens is None:
+            return token_ids
+        return SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens).truncated_prompt(token_ids,
+                                                                                                    max_model_len)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int,
                          prompt_logprobs: int | None, model_defaults: dict[str, Any] | None = None,
@@ -300,6 +328,10 @@ class _SamplingFields(StructuredOutputFields):
             logit_bias=logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured_outputs,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            detokenize=self.detokenize,
             **beam_search,
         )
 

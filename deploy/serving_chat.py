@@ -138,6 +138,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_priority(request)
         self.limits.check_messages(request.messages, self.max_model_len)
         self.limits.check_sampling(request)
+        self.check_token_fields(request)
         self.check_logprobs(request)
         tool_mode = resolve_tool_mode(request, self.tool_config, self.limits)
         structured_outputs = self._constraint(request, tool_mode)
@@ -153,6 +154,7 @@ class OpenAIServingChat(OpenAIServing):
                                                        request.add_generation_prompt, request.continue_final_message,
                                                        request.chat_template_kwargs, tools)
             token_ids = await self.off_loop(self.tokenize, text, request.add_special_tokens, "messages")
+        token_ids = request.truncated(token_ids, self.max_model_len)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
             self.check_context(len(token_ids), max_tokens, noun="messages")

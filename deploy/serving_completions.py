@@ -29,6 +29,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_limits(request, requested)
         structured_outputs = self.structured_outputs(request)
         token_ids_list = await self.off_loop(self._tokenize_all, requested, request.add_special_tokens)
+        truncated = [request.truncated(token_ids, self.max_model_len) for token_ids in token_ids_list]
+        # A truncated prompt's text is no longer its tokens': echo decodes the tokens kept.
+        requested = [prompt if len(kept) == len(token_ids) else kept
+                     for prompt, token_ids, kept in zip(requested, token_ids_list, truncated)]
+        token_ids_list = truncated
         build = functools.partial(request.to_sampling_params, structured_outputs=structured_outputs)
         prompts, params = [], []
         for prompt, token_ids in zip(requested, token_ids_list):
@@ -66,6 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(prompt, str):
                 self.limits.check_prompt_chars(len(prompt), self.max_model_len)
         self.limits.check_sampling(request)
+        self.check_token_fields(request)
         self.check_logprobs(request)
         width = request.best_of if request.best_of is not None else request.n
         if num_prompts * width > MAX_N_SEQUENCES:

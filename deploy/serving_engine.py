@@ -89,6 +89,14 @@ class OpenAIServing:
         self.limits.check_prompt_chars(len(text), self.max_model_len, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def check_token_fields(self, request: Any) -> None:
+        """allowed_token_ids (within the vocabulary), bad_words (their count and length),
+        truncate_prompt_tokens (within the context) and detokenize, before tokenizing."""
+        try:
+            request.check_token_fields(self.engine.model_config.vocab_size, self.max_model_len)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=getattr(exc, "param", None)) from None
+
     def check_logprobs(self, request: Any) -> None:
         """vLLM's max_logprobs (an engine argument) for logprobs, chat's top_logprobs and
         prompt_logprobs; checked here too so the error names the request's field."""

@@ -471,6 +471,7 @@ class AsyncLLMEngine:
         handle = self._register_beam_search(request_id)
         try:
             prompt_text, token_ids = await self._prompt_token_ids(prompt)
+            token_ids = params.truncated_prompt(token_ids, self.model_config.max_model_len)
             max_tokens = params.max_tokens or self.model_config.max_model_len - len(token_ids)
             driver = BeamSearchDriver([(token_ids, beam_search_params_from(params, max_tokens))],
                                       self.engine.eos_token_ids, [cache_salt_of(prompt)], [lora_request])

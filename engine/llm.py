@@ -188,8 +188,10 @@ class LLM:
                                                     use_tqdm, [lora_list[i] for i in sampled])):
                 outputs[i] = output
         searched = [i for i, params in enumerate(params_list) if params.use_beam_search]
-        tokenized = [self.llm_engine._tokenize_prompt(prompts[i]) for i in searched]
         max_model_len = self.llm_engine.model_config.max_model_len
+        tokenized = [self.llm_engine._tokenize_prompt(prompts[i]) for i in searched]
+        tokenized = [(text, params_list[i].truncated_prompt(token_ids, max_model_len))
+                     for i, (text, token_ids) in zip(searched, tokenized)]
         driver = BeamSearchDriver(
             [(token_ids, beam_search_params_from(params_list[i], params_list[i].max_tokens
                                                  or max_model_len - len(token_ids)))

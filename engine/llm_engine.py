@@ -133,6 +133,7 @@ class LLMEngine:
         lora_digest = self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        prompt_token_ids = params.truncated_prompt(prompt_token_ids, self.model_config.max_model_len)
         self._validate_request(prompt_token_ids, params)
         params = self._with_engine_defaults(params, len(prompt_token_ids))
         arrival_time = arrival_time or time.time()
@@ -214,6 +215,8 @@ class LLMEngine:
         self._validate_prompt(prompt_token_ids)
         vocab_size = self.model_config.vocab_size
         params.verify_vocab(vocab_size)
+        if params.bad_words and self.tokenizer is None:
+            raise ParameterError("bad_words need a tokenizer; this engine runs with skip_tokenizer_init.", "bad_words")
         if params.structured_outputs is not None and self.structured_output_manager is None:
             raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
                                  "structured_outputs")
@@ -233,8 +236,12 @@ class LLMEngine:
 
     def _with_engine_defaults(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """The engine's private copy of the request's parameters, with what depends on the
-        model filled in: the stop ids (EOS included unless ignore_eos) and max_tokens=None."""
+        model filled in: the stop ids (EOS included unless ignore_eos), max_tokens=None,
+        and the token sequences of bad_words (tokenized here, once, within their bound)."""
         params = copy.copy(params)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+            params.verify_vocab(self.model_config.vocab_size)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)

@@ -147,7 +147,8 @@ class RequestState:
         self.output_kind = parent.output_kind
         self.delta = self.output_kind == RequestOutputKind.DELTA
         self.want_logprobs = params.logprobs is not None
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+        # detokenize=False: token ids only, no text (vLLM's); stop strings were refused then.
+        self.detokenizer = None if tokenizer is None or not params.detokenize else IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
         self.text = _TextStream(params.stop, params.include_stop_str_in_output, keep_all=not self.delta)
         # All tokens (and logprob entries), or in DELTA mode those not yet sent.
@@ -363,7 +364,8 @@ class OutputProcessor:
         """Applies one core output; True when a stop string ended the request here."""
         parent = state.parent
         if core_output.new_prompt_logprobs and parent.prompt_logprobs is not None:
-            parent.prompt_logprobs.extend(self._logprob_dict(e) for e in core_output.new_prompt_logprobs)
+            parent.prompt_logprobs.extend(self._logprob_dict(e, state.detokenizer is not None)
+                                          for e in core_output.new_prompt_logprobs)
         parent.metrics.num_cached_tokens = max(parent.metrics.num_cached_tokens, core_output.num_cached_tokens)
         stopped_by_string = False
         # The EOS that ends a request is not part of its text, as in vLLM, even with
@@ -376,7 +378,8 @@ class OutputProcessor:
             if state.cumulative_logprob is not None:
                 state.cumulative_logprob += core_output.new_token_logprobs[position]
             if state.logprobs is not None and core_output.new_logprobs is not None:
-                state.logprobs.append(self._logprob_dict(core_output.new_logprobs[position]))
+                state.logprobs.append(self._logprob_dict(core_output.new_logprobs[position],
+                                                         state.detokenizer is not None))
             if state.detokenizer is not None and position != eos_position:
                 stop_str = state.text.append(state.detokenizer.step(token_id))
                 if stop_str is not None:
@@ -390,8 +393,9 @@ class OutputProcessor:
         parent.metrics.num_generation_tokens += len(core_output.new_token_ids)
         return stopped_by_string and not core_output.finished
 
-    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        text = self._token_text
+    def _logprob_dict(self, entry: TokenLogprobs, decoded: bool = True) -> dict[int, Logprob]:
+        """The entry's Logprobs; `decoded`: with each token's text (not with detokenize=False)."""
+        text = self._token_text if decoded else None
         result = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id) if text else None)}
         for rank, (token_id, logprob) in enumerate(entry.top, start=1):
             if token_id not in result:

@@ -24,6 +24,13 @@ _MIN_SCALE = 1 / _MAX_SCALE
 # The most samples one request may ask for (n and best_of), vLLM's limit; each sample is a
 # request of its own inside the engine. RAYLM_MAX_N_SEQUENCES changes it.
 MAX_N_SEQUENCES: int = envs.RAYLM_MAX_N_SEQUENCES
+# Bounds on bad_words (vLLM's GPU worker keeps at most 128 words and 1,024 tokens a request):
+# each word is tokenized twice when the request is added, and every step compares the
+# output's last tokens with each word's, so both costs stay small and bounded. A word is
+# bounded in characters before it is tokenized.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORDS_TOKENS = 1024
 
 
 class RequestOutputKind(IntEnum):
@@ -85,6 +92,19 @@ class SamplingParams:
         structured_outputs: Constrains the output to a JSON schema, a regex, a choice or a
             grammar (`StructuredOutputsParams`); None leaves it free. The request ends
             when the grammar does: after a complete output only EOS is allowed.
+        allowed_token_ids: Only these token ids may be sampled (every other token's logit
+            is -inf before logit_bias, penalties and sampling); None allows all. A
+            non-empty list of ids below the vocabulary size, at most the vocabulary's size.
+        bad_words: Words that must not be generated. Each is tokenized (when the request is
+            added) without and with a leading space; the last token of such a sequence is
+            banned at every step where the output so far ends with its other tokens (a
+            one-token word is banned always). At most 128 words of at most 256 characters,
+            1,024 tokens in all. A ban that would leave nothing to sample (allowed_token_ids,
+            a grammar) yields.
+        truncate_prompt_tokens: Keep only the prompt's last k tokens (left truncation); -1
+            keeps the last max_model_len; None keeps the whole prompt. At most max_model_len.
+        detokenize: False returns token ids only: the text is "" (and logprob entries carry
+            no decoded token); stop strings need True.
     """
 
     n: int = 1
@@ -113,6 +133,12 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    # Filled by the engine from bad_words (`update_from_tokenizer`): the banned token sequences.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled by the engine: EOS plus stop_token_ids, the tokens that min_tokens holds back.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -130,6 +156,10 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
@@ -168,17 +198,69 @@ class SamplingParams:
                    "must be non-negative integers")
         for token_id, bias in (self.logit_bias or {}).items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"{{{token_id}: {bias}}}", "values must be in [-100, 100]")
+        self._verify_token_masks()
+        value = self.truncate_prompt_tokens
+        if value is not None:
+            _check(_is_int(value) and (value >= 1 or value == -1), "truncate_prompt_tokens", value,
+                   "must be an integer >= 1, or -1 (max_model_len)")
+        _check(isinstance(self.detokenize, bool), "detokenize", self.detokenize, "must be a boolean")
+        if not self.detokenize:
+            # vLLM's rule: stop strings are matched in the text, which is not made.
+            _check(not self.stop, "stop", self.stop, "needs detokenize=True (stop strings are matched in the text)")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", type(self.structured_outputs).__name__, "must be a StructuredOutputsParams")
         if self.use_beam_search:
             _check(self.structured_outputs is None, "structured_outputs", self.structured_outputs,
                    "cannot be combined with beam search")
+            # Beam search ranks the model's own logprobs, one-token steps of its own.
+            _check(self.allowed_token_ids is None, "allowed_token_ids", self.allowed_token_ids,
+                   "cannot be combined with beam search")
+            _check(not self.bad_words, "bad_words", self.bad_words, "cannot be combined with beam search")
             self._verify_beam_search()
         elif self.best_of > 1 and self.sampling_type == SamplingType.GREEDY:
             # Greedy samples would all be identical: vLLM rejects this too. Named as the
             # request asked: best_of is n unless it was given.
             name = "n" if self.best_of == self.n else "best_of"
             _check(False, name, self.best_of, "must be 1 when using greedy sampling (temperature 0)")
+
+    def _verify_token_masks(self) -> None:
+        """allowed_token_ids and bad_words, as far as no tokenizer is needed."""
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            _check(len(allowed) > 0, "allowed_token_ids", allowed, "must not be empty (None allows every token)")
+            bad = next((t for t in allowed if not (_is_int(t) and t >= 0)), None)
+            _check(bad is None, "allowed_token_ids", bad, "must be non-negative integers")
+        words = self.bad_words
+        if words is None:
+            return
+        _check(len(words) <= MAX_BAD_WORDS, "bad_words", f"{len(words)} words",
+               f"may hold at most {MAX_BAD_WORDS} words")
+        for word in words:
+            _check(isinstance(word, str) and word.strip() != "", "bad_words", word,
+                   "must be non-empty strings (not only spaces)")
+            _check(len(word) <= MAX_BAD_WORD_CHARS, "bad_words", f"a word of {len(word)} characters",
+                   f"may hold words of at most {MAX_BAD_WORD_CHARS} characters")
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Fills `bad_words_token_ids` (vLLM's rule): each word, stripped of leading spaces,
+        tokenized as is and, where that makes a different first token of the same count,
+        with a leading space (a word inside the text). Raises if they pass the bound."""
+        if not self.bad_words:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                continue
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        num_tokens = sum(map(len, sequences))
+        _check(num_tokens <= MAX_BAD_WORDS_TOKENS, "bad_words", f"{num_tokens} tokens",
+               f"may hold at most {MAX_BAD_WORDS_TOKENS} tokens in all (each word counted without and with a "
+               f"leading space)")
+        self.bad_words_token_ids = sequences
 
     def _verify_beam_search(self) -> None:
         # vLLM 0.4's rules: beam search ranks by the model's own probabilities.
@@ -197,6 +279,35 @@ class SamplingParams:
         for token_id in (self.logit_bias or {}):
             _check(0 <= token_id < vocab_size, "logit_bias", token_id,
                    f"token ids must be in [0, {vocab_size})")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) <= vocab_size, "allowed_token_ids",
+                   f"{len(self.allowed_token_ids)} ids", f"may hold at most the vocabulary size {vocab_size} ids")
+            bad = next((t for t in self.allowed_token_ids if t >= vocab_size), None)
+            _check(bad is None, "allowed_token_ids", bad, f"token ids must be in [0, {vocab_size})")
+        for sequence in self.bad_words_token_ids or ():
+            bad = next((t for t in sequence if not 0 <= t < vocab_size), None)
+            _check(bad is None, "bad_words", bad, f"tokenize to ids in [0, {vocab_size})")
+
+    def truncated_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's tokens the request runs on: its last truncate_prompt_tokens (-1:
+        max_model_len), or all of them."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        keep = max_model_len if keep == -1 else keep
+        _check(keep <= max_model_len, "truncate_prompt_tokens", keep,
+               f"must be at most max_model_len ({max_model_len})")
+        return prompt_token_ids[-keep:]
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether the sampler masks tokens for this request (allowed_token_ids, bad_words)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    @property
+    def reads_output_for_bad_words(self) -> bool:
+        """Whether a bad word of several tokens is checked against the output's last tokens."""
+        return any(len(sequence) > 1 for sequence in self.bad_words_token_ids or ())
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -228,6 +339,10 @@ class ParameterError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

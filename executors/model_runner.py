@@ -698,7 +698,8 @@ class ModelRunner:
         """Whether this step needs on the host a token of a deferred step not collected yet:
         a request with proposals to verify, or a draft model that proposes from the tokens,
         or a request whose penalties read its history's tokens on the host (without a
-        `PenaltyState`, which counts such a token from the device). Other steps take such
+        `PenaltyState`, which counts such a token from the device), or one whose bad words
+        of several tokens compare its last tokens with theirs. Other steps take such
         tokens on the device (min_tokens counts its history's tokens but reads none: 0
         stands in there)."""
         if not self._pending_samples:
@@ -709,7 +710,8 @@ class ModelRunner:
             if scheduled.req_id not in self._pending_samples or scheduled.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
                 continue
             params = scheduled.sampling_params or self._sampling_params.get(scheduled.req_id)
-            if scheduled.spec_token_ids or params is None or (params.needs_penalties and self.penalty_state is None):
+            if scheduled.spec_token_ids or params is None or (params.needs_penalties and self.penalty_state is None) \
+                    or params.reads_output_for_bad_words:
                 return True
         return False
 

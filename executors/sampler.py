@@ -1,6 +1,8 @@
 """Turns the logits of the rows to sample into tokens and logprobs, with vLLM's semantics.
 
-Order of operations (vLLM's): logit_bias, min_tokens (stop tokens masked), penalties
+Order of operations (vLLM's): allowed_token_ids (every other token masked), bad_words (the
+last token of a bad word whose other tokens end the output so far masked), logit_bias,
+min_tokens (stop tokens masked), penalties
 (repetition on prompt+output tokens, frequency/presence on output tokens); then greedy
 rows take the argmax and random rows apply temperature, min-p, top-k and top-p (vLLM v1's
 order: top-p is over the mass min-p and top-k leave) and draw
@@ -203,6 +205,8 @@ class _RowStages:
 
     greedy: list[int] = field(default_factory=list)
     random: list[int] = field(default_factory=list)
+    allowed: list[int] = field(default_factory=list)
+    bad_words: list[int] = field(default_factory=list)
     bias: list[int] = field(default_factory=list)
     min_tokens: list[int] = field(default_factory=list)
     penalty: list[int] = field(default_factory=list)
@@ -217,6 +221,11 @@ class _RowStages:
         penalty, logprobs, scored = rows.penalty, rows.logprobs, rows.scored
         for i, params in enumerate(metadata.sampling_params):
             (greedy if params.is_greedy else random).append(i)
+            if params.masks_tokens:
+                if params.allowed_token_ids is not None:
+                    rows.allowed.append(i)
+                if params.bad_words_token_ids:
+                    rows.bad_words.append(i)
             if params.logit_bias:
                 bias.append(i)
             if params.min_tokens and params.all_stop_token_ids \
@@ -289,11 +298,16 @@ def _unpack(flat: list, tensors: list[torch.Tensor]) -> list[list[int] | list[fl
 
 
 def process_logits_(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages | None = None) -> torch.Tensor:
-    """logit_bias, min_tokens and penalties, the sampler's first stage, applied to the logits
+    """allowed_token_ids, bad_words, logit_bias, min_tokens and penalties, the sampler's
+    first stage, applied to the logits
     in place (no copy: a caller that needs the raw values reads them first, as `Sampler`
     does its raw logprobs); returns them. What the rejection sampler and the draft model
     draw from, as the sampler does. rows: the batch's `_RowStages`, if already known."""
     rows = _RowStages.of(metadata) if rows is None else rows
+    if rows.allowed:
+        _apply_allowed_token_ids(logits, metadata, rows.allowed)
+    if rows.bad_words:
+        _apply_bad_words(logits, metadata, rows.bad_words)
     if rows.bias:
         _apply_logit_bias(logits, metadata, rows.bias)
     if rows.min_tokens:
@@ -345,10 +359,60 @@ def _apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
                       to_device(values, device, logits.dtype), accumulate=True)
 
 
+def _apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
+    """Every token but the row's allowed_token_ids gets -inf, in place: the allowed ones'
+    logits are gathered, the rows filled with -inf and the logits put back. Only the ids
+    go to the device (through pinned memory, as logit_bias's do): nothing is read back."""
+    allowed = [metadata.sampling_params[i].allowed_token_ids for i in rows]
+    width = max(map(len, allowed))
+    # Rows are padded with their own first id: gathering and putting it back twice is harmless.
+    padded = [token_id for ids in allowed for token_id in ids + [ids[0]] * (width - len(ids))]
+    device = logits.device
+    columns = to_device(padded, device).view(len(rows), width)
+    row_idx = to_device(rows, device)
+    row_grid = row_idx.unsqueeze(1).expand(len(rows), width)
+    kept = logits[row_grid, columns]
+    logits.index_fill_(0, row_idx, _NEG_INF)
+    logits[row_grid, columns] = kept
+
+
+def _apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
+    """vLLM's bad words: for each of a row's banned sequences, its last token gets -inf
+    when the row's output so far (its request's, then the proposals the row reads) ends
+    with the sequence's other tokens; a one-token sequence always. Decided on the host from
+    the row's history (`keeps_host_history`), which the step brings up to date; only the
+    banned entries go to the device. A ban that would leave a row nothing to draw
+    (allowed_token_ids, a grammar) yields, as min_tokens does.
+
+    A draft model's rows past its first proposal (`output_suffix`: the proposals so far,
+    on the device) check one-token words alone: reading the suffix would wait for the
+    device. Its distribution is what it drew from, so verification stays exact, and the
+    target's rows, which read the proposals on the host, ban every word."""
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    position: list[int] = []
+    for j, i in enumerate(rows):
+        sequences = metadata.sampling_params[i].bad_words_token_ids
+        tail: list[int] | None = None
+        for sequence in sequences:
+            prefix_len = len(sequence) - 1
+            if prefix_len:
+                if metadata.output_suffix is not None:
+                    continue
+                if tail is None:
+                    tail = metadata.output_tail(i, max(map(len, sequences)) - 1)
+                if len(tail) < prefix_len or tail[len(tail) - prefix_len:] != sequence[:-1]:
+                    continue
+            row_idx.append(i)
+            col_idx.append(sequence[-1])
+            position.append(j)
+    if row_idx:
+        _mask_unless_emptied(logits, rows, row_idx, col_idx, position)
+
+
 def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
     """Masks the stop tokens of rows short of min_tokens, unless that leaves a row nothing
-    to draw (a structured output whose grammar allows only EOS now: the grammar wins).
-    Decided on the device: asking the host which rows emptied would wait for the GPU."""
+    to draw (a structured output whose grammar allows only EOS now: the grammar wins)."""
     row_idx: list[int] = []
     col_idx: list[int] = []
     position: list[int] = []  # each masked entry's row among `rows`
@@ -357,6 +421,14 @@ def _apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
         row_idx.extend([i] * len(stop_ids))
         col_idx.extend(stop_ids)
         position.extend([j] * len(stop_ids))
+    _mask_unless_emptied(logits, rows, row_idx, col_idx, position)
+
+
+def _mask_unless_emptied(logits: torch.Tensor, rows: list[int], row_idx: list[int], col_idx: list[int],
+                         position: list[int]) -> None:
+    """Sets the entries (row_idx, col_idx) to -inf, except in rows of `rows` that this
+    would leave with nothing to draw (position: each entry's row among `rows`). Decided on
+    the device: asking the host which rows emptied would wait for the GPU."""
     device = logits.device
     index = (to_device(row_idx, device), to_device(col_idx, device))
     kept = logits[index]

@@ -44,16 +44,20 @@ class RequestSamplingState:
 
 def needs_token_history(params: SamplingParams) -> bool:
     """Whether the request's sampling reads its tokens so far (penalties, min_tokens with
-    stop token ids), from a host history or the device's penalty state."""
-    return params.needs_penalties or _counts_output_tokens(params)
+    stop token ids, bad words of several tokens), from a host history or the device's
+    penalty state."""
+    return params.needs_penalties or _counts_output_tokens(params) or params.reads_output_for_bad_words
 
 
 def keeps_host_history(params: SamplingParams, penalties_on_device: bool) -> bool:
     """Whether the worker that samples keeps the request's host `TokenHistory`: its
     penalties read it, unless a `PenaltyState` on the device holds them
     (`penalties_on_device`); min_tokens with stop token ids counts its output tokens in it
-    (`SamplingMetadata.num_output_tokens`)."""
-    return (params.needs_penalties and not penalties_on_device) or _counts_output_tokens(params)
+    (`SamplingMetadata.num_output_tokens`); bad words of several tokens compare its last
+    output tokens with theirs (the values: a deferred step's token must be read first,
+    `ModelRunner.needs_collected_tokens`)."""
+    return ((params.needs_penalties and not penalties_on_device) or _counts_output_tokens(params)
+            or params.reads_output_for_bad_words)
 
 
 def _counts_output_tokens(params: SamplingParams) -> bool:
@@ -128,6 +132,11 @@ class SamplingMetadata:
     def output_token_ids(self, row: int) -> torch.Tensor:
         """The row's output tokens: its request's, then the proposals it reads."""
         return self.histories[row].output_token_ids(self.history_lens[row])
+
+    def output_tail(self, row: int, count: int) -> list[int]:
+        """The row's last `count` (or fewer) output tokens, proposals it reads included
+        (not `output_suffix`'s)."""
+        return self.histories[row].output_tail(self.history_lens[row], count)
 
     def subset(self, rows: list[int]) -> "SamplingMetadata":
         """The metadata of these rows, in this order."""

@@ -66,6 +66,12 @@ class TokenHistory:
         reads staged proposals too)."""
         return self.token_ids[self.num_prompt_tokens:self.num_tokens if num_tokens is None else num_tokens]
 
+    def output_tail(self, num_tokens: int, count: int) -> list[int]:
+        """The last `count` (or fewer) output tokens among the first `num_tokens`, as a list
+        (read from the host buffer: never a device's)."""
+        start = max(self.num_prompt_tokens, num_tokens - count)
+        return self._buffer[start:num_tokens].tolist()
+
     def _write(self, token_ids: Sequence[int]) -> None:
         start = self.num_tokens
         end = start + len(token_ids)

@@ -98,6 +98,11 @@ def _with_stops(params: SamplingParams, stops: set[int]) -> SamplingParams:
     return params
 
 
+def _with_bad_words(params: SamplingParams, sequences: list[list[int]]) -> SamplingParams:
+    params.bad_words_token_ids = sequences  # what the engine tokenizes bad_words into
+    return params
+
+
 def _batches() -> dict[str, tuple[list[SamplingParams], torch.Tensor]]:
     """Batches of 6 rows covering each stage of the sampler; `seed` makes rows seeded."""
     eos_first = _logits(6, 1)
@@ -127,6 +132,15 @@ def _batches() -> dict[str, tuple[list[SamplingParams], torch.Tensor]]:
              SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, n=1, best_of=2, seed=8),
              SamplingParams(temperature=0.6, logprobs=5, seed=9), SamplingParams(temperature=0.0, logprobs=1)],
             _logits(6, 4)),
+        # Outputs (`_metadata`) end with each bad sequence's prefix in rows 2 and 3; in row 5
+        # the ban would leave nothing to draw and yields.
+        "allowed_token_ids, bad_words": (
+            [SamplingParams(temperature=0.0, allowed_token_ids=[5, 9, 60]),
+             SamplingParams(temperature=0.9, seed=11, allowed_token_ids=[2, 3, 4], logprobs=1),
+             _with_bad_words(SamplingParams(temperature=0.0), [[7], [1, 8], [9, 9, 1, 10], [5, 11]]),
+             _with_bad_words(SamplingParams(temperature=0.7, seed=12), [[9, 30], [2, 31, 32]]),
+             _with_bad_words(SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]), [[2]]),
+             _with_bad_words(SamplingParams(temperature=0.0, allowed_token_ids=[3]), [[3]])], _logits(6, 5)),
         "rows of NaN and +inf": (
             [SamplingParams(temperature=t, logprobs=2, seed=10 + i) for i, t in enumerate([0.0, 0.0, 1.0] * 2)], bad),
     }
