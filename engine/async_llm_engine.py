@@ -411,10 +411,11 @@ class AsyncLLMEngine:
             stream.close()
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None,
-                     request_id: str) -> AsyncIterator[PoolingRequestOutput]:
+                     request_id: str, priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
         """Yields the request's one output, its pooled vector (vLLM's AsyncLLM.encode); the
-        engine must run runner='pooling'. Raises ValueError for a bad request."""
-        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams())
+        engine must run runner='pooling'. `priority` as in `add_request`. Raises ValueError
+        for a bad request."""
+        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(), priority=priority)
         try:
             async for output in stream:
                 yield output

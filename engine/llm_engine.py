@@ -123,7 +123,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running.")
         priority = check_priority(priority, self.engine_config.scheduler_config.policy)
         if isinstance(params, PoolingParams) or (params is None and self.is_pooling):
-            self._add_pooling_request(request_id, prompt, params or PoolingParams(), arrival_time, lora_request)
+            self._add_pooling_request(request_id, prompt, params or PoolingParams(), arrival_time, lora_request,
+                                      priority)
             return
         if self.is_pooling:
             raise ValueError("This engine runs runner='pooling' (embeddings): it pools prompts and generates no "
@@ -153,7 +154,7 @@ class LLMEngine:
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                             arrival_time: float | None, lora_request: LoRARequest | None) -> None:
+                             arrival_time: float | None, lora_request: LoRARequest | None, priority: int) -> None:
         """Queues a prompt to be prefilled once and pooled (its prompt truncated as
         truncate_prompt_tokens says, then checked like any prompt)."""
         if not self.is_pooling:
@@ -179,7 +180,7 @@ class LLMEngine:
         arrival_time = arrival_time or time.time()
         parent = ParentRequest(request_id, prompt_text, prompt_token_ids, step_params, arrival_time)
         child_id = self.output_processor.add_pooling_request(parent, params)
-        self.engine_core.add_request(Request(child_id, prompt_token_ids, step_params, arrival_time,
+        self.engine_core.add_request(Request(child_id, prompt_token_ids, step_params, arrival_time, priority=priority,
                                              cache_salt=cache_salt, pooling_params=params))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 

@@ -10,10 +10,11 @@ import random
 import re
 
 import pytest
+import torch
 
 from engine_checks import assert_engine_idle
-from hf_reference import hf_greedy
-from raylm.engine import LLM, SamplingParams
+from hf_reference import hf_embedding, hf_greedy
+from raylm.engine import LLM, PoolingParams, SamplingParams
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncLLMEngine
 from raylm.engine.llm_engine import LLMEngine
@@ -184,3 +185,31 @@ def test_async_engine_refuses_a_priority_under_fcfs_and_keeps_serving(llama_dir)
             engine.shutdown()
 
     assert asyncio.run(run()) == hf_greedy(llama_dir, [5, 6, 7], 3)
+
+
+def test_pooling_requests_are_admitted_by_priority_with_hf_embeddings(llama_dir):
+    """An embedding's priority orders the waiting queue as a generation's does: with one
+    request running at a time, "high" (priority -1), added after "mid", is pooled before it.
+    (The priority was checked and then dropped for pooling requests: "mid" came first.)"""
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(llama_dir), dtype="float32", max_model_len=64, max_num_seqs=1, runner="pooling",
+        scheduling_policy="priority", disable_log_stats=True))
+    prompts = dict(zip(["first", "mid", "high"], _prompts(3, seed=3)))
+    finished: list[str] = []
+    embeddings: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        for output in engine.step():
+            finished.append(output.request_id)
+            embeddings[output.request_id] = output.outputs.data
+
+    engine.add_request("first", {"prompt_token_ids": prompts["first"]}, PoolingParams(), priority=0)
+    engine.add_request("mid", {"prompt_token_ids": prompts["mid"]}, PoolingParams(), priority=0)
+    engine.add_request("high", {"prompt_token_ids": prompts["high"]}, PoolingParams(), priority=-1)
+    while engine.has_unfinished_requests():
+        step()
+    assert finished == ["high", "first", "mid"]
+    for request_id, prompt in prompts.items():
+        torch.testing.assert_close(embeddings[request_id], hf_embedding(llama_dir, prompt), atol=1e-4, rtol=0)
+    assert_engine_idle(engine)
+    engine.shutdown()
