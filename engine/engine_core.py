@@ -129,7 +129,8 @@ class EngineCore:
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             # Compiles (or finds) its grammar off the step; it waits until that is done.
-            request.structured_output_request = self.structured_output_manager.new_request(structured)
+            request.structured_output_request = self.structured_output_manager.new_request(
+                structured, request.sampling_params.allowed_token_ids)
             request.status = RequestStatus.WAITING_FOR_FSM
         self.scheduler.add_request(request)
 
@@ -402,8 +403,13 @@ def _not_finite_error(request: Request) -> Exception:
 
 
 def _grammar_error(request: Request, token_id: int) -> Exception:
-    if request.structured_output_request.dead_end:
-        structured = request.structured_output_request
+    structured = request.structured_output_request
+    if structured.dead_end == "allowed_token_ids":
+        return ParameterError(f"allowed_token_ids: none of them is a token that {structured.params.source} allows "
+                              f"after the request's {request.num_output_tokens} output tokens (an output the grammar "
+                              f"completes ends with an EOS token, which allowed_token_ids must then hold): it cannot "
+                              f"be completed.", "allowed_token_ids")
+    if structured.dead_end == "grammar":
         return ParameterError(f"{structured.params.source}: the request's grammar allows no token after its "
                               f"{request.num_output_tokens} output tokens: it cannot be completed.",
                               structured.params.source)

@@ -14,14 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_engine_idle, run_to_end
 from hf_reference import assert_hf_greedy
 from test_deferred_reads import forced_collects  # noqa: F401 (a fixture)
 from test_sampler_host_reads import VOCAB, HostReads, gpu_path  # noqa: F401 (a fixture)
 from test_spec_decode import _speculative_config, draft_dirs  # noqa: F401 (a fixture)
 from token_mask_reference import assert_masked_greedy, bad_steps
 from raylm.engine import LLM, SamplingParams
+from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.llm_engine import LLMEngine
 from raylm.engine.sampling_params import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, ParameterError
+from raylm.engine.structured_output.params import StructuredOutputsParams
 from raylm.executors import sampler as sampler_module
 from raylm.executors.model_runner import ModelRunner
 from raylm.executors.sampler import Sampler
@@ -280,3 +283,32 @@ def test_beam_search_runs_on_the_truncated_prompt(llm):
                                    use_tqdm=False)
     assert truncated.prompt_token_ids == prompt[-5:]
     assert [c.token_ids for c in truncated.outputs] == [c.token_ids for c in kept.outputs]
+
+
+def test_allowed_token_ids_outside_the_grammar_fail_the_request_naming_the_field(llama_dir, sampling_path):
+    """allowed_token_ids that hold no token a structured output allows leave nothing to
+    sample: the request fails with an error naming allowed_token_ids (not a NaN draw blamed
+    on the weights, or token 0 sampled against the grammar), greedy or drawn, on the CPU's
+    path and a GPU's; a request whose allowed_token_ids meet the grammar (and hold EOS)
+    completes it, and a plain request beside them runs on."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), disable_log_stats=True, **ENGINE))
+    tokenizer = engine.get_tokenizer()
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    answer_ids = sorted({t for word in ("yes", "no") for t in tokenizer.encode(word, add_special_tokens=False)})
+    disjoint = [t for t in ALLOWED if t not in answer_ids][:4]
+    prompt = {"prompt_token_ids": tokenizer.encode("Answer:")}
+    engine.add_request("greedy", prompt, SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=disjoint,
+                                                        structured_outputs=choice))
+    engine.add_request("drawn", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=5,
+                                                       allowed_token_ids=disjoint, structured_outputs=choice))
+    engine.add_request("meets", prompt, SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=choice,
+                                                       allowed_token_ids=answer_ids + [2]))
+    engine.add_request("plain", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finished, failed = run_to_end(engine)
+    assert sorted(failed) == ["drawn", "greedy"], failed
+    for error in failed.values():
+        assert isinstance(error, ParameterError) and error.param == "allowed_token_ids", error
+    assert tokenizer.decode(finished["meets"], skip_special_tokens=True) in ("yes", "no")
+    assert_hf_greedy(llama_dir, prompt["prompt_token_ids"], finished["plain"], f"{sampling_path}: plain")
+    assert_engine_idle(engine)
+    engine.shutdown()

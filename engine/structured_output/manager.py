@@ -199,9 +199,11 @@ class StructuredOutputManager:
         return self._cached_bytes
 
     # ------------------------------------------------------------------ requests
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """The per-request state: the grammar's future now, a matcher once it is ready."""
-        return StructuredOutputRequest(self, params, self.compile(params))
+    def new_request(self, params: StructuredOutputsParams,
+                    allowed_token_ids: list[int] | None = None) -> StructuredOutputRequest:
+        """The per-request state: the grammar's future now, a matcher once it is ready.
+        allowed_token_ids: the request's own mask, which the bitmask must meet."""
+        return StructuredOutputRequest(self, params, self.compile(params), allowed_token_ids)
 
     def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> np.ndarray:
         """The next-token bitmask of each request, one row each: int32 [len, ceil(V / 32)],
@@ -215,12 +217,17 @@ class StructuredOutputManager:
         # machine has the cores), not a Python call each.
         self._batch_matcher.batch_fill_next_token_bitmask([request.matcher for request in requests], bitmask)
         words = bitmask.numpy()
-        dead = np.flatnonzero(~words.any(axis=1))
-        for row in dead.tolist():
-            # No token allowed: a row of -inf would sample NaN. EOS is let through, which the
-            # matcher then refuses, and the engine fails the request alone.
-            requests[row].dead_end = True
-            for token in self.eos_token_ids:
+        dead = ~words.any(axis=1)
+        for row, request in enumerate(requests):
+            allowed = request.allowed_token_ids
+            if not dead[row] and (allowed is None or _any_bit_set(words[row], allowed)):
+                continue
+            # No token to sample: a row of -inf would sample NaN (or token 0 on a GPU). A
+            # token the matcher refuses is let through instead (EOS, or with
+            # allowed_token_ids, which the sampler applies after the bitmask, the first of
+            # them), and the engine fails the request alone, naming the cause.
+            request.dead_end = "grammar" if dead[row] else "allowed_token_ids"
+            for token in self.eos_token_ids if allowed is None else (*self.eos_token_ids, allowed[0]):
                 words[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
         return words
 
@@ -242,3 +249,10 @@ def _is_the_constraints_fault(error: BaseException | None) -> bool:
     """Whether a failed compile's error is the constraint's own (the compiler refused it), to
     be remembered, rather than its process's fate (a signal, the worker down, a cancel)."""
     return isinstance(error, StructuredOutputsError) and not isinstance(error, CompileCrashedError)
+
+
+def _any_bit_set(words: np.ndarray, token_ids: list[int]) -> bool:
+    """Whether a bitmask row (int32 words, xgrammar's layout) allows any of the token ids."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = ids[ids < words.shape[0] * 32]
+    return bool(((words.view(np.uint32)[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())

@@ -22,15 +22,20 @@ if TYPE_CHECKING:
 
 
 class StructuredOutputRequest:
-    def __init__(self, manager: "StructuredOutputManager", params: StructuredOutputsParams, grammar: Future) -> None:
+    def __init__(self, manager: "StructuredOutputManager", params: StructuredOutputsParams, grammar: Future,
+                 allowed_token_ids: list[int] | None = None) -> None:
         self.manager = manager
         self.params = params
         self.grammar = grammar
+        # The request's SamplingParams.allowed_token_ids, which the sampler applies beside
+        # the grammar's bitmask (sorted, distinct; None: every token).
+        self.allowed_token_ids = None if allowed_token_ids is None else sorted(set(allowed_token_ids))
         self._matcher: Any = None
         self._stop_token_ids: frozenset[int] = frozenset()
         self.released = False
-        # Set when the grammar allowed no token at all (see grammar_bitmask).
-        self.dead_end = False
+        # Set when no token could be sampled (see grammar_bitmask): the grammar allowed none
+        # ("grammar"), or none of allowed_token_ids ("allowed_token_ids"); None otherwise.
+        self.dead_end: str | None = None
         # False while the output is still reasoning: the grammar does not apply yet.
         self.reasoning_ended = params.reasoning_end_token_id is None
 
