@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
-from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
+from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams, truncated_prompt
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
 # Logprobs: OpenAI allows at most 20 alternatives per position in chat and 5 in completions;
@@ -275,10 +275,7 @@ class _SamplingFields(StructuredOutputFields):
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's token ids as the request runs them (truncate_prompt_tokens)."""
-        if self.truncate_prompt_tokens is None:
-            return token_ids
-        return SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens).truncated_prompt(token_ids,
-                                                                                                    max_model_len)
+        return truncated_prompt(token_ids, self.truncate_prompt_tokens, max_model_len)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int,
                          prompt_logprobs: int | None, model_defaults: dict[str, Any] | None = None,

@@ -10,7 +10,8 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raylm.engine.sampling_params import ParameterError, RequestOutputKind
+from raylm.engine.sampling_params import (ParameterError, RequestOutputKind, check_truncate_prompt_tokens,
+                                          truncated_prompt)
 
 if TYPE_CHECKING:  # raylm.engine (and so engine/envs.py) imports this module without torch
     import torch
@@ -38,10 +39,7 @@ class PoolingParams:
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
-        value = self.truncate_prompt_tokens
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1):
-            raise ParameterError(f"truncate_prompt_tokens must be -1 (max_model_len), a positive number of tokens or "
-                                 f"None, got {value!r}.", "truncate_prompt_tokens")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ParameterError(f"dimensions must be a positive integer or None, got {self.dimensions!r}.",
@@ -52,14 +50,7 @@ class PoolingParams:
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's tokens that are pooled: its last truncate_prompt_tokens (or all)."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        keep = max_model_len if keep == -1 else keep
-        if keep > max_model_len:
-            raise ParameterError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({max_model_len}).",
-                                 "truncate_prompt_tokens")
-        return prompt_token_ids[-keep:]
+        return truncated_prompt(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
 
     def verify(self, hf_config, hidden_size: int) -> None:
         """Refuses `dimensions` the model cannot give (vLLM's rules: Matryoshka models only,

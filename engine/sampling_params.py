@@ -199,10 +199,7 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"{{{token_id}: {bias}}}", "values must be in [-100, 100]")
         self._verify_token_masks()
-        value = self.truncate_prompt_tokens
-        if value is not None:
-            _check(_is_int(value) and (value >= 1 or value == -1), "truncate_prompt_tokens", value,
-                   "must be an integer >= 1, or -1 (max_model_len)")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check(isinstance(self.detokenize, bool), "detokenize", self.detokenize, "must be a boolean")
         if not self.detokenize:
             # vLLM's rule: stop strings are matched in the text, which is not made.
@@ -289,15 +286,8 @@ class SamplingParams:
             _check(bad is None, "bad_words", bad, f"tokenize to ids in [0, {vocab_size})")
 
     def truncated_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's tokens the request runs on: its last truncate_prompt_tokens (-1:
-        max_model_len), or all of them."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        keep = max_model_len if keep == -1 else keep
-        _check(keep <= max_model_len, "truncate_prompt_tokens", keep,
-               f"must be at most max_model_len ({max_model_len})")
-        return prompt_token_ids[-keep:]
+        """The prompt's tokens the request runs on (`truncated_prompt`)."""
+        return truncated_prompt(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def masks_tokens(self) -> bool:
@@ -339,6 +329,26 @@ class ParameterError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_truncate_prompt_tokens(value: object) -> None:
+    """vLLM's truncate_prompt_tokens, of SamplingParams and PoolingParams alike: None, -1
+    or a positive integer; ParameterError naming it otherwise."""
+    if value is not None:
+        _check(_is_int(value) and (value >= 1 or value == -1), "truncate_prompt_tokens", value,
+               "must be a positive integer, or -1 (max_model_len)")
+
+
+def truncated_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
+                     max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (left truncation; -1: the last
+    max_model_len), or all of them for None; a count past max_model_len is a ParameterError."""
+    keep = truncate_prompt_tokens
+    if keep is None:
+        return prompt_token_ids
+    keep = max_model_len if keep == -1 else keep
+    _check(keep <= max_model_len, "truncate_prompt_tokens", keep, f"must be at most max_model_len ({max_model_len})")
+    return prompt_token_ids[-keep:]
 
 
 def _is_int(value: object) -> bool:

@@ -68,7 +68,12 @@ def _random_cuts(text: str, rng: random.Random) -> list[str]:
 
 @pytest.mark.parametrize("reply,reasoning,content", SPLITS)
 def test_streamed_deltas_add_up_to_the_split_in_any_chunking(reply, reasoning, content):
-    parser = get_reasoning_parser("deepseek_r1", None)
+    assert_streams_add_up(get_reasoning_parser("deepseek_r1", None), reply, reasoning, content)
+
+
+def assert_streams_add_up(parser, reply: str, reasoning: str | None, content: str | None) -> None:
+    """The parser's streamer, fed the reply cut at random 200 times, gives out deltas that
+    add up to (reasoning, content)."""
     rng = random.Random(reply)
     for _ in range(200):
         pieces = _random_cuts(reply, rng) or [""]
@@ -205,17 +210,7 @@ def test_a_qwen3_tool_call_in_unclosed_thinking_ends_it(reply, reasoning, conten
     r1 = get_reasoning_parser("deepseek_r1", None)
     before, _, after = reply.removeprefix("<think>").partition("</think>")
     assert r1.split(reply, in_reasoning=True) == ReasoningSplit(before or None, after or None)
-    rng = random.Random(reply)
-    for _ in range(200):
-        pieces = _random_cuts(reply, rng) or [""]
-        streamer = qwen3.streamer(in_reasoning=True)
-        got_reasoning, got_content = "", ""
-        for index, piece in enumerate(pieces):
-            r, c = streamer.feed(piece, final=index == len(pieces) - 1)
-            got_reasoning += r
-            got_content += c
-            assert (reasoning or "").startswith(got_reasoning) and (content or "").startswith(got_content)
-        assert (got_reasoning or None, got_content or None) == (reasoning, content), pieces
+    assert_streams_add_up(qwen3, reply, reasoning, content)
 
 
 def test_a_stream_holds_a_tool_call_tag_back_until_the_text_after_it_tells():
