@@ -627,7 +627,7 @@ class DetokenizeResponse(OpenAIBaseModel):
 # -------------------------------------------------------------- embeddings
 class EmbeddingRequest(OpenAIRequest):
     """`POST /v1/embeddings` (OpenAI's fields and vLLM's extras: truncate_prompt_tokens,
-    add_special_tokens, normalize)."""
+    add_special_tokens, normalize, priority)."""
 
     model: str | None = None
     # JSON integers and booleans only where they are meant: lax parsing would read `true` as
@@ -640,6 +640,8 @@ class EmbeddingRequest(OpenAIRequest):
     truncate_prompt_tokens: StrictInt | None = None
     add_special_tokens: StrictBool = True
     normalize: StrictBool | None = None
+    # vLLM's request priority, as on completions (_SamplingFields.priority).
+    priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     @model_validator(mode="after")
     def _check_embedding(self) -> "EmbeddingRequest":

@@ -31,6 +31,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if not self.engine.model_config.is_pooling:
             raise OpenAIError("This model does not serve the Embeddings API: start the server with --runner pooling "
                               "(vLLM's flag) to serve /v1/embeddings.", param="model")
+        self.check_priority(request)
         inputs = request.inputs()
         self.check_limits(inputs)
         params = self.pooling_params(request)
@@ -43,7 +44,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         request_id = random_id("embd")
         created = int(time.time())
         streams = await self.add_requests(request_id, prompts, [params] * len(prompts),
-                                          self.lora_request(model_name))
+                                          self.lora_request(model_name), request.priority)
         finals: list[PoolingRequestOutput | None] = [None] * len(streams)
         async for index, output in merge_async_iterators(streams, raw_request.is_disconnected):
             finals[index] = output

@@ -114,6 +114,8 @@ def test_truncate_prompt_tokens_pools_the_last_tokens(server, llama_dir):
     ({"input": "hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive"),
     ({"input": [600]}, "input", "vocabulary"),
     ({"input": "hello", "model": "other"}, "model", "does not exist"),
+    # vLLM's priority field, as on completions: this server schedules fcfs (it was ignored).
+    ({"input": "hello", "priority": 1}, "priority", "scheduling policy"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, body, param, words):
     base_url, engine = server
@@ -151,6 +153,7 @@ def test_a_pooling_server_refuses_completions(server):
     ({"input": "hello", "dimensions": True}, "dimensions"),
     ({"input": "hello", "normalize": "yes"}, "normalize"),
     ({"input": "hello", "add_special_tokens": 0}, "add_special_tokens"),
+    ({"input": "hello", "priority": True}, "priority"),
 ])
 def test_json_types_are_not_coerced_into_token_ids_or_sizes(server, body, param):
     """A JSON boolean, float or string where an integer (or a boolean) is meant is a 400
