@@ -50,10 +50,11 @@ def load_chat_template(template: str | None) -> str | None:
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, chat_template: str | None = None, trust_request_chat_template: bool = False,
                  tool_config: ToolCallConfig | None = None, reasoning_parser: ReasoningParser | None = None,
-                 max_queued_chat_template_renders: int = DEFAULT_MAX_QUEUED,
+                 max_queued_chat_template_renders: int = DEFAULT_MAX_QUEUED, response_role: str = "assistant",
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.response_role = response_role
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_config = tool_config or ToolCallConfig()
         self.reasoning_parser = reasoning_parser
@@ -205,6 +206,7 @@ class OpenAIServingChat(OpenAIServing):
                                               as_ids)
             split = self._split(completion.text, in_reasoning, completion.token_ids)
             message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
+            message.role = self.reply_role(request)
             if split.reasoning is not None and request.include_reasoning:
                 message.reasoning = split.reasoning
             if self.reasoning_parser is not None and not message.content and not echo:
@@ -278,6 +280,11 @@ class OpenAIServingChat(OpenAIServing):
                                       tool_calls=tool_calls_of(parsed, tool_mode.parser))
         return message, tool_mode.finish_reason(True, finish_reason)
 
+    def reply_role(self, request: ChatCompletionRequest) -> str:
+        """The reply message's role (vLLM's): --response-role for a new turn
+        (add_generation_prompt), else the role of the last message, which it continues."""
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
+
     @staticmethod
     def _echo_text(request: ChatCompletionRequest) -> str:
         """vLLM's chat `echo`: the last message's content, when it is the assistant's."""
@@ -313,11 +320,12 @@ class OpenAIServingChat(OpenAIServing):
             if tool_mode is not None and tool_mode.parser is not None else None
         completion_tokens = 0
         try:
-            # vLLM opens every choice with the assistant role and empty content (or the echo).
+            # vLLM opens every choice with the reply's role and empty content (or the echo).
             # With return_token_ids each of those chunks carries the prompt's ids, as vLLM's do.
+            role = self.reply_role(request)
             for index in range(request.n):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=echo)),
+                    index=index, delta=DeltaMessage(role=role, content=echo)),
                     prompt_token_ids if request.return_token_ids else None)
             async for _, output in merge_async_iterators([stream]):
                 for completion in output.outputs:
