@@ -19,6 +19,7 @@ from raylm.engine.config import (LOAD_FORMATS, SCHEDULING_POLICIES, CacheConfig,
                                  LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                                  check_load_format, default_max_num_batched_tokens, derive_max_model_len,
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
+from raylm.engine.generation_config import check_override_generation_config
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
@@ -145,9 +146,15 @@ class EngineArgs(SettingsMixin):
         "always run eagerly. No effect on the CPU."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
     generation_config: str = field(default="auto", metadata=_help(
-        "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
-        "that leave them unset, and all its EOS ids stop generation; 'vllm' ignores the file; a folder path "
-        "reads the file from there."))
+        "'auto' applies the model's generation_config.json: its sampling fields (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them unset; 'vllm' "
+        "keeps vLLM's defaults instead; a folder path reads the file from there. All the file's EOS ids stop "
+        "generation either way, as in vLLM."))
+    override_generation_config: dict[str, Any] | None = field(default=None, metadata=_help(
+        "generation_config.json sampling fields (a JSON object on the command line, e.g. {\"temperature\": 0.5}) "
+        "merged over the file's under generation_config 'auto' or a folder, or used alone under 'vllm', as "
+        "vLLM's flag; keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens. Default: "
+        "none."))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=_help(
         "Speculative decoding, as vLLM's: a dict (a JSON object on the command line), "
         "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
@@ -228,6 +235,7 @@ class EngineArgs(SettingsMixin):
             skip_tokenizer_init=self.skip_tokenizer_init,
             attention_backend=self.attention_backend,
             generation_config=self.generation_config,
+            override_generation_config=check_override_generation_config(self.override_generation_config) or None,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
             runner_type=runner_type,

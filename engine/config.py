@@ -216,6 +216,8 @@ class ModelConfig:
     attention_backend: str | None = None
     # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"
+    # vLLM's override_generation_config: generation_config.json keys merged over the file's.
+    override_generation_config: dict[str, Any] | None = None
     # vLLM's max_logprobs: the most logprobs / prompt_logprobs a request may ask for
     # (-1: up to the vocabulary). Each one is a Logprob object per position and sequence.
     max_logprobs: int = 20
