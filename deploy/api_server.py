@@ -240,7 +240,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                              max_queued_chat_template_renders=server_args.max_queued_chat_template_renders,
                              tool_config=tool_config, reasoning_parser=reasoning_parser, models=serving_models,
                              response_budget=response_budget, return_tokens_as_token_ids=as_ids,
-                             request_logger=request_logger, response_role=server_args.response_role)
+                             request_logger=request_logger, response_role=server_args.response_role,
+                             chat_template_content_format=server_args.chat_template_content_format)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)

@@ -149,6 +149,11 @@ class ServerArgs(SettingsMixin):
         "The role of the chat reply's message when the request has add_generation_prompt (the default); a request "
         "that continues its last message (add_generation_prompt false) is answered in that message's role, as in "
         "vLLM."))
+    chat_template_content_format: str = field(default="auto", metadata=setting(
+        "How a chat message's content reaches the chat template, as vLLM's flag: 'string' as one string (text "
+        "parts joined by newlines), 'openai' as OpenAI's list of parts ([{\"type\": \"text\", \"text\": ...}], a "
+        "string content becoming one part); 'auto' picks 'openai' for a template that loops over a message's "
+        "content, else 'string'.", choices=("auto", "string", "openai")))
     enable_log_requests: bool = field(default=False, metadata=setting(
         "Log each request as it reaches the engine, at INFO: its id, prompt, prompt token ids (both cut to "
         "--max-log-len), sampling parameters and LoRA adapter (vLLM's flag; off). Headers, and so API keys, are "
@@ -183,6 +188,9 @@ class ServerArgs(SettingsMixin):
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
                                              or self.max_log_len < 0):
             raise ValueError(f"max_log_len (--max-log-len) must be a non-negative integer, got {self.max_log_len!r}.")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format (--chat-template-content-format) must be one of auto, "
+                             f"string, openai, got {self.chat_template_content_format!r}.")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError(f"response_role (--response-role) must be a non-empty string, got "
                              f"{self.response_role!r}.")

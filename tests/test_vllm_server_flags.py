@@ -1,7 +1,10 @@
 """vLLM's server flags on a real in-process server (the engine and the FastAPI app in this
 process, driven over ASGI by httpx): --enable-log-requests / --max-log-len log each
 request's id, prompt and parameters, and never the API key; --response-role names the
-reply's role, streamed or not, unless the request continues its last message."""
+reply's role, streamed or not, unless the request continues its last message;
+--chat-template-content-format gives a template its messages' content as one string or as
+OpenAI's list of parts ("auto": the form the template reads), checked against transformers'
+apply_chat_template given the content in that form."""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tiny_models import CHAT_TEMPLATE
+
 from raylm.deploy.api_server import build_app
+from raylm.deploy.protocol import ChatMessage
 from raylm.deploy.server_args import ServerArgs
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncLLMEngine
@@ -139,3 +145,69 @@ def test_response_role_defaults_to_assistant(engine):
     response = post(build_app(engine, ServerArgs()), "/v1/chat/completions", {"messages": CHAT,
                                                                                     "max_tokens": 1})
     assert response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+# ------------------------------------------------------ chat template content format
+STRING_TEMPLATE = CHAT_TEMPLATE  # reads message['content'] as a string
+OPENAI_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}[{{ part['text'] }}]{% endif %}{% endfor %}"
+    "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PARTS = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
+CONTENTS = {"string": "One string.", "parts": PARTS}
+
+
+def as_form(content, form: str):
+    """The content as a template of that form is given it (vLLM's two formats)."""
+    if form == "string":
+        return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def rendered(engine, template: str, content_format: str, messages: list[dict], **kwargs) -> str:
+    app = build_app(engine, ServerArgs(chat_template=template, chat_template_content_format=content_format))
+    return app.state.chat.render([ChatMessage.model_validate(m) for m in messages], **kwargs)
+
+
+@pytest.mark.parametrize("content", CONTENTS)
+@pytest.mark.parametrize("template, form", [(STRING_TEMPLATE, "string"), (OPENAI_TEMPLATE, "openai")],
+                         ids=["string_template", "openai_template"])
+def test_auto_gives_each_template_the_content_form_it_reads(engine, template, form, content):
+    messages = [{"role": "system", "content": CONTENTS[content]}, {"role": "user", "content": PARTS}]
+    expected = engine.engine.tokenizer.apply_chat_template(
+        [{**m, "content": as_form(m["content"], form)} for m in messages], chat_template=template, tokenize=False,
+        add_generation_prompt=True)
+    assert "First part." in expected
+    assert rendered(engine, template, "auto", messages, add_generation_prompt=True) == expected
+    assert rendered(engine, template, form, messages, add_generation_prompt=True) == expected
+
+
+@pytest.mark.parametrize("form", ["string", "openai"])
+def test_an_explicit_content_format_is_what_the_template_gets(engine, form):
+    """Forced, the format holds even where the template reads the other (vLLM's flag)."""
+    messages = [{"role": "user", "content": PARTS}]
+    for template in (STRING_TEMPLATE, OPENAI_TEMPLATE):
+        expected = engine.engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": as_form(PARTS, form)}], chat_template=template, tokenize=False,
+            add_generation_prompt=True)
+        assert rendered(engine, template, form, messages, add_generation_prompt=True) == expected
+
+
+def test_continue_final_message_with_content_parts(engine):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PARTS}]
+    expected = engine.engine.tokenizer.apply_chat_template(
+        [{**m, "content": as_form(m["content"], "openai")} for m in messages], chat_template=OPENAI_TEMPLATE,
+        tokenize=False, continue_final_message=True)
+    assert rendered(engine, OPENAI_TEMPLATE, "auto", messages, add_generation_prompt=False,
+                    continue_final_message=True) == expected
+
+
+def test_chat_through_a_parts_template_over_http(engine):
+    app = build_app(engine, ServerArgs(chat_template=OPENAI_TEMPLATE))
+    response = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                                  "max_tokens": 1, "return_token_ids": True})
+    expected = engine.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], chat_template=OPENAI_TEMPLATE,
+        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert response.json()["prompt_token_ids"] == list(expected)
