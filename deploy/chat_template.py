@@ -396,7 +396,8 @@ class ChatTemplateRenderer:
                     and isinstance(final_content[-1].get("text"), str):
                 # Content as a list of parts ("openai" format): the last part is what continues.
                 last = final_content[-1]
-                chat[-1] = {**chat[-1], "content": [*final_content[:-1], {**last, "text": last["text"] + _CONTINUE_TAG}]}
+                parts = [*final_content[:-1], {**last, "text": last["text"] + _CONTINUE_TAG}]
+                chat[-1] = {**chat[-1], "content": parts}
                 final_content = last["text"]
             else:
                 raise ChatTemplateError("continue_final_message needs a final message whose content ends in text")

@@ -15,8 +15,8 @@ from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, setting
-from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                                 LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICIES, CacheConfig, DeviceConfig,
+                                 EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                                  check_load_format, default_max_num_batched_tokens, derive_max_model_len,
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
 from raylm.engine.generation_config import check_override_generation_config
