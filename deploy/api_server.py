@@ -46,6 +46,7 @@ from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, Det
                                    TokenizeRequest, TokenizeResponse)
 from raylm.deploy.reasoning_parsers import get_reasoning_parser
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
+from raylm.deploy.request_logger import RequestLogger
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
 from raylm.deploy.serving_embedding import OpenAIServingEmbedding
@@ -223,11 +224,13 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     response_budget = ResponseBudget(server_args.max_response_tokens_in_flight
                                      or default_response_tokens_in_flight(limits.max_response_tokens))
     as_ids = server_args.return_tokens_as_token_ids
+    request_logger = RequestLogger(server_args.max_log_len) if server_args.enable_log_requests else None
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                           models=serving_models, response_budget=response_budget,
-                                          return_tokens_as_token_ids=as_ids)
+                                          return_tokens_as_token_ids=as_ids, request_logger=request_logger)
     embeddings = OpenAIServingEmbedding(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
-                                        models=serving_models, response_budget=response_budget)
+                                        models=serving_models, response_budget=response_budget,
+                                        request_logger=request_logger)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     reasoning_parser = get_reasoning_parser(server_args.reasoning_parser, tokenizer) \
         if server_args.reasoning_parser is not None else None
@@ -236,7 +239,9 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                              trust_request_chat_template=server_args.trust_request_chat_template,
                              max_queued_chat_template_renders=server_args.max_queued_chat_template_renders,
                              tool_config=tool_config, reasoning_parser=reasoning_parser, models=serving_models,
-                             response_budget=response_budget, return_tokens_as_token_ids=as_ids)
+                             response_budget=response_budget, return_tokens_as_token_ids=as_ids,
+                             request_logger=request_logger, response_role=server_args.response_role,
+                             chat_template_content_format=server_args.chat_template_content_format)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)

@@ -392,6 +392,15 @@ class ChatTemplateRenderer:
                 raise ChatTemplateError('continue_final_message needs a chat template that reads "content"')
             if isinstance(final_content, str):
                 chat[-1] = {**chat[-1], "content": final_content + _CONTINUE_TAG}
+            elif isinstance(final_content, list) and final_content and isinstance(final_content[-1], dict) \
+                    and isinstance(final_content[-1].get("text"), str):
+                # Content as a list of parts ("openai" format): the last part is what continues.
+                last = final_content[-1]
+                parts = [*final_content[:-1], {**last, "text": last["text"] + _CONTINUE_TAG}]
+                chat[-1] = {**chat[-1], "content": parts}
+                final_content = last["text"]
+            else:
+                raise ChatTemplateError("continue_final_message needs a final message whose content ends in text")
         if continue_final_message:
             prefix_chars = None
         token = _BUDGET.set(_Budget(self.max_steps, self.max_chars, timeout_s or self.timeout_s))
@@ -445,3 +454,34 @@ def _cut_at_continue_tag(text: str, final_content: str) -> str:
     if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space
+
+
+# --chat-template-content-format's values (vLLM's): how a message's content reaches the template.
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def detect_content_format(template: str) -> str:
+    """vLLM's "auto", in spirit: "openai" (content as OpenAI's list of parts) when the template
+    loops over a message's content (`{% for part in message['content'] %}`, directly, through
+    a filter, or through a variable set from it), else "string". Only parsed, never run; a
+    template that does not parse is "string" (rendering reports its error)."""
+    try:
+        tree = jinja2.Environment(extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]).parse(template)
+    except (jinja2.TemplateSyntaxError, RecursionError):
+        return "string"
+    content_names = {node.target.name for node in tree.find_all(jinja2.nodes.Assign)
+                     if isinstance(node.target, jinja2.nodes.Name) and _reads_content(node.node, set())}
+    loops = tree.find_all(jinja2.nodes.For)
+    return "openai" if any(_reads_content(loop.iter, content_names) for loop in loops) else "string"
+
+
+def _reads_content(node: jinja2.nodes.Node, content_names: set[str]) -> bool:
+    """Whether `node` is a message's content: `x['content']`, `x.content`, a variable set from
+    one, or one of those through filters or tests."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return isinstance(node, jinja2.nodes.Name) and node.name in content_names

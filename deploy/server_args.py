@@ -145,6 +145,22 @@ class ServerArgs(SettingsMixin):
         "Name each token in logprobs `token_id:{id}` instead of its text, the alternatives in top_logprobs too, so "
         "that tokens whose text is not valid UTF-8 on their own can be told apart (vLLM's flag; off). A request's "
         "return_tokens_as_token_ids overrides it either way."))
+    response_role: str = field(default="assistant", metadata=setting(
+        "The role of the chat reply's message when the request has add_generation_prompt (the default); a request "
+        "that continues its last message (add_generation_prompt false) is answered in that message's role, as in "
+        "vLLM."))
+    chat_template_content_format: str = field(default="auto", metadata=setting(
+        "How a chat message's content reaches the chat template, as vLLM's flag: 'string' as one string (text "
+        "parts joined by newlines), 'openai' as OpenAI's list of parts ([{\"type\": \"text\", \"text\": ...}], a "
+        "string content becoming one part); 'auto' picks 'openai' for a template that loops over a message's "
+        "content, else 'string'.", choices=("auto", "string", "openai")))
+    enable_log_requests: bool = field(default=False, metadata=setting(
+        "Log each request as it reaches the engine, at INFO: its id, prompt, prompt token ids (both cut to "
+        "--max-log-len), sampling parameters and LoRA adapter (vLLM's flag; off). Headers, and so API keys, are "
+        "never logged."))
+    max_log_len: int | None = field(default=None, metadata=setting(
+        "With --enable-log-requests: most characters of a prompt, and most of its token ids, a request's log line "
+        "shows; default: all of them."))
     uvicorn_log_level: str = field(default="warning", metadata=setting(
         "uvicorn's log level.", key=False, note=_UVICORN_ONLY,
         choices=("critical", "error", "warning", "info", "debug", "trace")))
@@ -169,6 +185,15 @@ class ServerArgs(SettingsMixin):
     lora: LoRAServerSettings = field(default_factory=LoRAServerSettings, metadata=nested())
 
     def __post_init__(self) -> None:
+        if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
+                                             or self.max_log_len < 0):
+            raise ValueError(f"max_log_len (--max-log-len) must be a non-negative integer, got {self.max_log_len!r}.")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format (--chat-template-content-format) must be one of auto, "
+                             f"string, openai, got {self.chat_template_content_format!r}.")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(f"response_role (--response-role) must be a non-empty string, got "
+                             f"{self.response_role!r}.")
         for name in ("max_concurrent_requests", "max_request_body_bytes", "max_queued_chat_template_renders"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

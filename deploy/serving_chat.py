@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from raylm.deploy.chat_template import (ChatTemplateBusyError, ChatTemplateError, ChatTemplateRenderer,
-                                       ChatTemplateUnavailableError)
+                                       ChatTemplateUnavailableError, detect_content_format)
 from raylm.deploy.chat_template_sandbox import DEFAULT_MAX_QUEUED, ChatTemplateSandbox
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
@@ -50,10 +50,13 @@ def load_chat_template(template: str | None) -> str | None:
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, chat_template: str | None = None, trust_request_chat_template: bool = False,
                  tool_config: ToolCallConfig | None = None, reasoning_parser: ReasoningParser | None = None,
-                 max_queued_chat_template_renders: int = DEFAULT_MAX_QUEUED,
-                 **kwargs: Any) -> None:
+                 max_queued_chat_template_renders: int = DEFAULT_MAX_QUEUED, response_role: str = "assistant",
+                 chat_template_content_format: str = "auto", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.response_role = response_role
+        # --chat-template-content-format: "string", "openai", or "auto" (decided per template).
+        self.chat_template_content_format = chat_template_content_format
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_config = tool_config or ToolCallConfig()
         self.reasoning_parser = reasoning_parser
@@ -120,10 +123,6 @@ class OpenAIServingChat(OpenAIServing):
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError("The model's tokenizer has no chat template: send chat_template, or start the server "
                               "with --chat-template.", param="chat_template")
-        try:
-            conversation = [template_message(m) for m in messages]
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="messages") from None
         variables = {**self.tokenizer.special_tokens_map, **(template_kwargs or {})}
         if tools:
             variables["tools"] = tools
@@ -131,6 +130,13 @@ class OpenAIServingChat(OpenAIServing):
             template = self.tokenizer.get_chat_template(template, variables.get("tools"))
         except ValueError as exc:  # a template name the tokenizer does not have
             raise OpenAIError(str(exc), param="chat_template") from None
+        content_format = self.chat_template_content_format
+        if content_format == "auto":
+            content_format = _detected_content_format(template)
+        try:
+            conversation = [template_message(m, content_format) for m in messages]
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
         return template, conversation, variables
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -205,6 +211,7 @@ class OpenAIServingChat(OpenAIServing):
                                               as_ids)
             split = self._split(completion.text, in_reasoning, completion.token_ids)
             message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
+            message.role = self.reply_role(request)
             if split.reasoning is not None and request.include_reasoning:
                 message.reasoning = split.reasoning
             if self.reasoning_parser is not None and not message.content and not echo:
@@ -278,6 +285,11 @@ class OpenAIServingChat(OpenAIServing):
                                       tool_calls=tool_calls_of(parsed, tool_mode.parser))
         return message, tool_mode.finish_reason(True, finish_reason)
 
+    def reply_role(self, request: ChatCompletionRequest) -> str:
+        """The reply message's role (vLLM's): --response-role for a new turn
+        (add_generation_prompt), else the role of the last message, which it continues."""
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
+
     @staticmethod
     def _echo_text(request: ChatCompletionRequest) -> str:
         """vLLM's chat `echo`: the last message's content, when it is the assistant's."""
@@ -313,11 +325,12 @@ class OpenAIServingChat(OpenAIServing):
             if tool_mode is not None and tool_mode.parser is not None else None
         completion_tokens = 0
         try:
-            # vLLM opens every choice with the assistant role and empty content (or the echo).
+            # vLLM opens every choice with the reply's role and empty content (or the echo).
             # With return_token_ids each of those chunks carries the prompt's ids, as vLLM's do.
+            role = self.reply_role(request)
             for index in range(request.n):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=echo)),
+                    index=index, delta=DeltaMessage(role=role, content=echo)),
                     prompt_token_ids if request.return_token_ids else None)
             async for _, output in merge_async_iterators([stream]):
                 for completion in output.outputs:
@@ -400,12 +413,21 @@ def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | N
                      total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: role and text, and an assistant's tool calls
+@functools.lru_cache(maxsize=64)
+def _detected_content_format(template: str) -> str:
+    return detect_content_format(template)
+
+
+def template_message(message: ChatMessage, content_format: str = "string") -> dict[str, Any]:
+    """A message as chat templates read it: role and content (content_format "string": its
+    text, parts joined; "openai": OpenAI's list of parts, a string becoming one text part, as
+    vLLM passes it), and an assistant's tool calls
     (their arguments as objects, as Hugging Face templates expect, where they parse) and
     reasoning, or a tool answer's tool_call_id. The reasoning goes under both of its names,
     as vLLM passes it: `reasoning`, and `reasoning_content`, which Qwen3's template reads."""
-    entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+    text = message.text()  # checks the parts either way: text parts only
+    entry: dict[str, Any] = {"role": message.role, "content": text if content_format == "string" else
+                             _content_parts(message.content)}
     if message.tool_calls is not None:
         entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     reasoning = message.reasoning_text()
@@ -414,6 +436,15 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     return entry
+
+
+def _content_parts(content: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The content as OpenAI's list of text parts (vLLM's "openai" format)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": part.get("text", "")} for part in content]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

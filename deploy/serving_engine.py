@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from raylm.deploy.errors import OpenAIError, error_body
 from raylm.deploy.limits import RequestLimits
+from raylm.deploy.request_logger import RequestLogger
 from raylm.deploy.response_budget import Reservation, ResponseBudget, default_response_tokens_in_flight
 from raylm.deploy.serving_models import adapter_unavailable
 from raylm.deploy.structured_outputs import structured_outputs_params
@@ -43,8 +44,10 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
                  limits: RequestLimits | None = None, model_aliases: Iterable[str] = (),
                  models: Any = None, response_budget: ResponseBudget | None = None,
-                 return_tokens_as_token_ids: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False, request_logger: RequestLogger | None = None) -> None:
         self.engine = engine
+        # --enable-log-requests: logs each engine request as it is added (None: off).
+        self.request_logger = request_logger
         # --return-tokens-as-token-ids: logprobs name tokens `token_id:{id}` unless a request says.
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_names = served_model_names
@@ -179,6 +182,9 @@ class OpenAIServing:
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for index, (prompt, sampling_params) in enumerate(zip(prompts, params)):
+                if self.request_logger is not None:
+                    self.request_logger.log_inputs(f"{request_id}-{index}", prompt.get("prompt"),
+                                                   prompt.get("prompt_token_ids"), sampling_params, lora_request)
                 streams.append(await self.engine.add_request(f"{request_id}-{index}", prompt, sampling_params,
                                                              lora_request=lora_request, priority=priority))
         except BaseException as exc:

@@ -15,10 +15,11 @@ from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.arg_fields import SettingsMixin, setting
-from raylm.engine.config import (LOAD_FORMATS, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                                 LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICIES, CacheConfig, DeviceConfig,
+                                 EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                                  check_load_format, default_max_num_batched_tokens, derive_max_model_len,
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
+from raylm.engine.generation_config import check_override_generation_config
 from raylm.engine.usage_context import UsageContext
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
@@ -145,9 +146,15 @@ class EngineArgs(SettingsMixin):
         "always run eagerly. No effect on the CPU."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log throughput statistics."))
     generation_config: str = field(default="auto", metadata=_help(
-        "'auto' applies the model's generation_config.json: its sampling fields are the defaults of requests "
-        "that leave them unset, and all its EOS ids stop generation; 'vllm' ignores the file; a folder path "
-        "reads the file from there."))
+        "'auto' applies the model's generation_config.json: its sampling fields (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them unset; 'vllm' "
+        "keeps vLLM's defaults instead; a folder path reads the file from there. All the file's EOS ids stop "
+        "generation either way, as in vLLM."))
+    override_generation_config: dict[str, Any] | None = field(default=None, metadata=_help(
+        "generation_config.json sampling fields (a JSON object on the command line, e.g. {\"temperature\": 0.5}) "
+        "merged over the file's under generation_config 'auto' or a folder, or used alone under 'vllm', as "
+        "vLLM's flag; keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens. Default: "
+        "none."))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=_help(
         "Speculative decoding, as vLLM's: a dict (a JSON object on the command line), "
         "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
@@ -160,6 +167,13 @@ class EngineArgs(SettingsMixin):
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
         "with several EOS ids), so this also bounds the beam width (10 by default)."))
+    logprobs_mode: str = field(default="raw_logprobs", metadata={"choices": LOGPROBS_MODES, **_help(
+        "What the logprobs of sampled tokens and their top alternatives hold, as vLLM V1's flag: 'raw_logprobs' "
+        "the log-softmax of the model's logits, before any sampling parameter acts on them; 'raw_logits' those "
+        "logits themselves; 'processed_logprobs' / 'processed_logits' the same after allowed_token_ids, "
+        "bad_words, logit_bias, min_tokens and the penalties and, for rows that sample (temperature > 0), "
+        "temperature, min_p, top_k and top_p (the tokens they cut at -inf). Prompt logprobs stay raw log-softmax. "
+        "Not with a draft model (speculative_config's model).")})
     enable_lora: bool = field(default=False, metadata=_help(
         "Serve LoRA adapters (PEFT format) over the base model: requests name an adapter (LoRARequest, or the "
         "server's model name), and one batch mixes the base model and up to max_loras adapters. Not with "
@@ -228,7 +242,9 @@ class EngineArgs(SettingsMixin):
             skip_tokenizer_init=self.skip_tokenizer_init,
             attention_backend=self.attention_backend,
             generation_config=self.generation_config,
+            override_generation_config=check_override_generation_config(self.override_generation_config) or None,
             max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
             enforce_eager=self.enforce_eager,
             runner_type=runner_type,
             pooler_config=pooler_config,
@@ -251,6 +267,14 @@ class EngineArgs(SettingsMixin):
         if parallel_config.pipeline_parallel_size > 1:
             check_pipeline_parallel(hf_config, parallel_config.pipeline_parallel_size)
         speculative_config = _speculative_config(self.speculative_config, model_config, parallel_config)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode (--logprobs-mode) must be one of {', '.join(LOGPROBS_MODES)}, got "
+                             f"{self.logprobs_mode!r}.")
+        if speculative_config is not None and speculative_config.uses_draft_model \
+                and self.logprobs_mode != "raw_logprobs":
+            # The rejection sampler scores a draft's proposals from the raw logprobs alone.
+            raise ValueError(f"logprobs_mode (--logprobs-mode) {self.logprobs_mode!r} is not supported with a draft "
+                             f"model (speculative_config's model); use 'raw_logprobs' or n-gram proposals.")
         # A draft model keeps its KV under the target's block ids: a block may be freed as
         # the window slides only once every layer of both models has passed it. The draft's
         # first query of a step may be the accepted proposal its KV lacks, one position

@@ -29,6 +29,11 @@ _DTYPES = {
 # benchmark a model's shape without its weights; config.json and the tokenizer are still
 # read from the folder.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM V1's logprobs_mode: what a request's logprobs (and top alternatives) hold. "raw": the
+# model's logits before any sampling stage; "processed": after them all (for random rows also
+# temperature, min-p, top-k and top-p, the tokens they cut at -inf; greedy rows stop after
+# the penalties, as vLLM's greedy path does); "logprobs": log-softmaxed, "logits": as they are.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's other values, named in the error that refuses them.
 _VLLM_ONLY_LOAD_FORMATS = ("pt", "npcache", "tensorizer", "sharded_state", "gguf", "bitsandbytes", "mistral",
                            "runai_streamer", "runai_streamer_sharded", "fastsafetensors")
@@ -216,9 +221,13 @@ class ModelConfig:
     attention_backend: str | None = None
     # "auto" (the model folder's generation_config.json), "vllm" (none) or a folder.
     generation_config: str = "auto"
+    # vLLM's override_generation_config: generation_config.json keys merged over the file's.
+    override_generation_config: dict[str, Any] | None = None
     # vLLM's max_logprobs: the most logprobs / prompt_logprobs a request may ask for
     # (-1: up to the vocabulary). Each one is a Logprob object per position and sequence.
     max_logprobs: int = 20
+    # vLLM V1's logprobs_mode: what sampled tokens' logprobs hold (executors/sampler.py).
+    logprobs_mode: str = "raw_logprobs"
     # vLLM's flag: no CUDA graphs, every step runs eagerly (executors/cuda_graphs.py).
     enforce_eager: bool = False
     # vLLM's runner: "generate" samples tokens; "pooling" returns one pooled vector per

@@ -66,7 +66,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no sampling_params: vLLM's defaults, overridden
         by the sampling fields of the model's generation_config.json (unless the engine
-        argument generation_config='vllm')."""
+        argument generation_config='vllm') and then by override_generation_config's."""
         return self.llm_engine.get_default_sampling_params()
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],

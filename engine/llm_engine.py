@@ -53,7 +53,8 @@ class LLMEngine:
             self.model_config.tokenizer_mode)
         logger.info("Tokenizer loaded in %.1f s.", time.perf_counter() - start)
         self.generation_defaults = load_generation_defaults(self.model_config.model,
-                                                            self.model_config.generation_config)
+                                                            self.model_config.generation_config,
+                                                            self.model_config.override_generation_config)
         self.eos_token_ids = self._find_eos_token_ids()
         # Grammars for structured outputs are built over the tokenizer's vocabulary.
         self.structured_output_manager = None if self.tokenizer is None else StructuredOutputManager(

@@ -96,7 +96,7 @@ class ModelRunner:
         # enable_lora: the model's LoRA layers, loaded adapters and slots (executors/lora_manager.py).
         self.lora_manager = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model_config.logprobs_mode)
         # Prompt rows scored at once (executors/prompt_logprobs.py).
         self.prompt_logprobs_chunk_rows = prompt_logprobs.PROMPT_LOGPROBS_CHUNK_ROWS
         self.rejection_sampler = RejectionSampler(self.sampler)

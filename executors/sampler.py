@@ -9,8 +9,9 @@ order: top-p is over the mass min-p and top-k leave) and draw
 from the softmax (by inverse CDF: one uniform draw a row; on the CPU native passes that cut
 top-k and top-p by a radix select, with no sort of the vocabulary). Seeded rows
 draw with their own generator, so a request's tokens do not depend on what else is in the
-batch. Returned logprobs are the raw log-softmax of the model's logits, before any of the
-above (vLLM's default): they are computed first, and the stages then work on the logits in
+batch. Returned logprobs are, by default (vLLM's logprobs_mode "raw_logprobs"), the raw
+log-softmax of the model's logits, before any of the above (`LOGPROBS_MODES` lists the
+others): they are computed first, and the stages then work on the logits in
 place, as vLLM's sampler does, with no copy of the [N, V] logits (at a 152k vocabulary and 64
 rows a copy is 39 MB a step, which cost more than the penalties themselves).
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.engine.config import LOGPROBS_MODES
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import SampledToken, TokenLogprobs
 from raylm.executors.input_staging import to_device
@@ -40,8 +42,16 @@ _TOPK_INSTEAD_OF_SORT = 1024
 _NOT_FINITE = -1
 
 
+
+
 class Sampler:
-    """Stateless: all per-sequence state arrives in the ``SamplingMetadata``."""
+    """Stateless: all per-sequence state arrives in the ``SamplingMetadata``.
+    `logprobs_mode`: one of LOGPROBS_MODES (the default costs what it always did)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}.")
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampledToken]:
         return self.forward(logits, metadata)
@@ -71,11 +81,17 @@ class Sampler:
         assert num_rows == metadata.num_rows, f"{num_rows} logits rows for {metadata.num_rows} sequences"
         rows = _RowStages.of(metadata)
         not_finite, logits = _guard_not_finite(logits)
-        raw_logprobs = _raw_logprobs(logits, rows)  # before the stages below change the logits
-        sampled = _draw(process_logits_(logits, metadata, rows), metadata, rows)
+        mode = self.logprobs_mode
+        # The raw values are read before the stages below change the logits in place.
+        scored_values = _raw_logprobs(logits, rows) if mode == "raw_logprobs" else \
+            _scored_logits(logits, rows) if mode == "raw_logits" else None
+        logits = process_logits_(logits, metadata, rows)
+        if scored_values is None and rows.scored:
+            scored_values = _processed_values(logits, metadata, rows, log_softmax=mode == "processed_logprobs")
+        sampled = _draw(logits, metadata, rows)
         not_finite, sampled = _flag_undrawable(not_finite, sampled)
         reads = [sampled if not_finite is None else sampled.masked_fill(not_finite, _NOT_FINITE)]
-        logprob_counts = _append_logprob_reads(reads, raw_logprobs, sampled, metadata, rows)
+        logprob_counts = _append_logprob_reads(reads, scored_values, sampled, metadata, rows)
         return PendingSample(sampled, reads, metadata, rows, logprob_counts, may_be_flagged=not_finite is not None)
 
 
@@ -148,6 +164,32 @@ def _raw_logprobs(logits: torch.Tensor, rows: _RowStages) -> torch.Tensor | None
     scored_logits = logits if len(rows.scored) == logits.shape[0] else logits[to_device(rows.scored, logits.device)]
     # log_softmax + gather measured faster on CPU than gather - logsumexp.
     return torch.log_softmax(scored_logits, dim=-1)
+
+
+def _scored_logits(logits: torch.Tensor, rows: _RowStages) -> torch.Tensor | None:
+    """[len(rows.scored), V]: a copy of the scored rows' logits (None when no row is scored)."""
+    if not rows.scored:
+        return None
+    if len(rows.scored) == logits.shape[0]:
+        return logits.clone()
+    return logits[to_device(rows.scored, logits.device)]
+
+
+def _processed_values(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages,
+                      log_softmax: bool) -> torch.Tensor:
+    """[len(rows.scored), V]: the scored rows' logits as they are drawn from (vLLM's
+    processed_logits; log-softmaxed: processed_logprobs): `logits` are through
+    `process_logits_`; random rows then take temperature, min-p, top-k and top-p (cut tokens
+    at -inf), greedy rows nothing more. Only for the processed modes: the draw itself never
+    materialises these values on the CPU."""
+    values = _scored_logits(logits, rows)
+    random_positions = [j for j, row in enumerate(rows.scored) if not metadata.sampling_params[row].is_greedy]
+    if random_positions:
+        params = [metadata.sampling_params[rows.scored[j]] for j in random_positions]
+        temperature = to_device([p.temperature for p in params], values.device, values.dtype)
+        index = to_device(random_positions, values.device)
+        values[index] = truncated_logits(values[index], params, temperature)
+    return torch.log_softmax(values, dim=-1) if log_softmax else values
 
 
 def _append_logprob_reads(reads: list[torch.Tensor], raw_logprobs: torch.Tensor | None, sampled: torch.Tensor,
@@ -608,10 +650,16 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperatu
     """The distribution random rows draw from: [N, V] probabilities after temperature,
     top-k and top-p, and min-p (logits already through `process_logits_`). On the CPU the
     native pass cuts without sorting (a row of NaN comes out NaN either way)."""
+    if cpu_ops.usable(logits) and logits.dtype == torch.float32:
+        return cpu_ops.truncated_probs(logits.contiguous(), temperature, *_native_cuts(params, logits.shape[1]))
+    return truncated_logits(logits, params, temperature).softmax(dim=-1)
+
+
+def truncated_logits(logits: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor) -> torch.Tensor:
+    """The rows' logits divided by their temperature, the tokens min-p, top-k and top-p cut
+    (in that order, vLLM v1's) set to -inf: what `sampling_probs` softmaxes (a new tensor)."""
     device = logits.device
     vocab_size = logits.shape[1]
-    if cpu_ops.usable(logits) and logits.dtype == torch.float32:
-        return cpu_ops.truncated_probs(logits.contiguous(), temperature, *_native_cuts(params, vocab_size))
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_ps = [p.top_p for p in params]
     need_top_k = any(k < vocab_size for k in top_ks)
@@ -635,8 +683,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], temperatu
             to_device(top_ks, device) if need_top_k else None,
             to_device(top_ps, device, logits.dtype) if need_top_p else None,
         )
-
-    return logits.softmax(dim=-1)
+    return logits
 
 
 def _uniforms(metadata: SamplingMetadata, rows: list[int], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""vLLM's server flags on a real in-process server (the engine and the FastAPI app in this
+process, driven over ASGI by httpx): --enable-log-requests / --max-log-len log each
+request's id, prompt and parameters, and never the API key; --response-role names the
+reply's role, streamed or not, unless the request continues its last message;
+--chat-template-content-format gives a template its messages' content as one string or as
+OpenAI's list of parts ("auto": the form the template reads), checked against transformers'
+apply_chat_template given the content in that form."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tiny_models import CHAT_TEMPLATE
+
+from raylm.deploy.api_server import build_app
+from raylm.deploy.protocol import ChatMessage
+from raylm.deploy.server_args import ServerArgs
+from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.async_llm_engine import AsyncLLMEngine
+
+API_KEY = "sk-request-log-secret"
+ENGINE_KWARGS = dict(num_gpu_blocks_override=128, disable_log_stats=True, dtype="float32")
+LOGGER = "raylm.deploy.request_logger"
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir: Path):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), **ENGINE_KWARGS))
+    yield engine
+    engine.shutdown()
+
+
+# The engine's output loop belongs to the event loop it first ran on: every request of the
+# module runs on this one, as a server's requests all run on uvicorn's.
+_RUNNER = asyncio.Runner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_runner():
+    yield
+    _RUNNER.close()
+
+
+def post(app, path: str, body: dict, api_key: str | None = None) -> httpx.Response:
+    """One request to the app over ASGI, on the module's event loop."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post(path, json=body, headers=headers)
+
+    return _RUNNER.run(send())
+
+
+def stream_events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+# ------------------------------------------------------------ request logs
+def test_enable_log_requests_logs_id_cut_prompt_and_params_never_the_key(engine, caplog):
+    app = build_app(engine, ServerArgs(enable_log_requests=True, max_log_len=3, api_key=API_KEY))
+    prompt = "The quick brown fox jumps"
+    token_ids = engine.engine.tokenizer.encode(prompt)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        response = post(app, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                        "seed": 1234}, API_KEY)
+    assert response.status_code == 200, response.text
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1
+    line = lines[0]
+    assert line.startswith(f"Received request {response.json()['id']}-0: ")
+    assert len(token_ids) > 3
+    assert line.split(", params: ")[0].endswith(f"prompt: {prompt[:3]!r}")
+    assert line.split("prompt_token_ids: ")[1].split(", lora_request")[0] == str(token_ids[:3])
+    assert "seed=1234" in line and "max_tokens=2" in line
+    assert API_KEY not in caplog.text
+
+
+def test_requests_are_not_logged_by_default(engine, caplog):
+    app = build_app(engine, ServerArgs())
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        response = post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert not [r for r in caplog.records if r.name == LOGGER]
+    assert app.state.chat.request_logger is None  # the hot path pays one `is None` test
+
+
+def test_chat_requests_log_the_rendered_prompt_whole_without_max_log_len(engine, caplog):
+    app = build_app(engine, ServerArgs(enable_log_requests=True))
+    messages = [{"role": "user", "content": "Tell me about paged attention, at length."}]
+    rendered = engine.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        response = post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    (line,) = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert f"prompt: {rendered!r}," in line
+
+
+def test_max_log_len_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match="max_log_len"):
+        ServerArgs(max_log_len=-1)
+    assert ServerArgs.from_values({"enable_log_requests": "true", "max_log_len": "12"}).max_log_len == 12
+
+
+# ------------------------------------------------------------ response role
+CHAT = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_role_names_the_reply_of_a_new_turn(engine, stream):
+    app = build_app(engine, ServerArgs(response_role="bot"))
+    response = post(app, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stream": stream})
+    assert response.status_code == 200, response.text
+    if stream:
+        roles = [c["choices"][0]["delta"].get("role") for c in stream_events(response) if c["choices"]]
+        assert roles[0] == "bot" and not any(roles[1:])
+    else:
+        assert response.json()["choices"][0]["message"]["role"] == "bot"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continued_message_keeps_its_own_role(engine, stream):
+    """vLLM: without add_generation_prompt the reply continues the last message, in its role."""
+    app = build_app(engine, ServerArgs(response_role="bot"))
+    messages = CHAT + [{"role": "assistant", "content": "Hi, I am"}]
+    response = post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "stream": stream,
+                                                        "add_generation_prompt": False,
+                                                        "continue_final_message": True})
+    assert response.status_code == 200, response.text
+    if stream:
+        assert stream_events(response)[0]["choices"][0]["delta"]["role"] == "assistant"
+    else:
+        assert response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_response_role_defaults_to_assistant(engine):
+    response = post(build_app(engine, ServerArgs()), "/v1/chat/completions", {"messages": CHAT,
+                                                                                    "max_tokens": 1})
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+# ------------------------------------------------------ chat template content format
+STRING_TEMPLATE = CHAT_TEMPLATE  # reads message['content'] as a string
+OPENAI_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}[{{ part['text'] }}]{% endif %}{% endfor %}"
+    "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PARTS = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
+CONTENTS = {"string": "One string.", "parts": PARTS}
+
+
+def as_form(content, form: str):
+    """The content as a template of that form is given it (vLLM's two formats)."""
+    if form == "string":
+        return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def rendered(engine, template: str, content_format: str, messages: list[dict], **kwargs) -> str:
+    app = build_app(engine, ServerArgs(chat_template=template, chat_template_content_format=content_format))
+    return app.state.chat.render([ChatMessage.model_validate(m) for m in messages], **kwargs)
+
+
+@pytest.mark.parametrize("content", CONTENTS)
+@pytest.mark.parametrize("template, form", [(STRING_TEMPLATE, "string"), (OPENAI_TEMPLATE, "openai")],
+                         ids=["string_template", "openai_template"])
+def test_auto_gives_each_template_the_content_form_it_reads(engine, template, form, content):
+    messages = [{"role": "system", "content": CONTENTS[content]}, {"role": "user", "content": PARTS}]
+    expected = engine.engine.tokenizer.apply_chat_template(
+        [{**m, "content": as_form(m["content"], form)} for m in messages], chat_template=template, tokenize=False,
+        add_generation_prompt=True)
+    assert "First part." in expected
+    assert rendered(engine, template, "auto", messages, add_generation_prompt=True) == expected
+    assert rendered(engine, template, form, messages, add_generation_prompt=True) == expected
+
+
+@pytest.mark.parametrize("form", ["string", "openai"])
+def test_an_explicit_content_format_is_what_the_template_gets(engine, form):
+    """Forced, the format holds even where the template reads the other (vLLM's flag)."""
+    messages = [{"role": "user", "content": PARTS}]
+    for template in (STRING_TEMPLATE, OPENAI_TEMPLATE):
+        expected = engine.engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": as_form(PARTS, form)}], chat_template=template, tokenize=False,
+            add_generation_prompt=True)
+        assert rendered(engine, template, form, messages, add_generation_prompt=True) == expected
+
+
+def test_continue_final_message_with_content_parts(engine):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PARTS}]
+    expected = engine.engine.tokenizer.apply_chat_template(
+        [{**m, "content": as_form(m["content"], "openai")} for m in messages], chat_template=OPENAI_TEMPLATE,
+        tokenize=False, continue_final_message=True)
+    assert rendered(engine, OPENAI_TEMPLATE, "auto", messages, add_generation_prompt=False,
+                    continue_final_message=True) == expected
+
+
+def test_chat_through_a_parts_template_over_http(engine):
+    app = build_app(engine, ServerArgs(chat_template=OPENAI_TEMPLATE))
+    response = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                                  "max_tokens": 1, "return_token_ids": True})
+    expected = engine.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], chat_template=OPENAI_TEMPLATE,
+        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert response.json()["prompt_token_ids"] == list(expected)
