@@ -158,6 +158,9 @@ class ServerArgs(SettingsMixin):
         "Log each request as it reaches the engine, at INFO: its id, prompt, prompt token ids (both cut to "
         "--max-log-len), sampling parameters and LoRA adapter (vLLM's flag; off). Headers, and so API keys, are "
         "never logged."))
+    disable_log_requests: bool = field(default=False, metadata=setting(
+        "vLLM's older spelling, from before request logging was off by default: requests are not logged, as "
+        "without --enable-log-requests; the two together are an error."))
     max_log_len: int | None = field(default=None, metadata=setting(
         "With --enable-log-requests: most characters of a prompt, and most of its token ids, a request's log line "
         "shows; default: all of them."))
@@ -185,6 +188,8 @@ class ServerArgs(SettingsMixin):
     lora: LoRAServerSettings = field(default_factory=LoRAServerSettings, metadata=nested())
 
     def __post_init__(self) -> None:
+        if self.enable_log_requests and self.disable_log_requests:
+            raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one.")
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
                                              or self.max_log_len < 0):
             raise ValueError(f"max_log_len (--max-log-len) must be a non-negative integer, got {self.max_log_len!r}.")

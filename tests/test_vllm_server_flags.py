@@ -110,6 +110,26 @@ def test_max_log_len_must_be_a_non_negative_integer():
     assert ServerArgs.from_values({"enable_log_requests": "true", "max_log_len": "12"}).max_log_len == 12
 
 
+def test_vllms_older_disable_log_requests_flag_is_taken_and_contradicting_flags_are_refused(engine, caplog):
+    """Scripts written for vLLM before request logging was off by default pass
+    --disable-log-requests: it parses and nothing is logged; with --enable-log-requests too it
+    is an error naming both."""
+    from raylm.deploy import cli
+
+    def server_args(*flags: str) -> ServerArgs:
+        return ServerArgs.from_cli_args(cli.build_parser().parse_args(["serve", *flags]))
+
+    args = server_args("--disable-log-requests")
+    assert args.disable_log_requests and not args.enable_log_requests
+    app = build_app(engine, args)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        response = post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert not [r for r in caplog.records if r.name == LOGGER]
+    with pytest.raises(ValueError, match="--enable-log-requests and --disable-log-requests"):
+        server_args("--disable-log-requests", "--enable-log-requests")
+
+
 # ------------------------------------------------------------ response role
 CHAT = [{"role": "user", "content": "Hello there"}]
 
