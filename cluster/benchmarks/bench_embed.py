@@ -37,7 +37,10 @@ from raylm.cluster.benchmarks.bench_throughput import (_positive_int, machine_in
 # EngineArgs fields the benchmark sets itself: the model is positional, the seed also draws
 # the prompts, dtype defaults to float32, and the runner is always "pooling".
 OWN_ENGINE_FIELDS = ("model", "dtype", "seed", "runner", "task")
-WARMUP_PROMPTS = 4
+# The warm-up fills a few steps of either engine's default token budget (raylm 2,048 on a
+# CPU, vLLM 4,096): a first full-size step pays for fresh memory and GEMM set-up that a
+# smaller warm-up leaves in the first timed round.
+WARMUP_TOKENS = 8192
 
 
 @dataclass
@@ -75,7 +78,7 @@ def round_prompts(args: argparse.Namespace, model_config: dict) -> tuple[list[li
     def draw(count: int, seed: int) -> list[list[int]]:
         return sample_random_prompts(count, args.input_len, model_config["vocab_size"], excluded, seed)
 
-    warmup = draw(WARMUP_PROMPTS, args.seed + 1000)
+    warmup = draw(max(4, -(-WARMUP_TOKENS // args.input_len)), args.seed + 1000)
     return warmup, [draw(args.num_prompts, args.seed + i) for i in range(args.rounds)]
 
 
