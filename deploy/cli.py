@@ -2,6 +2,7 @@
 
     raylm serve [MODEL_DIR] [server flags] [--ray-serve] [engine flags]
     raylm bench throughput [MODEL_DIR] ...
+    raylm bench embed [MODEL_DIR] ...
     raylm bench serving --base-url http://127.0.0.1:8000 ...
 
 Every `raylm serve` flag comes from one definition: the server's from `ServerArgs` and
@@ -68,15 +69,20 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
-    """`raylm bench throughput|serving`: the benchmarks (2.7k lines, an HF server and a vLLM
+    """`raylm bench throughput|embed|serving`: the benchmarks (2.7k lines, an HF server and a vLLM
     peer driver among them) are imported only here."""
-    from raylm.cluster.benchmarks import bench_serving, bench_throughput
+    from raylm.cluster.benchmarks import bench_embed, bench_serving, bench_throughput
 
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     throughput = bench_kinds.add_parser("throughput", help="Offline generation throughput, optionally against "
                                                            "Hugging Face transformers.")
     bench_throughput.add_cli_args(throughput)
     throughput.set_defaults(handler=bench_throughput.run, command_parser=throughput)
+
+    embed = bench_kinds.add_parser("embed", help="Offline embedding throughput (runner='pooling'), optionally "
+                                                 "against vLLM's CPU build on the same prompts.")
+    bench_embed.add_cli_args(embed)
+    embed.set_defaults(handler=bench_embed.run, command_parser=embed)
 
     serving = bench_kinds.add_parser("serving", help="Load-test an OpenAI-compatible server over HTTP.")
     bench_serving.add_cli_args(serving)
