@@ -45,6 +45,8 @@ DEFAULT_MAX_SERVED_LORAS = 1024
 # (deploy/chat_template_sandbox.py: DEFAULT_MAX_PROCESSES x QUEUED_RENDERS_PER_PROCESS, not
 # imported here, since it would bring Jinja into the command line's start).
 DEFAULT_MAX_QUEUED_CHAT_TEMPLATE_RENDERS = 8
+# --chat-template-content-format's choices (deploy/chat_template.py's CONTENT_FORMATS).
+CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 # The environment variable holding the API key, so that it need not be on the command
 # line (where `ps` shows it): vLLM reads VLLM_API_KEY.
 API_KEY_ENV = envs.API_KEY_VARIABLE
@@ -153,7 +155,7 @@ class ServerArgs(SettingsMixin):
         "How a chat message's content reaches the chat template, as vLLM's flag: 'string' as one string (text "
         "parts joined by newlines), 'openai' as OpenAI's list of parts ([{\"type\": \"text\", \"text\": ...}], a "
         "string content becoming one part); 'auto' picks 'openai' for a template that loops over a message's "
-        "content, else 'string'.", choices=("auto", "string", "openai")))
+        "content, else 'string'.", choices=CHAT_TEMPLATE_CONTENT_FORMATS))
     enable_log_requests: bool = field(default=False, metadata=setting(
         "Log each request as it reaches the engine, at INFO: its id, prompt, prompt token ids (both cut to "
         "--max-log-len), sampling parameters and LoRA adapter (vLLM's flag; off). Headers, and so API keys, are "
@@ -193,7 +195,7 @@ class ServerArgs(SettingsMixin):
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
                                              or self.max_log_len < 0):
             raise ValueError(f"max_log_len (--max-log-len) must be a non-negative integer, got {self.max_log_len!r}.")
-        if self.chat_template_content_format not in ("auto", "string", "openai"):
+        if self.chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format (--chat-template-content-format) must be one of auto, "
                              f"string, openai, got {self.chat_template_content_format!r}.")
         if not isinstance(self.response_role, str) or not self.response_role:

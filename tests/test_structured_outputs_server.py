@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -312,13 +313,7 @@ def test_a_tool_call_reply_cut_by_max_tokens_streams_as_it_answers(tools_client:
     kwargs = dict(messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=0.0,
                   logit_bias={str(token): -100 for token in banned})
     full = tools_client.chat.completions.create(model=MODEL, max_tokens=100, logprobs=True, **kwargs).choices[0]
-    ends = [0]
-    for entry in full.logprobs.content:
-        ends.append(ends[-1] + len(entry.token))
-    text = "".join(entry.token for entry in full.logprobs.content)
-
-    def tokens_to(chars: int) -> int:
-        return next(count for count, end in enumerate(ends) if end >= chars)
+    text, ends, tokens_to = _text_and_token_counts(full)
 
     if choice == "required":
         first_arguments = text.index('"parameters":') + len('"parameters":')
@@ -412,13 +407,7 @@ def test_auto_reply_cut_by_max_tokens_streams_as_it_answers(tools_client: openai
     full = tools_client.chat.completions.create(model=MODEL, max_tokens=180, logprobs=True, **kwargs).choices[0]
     assert full.finish_reason == "tool_calls" and [c.function.name for c in full.message.tool_calls] == \
         ["get_weather", "get_time"]
-    ends = [0]
-    for entry in full.logprobs.content:
-        ends.append(ends[-1] + len(entry.token))
-    text = "".join(entry.token for entry in full.logprobs.content)
-
-    def tokens_to(chars: int) -> int:
-        return next(count for count, end in enumerate(ends) if end >= chars)
+    text, ends, tokens_to = _text_and_token_counts(full)
 
     first_tag, first_end = text.index("<tool_call>"), text.index("</tool_call>") + len("</tool_call>")
     second_tag = text.index("<tool_call>", first_end)
@@ -770,3 +759,16 @@ def test_the_compile_workers_death_is_a_503_and_the_next_request_compiles(server
     assert response.json()["error"]["type"] == "ServiceUnavailableError"
     again = _post(url, "completions", {"max_tokens": 20, "response_format": {"type": "json_object"}})
     assert again.status_code == 200, again.text
+
+
+def _text_and_token_counts(choice) -> tuple[str, list[int], Callable[[int], int]]:
+    """A choice's text from its logprobs' tokens, where each token's text ends in it (0
+    first), and how many of its tokens it takes to write the text's first `chars` characters."""
+    ends = [0]
+    for entry in choice.logprobs.content:
+        ends.append(ends[-1] + len(entry.token))
+
+    def tokens_to(chars: int) -> int:
+        return next(count for count, end in enumerate(ends) if end >= chars)
+
+    return "".join(entry.token for entry in choice.logprobs.content), ends, tokens_to

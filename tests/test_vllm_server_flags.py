@@ -231,3 +231,12 @@ def test_chat_through_a_parts_template_over_http(engine):
         [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], chat_template=OPENAI_TEMPLATE,
         tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert response.json()["prompt_token_ids"] == list(expected)
+
+
+def test_the_content_format_flag_offers_what_the_renderer_takes():
+    """server_args spells the choices itself (importing the renderer would bring Jinja into
+    the command line's start): they must stay the renderer's."""
+    from raylm.deploy.chat_template import CONTENT_FORMATS
+    from raylm.deploy.server_args import CHAT_TEMPLATE_CONTENT_FORMATS
+
+    assert CHAT_TEMPLATE_CONTENT_FORMATS == CONTENT_FORMATS

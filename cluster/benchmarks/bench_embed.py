@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from raylm.cluster.benchmarks.bench_throughput import (_positive_int, machine_info, model_summary, read_model_config,
-                                                       sample_random_prompts, special_token_ids)
+from raylm.cluster.benchmarks.bench_throughput import (_positive_int, engine_overrides, machine_info, model_summary,
+                                                       read_model_config, sample_random_prompts, special_token_ids)
 
 # EngineArgs fields the benchmark sets itself: the model is positional, the seed also draws
 # the prompts, dtype defaults to float32, and the runner is always "pooling".
@@ -89,14 +89,6 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a64 * b64).sum(axis=1) / np.maximum(norms, 1e-30)
 
 
-def engine_overrides(args: argparse.Namespace) -> dict:
-    """The engine flags (EngineArgs fields) whose value differs from the engine's default."""
-    from raylm.engine import EngineArgs
-
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
-            if f.name not in OWN_ENGINE_FIELDS and getattr(args, f.name) != f.default}
-
-
 def format_table(results: list[EmbedResult]) -> str:
     header = f"{'system':<10}{'prompts':>9}{'tokens':>10}{'best (s)':>10}{'prompts/s':>11}{'tok/s':>11}  rounds (s)"
     lines = [header, "-" * len(header)]
@@ -122,7 +114,8 @@ def run(args: argparse.Namespace) -> dict:
     warmup, rounds = round_prompts(args, model_config)
     prompt_tokens = [sum(len(p) for p in prompts) for prompts in rounds]
 
-    llm = LLM(model=args.model, runner="pooling", dtype=args.dtype, seed=args.seed, **engine_overrides(args))
+    llm = LLM(model=args.model, runner="pooling", dtype=args.dtype, seed=args.seed,
+              **engine_overrides(args, OWN_ENGINE_FIELDS))
     llm.embed([{"prompt_token_ids": p} for p in warmup], use_tqdm=False)
     peer = None
     if args.peer == "vllm":
@@ -163,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
         machine=machine_info(),
         model=model_summary(args.model, model_config),
         settings=dict(num_prompts=args.num_prompts, input_len=args.input_len, dtype=args.dtype, seed=args.seed,
-                      rounds=args.rounds, engine_args=engine_overrides(args), peer_engine_args=peer_engine_args,
+                      rounds=args.rounds, engine_args=engine_overrides(args, OWN_ENGINE_FIELDS),
+                      peer_engine_args=peer_engine_args,
                       mean_prompt_len=sum(prompt_tokens) / (len(rounds) * args.num_prompts)),
         results={r.name: r.to_dict() for r in results.values()},
         ratios=ratios,

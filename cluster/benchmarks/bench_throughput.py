@@ -171,12 +171,13 @@ def default_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def engine_overrides(args: argparse.Namespace) -> dict:
-    """The engine flags (EngineArgs fields) whose value differs from the engine's default."""
+def engine_overrides(args: argparse.Namespace, own_fields: tuple[str, ...] = OWN_ENGINE_FIELDS) -> dict:
+    """The engine flags (EngineArgs fields) whose value differs from the engine's default,
+    less the benchmark's `own_fields` (flags it sets itself)."""
     from raylm.engine import EngineArgs
 
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
-            if f.name not in OWN_ENGINE_FIELDS and getattr(args, f.name) != f.default}
+            if f.name not in own_fields and getattr(args, f.name) != f.default}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
