@@ -24,31 +24,26 @@ ROUTES = {
 }
 
 
-def _server(llama_dir, policy: str):
+def _serving(llama_dir, policy: str):
+    """A real HTTP server over an engine under `policy`; yields its base URL."""
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), max_model_len=128, dtype="float32",
                                                         num_gpu_blocks_override=64, scheduling_policy=policy,
                                                         disable_log_stats=True))
-    return engine, InProcessServer(engine, ServerArgs())
+    try:
+        with InProcessServer(engine, ServerArgs()) as base_url:
+            yield base_url
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def priority_server(llama_dir):
-    engine, server = _server(llama_dir, "priority")
-    try:
-        with server as base_url:
-            yield base_url
-    finally:
-        engine.shutdown()
+    yield from _serving(llama_dir, "priority")
 
 
 @pytest.fixture(scope="module")
 def fcfs_server(llama_dir):
-    engine, server = _server(llama_dir, "fcfs")
-    try:
-        with server as base_url:
-            yield base_url
-    finally:
-        engine.shutdown()
+    yield from _serving(llama_dir, "fcfs")
 
 
 def _post(base_url: str, route: str, **fields) -> httpx.Response:
