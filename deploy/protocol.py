@@ -232,7 +232,7 @@ class _SamplingFields(StructuredOutputFields):
     truncate_prompt_tokens: StrictInt | None = None
     # SamplingParams.detokenize: false returns token ids only (ask for them with
     # return_token_ids); the text is "".
-    detokenize: bool = True
+    detokenize: StrictBool = True  # JSON true/false only: lax parsing reads "no" as false
     # vLLM's per-tenant prefix-cache salt: requests share cached KV only with requests of the
     # same salt (checked here, before tokenizing, as the engine checks LLM prompts).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -497,7 +497,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's: under --reasoning-parser, whether the reply's reasoning is returned.
-    include_reasoning: bool = True
+    include_reasoning: StrictBool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":

@@ -133,6 +133,9 @@ def test_include_reasoning_false_leaves_it_out(servers):
     assert (response.choices[0].message.model_extra["reasoning"], response.choices[0].message.content) == \
         (None, ANSWER)
     assert _streamed(servers["qwen3"], extra_body={"include_reasoning": False})[:2] == (None, ANSWER)
+    # JSON true/false only: lax parsing read "no" as false.
+    with pytest.raises(openai.BadRequestError, match="include_reasoning"):
+        _chat(servers["qwen3"], extra_body={"include_reasoning": "no"})
 
 
 def _chain_ids(model_dir: Path, pieces: list[str]) -> list[int]:

@@ -120,6 +120,8 @@ def test_detokenize_false_returns_the_ids_without_text(server):
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
     ({"detokenize": False, "stop": ["x"]}, "stop"),
+    ({"detokenize": "no"}, "detokenize"),  # lax parsing read it as false
+    ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
 ])
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_out_of_bounds_fields_are_a_400_naming_them(server, route, body, param):
