@@ -45,32 +45,25 @@ DECODE_STAGE_BYTES = 16384
 # no overlap at all); at 5 they get two, and tile i+1 is copied (cp.async, 16-byte vectors)
 # while tile i is computed.
 DECODE_WARPS, DECODE_STAGES = 4, 5
-# Registers per thread that let five 4-warp programs share an SM's 64K, for 16-bit caches at
-# head size 128 (Llama's, Qwen's, Mistral's): Triton 3.6's ptxas (the device image's) took
-# 103 without the cap, four programs; with it 96 and no stack (Triton 3.9: 94 uncapped, 92).
-# Other head sizes and fp32 spilled under the same cap with Triton 3.6 and go uncapped.
-DECODE_MAX_REGISTERS = {(2, 128): 96}
-
-
 def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = True) -> dict:
     """The decode kernel's tile shape, warps and pipeline stages for a cache dtype, GQA group
     and head size.
 
     Decode reads each key and value once: the kernel is bound by memory bandwidth, which
     takes enough bytes in flight per SM, from several programs at once. Compiled for sm_90a
-    with the launch's alignment (Triton 3.9's ptxas; cluster/benchmarks/gpu_kernel_check.py),
-    bf16 d128 at BLOCK_N 32, 4 warps, 5 stages: 94 registers (capped at 96 for Triton 3.6),
-    37 KiB of shared memory, no stack, so 5 programs share an SM, each with its next tile (16 KiB) in flight while it
-    computes one (BLOCK_N 64, 8 warps and 3 stages: 3 programs, nothing in flight while they
-    compute). Every dtype and head size compiles without a stack. `speed["decode_attention_sweep"]`
-    times the alternatives. Off the GPU (the interpreter) the shape only has to be valid."""
+    with the launch's alignment (cluster/benchmarks/gpu_kernel_check.py), bf16 d128 at
+    BLOCK_N 32, 4 warps, 5 stages: 103 registers with Triton 3.6's ptxas (94 with 3.9's),
+    37 KiB of shared memory, no stack, each program with its next tile (16 KiB) in flight
+    while it computes one (BLOCK_N 64, 8 warps and 3 stages: nothing in flight while they
+    compute). Every dtype and head size compiles without a stack. No register cap: on an H100
+    (the 0acff4d record) capping at 96 registers, which fits a fifth program on an SM, read
+    the cache at 0.82 of copy bandwidth at batch 256 x 640 tokens against 0.96 uncapped, and
+    was no faster at 64 x 1k or 64 x 8k. `speed["decode_attention_sweep"]` times the
+    alternatives. Off the GPU (the interpreter) the shape only has to be valid."""
     block_d = max(16, triton.next_power_of_2(head_size))
     element_size = 4 if dtype == torch.float32 else 2
     block_n = max(16, min(PARTITION_ALIGN, DECODE_STAGE_BYTES // (2 * block_d * element_size)))
     tiles = dict(BLOCK_N=block_n, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
-    max_registers = DECODE_MAX_REGISTERS.get((element_size, block_d))
-    if max_registers:
-        tiles["maxnreg"] = max_registers
     return complete_decode_tiles(dtype, group, head_size, tiles, on_gpu)
 
 

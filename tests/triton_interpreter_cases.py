@@ -138,7 +138,7 @@ def test_decode_tiles_fill_16_kib_a_stage_and_divide_the_partitions(kernels):
         tiles = decode.decode_tiles(dtype, 4, head_size)
         assert tiles["BLOCK_N"] == block_n and decode.PARTITION_ALIGN % block_n == 0
         assert (tiles["num_warps"], tiles["num_stages"]) == (4, 5)
-        assert tiles.get("maxnreg") == (96 if dtype != torch.float32 and head_size == 128 else None)
+        assert "maxnreg" not in tiles  # slower on an H100 (decode_tiles)
     with pytest.raises(AssertionError):
         decode.complete_decode_tiles(torch.bfloat16, 4, 128, dict(BLOCK_N=48, num_warps=4, num_stages=5))
 

@@ -118,16 +118,17 @@ GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4
 # (bf16, head size 128, GQA 4): (BLOCK_M, BLOCK_N, num_warps, num_stages). All compile for
 # sm_90a without a stack frame (Triton 3.9's ptxas, 16-aligned arguments).
 PREFILL_TILE_ALTERNATIVES = [(128, 128, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 8, 3)]
-# The decode kernel's alternatives to decode_tiles' choice (BLOCK_N 32, 4 warps, 5 stages,
-# registers capped at 96, at bf16 head size 128) and the dispatcher's split count, timed
-# beside it on the 8B shape: (BLOCK_N, num_warps, num_stages, split count or None for the
-# dispatcher's), none capped. Compiled for sm_90a with 16-aligned arguments, registers with
-# Triton 3.6's ptxas (the device's) / 3.9's, none with a stack frame: 64x8x3 (the tiles
-# before) 98/69, 38 KiB shared, its K/V tiles single-buffered (2 programs an SM on 3.6);
-# 64x8x5 104/77, 70 KiB; 32x4x7 110/83, 53 KiB, three buffers; 16x4x5 86/64, 21 KiB; 32x4x5
-# uncapped 103/94, 37 KiB. The last splits the context in two.
-DECODE_TILE_ALTERNATIVES = [(64, 8, 3, None), (64, 8, 5, None), (32, 4, 7, None), (16, 4, 5, None),
-                            (32, 4, 5, None), (32, 4, 5, 2)]
+# The decode kernel's alternatives to decode_tiles' choice (BLOCK_N 32, 4 warps, 5 stages at
+# bf16 head size 128) and the dispatcher's split count, timed beside it on the 8B shape:
+# (BLOCK_N, num_warps, num_stages, split count or None for the dispatcher's, register cap or
+# None). Compiled for sm_90a with 16-aligned arguments, registers with Triton 3.6's ptxas (the
+# device's) / 3.9's, none with a stack frame: 64x8x3 (the tiles before) 98/69, 38 KiB shared,
+# its K/V tiles single-buffered (2 programs an SM on 3.6); 64x8x5 104/77, 70 KiB; 32x4x7
+# 110/83, 53 KiB, three buffers; 16x4x5 86/64, 21 KiB; 32x4x5 capped at 96 registers (the
+# choice before 0acff4d's record: 5 programs an SM, slower at batch 256). The last splits the
+# context in two.
+DECODE_TILE_ALTERNATIVES = [(64, 8, 3, None, None), (64, 8, 5, None, None), (32, 4, 7, None, None),
+                            (16, 4, 5, None, None), (32, 4, 5, None, 96), (32, 4, 5, 2, None)]
 DRY_SIZES = Sizes(Shape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_size=16, vocab_size=512, max_model_len=256),
                   2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0, decode_sweep_cases=((4, 40), (2, 100)),
@@ -268,11 +269,11 @@ def graph_ms(fn: Callable[[], object], device: torch.device, launches: int = 5, 
 
 
 def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], device: torch.device,
-                           alternatives: list[tuple[int, int, int, int | None]], copy_bytes_s: float | None = None,
+                           alternatives: list[tuple[int, int, int, int | None, int | None]], copy_bytes_s: float | None = None,
                            use_triton: bool | None = None, repeats: int = 10) -> dict:
     """The decode kernel alone at each (batch, context) case, with decode_tiles' choice and
     the dispatcher's split count, and each alternative (BLOCK_N, num_warps, num_stages,
-    split count or None): K/V bytes read per second each (and as a fraction of
+    split count or None, register cap or None): K/V bytes read per second each (and as a fraction of
     copy_bytes_s), the fastest named, and each output's largest difference from the
     choice's. Off the GPU the Triton kernel runs only interpreted (use_triton=True, in a
     process with TRITON_INTERPRET=1: the tests); otherwise the CPU's attention backend runs
@@ -291,8 +292,10 @@ def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], dev
         if "maxnreg" in chosen:
             choice["maxnreg"] = chosen["maxnreg"]
         configs = [(choice, None)]
-        configs += [(dict(BLOCK_N=n, num_warps=w, num_stages=st), splits) for n, w, st, splits in alternatives
-                    if (dict(BLOCK_N=n, num_warps=w, num_stages=st), splits) != configs[0]]
+        for n, w, st, splits, max_registers in alternatives:
+            tiles = dict(BLOCK_N=n, num_warps=w, num_stages=st, **({"maxnreg": max_registers} if max_registers else {}))
+            if (tiles, splits) != configs[0]:
+                configs.append((tiles, splits))
         num_sms = decode._num_sms(device)
     else:
         backend = get_attention_backend()
