@@ -55,11 +55,11 @@ def decode_tiles(dtype: torch.dtype, group: int, head_size: int, on_gpu: bool = 
     BLOCK_N 32, 4 warps, 5 stages: 103 registers with Triton 3.6's ptxas (94 with 3.9's),
     37 KiB of shared memory, no stack, each program with its next tile (16 KiB) in flight
     while it computes one (BLOCK_N 64, 8 warps and 3 stages: nothing in flight while they
-    compute). Every dtype and head size compiles without a stack. No register cap: on an H100
-    (the 0acff4d record) capping at 96 registers, which fits a fifth program on an SM, read
-    the cache at 0.82 of copy bandwidth at batch 256 x 640 tokens against 0.96 uncapped, and
-    was no faster at 64 x 1k or 64 x 8k. `speed["decode_attention_sweep"]` times the
-    alternatives. Off the GPU (the interpreter) the shape only has to be valid."""
+    compute). Every dtype and head size compiles without a stack. No register cap: capped
+    at 96, five programs fit an SM instead of four, but on an H100 that read no faster (batch
+    256 x 640 tokens: 239 us capped, 232 us uncapped, 0.94-0.96 of copy bandwidth; equal at
+    64 x 1k and 64 x 8k; the 0acff4d and 1e91401 records). `speed["decode_attention_sweep"]`
+    times the alternatives. Off the GPU (the interpreter) the shape only has to be valid."""
     block_d = max(16, triton.next_power_of_2(head_size))
     element_size = 4 if dtype == torch.float32 else 2
     block_n = max(16, min(PARTITION_ALIGN, DECODE_STAGE_BYTES // (2 * block_d * element_size)))

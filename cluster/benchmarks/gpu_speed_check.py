@@ -248,12 +248,15 @@ def decode_step(shape: Shape, batch: int, context: int, device: torch.device, dt
     return query, k_cache, v_cache, metadata
 
 
-def graph_ms(fn: Callable[[], object], device: torch.device, launches: int = 5, repeats: int = 10) -> float:
-    """Median time of one fn in ms, from a CUDA graph of `launches` calls replayed `repeats`
-    times (the engine's decode runs in graphs: no host overhead between kernels); off the GPU,
-    median_ms. fn must have run once already (Triton compiles at the first launch)."""
-    if device.type != "cuda":
-        return median_ms(fn, device, repeats=repeats, warmup=0)
+# Calls of a kernel in each timed CUDA graph: one replay is long enough to time with events.
+LAUNCHES_PER_GRAPH = 5
+
+
+def graph_replay(fn: Callable[[], object], device: torch.device,
+                 launches: int = LAUNCHES_PER_GRAPH) -> Callable[[], object]:
+    """A CUDA graph of `launches` calls of fn, as its replay (the engine's decode runs in
+    graphs: no host overhead between kernels). fn must have run once already (Triton
+    compiles at the first launch)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -263,19 +266,33 @@ def graph_ms(fn: Callable[[], object], device: torch.device, launches: int = 5, 
     with torch.cuda.graph(graph):
         for _ in range(launches):
             fn()
-    ms = median_ms(graph.replay, device, repeats=repeats, warmup=1) / launches
-    del graph
-    return ms
+    return graph.replay
+
+
+def interleaved_ms(fns: list[Callable[[], object]], device: torch.device, repeats: int, warmup: int = 1) -> list[float]:
+    """Median time of each fn in ms, timed in turns: every round calls each fn once, so no
+    fn pays alone for the GPU's clocks or caches settling. Timed one after the other, the
+    first tile a sweep timed ran 10-15% slower than the same tile timed later (the 0acff4d
+    and 1e91401 records: 271 us against 232-239 us)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, fn_times in zip(fns, times):
+            fn_times.append(median_ms(fn, device, repeats=1, warmup=0))
+    return [statistics.median(fn_times) for fn_times in times]
 
 
 def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], device: torch.device,
-                           alternatives: list[tuple[int, int, int, int | None, int | None]], copy_bytes_s: float | None = None,
-                           use_triton: bool | None = None, repeats: int = 10) -> dict:
+                           alternatives: list[tuple[int, int, int, int | None, int | None]],
+                           copy_bytes_s: float | None = None, use_triton: bool | None = None,
+                           repeats: int = 10) -> dict:
     """The decode kernel alone at each (batch, context) case, with decode_tiles' choice and
     the dispatcher's split count, and each alternative (BLOCK_N, num_warps, num_stages,
-    split count or None, register cap or None): K/V bytes read per second each (and as a fraction of
-    copy_bytes_s), the fastest named, and each output's largest difference from the
-    choice's. Off the GPU the Triton kernel runs only interpreted (use_triton=True, in a
+    split count or None, register cap or None), timed in turns: K/V bytes read per second
+    each (and as a fraction of copy_bytes_s), the fastest named, and each output's largest
+    difference from the choice's. Off the GPU the Triton kernel runs only interpreted (use_triton=True, in a
     process with TRITON_INTERPRET=1: the tests); otherwise the CPU's attention backend runs
     the cases (the plumbing only, no tile shapes)."""
     from raylm.kernels.backend import get_attention_backend
@@ -304,7 +321,7 @@ def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], dev
     for batch, context in cases:
         query, k_cache, v_cache, metadata = decode_step(shape, batch, context, device, dtype)
         kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size * k_cache.element_size()
-        rows, reference = [], None
+        rows, timers, reference = [], [], None
         for tiles, num_splits in configs:
             if on_gpu:
                 splits = decode.partition(context, num_splits or decode.choose_num_splits(
@@ -320,16 +337,20 @@ def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], dev
                     return backend.paged_attention(query, k_cache, v_cache, metadata, scale)
             try:
                 out = run()  # compiles this variant
-                ms = graph_ms(run, device, repeats=repeats)
+                timers.append(graph_replay(run, device, LAUNCHES_PER_GRAPH) if device.type == "cuda" else run)
             except Exception as error:  # a tile shape this device cannot run: record it, go on
                 rows.append(dict(tiles=tiles, num_splits=splits, error=f"{type(error).__name__}: {str(error)[:200]}"))
                 continue
             reference = out.float() if reference is None else reference
             difference = ((out.float() - reference).abs().max() / reference.abs().max()).item()
-            bytes_per_s = kv_bytes / (ms / 1e3)
-            rows.append(dict(tiles=tiles, num_splits=splits, ms=ms, bytes_per_s=bytes_per_s,
-                             fraction_of_copy=bytes_per_s / copy_bytes_s if copy_bytes_s else None,
-                             rel_diff_from_chosen=difference))
+            rows.append(dict(tiles=tiles, num_splits=splits, rel_diff_from_chosen=difference))
+        per_call = LAUNCHES_PER_GRAPH if device.type == "cuda" else 1
+        timed = [row for row in rows if "error" not in row]
+        for row, ms in zip(timed, interleaved_ms(timers, device, repeats)):
+            bytes_per_s = kv_bytes / (ms / per_call / 1e3)
+            row.update(ms=ms / per_call, bytes_per_s=bytes_per_s,
+                       fraction_of_copy=bytes_per_s / copy_bytes_s if copy_bytes_s else None)
+        del timers
         timed = [row for row in rows if "ms" in row]
         best = min(timed, key=lambda row: row["ms"]) if timed else None
         results.append(dict(case=f"batch {batch}, context {context}", batch=batch, context=context, kv_bytes=kv_bytes,
@@ -337,7 +358,8 @@ def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], dev
         del query, k_cache, v_cache, metadata
     return dict(dtype=str(dtype).removeprefix("torch."), num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                 head_size=shape.head_size, block_size=16, backend="triton" if on_gpu else backend.name,
-                timing="CUDA graph of 5 launches" if device.type == "cuda" else "perf_counter", cases=results)
+                timing=(f"CUDA graph of {LAUNCHES_PER_GRAPH} launches" if device.type == "cuda" else "perf_counter")
+                + f", {repeats} rounds taking each in turn", cases=results)
 
 
 def paged_step(shape: Shape, query_len: int, context_len: int, device: torch.device, dtype: torch.dtype,
@@ -398,7 +420,7 @@ def prefill_attention_sweep(shape: Shape, tokens: int, device: torch.device,
     for name, query_len, context_len in (("fresh prompt", tokens, 0), ("prefix hit", tokens // 2, tokens // 2)):
         query, k_cache, v_cache, metadata = paged_step(shape, query_len, context_len, device, dtype)
         flops = causal_attention_flops(shape, query_len, context_len)
-        rows, reference = [], None
+        rows, runs, reference = [], [], None
         for tiles in configs:
             if on_gpu:
                 def run(tiles=tiles):
@@ -408,13 +430,16 @@ def prefill_attention_sweep(shape: Shape, tokens: int, device: torch.device,
                     return backend.paged_attention(query, k_cache, v_cache, metadata, scale)
             try:
                 out = run()  # compiles this variant
-                ms = median_ms(run, device, repeats=repeats, warmup=warmup)
             except Exception as error:  # a tile shape this device cannot run: record it, go on
                 rows.append(dict(tiles=tiles, error=f"{type(error).__name__}: {str(error)[:200]}"))
                 continue
+            runs.append(run)
             reference = out.float() if reference is None else reference
             difference = ((out.float() - reference).abs().max() / reference.abs().max()).item()
-            rows.append(dict(tiles=tiles, ms=ms, tflop_s=flops / (ms / 1e3) / 1e12, rel_diff_from_chosen=difference))
+            rows.append(dict(tiles=tiles, rel_diff_from_chosen=difference))
+        timed = [row for row in rows if "error" not in row]
+        for row, ms in zip(timed, interleaved_ms(runs, device, repeats, warmup)):
+            row.update(ms=ms, tflop_s=flops / (ms / 1e3) / 1e12)
         timed = [row for row in rows if "ms" in row]
         best = min(timed, key=lambda row: row["ms"]) if timed else None
         cases.append(dict(case=name, query_len=query_len, context_len=context_len, flops=flops,
