@@ -224,7 +224,10 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     response_budget = ResponseBudget(server_args.max_response_tokens_in_flight
                                      or default_response_tokens_in_flight(limits.max_response_tokens))
     as_ids = server_args.return_tokens_as_token_ids
-    request_logger = RequestLogger(server_args.max_log_len) if server_args.enable_log_requests else None
+    request_logger = RequestLogger(server_args.max_log_len, server_args.enable_log_outputs) \
+        if server_args.enable_log_requests else None
+    if server_args.enable_log_outputs and not server_args.enable_log_requests:
+        logger.warning("--enable-log-outputs logs nothing without --enable-log-requests (as in vLLM).")
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                           models=serving_models, response_budget=response_budget,
                                           return_tokens_as_token_ids=as_ids, request_logger=request_logger)

@@ -163,6 +163,10 @@ class ServerArgs(SettingsMixin):
     disable_log_requests: bool = field(default=False, metadata=setting(
         "vLLM's older spelling, from before request logging was off by default: requests are not logged, as "
         "without --enable-log-requests; the two together are an error."))
+    enable_log_outputs: bool = field(default=False, metadata=setting(
+        "With --enable-log-requests: also log each choice as it finishes, at INFO: the text as the model wrote it "
+        "(reasoning and tool-call markup included), its token ids (both cut to --max-log-len) and finish reason; "
+        "a streamed choice once, whole (vLLM's flag; vLLM also logs every streamed delta)."))
     max_log_len: int | None = field(default=None, metadata=setting(
         "With --enable-log-requests: most characters of a prompt, and most of its token ids, a request's log line "
         "shows; default: all of them."))

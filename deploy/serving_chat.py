@@ -202,6 +202,8 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         as_ids = self.tokens_as_ids(request)
         for completion in final.outputs:
+            if self.logs_outputs:
+                self.log_output(f"{request_id}-0", completion)
             # Without the reasoning, its tokens' ids and logprobs go too (they spell it out).
             hidden = self._hidden_tokens(request, completion.token_ids, in_reasoning)
             token_ids = list(completion.token_ids)[hidden:]
@@ -312,6 +314,9 @@ class OpenAIServingChat(OpenAIServing):
             if self.reasoning_parser is not None and in_reasoning and not request.include_reasoning else None
         prompt_tokens = len(prompt_token_ids)
         as_ids = self.tokens_as_ids(request)
+        # --enable-log-outputs: each choice's text and ids so far, logged whole when it finishes.
+        logged: list[tuple[list[str], list[int]]] | None = \
+            [([], []) for _ in range(request.n)] if self.logs_outputs else None
 
         def chunk(choice: ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None = None) -> str:
             usage = _usage(prompt_tokens, choice_tokens[choice.index],
@@ -334,6 +339,8 @@ class OpenAIServingChat(OpenAIServing):
                     prompt_token_ids if request.return_token_ids else None)
             async for _, output in merge_async_iterators([stream]):
                 for completion in output.outputs:
+                    if logged is not None:
+                        self.log_streamed(logged[completion.index], f"{request_id}-0", completion)
                     completion_tokens += len(completion.token_ids)
                     choice_tokens[completion.index] += len(completion.token_ids)
                     if reasoning_streamers is not None:

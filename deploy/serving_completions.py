@@ -105,6 +105,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_text = self._echo_text(request, output)
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
+                if self.logs_outputs:
+                    self.log_output(f"{request_id}-{prompt_index}", completion)
                 logprobs = None
                 if request.logprobs is not None:
                     token_ids, entries = list(completion.token_ids), list(completion.logprobs or [])
@@ -141,6 +143,9 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         prompt_tokens = [0] * len(streams)
         usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
+        # --enable-log-outputs: each choice's text and ids so far, logged whole when it finishes.
+        logged: list[tuple[list[str], list[int]]] | None = \
+            [([], []) for _ in range(len(streams) * n)] if self.logs_outputs else None
         try:
             async for prompt_index, output in merge_async_iterators(streams):
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
@@ -160,6 +165,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                             text_lens[choice_index], as_ids)
                     text_lens[choice_index] += len(text)
                     completion_tokens += len(completion.token_ids)
+                    if logged is not None:
+                        self.log_streamed(logged[choice_index], f"{request_id}-{prompt_index}", completion)
                     choice_tokens[choice_index] += len(completion.token_ids)
                     ids = request.return_token_ids  # the prompt's in the choice's first chunk, as vLLM's
                     chunk = CompletionStreamResponse(

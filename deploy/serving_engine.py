@@ -173,6 +173,28 @@ class OpenAIServing:
             except GrammarCompilerUnavailableError as exc:
                 raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from None
 
+    @property
+    def logs_outputs(self) -> bool:
+        """--enable-log-outputs with --enable-log-requests: finished choices are logged."""
+        return self.request_logger is not None and self.request_logger.log_outputs
+
+    def log_output(self, engine_request_id: str, completion: Any, streamed: bool = False,
+                   text: str | None = None, token_ids: list[int] | None = None) -> None:
+        """Logs one finished choice (a CompletionOutput; a streamed one's text and ids whole)."""
+        assert self.request_logger is not None
+        self.request_logger.log_output(engine_request_id, completion.index,
+                                       completion.text if text is None else text,
+                                       list(completion.token_ids) if token_ids is None else token_ids,
+                                       completion.finish_reason, streamed)
+
+    def log_streamed(self, so_far: tuple[list[str], list[int]], engine_request_id: str, completion: Any) -> None:
+        """Adds a streamed choice's delta to what it wrote so far; logs it all once it finishes."""
+        texts, token_ids = so_far
+        texts.append(completion.text)
+        token_ids.extend(completion.token_ids)
+        if completion.finished():
+            self.log_output(engine_request_id, completion, streamed=True, text="".join(texts), token_ids=token_ids)
+
     async def add_requests(self, request_id: str, prompts: list[dict],
                            params: list[SamplingParams] | list[PoolingParams], lora_request: Any = None,
                            priority: int = 0) -> list[AsyncIterator[RequestOutput]]:

@@ -104,6 +104,52 @@ def test_chat_requests_log_the_rendered_prompt_whole_without_max_log_len(engine,
     assert f"prompt: {rendered!r}," in line
 
 
+def output_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("Generated")]
+
+
+def test_enable_log_outputs_logs_each_choice_as_the_response_gives_it(engine, caplog):
+    """Each of n choices: one line with its text and token ids (as the response returns
+    them, cut to --max-log-len) and finish reason."""
+    app = build_app(engine, ServerArgs(enable_log_requests=True, enable_log_outputs=True, max_log_len=4))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        response = post(app, "/v1/completions", {"prompt": "The quick brown", "max_tokens": 6, "n": 2,
+                                                 "temperature": 1.0, "seed": 7, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    lines = sorted(output_lines(caplog))
+    assert len(lines) == 2
+    for choice, line in zip(sorted(body["choices"], key=lambda c: c["index"]), lines):
+        assert line == (f"Generated response {body['id']}-0, choice {choice['index']}: output: "
+                        f"{choice['text'][:4]!r}, output_token_ids: {choice['token_ids'][:4]}, "
+                        f"finish_reason: {choice['finish_reason']}.")
+
+
+def test_streamed_chat_choices_are_logged_once_whole_when_they_finish(engine, caplog):
+    app = build_app(engine, ServerArgs(enable_log_requests=True, enable_log_outputs=True))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        response = post(app, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "stream": True,
+            "return_token_ids": True, "temperature": 0})
+    assert response.status_code == 200, response.text
+    events = stream_events(response)
+    text = "".join(event["choices"][0]["delta"].get("content") or "" for event in events if event["choices"])
+    token_ids = [i for event in events if event["choices"] for i in event["choices"][0].get("token_ids") or []]
+    finish = [event["choices"][0]["finish_reason"] for event in events if event["choices"]][-1]
+    assert output_lines(caplog) == [f"Generated response {events[0]['id']}-0, choice 0 (streaming complete): output: "
+                                    f"{text!r}, output_token_ids: {token_ids}, finish_reason: {finish}."]
+    assert len(token_ids) == 5
+
+
+def test_enable_log_outputs_alone_logs_nothing_and_says_so(engine, caplog):
+    with caplog.at_level(logging.INFO):
+        app = build_app(engine, ServerArgs(enable_log_outputs=True))
+        response = post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert not output_lines(caplog)
+    assert "--enable-log-outputs logs nothing without --enable-log-requests" in caplog.text
+
+
 def test_max_log_len_must_be_a_non_negative_integer():
     with pytest.raises(ValueError, match="max_log_len"):
         ServerArgs(max_log_len=-1)
