@@ -88,6 +88,12 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
     assert "repetition_penalty 1.05: TPOT bs1" in result.stdout
     assert "decode attention, batch 4, context 40: chosen backend" in result.stdout
+    layouts = record["speed"]["gemm_layouts"]
+    assert {(row["gemm"], row["m"]) for row in layouts["gemms"]} == {
+        (name, m) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head") for m in (1, 4)}
+    assert all(row["max_abs_difference"] < 1e-4 and row["linear_ms"] > 0 and row["floor_ms"] > 0
+               for row in layouts["gemms"])
+    assert "weight GEMMs of a decode step at batch 4: as stored" in result.stdout
 
 
 

@@ -284,6 +284,9 @@ def summary_lines(record: dict) -> list[str]:
     for case in speed.get("prefill_attention", {}).get("cases", []):
         lines.append(f"prefill attention, {case['case']} ({case['query_len']} new, {case['context_len']} cached): "
                      f"chosen {_prefill_row(case['chosen'])}; fastest {_prefill_row(case['best'])}")
+    for m, step in (speed.get("gemm_layouts") or {}).get("step", {}).items():
+        lines.append(f"weight GEMMs of a decode step at batch {m}: as stored {number(step['linear_ms'])} ms, "
+                     f"transposed {number(step['transposed_ms'])} ms, floor {number(step['floor_ms'])} ms")
     return lines
 
 

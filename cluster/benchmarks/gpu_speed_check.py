@@ -111,6 +111,8 @@ class Sizes:
     decode_sweep_cases: tuple[tuple[int, int], ...] = ((256, 640), (64, 1024), (64, 8192))
     # The penalised decode step's (batch, prompt length).
     penalty_decode: tuple[int, int] = (64, 1024)
+    # The GEMM layout sweep's batch sizes (rows of a decode step).
+    gemm_batches: tuple[int, ...] = (1, 64, 256)
 
 
 GPU_SIZES = Sizes(Shape(), 2 * 2**30, 8192, 64, (1024, 8192, 32768), 128, 128, 4096, 64, 256, 512, 256, 60.0)
@@ -132,7 +134,7 @@ DECODE_TILE_ALTERNATIVES = [(64, 8, 3, None, None), (64, 8, 5, None, None), (32,
 DRY_SIZES = Sizes(Shape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_size=16, vocab_size=512, max_model_len=256),
                   2**22, 256, 4, (64, 128), 16, 8, 64, 4, 8, 16, 8, 30.0, decode_sweep_cases=((4, 40), (2, 100)),
-                  penalty_decode=(4, 32))
+                  penalty_decode=(4, 32), gemm_batches=(1, 4))
 # Qwen2.5's generation_config gives every request this repetition penalty.
 REPETITION_PENALTY = 1.05
 
@@ -173,6 +175,48 @@ def gemm_flops(device: torch.device, n: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / (median_ms(lambda: a @ b, device, repeats=10) / 1e3)
+
+
+def gemm_layout_sweep(shape: Shape, batches: tuple[int, ...], device: torch.device, copy_bytes_s: float,
+                      flops_s: float, repeats: int = 10) -> dict:
+    """Each layer's weight GEMM and the LM head at decode batch sizes: F.linear on the
+    weight as the layers store it ([out, in]) against a matmul on a transposed copy ([in,
+    out], a layout a loader could keep instead), each timed in turns (CUDA graphs on a GPU),
+    and over its floor, max(weight bytes / copy bandwidth, FLOPs / GEMM rate). At batch
+    256 cuBLAS took 7.1 ms a step against a 5.0 ms floor (1e91401's record): this says
+    whether the layout is worth changing."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q_size, kv_size = shape.num_heads * shape.head_size, shape.num_kv_heads * shape.head_size
+    gemms = {"qkv_proj": (shape.hidden_size, q_size + 2 * kv_size), "o_proj": (q_size, shape.hidden_size),
+             "gate_up_proj": (shape.hidden_size, 2 * shape.intermediate_size),
+             "down_proj": (shape.intermediate_size, shape.hidden_size),
+             "lm_head": (shape.hidden_size, shape.vocab_size)}
+    per_call = LAUNCHES_PER_GRAPH if device.type == "cuda" else 1
+    rows = []
+    for name, (k, n) in gemms.items():
+        weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        transposed = weight.t().contiguous()
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            runs = [lambda: torch.nn.functional.linear(x, weight), lambda: x @ transposed]
+            difference = (runs[0]().float() - runs[1]().float()).abs().max().item()
+            timers = [graph_replay(run, device) for run in runs] if device.type == "cuda" else runs
+            linear_ms, transposed_ms = (ms / per_call for ms in interleaved_ms(timers, device, repeats))
+            floor_ms = max(n * k * weight.element_size() / copy_bytes_s, 2 * m * n * k / flops_s) * 1e3
+            rows.append(dict(gemm=name, m=m, k=k, n=n, linear_ms=linear_ms, transposed_ms=transposed_ms,
+                             floor_ms=floor_ms, linear_over_floor=linear_ms / floor_ms,
+                             transposed_over_floor=transposed_ms / floor_ms, max_abs_difference=difference))
+            del timers, runs, x
+        del weight, transposed
+    step = {m: dict(linear_ms=sum(r["linear_ms"] * (1 if r["gemm"] == "lm_head" else shape.num_layers)
+                                  for r in rows if r["m"] == m),
+                    transposed_ms=sum(r["transposed_ms"] * (1 if r["gemm"] == "lm_head" else shape.num_layers)
+                                      for r in rows if r["m"] == m),
+                    floor_ms=sum(r["floor_ms"] * (1 if r["gemm"] == "lm_head" else shape.num_layers)
+                                 for r in rows if r["m"] == m))
+            for m in batches}
+    return dict(dtype=str(dtype).removeprefix("torch."), gemms=rows,
+                step={str(m): value for m, value in step.items()})
 
 
 # ---- the model on disk ------------------------------------------------------------------
@@ -706,6 +750,9 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
     began = time.perf_counter()
     save("prefill_attention", prefill_attention_sweep(shape, sizes.ttft_prompt, device, PREFILL_TILE_ALTERNATIVES),
          began)
+    began = time.perf_counter()
+    save("gemm_layouts", gemm_layout_sweep(shape, sizes.gemm_batches, device, result["copy_bandwidth_bytes_s"],
+                                           result["gemm_flops"]), began)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
