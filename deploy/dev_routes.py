@@ -39,6 +39,13 @@ class CollectiveRpcRequest(BaseModel):
     timeout: float | None = Field(default=None, gt=0)
 
 
+def engine_sleeping_body(exc: EngineSleepingError) -> ErrorResponse:
+    """The 503's body. Its message is our own sentence (no path or traceback in it), so it
+    is shown, unlike other 5xx messages (deploy/errors.py)."""
+    return ErrorResponse(error=ErrorInfo(message=str(exc), type="ServiceUnavailableError", param=None,
+                                         code=int(HTTPStatus.SERVICE_UNAVAILABLE)))
+
+
 def install_sleep_mode_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     """The 503 for requests to a sleeping engine; with RAYLM_SERVER_DEV_MODE=1 the routes."""
     from fastapi import Query, Request
@@ -46,10 +53,7 @@ def install_sleep_mode_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
 
     @app.exception_handler(EngineSleepingError)
     async def _engine_sleeping(_: Request, exc: EngineSleepingError) -> JSONResponse:
-        # Our own sentence (no path or traceback in it): shown, unlike other 5xx messages.
-        body = ErrorResponse(error=ErrorInfo(message=str(exc), type="ServiceUnavailableError", param=None,
-                                             code=int(HTTPStatus.SERVICE_UNAVAILABLE)))
-        return JSONResponse(body.model_dump(), status_code=int(HTTPStatus.SERVICE_UNAVAILABLE))
+        return JSONResponse(engine_sleeping_body(exc).model_dump(), status_code=int(HTTPStatus.SERVICE_UNAVAILABLE))
 
     if not envs.RAYLM_SERVER_DEV_MODE:
         return
