@@ -34,8 +34,8 @@ from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
 from raylm.executors.sleep_mode import SleepingWeights
-from raylm.models import get_model, release_model, weight_utils
-from raylm.models.weight_utils import safetensors_weights_iterator
+from raylm.models import get_model, release_model
+from raylm.models.weight_utils import num_weight_loads, safetensors_weights_iterator
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context, step_output_rows
 from raylm.parallel.communication import tensor_model_parallel_broadcast
@@ -139,7 +139,7 @@ class ModelRunner:
         start, end = get_pp_indices(self.model_config.num_layers, pp_rank, pp_size)
         self.num_stage_layers = end - start
         # Sleep mode: the weights taken out of device memory (None while they are in), and
-        # the process's weight-load count when the packed copies were last made (see
+        # the model's weight-load count when the packed copies were last made (see
         # `process_weights_after_loading`).
         self.sleeping_weights: SleepingWeights | None = None
         self._processed_weight_loads = -1
@@ -165,7 +165,7 @@ class ModelRunner:
             # sized around it (on CUDA it is part of what is in use after loading).
             self.penalty_state = PenaltyState(self.scheduler_config.max_num_seqs, self.model_config.vocab_size,
                                               self.device)
-        self._processed_weight_loads = weight_utils.weight_loads  # get_model ran the hooks
+        self._processed_weight_loads = num_weight_loads(self.model)  # get_model ran the hooks
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -488,12 +488,12 @@ class ModelRunner:
         """Runs the modules' hooks again (the CPU GEMM's packed copies, the fused decode's
         tables), as the loader does after the checkpoint: also when a worker extension
         called `model.load_weights` itself, as vLLM's RLHF examples do (`execute_model`
-        notices that from the process's weight-load count)."""
+        notices that from the model's weight-load count)."""
         for module in self.model.modules():
             hook = getattr(module, "process_weights_after_loading", None)
             if hook is not None:
                 hook()
-        self._processed_weight_loads = weight_utils.weight_loads
+        self._processed_weight_loads = num_weight_loads(self.model)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -523,7 +523,7 @@ class ModelRunner:
             self.draft_runner.finish(req.finished_req_ids)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
-        if self._processed_weight_loads != weight_utils.weight_loads:
+        if self._processed_weight_loads != num_weight_loads(self.model):
             self.process_weights_after_loading()  # weights were loaded into the model meanwhile
         if not self.kv_caches:
             raise RuntimeError("The engine is asleep (LLM.sleep): wake it up (LLM.wake_up) before running steps.")
