@@ -29,11 +29,11 @@ from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, keeps_host_history,
                                                sibling_generator)
+from raylm.executors.sleep_mode import SleepingWeights
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
-from raylm.executors.sleep_mode import SleepingWeights
 from raylm.models import get_model, release_model
 from raylm.models.weight_utils import num_weight_loads, safetensors_weights_iterator
 from raylm.models.attention import Attention
@@ -480,6 +480,9 @@ class ModelRunner:
         """Copies (name, full checkpoint tensor) pairs into the running model through each
         parameter's `weight_loader` (which cuts this rank's shard), in place: the CUDA
         graphs keep reading them. Returns the names of the parameters loaded."""
+        if self.sleeping_weights is not None:
+            raise RuntimeError("The weights are asleep: wake them up first (LLM.wake_up(tags=['weights'])), then "
+                               "load weights into them.")
         loaded = self.model.load_weights(weights)
         self.process_weights_after_loading()
         return loaded

@@ -186,6 +186,8 @@ def test_the_gpu_weight_offload_path_frees_and_restores_the_parameters(llm, llam
     assert_hf_tokens(llm, llama_dir, prompts)
 
     llm.sleep(level=2)
+    with pytest.raises(RuntimeError, match="wake them up first"):
+        llm.collective_rpc("reload_weights")
     llm.wake_up(tags=["weights"])
     assert all(not p.any() for p in runner.model.parameters())
     llm.collective_rpc("load_weights", args=(checkpoint_weights(other_llama_dir),))
