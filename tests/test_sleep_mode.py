@@ -159,6 +159,14 @@ def test_level_2_then_reload_weights_gives_hf_tokens_again(llm, llama_dir, promp
     assert_hf_tokens(llm, llama_dir, prompts)
 
 
+def test_level_2_then_the_checkpoints_own_weights_pushed_give_hf_tokens_again(llm, llama_dir, prompts):
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("load_weights", args=(checkpoint_weights(llama_dir),))
+    llm.wake_up(tags=["kv_cache"])
+    assert_hf_tokens(llm, llama_dir, prompts)
+
+
 def test_weights_of_another_model_pushed_after_level_2_give_its_hf_tokens(llm, llama_dir, other_llama_dir,
                                                                           prompts):
     llm.sleep(level=2)
