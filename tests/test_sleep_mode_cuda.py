@@ -21,7 +21,7 @@ NUM_BLOCKS = 65536
 def test_sleep_frees_device_memory_and_wake_up_gives_hf_tokens_through_the_graphs(llama_dir):
     from raylm.engine import LLM, SamplingParams
 
-    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=8, max_model_len=128, enable_sleep_mode=True,
+    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=2, max_model_len=128, enable_sleep_mode=True,
               num_gpu_blocks_override=NUM_BLOCKS)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
