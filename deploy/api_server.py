@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from raylm.deploy.dev_routes import install_sleep_mode_routes
 from raylm.deploy.errors import OpenAIError, error_response, install_error_handlers
 from raylm.deploy.metrics import ServerMetrics
 from raylm.deploy.response_budget import RETRY_AFTER_S, ResponseBudget, default_response_tokens_in_flight
@@ -260,6 +261,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.exception_handler(AsyncEngineDeadError)
     async def _engine_dead(_: Request, exc: AsyncEngineDeadError) -> JSONResponse:
         return error_response(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    install_sleep_mode_routes(app, engine)  # the 503 while asleep; /sleep etc. in dev mode
 
     @app.exception_handler(ClientDisconnected)
     async def _client_disconnected(_: Request, __: ClientDisconnected) -> Response:

@@ -23,6 +23,7 @@ from raylm.deploy.response_budget import Reservation, ResponseBudget, default_re
 from raylm.deploy.serving_models import adapter_unavailable
 from raylm.deploy.structured_outputs import structured_outputs_params
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from raylm.engine.engine_core import EngineSleepingError
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.pooling_params import PoolingParams
 from raylm.engine.request import check_priority
@@ -353,6 +354,10 @@ def sse(payload: BaseModel | dict) -> str:
 def sse_error(exc: BaseException) -> str:
     if isinstance(exc, OpenAIError):
         body = error_body(exc.message, exc.status, exc.param)
+    elif isinstance(exc, EngineSleepingError):  # aborted by /sleep (deploy/dev_routes.py)
+        from raylm.deploy.dev_routes import engine_sleeping_body
+
+        body = engine_sleeping_body(exc)
     elif isinstance(exc, ValueError):
         body = error_body(str(exc), HTTPStatus.BAD_REQUEST, getattr(exc, "param", None))
     else:

@@ -178,6 +178,13 @@ class EngineArgs(SettingsMixin):
         "Serve LoRA adapters (PEFT format) over the base model: requests name an adapter (LoRARequest, or the "
         "server's model name), and one batch mixes the base model and up to max_loras adapters. Not with "
         "pipeline_parallel_size above 1."))
+    enable_sleep_mode: bool = field(default=False, metadata=_help(
+        "Allow LLM.sleep / wake_up (vLLM's flag, for RLHF): sleep level 1 frees the KV cache and offloads the "
+        "weights to host memory (on a CPU device they stay where they are), level 2 discards the weights too, to "
+        "be reloaded or updated before generating again (docs/sleep_mode.md)."))
+    worker_extension_cls: str = field(default="", metadata=_help(
+        "A class, as 'module.Class', whose methods every worker gains (vLLM's flag), to be called through "
+        "LLM.collective_rpc: how an RLHF trainer pushes new weights into the running model."))
     max_loras: int = field(default=1, metadata=_help(
         "LoRA: most adapters in one batch (the workers' adapter slots); requests of other adapters wait for a "
         "slot."))
@@ -249,6 +256,7 @@ class EngineArgs(SettingsMixin):
             runner_type=runner_type,
             pooler_config=pooler_config,
             load_format=check_load_format(self.load_format),
+            enable_sleep_mode=self.enable_sleep_mode,
         )
         enable_chunked_prefill, enable_prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
         if model_config.is_pooling:
@@ -263,6 +271,7 @@ class EngineArgs(SettingsMixin):
             ray_cpus_per_worker=self.ray_cpus_per_worker,
             placement_group_timeout_s=self.placement_group_timeout_s,
             worker_timeout_s=self.worker_timeout_s,
+            worker_extension_cls=self.worker_extension_cls,
         )
         if parallel_config.pipeline_parallel_size > 1:
             check_pipeline_parallel(hf_config, parallel_config.pipeline_parallel_size)

@@ -561,6 +561,37 @@ class AsyncLLMEngine:
     async def list_loras(self) -> set[int]:
         return self.engine.list_loras()
 
+    # --------------------------------------------------------------- sleep mode
+    async def sleep(self, level: int = 1) -> None:
+        """`LLM.sleep` between two steps: requests still running are aborted (vLLM's mode
+        "abort"), each failing with EngineSleepingError; requests sent until `wake_up`
+        fail with it too."""
+        from raylm.engine.engine_core import EngineSleepingError
+
+        aborted = await self._on_engine_thread(functools.partial(self.engine.sleep, level))
+        for engine_request_id in aborted:
+            state = self._engine_requests.get(engine_request_id)
+            if state is not None:
+                self._fail_request(state, EngineSleepingError(
+                    f"Request {state.request_id} was aborted: the engine was put to sleep."))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """`LLM.wake_up` between two steps."""
+        await self._on_engine_thread(functools.partial(self.engine.wake_up, tags))
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache between two steps; False while requests hold blocks."""
+        return await self._on_engine_thread(self.engine.reset_prefix_cache)
+
+    async def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """`LLM.collective_rpc` between two steps."""
+        return await self._on_engine_thread(functools.partial(self.engine.collective_rpc, method, timeout, args,
+                                                              kwargs))
+
     # ------------------------------------------------------------------- health
     async def check_health(self) -> None:
         """Raises AsyncEngineDeadError if the loop died, or the executor's error if a

@@ -237,6 +237,8 @@ class ModelConfig:
     # One of LOAD_FORMATS (vLLM keeps it in its LoadConfig; here the loader reads it with
     # the rest of the model's settings, and a draft model gets the target's).
     load_format: str = "auto"
+    # vLLM's flag: LLM.sleep / wake_up may free the KV cache and the weights (docs/sleep_mode.md).
+    enable_sleep_mode: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -463,6 +465,9 @@ class ParallelConfig:
     # Ray only: the longest a worker call (loading the model, one step, a collective) may
     # take before the workers are declared hung.
     worker_timeout_s: float = 600.0
+    # vLLM's worker_extension_cls: "module.Class" whose methods every worker gains, for
+    # collective_rpc (an RLHF trainer's weight updates); "" for none.
+    worker_extension_cls: str = ""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

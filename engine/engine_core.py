@@ -36,6 +36,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# vLLM's sleep-mode memory tags (LLM.wake_up(tags=...)).
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine put to sleep (LLM.sleep): it must be woken up first.
+    The server answers it with 503."""
+
+
 # How long a step with nothing to run waits for an adapter load to end.
 _LORA_LOAD_WAIT_S = 0.05
 
@@ -384,6 +393,56 @@ class EngineCore:
             return False
         self.scheduler.lora_slots.forget(lora_int_id)
         return self.lora_loader.remove(lora_int_id)
+
+    # -------------------------------------------------------------- sleep mode
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep (mode "abort"): aborts every unfinished request (the caller tells
+        their callers), waits for the batches in flight, resets the prefix cache (its
+        blocks' KV is about to be freed) and has the workers free their memory. Needs
+        enable_sleep_mode."""
+        self.check_sleep_level(level)
+        self.abort_requests(list(self.scheduler.requests))
+        while self._in_flight:
+            self.finish_step()  # its requests are aborted: their tokens are dropped
+        if not self.scheduler.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("The prefix cache could not be reset: blocks are still held after every request "
+                               "was aborted.")
+        self.executor.sleep(level)
+
+    def check_sleep_level(self, level: int) -> None:
+        """Raises ValueError unless sleep mode is on and `level` is 1 or 2."""
+        self._check_sleep_mode()
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 1 (offload the weights, free the KV cache) or 2 (discard the "
+                             f"weights too), got {level!r}.")
+
+    def _check_sleep_mode(self) -> None:
+        if not self.engine_config.model_config.enable_sleep_mode:
+            raise ValueError("Sleep mode is not enabled: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode) to use sleep and wake_up.")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores the memory of `tags` ("weights", "kv_cache"; None: both)."""
+        self._check_sleep_mode()
+        if tags is not None:
+            tags = [tags] if isinstance(tags, str) else list(tags)
+            unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+            if unknown:
+                raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}.")
+        self.executor.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True until every memory tag put to sleep is woken up (vLLM's)."""
+        return self.executor.is_sleeping
+
+    def check_awake(self) -> None:
+        if self.executor.is_sleeping:
+            raise EngineSleepingError(f"The engine is asleep ({', '.join(sorted(self.executor.sleeping_tags))} "
+                                      f"freed): wake it up (LLM.wake_up, or POST /wake_up) before sending requests.")
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (vLLM's); False while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     # --------------------------------------------------------------- lifecycle
     def check_health(self) -> None:

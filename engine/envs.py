@@ -138,6 +138,11 @@ _VARIABLES = [
               "does not page-fault its activations in again; the process then keeps its peak working "
               "set. 0 keeps glibc's defaults. Skipped anyway where a MALLOC_* variable is set or an "
               "allocator (tcmalloc, jemalloc, mimalloc) is preloaded."),
+    _flag_var("RAYLM_SERVER_DEV_MODE", False,
+              "`raylm serve` adds its development routes (vLLM's VLLM_SERVER_DEV_MODE): `POST /sleep?level=`, "
+              "`POST /wake_up?tags=`, `GET /is_sleeping`, `POST /reset_prefix_cache` and `POST /collective_rpc`, "
+              "behind the server's API key like every route. For RLHF trainers that drive the server; never expose "
+              "them to users. Read when the app is built."),
     _flag_var("RAYLM_TRACEBACK", False,
               "`raylm` commands print a user error (a bad argument, a model that cannot be loaded) as "
               "one line; 1 shows the traceback instead."),

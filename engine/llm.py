@@ -279,6 +279,41 @@ class LLM:
                                              f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
         return [finished[request_id] for request_id in request_ids]
 
+    # ---- sleep mode and weight updates (RLHF; docs/sleep_mode.md) --------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Puts the engine to sleep (vLLM's; needs enable_sleep_mode=True): level 1 frees the
+        KV cache and offloads the weights to host memory, level 2 discards the weights too
+        (reload them with `collective_rpc("reload_weights")` or load new ones with
+        `collective_rpc("load_weights", args=(weights,))` after `wake_up(tags=["weights"])`).
+        The prefix cache is reset; requests still unfinished are aborted. On a CPU device
+        the weights are host memory already and stay (only the KV cache is freed). Requests
+        sent while asleep raise EngineSleepingError."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores what `sleep` freed: tags "weights" and / or "kv_cache" (None: both).
+        Waking the weights first lets a trainer load new ones before the KV cache takes
+        its memory back."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True from `sleep` until every freed tag is woken up."""
+        return self.llm_engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache (after a weight update, its KV is the old weights');
+        False while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Runs `method` on every worker (vLLM's): a Worker method's name, e.g.
+        "reload_weights" or "load_weights" (args=(iterable of (name, tensor),): full
+        checkpoint tensors under Hugging Face names, each rank's `weight_loader` cuts its
+        shard), a method of worker_extension_cls, or a function called as
+        `function(worker, *args, **kwargs)`. Returns the results in rank order."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
     def shutdown(self) -> None:
         """Releases the workers (Ray actors and placement group, when used)."""
         self.llm_engine.shutdown()

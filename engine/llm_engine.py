@@ -120,6 +120,7 @@ class LLMEngine:
         make it a pooling request (an engine with runner='pooling' takes only those).
         `priority` (vLLM's): under scheduling_policy "priority", lower is scheduled first
         (ties by arrival); an int in [-2**31, 2**31 - 1], and 0 under "fcfs"."""
+        self.engine_core.check_awake()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running.")
         priority = check_priority(priority, self.engine_config.scheduler_config.policy)
@@ -363,6 +364,32 @@ class LLMEngine:
             raise ParameterError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init.",
                                  params.source)
         self.structured_output_manager.wait_compiled(params, timeout_s)
+
+    # ------------------------------------------------- sleep mode, worker calls
+    def sleep(self, level: int = 1) -> list[str]:
+        """vLLM's sleep: aborts every unfinished request (returns their ids), then frees
+        the KV cache (prefix cache reset) and, at level 1, offloads the weights to host
+        memory or, at level 2, discards them. Needs enable_sleep_mode. See `LLM.sleep`."""
+        self.engine_core.check_sleep_level(level)
+        aborted = list(self.output_processor.parents)
+        self.abort_request(aborted)
+        self.engine_core.sleep(level)
+        return aborted
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """`Worker.<method>(*args, **kwargs)` on every worker (a callable gets the worker
+        first); the results in rank order."""
+        return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs)
 
     # -------------------------------------------------------------- lifecycle
     def check_health(self) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from raylm.engine.config import EngineConfig
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+# vLLM's memory tags: what LLM.wake_up(tags=...) restores.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class Executor(ABC):
@@ -16,6 +22,8 @@ class Executor(ABC):
     runs_steps_asynchronously: bool = False
 
     def __init__(self, engine_config: EngineConfig) -> None:
+        # Sleep mode: the memory tags ("weights", "kv_cache") the workers have freed.
+        self.sleeping_tags: set[str] = set()
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
@@ -47,9 +55,34 @@ class Executor(ABC):
         output = self.execute_model(req)
         return lambda: output
 
-    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Calls `Worker.<method>(*args)` on every worker; the results in rank order."""
+    def collective_rpc(self, method: str | Callable, *args: Any, timeout: float | None = None,
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Calls `Worker.<method>(*args, **kwargs)` on every worker, or `method(worker, *args,
+        **kwargs)` for a callable (vLLM's); the results in rank order."""
         raise NotImplementedError(f"{type(self).__name__} does not call worker methods.")
+
+    # ---- sleep mode (vLLM's executor state: which memory is asleep) ---------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Frees every worker's KV cache and (on a GPU) weights; see `Worker.sleep`."""
+        if self.is_sleeping:
+            logger.warning("The executor is already asleep.")
+            return
+        self.collective_rpc("sleep", level)
+        self.sleeping_tags = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores the memory of `tags` (None: all) on every worker."""
+        if not self.is_sleeping:
+            logger.warning("The executor is not asleep.")
+            return
+        waking = [tag for tag in (tags or SLEEP_TAGS) if tag in self.sleeping_tags]
+        if waking:
+            self.collective_rpc("wake_up", waking)
+        self.sleeping_tags -= set(waking)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
 
     def add_lora(self, lora_request: Any, digest: Any = None) -> None:
         """Loads a LoRA adapter into every worker's host memory (each its share), from the

@@ -29,11 +29,13 @@ from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, keeps_host_history,
                                                sibling_generator)
+from raylm.executors.sleep_mode import SleepingWeights
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
 from raylm.models import get_model, release_model
+from raylm.models.weight_utils import num_weight_loads, safetensors_weights_iterator
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context, step_output_rows
 from raylm.parallel.communication import tensor_model_parallel_broadcast
@@ -81,6 +83,9 @@ class ModelRunner:
     # rather than the host's histories, which the CPU's native pass reads in place (tests
     # add "cpu" to walk the GPU's path).
     penalty_state_devices: tuple[str, ...] = ("cuda",)
+    # Devices whose weights sleep moves out of device memory (executors/sleep_mode.py); on
+    # the CPU they are host memory already and stay (tests add "cpu" to walk the GPU's path).
+    sleep_offload_devices: tuple[str, ...] = ("cuda",)
 
     def __init__(self, engine_config: EngineConfig, rank: int = 0, device: torch.device | str = "cpu") -> None:
         self.engine_config = engine_config
@@ -133,6 +138,11 @@ class ModelRunner:
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         start, end = get_pp_indices(self.model_config.num_layers, pp_rank, pp_size)
         self.num_stage_layers = end - start
+        # Sleep mode: the weights taken out of device memory (None while they are in), and
+        # the model's weight-load count when the packed copies were last made (see
+        # `process_weights_after_loading`).
+        self.sleeping_weights: SleepingWeights | None = None
+        self._processed_weight_loads = -1
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -155,6 +165,7 @@ class ModelRunner:
             # sized around it (on CUDA it is part of what is in use after loading).
             self.penalty_state = PenaltyState(self.scheduler_config.max_num_seqs, self.model_config.vocab_size,
                                               self.device)
+        self._processed_weight_loads = num_weight_loads(self.model)  # get_model ran the hooks
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -417,6 +428,76 @@ class ModelRunner:
                 clear_workspaces()
             torch.cuda.empty_cache()
 
+    # ---- sleep mode and weight updates (enable_sleep_mode, collective_rpc) ------------------
+
+    def sleep(self, level: int) -> None:
+        """Frees the KV cache and the CUDA graphs; on a device in sleep_offload_devices also
+        the weights' memory, backed up in host memory at level 1 and discarded at level 2
+        (executors/sleep_mode.py). The runner runs no step until `wake_up`."""
+        self._release_kv_cache()
+        if self.device.type in self.sleep_offload_devices and self.sleeping_weights is None:
+            self.sleeping_weights = SleepingWeights.take(self._models(), keep_contents=level == 1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Gives back what `sleep` freed, for each tag of "weights" and "kv_cache": the
+        weights (their contents at level 1, zeros at level 2, to be loaded with
+        `reload_weights` or `load_weights`) and a zeroed KV cache of the same blocks. Once
+        both are back, the decode CUDA graphs are captured again (they read both by address)."""
+        if "weights" in tags and self.sleeping_weights is not None:
+            self.sleeping_weights.restore()
+            self.sleeping_weights = None
+        if "kv_cache" in tags and not self.kv_caches:
+            self.initialize_cache(self.cache_config.num_gpu_blocks)
+        if (self.sleeping_weights is None and self.kv_caches and self.decode_graphs is None
+                and self.uses_cuda_graphs):
+            self.capture_decode_graphs()
+
+    def _release_kv_cache(self) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
+        for model in self._models():
+            for module in model.modules():
+                if isinstance(module, Attention):
+                    module.kv_cache = None
+                fused_decode = getattr(module, "fused_decode", None)
+                if fused_decode is not None:
+                    fused_decode.reset()  # it holds the first layer's cache
+        self.kv_caches = []
+
+    def _models(self) -> list[nn.Module]:
+        return [self.model] + ([self.draft_runner.model] if self.draft_runner is not None else [])
+
+    def reload_weights(self) -> None:
+        """Loads the checkpoint's weights again, in place (vLLM's reload_weights, after a
+        level-2 sleep)."""
+        self.load_weights(safetensors_weights_iterator(self.model_config.model))
+
+    def load_weights(self, weights) -> set[str]:
+        """Copies (name, full checkpoint tensor) pairs into the running model through each
+        parameter's `weight_loader` (which cuts this rank's shard), in place: the CUDA
+        graphs keep reading them. Returns the names of the parameters loaded."""
+        if self.sleeping_weights is not None:
+            raise RuntimeError("The weights are asleep: wake them up first (LLM.wake_up(tags=['weights'])), then "
+                               "load weights into them.")
+        loaded = self.model.load_weights(weights)
+        self.process_weights_after_loading()
+        return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """Runs the modules' hooks again (the CPU GEMM's packed copies, the fused decode's
+        tables), as the loader does after the checkpoint: also when a worker extension
+        called `model.load_weights` itself, as vLLM's RLHF examples do (`execute_model`
+        notices that from the model's weight-load count)."""
+        for module in self.model.modules():
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
+        self._processed_weight_loads = num_weight_loads(self.model)
+
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -445,6 +526,10 @@ class ModelRunner:
             self.draft_runner.finish(req.finished_req_ids)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
+        if self._processed_weight_loads != num_weight_loads(self.model):
+            self.process_weights_after_loading()  # weights were loaded into the model meanwhile
+        if not self.kv_caches:
+            raise RuntimeError("The engine is asleep (LLM.sleep): wake it up (LLM.wake_up) before running steps.")
         self._fill_sampling_params(req.requests)
         device_holes = self._fill_placeholders(req.requests)
         self._update_states(req.requests, device_holes)

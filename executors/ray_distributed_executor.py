@@ -300,11 +300,14 @@ class RayDistributedExecutor(Executor):
         return local_ranks
 
     # ------------------------------------------------------------ worker calls
-    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Calls `Worker.<method>(*args)` on every rank at once; the results in rank order."""
+    def collective_rpc(self, method: Any, *args: Any, timeout: float | None = None,
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Calls `Worker.<method>(*args, **kwargs)` (or `method(worker, ...)` for a callable)
+        on every rank at once; the results in rank order."""
         self._raise_if_failed()
-        refs = [worker.execute_method.remote(method, *args) for worker in self.workers]
-        return self._wait_all(refs, method, timeout=timeout)
+        refs = [worker.execute_method.remote(method, *args, **(kwargs or {})) for worker in self.workers]
+        return self._wait_all(refs, method if isinstance(method, str) else getattr(method, "__name__", "a function"),
+                              timeout=timeout)
 
     def determine_num_available_blocks(self) -> int:
         # Every rank holds the same block ids, so the smallest partition decides.

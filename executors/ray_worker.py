@@ -95,18 +95,21 @@ class RayWorkerWrapper:
 
     def init_worker(self, engine_config: EngineConfig, rank: int, local_rank: int,
                     distributed_init_method: str | None) -> None:
-        from raylm.executors.worker import Worker
+        from raylm.executors.worker import worker_class
 
         # What the actor's bundle reserves (for a bundle of a placement group Ray reports
         # it under the plain resource name).
         reserved_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         listener, self._rendezvous_listener = self._rendezvous_listener, None
-        self.worker = Worker(engine_config, rank=rank, local_rank=local_rank,
+        self.worker = worker_class(engine_config)(engine_config, rank=rank, local_rank=local_rank,
                              distributed_init_method=distributed_init_method, reserved_cpus=reserved_cpus,
                              rendezvous_listener=listener)
 
-    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """`Worker.<method>`, or a callable (vLLM's collective_rpc) called with the worker."""
+        from raylm.executors.worker import run_worker_method
+
+        return run_worker_method(self.worker, method, args, kwargs)
 
     def execute_model(self, payload: bytes, stage_input: bytes | IntermediateTensors | None = None
                       ) -> bytes | IntermediateTensors | None:

@@ -24,7 +24,7 @@ from typing import Any
 from raylm.engine.step import ExecuteModelRequest, SamplerOutput
 from raylm.executors.executor_base import Executor
 from raylm.executors.model_runner import DeferredSamplerOutput
-from raylm.executors.worker import Worker
+from raylm.executors.worker import run_worker_method, worker_class
 
 
 class UniProcExecutor(Executor):
@@ -35,7 +35,7 @@ class UniProcExecutor(Executor):
         if self.parallel_config.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.parallel_config.tensor_parallel_size} needs the Ray "
                              f"executor; the in-process executor runs exactly 1 worker.")
-        self.driver_worker = Worker(self.engine_config, rank=0, local_rank=0)
+        self.driver_worker = worker_class(self.engine_config)(self.engine_config, rank=0, local_rank=0)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
         self.runs_steps_asynchronously = self.engine_config.device_config.device in self.step_thread_devices
@@ -57,8 +57,9 @@ class UniProcExecutor(Executor):
         self.cache_config.num_gpu_blocks = num_blocks
         self.driver_worker.initialize_cache(num_blocks)
 
-    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        return [getattr(self.driver_worker, method)(*args)]
+    def collective_rpc(self, method: str | Callable, *args: Any, timeout: float | None = None,
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [run_worker_method(self.driver_worker, method, args, kwargs)]
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:
         """Runs one step in the calling thread."""

@@ -189,6 +189,25 @@ class Worker:
         and defer_read: see `ModelRunner.execute_model`."""
         return self.model_runner.execute_model(req, intermediate_tensors, defer_read)
 
+    # ---- sleep mode and weight updates (vLLM's worker methods) ------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache, and on a GPU the weights (kept in host memory at level 1)."""
+        self.model_runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores what sleep freed: `tags` of "weights" and "kv_cache" (None: both)."""
+        self.model_runner.wake_up(list(tags) if tags else ["weights", "kv_cache"])
+
+    def reload_weights(self) -> None:
+        """Loads the checkpoint's weights into the model again, in place."""
+        self.model_runner.reload_weights()
+
+    def load_weights(self, weights) -> list[str]:
+        """Loads (name, tensor) pairs of full checkpoint tensors (vLLM's model.load_weights
+        iterator: HF names, unsharded) into this rank's shards; returns the names of the
+        parameters loaded."""
+        return sorted(self.model_runner.load_weights(weights))
+
     # ---- LoRA (enable_lora) -------------------------------------------------------------------
     def add_lora(self, lora_request, digest=None) -> tuple[str, str] | None:
         """Loads an adapter's share for this rank into host memory (from the bytes `digest`
@@ -239,6 +258,36 @@ class Worker:
             self.model_runner.release_memory()
         parallel_state.destroy_distributed_environment()
         self._rendezvous = None
+
+
+def worker_class(engine_config: EngineConfig) -> type[Worker]:
+    """`Worker`, or with worker_extension_cls ("module.Class", vLLM's engine argument) a
+    subclass that has that class's methods too (for collective_rpc). A method name the
+    extension shares with Worker is an error, as in vLLM: it would silently replace ours."""
+    name = engine_config.parallel_config.worker_extension_cls
+    if not name:
+        return Worker
+    import importlib
+
+    module_name, _, class_name = name.rpartition(".")
+    try:
+        extension = getattr(importlib.import_module(module_name), class_name) if module_name else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_extension_cls {name!r} cannot be imported: {e}") from e
+    if not isinstance(extension, type):
+        raise ValueError(f"worker_extension_cls must name a class as 'module.Class', got {name!r}.")
+    clashes = sorted(attr for attr in vars(extension) if not attr.startswith("__") and hasattr(Worker, attr))
+    if clashes:
+        raise ValueError(f"worker_extension_cls {name!r} defines {clashes}, which Worker already has: rename them.")
+    return type(f"Worker[{class_name}]", (Worker, extension), {})
+
+
+def run_worker_method(worker: Worker, method, args: tuple = (), kwargs: dict | None = None):
+    """`worker.<method>(*args, **kwargs)`, or `method(worker, *args, **kwargs)` for a
+    callable (vLLM's collective_rpc)."""
+    if isinstance(method, str):
+        return getattr(worker, method)(*args, **(kwargs or {}))
+    return method(worker, *args, **(kwargs or {}))
 
 
 def _usable_cores() -> set[int]:

@@ -74,6 +74,7 @@ class CpuFusedDecode:
     def reset(self) -> None:
         self._shape = None
         self._args.clear()
+        self._kv_cache = None  # sleep mode frees the caches: hold none of them
 
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata | None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -62,6 +62,11 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
     param.data.copy_(read_weight(loaded_weight))
 
 
+def num_weight_loads(model: torch.nn.Module) -> int:
+    """How many times `load_stacked_weights` loaded into `model`."""
+    return model.__dict__.get("num_weight_loads", 0)
+
+
 def load_stacked_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          stacked_params_mapping: Iterable[tuple[str, str, Any]]) -> set[str]:
     """The loading loop every model shares: a checkpoint tensor whose name holds a
@@ -71,6 +76,11 @@ def load_stacked_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
     cuts its rank's shard. Returns the names of the parameters loaded; a tensor that
     matches no parameter is an error naming it. Models rename or skip tensors before
     handing them here."""
+    # Counted on the model: a model runner that sees the count change since it last ran the
+    # `process_weights_after_loading` hooks (the CPU GEMM's packed copies) runs them again
+    # before its next step, so that weights an RLHF worker extension loads with
+    # `model.load_weights` (as vLLM's examples do) take effect.
+    model.num_weight_loads = num_weight_loads(model) + 1
     params = dict(model.named_parameters())
     mapping = list(stacked_params_mapping)
     loaded: set[str] = set()
