@@ -47,7 +47,7 @@ class PoolingServing(OpenAIServing):
             if isinstance(item, str):
                 self.limits.check_prompt_chars(len(item), self.max_model_len, param=param)
 
-    def pooling_params(self, param_error: type[OpenAIError] = OpenAIError, **fields: Any) -> PoolingParams:
+    def pooling_params(self, **fields: Any) -> PoolingParams:
         """PoolingParams of `fields`; a value out of range (or truncate_prompt_tokens past
         the context, or dimensions the model cannot give) is a 400 naming its field."""
         try:
