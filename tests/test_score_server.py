@@ -229,3 +229,25 @@ def test_routes_refuse_models_that_do_not_serve_them(classifier, embedder):
         error = reply.json()["error"]
         assert error["param"] == "model" and "does not serve" in error["message"], error
         assert_no_block_held(engine)
+
+
+def test_priority_reaches_the_engine_requests_under_the_priority_policy(cross_encoder_dir, monkeypatch):
+    """Each pair's engine request carries the request's priority (a spy on the real
+    EngineCore.add_request, which still runs)."""
+    from raylm.engine.engine_core import EngineCore
+
+    priorities = []
+    add_request = EngineCore.add_request
+
+    def recording(self, request):
+        priorities.append(request.priority)
+        add_request(self, request)
+
+    monkeypatch.setattr(EngineCore, "add_request", recording)
+    for base_url, engine in serve(cross_encoder_dir, scheduling_policy="priority"):
+        for route, body in [("/score", {"text_1": "a", "text_2": ["b", "c"]}),
+                            ("/rerank", {"query": "a", "documents": ["b"]}), ("/classify", {"input": ["a"]})]:
+            reply = post(base_url, route, {**body, "priority": -3})
+            assert reply.status_code == 200, reply.text
+        assert_no_block_held(engine)
+    assert priorities == [-3] * 4

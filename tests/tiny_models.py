@@ -131,7 +131,22 @@ def build_tiny_classifier(path: Path, arch: str = "llama", num_labels: int = 3, 
     from transformers import AutoModelForSequenceClassification
 
     config = _tiny_config(arch, vocab_size, num_labels=num_labels, **config_overrides)
-    return _save_with_random_norms(path, AutoModelForSequenceClassification, config, vocab_size, seed)
+    _save_with_random_norms(path, AutoModelForSequenceClassification, config, vocab_size, seed)
+    _add_pair_template(Path(path))
+    return Path(path)
+
+
+def _add_pair_template(path: Path) -> None:
+    """Gives the folder's tokenizer the special tokens real cross-encoders' tokenizers put
+    around a text pair (`<s> A </s> B </s>`, one text `<s> A </s>`), so that a pair
+    tokenized as a pair differs from its two texts joined."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    special = [(token, tokenizer.token_to_id(token)) for token in ("<s>", "</s>")]
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
+                                                             special_tokens=special)
+    tokenizer.save(str(path / "tokenizer.json"))
 
 
 def _tiny_config(arch: str, vocab_size: int, **overrides):
