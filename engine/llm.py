@@ -46,8 +46,9 @@ class LLM:
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
             max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`; "auto" pools
-            bare-decoder checkpoints such as `MistralModel` and folders with
-            sentence-transformers pooling files), `pooler_config=None` (runner "pooling":
+            bare-decoder checkpoints such as `MistralModel`, folders with
+            sentence-transformers pooling files, and sequence classifiers, see `classify`
+            and `score`), `pooler_config=None` (runner "pooling":
             {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": True}, or what the
             folder's sentence-transformers files say), `load_format="auto"` ("dummy": random
             weights, no checkpoint read, to measure speed). An unknown argument is a TypeError

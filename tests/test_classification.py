@@ -191,3 +191,15 @@ def test_tensor_parallel_classifier_equals_hf(request, classifier_dir):
         outputs = llm.classify(as_token_prompts(prompts), use_tqdm=False)
         assert_engine_idle(llm.llm_engine)
     assert_probs_equal_hf(classifier_dir, prompts, outputs)
+
+
+def test_a_classifier_cannot_generate_and_unsupported_heads_are_named(classifier_dir):
+    from raylm.engine import EngineArgs
+    from raylm.models.registry import resolve_model_class
+
+    with pytest.raises(ValueError, match="sequence classifier"):
+        EngineArgs(model=str(classifier_dir), runner="generate").create_engine_config()
+    assert EngineArgs(model=str(classifier_dir), task="classify").create_engine_config().model_config.is_pooling
+    for architecture in ("GPT2ForSequenceClassification", "LlamaForTokenClassification"):
+        with pytest.raises(ValueError, match="Qwen3ForSequenceClassification"):
+            resolve_model_class([architecture], "pooling")
