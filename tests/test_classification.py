@@ -164,6 +164,7 @@ def test_embedding_model_scores_are_the_cosine_of_hf_pooled_states(llama_dir):
     query, documents = "Paged attention", ["stores keys and values in blocks.", "Hello, world!", "for i in range(10):"]
     with LLM(model=str(llama_dir), dtype="float32", runner="pooling", max_model_len=64) as llm:
         outputs = llm.score(query, documents, use_tqdm=False)
+        pairwise = llm.score(documents[:2], documents[1:], use_tqdm=False)  # N-to-N
         with pytest.raises(ValueError, match="'classify'"):
             llm.classify(["hello"], use_tqdm=False)
         assert_engine_idle(llm.llm_engine)
@@ -174,6 +175,10 @@ def test_embedding_model_scores_are_the_cosine_of_hf_pooled_states(llama_dir):
                                                          hf_embedding(llama_dir, document_ids), dim=0).item()
         assert output.outputs.score == pytest.approx(expected, abs=TOLERANCE)
         assert output.prompt_token_ids == query_ids + document_ids  # the tiny tokenizer has no pad token
+    for (first, second), output in zip([(documents[0], documents[1]), (documents[1], documents[2])], pairwise):
+        expected = torch.nn.functional.cosine_similarity(hf_embedding(llama_dir, tokenizer.encode(first)),
+                                                         hf_embedding(llama_dir, tokenizer.encode(second)), dim=0)
+        assert output.outputs.score == pytest.approx(expected.item(), abs=TOLERANCE)
 
 
 def test_a_generating_engine_refuses_classify_and_score(llama_dir):
