@@ -5,7 +5,8 @@
 deployment mounts the same app as its ingress.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (runner "pooling"),
-GET /v1/models, GET /health,
+POST /classify, POST /score (/v1/score), POST /rerank (/v1/rerank, /v2/rerank) (classifiers,
+cross-encoders and embedding models), GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 
 What guards them, outermost first (pure ASGI middleware, so streams and client disconnects
@@ -45,12 +46,15 @@ from raylm.deploy.response_budget import RETRY_AFTER_S, ResponseBudget, default_
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                    EmbeddingRequest,
                                    TokenizeRequest, TokenizeResponse)
+from raylm.deploy.protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from raylm.deploy.reasoning_parsers import get_reasoning_parser
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.request_logger import RequestLogger
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
+from raylm.deploy.serving_classification import OpenAIServingClassification
 from raylm.deploy.serving_embedding import OpenAIServingEmbedding
+from raylm.deploy.serving_score import OpenAIServingScores
 from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
 from raylm.deploy.tool_calls import ToolCallConfig
@@ -235,6 +239,11 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     embeddings = OpenAIServingEmbedding(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                         models=serving_models, response_budget=response_budget,
                                         request_logger=request_logger)
+    classification = OpenAIServingClassification(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
+                                                 models=serving_models, response_budget=response_budget,
+                                                 request_logger=request_logger)
+    scores = OpenAIServingScores(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
+                                 models=serving_models, response_budget=response_budget, request_logger=request_logger)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     reasoning_parser = get_reasoning_parser(server_args.reasoning_parser, tokenizer) \
         if server_args.reasoning_parser is not None else None
@@ -309,6 +318,21 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return await embeddings.create_embedding(request, raw_request)
+
+    @app.post("/classify")
+    async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+        return await classification.create_classify(request, raw_request)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+        return await scores.create_score(request, raw_request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return await scores.create_rerank(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:

@@ -12,7 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+                      model_validator)
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams, truncated_prompt
@@ -676,3 +677,142 @@ class EmbeddingResponse(OpenAIBaseModel):
     model: str
     data: list[EmbeddingResponseData]
     usage: UsageInfo
+
+
+# ------------------------------------------------ classification, scores, rerank
+class _PoolingFields(OpenAIRequest):
+    """vLLM's extras shared by /classify, /score and /rerank: truncate_prompt_tokens,
+    use_activation (the classifier's activation; default on) and priority."""
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    use_activation: StrictBool | None = None
+    priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+
+
+class ClassificationRequest(_PoolingFields):
+    """`POST /classify` (vLLM's): one classification per input (a text or token ids)."""
+
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    add_special_tokens: StrictBool = True
+
+    @model_validator(mode="after")
+    def _check_input(self) -> "ClassificationRequest":
+        inputs = self.inputs()
+        if not inputs:
+            raise ParameterError("input must not be an empty list.", "input")
+        if any(len(item) == 0 for item in inputs):
+            raise ParameterError("input must not hold an empty string or an empty list of token ids.", "input")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input field as a list of inputs (text or token ids)."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(item, int) for item in value):
+            return [list(value)]
+        return list(value)
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    # id2label of the most probable class (None where config.json names no labels).
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
+def _texts(value: str | list[str], name: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    if not texts:
+        raise ParameterError(f"{name} must not be an empty list.", name)
+    if any(not text for text in texts):
+        raise ParameterError(f"{name} must not hold an empty string.", name)
+    if not _is_unicode(texts):  # data_1 / data_2, spelled so, pass OpenAIRequest's check by
+        raise ParameterError(f"{name} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                             f"which is not Unicode text.", name)
+    return texts
+
+
+class ScoreRequest(_PoolingFields):
+    """`POST /score` and `/v1/score` (vLLM's): text_1 and text_2 are a text or a list of
+    texts, paired 1-to-1, 1-to-N or N-to-N (newer vLLM spells them data_1 and data_2)."""
+
+    text_1: str | list[str] = Field(validation_alias=AliasChoices("text_1", "data_1"))
+    text_2: str | list[str] = Field(validation_alias=AliasChoices("text_2", "data_2"))
+
+    @model_validator(mode="after")
+    def _check_pairs(self) -> "ScoreRequest":
+        texts_1, texts_2 = _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")
+        if len(texts_1) > 1 and len(texts_1) != len(texts_2):
+            raise ParameterError(f"Input lengths must be either 1:1, 1:N or N:N; got {len(texts_1)} text_1 and "
+                                 f"{len(texts_2)} text_2.", "text_2")
+        return self
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        return _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankRequest(_PoolingFields):
+    """`POST /rerank`, `/v1/rerank` and `/v2/rerank` (vLLM's, Jina's and Cohere's shape): the
+    documents ranked by their score against the query, the top_n best (0: all), with their
+    text unless return_documents is false."""
+
+    query: str
+    documents: list[str]
+    top_n: StrictInt = Field(default=0, ge=0)
+    return_documents: StrictBool = True
+
+    @model_validator(mode="after")
+    def _check_texts(self) -> "RerankRequest":
+        _texts(self.query, "query")
+        _texts(self.documents, "documents")
+        return self
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -9,8 +9,10 @@ apply_openmp_defaults()
 
 from raylm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from raylm.engine.lora_request import LoRARequest  # noqa: E402
-from raylm.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,  # noqa: E402
-                                  PoolingOutput, PoolingRequestOutput, RequestOutput)
+from raylm.engine.outputs import (ClassificationOutput, ClassificationRequestOutput,  # noqa: E402
+                                  CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                                  PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                                  ScoringRequestOutput)
 from raylm.engine.pooling_params import PoolingParams  # noqa: E402
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from raylm.engine.structured_output.params import StructuredOutputsParams  # noqa: E402
@@ -27,7 +29,8 @@ _LAZY = {
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
            "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput"]
 
 
 def __getattr__(name: str):

@@ -200,10 +200,12 @@ class EngineArgs(SettingsMixin):
         "states, pooled as pooler_config says; 'auto' picks as vLLM does: 'pooling' for a model folder with "
         "sentence-transformers pooling files (modules.json listing a Pooling module) or a config.json whose "
         "architectures name a bare decoder (LlamaModel, MistralModel, Qwen2Model, Qwen3Model, ...: an embedding "
-        "checkpoint without an LM head), 'generate' otherwise."))
+        "checkpoint without an LM head) or a sequence classifier (LlamaForSequenceClassification, "
+        "Qwen2ForSequenceClassification, Qwen3ForSequenceClassification, MistralForSequenceClassification: "
+        "LLM.classify, LLM.score, /classify, /score, /rerank), 'generate' otherwise."))
     task: str | None = field(default=None, metadata=_help(
-        "vLLM's older spelling of runner: 'embed' (or 'embedding') is runner 'pooling', 'generate' is runner "
-        "'generate'."))
+        "vLLM's older spelling of runner: 'embed' (or 'embedding'), 'classify' and 'score' are runner 'pooling', "
+        "'generate' is runner 'generate'."))
     pooler_config: dict[str, Any] | None = field(default=None, metadata=_help(
         "runner 'pooling': how hidden states become the embedding, as vLLM's PoolerConfig (a JSON object on the "
         "command line): {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}; "
@@ -362,9 +364,9 @@ class EngineArgs(SettingsMixin):
         if requested == "auto":
             return "pooling" if has_pooling_files else model_default
         if requested == "generate" and model_default == "pooling":
-            raise ValueError(f"config.json architectures {architectures!r} name a decoder without an LM head (an "
-                             f"embedding checkpoint), which cannot generate: run it with runner='pooling' (or "
-                             f"'auto').")
+            raise ValueError(f"config.json architectures {architectures!r} name a model without an LM head (an "
+                             f"embedding checkpoint or a sequence classifier), which cannot generate: run it with "
+                             f"runner='pooling' (or 'auto').")
         return requested
 
     def _requested_runner(self) -> str:
@@ -393,7 +395,8 @@ class EngineArgs(SettingsMixin):
 
 
 _RUNNERS = ("auto", "generate", "pooling")
-_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
+                 "score": "pooling"}
 
 
 def _check_whole_prompt_budget(pooler_config: PoolerConfig, max_num_batched_tokens: int, max_model_len: int) -> None:

@@ -245,6 +245,24 @@ class ModelConfig:
         return self.runner_type == "pooling"
 
     @property
+    def pooling_task(self) -> str | None:
+        """vLLM's pooling task of a pooling engine's model: "classify" for a sequence
+        classifier (`*ForSequenceClassification`), else "embed"; None when generating."""
+        if not self.is_pooling:
+            return None
+        from raylm.models.registry import pooling_task
+        return pooling_task(getattr(self.hf_config, "architectures", None))
+
+    @property
+    def supported_pooling_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks requests may ask of this model (vLLM's): an embedding model
+        "embed"s; a classifier "classify"s, and with one label (a cross-encoder) "score"s."""
+        task = self.pooling_task
+        if task == "classify":
+            return ("classify", "score") if getattr(self.hf_config, "num_labels", 0) == 1 else ("classify",)
+        return () if task is None else ("embed",)
+
+    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 

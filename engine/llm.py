@@ -16,9 +16,12 @@ from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSe
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.logger import init_default_logging
 from raylm.engine.lora_request import LoRARequest
-from raylm.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from raylm.engine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                  RequestOutput, ScoringRequestOutput)
 from raylm.engine.pooling_params import PoolingParams
-from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
+from raylm.engine.scoring import cross_encoder_prompt, embedding_scores
+from raylm.engine.sampling_params import (ParameterError, RequestOutputKind, SamplingParams,
+                                          check_truncate_prompt_tokens, truncated_prompt)
 from raylm.engine.tokenizer import check_unicode
 from raylm.engine.usage_context import UsageContext
 
@@ -43,8 +46,9 @@ class LLM:
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
             max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`; "auto" pools
-            bare-decoder checkpoints such as `MistralModel` and folders with
-            sentence-transformers pooling files), `pooler_config=None` (runner "pooling":
+            bare-decoder checkpoints such as `MistralModel`, folders with
+            sentence-transformers pooling files, and sequence classifiers, see `classify`
+            and `score`), `pooler_config=None` (runner "pooling":
             {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": True}, or what the
             folder's sentence-transformers files say), `load_format="auto"` ("dummy": random
             weights, no checkpoint read, to measure speed). An unknown argument is a TypeError
@@ -105,22 +109,94 @@ class LLM:
         started with runner='pooling'. prompts as in `generate`. pooling_params: one for all
         prompts or one per prompt (default PoolingParams()); truncate_prompt_tokens, when
         given, sets theirs (see PoolingParams)."""
-        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens)
+        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens, "embed")
         return [EmbeddingRequestOutput.from_base(output)
                 for output in self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)]
+
+    def classify(self, prompts: PromptType | SequenceABC[PromptType], *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True, pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """The class probabilities of each prompt, in prompt order (vLLM's LLM.classify):
+        `outputs.probs`, the classifier's logits at the prompt's last token through its
+        activation (softmax over the labels, sigmoid for one; PoolingParams(use_activation=
+        False) keeps the logits). Needs a sequence classifier (`*ForSequenceClassification`,
+        which runner='auto' pools). prompts and the rest as in `embed`."""
+        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens, "classify")
+        return [ClassificationRequestOutput.from_base(output)
+                for output in self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)]
+
+    def score(self, data_1: PromptType | SequenceABC[PromptType], data_2: PromptType | SequenceABC[PromptType], /,
+              *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """The score of each pair (vLLM's LLM.score): data_1 and data_2 are a text or a list
+        of texts, paired 1-to-1, 1-to-N (the one text against each of the N) or N-to-N.
+
+        A cross-encoder (a sequence classifier with one label) reads each pair as one prompt,
+        tokenized as vLLM tokenizes it for a model without a score template (the tokenizer's
+        text pair, or with config.json's use_pad_token false the two texts joined), and
+        scores it with its activated logit; truncate_prompt_tokens k cuts each pair to k
+        tokens (the tokenizer's truncation; -1: max_model_len). An embedding model embeds
+        every text (as `embed`) and scores the cosine similarity of each pair's
+        embeddings. pooling_params: the cross-encoder's (use_activation) or the embeddings'."""
+        texts_1, texts_2 = _score_inputs(data_1, data_2)
+        task = self._check_pooling_task("score")
+        if task == "score":
+            return self._cross_encoding_score(texts_1, texts_2, truncate_prompt_tokens, use_tqdm, pooling_params)
+        embeddings = self._run_pooling(texts_1 + texts_2, self._pooling_params_list(
+            texts_1 + texts_2, pooling_params, truncate_prompt_tokens, "embed"), use_tqdm)
+        return embedding_scores(embeddings[:len(texts_1)], embeddings[len(texts_1):], self.get_tokenizer())
+
+    def _cross_encoding_score(self, texts_1: list[PromptType], texts_2: list[PromptType],
+                              truncate_prompt_tokens: int | None, use_tqdm: bool,
+                              pooling_params: PoolingParams | None) -> list[ScoringRequestOutput]:
+        if len(texts_1) == 1:
+            texts_1 = texts_1 * len(texts_2)
+        if any(not isinstance(text, str) for text in texts_1 + texts_2):
+            raise ValueError("A cross-encoder scores pairs of texts: give data_1 and data_2 as strings.")
+        model_config = self.llm_engine.model_config
+        check_truncate_prompt_tokens(truncate_prompt_tokens)
+        truncated_prompt([], truncate_prompt_tokens, model_config.max_model_len)  # within the context
+        prompts = [cross_encoder_prompt(self.get_tokenizer(), model_config.hf_config, text_1, text_2,
+                                        truncate_prompt_tokens, model_config.max_model_len)
+                   for text_1, text_2 in zip(texts_1, texts_2)]
+        params = self._pooling_params_list(prompts, pooling_params, None, "score")
+        return [ScoringRequestOutput.from_base(output) for output in self._run_pooling(prompts, params, use_tqdm)]
+
+    def _check_pooling_task(self, task: str) -> str:
+        """The pooling task `LLM.<task>` runs on this engine's model; a model that does not
+        serve it is a ValueError saying what it serves (vLLM's messages)."""
+        model_config = self.llm_engine.model_config
+        if not model_config.is_pooling:
+            raise ValueError(f"LLM.{task} needs a pooling model: start the LLM with runner='pooling' "
+                             f"(vLLM's --runner pooling, or the older task='embed'), or on a sequence classifier "
+                             f"with runner='auto'.")
+        supported = model_config.supported_pooling_tasks
+        if task == "score":
+            if "score" in supported or "embed" in supported:
+                return "score" if "score" in supported else "embed"
+            raise ValueError(f"Score API is only enabled for num_labels == 1 (this classifier has "
+                             f"{model_config.hf_config.num_labels} labels); LLM.classify serves it.")
+        if task not in supported:
+            serving = " and ".join(f"LLM.{t}" for t in supported)
+            raise ValueError(f"LLM.{task} needs a model that serves the pooling task {task!r}; this "
+                             f"one serves {serving}.")
+        return task
 
     def encode(self, prompts: PromptType | SequenceABC[PromptType],
                pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """The pooled vector of each prompt as a tensor (vLLM's LLM.encode); as `embed`."""
-        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens)
+        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens, None)
         return self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)
 
-    def _pooling_params_list(self, prompts: Any, pooling_params: Any,
-                             truncate_prompt_tokens: int | None) -> list[PoolingParams]:
+    def _pooling_params_list(self, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None,
+                             task: str | None) -> list[PoolingParams]:
+        """One PoolingParams per prompt, of `task` (None: the model's own, or the params')."""
         if not self.llm_engine.is_pooling:
             raise ValueError("LLM.embed and LLM.encode need a pooling model: start the LLM with runner='pooling' "
                              "(vLLM's --runner pooling, or the older task='embed').")
+        if task is not None:
+            self._check_pooling_task(task)
         count = len(_as_prompt_list(prompts))
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * count
@@ -132,6 +208,12 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params_list = [dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
                            for params in params_list]
+        if task is not None:
+            for params in params_list:
+                if params.task not in (None, task):
+                    raise ValueError(f"pooling_params task {params.task!r} does not match LLM.{task} "
+                                     f"(task {task!r}).")
+            params_list = [dataclasses.replace(params, task=task) for params in params_list]
         return params_list
 
     def _run_pooling(self, prompts: list[PromptType], params_list: list[PoolingParams],
@@ -323,6 +405,18 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _score_inputs(data_1: Any, data_2: Any) -> tuple[list[PromptType], list[PromptType]]:
+    """Both sides of LLM.score as lists, paired as vLLM allows: 1-to-1, 1-to-N or N-to-N."""
+    texts_1, texts_2 = _as_prompt_list(data_1), _as_prompt_list(data_2)
+    if not texts_1:
+        raise ValueError("At least one text element must be given (data_1 is empty).")
+    if not texts_2:
+        raise ValueError("At least one text_pair element must be given (data_2 is empty).")
+    if len(texts_1) > 1 and len(texts_1) != len(texts_2):
+        raise ValueError(f"Input lengths must be either 1:1, 1:N or N:N; got {len(texts_1)}:{len(texts_2)}.")
+    return texts_1, texts_2
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -17,6 +17,7 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request, check_priority
+from raylm.engine.pooling_activation import pooling_activations
 from raylm.engine.pooling_params import PoolingParams
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams
 from raylm.engine.structured_output.manager import StructuredOutputManager
@@ -72,8 +73,11 @@ class LLMEngine:
         self.is_pooling = self.model_config.is_pooling
         self._process_outputs = self.output_processor.process_outputs
         if self.is_pooling:
+            activations = (pooling_activations(self.model_config.hf_config)
+                           if self.model_config.pooling_task == "classify" else None)
             self._process_outputs = functools.partial(self.output_processor.process_pooling_outputs,
-                                                      default_normalize=self.model_config.pooler_config.normalize)
+                                                      default_normalize=self.model_config.pooler_config.normalize,
+                                                      activations=activations)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
@@ -173,8 +177,9 @@ class LLMEngine:
                                  f"length (max_model_len = {max_model_len}): shorten it, or set "
                                  f"truncate_prompt_tokens to pool only its last tokens.", "truncate_prompt_tokens")
         self._validate_prompt(prompt_token_ids)
-        params.verify(self.model_config.hf_config, self.model_config.hf_config.hidden_size)
         params = params.clone()
+        params.resolve_task(self.model_config.pooling_task, self.model_config.supported_pooling_tasks)
+        params.verify(self.model_config.hf_config, self.model_config.hf_config.hidden_size)
         # The scheduler's view of a pooling request: one step past the prompt's end, so that
         # it is never scheduled again once its last chunk is in flight; nothing samples.
         step_params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)

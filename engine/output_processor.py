@@ -281,10 +281,12 @@ class OutputProcessor:
         self.request_states[state.request_id] = state
         return state.request_id
 
-    def process_pooling_outputs(self, core_outputs: list[EngineCoreOutput], default_normalize: bool
+    def process_pooling_outputs(self, core_outputs: list[EngineCoreOutput], default_normalize: bool,
+                                activations: dict[str, Any] | None = None
                                 ) -> tuple[list[PoolingRequestOutput], list[str], dict[str, BaseException]]:
-        """`process_outputs` for a pooling engine: each finished request's embedding (its
-        PoolingParams applied to the pooled vector). Nothing to stop, nothing fails here."""
+        """`process_outputs` for a pooling engine: each finished request's embedding or class
+        probabilities (its PoolingParams applied to the pooled vector, with a classifier's
+        `activations` by task). Nothing to stop, nothing fails here."""
         now = time.time()
         outputs = []
         for core_output in core_outputs:
@@ -295,7 +297,7 @@ class OutputProcessor:
             self.abort_requests([parent.request_id])  # done: forgotten
             parent.metrics.first_token_time = parent.metrics.finished_time = now
             parent.metrics.num_cached_tokens = core_output.num_cached_tokens
-            data = state.pooling_params.apply(core_output.pooling_output, default_normalize)
+            data = state.pooling_params.apply(core_output.pooling_output, default_normalize, activations)
             outputs.append(PoolingRequestOutput(parent.request_id, PoolingOutput(data), parent.prompt_token_ids,
                                                 True, parent.metrics))
         return outputs, [], {}

@@ -1,5 +1,6 @@
 """What a request returns: `RequestOutput` holding one `CompletionOutput` per sample; a pooling
-request's `PoolingRequestOutput` (`EmbeddingRequestOutput` from `LLM.embed`)."""
+request's `PoolingRequestOutput` (`EmbeddingRequestOutput` from `LLM.embed`,
+`ClassificationRequestOutput` from `LLM.classify`, `ScoringRequestOutput` from `LLM.score`)."""
 
 from __future__ import annotations
 
@@ -122,4 +123,59 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities (vLLM's ClassificationOutput): the classifier's
+    logits through its activation, or the logits themselves with use_activation=False."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result for one prompt (vLLM's): `outputs.probs`."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one pair (vLLM's ScoringOutput): a cross-encoder's activated logit, or
+    the cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one pair (vLLM's): `outputs.score`. prompt_token_ids are the
+    pair's tokens as the cross-encoder read them; for two embeddings, the first text's, the
+    pad token (where the tokenizer has one) and the second's, as vLLM reports them."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ScoringRequestOutput":
+        data = output.outputs.data
+        if data.numel() != 1:
+            raise ValueError(f"A score is one number; the pooled output holds {data.numel()}.")
+        return cls(output.request_id, ScoringOutput(float(data.reshape(-1)[0])), output.prompt_token_ids,
                    output.finished)

@@ -4,7 +4,8 @@ Each step is prompt chunks only. The runner asks the model for the final-norm hi
 states of the rows each request pools (`models/pooler.py`): with LAST pooling the last
 prompt row, in the chunk that reaches it (earlier chunks only write their KV); with MEAN
 or CLS, whose engines run whole prompts in one step, every row or the first. Rank 0
-returns each finished prompt's pooled vector, float32 on the CPU; nothing is sampled and
+returns each finished prompt's pooled vector, float32 on the CPU (through the model's
+`pooler_head`: a classifier's `score` layer turns it into its logits); nothing is sampled and
 nothing is kept per request between steps. The model is the causal LM without its LM head
 (models/adapters.py), so no logits are computed, not even when profiling. Under tensor parallelism the final norm's
 output is whole on every rank (the last row-parallel layer all-reduces), so rank 0 pools
@@ -61,6 +62,6 @@ class PoolingModelRunner(ModelRunner):
             return None
         if not rows:
             return SamplerOutput(pooler_output={})
-        pooled = pool_rows(hidden_states, counts).cpu()
+        pooled = self.model.pooler_head(pool_rows(hidden_states, counts)).cpu()
         # One tensor each (a view would carry the whole batch's storage when pickled for Ray).
         return SamplerOutput(pooler_output={req_id: row.clone() for req_id, row in zip(pooled_ids, pooled)})

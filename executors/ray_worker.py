@@ -47,7 +47,8 @@ class HFConfigSnapshot(SimpleNamespace):
 
 def snapshot_hf_config(config: Any) -> HFConfigSnapshot:
     """The instance attributes of a transformers config (nested configs too), plus its
-    attribute aliases and model_type, which transformers resolves on the class."""
+    attribute aliases, model_type and num_labels (a sequence classifier's head size),
+    which transformers resolves on the class."""
     from transformers import PretrainedConfig
 
     values = {key: snapshot_hf_config(value) if isinstance(value, PretrainedConfig) else value
@@ -56,6 +57,7 @@ def snapshot_hf_config(config: Any) -> HFConfigSnapshot:
         if target in values:
             values.setdefault(alias, values[target])
     values.setdefault("model_type", getattr(config, "model_type", ""))
+    values.setdefault("num_labels", getattr(config, "num_labels", None))
     return HFConfigSnapshot(**values)
 
 

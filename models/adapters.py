@@ -1,4 +1,5 @@
-"""`as_embedding_model`: the pooling model of a causal LM class (vLLM's adapter of the same name).
+"""`as_embedding_model` and `as_classification_model`: the pooling models of a causal LM class
+(vLLM's adapters of the same names).
 
 A pooling engine (runner="pooling") reads the final norm's hidden states and never the LM
 head, so the adapted class drops it (and the logits processor), as vLLM's does. It loads the
@@ -6,6 +7,12 @@ checkpoints of both the generating class (`*ForCausalLM`: the decoder's tensors 
 `base_model_prefix`, an `lm_head` it skips) and of the bare decoder an embedding model is
 saved as (`*Model`, e.g. e5-mistral-7b-instruct's `MistralModel`: the same tensors with no
 prefix and no LM head).
+
+The classification model is the embedding model plus the `score` head of transformers'
+`*ForSequenceClassification` (a linear layer hidden -> num_labels, no bias), replicated on
+every tensor-parallel rank (the final norm's output is whole on each): the pooling runner
+applies it to each prompt's pooled hidden state (`pooler_head`), which gives the logits HF
+computes at the prompt's last token.
 """
 
 from __future__ import annotations
@@ -18,15 +25,16 @@ import torch
 
 from raylm.models.causal_lm import CausalLM
 from raylm.models.pipeline import PPMissingLayer
+from raylm.parallel.linear import ReplicatedLinear
 
 # Suffixes of generating architectures that a pooling class's name does without (vLLM's).
 _GENERATE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "ChatModel", "LMHeadModel")
 
 
-def _pooling_model_name(name: str) -> str:
-    for suffix in _GENERATE_SUFFIXES:
-        name = name.removesuffix(suffix)
-    return name + "ForEmbedding"
+def _pooling_model_name(name: str, suffix: str = "ForEmbedding") -> str:
+    for generate_suffix in _GENERATE_SUFFIXES:
+        name = name.removesuffix(generate_suffix)
+    return name + suffix
 
 
 @functools.cache
@@ -46,6 +54,10 @@ def as_embedding_model(cls: type[CausalLM]) -> type[CausalLM]:
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
             raise RuntimeError(f"{type(self).__name__} is a pooling model: it has no LM head to compute logits with.")
 
+        def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+            """[N, hidden] pooled float32 states -> what the engine returns (the states)."""
+            return pooled
+
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             return super().load_weights(self._with_base_model_prefix(weights))
 
@@ -61,3 +73,32 @@ def as_embedding_model(cls: type[CausalLM]) -> type[CausalLM]:
 
     ModelForEmbedding.__name__ = ModelForEmbedding.__qualname__ = _pooling_model_name(cls.__name__)
     return ModelForEmbedding
+
+
+@functools.cache
+def as_classification_model(cls: type[CausalLM]) -> type[CausalLM]:
+    """`cls` as transformers' `*ForSequenceClassification`: the decoder and a `score` head of
+    config.num_labels outputs (no bias); loads those checkpoints (`model.*`, `score.weight`)."""
+
+    class ModelForSequenceClassification(as_embedding_model(cls)):  # type: ignore[valid-type, misc]
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.score = ReplicatedLinear(config.hidden_size, config.num_labels, bias=False)
+
+        def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+            """[N, hidden] pooled float32 states -> [N, num_labels] float32 logits, computed
+            in the model's dtype as HF computes them (the pooled rows are that dtype's values)."""
+            return self.score(pooled.to(self.score.weight.dtype)).float()
+
+        def _with_base_model_prefix(self, weights: Iterable[tuple[str, torch.Tensor]]
+                                    ) -> Iterator[tuple[str, torch.Tensor]]:
+            """As the embedding model's, the head's tensors kept under their own names."""
+            for name, tensor in weights:
+                if name.startswith("score."):
+                    yield name, tensor
+                else:
+                    yield from super()._with_base_model_prefix([(name, tensor)])
+
+    ModelForSequenceClassification.__name__ = ModelForSequenceClassification.__qualname__ = _pooling_model_name(
+        cls.__name__, "ForSequenceClassification")
+    return ModelForSequenceClassification

@@ -6,14 +6,16 @@ suffix, as vLLM reads it (Transformers' auto classes): `*ForCausalLM` and the li
 generate, a bare `*Model` (`LlamaModel`, `MistralModel`, `Qwen2Model`, ...: a decoder saved
 without its LM head, what embedding checkpoints such as e5-mistral-7b-instruct are) pools.
 Such a name runs the registered causal LM of the same family (`LlamaModel` ->
-`LlamaForCausalLM`), adapted for pooling (models/adapters.py).
+`LlamaForCausalLM`), adapted for pooling (models/adapters.py). `*ForSequenceClassification`
+of the families in CLASSIFICATION_FAMILIES pools too, as a classifier: the same decoder
+with transformers' `score` head (vLLM's "classify" pooling task).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from raylm.models.adapters import as_embedding_model
+from raylm.models.adapters import as_classification_model, as_embedding_model
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -37,8 +39,9 @@ _MODELS: dict[str, type[nn.Module]] = {
 
 
 # vLLM's defaults by an architecture's suffix, the first that matches winning: (suffix,
-# runner, convert). raylm pools by "embed" only; classification and reward heads are named
-# so that their `*Model` suffixes are not read as bare decoders.
+# runner, convert). raylm pools by "embed", and by "classify" for the sequence classifiers
+# of CLASSIFICATION_FAMILIES; token classification and reward heads are named so that
+# their `*Model` suffixes are not read as bare decoders.
 _SUFFIX_DEFAULTS: tuple[tuple[str, str, str], ...] = (
     ("ForCausalLM", "generate", "none"),
     ("ForConditionalGeneration", "generate", "none"),
@@ -59,13 +62,25 @@ def _suffix_defaults(architecture: str) -> tuple[str, str, str] | None:
     return next((entry for entry in _SUFFIX_DEFAULTS if architecture.endswith(entry[0])), None)
 
 
+# The `*ForSequenceClassification` checkpoints raylm loads (transformers' classes: the
+# decoder under `model.`, a bias-free `score` linear layer of num_labels outputs).
+CLASSIFICATION_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+_SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+
 def _registered_name(architecture: str) -> str | None:
     """The registered architecture `architecture` runs as: itself, or for an embedding
-    suffix the generating architecture of the same family (vLLM's `_normalize_arch`)."""
+    suffix (or a sequence classifier of CLASSIFICATION_FAMILIES) the generating
+    architecture of the same family (vLLM's `_normalize_arch`)."""
     if architecture in _MODELS:
         return architecture
     defaults = _suffix_defaults(architecture)
-    if defaults is None or defaults[2] != "embed":
+    if defaults is None:
+        return None
+    if defaults[2] == "classify":
+        if architecture.removesuffix(_SEQUENCE_CLASSIFICATION) not in CLASSIFICATION_FAMILIES:
+            return None
+    elif defaults[2] != "embed":
         return None
     stem = architecture.removesuffix(defaults[0])
     return next((stem + suffix for suffix, runner, _ in _SUFFIX_DEFAULTS
@@ -85,6 +100,14 @@ def default_runner_type(architectures: list[str] | None) -> str:
     return "generate"
 
 
+def pooling_task(architectures: list[str] | None) -> str:
+    """What a pooling engine of these architectures returns (vLLM's pooling task): "classify"
+    for a supported `*ForSequenceClassification` (its head's num_labels logits), else
+    "embed" (the pooled hidden state)."""
+    name = next((arch for arch in architectures or [] if _registered_name(arch) is not None), None)
+    return "classify" if name is not None and name.endswith(_SEQUENCE_CLASSIFICATION) else "embed"
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
@@ -102,7 +125,10 @@ def resolve_model_class(architectures: list[str] | None, runner_type: str = "gen
         name = _registered_name(arch)
         if name is not None:
             model_class = _MODELS[name]
+            if arch.endswith(_SEQUENCE_CLASSIFICATION):
+                return as_classification_model(model_class)
             return as_embedding_model(model_class) if runner_type == "pooling" else model_class
     raise ValueError(f"config.json architectures {architectures!r} name no supported model; raylm supports "
-                     f"{', '.join(supported_architectures())}, and their bare decoders (LlamaModel, "
-                     f"Qwen2Model, ...) as embedding models.")
+                     f"{', '.join(supported_architectures())}, their bare decoders (LlamaModel, "
+                     f"Qwen2Model, ...) as embedding models, and "
+                     f"{', '.join(f + _SEQUENCE_CLASSIFICATION for f in CLASSIFICATION_FAMILIES)} as classifiers.")

@@ -142,3 +142,18 @@ def hf_embedding(model_dir: Path, prompt_ids: list[int], pooling_type: str = "LA
         hidden = hf_base_model(str(model_dir))(torch.tensor([prompt_ids])).last_hidden_state[0]
     pooled = {"LAST": hidden[-1], "CLS": hidden[0], "MEAN": hidden.mean(dim=0)}[pooling_type]
     return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+@lru_cache(maxsize=4)
+def hf_classifier(model_dir: str):
+    """The checkpoint as transformers' AutoModelForSequenceClassification."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_classifier_logits(model_dir: Path, prompt_ids: list[int]) -> torch.Tensor:
+    """[num_labels] fp32 logits of HF's sequence classifier on one unpadded prompt (its head
+    at the last token)."""
+    with torch.no_grad():
+        return hf_classifier(str(model_dir))(torch.tensor([prompt_ids])).logits[0].float()

@@ -116,18 +116,57 @@ def build_tiny_base_model(path: Path, arch: str = "llama", vocab_size: int = 512
     `MistralModel`, `Qwen3Model`), saved as embedding checkpoints are: architectures
     names the base model, tensors have no `model.` prefix, there is no LM head. Norm
     weights are random too, so that the final norm matters to the pooled states."""
-    from transformers import AutoModel, Qwen3Config
+    from transformers import AutoModel
+
+    return _save_with_random_norms(path, AutoModel, _tiny_config(arch, vocab_size, **config_overrides), vocab_size,
+                                   seed)
+
+
+def build_tiny_classifier(path: Path, arch: str = "llama", num_labels: int = 3, vocab_size: int = 512, seed: int = 0,
+                          **config_overrides) -> Path:
+    """A tiny random sequence classifier (transformers' AutoModelForSequenceClassification:
+    `LlamaForSequenceClassification`, `Qwen2...`, `Qwen3...`, `Mistral...`): the decoder
+    under `model.` and a bias-free `score` head of `num_labels` outputs. Norm weights are
+    random too, so that the final norm matters to the logits."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = _tiny_config(arch, vocab_size, num_labels=num_labels, **config_overrides)
+    _save_with_random_norms(path, AutoModelForSequenceClassification, config, vocab_size, seed)
+    _add_pair_template(Path(path))
+    return Path(path)
+
+
+def _add_pair_template(path: Path) -> None:
+    """Gives the folder's tokenizer the special tokens real cross-encoders' tokenizers put
+    around a text pair (`<s> A </s> B </s>`, one text `<s> A </s>`), so that a pair
+    tokenized as a pair differs from its two texts joined."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    special = [(token, tokenizer.token_to_id(token)) for token in ("<s>", "</s>")]
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
+                                                             special_tokens=special)
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
+def _tiny_config(arch: str, vocab_size: int, **overrides):
+    """The tiny models' config of `arch`: llama, qwen2, mistral (`_llama_like_config`) or qwen3."""
+    from transformers import Qwen3Config
 
     if arch == "qwen3":
-        config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **config_overrides)
-    else:
-        config = _llama_like_config(arch, vocab_size, **config_overrides)
+        return Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **overrides)
+    return _llama_like_config(arch, vocab_size, **overrides)
+
+
+def _save_with_random_norms(path: Path, auto_class, config, vocab_size: int, seed: int) -> Path:
+    """Tokenizer, config and `auto_class`'s model of `config`, every weight random (norms
+    around 1), in fp32."""
     Path(path).mkdir(parents=True, exist_ok=True)
     build_tokenizer(Path(path), vocab_size)
     torch.manual_seed(seed)
-    model = AutoModel.from_config(config, dtype=torch.float32)
+    model = auto_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.08)

@@ -1,0 +1,66 @@
+"""Scoring pairs of texts (vLLM's score API, shared by `LLM.score` and the /score and /rerank
+routes): a cross-encoder's prompt for a pair, and the cosine scores of two embedding lists.
+
+A cross-encoder without a score template (every model raylm loads) reads a pair as vLLM
+tokenizes it: the tokenizer's text pair (`tokenizer(text=t1, text_pair=t2)`, whose
+post-processor puts in whatever separators the model was trained with), or, where
+config.json sets `use_pad_token` false (vLLM's mark of an LLM used as a reranker), the two
+texts joined into one. A bi-encoder (an embedding model) scores a pair with the cosine
+similarity of its two embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raylm.engine.outputs import PoolingOutput, PoolingRequestOutput, ScoringRequestOutput
+
+
+def pair_tokenization_kwargs(truncate_prompt_tokens: int | None, max_model_len: int) -> dict[str, Any]:
+    """The tokenizer's truncation for a pair (vLLM's): k cuts it to k tokens, -1 to
+    max_model_len, None leaves it whole (a pair longer than the context is refused later)."""
+    if truncate_prompt_tokens is None:
+        return {}
+    max_length = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return {"truncation": True, "max_length": max_length}
+
+
+def cross_encoder_token_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2: str,
+                            truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The pair's token ids as the cross-encoder reads them (see the module's docstring)."""
+    if tokenizer is None:
+        raise ValueError("Scoring text pairs needs a tokenizer; this engine runs with skip_tokenizer_init.")
+    kwargs = pair_tokenization_kwargs(truncate_prompt_tokens, max_model_len)
+    if getattr(hf_config, "use_pad_token", True):
+        encoded = tokenizer(text=text_1, text_pair=text_2, **kwargs)
+    else:
+        encoded = tokenizer(text=text_1 + text_2, **kwargs)
+    return list(encoded["input_ids"])
+
+
+def cross_encoder_prompt(tokenizer: Any, hf_config: Any, text_1: str, text_2: str,
+                         truncate_prompt_tokens: int | None, max_model_len: int) -> dict[str, Any]:
+    """The engine prompt of one pair (its token ids; the text is the two texts)."""
+    return {"prompt": text_1 + text_2,
+            "prompt_token_ids": cross_encoder_token_ids(tokenizer, hf_config, text_1, text_2,
+                                                        truncate_prompt_tokens, max_model_len)}
+
+
+def embedding_scores(embeddings_1: list[PoolingRequestOutput], embeddings_2: list[PoolingRequestOutput],
+                     tokenizer: Any) -> list[ScoringRequestOutput]:
+    """The cosine similarity of each pair of embeddings (one of embeddings_1 against each of
+    embeddings_2 where it holds one), as vLLM reports it: the pair's tokens are the first's,
+    the tokenizer's pad token (where it has one) and the second's."""
+    import torch
+
+    if len(embeddings_1) == 1:
+        embeddings_1 = embeddings_1 * len(embeddings_2)
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    padding = [] if pad_token_id is None else [pad_token_id]
+    scores = []
+    for first, second in zip(embeddings_1, embeddings_2):
+        cosine = torch.nn.functional.cosine_similarity(first.outputs.data, second.outputs.data, dim=0)
+        pair = PoolingRequestOutput(f"{first.request_id}_{second.request_id}", PoolingOutput(cosine),
+                                    first.prompt_token_ids + padding + second.prompt_token_ids)
+        scores.append(ScoringRequestOutput.from_base(pair))
+    return scores
