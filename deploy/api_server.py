@@ -4,7 +4,8 @@
 `ServerArgs`, deploy/server_args.py); `raylm serve` runs it with uvicorn and the Ray Serve
 deployment mounts the same app as its ingress.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (runner "pooling"),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the chat route),
+POST /v1/embeddings (runner "pooling"),
 GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 
@@ -52,6 +53,8 @@ from raylm.deploy.serving_completions import OpenAIServingCompletion
 from raylm.deploy.serving_embedding import OpenAIServingEmbedding
 from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
+from raylm.deploy.protocol_responses import ResponsesRequest
+from raylm.deploy.serving_responses import OpenAIServingResponses
 from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.usage_context import UsageContext
@@ -310,6 +313,12 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    responses = OpenAIServingResponses(chat)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

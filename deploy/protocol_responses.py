@@ -1,0 +1,175 @@
+"""Request and response bodies of OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it.
+
+The request is checked here for its shape; deploy/serving_responses.py turns it into a chat
+request. Field names, defaults and shapes follow OpenAI's API reference (the `openai`
+package's `Response` types); unknown request fields are accepted and ignored, as on the
+other routes. The response and its stream events are built as plain dicts by the route.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, field_validator
+
+from raylm.deploy.protocol import OpenAIBaseModel, OpenAIRequest
+from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
+
+
+# ------------------------------------------------------------------ input items
+class InputTextPart(OpenAIBaseModel):
+    """A text part of an input message: the user's `input_text`, or the `output_text` of an
+    earlier reply sent back as an assistant message."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessageItem(OpenAIBaseModel):
+    """A message of the conversation (`type` may be left out, as OpenAI's EasyInputMessage)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(OpenAIBaseModel):
+    """An earlier call the model made (the `function_call` output item sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputItem(OpenAIBaseModel):
+    """What the caller's function returned for `call_id`: a tool message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputTextPart]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+class ReasoningTextPart(OpenAIBaseModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningInputItem(OpenAIBaseModel):
+    """An earlier turn's reasoning (the `reasoning` output item sent back): it reaches the
+    chat template as the next assistant message's reasoning."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningTextPart] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
+
+
+def _item_type(item: Any) -> str | None:
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None)
+
+
+InputItem = Annotated[Union[
+    Annotated[InputMessageItem, Tag("message")],
+    Annotated[FunctionCallItem, Tag("function_call")],
+    Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Annotated[ReasoningInputItem, Tag("reasoning")],
+], Discriminator(_item_type)]
+
+
+# ------------------------------------------------------------------ tools and formats
+class FunctionToolParam(OpenAIBaseModel):
+    """A function tool in the Responses API's flat shape (chat nests it under `function`)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(OpenAIBaseModel):
+    """`text.format`: "text" (no constraint), "json_object", or "json_schema" with its name,
+    schema and strictness (the chat route's response_format, flattened)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(OpenAIBaseModel):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(OpenAIBaseModel):
+    """`reasoning`: accepted (the effort reaches the chat template as `reasoning_effort`);
+    the reasoning itself is the server's --reasoning-parser's split."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# ------------------------------------------------------------------ the request
+class ResponsesRequest(OpenAIRequest):
+    """`POST /v1/responses`. Stateless, as vLLM by default: `store` is accepted and nothing
+    is stored, so `previous_response_id` finds nothing and `background` (which needs a
+    stored response) is refused."""
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionToolParam] = Field(default_factory=list)
+    tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice = "auto"
+    parallel_tool_calls: StrictBool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: StrictBool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool = True
+    background: StrictBool = False
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    # vLLM's extras, as on the chat route.
+    priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("input must hold at least one item.")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _check_tool_types(cls, tools: Any) -> Any:
+        """raylm runs no built-in tools (web search, file search, code interpreter, MCP):
+        a tool of any type but "function" is refused by name."""
+        for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tools[{index}] has type {kind!r}: only function tools (type 'function') are "
+                                 f"served; raylm runs no built-in tools.")
+        return tools
