@@ -16,6 +16,12 @@ from raylm.deploy.protocol import OpenAIBaseModel, OpenAIRequest
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
 
 
+# OpenAI's bounds on `metadata`.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
 # ------------------------------------------------------------------ input items
 class InputTextPart(OpenAIBaseModel):
     """A text part of an input message: the user's `input_text`, or the `output_text` of an
@@ -78,6 +84,10 @@ def _item_type(item: Any) -> str | None:
         return item.get("type", "message")
     return getattr(item, "type", None)
 
+
+# The input item types served, and the content part types each may hold.
+_ITEM_PARTS = {"message": ("input_text", "output_text"), "function_call": (),
+               "function_call_output": ("input_text",), "reasoning": ()}
 
 InputItem = Annotated[Union[
     Annotated[InputMessageItem, Tag("message")],
@@ -155,12 +165,45 @@ class ResponsesRequest(OpenAIRequest):
     priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
-    @field_validator("input")
+    @field_validator("input", mode="before")
     @classmethod
     def _check_input(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
+        """The item and content part types raylm serves, each refused by its place in the
+        list with a sentence (pydantic's own error for a union lists every member)."""
+        if not isinstance(value, list):
+            return value
+        if not value:
             raise ValueError("input must hold at least one item.")
+        for index, item in enumerate(value):
+            kind = _item_type(item)
+            if kind not in _ITEM_PARTS:
+                stored = " (it refers to stored items, which this server does not keep)" \
+                    if kind == "item_reference" else ""
+                raise ValueError(f"input[{index}] has type {kind!r}{stored}: the item types served are "
+                                 f"{', '.join(map(repr, _ITEM_PARTS))}.")
+            field = "content" if kind == "message" else "output"
+            parts = item.get(field) if isinstance(item, dict) else None
+            for part_index, part in enumerate(parts if isinstance(parts, list) else ()):
+                part_kind = part.get("type") if isinstance(part, dict) else None
+                if part_kind not in _ITEM_PARTS[kind]:
+                    raise ValueError(f"input[{index}].{field}[{part_index}] has type {part_kind!r}: only text parts "
+                                     f"({', '.join(map(repr, _ITEM_PARTS[kind]))}) are served.")
         return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values of 512."""
+        if metadata is None:
+            return None
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise ValueError(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}.")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata keys may have at most {MAX_METADATA_KEY_CHARS} characters and values "
+                                 f"{MAX_METADATA_VALUE_CHARS}; the pair of key {key[:MAX_METADATA_KEY_CHARS]!r} has "
+                                 f"{len(key)} and {len(value)}.")
+        return metadata
 
     @field_validator("tools", mode="before")
     @classmethod

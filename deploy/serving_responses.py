@@ -43,6 +43,18 @@ _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                      "chat_template_kwargs": "reasoning"}
 
 
+def _renamed(error: OpenAIError) -> OpenAIError:
+    """The chat route's error, naming the Responses field (in its message too, where the
+    chat field's name is not also a word of the sentence)."""
+    name = _RESPONSES_PARAMS.get(error.param)
+    if name is None:
+        return error
+    if error.param != "messages":
+        error.message = error.message.replace(error.param, name)
+    error.param = name
+    return error
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -228,11 +240,9 @@ class OpenAIServingResponses:
         try:
             answer = await self.chat.create_chat_completion(chat_request, raw_request)
         except OpenAIError as exc:
-            exc.param = _RESPONSES_PARAMS.get(exc.param, exc.param)
-            raise
+            raise _renamed(exc) from None
         except ValueError as exc:
-            param = getattr(exc, "param", None)
-            raise OpenAIError(str(exc), param=_RESPONSES_PARAMS.get(param, param)) from None
+            raise _renamed(OpenAIError(str(exc), param=getattr(exc, "param", None))) from None
         if isinstance(answer, SSEResponse):
             events = ResponseEventStream(request, response_id, created_at, model_name)
             return SSEResponse(events.translate(answer.body_iterator), answer.reservation)

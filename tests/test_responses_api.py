@@ -200,11 +200,33 @@ def test_tool_call_comes_back_as_a_function_call_item_after_the_reasoning(apps, 
     assert response.tools[0].name == "pick_city" and response.tool_choice == "auto"
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "pick_city"}])
+def test_forced_tool_choice_is_one_function_call_with_valid_arguments(apps, choice):
+    """tool_choice "required" or a named function constrains the reply (no parser needed):
+    one function_call item whose arguments the tool's schema accepts, as chat returns it."""
+    # parallel_tool_calls false: at most one call (the tiny model would repeat it).
+    response = respond(apps["plain"], input=QUESTION, tools=[TOOL], tool_choice=choice, parallel_tool_calls=False,
+                       max_output_tokens=60)
+    chat_choice = choice if isinstance(choice, str) else {"type": "function", "function": {"name": "pick_city"}}
+    chat = post(apps["plain"], "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": QUESTION}], "tools": [CHAT_TOOL], "tool_choice": chat_choice,
+        "parallel_tool_calls": False, "temperature": 0, "max_completion_tokens": 60}).json()
+    calls = [(call.type, call.name, call.arguments) for call in response.output]
+    assert calls == [("function_call", c["function"]["name"], c["function"]["arguments"])
+                     for c in chat["choices"][0]["message"]["tool_calls"]]
+    assert len(calls) == 1
+    for _, name, arguments in calls:
+        assert name == "pick_city"
+        jsonschema.validate(json.loads(arguments), TOOL["parameters"])
+    assert response.status == "completed"
+
+
 @pytest.mark.parametrize("app,body", [
     ("plain", {}),  # one message
     ("tools", {}),  # the reasoning, then a message (no tools: the call is text)
     ("tools", {"tools": [TOOL]}),  # the reasoning, then a function call
     ("tools", {"max_output_tokens": 3}),  # cut while reasoning
+    ("plain", {"tools": [TOOL], "tool_choice": {"type": "function", "name": "pick_city"}}),  # a forced call
 ])
 def test_stream_adds_up_to_the_unstreamed_response(apps, app, body):
     unstreamed = respond(apps[app], input=QUESTION, **body)
@@ -271,6 +293,9 @@ def test_json_schema_format_constrains_the_text_as_chat_response_format_does(app
     ({"truncation": "auto"}, 400, "truncation"),
     ({"previous_response_id": "resp_123"}, 404, "previous_response_id"),
     ({"model": "other"}, 404, "model"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]}, 400,
+     "input"),
 ])
 def test_bad_request_is_refused_naming_the_field(apps, body, status, param):
     reply = post(apps["plain"], "/v1/responses", {"input": QUESTION, **body})
