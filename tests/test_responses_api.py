@@ -226,6 +226,7 @@ def test_forced_tool_choice_is_one_function_call_with_valid_arguments(apps, choi
     ("tools", {}),  # the reasoning, then a message (no tools: the call is text)
     ("tools", {"tools": [TOOL]}),  # the reasoning, then a function call
     ("tools", {"max_output_tokens": 3}),  # cut while reasoning
+    ("tools", {"max_output_tokens": 1}),  # only "<think>": no text at all, an empty message
     ("plain", {"tools": [TOOL], "tool_choice": {"type": "function", "name": "pick_city"}}),  # a forced call
 ])
 def test_stream_adds_up_to_the_unstreamed_response(apps, app, body):
