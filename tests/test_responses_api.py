@@ -313,6 +313,24 @@ def test_store_is_accepted_and_nothing_is_stored_as_in_vllm(apps):
     assert again.status_code == 404 and response.id in again.json()["error"]["message"]
 
 
+def test_ray_serve_router_keys_a_response_as_its_chat_request(model_dir):
+    """The prefix-aware router (--ray-serve) keys /v1/responses by the prompt its chat
+    request renders: the same key as the chat body with those messages and tools."""
+    from transformers import AutoTokenizer
+
+    from raylm.deploy.prefix_key import CHAT_ROUTE, RESPONSES_ROUTE, PrefixKeyer
+
+    keyer = PrefixKeyer(AutoTokenizer.from_pretrained(str(model_dir)), 16, max_blocks=64)
+    body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+            "instructions": INSTRUCTIONS, "tools": [TOOL]}
+    chat = {"messages": [{"role": "system", "content": INSTRUCTIONS},
+                         {"role": "user", "content": [{"type": "text", "text": QUESTION}]}], "tools": [CHAT_TOOL]}
+    key = keyer.key(RESPONSES_ROUTE, json.dumps(body).encode())
+    assert key is not None and key.num_tokens >= 16
+    assert key == keyer.key(CHAT_ROUTE, json.dumps(chat).encode())
+    assert key != keyer.key(RESPONSES_ROUTE, json.dumps({**body, "instructions": "Other."}).encode())
+
+
 def test_no_kv_blocks_are_left_after_the_requests(engine, apps):
     stream(apps["tools"], input=QUESTION, max_output_tokens=3)
     deadline = time.monotonic() + 10
