@@ -45,7 +45,8 @@ HISTORY_TEMPLATE = (
     "{{ m.content if m.content is string else '' }}"
     "{% for c in m.tool_calls or [] %}[call {{ c.id }}: {{ c.function.name }} {{ c.function.arguments | tojson }}]"
     "{% endfor %}{% if m.tool_call_id is defined %}[for {{ m.tool_call_id }}]{% endif %}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{% endif %}")
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
@@ -154,7 +155,8 @@ def test_text_equals_chat_and_hf_greedy_with_instructions_as_the_system_message(
 def test_input_items_render_as_the_chat_messages_they_stand_for(apps, model_dir, caplog):
     """input_text parts, a developer message, an earlier turn's reasoning, message and
     function call (one assistant turn), and the call's output (a tool message): the prompt
-    is transformers' rendering of those chat messages with the same template."""
+    is transformers' rendering of those chat messages with the same template (and the
+    reasoning effort as the template's `reasoning_effort`)."""
     from transformers import AutoTokenizer
 
     arguments = '{"city": "Paris"}'
@@ -168,7 +170,8 @@ def test_input_items_render_as_the_chat_messages_they_stand_for(apps, model_dir,
         {"type": "function_call_output", "call_id": "call_7", "output": "Paris it is."},
     ]
     with caplog.at_level(logging.INFO, logger="raylm.deploy.request_logger"):
-        respond(apps["history"], input=items_in, instructions=INSTRUCTIONS, max_output_tokens=1)
+        respond(apps["history"], input=items_in, instructions=INSTRUCTIONS, reasoning={"effort": "low"},
+                max_output_tokens=1)
     (line,) = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "developer", "content": "Be brief."},
                 {"role": "user", "content": QUESTION},
@@ -177,7 +180,8 @@ def test_input_items_render_as_the_chat_messages_they_stand_for(apps, model_dir,
                                  "function": {"name": "pick_city", "arguments": json.loads(arguments)}}]},
                 {"role": "tool", "tool_call_id": "call_7", "content": "Paris it is."}]
     expected = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
-        messages, chat_template=HISTORY_TEMPLATE, add_generation_prompt=True, tokenize=False)
+        messages, chat_template=HISTORY_TEMPLATE, add_generation_prompt=True, tokenize=False, reasoning_effort="low")
+    assert "[effort: low]" in expected
     assert f"prompt: {expected!r}," in line
 
 
