@@ -256,6 +256,28 @@ def test_stream_adds_up_to_the_unstreamed_response(apps, app, body):
     assert sum(e.type.endswith(".done") and e.type != "response.output_item.done" for e in events) >= len(done)
 
 
+@pytest.mark.parametrize("body", [{}, {"tools": [TOOL]}])
+def test_openai_clients_stream_helper_rebuilds_the_unstreamed_response(apps, model_dir, body):
+    """The openai package's own client: `responses.create`, and `responses.stream`, whose
+    accumulator rebuilds the response from the events by their indices (and raises on an
+    event out of place); its final response is the unstreamed one, ids aside."""
+    import openai
+
+    async def both() -> tuple[Response, Response]:
+        transport = httpx.ASGITransport(app=apps["tools"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test/v1", timeout=60) as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http,
+                                        max_retries=0)
+            created = await client.responses.create(model=model_dir.name, input=QUESTION, temperature=0, **body)
+            async with client.responses.stream(model=model_dir.name, input=QUESTION, temperature=0, **body) as events:
+                final = await events.get_final_response()
+        return created, final
+
+    created, final = _RUNNER.run(both())
+    assert items(final) == items(created)
+    assert final.output_text == created.output_text
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_reply_cut_by_max_output_tokens_is_incomplete(apps, model_dir, streamed):
     _, expected = hf_reply(model_dir, [{"role": "user", "content": QUESTION}], max_new_tokens=2)
