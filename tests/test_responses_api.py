@@ -339,6 +339,31 @@ def test_store_is_accepted_and_nothing_is_stored_as_in_vllm(apps):
     assert again.status_code == 404 and response.id in again.json()["error"]["message"]
 
 
+def test_a_failure_after_the_stream_began_is_an_error_event():
+    """The chat stream's error body (what it sends when the engine fails mid-reply) becomes
+    OpenAI's `error` event, after the text so far, and ends the stream."""
+    from raylm.deploy.errors import error_body
+    from raylm.deploy.protocol import ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, DeltaMessage
+    from raylm.deploy.protocol_responses import ResponsesRequest
+    from raylm.deploy.serving_engine import SSE_DONE, sse
+    from raylm.deploy.serving_responses import ResponseEventStream
+
+    async def chat_chunks():
+        yield sse(ChatCompletionStreamResponse(id="c", created=0, model="m", choices=[
+            ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content="Hi"))]))
+        yield sse(error_body("The prompt is bad.", 400, "messages"))
+        yield SSE_DONE
+
+    async def translated() -> list[str]:
+        events = ResponseEventStream(ResponsesRequest(input="x"), "resp_1", 0, "m")
+        return [chunk async for chunk in events.translate(chat_chunks())]
+
+    events = [EVENTS.validate_python(json.loads(block.split("\ndata: ")[1])) for block in _RUNNER.run(translated())]
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.content_part.added", "response.output_text.delta", "error"]
+    assert (events[-1].message, events[-1].param) == ("The prompt is bad.", "input")
+
+
 def test_ray_serve_router_keys_a_response_as_its_chat_request(model_dir):
     """The prefix-aware router (--ray-serve) keys /v1/responses by the prompt its chat
     request renders: the same key as the chat body with those messages and tools."""
