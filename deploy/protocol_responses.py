@@ -38,9 +38,6 @@ class InputMessageItem(OpenAIBaseModel):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputTextPart]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
 
 class FunctionCallItem(OpenAIBaseModel):
     """An earlier call the model made (the `function_call` output item sent back)."""
@@ -57,9 +54,6 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[InputTextPart]
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
 class ReasoningTextPart(OpenAIBaseModel):

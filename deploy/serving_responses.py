@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage, UsageInfo
 from raylm.deploy.protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputMessageItem,
-                                             ReasoningInputItem, ResponsesRequest)
+                                             InputTextPart, ReasoningInputItem, ResponsesRequest)
 from raylm.deploy.serving_chat import OpenAIServingChat
 from raylm.deploy.serving_engine import SSE_DONE, SSEResponse, sse
 
@@ -71,34 +71,33 @@ def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": request.input})
         return messages
 
-    def assistant_turn(joins: Any) -> dict[str, Any]:
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and joins(last):
-            return last
+    def assistant_turn(joins: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The last message if it is an assistant turn that `joins` accepts, else a new one."""
+        if messages and messages[-1]["role"] == "assistant" and joins(messages[-1]):
+            return messages[-1]
         messages.append({"role": "assistant", "content": None})
         return messages[-1]
 
     for item in request.input:
-        if isinstance(item, InputMessageItem):
-            content = item.content if isinstance(item.content, str) else \
-                [{"type": "text", "text": part.text} for part in item.content]
-            if item.role != "assistant":
-                messages.append({"role": item.role, "content": content})
-                continue
+        if isinstance(item, InputMessageItem) and item.role != "assistant":
+            messages.append({"role": item.role, "content": _chat_content(item.content)})
+        elif isinstance(item, InputMessageItem):  # after its turn's reasoning, before its calls
             turn = assistant_turn(lambda last: last["content"] is None and "tool_calls" not in last)
-            turn["content"] = content
-        elif isinstance(item, ReasoningInputItem):
-            turn = assistant_turn(lambda last: False)
-            turn["reasoning"] = item.text()
+            turn["content"] = _chat_content(item.content)
+        elif isinstance(item, ReasoningInputItem):  # a turn's reasoning opens it
+            assistant_turn(lambda last: False)["reasoning"] = item.text()
         elif isinstance(item, FunctionCallItem):
             turn = assistant_turn(lambda last: True)
             turn.setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
         elif isinstance(item, FunctionCallOutputItem):
-            content = item.output if isinstance(item.output, str) else \
-                [{"type": "text", "text": part.text} for part in item.output]
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _chat_content(item.output)})
     return messages
+
+
+def _chat_content(content: str | list[InputTextPart]) -> str | list[dict[str, Any]]:
+    """A message's content as chat takes it: the string, or its parts as chat's text parts."""
+    return content if isinstance(content, str) else [{"type": "text", "text": part.text} for part in content]
 
 
 def chat_request_of(request: ResponsesRequest) -> ChatCompletionRequest:
