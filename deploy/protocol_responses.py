@@ -74,9 +74,9 @@ class ReasoningInputItem(OpenAIBaseModel):
 
 
 def _item_type(item: Any) -> str | None:
-    if isinstance(item, dict):
-        return item.get("type", "message")
-    return getattr(item, "type", None)
+    """An input item's type ("message" when left out); None for anything but a string."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if isinstance(kind, str) else None
 
 
 # The input item types served, and the content part types each may hold.
@@ -173,7 +173,8 @@ class ResponsesRequest(OpenAIRequest):
             if kind not in _ITEM_PARTS:
                 stored = " (it refers to stored items, which this server does not keep)" \
                     if kind == "item_reference" else ""
-                raise ValueError(f"input[{index}] has type {kind!r}{stored}: the item types served are "
+                sent = item.get("type") if isinstance(item, dict) else item  # what was sent, not a string maybe
+                raise ValueError(f"input[{index}] has type {sent!r}{stored}: the item types served are "
                                  f"{', '.join(map(repr, _ITEM_PARTS))}.")
             field = "content" if kind == "message" else "output"
             parts = item.get(field) if isinstance(item, dict) else None

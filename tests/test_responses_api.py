@@ -306,6 +306,7 @@ def test_json_schema_format_constrains_the_text_as_chat_response_format_does(app
 @pytest.mark.parametrize("body,status,param", [
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),
+    ({"input": [{"type": {}, "content": []}]}, 400, "input"),  # schemathesis found this a 500
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, 400, "tool_choice"),
