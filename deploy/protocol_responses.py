@@ -1,16 +1,17 @@
-"""Request and response bodies of OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it.
+"""The request body of OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it.
 
 The request is checked here for its shape; deploy/serving_responses.py turns it into a chat
-request. Field names, defaults and shapes follow OpenAI's API reference (the `openai`
-package's `Response` types); unknown request fields are accepted and ignored, as on the
-other routes. The response and its stream events are built as plain dicts by the route.
+request and builds the response and its stream events (plain dicts in the shapes of the
+`openai` package's `Response` types). Field names and defaults follow OpenAI's API
+reference; unknown request fields are accepted and ignored, as on the other routes, and a
+null stands for the field's default, as OpenAI's API takes it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, field_validator
+from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, field_validator, model_validator
 
 from raylm.deploy.protocol import OpenAIBaseModel, OpenAIRequest
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
@@ -20,6 +21,11 @@ from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORIT
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+
+
+# The fields whose default a null stands for (the others take null as their value).
+_DEFAULTED_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "stream", "store", "background",
+                               "truncation", "priority"})
 
 
 # ------------------------------------------------------------------ input items
@@ -158,6 +164,13 @@ class ResponsesRequest(OpenAIRequest):
     # vLLM's extras, as on the chat route.
     priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _DEFAULTED_FIELDS):
+            return {name: value for name, value in data.items() if value is not None or name not in _DEFAULTED_FIELDS}
+        return data
 
     @field_validator("input", mode="before")
     @classmethod

@@ -333,6 +333,15 @@ def test_bad_request_is_refused_naming_the_field(apps, body, status, param):
     assert error["message"]
 
 
+def test_nulls_stand_for_the_defaults(apps):
+    nulls = {name: None for name in ("tools", "tool_choice", "parallel_tool_calls", "store", "background",
+                                     "truncation", "text", "reasoning", "metadata", "top_p")}
+    response = respond(apps["plain"], input=QUESTION, max_output_tokens=2, **nulls)
+    assert (response.tools, response.tool_choice, response.parallel_tool_calls, response.truncation) == \
+        ([], "auto", True, "disabled")
+    assert response.output_text == respond(apps["plain"], input=QUESTION, max_output_tokens=2).output_text
+
+
 def test_store_is_accepted_and_nothing_is_stored_as_in_vllm(apps):
     response = respond(apps["plain"], input=QUESTION, store=True, max_output_tokens=1)
     assert response.store is False
