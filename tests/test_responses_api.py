@@ -66,11 +66,13 @@ def engine(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def apps(engine):
-    """One engine, three servers: plain; --reasoning-parser qwen3 with hermes tool calls;
-    the history template with request logs (the prompt as rendered)."""
+    """One engine, four servers: plain; --reasoning-parser qwen3 with hermes tool calls;
+    hermes tool calls alone (the thinking is text); the history template with request logs
+    (the prompt as rendered)."""
     return {"plain": build_app(engine, ServerArgs()),
             "tools": build_app(engine, ServerArgs(reasoning_parser="qwen3", enable_auto_tool_choice=True,
                                                   tool_call_parser="hermes")),
+            "hermes": build_app(engine, ServerArgs(enable_auto_tool_choice=True, tool_call_parser="hermes")),
             "history": build_app(engine, ServerArgs(chat_template=HISTORY_TEMPLATE, enable_log_requests=True))}
 
 
@@ -229,6 +231,7 @@ def test_forced_tool_choice_is_one_function_call_with_valid_arguments(apps, choi
     ("plain", {}),  # one message
     ("tools", {}),  # the reasoning, then a message (no tools: the call is text)
     ("tools", {"tools": [TOOL]}),  # the reasoning, then a function call
+    ("hermes", {"tools": [TOOL]}),  # a message (the <think> text), then a function call
     ("tools", {"max_output_tokens": 3}),  # cut while reasoning
     ("tools", {"max_output_tokens": 1}),  # only "<think>": no text at all, an empty message
     ("plain", {"tools": [TOOL], "tool_choice": {"type": "function", "name": "pick_city"}}),  # a forced call
