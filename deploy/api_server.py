@@ -4,10 +4,10 @@
 `ServerArgs`, deploy/server_args.py); `raylm serve` runs it with uvicorn and the Ray Serve
 deployment mounts the same app as its ingress.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the chat route),
-POST /v1/embeddings (runner "pooling"),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (runner "pooling"),
 GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
+POST /v1/responses (OpenAI's Responses API) runs through the chat route (deploy/serving_responses.py).
 
 What guards them, outermost first (pure ASGI middleware, so streams and client disconnects
 pass through untouched): the API key, on every route but /health and /metrics; the bound on
