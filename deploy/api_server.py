@@ -8,6 +8,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (ru
 POST /classify, POST /score (/v1/score), POST /rerank (/v1/rerank, /v2/rerank) (classifiers,
 cross-encoders and embedding models), GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
+POST /v1/responses (OpenAI's Responses API) runs through the chat route (deploy/serving_responses.py).
 
 What guards them, outermost first (pure ASGI middleware, so streams and client disconnects
 pass through untouched): the API key, on every route but /health and /metrics; the bound on
@@ -57,6 +58,8 @@ from raylm.deploy.serving_embedding import OpenAIServingEmbedding
 from raylm.deploy.serving_score import OpenAIServingScores
 from raylm.deploy.serving_engine import ClientDisconnected
 from raylm.deploy.serving_models import OpenAIServingModels
+from raylm.deploy.protocol_responses import ResponsesRequest
+from raylm.deploy.serving_responses import OpenAIServingResponses
 from raylm.deploy.tool_calls import ToolCallConfig
 from raylm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from raylm.engine.usage_context import UsageContext
@@ -337,6 +340,12 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    responses = OpenAIServingResponses(chat)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

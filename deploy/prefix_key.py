@@ -64,6 +64,7 @@ _MAX_KEYED_TEMPLATE_CHARS = 1 << 24
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"
 EMBEDDINGS_ROUTE = "/v1/embeddings"
+RESPONSES_ROUTE = "/v1/responses"
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ class PrefixKeyer:
                 return self._chat_key(json.loads(body))
             if route == EMBEDDINGS_ROUTE:
                 return self._embedding_key(json.loads(body))
+            if route == RESPONSES_ROUTE:
+                return self._responses_key(json.loads(body))
         except Exception as exc:  # noqa: BLE001 - the replica answers a bad body; the router only routes it
             logger.debug("No prefix key for a %s request: %r", route, exc)
         return None
@@ -156,6 +159,13 @@ class PrefixKeyer:
             return None
         return self._completion_key({"prompt": body["input"], "model": body.get("model"),
                                      "add_special_tokens": body.get("add_special_tokens", True)})
+
+    def _responses_key(self, body: dict[str, Any]) -> PrefixKey | None:
+        """A Responses request is served as the chat request it translates to: keyed as that."""
+        from raylm.deploy.protocol_responses import ResponsesRequest
+        from raylm.deploy.serving_responses import chat_request_of
+
+        return self._chat_key(chat_request_of(ResponsesRequest.model_validate(body)).model_dump(exclude_unset=True))
 
     def _chat_key(self, body: dict[str, Any]) -> PrefixKey | None:
         from raylm.deploy.protocol import ChatCompletionToolsParam, ChatMessage

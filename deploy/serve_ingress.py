@@ -33,7 +33,8 @@ from typing import Any
 
 from ray import serve
 
-from raylm.deploy.prefix_key import CHAT_ROUTE, COMPLETIONS_ROUTE, EMBEDDINGS_ROUTE, PrefixKey, PrefixKeyer
+from raylm.deploy.prefix_key import (CHAT_ROUTE, COMPLETIONS_ROUTE, EMBEDDINGS_ROUTE, RESPONSES_ROUTE, PrefixKey,
+                                    PrefixKeyer)
 from raylm.deploy.server_args import DEFAULT_REQUEST_BODY_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ Message = dict[str, Any]
 # The parts of an ASGI HTTP scope that travel to the replica (not the server's state).
 _SCOPE_KEYS = ("type", "asgi", "http_version", "server", "client", "scheme", "method", "root_path", "path",
                "raw_path", "query_string", "headers")
-_KEYED_ROUTES = frozenset({COMPLETIONS_ROUTE, CHAT_ROUTE, EMBEDDINGS_ROUTE})
+_KEYED_ROUTES = frozenset({COMPLETIONS_ROUTE, CHAT_ROUTE, EMBEDDINGS_ROUTE, RESPONSES_ROUTE})
 _METRICS_ROUTE = "/metrics"
 # Attempts per request when the replica dies before it answers.
 _MAX_ATTEMPTS = 2
