@@ -87,7 +87,7 @@ def resolve_tool_mode(request: Any, config: ToolCallConfig, limits: RequestLimit
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                               '(tool_choice is "auto" when tools are given without one).', param="tool_choice")
-        return ToolMode("auto", parser=get_tool_parser(config.tool_call_parser), tools=tool_dicts)
+        return ToolMode("auto", parser=get_tool_parser(config.tool_call_parser, tool_dicts), tools=tool_dicts)
     if choice == "required":
         schema = _required_schema(tools, request.parallel_tool_calls)
         return ToolMode("required", parser=RequiredToolParser(), constraint=_constraint(schema), tools=tool_dicts)
