@@ -237,7 +237,10 @@ class RequiredIncrementalParse(IncrementalParse):
 
 
 class NamedToolParser(ToolParser):
-    """The reply of a named tool_choice: the whole text is the function's arguments."""
+    """The reply of a named tool_choice: the whole text is the function's arguments. A stream
+    names the call with the first text of the answer (vLLM's), not while a reasoning model
+    thinks; a reply with no answer (cut while reasoning) still gives the call, with empty
+    arguments, as vLLM's unstreamed reply does (vLLM #40148; its stream sends no call)."""
 
     name = "named"
 
@@ -245,6 +248,8 @@ class NamedToolParser(ToolParser):
         self.function_name = function_name
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        if not text and not final:
+            return ParsedToolOutput("")
         return ParsedToolOutput("", [ParsedCall(self.function_name, text, final)])
 
     def incremental(self) -> IncrementalParse:
@@ -262,7 +267,7 @@ class NamedIncrementalParse(IncrementalParse):
         self.pos = base + len(window)
 
     def _view(self, text_end: int, final: bool) -> ParseView:
-        return ParseView(0, 0, self._call)
+        return ParseView(0, 0, self._call if text_end or final else None)
 
 
 def parse_reply(parser: ToolParser, text: str, finish_reason: str | None) -> ParsedToolOutput:
