@@ -8,7 +8,6 @@ grammar; a named call cut while thinking gives empty arguments, streamed or not.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest

@@ -284,8 +284,8 @@ def test_a_constrained_answer_ends_the_reasoning_where_its_grammar_starts(tokeni
     assert constrained.split("<think>a</think>b", True, [start, *tokenizer.encode("a", add_special_tokens=False), end,
                                                          *tokenizer.encode("b", add_special_tokens=False)]) == \
         ReasoningSplit("a", "b")
-    assert qwen3.implicit_end_opens_content and get_reasoning_parser("deepseek_r1", tokenizer).for_constrained_answer() \
-        .grammar_start_token_ids() == (end, None)
+    r1 = get_reasoning_parser("deepseek_r1", tokenizer)
+    assert qwen3.implicit_end_opens_content and r1.for_constrained_answer().grammar_start_token_ids() == (end, None)
     # Without <tool_call> as one token the grammar waits for </think> alone, and so does the split.
     plain = get_reasoning_parser("qwen3", None).for_constrained_answer()
     assert plain.implicit_end_tag is None and plain.grammar_start_token_ids() == (None, None)

@@ -299,8 +299,10 @@ def test_long_reply_streamed_a_token_at_a_time_reads_each_character_a_bounded_nu
     per_character = {}
     for size in (5_000, 20_000):
         rng = random.Random(size)
-        code = "".join(rng.choice(["x = 1\n", "if a < b:\n", '    s = "<p>"\n', "\n", "é ✓ "]) for _ in range(size // 6))
-        text = "Writing.\n" + call("write_file", path="big.py", content=code) + call("get_weather", city="Oslo", days="2")
+        lines = ["x = 1\n", "if a < b:\n", '    s = "<p>"\n', "\n", "é ✓ "]
+        code = "".join(rng.choice(lines) for _ in range(size // 6))
+        text = "Writing.\n" + call("write_file", path="big.py", content=code) + \
+            call("get_weather", city="Oslo", days="2")
         tokens = _tokens(text)
         streamer, calls, read[0] = ToolCallStreamer(_parser()), [], 0
         for index, token in enumerate(tokens):
@@ -343,3 +345,31 @@ def test_earlier_turns_calls_render_as_the_model_writes_them_and_read_back():
     reply = rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>")
     (parsed,) = _parser().parse(reply, final=True).calls
     assert (parsed.name, json.loads(parsed.arguments)) == ("get_weather", arguments)
+
+
+def test_a_qwen35_call_in_unclosed_thinking_reads_after_the_reasoning_split_in_any_chunking():
+    """As the server streams it: qwen3's reasoning split (which ends the thinking at
+    <tool_call><function=) feeds its content to this parser; the deltas add up to the whole
+    reply's reasoning and call."""
+    from raylm.deploy.reasoning_parsers import get_reasoning_parser
+
+    reply = "<think>\nParis, for 3 days.\n" + call("get_weather", city="Paris", days="3")
+    reasoning_parser = get_reasoning_parser("qwen3", None)
+    split = reasoning_parser.split(reply, in_reasoning=True)
+    assert split.reasoning == "\nParis, for 3 days.\n"
+    parsed = parse_reply(_parser(), split.content, "stop")
+    assert (parsed.content, [(c.name, json.loads(c.arguments)) for c in parsed.calls]) == \
+        ("", [("get_weather", {"city": "Paris", "days": 3})])
+    rng = random.Random(0)
+    for _ in range(100):
+        pieces = _pieces(reply, rng, longest=7)
+        reasoning_stream, tool_stream = reasoning_parser.streamer(True), ToolCallStreamer(_parser())
+        reasoning, content, arguments = "", "", ""
+        for index, piece in enumerate(pieces):
+            final = index == len(pieces) - 1
+            r, c = reasoning_stream.feed(piece, final=final)
+            content_delta, deltas = tool_stream.feed(c, final=final)
+            reasoning += r
+            content += content_delta or ""
+            arguments += "".join(d["function"]["arguments"] for d in deltas or ())
+        assert (reasoning, content, arguments) == (split.reasoning, "", parsed.calls[0].arguments)

@@ -252,8 +252,8 @@ class Qwen3CoderToolParser(ToolParser):
         at = text.find(PARAMETER_START, name_end, limit)
         while at != -1:
             key_start = at + len(PARAMETER_START)
-            ends = [i for i in (text.find(PARAMETER_END, key_start, limit), text.find(PARAMETER_START, key_start, limit))
-                    if i != -1]
+            ends = [i for i in (text.find(PARAMETER_END, key_start, limit),
+                                text.find(PARAMETER_START, key_start, limit)) if i != -1]
             value_end = min(ends, default=limit)
             key_end = text.find(">", key_start, value_end)
             if key_end == -1:

@@ -116,8 +116,8 @@ class StructuredOutputsParams:
                 raise StructuredOutputsError(f"{self.source}: {name} must be a token id (an integer >= 0) or None, "
                                              f"got {end!r}.", self.source)
         if self.reasoning_implicit_end_token_id is not None and self.reasoning_end_token_id is None:
-            raise StructuredOutputsError(f"{self.source}: reasoning_implicit_end_token_id needs reasoning_end_token_id.",
-                                         self.source)
+            raise StructuredOutputsError(f"{self.source}: reasoning_implicit_end_token_id needs "
+                                         f"reasoning_end_token_id.", self.source)
         if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int)
                                                 or isinstance(self.max_whitespace, bool) or self.max_whitespace < 1):
             raise StructuredOutputsError(f"{self.source}: max_whitespace must be a positive integer or None, got "
