@@ -245,6 +245,7 @@ class NamedToolParser(ToolParser):
     name = "named"
 
     def __init__(self, function_name: str) -> None:
+        super().__init__()
         self.function_name = function_name
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:

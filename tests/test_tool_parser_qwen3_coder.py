@@ -318,32 +318,35 @@ def test_long_reply_streamed_a_token_at_a_time_reads_each_character_a_bounded_nu
     assert per_character[20_000] < 1.2 * per_character[5_000], per_character
 
 
-# A chat template that renders earlier assistant turns' calls as Qwen3-Coder's does (written
-# here for the test): the arguments arrive as an object, strings bare, other values as JSON.
+# A chat template that renders earlier assistant turns' calls the way Qwen3-Coder's does
+# (written here for the test): the function's name in the tag, its arguments, an object, as
+# parameters, strings bare and other values as JSON.
 CODER_TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
     "{%- if message.content %}{{ message.content }}{% endif %}"
-    "{%- for tool_call in message.tool_calls or [] %}\n<tool_call>\n<function={{ tool_call.function.name }}>\n"
-    "{%- for key, value in tool_call.function.arguments.items() %}\n<parameter={{ key }}>\n"
-    "{{ value if value is string else value | tojson }}\n</parameter>{%- endfor %}\n</function>\n</tool_call>"
-    "{%- endfor %}<|im_end|>\n{%- endfor %}")
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for key, value in tool_call.arguments | items %}"
+    "{{- '<parameter=' + key + '>\\n' }}{{- value if value is string else value | tojson }}{{- '\\n</parameter>\\n' }}"
+    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}<|im_end|>\n{%- endfor %}")
 
 
 def test_earlier_turns_calls_render_as_the_model_writes_them_and_read_back():
     """The server hands earlier turns' tool_calls to the template with their arguments as
-    objects (serving_chat.template_message): a Qwen3-Coder-style template renders them in
-    the XML form, which the parser reads back to the same calls."""
-    import jinja2
-
+    objects (serving_chat.template_message, rendered by its ChatTemplateRenderer): a
+    Qwen3-Coder-style template writes them in the XML form, which the parser reads back to
+    the same calls."""
+    from raylm.deploy.chat_template import ChatTemplateRenderer
     from raylm.deploy.protocol import ChatMessage
     from raylm.deploy.serving_chat import template_message
 
     arguments = {"city": "Paris", "days": 3, "metric": False, "hours": [9, 17], "note": None}
     message = ChatMessage(role="assistant", content=None, tool_calls=[
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}])
-    rendered = jinja2.Environment().from_string(CODER_TEMPLATE).render(messages=[template_message(message)])
-    reply = rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>")
-    (parsed,) = _parser().parse(reply, final=True).calls
+    rendered = ChatTemplateRenderer(100_000, 100_000).render(CODER_TEMPLATE, [template_message(message)])
+    assert rendered.startswith("<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n")
+    (parsed,) = _parser().parse(rendered, final=True).calls
     assert (parsed.name, json.loads(parsed.arguments)) == ("get_weather", arguments)
 
 
