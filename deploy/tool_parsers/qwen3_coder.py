@@ -34,7 +34,9 @@ which is what `json.dumps` of vLLM's dict gives. Streamed, they grow as the text
 `{` with the function's name, each key once its `>` is written, a string value character by
 character (holding back a newline or a `<` that may start the parameter's end), any other
 value once its parameter ends, and the `}` with `</function>`, so that the deltas add up to
-the unstreamed arguments in any chunking (vLLM streams whole parameters).
+the unstreamed arguments in any chunking (vLLM streams whole parameters). The content
+stops at the first `<tool_call>` or `<function=`; a stream holds the text after it until a
+call's name is written, and gives it all as content if the reply ends without one.
 
 Where raylm departs from vLLM, on purpose:
 - A key written twice stays twice in the JSON (`{"a": 1, "b": 2, "a": 3}`): streamed text
