@@ -136,7 +136,8 @@ class ServerArgs(SettingsMixin):
         "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))
     tool_call_parser: str | None = field(default=None, metadata=setting(
         "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
-        "llama3_json (Llama 3.1 / 3.2 JSON), mistral; default: none.", choices=tuple(sorted(TOOL_PARSERS))))
+        "llama3_json (Llama 3.1 / 3.2 JSON), mistral, qwen3_coder or its alias qwen3_xml (Qwen3-Coder, Qwen3.5 XML "
+        "calls); default: none.", choices=tuple(sorted(TOOL_PARSERS))))
     reasoning_parser: str | None = field(default=None, metadata=setting(
         "The reasoning model's format: chat replies come split into `reasoning` (the thinking between <think> and "
         "</think>) and `content` (the answer after it), tool calls and structured outputs applying to the answer "

@@ -166,8 +166,11 @@ class OpenAIServingChat(OpenAIServing):
             self.check_context(len(token_ids), max_tokens, noun="messages")
         in_reasoning = self.reasoning_parser is not None and \
             self.reasoning_parser.starts_in_reasoning(text, request.chat_template_kwargs)
+        reasoning_parser = self.reasoning_parser
         if in_reasoning and structured_outputs is not None:
             structured_outputs = self._after_reasoning(structured_outputs)
+            # The reasoning ends where the grammar starts: the content is what it constrained.
+            reasoning_parser = reasoning_parser.for_constrained_answer()
         params = self.sampling_params(functools.partial(request.to_sampling_params,
                                                         structured_outputs=structured_outputs),
                                       len(token_ids), max_tokens)
@@ -188,30 +191,32 @@ class OpenAIServingChat(OpenAIServing):
             echo = self._echo_text(request)
             if request.stream:
                 return SSEResponse(self._stream(request, request_id, created, model_name, stream, token_ids, echo,
-                                                tool_mode, in_reasoning), reservation.keep())
+                                                tool_mode, in_reasoning, reasoning_parser), reservation.keep())
             final: RequestOutput | None = None
             async for _, output in merge_async_iterators([stream], raw_request.is_disconnected):
                 final = output
             assert final is not None and final.finished
             return JSONResponse(self._response(request, request_id, created, model_name, final, echo,
-                                               tool_mode, in_reasoning).model_dump())
+                                               tool_mode, in_reasoning, reasoning_parser).model_dump())
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   final: RequestOutput, echo: str, tool_mode: ToolMode | None,
-                  in_reasoning: bool = False) -> ChatCompletionResponse:
+                  in_reasoning: bool = False, reasoning_parser: ReasoningParser | None = None
+                  ) -> ChatCompletionResponse:
+        reasoning_parser = reasoning_parser or self.reasoning_parser
         choices = []
         as_ids = self.tokens_as_ids(request)
         for completion in final.outputs:
             if self.logs_outputs:
                 self.log_output(f"{request_id}-0", completion)
             # Without the reasoning, its tokens' ids and logprobs go too (they spell it out).
-            hidden = self._hidden_tokens(request, completion.token_ids, in_reasoning)
+            hidden = self._hidden_tokens(request, completion.token_ids, in_reasoning, reasoning_parser)
             token_ids = list(completion.token_ids)[hidden:]
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(token_ids, (completion.logprobs or [])[hidden:], request.top_logprobs,
                                               as_ids)
-            split = self._split(completion.text, in_reasoning, completion.token_ids)
+            split = self._split(completion.text, in_reasoning, completion.token_ids, reasoning_parser)
             message, finish_reason = self._message(split.content or "", completion.finish_reason, echo, tool_mode)
             message.role = self.reply_role(request)
             if split.reasoning is not None and request.include_reasoning:
@@ -223,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason,
                 token_ids=token_ids if request.return_token_ids else None))
         usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
-                       self._reasoning_tokens([c.token_ids for c in final.outputs], in_reasoning))
+                       self._reasoning_tokens([c.token_ids for c in final.outputs], in_reasoning, reasoning_parser))
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage,
                                       prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
 
@@ -234,24 +239,27 @@ class OpenAIServingChat(OpenAIServing):
                            request.chat_template_kwargs, tools)
         return text, self.tokenize(text, request.add_special_tokens, param="messages")
 
-    def _split(self, text: str, in_reasoning: bool, token_ids: list[int]) -> ReasoningSplit:
+    def _split(self, text: str, in_reasoning: bool, token_ids: list[int], parser: ReasoningParser | None
+               ) -> ReasoningSplit:
         """A reply's reasoning and content (all content without a reasoning parser)."""
-        if self.reasoning_parser is None:
+        if parser is None:
             return ReasoningSplit(None, text)
-        return self.reasoning_parser.split(text, in_reasoning, token_ids)
+        return parser.split(text, in_reasoning, token_ids)
 
-    def _hidden_tokens(self, request: ChatCompletionRequest, token_ids: list[int], in_reasoning: bool) -> int:
+    def _hidden_tokens(self, request: ChatCompletionRequest, token_ids: list[int], in_reasoning: bool,
+                       parser: ReasoningParser | None) -> int:
         """How many of a reply's first tokens are left out of its logprobs and token_ids: its
         reasoning's (tags included) under `include_reasoning: false`, else none."""
-        if self.reasoning_parser is None or request.include_reasoning:
+        if parser is None or request.include_reasoning:
             return 0
-        return self.reasoning_parser.reasoning_token_span(list(token_ids), in_reasoning)[0]
+        return parser.reasoning_token_span(list(token_ids), in_reasoning)[0]
 
-    def _reasoning_tokens(self, token_ids: list[list[int]], in_reasoning: bool) -> int | None:
+    def _reasoning_tokens(self, token_ids: list[list[int]], in_reasoning: bool, parser: ReasoningParser | None
+                          ) -> int | None:
         """The choices' tokens spent reasoning, for usage (None without a reasoning parser)."""
-        if self.reasoning_parser is None:
+        if parser is None:
             return None
-        return sum(self.reasoning_parser.count_reasoning_tokens(list(ids), in_reasoning) for ids in token_ids)
+        return sum(parser.count_reasoning_tokens(list(ids), in_reasoning) for ids in token_ids)
 
     def _after_reasoning(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
         """The constraint applied from the token after the reasoning's end (vLLM's structured
@@ -262,7 +270,9 @@ class OpenAIServingChat(OpenAIServing):
                               f"{self.reasoning_parser.name} on this model: its tokenizer has no single token for "
                               f"{self.reasoning_parser.end_tag!r}, so the engine cannot tell where the reasoning "
                               f"ends and the constraint starts.", param=constraint.source)
-        return dataclasses.replace(constraint, reasoning_end_token_id=end_token_id)
+        _, implicit_end_token_id = self.reasoning_parser.grammar_start_token_ids()
+        return dataclasses.replace(constraint, reasoning_end_token_id=end_token_id,
+                                   reasoning_implicit_end_token_id=implicit_end_token_id)
 
     def _constraint(self, request: ChatCompletionRequest, tool_mode: ToolMode | None) -> StructuredOutputsParams | None:
         """The output's constraint: the request's own, or the one tool_choice sets."""
@@ -300,18 +310,20 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       stream: AsyncIterator[RequestOutput], prompt_token_ids: list[int], echo: str,
-                      tool_mode: ToolMode | None = None, in_reasoning: bool = False) -> AsyncIterator[str]:
+                      tool_mode: ToolMode | None = None, in_reasoning: bool = False,
+                      reasoning_parser: ReasoningParser | None = None) -> AsyncIterator[str]:
+        reasoning_parser = reasoning_parser or self.reasoning_parser
         usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
         choice_tokens = [0] * request.n
         # Per choice, the split of its text into reasoning and content as it grows, and its
         # token ids (usage counts those spent reasoning).
-        reasoning_streamers = {index: self.reasoning_parser.streamer(in_reasoning) for index in range(request.n)} \
-            if self.reasoning_parser is not None else None
+        reasoning_streamers = {index: reasoning_parser.streamer(in_reasoning) for index in range(request.n)} \
+            if reasoning_parser is not None else None
         choice_token_ids: list[list[int]] = [[] for _ in range(request.n)]
         # Under include_reasoning false, per choice what leaves the reasoning's token ids and
         # logprobs out of its chunks.
-        token_filters = {index: self.reasoning_parser.token_filter() for index in range(request.n)} \
-            if self.reasoning_parser is not None and in_reasoning and not request.include_reasoning else None
+        token_filters = {index: reasoning_parser.token_filter() for index in range(request.n)} \
+            if reasoning_parser is not None and in_reasoning and not request.include_reasoning else None
         prompt_tokens = len(prompt_token_ids)
         as_ids = self.tokens_as_ids(request)
         # --enable-log-outputs: each choice's text and ids so far, logged whole when it finishes.
@@ -320,7 +332,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice: ChatCompletionResponseStreamChoice, prompt_ids: list[int] | None = None) -> str:
             usage = _usage(prompt_tokens, choice_tokens[choice.index],
-                           self._reasoning_tokens([choice_token_ids[choice.index]], in_reasoning)) \
+                           self._reasoning_tokens([choice_token_ids[choice.index]], in_reasoning, reasoning_parser)) \
                 if usage_per_chunk else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                     choices=[choice], usage=usage, prompt_token_ids=prompt_ids))
@@ -387,8 +399,8 @@ class OpenAIServingChat(OpenAIServing):
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[],
-                    usage=_usage(prompt_tokens, completion_tokens, self._reasoning_tokens(choice_token_ids,
-                                                                                          in_reasoning))))
+                    usage=_usage(prompt_tokens, completion_tokens,
+                                 self._reasoning_tokens(choice_token_ids, in_reasoning, reasoning_parser))))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE

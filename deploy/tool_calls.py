@@ -87,7 +87,7 @@ def resolve_tool_mode(request: Any, config: ToolCallConfig, limits: RequestLimit
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                               '(tool_choice is "auto" when tools are given without one).', param="tool_choice")
-        return ToolMode("auto", parser=get_tool_parser(config.tool_call_parser), tools=tool_dicts)
+        return ToolMode("auto", parser=get_tool_parser(config.tool_call_parser, tool_dicts), tools=tool_dicts)
     if choice == "required":
         schema = _required_schema(tools, request.parallel_tool_calls)
         return ToolMode("required", parser=RequiredToolParser(), constraint=_constraint(schema), tools=tool_dicts)
@@ -237,14 +237,20 @@ class RequiredIncrementalParse(IncrementalParse):
 
 
 class NamedToolParser(ToolParser):
-    """The reply of a named tool_choice: the whole text is the function's arguments."""
+    """The reply of a named tool_choice: the whole text is the function's arguments. A stream
+    names the call with the first text of the answer (vLLM's), not while a reasoning model
+    thinks; a reply with no answer (cut while reasoning) still gives the call, with empty
+    arguments, as vLLM's unstreamed reply does (vLLM #40148; its stream sends no call)."""
 
     name = "named"
 
     def __init__(self, function_name: str) -> None:
+        super().__init__()
         self.function_name = function_name
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        if not text and not final:
+            return ParsedToolOutput("")
         return ParsedToolOutput("", [ParsedCall(self.function_name, text, final)])
 
     def incremental(self) -> IncrementalParse:
@@ -262,7 +268,7 @@ class NamedIncrementalParse(IncrementalParse):
         self.pos = base + len(window)
 
     def _view(self, text_end: int, final: bool) -> ParseView:
-        return ParseView(0, 0, self._call)
+        return ParseView(0, 0, self._call if text_end or final else None)
 
 
 def parse_reply(parser: ToolParser, text: str, finish_reason: str | None) -> ParsedToolOutput:

@@ -250,3 +250,54 @@ def test_the_reasoning_token_span(tokenizer):
     mention = tokenizer.encode("<tool_call> is a tag.", add_special_tokens=False)
     assert qwen3.reasoning_token_span([*mention, end, *answer], True) == (len(mention) + 1, 1)
     assert r1.reasoning_token_span([start, *thinking, *call], True) == (len(thinking) + 1 + len(call), 1)
+
+
+def test_a_constrained_answer_ends_the_reasoning_where_its_grammar_starts(tokenizer):
+    """Under a grammar the engine starts the answer after </think> or Qwen3's <tool_call>
+    token (reasoning_implicit_end_token_id), at once: the split ends the reasoning there too,
+    the tag dropped as </think> is, so that the content is what the grammar constrained, and
+    without <tool_call> as one token only </think> ends it (the grammar cannot start there)."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_tokens(["<tool_call>"])
+    start, end, tool_call = tokenizer.convert_tokens_to_ids(["<think>", "</think>", "<tool_call>"])
+    qwen3 = get_reasoning_parser("qwen3", tokenizer)
+    constrained = qwen3.for_constrained_answer()
+    assert qwen3.grammar_start_token_ids() == (end, tool_call)
+    thinking = tokenizer.encode("Let me see.", add_special_tokens=False)
+    answer = tokenizer.encode('{"city": "Paris"}', add_special_tokens=False)
+    ids = [start, *thinking, tool_call, *answer]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    # The tokens after <tool_call> are the grammar's JSON, no <function=: the plain parser
+    # keeps it all reasoning; the constrained one ends it at the tag's token.
+    assert qwen3.split(text, True, ids) == ReasoningSplit(text.removeprefix("<think>"), None)
+    assert constrained.split(text, True, ids) == ReasoningSplit("Let me see.", '{"city": "Paris"}')
+    assert constrained.reasoning_token_span(ids, True) == (len(thinking) + 2, 2)
+    assert constrained.count_reasoning_tokens(ids, True) == len(thinking)
+    # Streamed a token at a time, the same.
+    streamer, parts = constrained.streamer(in_reasoning=True), ["", ""]
+    for index, token_id in enumerate(ids):
+        delta = tokenizer.decode([token_id], skip_special_tokens=False)
+        reasoning, content = streamer.feed(delta, index == len(ids) - 1, [token_id])
+        parts = [parts[0] + reasoning, parts[1] + content]
+    assert parts == ["Let me see.", '{"city": "Paris"}']
+    # </think> first still ends it; the plain parser is untouched.
+    assert constrained.split("<think>a</think>b", True, [start, *tokenizer.encode("a", add_special_tokens=False), end,
+                                                         *tokenizer.encode("b", add_special_tokens=False)]) == \
+        ReasoningSplit("a", "b")
+    r1 = get_reasoning_parser("deepseek_r1", tokenizer)
+    assert qwen3.implicit_end_opens_content and r1.for_constrained_answer().grammar_start_token_ids() == (end, None)
+    # Without <tool_call> as one token the grammar waits for </think> alone, and so does the split.
+    plain = get_reasoning_parser("qwen3", None).for_constrained_answer()
+    assert plain.implicit_end_tag is None and plain.grammar_start_token_ids() == (None, None)
+    assert plain.split(XML_CALL, True) == ReasoningSplit(XML_CALL, None)
+
+
+def test_the_implicit_end_token_of_a_constraint_is_checked():
+    from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+
+    with pytest.raises(StructuredOutputsError, match="reasoning_implicit_end_token_id must be a token id"):
+        StructuredOutputsParams(regex="a", reasoning_end_token_id=1, reasoning_implicit_end_token_id=-2)
+    with pytest.raises(StructuredOutputsError, match="reasoning_implicit_end_token_id needs reasoning_end_token_id"):
+        StructuredOutputsParams(regex="a", reasoning_implicit_end_token_id=2)
+    assert StructuredOutputsParams(regex="a", reasoning_end_token_id=1,
+                                   reasoning_implicit_end_token_id=2).reasoning_implicit_end_token_id == 2

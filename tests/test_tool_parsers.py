@@ -228,6 +228,22 @@ def test_named_reply_is_the_arguments() -> None:
     assert content == "" and calls == [{"id": calls[0]["id"], "name": "get_weather", "arguments": arguments}]
 
 
+def test_named_call_is_named_with_the_first_answer_text_or_the_replys_end():
+    """While a reasoning model thinks the answer's text is empty: no call is sent yet (vLLM
+    names it with the first answer delta); a reply cut before any answer text gives the call
+    with empty arguments at its end, as its unstreamed message does (vLLM #40148)."""
+    streamer = ToolCallStreamer(NamedToolParser("get_weather"))
+    assert streamer.feed("", final=False) == (None, None)
+    _, deltas = streamer.feed('{"city"', final=False)
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    cut = ToolCallStreamer(NamedToolParser("get_weather"))
+    assert cut.feed("", final=False) == (None, None)
+    _, deltas = cut.feed("", final=True, cut=True)
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    parsed = parse_reply(NamedToolParser("get_weather"), "", "length")
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", "")]
+
+
 # ------------------------------------------------------------ incremental parsing
 # The stream reads each delta once (tool_parsers/incremental.py); what it answers after every
 # delta must be what `parse` answers for the text so far, and its deltas those of a stream

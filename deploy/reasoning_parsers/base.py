@@ -22,6 +22,7 @@ the reasoning.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,10 @@ class ReasoningParser:
     # A tag that ends unclosed reasoning where the text after it confirms (`implicit_end_at`),
     # itself the start of the content (Qwen3.5's <tool_call>); None where only end_tag ends it.
     implicit_end_tag: str | None = None
+    # Whether the implicit end tag opens the content (the tool parser reads it); False in a
+    # parser for a constrained answer (`for_constrained_answer`), where it ends the
+    # reasoning as the end tag does, at once, and is dropped as the end tag is.
+    implicit_end_opens_content = True
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -105,10 +110,37 @@ class ReasoningParser:
         reasoning, content = self.streamer(in_reasoning).feed(text, final=True, delta_token_ids=token_ids)
         return ReasoningSplit(reasoning or None, content or None)
 
+    def for_constrained_answer(self) -> ReasoningParser:
+        """This parser for a request whose answer a grammar constrains, split where the
+        engine starts the grammar (`grammar_start_token_ids`), so that the content is what
+        the grammar constrained. The implicit end tag's token then ends the reasoning at once:
+        the grammar cannot wait for the tokens after it to confirm a tool call (they are the
+        grammar's), which is vLLM's rule too (its Qwen3 parser's `is_reasoning_end` is true at
+        the `<tool_call>` token). The tag is dropped as the end tag is, where vLLM's content
+        starts with it. Without the tag as one token, only the end tag ends the reasoning."""
+        if self.implicit_end_tag is None:
+            return self
+        variant = copy.copy(self)
+        if self.implicit_end_token_id is None:
+            variant.implicit_end_tag = None
+        else:
+            variant.implicit_end_opens_content = False
+        return variant
+
+    def grammar_start_token_ids(self) -> tuple[int | None, int | None]:
+        """The tokens after which the engine starts a constrained answer's grammar:
+        (`reasoning_end_token_id`, `reasoning_implicit_end_token_id`) of
+        StructuredOutputsParams. The end tag's (None where it is not one token: then no
+        grammar can wait for the reasoning's end) and the implicit end tag's (None without one)."""
+        return self.end_token_id, self.implicit_end_token_id if self.implicit_end_tag is not None else None
+
     def implicit_end_at(self, after: str, final: bool) -> bool | None:
         """Whether `implicit_end_tag`, followed by `after` (the text up to the reply's end),
         ends the reasoning: True, False, or None while `after` is too short to tell."""
         return False
+
+    def _implicit_end_confirmed(self, after: str, final: bool) -> bool | None:
+        return True if not self.implicit_end_opens_content else self.implicit_end_at(after, final)
 
     def reasoning_end(self, token_ids: Sequence[int], final: bool, start: int = 0) -> ReasoningEnd | None:
         """Where the token ids (from `start` on) end the reasoning: at the end tag's token, or
@@ -122,8 +154,8 @@ class ReasoningParser:
                 return ReasoningEnd(index, self.end_tag)
             if token_id == self.implicit_end_token_id:
                 after = token_ids[index + 1:index + 1 + IMPLICIT_END_LOOKAHEAD]
-                ends = self.implicit_end_at(self.tokenizer.decode(after, skip_special_tokens=False),
-                                            final or len(after) == IMPLICIT_END_LOOKAHEAD)
+                ends = self._implicit_end_confirmed(self.tokenizer.decode(after, skip_special_tokens=False),
+                                                    final or len(after) == IMPLICIT_END_LOOKAHEAD)
                 if ends is None:
                     return ReasoningEnd(index, self.implicit_end_tag, decided=False)
                 if ends:
@@ -144,7 +176,7 @@ class ReasoningParser:
         end = self.reasoning_end(token_ids, final=True) if self.end_token_id is not None else None
         if end is None:
             return len(token_ids), tags
-        if end.tag == self.end_tag:
+        if end.tag == self.end_tag or not self.implicit_end_opens_content:
             return end.index + 1, tags + 1
         return end.index, tags
 
@@ -214,7 +246,8 @@ class ReasoningStreamer:
         implicit, undecided = self._implicit_end(text, end if end != -1 else len(text), final)
         if implicit is not None:
             self.phase = "content"
-            return text[:implicit], text[implicit:]
+            dropped = 0 if self.parser.implicit_end_opens_content else len(self.parser.implicit_end_tag)
+            return text[:implicit], text[implicit + dropped:]
         if end != -1:
             self.phase = "content"
             return text[:end], text[end + len(end_tag):]
@@ -235,7 +268,7 @@ class ReasoningStreamer:
             return None, None
         at = text.find(tag)
         while at != -1 and at < before:
-            decided = self.parser.implicit_end_at(text[at + len(tag):], final)
+            decided = self.parser._implicit_end_confirmed(text[at + len(tag):], final)
             if decided is None:
                 return None, at
             if decided:
@@ -270,7 +303,8 @@ class ReasoningStreamer:
             self._count_given(text[:cut])
             return text[:cut], ""
         self.phase = "content"
-        content_from = position + len(tag) if tag == self.parser.end_tag else position
+        dropped = tag == self.parser.end_tag or not self.parser.implicit_end_opens_content
+        content_from = position + len(tag) if dropped else position
         return text[:cut], window[max(content_from, len(tail)):]
 
     def _find_end(self, final: bool) -> ReasoningEnd | None:

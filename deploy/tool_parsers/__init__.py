@@ -4,19 +4,26 @@ themselves whether to call a tool (`tool_choice: "auto"`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolParser
 from raylm.deploy.tool_parsers.hermes import HermesToolParser
 from raylm.deploy.tool_parsers.llama3_json import Llama3JsonToolParser
 from raylm.deploy.tool_parsers.mistral import MistralToolParser
+from raylm.deploy.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                       Qwen3CoderToolParser)}
+# vLLM's second name for the XML format of Qwen3-Coder and Qwen3.5.
+TOOL_PARSERS["qwen3_xml"] = Qwen3CoderToolParser
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """The parser `name` for one reply to a request with `tools` (as the template is given them)."""
     if name not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser {name!r} is not one of {', '.join(sorted(TOOL_PARSERS))}.")
-    return TOOL_PARSERS[name]()
+    return TOOL_PARSERS[name](tools)
 
 
 def check_tool_settings(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:

@@ -17,7 +17,7 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from raylm.deploy.tool_parsers.incremental import IncrementalParse
@@ -53,6 +53,11 @@ class ToolParser:
     """A model family's tool-call format (vLLM's `--tool-call-parser NAME`)."""
 
     name = ""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # The request's tools, as the chat template is given them (a format whose values
+        # are untyped text reads their types from them: qwen3_coder).
+        self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         raise NotImplementedError

@@ -68,6 +68,10 @@ class StructuredOutputsParams:
             (vLLM's structured outputs under ``--reasoning-parser``). None: from the first
             output token. The server sets it for its reasoning parser; it is no part of the
             grammar.
+        reasoning_implicit_end_token_id: A second token that ends the reasoning where it
+            comes before ``reasoning_end_token_id`` (Qwen3.5's ``<tool_call>`` written in
+            unclosed thinking, as vLLM's Qwen3 parser ends it); the constraint holds from the
+            token after it. Only with ``reasoning_end_token_id``.
     """
 
     json: str | dict[str, Any] | None = None
@@ -82,6 +86,7 @@ class StructuredOutputsParams:
     # errors (the server: "response_format", "tool_choice", "guided_json", ...).
     source: str = field(default="structured_outputs", compare=False, repr=False)
     reasoning_end_token_id: int | None = None
+    reasoning_implicit_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -105,10 +110,14 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise StructuredOutputsError(f"{self.source}: {name} must be true or false, got "
                                              f"{getattr(self, name)!r}.", self.source)
-        end = self.reasoning_end_token_id
-        if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < 0):
-            raise StructuredOutputsError(f"{self.source}: reasoning_end_token_id must be a token id (an integer >= 0) "
-                                         f"or None, got {end!r}.", self.source)
+        for name in ("reasoning_end_token_id", "reasoning_implicit_end_token_id"):
+            end = getattr(self, name)
+            if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < 0):
+                raise StructuredOutputsError(f"{self.source}: {name} must be a token id (an integer >= 0) or None, "
+                                             f"got {end!r}.", self.source)
+        if self.reasoning_implicit_end_token_id is not None and self.reasoning_end_token_id is None:
+            raise StructuredOutputsError(f"{self.source}: reasoning_implicit_end_token_id needs "
+                                         f"reasoning_end_token_id.", self.source)
         if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int)
                                                 or isinstance(self.max_whitespace, bool) or self.max_whitespace < 1):
             raise StructuredOutputsError(f"{self.source}: max_whitespace must be a positive integer or None, got "

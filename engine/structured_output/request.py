@@ -6,8 +6,9 @@ bitmask when the request is sampled. It follows the output tokens alone, which r
 after a preemption keeps, so a preempted request resumes with its matcher as it was.
 
 Under a reasoning parser (`params.reasoning_end_token_id`) the matcher starts after the
-token that ends the reasoning: until then every token is allowed and none advances it, as
-in vLLM, so that the grammar constrains the answer and not the thinking before it.
+token that ends the reasoning (that one, or `reasoning_implicit_end_token_id` where it comes
+first): until then every token is allowed and none advances it, as in vLLM, so that the
+grammar constrains the answer and not the thinking before it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class StructuredOutputRequest:
         A token of the reasoning is not the grammar's: it is accepted as it is, and the
         reasoning's end token starts the grammar with the next one."""
         if not self.reasoning_ended:
-            self.reasoning_ended = token_id == self.params.reasoning_end_token_id
+            self.reasoning_ended = token_id in (self.params.reasoning_end_token_id,
+                                                self.params.reasoning_implicit_end_token_id)
             return True
         return self.matcher.accept_token(token_id)
 
