@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
+from raylm.engine.config import EngineConfig, kv_cache_block_bytes, kv_cache_torch_dtype, max_blocks_per_request
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
                                ScheduledRequest, TokenLogprobs)
@@ -179,7 +179,8 @@ class ModelRunner:
         """Bytes of one block on this rank: the KV of this stage's layers, and the draft
         model's under the same block id."""
         block_bytes = kv_cache_block_bytes(self.model_config, self.block_size,
-                                           self.parallel_config.tensor_parallel_size, self.num_stage_layers)
+                                           self.parallel_config.tensor_parallel_size, self.num_stage_layers,
+                                           self.cache_config.cache_dtype)
         if self.draft_runner is not None:
             block_bytes += self.draft_runner.get_cache_block_size_bytes()
         return block_bytes
@@ -309,9 +310,10 @@ class ModelRunner:
         4 KiB pages most block reads begin with a TLB miss (see cpu_ops.zeros_on_huge_pages).
         Mapping it costs more than ordinary pages in some VMs (the ~100M Llama's 2.2 GiB pool:
         ~1.9 s more at start on a 2-core EPYC VM, no compaction stalls)."""
+        dtype = kv_cache_torch_dtype(self.cache_config.cache_dtype, self.model_config.dtype)
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-        return cpu_ops.zeros_on_huge_pages(shape, self.model_config.dtype).zero_()  # zero_ maps the pages
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return cpu_ops.zeros_on_huge_pages(shape, dtype).zero_()  # zero_ maps the pages
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -338,7 +340,8 @@ class ModelRunner:
                        layer.logits_soft_cap): layer.kv_cache for layer in self._attention_layers()}
             for (num_heads, num_kv_heads, head_size, scale, window, soft_cap), (k_cache, v_cache) in shapes.items():
                 self.attn_backend.warm_up(num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_len,
-                                          sliding_window=window, logits_soft_cap=soft_cap)
+                                          sliding_window=window, logits_soft_cap=soft_cap,
+                                          query_dtype=self.model_config.dtype)
         if self.uses_cuda_graphs:
             self.capture_decode_graphs()
 

@@ -67,14 +67,15 @@ def is_available() -> bool:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """The reference's `write_kv_cache` contract, in one C++ pass for fp32 and bf16 caches."""
+                   slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """The reference's `write_kv_cache` contract, in one C++ pass for fp32 and bf16 caches
+    (the reference's for fp8 caches, which it quantizes)."""
     if (key.dtype == k_cache.dtype and value.dtype == k_cache.dtype and cpu_ops.usable(key, value, k_cache, v_cache)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1
             and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]):
         cpu_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     else:
-        torch_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        torch_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,17 +112,20 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
     on the native kernels: decode rows on the decode kernel, the other sequences' rows on
     the prefill kernel. Falls back to the reference when the decode kernel is unavailable
-    or the query or cache is not an fp32/bf16 CPU tensor, and for prefill rows when only the
-    prefill kernel is unavailable."""
+    or the query or cache is not an fp32/bf16 CPU tensor (an fp8 cache: the native kernels
+    read fp32 and bf16 only), and for prefill rows when only the prefill kernel is
+    unavailable."""
     md = attn_metadata
     options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
-        return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, **options)
+        return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, k_scale=k_scale, v_scale=v_scale,
+                                               **options)
     num_tokens = query.shape[0]
     if md.max_query_len == 1 and md.num_seqs == num_tokens:
         return paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale, **options)
