@@ -45,6 +45,8 @@ BLOCK_SIZE = 16
 # max |kernel - reference| / max |reference|, the reference in fp32 on the same inputs.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Triton's names of the fp8 cache dtypes (kv_cache_dtype fp8_e4m3 and fp8_e5m2).
+FP8_POINTERS = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 # (name, [(query_len, seq_len)] per sequence or a generator spec, forced split count)
 # Decode: (batch, longest context, num_splits or None for the dispatcher's choice).
@@ -273,27 +275,33 @@ class Variant:
     num_stages: int = 3  # Triton's default on CUDA
     fp_fusion: bool = True  # Triton's enable_fp_fusion (FMA contraction)
     max_registers: int | None = None  # Triton's maxnreg
+    cache_pointer_dtype: str | None = None  # the KV cache's, where not pointer_dtype (fp8)
 
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
-                    sliding_window: int = 0, soft_cap: float = 0.0) -> list[Variant]:
-    """The variants a run with this cache dtype, GQA ratio and head size launches (the
+                    sliding_window: int = 0, soft_cap: float = 0.0,
+                    kv_cache_dtype: torch.dtype | None = None) -> list[Variant]:
+    """The variants a run with this model dtype, GQA ratio and head size launches (the
     launchers' own tile choices): decode with and without split-K, each merge, each prefill
-    BLOCK_M, the KV write; for a layer with this sliding window and soft cap (0: none)."""
+    BLOCK_M, the KV write; for a layer with this sliding window and soft cap (0: none), over
+    a cache of kv_cache_dtype (an fp8 dtype; None: the model's)."""
     from raylm.kernels import triton_decode_attention as decode
     from raylm.kernels import triton_prefill_attention as prefill
+    from raylm.kernels.kv_cache_dtype import triton_fp8_format
 
     functions = kernel_functions()
     pointer = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    cache_pointer = FP8_POINTERS.get(kv_cache_dtype)
+    fp8 = triton_fp8_format(kv_cache_dtype or dtype)
     shape = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE,
-                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap))
+                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap), KV_FP8=fp8["KV_FP8"])
     variants = []
     tiles = decode.decode_tiles(dtype, group, head_size)
     warps, stages, max_registers = tiles.pop("num_warps"), tiles.pop("num_stages"), tiles.pop("maxnreg", None)
     for split in (False, True):
         variants.append(Variant("decode_split_k" if split else "decode", functions["decode"],
                                 dict(shape, **tiles, SPLIT_K=split), warps, pointer, stages,
-                                max_registers=max_registers))
+                                max_registers=max_registers, cache_pointer_dtype=cache_pointer))
     block_d = max(16, 1 << (head_size - 1).bit_length())
     for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
@@ -301,19 +309,21 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
                                      SLIDING_WINDOW=sliding_window), 4, pointer))
     for query_len in prefill.variant_query_lens(dtype, group, head_size).values():
         tiles = prefill.prefill_tiles(dtype, group, head_size, query_len)
-        variants.append(prefill_variant(tiles, shape, pointer))
+        variants.append(prefill_variant(tiles, shape, pointer, cache_pointer))
     variants.append(Variant("kv_write", functions["kv_write"],
-                            dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d), 4, pointer))
+                            dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d, **fp8), 4, pointer,
+                            cache_pointer_dtype=cache_pointer))
     return variants
 
 
-def prefill_variant(tiles: dict, shape: dict, pointer_dtype: str) -> Variant:
+def prefill_variant(tiles: dict, shape: dict, pointer_dtype: str, cache_pointer_dtype: str | None = None) -> Variant:
     """The prefill kernel compiled with these launch options (prefill_tiles' or
     complete_tiles' dict) for a layer's shape constexprs."""
     tiles = dict(tiles)
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     name = f"prefill BLOCK_M={tiles['BLOCK_M']} BLOCK_N={tiles['BLOCK_N']} warps={warps} stages={stages}"
-    return Variant(name, kernel_functions()["prefill"], dict(shape, **tiles), warps, pointer_dtype, stages)
+    return Variant(name, kernel_functions()["prefill"], dict(shape, **tiles), warps, pointer_dtype, stages,
+                   cache_pointer_dtype=cache_pointer_dtype)
 
 
 def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_size: int,
@@ -352,7 +362,7 @@ def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size
 
 # Arguments the launchers pass that are not 16-aligned pointers or multiples of 16 in the
 # engine's layouts (a layer's KV head count; the block-table stride, never specialised).
-UNALIGNED_ARGS = {"qk_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq", "stride_pl_head"}
+UNALIGNED_ARGS = {"qk_scale", "k_scale", "v_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq", "stride_pl_head"}
 
 
 def compile_resources(variant: Variant, capability: int = 90, aligned: bool = True) -> dict:
@@ -371,9 +381,10 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     from triton.compiler import ASTSource
 
     ptr = "*" + variant.pointer_dtype
-    types = dict(query_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
+    cache_ptr = "*" + (variant.cache_pointer_dtype or variant.pointer_dtype)
+    types = dict(query_ptr=ptr, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
-                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
+                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", k_scale="fp32", v_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
                  weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr,
                  k_norm_ptr=ptr)
     kernel = variant.kernel
