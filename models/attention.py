@@ -114,3 +114,35 @@ class Attention(nn.Module):
                                                  sliding_window=self.sliding_window,
                                                  logits_soft_cap=self.logits_soft_cap, k_scale=self.k_scale,
                                                  v_scale=self.v_scale)
+
+
+# vLLM fp8 checkpoints' per-layer KV-cache scales, by name suffix: the attributes each sets
+# (`kv_scale`, an older spelling, is one scale for both). q_scale and prob_scale are for
+# attention computed in fp8, which raylm does not do: read past.
+_KV_SCALE_SUFFIXES = {".k_scale": ("k_scale",), ".v_scale": ("v_scale",), ".kv_scale": ("k_scale", "v_scale"),
+                      ".q_scale": (), ".prob_scale": ()}
+
+
+def load_checkpoint_kv_scale(model: nn.Module, name: str, tensor) -> bool:
+    """Whether checkpoint tensor `name` is an attention layer's KV-cache scale, which it
+    then gives that layer (`Attention.load_kv_scale`). The spellings vLLM reads:
+    `<layer>.self_attn.k_scale`, `<layer>.self_attn.k_proj.k_scale` (and v_proj.v_scale),
+    `<layer>.self_attn.attn.k_scale`. A scale whose layer holds no attention layer is an
+    error naming it."""
+    from raylm.parallel.checkpoint_slice import read_weight
+
+    suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return False
+    prefix = name[:-len(suffix)]
+    for part in (".k_proj", ".v_proj", ".attn"):
+        prefix = prefix.removesuffix(part)
+    modules = dict(model.named_modules())
+    layer = modules.get(prefix + ".attn", modules.get(prefix))
+    if not isinstance(layer, Attention):
+        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale, but {prefix!r} is no attention layer of "
+                         f"{type(model).__name__}.")
+    for attribute in _KV_SCALE_SUFFIXES[suffix]:
+        layer.load_kv_scale(attribute, read_weight(tensor))
+    return True
+
