@@ -273,3 +273,39 @@ def test_checkpoint_scales_of_no_attention_layer_or_not_positive_are_errors_nami
         load_checkpoint_kv_scale(model, "mlp.k_scale", torch.tensor(0.5))
     with pytest.raises(ValueError, match="v_scale of an attention layer must be a positive finite number, got -1.0"):
         load_checkpoint_kv_scale(model, "self_attn.v_proj.v_scale", torch.tensor(-1.0))
+
+
+# ---- compiled for an H100 ----------------------------------------------------------------------
+
+def _fp8_variants():
+    """The fp8 cache's variants at the heaviest shapes (bf16 d256 GQA 8; fp16 d128 GQA 4 over
+    e5m2): decode, split-K decode, the largest prefill tile, the KV write; and the rotary
+    kernel storing into an fp8 cache."""
+    from raylm.cluster.benchmarks.gpu_kernel_check import Variant, elementwise_variants, launch_variants
+
+    for dtype, head_size, group, fp8 in ((torch.bfloat16, 256, 8, E4M3), (torch.float16, 128, 4, E5M2)):
+        variants = launch_variants(dtype, group, head_size, max_model_len=4096, kv_cache_dtype=fp8)
+        prefills = [v for v in variants if v.name.startswith("prefill")]
+        largest_prefill = max(prefills, key=lambda v: v.constexprs["BLOCK_M"])
+        for variant in variants:
+            if variant.name in ("decode", "decode_split_k", "kv_write") or variant is largest_prefill:
+                yield pytest.param(variant, id=f"{variant.name.split()[0]}-{fp8}-{dtype}-d{head_size}".replace(
+                    "torch.", ""))
+    rotary = next(v for v in elementwise_variants(torch.bfloat16, 64, 128, 128, 64) if v.name.endswith("kv cache"))
+    yield pytest.param(Variant(rotary.name, rotary.kernel, dict(rotary.constexprs, KV_FP8=True, FP8_MANT=3,
+                                                                FP8_MIN_EXP=-6, FP8_MAX=448.0),
+                               rotary.num_warps, rotary.pointer_dtype, fp_fusion=rotary.fp_fusion,
+                               cache_pointer_dtype="fp8e4nv"), id="rotary-kv-cache-e4m3-bf16-d128")
+
+
+@pytest.mark.parametrize("variant", list(_fp8_variants()))
+def test_fp8_cache_variants_compile_for_sm90_without_spilling(variant):
+    """Compiled ahead of time for an H100 (sm_90a) with the ptxas Triton ships, no GPU
+    needed (`compile_resources`): the fp8 loads, the upcasts before tl.dot and the KV
+    writes' rounding compile, and leave no stack frame."""
+    pytest.importorskip("triton")
+    from raylm.cluster.benchmarks.gpu_kernel_check import compile_resources
+
+    report = compile_resources(variant)
+    assert report["stack_bytes"] == 0 and report["local_bytes"] == 0, report
+    assert report["registers"] <= 255
