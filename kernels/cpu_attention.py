@@ -21,19 +21,23 @@ the window's first block on) and Gemma 2's soft cap.
 `paged_attention` keeps the reference's contract: padding rows are zero, decode rows of a
 mixed batch go to the decode kernel (which runs them about 1.6x faster than the prefill
 kernel would). `write_kv_cache` is the fused C++ copy of `cpu_ops`
-(the reference's where it cannot run). The kernels are compiled at first use
+(the reference's where it cannot run). An fp8 cache (`kv_cache_dtype`): the blocks a step
+reads are dequantized to fp32 first (`cpu_ops.dequantize_blocks`, every layer every step),
+then the same kernels run; its writes go through the reference. The kernels are compiled at first use
 (`raylm.kernels.native_build`); one that cannot be built is reported once and its rows fall
 back to the reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from raylm.kernels import cpu_ops, torch_attention
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.kv_cache_dtype import dequantize, is_fp8
 from raylm.kernels.native_build import load_native_library
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -122,6 +126,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     unavailable."""
     md = attn_metadata
     options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if is_fp8(k_cache.dtype) and k_cache.device.type == "cpu" and query.dtype in _DTYPES and load_kernel() is not None:
+        md, k_cache, v_cache = _dequantized_step_blocks(md, k_cache, v_cache, k_scale, v_scale)
     if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
         return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, k_scale=k_scale, v_scale=v_scale,
@@ -163,3 +169,23 @@ def _decode_rows(md: AttentionMetadata) -> _DecodeRows | None:
             plan = _DecodeRows(torch.tensor(rows), md.block_tables[index], md.seq_lens[index])
         md.__dict__["_cpu_decode_rows"] = plan
     return md.__dict__["_cpu_decode_rows"]
+
+
+def _dequantized_step_blocks(md: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
+                             v_scale: float) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """An fp8 cache for the native kernels, which read fp32 and bf16 only: the blocks this
+    step's block tables name, dequantized to fp32 (fp8 * scale, the reference's values
+    exactly), and the step renumbered onto them. Costs a conversion of every block the step
+    reads, each layer each step (docs/quantized_kv_cache.md has the figures)."""
+    # The block list and renumbered tables are the same for every layer: once per step.
+    if "_cpu_fp8_blocks" not in md.__dict__:
+        blocks, tables = torch.unique(md.block_tables.long(), return_inverse=True)
+        md.__dict__["_cpu_fp8_blocks"] = (blocks, dataclasses.replace(md, block_tables=tables.to(torch.int32)))
+    blocks, step = md.__dict__["_cpu_fp8_blocks"]
+    if load_native_library("cpu_ops") is not None:  # an attention kernel's part, as the cache allocation
+        return step, cpu_ops.dequantize_blocks(k_cache, blocks, k_scale), cpu_ops.dequantize_blocks(v_cache, blocks,
+                                                                                                     v_scale)
+    k = dequantize(k_cache.view(torch.uint8).index_select(0, blocks).view(k_cache.dtype), k_scale)
+    v = dequantize(v_cache.view(torch.uint8).index_select(0, blocks).view(v_cache.dtype), v_scale)
+    return step, k, v
+

@@ -84,6 +84,23 @@ def test_quantize_saturates_where_a_plain_e5m2_cast_gives_inf():
     assert torch.isinf(x.to(E5M2).float()[1])  # what saturation avoids
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cpu_dequantize_blocks_equals_the_reference_and_rejects_blocks_outside_the_cache(fp8):
+    from raylm.kernels import cpu_ops
+    from raylm.kernels.native_build import load_native_library
+
+    if load_native_library("cpu_ops") is None:
+        pytest.skip("the native CPU library does not build here")
+    cache = quantize(torch.randn(6, 4, 2, 8) * 100, fp8, 0.5)
+    cache.view(torch.uint8)[2, 0, 0, 0] = 0x7F  # a NaN byte stays NaN
+    blocks = torch.tensor([5, 2, 2, 0])
+    out = cpu_ops.dequantize_blocks(cache, blocks, 0.5)
+    torch.testing.assert_close(out, dequantize(cache[blocks], 0.5), rtol=0, atol=0, equal_nan=True)
+    assert out.isnan().sum() == 2
+    with pytest.raises(ValueError, match="block 6 is outside the cache's 6 blocks"):
+        cpu_ops.dequantize_blocks(cache, torch.tensor([1, 6]), 1.0)
+
+
 # (cache format, query dtype, num_heads, num_kv_heads, query_lens, seq_lens, padding rows)
 CPU_CASES = [
     (E4M3, torch.float32, 8, 2, [1, 1, 1], [1, 40, 97], 2),     # decode-only, GQA 4, padding
