@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raylm.kernels import cpu_ops, cuda_ops
+from raylm.kernels.kv_cache_dtype import is_fp8
 from raylm.models.rmsnorm import RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,10 @@ class RotaryEmbedding(nn.Module):
             tensors += [q_norm.weight, k_norm.weight]
             norm_args = (q_norm.weight, k_norm.weight, q_norm.eps)
         if kv_cache is not None:
-            tensors += kv_cache[:2]
+            # An fp8 cache (kv_cache_dtype) is one the kernel rounds into itself.
+            if any(is_fp8(cache.dtype) and cache.device != query.device for cache in kv_cache[:2]):
+                return False
+            tensors += [cache for cache in kv_cache[:2] if not is_fp8(cache.dtype)]
         ops = self._cuda_ops(*tensors[:3])
         if ops is None or cuda_ops.usable(*tensors[3:]) is None or value.shape != key.shape:
             return False

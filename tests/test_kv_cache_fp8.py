@@ -326,3 +326,22 @@ def test_fp8_cache_variants_compile_for_sm90_without_spilling(variant):
     report = compile_resources(variant)
     assert report["stack_bytes"] == 0 and report["local_bytes"] == 0, report
     assert report["registers"] <= 255
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_engine_over_an_fp8_e4m3_cache_equals_hf_with_keys_and_values_rounded_alike(scaled_llama_dir):
+    """The GPU path end to end (the GPU check's stage t): the compiled fp8 kernels, the
+    rotary kernel's fused fp8 KV write, decode steps replayed from CUDA graphs with the
+    layers' scales, against HF (CPU, fp32) with every key and value rounded as the cache
+    stores them. fp32 activations: the kernels' dots run in fp32, so the bound is the
+    suite's fp32 one loosened for the GPU's other summation order."""
+    llm = LLM(model=str(scaled_llama_dir), dtype="float32", kv_cache_dtype="fp8", max_num_seqs=8, max_model_len=128)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert runner.device.type == "cuda" and runner.kv_caches[0][0].dtype == E4M3
+    prompts = random_prompts(4, seed=2, min_len=5, max_len=40)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], LOGPROBS, use_tqdm=False)
+    assert_engine_idle(llm.llm_engine)
+    llm.shutdown()
+    assert largest_differences(scaled_llama_dir, outputs, E4M3, K_SCALES, V_SCALES) < 1e-3

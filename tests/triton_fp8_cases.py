@@ -244,3 +244,28 @@ def test_warm_up_launches_the_fp8_variants_with_the_models_queries(kernels):
     assert torch.equal(k_cache.view(torch.uint8), torch.zeros_like(k_cache.view(torch.uint8)))  # wrote nothing
     with pytest.raises(AssertionError, match="queries' dtype"):
         backend.launch_every_variant(8, 2, 64, 0.125, k_cache, v_cache, 1024)
+
+
+def test_llama_layers_rotary_stores_into_an_fp8_cache_in_its_own_launch(kernels):
+    """`RotaryEmbedding.rotate_and_cache`, as Llama's attention calls it on CUDA (here the
+    CUDA branch on the CPU, interpreted), takes an fp8 cache: one launch rotates and stores
+    the keys and values quantized with the layer's scales."""
+    from raylm.kernels import cuda_ops
+    from raylm.models.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(32, 32, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    rows, heads = 5, 2
+    q, k, v = (torch.randn(rows, heads * 32) * 20 for _ in range(3))
+    positions = torch.arange(rows)
+    k_cache = torch.full((2, 4, heads, 32), float("nan")).to(E4M3)
+    v_cache = k_cache.clone()
+    slots = torch.tensor([6, 0, 3, -1, 7])
+    with cuda_ops.interpreted_on_cpu():
+        assert rotary.rotate_and_cache(positions, q, k, v, (k_cache, v_cache, slots, 0.03, 0.05))
+    stored = slots >= 0
+    expected_keys = quantize(k[stored].view(-1, heads, 32), E4M3, 0.03).view(torch.uint8)
+    assert torch.equal(k_cache.view(torch.uint8).flatten(0, 1)[slots[stored]], expected_keys)
+    expected_values = quantize(v[stored].view(-1, heads, 32), E4M3, 0.05).view(torch.uint8)
+    assert torch.equal(v_cache.view(torch.uint8).flatten(0, 1)[slots[stored]], expected_values)
+    assert (k_cache.float().abs() == 448).any()
