@@ -269,3 +269,16 @@ def test_llama_layers_rotary_stores_into_an_fp8_cache_in_its_own_launch(kernels)
     expected_values = quantize(v[stored].view(-1, heads, 32), E4M3, 0.05).view(torch.uint8)
     assert torch.equal(v_cache.view(torch.uint8).flatten(0, 1)[slots[stored]], expected_values)
     assert (k_cache.float().abs() == 448).any()
+
+
+def test_speed_checks_fp8_decode_figures_run_every_variant(kernels):
+    """cluster/benchmarks/gpu_speed_check.py's `decode_attention_fp8` (the device run's
+    figure of what the fp8 cache's reads buy), interpreted on a small shape: the model
+    dtype's cache, the fp8 cache and the fp8 cache with 64-key tiles all run and are timed."""
+    from raylm.cluster.benchmarks.gpu_speed_check import Shape, decode_attention_fp8
+
+    rows = decode_attention_fp8(Shape(num_heads=8, num_kv_heads=2, head_size=64), ((3, 100),), torch.device("cpu"),
+                                copy_bytes_s=1e9, use_triton=True, repeats=1)
+    (row,) = rows
+    assert (row["batch"], row["context"], row["backend"]) == (3, 100, "triton")
+    assert all(row[key] > 0 for key in ("model_dtype_ms", "fp8_ms", "fp8_block_n_64_ms", "fp8_fraction_of_copy"))
