@@ -52,6 +52,10 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert {(r["kernel"], r["dtype"]) for r in kernels["records"]} == {
         (k, d) for k in ("kv_write", "decode", "decode_split_k", "prefill", "rms_norm", "fused_add_rms_norm",
                          "silu_and_mul", "rotary_embedding") for d in ("fp32", "fp16", "bf16")}
+    # ... and over fp8 caches (kv_cache_dtype), each format with the model dtypes it is checked beside.
+    assert {(r["kernel"], r["dtype"], r["kv_cache_dtype"]) for r in kernels["records"] if "kv_cache_dtype" in r} == {
+        (k, d, f) for k in ("kv_write", "decode", "decode_split_k", "prefill")
+        for d, f in (("bf16", "fp8_e4m3"), ("fp16", "fp8_e5m2"), ("fp32", "fp8_e4m3"))}
     # Stage b: the engine's tokens equal HF's, through a preemption and a prefix-cache hit.
     assert record["hf_tokens_equal"] == "1/1"
     (model,) = record["models"]
@@ -88,6 +92,8 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
     assert "repetition_penalty 1.05: TPOT bs1" in result.stdout
     assert "decode attention, batch 4, context 40: chosen backend" in result.stdout
+    assert "decode attention over an fp8 cache, batch 4, context 40:" in result.stdout
+    assert all(row["fp8_ms"] > 0 for row in record["speed"]["decode_attention_fp8"])
 
 
 
