@@ -31,6 +31,7 @@ back to the reference.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     md = attn_metadata
     options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if is_fp8(k_cache.dtype) and k_cache.device.type == "cpu" and query.dtype in _DTYPES and load_kernel() is not None:
-        md, k_cache, v_cache = _dequantized_step_blocks(md, k_cache, v_cache, k_scale, v_scale)
+        md, k_cache, v_cache = _dequantized_step_blocks(md, k_cache, v_cache, k_scale, v_scale, query.dtype)
     if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
         return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, k_scale=k_scale, v_scale=v_scale,
@@ -172,19 +173,24 @@ def _decode_rows(md: AttentionMetadata) -> _DecodeRows | None:
 
 
 def _dequantized_step_blocks(md: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
-                             v_scale: float) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+                             v_scale: float, query_dtype: torch.dtype
+                             ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """An fp8 cache for the native kernels, which read fp32 and bf16 only: the blocks this
-    step's block tables name, dequantized to fp32 (fp8 * scale, the reference's values
-    exactly), and the step renumbered onto them. Costs a conversion of every block the step
-    reads, each layer each step (docs/quantized_kv_cache.md has the figures)."""
+    step's block tables name, dequantized (fp8 * scale, the reference's values exactly),
+    and the step renumbered onto them. In bf16 for bf16 queries when both scales are powers
+    of two (every fp8 value times one is exact in bf16: half the bytes to write and read),
+    else in fp32. Costs a conversion of every block the step reads, each layer each step,
+    and holds them for the layer's call (docs/quantized_kv_cache.md has the figures)."""
     # The block list and renumbered tables are the same for every layer: once per step.
     if "_cpu_fp8_blocks" not in md.__dict__:
         blocks, tables = torch.unique(md.block_tables.long(), return_inverse=True)
         md.__dict__["_cpu_fp8_blocks"] = (blocks, dataclasses.replace(md, block_tables=tables.to(torch.int32)))
     blocks, step = md.__dict__["_cpu_fp8_blocks"]
     if load_native_library("cpu_ops") is not None:  # an attention kernel's part, as the cache allocation
-        return step, cpu_ops.dequantize_blocks(k_cache, blocks, k_scale), cpu_ops.dequantize_blocks(v_cache, blocks,
-                                                                                                     v_scale)
+        exact_in_bf16 = all(math.frexp(scale)[0] == 0.5 for scale in (k_scale, v_scale))
+        dtype = torch.bfloat16 if query_dtype == torch.bfloat16 and exact_in_bf16 else torch.float32
+        return (step, cpu_ops.dequantize_blocks(k_cache, blocks, k_scale, dtype),
+                cpu_ops.dequantize_blocks(v_cache, blocks, v_scale, dtype))
     k = dequantize(k_cache.view(torch.uint8).index_select(0, blocks).view(k_cache.dtype), k_scale)
     v = dequantize(v_cache.view(torch.uint8).index_select(0, blocks).view(v_cache.dtype), v_scale)
     return step, k, v

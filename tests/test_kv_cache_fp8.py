@@ -99,25 +99,33 @@ def test_cpu_dequantize_blocks_equals_the_reference_and_rejects_blocks_outside_t
     assert out.isnan().sum() == 2
     with pytest.raises(ValueError, match="block 6 is outside the cache's 6 blocks"):
         cpu_ops.dequantize_blocks(cache, torch.tensor([1, 6]), 1.0)
+    # bf16 out: exact for a power-of-two scale (what the CPU backend asks it for).
+    out = cpu_ops.dequantize_blocks(cache, blocks, 0.5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), dequantize(cache[blocks], 0.5), rtol=0, atol=0, equal_nan=True)
 
 
-# (cache format, query dtype, num_heads, num_kv_heads, query_lens, seq_lens, padding rows)
+# (cache format, query dtype, num_heads, num_kv_heads, query_lens, seq_lens, padding rows,
+# (k_scale, v_scale)): scales that saturate; powers of two with bf16 queries, which the
+# backend dequantizes to bf16 rather than fp32.
 CPU_CASES = [
-    (E4M3, torch.float32, 8, 2, [1, 1, 1], [1, 40, 97], 2),     # decode-only, GQA 4, padding
-    (E5M2, torch.bfloat16, 4, 4, [1, 1], [17, 64], 0),
-    (E4M3, torch.bfloat16, 8, 2, [12, 1, 30], [50, 70, 30], 1),  # chunk behind context, decode row, prompt
-    (E5M2, torch.float32, 4, 1, [23, 5], [23, 77], 0),
+    (E4M3, torch.float32, 8, 2, [1, 1, 1], [1, 40, 97], 2, (0.02, 0.05)),  # decode-only, GQA 4, padding
+    (E5M2, torch.bfloat16, 4, 4, [1, 1], [17, 64], 0, (0.0002, 0.0005)),
+    (E4M3, torch.bfloat16, 8, 2, [12, 1, 30], [50, 70, 30], 1, (0.02, 0.05)),  # chunk behind context, decode row
+    (E5M2, torch.float32, 4, 1, [23, 5], [23, 77], 0, (0.0002, 0.0005)),
+    (E4M3, torch.bfloat16, 8, 2, [1, 1, 1], [3, 40, 97], 1, (1 / 32, 1 / 16)),
+    (E5M2, torch.bfloat16, 4, 2, [9, 1], [60, 33], 0, (2.0**-12, 2.0**-11)),
 ]
 
 
-@pytest.mark.parametrize("fp8,dtype,num_heads,num_kv_heads,query_lens,seq_lens,padding", CPU_CASES)
+@pytest.mark.parametrize("fp8,dtype,num_heads,num_kv_heads,query_lens,seq_lens,padding,scales", CPU_CASES)
 def test_cpu_backend_writes_and_attends_over_an_fp8_cache_like_the_fp32_reference(fp8, dtype, num_heads,
                                                                                   num_kv_heads, query_lens, seq_lens,
-                                                                                  padding):
+                                                                                  padding, scales):
     """The CPU backend's contract on an fp8 cache: the write stores PyTorch's saturated fp8
     cast of x / scale, attention equals the fp32 reference over the cache's values times
     the scales; scattered blocks of a NaN-poisoned cache."""
-    k_scale, v_scale = (0.02, 0.05) if fp8 == E4M3 else (0.0002, 0.0005)
+    k_scale, v_scale = scales
     query, k32, v32, md = build_cached_step(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                             head_size=32, block_size=8, seed=sum(seq_lens), padding_tokens=padding)
     # The context in the cache already, scaled so that some of it saturates; then this

@@ -955,17 +955,29 @@ at::Tensor zeros_on_huge_pages_op(at::IntArrayRef size, at::ScalarType dtype) {
   return zeros_on_huge_pages(size, at::TensorOptions().dtype(dtype));
 }
 
-// The blocks `blocks` of an fp8 KV cache (its bytes, [num_blocks, ...]) as fp32, byte by byte
-// through `table` (the 256 fp8 values times the layer's scale): what the attention kernels,
-// which read fp32 and bf16 caches, take instead (kernels/cpu_attention.py). One table load an
-// element; PyTorch's fp8 -> fp32 cast took several times longer.
+// The blocks `blocks` of an fp8 KV cache (its bytes, [num_blocks, ...]) in table's dtype (fp32
+// or bf16), byte by byte through `table` (the 256 fp8 values times the layer's scale): what the
+// attention kernels, which read fp32 and bf16 caches, take instead (kernels/cpu_attention.py).
+// One table load an element; PyTorch's fp8 -> fp32 cast took several times longer.
+template <typename out_t>
+void dequantize_rows(const uint8_t* src, const int64_t* ids, const out_t* lut, out_t* dst, int64_t n, int64_t row) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* s = src + ids[i] * row;
+      out_t* d = dst + i * row;
+      for (int64_t j = 0; j < row; ++j) d[j] = lut[s[j]];
+    }
+  });
+}
+
 at::Tensor dequantize_blocks(const at::Tensor& cache, const at::Tensor& blocks, const at::Tensor& table) {
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kByte && cache.is_contiguous() && cache.dim() >= 1,
               "raylm::dequantize_blocks: cache must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
               "raylm::dequantize_blocks: blocks must be a contiguous 1-D int64 tensor");
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.numel() == 256 && table.is_contiguous(),
-              "raylm::dequantize_blocks: table must hold 256 contiguous fp32 values");
+  TORCH_CHECK((table.scalar_type() == at::kFloat || table.scalar_type() == at::kBFloat16) && table.numel() == 256 &&
+                  table.is_contiguous(),
+              "raylm::dequantize_blocks: table must hold 256 contiguous fp32 or bf16 values");
   const int64_t num_blocks = cache.size(0), n = blocks.numel();
   const int64_t row = num_blocks == 0 ? 0 : cache.numel() / num_blocks;
   const int64_t* ids = blocks.data_ptr<int64_t>();
@@ -975,17 +987,14 @@ at::Tensor dequantize_blocks(const at::Tensor& cache, const at::Tensor& blocks, 
   }
   std::vector<int64_t> sizes = cache.sizes().vec();
   sizes[0] = n;
-  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(table.scalar_type()));
   const uint8_t* src = cache.data_ptr<uint8_t>();
-  const float* lut = table.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* s = src + ids[i] * row;
-      float* d = dst + i * row;
-      for (int64_t j = 0; j < row; ++j) d[j] = lut[s[j]];
-    }
-  });
+  if (table.scalar_type() == at::kFloat) {
+    dequantize_rows(src, ids, table.data_ptr<float>(), out.data_ptr<float>(), n, row);
+  } else {  // bf16 as its 16 bits: a copy, no conversion
+    dequantize_rows(src, ids, reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, row);
+  }
   return out;
 }
 
