@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from raylm.engine.usage_context import UsageContext
-from raylm.kernels.kv_cache_dtype import cache_dtype as kv_cache_torch_dtype, check_kv_cache_dtype
+from raylm.kernels.kv_cache_dtype import check_kv_cache_dtype, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 

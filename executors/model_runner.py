@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raylm.engine.config import EngineConfig, kv_cache_block_bytes, kv_cache_torch_dtype, max_blocks_per_request
+from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
                                ScheduledRequest, TokenLogprobs)
@@ -33,6 +33,7 @@ from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
+from raylm.kernels.kv_cache_dtype import kv_cache_torch_dtype
 from raylm.models import get_model, release_model
 from raylm.models.attention import Attention
 from raylm.models.forward_context import set_forward_context, step_output_rows

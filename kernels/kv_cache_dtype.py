@@ -27,7 +27,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
-def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The torch dtype the KV cache tensors are allocated in."""
     check_kv_cache_dtype(kv_cache_dtype)
     return model_dtype if kv_cache_dtype == "auto" else _FP8_DTYPES[kv_cache_dtype]

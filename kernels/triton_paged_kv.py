@@ -1,7 +1,8 @@
 """In-kernel pieces the Triton paged attention kernels share (decode and prefill/extend):
 one K/V tile read through a sequence's block table, its scores against the program's
-queries, Gemma 2's soft cap, and the rounding of an fp8 KV cache (`fp8_round`). `@triton.jit` functions called from a kernel are inlined
-into it at compile time, so each kernel compiles to what it did with the code written out."""
+queries, Gemma 2's soft cap, and the rounding of an fp8 KV cache (`fp8_round`).
+`@triton.jit` functions called from a kernel are inlined into it at compile time, so each
+kernel compiles to what it did with the code written out."""
 
 from __future__ import annotations
 

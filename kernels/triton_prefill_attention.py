@@ -225,8 +225,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's queries over its context in the cache (the last
     `sliding_window` positions of it per query, when set; `logits_soft_cap` as in the
-    reference, torch_attention; k_scale, v_scale: an fp8 cache's). `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides
-    prefill_tiles' choice: for benchmarks that compare tile shapes.
+    reference, torch_attention; k_scale, v_scale: an fp8 cache's). `tiles` (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) overrides prefill_tiles' choice: for benchmarks that compare tile shapes.
 
     query [T, Hq, D] -> [T, Hq, D] in the query's dtype; rows past the last sequence
     (padding) are zero. `out`, if given, is written in place and returned.

@@ -236,10 +236,10 @@ def check_fp8_cache(dtype: torch.dtype, head_size: int, group: int, device: torc
     against the fp32 reference over the cache's values times the scales. Records carry
     `kv_cache_dtype`."""
     from raylm.kernels import torch_attention, triton_decode_attention, triton_kv_cache, triton_prefill_attention
-    from raylm.kernels.kv_cache_dtype import cache_dtype, dequantize, quantize
+    from raylm.kernels.kv_cache_dtype import dequantize, kv_cache_torch_dtype, quantize
 
     name = FP8_FORMATS[dtype]
-    fp8 = cache_dtype(name, dtype)
+    fp8 = kv_cache_torch_dtype(name, dtype)
     limit = torch.finfo(fp8).max
     k_scale, v_scale = 2.0 / limit, 3.0 / limit  # |x| > 2 (keys), > 3 (values) saturates
     num_heads, scale = NUM_KV_HEADS * group, head_size ** -0.5
@@ -447,7 +447,8 @@ def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size
 
 # Arguments the launchers pass that are not 16-aligned pointers or multiples of 16 in the
 # engine's layouts (a layer's KV head count; the block-table stride, never specialised).
-UNALIGNED_ARGS = {"qk_scale", "k_scale", "v_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq", "stride_pl_head"}
+UNALIGNED_ARGS = {"qk_scale", "k_scale", "v_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq",
+                  "stride_pl_head"}
 
 
 def compile_resources(variant: Variant, capability: int = 90, aligned: bool = True) -> dict:
@@ -469,7 +470,8 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     cache_ptr = "*" + (variant.cache_pointer_dtype or variant.pointer_dtype)
     types = dict(query_ptr=ptr, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
-                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", k_scale="fp32", v_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
+                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", k_scale="fp32", v_scale="fp32",
+                 x_ptr=ptr, residual_ptr=ptr,
                  weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr,
                  k_norm_ptr=ptr)
     kernel = variant.kernel
