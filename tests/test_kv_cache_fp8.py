@@ -280,6 +280,30 @@ def test_prefix_caching_chunked_prefill_and_preemption_over_an_fp8_cache_keep_hf
     assert largest_differences(scaled_llama_dir, outputs, E4M3, K_SCALES, V_SCALES) < 1e-4
 
 
+def test_a_draft_model_shares_the_fp8_pool_and_keeps_the_targets_greedy_tokens(scaled_llama_dir):
+    """Speculative decoding with a draft model (the target's own weights, so that most
+    proposals are accepted): the draft's caches are fp8 too, under the same block ids, the
+    pool is sized for both, and the tokens are the plain fp8 engine's."""
+    prompts = random_prompts(4, seed=8, min_len=5, max_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for speculative_config in (None, {"model": str(scaled_llama_dir), "num_speculative_tokens": 3}):
+        llm = LLM(model=str(scaled_llama_dir), dtype="float32", kv_cache_dtype="fp8", max_num_seqs=8,
+                  kv_cache_space=0.001, speculative_config=speculative_config)
+        runner = llm.llm_engine.executor.driver_worker.model_runner
+        blocks = llm.llm_engine.engine_config.cache_config.num_gpu_blocks
+        # 0.001 GiB / (K and V x 2 layers x 16 tokens x 2 heads x 16 dims x 1 byte), halved with the draft's
+        assert blocks == int(0.001 * 2**30) // (2 * 2 * 16 * 2 * 16 * (1 if speculative_config is None else 2))
+        if speculative_config is not None:
+            draft_caches = [layer.kv_cache for layer in runner.draft_runner._attention_layers()]
+            assert {cache.dtype for pair in draft_caches for cache in pair} == {E4M3}
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outputs])
+        assert_engine_idle(llm.llm_engine)
+        llm.shutdown()
+    assert tokens[1] == tokens[0]
+
+
 def test_checkpoint_scales_of_no_attention_layer_or_not_positive_are_errors_naming_them():
     from torch import nn
 
