@@ -6,6 +6,7 @@ Hugging Face transformers run with its keys and values put through the same fp8 
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -176,15 +177,21 @@ def scaled_llama_dir(llama_dir, tmp_path_factory) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=2)
+def hf_eager_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def hf_log_softmax(model_dir: Path, token_ids: list[int], fp8: torch.dtype | None, k_scales: list[float],
                    v_scales: list[float]) -> torch.Tensor:
     """[len(token_ids), vocab] fp32 log-softmax of HF's Llama (eager attention) over the
     sequence; with `fp8`, every layer's keys (after the rotary embedding) and values pass
     through that fp8 format's rounding with the layer's scale, as an fp8 cache stores them."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = hf_eager_model(str(model_dir))
     eager = modeling_llama.eager_attention_forward
 
     def rounded(module, query, key, value, *args, **kwargs):
