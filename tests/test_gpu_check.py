@@ -83,6 +83,9 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     sweep = record["speed"]["decode_attention_sweep"]
     assert [(case["batch"], case["context"]) for case in sweep["cases"]] == [(4, 40), (2, 100)]
     assert all(case["best"]["ms"] > 0 and case["chosen"]["fraction_of_copy"] > 0 for case in sweep["cases"])
+    # Decode attention over an fp8 cache against the model dtype's, on the sweep's cases.
+    assert all(row["fp8_ms"] > 0 for row in record["speed"]["decode_attention_fp8"])
+    assert "decode attention over an fp8 cache, batch 4, context 40:" in result.stdout
     # Stage t: the cuda-marked engine tests, collected and skipped here.
     assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
     results = record["cuda_test_results"]
@@ -92,8 +95,6 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert "TPOT bs1" in result.stdout and "stage c: ok" in result.stdout
     assert "repetition_penalty 1.05: TPOT bs1" in result.stdout
     assert "decode attention, batch 4, context 40: chosen backend" in result.stdout
-    assert "decode attention over an fp8 cache, batch 4, context 40:" in result.stdout
-    assert all(row["fp8_ms"] > 0 for row in record["speed"]["decode_attention_fp8"])
 
 
 
