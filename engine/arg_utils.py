@@ -21,6 +21,7 @@ from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICI
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
 from raylm.engine.generation_config import check_override_generation_config
 from raylm.engine.usage_context import UsageContext
+from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.pipeline import check_pipeline_parallel
@@ -68,6 +69,13 @@ class EngineArgs(SettingsMixin):
     kv_cache_space: float | None = field(default=None, metadata=_help(
         "CPU only: GiB of memory for the KV cache. Default: what max_num_seqs requests of max_model_len "
         "tokens can fill, at most 4 GiB."))
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES, **_help(
+        "Storage of the KV cache (vLLM's): 'auto' is the model's dtype; 'fp8' (= 'fp8_e4m3') and 'fp8_e5m2' store "
+        "one byte an element, twice the blocks in the same memory, each layer's keys and values divided by its "
+        "k_scale and v_scale (from the checkpoint, else 1.0) and rounded (docs/quantized_kv_cache.md).")})
+    calculate_kv_scales: bool = field(default=False, metadata=_help(
+        "vLLM's flag to estimate k_scale and v_scale from the first batch: not supported, True is an error "
+        "(scales come from the checkpoint, else 1.0)."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Use this many KV-cache blocks "
                                                                              "instead of measuring (tests)."))
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences in one batch."))
@@ -231,6 +239,10 @@ class EngineArgs(SettingsMixin):
         """The engine's configuration; `usage_context` (who builds the engine) picks the
         default step token budget on a GPU, as in vLLM."""
         envs.check_all()  # a bad RAYLM_* value stops the start here, before anything is loaded
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.calculate_kv_scales:
+            raise ValueError("calculate_kv_scales=True is not supported: raylm takes k_scale and v_scale from the "
+                             "checkpoint, else 1.0 (docs/quantized_kv_cache.md).")
         # The one place a model argument is resolved: no model, or the demo model's short
         # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
         self.model = resolve_model_path(self.model)
@@ -302,6 +314,7 @@ class EngineArgs(SettingsMixin):
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,
+            cache_dtype=self.kv_cache_dtype,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or default_max_num_batched_tokens(
             device_config.device, usage_context, enable_chunked_prefill, max_model_len,

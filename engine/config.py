@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from raylm.engine.usage_context import UsageContext
+from raylm.kernels.kv_cache_dtype import check_kv_cache_dtype, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -296,10 +297,11 @@ class ModelConfig:
 
 
 def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, tensor_parallel_size: int,
-                         num_layers: int | None = None) -> int:
+                         num_layers: int | None = None, cache_dtype: str = "auto") -> int:
     """Bytes of one KV-cache block on one worker: keys and values of every layer it holds
-    (`num_layers`; default all of them, a pipeline stage holds its own)."""
-    dtype_size = torch.tensor([], dtype=model_config.dtype).element_size()
+    (`num_layers`; default all of them, a pipeline stage holds its own), stored in
+    `cache_dtype` (CacheConfig's: 1 byte an element for fp8)."""
+    dtype_size = kv_cache_torch_dtype(cache_dtype, model_config.dtype).itemsize
     num_layers = model_config.num_layers if num_layers is None else num_layers
     return (2 * num_layers * block_size * model_config.num_kv_heads_per_rank(tensor_parallel_size)
             * model_config.head_size * dtype_size)
@@ -348,6 +350,10 @@ class CacheConfig:
     sliding_window: int | None = None
     # Set after the workers have measured memory.
     num_gpu_blocks: int | None = None
+    # vLLM's field (`kv_cache_dtype` among the engine arguments): "auto" stores keys and
+    # values in the model's dtype; "fp8" (e4m3), "fp8_e4m3" and "fp8_e5m2" in one byte each,
+    # scaled by each layer's k_scale and v_scale (raylm/kernels/kv_cache_dtype.py).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -358,6 +364,7 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 or None, got {self.sliding_window}.")
+        check_kv_cache_dtype(self.cache_dtype)
 
 
 def max_blocks_per_request(max_model_len: int, block_size: int, sliding_window: int | None,

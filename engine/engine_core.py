@@ -126,7 +126,7 @@ class EngineCore:
         # Per worker of the stage holding the most layers (every layer without a pipeline).
         num_layers = -(-self.engine_config.model_config.num_layers // parallel_config.pipeline_parallel_size)
         block_bytes = kv_cache_block_bytes(self.engine_config.model_config, cache_config.block_size,
-                                           parallel_config.tensor_parallel_size, num_layers)
+                                           parallel_config.tensor_parallel_size, num_layers, cache_config.cache_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB per worker); %.2fx max_model_len (%d tokens) "
                     "fits at once; prefix caching %s, chunked prefill %s.", num_blocks, cache_config.block_size,
                     num_blocks * block_bytes / 2**20, num_blocks * cache_config.block_size / self.max_model_len,

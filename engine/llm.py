@@ -42,7 +42,9 @@ class LLM:
             `trust_remote_code=False`, `num_gpu_blocks_override=None`,
             `enable_prefix_caching=True`, `enable_chunked_prefill=True`,
             `kv_cache_space=None` (GiB, CPU; None sizes the pool to what max_num_seqs
-            requests of max_model_len tokens can fill), `enable_lora=False` (serve LoRA
+            requests of max_model_len tokens can fill), `kv_cache_dtype="auto"` ("fp8",
+            "fp8_e4m3", "fp8_e5m2": one byte a cached element, twice the blocks;
+            docs/quantized_kv_cache.md), `enable_lora=False` (serve LoRA
             adapters, see `generate`'s lora_request), `max_loras=1` (adapters in one
             batch), `max_lora_rank=16`, `max_cpu_loras=None` (adapters kept in host memory;
             max_loras), `runner="auto"` ("pooling" for embeddings, see `embed`; "auto" pools

@@ -58,6 +58,7 @@ class DraftModelRunner:
         self.model_config = engine_config.speculative_config.draft_model_config
         self.block_size = engine_config.cache_config.block_size
         self.tensor_parallel_size = engine_config.parallel_config.tensor_parallel_size
+        self.cache_dtype = engine_config.cache_config.cache_dtype
         self.rank = rank
         self.device = device
         self.model = None
@@ -73,7 +74,9 @@ class DraftModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def get_cache_block_size_bytes(self) -> int:
-        return kv_cache_block_bytes(self.model_config, self.block_size, self.tensor_parallel_size)
+        # Made by the target's zeroed_cache: in the target's cache dtype.
+        return kv_cache_block_bytes(self.model_config, self.block_size, self.tensor_parallel_size,
+                                    cache_dtype=self.cache_dtype)
 
     def initialize_cache(self, num_blocks: int, zeroed_cache: Callable[[tuple[int, ...]], torch.Tensor]) -> None:
         """The draft's own KV cache: num_blocks blocks (the target's block ids) of its shape,

@@ -34,6 +34,7 @@ from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
 from raylm.kernels.attention_metadata import AttentionMetadata, rows_sequences
 from raylm.kernels.backend import AttentionBackend, get_attention_backend
+from raylm.kernels.kv_cache_dtype import kv_cache_torch_dtype
 from raylm.models import get_model, release_model
 from raylm.models.weight_utils import num_weight_loads, safetensors_weights_iterator
 from raylm.models.attention import Attention
@@ -190,7 +191,8 @@ class ModelRunner:
         """Bytes of one block on this rank: the KV of this stage's layers, and the draft
         model's under the same block id."""
         block_bytes = kv_cache_block_bytes(self.model_config, self.block_size,
-                                           self.parallel_config.tensor_parallel_size, self.num_stage_layers)
+                                           self.parallel_config.tensor_parallel_size, self.num_stage_layers,
+                                           self.cache_config.cache_dtype)
         if self.draft_runner is not None:
             block_bytes += self.draft_runner.get_cache_block_size_bytes()
         return block_bytes
@@ -320,9 +322,10 @@ class ModelRunner:
         4 KiB pages most block reads begin with a TLB miss (see cpu_ops.zeros_on_huge_pages).
         Mapping it costs more than ordinary pages in some VMs (the ~100M Llama's 2.2 GiB pool:
         ~1.9 s more at start on a 2-core EPYC VM, no compaction stalls)."""
+        dtype = kv_cache_torch_dtype(self.cache_config.cache_dtype, self.model_config.dtype)
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-        return cpu_ops.zeros_on_huge_pages(shape, self.model_config.dtype).zero_()  # zero_ maps the pages
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return cpu_ops.zeros_on_huge_pages(shape, dtype).zero_()  # zero_ maps the pages
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -349,7 +352,8 @@ class ModelRunner:
                        layer.logits_soft_cap): layer.kv_cache for layer in self._attention_layers()}
             for (num_heads, num_kv_heads, head_size, scale, window, soft_cap), (k_cache, v_cache) in shapes.items():
                 self.attn_backend.warm_up(num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_len,
-                                          sliding_window=window, logits_soft_cap=soft_cap)
+                                          sliding_window=window, logits_soft_cap=soft_cap,
+                                          query_dtype=self.model_config.dtype)
         if self.uses_cuda_graphs:
             self.capture_decode_graphs()
 

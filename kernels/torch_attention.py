@@ -12,6 +12,9 @@ Two per-layer options every backend implements the same way:
   block of a window, the keys before it are masked.
 - `logits_soft_cap` c (Gemma 2): the scaled scores s become c * tanh(s / c) before the mask
   and the softmax.
+
+An fp8 cache (`raylm.kernels.kv_cache_dtype`) stores key / k_scale and value / v_scale,
+saturated and rounded to its format (`quantize`), and is read back times the scale in fp32.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.kv_cache_dtype import dequantize, is_fp8, quantize
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Stores this step's keys and values [T, Hkv, D] at their flat slots; slot -1 (padding
-    tokens) is skipped."""
+    tokens) is skipped. An fp8 cache stores them quantized with k_scale and v_scale."""
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_size)
     v_flat = v_cache.view(-1, num_kv_heads, head_size)
@@ -37,15 +41,27 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         valid = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    _bytes(k_flat).index_copy_(0, slot_mapping, _bytes(quantize(key, k_cache.dtype, k_scale)))
+    _bytes(v_flat).index_copy_(0, slot_mapping, _bytes(quantize(value, v_cache.dtype, v_scale)))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """x, or for an fp8 tensor its bytes (PyTorch's CPU indexing ops take no fp8 dtype)."""
+    return x.view(torch.uint8) if is_fp8(x.dtype) else x
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, index), fp8 caches included."""
+    return _bytes(cache).index_select(0, index).view(cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's queries over its context in the cache (the last
     `sliding_window` positions of it for each query, when set; see the module docstring).
+    k_scale, v_scale: an fp8 cache's scales.
 
     Called after `write_kv_cache` for the step. Sequence i's queries, rows
     query_start_loc[i]:query_start_loc[i+1] of `query` [T, Hq, D], sit at the last
@@ -57,20 +73,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_tokens = query.shape[0]
     plan = _decode_plan(md, k_cache, sliding_window)
     if md.max_query_len == 1 and plan is not None and plan.rows is None and plan.batch == num_tokens:
-        return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap)
+        return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap, k_scale, v_scale)
 
     out = paged_prefill_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap)
+                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
     if plan is not None:
         # Decoding sequences go through one batched call, also in mixed batches.
         rows = plan.rows if plan.rows is not None else slice(0, plan.batch)
-        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap)
+        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap, k_scale, v_scale)
     return out
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """`paged_attention` for the sequences with more than one query, one sequence at a time;
     the rows of the others (decoding sequences) and of padding tokens are zero."""
     md = attn_metadata
@@ -80,7 +97,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         if query_len > 1:
             out[start:start + query_len] = _prefill_one(query[start:start + query_len], k_cache, v_cache,
                                                         md.block_tables[i], seq_len, scale, logits_soft_cap,
-                                                        sliding_window)
+                                                        sliding_window, k_scale, v_scale)
         start += query_len
     return out
 
@@ -144,27 +161,28 @@ def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int
 
 
 def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan,
-                    scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    scale: float, logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """One query row per sequence [B, Hq, D]: every sequence's context gathered into a
     padded [B, Hkv, max_seq_len, D] tensor, the tail masked, one batched matmul per side."""
     batch, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     shape = (batch, num_kv_heads, plan.max_seq_len, head_size)
-    key = k_cache.view(-1, head_size).index_select(0, plan.cache_rows).view(shape)
-    value = v_cache.view(-1, head_size).index_select(0, plan.cache_rows).view(shape)
+    key = _gather(k_cache.view(-1, head_size), plan.cache_rows).view(shape)
+    value = _gather(v_cache.view(-1, head_size), plan.cache_rows).view(shape)
     # Query heads of one KV head are consecutive: fold them into the matmul's row dim.
     q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size).float()
-    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
+    scores = torch.matmul(q, dequantize(key, k_scale).transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
     if logits_soft_cap is not None:
         scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
     probs = scores.masked_fill_(plan.beyond_end, float("-inf")).softmax(dim=-1)
-    out = torch.matmul(probs, value.float())  # [B, Hkv, G, D]
+    out = torch.matmul(probs, dequantize(value, v_scale))  # [B, Hkv, G, D]
     return out.view(batch, num_heads, head_size).to(query.dtype)
 
 
 def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_len: int, scale: float, logits_soft_cap: float | None = None,
-                 sliding_window: int | None = None) -> torch.Tensor:
+                 sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One sequence's [Lq, Hq, D] queries over its seq_len cached tokens, causal with the
     queries aligned to the end of the context (chunked prefill reads earlier chunks). With a
     window, only the blocks from the first query's window on are read."""
@@ -174,12 +192,12 @@ def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     first_block = 0 if sliding_window is None else max(0, first_query - sliding_window + 1) // block_size
     first_key = first_block * block_size
     blocks = block_table[first_block:-(-seq_len // block_size)].long()
-    key = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len - first_key]  # [L, Hkv, D]
-    value = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len - first_key]
+    key = _gather(k_cache, blocks).flatten(0, 1)[:seq_len - first_key]  # [L, Hkv, D]
+    value = _gather(v_cache, blocks).flatten(0, 1)[:seq_len - first_key]
     # SDPA's layout is [batch, heads, tokens, D]; fp32 so that the softmax is fp32 too.
     q = query.transpose(0, 1).unsqueeze(0).float()
-    k = key.transpose(0, 1).unsqueeze(0).float()
-    v = value.transpose(0, 1).unsqueeze(0).float()
+    k = dequantize(key.transpose(0, 1).unsqueeze(0), k_scale)
+    v = dequantize(value.transpose(0, 1).unsqueeze(0), v_scale)
     gqa = num_heads != key.shape[1]
     if query_len == seq_len and logits_soft_cap is None and (sliding_window is None or sliding_window >= seq_len):
         return (F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[0]

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.kv_cache_dtype import is_fp8
 from raylm.kernels.triton_paged_kv import paged_kv_tile_scores
 
 # Split-K partitions are multiples of this many tokens (a multiple of every K/V tile width,
@@ -90,7 +91,8 @@ def complete_decode_tiles(dtype: torch.dtype, group: int, head_size: int, tiles:
 def _paged_decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache): the kernel works in base 2
+    v_scale,  # an fp8 cache's value scale
     stride_qt, stride_qh,
     stride_kc_block, stride_kc_token, stride_kc_head,
     stride_vc_block, stride_vc_token, stride_vc_head,
@@ -101,7 +103,7 @@ def _paged_decode_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0,
+    SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0, KV_FP8: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,7 +146,7 @@ def _paged_decode_kernel(
         pos, n_mask, s, v = paged_kv_tile_scores(  # s: [BLOCK_G, BLOCK_N]
             q, qk_scale, block_table, k_cache_ptr, v_cache_ptr, tile_start, end, kv_head, d, d_mask,
             stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
-            BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SOFT_CAP)
+            BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SOFT_CAP, KV_FP8=KV_FP8)
         s = tl.where(n_mask[None, :], s, -float("inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -155,6 +157,8 @@ def _paged_decode_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT_K:
         po = (partial_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
@@ -241,7 +245,8 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            attn_metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, *, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None, tiles: dict | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None, tiles: dict | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Decode step (every query_len is 1): query [T, Hq, D] -> [T, Hq, D] in the query's dtype.
 
     Sequence i's query is row query_start_loc[i]; rows past the last sequence (padding) are
@@ -249,7 +254,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     dispatcher choose between the single-pass kernel (1) and split-K (more than 1).
     `sliding_window` and `logits_soft_cap` as in the reference (torch_attention). `tiles`
     (BLOCK_N, num_warps, num_stages) overrides decode_tiles' choice: for benchmarks that
-    compare tile shapes.
+    compare tile shapes. k_scale, v_scale: an fp8 cache's scales (`kv_cache_dtype`).
     """
     md = attn_metadata
     num_tokens, num_heads, head_size = query.shape
@@ -271,18 +276,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     group = num_heads // num_kv_heads
     on_gpu = query.device.type == "cuda"
-    tiles = (decode_tiles(k_cache.dtype, group, head_size, on_gpu) if tiles is None
-             else complete_decode_tiles(k_cache.dtype, group, head_size, tiles, on_gpu))
+    kv_fp8 = is_fp8(k_cache.dtype)
+    # An fp8 cache's tiles are upcast to the query's dtype: tiles and dots as for that dtype.
+    tile_dtype = query.dtype if kv_fp8 else k_cache.dtype
+    tiles = (decode_tiles(tile_dtype, group, head_size, on_gpu) if tiles is None
+             else complete_decode_tiles(tile_dtype, group, head_size, tiles, on_gpu))
     common = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), **tiles)
-    qk_scale = scale * math.log2(math.e)
+                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), KV_FP8=kv_fp8, **tiles)
+    qk_scale = scale * math.log2(math.e) * (k_scale if kv_fp8 else 1.0)
+    v_scale = float(v_scale) if kv_fp8 else 1.0
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
         _paged_decode_kernel[grid](
             query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            out, out, out, qk_scale,
+            out, out, out, qk_scale, v_scale,
             query.stride(0), query.stride(1), *cache_strides,
             md.block_tables.stride(0), out.stride(0), out.stride(1),
             0, 0, 0, 0, 0, partition_size, SPLIT_K=False, **common)
@@ -293,7 +302,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _paged_decode_kernel[grid](
         query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        out, partial_out, partial_lse, qk_scale,
+        out, partial_out, partial_lse, qk_scale, v_scale,
         query.stride(0), query.stride(1), *cache_strides,
         md.block_tables.stride(0), out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),

@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.kv_cache_dtype import triton_fp8_format
+from raylm.kernels.triton_paged_kv import fp8_round
+
 # The widest row the norm kernels keep in registers in one pass (at 16 warps, 32 fp32
 # values a thread); a wider one is left to PyTorch (`rms_norm_supported`).
 MAX_NORM_HIDDEN = 16384
@@ -93,17 +96,20 @@ def _rotary_embedding_kernel(positions_ptr, query_ptr, key_ptr, cos_sin_cache_pt
                              q_norm_ptr, k_norm_ptr, eps,
                              value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_value,
                              stride_kc_block, stride_kc_token, stride_kc_head,
-                             stride_vc_block, stride_vc_token, stride_vc_head,
+                             stride_vc_block, stride_vc_token, stride_vc_head, k_scale, v_scale,
                              HEAD_SIZE: tl.constexpr, HALF_ROTARY: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_REST: tl.constexpr,
-                             CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+                             CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                             KV_FP8: tl.constexpr = False, FP8_MANT: tl.constexpr = 0,
+                             FP8_MIN_EXP: tl.constexpr = 0, FP8_MAX: tl.constexpr = 0.0):
     # Program (token, head block): the head blocks of the query first, then the key's, so
     # one launch rotates both. GPT-NeoX layout: channel r of a head's first half turns with
     # channel r of its second half (of the first 2 * HALF_ROTARY channels; the rest stay).
     # QK_NORM (Qwen3): each head is RMS-normalised first (q_norm_ptr's weight for the query,
     # k_norm_ptr's for the key), in place. CACHE_BLOCK_SIZE > 0: the key programs also store
     # their rotated key heads and the same value heads at the token's cache slot (-1: none),
-    # as the KV write kernel would. BLOCK_REST > 0 covers the channels past the rotary ones,
+    # as the KV write kernel would (KV_FP8: divided by k_scale / v_scale and rounded to the
+    # fp8 cache's format, `fp8_round`). BLOCK_REST > 0 covers the channels past the rotary ones,
     # which only the norm and the cache write read.
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -165,14 +171,24 @@ def _rotary_embedding_kernel(positions_ptr, query_ptr, key_ptr, cos_sin_cache_pt
                 k_row = (k_cache_ptr + cache_block * stride_kc_block + offset * stride_kc_token
                          + heads[:, None] * stride_kc_head)
                 k_dtype = k_cache_ptr.dtype.element_ty
-                tl.store(k_row + r[None, :], out1.to(k_dtype), mask=mask)
-                tl.store(k_row + HALF_ROTARY + r[None, :], out2.to(k_dtype), mask=mask)
+                if KV_FP8:
+                    k1 = fp8_round(out1.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                    k2 = fp8_round(out2.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                else:
+                    k1, k2 = out1, out2
+                tl.store(k_row + r[None, :], k1.to(k_dtype), mask=mask)
+                tl.store(k_row + HALF_ROTARY + r[None, :], k2.to(k_dtype), mask=mask)
                 if BLOCK_REST > 0:
-                    tl.store(k_row + 2 * HALF_ROTARY + rest[None, :], x3.to(dtype).to(k_dtype), mask=rest_mask)
+                    k3 = x3.to(dtype)
+                    if KV_FP8:
+                        k3 = fp8_round(k3.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                    tl.store(k_row + 2 * HALF_ROTARY + rest[None, :], k3.to(k_dtype), mask=rest_mask)
                 d = tl.arange(0, BLOCK_D)
                 v_mask = head_mask[:, None] & (d < HEAD_SIZE)[None, :]
                 value = tl.load(value_ptr + token * stride_value + heads[:, None] * HEAD_SIZE + d[None, :],
                                 mask=v_mask)
+                if KV_FP8:
+                    value = fp8_round(value.to(tl.float32), v_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
                 v_row = (v_cache_ptr + cache_block * stride_vc_block + offset * stride_vc_token
                          + heads[:, None] * stride_vc_head)
                 tl.store(v_row + d[None, :], value.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
@@ -230,7 +246,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
                       cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int, *,
                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                      kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                      kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotates query [T, Hq * head_size] and key [T, Hk * head_size] (or query alone) in
     place by positions [T] (int64 or int32), GPT-NeoX layout over the first rotary_dim
     channels of each head; cos_sin_cache [max_position, rotary_dim] holds the cos of each
@@ -242,7 +259,8 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
     RMS-normalises every query and key head in place (Qwen3's q_norm and k_norm); kv_cache
     (value [T, Hk * head_size], k_cache, v_cache [num_blocks, block_size, Hk, head_size],
     slot_mapping [T]) then stores the rotated keys and the values at their slots as
-    `triton_kv_cache.write_kv_cache` does (slot -1: not stored). Both need key."""
+    `triton_kv_cache.write_kv_cache` does (slot -1: not stored; an fp8 cache stores them
+    divided by k_scale, v_scale and rounded to its format). Both need key."""
     tensors = [query] if key is None else [query, key]
     for x in tensors:
         assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % head_size == 0, (x.shape, x.stride())
@@ -272,6 +290,8 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
         positions, query, query if key is None else key, cos_sin_cache, query.stride(0),
         query.stride(0) if key is None else key.stride(0), cos_sin_cache.stride(0), query_heads, key_heads,
         query_blocks, q_weight, k_weight, eps, value, k_cache, v_cache, slot_mapping, value.stride(0), *cache_strides,
+        float(k_scale), float(v_scale),
         HEAD_SIZE=head_size, QK_NORM=qk_norm is not None, BLOCK_REST=triton.next_power_of_2(rest) if reads_rest else 0,
         CACHE_BLOCK_SIZE=k_cache.shape[1] if kv_cache is not None else 0,
-        BLOCK_D=triton.next_power_of_2(head_size), **rotary_tiles(rotary_dim))
+        BLOCK_D=triton.next_power_of_2(head_size), **rotary_tiles(rotary_dim),
+        **triton_fp8_format(k_cache.dtype if kv_cache is not None else query.dtype))

@@ -3,6 +3,8 @@
 Same contract as `raylm.kernels.torch_attention.write_kv_cache`. Cache layout (one pair per
 layer): [num_blocks, block_size, num_kv_heads, head_size]; flat slot
 = block_id * block_size + offset; slot -1 marks a padding token, which is not written.
+An fp8 cache stores key / k_scale and value / v_scale rounded to its format
+(`raylm.kernels.kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.kv_cache_dtype import triton_fp8_format
+from raylm.kernels.triton_paged_kv import fp8_round
+
 
 @triton.jit
 def _write_kv_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_block, stride_kc_token, stride_kc_head,
-    stride_vc_block, stride_vc_token, stride_vc_head,
+    stride_vc_block, stride_vc_token, stride_vc_head, k_scale, v_scale,
     HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr = False, FP8_MANT: tl.constexpr = 0, FP8_MIN_EXP: tl.constexpr = 0,
+    FP8_MAX: tl.constexpr = 0.0,
 ):
     # One program per (token, kv head): a head_size row is the unit of contiguous memory.
     token = tl.program_id(0).to(tl.int64)
@@ -34,6 +41,9 @@ def _write_kv_cache_kernel(
     d_mask = d < HEAD_SIZE
     key = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=d_mask)
     value = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=d_mask)
+    if KV_FP8:
+        key = fp8_round(key.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+        value = fp8_round(value.to(tl.float32), v_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_token + head * stride_kc_head + d
     v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_token + head * stride_vc_head + d
     tl.store(k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
@@ -41,9 +51,9 @@ def _write_kv_cache_kernel(
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Stores this step's keys and values [T, Hkv, D] at their flat slots; slot -1 (padding
-    tokens) is skipped. Any power-of-two block size."""
+    tokens) is skipped. Any power-of-two block size. k_scale, v_scale: an fp8 cache's."""
     num_tokens, num_kv_heads, head_size = key.shape
     block_size = k_cache.shape[1]
     assert k_cache.shape[2:] == (num_kv_heads, head_size) and v_cache.shape == k_cache.shape
@@ -56,6 +66,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(k_scale), float(v_scale),
         HEAD_SIZE=head_size, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(head_size),
+        **triton_fp8_format(k_cache.dtype),
     )

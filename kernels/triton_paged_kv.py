@@ -1,7 +1,8 @@
 """In-kernel pieces the Triton paged attention kernels share (decode and prefill/extend):
 one K/V tile read through a sequence's block table, its scores against the program's
-queries, and Gemma 2's soft cap. `@triton.jit` functions called from a kernel are inlined
-into it at compile time, so each kernel compiles to what it did with the code written out."""
+queries, Gemma 2's soft cap, and the rounding of an fp8 KV cache (`fp8_round`).
+`@triton.jit` functions called from a kernel are inlined into it at compile time, so each
+kernel compiles to what it did with the code written out."""
 
 from __future__ import annotations
 
@@ -19,13 +20,38 @@ def soft_cap_scores(s, cap):
 
 
 @triton.jit
+def fp8_round(x, scale, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x / scale (x fp32) saturated to +-FP8_MAX and rounded to the nearest value of the fp8
+    format (ties to even; FP8_MANT mantissa bits, smallest normal exponent FP8_MIN_EXP), in
+    fp32: what `raylm.kernels.kv_cache_dtype.quantize` stores. The caller's cast to the fp8
+    type is then exact. The rounding is done here in integer arithmetic on the fp32 bits
+    because Triton's interpreter (3.9) rounds fp32 -> fp8 casts wrongly (7.93 became 4.0
+    in e4m3: the mantissa's carry does not reach the exponent), while its casts of values
+    already on the fp8 grid are exact, as a GPU's are."""
+    y = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    exponent = (magnitude >> 23) - 127
+    significand = (magnitude & 0x7FFFFF) | 0x800000  # value = significand * 2^(exponent - 23)
+    # The grid's step is 2^(e - FP8_MANT) for e = max(exponent, FP8_MIN_EXP) (subnormals
+    # share the smallest normal's step); 25 bits or more of shift round everything to 0.
+    grid_exponent = tl.maximum(exponent, FP8_MIN_EXP)
+    shift = tl.minimum(23 - FP8_MANT + grid_exponent - exponent, 25)
+    steps = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
+    step = ((grid_exponent - FP8_MANT + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = steps.to(tl.float32) * step
+    return tl.where(bits < 0, -rounded, rounded)  # the sign bit: -0.0 stays -0.0
+
+
+@triton.jit
 def paged_kv_tile_scores(
     q, qk_scale, block_table, k_cache_ptr, v_cache_ptr, tile_start, end, kv_head, d, d_mask,
     stride_kc_block, stride_kc_token, stride_kc_head,
     stride_vc_block, stride_vc_token, stride_vc_head,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
-    MASK_N: tl.constexpr = True, MASK_D: tl.constexpr = True,
+    MASK_N: tl.constexpr = True, MASK_D: tl.constexpr = True, KV_FP8: tl.constexpr = False,
 ):
     """The BLOCK_N positions from tile_start (pos, and n_mask: those before `end`), their V
     tile, and the scores of the queries q [rows, BLOCK_D] against their keys, scaled by
@@ -34,7 +60,10 @@ def paged_kv_tile_scores(
 
     A caller that knows the whole tile lies before `end` passes MASK_N=False, and one whose
     head size fills BLOCK_D passes MASK_D=False: those loads carry no mask at all (n_mask
-    is then all true), which keeps them 16-byte vectors the compiler can pipeline."""
+    is then all true), which keeps them 16-byte vectors the compiler can pipeline.
+
+    KV_FP8: the cache holds fp8; its tiles are upcast (exactly) to the query's dtype before
+    the dots, and the caller folds k_scale into qk_scale and v_scale into its output."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     n_mask = pos < end
     offset = pos % BLOCK_SIZE
@@ -55,7 +84,11 @@ def paged_kv_tile_scores(
     else:
         k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :])
         v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :])
-    if DOT_FP32:
+    if KV_FP8:
+        # Every fp8 value is exact in fp16, bf16 and fp32; tl.dot takes no fp8 x 16-bit mix.
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
+    elif DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.kv_cache_dtype import is_fp8
 from raylm.kernels.triton_paged_kv import paged_kv_tile_scores
 
 # Tiles of a 16-bit cache when the step's chunks are long (BLOCK_M at least 128 rows would
@@ -99,6 +100,7 @@ def _attend_tiles(
     stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """The online softmax over the key tiles from tile_begin to tile_end (m_i, l_i, acc
     carried in and returned). CAUSAL=False: every key of every tile is before kv_end and
@@ -108,7 +110,7 @@ def _attend_tiles(
         pos, n_mask, s, v = paged_kv_tile_scores(  # s: [BLOCK_M, BLOCK_N]
             q, qk_scale, block_table, k_cache_ptr, v_cache_ptr, tile_start, kv_end, kv_head, d, d_mask,
             stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
-            BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SOFT_CAP, MASK_N=CAUSAL, MASK_D=MASK_D)
+            BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SOFT_CAP, MASK_N=CAUSAL, MASK_D=MASK_D, KV_FP8=KV_FP8)
         if CAUSAL:
             visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             if SLIDING_WINDOW > 0:
@@ -139,7 +141,8 @@ def _attend_tiles(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache): the kernel works in base 2
+    v_scale,  # an fp8 cache's value scale
     num_kv_heads,
     stride_qt, stride_qh,
     stride_kc_block, stride_kc_token, stride_kc_head,
@@ -148,7 +151,7 @@ def _paged_prefill_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0,
+    SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0, KV_FP8: tl.constexpr = False,
 ):
     # Axis 0 runs over (query block, KV head) with the heads fastest and the last query
     # blocks, whose causal rows read the most keys, first: the GPU starts the longest
@@ -198,17 +201,19 @@ def _paged_prefill_kernel(
         q, q_pos, m_i, l_i, acc, kv_start, unmasked_end, kv_end, qk_scale, block_table, k_cache_ptr, v_cache_ptr,
         kv_head, d, d_mask, stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token,
         stride_vc_head, BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SLIDING_WINDOW, SOFT_CAP,
-        CAUSAL=False, MASK_D=HEAD_SIZE != BLOCK_D)
+        CAUSAL=False, MASK_D=HEAD_SIZE != BLOCK_D, KV_FP8=KV_FP8)
     m_i, l_i, acc = _attend_tiles(
         q, q_pos, m_i, l_i, acc, unmasked_end, kv_end, kv_end, qk_scale, block_table, k_cache_ptr, v_cache_ptr,
         kv_head, d, d_mask, stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token,
         stride_vc_head, BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SLIDING_WINDOW, SOFT_CAP,
-        CAUSAL=True, MASK_D=True)
+        CAUSAL=True, MASK_D=True, KV_FP8=KV_FP8)
 
     if SLIDING_WINDOW > 0:
         # Padding rows (positions past the end) have seen no key at all: keep them out of 0 / 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(out_ptr + (q_start + q_index)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -216,11 +221,12 @@ def _paged_prefill_kernel(
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float,
                             out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None, tiles: dict | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, tiles: dict | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's queries over its context in the cache (the last
     `sliding_window` positions of it per query, when set; `logits_soft_cap` as in the
-    reference, torch_attention). `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides
-    prefill_tiles' choice: for benchmarks that compare tile shapes.
+    reference, torch_attention; k_scale, v_scale: an fp8 cache's). `tiles` (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) overrides prefill_tiles' choice: for benchmarks that compare tile shapes.
 
     query [T, Hq, D] -> [T, Hq, D] in the query's dtype; rows past the last sequence
     (padding) are zero. `out`, if given, is written in place and returned.
@@ -239,17 +245,20 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     group = num_heads // num_kv_heads
     on_gpu = query.device.type == "cuda"
-    tiles = (prefill_tiles(k_cache.dtype, group, head_size, md.max_query_len, on_gpu) if tiles is None
-             else complete_tiles(k_cache.dtype, group, head_size, tiles, on_gpu))
+    kv_fp8 = is_fp8(k_cache.dtype)
+    # An fp8 cache's tiles are upcast to the query's dtype: tiles and dots as for that dtype.
+    tile_dtype = query.dtype if kv_fp8 else k_cache.dtype
+    tiles = (prefill_tiles(tile_dtype, group, head_size, md.max_query_len, on_gpu) if tiles is None
+             else complete_tiles(tile_dtype, group, head_size, tiles, on_gpu))
     grid = (triton.cdiv(md.max_query_len, tiles["BLOCK_Q"]) * num_kv_heads, md.num_seqs)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
-        scale * math.log2(math.e), num_kv_heads,
+        scale * math.log2(math.e) * (k_scale if kv_fp8 else 1.0), float(v_scale) if kv_fp8 else 1.0, num_kv_heads,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         md.block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, **tiles,
-        SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0),
+        SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), KV_FP8=kv_fp8,
     )
     return out

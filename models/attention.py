@@ -20,7 +20,11 @@ class Attention(nn.Module):
     `sliding_window` w (vLLM's per-layer window): each query attends to the last w
     positions, itself included, as Hugging Face's sliding-window layers do; None: the whole
     context. `logits_soft_cap` c (Gemma 2): scores s become c * tanh(s / c) before the
-    softmax. Every backend implements both (see `raylm.kernels.torch_attention`)."""
+    softmax. Every backend implements both (see `raylm.kernels.torch_attention`).
+
+    `k_scale`, `v_scale` (vLLM's per-layer names): an fp8 KV cache
+    (`kv_cache_dtype`, `raylm.kernels.kv_cache_dtype`) stores k / k_scale and v / v_scale;
+    1.0 unless the checkpoint carries this layer's (`load_kv_scale`)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
@@ -38,19 +42,32 @@ class Attention(nn.Module):
         self.sliding_window = None if sliding_window is None else int(sliding_window)
         self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # The machine's default (kernels/backend.py); the runner sets the engine's choice
         # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
 
-    def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(k_cache, v_cache, slot_mapping) of this step where the rotary kernel may store its
+    def load_kv_scale(self, name: str, loaded: torch.Tensor) -> None:
+        """Takes a checkpoint's `k_scale` or `v_scale` of this layer (a scalar, or one value
+        per tensor-parallel shard as some fp8 checkpoints store it: their maximum, as vLLM
+        takes it)."""
+        assert name in ("k_scale", "v_scale"), name
+        value = float(loaded.float().max())
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"The checkpoint's {name} of an attention layer must be a positive finite number, "
+                             f"got {value}.")
+        setattr(self, name, value)
+
+    def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+        """(k_cache, v_cache, slot_mapping, k_scale, v_scale) of this step where the rotary kernel may store its
         keys and values itself (the Triton backend's cache, a step with attention metadata),
         saving the KV write's launch: `forward(..., kv_cached=True)` then skips it. None
         elsewhere."""
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is None or self.kv_cache is None or self.attn_backend.name != "triton":
             return None
-        return (*self.kv_cache, attn_metadata.slot_mapping)
+        return (*self.kv_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 output_rows: torch.Tensor | None = None, kv_cached: bool = False) -> torch.Tensor:
@@ -68,7 +85,8 @@ class Attention(nn.Module):
             assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
             k_cache, v_cache = self.kv_cache
             if not kv_cached:
-                self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+                self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping,
+                                                 k_scale=self.k_scale, v_scale=self.v_scale)
             out = self._paged_attention(q, attn_metadata)
         # The kernels attend for every query row; the last layer's is 1 / num_layers of them.
         return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)
@@ -84,7 +102,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         k_cache, v_cache = self.kv_cache
-        self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, context.attn_metadata.slot_mapping)
+        self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, context.attn_metadata.slot_mapping,
+                                         k_scale=self.k_scale, v_scale=self.v_scale)
         q = q_rows.view(num_rows, self.num_heads, self.head_size)
         out = self._paged_attention(q, context.output_rows_metadata())
         return out.reshape(num_rows, self.num_heads * self.head_size)
@@ -93,4 +112,37 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         return self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
                                                  sliding_window=self.sliding_window,
-                                                 logits_soft_cap=self.logits_soft_cap)
+                                                 logits_soft_cap=self.logits_soft_cap, k_scale=self.k_scale,
+                                                 v_scale=self.v_scale)
+
+
+# vLLM fp8 checkpoints' per-layer KV-cache scales, by name suffix: the attributes each sets
+# (`kv_scale`, an older spelling, is one scale for both). q_scale and prob_scale are for
+# attention computed in fp8, which raylm does not do: read past.
+_KV_SCALE_SUFFIXES = {".k_scale": ("k_scale",), ".v_scale": ("v_scale",), ".kv_scale": ("k_scale", "v_scale"),
+                      ".q_scale": (), ".prob_scale": ()}
+
+
+def load_checkpoint_kv_scale(model: nn.Module, name: str, tensor) -> bool:
+    """Whether checkpoint tensor `name` is an attention layer's KV-cache scale, which it
+    then gives that layer (`Attention.load_kv_scale`). The spellings vLLM reads:
+    `<layer>.self_attn.k_scale`, `<layer>.self_attn.k_proj.k_scale` (and v_proj.v_scale),
+    `<layer>.self_attn.attn.k_scale`. A scale whose layer holds no attention layer is an
+    error naming it."""
+    from raylm.parallel.checkpoint_slice import read_weight
+
+    suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return False
+    prefix = name[:-len(suffix)]
+    for part in (".k_proj", ".v_proj", ".attn"):
+        prefix = prefix.removesuffix(part)
+    modules = dict(model.named_modules())
+    layer = modules.get(prefix + ".attn", modules.get(prefix))
+    if not isinstance(layer, Attention):
+        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale, but {prefix!r} is no attention layer of "
+                         f"{type(model).__name__}.")
+    for attribute in _KV_SCALE_SUFFIXES[suffix]:
+        layer.load_kv_scale(attribute, read_weight(tensor))
+    return True
+

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylm.models.attention import load_checkpoint_kv_scale
 from raylm.models.logits_processor import LogitsProcessor
 from raylm.models.weight_utils import load_stacked_weights
 
@@ -44,4 +45,6 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # some tied checkpoints store the shared matrix twice
+            if load_checkpoint_kv_scale(self, name, tensor):
+                continue  # an fp8 checkpoint's k_scale / v_scale: the attention layer holds it
             yield name, tensor

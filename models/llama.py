@@ -95,7 +95,7 @@ class LlamaAttention(nn.Module):
             [self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, output_rows))
 
-    def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
         """Where the rotary kernel may store this step's keys and values (`Attention.fused_kv_cache`);
         None for attention layers of other kinds, which write their own."""
         return self.attn.fused_kv_cache() if type(self.attn) is Attention else None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raylm.kernels import cpu_ops, cuda_ops
+from raylm.kernels.kv_cache_dtype import is_fp8
 from raylm.models.rmsnorm import RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -91,12 +92,12 @@ class RotaryEmbedding(nn.Module):
         return self.rotate(positions, query), self.rotate(positions, key)
 
     def rotate_and_cache(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None,
                          qk_norm: tuple[nn.Module, nn.Module] | None = None) -> bool:
         """In one Triton launch on CUDA: normalises each head of query [T, Hq * D] and key
         [T, Hkv * D] with qk_norm's two RMSNorms (Qwen3's q_norm, k_norm), rotates them,
         all in place, and stores the keys and value [T, Hkv * D] in kv_cache (k_cache,
-        v_cache, slot_mapping: `Attention.fused_kv_cache`) when given. True if it did;
+        v_cache, slot_mapping, k_scale, v_scale: `Attention.fused_kv_cache`) when given. True if it did;
         False, having done nothing, where the kernel does not take these tensors (the
         caller runs the separate ops)."""
         tensors = [query, key, value]
@@ -109,13 +110,18 @@ class RotaryEmbedding(nn.Module):
             tensors += [q_norm.weight, k_norm.weight]
             norm_args = (q_norm.weight, k_norm.weight, q_norm.eps)
         if kv_cache is not None:
-            tensors += kv_cache[:2]
+            # An fp8 cache (kv_cache_dtype) is one the kernel rounds into itself.
+            if any(is_fp8(cache.dtype) and cache.device != query.device for cache in kv_cache[:2]):
+                return False
+            tensors += [cache for cache in kv_cache[:2] if not is_fp8(cache.dtype)]
         ops = self._cuda_ops(*tensors[:3])
         if ops is None or cuda_ops.usable(*tensors[3:]) is None or value.shape != key.shape:
             return False
-        cache_args = None if kv_cache is None else (value, *kv_cache)
+        cache_args, scales = None, (1.0, 1.0)
+        if kv_cache is not None:
+            cache_args, scales = (value, *kv_cache[:3]), kv_cache[3:]
         ops.rotary_embedding_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
-                              qk_norm=norm_args, kv_cache=cache_args)
+                              qk_norm=norm_args, kv_cache=cache_args, k_scale=scales[0], v_scale=scales[1])
         return True
 
     def _cuda_ops(self, *tensors: torch.Tensor) -> ModuleType | None:

@@ -52,6 +52,10 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     assert {(r["kernel"], r["dtype"]) for r in kernels["records"]} == {
         (k, d) for k in ("kv_write", "decode", "decode_split_k", "prefill", "rms_norm", "fused_add_rms_norm",
                          "silu_and_mul", "rotary_embedding") for d in ("fp32", "fp16", "bf16")}
+    # ... and over fp8 caches (kv_cache_dtype), each format with the model dtypes it is checked beside.
+    assert {(r["kernel"], r["dtype"], r["kv_cache_dtype"]) for r in kernels["records"] if "kv_cache_dtype" in r} == {
+        (k, d, f) for k in ("kv_write", "decode", "decode_split_k", "prefill")
+        for d, f in (("bf16", "fp8_e4m3"), ("fp16", "fp8_e5m2"), ("fp32", "fp8_e4m3"))}
     # Stage b: the engine's tokens equal HF's, through a preemption and a prefix-cache hit.
     assert record["hf_tokens_equal"] == "1/1"
     (model,) = record["models"]
@@ -79,6 +83,9 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_whole_record(tmp_path):
     sweep = record["speed"]["decode_attention_sweep"]
     assert [(case["batch"], case["context"]) for case in sweep["cases"]] == [(4, 40), (2, 100)]
     assert all(case["best"]["ms"] > 0 and case["chosen"]["fraction_of_copy"] > 0 for case in sweep["cases"])
+    # Decode attention over an fp8 cache against the model dtype's, on the sweep's cases.
+    assert all(row["fp8_ms"] > 0 for row in record["speed"]["decode_attention_fp8"])
+    assert "decode attention over an fp8 cache, batch 4, context 40:" in result.stdout
     # Stage t: the cuda-marked engine tests, collected and skipped here.
     assert "skipped" in record["cuda_tests"] and "failed" not in record["cuda_tests"]
     results = record["cuda_test_results"]

@@ -38,7 +38,7 @@ DRY_TIMEOUTS = {"a": 240, "b": 300, "t": 240, "c": 300}
 # The cuda-marked tests stage t runs (the kernels' own are stage a's).
 CUDA_TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_engine_shutdown.py", "tests/test_sampler_host_reads.py",
                    "tests/test_step_host_reads.py", "tests/test_triton_elementwise.py", "tests/test_cuda_features.py",
-                   "tests/test_sleep_mode_cuda.py")
+                   "tests/test_sleep_mode_cuda.py", "tests/test_kv_cache_fp8.py")
 KERNEL_PARTS = 3
 RECORD_KEYS = ("device", "commit", "date", "kernels_pass", "hf_tokens_equal", "cuda_graphs", "tpot_bs1_ms", "floor_ms",
                "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s", "ttft_4k_ms",
@@ -282,6 +282,14 @@ def summary_lines(record: dict) -> list[str]:
     for case in speed.get("decode_attention_sweep", {}).get("cases", []):
         lines.append(f"decode attention, {case['case']}: chosen {_decode_row(case['chosen'])}; "
                      f"fastest {_decode_row(case['best'])}")
+    fp8_rows = speed.get("decode_attention_fp8")
+    for row in fp8_rows if isinstance(fp8_rows, list) else []:
+        lines.append(f"decode attention over an fp8 cache, batch {row['batch']}, context {row['context']}: "
+                     f"{number(row['fp8_ms'])} ms ({number(row['fp8_over_model_dtype'])}x the bf16 cache's "
+                     f"{number(row['model_dtype_ms'])} ms, {number(row.get('fp8_fraction_of_copy'))} of copy"
+                     f"); 64-key tiles {number(row.get('fp8_block_n_64_ms'))} ms")
+    if isinstance(fp8_rows, dict):
+        lines.append(f"decode attention over an fp8 cache: {fp8_rows.get('error')}")
     for case in speed.get("prefill_attention", {}).get("cases", []):
         lines.append(f"prefill attention, {case['case']} ({case['query_len']} new, {case['context_len']} cached): "
                      f"chosen {_prefill_row(case['chosen'])}; fastest {_prefill_row(case['best'])}")

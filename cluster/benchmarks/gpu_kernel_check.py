@@ -45,6 +45,8 @@ BLOCK_SIZE = 16
 # max |kernel - reference| / max |reference|, the reference in fp32 on the same inputs.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Triton's names of the fp8 cache dtypes (kv_cache_dtype fp8_e4m3 and fp8_e5m2).
+FP8_POINTERS = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 # (name, [(query_len, seq_len)] per sequence or a generator spec, forced split count)
 # Decode: (batch, longest context, num_splits or None for the dispatcher's choice).
@@ -215,6 +217,89 @@ def check_config(dtype: torch.dtype, head_size: int, group: int, device: torch.d
         record("prefill", f"{name}: {len(query_lens)} sequences, chunks up to {max(query_lens)}, contexts up to "
                f"{max(seq_lens)}", relative_error(out[:packed], expected[:packed]) if padding_zero else float("inf"))
         del step, out, expected
+    try:
+        records += check_fp8_cache(dtype, head_size, group, device, dry_run, generator)
+    except Exception as error:  # recorded as a failed check; the stage's other records stand
+        record("kv_write", f"fp8 cache ({FP8_FORMATS[dtype]}): {type(error).__name__}: {error}", float("inf"))
+    return records
+
+
+# The fp8 cache format checked beside each model dtype (kv_cache_dtype "fp8_e4m3" / "fp8_e5m2").
+FP8_FORMATS = {torch.bfloat16: "fp8_e4m3", torch.float16: "fp8_e5m2", torch.float32: "fp8_e4m3"}
+
+
+def check_fp8_cache(dtype: torch.dtype, head_size: int, group: int, device: torch.device, dry_run: bool,
+                    generator: torch.Generator) -> list[dict]:
+    """The KV write, decode (one pass and split-K) and prefill/extend over an fp8 cache of
+    FP8_FORMATS[dtype] with scales that saturate a few per cent of the values: the write
+    bit-exact against PyTorch's saturated cast (`kv_cache_dtype.quantize`), attention
+    against the fp32 reference over the cache's values times the scales. Records carry
+    `kv_cache_dtype`."""
+    from raylm.kernels import torch_attention, triton_decode_attention, triton_kv_cache, triton_prefill_attention
+    from raylm.kernels.kv_cache_dtype import dequantize, kv_cache_torch_dtype, quantize
+
+    name = FP8_FORMATS[dtype]
+    fp8 = kv_cache_torch_dtype(name, dtype)
+    limit = torch.finfo(fp8).max
+    k_scale, v_scale = 2.0 / limit, 3.0 / limit  # |x| > 2 (keys), > 3 (values) saturates
+    num_heads, scale = NUM_KV_HEADS * group, head_size ** -0.5
+    config = dict(dtype=DTYPE_NAMES[dtype], head_size=head_size, gqa=group, kv_cache_dtype=name)
+    records = []
+
+    def record(kernel: str, case: str, error: float) -> None:
+        records.append(dict(config, kernel=kernel, case=f"{name} cache: {case}", rel_error=error,
+                            tolerance=TOLERANCE[dtype], passed=error <= TOLERANCE[dtype]))
+
+    num_tokens = 13 if dry_run else 3000
+    num_slots = 64 * BLOCK_SIZE if dry_run else 4096 * BLOCK_SIZE
+    qkv = torch.randn(num_tokens, 3, NUM_KV_HEADS, head_size, generator=generator).to(device, dtype)
+    slots = torch.randperm(num_slots, generator=generator)[:num_tokens].to(device)
+    slots[[2, 7]] = -1
+    shape = (num_slots // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, head_size)
+    k_cache = torch.full(shape, float("nan"), device=device).to(fp8)
+    v_cache = torch.full(shape, float("nan"), device=device).to(fp8)
+    expected = [k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone()]
+    triton_kv_cache.write_kv_cache(qkv[:, 1], qkv[:, 2], k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    stored = slots >= 0
+    for cache, index, cache_scale in ((expected[0], 1, k_scale), (expected[1], 2, v_scale)):
+        cache.view(-1, NUM_KV_HEADS, head_size)[slots[stored]] = quantize(qkv[stored, index], fp8,
+                                                                         cache_scale).view(torch.uint8)
+    exact = torch.equal(k_cache.view(torch.uint8), expected[0]) and torch.equal(v_cache.view(torch.uint8), expected[1])
+    record("kv_write", f"{num_tokens} tokens", 0.0 if exact else float("inf"))
+    del qkv, k_cache, v_cache, expected
+
+    decode = DRY_DECODE if dry_run else GPU_DECODE
+    prefill = DRY_PREFILL if dry_run else GPU_PREFILL
+    cases = [("decode", batch, [1] * batch, None, splits) for batch, _, splits in (decode[0], decode[-1])]
+    cases += [("prefill", None, query_lens, seq_lens, None) for _, query_lens, seq_lens in prefill[1:3]]
+    for index, (kernel, batch, query_lens, seq_lens, num_splits) in enumerate(cases):
+        if kernel == "decode":
+            max_context = (decode[0] if index == 0 else decode[-1])[1]
+            seq_lens = ([max_context] if batch == 1 else
+                        [1] + torch.randint(1, max_context + 1, (batch - 2,), generator=generator).tolist()
+                        + [max_context])
+        step = build_step(query_lens, seq_lens, num_heads, head_size, torch.float32, device, generator,
+                          padding_tokens=2)
+        query = step.query.to(dtype)
+        k_cache, v_cache = quantize(step.k_cache, fp8, k_scale), quantize(step.v_cache, fp8, v_scale)
+        out = torch.full_like(query, float("nan"))
+        if kernel == "decode":
+            triton_decode_attention.paged_decode_attention(query, k_cache, v_cache, step.metadata, scale, out=out,
+                                                           num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+            splits = triton_decode_attention.partition(max(seq_lens), num_splits or triton_decode_attention
+                                                       .choose_num_splits(batch, NUM_KV_HEADS, max(seq_lens),
+                                                                          triton_decode_attention._num_sms(device)))[1]
+            kernel = "decode" if splits == 1 else "decode_split_k"
+        else:
+            triton_prefill_attention.paged_prefill_attention(query, k_cache, v_cache, step.metadata, scale, out=out,
+                                                             k_scale=k_scale, v_scale=v_scale)
+        reference = torch_attention.paged_attention(query.float(), dequantize(k_cache, k_scale),
+                                                    dequantize(v_cache, v_scale), step.metadata, scale)
+        packed = sum(query_lens)
+        padding_zero = bool((out[packed:] == 0).all())
+        record(kernel, f"{len(query_lens)} sequences, chunks up to {max(query_lens)}, contexts up to {max(seq_lens)}",
+               relative_error(out[:packed], reference[:packed]) if padding_zero else float("inf"))
+        del step, query, k_cache, v_cache, out, reference
     return records
 
 
@@ -273,27 +358,33 @@ class Variant:
     num_stages: int = 3  # Triton's default on CUDA
     fp_fusion: bool = True  # Triton's enable_fp_fusion (FMA contraction)
     max_registers: int | None = None  # Triton's maxnreg
+    cache_pointer_dtype: str | None = None  # the KV cache's, where not pointer_dtype (fp8)
 
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
-                    sliding_window: int = 0, soft_cap: float = 0.0) -> list[Variant]:
-    """The variants a run with this cache dtype, GQA ratio and head size launches (the
+                    sliding_window: int = 0, soft_cap: float = 0.0,
+                    kv_cache_dtype: torch.dtype | None = None) -> list[Variant]:
+    """The variants a run with this model dtype, GQA ratio and head size launches (the
     launchers' own tile choices): decode with and without split-K, each merge, each prefill
-    BLOCK_M, the KV write; for a layer with this sliding window and soft cap (0: none)."""
+    BLOCK_M, the KV write; for a layer with this sliding window and soft cap (0: none), over
+    a cache of kv_cache_dtype (an fp8 dtype; None: the model's)."""
     from raylm.kernels import triton_decode_attention as decode
     from raylm.kernels import triton_prefill_attention as prefill
+    from raylm.kernels.kv_cache_dtype import triton_fp8_format
 
     functions = kernel_functions()
     pointer = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    cache_pointer = FP8_POINTERS.get(kv_cache_dtype)
+    fp8 = triton_fp8_format(kv_cache_dtype or dtype)
     shape = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE,
-                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap))
+                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap), KV_FP8=fp8["KV_FP8"])
     variants = []
     tiles = decode.decode_tiles(dtype, group, head_size)
     warps, stages, max_registers = tiles.pop("num_warps"), tiles.pop("num_stages"), tiles.pop("maxnreg", None)
     for split in (False, True):
         variants.append(Variant("decode_split_k" if split else "decode", functions["decode"],
                                 dict(shape, **tiles, SPLIT_K=split), warps, pointer, stages,
-                                max_registers=max_registers))
+                                max_registers=max_registers, cache_pointer_dtype=cache_pointer))
     block_d = max(16, 1 << (head_size - 1).bit_length())
     for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
@@ -301,19 +392,21 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
                                      SLIDING_WINDOW=sliding_window), 4, pointer))
     for query_len in prefill.variant_query_lens(dtype, group, head_size).values():
         tiles = prefill.prefill_tiles(dtype, group, head_size, query_len)
-        variants.append(prefill_variant(tiles, shape, pointer))
+        variants.append(prefill_variant(tiles, shape, pointer, cache_pointer))
     variants.append(Variant("kv_write", functions["kv_write"],
-                            dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d), 4, pointer))
+                            dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d, **fp8), 4, pointer,
+                            cache_pointer_dtype=cache_pointer))
     return variants
 
 
-def prefill_variant(tiles: dict, shape: dict, pointer_dtype: str) -> Variant:
+def prefill_variant(tiles: dict, shape: dict, pointer_dtype: str, cache_pointer_dtype: str | None = None) -> Variant:
     """The prefill kernel compiled with these launch options (prefill_tiles' or
     complete_tiles' dict) for a layer's shape constexprs."""
     tiles = dict(tiles)
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     name = f"prefill BLOCK_M={tiles['BLOCK_M']} BLOCK_N={tiles['BLOCK_N']} warps={warps} stages={stages}"
-    return Variant(name, kernel_functions()["prefill"], dict(shape, **tiles), warps, pointer_dtype, stages)
+    return Variant(name, kernel_functions()["prefill"], dict(shape, **tiles), warps, pointer_dtype, stages,
+                   cache_pointer_dtype=cache_pointer_dtype)
 
 
 def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_size: int,
@@ -322,6 +415,7 @@ def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size
     norm with and without the residual add (Llama's weight; Gemma's 1 + weight is one more
     of each), SiLU-and-mul, the rotary embedding (launch choices of kernels/triton_elementwise.py)."""
     from raylm.kernels import triton_elementwise as elementwise
+    from raylm.kernels.kv_cache_dtype import triton_fp8_format
 
     functions = kernel_functions()
     pointer = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
@@ -345,14 +439,16 @@ def elementwise_variants(dtype: torch.dtype, hidden_size: int, intermediate_size
         variants.append(Variant(name, functions["rotary_embedding"],
                                 dict(rotary, HEAD_SIZE=head_size, QK_NORM=qk_norm,
                                      BLOCK_REST=(1 << (rest - 1).bit_length()) if reads_rest else 0,
-                                     CACHE_BLOCK_SIZE=BLOCK_SIZE if cache else 0, BLOCK_D=block_d),
+                                     CACHE_BLOCK_SIZE=BLOCK_SIZE if cache else 0, BLOCK_D=block_d,
+                                     **triton_fp8_format(dtype)),
                                 rotary_warps, pointer, fp_fusion=fp_fusion))
     return variants
 
 
 # Arguments the launchers pass that are not 16-aligned pointers or multiples of 16 in the
 # engine's layouts (a layer's KV head count; the block-table stride, never specialised).
-UNALIGNED_ARGS = {"qk_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq", "stride_pl_head"}
+UNALIGNED_ARGS = {"qk_scale", "k_scale", "v_scale", "stride_bt", "num_kv_heads", "partition_size", "stride_pl_seq",
+                  "stride_pl_head"}
 
 
 def compile_resources(variant: Variant, capability: int = 90, aligned: bool = True) -> dict:
@@ -371,9 +467,11 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
     from triton.compiler import ASTSource
 
     ptr = "*" + variant.pointer_dtype
-    types = dict(query_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
+    cache_ptr = "*" + (variant.cache_pointer_dtype or variant.pointer_dtype)
+    types = dict(query_ptr=ptr, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
-                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", x_ptr=ptr, residual_ptr=ptr,
+                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", k_scale="fp32", v_scale="fp32",
+                 x_ptr=ptr, residual_ptr=ptr,
                  weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr,
                  k_norm_ptr=ptr)
     kernel = variant.kernel

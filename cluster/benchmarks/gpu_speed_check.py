@@ -406,6 +406,52 @@ def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], dev
                 + f", {repeats} rounds taking each in turn", cases=results)
 
 
+def decode_attention_fp8(shape: Shape, cases: tuple[tuple[int, int], ...], device: torch.device,
+                         copy_bytes_s: float | None = None, use_triton: bool | None = None,
+                         repeats: int = 10) -> list[dict]:
+    """Decode attention over an fp8 E4M3 cache (kv_cache_dtype "fp8", unit scales) against
+    the same step over the model dtype's cache (bf16 on the GPU), timed in turns (CUDA-graph
+    replays on the GPU): what the fp8 cache's half-size reads buy. On the GPU also the fp8
+    cache with 64-key tiles (its tiles are half the bytes of the bf16 ones decode_tiles
+    sizes): the alternative to try if the default reads slower than the copy rate.
+    use_triton: the Triton kernels off the GPU too (the interpreter's tests)."""
+    from raylm.kernels import triton_decode_attention as decode
+    from raylm.kernels.backend import get_attention_backend
+    from raylm.kernels.kv_cache_dtype import quantize
+
+    on_gpu = device.type == "cuda" if use_triton is None else use_triton
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    backend = get_attention_backend("triton" if on_gpu else None)
+    scale = shape.head_size ** -0.5
+    rows = []
+    for batch, context in cases:
+        query, k_cache, v_cache, metadata = decode_step(shape, batch, context, device, dtype)
+        k8, v8 = quantize(k_cache, torch.float8_e4m3fn, 1.0), quantize(v_cache, torch.float8_e4m3fn, 1.0)
+        calls = {"model_dtype": lambda: backend.paged_attention(query, k_cache, v_cache, metadata, scale),
+                 "fp8": lambda: backend.paged_attention(query, k8, v8, metadata, scale)}
+        if on_gpu:
+            tiles = dict(decode.decode_tiles(torch.bfloat16, shape.num_heads // shape.num_kv_heads,
+                                             shape.head_size), BLOCK_N=64)
+            tiles = {key: tiles[key] for key in ("BLOCK_N", "num_warps", "num_stages")}
+            calls["fp8_block_n_64"] = lambda: decode.paged_decode_attention(query, k8, v8, metadata, scale,
+                                                                           tiles=tiles)
+        for call in calls.values():
+            call()  # compiles before any capture
+        graphs = device.type == "cuda"
+        timers = [graph_replay(call, device) for call in calls.values()] if graphs else list(calls.values())
+        per_call = LAUNCHES_PER_GRAPH if graphs else 1
+        times = [ms / per_call for ms in interleaved_ms(timers, device, repeats)]
+        row = dict(batch=batch, context=context, backend=backend.name, **{f"{name}_ms": ms for name, ms in
+                                                                          zip(calls, times)})
+        row["fp8_over_model_dtype"] = row["fp8_ms"] / row["model_dtype_ms"]
+        fp8_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_size
+        if copy_bytes_s:
+            row["fp8_fraction_of_copy"] = fp8_bytes / (row["fp8_ms"] / 1e3) / copy_bytes_s
+        rows.append(row)
+        del query, k_cache, v_cache, k8, v8, metadata, calls, timers
+    return rows
+
+
 def paged_step(shape: Shape, query_len: int, context_len: int, device: torch.device, dtype: torch.dtype,
                seed: int = 0):
     """One sequence of `query_len` new tokens behind `context_len` cached ones, its keys and
@@ -747,6 +793,12 @@ def run(out: Path, sizes: Sizes, device: torch.device, model_root: Path) -> dict
     save("decode_attention_sweep", decode_attention_sweep(shape, sizes.decode_sweep_cases, device,
                                                           DECODE_TILE_ALTERNATIVES, result["copy_bandwidth_bytes_s"]),
          began)
+    began = time.perf_counter()
+    try:
+        fp8_attention = decode_attention_fp8(shape, sizes.decode_sweep_cases, device, result["copy_bandwidth_bytes_s"])
+    except Exception as error:  # a figure missing, not a stage failed
+        fp8_attention = {"error": f"{type(error).__name__}: {error}"}
+    save("decode_attention_fp8", fp8_attention, began)
     began = time.perf_counter()
     save("prefill_attention", prefill_attention_sweep(shape, sizes.ttft_prompt, device, PREFILL_TILE_ALTERNATIVES),
          began)
