@@ -371,6 +371,18 @@ def test_fp8_cache_variants_compile_for_sm90_without_spilling(variant):
 # ---- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_on_a_gpu_rounds_exactly_as_on_the_cpu(fp8):
+    """x / scale exactly, then rounded: PyTorch's CUDA division by a Python scalar multiplies
+    by the reciprocal instead, and 2-3 of 4M values landed on the next fp8 step (emulated on
+    the CPU with the scales below; the GPU check's bit-exact KV write check caught it)."""
+    x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0))
+    for scale in (2.0 / 448, 3.0 / 448):
+        on_gpu = quantize(x.cuda(), fp8, scale).cpu().view(torch.uint8)
+        assert torch.equal(on_gpu, quantize(x, fp8, scale).view(torch.uint8))
+
+
+@pytest.mark.cuda
 def test_cuda_engine_over_an_fp8_e4m3_cache_equals_hf_with_keys_and_values_rounded_alike(scaled_llama_dir):
     """The GPU path end to end (the GPU check's stage t): the compiled fp8 kernels, the
     rotary kernel's fused fp8 KV write, decode steps replayed from CUDA graphs with the
