@@ -150,11 +150,13 @@ class DecodeGraphs:
         on_cuda = device.type == "cuda"
         if on_cuda:
             # Measured between emptied caches: torch.cuda.graph empties the allocator's cache
-            # as each capture starts, which frees what the warm-up left cached (free memory
-            # then grew during the capture and the graphs seemed to take nothing), and the
-            # eager runs below leave their blocks cached.
+            # as each capture starts, which frees what the warm-up left cached (the graphs
+            # then seemed to take nothing), and the eager runs below leave their blocks cached.
+            # What this process's allocator reserves, not the device's free memory, which
+            # other processes move too (the GPU check's stages share the device: a test of
+            # this figure failed there once in two runs).
             _empty_cache(device)
-            free_before = torch.cuda.mem_get_info(device)[0]
+            reserved_before = torch.cuda.memory_reserved(device)
             pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             inputs = self.inputs.views(size)
@@ -169,7 +171,7 @@ class DecodeGraphs:
             self.graphs[size] = graph
         if on_cuda:
             _empty_cache(device)
-            self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+            self.memory_bytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
 
     def batch_size_for(self, num_seqs: int) -> int | None:
         return padded_size(num_seqs, self.sizes) if self.graphs else None

@@ -228,6 +228,27 @@ def check_config(dtype: torch.dtype, head_size: int, group: int, device: torch.d
 FP8_FORMATS = {torch.bfloat16: "fp8_e4m3", torch.float16: "fp8_e5m2", torch.float32: "fp8_e4m3"}
 
 
+def fp8_write_mismatches(qkv: torch.Tensor, slots: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
+                         expected: list[torch.Tensor], scales: tuple[float, float], shown: int = 8) -> dict:
+    """Where an fp8 KV write differs from the reference: how many bytes, and the first few as
+    (input value, input / scale in fp32, written and expected values), to tell a rounding
+    boundary from a subnormal or a saturation case on the device."""
+    mismatches, examples = 0, []
+    for which, (cache, reference, scale) in enumerate(zip(caches, expected, scales)):
+        written = cache.view(torch.uint8).view(-1, *qkv.shape[2:])
+        wanted = reference.view(-1, *qkv.shape[2:])
+        differs = written != wanted
+        mismatches += int(differs.sum())
+        for slot, head, column in differs.nonzero().tolist()[:shown - len(examples)]:
+            token = int((slots == slot).nonzero()[0, 0]) if (slots == slot).any() else None
+            value = float(qkv[token, 1 + which, head, column]) if token is not None else None
+            examples.append(dict(cache="kv"[which], input=value, scaled=None if value is None else value / scale,
+                                 written=float(cache.view(-1, *qkv.shape[2:])[slot, head, column].float()),
+                                 expected=float(reference.view(cache.dtype).view(-1, *qkv.shape[2:])[
+                                     slot, head, column].float())))
+    return dict(mismatched_bytes=mismatches, mismatch_examples=examples)
+
+
 def check_fp8_cache(dtype: torch.dtype, head_size: int, group: int, device: torch.device, dry_run: bool,
                     generator: torch.Generator) -> list[dict]:
     """The KV write, decode (one pass and split-K) and prefill/extend over an fp8 cache of
@@ -246,9 +267,9 @@ def check_fp8_cache(dtype: torch.dtype, head_size: int, group: int, device: torc
     config = dict(dtype=DTYPE_NAMES[dtype], head_size=head_size, gqa=group, kv_cache_dtype=name)
     records = []
 
-    def record(kernel: str, case: str, error: float) -> None:
+    def record(kernel: str, case: str, error: float, **details) -> None:
         records.append(dict(config, kernel=kernel, case=f"{name} cache: {case}", rel_error=error,
-                            tolerance=TOLERANCE[dtype], passed=error <= TOLERANCE[dtype]))
+                            tolerance=TOLERANCE[dtype], passed=error <= TOLERANCE[dtype], **details))
 
     num_tokens = 13 if dry_run else 3000
     num_slots = 64 * BLOCK_SIZE if dry_run else 4096 * BLOCK_SIZE
@@ -265,7 +286,8 @@ def check_fp8_cache(dtype: torch.dtype, head_size: int, group: int, device: torc
         cache.view(-1, NUM_KV_HEADS, head_size)[slots[stored]] = quantize(qkv[stored, index], fp8,
                                                                          cache_scale).view(torch.uint8)
     exact = torch.equal(k_cache.view(torch.uint8), expected[0]) and torch.equal(v_cache.view(torch.uint8), expected[1])
-    record("kv_write", f"{num_tokens} tokens", 0.0 if exact else float("inf"))
+    record("kv_write", f"{num_tokens} tokens", 0.0 if exact else float("inf"),
+           **({} if exact else fp8_write_mismatches(qkv, slots, (k_cache, v_cache), expected, (k_scale, v_scale))))
     del qkv, k_cache, v_cache, expected
 
     decode = DRY_DECODE if dry_run else GPU_DECODE
