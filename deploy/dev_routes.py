@@ -89,12 +89,8 @@ def install_sleep_mode_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     async def collective_rpc(request: CollectiveRpcRequest) -> JSONResponse:
         from fastapi.encoders import jsonable_encoder
 
-        from raylm.executors.worker import worker_class
-
-        worker = worker_class(engine.engine.engine_config)
-        if request.method.startswith("_") or not callable(getattr(worker, request.method, None)):
-            raise OpenAIError(f"method {request.method!r} is not a method of the workers ({worker.__name__}).",
-                              param="method")
+        # The engine checks the method and its arguments before any worker runs (a
+        # ParameterError naming method or args: a 400).
         results = await engine.collective_rpc(request.method, request.timeout, tuple(request.args),
                                               request.kwargs)
         return JSONResponse({"results": jsonable_encoder(results)})

@@ -117,9 +117,16 @@ def test_bad_dev_route_arguments_are_400s_naming_them(server):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "level"
     reply = httpx.post(f"{base_url}/wake_up?tags=kv", headers=AUTH)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tags"
-    reply = httpx.post(f"{base_url}/collective_rpc", headers=AUTH, json={"method": "no_such_method"})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "method"
+    for body, param in [({"method": "no_such_method"}, "method"),
+                        ({"method": "mro"}, "method"),  # type's, not the workers'
+                        ({"method": "sleep"}, "method"),  # behind the engine's back: it then died stepping
+                        ({"method": "execute_model", "args": [None]}, "method"),
+                        ({"method": "reload_weights", "args": [1]}, "args"),
+                        ({"method": "reload_weights", "kwargs": {"strict": True}}, "args")]:
+        reply = httpx.post(f"{base_url}/collective_rpc", headers=AUTH, json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (body, reply.text)
     assert httpx.get(f"{base_url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
+    assert complete(base_url, [5, 6, 7]).status_code == 200
 
 
 def test_sleep_aborts_a_streamed_request_in_flight_with_a_503_event(server, llama_dir, prompts):
