@@ -401,7 +401,8 @@ class LLMEngine:
             from raylm.executors.worker import check_rpc_method, worker_class
 
             check_rpc_method(worker_class(self.engine_config), method, tuple(args), kwargs or {})
-        return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs)
+        return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs,
+                                                        raised_is_fatal=False)
 
     # -------------------------------------------------------------- lifecycle
     def check_health(self) -> None:

@@ -56,9 +56,11 @@ class Executor(ABC):
         return lambda: output
 
     def collective_rpc(self, method: str | Callable, *args: Any, timeout: float | None = None,
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+                       kwargs: dict[str, Any] | None = None, raised_is_fatal: bool = True) -> list[Any]:
         """Calls `Worker.<method>(*args, **kwargs)` on every worker, or `method(worker, *args,
-        **kwargs)` for a callable (vLLM's); the results in rank order."""
+        **kwargs)` for a callable (vLLM's); the results in rank order. An exception the method
+        raises fails the workers for good (the engine's own calls: a worker left half done),
+        unless raised_is_fatal is False (a user's call): then it is raised as it is."""
         raise NotImplementedError(f"{type(self).__name__} does not call worker methods.")
 
     # ---- sleep mode (vLLM's executor state: which memory is asleep) ---------------------------

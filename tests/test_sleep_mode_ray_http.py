@@ -10,6 +10,7 @@ import operator
 
 import httpx
 import pytest
+import torch
 
 from engine_checks import assert_engine_idle
 from hf_reference import cached_hf_greedy
@@ -35,6 +36,10 @@ def test_tensor_parallel_2_sleeps_wakes_and_takes_pushed_weights(ray_cluster, ll
         llm.wake_up()
         assert_hf_tokens(llm, llama_dir, prompts)
 
+        # A trainer's bad tensor: the workers' error is raised here as it is, and they serve
+        # on (it marked them failed: every later call was refused).
+        with pytest.raises(ValueError, match="shape"):
+            llm.collective_rpc("load_weights", args=([("model.embed_tokens.weight", torch.zeros(3))],))
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
         loaded = llm.collective_rpc("load_weights", args=(checkpoint_weights(other_llama_dir),))
