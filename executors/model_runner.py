@@ -143,6 +143,9 @@ class ModelRunner:
         # `process_weights_after_loading`).
         self.sleeping_weights: SleepingWeights | None = None
         self._processed_weight_loads = -1
+        # After a level-2 sleep freed the weights: the model's weight-load count then, until
+        # weights are loaded again (a step before that reads zeros and is warned about).
+        self._weight_loads_at_discard: int | None = None
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -437,6 +440,8 @@ class ModelRunner:
         self._release_kv_cache()
         if self.device.type in self.sleep_offload_devices and self.sleeping_weights is None:
             self.sleeping_weights = SleepingWeights.take(self._models(), keep_contents=level == 1)
+            if level == 2:
+                self._weight_loads_at_discard = num_weight_loads(self.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -487,6 +492,17 @@ class ModelRunner:
         self.process_weights_after_loading()
         return loaded
 
+    def _warn_if_weights_discarded(self) -> None:
+        """Once per level-2 sleep: a step runs on weights that sleep discarded (zeros since
+        wake-up) and nothing loaded since. vLLM serves such garbage silently (its issue
+        29341); a warning only, since a trainer may write the parameters in ways not counted
+        here (CUDA IPC, NCCL broadcast into `param.data`)."""
+        if num_weight_loads(self.model) == self._weight_loads_at_discard:
+            logger.warning("A step runs on weights discarded by sleep(level=2) and not loaded since: they are zeros "
+                           "and the outputs are garbage. Load weights after wake_up(tags=['weights']): "
+                           "collective_rpc('reload_weights') or collective_rpc('load_weights', args=(weights,)).")
+        self._weight_loads_at_discard = None
+
     def process_weights_after_loading(self) -> None:
         """Runs the modules' hooks again (the CPU GEMM's packed copies, the fused decode's
         tables), as the loader does after the checkpoint: also when a worker extension
@@ -528,6 +544,8 @@ class ModelRunner:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         if self._processed_weight_loads != num_weight_loads(self.model):
             self.process_weights_after_loading()  # weights were loaded into the model meanwhile
+        if self._weight_loads_at_discard is not None:
+            self._warn_if_weights_discarded()
         if not self.kv_caches:
             raise RuntimeError("The engine is asleep (LLM.sleep): wake it up (LLM.wake_up) before running steps.")
         self._fill_sampling_params(req.requests)

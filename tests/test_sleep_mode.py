@@ -7,6 +7,7 @@ test_sleep_mode_ray_http.py."""
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from pathlib import Path
@@ -208,6 +209,28 @@ def test_the_gpu_weight_offload_path_frees_and_restores_the_parameters(llm, llam
     llm.collective_rpc("reload_weights")
     assert llm.reset_prefix_cache()
     assert_hf_tokens(llm, llama_dir, prompts)
+
+
+def test_a_step_on_weights_discarded_by_level_2_and_never_loaded_is_warned(llm, llama_dir, prompts, monkeypatch,
+                                                                           caplog):
+    """vLLM serves zeroed weights' garbage silently (its issue 29341); here the first step
+    on them logs a warning, and none once weights are loaded (GPU path walked on the CPU)."""
+    monkeypatch.setattr(ModelRunner, "sleep_offload_devices", ("cuda", "cpu"))
+    with caplog.at_level(logging.WARNING, logger="raylm.executors.model_runner"):
+        llm.sleep(level=2)
+        llm.wake_up()
+        greedy(llm, prompts[:1])
+        assert "discarded by sleep(level=2)" in caplog.text
+        caplog.clear()
+        llm.collective_rpc("reload_weights")
+        assert llm.reset_prefix_cache()
+        assert_hf_tokens(llm, llama_dir, prompts)
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+        assert_hf_tokens(llm, llama_dir, prompts)
+    assert "discarded" not in caplog.text
 
 
 class RLHFExtension:
