@@ -7,6 +7,7 @@ test_sleep_mode_ray_http.py."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import weakref
@@ -231,6 +232,43 @@ def test_a_step_on_weights_discarded_by_level_2_and_never_loaded_is_warned(llm, 
         llm.wake_up(tags=["kv_cache"])
         assert_hf_tokens(llm, llama_dir, prompts)
     assert "discarded" not in caplog.text
+
+
+def test_a_cancelled_async_sleep_still_fails_the_requests_it_aborted(llama_dir):
+    """AsyncLLMEngine.sleep whose caller leaves (a client leaving /sleep) once the engine
+    slept: its aborted requests end with EngineSleepingError (they waited forever)."""
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), enable_sleep_mode=True,
+                                                        disable_log_stats=True, **ENGINE))
+
+    async def run() -> list[str]:
+        async def generate(index: int, started: asyncio.Event) -> str:
+            params = SamplingParams(max_tokens=120, ignore_eos=True)
+            stream = await engine.add_request(f"r{index}", {"prompt_token_ids": [5 + index]}, params)
+            try:
+                async for _ in stream:
+                    started.set()
+            except EngineSleepingError:
+                return "put to sleep"
+            return "finished"
+
+        events = [asyncio.Event() for _ in range(2)]
+        streams = [asyncio.create_task(generate(index, event)) for index, event in enumerate(events)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 30)
+        sleep = asyncio.create_task(engine.sleep(1))
+        while not await engine.is_sleeping():
+            await asyncio.sleep(0)
+        sleep.cancel()  # asleep, the call not answered yet
+        ends = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await engine.wake_up()
+        return ends
+
+    try:
+        assert asyncio.run(run()) == ["put to sleep"] * 2
+        assert_engine_idle(engine.engine)
+    finally:
+        engine.shutdown()
 
 
 class RLHFExtension:
