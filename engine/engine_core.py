@@ -30,15 +30,12 @@ from raylm.engine.sampling_params import ParameterError
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stat_logger import StatLogger
 from raylm.engine.step import SampledToken, SamplerOutput
+from raylm.executors.executor_base import SLEEP_TAGS
 
 if TYPE_CHECKING:
     from raylm.engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-# vLLM's sleep-mode memory tags (LLM.wake_up(tags=...)).
-SLEEP_TAGS = ("weights", "kv_cache")
-
 
 class EngineSleepingError(RuntimeError):
     """A request reached an engine put to sleep (LLM.sleep): it must be woken up first.
