@@ -178,6 +178,9 @@ def test_an_embedding_model_scores_and_reranks_with_the_cosine_of_hf_embeddings(
     ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens",
      "max_model_len"),
     ("/score", {"text_1": "a", "text_2": "b", "use_activation": "yes"}, "use_activation", ""),
+    # Shorter than the pair's 3 special tokens: the tokenizer left the pair whole (5 tokens).
+    ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens",
+     "3 special tokens"),
     ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority", "scheduling policy"),
     ("/score", {"text_1": "a", "text_2": "b", "model": "other"}, "model", "does not exist"),
     ("/rerank", {"query": "", "documents": ["a"]}, "query", "empty"),
