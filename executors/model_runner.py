@@ -478,8 +478,13 @@ class ModelRunner:
 
     def reload_weights(self) -> None:
         """Loads the checkpoint's weights again, in place (vLLM's reload_weights, after a
-        level-2 sleep)."""
+        level-2 sleep); a draft model's too, from its own checkpoint (level 2 discards it
+        with the target's, and a zeroed draft only proposes tokens that are rejected)."""
         self.load_weights(safetensors_weights_iterator(self.model_config.model))
+        if self.draft_runner is not None:
+            draft = self.draft_runner.model
+            draft.load_weights(safetensors_weights_iterator(self.draft_runner.model_config.model))
+            _run_weight_hooks(draft)
 
     def load_weights(self, weights) -> set[str]:
         """Copies (name, full checkpoint tensor) pairs into the running model through each
@@ -508,10 +513,7 @@ class ModelRunner:
         tables), as the loader does after the checkpoint: also when a worker extension
         called `model.load_weights` itself, as vLLM's RLHF examples do (`execute_model`
         notices that from the model's weight-load count)."""
-        for module in self.model.modules():
-            hook = getattr(module, "process_weights_after_loading", None)
-            if hook is not None:
-                hook()
+        _run_weight_hooks(self.model)
         self._processed_weight_loads = num_weight_loads(self.model)
 
     # ---- one step ----------------------------------------------------------------------
@@ -1052,3 +1054,12 @@ def _fill_holes(input_ids: torch.Tensor, holes: list[tuple[int, tuple[torch.Tens
         entry[2].append(row)
     for tokens, input_rows, rows in by_tensor.values():
         input_ids[to_device(input_rows, device, torch.long)] = tokens[to_device(rows, device, torch.long)]
+
+
+def _run_weight_hooks(model: nn.Module) -> None:
+    """Each module's `process_weights_after_loading` (the CPU GEMM's packed copies, the fused
+    decode's tables), as the loader runs them after the checkpoint."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()

@@ -271,6 +271,25 @@ def test_a_cancelled_async_sleep_still_fails_the_requests_it_aborted(llama_dir):
         engine.shutdown()
 
 
+def test_reload_weights_after_level_2_reloads_a_draft_model_too(llama_dir, prompts, monkeypatch):
+    """Level 2 discards the draft's weights with the target's (GPU path walked on the CPU):
+    reload_weights gives both back byte for byte (the draft stayed zeros)."""
+    monkeypatch.setattr(ModelRunner, "sleep_offload_devices", ("cuda", "cpu"))
+    llm = LLM(model=str(llama_dir), enable_sleep_mode=True,
+              speculative_config={"model": str(llama_dir), "num_speculative_tokens": 2}, **ENGINE)
+    try:
+        draft = llm.llm_engine.executor.driver_worker.model_runner.draft_runner.model
+        before = {name: p.detach().clone() for name, p in draft.named_parameters()}
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.collective_rpc("reload_weights")
+        for name, p in draft.named_parameters():
+            assert torch.equal(p, before[name]), name
+        assert_hf_tokens(llm, llama_dir, prompts)
+    finally:
+        llm.shutdown()
+
+
 class RLHFExtension:
     """What verl / OpenRLHF mix into vLLM's workers: weights loaded straight into the model
     (`model_runner.model.load_weights`, as vLLM's RLHF examples do), and a check."""
