@@ -65,6 +65,8 @@ HEALTH_CHECK_TIMEOUT_S = 10.0
 # Once one worker has failed, how long to wait for the others to report, so that the
 # error names the rank that caused it rather than the ones it took down.
 FAILURE_GRACE_S = 2.0
+# The longest one ray.wait of `_wait_all` blocks before it looks at its deadline again.
+_WAIT_SLICE_S = 60.0
 # Steps serialized to at most this many bytes are sent inline with each worker call
 # (Ray's own inline limit is 100 KiB).
 INLINE_STEP_BYTES = 64 * 1024
@@ -531,7 +533,9 @@ class RayDistributedExecutor(Executor):
             now = time.monotonic()
             if now >= deadline:
                 break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=deadline - now)
+            # In slices: Ray turns a timeout into whole milliseconds, which an infinite one
+            # (collective_rpc(timeout=math.inf)) overflows.
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(deadline - now, _WAIT_SLICE_S))
             for ref in ready:
                 index = pending.pop(ref)
                 try:
