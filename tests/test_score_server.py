@@ -231,6 +231,9 @@ def test_routes_refuse_models_that_do_not_serve_them(classifier, embedder):
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["param"] == "model" and "does not serve" in error["message"], error
+        api = {"/score": "Score API", "/rerank": "Score API", "/v1/embeddings": "Embeddings API",
+               "/classify": "Classification API"}[route]
+        assert error["message"].startswith(f"This model does not serve the {api}"), error
         assert_no_block_held(engine)
 
 
