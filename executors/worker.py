@@ -303,15 +303,17 @@ def check_rpc_method(worker_cls: type[Worker], method: str, args: tuple, kwargs:
     from raylm.engine.sampling_params import ParameterError
 
     defined = next((vars(cls)[method] for cls in worker_cls.__mro__[:-1] if method in vars(cls)), None)
-    if method.startswith("_") or not callable(defined):
+    if method.startswith("_") or not (callable(defined) or isinstance(defined, (staticmethod, classmethod))):
         raise ParameterError(f"method {method!r} is not a method of the workers ({worker_cls.__name__}): give a "
                              f"public Worker method or one of worker_extension_cls.", "method")
     if method in ENGINE_DRIVEN_WORKER_METHODS:
         instead = ENGINE_DRIVEN_WORKER_METHODS[method]
         raise ParameterError(f"method {method!r} is driven by the engine and cannot be called through "
                              f"collective_rpc" + (f"; use {instead}." if instead else "."), "method")
+    # A plain function takes the worker first; a static or class method is bound already.
+    worker_arg = () if isinstance(defined, (staticmethod, classmethod)) else (None,)
     try:
-        inspect.signature(getattr(worker_cls, method)).bind(None, *args, **kwargs)
+        inspect.signature(getattr(worker_cls, method)).bind(*worker_arg, *args, **kwargs)
     except TypeError as exc:
         raise ParameterError(f"args and kwargs do not fit {worker_cls.__name__}.{method}: {exc}.", "args") from None
 
