@@ -739,6 +739,16 @@ class ScoreRequest(_PoolingFields):
     text_1: str | list[str] = Field(validation_alias=AliasChoices("text_1", "data_1"))
     text_2: str | list[str] = Field(validation_alias=AliasChoices("text_2", "data_2"))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_spelling_each(cls, data: Any) -> Any:
+        # Both spellings of a side would leave one of them silently unscored.
+        if isinstance(data, dict):
+            for old, new in (("text_1", "data_1"), ("text_2", "data_2")):
+                if old in data and new in data:
+                    raise ParameterError(f"Give {old} or {new}, not both: they are two names of one field.", new)
+        return data
+
     @model_validator(mode="after")
     def _check_pairs(self) -> "ScoreRequest":
         texts_1, texts_2 = _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")

@@ -170,6 +170,7 @@ def test_an_embedding_model_scores_and_reranks_with_the_cosine_of_hf_embeddings(
 
 @pytest.mark.parametrize("route, body, param, words", [
     ("/score", {"text_1": [], "text_2": "a"}, "text_1", "empty"),
+    ("/score", {"text_1": "a", "data_1": "b", "text_2": "c"}, "data_1", "not both"),
     ("/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2", "empty"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "1:1, 1:N or N:N"),
     ("/score", {"text_1": "a", "text_2": ["b"] * 5}, "text_2", "at most 4"),
