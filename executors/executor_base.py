@@ -77,7 +77,7 @@ class Executor(ABC):
         if not self.is_sleeping:
             logger.warning("The executor is not asleep.")
             return
-        waking = [tag for tag in (tags or SLEEP_TAGS) if tag in self.sleeping_tags]
+        waking = [tag for tag in (SLEEP_TAGS if tags is None else tags) if tag in self.sleeping_tags]
         if waking:
             self.collective_rpc("wake_up", waking)
         self.sleeping_tags -= set(waking)

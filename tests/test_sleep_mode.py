@@ -122,6 +122,8 @@ def test_bad_level_and_tags_are_errors_naming_them(llm):
     try:
         with pytest.raises(ValueError, match=r"tags must be among \['weights', 'kv_cache'\], got \['kv'\]"):
             llm.wake_up(tags=["kv"])
+        llm.wake_up(tags=[])  # no tag: nothing woken (None is every tag), as in vLLM
+        assert llm.is_sleeping()
     finally:
         llm.wake_up()
 
