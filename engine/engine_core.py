@@ -410,8 +410,8 @@ class EngineCore:
         """Raises ValueError unless sleep mode is on and `level` is 1 or 2."""
         self._check_sleep_mode()
         if level not in (1, 2) or isinstance(level, bool):
-            raise ValueError(f"sleep level must be 1 (offload the weights, free the KV cache) or 2 (discard the "
-                             f"weights too), got {level!r}.")
+            raise ParameterError(f"sleep level must be 1 (offload the weights, free the KV cache) or 2 (discard the "
+                                 f"weights too), got {level!r}.", "level")
 
     def _check_sleep_mode(self) -> None:
         if not self.engine_config.model_config.enable_sleep_mode:
@@ -425,7 +425,7 @@ class EngineCore:
             tags = [tags] if isinstance(tags, str) else list(tags)
             unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
             if unknown:
-                raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}.")
+                raise ParameterError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}.", "tags")
         self.executor.wake_up(tags)
 
     def is_sleeping(self) -> bool:

@@ -167,3 +167,21 @@ def test_without_dev_mode_there_are_no_sleep_routes(llama_dir, monkeypatch):
         assert not paths & {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/collective_rpc"}
     finally:
         engine.shutdown()
+
+
+def test_dev_routes_of_an_engine_without_sleep_mode_are_400s_naming_the_flag(llama_dir, monkeypatch):
+    """The flag is named, not `level` or `tags` (the request's fields are fine)."""
+    from raylm.deploy.server_args import ServerArgs
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+
+    monkeypatch.setenv("RAYLM_SERVER_DEV_MODE", "1")
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), num_gpu_blocks_override=16,
+                                                        max_model_len=64, disable_log_stats=True))
+    try:
+        with InProcessServer(engine, ServerArgs()) as base_url:
+            for route in ("/sleep?level=1", "/wake_up?tags=weights"):
+                error = httpx.post(f"{base_url}{route}").json()["error"]
+                assert error["code"] == 400 and error["param"] is None, error
+                assert "--enable-sleep-mode" in error["message"], error
+    finally:
+        engine.shutdown()
