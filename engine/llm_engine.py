@@ -398,9 +398,14 @@ class LLMEngine:
         ENGINE_DRIVEN_WORKER_METHODS), or arguments its signature does not take are a
         ParameterError naming `method` or `args`, before any worker runs."""
         if isinstance(method, str):
-            from raylm.executors.worker import check_rpc_method, worker_class
+            from raylm.executors.worker import Worker, check_rpc_method, worker_class
 
-            check_rpc_method(worker_class(self.engine_config), method, tuple(args), kwargs or {})
+            try:
+                worker_cls = worker_class(self.engine_config)
+            except ValueError:  # worker_extension_cls imports on the Ray workers only: check ours
+                worker_cls = Worker if hasattr(Worker, method) else None
+            if worker_cls is not None:
+                check_rpc_method(worker_cls, method, tuple(args), kwargs or {})
         return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs,
                                                         raised_is_fatal=False)
 
