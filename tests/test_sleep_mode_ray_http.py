@@ -185,3 +185,13 @@ def test_dev_routes_of_an_engine_without_sleep_mode_are_400s_naming_the_flag(lla
                 assert "--enable-sleep-mode" in error["message"], error
     finally:
         engine.shutdown()
+
+
+def test_a_serve_app_with_dev_routes_needs_a_single_replica(llama_dir, monkeypatch):
+    """/sleep or a weight push through /collective_rpc reaches one replica: with several,
+    the others would serve on, awake or with the old weights. Refused before anything starts."""
+    from raylm.deploy.serve_app import app_builder
+
+    monkeypatch.setenv("RAYLM_SERVER_DEV_MODE", "1")
+    with pytest.raises(ValueError, match=r"RAYLM_SERVER_DEV_MODE's routes .* need a single engine replica"):
+        app_builder({"model": str(llama_dir), "enable_sleep_mode": True, "num_replicas": 2})
