@@ -58,20 +58,16 @@ def install_sleep_mode_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     if not envs.RAYLM_SERVER_DEV_MODE:
         return
 
+    # A bad level or tag is a ParameterError naming it, sleep mode off a ValueError naming
+    # the flag: both 400s (deploy/errors.py).
     @app.post("/sleep")
     async def sleep(level: int = 1) -> Response:
-        try:
-            await engine.sleep(level)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="level") from None
+        await engine.sleep(level)
         return Response(status_code=200)
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(default=None)) -> Response:
-        try:
-            await engine.wake_up(tags)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="tags") from None
+        await engine.wake_up(tags)
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
@@ -89,12 +85,8 @@ def install_sleep_mode_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     async def collective_rpc(request: CollectiveRpcRequest) -> JSONResponse:
         from fastapi.encoders import jsonable_encoder
 
-        from raylm.executors.worker import worker_class
-
-        worker = worker_class(engine.engine.engine_config)
-        if request.method.startswith("_") or not callable(getattr(worker, request.method, None)):
-            raise OpenAIError(f"method {request.method!r} is not a method of the workers ({worker.__name__}).",
-                              param="method")
+        # The engine checks the method and its arguments before any worker runs (a
+        # ParameterError naming method or args: a 400).
         results = await engine.collective_rpc(request.method, request.timeout, tuple(request.args),
                                               request.kwargs)
         return JSONResponse({"results": jsonable_encoder(results)})

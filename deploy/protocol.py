@@ -626,26 +626,17 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 
 # -------------------------------------------------------------- embeddings
-class EmbeddingRequest(OpenAIRequest):
-    """`POST /v1/embeddings` (OpenAI's fields and vLLM's extras: truncate_prompt_tokens,
-    add_special_tokens, normalize, priority)."""
+class _PoolingInputs(OpenAIRequest):
+    """The `input` of /v1/embeddings and /classify: a text, a list of texts, token ids, or a
+    list of token-id lists; none of them empty."""
 
-    model: str | None = None
     # JSON integers and booleans only where they are meant: lax parsing would read `true` as
     # token id 1 or truncate_prompt_tokens 1 (PoolingParams refuses a bool, but never saw
     # one), "5" as 5, and "yes" as normalize true.
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
-    user: str | None = None
-    truncate_prompt_tokens: StrictInt | None = None
-    add_special_tokens: StrictBool = True
-    normalize: StrictBool | None = None
-    # vLLM's request priority, as on completions (_SamplingFields.priority).
-    priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     @model_validator(mode="after")
-    def _check_embedding(self) -> "EmbeddingRequest":
+    def _check_inputs(self) -> "_PoolingInputs":
         inputs = self.inputs()
         if not inputs:
             raise ParameterError("input must not be an empty list.", "input")
@@ -661,6 +652,21 @@ class EmbeddingRequest(OpenAIRequest):
         if value and all(isinstance(item, int) for item in value):
             return [list(value)]
         return list(value)
+
+
+class EmbeddingRequest(_PoolingInputs):
+    """`POST /v1/embeddings` (OpenAI's fields and vLLM's extras: truncate_prompt_tokens,
+    add_special_tokens, normalize, priority)."""
+
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    add_special_tokens: StrictBool = True
+    normalize: StrictBool | None = None
+    # vLLM's request priority, as on completions (_SamplingFields.priority).
+    priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
@@ -691,29 +697,10 @@ class _PoolingFields(OpenAIRequest):
     priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
-class ClassificationRequest(_PoolingFields):
+class ClassificationRequest(_PoolingFields, _PoolingInputs):
     """`POST /classify` (vLLM's): one classification per input (a text or token ids)."""
 
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     add_special_tokens: StrictBool = True
-
-    @model_validator(mode="after")
-    def _check_input(self) -> "ClassificationRequest":
-        inputs = self.inputs()
-        if not inputs:
-            raise ParameterError("input must not be an empty list.", "input")
-        if any(len(item) == 0 for item in inputs):
-            raise ParameterError("input must not hold an empty string or an empty list of token ids.", "input")
-        return self
-
-    def inputs(self) -> list[str | list[int]]:
-        """The input field as a list of inputs (text or token ids)."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and all(isinstance(item, int) for item in value):
-            return [list(value)]
-        return list(value)
 
 
 class ClassificationData(OpenAIBaseModel):
@@ -751,6 +738,16 @@ class ScoreRequest(_PoolingFields):
 
     text_1: str | list[str] = Field(validation_alias=AliasChoices("text_1", "data_1"))
     text_2: str | list[str] = Field(validation_alias=AliasChoices("text_2", "data_2"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_spelling_each(cls, data: Any) -> Any:
+        # Both spellings of a side would leave one of them silently unscored.
+        if isinstance(data, dict):
+            for old, new in (("text_1", "data_1"), ("text_2", "data_2")):
+                if old in data and new in data:
+                    raise ParameterError(f"Give {old} or {new}, not both: they are two names of one field.", new)
+        return data
 
     @model_validator(mode="after")
     def _check_pairs(self) -> "ScoreRequest":

@@ -38,7 +38,7 @@ from raylm.deploy.prefix_key import KEY_HASH_BYTES
 from raylm.deploy.prefix_router import PrefixAwareRouter, build_report
 from raylm.deploy.serve_ingress import ForwardedRequest, RaylmIngress, run_forwarded
 from raylm.deploy.server_args import PREFIX_AWARE_ROUTER, DeploymentArgs, ServerArgs
-from raylm.engine import arg_fields
+from raylm.engine import arg_fields, envs
 from raylm.engine.arg_utils import EngineArgs
 from raylm.models.bundled import resolve_model_path
 
@@ -223,6 +223,12 @@ def build_serve_app(engine_kwargs: dict[str, Any], server_args: ServerArgs | dic
         raise ValueError(f"allow_runtime_lora_updating loads an adapter on the one replica its request reaches, so "
                          f"it needs a single engine replica (num_replicas=1), got up to {deployment.most_replicas}; "
                          f"serve adapters on several replicas with lora_modules.")
+    if envs.RAYLM_SERVER_DEV_MODE and deployment.most_replicas > 1:
+        # /sleep, /wake_up and /collective_rpc (a trainer's weight push) would reach the one
+        # replica the router picks: the others would serve on, awake or with the old weights.
+        raise ValueError(f"RAYLM_SERVER_DEV_MODE's routes (/sleep, /wake_up, /collective_rpc, ...) act on the one "
+                         f"replica their request reaches, so they need a single engine replica (num_replicas=1), "
+                         f"got up to {deployment.most_replicas}.")
     # One bundle per worker: tensor_parallel_size of them in each pipeline stage.
     num_workers = (int(engine_kwargs.get("tensor_parallel_size", 1))
                    * int(engine_kwargs.get("pipeline_parallel_size", 1)))

@@ -50,27 +50,29 @@ class OpenAIServingScores(PoolingServing):
         return JSONResponse(response.model_dump(exclude_none=True))
 
     async def _score(self, request: ScoreRequest | RerankRequest, texts_1: list[str], texts_2: list[str],
-                     params: tuple[str, str], raw_request: Request, id_prefix: str
+                     field_names: tuple[str, str], raw_request: Request, id_prefix: str
                      ) -> tuple[str, list[float], int]:
         """(model name, one score per pair, prompt tokens) of the pairs of texts_1 (one, or
-        one per text) and texts_2; `params` name the two fields in errors."""
+        one per text) and texts_2; `field_names` name the two fields in errors."""
         model_name = self.check_model(request.model)
         model_config = self.engine.model_config
-        cross_encoder = model_config.is_pooling and "score" in model_config.supported_pooling_tasks
+        # An embedding model scores with cosines; any other is refused as the Score API's
+        # (a classifier with several labels: the message says why).
+        cross_encoder = model_config.pooling_task != "embed"
         self.check_task("score" if cross_encoder else "embed")
         self.check_priority(request)
-        self.check_limits(texts_1, params[0])
-        self.check_limits(texts_2, params[1])
+        self.check_limits(texts_1, field_names[0])
+        self.check_limits(texts_2, field_names[1])
         request_id = random_id(id_prefix)
         if cross_encoder:
             return model_name, *await self._cross_encoding_scores(request, texts_1, texts_2, request_id, model_name,
-                                                                  raw_request, params[1])
+                                                                  raw_request, field_names[1])
         pooling_params = self.pooling_params(truncate_prompt_tokens=request.truncate_prompt_tokens, task="embed")
         if request.use_activation is not None:
             raise OpenAIError("use_activation applies to a cross-encoder's scores; this model scores with the cosine "
                               "of embeddings: leave it unset.", param="use_activation")
-        prompts = (await self.prompts_of(texts_1, pooling_params, True, params[0])
-                   + await self.prompts_of(texts_2, pooling_params, True, params[1]))
+        prompts = (await self.prompts_of(texts_1, pooling_params, True, field_names[0])
+                   + await self.prompts_of(texts_2, pooling_params, True, field_names[1]))
         outputs = await self.run_pooling(request_id, prompts, pooling_params, model_name, request.priority,
                                          raw_request)
         scores = embedding_scores(outputs[:len(texts_1)], outputs[len(texts_1):], self.tokenizer)

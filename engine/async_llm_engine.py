@@ -565,11 +565,19 @@ class AsyncLLMEngine:
     async def sleep(self, level: int = 1) -> None:
         """`LLM.sleep` between two steps: requests still running are aborted (vLLM's mode
         "abort"), each failing with EngineSleepingError; requests sent until `wake_up`
-        fail with it too."""
+        fail with it too. Once called it completes, even if the caller is cancelled (a
+        client that leaves /sleep): the requests it aborts are failed all the same (they
+        waited forever)."""
+        aborted_ids = asyncio.ensure_future(self._on_engine_thread(functools.partial(self.engine.sleep, level)))
+        aborted_ids.add_done_callback(self._fail_requests_put_to_sleep)
+        await asyncio.shield(aborted_ids)
+
+    def _fail_requests_put_to_sleep(self, aborted_ids: asyncio.Future) -> None:
         from raylm.engine.engine_core import EngineSleepingError
 
-        aborted = await self._on_engine_thread(functools.partial(self.engine.sleep, level))
-        for engine_request_id in aborted:
+        if aborted_ids.cancelled() or aborted_ids.exception() is not None:
+            return
+        for engine_request_id in aborted_ids.result():
             state = self._engine_requests.get(engine_request_id)
             if state is not None:
                 self._fail_request(state, EngineSleepingError(

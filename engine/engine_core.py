@@ -30,15 +30,12 @@ from raylm.engine.sampling_params import ParameterError
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stat_logger import StatLogger
 from raylm.engine.step import SampledToken, SamplerOutput
+from raylm.executors.executor_base import SLEEP_TAGS
 
 if TYPE_CHECKING:
     from raylm.engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-# vLLM's sleep-mode memory tags (LLM.wake_up(tags=...)).
-SLEEP_TAGS = ("weights", "kv_cache")
-
 
 class EngineSleepingError(RuntimeError):
     """A request reached an engine put to sleep (LLM.sleep): it must be woken up first.
@@ -413,8 +410,8 @@ class EngineCore:
         """Raises ValueError unless sleep mode is on and `level` is 1 or 2."""
         self._check_sleep_mode()
         if level not in (1, 2) or isinstance(level, bool):
-            raise ValueError(f"sleep level must be 1 (offload the weights, free the KV cache) or 2 (discard the "
-                             f"weights too), got {level!r}.")
+            raise ParameterError(f"sleep level must be 1 (offload the weights, free the KV cache) or 2 (discard the "
+                                 f"weights too), got {level!r}.", "level")
 
     def _check_sleep_mode(self) -> None:
         if not self.engine_config.model_config.enable_sleep_mode:
@@ -428,7 +425,7 @@ class EngineCore:
             tags = [tags] if isinstance(tags, str) else list(tags)
             unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
             if unknown:
-                raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}.")
+                raise ParameterError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}.", "tags")
         self.executor.wake_up(tags)
 
     def is_sleeping(self) -> bool:

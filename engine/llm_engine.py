@@ -393,8 +393,21 @@ class LLMEngine:
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """`Worker.<method>(*args, **kwargs)` on every worker (a callable gets the worker
-        first); the results in rank order."""
-        return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs)
+        first); the results in rank order. A method name that is not a public method of the
+        workers, one the engine drives (sleep, wake_up, ...: see
+        ENGINE_DRIVEN_WORKER_METHODS), or arguments its signature does not take are a
+        ParameterError naming `method` or `args`, before any worker runs."""
+        if isinstance(method, str):
+            from raylm.executors.worker import Worker, check_rpc_method, worker_class
+
+            try:
+                worker_cls = worker_class(self.engine_config)
+            except ValueError:  # worker_extension_cls imports on the Ray workers only: check ours
+                worker_cls = Worker if hasattr(Worker, method) else None
+            if worker_cls is not None:
+                check_rpc_method(worker_cls, method, tuple(args), kwargs or {})
+        return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs,
+                                                        raised_is_fatal=False)
 
     # -------------------------------------------------------------- lifecycle
     def check_health(self) -> None:

@@ -35,7 +35,16 @@ def cross_encoder_token_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2:
         encoded = tokenizer(text=text_1, text_pair=text_2, **kwargs)
     else:
         encoded = tokenizer(text=text_1 + text_2, **kwargs)
-    return list(encoded["input_ids"])
+    token_ids = list(encoded["input_ids"])
+    if kwargs and len(token_ids) > kwargs["max_length"]:
+        # The tokenizer leaves a pair whole (logging an error) when its special tokens
+        # alone pass max_length: a silent overrun of what the request asked for.
+        from raylm.engine.sampling_params import ParameterError
+
+        raise ParameterError(f"truncate_prompt_tokens {truncate_prompt_tokens} cannot hold a text pair: the "
+                             f"tokenizer adds {tokenizer.num_special_tokens_to_add(pair=True)} special tokens to "
+                             f"each pair; give more.", "truncate_prompt_tokens")
+    return token_ids
 
 
 def cross_encoder_prompt(tokenizer: Any, hf_config: Any, text_1: str, text_2: str,

@@ -56,9 +56,11 @@ class Executor(ABC):
         return lambda: output
 
     def collective_rpc(self, method: str | Callable, *args: Any, timeout: float | None = None,
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+                       kwargs: dict[str, Any] | None = None, raised_is_fatal: bool = True) -> list[Any]:
         """Calls `Worker.<method>(*args, **kwargs)` on every worker, or `method(worker, *args,
-        **kwargs)` for a callable (vLLM's); the results in rank order."""
+        **kwargs)` for a callable (vLLM's); the results in rank order. An exception the method
+        raises fails the workers for good (the engine's own calls: a worker left half done),
+        unless raised_is_fatal is False (a user's call): then it is raised as it is."""
         raise NotImplementedError(f"{type(self).__name__} does not call worker methods.")
 
     # ---- sleep mode (vLLM's executor state: which memory is asleep) ---------------------------
@@ -75,7 +77,7 @@ class Executor(ABC):
         if not self.is_sleeping:
             logger.warning("The executor is not asleep.")
             return
-        waking = [tag for tag in (tags or SLEEP_TAGS) if tag in self.sleeping_tags]
+        waking = [tag for tag in (SLEEP_TAGS if tags is None else tags) if tag in self.sleeping_tags]
         if waking:
             self.collective_rpc("wake_up", waking)
         self.sleeping_tags -= set(waking)

@@ -144,6 +144,9 @@ class ModelRunner:
         # `process_weights_after_loading`).
         self.sleeping_weights: SleepingWeights | None = None
         self._processed_weight_loads = -1
+        # After a level-2 sleep freed the weights: the model's weight-load count then, until
+        # weights are loaded again (a step before that reads zeros and is warned about).
+        self._weight_loads_at_discard: int | None = None
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -441,6 +444,8 @@ class ModelRunner:
         self._release_kv_cache()
         if self.device.type in self.sleep_offload_devices and self.sleeping_weights is None:
             self.sleeping_weights = SleepingWeights.take(self._models(), keep_contents=level == 1)
+            if level == 2:
+                self._weight_loads_at_discard = num_weight_loads(self.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -477,8 +482,13 @@ class ModelRunner:
 
     def reload_weights(self) -> None:
         """Loads the checkpoint's weights again, in place (vLLM's reload_weights, after a
-        level-2 sleep)."""
+        level-2 sleep); a draft model's too, from its own checkpoint (level 2 discards it
+        with the target's, and a zeroed draft only proposes tokens that are rejected)."""
         self.load_weights(safetensors_weights_iterator(self.model_config.model))
+        if self.draft_runner is not None:
+            draft = self.draft_runner.model
+            draft.load_weights(safetensors_weights_iterator(self.draft_runner.model_config.model))
+            _run_weight_hooks(draft)
 
     def load_weights(self, weights) -> set[str]:
         """Copies (name, full checkpoint tensor) pairs into the running model through each
@@ -491,15 +501,23 @@ class ModelRunner:
         self.process_weights_after_loading()
         return loaded
 
+    def _warn_if_weights_discarded(self) -> None:
+        """Once per level-2 sleep: a step runs on weights that sleep discarded (zeros since
+        wake-up) and nothing loaded since. vLLM serves such garbage silently (its issue
+        29341); a warning only, since a trainer may write the parameters in ways not counted
+        here (CUDA IPC, NCCL broadcast into `param.data`)."""
+        if num_weight_loads(self.model) == self._weight_loads_at_discard:
+            logger.warning("A step runs on weights discarded by sleep(level=2) and not loaded since: they are zeros "
+                           "and the outputs are garbage. Load weights after wake_up(tags=['weights']): "
+                           "collective_rpc('reload_weights') or collective_rpc('load_weights', args=(weights,)).")
+        self._weight_loads_at_discard = None
+
     def process_weights_after_loading(self) -> None:
         """Runs the modules' hooks again (the CPU GEMM's packed copies, the fused decode's
         tables), as the loader does after the checkpoint: also when a worker extension
         called `model.load_weights` itself, as vLLM's RLHF examples do (`execute_model`
         notices that from the model's weight-load count)."""
-        for module in self.model.modules():
-            hook = getattr(module, "process_weights_after_loading", None)
-            if hook is not None:
-                hook()
+        _run_weight_hooks(self.model)
         self._processed_weight_loads = num_weight_loads(self.model)
 
     # ---- one step ----------------------------------------------------------------------
@@ -532,6 +550,8 @@ class ModelRunner:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         if self._processed_weight_loads != num_weight_loads(self.model):
             self.process_weights_after_loading()  # weights were loaded into the model meanwhile
+        if self._weight_loads_at_discard is not None:
+            self._warn_if_weights_discarded()
         if not self.kv_caches:
             raise RuntimeError("The engine is asleep (LLM.sleep): wake it up (LLM.wake_up) before running steps.")
         self._fill_sampling_params(req.requests)
@@ -1038,3 +1058,12 @@ def _fill_holes(input_ids: torch.Tensor, holes: list[tuple[int, tuple[torch.Tens
         entry[2].append(row)
     for tokens, input_rows, rows in by_tensor.values():
         input_ids[to_device(input_rows, device, torch.long)] = tokens[to_device(rows, device, torch.long)]
+
+
+def _run_weight_hooks(model: nn.Module) -> None:
+    """Each module's `process_weights_after_loading` (the CPU GEMM's packed copies, the fused
+    decode's tables), as the loader runs them after the checkpoint."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()

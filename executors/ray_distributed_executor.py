@@ -65,6 +65,8 @@ HEALTH_CHECK_TIMEOUT_S = 10.0
 # Once one worker has failed, how long to wait for the others to report, so that the
 # error names the rank that caused it rather than the ones it took down.
 FAILURE_GRACE_S = 2.0
+# The longest one ray.wait of `_wait_all` blocks before it looks at its deadline again.
+_WAIT_SLICE_S = 60.0
 # Steps serialized to at most this many bytes are sent inline with each worker call
 # (Ray's own inline limit is 100 KiB).
 INLINE_STEP_BYTES = 64 * 1024
@@ -301,13 +303,15 @@ class RayDistributedExecutor(Executor):
 
     # ------------------------------------------------------------ worker calls
     def collective_rpc(self, method: Any, *args: Any, timeout: float | None = None,
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+                       kwargs: dict[str, Any] | None = None, raised_is_fatal: bool = True) -> list[Any]:
         """Calls `Worker.<method>(*args, **kwargs)` (or `method(worker, ...)` for a callable)
-        on every rank at once; the results in rank order."""
+        on every rank at once; the results in rank order. raised_is_fatal=False (a user's
+        call, `LLM.collective_rpc`): where every rank answered and the method raised, its
+        error is raised as it is and the workers serve on."""
         self._raise_if_failed()
         refs = [worker.execute_method.remote(method, *args, **(kwargs or {})) for worker in self.workers]
         return self._wait_all(refs, method if isinstance(method, str) else getattr(method, "__name__", "a function"),
-                              timeout=timeout)
+                              timeout=timeout, raised_is_fatal=raised_is_fatal)
 
     def determine_num_available_blocks(self) -> int:
         # Every rank holds the same block ids, so the smallest partition decides.
@@ -511,12 +515,15 @@ class RayDistributedExecutor(Executor):
         return ", ".join(f"rank {r} on node {self.placements[r].node_ip}" for r in ranks)
 
     def _wait_all(self, refs: list[ray.ObjectRef], what: str, timeout: float | None = None,
-                  ranks_known: bool = True, pipeline: bool = False) -> list[Any]:
+                  ranks_known: bool = True, pipeline: bool = False, raised_is_fatal: bool = True) -> list[Any]:
         """The results of one call per worker, in order. Raises a RuntimeError naming the
         ranks (bundles, before ranks are given) that died, raised or did not answer within
         `timeout` (default worker_timeout_s). `pipeline`: the refs are the last stage's
         calls of a pipelined step, whose errors may come from any stage before: the ranks
-        are then found as for the compiled graph (pings, and the rank the exception names)."""
+        are then found as for the compiled graph (pings, and the rank the exception names).
+        raised_is_fatal=False: when every worker answered and the only errors are the
+        method's own exceptions, the lowest rank's is raised as it is and the workers stay
+        usable."""
         timeout = self.parallel_config.worker_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         pending = {ref: index for index, ref in enumerate(refs)}
@@ -526,7 +533,9 @@ class RayDistributedExecutor(Executor):
             now = time.monotonic()
             if now >= deadline:
                 break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=deadline - now)
+            # In slices: Ray turns a timeout into whole milliseconds, which an infinite one
+            # (collective_rpc(timeout=math.inf)) overflows.
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(deadline - now, _WAIT_SLICE_S))
             for ref in ready:
                 index = pending.pop(ref)
                 try:
@@ -537,6 +546,10 @@ class RayDistributedExecutor(Executor):
                 deadline = time.monotonic() + FAILURE_GRACE_S
         if not errors and not pending:
             return results
+        if not raised_is_fatal and not pending and all(isinstance(e, RayTaskError) and not isinstance(e, RayActorError)
+                                                       for e in errors.values()):
+            first_error = errors[min(errors)]
+            raise first_error.cause if isinstance(first_error.cause, Exception) else first_error
         self._resources.workers_failed = True
         first = next(iter(errors.values()), None)
         if pipeline:

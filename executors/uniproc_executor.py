@@ -58,7 +58,8 @@ class UniProcExecutor(Executor):
         self.driver_worker.initialize_cache(num_blocks)
 
     def collective_rpc(self, method: str | Callable, *args: Any, timeout: float | None = None,
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+                       kwargs: dict[str, Any] | None = None, raised_is_fatal: bool = True) -> list[Any]:
+        # The worker is in this process: its exceptions reach the caller, never fail it for good.
         return [run_worker_method(self.driver_worker, method, args, kwargs)]
 
     def execute_model(self, req: ExecuteModelRequest) -> SamplerOutput:

@@ -9,10 +9,12 @@ executor, not through a process group)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -280,6 +282,40 @@ def worker_class(engine_config: EngineConfig) -> type[Worker]:
     if clashes:
         raise ValueError(f"worker_extension_cls {name!r} defines {clashes}, which Worker already has: rename them.")
     return type(f"Worker[{class_name}]", (Worker, extension), {})
+
+
+# Worker methods the engine itself drives: called through collective_rpc they would change a
+# worker behind the engine's back (workers asleep while the engine schedules steps, a second
+# KV cache, adapters the scheduler does not know), so collective_rpc names the API to use.
+ENGINE_DRIVEN_WORKER_METHODS = {
+    "sleep": "LLM.sleep", "wake_up": "LLM.wake_up", "execute_model": "LLM.generate",
+    "add_lora": "a request's lora_request", "remove_lora": "LLM.llm_engine.remove_lora",
+    "init_device": None, "init_distributed_environment": None, "bind_current_thread": None,
+    "enter_step_thread": None, "load_model": None, "initialize_cache": None, "shutdown": "LLM.shutdown",
+}
+
+
+def check_rpc_method(worker_cls: type[Worker], method: str, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Raises ParameterError (naming `method` or `args`) unless `worker_cls.<method>(*args,
+    **kwargs)` is a call collective_rpc may make: a public method the class defines (not one
+    of `object`'s or `type`'s), not one the engine drives, whose signature takes the
+    arguments. Checked on the driver, so that a bad call fails before any worker runs it."""
+    from raylm.engine.sampling_params import ParameterError
+
+    defined = next((vars(cls)[method] for cls in worker_cls.__mro__[:-1] if method in vars(cls)), None)
+    if method.startswith("_") or not (callable(defined) or isinstance(defined, (staticmethod, classmethod))):
+        raise ParameterError(f"method {method!r} is not a method of the workers ({worker_cls.__name__}): give a "
+                             f"public Worker method or one of worker_extension_cls.", "method")
+    if method in ENGINE_DRIVEN_WORKER_METHODS:
+        instead = ENGINE_DRIVEN_WORKER_METHODS[method]
+        raise ParameterError(f"method {method!r} is driven by the engine and cannot be called through "
+                             f"collective_rpc" + (f"; use {instead}." if instead else "."), "method")
+    # A plain function takes the worker first; a static or class method is bound already.
+    worker_arg = () if isinstance(defined, (staticmethod, classmethod)) else (None,)
+    try:
+        inspect.signature(getattr(worker_cls, method)).bind(*worker_arg, *args, **kwargs)
+    except TypeError as exc:
+        raise ParameterError(f"args and kwargs do not fit {worker_cls.__name__}.{method}: {exc}.", "args") from None
 
 
 def run_worker_method(worker: Worker, method, args: tuple = (), kwargs: dict | None = None):

@@ -170,6 +170,7 @@ def test_an_embedding_model_scores_and_reranks_with_the_cosine_of_hf_embeddings(
 
 @pytest.mark.parametrize("route, body, param, words", [
     ("/score", {"text_1": [], "text_2": "a"}, "text_1", "empty"),
+    ("/score", {"text_1": "a", "data_1": "b", "text_2": "c"}, "data_1", "not both"),
     ("/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2", "empty"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "1:1, 1:N or N:N"),
     ("/score", {"text_1": "a", "text_2": ["b"] * 5}, "text_2", "at most 4"),
@@ -178,6 +179,9 @@ def test_an_embedding_model_scores_and_reranks_with_the_cosine_of_hf_embeddings(
     ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens",
      "max_model_len"),
     ("/score", {"text_1": "a", "text_2": "b", "use_activation": "yes"}, "use_activation", ""),
+    # Shorter than the pair's 3 special tokens: the tokenizer left the pair whole (5 tokens).
+    ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens",
+     "3 special tokens"),
     ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority", "scheduling policy"),
     ("/score", {"text_1": "a", "text_2": "b", "model": "other"}, "model", "does not exist"),
     ("/rerank", {"query": "", "documents": ["a"]}, "query", "empty"),
@@ -228,6 +232,9 @@ def test_routes_refuse_models_that_do_not_serve_them(classifier, embedder):
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["param"] == "model" and "does not serve" in error["message"], error
+        api = {"/score": "Score API", "/rerank": "Score API", "/v1/embeddings": "Embeddings API",
+               "/classify": "Classification API"}[route]
+        assert error["message"].startswith(f"This model does not serve the {api}"), error
         assert_no_block_held(engine)
 
 

@@ -7,6 +7,8 @@ test_sleep_mode_ray_http.py."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import weakref
 from pathlib import Path
@@ -120,6 +122,8 @@ def test_bad_level_and_tags_are_errors_naming_them(llm):
     try:
         with pytest.raises(ValueError, match=r"tags must be among \['weights', 'kv_cache'\], got \['kv'\]"):
             llm.wake_up(tags=["kv"])
+        llm.wake_up(tags=[])  # no tag: nothing woken (None is every tag), as in vLLM
+        assert llm.is_sleeping()
     finally:
         llm.wake_up()
 
@@ -208,6 +212,84 @@ def test_the_gpu_weight_offload_path_frees_and_restores_the_parameters(llm, llam
     llm.collective_rpc("reload_weights")
     assert llm.reset_prefix_cache()
     assert_hf_tokens(llm, llama_dir, prompts)
+
+
+def test_a_step_on_weights_discarded_by_level_2_and_never_loaded_is_warned(llm, llama_dir, prompts, monkeypatch,
+                                                                           caplog):
+    """vLLM serves zeroed weights' garbage silently (its issue 29341); here the first step
+    on them logs a warning, and none once weights are loaded (GPU path walked on the CPU)."""
+    monkeypatch.setattr(ModelRunner, "sleep_offload_devices", ("cuda", "cpu"))
+    with caplog.at_level(logging.WARNING, logger="raylm.executors.model_runner"):
+        llm.sleep(level=2)
+        llm.wake_up()
+        greedy(llm, prompts[:1])
+        assert "discarded by sleep(level=2)" in caplog.text
+        caplog.clear()
+        llm.collective_rpc("reload_weights")
+        assert llm.reset_prefix_cache()
+        assert_hf_tokens(llm, llama_dir, prompts)
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+        assert_hf_tokens(llm, llama_dir, prompts)
+    assert "discarded" not in caplog.text
+
+
+def test_a_cancelled_async_sleep_still_fails_the_requests_it_aborted(llama_dir):
+    """AsyncLLMEngine.sleep whose caller leaves (a client leaving /sleep) once the engine
+    slept: its aborted requests end with EngineSleepingError (they waited forever)."""
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), enable_sleep_mode=True,
+                                                        disable_log_stats=True, **ENGINE))
+
+    async def run() -> list[str]:
+        async def generate(index: int, started: asyncio.Event) -> str:
+            params = SamplingParams(max_tokens=120, ignore_eos=True)
+            stream = await engine.add_request(f"r{index}", {"prompt_token_ids": [5 + index]}, params)
+            try:
+                async for _ in stream:
+                    started.set()
+            except EngineSleepingError:
+                return "put to sleep"
+            return "finished"
+
+        events = [asyncio.Event() for _ in range(2)]
+        streams = [asyncio.create_task(generate(index, event)) for index, event in enumerate(events)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 30)
+        sleep = asyncio.create_task(engine.sleep(1))
+        while not await engine.is_sleeping():
+            await asyncio.sleep(0)
+        sleep.cancel()  # asleep, the call not answered yet
+        ends = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await engine.wake_up()
+        return ends
+
+    try:
+        assert asyncio.run(run()) == ["put to sleep"] * 2
+        assert_engine_idle(engine.engine)
+    finally:
+        engine.shutdown()
+
+
+def test_reload_weights_after_level_2_reloads_a_draft_model_too(llama_dir, prompts, monkeypatch):
+    """Level 2 discards the draft's weights with the target's (GPU path walked on the CPU):
+    reload_weights gives both back byte for byte (the draft stayed zeros)."""
+    monkeypatch.setattr(ModelRunner, "sleep_offload_devices", ("cuda", "cpu"))
+    llm = LLM(model=str(llama_dir), enable_sleep_mode=True,
+              speculative_config={"model": str(llama_dir), "num_speculative_tokens": 2}, **ENGINE)
+    try:
+        draft = llm.llm_engine.executor.driver_worker.model_runner.draft_runner.model
+        before = {name: p.detach().clone() for name, p in draft.named_parameters()}
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.collective_rpc("reload_weights")
+        for name, p in draft.named_parameters():
+            assert torch.equal(p, before[name]), name
+        assert_hf_tokens(llm, llama_dir, prompts)
+    finally:
+        llm.shutdown()
 
 
 class RLHFExtension:

@@ -6,10 +6,12 @@ compared with Hugging Face's on the weights the model holds."""
 from __future__ import annotations
 
 import json
+import math
 import operator
 
 import httpx
 import pytest
+import torch
 
 from engine_checks import assert_engine_idle
 from hf_reference import cached_hf_greedy
@@ -26,7 +28,8 @@ def test_tensor_parallel_2_sleeps_wakes_and_takes_pushed_weights(ray_cluster, ll
     llm = LLM(model=str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="ray",
               enable_sleep_mode=True, **ENGINE)
     try:
-        assert llm.collective_rpc(operator.attrgetter("tp_rank")) == [0, 1]
+        # math.inf: no deadline (Ray's wait overflowed converting it to milliseconds).
+        assert llm.collective_rpc(operator.attrgetter("tp_rank"), timeout=math.inf) == [0, 1]
         assert_hf_tokens(llm, llama_dir, prompts)
         llm.sleep(level=1)
         with pytest.raises(EngineSleepingError):
@@ -35,6 +38,10 @@ def test_tensor_parallel_2_sleeps_wakes_and_takes_pushed_weights(ray_cluster, ll
         llm.wake_up()
         assert_hf_tokens(llm, llama_dir, prompts)
 
+        # A trainer's bad tensor: the workers' error is raised here as it is, and they serve
+        # on (it marked them failed: every later call was refused).
+        with pytest.raises(ValueError, match="shape"):
+            llm.collective_rpc("load_weights", args=([("model.embed_tokens.weight", torch.zeros(3))],))
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
         loaded = llm.collective_rpc("load_weights", args=(checkpoint_weights(other_llama_dir),))
@@ -117,9 +124,16 @@ def test_bad_dev_route_arguments_are_400s_naming_them(server):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "level"
     reply = httpx.post(f"{base_url}/wake_up?tags=kv", headers=AUTH)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tags"
-    reply = httpx.post(f"{base_url}/collective_rpc", headers=AUTH, json={"method": "no_such_method"})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "method"
+    for body, param in [({"method": "no_such_method"}, "method"),
+                        ({"method": "mro"}, "method"),  # type's, not the workers'
+                        ({"method": "sleep"}, "method"),  # behind the engine's back: it then died stepping
+                        ({"method": "execute_model", "args": [None]}, "method"),
+                        ({"method": "reload_weights", "args": [1]}, "args"),
+                        ({"method": "reload_weights", "kwargs": {"strict": True}}, "args")]:
+        reply = httpx.post(f"{base_url}/collective_rpc", headers=AUTH, json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (body, reply.text)
     assert httpx.get(f"{base_url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
+    assert complete(base_url, [5, 6, 7]).status_code == 200
 
 
 def test_sleep_aborts_a_streamed_request_in_flight_with_a_503_event(server, llama_dir, prompts):
@@ -153,3 +167,31 @@ def test_without_dev_mode_there_are_no_sleep_routes(llama_dir, monkeypatch):
         assert not paths & {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/collective_rpc"}
     finally:
         engine.shutdown()
+
+
+def test_dev_routes_of_an_engine_without_sleep_mode_are_400s_naming_the_flag(llama_dir, monkeypatch):
+    """The flag is named, not `level` or `tags` (the request's fields are fine)."""
+    from raylm.deploy.server_args import ServerArgs
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+
+    monkeypatch.setenv("RAYLM_SERVER_DEV_MODE", "1")
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), num_gpu_blocks_override=16,
+                                                        max_model_len=64, disable_log_stats=True))
+    try:
+        with InProcessServer(engine, ServerArgs()) as base_url:
+            for route in ("/sleep?level=1", "/wake_up?tags=weights"):
+                error = httpx.post(f"{base_url}{route}").json()["error"]
+                assert error["code"] == 400 and error["param"] is None, error
+                assert "--enable-sleep-mode" in error["message"], error
+    finally:
+        engine.shutdown()
+
+
+def test_a_serve_app_with_dev_routes_needs_a_single_replica(llama_dir, monkeypatch):
+    """/sleep or a weight push through /collective_rpc reaches one replica: with several,
+    the others would serve on, awake or with the old weights. Refused before anything starts."""
+    from raylm.deploy.serve_app import app_builder
+
+    monkeypatch.setenv("RAYLM_SERVER_DEV_MODE", "1")
+    with pytest.raises(ValueError, match=r"RAYLM_SERVER_DEV_MODE's routes .* need a single engine replica"):
+        app_builder({"model": str(llama_dir), "enable_sleep_mode": True, "num_replicas": 2})
