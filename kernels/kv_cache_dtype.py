@@ -45,8 +45,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     limit = torch.finfo(dtype).max
     # The divisor is a tensor on x's device: on CUDA, PyTorch divides by a Python (CPU)
     # scalar as a multiply by its reciprocal, one fp32 bit off now and then, which moves a
-    # value on a rounding boundary to the next fp8 step (the H100 check of e64f436: the
-    # Triton KV write, which divides exactly, differed in a few of 3M values a run).
+    # value on a rounding boundary to the next fp8 step (2-3 of 4M values, emulated on the
+    # CPU); the Triton kernels divide exactly.
     divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
     return (x.float() / divisor).clamp_(-limit, limit).to(dtype)
 
