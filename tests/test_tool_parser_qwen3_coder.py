@@ -318,6 +318,35 @@ def test_long_reply_streamed_a_token_at_a_time_reads_each_character_a_bounded_nu
     assert per_character[20_000] < 1.2 * per_character[5_000], per_character
 
 
+class _ScanCountingText(str):
+    """A reply that counts the characters its `find` calls scan (up to the match, or to the
+    end of the range looked in)."""
+
+    scanned = 0
+
+    def find(self, sub: str, start: int = 0, end: int | None = None) -> int:
+        at = super().find(sub, start, end)
+        _ScanCountingText.scanned += (at if at != -1 else (len(self) if end is None else end)) - start
+        return at
+
+
+@pytest.mark.parametrize("unit", ["<function=f><parameter=a>x</parameter></function>",  # calls without tags
+                                  "<parameter=a>x"])  # parameters without their end tags
+def test_parse_of_many_calls_or_parameters_scans_each_character_a_bounded_number_of_times(unit):
+    """Tagless calls looked for the next `<tool_call>` to the reply's end each, and values
+    ended by the next `<parameter=` looked for `</parameter>` likewise: 20,000 calls took
+    3 s to parse, 16 times as long as 5,000."""
+    per_character = {}
+    for count in (1_000, 4_000):
+        body = unit * count
+        text = body if unit.startswith("<function=") else f"<tool_call><function=f>{body}</function></tool_call>"
+        _ScanCountingText.scanned = 0
+        parsed = _parser().parse(_ScanCountingText(text), final=True)
+        assert len(parsed.calls) == (count if unit.startswith("<function=") else 1)
+        per_character[count] = _ScanCountingText.scanned / len(text)
+    assert per_character[4_000] < 1.2 * per_character[1_000], per_character
+
+
 # A chat template that renders earlier assistant turns' calls the way Qwen3-Coder's does
 # (written here for the test): the function's name in the tag, its arguments, an object, as
 # parameters, strings bare and other values as JSON.
