@@ -17,7 +17,8 @@ from raylm.deploy.tool_calls import ToolCallStreamer, parse_reply
 from raylm.deploy.tool_parsers import TOOL_PARSERS, get_tool_parser
 from raylm.deploy.tool_parsers.qwen3_coder import Qwen3CoderToolParser, convert_parameter_value
 
-from test_tool_parsers import ReparseStreamer, _as_parsed, _pieces, _stream, _tokens
+from test_tool_parsers import _pieces, _stream, _tokens, assert_incremental_parse_answers_what_parse_answers, \
+    assert_streamed_deltas_are_the_reparsing_streams
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -205,28 +206,13 @@ def _replies(count: int, seed: int) -> list[str]:
 def test_incremental_parse_answers_what_parse_answers_after_every_delta():
     rng = random.Random(0)
     for text in _replies(600, seed=0):
-        parser, read = _parser(), ""
-        incremental_parse = parser.incremental()
-        for piece in _pieces(text, rng):
-            incremental_parse.feed(piece)
-            read += piece
-            for final in (False, True):
-                parsed = parser.parse(read, final)
-                assert _as_parsed(incremental_parse, final) == \
-                    (parsed.content, [(c.name, c.arguments) for c in parsed.calls]), (text, read, final)
+        assert_incremental_parse_answers_what_parse_answers(_parser(), text, rng, text)
 
 
 def test_streamed_deltas_are_those_of_a_stream_that_reparses_the_whole_text():
     rng = random.Random(1)
     for text in _replies(600, seed=1):
-        streamer, reference = ToolCallStreamer(_parser()), ReparseStreamer(_parser())
-        pieces, cut = _pieces(text, rng), rng.random() < 0.5
-        for index, piece in enumerate(pieces):
-            final = index == len(pieces) - 1
-            content, deltas = streamer.feed(piece, final, cut)
-            for delta in deltas or ():
-                delta.pop("id", None)
-            assert (content, deltas) == reference.feed(piece, final, cut), (text, index)
+        assert_streamed_deltas_are_the_reparsing_streams(_parser, text, rng)
 
 
 def test_a_reply_cut_anywhere_gives_the_same_calls_streamed_or_not():
