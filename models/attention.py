@@ -51,13 +51,15 @@ class Attention(nn.Module):
     def load_kv_scale(self, name: str, loaded: torch.Tensor, tensor_name: str | None = None) -> None:
         """Takes a checkpoint's `k_scale` or `v_scale` of this layer (a scalar, or one value
         per tensor-parallel shard or per KV head as some fp8 checkpoints store it: their
-        maximum, as vLLM takes a list outside its per-head attention backends). Every value must be a positive finite fp32 normal number: a subnormal
-        scale's reciprocal overflows and 16-bit caches or flushing kernels read it as 0."""
+        maximum, as vLLM takes a list outside its per-head attention backends). Every value
+        must be a positive finite fp32 normal number: a subnormal scale's reciprocal
+        overflows and 16-bit caches or flushing kernels read it as 0."""
         assert name in ("k_scale", "v_scale"), name
-        what = f"checkpoint tensor {tensor_name!r}" if tensor_name else f"The checkpoint's {name} of an attention layer"
+        what = f"checkpoint tensor {tensor_name!r}" if tensor_name else \
+            f"The checkpoint's {name} of an attention layer"
         if loaded.numel() == 0 or (loaded.dim() > 1 and loaded.numel() > 1):
-            raise ValueError(f"{what} ({name}) must be a scalar or a list (one value per tensor-parallel shard or KV head), got shape "
-                             f"{list(loaded.shape)}.")
+            raise ValueError(f"{what} ({name}) must be a scalar or a list (one value per tensor-parallel shard or KV "
+                             f"head), got shape {list(loaded.shape)}.")
         smallest, largest = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
         values = loaded.double().reshape(-1).tolist()
         bad = next((value for value in values if not smallest <= value <= largest), None)  # NaN too
