@@ -20,6 +20,7 @@ mode, which needs a stored response, is a 400.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -44,13 +45,16 @@ _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 
 
 def _renamed(error: OpenAIError) -> OpenAIError:
-    """The chat route's error, naming the Responses field (in its message too, where the
-    chat field's name is not also a word of the sentence)."""
+    """The chat route's error, naming the Responses field (in its message too: "messages"
+    where the sentence names the prompt, "the messages" or "your messages", not where it
+    counts chat messages)."""
     name = _RESPONSES_PARAMS.get(error.param)
     if name is None:
         return error
     if error.param != "messages":
         error.message = error.message.replace(error.param, name)
+    else:
+        error.message = re.sub(r"\b(The|the|your) messages\b", rf"\1 {name}", error.message)
     error.param = name
     return error
 
