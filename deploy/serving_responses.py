@@ -20,6 +20,7 @@ mode, which needs a stored response, is a 400.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -44,13 +45,16 @@ _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 
 
 def _renamed(error: OpenAIError) -> OpenAIError:
-    """The chat route's error, naming the Responses field (in its message too, where the
-    chat field's name is not also a word of the sentence)."""
+    """The chat route's error, naming the Responses field (in its message too: "messages"
+    where the sentence names the prompt, "the messages" or "your messages", not where it
+    counts chat messages)."""
     name = _RESPONSES_PARAMS.get(error.param)
     if name is None:
         return error
     if error.param != "messages":
         error.message = error.message.replace(error.param, name)
+    else:
+        error.message = re.sub(r"\b(The|the|your) messages\b", rf"\1 {name}", error.message)
     error.param = name
     return error
 
@@ -176,7 +180,7 @@ def _function_call_item(call_id: str, name: str, arguments: str, status: str,
             "arguments": arguments, "status": status}
 
 
-def output_items(message: ChatResponseMessage, cut: bool) -> list[dict[str, Any]]:
+def output_items(message: ChatResponseMessage, cut_by_max_tokens: bool) -> list[dict[str, Any]]:
     """A chat reply as output items, in the order the model wrote them: its reasoning, its
     text (also when the reply is empty, so that there is always an item), its calls. The
     last is "incomplete" when max_output_tokens cut the reply."""
@@ -188,7 +192,7 @@ def output_items(message: ChatResponseMessage, cut: bool) -> list[dict[str, Any]
     for call in message.tool_calls:
         function = call["function"]
         items.append(_function_call_item(call["id"], function["name"], function["arguments"], "completed"))
-    if cut:
+    if cut_by_max_tokens:
         items[-1]["status"] = "incomplete"
     return items
 
@@ -247,9 +251,10 @@ class OpenAIServingResponses:
             return SSEResponse(events.translate(answer.body_iterator), answer.reservation)
         chat = ChatCompletionResponse.model_validate_json(answer.body)
         (choice,) = chat.choices
-        cut = choice.finish_reason == "length"
-        body = response_object(request, response_id, created_at, chat.model, output_items(choice.message, cut),
-                               "incomplete" if cut else "completed", _usage(chat.usage))
+        cut_by_max_tokens = choice.finish_reason == "length"
+        output = output_items(choice.message, cut_by_max_tokens)
+        body = response_object(request, response_id, created_at, chat.model, output,
+                               "incomplete" if cut_by_max_tokens else "completed", _usage(chat.usage))
         return JSONResponse(body)
 
 
@@ -265,9 +270,9 @@ class ResponseEventStream:
         self.created_at = created_at
         self.model = model
         self.sequence_number = 0
-        self.done: list[dict[str, Any]] = []  # the closed output items
-        self.item: dict[str, Any] | None = None  # the open one, and its text so far
-        self.text = ""
+        self.closed_items: list[dict[str, Any]] = []
+        self.item: dict[str, Any] | None = None  # the open output item, and its text so far
+        self.item_text = ""
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -275,8 +280,8 @@ class ResponseEventStream:
         return f"event: {kind}\n" + sse(body)
 
     def response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_object(self.request, self.response_id, self.created_at, self.model, list(self.done), status,
-                               usage)
+        return response_object(self.request, self.response_id, self.created_at, self.model, list(self.closed_items),
+                               status, usage)
 
     async def translate(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         finish_reason, usage = None, None
@@ -298,13 +303,13 @@ class ResponseEventStream:
                     for event in self._delta(delta):
                         yield event
                     finish_reason = choice.get("finish_reason") or finish_reason
-            cut = finish_reason == "length"
-            if self.item is None and not self.done:  # an empty reply is an empty message, as unstreamed
+            cut_by_max_tokens = finish_reason == "length"
+            if self.item is None and not self.closed_items:  # an empty reply is an empty message, as unstreamed
                 for event in self._open("message"):
                     yield event
-            for event in self._close("incomplete" if cut else "completed"):
+            for event in self._close("incomplete" if cut_by_max_tokens else "completed"):
                 yield event
-            status = "incomplete" if cut else "completed"
+            status = "incomplete" if cut_by_max_tokens else "completed"
             yield self.event(f"response.{status}", response=self.response(status, _usage(usage)))
         finally:
             aclose = getattr(chunks, "aclose", None)
@@ -331,9 +336,9 @@ class ResponseEventStream:
 
     def _text_delta(self, kind: str, text: str, **fields: Any) -> list[str]:
         assert self.item is not None
-        self.text += text
+        self.item_text += text
         content = {} if kind == "response.function_call_arguments.delta" else {"content_index": 0}
-        return [self.event(kind, item_id=self.item["id"], output_index=len(self.done), **content, delta=text,
+        return [self.event(kind, item_id=self.item["id"], output_index=len(self.closed_items), **content, delta=text,
                            **fields)]
 
     def _open(self, kind: str, call_id: str = "", name: str = "") -> list[str]:
@@ -342,8 +347,8 @@ class ResponseEventStream:
         else:
             item = _reasoning_item if kind == "reasoning" else _message_item
             self.item = {**item("", "in_progress"), "content": []}
-        self.text = ""
-        index = len(self.done)
+        self.item_text = ""
+        index = len(self.closed_items)
         events = [self.event("response.output_item.added", output_index=index, item=self.item)]
         if kind != "function_call":
             part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
@@ -356,7 +361,7 @@ class ResponseEventStream:
         item = self.item
         if item is None:
             return []
-        index, text, item_id = len(self.done), self.text, item["id"]
+        index, text, item_id = len(self.closed_items), self.item_text, item["id"]
         if item["type"] == "function_call":
             closed = _function_call_item(item["call_id"], item["name"], text, status, item_id)
             events = [self.event("response.function_call_arguments.done", item_id=item_id, output_index=index,
@@ -374,6 +379,6 @@ class ResponseEventStream:
                       self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                                  part=closed["content"][0])]
         events.append(self.event("response.output_item.done", output_index=index, item=closed))
-        self.done.append(closed)
-        self.item, self.text = None, ""
+        self.closed_items.append(closed)
+        self.item, self.item_text = None, ""
         return events

@@ -48,16 +48,25 @@ class Attention(nn.Module):
         # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
 
-    def load_kv_scale(self, name: str, loaded: torch.Tensor) -> None:
+    def load_kv_scale(self, name: str, loaded: torch.Tensor, tensor_name: str | None = None) -> None:
         """Takes a checkpoint's `k_scale` or `v_scale` of this layer (a scalar, or one value
-        per tensor-parallel shard as some fp8 checkpoints store it: their maximum, as vLLM
-        takes it)."""
+        per tensor-parallel shard or per KV head as some fp8 checkpoints store it: their
+        maximum, as vLLM takes a list outside its per-head attention backends). Every value
+        must be a positive finite fp32 normal number: a subnormal scale's reciprocal
+        overflows and 16-bit caches or flushing kernels read it as 0."""
         assert name in ("k_scale", "v_scale"), name
-        value = float(loaded.float().max())
-        if not value > 0 or value == float("inf"):
-            raise ValueError(f"The checkpoint's {name} of an attention layer must be a positive finite number, "
-                             f"got {value}.")
-        setattr(self, name, value)
+        what = f"checkpoint tensor {tensor_name!r}" if tensor_name else \
+            f"The checkpoint's {name} of an attention layer"
+        if loaded.numel() == 0 or (loaded.dim() > 1 and loaded.numel() > 1):
+            raise ValueError(f"{what} ({name}) must be a scalar or a list (one value per tensor-parallel shard or KV "
+                             f"head), got shape {list(loaded.shape)}.")
+        smallest, largest = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+        values = loaded.double().reshape(-1).tolist()
+        bad = next((value for value in values if not smallest <= value <= largest), None)  # NaN too
+        if bad is not None:
+            raise ValueError(f"{what} must hold positive finite numbers (fp32 normal, at least {smallest:.3g}), "
+                             f"got {bad}.")
+        setattr(self, name, max(values))
 
     def fused_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
         """(k_cache, v_cache, slot_mapping, k_scale, v_scale) of this step where the rotary kernel may store its
@@ -143,6 +152,6 @@ def load_checkpoint_kv_scale(model: nn.Module, name: str, tensor) -> bool:
         raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale, but {prefix!r} is no attention layer of "
                          f"{type(model).__name__}.")
     for attribute in _KV_SCALE_SUFFIXES[suffix]:
-        layer.load_kv_scale(attribute, read_weight(tensor))
+        layer.load_kv_scale(attribute, read_weight(tensor), name)
     return True
 

@@ -328,8 +328,29 @@ def test_checkpoint_scales_of_no_attention_layer_or_not_positive_are_errors_nami
     assert (model.self_attn.attn.k_scale, model.self_attn.attn.v_scale) == (0.5, 0.5)
     with pytest.raises(ValueError, match="'mlp.k_scale' is a KV-cache scale, but 'mlp' is no attention layer"):
         load_checkpoint_kv_scale(model, "mlp.k_scale", torch.tensor(0.5))
-    with pytest.raises(ValueError, match="v_scale of an attention layer must be a positive finite number, got -1.0"):
+    with pytest.raises(ValueError, match="'self_attn.v_proj.v_scale' must hold positive finite numbers .*got -1.0"):
         load_checkpoint_kv_scale(model, "self_attn.v_proj.v_scale", torch.tensor(-1.0))
+
+
+@pytest.mark.parametrize("scale,message", [
+    (torch.tensor([0.5, -1.0]), "must hold positive finite numbers .*got -1.0"),  # one shard's: max() hid it
+    (torch.tensor([0.5, float("nan")]), "must hold positive finite numbers .*got nan"),
+    (torch.tensor(2.0 ** -140), "fp32 normal, at least 1.18e-38.*got 7.17"),  # subnormal: 1 / scale is inf
+    (torch.empty(0), r"must be a scalar or a list \(one value per tensor-parallel shard or KV head\), got shape \[0\]"),
+    (torch.ones(3, 4), r"must be a scalar or a list \(.*\), got shape \[3, 4\]"),
+])
+def test_a_checkpoint_scale_of_the_wrong_shape_or_with_any_bad_value_is_an_error_naming_the_tensor(scale, message):
+    from torch import nn
+
+    from raylm.models.attention import Attention, load_checkpoint_kv_scale
+
+    model = nn.Module()
+    model.self_attn = nn.Module()
+    model.self_attn.attn = Attention(4, 16, 0.25, num_kv_heads=2)
+    with pytest.raises(ValueError, match=f"checkpoint tensor 'self_attn.k_scale' .*{message}"):
+        load_checkpoint_kv_scale(model, "self_attn.k_scale", scale)
+    assert load_checkpoint_kv_scale(model, "self_attn.k_scale", torch.tensor([[0.25]]))  # one value, any shape
+    assert model.self_attn.attn.k_scale == 0.25
 
 
 # ---- compiled for an H100 ----------------------------------------------------------------------

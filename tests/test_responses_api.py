@@ -336,6 +336,14 @@ def test_bad_request_is_refused_naming_the_field(apps, body, status, param):
     assert error["message"]
 
 
+@pytest.mark.parametrize("words", [3_000, 300])  # past --max-prompt-chars; past the context, in tokens
+def test_a_prompt_too_long_is_named_input_in_the_message_too(apps, words):
+    reply = post(apps["plain"], "/v1/responses", {"input": "word " * words})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "input", error
+    assert "input has" in error["message"] and "messages" not in error["message"], error
+
+
 def test_nulls_stand_for_the_defaults(apps):
     nulls = {name: None for name in ("tools", "tool_choice", "parallel_tool_calls", "store", "background",
                                      "truncation", "text", "reasoning", "metadata", "top_p")}

@@ -17,7 +17,8 @@ from raylm.deploy.tool_calls import ToolCallStreamer, parse_reply
 from raylm.deploy.tool_parsers import TOOL_PARSERS, get_tool_parser
 from raylm.deploy.tool_parsers.qwen3_coder import Qwen3CoderToolParser, convert_parameter_value
 
-from test_tool_parsers import ReparseStreamer, _as_parsed, _pieces, _stream, _tokens
+from test_tool_parsers import _pieces, _stream, _tokens, assert_incremental_parse_answers_what_parse_answers, \
+    assert_streamed_deltas_are_the_reparsing_streams
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -205,28 +206,13 @@ def _replies(count: int, seed: int) -> list[str]:
 def test_incremental_parse_answers_what_parse_answers_after_every_delta():
     rng = random.Random(0)
     for text in _replies(600, seed=0):
-        parser, read = _parser(), ""
-        incremental_parse = parser.incremental()
-        for piece in _pieces(text, rng):
-            incremental_parse.feed(piece)
-            read += piece
-            for final in (False, True):
-                parsed = parser.parse(read, final)
-                assert _as_parsed(incremental_parse, final) == \
-                    (parsed.content, [(c.name, c.arguments) for c in parsed.calls]), (text, read, final)
+        assert_incremental_parse_answers_what_parse_answers(_parser(), text, rng, text)
 
 
 def test_streamed_deltas_are_those_of_a_stream_that_reparses_the_whole_text():
     rng = random.Random(1)
     for text in _replies(600, seed=1):
-        streamer, reference = ToolCallStreamer(_parser()), ReparseStreamer(_parser())
-        pieces, cut = _pieces(text, rng), rng.random() < 0.5
-        for index, piece in enumerate(pieces):
-            final = index == len(pieces) - 1
-            content, deltas = streamer.feed(piece, final, cut)
-            for delta in deltas or ():
-                delta.pop("id", None)
-            assert (content, deltas) == reference.feed(piece, final, cut), (text, index)
+        assert_streamed_deltas_are_the_reparsing_streams(_parser, text, rng)
 
 
 def test_a_reply_cut_anywhere_gives_the_same_calls_streamed_or_not():
@@ -316,6 +302,35 @@ def test_long_reply_streamed_a_token_at_a_time_reads_each_character_a_bounded_nu
     # Each character: the delta, its escaped copy sent on, a slice or two; not the square.
     assert max(per_character.values()) < 6, per_character
     assert per_character[20_000] < 1.2 * per_character[5_000], per_character
+
+
+class _ScanCountingText(str):
+    """A reply that counts the characters its `find` calls scan (up to the match, or to the
+    end of the range looked in)."""
+
+    scanned = 0
+
+    def find(self, sub: str, start: int = 0, end: int | None = None) -> int:
+        at = super().find(sub, start, end)
+        _ScanCountingText.scanned += (at if at != -1 else (len(self) if end is None else end)) - start
+        return at
+
+
+@pytest.mark.parametrize("unit", ["<function=f><parameter=a>x</parameter></function>",  # calls without tags
+                                  "<parameter=a>x"])  # parameters without their end tags
+def test_parse_of_many_calls_or_parameters_scans_each_character_a_bounded_number_of_times(unit):
+    """Tagless calls looked for the next `<tool_call>` to the reply's end each, and values
+    ended by the next `<parameter=` looked for `</parameter>` likewise: 20,000 calls took
+    3 s to parse, 16 times as long as 5,000."""
+    per_character = {}
+    for count in (1_000, 4_000):
+        body = unit * count
+        text = body if unit.startswith("<function=") else f"<tool_call><function=f>{body}</function></tool_call>"
+        _ScanCountingText.scanned = 0
+        parsed = _parser().parse(_ScanCountingText(text), final=True)
+        assert len(parsed.calls) == (count if unit.startswith("<function=") else 1)
+        per_character[count] = _ScanCountingText.scanned / len(text)
+    assert per_character[4_000] < 1.2 * per_character[1_000], per_character
 
 
 # A chat template that renders earlier assistant turns' calls the way Qwen3-Coder's does

@@ -309,18 +309,23 @@ def _as_parsed(incremental_parse, final: bool) -> tuple[str, list[tuple[str, str
         [(call.name, call.arguments(log, 0, call.arguments_length(log.length))) for call in calls]
 
 
+def assert_incremental_parse_answers_what_parse_answers(parser, text: str, rng: random.Random, label: str) -> None:
+    """Feeds the text in random pieces to the parser's incremental parse and checks, after
+    every piece, final or not, that it answers what `parse` of the text so far answers."""
+    incremental_parse, read = parser.incremental(), ""
+    for piece in _pieces(text, rng):
+        incremental_parse.feed(piece)
+        read += piece
+        for final in (False, True):
+            parsed = parser.parse(read, final)
+            assert _as_parsed(incremental_parse, final) == \
+                (parsed.content, [(call.name, call.arguments) for call in parsed.calls]), (label, read, final)
+
+
 def test_incremental_parse_answers_what_parse_answers_after_every_delta() -> None:
     rng = random.Random(0)
     for name, text in _mutated_replies(1500, seed=0):
-        parser, read = PARSERS[name](), ""
-        incremental_parse = parser.incremental()
-        for piece in _pieces(text, rng):
-            incremental_parse.feed(piece)
-            read += piece
-            for final in (False, True):
-                parsed = parser.parse(read, final)
-                assert _as_parsed(incremental_parse, final) == \
-                    (parsed.content, [(call.name, call.arguments) for call in parsed.calls]), (name, read, final)
+        assert_incremental_parse_answers_what_parse_answers(PARSERS[name](), text, rng, name)
 
 
 class ReparseStreamer:
@@ -353,17 +358,24 @@ class ReparseStreamer:
         return content or None, deltas or None
 
 
+def assert_streamed_deltas_are_the_reparsing_streams(make_parser, text: str, rng: random.Random) -> None:
+    """Streams the text in random pieces through `ToolCallStreamer` and `ReparseStreamer`
+    (each over a parser `make_parser()` gives) and checks that every piece's content and
+    deltas are the same."""
+    streamer, reference = ToolCallStreamer(make_parser()), ReparseStreamer(make_parser())
+    pieces, cut = _pieces(text, rng), rng.random() < 0.5  # the last piece ended for its length or not
+    for index, piece in enumerate(pieces):
+        final = index == len(pieces) - 1
+        content, deltas = streamer.feed(piece, final, cut)
+        for delta in deltas or ():
+            delta.pop("id", None)  # ids are random
+        assert (content, deltas) == reference.feed(piece, final, cut), (text, index)
+
+
 def test_streamed_deltas_are_those_of_a_stream_that_reparses_the_whole_text() -> None:
     rng = random.Random(1)
     for name, text in _mutated_replies(1500, seed=1):
-        streamer, reference = ToolCallStreamer(PARSERS[name]()), ReparseStreamer(PARSERS[name]())
-        pieces, cut = _pieces(text, rng), rng.random() < 0.5  # the last piece ended for its length or not
-        for index, piece in enumerate(pieces):
-            final = index == len(pieces) - 1
-            content, deltas = streamer.feed(piece, final, cut)
-            for delta in deltas or ():
-                delta.pop("id", None)  # ids are random
-            assert (content, deltas) == reference.feed(piece, final, cut), (name, text, index)
+        assert_streamed_deltas_are_the_reparsing_streams(PARSERS[name], text, rng)
 
 
 def _long_reply(name: str, size: int) -> str:

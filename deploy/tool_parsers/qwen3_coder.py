@@ -210,8 +210,12 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _parse_calls(self, text: str, pos: int, final: bool, calls: list[ParsedCall]) -> None:
         seen_block = False
+        # The next `<tool_call>` is looked for again only once read past: found afresh after
+        # every tagless function, a reply of those without a tag cost the square of its length.
+        block = text.find(TOOL_CALL_START, pos)
         while True:
-            block = text.find(TOOL_CALL_START, pos)
+            if block != -1 and block < pos:
+                block = text.find(TOOL_CALL_START, pos)
             bare = -1 if seen_block else text.find(FUNCTION_START, pos)
             if block == -1 and bare == -1:
                 return
@@ -252,10 +256,13 @@ class Qwen3CoderToolParser(ToolParser):
         properties = self.properties(call.name)
         parts = ["{"]
         at = text.find(PARAMETER_START, name_end, limit)
+        # The next `</parameter>`, looked for again only once read past (as the next block).
+        parameter_end = text.find(PARAMETER_END, name_end, limit)
         while at != -1:
             key_start = at + len(PARAMETER_START)
-            ends = [i for i in (text.find(PARAMETER_END, key_start, limit),
-                                text.find(PARAMETER_START, key_start, limit)) if i != -1]
+            if parameter_end != -1 and parameter_end < key_start:
+                parameter_end = text.find(PARAMETER_END, key_start, limit)
+            ends = [i for i in (parameter_end, text.find(PARAMETER_START, key_start, limit)) if i != -1]
             value_end = min(ends, default=limit)
             key_end = text.find(">", key_start, value_end)
             if key_end == -1:
