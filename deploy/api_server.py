@@ -238,7 +238,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
         logger.warning("--enable-log-outputs logs nothing without --enable-log-requests (as in vLLM).")
     completions = OpenAIServingCompletion(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                           models=serving_models, response_budget=response_budget,
-                                          return_tokens_as_token_ids=as_ids, request_logger=request_logger)
+                                          return_tokens_as_token_ids=as_ids, request_logger=request_logger,
+                                          enable_prompt_tokens_details=server_args.enable_prompt_tokens_details)
     embeddings = OpenAIServingEmbedding(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                         models=serving_models, response_budget=response_budget,
                                         request_logger=request_logger)
@@ -257,7 +258,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
                              tool_config=tool_config, reasoning_parser=reasoning_parser, models=serving_models,
                              response_budget=response_budget, return_tokens_as_token_ids=as_ids,
                              request_logger=request_logger, response_role=server_args.response_role,
-                             chat_template_content_format=server_args.chat_template_content_format)
+                             chat_template_content_format=server_args.chat_template_content_format,
+                             enable_prompt_tokens_details=server_args.enable_prompt_tokens_details)
     metrics = ServerMetrics(engine, model_names[0])
     if engine.engine.structured_output_manager is not None:
         _start_compile_worker(engine.engine.structured_output_manager)

@@ -12,8 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
-                      model_validator)
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
+                      field_validator, model_validator)
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams, truncated_prompt
@@ -89,12 +89,18 @@ class CompletionTokensDetails(OpenAIBaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
     # Chat under --reasoning-parser: the completion's tokens spent reasoning (OpenAI's field).
     completion_tokens_details: CompletionTokensDetails | None = None
+    # --enable-prompt-tokens-details: the prompt's tokens served from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelPermission(OpenAIBaseModel):
@@ -482,6 +488,8 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    # Set by /v1/responses, whose usage always reports cached tokens (OpenAI's does).
+    _with_prompt_tokens_details: bool = PrivateAttr(default=False)
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

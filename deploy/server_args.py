@@ -164,6 +164,9 @@ class ServerArgs(SettingsMixin):
     disable_log_requests: bool = field(default=False, metadata=setting(
         "vLLM's older spelling, from before request logging was off by default: requests are not logged, as "
         "without --enable-log-requests; the two together are an error."))
+    enable_prompt_tokens_details: bool = field(default=False, metadata=setting(
+        "Completions' and chats' usage also gives prompt_tokens_details.cached_tokens: the prompt's tokens whose "
+        "keys and values came from the prefix cache (vLLM's flag; off). /v1/responses always reports them."))
     enable_log_outputs: bool = field(default=False, metadata=setting(
         "With --enable-log-requests: also log each choice as it finishes, at INFO: the text as the model wrote it "
         "(reasoning and tool-call markup included), its token ids (both cut to --max-log-len) and finish reason; "

@@ -21,7 +21,8 @@ from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
-                                   ChatResponseMessage, CompletionTokensDetails, DeltaMessage, UsageInfo, random_id)
+                                   ChatResponseMessage, CompletionTokensDetails, DeltaMessage, PromptTokensDetails,
+                                   UsageInfo, random_id)
 from raylm.deploy.reasoning_parsers import ReasoningParser, ReasoningSplit
 from raylm.deploy.response_budget import RETRY_AFTER_S
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse, sse_error,
@@ -228,7 +229,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=completion.stop_reason,
                 token_ids=token_ids if request.return_token_ids else None))
         usage = _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
-                       self._reasoning_tokens([c.token_ids for c in final.outputs], in_reasoning, reasoning_parser))
+                       self._reasoning_tokens([c.token_ids for c in final.outputs], in_reasoning, reasoning_parser),
+                       self._cached_tokens(request, final))
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage,
                                       prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
 
@@ -349,7 +351,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=index, delta=DeltaMessage(role=role, content=echo)),
                     prompt_token_ids if request.return_token_ids else None)
+            last_output = None
             async for _, output in merge_async_iterators([stream]):
+                last_output = output
                 for completion in output.outputs:
                     if logged is not None:
                         self.log_streamed(logged[completion.index], f"{request_id}-0", completion)
@@ -400,10 +404,17 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[],
                     usage=_usage(prompt_tokens, completion_tokens,
-                                 self._reasoning_tokens(choice_token_ids, in_reasoning, reasoning_parser))))
+                                 self._reasoning_tokens(choice_token_ids, in_reasoning, reasoning_parser),
+                                 self._cached_tokens(request, last_output))))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE
+
+    def _cached_tokens(self, request: ChatCompletionRequest, output: RequestOutput | None) -> int | None:
+        """The prompt's prefix-cache hits for usage, when the server or the route asks for them."""
+        if output is None or not (self.enable_prompt_tokens_details or request._with_prompt_tokens_details):
+            return None
+        return output.num_cached_tokens or 0
 
     def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
                       top_logprobs: int | None, as_ids: bool = False) -> ChatCompletionLogProbs:
@@ -426,10 +437,13 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> UsageInfo:
+def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+           cached_tokens: int | None = None) -> UsageInfo:
     details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if reasoning_tokens is not None else None
+    prompt_details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
+                     total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details,
+                     prompt_tokens_details=prompt_details)
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                    CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
-                                   UsageInfo, random_id)
+                                   PromptTokensDetails, UsageInfo, random_id)
 from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, merge_async_iterators, sse,
                                          sse_error, token_id_placeholder)
 from raylm.engine.beam_search import beams_to_keep
@@ -120,9 +120,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_logprobs=_prompt_logprobs_body(output),
                     prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
                     token_ids=list(completion.token_ids) if request.return_token_ids else None))
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+        usage = _usage(prompt_tokens, completion_tokens, self._cached_tokens(finals))
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
+
+    def _cached_tokens(self, outputs: list[RequestOutput | None]) -> int | None:
+        """The prompts' prefix-cache hits together, under --enable-prompt-tokens-details."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return sum(output.num_cached_tokens or 0 for output in outputs if output is not None)
 
     def _echo_text(self, request: CompletionRequest, output: RequestOutput) -> str:
         """The prompt's text that `echo` puts before a choice's text. With return_token_ids
@@ -142,6 +147,7 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = self.tokens_as_ids(request)
         completion_tokens = 0
         prompt_tokens = [0] * len(streams)
+        last_outputs: list[RequestOutput | None] = [None] * len(streams)  # for the prompts' cache hits
         usage_per_chunk = request.stream_options is not None and request.stream_options.usage_per_chunk
         # --enable-log-outputs: each choice's text and ids so far, logged whole when it finishes.
         logged: list[tuple[list[str], list[int]]] | None = \
@@ -149,6 +155,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for prompt_index, output in merge_async_iterators(streams):
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                last_outputs[prompt_index] = output
                 for completion in output.outputs:
                     choice_index = prompt_index * n + completion.index
                     text, token_ids = completion.text, list(completion.token_ids)
@@ -181,7 +188,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(chunk)
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                   usage=_usage(sum(prompt_tokens), completion_tokens)))
+                                                   usage=_usage(sum(prompt_tokens), completion_tokens,
+                                                                self._cached_tokens(last_outputs))))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as vLLM does
             yield sse_error(exc)
         yield SSE_DONE
@@ -216,9 +224,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return result
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)
+                     if cached_tokens is not None else None)
 
 
 def _prompt_logprobs_body(output: RequestOutput) -> list[dict[int, dict[str, Any]] | None] | None:

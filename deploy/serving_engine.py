@@ -45,8 +45,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], tokenizer: Any,
                  limits: RequestLimits | None = None, model_aliases: Iterable[str] = (),
                  models: Any = None, response_budget: ResponseBudget | None = None,
-                 return_tokens_as_token_ids: bool = False, request_logger: RequestLogger | None = None) -> None:
+                 return_tokens_as_token_ids: bool = False, request_logger: RequestLogger | None = None,
+                 enable_prompt_tokens_details: bool = False) -> None:
         self.engine = engine
+        # --enable-prompt-tokens-details: usage carries the prompt's prefix-cache hits.
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         # --enable-log-requests: logs each engine request as it is added (None: off).
         self.request_logger = request_logger
         # --return-tokens-as-token-ids: logprobs name tokens `token_id:{id}` unless a request says.

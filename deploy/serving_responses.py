@@ -137,12 +137,14 @@ def chat_request_of(request: ResponsesRequest) -> ChatCompletionRequest:
         # As vLLM passes a chat request's reasoning_effort: templates that read it (gpt-oss's) use it.
         fields["chat_template_kwargs"] = {"reasoning_effort": request.reasoning.effort}
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        chat_request = ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         param = str(error["loc"][0]) if error.get("loc") else None
         raise OpenAIError(f"{error.get('msg')} (at {'.'.join(str(p) for p in error.get('loc', ()))})",
                           param=_RESPONSES_PARAMS.get(param, param)) from None
+    chat_request._with_prompt_tokens_details = True  # OpenAI's usage always has cached_tokens
+    return chat_request
 
 
 def _check_stateless(request: ResponsesRequest) -> None:
@@ -203,8 +205,9 @@ def _usage(usage: UsageInfo | dict[str, Any] | None) -> dict[str, Any] | None:
     usage = UsageInfo.model_validate(usage) if isinstance(usage, dict) else usage
     details = usage.completion_tokens_details
     output_tokens = usage.completion_tokens or 0
-    # raylm's chat usage does not carry prefix-cache hits: cached_tokens says 0.
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details is not None else 0},
             "total_tokens": usage.prompt_tokens + output_tokens}

@@ -76,6 +76,11 @@ class RequestOutput:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the prefix cache (vLLM's field)."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else None
+
 
 @dataclass
 class PoolingOutput:

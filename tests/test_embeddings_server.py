@@ -66,7 +66,7 @@ def test_float_embeddings_of_texts_and_token_ids_equal_hf(server, llama_dir):
     assert all(item["object"] == "embedding" for item in body["data"])
     assert body["usage"] == {"prompt_tokens": sum(map(len, expected_prompts)),
                              "total_tokens": sum(map(len, expected_prompts)), "completion_tokens": 0,
-                             "completion_tokens_details": None}
+                             "completion_tokens_details": None, "prompt_tokens_details": None}
     for prompt, item in zip(expected_prompts, body["data"]):
         torch.testing.assert_close(torch.tensor(item["embedding"]), hf_embedding(llama_dir, prompt), atol=1e-4, rtol=0)
     reply = post(base_url, {"input": token_ids})

@@ -244,7 +244,12 @@ def test_stream_adds_up_to_the_unstreamed_response(apps, app, body):
     final = events[-1]
     assert final.type == f"response.{unstreamed.status}"
     assert items(final.response) == items(unstreamed)
-    assert final.response.usage == unstreamed.usage
+    # The same but for the prefix-cache hits: the stream came second and found the prompt cached.
+    cached = final.response.usage.input_tokens_details
+    assert final.response.usage.model_copy(update={"input_tokens_details": unstreamed.usage.input_tokens_details}) \
+        == unstreamed.usage
+    assert cached.cached_tokens == final.response.usage.input_tokens // 16 * 16 - \
+        (16 if final.response.usage.input_tokens % 16 == 0 else 0)
     # Each item: added, its deltas, their .done with the whole text, then output_item.done.
     deltas: dict[str, str] = {}
     for event in events:
@@ -401,6 +406,20 @@ def test_ray_serve_router_keys_a_response_as_its_chat_request(model_dir):
     assert key is not None and key.num_tokens >= 16
     assert key == keyer.key(CHAT_ROUTE, json.dumps(chat).encode())
     assert key != keyer.key(RESPONSES_ROUTE, json.dumps({**body, "instructions": "Other."}).encode())
+
+
+def test_usage_reports_the_prompts_prefix_cache_hits(apps):
+    """The same input twice: the second finds every full 16-token block of its prompt
+    cached (OpenAI's input_tokens_details.cached_tokens), streamed or not."""
+    text = "Explain how prefix caching reuses the keys and values of a shared prompt, in detail."
+    first, second = (respond(apps["plain"], input=text, instructions="Be brief.", max_output_tokens=2)
+                     for _ in range(2))
+    prompt_len = first.usage.input_tokens
+    assert prompt_len > 32 and prompt_len % 16
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert second.usage.input_tokens_details.cached_tokens == prompt_len // 16 * 16
+    events = stream(apps["plain"], input=text, instructions="Be brief.", max_output_tokens=2)
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == prompt_len // 16 * 16
 
 
 def test_no_kv_blocks_are_left_after_the_requests(engine, apps):

@@ -150,6 +150,33 @@ def test_enable_log_outputs_alone_logs_nothing_and_says_so(engine, caplog):
     assert "--enable-log-outputs logs nothing without --enable-log-requests" in caplog.text
 
 
+# ------------------------------------------------------- prompt tokens details
+def test_enable_prompt_tokens_details_reports_the_prefix_cache_hits(engine):
+    """A 40-token prompt sent twice: the second finds its first two 16-token blocks cached
+    (32 tokens; the third block is not full), streamed or not, completions or chat; without
+    the flag usage has no prompt_tokens_details, as vLLM's."""
+    app = build_app(engine, ServerArgs(enable_prompt_tokens_details=True))
+    prompt = list(range(100, 140))
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    cached = [post(app, "/v1/completions", body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for _ in range(2)]
+    assert cached == [0, 32]
+    streamed = stream_events(post(app, "/v1/completions", dict(body, stream=True,
+                                                               stream_options={"include_usage": True})))
+    assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    # Two prompts of a request count together.
+    both = post(app, "/v1/completions", dict(body, prompt=[prompt, prompt[:20] + list(range(200, 220))])).json()
+    assert both["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 + 16
+    messages = [{"role": "user", "content": "Tell me about paged attention and prefix caching, at great length."}]
+    chat = [post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()["usage"]
+            for _ in range(2)]
+    prompt_len = chat[0]["prompt_tokens"]  # the rendered prompt's (checked by the chat tests)
+    assert prompt_len > 32 and prompt_len % 16
+    assert chat[1]["prompt_tokens_details"]["cached_tokens"] == prompt_len // 16 * 16
+    plain = post(build_app(engine, ServerArgs()), "/v1/completions", body).json()["usage"]
+    assert plain["prompt_tokens_details"] is None
+
+
 def test_max_log_len_must_be_a_non_negative_integer():
     with pytest.raises(ValueError, match="max_log_len"):
         ServerArgs(max_log_len=-1)
