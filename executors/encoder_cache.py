@@ -3,8 +3,8 @@
 
 A request's images arrive with its first step since (re)admission (`ScheduledRequest.mm_features`).
 An image's embeddings are computed once, by the step whose chunk first reaches its placeholder
-tokens, and kept until the request ends or is preempted; each step takes the slice its chunk
-covers. So chunked prefill may cut an image's placeholders anywhere, and a prefix-cache hit that
+tokens, and kept until the chunk that takes their last slice (or the request's end or
+preemption); each step takes the slice its chunk covers. So chunked prefill may cut an image's placeholders anywhere, and a prefix-cache hit that
 ends inside an image starts from the right slice.
 """
 
@@ -59,6 +59,10 @@ class EncoderCache:
                     offset = feature.mm_position.offset
                     pieces.append(embeddings[span[0] - offset:span[1] - offset])
                     rows.extend(range(row + span[0] - start, row + span[1] - start))
+                    if span[1] == feature.mm_position.end:
+                        # Its last slice is taken: only a recompute after preemption, which
+                        # encodes again, could need it.
+                        del self._embeddings[scheduled.req_id, index]
             row += len(scheduled.token_ids) + len(scheduled.spec_token_ids or ())
         if not rows:
             return None

@@ -1,0 +1,189 @@
+"""Images with the prompt (vLLM's multi_modal_data) on a tiny random LLaVA: the engine's greedy
+tokens equal Hugging Face's LlavaForConditionalGeneration.generate on the same weights and the
+same processor outputs (fp32), through batching, the prefix cache, chunked prefill and
+preemption; bad multi-modal input is refused naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_checks import assert_engine_idle
+from tiny_models import build_tiny_llava, build_tiny_model, random_image
+
+PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
+# 6 tokens before the image's 16 and fewer than 10 after: a prefix-cache hit is one 16-token
+# block, which ends inside the image.
+SHORT_PROMPT = "USER: <image>\nA:"
+TWO_IMAGES = "USER: <image>\nand <image>\nSame? ASSISTANT:"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("llava") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(llava_dir: Path):
+    """HF's greedy continuation of (prompt, images), memoised."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
+    memo: dict = {}
+
+    def greedy(prompt: str, seeds: tuple[int, ...]) -> list[int]:
+        if (prompt, seeds) not in memo:
+            inputs = processor(text=prompt, images=[random_image(s) for s in seeds], return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            memo[prompt, seeds] = out[0, inputs["input_ids"].shape[1]:].tolist()
+        return memo[prompt, seeds]
+
+    return greedy
+
+
+def _llm(llava_dir: Path, max_model_len: int = 256, **kwargs):
+    from raylm.engine import LLM
+
+    return LLM(str(llava_dir), dtype="float32", max_model_len=max_model_len, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir: Path):
+    llm = _llm(llava_dir, limit_mm_per_prompt={"image": 2})
+    yield llm
+    llm.shutdown()
+
+
+def _generate(llm, items: list[tuple[str, tuple[int, ...]]]) -> list:
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": [random_image(s) for s in seeds]}}
+               for prompt, seeds in items]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _runner(llm):
+    return llm.llm_engine.executor.driver_worker.model_runner
+
+
+def test_one_image_equals_hf(llm, hf_greedy):
+    (out,) = _generate(llm, [(PROMPT, (1,))])
+    image_token_id = llm.llm_engine.model_config.hf_config.image_token_index
+    assert out.prompt_token_ids.count(image_token_id) == 16  # (32 / 8)^2 patches, CLS dropped
+    assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (1,))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_batch_of_different_images_and_two_images_in_one_prompt_equal_hf(llm, hf_greedy):
+    items = [(PROMPT, (2,)), (PROMPT, (3,)), (TWO_IMAGES, (4, 5)), ("USER: no picture ASSISTANT:", ())]
+    outs = _generate(llm, items)
+    for out, (prompt, seeds) in zip(outs, items):
+        if seeds:
+            assert list(out.outputs[0].token_ids) == hf_greedy(prompt, seeds)
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_prefix_cache_never_serves_one_images_kv_for_another(llm, hf_greedy):
+    """The same prompt text with two images: the placeholder token ids are the same, the KV is not."""
+    first = _generate(llm, [(SHORT_PROMPT, (6,))])[0]
+    second = _generate(llm, [(SHORT_PROMPT, (7,))])[0]
+    assert list(first.outputs[0].token_ids) == hf_greedy(SHORT_PROMPT, (6,))
+    assert list(second.outputs[0].token_ids) == hf_greedy(SHORT_PROMPT, (7,))
+    assert hf_greedy(SHORT_PROMPT, (6,)) != hf_greedy(SHORT_PROMPT, (7,))
+    assert second.metrics.num_cached_tokens == 0  # the image sits in the first block
+    # The same image again hits the first block, which ends inside the image's tokens: the
+    # rest of the image's embeddings are sliced from where the cached prefix stops.
+    again = _generate(llm, [(SHORT_PROMPT, (6,))])[0]
+    assert again.metrics.num_cached_tokens == 16
+    assert list(again.outputs[0].token_ids) == hf_greedy(SHORT_PROMPT, (6,))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_chunked_prefill_splits_images_and_encodes_each_once(llava_dir, hf_greedy):
+    """A 5-token budget cuts each image's 16 placeholders over several steps; a pool of few
+    blocks preempts and recomputes requests. Tokens equal HF's all the same."""
+    llm = _llm(llava_dir, max_model_len=80, max_num_batched_tokens=5, max_num_seqs=4, num_gpu_blocks_override=5,
+               enable_prefix_caching=False, limit_mm_per_prompt={"image": 2})
+    try:
+        runner = _runner(llm)
+        items = [(PROMPT, (8,)), (TWO_IMAGES, (9, 10)), (PROMPT, (11,)), (SHORT_PROMPT, (13,))]
+        outs = _generate(llm, items)
+        for out, (prompt, seeds) in zip(outs, items):
+            assert list(out.outputs[0].token_ids) == hf_greedy(prompt, seeds)
+        preemptions = llm.llm_engine.scheduler.num_preemptions
+        assert preemptions > 0
+        # Once per image, plus once per image of each preempted request's recompute at most.
+        assert 5 <= runner.encoder_cache.num_encoder_runs <= 5 + 2 * preemptions
+        assert len(runner.encoder_cache) == 0
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_chunked_prefill_without_preemption_encodes_each_image_once(llava_dir, hf_greedy):
+    llm = _llm(llava_dir, max_num_batched_tokens=7, enable_prefix_caching=False)
+    try:
+        (out,) = _generate(llm, [(PROMPT, (12,))])
+        assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (12,))
+        assert _runner(llm).encoder_cache.num_encoder_runs == 1
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("prompt, data, match", [
+    (PROMPT, {"image": [random_image(1)] * 3}, "limit_mm_per_prompt"),
+    ("USER: no placeholder ASSISTANT:", {"image": random_image(1)}, "one image placeholder per image"),
+    (TWO_IMAGES, {"image": random_image(1)}, "one image placeholder per image"),
+    (PROMPT, {"image": "not an image"}, "PIL.Image"),
+    (PROMPT, {"video": random_image(1)}, "modality 'video'"),
+    (PROMPT, [random_image(1)], "must be a dict"),
+])
+def test_bad_multi_modal_data_is_refused_naming_the_field(llm, prompt, data, match):
+    from raylm.engine.sampling_params import ParameterError
+
+    with pytest.raises(ParameterError, match=match) as error:
+        llm.generate({"prompt": prompt, "multi_modal_data": data}, use_tqdm=False)
+    assert error.value.param == "multi_modal_data"
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_placeholder_without_image_and_token_prompts_with_images_are_refused(llm):
+    from raylm.engine.sampling_params import ParameterError
+
+    with pytest.raises(ParameterError, match="gives no image"):
+        llm.generate(PROMPT, use_tqdm=False)
+    with pytest.raises(ParameterError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_text_only_model_refuses_images(tmp_path):
+    from raylm.engine import LLM
+    from raylm.engine.sampling_params import ParameterError
+
+    llm = LLM(str(build_tiny_model(tmp_path / "llama")), dtype="float32", max_model_len=64,
+              num_gpu_blocks_override=16)
+    try:
+        with pytest.raises(ParameterError, match="takes text only"):
+            llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(limit_mm_per_prompt={"image": 17}), r"limit_mm_per_prompt\['image'\] must be an integer in \[0, 16\]"),
+    (dict(limit_mm_per_prompt={"audio": 1}), "modality 'audio'"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size 2 is not supported for the vision-language model"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+])
+def test_engine_arguments_multimodal_models_cannot_take_are_refused(llava_dir, kwargs, match):
+    from raylm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(llava_dir), **kwargs).create_engine_config()
