@@ -168,3 +168,19 @@ def test_real_server_takes_a_data_url_image(llava_dir, tmp_path):
         with pytest.raises(openai.BadRequestError, match="limit_mm_per_prompt"):
             client.chat.completions.create(model="llava", messages=user_turn(*[image_part(data_url(image))] * 2),
                                            max_tokens=2)
+
+
+def test_placeholder_text_without_an_image_is_a_400(app, engine):
+    """A literal "<image>" with no image would leave its position without an image."""
+    reply = chat(app, [{"role": "user", "content": "<image>\nWhat is this?"}])
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "multi_modal_data", reply.text
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post("/v1/completions", json={"model": "m", "prompt": "USER: <image>\nHi",
+                                                              "max_tokens": 2})
+
+    reply = _RUNNER.run(send())
+    assert reply.status_code == 400 and "image placeholder" in reply.json()["error"]["message"], reply.text
+    assert_engine_idle(engine.engine)
