@@ -187,3 +187,28 @@ def test_engine_arguments_multimodal_models_cannot_take_are_refused(llava_dir, k
 
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(llava_dir), **kwargs).create_engine_config()
+
+
+@pytest.mark.cuda
+def test_images_on_cuda_equal_hf_there_with_decode_graphs(llava_dir):
+    """On a GPU (stage t of scripts/gpu_check.sh): the vision tower and the merged embeddings on
+    the device, prefill chunks cutting the images eagerly, decode steps replaying CUDA graphs."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).to("cuda").eval()
+    items = [(PROMPT, (40,)), (TWO_IMAGES, (41, 42)), (SHORT_PROMPT, (43,))]
+    expected = []
+    for prompt, seeds in items:
+        inputs = processor(text=prompt, images=[random_image(s) for s in seeds], return_tensors="pt").to("cuda")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    llm = _llm(llava_dir, device="cuda", max_num_batched_tokens=12, limit_mm_per_prompt={"image": 2})
+    try:
+        outs = _generate(llm, items)
+        assert [list(out.outputs[0].token_ids) for out in outs] == expected
+        assert _runner(llm).decode_graphs is not None
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
