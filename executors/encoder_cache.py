@@ -4,8 +4,9 @@
 A request's images arrive with its first step since (re)admission (`ScheduledRequest.mm_features`).
 An image's embeddings are computed once, by the step whose chunk first reaches its placeholder
 tokens, and kept until the chunk that takes their last slice (or the request's end or
-preemption); each step takes the slice its chunk covers. So chunked prefill may cut an image's placeholders anywhere, and a prefix-cache hit that
-ends inside an image starts from the right slice.
+preemption); each step takes the slice its chunk covers. So chunked prefill may cut an
+image's placeholders anywhere, and a prefix-cache hit that ends inside an image starts from
+the right slice.
 """
 
 from __future__ import annotations

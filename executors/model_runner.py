@@ -628,7 +628,8 @@ class ModelRunner:
     def _run_model(self, host: HostStep, rows: list[int] | None,
                    intermediate_tensors: IntermediateTensors | None = None,
                    holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = (),
-                   mm_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | IntermediateTensors:
+                   mm_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states of `rows`, in that order: a decode graph's replay where
         one is captured for the batch, else an eager forward. rows None: a pipeline stage
         before the last, which hands every row on. holes: input rows whose token is taken

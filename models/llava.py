@@ -68,8 +68,9 @@ class LlavaForConditionalGeneration(nn.Module):
         self.config = config
         vision_config = config.vision_config
         if not isinstance(vision_config, CLIPVisionConfig):
+            kind = getattr(vision_config, "model_type", type(vision_config).__name__)
             raise ValueError(f"LlavaForConditionalGeneration: raylm runs CLIP vision towers; this checkpoint's "
-                             f"vision_config is {getattr(vision_config, 'model_type', type(vision_config).__name__)!r}.")
+                             f"vision_config is {kind!r}.")
         text_config = config.text_config
         language_model_class = _LANGUAGE_MODELS.get(text_config.model_type)
         if language_model_class is None:
@@ -132,7 +133,8 @@ class LlavaForConditionalGeneration(nn.Module):
                         continue  # a buffer older checkpoints saved
                     name = "vision_tower." + tower_prefix + rest
                 if name not in own:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of LlavaForConditionalGeneration.")
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                     f"LlavaForConditionalGeneration.")
                 default_weight_loader(own[name], tensor)
                 loaded.add(name)
 
