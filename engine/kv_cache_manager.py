@@ -19,6 +19,8 @@ earlier ones stay free and are NULL_BLOCK_ID in its table from the start.
 
 from __future__ import annotations
 
+import hashlib
+
 from collections import Counter
 from collections.abc import Iterable
 
@@ -305,13 +307,16 @@ def _first_block_extra_key(request: Request) -> bytes:
 
 
 def _mm_extra_key(request: Request, start: int, end: int) -> bytes:
-    """The content hashes of the images whose placeholder tokens fall in [start, end) (vLLM
-    hashes the image into the blocks that hold its tokens): the same placeholder ids with
-    another image must not find this KV. Later blocks chain on it through their parent."""
+    """What the images whose placeholder tokens fall in [start, end) add to the block's
+    extra key (vLLM hashes the image into the blocks that hold its tokens): the same
+    placeholder ids with another image must not find this KV; later blocks chain on it
+    through their parent. Empty without images; else a 0xfe byte (which no UTF-8 salt holds)
+    and the SHA-256 of the images' content hashes, a fixed 33 bytes at the key's end, so no
+    salt or adapter key can pose as an image."""
     if not request.mm_features:
         return b""
-    return b"".join(b"\x01" + feature.identifier for feature in request.mm_features
-                    if feature.overlap(start, end) is not None)
+    identifiers = [feature.identifier for feature in request.mm_features if feature.overlap(start, end) is not None]
+    return b"\xfe" + hashlib.sha256(b"".join(identifiers)).digest() if identifiers else b""
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

@@ -64,7 +64,7 @@ class LLMEngine:
         self.mm_processor = (MultiModalProcessor(self.model_config.model, self.model_config.hf_config,
                                                  self.model_config.limit_mm_per_prompt or {},
                                                  self.model_config.trust_remote_code, self.model_config.revision)
-                             if self.model_config.is_multimodal and self.tokenizer is not None else None)
+                             if self.model_config.is_multimodal else None)
         # Grammars for structured outputs are built over the tokenizer's vocabulary.
         self.structured_output_manager = None if self.tokenizer is None else StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
