@@ -212,3 +212,13 @@ def test_images_on_cuda_equal_hf_there_with_decode_graphs(llava_dir):
         assert_engine_idle(llm.llm_engine)
     finally:
         llm.shutdown()
+
+
+def test_n_samples_share_the_image_and_its_cached_prefix(llm, hf_greedy):
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True)  # argmax
+    (out,) = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(14)}}, params,
+                          use_tqdm=False)
+    assert [list(c.token_ids) for c in out.outputs] == [hf_greedy(PROMPT, (14,))] * 2
+    assert_engine_idle(llm.llm_engine)

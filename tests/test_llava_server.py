@@ -113,6 +113,18 @@ def test_data_url_images_reply_equals_hf(app, engine, llava_dir):
     assert_engine_idle(engine.engine)
 
 
+def test_streamed_reply_with_an_image_equals_the_unstreamed_one(app, engine):
+    messages = user_turn(image_part(data_url(random_image(23))), TEXT)
+    whole = chat(app, messages).json()["choices"][0]["message"]["content"]
+    reply = post(app, {"model": "m", "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
+                       "ignore_eos": True, "stream": True})
+    assert reply.status_code == 200, reply.text
+    chunks = [__import__("json").loads(line[len("data: "):]) for line in reply.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == whole
+    assert_engine_idle(engine.engine)
+
+
 def _bomb_png() -> str:
     """A PNG whose header says 5000 x 5000 pixels (25M, over the 4096^2 bound), a few KB on the wire."""
     from PIL import Image
