@@ -351,7 +351,7 @@ class EngineArgs(SettingsMixin):
         if model_config.is_pooling:
             _check_pooling_features(lora_config, speculative_config, parallel_config)
         if model_config.is_multimodal:
-            _check_multimodal_features(model_config, lora_config, speculative_config, parallel_config)
+            _check_multimodal_features(model_config, lora_config, speculative_config)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             speculative_config, lora_config)
 
@@ -501,19 +501,18 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
 
 
 def _check_multimodal_features(model_config: ModelConfig, lora_config: LoRAConfig | None,
-                               speculative_config: Any, parallel_config: ParallelConfig) -> None:
-    """A vision-language model runs on one in-process worker, without LoRA or speculative
-    decoding: the image embeddings are computed by that worker's model runner, which the Ray
-    workers, the draft model and the LoRA layers are not wired to yet."""
+                               speculative_config: Any) -> None:
+    """A vision-language model runs without pipeline parallelism, LoRA or speculative
+    decoding: the stages, the draft model and the LoRA layers are not wired to the image
+    embeddings yet. (Under tensor parallelism every rank runs the whole vision tower and
+    merges the same embeddings into its input rows.)"""
     architecture = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
-    tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
-    refused = [(tp > 1, f"tensor_parallel_size {tp}"), (pp > 1, f"pipeline_parallel_size {pp}"),
-               (parallel_config.distributed_executor_backend == "ray", "distributed_executor_backend 'ray'"),
-               (lora_config is not None, "enable_lora"),
+    # (Pipeline parallelism is refused before: LLaVA is not among the models that split.)
+    refused = [(lora_config is not None, "enable_lora"),
                (speculative_config is not None, "speculative_config"),
                (model_config.is_pooling, "runner 'pooling'")]
     for is_set, name in refused:
         if is_set:
             raise ValueError(f"{name} is not supported for the vision-language model {architecture} yet: "
-                             f"multi-modal models run on one in-process worker, without LoRA or speculative "
+                             f"multi-modal models run without pipeline parallelism, LoRA or speculative "
                              f"decoding.")

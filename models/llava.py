@@ -67,10 +67,13 @@ class LlavaForConditionalGeneration(nn.Module):
 
         self.config = config
         vision_config = config.vision_config
-        if not isinstance(vision_config, CLIPVisionConfig):
-            kind = getattr(vision_config, "model_type", type(vision_config).__name__)
+        kind = getattr(vision_config, "model_type", type(vision_config).__name__)
+        if kind != "clip_vision_model":
             raise ValueError(f"LlavaForConditionalGeneration: raylm runs CLIP vision towers; this checkpoint's "
                              f"vision_config is {kind!r}.")
+        if not isinstance(vision_config, CLIPVisionConfig):
+            # Ray workers get the config as a plain snapshot (executors/ray_worker.py).
+            vision_config = CLIPVisionConfig.from_dict(vision_config.to_dict())
         text_config = config.text_config
         language_model_class = _LANGUAGE_MODELS.get(text_config.model_type)
         if language_model_class is None:

@@ -179,7 +179,7 @@ def test_text_only_model_refuses_images(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(limit_mm_per_prompt={"image": 17}), r"limit_mm_per_prompt\['image'\] must be an integer in \[0, 16\]"),
     (dict(limit_mm_per_prompt={"audio": 1}), "modality 'audio'"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size 2 is not supported for the vision-language model"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size 2 is not supported for LlavaForConditionalGeneration"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
 ])
 def test_engine_arguments_multimodal_models_cannot_take_are_refused(llava_dir, kwargs, match):
@@ -222,3 +222,17 @@ def test_n_samples_share_the_image_and_its_cached_prefix(llm, hf_greedy):
                           use_tqdm=False)
     assert [list(c.token_ids) for c in out.outputs] == [hf_greedy(PROMPT, (14,))] * 2
     assert_engine_idle(llm.llm_engine)
+
+
+def test_tensor_parallel_over_ray_equals_hf(llava_dir, hf_greedy, ray_cluster):
+    """TP=2 on Ray workers: each rank runs the whole vision tower and merges the same
+    embeddings into its input rows; its share of the decoder's heads does the rest."""
+    llm = _llm(llava_dir, tensor_parallel_size=2, distributed_executor_backend="ray", max_num_batched_tokens=12,
+               limit_mm_per_prompt={"image": 2})
+    try:
+        items = [(PROMPT, (50,)), (TWO_IMAGES, (51, 52))]
+        outs = _generate(llm, items)
+        assert [list(out.outputs[0].token_ids) for out in outs] == [hf_greedy(p, s) for p, s in items]
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
