@@ -164,8 +164,11 @@ class OpenAIServingChat(OpenAIServing):
                                                        request.chat_template_kwargs, tools)
             token_ids = await self.off_loop(self.tokenize, text, request.add_special_tokens, "messages")
         images = await self.off_loop(self._images, request.messages)
+        # With images, the engine takes the token ids with one placeholder per image and
+        # expands them with its own processor, to the ids counted here.
+        mm_prompt = {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
         if images:
-            token_ids = await self.off_loop(self._multimodal_token_ids, request, text, images)
+            token_ids = await self.off_loop(self._multimodal_token_ids, request, token_ids, images)
         token_ids = request.truncated(token_ids, self.max_model_len)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
@@ -191,10 +194,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         with self.response_budget.reserve(held) as reservation:
-            # With images, the engine processes the prompt again with its own processor (the
-            # placeholders expand to the same token ids counted here).
-            prompt = ({"prompt": text, "multi_modal_data": {"image": images}} if images
-                      else {"prompt": text, "prompt_token_ids": token_ids})
+            prompt = mm_prompt if images else {"prompt": text, "prompt_token_ids": token_ids}
             (stream,) = await self.add_requests(
                 request_id, [request.with_cache_salt(prompt)], [params],
                 self.lora_request(model_name), request.priority)
@@ -252,13 +252,14 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(str(exc), param=exc.param) from None
         return images
 
-    def _multimodal_token_ids(self, request: ChatCompletionRequest, text: str, images: list[Any]) -> list[int]:
+    def _multimodal_token_ids(self, request: ChatCompletionRequest, token_ids: list[int], images: list[Any]
+                              ) -> list[int]:
         """The prompt's token ids with its image placeholders expanded (what the engine will run)."""
         if request.truncate_prompt_tokens is not None:
             raise OpenAIError("truncate_prompt_tokens is not supported with images (it could cut an image's "
                               "placeholder tokens).", param="truncate_prompt_tokens")
         try:
-            token_ids, _ = self.mm_processor.process(text, {"image": images})
+            token_ids, _ = self.mm_processor.process_tokens(token_ids, {"image": images})
         except ParameterError as exc:
             raise OpenAIError(str(exc), param="messages") from None
         return token_ids

@@ -217,13 +217,14 @@ class LLMEngine:
             self.mm_processor.check_no_placeholders(prompt_token_ids)
             return prompt_text, prompt_token_ids, []
         text = prompt.get("prompt")
-        if "prompt_token_ids" in prompt or not isinstance(text, str):
-            raise ParameterError("multi_modal_data needs a text 'prompt' (its image placeholders are expanded by "
-                                 "the model's processor), not 'prompt_token_ids'.", "multi_modal_data")
+        if "prompt_token_ids" in prompt:
+            # As vLLM's TokensPrompt with images: one placeholder token per image, expanded here.
+            prompt_token_ids, mm_features = self.mm_processor.process_tokens(prompt["prompt_token_ids"], mm_data)
+            return text if isinstance(text, str) else None, prompt_token_ids, mm_features
+        if not isinstance(text, str):
+            raise ParameterError("multi_modal_data needs a text 'prompt' or 'prompt_token_ids'.", "multi_modal_data")
         check_unicode(text, "prompt")
         prompt_token_ids, mm_features = self.mm_processor.process(text, mm_data)
-        if not mm_features:
-            self.mm_processor.check_no_placeholders(prompt_token_ids)
         return text, prompt_token_ids, mm_features
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -153,12 +153,25 @@ def test_bad_multi_modal_data_is_refused_naming_the_field(llm, prompt, data, mat
     assert_engine_idle(llm.llm_engine)
 
 
-def test_placeholder_without_image_and_token_prompts_with_images_are_refused(llm):
+def test_token_prompt_with_one_placeholder_per_image_equals_the_text_prompt(llm, hf_greedy):
+    """vLLM's TokensPrompt with images: the placeholder token once per image, expanded by the engine."""
+    from raylm.engine import SamplingParams
+
+    token_ids = llm.get_tokenizer().encode(TWO_IMAGES)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": [random_image(15),
+                                                                                       random_image(16)]}},
+                          params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(TWO_IMAGES, (15, 16))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_placeholder_without_image_and_token_prompts_without_placeholders_are_refused(llm):
     from raylm.engine.sampling_params import ParameterError
 
     with pytest.raises(ParameterError, match="gives no image"):
         llm.generate(PROMPT, use_tqdm=False)
-    with pytest.raises(ParameterError, match="prompt_token_ids"):
+    with pytest.raises(ParameterError, match="1 images, 0 placeholders"):
         llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
     assert_engine_idle(llm.llm_engine)
 

@@ -1,10 +1,12 @@
 """`MultiModalProcessor`: a prompt with images -> token ids and `MultiModalFeature`s, made by the
 checkpoint's own Hugging Face processor (transformers' AutoProcessor), as vLLM's processors do.
 
-The processor expands each `<image>` of the text into the number of image tokens the vision
-tower yields (LlavaProcessor: one per patch, less CLS under the "default" feature strategy) and
-turns the images into pixel_values; the workers' model fills those positions with the
-projected image features."""
+Each `<image>` placeholder token of the prompt expands into the number of image tokens the
+vision tower yields, as the processor expands it (LlavaProcessor: one per patch, less CLS under
+the "default" feature strategy), and the processor turns the images into pixel_values; the
+workers' model fills those positions with the projected image features. Text prompts are
+tokenized first, so a prompt's token ids (a chat prompt's, tokenized without special tokens)
+and its text take the same path."""
 
 from __future__ import annotations
 
@@ -90,23 +92,41 @@ class MultiModalProcessor:
                                  f"multi_modal_data gives no image.", "multi_modal_data")
 
     def process(self, prompt: str, multi_modal_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
-        """The prompt's token ids with each image placeholder expanded, and one feature per
-        image in the order of their placeholders. ParameterError naming multi_modal_data for
-        anything the engine cannot take."""
+        """The text prompt's token ids (the tokenizer's special tokens added) with each image
+        placeholder expanded, and one feature per image (`process_tokens`)."""
+        return self.process_tokens(self.hf_processor.tokenizer.encode(prompt), multi_modal_data)
+
+    def process_tokens(self, prompt_token_ids: Sequence[int], multi_modal_data: Any
+                       ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The token ids with each image placeholder token (one per image, as the text
+        tokenizes) expanded to the image's tokens, and one feature per image in the order of
+        their placeholders. The model's processor makes the pixels and says how many tokens
+        an image takes (LlavaProcessor: patches, less CLS under the "default" strategy).
+        ParameterError naming multi_modal_data for anything the engine cannot take."""
         images = self._images(multi_modal_data)
-        if not images:
-            return list(self.hf_processor.tokenizer.encode(prompt)), []
-        placeholders = self.hf_processor.tokenizer.encode(prompt).count(self.image_token_id)
+        token_ids = [int(t) for t in prompt_token_ids]
+        placeholders = token_ids.count(self.image_token_id)
         if placeholders != len(images):
             raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data: "
                                  f"{len(images)} images, {placeholders} placeholders in the prompt.",
                                  "multi_modal_data")
+        if not images:
+            return token_ids, []
+        processor = self.hf_processor
+        placeholder_text = getattr(processor, "image_token", None) or processor.tokenizer.convert_ids_to_tokens(
+            self.image_token_id)
         try:
-            processed = self.hf_processor(text=prompt, images=images, return_tensors="np")
+            processed = processor(text=placeholder_text * len(images), images=images, return_tensors="np")
         except (ValueError, TypeError, OSError) as error:
             raise ParameterError(f"multi_modal_data could not be processed with the model's processor: {error}",
                                  "multi_modal_data") from error
-        token_ids = [int(t) for t in processed["input_ids"][0]]
+        expanded = [int(t) for t in processed["input_ids"][0]].count(self.image_token_id)
+        per_image = expanded // len(images)
+        if per_image < 1 or expanded % len(images):
+            raise ParameterError(f"The model's processor gave {expanded} image tokens for {len(images)} images.",
+                                 "multi_modal_data")
+        token_ids = [t for token in token_ids for t in ([token] * per_image if token == self.image_token_id
+                                                         else [token])]
         pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
         ranges = self._placeholder_ranges(token_ids, len(images))
         features = []
