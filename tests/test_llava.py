@@ -185,6 +185,10 @@ def test_text_only_model_refuses_images(tmp_path):
     try:
         with pytest.raises(ParameterError, match="takes text only"):
             llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+        with pytest.raises(ParameterError, match="takes text only"):
+            llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(1)}]}],
+                     use_tqdm=False)
+        assert_engine_idle(llm.llm_engine)
     finally:
         llm.shutdown()
 
@@ -249,3 +253,33 @@ def test_tensor_parallel_over_ray_equals_hf(llava_dir, hf_greedy, ray_cluster):
         assert_engine_idle(llm.llm_engine)
     finally:
         llm.shutdown()
+
+
+def test_llm_chat_takes_image_pil_and_data_url_parts_as_vllm(llm, llava_dir):
+    """LLM.chat renders image parts where the template puts the placeholder; the reply equals
+    HF's on the prompt its processor's chat template renders."""
+    import base64
+    import io
+
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from raylm.engine import SamplingParams
+
+    first, second = random_image(17), random_image(18)
+    buffer = io.BytesIO()
+    second.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": first},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Same?"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.chat(messages, params, use_tqdm=False)
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]}], add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[first, second], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert list(out.outputs[0].token_ids) == expected[0, inputs["input_ids"].shape[1]:].tolist()
+    assert_engine_idle(llm.llm_engine)
