@@ -125,15 +125,20 @@ class MultiModalProcessor:
         if per_image < 1 or expanded % len(images):
             raise ParameterError(f"The model's processor gave {expanded} image tokens for {len(images)} images.",
                                  "multi_modal_data")
-        token_ids = [t for token in token_ids for t in ([token] * per_image if token == self.image_token_id
-                                                         else [token])]
+        expanded_ids: list[int] = []
+        ranges: list[PlaceholderRange] = []
+        for token in token_ids:
+            if token == self.image_token_id:
+                ranges.append(PlaceholderRange(len(expanded_ids), per_image))
+                expanded_ids.extend([token] * per_image)
+            else:
+                expanded_ids.append(token)
         pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
-        ranges = self._placeholder_ranges(token_ids, len(images))
         features = []
         for index, position in enumerate(ranges):
             pixels = np.ascontiguousarray(pixel_values[index:index + 1])
             features.append(MultiModalFeature("image", pixels, position, feature_identifier("image", pixels)))
-        return token_ids, features
+        return expanded_ids, features
 
     def _images(self, multi_modal_data: Any) -> list[Any]:
         from PIL import Image
@@ -157,21 +162,3 @@ class MultiModalProcessor:
                 raise ParameterError(f"multi_modal_data['image'] must be a PIL.Image.Image or a list of them, got "
                                      f"{type(image).__name__}.", "multi_modal_data")
         return images
-
-    def _placeholder_ranges(self, token_ids: list[int], num_images: int) -> list[PlaceholderRange]:
-        """Splits the image tokens into one contiguous run per image, in order (every image of
-        these models yields the same number of tokens)."""
-        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if not positions or len(positions) % num_images:
-            raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data: "
-                                 f"{num_images} images, {len(positions)} image tokens after processing.",
-                                 "multi_modal_data")
-        per_image = len(positions) // num_images
-        ranges = []
-        for index in range(num_images):
-            run = positions[index * per_image:(index + 1) * per_image]
-            if run[-1] - run[0] != per_image - 1:
-                raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data "
-                                     f"({num_images} images).", "multi_modal_data")
-            ranges.append(PlaceholderRange(run[0], per_image))
-        return ranges
