@@ -221,15 +221,24 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
+        # A vision-language model's step may first run its vision tower on an image, whose
+        # embeddings the step then holds (EncoderCache): one image's worth, measured too.
+        image_embeddings = self._profile_image_embeddings() if self.is_multimodal else None
         with set_forward_context(None):
             hidden = self.model(input_ids, positions, *self._stage_inputs(num_tokens))
         if self.is_last_stage:
             self._profile_outputs(hidden, num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del hidden, input_ids, positions
+        del hidden, input_ids, positions, image_embeddings
         torch.cuda.empty_cache()
         return peak
+
+    def _profile_image_embeddings(self) -> torch.Tensor:
+        """The embeddings of one blank image of the vision tower's size (for profile_run)."""
+        size = self.model_config.hf_config.vision_config.image_size
+        pixel_values = torch.zeros(1, 3, size, size, dtype=self.model_config.dtype, device=self.device)
+        return self.model.get_multimodal_embeddings(pixel_values)
 
     def _profile_outputs(self, hidden: torch.Tensor, num_tokens: int) -> None:
         """What the last stage computes from a full step's hidden states at its peak: the
