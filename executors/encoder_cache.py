@@ -74,7 +74,8 @@ class EncoderCache:
         key = (req_id, index)
         embeddings = self._embeddings.get(key)
         if embeddings is None:
-            pixel_values = torch.from_numpy(feature.pixel_values).to(device)
+            # A copy: arrays unpickled on Ray workers are read-only views of the object store.
+            pixel_values = torch.tensor(feature.pixel_values, device=device)
             embeddings = model.get_multimodal_embeddings(pixel_values)[0]
             if embeddings.shape[0] != feature.mm_position.length:
                 raise ValueError(f"The vision encoder made {embeddings.shape[0]} embeddings for an image of "
