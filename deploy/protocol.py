@@ -486,13 +486,6 @@ class ChatMessage(OpenAIBaseModel):
             texts.append(part.get("text", ""))
         return "\n".join(placeholders + (["\n".join(texts)] if texts or not placeholders else []))
 
-    def image_urls(self) -> list[Any]:
-        """The `image_url.url` of each image_url content part, in order (None where a part has none)."""
-        if not isinstance(self.content, list):
-            return []
-        return [part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
-                for part in self.content if part.get("type") == "image_url"]
-
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
