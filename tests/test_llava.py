@@ -283,3 +283,34 @@ def test_llm_chat_takes_image_pil_and_data_url_parts_as_vllm(llm, llava_dir):
         expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     assert list(out.outputs[0].token_ids) == expected[0, inputs["input_ids"].shape[1]:].tolist()
     assert_engine_idle(llm.llm_engine)
+
+
+def test_checkpoints_in_transformers_other_layout_load_the_same(llava_dir, hf_greedy, tmp_path):
+    """transformers 4.52+ saves model.language_model.* / model.vision_tower.vision_model.* /
+    model.multi_modal_projector.* / lm_head.*; llava-hf's older checkpoints language_model.model.*
+    and vision_tower.vision_model.*. Both load into the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def renamed(name: str) -> str:
+        if name.startswith("language_model.model."):
+            return "model.language_model." + name.removeprefix("language_model.model.")
+        if name.startswith("language_model.lm_head."):
+            return name.removeprefix("language_model.")
+        if name.startswith("vision_tower."):
+            return "model.vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        return "model." + name
+
+    other = tmp_path / "other_layout"
+    shutil.copytree(llava_dir, other)
+    tensors = load_file(str(llava_dir / "model.safetensors"))
+    assert any(name.startswith("language_model.model.") for name in tensors)  # the layout this test renames
+    save_file({renamed(name): tensor for name, tensor in tensors.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    llm = _llm(other)
+    try:
+        (out,) = _generate(llm, [(PROMPT, (19,))])
+        assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (19,))
+    finally:
+        llm.shutdown()
