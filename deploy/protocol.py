@@ -472,19 +472,25 @@ class ChatMessage(OpenAIBaseModel):
                                  f"{type(part.get('text')).__name__}.")
         return content
 
-    def text(self) -> str:
-        """The message's text; a list of content parts is joined (text parts only)."""
+    def text(self, image_placeholder: str | None = None) -> str:
+        """The message's text; a list of content parts is joined (text parts only). With an
+        `image_placeholder` (a vision-language model's), image_url parts are taken too, each
+        as the placeholder, placed before the text as vLLM places them."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        texts = []
+        texts, placeholders = [], []
         for part in self.content:
+            if part.get("type") == "image_url" and image_placeholder is not None:
+                placeholders.append(image_placeholder)
+                continue
             if part.get("type") != "text":
-                raise ParameterError(f"Only text content parts are supported, got type {part.get('type')!r}.",
-                                     "messages")
+                supported = "text and image_url" if image_placeholder is not None else "text"
+                raise ParameterError(f"Only {supported} content parts are supported by this model, got type "
+                                     f"{part.get('type')!r}.", "messages")
             texts.append(part.get("text", ""))
-        return "\n".join(texts)
+        return "\n".join(placeholders + (["\n".join(texts)] if texts or not placeholders else []))
 
 
 class ChatCompletionRequest(_SamplingFields):

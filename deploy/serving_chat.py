@@ -29,7 +29,10 @@ from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, m
                                          token_id_placeholder)
 from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, parse_reply, resolve_tool_mode, \
     tool_calls_of
+from raylm.engine.multimodal.image import load_image_url
+from raylm.engine.multimodal.processor import MultiModalProcessor
 from raylm.engine.outputs import Logprob, RequestOutput
+from raylm.engine.sampling_params import ParameterError
 from raylm.engine.structured_output.params import StructuredOutputsParams
 
 
@@ -135,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
         if content_format == "auto":
             content_format = _detected_content_format(template)
         try:
-            conversation = [template_message(m, content_format) for m in messages]
+            conversation = [template_message(m, content_format, self.image_placeholder) for m in messages]
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from None
         return template, conversation, variables
@@ -161,6 +164,12 @@ class OpenAIServingChat(OpenAIServing):
                                                        request.add_generation_prompt, request.continue_final_message,
                                                        request.chat_template_kwargs, tools)
             token_ids = await self.off_loop(self.tokenize, text, request.add_special_tokens, "messages")
+        images = await self.off_loop(self._images, request.messages)
+        # With images, the engine takes the token ids with one placeholder per image and
+        # expands them with its own processor, to the ids counted here.
+        mm_prompt = {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+        if images:
+            token_ids = await self.off_loop(self._multimodal_token_ids, request, token_ids, images)
         token_ids = request.truncated(token_ids, self.max_model_len)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
@@ -186,8 +195,9 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         with self.response_budget.reserve(held) as reservation:
+            prompt = mm_prompt if images else {"prompt": text, "prompt_token_ids": token_ids}
             (stream,) = await self.add_requests(
-                request_id, [request.with_cache_salt({"prompt": text, "prompt_token_ids": token_ids})], [params],
+                request_id, [request.with_cache_salt(prompt)], [params],
                 self.lora_request(model_name), request.priority)
             echo = self._echo_text(request)
             if request.stream:
@@ -199,6 +209,61 @@ class OpenAIServingChat(OpenAIServing):
             assert final is not None and final.finished
             return JSONResponse(self._response(request, request_id, created, model_name, final, echo,
                                                tool_mode, in_reasoning, reasoning_parser).model_dump())
+
+    @functools.cached_property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        """The server's own processor of image prompts (a vision-language model's; None for a
+        text-only model): the engine's runs on the engine thread."""
+        model_config = self.engine.model_config
+        if not model_config.is_multimodal:
+            return None
+        return MultiModalProcessor(model_config.model, model_config.hf_config, model_config.limit_mm_per_prompt or {},
+                                   model_config.trust_remote_code, model_config.revision)
+
+    @functools.cached_property
+    def image_placeholder(self) -> str | None:
+        """The text of the model's image placeholder ("<image>" for LLaVA), None for a text-only model."""
+        if self.mm_processor is None:
+            return None
+        return self.tokenizer.convert_ids_to_tokens(self.mm_processor.image_token_id)
+
+    def _images(self, messages: list[ChatMessage]) -> list[Any]:
+        """The images of the messages' image_url parts, in order, decoded from their data URLs
+        (their count checked against limit_mm_per_prompt before any is decoded)."""
+        urls = [(f"messages[{i}].content[{j}].image_url.url", part.get("image_url"))
+                for i, message in enumerate(messages) if isinstance(message.content, list)
+                for j, part in enumerate(message.content) if part.get("type") == "image_url"]
+        if not urls:
+            return []
+        if self.mm_processor is None:
+            raise OpenAIError(f"{urls[0][0]}: the model {self.model_name!r} takes text only; image_url content "
+                              f"parts need a vision-language model.", param="messages")
+        limit = self.mm_processor.limits.get("image", 0)
+        if len(urls) > limit:
+            raise OpenAIError(f"messages hold {len(urls)} images, more than limit_mm_per_prompt allows "
+                              f"({{'image': {limit}}}).", param="messages")
+        images = []
+        for param, image_url in urls:
+            if not isinstance(image_url, dict):
+                raise OpenAIError(f"{param.removesuffix('.url')} must be an object with a url, got "
+                                  f"{type(image_url).__name__}.", param=param.removesuffix(".url"))
+            try:
+                images.append(load_image_url(image_url.get("url"), param))
+            except ParameterError as exc:
+                raise OpenAIError(str(exc), param=exc.param) from None
+        return images
+
+    def _multimodal_token_ids(self, request: ChatCompletionRequest, token_ids: list[int], images: list[Any]
+                              ) -> list[int]:
+        """The prompt's token ids with its image placeholders expanded (what the engine will run)."""
+        if request.truncate_prompt_tokens is not None:
+            raise OpenAIError("truncate_prompt_tokens is not supported with images (it could cut an image's "
+                              "placeholder tokens).", param="truncate_prompt_tokens")
+        try:
+            token_ids, _ = self.mm_processor.process_tokens(token_ids, {"image": images})
+        except ParameterError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
+        return token_ids
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   final: RequestOutput, echo: str, tool_mode: ToolMode | None,
@@ -451,14 +516,17 @@ def _detected_content_format(template: str) -> str:
     return detect_content_format(template)
 
 
-def template_message(message: ChatMessage, content_format: str = "string") -> dict[str, Any]:
+def template_message(message: ChatMessage, content_format: str = "string",
+                     image_placeholder: str | None = None) -> dict[str, Any]:
     """A message as chat templates read it: role and content (content_format "string": its
     text, parts joined; "openai": OpenAI's list of parts, a string becoming one text part, as
     vLLM passes it), and an assistant's tool calls
     (their arguments as objects, as Hugging Face templates expect, where they parse) and
     reasoning, or a tool answer's tool_call_id. The reasoning goes under both of its names,
     as vLLM passes it: `reasoning`, and `reasoning_content`, which Qwen3's template reads."""
-    text = message.text()  # checks the parts either way: text parts only
+    # Checks the parts either way: text parts only, or text and image_url parts for a
+    # vision-language model (`image_placeholder`: its placeholder text).
+    text = message.text(image_placeholder)
     entry: dict[str, Any] = {"role": message.role, "content": text if content_format == "string" else
                              _content_parts(message.content)}
     if message.tool_calls is not None:
@@ -477,7 +545,10 @@ def _content_parts(content: str | list[dict[str, Any]] | None) -> list[dict[str,
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [{"type": "text", "text": part.get("text", "")} for part in content]
+    # An image part goes in as {"type": "image"}, where Hugging Face templates put the
+    # model's placeholder; its pixels go to the processor.
+    return [{"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part.get("text", "")}
+            for part in content]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICI
                                  check_load_format, default_max_num_batched_tokens, derive_max_model_len,
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
 from raylm.engine.generation_config import check_override_generation_config
+from raylm.engine.multimodal.processor import check_limit_mm_per_prompt
 from raylm.engine.usage_context import UsageContext
 from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
@@ -214,6 +215,10 @@ class EngineArgs(SettingsMixin):
     task: str | None = field(default=None, metadata=_help(
         "vLLM's older spelling of runner: 'embed' (or 'embedding'), 'classify' and 'score' are runner 'pooling', "
         "'generate' is runner 'generate'."))
+    limit_mm_per_prompt: dict[str, int] | None = field(default=None, metadata=_help(
+        "Vision-language models: the most items of each modality one prompt may carry, as vLLM's flag (a JSON "
+        "object on the command line), e.g. {\"image\": 2}; default one image, at most 16 (each image is a vision "
+        "tower forward and its pixels travel with the request). Ignored for text-only models."))
     pooler_config: dict[str, Any] | None = field(default=None, metadata=_help(
         "runner 'pooling': how hidden states become the embedding, as vLLM's PoolerConfig (a JSON object on the "
         "command line): {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}; "
@@ -249,7 +254,9 @@ class EngineArgs(SettingsMixin):
         device_config = DeviceConfig.detect(self.device)
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
         runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
-        max_model_len = derive_max_model_len(hf_config, self.max_model_len)
+        # A multi-modal config's context length is its language model's (vLLM's hf_text_config).
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        max_model_len = derive_max_model_len(text_config, self.max_model_len)
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
@@ -271,6 +278,7 @@ class EngineArgs(SettingsMixin):
             pooler_config=pooler_config,
             load_format=check_load_format(self.load_format),
             enable_sleep_mode=self.enable_sleep_mode,
+            limit_mm_per_prompt=check_limit_mm_per_prompt(self.limit_mm_per_prompt),
         )
         enable_chunked_prefill, enable_prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
         if model_config.is_pooling:
@@ -342,6 +350,8 @@ class EngineArgs(SettingsMixin):
                              f"adapters, or turn LoRA off.")
         if model_config.is_pooling:
             _check_pooling_features(lora_config, speculative_config, parallel_config)
+        if model_config.is_multimodal:
+            _check_multimodal_features(model_config, lora_config, speculative_config)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             speculative_config, lora_config)
 
@@ -488,3 +498,21 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
                          f"sharded like the target.")
     config.draft_model_config = draft_config
     return config
+
+
+def _check_multimodal_features(model_config: ModelConfig, lora_config: LoRAConfig | None,
+                               speculative_config: Any) -> None:
+    """A vision-language model runs without pipeline parallelism, LoRA or speculative
+    decoding: the stages, the draft model and the LoRA layers are not wired to the image
+    embeddings yet. (Under tensor parallelism every rank runs the whole vision tower and
+    merges the same embeddings into its input rows.)"""
+    architecture = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
+    # (Pipeline parallelism is refused before: LLaVA is not among the models that split.)
+    refused = [(lora_config is not None, "enable_lora"),
+               (speculative_config is not None, "speculative_config"),
+               (model_config.is_pooling, "runner 'pooling'")]
+    for is_set, name in refused:
+        if is_set:
+            raise ValueError(f"{name} is not supported for the vision-language model {architecture} yet: "
+                             f"multi-modal models run without pipeline parallelism, LoRA or speculative "
+                             f"decoding.")

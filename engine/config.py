@@ -240,6 +240,20 @@ class ModelConfig:
     load_format: str = "auto"
     # vLLM's flag: LLM.sleep / wake_up may free the KV cache and the weights (docs/sleep_mode.md).
     enable_sleep_mode: bool = False
+    # vLLM's limit_mm_per_prompt of a multi-modal model ({"image": n}; checked by EngineArgs).
+    limit_mm_per_prompt: dict[str, int] | None = None
+
+    @property
+    def hf_text_config(self) -> Any:
+        """The language model's config (vLLM's name): a multi-modal config's text_config, else hf_config."""
+        get_text_config = getattr(self.hf_config, "get_text_config", None)
+        return get_text_config() if get_text_config is not None else self.hf_config
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Whether the model takes images with its prompts (a vision-language model)."""
+        from raylm.models.registry import is_multimodal_model
+        return is_multimodal_model(getattr(self.hf_config, "architectures", None))
 
     @property
     def is_pooling(self) -> bool:
@@ -265,31 +279,31 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_text_config.vocab_size
 
     @property
     def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.hf_text_config.num_hidden_layers
 
     @property
     def num_attention_heads(self) -> int:
-        return self.hf_config.num_attention_heads
+        return self.hf_text_config.num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+        return getattr(self.hf_text_config, "num_key_value_heads", None) or self.num_attention_heads
 
     @property
     def layer_sliding_windows(self) -> list[int | None]:
         """Each layer's sliding window in tokens (None: the whole context), as Hugging Face
         applies them (`raylm.models.sliding_window`)."""
         from raylm.models.sliding_window import layer_sliding_windows
-        return layer_sliding_windows(self.hf_config)
+        return layer_sliding_windows(self.hf_text_config)
 
     @property
     def head_size(self) -> int:
-        head_dim = getattr(self.hf_config, "head_dim", None)
-        return head_dim or self.hf_config.hidden_size // self.num_attention_heads
+        head_dim = getattr(self.hf_text_config, "head_dim", None)
+        return head_dim or self.hf_text_config.hidden_size // self.num_attention_heads
 
     def num_kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         # KV heads are replicated, never split below one, when ranks outnumber them.

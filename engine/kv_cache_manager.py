@@ -19,6 +19,8 @@ earlier ones stay free and are NULL_BLOCK_ID in its table from the start.
 
 from __future__ import annotations
 
+import hashlib
+
 from collections import Counter
 from collections.abc import Iterable
 
@@ -235,10 +237,12 @@ class KVCacheManager:
         size = self.block_size
         for index in range(len(hashes), len(tokens) // size):
             if index:
-                hashes.append(hash_block_tokens(hashes[index - 1], tokens[index * size:(index + 1) * size]))
+                hashes.append(hash_block_tokens(hashes[index - 1], tokens[index * size:(index + 1) * size],
+                                                _mm_extra_key(request, index * size, (index + 1) * size)))
             else:
                 # The salt and the adapter go into the first block; every later hash chains on it.
-                hashes.append(hash_block_tokens(None, tokens[:size], _first_block_extra_key(request)))
+                hashes.append(hash_block_tokens(None, tokens[:size],
+                                                _first_block_extra_key(request) + _mm_extra_key(request, 0, size)))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)
@@ -300,6 +304,19 @@ def _first_block_extra_key(request: Request) -> bytes:
     digest = request.lora_digest
     files = b"" if digest is None else f"\x00{digest.config_sha256}\x00{digest.weights_sha256}".encode()
     return first_block_extra_key(request.cache_salt, lora.cache_key() + files)
+
+
+def _mm_extra_key(request: Request, start: int, end: int) -> bytes:
+    """What the images whose placeholder tokens fall in [start, end) add to the block's
+    extra key (vLLM hashes the image into the blocks that hold its tokens): the same
+    placeholder ids with another image must not find this KV; later blocks chain on it
+    through their parent. Empty without images; else a 0xfe byte (which no UTF-8 salt holds)
+    and the SHA-256 of the images' content hashes, a fixed 33 bytes at the key's end, so no
+    salt or adapter key can pose as an image."""
+    if not request.mm_features:
+        return b""
+    identifiers = [feature.identifier for feature in request.mm_features if feature.overlap(start, end) is not None]
+    return b"\xfe" + hashlib.sha256(b"".join(identifiers)).digest() if identifiers else b""
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

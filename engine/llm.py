@@ -16,6 +16,7 @@ from raylm.engine.beam_search import (BeamSearchDriver, BeamSearchOutput, BeamSe
 from raylm.engine.llm_engine import LLMEngine, PromptType, cache_salt_of
 from raylm.engine.logger import init_default_logging
 from raylm.engine.lora_request import LoRARequest
+from raylm.engine.multimodal.chat_parts import split_chat_images
 from raylm.engine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                                   RequestOutput, ScoringRequestOutput)
 from raylm.engine.pooling_params import PoolingParams
@@ -292,18 +293,24 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the tokenizer's chat template
-        (or `chat_template`). messages: one conversation or a list of them."""
+        (or `chat_template`). messages: one conversation or a list of them. A vision-language
+        model takes images as vLLM's LLM.chat does: `image_url` parts holding a data URL, or
+        `image_pil` parts holding a PIL image."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:
+            conversation, images = split_chat_images(conversation)
             text = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message)
             check_unicode(text, "messages")
             # The template already holds any BOS it wants: do not add special tokens again.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],

@@ -14,6 +14,8 @@ from raylm.engine.config import EngineConfig
 from raylm.engine.engine_core import EngineCore
 from raylm.engine.generation_config import load_generation_defaults
 from raylm.engine.lora_request import LoRARequest
+from raylm.engine.multimodal.inputs import MultiModalFeature
+from raylm.engine.multimodal.processor import MultiModalProcessor
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request, check_priority
@@ -32,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 # either with an optional "cache_salt" (a non-empty string: prefix-cache hits only between
-# requests of the same salt).
+# requests of the same salt); for a vision-language model, {"prompt": str, "multi_modal_data":
+# {"image": PIL.Image or a list of them}}, one "<image>" placeholder in the text per image.
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -57,6 +60,11 @@ class LLMEngine:
                                                             self.model_config.generation_config,
                                                             self.model_config.override_generation_config)
         self.eos_token_ids = self._find_eos_token_ids()
+        # Vision-language models: prompts with images go through the model's own processor.
+        self.mm_processor = (MultiModalProcessor(self.model_config.model, self.model_config.hf_config,
+                                                 self.model_config.limit_mm_per_prompt or {},
+                                                 self.model_config.trust_remote_code, self.model_config.revision)
+                             if self.model_config.is_multimodal else None)
         # Grammars for structured outputs are built over the tokenizer's vocabulary.
         self.structured_output_manager = None if self.tokenizer is None else StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -139,7 +147,10 @@ class LLMEngine:
         params = self.get_default_sampling_params() if params is None else params
         lora_digest = self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
-        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        prompt_text, prompt_token_ids, mm_features = self._process_prompt(prompt)
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ParameterError("truncate_prompt_tokens is not supported with images (it could cut an image's "
+                                 "placeholder tokens).", "truncate_prompt_tokens")
         prompt_token_ids = params.truncated_prompt(prompt_token_ids, self.model_config.max_model_len)
         self._validate_request(prompt_token_ids, params)
         params = self._with_engine_defaults(params, len(prompt_token_ids))
@@ -155,8 +166,8 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
                                                  arrival_time, sample_index=index, priority=priority,
-                                                 cache_salt=cache_salt,
-                                                 lora_request=lora_request, lora_digest=lora_digest))
+                                                 cache_salt=cache_salt, lora_request=lora_request,
+                                                 lora_digest=lora_digest, mm_features=mm_features))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
@@ -191,7 +202,36 @@ class LLMEngine:
                                              cache_salt=cache_salt, pooling_params=params))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
+    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """The prompt's text and token ids, and for a vision-language model the images of its
+        "multi_modal_data" (vLLM's prompt key), their placeholders expanded by the model's own
+        processor (`engine/multimodal/processor.py`)."""
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if self.mm_processor is None:
+            if mm_data is not None:
+                raise ParameterError(f"multi_modal_data was given, but the model "
+                                     f"{self.model_config.model!r} takes text only.", "multi_modal_data")
+            return *self._tokenize_prompt(prompt), []
+        if mm_data is None:
+            prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+            self.mm_processor.check_no_placeholders(prompt_token_ids)
+            return prompt_text, prompt_token_ids, []
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
+            # As vLLM's TokensPrompt with images: one placeholder token per image, expanded here.
+            prompt_token_ids, mm_features = self.mm_processor.process_tokens(prompt["prompt_token_ids"], mm_data)
+            return text if isinstance(text, str) else None, prompt_token_ids, mm_features
+        if not isinstance(text, str):
+            raise ParameterError("multi_modal_data needs a text 'prompt' or 'prompt_token_ids'.", "multi_modal_data")
+        check_unicode(text, "prompt")
+        prompt_token_ids, mm_features = self.mm_processor.process(text, mm_data)
+        return text, prompt_token_ids, mm_features
+
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Only add_request (LLM.generate, the completions and chat routes) takes images.
+            raise ParameterError("multi_modal_data is supported by generate requests only (not by beam search, "
+                                 "pooling or tokenization).", "multi_modal_data")
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

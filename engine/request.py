@@ -17,6 +17,7 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import ParameterError, SamplingParams
 
 if TYPE_CHECKING:
+    from raylm.engine.multimodal.inputs import MultiModalFeature
     from raylm.engine.pooling_params import PoolingParams
     from raylm.engine.structured_output.request import StructuredOutputRequest
     from raylm.executors.lora_adapter import AdapterDigest
@@ -139,6 +140,9 @@ class Request:
     # sampled. Its sampling_params are then the engine's one-step stand-in (max_tokens=1),
     # which ends its scheduling once its last chunk is in flight.
     pooling_params: PoolingParams | None = None
+    # The images of a multi-modal prompt, in the order of their placeholder tokens (their
+    # content hashes go into the hashes of the blocks that hold those tokens).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -412,6 +412,8 @@ class Scheduler:
             lora_slot=self.lora_slots.slot_of(request) if self.lora_slots is not None else -1)
         if do_sample:
             request.num_output_placeholders += 1
+        if request.resumed and request.mm_features:
+            scheduled.mm_features = request.mm_features
         if request.resumed and start and needs_token_history(params):
             scheduled.context_token_ids = request.all_token_ids[:start]
         if params.prompt_logprobs is not None:

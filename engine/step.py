@@ -18,6 +18,7 @@ from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from raylm.engine.multimodal.inputs import MultiModalFeature
     from raylm.executors.lora_adapter import AdapterDigest
 
 
@@ -65,6 +66,10 @@ class ScheduledRequest:
     # PLACEHOLDER_TOKEN_ID entries are proposed by the workers' draft model. The sampled
     # output then holds 1 to len + 1 tokens for the request (see SamplerOutput).
     spec_token_ids: list[int] | None = None
+    # Multi-modal: the request's images (their pixels and placeholder positions), sent in its
+    # first step since it was (re)admitted, like sampling_params; the workers keep them and
+    # compute each image's embeddings once, when a chunk first reaches its placeholders.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass

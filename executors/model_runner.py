@@ -22,6 +22,7 @@ from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, Sample
 from raylm.executors import prompt_logprobs
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
+from raylm.executors.encoder_cache import EncoderCache
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
 from raylm.executors.penalty_state import PenaltyState
@@ -112,6 +113,9 @@ class ModelRunner:
             DraftModelRunner(engine_config, rank, self.device)
             if speculative_config is not None and speculative_config.uses_draft_model else None)
         self._states: dict[int, RequestSamplingState] = {}
+        # Multi-modal models: the running requests' images and their embeddings.
+        self.encoder_cache = EncoderCache()
+        self.is_multimodal = self.model_config.is_multimodal
         # The sampling worker on a device in penalty_state_devices: penalised requests' rows
         # of penalty state, allocated in load_model (before the KV cache is sized).
         self.penalty_state: PenaltyState | None = None
@@ -217,15 +221,24 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
+        # A vision-language model's step may first run its vision tower on an image, whose
+        # embeddings the step then holds (EncoderCache): one image's worth, measured too.
+        image_embeddings = self._profile_image_embeddings() if self.is_multimodal else None
         with set_forward_context(None):
             hidden = self.model(input_ids, positions, *self._stage_inputs(num_tokens))
         if self.is_last_stage:
             self._profile_outputs(hidden, num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del hidden, input_ids, positions
+        del hidden, input_ids, positions, image_embeddings
         torch.cuda.empty_cache()
         return peak
+
+    def _profile_image_embeddings(self) -> torch.Tensor:
+        """The embeddings of one blank image of the vision tower's size (for profile_run)."""
+        size = self.model_config.hf_config.vision_config.image_size
+        pixel_values = torch.zeros(1, 3, size, size, dtype=self.model_config.dtype, device=self.device)
+        return self.model.get_multimodal_embeddings(pixel_values)
 
     def _profile_outputs(self, hidden: torch.Tensor, num_tokens: int) -> None:
         """What the last stage computes from a full step's hidden states at its peak: the
@@ -546,6 +559,8 @@ class ModelRunner:
             self.penalty_state.release(req.preempted_req_ids)
         if self.draft_runner is not None:
             self.draft_runner.finish(req.finished_req_ids)
+        self.encoder_cache.release(req.finished_req_ids)
+        self.encoder_cache.release(req.preempted_req_ids)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         if self._processed_weight_loads != num_weight_loads(self.model):
@@ -565,6 +580,8 @@ class ModelRunner:
 
         host = self._host_inputs(req.requests)
         holes = [(host.last_rows[index], token) for index, token in device_holes]
+        mm_embeddings = (self.encoder_cache.step_embeddings(self.model, req.requests, self.device)
+                         if self.is_multimodal else None)
         if not self.is_last_stage:  # pipeline parallel: every row goes on to the next stage
             return self._run_model(host, None, intermediate_tensors, holes)
         sampled, sample_rows, prompt_requests, prompt_rows = _rows_to_read(req.requests, host.last_rows)
@@ -574,7 +591,7 @@ class ModelRunner:
             self.lora_manager.prepare_step(req.requests, req.lora_activations,
                                            step_output_rows(rows, len(host.input_ids)))
             lora_failures = self.lora_manager.step_failures
-        selected = self._run_model(host, rows, intermediate_tensors, holes)
+        selected = self._run_model(host, rows, intermediate_tensors, holes, mm_embeddings)
         if not rows:
             return SamplerOutput(lora_failures=lora_failures) if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
@@ -619,14 +636,18 @@ class ModelRunner:
 
     def _run_model(self, host: HostStep, rows: list[int] | None,
                    intermediate_tensors: IntermediateTensors | None = None,
-                   holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = ()) -> torch.Tensor | IntermediateTensors:
+                   holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = (),
+                   mm_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states of `rows`, in that order: a decode graph's replay where
         one is captured for the batch, else an eager forward. rows None: a pipeline stage
         before the last, which hands every row on. holes: input rows whose token is taken
-        on the device from a step not read yet (`_fill_placeholders`)."""
+        on the device from a step not read yet (`_fill_placeholders`). mm_embeddings: the
+        input rows that hold image placeholders and their image embeddings (`EncoderCache`)."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(len(host.input_ids)) if graphs is not None else None
-        if batch_size is not None and host.is_decode_only and rows == list(range(len(host.input_ids))):
+        if (batch_size is not None and mm_embeddings is None and host.is_decode_only
+                and rows == list(range(len(host.input_ids)))):
             graphs.inputs.write(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                 host.block_tables, batch_size)
             if holes:
@@ -638,6 +659,11 @@ class ModelRunner:
             _fill_holes(input_ids, holes)
         stage_input = () if intermediate_tensors is None else (intermediate_tensors,)
         with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
+            if mm_embeddings is not None:
+                inputs_embeds = self.model.get_input_embeddings(input_ids)
+                mm_rows, embeddings = mm_embeddings
+                inputs_embeds[mm_rows] = embeddings.to(inputs_embeds.dtype)
+                return self.model(input_ids, positions, *stage_input, inputs_embeds=inputs_embeds)
             return self.model(input_ids, positions, *stage_input)
 
     def _step_tensors(self, host: HostStep, output_rows: list[int] | None

@@ -191,9 +191,13 @@ class LlamaModel(nn.Module):
             last.prepare_output_row_projections()  # its outputs are read at the output rows only
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """The final hidden states; on a pipeline stage before the last, what it hands on."""
-        hidden_states = stage_input(intermediate_tensors, self.embed_tokens, input_ids)
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states; on a pipeline stage before the last, what it hands on.
+        inputs_embeds (a multi-modal model's): the input rows' embeddings, images merged in,
+        in place of the token embeddings of input_ids."""
+        hidden_states = (inputs_embeds if inputs_embeds is not None
+                         else stage_input(intermediate_tensors, self.embed_tokens, input_ids))
         # The fused op returns every row: it runs only on steps that read them all.
         every_row = get_forward_context().output_rows is None
         fused = (self.fused_decode.run(hidden_states, positions, get_forward_context().attn_metadata)

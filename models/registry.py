@@ -19,6 +19,7 @@ from raylm.models.adapters import as_classification_model, as_embedding_model
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from raylm.models.llava import LlavaForConditionalGeneration
 from raylm.models.mixtral import MixtralForCausalLM
 from raylm.models.opt import OPTForCausalLM
 from raylm.models.qwen3 import Qwen3ForCausalLM
@@ -35,6 +36,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # Vision-language (images with the prompt: engine/multimodal/).
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 
@@ -106,6 +109,12 @@ def pooling_task(architectures: list[str] | None) -> str:
     "embed" (the pooled hidden state)."""
     name = next((arch for arch in architectures or [] if _registered_name(arch) is not None), None)
     return "classify" if name is not None and name.endswith(_SEQUENCE_CLASSIFICATION) else "embed"
+
+
+def is_multimodal_model(architectures: list[str] | None) -> bool:
+    """Whether the first registered name of `architectures` takes images (`supports_multimodal`)."""
+    name = next((arch for arch in architectures or [] if arch in _MODELS), None)
+    return name is not None and getattr(_MODELS[name], "supports_multimodal", False)
 
 
 def supported_architectures() -> list[str]:

@@ -407,3 +407,59 @@ def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0, adde
             head[following] = 4.0 * embeddings[current] / embeddings[current].norm()
     model.save_pretrained(str(path), safe_serialization=True)
     return Path(path)
+
+
+# ---- vision-language (LLaVA) ------------------------------------------------------------------
+
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def build_tiny_llava(path: Path, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> Path:
+    """A tiny random LlavaForConditionalGeneration (a CLIP vision tower of (32/8)^2 = 16 patches,
+    the "default" feature strategy dropping CLS: 16 image tokens a picture; a gelu projector; a
+    Llama decoder) with its processor: CLIPImageProcessor and the tiny tokenizer plus an
+    `<image>` token, LLaVA-1.5's chat template shape."""
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    build_tokenizer(Path(path), 512)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    vision_config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=image_size, patch_size=patch_size, projection_dim=32)
+    text_config = _llama_like_config("llama", len(tokenizer))
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                         crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=LLAVA_CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return Path(path)
+
+
+def random_image(seed: int, size: tuple[int, int] = (48, 40)):
+    """A PIL RGB image of random pixels (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

@@ -196,6 +196,7 @@ def run(out: Path, device: torch.device, architectures: list[str], bf16_prompts:
 
 def main(argv: list[str] | None = None) -> int:
     from raylm.models import supported_architectures
+    from raylm.models.registry import is_multimodal_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -203,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="on the CPU, the engine on Llama only (every architecture's tiny model is still built)")
     parser.add_argument("--arch", nargs="*", help="architectures (default: every registered one)")
     args = parser.parse_args(argv)
-    architectures = args.arch or (["LlamaForCausalLM"] if args.dry_run else supported_architectures())
+    # Vision-language models are stage t's (tests/test_llava.py's cuda test, with images): the
+    # tiny config here would leave their language model at its default (7B) size.
+    architectures = args.arch or (["LlamaForCausalLM"] if args.dry_run else [
+        arch for arch in supported_architectures() if not is_multimodal_model([arch])])
     device = torch.device("cpu" if args.dry_run else "cuda")
     # On the CPU, HF's bf16 matmuls are slow: the dry run compares two prompts in bf16.
     run(args.out, device, architectures, bf16_prompts=2 if args.dry_run else 10)

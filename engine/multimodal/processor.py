@@ -1,0 +1,164 @@
+"""`MultiModalProcessor`: a prompt with images -> token ids and `MultiModalFeature`s, made by the
+checkpoint's own Hugging Face processor (transformers' AutoProcessor), as vLLM's processors do.
+
+Each `<image>` placeholder token of the prompt expands into the number of image tokens the
+vision tower yields, as the processor expands it (LlavaProcessor: one per patch, less CLS under
+the "default" feature strategy), and the processor turns the images into pixel_values; the
+workers' model fills those positions with the projected image features. Text prompts are
+tokenized first, so a prompt's token ids (a chat prompt's, tokenized without special tokens)
+and its text take the same path."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from raylm.engine.multimodal.inputs import MultiModalFeature, PlaceholderRange
+from raylm.engine.sampling_params import ParameterError
+
+# vLLM's default limit_mm_per_prompt: one image a prompt.
+DEFAULT_LIMIT_PER_PROMPT = 1
+# The most images a prompt may be allowed (limit_mm_per_prompt's bound): each one is a vision
+# tower forward and its pixel_values travel with the request to every worker.
+MAX_LIMIT_PER_PROMPT = 16
+SUPPORTED_MODALITIES = ("image",)
+
+
+def check_limit_mm_per_prompt(value: dict[str, int] | None) -> dict[str, int]:
+    """vLLM's limit_mm_per_prompt ({"image": n}), checked: modalities this engine takes, each an
+    int in [0, MAX_LIMIT_PER_PROMPT]; default one image."""
+    limits = {"image": DEFAULT_LIMIT_PER_PROMPT}
+    if value is None:
+        return limits
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a dict such as {{\"image\": 2}}, got {value!r}.")
+    for modality, count in value.items():
+        if modality not in SUPPORTED_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt names modality {modality!r}; supported: "
+                             f"{', '.join(SUPPORTED_MODALITIES)}.")
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LIMIT_PER_PROMPT:
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer in [0, {MAX_LIMIT_PER_PROMPT}], "
+                             f"got {count!r}.")
+        limits[modality] = count
+    return limits
+
+
+def image_token_id(hf_config: Any) -> int:
+    """The id of the placeholder token a multi-modal config names (LlavaConfig's image_token_index)."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("The model's config.json names no image_token_index: raylm cannot place its images.")
+
+
+def feature_identifier(modality: str, pixel_values: np.ndarray) -> bytes:
+    """The content hash of one processed item (what its KV depends on besides token ids)."""
+    digest = hashlib.sha256(modality.encode())
+    digest.update(str(pixel_values.dtype).encode())
+    digest.update(repr(pixel_values.shape).encode())
+    digest.update(np.ascontiguousarray(pixel_values).tobytes())
+    return digest.digest()
+
+
+class MultiModalProcessor:
+    """The driver's processing of multi-modal prompts for one model."""
+
+    def __init__(self, model: str, hf_config: Any, limits: dict[str, int], trust_remote_code: bool = False,
+                 revision: str | None = None) -> None:
+        self.model = model
+        self.limits = limits
+        self.image_token_id = image_token_id(hf_config)
+        self._trust_remote_code = trust_remote_code
+        self._revision = revision
+        self._hf_processor: Any = None
+
+    @property
+    def hf_processor(self) -> Any:
+        if self._hf_processor is None:
+            from transformers import AutoProcessor
+
+            self._hf_processor = AutoProcessor.from_pretrained(self.model, trust_remote_code=self._trust_remote_code,
+                                                               revision=self._revision)
+        return self._hf_processor
+
+    def check_no_placeholders(self, prompt_token_ids: Sequence[int]) -> None:
+        """A prompt without images must not hold the image token: its positions would have no image."""
+        if self.image_token_id in prompt_token_ids:
+            raise ParameterError(f"The prompt holds the image placeholder token (id {self.image_token_id}) but "
+                                 f"multi_modal_data gives no image.", "multi_modal_data")
+
+    def process(self, prompt: str, multi_modal_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
+        """The text prompt's token ids (the tokenizer's special tokens added) with each image
+        placeholder expanded, and one feature per image (`process_tokens`)."""
+        return self.process_tokens(self.hf_processor.tokenizer.encode(prompt), multi_modal_data)
+
+    def process_tokens(self, prompt_token_ids: Sequence[int], multi_modal_data: Any
+                       ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The token ids with each image placeholder token (one per image, as the text
+        tokenizes) expanded to the image's tokens, and one feature per image in the order of
+        their placeholders. The model's processor makes the pixels and says how many tokens
+        an image takes (LlavaProcessor: patches, less CLS under the "default" strategy).
+        ParameterError naming multi_modal_data for anything the engine cannot take."""
+        images = self._images(multi_modal_data)
+        token_ids = [int(t) for t in prompt_token_ids]
+        placeholders = token_ids.count(self.image_token_id)
+        if placeholders != len(images):
+            raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data: "
+                                 f"{len(images)} images, {placeholders} placeholders in the prompt.",
+                                 "multi_modal_data")
+        if not images:
+            return token_ids, []
+        processor = self.hf_processor
+        placeholder_text = getattr(processor, "image_token", None) or processor.tokenizer.convert_ids_to_tokens(
+            self.image_token_id)
+        try:
+            processed = processor(text=placeholder_text * len(images), images=images, return_tensors="np")
+        except (ValueError, TypeError, OSError) as error:
+            raise ParameterError(f"multi_modal_data could not be processed with the model's processor: {error}",
+                                 "multi_modal_data") from error
+        expanded = [int(t) for t in processed["input_ids"][0]].count(self.image_token_id)
+        per_image = expanded // len(images)
+        if per_image < 1 or expanded % len(images):
+            raise ParameterError(f"The model's processor gave {expanded} image tokens for {len(images)} images.",
+                                 "multi_modal_data")
+        expanded_ids: list[int] = []
+        ranges: list[PlaceholderRange] = []
+        for token in token_ids:
+            if token == self.image_token_id:
+                ranges.append(PlaceholderRange(len(expanded_ids), per_image))
+                expanded_ids.extend([token] * per_image)
+            else:
+                expanded_ids.append(token)
+        pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
+        features = []
+        for index, position in enumerate(ranges):
+            pixels = np.ascontiguousarray(pixel_values[index:index + 1])
+            features.append(MultiModalFeature("image", pixels, position, feature_identifier("image", pixels)))
+        return expanded_ids, features
+
+    def _images(self, multi_modal_data: Any) -> list[Any]:
+        from PIL import Image
+
+        if not isinstance(multi_modal_data, dict):
+            raise ParameterError(f"multi_modal_data must be a dict such as {{\"image\": image}}, got "
+                                 f"{type(multi_modal_data).__name__}.", "multi_modal_data")
+        unknown = sorted(set(multi_modal_data) - set(SUPPORTED_MODALITIES))
+        if unknown:
+            raise ParameterError(f"multi_modal_data names modality {unknown[0]!r}; this model takes "
+                                 f"{', '.join(SUPPORTED_MODALITIES)}.", "multi_modal_data")
+        value = multi_modal_data.get("image", [])
+        images = list(value) if isinstance(value, (list, tuple)) else [value]
+        limit = self.limits.get("image", 0)
+        if len(images) > limit:
+            raise ParameterError(f"The prompt has {len(images)} images, more than limit_mm_per_prompt allows "
+                                 f"({{'image': {limit}}}); start the engine with a larger limit_mm_per_prompt "
+                                 f"to take more.", "multi_modal_data")
+        for image in images:
+            if not isinstance(image, Image.Image):
+                raise ParameterError(f"multi_modal_data['image'] must be a PIL.Image.Image or a list of them, got "
+                                     f"{type(image).__name__}.", "multi_modal_data")
+        return images

@@ -1,0 +1,316 @@
+"""Images with the prompt (vLLM's multi_modal_data) on a tiny random LLaVA: the engine's greedy
+tokens equal Hugging Face's LlavaForConditionalGeneration.generate on the same weights and the
+same processor outputs (fp32), through batching, the prefix cache, chunked prefill and
+preemption; bad multi-modal input is refused naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_checks import assert_engine_idle
+from tiny_models import build_tiny_llava, build_tiny_model, random_image
+
+PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
+# 6 tokens before the image's 16 and fewer than 10 after: a prefix-cache hit is one 16-token
+# block, which ends inside the image.
+SHORT_PROMPT = "USER: <image>\nA:"
+TWO_IMAGES = "USER: <image>\nand <image>\nSame? ASSISTANT:"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("llava") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(llava_dir: Path):
+    """HF's greedy continuation of (prompt, images), memoised."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
+    memo: dict = {}
+
+    def greedy(prompt: str, seeds: tuple[int, ...]) -> list[int]:
+        if (prompt, seeds) not in memo:
+            inputs = processor(text=prompt, images=[random_image(s) for s in seeds], return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            memo[prompt, seeds] = out[0, inputs["input_ids"].shape[1]:].tolist()
+        return memo[prompt, seeds]
+
+    return greedy
+
+
+def _llm(llava_dir: Path, max_model_len: int = 256, **kwargs):
+    from raylm.engine import LLM
+
+    return LLM(str(llava_dir), dtype="float32", max_model_len=max_model_len, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir: Path):
+    llm = _llm(llava_dir, limit_mm_per_prompt={"image": 2})
+    yield llm
+    llm.shutdown()
+
+
+def _generate(llm, items: list[tuple[str, tuple[int, ...]]]) -> list:
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": [random_image(s) for s in seeds]}}
+               for prompt, seeds in items]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _runner(llm):
+    return llm.llm_engine.executor.driver_worker.model_runner
+
+
+def test_one_image_equals_hf(llm, hf_greedy):
+    (out,) = _generate(llm, [(PROMPT, (1,))])
+    image_token_id = llm.llm_engine.model_config.hf_config.image_token_index
+    assert out.prompt_token_ids.count(image_token_id) == 16  # (32 / 8)^2 patches, CLS dropped
+    assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (1,))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_batch_of_different_images_and_two_images_in_one_prompt_equal_hf(llm, hf_greedy):
+    items = [(PROMPT, (2,)), (PROMPT, (3,)), (TWO_IMAGES, (4, 5)), ("USER: no picture ASSISTANT:", ())]
+    outs = _generate(llm, items)
+    for out, (prompt, seeds) in zip(outs, items):
+        if seeds:
+            assert list(out.outputs[0].token_ids) == hf_greedy(prompt, seeds)
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_prefix_cache_never_serves_one_images_kv_for_another(llm, hf_greedy):
+    """The same prompt text with two images: the placeholder token ids are the same, the KV is not."""
+    first = _generate(llm, [(SHORT_PROMPT, (6,))])[0]
+    second = _generate(llm, [(SHORT_PROMPT, (7,))])[0]
+    assert list(first.outputs[0].token_ids) == hf_greedy(SHORT_PROMPT, (6,))
+    assert list(second.outputs[0].token_ids) == hf_greedy(SHORT_PROMPT, (7,))
+    assert hf_greedy(SHORT_PROMPT, (6,)) != hf_greedy(SHORT_PROMPT, (7,))
+    assert second.metrics.num_cached_tokens == 0  # the image sits in the first block
+    # The same image again hits the first block, which ends inside the image's tokens: the
+    # rest of the image's embeddings are sliced from where the cached prefix stops.
+    again = _generate(llm, [(SHORT_PROMPT, (6,))])[0]
+    assert again.metrics.num_cached_tokens == 16
+    assert list(again.outputs[0].token_ids) == hf_greedy(SHORT_PROMPT, (6,))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_chunked_prefill_splits_images_and_encodes_each_once(llava_dir, hf_greedy):
+    """A 5-token budget cuts each image's 16 placeholders over several steps; a pool of few
+    blocks preempts and recomputes requests. Tokens equal HF's all the same."""
+    llm = _llm(llava_dir, max_model_len=80, max_num_batched_tokens=5, max_num_seqs=4, num_gpu_blocks_override=5,
+               enable_prefix_caching=False, limit_mm_per_prompt={"image": 2})
+    try:
+        runner = _runner(llm)
+        items = [(PROMPT, (8,)), (TWO_IMAGES, (9, 10)), (PROMPT, (11,)), (SHORT_PROMPT, (13,))]
+        outs = _generate(llm, items)
+        for out, (prompt, seeds) in zip(outs, items):
+            assert list(out.outputs[0].token_ids) == hf_greedy(prompt, seeds)
+        preemptions = llm.llm_engine.scheduler.num_preemptions
+        assert preemptions > 0
+        # Once per image, plus once per image of each preempted request's recompute at most.
+        assert 5 <= runner.encoder_cache.num_encoder_runs <= 5 + 2 * preemptions
+        assert len(runner.encoder_cache) == 0
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_chunked_prefill_without_preemption_encodes_each_image_once(llava_dir, hf_greedy):
+    llm = _llm(llava_dir, max_num_batched_tokens=7, enable_prefix_caching=False)
+    try:
+        (out,) = _generate(llm, [(PROMPT, (12,))])
+        assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (12,))
+        assert _runner(llm).encoder_cache.num_encoder_runs == 1
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("prompt, data, match", [
+    (PROMPT, {"image": [random_image(1)] * 3}, "limit_mm_per_prompt"),
+    ("USER: no placeholder ASSISTANT:", {"image": random_image(1)}, "one image placeholder per image"),
+    (TWO_IMAGES, {"image": random_image(1)}, "one image placeholder per image"),
+    (PROMPT, {"image": "not an image"}, "PIL.Image"),
+    (PROMPT, {"video": random_image(1)}, "modality 'video'"),
+    (PROMPT, [random_image(1)], "must be a dict"),
+])
+def test_bad_multi_modal_data_is_refused_naming_the_field(llm, prompt, data, match):
+    from raylm.engine.sampling_params import ParameterError
+
+    with pytest.raises(ParameterError, match=match) as error:
+        llm.generate({"prompt": prompt, "multi_modal_data": data}, use_tqdm=False)
+    assert error.value.param == "multi_modal_data"
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_token_prompt_with_one_placeholder_per_image_equals_the_text_prompt(llm, hf_greedy):
+    """vLLM's TokensPrompt with images: the placeholder token once per image, expanded by the engine."""
+    from raylm.engine import SamplingParams
+
+    token_ids = llm.get_tokenizer().encode(TWO_IMAGES)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": [random_image(15),
+                                                                                       random_image(16)]}},
+                          params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(TWO_IMAGES, (15, 16))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_placeholder_without_image_and_token_prompts_without_placeholders_are_refused(llm):
+    from raylm.engine.sampling_params import ParameterError
+
+    with pytest.raises(ParameterError, match="gives no image"):
+        llm.generate(PROMPT, use_tqdm=False)
+    with pytest.raises(ParameterError, match="1 images, 0 placeholders"):
+        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_text_only_model_refuses_images(tmp_path):
+    from raylm.engine import LLM
+    from raylm.engine.sampling_params import ParameterError
+
+    llm = LLM(str(build_tiny_model(tmp_path / "llama")), dtype="float32", max_model_len=64,
+              num_gpu_blocks_override=16)
+    try:
+        with pytest.raises(ParameterError, match="takes text only"):
+            llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+        with pytest.raises(ParameterError, match="takes text only"):
+            llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(1)}]}],
+                     use_tqdm=False)
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(limit_mm_per_prompt={"image": 17}), r"limit_mm_per_prompt\['image'\] must be an integer in \[0, 16\]"),
+    (dict(limit_mm_per_prompt={"audio": 1}), "modality 'audio'"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size 2 is not supported for LlavaForConditionalGeneration"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+])
+def test_engine_arguments_multimodal_models_cannot_take_are_refused(llava_dir, kwargs, match):
+    from raylm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(llava_dir), **kwargs).create_engine_config()
+
+
+@pytest.mark.cuda
+def test_images_on_cuda_equal_hf_there_with_decode_graphs(llava_dir):
+    """On a GPU (stage t of scripts/gpu_check.sh): the vision tower and the merged embeddings on
+    the device, prefill chunks cutting the images eagerly, decode steps replaying CUDA graphs."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).to("cuda").eval()
+    items = [(PROMPT, (40,)), (TWO_IMAGES, (41, 42)), (SHORT_PROMPT, (43,))]
+    expected = []
+    for prompt, seeds in items:
+        inputs = processor(text=prompt, images=[random_image(s) for s in seeds], return_tensors="pt").to("cuda")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    llm = _llm(llava_dir, device="cuda", max_num_batched_tokens=12, limit_mm_per_prompt={"image": 2})
+    try:
+        outs = _generate(llm, items)
+        assert [list(out.outputs[0].token_ids) for out in outs] == expected
+        assert _runner(llm).decode_graphs is not None
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_n_samples_share_the_image_and_its_cached_prefix(llm, hf_greedy):
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True)  # argmax
+    (out,) = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(14)}}, params,
+                          use_tqdm=False)
+    assert [list(c.token_ids) for c in out.outputs] == [hf_greedy(PROMPT, (14,))] * 2
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_tensor_parallel_over_ray_equals_hf(llava_dir, hf_greedy, ray_cluster):
+    """TP=2 on Ray workers: each rank runs the whole vision tower and merges the same
+    embeddings into its input rows; its share of the decoder's heads does the rest."""
+    llm = _llm(llava_dir, tensor_parallel_size=2, distributed_executor_backend="ray", max_num_batched_tokens=12,
+               limit_mm_per_prompt={"image": 2})
+    try:
+        items = [(PROMPT, (50,)), (TWO_IMAGES, (51, 52))]
+        outs = _generate(llm, items)
+        assert [list(out.outputs[0].token_ids) for out in outs] == [hf_greedy(p, s) for p, s in items]
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_llm_chat_takes_image_pil_and_data_url_parts_as_vllm(llm, llava_dir):
+    """LLM.chat renders image parts where the template puts the placeholder; the reply equals
+    HF's on the prompt its processor's chat template renders."""
+    import base64
+    import io
+
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from raylm.engine import SamplingParams
+
+    first, second = random_image(17), random_image(18)
+    buffer = io.BytesIO()
+    second.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": first},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Same?"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.chat(messages, params, use_tqdm=False)
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]}], add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[first, second], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert list(out.outputs[0].token_ids) == expected[0, inputs["input_ids"].shape[1]:].tolist()
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_checkpoints_in_transformers_other_layout_load_the_same(llava_dir, hf_greedy, tmp_path):
+    """transformers 4.52+ saves model.language_model.* / model.vision_tower.vision_model.* /
+    model.multi_modal_projector.* / lm_head.*; llava-hf's older checkpoints language_model.model.*
+    and vision_tower.vision_model.*. Both load into the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def renamed(name: str) -> str:
+        if name.startswith("language_model.model."):
+            return "model.language_model." + name.removeprefix("language_model.model.")
+        if name.startswith("language_model.lm_head."):
+            return name.removeprefix("language_model.")
+        if name.startswith("vision_tower."):
+            return "model.vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        return "model." + name
+
+    other = tmp_path / "other_layout"
+    shutil.copytree(llava_dir, other)
+    tensors = load_file(str(llava_dir / "model.safetensors"))
+    assert any(name.startswith("language_model.model.") for name in tensors)  # the layout this test renames
+    save_file({renamed(name): tensor for name, tensor in tensors.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    llm = _llm(other)
+    try:
+        (out,) = _generate(llm, [(PROMPT, (19,))])
+        assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (19,))
+    finally:
+        llm.shutdown()
