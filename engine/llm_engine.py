@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from raylm.executors.lora_adapter import AdapterDigest
 
 logger = logging.getLogger(__name__)
+# Worker methods that need the engine's LoRA slots (enable_lora=True).
+LORA_WORKER_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 # either with an optional "cache_salt" (a non-empty string: prefix-cache hits only between
@@ -446,6 +448,9 @@ class LLMEngine:
                 worker_cls = Worker if hasattr(Worker, method) else None
             if worker_cls is not None:
                 check_rpc_method(worker_cls, method, tuple(args), kwargs or {})
+            if method in LORA_WORKER_METHODS and self.engine_config.lora_config is None:
+                # The workers would raise a RuntimeError (a 500 over HTTP): the caller's mistake.
+                raise ParameterError(f"method {method!r} needs an engine started with enable_lora=True.", "method")
         return self.engine_core.executor.collective_rpc(method, *args, timeout=timeout, kwargs=kwargs,
                                                         raised_is_fatal=False)
 
