@@ -77,6 +77,16 @@ def assert_engine_idle(engine: Any) -> None:
     kv.check_invariants()
 
 
+def assert_async_engine_idle(async_engine: Any, timeout_s: float = 10.0) -> None:
+    """assert_engine_idle for an AsyncLLMEngine behind a server: every request answered, the
+    engine thread may still be finishing the step that answered the last one, so wait for
+    it (up to timeout_s) first."""
+    deadline = time.monotonic() + timeout_s
+    while async_engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_engine_idle(async_engine.engine)
+
+
 def run_to_end(engine: Any) -> tuple[dict[str, list[int]], dict[str, BaseException]]:
     """Steps an `LLMEngine` until it has no request left: the token ids of each request that
     finished, and the error of each that failed, by request id."""

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle
 from server_process import InProcessServer
 
 RENDER_SECONDS = 1.5
@@ -119,7 +119,4 @@ def _assert_serves_normally_and_nothing_is_left(engine, chat, base_url: str) -> 
     pids = sandbox.worker_pids
     assert 1 <= len(pids) <= sandbox.max_processes
     assert all(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids)  # alive, not zombies
-    deadline = time.monotonic() + 5
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert_engine_idle(engine.engine)
+    assert_async_engine_idle(engine, timeout_s=5)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle
 from hf_reference import hf_embedding
 from server_process import InProcessServer
 
@@ -39,17 +39,6 @@ def post(base_url: str, body: dict):
     return httpx.post(f"{base_url}/v1/embeddings", json=body, timeout=60)
 
 
-def assert_no_block_held(engine) -> None:
-    """Every request is done (the engine thread may still be finishing the step that
-    answered it) and every KV block is back in the pool."""
-    import time
-
-    deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert_engine_idle(engine.engine)
-
-
 def test_float_embeddings_of_texts_and_token_ids_equal_hf(server, llama_dir):
     from transformers import AutoTokenizer
 
@@ -76,7 +65,7 @@ def test_float_embeddings_of_texts_and_token_ids_equal_hf(server, llama_dir):
     # One list of token ids is one input.
     reply = post(base_url, {"input": token_ids[0]})
     assert len(reply.json()["data"]) == 1 and reply.json()["usage"]["prompt_tokens"] == len(token_ids[0])
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_base64_decodes_to_the_float_embedding(server):
@@ -88,7 +77,7 @@ def test_base64_decodes_to_the_float_embedding(server):
         decoded = np.frombuffer(base64.b64decode(as_base64["embedding"]), dtype="<f4")
         # Two requests: the second reads the first's cached blocks, so they round apart slightly.
         np.testing.assert_allclose(decoded, np.asarray(as_floats["embedding"], dtype=np.float32), atol=1e-6, rtol=0)
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_truncate_prompt_tokens_pools_the_last_tokens(server, llama_dir):
@@ -99,7 +88,7 @@ def test_truncate_prompt_tokens_pools_the_last_tokens(server, llama_dir):
     assert reply.json()["usage"]["prompt_tokens"] == 10
     torch.testing.assert_close(torch.tensor(reply.json()["data"][0]["embedding"]),
                                hf_embedding(llama_dir, prompt[-10:]), atol=1e-4, rtol=0)
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -124,7 +113,7 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param, words):
     assert reply.status_code == expected, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_an_encoding_format_other_than_float_or_base64_is_a_400(server):
@@ -139,7 +128,7 @@ def test_a_pooling_server_refuses_completions(server):
     base_url, engine = server
     reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60)
     assert reply.status_code == 400 and "runner='pooling'" in reply.json()["error"]["message"]
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -165,4 +154,4 @@ def test_json_types_are_not_coerced_into_token_ids_or_sizes(server, body, param)
     error = reply.json()["error"]
     assert error["param"] == param or param in error["message"], error
     assert post(base_url, {"input": [5, 6]}).status_code == 200
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle
 from server_process import InProcessServer
 from tiny_models import build_tiny_reasoning_model
 
@@ -84,15 +84,6 @@ def _streamed(base_url: str, **fields) -> tuple[tuple, list[dict]]:
     return (reasoning or None, content or None, [tuple(c) for c in calls], finish), choices
 
 
-def _idle(engine) -> None:
-    import time
-
-    deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert_engine_idle(engine.engine)
-
-
 @pytest.mark.parametrize("days_type, days", [("integer", 3), ("string", "3")])
 def test_auto_call_in_unclosed_thinking_is_parsed_with_the_tools_types(server, days_type, days):
     """The reasoning ends at <tool_call><function= (no </think>), the XML call is parsed with
@@ -104,7 +95,7 @@ def test_auto_call_in_unclosed_thinking_is_parsed_with_the_tools_types(server, d
     assert (reasoning, content, name, finish) == (REASONING, None, "pick_city", "tool_calls")
     assert json.loads(arguments) == {"city": "Paris", "days": days}
     assert _streamed(base_url, tools=[city_tool(days_type)])[0] == whole
-    _idle(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_named_tool_choice_grammar_starts_at_the_tool_call_token(server):
@@ -126,7 +117,7 @@ def test_named_tool_choice_grammar_starts_at_the_tool_call_token(server):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     assert usage["completion_tokens_details"]["reasoning_tokens"] == \
         len(tokenizer.encode(REASONING, add_special_tokens=False))
-    _idle(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_named_call_cut_while_thinking_has_empty_arguments_streamed_or_not(server):
@@ -140,4 +131,4 @@ def test_named_call_cut_while_thinking_has_empty_arguments_streamed_or_not(serve
     streamed, choices = _streamed(base_url, **fields)
     assert streamed == whole
     assert all(not c["delta"].get("tool_calls") for c in choices if c["finish_reason"] is None)
-    _idle(engine)
+    assert_async_engine_idle(engine)

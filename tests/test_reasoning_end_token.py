@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle
 from server_process import InProcessServer
 from tiny_models import build_tiny_reasoning_model
 
@@ -206,13 +205,6 @@ def _streamed(reply: httpx.Response) -> tuple[str | None, str | None, list]:
     return reasoning or None, content or None, calls
 
 
-def _idle(engine) -> None:
-    deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert_engine_idle(engine.engine)
-
-
 @pytest.mark.parametrize("fields", [{}, {"structured_outputs": {"regex": "(yes|no)"}},
                                     {"response_format": {"type": "json_object"}}], ids=["plain", "regex", "json"])
 def test_a_spelled_end_tag_leaves_the_reply_in_the_reasoning(server, fields):
@@ -225,4 +217,4 @@ def test_a_spelled_end_tag_leaves_the_reply_in_the_reasoning(server, fields):
     assert (message["reasoning"], message["content"]) == (SPELLED_REPLY, None)
     streamed = _chat(base_url, stream=True, **fields)
     assert _streamed(streamed)[:2] == (SPELLED_REPLY, None)
-    _idle(engine)
+    assert_async_engine_idle(engine)

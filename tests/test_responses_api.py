@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle
 from hf_reference import hf_greedy
 from tiny_models import build_tiny_reasoning_model
 
@@ -424,7 +423,4 @@ def test_usage_reports_the_prompts_prefix_cache_hits(apps):
 
 def test_no_kv_blocks_are_left_after_the_requests(engine, apps):
     stream(apps["tools"], input=QUESTION, max_output_tokens=3)
-    deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert_engine_idle(engine.engine)
+    assert_async_engine_idle(engine)

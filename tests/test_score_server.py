@@ -6,12 +6,11 @@ field, and no KV block held after any request."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle
 from hf_reference import hf_classifier_logits, hf_embedding
 from server_process import InProcessServer
 from tiny_models import build_tiny_classifier
@@ -70,15 +69,6 @@ def post(base_url: str, route: str, body: dict):
     return httpx.post(f"{base_url}{route}", json=body, timeout=60)
 
 
-def assert_no_block_held(engine) -> None:
-    """Every request is done (the engine thread may still be finishing the step that
-    answered it) and every KV block is back in the pool."""
-    deadline = time.monotonic() + 10
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert_engine_idle(engine.engine)
-
-
 def hf_pair_score(model_dir, text_1: str, text_2: str) -> tuple[int, float]:
     """(tokens, HF's sigmoid score) of the pair as the tokenizer encodes it."""
     from transformers import AutoTokenizer
@@ -107,7 +97,7 @@ def test_classify_returns_hf_softmax_and_the_id2label_of_the_best(classifier, cl
     logits = post(base_url, "/classify", {"input": [token_ids[0]], "use_activation": False}).json()["data"][0]
     torch.testing.assert_close(torch.tensor(logits["probs"]), hf_classifier_logits(classifier_dir, token_ids[0]),
                                atol=1e-4, rtol=0)
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 @pytest.mark.parametrize("route", ["/score", "/v1/score"])
@@ -128,7 +118,7 @@ def test_score_pairs_are_hf_sigmoid_one_to_one_one_to_n_and_n_to_n(cross_encoder
         for item, (_, score) in zip(response["data"], expected):
             assert item["score"] == pytest.approx(score, abs=1e-4)
         assert response["usage"]["prompt_tokens"] == sum(count for count, _ in expected)
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 @pytest.mark.parametrize("route", ["/rerank", "/v1/rerank", "/v2/rerank"])
@@ -149,7 +139,7 @@ def test_rerank_orders_documents_by_hf_score_and_keeps_the_top_n(cross_encoder, 
     top = post(base_url, route, {"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "return_documents": False})
     assert [result["index"] for result in top.json()["results"]] == order[:2]
     assert all("document" not in result for result in top.json()["results"])
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_an_embedding_model_scores_and_reranks_with_the_cosine_of_hf_embeddings(embedder, llama_dir):
@@ -165,7 +155,7 @@ def test_an_embedding_model_scores_and_reranks_with_the_cosine_of_hf_embeddings(
     assert [item["score"] for item in scores.json()["data"]] == pytest.approx(expected, abs=1e-4)
     reranked = post(base_url, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 1}).json()
     assert [result["index"] for result in reranked["results"]] == [max(range(3), key=expected.__getitem__)]
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 @pytest.mark.parametrize("route, body, param, words", [
@@ -203,7 +193,7 @@ def test_bad_requests_are_400s_naming_the_field(cross_encoder, route, body, para
     assert reply.status_code == (404 if param == "model" else 400), reply.text
     error = reply.json()["error"]
     assert (error["param"] == param or param in error["message"]) and words in error["message"], error
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_truncate_prompt_tokens_cuts_pairs_with_the_tokenizer(cross_encoder, cross_encoder_dir):
@@ -218,7 +208,7 @@ def test_truncate_prompt_tokens_cuts_pairs_with_the_tokenizer(cross_encoder, cro
     assert reply.json()["usage"]["prompt_tokens"] == len(token_ids) == 20
     expected = torch.sigmoid(hf_classifier_logits(cross_encoder_dir, token_ids))[0].item()
     assert reply.json()["data"][0]["score"] == pytest.approx(expected, abs=1e-4)
-    assert_no_block_held(engine)
+    assert_async_engine_idle(engine)
 
 
 def test_routes_refuse_models_that_do_not_serve_them(classifier, embedder):
@@ -235,7 +225,7 @@ def test_routes_refuse_models_that_do_not_serve_them(classifier, embedder):
         api = {"/score": "Score API", "/rerank": "Score API", "/v1/embeddings": "Embeddings API",
                "/classify": "Classification API"}[route]
         assert error["message"].startswith(f"This model does not serve the {api}"), error
-        assert_no_block_held(engine)
+        assert_async_engine_idle(engine)
 
 
 def test_priority_reaches_the_engine_requests_under_the_priority_policy(cross_encoder_dir, monkeypatch):
@@ -256,5 +246,5 @@ def test_priority_reaches_the_engine_requests_under_the_priority_policy(cross_en
                             ("/rerank", {"query": "a", "documents": ["b"]}), ("/classify", {"input": ["a"]})]:
             reply = post(base_url, route, {**body, "priority": -3})
             assert reply.status_code == 200, reply.text
-        assert_no_block_held(engine)
+        assert_async_engine_idle(engine)
     assert priorities == [-3] * 4
