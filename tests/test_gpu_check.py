@@ -169,3 +169,29 @@ def test_stage_t_results_name_each_tests_outcome_from_pytests_junit_report(tmp_p
         "test_three::test_passes": "passed", "test_three::test_fails": "failed", "test_three::test_skipped": "skipped"}
     assert results["test_three::test_passes"][1] >= 0.2
     assert junit_results(tmp_path / "missing.xml") == []
+
+
+def test_sweeps_time_their_candidates_in_turns():
+    """interleaved_ms calls every candidate once a round (warm-up round included), so that none
+    is timed alone while the device settles: the first tile timed one after the other ran
+    10-15% slow on an H100. Each result is the median of its own calls' times."""
+    import time
+
+    import torch
+
+    from raylm.cluster.benchmarks.gpu_speed_check import interleaved_ms
+
+    calls: list[str] = []
+    slow_then_fast = iter([5.0, 0.0, 0.0, 0.0])
+
+    def first():
+        calls.append("a")
+        time.sleep(next(slow_then_fast) / 1e3)
+
+    def second():
+        calls.append("b")
+        time.sleep(0.002)
+
+    a_ms, b_ms = interleaved_ms([first, second], torch.device("cpu"), repeats=3, warmup=1)
+    assert calls == ["a", "b"] * 4
+    assert a_ms < 1.5 < b_ms  # the slow warm-up call of `first` is not counted
