@@ -14,9 +14,7 @@ import torch
 from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax
 from raylm.engine import SamplingParams
-from raylm.engine.config import ModelConfig, load_hf_config
-from raylm.models import get_model
-from raylm.models.forward_context import set_forward_context
+from stage_logits import logits_in_stages
 from tiny_models import build_tiny_olmo2, random_prompts
 
 MAX_TOKENS = 10
@@ -66,11 +64,9 @@ def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax(llm, model_dir):
     assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=5, abs_tol=1e-4)
 
 
-def test_forward_without_attention_metadata_is_one_causal_sequence(model_dir):
-    config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype=torch.float32, max_model_len=128,
-                         hf_config=load_hf_config(str(model_dir)))
-    model = get_model(config, torch.device("cpu"))
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_forward_without_attention_metadata_in_pipeline_stages_equals_hf(model_dir, pp_size):
+    # One causal sequence through the PyTorch attention, whole or in two pipeline stages.
     prompt = random_prompts(1, seed=5, min_len=40, max_len=40)[0]
-    with torch.no_grad(), set_forward_context(None):
-        logits = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
+    logits = logits_in_stages(model_dir, prompt, pp_size)
     assert (torch.log_softmax(logits, dim=-1) - hf_log_softmax(model_dir, prompt)).abs().max() < 1e-4
