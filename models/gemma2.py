@@ -60,9 +60,11 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_class: type[Gemma2Attention] = Gemma2Attention
+
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Gemma2Attention(config, rotary_emb, sliding_window)
+        self.self_attn = self.attention_class(config, rotary_emb, sliding_window)
         self.mlp = Gemma2MLP(config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -98,12 +100,13 @@ class Gemma2Model(LlamaModel):
     over Gemma 2's modules."""
 
     default_tie_word_embeddings = True  # Gemma2Config's default
+    decoder_layer_class: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
 
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError("use_bidirectional_attention=True is not supported; raylm's attention is causal.")
-        self._build_modules(config, lambda rotary_emb, window: Gemma2DecoderLayer(config, rotary_emb, window),
+        self._build_modules(config, lambda rotary_emb, window: self.decoder_layer_class(config, rotary_emb, window),
                             embedding_type=ScaledVocabParallelEmbedding, norm_type=GemmaRMSNorm)
 
 

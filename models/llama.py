@@ -169,13 +169,18 @@ class LlamaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", self.default_tie_word_embeddings))
         self.embed_tokens = (embedding_type(config.vocab_size, config.hidden_size)
                              if is_first_stage() or (tied and self.is_last_stage) else PPMissingLayer())
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # One cos/sin table shared by every layer.
-        rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
+        rotary_embs = self._layer_rotary_embs(config)
         windows = layer_sliding_windows(config)
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda i: make_layer(rotary_emb, windows[i]))
+            config.num_hidden_layers, lambda i: make_layer(rotary_embs[i], windows[i]))
         self.norm = norm_type(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+
+    def _layer_rotary_embs(self, config: Any) -> list[RotaryEmbedding]:
+        """Each decoder layer's rotary embedding: here one cos/sin table shared by every
+        layer; models whose layers rotate differently (Gemma 3's local and global) override."""
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
+        return [rotary_emb] * config.num_hidden_layers
 
     @property
     def stage_layers(self) -> nn.ModuleList:

@@ -38,10 +38,18 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and window >= max_positions:
         return [None] * num_layers
-    return [window if sliding else None for sliding in _sliding_layers(config, num_layers)]
+    return [window if sliding else None for sliding in sliding_attention_layers(config)]
 
 
-def _sliding_layers(config: Any, num_layers: int) -> list[bool]:
+# transformers' sliding_window_pattern defaults, for configs that set neither it nor layer_types.
+_DEFAULT_PATTERNS = {"gemma2": 2, "gemma3_text": 6}
+
+
+def sliding_attention_layers(config: Any) -> list[bool]:
+    """Whether each decoder layer is of the sliding kind (Hugging Face's "sliding_attention"),
+    whatever its window's width, for a config whose model has such layers: Gemma 3 gives
+    them their own rotary base even where the window covers the whole context."""
+    num_layers = int(config.num_hidden_layers)
     model_type = getattr(config, "model_type", None)
     layer_types = getattr(config, "layer_types", None)
     if model_type == "mistral":
@@ -54,7 +62,7 @@ def _sliding_layers(config: Any, num_layers: int) -> list[bool]:
     # Configs that predate layer_types: transformers' own defaults for them.
     if getattr(config, "max_window_layers", None) is not None:
         return [i >= config.max_window_layers for i in range(num_layers)]
-    pattern = getattr(config, "sliding_window_pattern", None) or (2 if model_type == "gemma2" else None)
+    pattern = getattr(config, "sliding_window_pattern", None) or _DEFAULT_PATTERNS.get(model_type)
     if pattern is not None:
         return [(i + 1) % pattern != 0 for i in range(num_layers)]
     return [True] * num_layers

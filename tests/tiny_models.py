@@ -217,7 +217,7 @@ def save_random_model_with_random_norms(path: Path, config, seed: int, dtype: to
     """Tokenizer, config and random weights, norm weights random too (around 1, around 0
     for Gemma's 1 + w), so that the norms (a model's q/k norms, Gemma's offset) matter."""
     model = _random_model(path, config, config.vocab_size, seed, dtype)
-    norm_center = 0.0 if config.model_type == "gemma2" else 1.0
+    norm_center = 0.0 if config.model_type in ("gemma2", "gemma3_text") else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -260,6 +260,40 @@ def build_tiny_gpt2(path: Path, vocab_size: int = 512, seed: int = 0, dtype: tor
                   activation_function="gelu_new", bos_token_id=1, eos_token_id=2)
     common.update(config_overrides)
     return _save_random_model(path, GPT2Config(**common), vocab_size, seed, dtype)
+
+
+def build_tiny_gemma3(path: Path, sliding_window: int = 20, vocab_size: int = 512, seed: int = 0,
+                      **config_overrides) -> Path:
+    """A tiny random Gemma3ForCausalLM (transformers' Gemma3TextConfig) of 4 layers, the
+    third global (sliding_window_pattern 3, as gemma-3's 6), the others windowed to
+    `sliding_window` (shorter than test prompts; max_position_embeddings 1024); the global
+    layers' rope linearly scaled as the 4B+ models' (base 1M, factor 8), the local ones'
+    of base 10k; query_pre_attn_scalar 24 against head_dim 16; no soft caps, as released.
+    Norm weights random around 0 (Gemma's 1 + w), embeddings untied (see
+    `build_tiny_windowed_model`)."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              query_pre_attn_scalar=24, sliding_window=sliding_window, sliding_window_pattern=3,
+                              rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                              rope_scaling={"rope_type": "linear", "factor": 8.0}, tie_word_embeddings=False,
+                              **config_overrides)
+    return save_random_model_with_random_norms(path, config, seed)
+
+
+def build_tiny_olmo2(path: Path, vocab_size: int = 512, seed: int = 0, **config_overrides) -> Path:
+    """A tiny random Olmo2ForCausalLM: 4 query heads to 1 KV head (so that tensor parallel
+    ranks replicate it and its k_norm), random norm weights around 1 (q_norm and k_norm
+    over whole projections)."""
+    from transformers import Olmo2Config
+
+    config = Olmo2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                         **config_overrides)
+    return save_random_model_with_random_norms(path, config, seed)
 
 
 # ---- sliding-window models ----
