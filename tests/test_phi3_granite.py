@@ -12,6 +12,7 @@ raylm does where they differ."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ import torch
 from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, cached_hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
-from tiny_models import (PHI3_LONG_FACTOR, PHI3_ORIGINAL_MAX_POSITION, build_tiny_granite, build_tiny_phi3,
-                         random_prompts)
+from raylm.models.rotary_embedding import rope_parameters_from_config
+from tiny_models import (PHI3_LONG_FACTOR, PHI3_ORIGINAL_MAX_POSITION, PHI3_SHORT_FACTOR, build_tiny_granite,
+                         build_tiny_phi3, random_prompts)
 
 MAX_TOKENS = 12
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=128, max_num_seqs=16)
@@ -141,3 +143,18 @@ def test_phi3_short_prompt_of_a_long_context_engine_rotates_with_the_long_factor
     # ... and the factor sets differ enough here that the check above could fail.
     short = hf_log_softmax(model_dir, prompt)
     assert max(abs(short[i - 1, prompt[i]].item() - t) for i, t in zip(range(1, len(prompt)), theirs)) > 1e-2
+
+
+def test_phi3_rope_settings_read_from_transformers_4_and_5_configs_agree():
+    # 4.x kept partial_rotary_factor and original_max_position_embeddings beside rope_scaling.
+    from transformers import Phi3Config
+
+    factors = dict(short_factor=PHI3_SHORT_FACTOR, long_factor=PHI3_LONG_FACTOR)
+    v4 = SimpleNamespace(rope_theta=10000.0, rope_scaling={"type": "longrope", **factors}, partial_rotary_factor=0.75,
+                         original_max_position_embeddings=32)
+    v5 = Phi3Config(hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75,
+                    original_max_position_embeddings=32, rope_scaling={"rope_type": "longrope", **factors})
+    expected = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 32, **factors}
+    assert rope_parameters_from_config(v4) == expected
+    assert rope_parameters_from_config(v5) == expected
