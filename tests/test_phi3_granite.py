@@ -21,6 +21,7 @@ from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, cached_hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
 from raylm.models.rotary_embedding import rope_parameters_from_config
+from raylm.parallel import MergedColumnParallelLinear, QKVParallelLinear, override_tensor_parallel
 from tiny_models import (PHI3_LONG_FACTOR, PHI3_ORIGINAL_MAX_POSITION, PHI3_SHORT_FACTOR, build_tiny_granite,
                          build_tiny_phi3, random_prompts)
 
@@ -160,3 +161,26 @@ def test_phi3_rope_settings_read_from_transformers_4_and_5_configs_agree():
                 "original_max_position_embeddings": 32, **factors}
     assert rope_parameters_from_config(v4) == expected
     assert rope_parameters_from_config(v5) == expected
+
+
+@pytest.mark.parametrize("tp_size,num_kv_heads", [(2, 2), (4, 2), (4, 1)])
+def test_phi3_fused_checkpoint_tensors_load_per_rank_as_their_parts_do(tp_size, num_kv_heads):
+    # Every rank cuts its q heads, its (possibly replicated) KV heads and its gate and up rows
+    # out of the fused tensor, exactly as it does from q/k/v and gate/up loaded apart.
+    hidden, head_size, num_heads, intermediate = 16, 4, 8, 12
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n * head_size, hidden, generator=generator) for n in (num_heads, num_kv_heads, num_kv_heads))
+    gate, up = torch.randn(intermediate, hidden, generator=generator), torch.randn(intermediate, hidden,
+                                                                                  generator=generator)
+    for rank in range(tp_size):
+        with override_tensor_parallel(rank, tp_size):
+            fused_qkv, split_qkv = (QKVParallelLinear(hidden, head_size, num_heads, num_kv_heads) for _ in range(2))
+            fused_mlp, split_mlp = (MergedColumnParallelLinear(hidden, [intermediate] * 2) for _ in range(2))
+        fused_qkv.weight.weight_loader(fused_qkv.weight, torch.cat([q, k, v]), None)
+        for shard_id, part in zip("qkv", (q, k, v)):
+            split_qkv.weight.weight_loader(split_qkv.weight, part, shard_id)
+        fused_mlp.weight.weight_loader(fused_mlp.weight, torch.cat([gate, up]), None)
+        for shard_id, part in enumerate((gate, up)):
+            split_mlp.weight.weight_loader(split_mlp.weight, part, shard_id)
+        assert torch.equal(fused_qkv.weight, split_qkv.weight)
+        assert torch.equal(fused_mlp.weight, split_mlp.weight)
