@@ -78,6 +78,11 @@ def longrope_uses_long_factors(params: dict[str, Any], max_position: int) -> boo
     """Whether LongRoPE rotates with its long factors: where the engine's max_model_len
     (`max_model_len_context`; max_position without one) exceeds
     original_max_position_embeddings (vLLM's rule; see the module docstring)."""
+    missing = [key for key in ("short_factor", "long_factor", "original_max_position_embeddings")
+               if params.get(key) is None]
+    if missing:
+        raise ValueError(f"rope_type 'longrope' needs rope_parameters {', '.join(missing)} (or "
+                         f"config.original_max_position_embeddings); the config has none.")
     max_model_len = _max_model_len.get() or max_position
     return max_model_len > int(params["original_max_position_embeddings"])
 

@@ -20,7 +20,7 @@ import torch
 from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, cached_hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
-from raylm.models.rotary_embedding import rope_parameters_from_config
+from raylm.models.rotary_embedding import get_rope, rope_parameters_from_config
 from raylm.parallel import MergedColumnParallelLinear, QKVParallelLinear, override_tensor_parallel
 from tiny_models import (PHI3_LONG_FACTOR, PHI3_ORIGINAL_MAX_POSITION, PHI3_SHORT_FACTOR, build_tiny_granite,
                          build_tiny_phi3, random_prompts)
@@ -184,3 +184,14 @@ def test_phi3_fused_checkpoint_tensors_load_per_rank_as_their_parts_do(tp_size, 
             split_mlp.weight.weight_loader(split_mlp.weight, part, shard_id)
         assert torch.equal(fused_qkv.weight, split_qkv.weight)
         assert torch.equal(fused_mlp.weight, split_mlp.weight)
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"short_factor": [1.0] * 8, "original_max_position_embeddings": 32}, "long_factor"),
+    ({"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}, "original_max_position_embeddings"),
+    ({"short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 32},
+     "short_factor must hold rotary_dim / 2 = 8 numbers, got 6"),
+])
+def test_longrope_settings_that_cannot_be_applied_are_errors_naming_the_field(rope, message):
+    with pytest.raises(ValueError, match=message):
+        get_rope(16, 32, {"rope_type": "longrope", "rope_theta": 10000.0, **rope})
