@@ -19,11 +19,13 @@ from raylm.models.adapters import as_classification_model, as_embedding_model
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gemma3 import Gemma3ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
+from raylm.models.granite import GraniteForCausalLM
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from raylm.models.llava import LlavaForConditionalGeneration
 from raylm.models.mixtral import MixtralForCausalLM
 from raylm.models.olmo2 import Olmo2ForCausalLM
 from raylm.models.opt import OPTForCausalLM
+from raylm.models.phi3 import Phi3ForCausalLM
 from raylm.models.qwen3 import Qwen3ForCausalLM
 from raylm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -40,6 +42,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     # Vision-language (images with the prompt: engine/multimodal/).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }

@@ -1,14 +1,28 @@
 """Rotary position embeddings (GPT-NeoX layout: the two halves of each head rotate
-together), with the Llama-3 and linear frequency scalings.
+together), with the Llama-3, linear and LongRoPE (Phi-3) frequency scalings.
 
 cos/sin for every position up to max_position are computed once in fp32 (as Hugging
-Face does) and stored in the model dtype; a forward only indexes them.
+Face does), times the scaling's attention factor (LongRoPE's), and stored in the model
+dtype; a forward only indexes them.
+
+LongRoPE has two sets of per-frequency factors: short ones for contexts within
+`original_max_position_embeddings`, long ones beyond. transformers picks per forward
+(long once the sequence passes that length) and drops its KV cache to recompute every
+key when a sequence crosses it. raylm, as vLLM, picks once per engine: the long factors
+when max_model_len exceeds original_max_position_embeddings, the short ones otherwise,
+so a cached key never needs recomputing and prefix-cache blocks are valid for every
+request. The two agree for every sequence when max_model_len is within the original
+length, and for sequences longer than it otherwise; shorter sequences of an engine whose
+max_model_len passes it get the long factors where transformers uses the short ones.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
@@ -21,7 +35,21 @@ from raylm.models.rmsnorm import RMSNorm
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+# The engine's max_model_len while the loader builds a model (vLLM reads it from its
+# current config): LongRoPE picks its factor set by it. None: max_position_embeddings.
+_max_model_len: ContextVar[int | None] = ContextVar("max_model_len", default=None)
+
+
+@contextmanager
+def max_model_len_context(max_model_len: int) -> Iterator[None]:
+    """Models built inside see the engine's context length (`longrope_uses_long_factors`)."""
+    token = _max_model_len.set(max_model_len)
+    try:
+        yield
+    finally:
+        _max_model_len.reset(token)
 
 
 def rope_parameters_from_config(config: Any) -> dict[str, Any]:
@@ -39,7 +67,37 @@ def rope_parameters_from_config(config: Any) -> dict[str, Any]:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
     params.pop("type", None)
+    # transformers 4.x kept these beside the rope settings; 5.x moves them in.
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+        if params.get(key) is None and getattr(config, key, None) is not None:
+            params[key] = getattr(config, key)
     return params
+
+
+def longrope_uses_long_factors(params: dict[str, Any], max_position: int) -> bool:
+    """Whether LongRoPE rotates with its long factors: where the engine's max_model_len
+    (`max_model_len_context`; max_position without one) exceeds
+    original_max_position_embeddings (vLLM's rule; see the module docstring)."""
+    missing = [key for key in ("short_factor", "long_factor", "original_max_position_embeddings")
+               if params.get(key) is None]
+    if missing:
+        raise ValueError(f"rope_type 'longrope' needs rope_parameters {', '.join(missing)} (or "
+                         f"config.original_max_position_embeddings); the config has none.")
+    max_model_len = _max_model_len.get() or max_position
+    return max_model_len > int(params["original_max_position_embeddings"])
+
+
+def _attention_factor(params: dict[str, Any], max_position: int) -> float:
+    """What cos and sin are multiplied by: 1 but for LongRoPE, whose `attention_factor`
+    defaults, as transformers computes it, to sqrt(1 + ln(factor) / ln(original length))
+    with factor max_position_embeddings / original_max_position_embeddings unless given."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
@@ -66,6 +124,13 @@ def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "longrope":
+        key = "long_factor" if longrope_uses_long_factors(params, max_position) else "short_factor"
+        factors = torch.tensor(params[key], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_parameters {key} must hold rotary_dim / 2 = {inv_freq.numel()} numbers, got "
+                             f"{factors.numel()}.")
+        return inv_freq / factors
     raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}.")
 
 
@@ -78,7 +143,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inverse_frequencies(rotary_dim, rope_parameters, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # [max_position, rotary_dim]: cos of every frequency, then sin.
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.get_default_dtype())
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * _attention_factor(rope_parameters, max_position)
+        cache = cache.to(torch.get_default_dtype())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -497,3 +497,47 @@ def random_image(seed: int, size: tuple[int, int] = (48, 40)):
 
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+# ---- Phi-3 and Granite ----------------------------------------------------------------------------
+
+# A tiny Phi-3's LongRoPE: the original context (32 tokens) test prompts pass; 6 factors each
+# (rotary_dim 12 of head_dim 16 at partial_rotary_factor 0.75), the long ones far from the short.
+PHI3_ORIGINAL_MAX_POSITION = 32
+PHI3_SHORT_FACTOR = [1.0, 1.2, 1.5, 2.0, 3.0, 4.0]
+PHI3_LONG_FACTOR = [1.5, 2.5, 4.0, 7.0, 12.0, 20.0]
+
+
+def build_tiny_phi3(path: Path, seed: int = 0, longrope: bool = True, dtype: torch.dtype = torch.float32,
+                    **config_overrides) -> Path:
+    """A tiny random Phi3ForCausalLM (fused qkv_proj and gate_up_proj). longrope: as
+    Phi-4-mini, LongRoPE over 3/4 of each head from an original 32 positions to 256 (an
+    attention factor of sqrt(1 + ln 8 / ln 32)); else plain rotary over whole heads
+    (override sliding_window for Phi-3-mini's window). Embeddings untied unless overridden
+    (Phi-4-mini ties them): tied ones make these tiny models repeat a token from step to
+    step. Norm weights random too."""
+    from transformers import Phi3Config
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if longrope:
+        common.update(original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITION, partial_rotary_factor=0.75,
+                      rope_scaling=dict(rope_type="longrope", short_factor=PHI3_SHORT_FACTOR,
+                                        long_factor=PHI3_LONG_FACTOR))
+    common.update(config_overrides)
+    return save_random_model_with_random_norms(path, Phi3Config(**common), seed, dtype)
+
+
+def build_tiny_granite(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
+    """A tiny random GraniteForCausalLM with its four multipliers away from 1 (the
+    attention's from head_dim ** -0.5), as the released models' are. Embeddings untied
+    unless overridden (Granite 3.x ties them; see `build_tiny_phi3`). Norm weights random too."""
+    from transformers import GraniteConfig
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, embedding_multiplier=4.0,
+                  residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)
+    common.update(config_overrides)
+    return save_random_model_with_random_norms(path, GraniteConfig(**common), seed, dtype)

@@ -45,6 +45,19 @@ TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hi
             shared_expert_intermediate_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# What an architecture's tiny config sets beyond TINY, so that the check runs its own paths:
+# Phi-3 as Phi-4-mini (rotary over 3/4 of each head, tied embeddings, LongRoPE from an
+# original context of 4 positions, which every prompt passes: the engine at MAX_MODEL_LEN and
+# HF both rotate with the long factors); Granite with its four multipliers away from 1.
+TINY_OVERRIDES = {
+    "Phi3ForCausalLM": dict(partial_rotary_factor=0.75, original_max_position_embeddings=4, tie_word_embeddings=True,
+                            rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                                              long_factor=[1.5, 2.5, 4.0, 7.0, 12.0, 20.0])),
+    "GraniteForCausalLM": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                               logits_scaling=2.0),
+}
+
+
 def tiny_config(architecture: str):
     """The transformers config of `architecture` with every size set small."""
     import transformers
@@ -54,7 +67,8 @@ def tiny_config(architecture: str):
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     # Passed to the constructor, not set afterwards: configs derive fields from others
     # there (transformers 5's layer_types from num_hidden_layers).
-    return config_class(architectures=[architecture], **{k: v for k, v in TINY.items() if k in known})
+    settings = {k: v for k, v in TINY.items() if k in known} | TINY_OVERRIDES.get(architecture, {})
+    return config_class(architectures=[architecture], **settings)
 
 
 def build_model(path: Path, architecture: str, seed: int) -> Path:

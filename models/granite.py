@@ -1,0 +1,78 @@
+"""IBM Granite 3.x: Llama with four scalars from the config, as transformers applies them:
+token embeddings times `embedding_multiplier`, each block's output (attention and MLP)
+times `residual_multiplier` before its residual add, `attention_multiplier` as the
+softmax scale (in place of head_dim ** -0.5), and the logits divided by `logits_scaling`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from raylm.models.attention import Attention
+from raylm.models.forward_context import select_rows
+from raylm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from raylm.models.rmsnorm import norm_with_residual
+from raylm.models.rotary_embedding import RotaryEmbedding
+from raylm.parallel import VocabParallelEmbedding
+
+
+class MultipliedVocabParallelEmbedding(VocabParallelEmbedding):
+    """Embeddings times a constant (the Python float, as transformers multiplies by it)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, multiplier: float = 1.0) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.multiplier = multiplier
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.multiplier
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with the blocks' outputs scaled before the residual adds (fused into
+    the next norm, as in Llama) and the attention scaled by attention_multiplier."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None = None) -> None:
+        super().__init__(config, rotary_emb, qkv_bias=bool(getattr(config, "attention_bias", False)),
+                         sliding_window=sliding_window)
+        attn = self.self_attn.attn
+        self.self_attn.attn = Attention(attn.num_heads, attn.head_size, float(config.attention_multiplier),
+                                        attn.num_kv_heads, sliding_window=sliding_window)
+        self.residual_multiplier = float(config.residual_multiplier)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = norm_with_residual(self.input_layernorm, hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, output_rows) * self.residual_multiplier
+        residual = select_rows(residual, output_rows)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states) * self.residual_multiplier, residual
+
+
+class GraniteModel(LlamaModel):
+    """Llama's forward over Granite's layers and multiplied embeddings."""
+
+    def __init__(self, config: Any) -> None:
+        nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
+        embedding = partial(MultipliedVocabParallelEmbedding, multiplier=float(config.embedding_multiplier))
+        self._build_modules(config, lambda rotary_emb, window: GraniteDecoderLayer(config, rotary_emb, window),
+                            embedding_type=embedding)
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Llama's checkpoint names and loading over Granite's model; logits / logits_scaling."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.logits_scaling = float(config.logits_scaling)
+
+    def _init_model(self, config: Any) -> GraniteModel:
+        return GraniteModel(config)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] fp32 logits divided by logits_scaling; None on ranks other than 0."""
+        logits = super().compute_logits(hidden_states)
+        return None if logits is None else logits / self.logits_scaling
