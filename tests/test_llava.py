@@ -5,6 +5,7 @@ preemption; bad multi-modal input is refused naming the field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,57 @@ def test_token_prompt_with_one_placeholder_per_image_equals_the_text_prompt(llm,
                                                                                        random_image(16)]}},
                           params, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == hf_greedy(TWO_IMAGES, (15, 16))
+    assert_engine_idle(llm.llm_engine)
+
+
+@pytest.mark.parametrize("prompt", [TWO_IMAGES, "USER: <image><image>\nSame? ASSISTANT:"])
+def test_token_prompt_the_processor_expanded_is_not_expanded_again(llm, llava_dir, hf_greedy, prompt):
+    """Ids tokenized with the model's processor hold each image's tokens already: detected as
+    vLLM's prompt update detection does (images side by side too), run as they are."""
+    from transformers import AutoProcessor
+
+    from raylm.engine import SamplingParams
+
+    images = [random_image(15), random_image(16)]
+    token_ids = AutoProcessor.from_pretrained(str(llava_dir))(text=prompt, images=images)["input_ids"][0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}, params,
+                          use_tqdm=False)
+    assert list(out.prompt_token_ids) == list(token_ids)
+    assert list(out.outputs[0].token_ids) == hf_greedy(prompt, (15, 16))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_token_prompt_partly_expanded_is_refused(llm):
+    from raylm.engine.sampling_params import ParameterError
+
+    image_token_id = llm.llm_engine.model_config.hf_config.image_token_index
+    images = {"image": [random_image(1), random_image(2)]}
+    for runs in ([16, 2], [8, 8], [17, 15]):
+        token_ids = [5] + [t for n in runs for t in [image_token_id] * n + [6]]
+        with pytest.raises(ParameterError, match=re.escape(f"runs of {runs} placeholder tokens")) as error:
+            llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": images}, use_tqdm=False)
+        assert error.value.param == "multi_modal_data"
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_processed_mm_features_are_checked_against_the_prompt(llm):
+    """The processed form the chat route hands the engine: features that do not sit on the
+    prompt's image tokens are refused naming mm_features."""
+    import dataclasses
+
+    from raylm.engine.multimodal.inputs import PlaceholderRange
+    from raylm.engine.sampling_params import ParameterError
+
+    processor = llm.llm_engine.mm_processor
+    token_ids, (feature,) = processor.process(PROMPT, {"image": random_image(3)})
+    moved = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset + 1, 16))
+    short = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset, 15))
+    for features, match in (([moved], "not a run of image placeholder tokens"), ([short], "no image of mm_features"),
+                            ([feature] * 3, "limit_mm_per_prompt"), (["pixels"], "list of MultiModalFeature")):
+        with pytest.raises(ParameterError, match=match) as error:
+            llm.generate({"prompt_token_ids": token_ids, "mm_features": features}, use_tqdm=False)
+        assert error.value.param == "mm_features"
     assert_engine_idle(llm.llm_engine)
 
 

@@ -196,3 +196,26 @@ def test_placeholder_text_without_an_image_is_a_400(app, engine):
     reply = _RUNNER.run(send())
     assert reply.status_code == 400 and "image placeholder" in reply.json()["error"]["message"], reply.text
     assert_engine_idle(engine.engine)
+
+
+def test_chat_runs_the_models_processor_once_per_image(app, engine, llava_dir, monkeypatch):
+    """The route's processing is the engine's: every image goes through the checkpoint's
+    processor once (counted around transformers' own LlavaProcessor), and the reply is still HF's."""
+    from transformers import LlavaProcessor
+
+    processed: list[int] = []
+    real_call = LlavaProcessor.__call__
+
+    def counting_call(self, *args, **kwargs):
+        images = kwargs.get("images")
+        processed.append(len(images) if isinstance(images, list) else int(images is not None))
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlavaProcessor, "__call__", counting_call)
+    images = [random_image(41), random_image(42)]
+    reply = chat(app, user_turn(image_part(data_url(images[0])), image_part(data_url(images[1])), TEXT))
+    assert reply.status_code == 200, reply.text
+    assert sum(processed) == len(images), processed
+    monkeypatch.undo()
+    assert reply.json()["choices"][0]["token_ids"] == hf_reply(llava_dir, images)
+    assert_engine_idle(engine.engine)
