@@ -18,6 +18,19 @@ from raylm.engine.multimodal.inputs import MultiModalFeature
 from raylm.engine.step import ScheduledRequest
 
 
+def profile_num_images(tokens_per_image: int, image_limit: int, max_num_seqs: int,
+                       max_num_batched_tokens: int) -> int:
+    """How many images' embeddings the KV-cache profile run holds at once (vLLM V1's profile
+    rule): the images one step's encoder budget covers (max_num_batched_tokens, at least one
+    image's tokens, in whole images rounded up), but no more than max_num_seqs prompts of
+    limit_mm_per_prompt images each; none when the limit takes no images."""
+    if image_limit <= 0:
+        return 0
+    encoder_budget = max(max_num_batched_tokens, tokens_per_image)
+    by_budget = -(-encoder_budget // tokens_per_image)
+    return max(1, min(by_budget, max_num_seqs * image_limit))
+
+
 class EncoderCache:
     def __init__(self) -> None:
         self._features: dict[int, list[MultiModalFeature]] = {}

@@ -258,6 +258,50 @@ def test_engine_arguments_multimodal_models_cannot_take_are_refused(llava_dir, k
         EngineArgs(model=str(llava_dir), **kwargs).create_engine_config()
 
 
+@pytest.mark.parametrize("tokens_per_image, limit, max_num_seqs, budget, expected", [
+    (576, 1, 256, 8192, 15),  # LLaVA-1.5: the budget's images, rounded up (8192 / 576 = 14.2)
+    (576, 2, 4, 8192, 8),  # 4 prompts of 2 images each
+    (576, 16, 1, 512, 1),  # one image over the budget still profiles
+    (16, 0, 8, 256, 0),  # no images taken
+])
+def test_profile_image_count_follows_vllms_rule(tokens_per_image, limit, max_num_seqs, budget, expected):
+    from raylm.executors.encoder_cache import profile_num_images
+
+    assert profile_num_images(tokens_per_image, limit, max_num_seqs, budget) == expected
+
+
+def test_profile_run_holds_limit_mm_per_prompt_images_per_prompt(llava_dir):
+    """What the KV-cache sizing measures beside the forward: max_num_seqs (3) prompts of
+    limit_mm_per_prompt (2) images each, 16 tokens an image (fewer than the 256-token budget
+    covers), each encoded as the engine encodes it."""
+    llm = _llm(llava_dir, max_num_seqs=3, limit_mm_per_prompt={"image": 2})
+    try:
+        embeddings = _runner(llm)._profile_image_embeddings()
+        hidden = llm.llm_engine.model_config.hf_config.text_config.hidden_size
+        assert [tuple(e.shape) for e in embeddings] == [(1, 16, hidden)] * 6
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.cuda
+def test_cuda_profile_peak_grows_with_the_images_it_holds(llava_dir):
+    """On a GPU (stage t of scripts/gpu_check.sh): profile_run's measured peak, which the KV
+    cache is sized by, holds every profiled image's embeddings: 2 images a prompt add one
+    more image's embeddings per prompt to the peak than 1 does."""
+    llm = _llm(llava_dir, device="cuda", max_num_seqs=3, limit_mm_per_prompt={"image": 2})
+    try:
+        runner = _runner(llm)
+        model_config = llm.llm_engine.model_config
+        peak_two = runner.profile_run()
+        model_config.limit_mm_per_prompt = {"image": 1}
+        peak_one = runner.profile_run()
+        model_config.limit_mm_per_prompt = {"image": 2}
+        hidden = model_config.hf_config.text_config.hidden_size
+        assert peak_two - peak_one >= 3 * 16 * hidden * 4  # three more fp32 images of 16 tokens
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.cuda
 def test_images_on_cuda_equal_hf_there_with_decode_graphs(llava_dir):
     """On a GPU (stage t of scripts/gpu_check.sh): the vision tower and the merged embeddings on
