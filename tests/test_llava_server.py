@@ -219,3 +219,60 @@ def test_chat_runs_the_models_processor_once_per_image(app, engine, llava_dir, m
     monkeypatch.undo()
     assert reply.json()["choices"][0]["token_ids"] == hf_reply(llava_dir, images)
     assert_engine_idle(engine.engine)
+
+
+def post_to(app, route: str, body: dict) -> httpx.Response:
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post(route, json=body)
+
+    return _RUNNER.run(send())
+
+
+def input_image(url: str, detail: str = "auto") -> dict:
+    return {"type": "input_image", "image_url": url, "detail": detail}
+
+
+def test_responses_input_image_equals_the_chat_route_and_hf(app, engine, llava_dir):
+    """/v1/responses' input_image parts are the chat route's image_url parts: the same reply
+    as chat on the same image and text, whose tokens are HF's greedy ones."""
+    image = random_image(50)
+    url = data_url(image)
+    response = post_to(app, "/v1/responses", {
+        "model": "m", "temperature": 0, "max_output_tokens": MAX_TOKENS,
+        "input": [{"role": "user", "content": [input_image(url, "low"), {"type": "input_text",
+                                                                        "text": TEXT["text"]}]}]})
+    assert response.status_code == 200, response.text
+    chat_reply = post(app, {"model": "m", "messages": user_turn(image_part(url), TEXT), "temperature": 0,
+                            "max_completion_tokens": MAX_TOKENS, "return_token_ids": True}).json()
+    (item,) = [item for item in response.json()["output"] if item["type"] == "message"]
+    assert item["content"][0]["text"] == chat_reply["choices"][0]["message"]["content"]
+    assert response.json()["usage"]["input_tokens"] == chat_reply["usage"]["prompt_tokens"]
+    # Both stop where HF's generate stops (EOS, or MAX_TOKENS).
+    assert chat_reply["choices"][0]["token_ids"] == hf_reply(llava_dir, [image])
+    assert_engine_idle(engine.engine)
+
+
+@pytest.mark.parametrize("part, param, message", [
+    (input_image("https://example.com/cat.png"), "input[0].content[0].image_url", "remote images are not fetched"),
+    (input_image("data:image/png;base64,@@@"), "input[0].content[0].image_url", "not valid base64"),
+    ({"type": "input_image", "file_id": "file-1"}, "input", "needs an image_url"),
+    (input_image("data:x", "huge"), "input", "detail"),
+])
+def test_responses_bad_input_images_are_400s_naming_the_field(app, engine, part, param, message):
+    reply = post_to(app, "/v1/responses", {"model": "m", "max_output_tokens": 2,
+                                           "input": [{"role": "user", "content": [part]}]})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert_engine_idle(engine.engine)
+
+
+def test_responses_images_over_the_limit_are_a_400(app, engine):
+    url = data_url(random_image(2))
+    reply = post_to(app, "/v1/responses", {"model": "m", "max_output_tokens": 2,
+                                           "input": [{"role": "user", "content": [input_image(url)] * 3}]})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "input" and "limit_mm_per_prompt" in reply.json()["error"]["message"]
+    assert_engine_idle(engine.engine)
