@@ -371,7 +371,10 @@ class LLMEngine:
         return failed
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight()
+        """Whether step() has work: requests, a batch in flight, or the workers' images of an
+        ended request to release (a step of their own)."""
+        return (self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight()
+                or self.scheduler.has_worker_releases())
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -42,6 +42,10 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._embeddings)
 
+    def is_empty(self) -> bool:
+        """Whether it holds no request's images nor embeddings (all ended or past them)."""
+        return not self._features and not self._embeddings
+
     def release(self, req_ids: list[int]) -> None:
         """Forgets finished or preempted requests (a readmitted one sends its images again)."""
         for req_id in req_ids:
@@ -77,6 +81,10 @@ class EncoderCache:
                         # Its last slice is taken: only a recompute after preemption, which
                         # encodes again, could need it.
                         del self._embeddings[scheduled.req_id, index]
+                if end >= features[-1].mm_position.end:
+                    # Past its last image: nothing more to hold for it (a preempted request
+                    # sends its images again when it resumes).
+                    del self._features[scheduled.req_id]
             row += len(scheduled.token_ids) + len(scheduled.spec_token_ids or ())
         if not rows:
             return None

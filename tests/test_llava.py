@@ -121,8 +121,37 @@ def test_chunked_prefill_splits_images_and_encodes_each_once(llava_dir, hf_greed
         assert preemptions > 0
         # Once per image, plus once per image of each preempted request's recompute at most.
         assert 5 <= runner.encoder_cache.num_encoder_runs <= 5 + 2 * preemptions
-        assert len(runner.encoder_cache) == 0
+        assert runner.encoder_cache.is_empty()
         assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_requests_ended_inside_their_images_leave_no_image_with_the_workers(llava_dir):
+    """A request aborted while its prefill chunks are inside its images (a request the core
+    fails is aborted the same way): the engine steps once more, on its own, to release the
+    workers' images and embeddings, then is idle with every block back; a finished request
+    leaves nothing either."""
+    from raylm.engine import SamplingParams
+
+    llm = _llm(llava_dir, max_num_batched_tokens=8, limit_mm_per_prompt={"image": 2})
+    try:
+        engine, cache = llm.llm_engine, _runner(llm).encoder_cache
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        images = {"image": [random_image(4), random_image(5)]}
+        engine.add_request("cut", {"prompt": TWO_IMAGES, "multi_modal_data": images}, params)
+        engine.step()
+        engine.step()  # 16 tokens in: the first image half encoded into the step's rows
+        assert not cache.is_empty()
+        engine.abort_request("cut")
+        assert engine.has_unfinished_requests()  # the release step is still to run
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert cache.is_empty()
+        assert_engine_idle(engine)
+        _generate(llm, [(PROMPT, (6,))])
+        assert cache.is_empty()
+        assert_engine_idle(engine)
     finally:
         llm.shutdown()
 
