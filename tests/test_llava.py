@@ -232,6 +232,8 @@ def test_processed_mm_features_are_checked_against_the_prompt(llm):
     prompt's image tokens are refused naming mm_features."""
     import dataclasses
 
+    import numpy as np
+
     from raylm.engine.multimodal.inputs import PlaceholderRange
     from raylm.engine.sampling_params import ParameterError
 
@@ -239,7 +241,9 @@ def test_processed_mm_features_are_checked_against_the_prompt(llm):
     token_ids, (feature,) = processor.process(PROMPT, {"image": random_image(3)})
     moved = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset + 1, 16))
     short = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset, 15))
+    big = dataclasses.replace(feature, pixel_values=np.zeros((1, 3, 64, 64), np.float32))
     for features, match in (([moved], "not a run of image placeholder tokens"), ([short], "no image of mm_features"),
+                            ([big], r"shape \(1, 3, 64, 64\)"),
                             ([feature] * 3, "limit_mm_per_prompt"), (["pixels"], "list of MultiModalFeature")):
         with pytest.raises(ParameterError, match=match) as error:
             llm.generate({"prompt_token_ids": token_ids, "mm_features": features}, use_tqdm=False)

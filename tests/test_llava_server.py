@@ -211,11 +211,22 @@ def test_chat_runs_the_models_processor_once_per_image(app, engine, llava_dir, m
         processed.append(len(images) if isinstance(images, list) else int(images is not None))
         return real_call(self, *args, **kwargs)
 
+    import raylm.deploy.serving_chat as serving_chat
+
+    decoded: list[str] = []
+    real_load = serving_chat.load_image_url
+
+    def counting_load(url, param):
+        decoded.append(param)
+        return real_load(url, param)
+
     monkeypatch.setattr(LlavaProcessor, "__call__", counting_call)
+    monkeypatch.setattr(serving_chat, "load_image_url", counting_load)
     images = [random_image(41), random_image(42)]
     reply = chat(app, user_turn(image_part(data_url(images[0])), image_part(data_url(images[1])), TEXT))
     assert reply.status_code == 200, reply.text
     assert sum(processed) == len(images), processed
+    assert len(decoded) == len(images), decoded
     monkeypatch.undo()
     assert reply.json()["choices"][0]["token_ids"] == hf_reply(llava_dir, images)
     assert_engine_idle(engine.engine)

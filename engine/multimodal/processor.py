@@ -72,6 +72,10 @@ class MultiModalProcessor:
         self.model = model
         self.limits = limits
         self.image_token_id = image_token_id(hf_config)
+        # One processed image's pixel_values (LLaVA: [1, 3, image_size, image_size]), which
+        # processed prompts (`check_processed`) must match: the vision tower takes nothing else.
+        image_size = getattr(getattr(hf_config, "vision_config", None), "image_size", None)
+        self.pixel_values_shape = (1, 3, image_size, image_size) if isinstance(image_size, int) else None
         self._trust_remote_code = trust_remote_code
         self._revision = revision
         self._hf_processor: Any = None
@@ -184,6 +188,12 @@ class MultiModalProcessor:
                                        and isinstance(f.pixel_values, np.ndarray) for f in features):
             raise ParameterError("mm_features must be a list of MultiModalFeature images made by the model's "
                                  "processor.", "mm_features")
+        for feature in features:
+            if feature.pixel_values.dtype != np.float32 or (
+                    self.pixel_values_shape is not None and feature.pixel_values.shape != self.pixel_values_shape):
+                raise ParameterError(f"mm_features holds pixel_values of shape {feature.pixel_values.shape} "
+                                     f"({feature.pixel_values.dtype}); the model's processor makes float32 "
+                                     f"{self.pixel_values_shape}.", "mm_features")
         limit = self.limits.get("image", 0)
         if len(features) > limit:
             raise ParameterError(f"The prompt has {len(features)} images, more than limit_mm_per_prompt allows "
