@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle, assert_engine_idle
 from server_process import running_server
 from tiny_models import build_tiny_llava, random_image
 
@@ -229,7 +229,7 @@ def test_chat_runs_the_models_processor_once_per_image(app, engine, llava_dir, m
     assert len(decoded) == len(images), decoded
     monkeypatch.undo()
     assert reply.json()["choices"][0]["token_ids"] == hf_reply(llava_dir, images)
-    assert_engine_idle(engine.engine)
+    assert_async_engine_idle(engine)
 
 
 def post_to(app, route: str, body: dict) -> httpx.Response:
@@ -262,7 +262,24 @@ def test_responses_input_image_equals_the_chat_route_and_hf(app, engine, llava_d
     assert response.json()["usage"]["input_tokens"] == chat_reply["usage"]["prompt_tokens"]
     # Both stop where HF's generate stops (EOS, or MAX_TOKENS).
     assert chat_reply["choices"][0]["token_ids"] == hf_reply(llava_dir, [image])
-    assert_engine_idle(engine.engine)
+    assert_async_engine_idle(engine)
+
+
+def test_responses_streamed_reply_with_an_image_equals_the_unstreamed_one(app, engine):
+    import json
+
+    body = {"model": "m", "temperature": 0, "max_output_tokens": MAX_TOKENS,
+            "input": [{"role": "user", "content": [input_image(data_url(random_image(51))),
+                                                   {"type": "input_text", "text": TEXT["text"]}]}]}
+    whole = post_to(app, "/v1/responses", body).json()
+    reply = post_to(app, "/v1/responses", {**body, "stream": True})
+    assert reply.status_code == 200, reply.text
+    events = [json.loads(line[len("data: "):]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    (item,) = [item for item in whole["output"] if item["type"] == "message"]
+    assert streamed == item["content"][0]["text"]
+    assert events[-1]["response"]["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert_async_engine_idle(engine)
 
 
 @pytest.mark.parametrize("part, param, message", [
@@ -277,7 +294,7 @@ def test_responses_bad_input_images_are_400s_naming_the_field(app, engine, part,
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and message in error["message"], error
-    assert_engine_idle(engine.engine)
+    assert_async_engine_idle(engine)
 
 
 def test_responses_images_over_the_limit_are_a_400(app, engine):
@@ -286,4 +303,4 @@ def test_responses_images_over_the_limit_are_a_400(app, engine):
                                            "input": [{"role": "user", "content": [input_image(url)] * 3}]})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "input" and "limit_mm_per_prompt" in reply.json()["error"]["message"]
-    assert_engine_idle(engine.engine)
+    assert_async_engine_idle(engine)
