@@ -37,12 +37,27 @@ class InputTextPart(OpenAIBaseModel):
     text: str
 
 
+class InputImagePart(OpenAIBaseModel):
+    """An image of an input message (OpenAI's `input_image`): `image_url` a base64 data URL,
+    served as the chat route's image_url part (same bounds and errors; remote URLs are not
+    fetched). `detail` is accepted and left to the model's processor, which decides the
+    image's resolution, as vLLM does; `file_id` needs stored files, which this server has not."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["low", "high", "auto"] = "auto"
+
+
+MessagePart = Annotated[InputTextPart | InputImagePart, Field(discriminator="type")]
+
+
 class InputMessageItem(OpenAIBaseModel):
     """A message of the conversation (`type` may be left out, as OpenAI's EasyInputMessage)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputTextPart]
+    content: str | list[MessagePart]
 
 
 class FunctionCallItem(OpenAIBaseModel):
@@ -86,7 +101,7 @@ def _item_type(item: Any) -> str | None:
 
 
 # The input item types served, and the content part types each may hold.
-_ITEM_PARTS = {"message": ("input_text", "output_text"), "function_call": (),
+_ITEM_PARTS = {"message": ("input_text", "output_text", "input_image"), "function_call": (),
                "function_call_output": ("input_text",), "reasoning": ()}
 
 InputItem = Annotated[Union[
@@ -194,8 +209,11 @@ class ResponsesRequest(OpenAIRequest):
             for part_index, part in enumerate(parts if isinstance(parts, list) else ()):
                 part_kind = part.get("type") if isinstance(part, dict) else None
                 if part_kind not in _ITEM_PARTS[kind]:
-                    raise ValueError(f"input[{index}].{field}[{part_index}] has type {part_kind!r}: only text parts "
-                                     f"({', '.join(map(repr, _ITEM_PARTS[kind]))}) are served.")
+                    raise ValueError(f"input[{index}].{field}[{part_index}] has type {part_kind!r}: the part types "
+                                     f"served here are {', '.join(map(repr, _ITEM_PARTS[kind]))}.")
+                if part_kind == "input_image" and part.get("image_url") is None:
+                    raise ValueError(f"input[{index}].{field}[{part_index}] needs an image_url (a base64 data URL): "
+                                     f"file_id refers to stored files, which this server does not keep.")
         return value
 
     @field_validator("metadata")

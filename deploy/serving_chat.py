@@ -30,6 +30,7 @@ from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, m
 from raylm.deploy.tool_calls import ToolCallConfig, ToolCallStreamer, ToolMode, parse_reply, resolve_tool_mode, \
     tool_calls_of
 from raylm.engine.multimodal.image import load_image_url
+from raylm.engine.multimodal.inputs import MultiModalFeature
 from raylm.engine.multimodal.processor import MultiModalProcessor
 from raylm.engine.outputs import Logprob, RequestOutput
 from raylm.engine.sampling_params import ParameterError
@@ -165,11 +166,11 @@ class OpenAIServingChat(OpenAIServing):
                                                        request.chat_template_kwargs, tools)
             token_ids = await self.off_loop(self.tokenize, text, request.add_special_tokens, "messages")
         images = await self.off_loop(self._images, request.messages)
-        # With images, the engine takes the token ids with one placeholder per image and
-        # expands them with its own processor, to the ids counted here.
-        mm_prompt = {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+        mm_features = None
         if images:
-            token_ids = await self.off_loop(self._multimodal_token_ids, request, token_ids, images)
+            # The model's processor runs here, once: the expanded ids are what the limits
+            # count, and the engine takes them with the processed images (mm_features).
+            token_ids, mm_features = await self.off_loop(self._multimodal_token_ids, request, token_ids, images)
         token_ids = request.truncated(token_ids, self.max_model_len)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if len(token_ids) > self.max_model_len:
@@ -195,7 +196,9 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         with self.response_budget.reserve(held) as reservation:
-            prompt = mm_prompt if images else {"prompt": text, "prompt_token_ids": token_ids}
+            prompt = {"prompt": text, "prompt_token_ids": token_ids}
+            if mm_features:
+                prompt["mm_features"] = mm_features
             (stream,) = await self.add_requests(
                 request_id, [request.with_cache_salt(prompt)], [params],
                 self.lora_request(model_name), request.priority)
@@ -254,16 +257,16 @@ class OpenAIServingChat(OpenAIServing):
         return images
 
     def _multimodal_token_ids(self, request: ChatCompletionRequest, token_ids: list[int], images: list[Any]
-                              ) -> list[int]:
-        """The prompt's token ids with its image placeholders expanded (what the engine will run)."""
+                              ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's token ids with its image placeholders expanded (what the engine will
+        run), and the processed images."""
         if request.truncate_prompt_tokens is not None:
             raise OpenAIError("truncate_prompt_tokens is not supported with images (it could cut an image's "
                               "placeholder tokens).", param="truncate_prompt_tokens")
         try:
-            token_ids, _ = self.mm_processor.process_tokens(token_ids, {"image": images})
+            return self.mm_processor.process_tokens(token_ids, {"image": images})
         except ParameterError as exc:
             raise OpenAIError(str(exc), param="messages") from None
-        return token_ids
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                   final: RequestOutput, echo: str, tool_mode: ToolMode | None,

@@ -33,8 +33,8 @@ from pydantic import ValidationError
 
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage, UsageInfo
-from raylm.deploy.protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputMessageItem,
-                                             InputTextPart, ReasoningInputItem, ResponsesRequest)
+from raylm.deploy.protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputImagePart,
+                                             InputMessageItem, InputTextPart, ReasoningInputItem, ResponsesRequest)
 from raylm.deploy.serving_chat import OpenAIServingChat
 from raylm.deploy.serving_engine import SSE_DONE, SSEResponse, sse
 
@@ -44,10 +44,14 @@ _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                      "chat_template_kwargs": "reasoning"}
 
 
-def _renamed(error: OpenAIError) -> OpenAIError:
+def _renamed(error: OpenAIError, image_params: dict[str, str] | None = None) -> OpenAIError:
     """The chat route's error, naming the Responses field (in its message too: "messages"
     where the sentence names the prompt, "the messages" or "your messages", not where it
-    counts chat messages)."""
+    counts chat messages); an image's, by `image_params` (`chat_messages`)."""
+    if image_params and error.param in image_params:
+        error.message = error.message.replace(error.param, image_params[error.param])
+        error.param = image_params[error.param]
+        return error
     name = _RESPONSES_PARAMS.get(error.param)
     if name is None:
         return error
@@ -64,10 +68,11 @@ def _item_id(prefix: str) -> str:
 
 
 # ------------------------------------------------------------------ request
-def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+def chat_messages(request: ResponsesRequest, image_params: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The conversation as chat messages. Items an assistant turn produced (its reasoning,
     its message, its function calls) join one assistant message, in the order a reply
-    holds them, so the template renders the turn as the model wrote it."""
+    holds them, so the template renders the turn as the model wrote it. `image_params`, if
+    given, maps the chat route's name of each image's URL to its input field."""
     messages: list[dict[str, Any]] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
@@ -82,8 +87,12 @@ def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append({"role": "assistant", "content": None})
         return messages[-1]
 
-    for item in request.input:
+    for index, item in enumerate(request.input):
         if isinstance(item, InputMessageItem) and item.role != "assistant":
+            if image_params is not None and not isinstance(item.content, str):
+                image_params.update({f"messages[{len(messages)}].content[{j}].image_url.url":
+                                     f"input[{index}].content[{j}].image_url"
+                                     for j, part in enumerate(item.content) if isinstance(part, InputImagePart)})
             messages.append({"role": item.role, "content": _chat_content(item.content)})
         elif isinstance(item, InputMessageItem):  # after its turn's reasoning, before its calls
             turn = assistant_turn(lambda last: last["content"] is None and "tool_calls" not in last)
@@ -99,16 +108,20 @@ def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_content(content: str | list[InputTextPart]) -> str | list[dict[str, Any]]:
-    """A message's content as chat takes it: the string, or its parts as chat's text parts."""
-    return content if isinstance(content, str) else [{"type": "text", "text": part.text} for part in content]
+def _chat_content(content: str | list[InputTextPart | InputImagePart]) -> str | list[dict[str, Any]]:
+    """A message's content as chat takes it: the string, or its parts as chat's text and
+    image_url parts."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "image_url", "image_url": {"url": part.image_url}} if isinstance(part, InputImagePart)
+            else {"type": "text", "text": part.text} for part in content]
 
 
-def chat_request_of(request: ResponsesRequest) -> ChatCompletionRequest:
+def chat_request_of(request: ResponsesRequest, image_params: dict[str, str] | None = None) -> ChatCompletionRequest:
     """The chat completion request that serves `request` (a 400 naming the Responses field
-    for what does not translate)."""
+    for what does not translate); `image_params` as `chat_messages` fills it."""
     fields: dict[str, Any] = {
-        "model": request.model, "messages": chat_messages(request), "stream": request.stream,
+        "model": request.model, "messages": chat_messages(request, image_params), "stream": request.stream,
         "temperature": request.temperature, "top_p": request.top_p,
         "max_completion_tokens": request.max_output_tokens, "user": request.user,
         "priority": request.priority, "cache_salt": request.cache_salt,
@@ -241,14 +254,15 @@ class OpenAIServingResponses:
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         model_name = self.chat.check_model(request.model)
         _check_stateless(request)
-        chat_request = chat_request_of(request)
+        image_params: dict[str, str] = {}
+        chat_request = chat_request_of(request, image_params)
         response_id, created_at = _item_id("resp"), int(time.time())
         try:
             answer = await self.chat.create_chat_completion(chat_request, raw_request)
         except OpenAIError as exc:
-            raise _renamed(exc) from None
+            raise _renamed(exc, image_params) from None
         except ValueError as exc:
-            raise _renamed(OpenAIError(str(exc), param=getattr(exc, "param", None))) from None
+            raise _renamed(OpenAIError(str(exc), param=getattr(exc, "param", None)), image_params) from None
         if isinstance(answer, SSEResponse):
             events = ResponseEventStream(request, response_id, created_at, model_name)
             return SSEResponse(events.translate(answer.body_iterator), answer.reservation)

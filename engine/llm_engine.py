@@ -37,7 +37,9 @@ LORA_WORKER_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 # either with an optional "cache_salt" (a non-empty string: prefix-cache hits only between
 # requests of the same salt); for a vision-language model, {"prompt": str, "multi_modal_data":
-# {"image": PIL.Image or a list of them}}, one "<image>" placeholder in the text per image.
+# {"image": PIL.Image or a list of them}}, one "<image>" placeholder in the text per image; or,
+# processed already by the model's processor (the chat route's), {"prompt_token_ids": expanded
+# ids, "mm_features": [MultiModalFeature, ...]} (vLLM V1's processed request carries mm_features).
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -209,18 +211,31 @@ class LLMEngine:
         "multi_modal_data" (vLLM's prompt key), their placeholders expanded by the model's own
         processor (`engine/multimodal/processor.py`)."""
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        mm_features = prompt.get("mm_features") if isinstance(prompt, dict) else None
         if self.mm_processor is None:
-            if mm_data is not None:
-                raise ParameterError(f"multi_modal_data was given, but the model "
-                                     f"{self.model_config.model!r} takes text only.", "multi_modal_data")
+            if mm_data is not None or mm_features is not None:
+                key = "multi_modal_data" if mm_data is not None else "mm_features"
+                raise ParameterError(f"{key} was given, but the model {self.model_config.model!r} takes text only.",
+                                     key)
             return *self._tokenize_prompt(prompt), []
+        if mm_features is not None:
+            # Processed already (the chat route counts the expanded prompt): the images'
+            # pixels are not made twice, only checked against the ids.
+            if mm_data is not None or not isinstance(prompt.get("prompt_token_ids"), list):
+                raise ParameterError("mm_features goes with the expanded prompt_token_ids and without "
+                                     "multi_modal_data.", "mm_features")
+            text = prompt.get("prompt")
+            prompt_token_ids = list(prompt["prompt_token_ids"])
+            return (text if isinstance(text, str) else None, prompt_token_ids,
+                    self.mm_processor.check_processed(prompt_token_ids, mm_features))
         if mm_data is None:
             prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
             self.mm_processor.check_no_placeholders(prompt_token_ids)
             return prompt_text, prompt_token_ids, []
         text = prompt.get("prompt")
         if "prompt_token_ids" in prompt:
-            # As vLLM's TokensPrompt with images: one placeholder token per image, expanded here.
+            # As vLLM's TokensPrompt with images: one placeholder token per image, expanded
+            # here, or the images' tokens expanded already (detected, not expanded again).
             prompt_token_ids, mm_features = self.mm_processor.process_tokens(prompt["prompt_token_ids"], mm_data)
             return text if isinstance(text, str) else None, prompt_token_ids, mm_features
         if not isinstance(text, str):
@@ -230,7 +245,8 @@ class LLMEngine:
         return text, prompt_token_ids, mm_features
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None
+                                         or prompt.get("mm_features") is not None):
             # Only add_request (LLM.generate, the completions and chat routes) takes images.
             raise ParameterError("multi_modal_data is supported by generate requests only (not by beam search, "
                                  "pooling or tokenization).", "multi_modal_data")
@@ -355,7 +371,10 @@ class LLMEngine:
         return failed
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight()
+        """Whether step() has work: requests, a batch in flight, or the workers' images of an
+        ended request to release (a step of their own)."""
+        return (self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight()
+                or self.scheduler.has_worker_releases())
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -94,7 +94,8 @@ class SchedulerOutput:
     num_preempted: int = 0
 
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing for the workers: no request, and no state of theirs to release now."""
+        return not self.scheduled and not self.step.finished_req_ids
 
 
 class Scheduler:
@@ -125,6 +126,10 @@ class Scheduler:
         # Worker ids of requests preempted since the last step that workers hold state for.
         self._preempted_worker_ids: list[int] = []
         self._on_workers: set[int] = set()
+        # A request that ended before its prefill passed its last image leaves the image with
+        # the workers (EncoderCache): its release goes out at once, in a step of its own if
+        # nothing else is scheduled, rather than ride with a next step that may never come.
+        self._releases_images = False
         # Pipeline parallel (`pipeline_schedule.py`): requests wait for their tokens in
         # flight, and each step takes at most _step_request_limit requests.
         self.waits_for_tokens_in_flight = scheduler_config.pipeline_parallel_size > 1
@@ -185,6 +190,8 @@ class Scheduler:
         if request.worker_id in self._on_workers:
             self._on_workers.discard(request.worker_id)
             self._finished_worker_ids.append(request.worker_id)
+            if request.mm_features and request.num_computed_tokens < request.mm_features[-1].mm_position.end:
+                self._releases_images = True
 
     def free_finished(self, requests: list[Request], preempted: bool = False) -> None:
         """Drops requests the engine core just finished from the running list (and, if
@@ -202,6 +209,11 @@ class Scheduler:
     # ------------------------------------------------------------------- state
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_worker_releases(self) -> bool:
+        """Whether the next schedule() sends a step only to release workers' images (a
+        request with images ended before its prefill passed them)."""
+        return self._releases_images
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -244,10 +256,13 @@ class Scheduler:
             out.step.requests.append(self._scheduled_request(request, num_new_tokens))
             out.scheduled.append(request)
             out.num_batched_tokens += num_new_tokens + len(request.spec_token_ids)
-        if scheduled:
-            # An empty step never reaches the workers: its ids ride along with the next one.
+        if scheduled or self._releases_images:
+            # An empty step never reaches the workers: its ids ride along with the next one
+            # (unless they hold images, `_releases_images`).
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
             out.step.preempted_req_ids, self._preempted_worker_ids = self._preempted_worker_ids, []
+            self._releases_images = False
+        if scheduled:
             if self.lora_slots is not None:
                 out.step.lora_activations = self.lora_slots.take_activations()
             self._fill_grammar_bitmask(out)

@@ -18,6 +18,19 @@ from raylm.engine.multimodal.inputs import MultiModalFeature
 from raylm.engine.step import ScheduledRequest
 
 
+def profile_num_images(tokens_per_image: int, image_limit: int, max_num_seqs: int,
+                       max_num_batched_tokens: int) -> int:
+    """How many images' embeddings the KV-cache profile run holds at once (vLLM V1's profile
+    rule): the images one step's encoder budget covers (max_num_batched_tokens, at least one
+    image's tokens, in whole images rounded up), but no more than max_num_seqs prompts of
+    limit_mm_per_prompt images each; none when the limit takes no images."""
+    if image_limit <= 0:
+        return 0
+    encoder_budget = max(max_num_batched_tokens, tokens_per_image)
+    by_budget = -(-encoder_budget // tokens_per_image)
+    return max(1, min(by_budget, max_num_seqs * image_limit))
+
+
 class EncoderCache:
     def __init__(self) -> None:
         self._features: dict[int, list[MultiModalFeature]] = {}
@@ -28,6 +41,10 @@ class EncoderCache:
 
     def __len__(self) -> int:
         return len(self._embeddings)
+
+    def is_empty(self) -> bool:
+        """Whether it holds no request's images nor embeddings (all ended or past them)."""
+        return not self._features and not self._embeddings
 
     def release(self, req_ids: list[int]) -> None:
         """Forgets finished or preempted requests (a readmitted one sends its images again)."""
@@ -64,6 +81,10 @@ class EncoderCache:
                         # Its last slice is taken: only a recompute after preemption, which
                         # encodes again, could need it.
                         del self._embeddings[scheduled.req_id, index]
+                if end >= features[-1].mm_position.end:
+                    # Past its last image: nothing more to hold for it (a preempted request
+                    # sends its images again when it resumes).
+                    del self._features[scheduled.req_id]
             row += len(scheduled.token_ids) + len(scheduled.spec_token_ids or ())
         if not rows:
             return None

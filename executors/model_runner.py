@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from raylm.engine.config import EngineConfig, kv_cache_block_bytes, max_blocks_per_request
+from raylm.engine.multimodal.processor import DEFAULT_LIMIT_PER_PROMPT
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
                                ScheduledRequest, TokenLogprobs)
 from raylm.executors import prompt_logprobs
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
-from raylm.executors.encoder_cache import EncoderCache
+from raylm.executors.encoder_cache import EncoderCache, profile_num_images
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
 from raylm.executors.penalty_state import PenaltyState
@@ -221,8 +222,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        # A vision-language model's step may first run its vision tower on an image, whose
-        # embeddings the step then holds (EncoderCache): one image's worth, measured too.
+        # A vision-language model's step first runs its vision tower on its images, one at a
+        # time, and holds their embeddings (EncoderCache): vLLM's worst case, measured too.
         image_embeddings = self._profile_image_embeddings() if self.is_multimodal else None
         with set_forward_context(None):
             hidden = self.model(input_ids, positions, *self._stage_inputs(num_tokens))
@@ -234,11 +235,22 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _profile_image_embeddings(self) -> torch.Tensor:
-        """The embeddings of one blank image of the vision tower's size (for profile_run)."""
+    def _profile_image_embeddings(self) -> list[torch.Tensor]:
+        """The embeddings of `profile_num_images` blank images of the vision tower's size, each
+        encoded alone as EncoderCache encodes them, all held at once (for profile_run)."""
+        limit = (self.model_config.limit_mm_per_prompt or {}).get("image", DEFAULT_LIMIT_PER_PROMPT)
+        if limit == 0:
+            return []
         size = self.model_config.hf_config.vision_config.image_size
         pixel_values = torch.zeros(1, 3, size, size, dtype=self.model_config.dtype, device=self.device)
-        return self.model.get_multimodal_embeddings(pixel_values)
+        embeddings = [self.model.get_multimodal_embeddings(pixel_values)]
+        num_images = profile_num_images(embeddings[0].shape[-2], limit, self.scheduler_config.max_num_seqs,
+                                        self.scheduler_config.max_num_batched_tokens)
+        while len(embeddings) < num_images:
+            embeddings.append(self.model.get_multimodal_embeddings(pixel_values))
+        logger.info("Profiling with %d images of %d tokens held by the encoder cache (limit_mm_per_prompt "
+                    "image=%d).", num_images, embeddings[0].shape[-2], limit)
+        return embeddings
 
     def _profile_outputs(self, hidden: torch.Tensor, num_tokens: int) -> None:
         """What the last stage computes from a full step's hidden states at its peak: the

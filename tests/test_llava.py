@@ -5,6 +5,7 @@ preemption; bad multi-modal input is refused naming the field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -120,8 +121,37 @@ def test_chunked_prefill_splits_images_and_encodes_each_once(llava_dir, hf_greed
         assert preemptions > 0
         # Once per image, plus once per image of each preempted request's recompute at most.
         assert 5 <= runner.encoder_cache.num_encoder_runs <= 5 + 2 * preemptions
-        assert len(runner.encoder_cache) == 0
+        assert runner.encoder_cache.is_empty()
         assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_requests_ended_inside_their_images_leave_no_image_with_the_workers(llava_dir):
+    """A request aborted while its prefill chunks are inside its images (a request the core
+    fails is aborted the same way): the engine steps once more, on its own, to release the
+    workers' images and embeddings, then is idle with every block back; a finished request
+    leaves nothing either."""
+    from raylm.engine import SamplingParams
+
+    llm = _llm(llava_dir, max_num_batched_tokens=8, limit_mm_per_prompt={"image": 2})
+    try:
+        engine, cache = llm.llm_engine, _runner(llm).encoder_cache
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        images = {"image": [random_image(4), random_image(5)]}
+        engine.add_request("cut", {"prompt": TWO_IMAGES, "multi_modal_data": images}, params)
+        engine.step()
+        engine.step()  # 16 tokens in: the first image half encoded into the step's rows
+        assert not cache.is_empty()
+        engine.abort_request("cut")
+        assert engine.has_unfinished_requests()  # the release step is still to run
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert cache.is_empty()
+        assert_engine_idle(engine)
+        _generate(llm, [(PROMPT, (6,))])
+        assert cache.is_empty()
+        assert_engine_idle(engine)
     finally:
         llm.shutdown()
 
@@ -166,6 +196,61 @@ def test_token_prompt_with_one_placeholder_per_image_equals_the_text_prompt(llm,
     assert_engine_idle(llm.llm_engine)
 
 
+@pytest.mark.parametrize("prompt", [TWO_IMAGES, "USER: <image><image>\nSame? ASSISTANT:"])
+def test_token_prompt_the_processor_expanded_is_not_expanded_again(llm, llava_dir, hf_greedy, prompt):
+    """Ids tokenized with the model's processor hold each image's tokens already: detected as
+    vLLM's prompt update detection does (images side by side too), run as they are."""
+    from transformers import AutoProcessor
+
+    from raylm.engine import SamplingParams
+
+    images = [random_image(15), random_image(16)]
+    token_ids = AutoProcessor.from_pretrained(str(llava_dir))(text=prompt, images=images)["input_ids"][0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}, params,
+                          use_tqdm=False)
+    assert list(out.prompt_token_ids) == list(token_ids)
+    assert list(out.outputs[0].token_ids) == hf_greedy(prompt, (15, 16))
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_token_prompt_partly_expanded_is_refused(llm):
+    from raylm.engine.sampling_params import ParameterError
+
+    image_token_id = llm.llm_engine.model_config.hf_config.image_token_index
+    images = {"image": [random_image(1), random_image(2)]}
+    for runs in ([16, 2], [8, 8], [17, 15]):
+        token_ids = [5] + [t for n in runs for t in [image_token_id] * n + [6]]
+        with pytest.raises(ParameterError, match=re.escape(f"runs of {runs} placeholder tokens")) as error:
+            llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": images}, use_tqdm=False)
+        assert error.value.param == "multi_modal_data"
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_processed_mm_features_are_checked_against_the_prompt(llm):
+    """The processed form the chat route hands the engine: features that do not sit on the
+    prompt's image tokens are refused naming mm_features."""
+    import dataclasses
+
+    import numpy as np
+
+    from raylm.engine.multimodal.inputs import PlaceholderRange
+    from raylm.engine.sampling_params import ParameterError
+
+    processor = llm.llm_engine.mm_processor
+    token_ids, (feature,) = processor.process(PROMPT, {"image": random_image(3)})
+    moved = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset + 1, 16))
+    short = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset, 15))
+    big = dataclasses.replace(feature, pixel_values=np.zeros((1, 3, 64, 64), np.float32))
+    for features, match in (([moved], "not a run of image placeholder tokens"), ([short], "no image of mm_features"),
+                            ([big], r"shape \(1, 3, 64, 64\)"),
+                            ([feature] * 3, "limit_mm_per_prompt"), (["pixels"], "list of MultiModalFeature")):
+        with pytest.raises(ParameterError, match=match) as error:
+            llm.generate({"prompt_token_ids": token_ids, "mm_features": features}, use_tqdm=False)
+        assert error.value.param == "mm_features"
+    assert_engine_idle(llm.llm_engine)
+
+
 def test_placeholder_without_image_and_token_prompts_without_placeholders_are_refused(llm):
     from raylm.engine.sampling_params import ParameterError
 
@@ -204,6 +289,50 @@ def test_engine_arguments_multimodal_models_cannot_take_are_refused(llava_dir, k
 
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(llava_dir), **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("tokens_per_image, limit, max_num_seqs, budget, expected", [
+    (576, 1, 256, 8192, 15),  # LLaVA-1.5: the budget's images, rounded up (8192 / 576 = 14.2)
+    (576, 2, 4, 8192, 8),  # 4 prompts of 2 images each
+    (576, 16, 1, 512, 1),  # one image over the budget still profiles
+    (16, 0, 8, 256, 0),  # no images taken
+])
+def test_profile_image_count_follows_vllms_rule(tokens_per_image, limit, max_num_seqs, budget, expected):
+    from raylm.executors.encoder_cache import profile_num_images
+
+    assert profile_num_images(tokens_per_image, limit, max_num_seqs, budget) == expected
+
+
+def test_profile_run_holds_limit_mm_per_prompt_images_per_prompt(llava_dir):
+    """What the KV-cache sizing measures beside the forward: max_num_seqs (3) prompts of
+    limit_mm_per_prompt (2) images each, 16 tokens an image (fewer than the 256-token budget
+    covers), each encoded as the engine encodes it."""
+    llm = _llm(llava_dir, max_num_seqs=3, limit_mm_per_prompt={"image": 2})
+    try:
+        embeddings = _runner(llm)._profile_image_embeddings()
+        hidden = llm.llm_engine.model_config.hf_config.text_config.hidden_size
+        assert [tuple(e.shape) for e in embeddings] == [(1, 16, hidden)] * 6
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.cuda
+def test_cuda_profile_peak_grows_with_the_images_it_holds(llava_dir):
+    """On a GPU (stage t of scripts/gpu_check.sh): profile_run's measured peak, which the KV
+    cache is sized by, holds every profiled image's embeddings: 2 images a prompt add one
+    more image's embeddings per prompt to the peak than 1 does."""
+    llm = _llm(llava_dir, device="cuda", max_num_seqs=3, limit_mm_per_prompt={"image": 2})
+    try:
+        runner = _runner(llm)
+        model_config = llm.llm_engine.model_config
+        peak_two = runner.profile_run()
+        model_config.limit_mm_per_prompt = {"image": 1}
+        peak_one = runner.profile_run()
+        model_config.limit_mm_per_prompt = {"image": 2}
+        hidden = model_config.hf_config.text_config.hidden_size
+        assert peak_two - peak_one >= 3 * 16 * hidden * 4  # three more fp32 images of 16 tokens
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.cuda

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle, assert_engine_idle
 from server_process import running_server
 from tiny_models import build_tiny_llava, random_image
 
@@ -196,3 +196,111 @@ def test_placeholder_text_without_an_image_is_a_400(app, engine):
     reply = _RUNNER.run(send())
     assert reply.status_code == 400 and "image placeholder" in reply.json()["error"]["message"], reply.text
     assert_engine_idle(engine.engine)
+
+
+def test_chat_runs_the_models_processor_once_per_image(app, engine, llava_dir, monkeypatch):
+    """The route's processing is the engine's: every image goes through the checkpoint's
+    processor once (counted around transformers' own LlavaProcessor), and the reply is still HF's."""
+    from transformers import LlavaProcessor
+
+    processed: list[int] = []
+    real_call = LlavaProcessor.__call__
+
+    def counting_call(self, *args, **kwargs):
+        images = kwargs.get("images")
+        processed.append(len(images) if isinstance(images, list) else int(images is not None))
+        return real_call(self, *args, **kwargs)
+
+    import raylm.deploy.serving_chat as serving_chat
+
+    decoded: list[str] = []
+    real_load = serving_chat.load_image_url
+
+    def counting_load(url, param):
+        decoded.append(param)
+        return real_load(url, param)
+
+    monkeypatch.setattr(LlavaProcessor, "__call__", counting_call)
+    monkeypatch.setattr(serving_chat, "load_image_url", counting_load)
+    images = [random_image(41), random_image(42)]
+    reply = chat(app, user_turn(image_part(data_url(images[0])), image_part(data_url(images[1])), TEXT))
+    assert reply.status_code == 200, reply.text
+    assert sum(processed) == len(images), processed
+    assert len(decoded) == len(images), decoded
+    monkeypatch.undo()
+    assert reply.json()["choices"][0]["token_ids"] == hf_reply(llava_dir, images)
+    assert_async_engine_idle(engine)
+
+
+def post_to(app, route: str, body: dict) -> httpx.Response:
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post(route, json=body)
+
+    return _RUNNER.run(send())
+
+
+def input_image(url: str, detail: str = "auto") -> dict:
+    return {"type": "input_image", "image_url": url, "detail": detail}
+
+
+def test_responses_input_image_equals_the_chat_route_and_hf(app, engine, llava_dir):
+    """/v1/responses' input_image parts are the chat route's image_url parts: the same reply
+    as chat on the same image and text, whose tokens are HF's greedy ones."""
+    image = random_image(50)
+    url = data_url(image)
+    response = post_to(app, "/v1/responses", {
+        "model": "m", "temperature": 0, "max_output_tokens": MAX_TOKENS,
+        "input": [{"role": "user", "content": [input_image(url, "low"), {"type": "input_text",
+                                                                        "text": TEXT["text"]}]}]})
+    assert response.status_code == 200, response.text
+    chat_reply = post(app, {"model": "m", "messages": user_turn(image_part(url), TEXT), "temperature": 0,
+                            "max_completion_tokens": MAX_TOKENS, "return_token_ids": True}).json()
+    (item,) = [item for item in response.json()["output"] if item["type"] == "message"]
+    assert item["content"][0]["text"] == chat_reply["choices"][0]["message"]["content"]
+    assert response.json()["usage"]["input_tokens"] == chat_reply["usage"]["prompt_tokens"]
+    # Both stop where HF's generate stops (EOS, or MAX_TOKENS).
+    assert chat_reply["choices"][0]["token_ids"] == hf_reply(llava_dir, [image])
+    assert_async_engine_idle(engine)
+
+
+def test_responses_streamed_reply_with_an_image_equals_the_unstreamed_one(app, engine):
+    import json
+
+    body = {"model": "m", "temperature": 0, "max_output_tokens": MAX_TOKENS,
+            "input": [{"role": "user", "content": [input_image(data_url(random_image(51))),
+                                                   {"type": "input_text", "text": TEXT["text"]}]}]}
+    whole = post_to(app, "/v1/responses", body).json()
+    reply = post_to(app, "/v1/responses", {**body, "stream": True})
+    assert reply.status_code == 200, reply.text
+    events = [json.loads(line[len("data: "):]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    (item,) = [item for item in whole["output"] if item["type"] == "message"]
+    assert streamed == item["content"][0]["text"]
+    assert events[-1]["response"]["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert_async_engine_idle(engine)
+
+
+@pytest.mark.parametrize("part, param, message", [
+    (input_image("https://example.com/cat.png"), "input[0].content[0].image_url", "remote images are not fetched"),
+    (input_image("data:image/png;base64,@@@"), "input[0].content[0].image_url", "not valid base64"),
+    ({"type": "input_image", "file_id": "file-1"}, "input", "needs an image_url"),
+    (input_image("data:x", "huge"), "input", "detail"),
+])
+def test_responses_bad_input_images_are_400s_naming_the_field(app, engine, part, param, message):
+    reply = post_to(app, "/v1/responses", {"model": "m", "max_output_tokens": 2,
+                                           "input": [{"role": "user", "content": [part]}]})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert_async_engine_idle(engine)
+
+
+def test_responses_images_over_the_limit_are_a_400(app, engine):
+    url = data_url(random_image(2))
+    reply = post_to(app, "/v1/responses", {"model": "m", "max_output_tokens": 2,
+                                           "input": [{"role": "user", "content": [input_image(url)] * 3}]})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "input" and "limit_mm_per_prompt" in reply.json()["error"]["message"]
+    assert_async_engine_idle(engine)

@@ -72,6 +72,10 @@ class MultiModalProcessor:
         self.model = model
         self.limits = limits
         self.image_token_id = image_token_id(hf_config)
+        # One processed image's pixel_values (LLaVA: [1, 3, image_size, image_size]), which
+        # processed prompts (`check_processed`) must match: the vision tower takes nothing else.
+        image_size = getattr(getattr(hf_config, "vision_config", None), "image_size", None)
+        self.pixel_values_shape = (1, 3, image_size, image_size) if isinstance(image_size, int) else None
         self._trust_remote_code = trust_remote_code
         self._revision = revision
         self._hf_processor: Any = None
@@ -98,20 +102,39 @@ class MultiModalProcessor:
 
     def process_tokens(self, prompt_token_ids: Sequence[int], multi_modal_data: Any
                        ) -> tuple[list[int], list[MultiModalFeature]]:
-        """The token ids with each image placeholder token (one per image, as the text
-        tokenizes) expanded to the image's tokens, and one feature per image in the order of
-        their placeholders. The model's processor makes the pixels and says how many tokens
-        an image takes (LlavaProcessor: patches, less CLS under the "default" strategy).
-        ParameterError naming multi_modal_data for anything the engine cannot take."""
+        """The token ids with each image's placeholders expanded to the image's tokens, and one
+        feature per image in the order of their placeholders. The model's processor makes the
+        pixels and says how many tokens an image takes (LlavaProcessor: patches, less CLS under
+        the "default" strategy).
+
+        The ids hold either one placeholder token per image, as the text tokenizes, which is
+        expanded here, or each image's placeholders already expanded, as the model's processor
+        writes them (a prompt tokenized with the processor): vLLM's prompt update detection
+        finds those and does not expand them again. ParameterError naming multi_modal_data for
+        anything else, or anything the engine cannot take."""
         images = self._images(multi_modal_data)
         token_ids = [int(t) for t in prompt_token_ids]
         placeholders = token_ids.count(self.image_token_id)
-        if placeholders != len(images):
+        if placeholders != len(images) and (not images or not placeholders or placeholders % len(images)):
             raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data: "
                                  f"{len(images)} images, {placeholders} placeholders in the prompt.",
                                  "multi_modal_data")
         if not images:
             return token_ids, []
+        pixel_values, per_image = self._process_images(images)
+        if placeholders == len(images):
+            token_ids, ranges = self._expanded(token_ids, per_image)
+        else:
+            ranges = self._expanded_ranges(token_ids, per_image, len(images))
+        features = []
+        for index, position in enumerate(ranges):
+            pixels = np.ascontiguousarray(pixel_values[index:index + 1])
+            features.append(MultiModalFeature("image", pixels, position, feature_identifier("image", pixels)))
+        return token_ids, features
+
+    def _process_images(self, images: list[Any]) -> tuple[np.ndarray, int]:
+        """The images' pixel_values (one row each) and how many tokens one image takes, by
+        the model's processor (one call for all the prompt's images)."""
         processor = self.hf_processor
         placeholder_text = getattr(processor, "image_token", None) or processor.tokenizer.convert_ids_to_tokens(
             self.image_token_id)
@@ -125,6 +148,10 @@ class MultiModalProcessor:
         if per_image < 1 or expanded % len(images):
             raise ParameterError(f"The model's processor gave {expanded} image tokens for {len(images)} images.",
                                  "multi_modal_data")
+        return np.asarray(processed["pixel_values"], dtype=np.float32), per_image
+
+    def _expanded(self, token_ids: list[int], per_image: int) -> tuple[list[int], list[PlaceholderRange]]:
+        """The ids with each placeholder token repeated per_image times, and where each image went."""
         expanded_ids: list[int] = []
         ranges: list[PlaceholderRange] = []
         for token in token_ids:
@@ -133,12 +160,56 @@ class MultiModalProcessor:
                 expanded_ids.extend([token] * per_image)
             else:
                 expanded_ids.append(token)
-        pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
-        features = []
-        for index, position in enumerate(ranges):
-            pixels = np.ascontiguousarray(pixel_values[index:index + 1])
-            features.append(MultiModalFeature("image", pixels, position, feature_identifier("image", pixels)))
-        return expanded_ids, features
+        return expanded_ids, ranges
+
+    def _expanded_ranges(self, token_ids: list[int], per_image: int, num_images: int) -> list[PlaceholderRange]:
+        """Where each image's tokens sit in ids that hold them already expanded: every run of
+        placeholder tokens is a whole number of images (images side by side make one run)."""
+        ranges: list[PlaceholderRange] = []
+        runs = _runs(token_ids, self.image_token_id)
+        if sum(length for _, length in runs) == per_image * num_images and all(
+                length % per_image == 0 for _, length in runs):
+            ranges = [PlaceholderRange(start + k * per_image, per_image)
+                      for start, length in runs for k in range(length // per_image)]
+        if len(ranges) != num_images:
+            raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data, or "
+                                 f"each image's {per_image} placeholder tokens as the model's processor expands "
+                                 f"them: {num_images} images, runs of {[length for _, length in runs]} placeholder "
+                                 f"tokens in the prompt.", "multi_modal_data")
+        return ranges
+
+    def check_processed(self, prompt_token_ids: Sequence[int], mm_features: Any) -> list[MultiModalFeature]:
+        """`mm_features` of a prompt this engine's processor already processed (the chat
+        route's, which needs the expanded ids to count the prompt), checked against the ids:
+        within limit_mm_per_prompt, each an image whose placeholder tokens, and only those,
+        are the image token, in order and apart."""
+        features = list(mm_features) if isinstance(mm_features, (list, tuple)) else None
+        if features is None or not all(isinstance(f, MultiModalFeature) and f.modality == "image"
+                                       and isinstance(f.pixel_values, np.ndarray) for f in features):
+            raise ParameterError("mm_features must be a list of MultiModalFeature images made by the model's "
+                                 "processor.", "mm_features")
+        for feature in features:
+            if feature.pixel_values.dtype != np.float32 or (
+                    self.pixel_values_shape is not None and feature.pixel_values.shape != self.pixel_values_shape):
+                raise ParameterError(f"mm_features holds pixel_values of shape {feature.pixel_values.shape} "
+                                     f"({feature.pixel_values.dtype}); the model's processor makes float32 "
+                                     f"{self.pixel_values_shape}.", "mm_features")
+        limit = self.limits.get("image", 0)
+        if len(features) > limit:
+            raise ParameterError(f"The prompt has {len(features)} images, more than limit_mm_per_prompt allows "
+                                 f"({{'image': {limit}}}).", "mm_features")
+        end = 0
+        for feature in features:
+            position = feature.mm_position
+            if position.offset < end or position.length < 1 or position.end > len(prompt_token_ids) or any(
+                    prompt_token_ids[i] != self.image_token_id for i in range(position.offset, position.end)):
+                raise ParameterError(f"mm_features places an image at {position}, which is not a run of image "
+                                     f"placeholder tokens of the prompt after the previous image.", "mm_features")
+            end = position.end
+        if sum(f.mm_position.length for f in features) != list(prompt_token_ids).count(self.image_token_id):
+            raise ParameterError("The prompt holds image placeholder tokens that no image of mm_features fills.",
+                                 "mm_features")
+        return features
 
     def _images(self, multi_modal_data: Any) -> list[Any]:
         from PIL import Image
@@ -162,3 +233,16 @@ class MultiModalProcessor:
                 raise ParameterError(f"multi_modal_data['image'] must be a PIL.Image.Image or a list of them, got "
                                      f"{type(image).__name__}.", "multi_modal_data")
         return images
+
+
+def _runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of `token` in the ids."""
+    runs: list[tuple[int, int]] = []
+    for index, value in enumerate(token_ids):
+        if value != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+    return runs
