@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.kv_cache_dtype import triton_fp8_format
-from raylm.kernels.triton_paged_kv import fp8_round
+from raylm.kernels.triton_paged_kv import fp8_encode
 
 # The widest row the norm kernels keep in registers in one pass (at 16 warps, 32 fp32
 # values a thread); a wider one is left to PyTorch (`rms_norm_supported`).
@@ -108,9 +108,10 @@ def _rotary_embedding_kernel(positions_ptr, query_ptr, key_ptr, cos_sin_cache_pt
     # QK_NORM (Qwen3): each head is RMS-normalised first (q_norm_ptr's weight for the query,
     # k_norm_ptr's for the key), in place. CACHE_BLOCK_SIZE > 0: the key programs also store
     # their rotated key heads and the same value heads at the token's cache slot (-1: none),
-    # as the KV write kernel would (KV_FP8: divided by k_scale / v_scale and rounded to the
-    # fp8 cache's format, `fp8_round`). BLOCK_REST > 0 covers the channels past the rotary ones,
-    # which only the norm and the cache write read.
+    # as the KV write kernel would (KV_FP8: divided by k_scale / v_scale, rounded to the fp8
+    # cache's format and stored as bytes through uint8 views of the caches, `fp8_encode`).
+    # BLOCK_REST > 0 covers the channels past the rotary ones, which only the norm and the
+    # cache write read.
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     is_key = head_block >= query_head_blocks
@@ -172,26 +173,29 @@ def _rotary_embedding_kernel(positions_ptr, query_ptr, key_ptr, cos_sin_cache_pt
                          + heads[:, None] * stride_kc_head)
                 k_dtype = k_cache_ptr.dtype.element_ty
                 if KV_FP8:
-                    k1 = fp8_round(out1.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
-                    k2 = fp8_round(out2.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                    k1 = fp8_encode(out1.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                    k2 = fp8_encode(out2.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
                 else:
-                    k1, k2 = out1, out2
-                tl.store(k_row + r[None, :], k1.to(k_dtype), mask=mask)
-                tl.store(k_row + HALF_ROTARY + r[None, :], k2.to(k_dtype), mask=mask)
+                    k1, k2 = out1.to(k_dtype), out2.to(k_dtype)
+                tl.store(k_row + r[None, :], k1, mask=mask)
+                tl.store(k_row + HALF_ROTARY + r[None, :], k2, mask=mask)
                 if BLOCK_REST > 0:
-                    k3 = x3.to(dtype)
                     if KV_FP8:
-                        k3 = fp8_round(k3.to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
-                    tl.store(k_row + 2 * HALF_ROTARY + rest[None, :], k3.to(k_dtype), mask=rest_mask)
+                        k3 = fp8_encode(x3.to(dtype).to(tl.float32), k_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                    else:
+                        k3 = x3.to(dtype).to(k_dtype)
+                    tl.store(k_row + 2 * HALF_ROTARY + rest[None, :], k3, mask=rest_mask)
                 d = tl.arange(0, BLOCK_D)
                 v_mask = head_mask[:, None] & (d < HEAD_SIZE)[None, :]
                 value = tl.load(value_ptr + token * stride_value + heads[:, None] * HEAD_SIZE + d[None, :],
                                 mask=v_mask)
                 if KV_FP8:
-                    value = fp8_round(value.to(tl.float32), v_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                    value = fp8_encode(value.to(tl.float32), v_scale, FP8_MANT, FP8_MIN_EXP, FP8_MAX)
+                else:
+                    value = value.to(v_cache_ptr.dtype.element_ty)
                 v_row = (v_cache_ptr + cache_block * stride_vc_block + offset * stride_vc_token
                          + heads[:, None] * stride_vc_head)
-                tl.store(v_row + d[None, :], value.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+                tl.store(v_row + d[None, :], value, mask=v_mask)
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -278,6 +282,10 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
     if qk_norm is not None:
         assert q_weight.shape == k_weight.shape == (head_size,) and q_weight.is_contiguous() and k_weight.is_contiguous()
     value, k_cache, v_cache, slot_mapping = kv_cache if kv_cache is not None else (query, query, query, positions)
+    fp8 = triton_fp8_format(k_cache.dtype)
+    if fp8["KV_FP8"]:
+        assert v_cache.dtype == k_cache.dtype
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)  # written as bytes
     cache_strides = (0,) * 6
     if kv_cache is not None:
         assert value.shape == key.shape and value.stride(1) == 1 and slot_mapping.shape == (num_tokens,)
@@ -293,5 +301,4 @@ def rotary_embedding_(positions: torch.Tensor, query: torch.Tensor, key: torch.T
         float(k_scale), float(v_scale),
         HEAD_SIZE=head_size, QK_NORM=qk_norm is not None, BLOCK_REST=triton.next_power_of_2(rest) if reads_rest else 0,
         CACHE_BLOCK_SIZE=k_cache.shape[1] if kv_cache is not None else 0,
-        BLOCK_D=triton.next_power_of_2(head_size), **rotary_tiles(rotary_dim),
-        **triton_fp8_format(k_cache.dtype if kv_cache is not None else query.dtype))
+        BLOCK_D=triton.next_power_of_2(head_size), **rotary_tiles(rotary_dim), **fp8)

@@ -1,6 +1,6 @@
 """In-kernel pieces the Triton paged attention kernels share (decode and prefill/extend):
 one K/V tile read through a sequence's block table, its scores against the program's
-queries, Gemma 2's soft cap, and the rounding of an fp8 KV cache (`fp8_round`).
+queries, Gemma 2's soft cap, and the bytes of an fp8 KV cache's values (`fp8_encode`).
 `@triton.jit` functions called from a kernel are inlined into it at compile time, so each
 kernel compiles to what it did with the code written out."""
 
@@ -20,28 +20,42 @@ def soft_cap_scores(s, cap):
 
 
 @triton.jit
-def fp8_round(x, scale, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x / scale (x fp32) saturated to +-FP8_MAX and rounded to the nearest value of the fp8
-    format (ties to even; FP8_MANT mantissa bits, smallest normal exponent FP8_MIN_EXP), in
-    fp32: what `raylm.kernels.kv_cache_dtype.quantize` stores. The caller's cast to the fp8
-    type is then exact. The rounding is done here in integer arithmetic on the fp32 bits
-    because Triton's interpreter (3.9) rounds fp32 -> fp8 casts wrongly (7.93 became 4.0
-    in e4m3: the mantissa's carry does not reach the exponent), while its casts of values
-    already on the fp8 grid are exact, as a GPU's are."""
+def fp8_encode(x, scale, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """The fp8 byte (tl.uint8) that `raylm.kernels.kv_cache_dtype.quantize` stores for x
+    (fp32): x / scale (scale > 0) divided exactly, saturated to +-FP8_MAX, rounded to the
+    nearest value of the format (ties to even; FP8_MANT mantissa bits, smallest normal
+    exponent FP8_MIN_EXP, subnormals below it); NaN is 0x7F with x's sign, as PyTorch's cast
+    gives. Callers store the byte through a uint8 view of the cache.
+
+    Everything after the division is integer arithmetic on the fp32 bits, and the byte is
+    built here rather than by a cast to Triton's fp8 type: Triton's interpreter (3.9) rounds
+    fp32 -> fp8 casts wrongly (7.93 became 4.0 in e4m3), and on an H100 (Triton 3.6) an e4m3
+    cache written by rounding here and casting after differed from PyTorch's bytes (the
+    cause not isolated there); integer arithmetic means the same on every target. The
+    division is tl.math.div_rn (PTX div.rn.f32): Triton compiles `a / b` in fp32 to
+    div.full.f32, up to 2 ulp off, which moves a quotient within an ulp of a rounding
+    midpoint to the wrong side."""
     y = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    bits = y.to(tl.int32, bitcast=True)
-    magnitude = bits & 0x7FFFFFFF
+    sign = tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0)  # scale > 0: x's sign, NaN's too
+    is_nan = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    # Saturation on the bits: for non-negative floats (inf included) the order of the bit
+    # patterns is the order of the values.
+    max_bits = tl.full(x.shape, FP8_MAX, tl.float32).to(tl.int32, bitcast=True)
+    magnitude = tl.minimum(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, max_bits)
     exponent = (magnitude >> 23) - 127
     significand = (magnitude & 0x7FFFFF) | 0x800000  # value = significand * 2^(exponent - 23)
     # The grid's step is 2^(e - FP8_MANT) for e = max(exponent, FP8_MIN_EXP) (subnormals
     # share the smallest normal's step); 25 bits or more of shift round everything to 0.
     grid_exponent = tl.maximum(exponent, FP8_MIN_EXP)
     shift = tl.minimum(23 - FP8_MANT + grid_exponent - exponent, 25)
+    # Round half to even: add just under half a step, plus one when the kept part is odd.
     steps = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
-    step = ((grid_exponent - FP8_MANT + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = steps.to(tl.float32) * step
-    return tl.where(bits < 0, -rounded, rounded)  # the sign bit: -0.0 stays -0.0
+    # steps is the value in grid steps: 2^FP8_MANT up to 2^(FP8_MANT+1) (a carry) for a normal
+    # value, its implicit leading one adding the 1 of the biased exponent; 0 up to 2^FP8_MANT
+    # for a subnormal, whose code it is. A carry moves to the next exponent by itself, and
+    # FP8_MAX, on the grid, is never rounded past.
+    code = (tl.maximum(exponent - FP8_MIN_EXP, 0) << FP8_MANT) + steps
+    return (tl.where(is_nan, 0x7F, code) | sign).to(tl.uint8)
 
 
 @triton.jit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine_checks import assert_engine_idle
+from fp8_code_points import SWEEP_SCALES, check_kv_write_sweep, check_rotary_write_sweep, code_point_sweep
 from paged_steps import build_cached_step
 from raylm.engine import LLM, EngineArgs, SamplingParams
 from raylm.kernels import cpu_attention, torch_attention
@@ -76,6 +78,36 @@ def test_triton_kernels_over_fp8_caches_match_the_reference_under_the_interprete
     PyTorch's fp8 cast, decode (split-K too) and prefill/extend against the fp32 reference."""
     pytest.importorskip("triton")
     assert_cases_pass_under_the_interpreter("triton_fp8_cases.py", timeout_s=300)
+
+
+def test_triton_kv_writes_store_every_fp8_code_point_midpoint_and_limit_as_quantize():
+    """tests/triton_fp8_sweep_cases.py: the KV write and the fused rotary write over every
+    code point, midpoint (and one ulp either side), subnormal, signed zero, saturating value,
+    infinity and NaN, at scales 1, 0.37, 3.1 and 2^-5, bit for bit (tests/fp8_code_points.py)."""
+    pytest.importorskip("triton")
+    assert_cases_pass_under_the_interpreter("triton_fp8_sweep_cases.py", timeout_s=120)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cpu_kv_writes_store_every_fp8_code_point_midpoint_and_limit_as_worked_out(backend, fp8):
+    """The CPU backends' KV write over the same sweep: the bytes the format's code points
+    give (tests/fp8_code_points.py, worked out without a cast), which `quantize` gives too."""
+    from raylm.kernels.backend import get_attention_backend
+
+    write_kv_cache = get_attention_backend(backend).write_kv_cache
+    for scale in SWEEP_SCALES:
+        x, expected, left_out = code_point_sweep(fp8, scale)
+        assert left_out < len(x) // 4  # most quotients are reached at every scale
+        assert torch.equal(quantize(x, fp8, scale).view(torch.uint8), expected)
+        rows = x.view(-1, 1, 2)  # sweep lengths are even
+        slots = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(len(x)))
+        k_cache = torch.full((rows.shape[0], 1, 1, 2), float("nan")).to(fp8)
+        v_cache = k_cache.clone()
+        write_kv_cache(rows, rows.flip(0) * 2, k_cache, v_cache, slots, k_scale=scale, v_scale=scale * 2)
+        assert torch.equal(k_cache.view(torch.uint8).view(-1, 2)[slots].flatten(), expected)
+        expected_values = expected.view(-1, 2).flip(0).flatten()
+        assert torch.equal(v_cache.view(torch.uint8).view(-1, 2)[slots].flatten(), expected_values)
 
 
 def test_quantize_saturates_where_a_plain_e5m2_cast_gives_inf():
@@ -359,7 +391,8 @@ def _fp8_variants():
     """The fp8 cache's variants at the heaviest shapes (bf16 d256 GQA 8; fp16 d128 GQA 4 over
     e5m2): decode, split-K decode, the largest prefill tile, the KV write; and the rotary
     kernel storing into an fp8 cache."""
-    from raylm.cluster.benchmarks.gpu_kernel_check import Variant, elementwise_variants, launch_variants
+    from raylm.cluster.benchmarks.gpu_kernel_check import (FP8_WRITE_POINTER, Variant, elementwise_variants,
+                                                           launch_variants)
 
     for dtype, head_size, group, fp8 in ((torch.bfloat16, 256, 8, E4M3), (torch.float16, 128, 4, E5M2)):
         variants = launch_variants(dtype, group, head_size, max_model_len=4096, kv_cache_dtype=fp8)
@@ -373,7 +406,7 @@ def _fp8_variants():
     yield pytest.param(Variant(rotary.name, rotary.kernel, dict(rotary.constexprs, KV_FP8=True, FP8_MANT=3,
                                                                 FP8_MIN_EXP=-6, FP8_MAX=448.0),
                                rotary.num_warps, rotary.pointer_dtype, fp_fusion=rotary.fp_fusion,
-                               cache_pointer_dtype="fp8e4nv"), id="rotary-kv-cache-e4m3-bf16-d128")
+                               cache_pointer_dtype=FP8_WRITE_POINTER), id="rotary-kv-cache-e4m3-bf16-d128")
 
 
 @pytest.mark.parametrize("variant", list(_fp8_variants()))
@@ -389,6 +422,48 @@ def test_fp8_cache_variants_compile_for_sm90_without_spilling(variant):
     assert report["registers"] <= 255
 
 
+def _fp8_write_variants():
+    """The fp8 KV writes as a launch compiles them: the KV write kernel from bf16 and fp32
+    activations, the rotary kernel's fused write (with the channels past rotary_dim), into
+    e4m3 and e5m2 caches."""
+    from raylm.cluster.benchmarks.gpu_kernel_check import (FP8_WRITE_POINTER, Variant, elementwise_variants,
+                                                           launch_variants)
+    from raylm.kernels.kv_cache_dtype import triton_fp8_format
+
+    for fp8, name in ((E4M3, "e4m3"), (E5M2, "e5m2")):
+        for dtype in (torch.bfloat16, torch.float32):
+            (kv_write,) = [v for v in launch_variants(dtype, 4, 128, kv_cache_dtype=fp8) if v.name == "kv_write"]
+            yield pytest.param(kv_write, id=f"kv_write-{name}-{str(dtype).removeprefix('torch.')}")
+        rotary = next(v for v in elementwise_variants(torch.bfloat16, 64, 128, 128, 64) if v.name.endswith("kv cache"))
+        yield pytest.param(Variant(rotary.name, rotary.kernel, dict(rotary.constexprs, **triton_fp8_format(fp8)),
+                                   rotary.num_warps, rotary.pointer_dtype, fp_fusion=rotary.fp_fusion,
+                                   cache_pointer_dtype=FP8_WRITE_POINTER), id=f"rotary-kv-cache-{name}-bf16")
+
+
+@pytest.mark.parametrize("variant", list(_fp8_write_variants()))
+def test_fp8_kv_writes_compile_to_an_exact_division_and_no_fp8_conversion(variant):
+    """The sm_90 PTX of the fp8 KV writes (Triton's own compiler, no GPU needed): x / scale
+    is div.rn.f32, IEEE's division as PyTorch's reference divides (Triton compiles fp32 `/`
+    to div.full.f32, up to 2 ulp off), and no cvt to e4m3x2 / e5m2x2: the bytes are built in
+    integers (`fp8_encode`), so they cannot depend on how a Triton version converts to fp8
+    (an H100 with Triton 3.6 wrote other e4m3 bytes than PyTorch when the kernels cast)."""
+    pytest.importorskip("triton")
+    from triton.backends import backends
+
+    from raylm.cluster.benchmarks.gpu_kernel_check import compile_variant, ptx_arithmetic
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    try:
+        ptx = compile_variant(variant).asm["ptx"]
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        if "ptxas" not in str(error):
+            raise
+        pytest.skip(f"this Triton's ptxas cannot compile for sm_90 here: {error}")
+    arithmetic = ptx_arithmetic(ptx)
+    assert arithmetic == dict(divisions=["div.rn.f32"], fp8_conversions=[]), arithmetic
+
+
 # ---- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.cuda
@@ -401,6 +476,21 @@ def test_quantize_on_a_gpu_rounds_exactly_as_on_the_cpu(fp8):
     for scale in (2.0 / 448, 3.0 / 448):
         on_gpu = quantize(x.cuda(), fp8, scale).cpu().view(torch.uint8)
         assert torch.equal(on_gpu, quantize(x, fp8, scale).view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_kv_writes_store_every_fp8_code_point_midpoint_and_limit_as_quantize(fp8):
+    """The interpreter's sweep (tests/triton_fp8_sweep_cases.py) natively: the KV write and
+    the rotary kernel's fused write, compiled for the GPU, store the bytes worked out from
+    the code points at every scale; on failure the message names the first inputs written
+    wrong (the e4m3 KV write once differed from PyTorch on an H100 with Triton 3.6)."""
+    from raylm.kernels.triton_elementwise import rotary_embedding_
+    from raylm.kernels.triton_kv_cache import write_kv_cache
+
+    for scale in SWEEP_SCALES:
+        check_kv_write_sweep(write_kv_cache, fp8, scale, torch.device("cuda"))
+        check_rotary_write_sweep(rotary_embedding_, fp8, scale, torch.device("cuda"))
 
 
 @pytest.mark.cuda

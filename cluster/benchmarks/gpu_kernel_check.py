@@ -47,6 +47,9 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Triton's names of the fp8 cache dtypes (kv_cache_dtype fp8_e4m3 and fp8_e5m2).
 FP8_POINTERS = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+# The KV writes (the KV write kernel, the rotary kernel's fused write) store an fp8 cache's
+# bytes through a uint8 view of it (`triton_paged_kv.fp8_encode`).
+FP8_WRITE_POINTER = "u8"
 
 # (name, [(query_len, seq_len)] per sequence or a generator spec, forced split count)
 # Decode: (batch, longest context, num_splits or None for the dispatcher's choice).
@@ -356,15 +359,21 @@ def count_compiled_variants() -> int:
 
 
 def launched_resources() -> list[dict]:
-    """Registers, spilled bytes and shared memory of every compiled variant."""
+    """Registers, spilled bytes and shared memory of every compiled variant; for the KV
+    writes (the KV write kernel, the rotary kernel with its fused write) also the PTX's
+    divisions and fp8 conversions (`ptx_arithmetic`), which decide whether an fp8 cache's
+    bytes equal PyTorch's."""
     rows = []
     for name, function in kernel_functions().items():
         for kernel in compiled_kernels(function):
             metadata = kernel.metadata
-            rows.append(dict(kernel=name, num_warps=getattr(metadata, "num_warps", None),
-                             num_stages=getattr(metadata, "num_stages", None),
-                             registers=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
-                             shared_bytes=getattr(metadata, "shared", None)))
+            row = dict(kernel=name, num_warps=getattr(metadata, "num_warps", None),
+                       num_stages=getattr(metadata, "num_stages", None),
+                       registers=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
+                       shared_bytes=getattr(metadata, "shared", None))
+            if name in ("kv_write", "rotary_embedding") and "ptx" in getattr(kernel, "asm", {}):
+                row.update(ptx_arithmetic(kernel.asm["ptx"]))
+            rows.append(row)
     return rows
 
 
@@ -417,7 +426,7 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
         variants.append(prefill_variant(tiles, shape, pointer, cache_pointer))
     variants.append(Variant("kv_write", functions["kv_write"],
                             dict(HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE, BLOCK_D=block_d, **fp8), 4, pointer,
-                            cache_pointer_dtype=cache_pointer))
+                            cache_pointer_dtype=FP8_WRITE_POINTER if cache_pointer else None))
     return variants
 
 
@@ -476,7 +485,26 @@ UNALIGNED_ARGS = {"qk_scale", "k_scale", "v_scale", "stride_bt", "num_kv_heads",
 def compile_resources(variant: Variant, capability: int = 90, aligned: bool = True) -> dict:
     """Compiles a variant ahead of time for a GPU of this compute capability (no GPU
     needed) with the ptxas Triton ships, and reads registers, stack frame (spills) and
-    shared memory: from cuobjdump's resource report and Triton's metadata.
+    shared memory: from cuobjdump's resource report and Triton's metadata (`compile_variant`)."""
+    import triton
+
+    compiled = compile_variant(variant, capability, aligned)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
+                                text=True, check=True).stdout
+    fields = dict(item.split(":", 1) for item in next(line for line in report.splitlines() if "REG:" in line).split())
+    return dict(kernel=variant.name, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                registers=int(fields["REG"]),
+                stack_bytes=int(fields["STACK"]), local_bytes=int(fields["LOCAL"]),
+                shared_bytes=compiled.metadata.shared)
+
+
+def compile_variant(variant: Variant, capability: int = 90, aligned: bool = True):
+    """The variant compiled ahead of time for a GPU of this compute capability, no GPU
+    needed (Triton's CompiledKernel: asm["ptx"], asm["cubin"], metadata).
 
     aligned: as a launch on the engine's tensors compiles it. Triton specialises every
     pointer argument that is 16-byte aligned and every integer divisible by 16 (torch's
@@ -506,17 +534,16 @@ def compile_resources(variant: Variant, capability: int = 90, aligned: bool = Tr
                               options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
                                        "enable_fp_fusion": variant.fp_fusion,
                                        **({"maxnreg": variant.max_registers} if variant.max_registers else {})})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
-                                text=True, check=True).stdout
-    fields = dict(item.split(":", 1) for item in next(line for line in report.splitlines() if "REG:" in line).split())
-    return dict(kernel=variant.name, num_warps=variant.num_warps, num_stages=variant.num_stages,
-                registers=int(fields["REG"]),
-                stack_bytes=int(fields["STACK"]), local_bytes=int(fields["LOCAL"]),
-                shared_bytes=compiled.metadata.shared)
+    return compiled
+
+
+def ptx_arithmetic(ptx: str) -> dict:
+    """What a kernel's PTX divides and converts to fp8 with: its fp32 division instructions
+    (div.rn.f32 is IEEE's; div.full.f32 and div.approx.f32 are not) and its conversions to
+    an fp8 type (cvt.*.e4m3x2 / e5m2x2), each instruction once. The fp8 KV writes must show
+    div.rn.f32 and no fp8 conversion (`triton_paged_kv.fp8_encode`)."""
+    return dict(divisions=sorted(set(re.findall(r"\bdiv\.[a-z0-9.]*f32\b", ptx))),
+                fp8_conversions=sorted(set(re.findall(r"\bcvt\.[a-z0-9.]*\.e[45]m[23]x2\.[a-z0-9]+\b", ptx))))
 
 
 # ---- command line ----------------------------------------------------------------------
