@@ -134,9 +134,7 @@ class OpenAIServingChat(OpenAIServing):
             template = self.tokenizer.get_chat_template(template, variables.get("tools"))
         except ValueError as exc:  # a template name the tokenizer does not have
             raise OpenAIError(str(exc), param="chat_template") from None
-        content_format = self.chat_template_content_format
-        if content_format == "auto":
-            content_format = _detected_content_format(template)
+        content_format = resolve_content_format(self.chat_template_content_format, template)
         try:
             conversation = [template_message(m, content_format, self.image_placeholder) for m in messages]
         except ValueError as exc:
@@ -514,6 +512,12 @@ def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | N
 @functools.lru_cache(maxsize=64)
 def _detected_content_format(template: str) -> str:
     return detect_content_format(template)
+
+
+def resolve_content_format(content_format: str, template: str) -> str:
+    """--chat-template-content-format for `template`: "string" or "openai" as set, or the
+    one "auto" detects in the template (how `template_message` hands it the content)."""
+    return _detected_content_format(template) if content_format == "auto" else content_format
 
 
 def template_message(message: ChatMessage, content_format: str = "string",
