@@ -21,7 +21,7 @@ from raylm.engine.pooling_params import PoolingParams
 
 # What each pooling task's routes are called in messages.
 _TASK_APIS = {"embed": "Embeddings API (/v1/embeddings)", "classify": "Classification API (/classify)",
-              "score": "Score API (/score, /rerank)"}
+              "score": "Score API (/score, /rerank)", "token_classify": "Pooling API (/pooling, token_classify)"}
 
 
 class PoolingServing(OpenAIServing):
