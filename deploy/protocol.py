@@ -734,6 +734,33 @@ class ClassificationResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class PoolingRequest(_PoolingFields, _PoolingInputs):
+    """`POST /pooling` (vLLM's): each input's pooling output for `task` (None: the model's
+    own): "embed", "classify", or "token_classify" (every token's, what LLM.reward returns)."""
+
+    task: Literal["embed", "classify", "token_classify"] | None = None
+    add_special_tokens: StrictBool = True
+    encoding_format: Literal["float"] = "float"
+    dimensions: StrictInt | None = None
+    normalize: StrictBool | None = None
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "pooling"
+    # A vector (embed, classify), or a list of them, one per prompt token (token_classify).
+    data: list[list[float]] | list[float]
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
 def _texts(value: str | list[str], name: str) -> list[str]:
     texts = [value] if isinstance(value, str) else list(value)
     if not texts:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_async_engine_idle, assert_engine_idle
 from hf_reference import hf_classifier
 from raylm.engine import LLM, PoolingParams
 from tiny_models import build_tiny_classifier, random_prompts_spanning
@@ -124,3 +124,66 @@ def test_models_without_a_classifier_head_refuse_reward(llama_dir):
             generator.reward("hello")
     finally:
         generator.shutdown()
+
+
+# ------------------------------------------------------------------ POST /pooling
+@pytest.fixture(scope="module")
+def reward_server(reward_dir):
+    from server_process import InProcessServer
+
+    from raylm.deploy.server_args import ServerArgs
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(reward_dir), dtype="float32", max_model_len=64,
+                                                        max_num_batched_tokens=24, disable_log_stats=True))
+    try:
+        with InProcessServer(engine, ServerArgs()) as base_url:
+            yield base_url, engine
+    finally:
+        engine.shutdown()
+
+
+def pool(base_url: str, body: dict):
+    import httpx
+
+    return httpx.post(f"{base_url}/pooling", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("use_activation", [None, False])
+def test_pooling_route_token_classify_is_every_tokens_reward(reward_server, reward_dir, use_activation):
+    base_url, engine = reward_server
+    prompts = random_prompts_spanning(2, seed=6, min_len=10, max_len=50)
+    body = {"input": prompts, "task": "token_classify"}
+    if use_activation is not None:
+        body["use_activation"] = use_activation
+    reply = pool(base_url, body)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["object"] == "list" and answer["id"].startswith("pool-")
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    activation = torch.sigmoid if use_activation is None else (lambda logits: logits)
+    for index, (prompt, item) in enumerate(zip(prompts, answer["data"])):
+        assert (item["index"], item["object"]) == (index, "pooling")
+        torch.testing.assert_close(torch.tensor(item["data"]), activation(hf_token_logits(reward_dir, prompt)),
+                                   atol=TOLERANCE, rtol=0)
+    assert_async_engine_idle(engine)
+
+
+def test_pooling_route_defaults_to_the_models_task(reward_server, reward_dir):
+    prompt = random_prompts_spanning(1, seed=7, min_len=10, max_len=20)[0]
+    reply = pool(reward_server[0], {"input": prompt})
+    assert reply.status_code == 200, reply.text
+    torch.testing.assert_close(torch.tensor(reply.json()["data"][0]["data"]),
+                               hf_token_logits(reward_dir, prompt)[-1].sigmoid(), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"task": "embed"}, "task"),  # a classifier does not embed
+    ({"task": "token_embed"}, "task"),
+    ({"task": "token_classify", "normalize": True}, "normalize"),
+    ({"task": "token_classify", "truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
+])
+def test_pooling_route_refuses_what_the_model_or_task_does_not_serve(reward_server, body, param):
+    reply = pool(reward_server[0], {"input": [1, 2, 3], **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text
