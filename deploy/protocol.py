@@ -496,6 +496,9 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(_SamplingFields):
     # Set by /v1/responses, whose usage always reports cached tokens (OpenAI's does).
     _with_prompt_tokens_details: bool = PrivateAttr(default=False)
+    # Set by /v1/responses, whose output_text logprobs are the text's: the reasoning's tokens
+    # are left out of logprobs and token ids as under include_reasoning false, its text kept.
+    _hides_reasoning_tokens: bool = PrivateAttr(default=False)
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

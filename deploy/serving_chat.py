@@ -314,8 +314,9 @@ class OpenAIServingChat(OpenAIServing):
     def _hidden_tokens(self, request: ChatCompletionRequest, token_ids: list[int], in_reasoning: bool,
                        parser: ReasoningParser | None) -> int:
         """How many of a reply's first tokens are left out of its logprobs and token_ids: its
-        reasoning's (tags included) under `include_reasoning: false`, else none."""
-        if parser is None or request.include_reasoning:
+        reasoning's (tags included) under `include_reasoning: false` (or for /v1/responses),
+        else none."""
+        if parser is None or (request.include_reasoning and not request._hides_reasoning_tokens):
             return 0
         return parser.reasoning_token_span(list(token_ids), in_reasoning)[0]
 
@@ -388,7 +389,8 @@ class OpenAIServingChat(OpenAIServing):
         # Under include_reasoning false, per choice what leaves the reasoning's token ids and
         # logprobs out of its chunks.
         token_filters = {index: reasoning_parser.token_filter() for index in range(request.n)} \
-            if reasoning_parser is not None and in_reasoning and not request.include_reasoning else None
+            if reasoning_parser is not None and in_reasoning and \
+            (not request.include_reasoning or request._hides_reasoning_tokens) else None
         prompt_tokens = len(prompt_token_ids)
         as_ids = self.tokens_as_ids(request)
         # --enable-log-outputs: each choice's text and ids so far, logged whole when it finishes.

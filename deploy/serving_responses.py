@@ -10,9 +10,9 @@ limits and runs the engine request as for any chat request; its answer comes bac
 Responses output items: a `reasoning` item (under --reasoning-parser), a `message` item
 with `output_text`, and a `function_call` item per tool call. A reply cut by
 max_output_tokens is "incomplete". With `include: ["message.output_text.logprobs"]` the
-message's output_text carries the reply's logprobs (the chat route's, with `top_logprobs`
-alternatives each, bounded as chat's), as vLLM's does: the whole reply's tokens unstreamed,
-each text delta's own tokens streamed. Streamed, the chat chunks become OpenAI's event sequence
+message's output_text carries the logprobs of the reply's tokens but its reasoning's (the
+chat route's, with `top_logprobs` alternatives each, bounded as chat's; vLLM's unstreamed
+reply also lists the reasoning's), each text delta its own tokens' streamed. Streamed, the chat chunks become OpenAI's event sequence
 (response.created ... response.completed), each event with its `type` and `sequence_number`.
 
 Stateless, as vLLM by default (VLLM_ENABLE_RESPONSES_API_STORE unset): `store` is accepted
@@ -150,6 +150,7 @@ def chat_request_of(request: ResponsesRequest) -> ChatCompletionRequest:
         raise OpenAIError(f"{error.get('msg')} (at {'.'.join(str(p) for p in error.get('loc', ()))})",
                           param=_RESPONSES_PARAMS.get(param, param)) from None
     chat_request._with_prompt_tokens_details = True  # OpenAI's usage always has cached_tokens
+    chat_request._hides_reasoning_tokens = True  # output_text logprobs are the text's tokens
     return chat_request
 
 
@@ -287,10 +288,10 @@ class ResponseEventStream:
     output item opens (output_item.added, content_part.added), grows by deltas and closes
     (.done events) as the next one opens or the reply ends; then response.completed (or
     response.incomplete) carries the whole response, as the unstreamed route returns it.
-    Logprobs: a chunk's entries wait for the next text delta (a chunk held back by the tool
-    call or reasoning parsers has logprobs and no text yet); those of reasoning or tool call
-    deltas are dropped, and those left when the message closes (a last token with no text,
-    such as EOS) join its output_text only."""
+    Logprobs (the chat route leaves the reasoning's tokens out of them): a chunk's entries
+    wait for the next text delta (a chunk held back by the tool call parser has logprobs and
+    no text yet); those of tool call deltas are dropped, and those left when the message
+    closes (a last token with no text, such as EOS) join its output_text only."""
 
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int, model: str) -> None:
         self.request = request

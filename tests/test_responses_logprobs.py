@@ -163,3 +163,24 @@ def test_bad_logprobs_request_is_refused_naming_the_field(app, body, param):
 def test_no_kv_blocks_are_left_after_the_requests(engine, app):
     stream(app, input=QUESTION, include=INCLUDE, top_logprobs=20, max_output_tokens=3)
     assert_async_engine_idle(engine)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_message_logprobs_leave_the_reasoning_out(engine, model_dir, streamed):
+    """Under --reasoning-parser the reasoning's tokens (its tags included) go to the
+    reasoning item, which has no logprobs: the message's output_text logprobs are the chat
+    reply's last entries, the tokens that spell its text (and the EOS that ends it)."""
+    from transformers import AutoTokenizer
+
+    reasoning_app = build_app(engine, ServerArgs(reasoning_parser="qwen3"))
+    body = {"input": QUESTION, "include": INCLUDE, "top_logprobs": 1}
+    final = stream(reasoning_app, **body)[-1].response if streamed else respond(reasoning_app, **body)
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    part = final.output[1].content[0]
+    chat = post(reasoning_app, "/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTION}],
+                                                        "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    expected = chat.json()["choices"][0]["logprobs"]["content"]
+    texts = [entry.token for entry in part.logprobs]
+    eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token
+    assert part.text and "".join(texts) == part.text + eos
+    assert [entry.model_dump() for entry in part.logprobs] == expected[len(expected) - len(texts):]
