@@ -40,7 +40,8 @@ class PoolingModelRunner(ModelRunner):
     def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None,
                       defer_read: bool = False) -> SamplerOutput | None:
         """Runs one step of prompt chunks; rank 0 returns the pooled vectors of the requests
-        whose prompt ended in it (SamplerOutput.pooler_output), other ranks None."""
+        whose prompt ended in it, and the head's rows of every chunk of the requests that pool
+        every token (SamplerOutput.pooler_output), other ranks None."""
         if not req.requests:
             return SamplerOutput(pooler_output={}) if self.rank == 0 else None
         pooling_type = self.model_config.pooler_config.pooling_type
@@ -76,16 +77,4 @@ class PoolingModelRunner(ModelRunner):
         for (req_id, _, every_token), run in zip(segments, hidden_runs):
             if every_token:
                 pooler_output[req_id] = self.model.pooler_head(run.float()).cpu()
-        return SamplerOutput(pooler_output=pooler_output)
-        # Segments: a pooled request's rows (counts > 0) or an every-token request's (< 0).
-        segments = hidden_states.split([abs(count) for _, count in pooled])
-        vectors = [segment for segment, (_, count) in zip(segments, pooled) if count > 0]
-        if vectors:
-            heads = self.model.pooler_head(pool_rows(torch.cat(vectors), [len(v) for v in vectors])).cpu()
-            # One tensor each (a view would carry the whole batch's storage when pickled for Ray).
-            pooler_output.update((req_id, row.clone())
-                                 for (req_id, _), row in zip((p for p in pooled if p[1] > 0), heads))
-        for segment, (req_id, count) in zip(segments, pooled):
-            if count < 0:
-                pooler_output[req_id] = self.model.pooler_head(segment.float()).cpu()
         return SamplerOutput(pooler_output=pooler_output)
