@@ -258,9 +258,9 @@ class OpenAIServingResponses:
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         model_name = self.chat.check_model(request.model)
-        _check_stateless(request)
         # Bounded as chat's top_logprobs (the server's --max-logprobs), also when not used.
         self.chat.check_logprobs(SimpleNamespace(top_logprobs=request.top_logprobs))
+        _check_stateless(request)
         chat_request = chat_request_of(request)
         response_id, created_at = _item_id("resp"), int(time.time())
         try:
