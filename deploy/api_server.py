@@ -5,8 +5,9 @@
 deployment mounts the same app as its ingress.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (runner "pooling"),
-POST /classify, POST /score (/v1/score), POST /rerank (/v1/rerank, /v2/rerank) (classifiers,
-cross-encoders and embedding models), GET /v1/models, GET /health,
+POST /classify, POST /score (/v1/score), POST /rerank (/v1/rerank, /v2/rerank), POST /pooling
+(classifiers, cross-encoders and embedding models; /pooling's task token_classify is a
+reward model's per-token rewards), GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 POST /v1/responses (OpenAI's Responses API) runs through the chat route (deploy/serving_responses.py).
 
@@ -47,13 +48,14 @@ from raylm.deploy.response_budget import RETRY_AFTER_S, ResponseBudget, default_
 from raylm.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                    EmbeddingRequest,
                                    TokenizeRequest, TokenizeResponse)
-from raylm.deploy.protocol import ClassificationRequest, RerankRequest, ScoreRequest
+from raylm.deploy.protocol import ClassificationRequest, PoolingRequest, RerankRequest, ScoreRequest
 from raylm.deploy.reasoning_parsers import get_reasoning_parser
 from raylm.deploy.serving_chat import OpenAIServingChat, load_chat_template
 from raylm.deploy.request_logger import RequestLogger
 from raylm.deploy.server_args import ServerArgs
 from raylm.deploy.serving_completions import OpenAIServingCompletion
 from raylm.deploy.serving_classification import OpenAIServingClassification
+from raylm.deploy.serving_pooling_route import OpenAIServingPooling
 from raylm.deploy.serving_embedding import OpenAIServingEmbedding
 from raylm.deploy.serving_score import OpenAIServingScores
 from raylm.deploy.serving_engine import ClientDisconnected
@@ -246,6 +248,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     classification = OpenAIServingClassification(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                                  models=serving_models, response_budget=response_budget,
                                                  request_logger=request_logger)
+    pooling = OpenAIServingPooling(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
+                                   models=serving_models, response_budget=response_budget, request_logger=request_logger)
     scores = OpenAIServingScores(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                  models=serving_models, response_budget=response_budget, request_logger=request_logger)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
@@ -327,6 +331,10 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     @app.post("/classify")
     async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
         return await classification.create_classify(request, raw_request)
+
+    @app.post("/pooling")
+    async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+        return await pooling.create_pooling(request, raw_request)
 
     @app.post("/score")
     @app.post("/v1/score")

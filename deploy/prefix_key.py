@@ -8,7 +8,10 @@ router remembers sending it are one kind of thing: a hash in a request's key nam
 prefix up to that block.
 
 Computing them takes the prompt's token ids, so the router's ingress tokenizes as the
-replica will (the chat template rendered the same way, from the same messages and tools).
+replica will (the chat template rendered the same way, from the same messages and tools,
+each message's content in the form the template reads: --chat-template-content-format, or
+the one "auto" detects, so that a string and the same text as a list of parts key as the
+prompt they render).
 That costs more than hashing the prompt's characters in chunks, as Ray Serve LLM's and
 SGLang's routers do, but it is what lets the replicas' own reports, evictions included,
 be read without a second tree of guesses; `cluster/benchmarks/bench_prefix_routing.py`
@@ -106,11 +109,14 @@ def adapter_key_of(model: Any, base_model_names: frozenset[str] | None) -> bytes
 class PrefixKeyer:
     """Turns a completions or chat request body into its `PrefixKey`, with the tokenizer
     and chat template the replicas use. `base_model_names`: with LoRA on, the names that
-    mean the base model (any other `model` is an adapter's); None with LoRA off."""
+    mean the base model (any other `model` is an adapter's); None with LoRA off.
+    `chat_template_content_format`: the replicas' --chat-template-content-format."""
 
     def __init__(self, tokenizer: Any, block_size: int, max_blocks: int, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False, base_model_names: list[str] | None = None) -> None:
+                 trust_request_chat_template: bool = False, base_model_names: list[str] | None = None,
+                 chat_template_content_format: str = "auto") -> None:
         self.tokenizer = tokenizer
+        self.chat_template_content_format = chat_template_content_format
         self.base_model_names = None if base_model_names is None else frozenset(base_model_names)
         self.block_size = block_size
         self.max_blocks = max_blocks
@@ -169,7 +175,7 @@ class PrefixKeyer:
 
     def _chat_key(self, body: dict[str, Any]) -> PrefixKey | None:
         from raylm.deploy.protocol import ChatCompletionToolsParam, ChatMessage
-        from raylm.deploy.serving_chat import template_message
+        from raylm.deploy.serving_chat import resolve_content_format, template_message
         from raylm.deploy.tool_calls import template_tools
 
         if self.tokenizer is None or body.get("truncate_prompt_tokens") is not None:
@@ -182,16 +188,17 @@ class PrefixKeyer:
             return None  # past the default limits (the replica refuses it): not rendered on the key thread
         template_kwargs = body.get("chat_template_kwargs") or {}
         self._limits.check_chat_template(None, template_kwargs)  # past the default limits: no key
-        conversation = [template_message(ChatMessage.model_validate(m)) for m in body["messages"]]
         # As OpenAIServingChat.render does, with the request's own switches; the tools go
         # into the template (whatever tool_choice says), so they are part of the prefix.
         variables = {**self.tokenizer.special_tokens_map, **template_kwargs}
         if body.get("tools"):
             variables["tools"] = template_tools([ChatCompletionToolsParam.model_validate(tool)
                                                  for tool in body["tools"]])
+        template = self.tokenizer.get_chat_template(self.chat_template, variables.get("tools"))
+        content_format = resolve_content_format(self.chat_template_content_format, template)
+        conversation = [template_message(ChatMessage.model_validate(m), content_format) for m in body["messages"]]
         # Only the first max_blocks blocks are keyed: the render stops past their characters.
-        text = self._renderer.render(self.tokenizer.get_chat_template(self.chat_template, variables.get("tools")),
-                                     conversation, bool(body.get("add_generation_prompt", True)),
+        text = self._renderer.render(template, conversation, bool(body.get("add_generation_prompt", True)),
                                      bool(body.get("continue_final_message", False)), variables,
                                      prefix_chars=self._max_chars + 1)
         return self._key(self._tokenize(text, bool(body.get("add_special_tokens", False))), body.get("cache_salt"),

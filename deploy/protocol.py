@@ -496,6 +496,9 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(_SamplingFields):
     # Set by /v1/responses, whose usage always reports cached tokens (OpenAI's does).
     _with_prompt_tokens_details: bool = PrivateAttr(default=False)
+    # Set by /v1/responses, whose output_text logprobs are the text's: the reasoning's tokens
+    # are left out of logprobs and token ids as under include_reasoning false, its text kept.
+    _hides_reasoning_tokens: bool = PrivateAttr(default=False)
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -731,6 +734,33 @@ class ClassificationResponse(OpenAIBaseModel):
     created: int
     model: str
     data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class PoolingRequest(_PoolingFields, _PoolingInputs):
+    """`POST /pooling` (vLLM's): each input's pooling output for `task` (None: the model's
+    own): "embed", "classify", or "token_classify" (every token's, what LLM.reward returns)."""
+
+    task: Literal["embed", "classify", "token_classify"] | None = None
+    add_special_tokens: StrictBool = True
+    encoding_format: Literal["float"] = "float"
+    dimensions: StrictInt | None = None
+    normalize: StrictBool | None = None
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "pooling"
+    # A vector (embed, classify), or a list of them, one per prompt token (token_classify).
+    data: list[list[float]] | list[float]
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingResponseData]
     usage: UsageInfo
 
 

@@ -23,6 +23,14 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 
+# OpenAI's `include` values (ResponseIncludable). raylm serves the output text's logprobs;
+# the others name what it has no part of (stored items, built-in tools), and add nothing.
+INCLUDABLE = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+
+
 # The fields whose default a null stands for (the others take null as their value).
 _DEFAULTED_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "stream", "store", "background",
                                "truncation", "priority"})
@@ -164,6 +172,10 @@ class ResponsesRequest(OpenAIRequest):
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
+    # Per output token, its logprob and those of the `top_logprobs` likeliest tokens, when
+    # `include` names "message.output_text.logprobs" (as vLLM: top_logprobs alone adds nothing).
+    top_logprobs: StrictInt | None = Field(default=None, ge=0)
+    include: list[INCLUDABLE] | None = None
     tools: list[FunctionToolParam] = Field(default_factory=list)
     tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice = "auto"
     parallel_tool_calls: StrictBool = True
@@ -215,6 +227,9 @@ class ResponsesRequest(OpenAIRequest):
                     raise ValueError(f"input[{index}].{field}[{part_index}] needs an image_url (a base64 data URL): "
                                      f"file_id refers to stored files, which this server does not keep.")
         return value
+
+    def includes_output_logprobs(self) -> bool:
+        return OUTPUT_TEXT_LOGPROBS in (self.include or ())
 
     @field_validator("metadata")
     @classmethod

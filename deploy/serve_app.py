@@ -197,7 +197,8 @@ def keyer_arguments(engine_args: EngineArgs, server_args: ServerArgs, deployment
                 tokenizer_mode=engine_args.tokenizer_mode, block_size=engine_args.block_size,
                 max_blocks=deployment.router_max_key_blocks, chat_template=server_args.chat_template,
                 trust_request_chat_template=server_args.trust_request_chat_template,
-                base_model_names=_base_model_names(engine_args, server_args))
+                base_model_names=_base_model_names(engine_args, server_args),
+                chat_template_content_format=server_args.chat_template_content_format)
 
 
 def _base_model_names(engine_args: EngineArgs, server_args: ServerArgs) -> list[str] | None:

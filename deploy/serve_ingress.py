@@ -252,7 +252,8 @@ class _AsgiApp:
 
 def _build_keyer(tokenizer: str | None, trust_remote_code: bool, revision: str | None, tokenizer_mode: str,
                  block_size: int, max_blocks: int, chat_template: str | None,
-                 trust_request_chat_template: bool, base_model_names: list[str] | None = None) -> PrefixKeyer:
+                 trust_request_chat_template: bool, base_model_names: list[str] | None = None,
+                 chat_template_content_format: str = "auto") -> PrefixKeyer:
     """The keyer, with the replicas' tokenizer (None: token-id prompts only) and chat
     template (--chat-template read as the replicas read it: a file's contents, or the text)."""
     from raylm.deploy.serving_chat import load_chat_template
@@ -263,7 +264,7 @@ def _build_keyer(tokenizer: str | None, trust_remote_code: bool, revision: str |
 
         loaded = get_tokenizer(tokenizer, trust_remote_code, revision, tokenizer_mode)
     return PrefixKeyer(loaded, block_size, max_blocks, load_chat_template(chat_template),
-                       trust_request_chat_template, base_model_names)
+                       trust_request_chat_template, base_model_names, chat_template_content_format)
 
 
 async def _lifespan(receive: Any, send: Any) -> None:

@@ -135,9 +135,7 @@ class OpenAIServingChat(OpenAIServing):
             template = self.tokenizer.get_chat_template(template, variables.get("tools"))
         except ValueError as exc:  # a template name the tokenizer does not have
             raise OpenAIError(str(exc), param="chat_template") from None
-        content_format = self.chat_template_content_format
-        if content_format == "auto":
-            content_format = _detected_content_format(template)
+        content_format = resolve_content_format(self.chat_template_content_format, template)
         try:
             conversation = [template_message(m, content_format, self.image_placeholder) for m in messages]
         except ValueError as exc:
@@ -319,8 +317,9 @@ class OpenAIServingChat(OpenAIServing):
     def _hidden_tokens(self, request: ChatCompletionRequest, token_ids: list[int], in_reasoning: bool,
                        parser: ReasoningParser | None) -> int:
         """How many of a reply's first tokens are left out of its logprobs and token_ids: its
-        reasoning's (tags included) under `include_reasoning: false`, else none."""
-        if parser is None or request.include_reasoning:
+        reasoning's (tags included) under `include_reasoning: false` (or for /v1/responses),
+        else none."""
+        if parser is None or (request.include_reasoning and not request._hides_reasoning_tokens):
             return 0
         return parser.reasoning_token_span(list(token_ids), in_reasoning)[0]
 
@@ -393,7 +392,8 @@ class OpenAIServingChat(OpenAIServing):
         # Under include_reasoning false, per choice what leaves the reasoning's token ids and
         # logprobs out of its chunks.
         token_filters = {index: reasoning_parser.token_filter() for index in range(request.n)} \
-            if reasoning_parser is not None and in_reasoning and not request.include_reasoning else None
+            if reasoning_parser is not None and in_reasoning and \
+            (not request.include_reasoning or request._hides_reasoning_tokens) else None
         prompt_tokens = len(prompt_token_ids)
         as_ids = self.tokens_as_ids(request)
         # --enable-log-outputs: each choice's text and ids so far, logged whole when it finishes.
@@ -517,6 +517,12 @@ def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | N
 @functools.lru_cache(maxsize=64)
 def _detected_content_format(template: str) -> str:
     return detect_content_format(template)
+
+
+def resolve_content_format(content_format: str, template: str) -> str:
+    """--chat-template-content-format for `template`: "string" or "openai" as set, or the
+    one "auto" detects in the template (how `template_message` hands it the content)."""
+    return _detected_content_format(template) if content_format == "auto" else content_format
 
 
 def template_message(message: ChatMessage, content_format: str = "string",

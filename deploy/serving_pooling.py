@@ -1,5 +1,5 @@
 """`PoolingServing`: what the routes of a pooling engine share (/v1/embeddings, /classify,
-/score, /rerank): the model-kind check, bounds on inputs before they are tokenized, the
+/score, /rerank, /pooling): the model-kind check, bounds on inputs before they are tokenized, the
 checks on token ids, and running a batch of pooling requests to their outputs.
 
 Every size a request can ask for is bounded before anything is allocated: the number of
@@ -21,7 +21,7 @@ from raylm.engine.pooling_params import PoolingParams
 
 # What each pooling task's routes are called in messages.
 _TASK_APIS = {"embed": "Embeddings API (/v1/embeddings)", "classify": "Classification API (/classify)",
-              "score": "Score API (/score, /rerank)"}
+              "score": "Score API (/score, /rerank)", "token_classify": "Pooling API (/pooling)"}
 
 
 class PoolingServing(OpenAIServing):

@@ -9,7 +9,10 @@ max_completion_tokens, function tools and `tool_choice` in chat's nested shape, 
 limits and runs the engine request as for any chat request; its answer comes back as
 Responses output items: a `reasoning` item (under --reasoning-parser), a `message` item
 with `output_text`, and a `function_call` item per tool call. A reply cut by
-max_output_tokens is "incomplete". Streamed, the chat chunks become OpenAI's event sequence
+max_output_tokens is "incomplete". With `include: ["message.output_text.logprobs"]` the
+message's output_text carries the logprobs of the reply's tokens but its reasoning's (the
+chat route's, with `top_logprobs` alternatives each, bounded as chat's; vLLM's unstreamed
+reply also lists the reasoning's), each text delta its own tokens' streamed. Streamed, the chat chunks become OpenAI's event sequence
 (response.created ... response.completed), each event with its `type` and `sequence_number`.
 
 Stateless, as vLLM by default (VLLM_ENABLE_RESPONSES_API_STORE unset): `store` is accepted
@@ -25,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import Request
@@ -126,6 +130,8 @@ def chat_request_of(request: ResponsesRequest, image_params: dict[str, str] | No
         "max_completion_tokens": request.max_output_tokens, "user": request.user,
         "priority": request.priority, "cache_salt": request.cache_salt,
     }
+    if request.includes_output_logprobs():
+        fields.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     if request.stream:
         fields["stream_options"] = {"include_usage": True}  # the usage of response.completed
     if request.tools:
@@ -157,6 +163,7 @@ def chat_request_of(request: ResponsesRequest, image_params: dict[str, str] | No
         raise OpenAIError(f"{error.get('msg')} (at {'.'.join(str(p) for p in error.get('loc', ()))})",
                           param=_RESPONSES_PARAMS.get(param, param)) from None
     chat_request._with_prompt_tokens_details = True  # OpenAI's usage always has cached_tokens
+    chat_request._hides_reasoning_tokens = True  # output_text logprobs are the text's tokens
     return chat_request
 
 
@@ -175,13 +182,21 @@ def _check_stateless(request: ResponsesRequest) -> None:
 
 
 # ------------------------------------------------------------------ response
-def _message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+def _message_item(text: str, status: str, item_id: str | None = None,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": item_id or _item_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [_output_text(text)]}
+            "content": [_output_text(text, logprobs)]}
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _delta_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat's logprob entries in the shape of a text event's (OpenAI's has no bytes there)."""
+    return [{"token": entry["token"], "logprob": entry["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]]}
+            for entry in entries]
 
 
 def _reasoning_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
@@ -195,15 +210,17 @@ def _function_call_item(call_id: str, name: str, arguments: str, status: str,
             "arguments": arguments, "status": status}
 
 
-def output_items(message: ChatResponseMessage, cut_by_max_tokens: bool) -> list[dict[str, Any]]:
+def output_items(message: ChatResponseMessage, cut_by_max_tokens: bool,
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """A chat reply as output items, in the order the model wrote them: its reasoning, its
-    text (also when the reply is empty, so that there is always an item), its calls. The
-    last is "incomplete" when max_output_tokens cut the reply."""
+    text (also when the reply is empty, so that there is always an item; with the reply's
+    `logprobs`, OpenAI's shape of chat's entries), its calls. The last is "incomplete" when
+    max_output_tokens cut the reply."""
     items = []
     if message.reasoning:
         items.append(_reasoning_item(message.reasoning, "completed"))
     if message.content or not (items or message.tool_calls):
-        items.append(_message_item(message.content or "", "completed"))
+        items.append(_message_item(message.content or "", "completed", logprobs=logprobs))
     for call in message.tool_calls:
         function = call["function"]
         items.append(_function_call_item(call["id"], function["name"], function["arguments"], "completed"))
@@ -237,6 +254,7 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: int
         "output": output, "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": None,
         "reasoning": request.reasoning.model_dump() if request.reasoning is not None else None,
         "store": False, "background": False, "temperature": request.temperature, "top_p": request.top_p,
+        "top_logprobs": request.top_logprobs,
         "text": {"format": request.text.format.model_dump(by_alias=True, exclude_none=True)}
         if request.text is not None and request.text.format is not None else {"format": {"type": "text"}},
         "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
@@ -253,6 +271,8 @@ class OpenAIServingResponses:
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         model_name = self.chat.check_model(request.model)
+        # Bounded as chat's top_logprobs (the server's --max-logprobs), also when not used.
+        self.chat.check_logprobs(SimpleNamespace(top_logprobs=request.top_logprobs))
         _check_stateless(request)
         image_params: dict[str, str] = {}
         chat_request = chat_request_of(request, image_params)
@@ -269,7 +289,9 @@ class OpenAIServingResponses:
         chat = ChatCompletionResponse.model_validate_json(answer.body)
         (choice,) = chat.choices
         cut_by_max_tokens = choice.finish_reason == "length"
-        output = output_items(choice.message, cut_by_max_tokens)
+        logprobs = [entry.model_dump() for entry in choice.logprobs.content or ()] \
+            if choice.logprobs is not None else None
+        output = output_items(choice.message, cut_by_max_tokens, logprobs)
         body = response_object(request, response_id, created_at, chat.model, output,
                                "incomplete" if cut_by_max_tokens else "completed", _usage(chat.usage))
         return JSONResponse(body)
@@ -279,7 +301,11 @@ class ResponseEventStream:
     """Turns a streamed chat reply (its SSE chunks) into the Responses API's events: each
     output item opens (output_item.added, content_part.added), grows by deltas and closes
     (.done events) as the next one opens or the reply ends; then response.completed (or
-    response.incomplete) carries the whole response, as the unstreamed route returns it."""
+    response.incomplete) carries the whole response, as the unstreamed route returns it.
+    Logprobs (the chat route leaves the reasoning's tokens out of them): a chunk's entries
+    wait for the next text delta (a chunk held back by the tool call parser has logprobs and
+    no text yet); those of tool call deltas are dropped, and those left when the message
+    closes (a last token with no text, such as EOS) join its output_text only."""
 
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int, model: str) -> None:
         self.request = request
@@ -290,6 +316,8 @@ class ResponseEventStream:
         self.closed_items: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open output item, and its text so far
         self.item_text = ""
+        self.item_logprobs: list[dict[str, Any]] = []  # the open message's, and those awaiting text
+        self.pending_logprobs: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -317,6 +345,7 @@ class ResponseEventStream:
                 usage = body.get("usage") or usage
                 for choice in body.get("choices") or ():
                     delta = choice.get("delta") or {}
+                    self.pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
                     for event in self._delta(delta):
                         yield event
                     finish_reason = choice.get("finish_reason") or finish_reason
@@ -339,10 +368,17 @@ class ResponseEventStream:
             if self.item is None or self.item["type"] != "reasoning":
                 events += self._close("completed") + self._open("reasoning")
             events += self._text_delta("response.reasoning_text.delta", delta["reasoning"])
+            if not delta.get("content"):
+                self.pending_logprobs = []
         if delta.get("content"):
             if self.item is None or self.item["type"] != "message":
                 events += self._close("completed") + self._open("message")
-            events += self._text_delta("response.output_text.delta", delta["content"], logprobs=[])
+            logprobs, self.pending_logprobs = self.pending_logprobs, []
+            self.item_logprobs += logprobs
+            events += self._text_delta("response.output_text.delta", delta["content"],
+                                       logprobs=_delta_logprobs(logprobs))
+        if delta.get("tool_calls"):
+            self.pending_logprobs = []
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             if "id" in call:  # a new call: its id and name come first
@@ -390,12 +426,14 @@ class ResponseEventStream:
                       self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                                  part=closed["content"][0])]
         else:
-            closed = _message_item(text, status, item_id)
+            logprobs, self.pending_logprobs = self.item_logprobs + self.pending_logprobs, []
+            closed = _message_item(text, status, item_id, logprobs)
             events = [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                                 text=text, logprobs=[]),
+                                 text=text, logprobs=_delta_logprobs(logprobs)),
                       self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                                  part=closed["content"][0])]
         events.append(self.event("response.output_item.done", output_index=index, item=closed))
         self.closed_items.append(closed)
         self.item, self.item_text = None, ""
+        self.item_logprobs = []
         return events

@@ -271,10 +271,12 @@ class ModelConfig:
     @property
     def supported_pooling_tasks(self) -> tuple[str, ...]:
         """The pooling tasks requests may ask of this model (vLLM's): an embedding model
-        "embed"s; a classifier "classify"s, and with one label (a cross-encoder) "score"s."""
+        "embed"s; a classifier "classify"s and "token_classify"s (its head at every token:
+        LLM.reward), and with one label (a cross-encoder) "score"s."""
         task = self.pooling_task
         if task == "classify":
-            return ("classify", "score") if getattr(self.hf_config, "num_labels", 0) == 1 else ("classify",)
+            return ("classify", "token_classify", "score") if getattr(self.hf_config, "num_labels", 0) == 1 \
+                else ("classify", "token_classify")
         return () if task is None else ("embed",)
 
     @property

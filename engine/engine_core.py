@@ -288,12 +288,15 @@ class EngineCore:
                                     sampler_output: SamplerOutput) -> list[EngineCoreOutput]:
         """A pooling engine's step: each request whose prompt ended in it gets its pooled
         vector and finishes ("stop"); its blocks go back to the pool (full ones stay cached
-        for later prompts with the same prefix). Earlier chunks produce nothing."""
+        for later prompts with the same prefix). Earlier chunks produce nothing, but those
+        of a request that pools every token, whose rows are kept until its last chunk."""
         pooled = sampler_output.pooler_output or {}
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         finished_while_preempted = False
         for request, scheduled in zip(scheduler_output.scheduled, scheduler_output.step.requests):
+            if scheduled.pools_every_token and not request.is_finished:
+                _keep_token_rows(request, scheduled.num_computed_tokens, pooled[request.worker_id])
             if not scheduled.do_sample:
                 continue  # a prompt chunk short of the prompt's end
             request.num_output_placeholders -= 1
@@ -302,9 +305,9 @@ class EngineCore:
             finished_while_preempted |= request.status == RequestStatus.PREEMPTED
             request.status = RequestStatus.FINISHED_STOPPED
             finished.append(request)
+            output = _token_rows(request) if scheduled.pools_every_token else pooled[request.worker_id]
             outputs.append(EngineCoreOutput(request.request_id, [], [], finish_reason="stop",
-                                            num_cached_tokens=request.num_cached_tokens,
-                                            pooling_output=pooled[request.worker_id]))
+                                            num_cached_tokens=request.num_cached_tokens, pooling_output=output))
         self.scheduler.free_finished(finished, preempted=finished_while_preempted)
         return outputs
 
@@ -495,3 +498,20 @@ def _executor_class(engine_config: EngineConfig) -> type:
     from raylm.executors.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor
+
+
+def _keep_token_rows(request: Request, start: int, rows: Any) -> None:
+    """Keeps a chunk's rows (those of positions start ...) of a request that pools every
+    token, in place of any kept from there on (its chunks computed again after a preemption)."""
+    request.pooled_token_rows = [kept for kept in request.pooled_token_rows if kept[0] < start]
+    request.pooled_token_rows.append((start, rows))
+
+
+def _token_rows(request: Request) -> Any:
+    """The rows of every prompt token of a request that pools every token, in order."""
+    import torch
+
+    rows = torch.cat([chunk for _, chunk in request.pooled_token_rows])
+    request.pooled_token_rows = []
+    assert len(rows) == request.num_prompt_tokens, (len(rows), request.num_prompt_tokens)
+    return rows

@@ -61,14 +61,15 @@ class KVCacheManager:
 
         At least one token is always left to compute: its logits are what the step samples
         from. Requests that want prompt logprobs they have not received yet skip the cache,
-        since cached tokens produce no logits.
+        since cached tokens produce no logits, and so do pooling requests that pool every
+        token (token_classify), since cached tokens have no hidden states.
 
         With a sliding window on every layer, a hit of k blocks needs only the blocks that
         the window of token k * block_size reaches (vLLM's sliding-window lookup): the longest
         such hit is taken even where earlier blocks were evicted, and `null_block` stands in
         for the blocks before its window (`allocate_slots` never takes those).
         """
-        if not self.enable_caching or _needs_prompt_logprobs(request):
+        if not self.enable_caching or _needs_prompt_logprobs(request) or _pools_every_token(request):
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -99,7 +100,7 @@ class KVCacheManager:
     def record_admission(self, request: Request, num_computed_tokens: int) -> None:
         """Counts a lookup that led to admission (a request that waits and looks again
         next step is counted once, when it gets in)."""
-        if self.enable_caching and not _needs_prompt_logprobs(request):
+        if self.enable_caching and not (_needs_prompt_logprobs(request) or _pools_every_token(request)):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed_tokens
 
@@ -317,6 +318,10 @@ def _mm_extra_key(request: Request, start: int, end: int) -> bytes:
         return b""
     identifiers = [feature.identifier for feature in request.mm_features if feature.overlap(start, end) is not None]
     return b"\xfe" + hashlib.sha256(b"".join(identifiers)).digest() if identifiers else b""
+
+
+def _pools_every_token(request: Request) -> bool:
+    return request.pooling_params is not None and request.pooling_params.pools_every_token
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

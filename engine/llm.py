@@ -128,6 +128,20 @@ class LLM:
         return [ClassificationRequestOutput.from_base(output)
                 for output in self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)]
 
+    def reward(self, prompts: PromptType | SequenceABC[PromptType], /, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True, pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None
+               ) -> list[PoolingRequestOutput]:
+        """Every token's reward of each prompt, in prompt order (vLLM's LLM.reward: the
+        pooling task "token_classify"): `outputs.data` is a [num_prompt_tokens, num_labels]
+        tensor, the classifier's head at each position through its activation (sigmoid for
+        one label, softmax over two or more; PoolingParams(use_activation=False) keeps the
+        logits). The last row is what LLM.classify returns. Needs a sequence classifier
+        (`*ForSequenceClassification`, as reward models such as Skywork-Reward are). Such a
+        prompt is computed whole: its cached prefix is not read. prompts and the rest as in
+        `embed`."""
+        params_list = self._pooling_params_list(prompts, pooling_params, truncate_prompt_tokens, "token_classify")
+        return self._run_pooling(_as_prompt_list(prompts), params_list, use_tqdm)
+
     def score(self, data_1: PromptType | SequenceABC[PromptType], data_2: PromptType | SequenceABC[PromptType], /,
               *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
@@ -180,8 +194,9 @@ class LLM:
             raise ValueError(f"Score API is only enabled for num_labels == 1 (this classifier has "
                              f"{model_config.hf_config.num_labels} labels); LLM.classify serves it.")
         if task not in supported:
-            serving = " and ".join(f"LLM.{t}" for t in supported)
-            raise ValueError(f"LLM.{task} needs a model that serves the pooling task {task!r}; this "
+            method = "reward" if task == "token_classify" else task
+            serving = " and ".join(f"LLM.{'reward' if t == 'token_classify' else t}" for t in supported)
+            raise ValueError(f"LLM.{method} needs a model that serves the pooling task {task!r}; this "
                              f"one serves {serving}.")
         return task
 

@@ -67,6 +67,8 @@ def cross_encoder_activation_name(hf_config: Any) -> str:
 
 
 def pooling_activations(hf_config: Any) -> dict[str, Callable[[Any], Any]]:
-    """Task -> the activation its logits go through, for a classifier of `hf_config`."""
-    return {"classify": _ACTIVATIONS[classification_activation_name(hf_config)],
+    """Task -> the activation its logits go through, for a classifier of `hf_config`
+    (token_classify: classify's, over each token's labels, as vLLM's token classifier head)."""
+    classify = _ACTIVATIONS[classification_activation_name(hf_config)]
+    return {"classify": classify, "token_classify": classify,
             "score": _ACTIVATIONS[cross_encoder_activation_name(hf_config)]}

@@ -5,6 +5,10 @@ A pooling engine (`runner="pooling"`) runs each prompt as one prefill, pools its
 hidden states (`PoolerConfig.pooling_type`) and returns one vector; nothing is sampled.
 The vector is an embedding (task "embed") or, for a sequence classifier, its head's logits
 put through the model's activation (tasks "classify" and "score", engine/pooling_activation.py).
+Task "token_classify" (vLLM's, what `LLM.reward` runs) pools every prompt token instead: the
+classifier's head at each position, a [num_tokens, num_labels] tensor through the same
+activation; such a prompt is computed whole (its cached prefix is not read: cached tokens
+have no hidden states).
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ if TYPE_CHECKING:  # raylm.engine (and so engine/envs.py) imports this module wi
     import torch
 
 # vLLM's pooling tasks that raylm serves: an embedding model "embed"s; a sequence
-# classifier "classify"s, and with one label also "score"s (a cross-encoder).
-POOLING_TASKS = ("embed", "classify", "score")
+# classifier "classify"s and "token_classify"s (every token's head output: LLM.reward), and
+# with one label also "score"s (a cross-encoder).
+POOLING_TASKS = ("embed", "classify", "score", "token_classify")
+# The tasks that pool every prompt token rather than one vector per prompt.
+TOKEN_POOLING_TASKS = ("token_classify",)
 # The fields each task reads (vLLM's valid_parameters); another one set is an error.
 _TASK_FIELDS = {"embed": ("dimensions", "normalize"), "classify": ("use_activation",),
-                "score": ("use_activation",)}
+                "score": ("use_activation",), "token_classify": ("use_activation",)}
 
 
 @dataclass
@@ -42,12 +49,12 @@ class PoolingParams:
             `matryoshka_dimensions`); None keeps them all.
         normalize: L2-normalize the embedding; None takes the engine's
             `PoolerConfig.normalize` (True by default).
-        use_activation: classification and scoring: put the head's logits through the
-            model's activation (softmax over the labels, sigmoid for one label; vLLM's
+        use_activation: classification, token classification and scoring: put the head's
+            logits through the model's activation (softmax over the labels, sigmoid for one label; vLLM's
             rules, engine/pooling_activation.py); None means True. False returns the logits.
-        task: "embed", "classify" or "score" (vLLM's pooling task); None takes the model's
-            own ("embed" for an embedding model, "classify" for a classifier). Set by
-            `LLM.embed`, `LLM.classify` and `LLM.score`.
+        task: "embed", "classify", "score" or "token_classify" (vLLM's pooling task); None
+            takes the model's own ("embed" for an embedding model, "classify" for a
+            classifier). Set by `LLM.embed`, `LLM.classify`, `LLM.score` and `LLM.reward`.
     """
 
     truncate_prompt_tokens: int | None = None
@@ -70,6 +77,11 @@ class PoolingParams:
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ParameterError(f"task must be one of {', '.join(POOLING_TASKS)} or None, got {self.task!r}.",
                                  "task")
+
+    @property
+    def pools_every_token(self) -> bool:
+        """Whether the request's result has a row per prompt token (token_classify)."""
+        return self.task in TOKEN_POOLING_TASKS
 
     def clone(self) -> "PoolingParams":
         return copy.copy(self)
@@ -113,8 +125,9 @@ class PoolingParams:
               activations: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> torch.Tensor:
         """The request's result from its pooled vector (fp32). An embedding is cut to
         `dimensions`, then L2-normalized unless asked not to be; a classifier's logits go
-        through its task's activation (`activations[task]`) unless use_activation is False."""
-        if self.task in ("classify", "score"):
+        through its task's activation (`activations[task]`, over the labels of each row of a
+        token_classify result) unless use_activation is False."""
+        if self.task in ("classify", "score", "token_classify"):
             if self.use_activation is False or activations is None:
                 return pooled
             return activations[self.task](pooled)

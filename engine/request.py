@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raylm.engine.lora_request import LoRARequest
 from raylm.engine.sampling_params import ParameterError, SamplingParams
@@ -140,6 +140,9 @@ class Request:
     # sampled. Its sampling_params are then the engine's one-step stand-in (max_tokens=1),
     # which ends its scheduling once its last chunk is in flight.
     pooling_params: PoolingParams | None = None
+    # A pooling request that pools every token: the head's rows of its chunks so far, each
+    # with the position it starts at (a chunk computed again after a preemption replaces them).
+    pooled_token_rows: list[tuple[int, Any]] = field(default_factory=list)
     # The images of a multi-modal prompt, in the order of their placeholder tokens (their
     # content hashes go into the hashes of the blocks that hold those tokens).
     mm_features: list[MultiModalFeature] = field(default_factory=list)

@@ -429,6 +429,8 @@ class Scheduler:
             request.num_output_placeholders += 1
         if request.resumed and request.mm_features:
             scheduled.mm_features = request.mm_features
+        if request.pooling_params is not None and request.pooling_params.pools_every_token:
+            scheduled.pools_every_token = True
         if request.resumed and start and needs_token_history(params):
             scheduled.context_token_ids = request.all_token_ids[:start]
         if params.prompt_logprobs is not None:

@@ -70,6 +70,9 @@ class ScheduledRequest:
     # first step since it was (re)admitted, like sampling_params; the workers keep them and
     # compute each image's embeddings once, when a chunk first reaches its placeholders.
     mm_features: list[MultiModalFeature] | None = None
+    # A pooling request that pools every prompt token (token_classify): the workers return
+    # the head's output at each row of every chunk, not one pooled vector at the prompt's end.
+    pools_every_token: bool = False
 
 
 @dataclass

@@ -26,6 +26,7 @@ from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.encoder_cache import EncoderCache, profile_num_images
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
+from raylm.executors.allowed_token_masks import AllowedTokenMasks
 from raylm.executors.penalty_state import PenaltyState
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
@@ -122,6 +123,8 @@ class ModelRunner:
         self.penalty_state: PenaltyState | None = None
         # Each running request's sampling parameters, sent once per admission (step.py).
         self._sampling_params: dict[int, SamplingParams] = {}
+        # The sampling worker: running requests' allowed_token_ids on the device, as masks.
+        self.allowed_token_masks = AllowedTokenMasks(self.device) if rank == 0 else None
         # Rank 0: each running request's last sampled token; with async scheduling the next
         # step arrives before the driver has seen it, as a placeholder (step.py).
         self._last_sampled: dict[int, int] = {}
@@ -446,6 +449,8 @@ class ModelRunner:
             self.staging = None
         self._states.clear()
         self.penalty_state = None
+        if self.allowed_token_masks is not None:
+            self.allowed_token_masks.clear()
         self._sampling_params.clear()
         self._last_sampled.clear()
         self._pending_samples.clear()
@@ -569,6 +574,9 @@ class ModelRunner:
             # Preempted ones are given a fresh row when readmitted (`PenaltyState.update`).
             self.penalty_state.release(req.finished_req_ids)
             self.penalty_state.release(req.preempted_req_ids)
+        if self.allowed_token_masks is not None:
+            self.allowed_token_masks.release(req.finished_req_ids)
+            self.allowed_token_masks.release(req.preempted_req_ids)
         if self.draft_runner is not None:
             self.draft_runner.finish(req.finished_req_ids)
         self.encoder_cache.release(req.finished_req_ids)
@@ -954,7 +962,8 @@ class ModelRunner:
             histories.append(history)
             history_lens.append(history.num_tokens if history is not None else 0)
             generators.append(state.generator if seeded else None)
-        metadata = SamplingMetadata(req_ids, params_list, histories, history_lens, generators)
+        metadata = SamplingMetadata(req_ids, params_list, histories, history_lens, generators,
+                                    allowed_token_masks=self.allowed_token_masks)
         state = self.penalty_state
         if state is not None:
             metadata.penalty_state = state

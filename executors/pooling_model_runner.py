@@ -9,7 +9,8 @@ returns each finished prompt's pooled vector, float32 on the CPU (through the mo
 nothing is kept per request between steps. The model is the causal LM without its LM head
 (models/adapters.py), so no logits are computed, not even when profiling. Under tensor parallelism the final norm's
 output is whole on every rank (the last row-parallel layer all-reduces), so rank 0 pools
-alone.
+alone. A request that pools every token (token_classify, `LLM.reward`) gets the head's
+output at each row of each of its chunks; the engine core joins them.
 """
 
 from __future__ import annotations
@@ -39,29 +40,41 @@ class PoolingModelRunner(ModelRunner):
     def execute_model(self, req: ExecuteModelRequest, intermediate_tensors: IntermediateTensors | None = None,
                       defer_read: bool = False) -> SamplerOutput | None:
         """Runs one step of prompt chunks; rank 0 returns the pooled vectors of the requests
-        whose prompt ended in it (SamplerOutput.pooler_output), other ranks None."""
+        whose prompt ended in it, and the head's rows of every chunk of the requests that pool
+        every token (SamplerOutput.pooler_output), other ranks None."""
         if not req.requests:
             return SamplerOutput(pooler_output={}) if self.rank == 0 else None
         pooling_type = self.model_config.pooler_config.pooling_type
         host = self._host_inputs(req.requests)
-        rows: list[int] = []
-        counts: list[int] = []
-        pooled_ids: list[int] = []
+        rows: list[int] = []  # in batch order, each request's a run of them
+        # Per request with rows: (req_id, its number of rows, whether it pools every token).
+        segments: list[tuple[int, int, bool]] = []
         chunk_start = 0
         for scheduled in req.requests:
             chunk_len = len(scheduled.token_ids)
-            if scheduled.do_sample:  # the chunk ends the prompt
+            if scheduled.pools_every_token:  # each chunk's rows, as they come
+                rows.extend(range(chunk_start, chunk_start + chunk_len))
+                segments.append((scheduled.req_id, chunk_len, True))
+            elif scheduled.do_sample:  # the chunk ends the prompt
                 span = pooled_row_span(pooling_type, scheduled.num_computed_tokens, chunk_len,
                                        scheduled.num_prompt_tokens)
                 rows.extend(chunk_start + row for row in span)
-                counts.append(len(span))
-                pooled_ids.append(scheduled.req_id)
+                segments.append((scheduled.req_id, len(span), False))
             chunk_start += chunk_len
         hidden_states = self._run_model(host, rows)
         if self.rank != 0:
             return None
         if not rows:
             return SamplerOutput(pooler_output={})
-        pooled = self.model.pooler_head(pool_rows(hidden_states, counts)).cpu()
-        # One tensor each (a view would carry the whole batch's storage when pickled for Ray).
-        return SamplerOutput(pooler_output={req_id: row.clone() for req_id, row in zip(pooled_ids, pooled)})
+        hidden_runs = hidden_states.split([count for _, count, _ in segments])
+        pooled = [(req_id, run) for (req_id, _, every_token), run in zip(segments, hidden_runs) if not every_token]
+        pooler_output: dict[int, torch.Tensor] = {}
+        if pooled:
+            heads = self.model.pooler_head(pool_rows(torch.cat([run for _, run in pooled]),
+                                                     [len(run) for _, run in pooled])).cpu()
+            # One tensor each (a view would carry the whole batch's storage when pickled for Ray).
+            pooler_output.update((req_id, row.clone()) for (req_id, _), row in zip(pooled, heads))
+        for (req_id, _, every_token), run in zip(segments, hidden_runs):
+            if every_token:
+                pooler_output[req_id] = self.model.pooler_head(run.float()).cpu()
+        return SamplerOutput(pooler_output=pooler_output)

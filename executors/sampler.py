@@ -402,9 +402,18 @@ def _apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata, rows: li
 
 
 def _apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[int]) -> None:
-    """Every token but the row's allowed_token_ids gets -inf, in place: the allowed ones'
-    logits are gathered, the rows filled with -inf and the logits put back. Only the ids
-    go to the device (through pinned memory, as logit_bias's do): nothing is read back."""
+    """Every token but the row's allowed_token_ids gets -inf, in place. With the worker's
+    masks (`metadata.allowed_token_masks`: each request's ids on the device since its first
+    step) only the rows' indices go to the device; without, the allowed ones' logits are
+    gathered, the rows filled with -inf and the logits put back, the ids going to the device
+    (through pinned memory, as logit_bias's do). Nothing is read back."""
+    masks = metadata.allowed_token_masks
+    if masks is not None:
+        allowed_masks = torch.stack([masks.mask_of(metadata.req_ids[i], metadata.sampling_params[i].allowed_token_ids,
+                                                   logits.shape[1]) for i in rows])
+        row_idx = to_device(rows, logits.device)
+        logits[row_idx] = logits[row_idx].masked_fill(~allowed_masks, _NEG_INF)
+        return
     allowed = [metadata.sampling_params[i].allowed_token_ids for i in rows]
     width = max(map(len, allowed))
     # Rows are padded with their own first id: gathering and putting it back twice is harmless.

@@ -12,6 +12,7 @@ from raylm.engine.sampling_params import SamplingParams
 from raylm.executors.token_history import TokenHistory
 
 if TYPE_CHECKING:
+    from raylm.executors.allowed_token_masks import AllowedTokenMasks
     from raylm.executors.penalty_state import PenaltyState
 
 # Golden-ratio increment (splitmix64): spreads sibling seeds far apart in seed space.
@@ -80,7 +81,8 @@ class SamplingMetadata:
     row's row there (-1 for rows without penalties), and ``proposals`` the tokens each row
     reads after its request's (speculative decoding: the proposals before its position),
     which the state does not hold. ``output_suffix`` (a draft model's proposals so far, on
-    the device) follows either.
+    the device) follows either. ``allowed_token_masks``: where the worker keeps the running
+    requests' allowed_token_ids on the device (None: they go from the params each step).
     """
 
     req_ids: list[int]
@@ -92,6 +94,7 @@ class SamplingMetadata:
     penalty_state: PenaltyState | None = None
     penalty_rows: list[int] | None = None
     proposals: list[list[int]] | None = None
+    allowed_token_masks: AllowedTokenMasks | None = None
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
@@ -143,7 +146,8 @@ class SamplingMetadata:
         return SamplingMetadata([self.req_ids[i] for i in rows], [self.sampling_params[i] for i in rows],
                                 [self.histories[i] for i in rows], [self.history_lens[i] for i in rows],
                                 [self.generators[i] for i in rows], penalty_state=self.penalty_state,
-                                penalty_rows=_pick(self.penalty_rows, rows), proposals=_pick(self.proposals, rows))
+                                penalty_rows=_pick(self.penalty_rows, rows), proposals=_pick(self.proposals, rows),
+                                allowed_token_masks=self.allowed_token_masks)
 
 
 def _pick(values: list | None, rows: list[int]) -> list | None:

@@ -60,8 +60,8 @@ def cross_encoder(cross_encoder_dir):
 def test_runner_auto_pools_a_sequence_classifier(classifier):
     model_config = classifier.llm_engine.model_config
     assert model_config.runner_type == "pooling" and model_config.pooling_task == "classify"
-    # Three labels: classify only (vLLM scores with one-label classifiers alone).
-    assert model_config.supported_pooling_tasks == ("classify",)
+    # Three labels: classify and token_classify only (vLLM scores with one-label classifiers alone).
+    assert model_config.supported_pooling_tasks == ("classify", "token_classify")
 
 
 def test_classify_probs_are_the_softmax_of_hf_logits_for_mixed_lengths(classifier, classifier_dir):

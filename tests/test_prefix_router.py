@@ -464,3 +464,45 @@ def test_the_router_renders_no_request_template_and_keys_the_servers_as_transfor
                                          note="ok")
     expected = block_hash_key(tokenizer.encode(text, add_special_tokens=False), BLOCK, None, 4)
     assert key(chat_template_kwargs={"note": "ok"}).block_hashes == expected
+
+
+# A template that reads each message's content as OpenAI's list of parts ("openai" content
+# format, as vLLM's "auto" detects it).
+PARTS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% for part in m['content'] %}[{{ part['text'] }}]"
+                  "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("content_format, template", [("auto", PARTS_TEMPLATE), ("openai", PARTS_TEMPLATE),
+                                                      ("auto", TOOLS_TEMPLATE), ("string", TOOLS_TEMPLATE)])
+def test_a_string_and_its_text_part_key_as_the_prompt_the_template_renders(llama_dir, content_format, template):
+    """The ingress's keyer (built as the Serve app builds it) hands the template each
+    message's content in the form the replica does (--chat-template-content-format), so a
+    string and the same text as one text part key as the prompt they both render: the
+    hashes of transformers' rendering of the parts, tokenized."""
+    from transformers import AutoTokenizer
+
+    from raylm.deploy.prefix_key import block_hash_key
+    from raylm.deploy.serve_app import keyer_arguments
+    from raylm.deploy.serve_ingress import _build_keyer
+    from raylm.deploy.server_args import PREFIX_AWARE_ROUTER, DeploymentArgs, ServerArgs
+    from raylm.engine.arg_utils import EngineArgs
+
+    arguments = keyer_arguments(EngineArgs(model=str(llama_dir), block_size=BLOCK),
+                                ServerArgs(chat_template=template, chat_template_content_format=content_format),
+                                DeploymentArgs(num_replicas=2, request_router=PREFIX_AWARE_ROUTER))
+    keyer = _build_keyer(**arguments)
+    text = "where do the workers of a cluster go when the head node restarts"
+    as_string = [{"role": "system", "content": text}, {"role": "user", "content": text}]
+    as_parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in as_string]
+
+    def key(messages):
+        return keyer.key("/v1/chat/completions", json.dumps({"messages": messages}).encode()).block_hashes
+
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    reference = as_parts if "part in" in template else as_string
+    prompt = tokenizer.apply_chat_template(reference, chat_template=template, tokenize=False,
+                                           add_generation_prompt=True)
+    assert text in prompt
+    expected = block_hash_key(tokenizer.encode(prompt, add_special_tokens=False), BLOCK, None,
+                              arguments["max_blocks"])
+    assert key(as_string) == key(as_parts) == expected
