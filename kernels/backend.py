@@ -4,8 +4,10 @@ PyTorch reference.
 All backends share one contract (see `raylm.kernels.torch_attention`):
 `write_kv_cache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0)` and
 `paged_attention(query, k_cache, v_cache, attn_metadata, scale, *, sliding_window=None,
-logits_soft_cap=None, k_scale=1.0, v_scale=1.0) -> out`. The caches may be fp8
-(`raylm.kernels.kv_cache_dtype`), the scales being the layer's.
+logits_soft_cap=None, k_scale=1.0, v_scale=1.0, sinks=None) -> out`. The caches may be fp8
+(`raylm.kernels.kv_cache_dtype`), the scales being the layer's. `sinks` (gpt-oss's per-head
+attention sinks) only where `supports_sinks`: a backend without them refuses a layer that
+has them (`Attention.attn_backend`) rather than attend without.
 Triton is imported only when the Triton backend is asked for, so a CPU machine without
 triton installed still runs the PyTorch path. The "cpu" backend compiles its C++ kernel at
 first use (`raylm.kernels.cpu_attention`) and runs the PyTorch reference if it cannot.
@@ -35,6 +37,12 @@ class AttentionBackend:
     # sliding_window, logits_soft_cap, query_dtype): compiles every kernel variant a run of
     # that layer shape can launch; None where nothing compiles.
     warm_up: Callable[..., None] | None = None
+    # Whether paged_attention takes `sinks`.
+    supports_sinks: bool = False
+
+
+SINKS_UNSUPPORTED = ("attention_backend {backend!r} has no attention sinks, which this model's attention layers "
+                     "have (gpt-oss); use attention_backend 'torch' or 'cpu'.")
 
 
 def default_backend_name() -> str:
@@ -53,10 +61,12 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}.")
     if name == "torch":
         from raylm.kernels import torch_attention
-        return AttentionBackend("torch", torch_attention.write_kv_cache, torch_attention.paged_attention)
+        return AttentionBackend("torch", torch_attention.write_kv_cache, torch_attention.paged_attention,
+                                supports_sinks=True)
     if name == "cpu":
         from raylm.kernels import cpu_attention
-        return AttentionBackend("cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention)
+        return AttentionBackend("cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention,
+                                supports_sinks=True)
     try:
         import triton  # noqa: F401
     except ImportError as error:
@@ -69,7 +79,10 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
 def _triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    if sinks is not None:
+        raise ValueError(SINKS_UNSUPPORTED.format(backend="triton"))
     # Decode-only steps take the kernel built for one query row per sequence (with its
     # split-K choice); anything with a longer chunk takes the prefill kernel, which also
     # serves the decode rows of a mixed batch.

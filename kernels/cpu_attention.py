@@ -118,14 +118,19 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
     on the native kernels: decode rows on the decode kernel, the other sequences' rows on
     the prefill kernel. Falls back to the reference when the decode kernel is unavailable
     or the query or cache is not an fp32/bf16 CPU tensor (an fp8 cache: the native kernels
     read fp32 and bf16 only), and for prefill rows when only the prefill kernel is
-    unavailable."""
+    unavailable. Layers with attention `sinks` run the reference: the native kernels have
+    no sinks yet."""
     md = attn_metadata
+    if sinks is not None:
+        return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
+                                               logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                               sinks=sinks)
     options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if is_fp8(k_cache.dtype) and k_cache.device.type == "cpu" and query.dtype in _DTYPES and load_kernel() is not None:
         md, k_cache, v_cache = _dequantized_step_blocks(md, k_cache, v_cache, k_scale, v_scale, query.dtype)

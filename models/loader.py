@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from raylm.models.mxfp4 import refuse_quantization_config
 from raylm.models.registry import resolve_model_class
 from raylm.models.rotary_embedding import max_model_len_context
 from raylm.models.weight_utils import initialize_dummy_weights, safetensors_weights_iterator
@@ -31,6 +32,7 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     file read), in eval mode; for runner "pooling" without its LM head (models/adapters.py)."""
     hf_config = model_config.hf_config
     model_class = resolve_model_class(getattr(hf_config, "architectures", None), model_config.runner_type)
+    refuse_quantization_config(hf_config, model_class)
     with _default_dtype(model_config.dtype), torch.device(device), max_model_len_context(model_config.max_model_len):
         model = model_class(hf_config)
     if model_config.load_format == "dummy":

@@ -1,0 +1,66 @@
+"""MXFP4 (the OCP microscaling format), as gpt-oss's released checkpoints store their experts:
+blocks of 32 values sharing one power-of-two scale.
+
+A weight `<w>` of shape [..., R, C] is stored as `<w>_blocks` uint8 [..., R, C / 32, 16], two
+FP4 (E2M1) codes per byte, the low nibble the even element, and `<w>_scales` uint8
+[..., R, C / 32], each an E8M0 exponent: a block's values are code * 2 ** (scale - 127). E2M1
+codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8-15 the same negated (bit 3 the sign). This is
+transformers' layout (its `convert_moe_packed_tensors`); raylm dequantizes at load to the
+model dtype and computes in it (no FP4 kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raylm.parallel.checkpoint_slice import read_weight
+
+# The gpt-oss expert weights a checkpoint may hold in MXFP4.
+MXFP4_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+VALUES_PER_BLOCK = 32
+E8M0_BIAS = 127
+# E2M1 code -> value.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: Any, scales: Any, dtype: torch.dtype, name: str = "MXFP4 weight") -> torch.Tensor:
+    """`<w>_blocks` [..., R, G, 16] and `<w>_scales` [..., R, G] (uint8, or checkpoint slices of
+    them) -> the weight [..., R, G * 32] in `dtype`."""
+    blocks, scales = read_weight(blocks), read_weight(scales)
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}.")
+    if blocks.dim() < 2 or blocks.shape[-1] != VALUES_PER_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks must be [..., G, {VALUES_PER_BLOCK // 2}] over scales [..., G], got "
+                         f"{tuple(blocks.shape)} and {tuple(scales.shape)}.")
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
+    values = values.flatten(-2)  # [..., G, 32]: low nibble first
+    # Every value is a few bits times a power of two: exact in fp32, as is the product with
+    # 2 ** (scale - 127) wherever that is an fp32 normal number or zero.
+    exponents = scales.to(torch.int32) - E8M0_BIAS
+    out = torch.ldexp(values, exponents.unsqueeze(-1).float())
+    return out.flatten(-2).to(dtype)
+
+
+def check_quantization_config(config: Any, model_name: str = "GptOssForCausalLM") -> None:
+    """A config's `quantization_config` must be MXFP4's (quant_method "mxfp4"), or absent."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    if method != "mxfp4":
+        raise ValueError(f"quantization_config.quant_method must be 'mxfp4' for {model_name}, got {method!r}.")
+
+
+def refuse_quantization_config(config: Any, model_class: type) -> None:
+    """Models other than those that read quantized checkpoints (`supports_quantization`) refuse a
+    config with a `quantization_config`, rather than read its packed tensors as weights."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not getattr(model_class, "supports_quantization", False):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"config.json has quantization_config (quant_method {method!r}), which "
+                         f"{model_class.__name__} does not read; raylm reads quantized checkpoints of "
+                         f"GptOssForCausalLM (quant_method 'mxfp4') only.")

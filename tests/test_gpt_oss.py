@@ -1,0 +1,179 @@
+"""gpt-oss (`GptOssForCausalLM`) against Hugging Face transformers on a tiny random checkpoint
+in fp32 (`build_tiny_gpt_oss`: sliding and full layers, attention sinks, YaRN, biased experts
+with the clamped SwiGLU): greedy tokens and logprobs through `LLM.generate` on the default
+CPU backend and the PyTorch reference, prompts longer than the window, chunked prefill, a
+prefix-cache hit. Its pieces are checked one by one against transformers' own: attention with
+sinks (HF's eager attention), the experts and router (GptOssExperts, GptOssTopKRouter), YaRN's
+frequencies. Backends without sinks refuse such layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_checks import assert_engine_idle
+from hf_reference import assert_logprobs_match_hf, cached_hf_greedy, hf_log_softmax
+from raylm.engine import LLM, SamplingParams
+from tiny_models import build_tiny_gpt_oss, random_prompts_spanning
+
+MAX_TOKENS = 10
+# (attention backend, engine settings): the machine's default backend and the reference,
+# and a token budget that chunks every prompt past 24 tokens.
+CASES = {"cpu": ("cpu", {}), "torch": ("torch", {}), "cpu-small-chunks": ("cpu", dict(max_num_batched_tokens=24))}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "model", seed=3)
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def gpt_oss_llm(request, model_dir):
+    backend, settings = CASES[request.param]
+    llm = LLM(model=str(model_dir), dtype="float32", attention_backend=backend, max_model_len=256, max_num_seqs=16,
+              **settings)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def test_greedy_tokens_equal_hf_generate_for_prompts_longer_than_the_window(gpt_oss_llm, model_dir):
+    prompts = random_prompts_spanning(8, seed=1, min_len=1, max_len=60)
+    assert max(map(len, prompts)) > 8 * 3  # several windows past the sliding layers' 8
+    outputs = gpt_oss_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == cached_hf_greedy(model_dir, tuple(prompt), MAX_TOKENS)
+    assert_engine_idle(gpt_oss_llm.llm_engine)
+
+
+def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax_within_1e_4(gpt_oss_llm, model_dir):
+    prompts = random_prompts_spanning(3, seed=2, min_len=3, max_len=50)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    outputs = gpt_oss_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=3)
+
+
+def test_a_prefix_cache_hit_gives_hf_tokens_and_logprobs(gpt_oss_llm, model_dir):
+    prompt = random_prompts_spanning(1, seed=3, min_len=45, max_len=45)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    gpt_oss_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    again = gpt_oss_llm.generate([{"prompt_token_ids": prompt + [7]}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32  # two full blocks of 16 from the first request
+    assert again.outputs[0].token_ids == cached_hf_greedy(model_dir, tuple(prompt + [7]), 6)
+    completion, reference = again.outputs[0], hf_log_softmax(model_dir, prompt + [7] + again.outputs[0].token_ids)
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert entry[token].logprob == pytest.approx(reference[len(prompt) + step, token].item(), abs=1e-4)
+
+
+# ---- the pieces, against transformers' own --------------------------------------------------
+
+def _hf_eager_attention_with_sinks(q, k, v, sinks, scale, window):
+    """transformers' gpt-oss eager attention (q [Lq, Hq, D] at the last Lq of L positions, k and
+    v [L, Hkv, D]) -> [Lq, Hq, D]."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    query_len, seq_len = q.shape[0], k.shape[0]
+    distance = torch.arange(seq_len - query_len, seq_len)[:, None] - torch.arange(seq_len)[None, :]
+    allowed = (distance >= 0) & ((distance < window) if window else True)
+    mask = torch.zeros(query_len, seq_len).masked_fill_(~allowed, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks, training=False)
+    out, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                     v.transpose(0, 1)[None], mask, scale)
+    return out[0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_with_sinks_equals_hf_eager_attention(backend, window):
+    """Two sequences in one step, one prefilling its last 7 of 21 tokens (a chunk after
+    cached context), one decoding at 13: each equals HF's eager attention with sinks."""
+    from raylm.kernels.attention_metadata import AttentionMetadata
+    from raylm.kernels.backend import get_attention_backend
+
+    attention = get_attention_backend(backend)
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size, block_size, scale = 4, 2, 16, 4, 0.25
+    sinks = torch.randn(num_heads) * 2
+    seq_lens, query_lens = [21, 13], [7, 1]
+    k_cache = torch.zeros(16, block_size, num_kv_heads, head_size)
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.tensor([[3, 1, 4, 0, 9, 2], [5, 7, 6, 8, 0, 0]], dtype=torch.int32)
+    keys = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_size) for n in seq_lens]
+    for i, n in enumerate(seq_lens):
+        slots = torch.tensor([int(block_tables[i, t // block_size]) * block_size + t % block_size for t in range(n)])
+        attention.write_kv_cache(keys[i], values[i], k_cache, v_cache, slots)
+    queries = [torch.randn(n, num_heads, head_size) for n in query_lens]
+    md = AttentionMetadata(slot_mapping=torch.full((8,), -1, dtype=torch.long),
+                           query_start_loc=torch.tensor([0, 7, 8], dtype=torch.int32),
+                           seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+                           max_query_len=7, max_seq_len=21, query_lens_list=query_lens, seq_lens_list=seq_lens)
+    out = attention.paged_attention(torch.cat(queries), k_cache, v_cache, md, scale, sliding_window=window,
+                                    sinks=sinks)
+    expected = torch.cat([_hf_eager_attention_with_sinks(queries[i], keys[i], values[i], sinks, scale, window)
+                          for i in range(2)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    without = attention.paged_attention(torch.cat(queries), k_cache, v_cache, md, scale, sliding_window=window)
+    assert (out - without).abs().max() > 1e-2  # the sinks matter at this size
+
+
+def test_triton_backend_refuses_a_layer_with_sinks():
+    pytest.importorskip("triton")
+    from raylm.kernels.backend import get_attention_backend
+    from raylm.models.attention import Attention
+
+    layer = Attention(4, 16, 0.25, 2, has_sinks=True)
+    with pytest.raises(ValueError, match="attention_backend 'triton' has no attention sinks"):
+        layer.attn_backend = get_attention_backend("triton")
+    Attention(4, 16, 0.25, 2).attn_backend = get_attention_backend("triton")  # a layer without sinks runs there
+
+
+def test_experts_with_biases_and_clamped_swiglu_equal_hf_gpt_oss_experts():
+    """torch_moe.fused_experts ("swigluoai", biases) on the weights transformers' GptOssExperts
+    holds, de-interleaved into the fused layout as the loader does, and the router's choice."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+    from raylm.kernels import torch_moe
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=5, num_experts_per_tok=2,
+                          swiglu_limit=0.7, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    experts, router = GptOssExperts(config), GptOssTopKRouter(config)
+    for param in (*experts.parameters(), *router.parameters()):
+        torch.nn.init.normal_(param, 0.0, 0.3)
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        _, hf_scores, hf_ids = router(x)
+        expected = experts(x, hf_ids, hf_scores)
+        weights, ids = torch_moe.fused_topk_softmax_after(router(x)[0], 2)
+        gate_up, bias = experts.gate_up_proj, experts.gate_up_proj_bias
+        w13 = torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2)
+        w13_bias = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+        out = torch_moe.fused_experts(x, w13, experts.down_proj.transpose(1, 2), weights, ids, w13_bias=w13_bias,
+                                      w2_bias=experts.down_proj_bias, activation="swigluoai", swiglu_limit=0.7)
+    assert torch.equal(ids, hf_ids) and torch.allclose(weights, hf_scores, atol=1e-6)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from raylm.models.rotary_embedding import _attention_factor, _inverse_frequencies, rope_parameters_from_config
+
+    config = GptOssConfig(hidden_size=64, head_dim=32, num_attention_heads=2, num_key_value_heads=1,
+                          max_position_embeddings=1024,
+                          rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
+                                               beta_slow=1.0, truncate=truncate, original_max_position_embeddings=128))
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    params = rope_parameters_from_config(config)
+    assert torch.equal(_inverse_frequencies(32, params, 1024), inv_freq)
+    assert _attention_factor(params, 1024) == pytest.approx(attention_factor, rel=1e-12)
