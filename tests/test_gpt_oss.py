@@ -177,3 +177,99 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
     params = rope_parameters_from_config(config)
     assert torch.equal(_inverse_frequencies(32, params, 1024), inv_freq)
     assert _attention_factor(params, 1024) == pytest.approx(attention_factor, rel=1e-12)
+
+
+# ---- MXFP4 checkpoints ---------------------------------------------------------------------
+
+FP4_CODE_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _mxfp4_pair(generator: torch.Generator, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random FP4 codes and E8M0 scales for a weight of `shape` [..., R, C]: (blocks uint8
+    [..., R, C / 32, 16], scales uint8 [..., R, C / 32], the values they stand for, computed by
+    hand: code value * 2 ** (scale - 127))."""
+    *lead, rows, cols = shape
+    codes = torch.randint(0, 16, (*lead, rows, cols // 32, 32), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(118, 125, (*lead, rows, cols // 32), generator=generator, dtype=torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # the even element in the low nibble
+    values = torch.tensor(FP4_CODE_VALUES)[codes.long()] * torch.pow(2.0, scales.double() - 127).float()[..., None]
+    return blocks, scales, values.reshape(*lead, rows, cols)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """(an MXFP4 checkpoint, the same model with those expert weights stored dense as
+    transformers holds them, the dense values by layer name): intermediate_size 64, so both
+    expert weights' inputs are whole blocks of 32."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    dense = build_tiny_gpt_oss(root / "dense", seed=4, intermediate_size=64)
+    tensors = load_file(str(dense / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    quantized, values = dict(tensors), {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        dense_shape = tensors[name].shape  # [E, in, out]
+        blocks, scales, weight = _mxfp4_pair(generator, (dense_shape[0], dense_shape[2], dense_shape[1]))
+        del quantized[name]
+        quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+        tensors[name] = values[name] = weight.transpose(1, 2).contiguous()
+    save_file(tensors, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    mxfp4 = root / "mxfp4"
+    mxfp4.mkdir()
+    for file in dense.iterdir():
+        if file.name != "model.safetensors":
+            (mxfp4 / file.name).write_bytes(file.read_bytes())
+    save_file(quantized, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router",
+                                                                                         "model.embed_tokens", "lm_head"]}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    return mxfp4, dense, values
+
+
+def test_mxfp4_blocks_dequantize_to_the_values_their_codes_and_scales_stand_for():
+    from raylm.models.mxfp4 import dequantize_mxfp4
+
+    blocks, scales, values = _mxfp4_pair(torch.Generator().manual_seed(0), (3, 6, 64))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), values)
+    # One byte by hand: codes 0x3 (1.5, low nibble, first) and 0xA (-1.0), scale 2 ** (129 - 127).
+    one = dequantize_mxfp4(torch.tensor([[0xA3] + [0] * 15], dtype=torch.uint8), torch.tensor([129], dtype=torch.uint8),
+                           torch.float32)
+    assert one[:2].tolist() == [6.0, -4.0] and not one[2:].any()
+
+
+def test_an_mxfp4_checkpoint_loads_its_experts_dequantized_and_generates_as_hf_on_the_dense_values(mxfp4_dirs):
+    mxfp4, dense, values = mxfp4_dirs
+    llm = LLM(model=str(mxfp4), dtype="float32", max_model_len=128, max_num_seqs=4)
+    try:
+        model = llm.llm_engine.executor.driver_worker.model_runner.model
+        experts = model.model.layers[1].mlp.experts
+        gate_up = values["model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I], gate at even columns
+        assert torch.equal(experts.w13_weight, torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], 2).transpose(1, 2))
+        assert torch.equal(experts.w2_weight, values["model.layers.1.mlp.experts.down_proj"].transpose(1, 2))
+        prompts = random_prompts_spanning(3, seed=6, min_len=5, max_len=40)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+        for prompt, output in zip(prompts, outputs):
+            assert output.outputs[0].token_ids == cached_hf_greedy(dense, tuple(prompt), 6)
+    finally:
+        llm.shutdown()
+
+
+def test_quantization_configs_other_than_gpt_oss_mxfp4_are_refused():
+    from types import SimpleNamespace
+
+    from raylm.models.gpt_oss import GptOssForCausalLM
+    from raylm.models.llama import LlamaForCausalLM
+    from raylm.models.mxfp4 import refuse_quantization_config
+
+    mxfp4 = SimpleNamespace(quantization_config={"quant_method": "mxfp4"})
+    refuse_quantization_config(mxfp4, GptOssForCausalLM)
+    with pytest.raises(ValueError, match="LlamaForCausalLM does not read"):
+        refuse_quantization_config(mxfp4, LlamaForCausalLM)
+    with pytest.raises(ValueError, match="quant_method must be 'mxfp4' for GptOssForCausalLM, got 'fp8'"):
+        GptOssForCausalLM(SimpleNamespace(quantization_config={"quant_method": "fp8"}))
