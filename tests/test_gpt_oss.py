@@ -13,15 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, cached_hf_greedy, hf_log_softmax
 from raylm.engine import LLM, SamplingParams
 from tiny_models import build_tiny_gpt_oss, random_prompts_spanning
 
 MAX_TOKENS = 10
 # (attention backend, engine settings): the machine's default backend and the reference,
-# and a token budget that chunks every prompt past 24 tokens.
-CASES = {"cpu": ("cpu", {}), "torch": ("torch", {}), "cpu-small-chunks": ("cpu", dict(max_num_batched_tokens=24))}
+# a token budget that chunks every prompt past 24 tokens, two tensor-parallel Ray workers
+# (2 query heads and their sinks, 1 KV head, half of every expert each), and two with
+# expert parallelism (whole experts, 3 + 2).
+CASES = {"cpu": ("cpu", {}), "torch": ("torch", {}), "cpu-small-chunks": ("cpu", dict(max_num_batched_tokens=24)),
+         "cpu-tp2": ("cpu", dict(tensor_parallel_size=2)),
+         "torch-tp2-ep": ("torch", dict(tensor_parallel_size=2, enable_expert_parallel=True))}
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +35,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def gpt_oss_llm(request, model_dir):
-    backend, settings = CASES[request.param]
-    llm = LLM(model=str(model_dir), dtype="float32", attention_backend=backend, max_model_len=256, max_num_seqs=16,
-              **settings)
-    try:
+    backend, settings = CASES[request.param][0], dict(CASES[request.param][1])
+    with tensor_parallel_llm(request, model_dir, settings.pop("tensor_parallel_size", 1), dtype="float32",
+                             attention_backend=backend, max_model_len=256, max_num_seqs=16, **settings) as llm:
         yield llm
-    finally:
-        llm.shutdown()
 
 
 def test_greedy_tokens_equal_hf_generate_for_prompts_longer_than_the_window(gpt_oss_llm, model_dir):
