@@ -73,7 +73,7 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
         raise ValueError(f"attention backend 'triton' needs the triton package, which is not importable "
                          f"({error}); install triton or use the 'torch' backend.") from error
     from raylm.kernels.triton_kv_cache import write_kv_cache
-    return AttentionBackend("triton", write_kv_cache, _triton_paged_attention, _triton_warm_up)
+    return AttentionBackend("triton", write_kv_cache, _triton_paged_attention, _triton_warm_up, supports_sinks=True)
 
 
 def _triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -81,15 +81,13 @@ def _triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
                             k_scale: float = 1.0, v_scale: float = 1.0,
                             sinks: torch.Tensor | None = None) -> torch.Tensor:
-    if sinks is not None:
-        raise ValueError(SINKS_UNSUPPORTED.format(backend="triton"))
     # Decode-only steps take the kernel built for one query row per sequence (with its
     # split-K choice); anything with a longer chunk takes the prefill kernel, which also
     # serves the decode rows of a mixed batch.
     from raylm.kernels.triton_decode_attention import paged_decode_attention
     from raylm.kernels.triton_prefill_attention import paged_prefill_attention
     options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out=out, k_scale=k_scale,
-                   v_scale=v_scale)
+                   v_scale=v_scale, sinks=sinks)
     if attn_metadata.max_query_len <= 1:
         return paged_decode_attention(query, k_cache, v_cache, attn_metadata, scale, **options)
     return paged_prefill_attention(query, k_cache, v_cache, attn_metadata, scale, **options)

@@ -16,7 +16,9 @@ PyTorch operators, `torch.ops.raylm.paged_decode_attention` and `paged_prefill_a
   AVX2 microkernels (portable loops elsewhere), threads taking tiles from a shared counter.
 
 Both take the reference's sliding window (keys before a query's window are not read, from
-the window's first block on) and Gemma 2's soft cap.
+the window's first block on), Gemma 2's soft cap and gpt-oss's attention sinks (each head's
+sink joins the softmax's denominator when the output is normalised, relative to the same
+running maximum, on every ISA path).
 
 `paged_attention` keeps the reference's contract: padding rows are zero, decode rows of a
 mixed batch go to the decode kernel (which runs them about 1.6x faster than the prefill
@@ -85,21 +87,23 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per sequence, query [B, Hq, D] (fp32 or bf16), over its seq_lens[b]
     cached tokens (the last sliding_window of them, when set) at block_tables[b] of k_cache,
     v_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, CPU); returns [B, Hq, D] in the
-    query's dtype. A table that does not hold the tokens read is a ValueError. Needs the
-    kernel (see `is_available`)."""
+    query's dtype. sinks [Hq]: attention sinks (the reference's). A table that does not hold
+    the tokens read is a ValueError. Needs the kernel (see `is_available`)."""
     kernel = load_kernel()
     assert kernel is not None, "paged_decode_attention needs the native kernel; check is_available()"
     return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale, sliding_window or 0,
-                  logits_soft_cap or 0.0)
+                  logits_soft_cap or 0.0, _fp32(sinks))
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1, *,
-                            sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract for the sequences with at least
     min_query_len queries; the rows of the others, and of padding tokens, are zero.
     k_cache, v_cache fp32 or bf16 on the CPU; returns [T, Hq, D] in the query's dtype.
@@ -108,7 +112,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
     md = attn_metadata
     return kernel(query, k_cache, v_cache, _int32(md.block_tables), _int32(md.seq_lens), _int32(md.query_start_loc),
-                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0)
+                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0, _fp32(sinks))
+
+
+def _fp32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sinks is None else sinks.detach().float().contiguous()
 
 
 def _int32(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,14 +132,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the prefill kernel. Falls back to the reference when the decode kernel is unavailable
     or the query or cache is not an fp32/bf16 CPU tensor (an fp8 cache: the native kernels
     read fp32 and bf16 only), and for prefill rows when only the prefill kernel is
-    unavailable. Layers with attention `sinks` run the reference: the native kernels have
-    no sinks yet."""
+    unavailable. `sinks` (gpt-oss) go to every kernel."""
     md = attn_metadata
-    if sinks is not None:
-        return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
-                                               logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-                                               sinks=sinks)
-    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if is_fp8(k_cache.dtype) and k_cache.device.type == "cpu" and query.dtype in _DTYPES and load_kernel() is not None:
         md, k_cache, v_cache = _dequantized_step_blocks(md, k_cache, v_cache, k_scale, v_scale, query.dtype)
     if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES

@@ -124,15 +124,27 @@ def test_paged_attention_with_sinks_equals_hf_eager_attention(backend, window):
     assert (out - without).abs().max() > 1e-2  # the sinks matter at this size
 
 
-def test_triton_backend_refuses_a_layer_with_sinks():
+def test_triton_kernels_with_sinks_match_the_reference_under_the_interpreter():
+    """tests/triton_sinks_cases.py: decode single-pass and split-K, prefill/extend, windowed."""
     pytest.importorskip("triton")
-    from raylm.kernels.backend import get_attention_backend
+    from triton_interpreter import assert_cases_pass_under_the_interpreter
+
+    assert_cases_pass_under_the_interpreter("triton_sinks_cases.py", timeout_s=600)
+
+
+def test_a_backend_without_sinks_refuses_a_layer_with_them():
+    import dataclasses
+
+    from raylm.kernels.backend import BACKEND_NAMES, get_attention_backend
     from raylm.models.attention import Attention
 
+    assert all(get_attention_backend(name).supports_sinks for name in BACKEND_NAMES
+               if name != "triton" or pytest.importorskip("triton"))
+    without = dataclasses.replace(get_attention_backend("torch"), name="no-sinks", supports_sinks=False)
     layer = Attention(4, 16, 0.25, 2, has_sinks=True)
-    with pytest.raises(ValueError, match="attention_backend 'triton' has no attention sinks"):
-        layer.attn_backend = get_attention_backend("triton")
-    Attention(4, 16, 0.25, 2).attn_backend = get_attention_backend("triton")  # a layer without sinks runs there
+    with pytest.raises(ValueError, match="attention_backend 'no-sinks' has no attention sinks"):
+        layer.attn_backend = without
+    Attention(4, 16, 0.25, 2).attn_backend = without  # a layer without sinks runs there
 
 
 def test_experts_with_biases_and_clamped_swiglu_equal_hf_gpt_oss_experts():
