@@ -34,8 +34,8 @@ class AttentionBackend:
     # (query, k_cache, v_cache, attn_metadata, scale, *, sliding_window, logits_soft_cap, k_scale, v_scale) -> out
     paged_attention: Callable[..., torch.Tensor]
     # (num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_model_len, *,
-    # sliding_window, logits_soft_cap, query_dtype): compiles every kernel variant a run of
-    # that layer shape can launch; None where nothing compiles.
+    # sliding_window, logits_soft_cap, query_dtype, has_sinks): compiles every kernel variant a
+    # run of that layer shape can launch; None where nothing compiles.
     warm_up: Callable[..., None] | None = None
     # Whether paged_attention takes `sinks`.
     supports_sinks: bool = False
@@ -95,7 +95,8 @@ def _triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 def _triton_warm_up(num_heads: int, num_kv_heads: int, head_size: int, scale: float, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, max_model_len: int, *, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None, query_dtype: torch.dtype | None = None) -> None:
+                    logits_soft_cap: float | None = None, query_dtype: torch.dtype | None = None,
+                    has_sinks: bool = False) -> None:
     """Launches every Triton variant a run over these caches can use, on tiny steps that
     write nothing (slot -1) and read block 0: the single-pass decode, the split-K decode with
     a split count for each merge variant (BLOCK_S), the prefill kernel at each BLOCK_M, the
@@ -103,22 +104,26 @@ def _triton_warm_up(num_heads: int, num_kv_heads: int, head_size: int, scale: fl
     warm-up steps reach only some of them. Nothing to compile off the GPU (interpreter)."""
     if k_cache.device.type == "cuda":
         launch_every_variant(num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_model_len,
-                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, query_dtype=query_dtype)
+                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, query_dtype=query_dtype,
+                             has_sinks=has_sinks)
         torch.cuda.synchronize(k_cache.device)
 
 
 def launch_every_variant(num_heads: int, num_kv_heads: int, head_size: int, scale: float, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, max_model_len: int, *, sliding_window: int | None = None,
-                         logits_soft_cap: float | None = None, query_dtype: torch.dtype | None = None) -> None:
+                         logits_soft_cap: float | None = None, query_dtype: torch.dtype | None = None,
+                         has_sinks: bool = False) -> None:
     """What `_triton_warm_up` launches, on any device (the interpreter's tests run it). A
-    layer's window and soft cap are compile-time constants: each pair is a variant of its own.
+    layer's window, soft cap and whether it has sinks are compile-time constants: each
+    combination is a variant of its own.
     query_dtype: the model's (default: the cache's, which an fp8 cache needs given)."""
     from raylm.kernels import triton_decode_attention as decode
     from raylm.kernels import triton_prefill_attention as prefill
     from raylm.kernels.triton_kv_cache import write_kv_cache
 
-    layer = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     device, block_size = k_cache.device, k_cache.shape[1]
+    layer = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                 sinks=torch.zeros(num_heads, dtype=torch.float32, device=device) if has_sinks else None)
     dtype = query_dtype or k_cache.dtype
     assert not is_fp8(dtype), "an fp8 cache's warm-up needs the queries' dtype"
     group = num_heads // num_kv_heads

@@ -69,3 +69,47 @@ def test_prefill_with_sinks_matches_reference(kernels, dtype, window):
         sinks=sinks)
     expected = reference.paged_attention(query, k_cache, v_cache, md, 0.3, sliding_window=window, sinks=sinks)
     assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+def test_warm_up_launches_the_sink_variants_of_a_layer_with_sinks(kernels, monkeypatch):
+    from raylm.kernels import backend
+
+    launched = []
+    decode, prefill = kernels["triton_decode_attention"], kernels["triton_prefill_attention"]
+    for module, name in ((decode, "_paged_decode_kernel"), (decode, "_merge_partitions_kernel"),
+                         (prefill, "_paged_prefill_kernel")):
+        kernel = getattr(module, name)
+
+        class Recording:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launched.append((self.name, kwargs.get("HAS_SINKS")))
+                    return self.kernel[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(module, name, Recording(kernel, name))
+    k_cache, v_cache = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
+    backend.launch_every_variant(8, 2, 64, 0.125, k_cache, v_cache, 1024, has_sinks=True)  # split counts 1, 2
+    assert {name for name, _ in launched} == {"_paged_decode_kernel", "_merge_partitions_kernel",
+                                              "_paged_prefill_kernel"}
+    assert all(has_sinks for _, has_sinks in launched)
+
+
+def test_llm_on_the_triton_backend_generates_hf_greedy_tokens_for_gpt_oss(kernels, tmp_path):
+    from hf_reference import hf_greedy
+    from raylm.engine import LLM, SamplingParams
+    from tiny_models import build_tiny_gpt_oss
+
+    model_dir = build_tiny_gpt_oss(tmp_path / "gpt_oss", seed=3)
+    prompts = [[5, 17, 33, 2, 9, 101, 44, 12, 60, 7, 88, 3], [250, 11]]  # the first past the window of 8
+    llm = LLM(model=str(model_dir), dtype="float32", attention_backend="triton", max_model_len=64, max_num_seqs=4)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, 4)
