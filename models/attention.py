@@ -54,11 +54,9 @@ class Attention(nn.Module):
         if has_sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
             self.sinks.weight_loader = self._load_sinks
-        # The machine's default (kernels/backend.py) where it has what this layer needs,
-        # else the reference; the runner sets the engine's choice (`attention_backend`)
-        # after building the model.
-        backend = get_attention_backend()
-        self.attn_backend = backend if backend.supports_sinks or not has_sinks else get_attention_backend("torch")
+        # The machine's default (kernels/backend.py); the runner sets the engine's choice
+        # (`attention_backend`) after building the model.
+        self.attn_backend = get_attention_backend()
 
     @property
     def attn_backend(self) -> AttentionBackend:

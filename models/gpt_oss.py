@@ -10,7 +10,8 @@ What differs from Llama:
   logits and softmaxes over those k; each expert has biases and a clamped SwiGLU
   ((up + 1) * gate * sigmoid(1.702 gate), gate clamped above at `swiglu_limit`, up to
   [-limit, limit]). The experts run the PyTorch reference (`FusedMoE` with
-  activation "swigluoai").
+  activation "swigluoai"), and so without CUDA graphs; the CPU's fused decode op (Llama
+  layers only) does not run these layers.
 
 Checkpoints store the experts stacked per layer, as transformers' GptOssExperts holds them:
 `mlp.experts.gate_up_proj` [E, H, 2I] with gate and up interleaved on the last dim (gate at
@@ -95,6 +96,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     # Reads MXFP4 checkpoints (quantization_config quant_method "mxfp4"; `raylm.models.mxfp4`).
     supports_quantization = True
+    # The experts run the PyTorch reference, which finds each expert's tokens with a host
+    # sync: no decode step can be captured in a CUDA graph.
+    supports_cuda_graphs = False
 
     def __init__(self, config: Any) -> None:
         check_quantization_config(config)
