@@ -12,8 +12,8 @@ rank's output is a partial sum, summed over the ranks by one all-reduce (here wi
 `reduce_results`, else by the caller).
 
 gpt-oss's experts (`activation="swigluoai"`, `has_bias`, routed by softmax over the top-k
-logits: `scoring="topk_softmax_after"`) run the PyTorch reference on every device: neither
-kernel takes biases or that activation yet.
+logits: `softmax_after_topk`) run the Triton kernel on CUDA, which takes both, and the
+PyTorch reference elsewhere: the native CPU op takes neither yet.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class FusedMoE(FusedMoEWeights):
         self.swiglu_limit = swiglu_limit
         self.swiglu_alpha = swiglu_alpha
         self.softmax_after_topk = softmax_after_topk
-        # Biases and the clamped SwiGLU: the reference only.
+        # Biases and the clamped SwiGLU: the Triton kernel or the reference, not the CPU op.
         self.needs_reference = has_bias or activation != "silu"
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -58,16 +58,14 @@ class FusedMoE(FusedMoEWeights):
 
     def fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map)
-        if self.needs_reference:
-            return torch_moe.fused_experts(*args, w13_bias=self.w13_bias,
-                                           w2_bias=self.w2_bias if self.adds_w2_bias else None,
-                                           activation=self.activation, swiglu_limit=self.swiglu_limit,
-                                           swiglu_alpha=self.swiglu_alpha)
+        # Biases, activation: what every path but the CPU op takes (defaults: Mixtral's).
+        options = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.adds_w2_bias else None,
+                       activation=self.activation, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         if x.device.type == "cuda":
             from raylm.kernels import triton_fused_moe  # imports triton: GPU machines only
 
-            return triton_fused_moe.fused_experts(*args)
-        if x.device.type == "cpu":
+            return triton_fused_moe.fused_experts(*args, **options)
+        if x.device.type == "cpu" and not self.needs_reference:
             return cpu_fused_moe.fused_experts(*args, packed=self.packed)
-        return torch_moe.fused_experts(*args)
+        return torch_moe.fused_experts(*args, **options)
 

@@ -9,9 +9,9 @@ What differs from Llama:
 - every layer's MLP a Mixture of Experts: a router with bias (`mlp.router`) picks the top-k
   logits and softmaxes over those k; each expert has biases and a clamped SwiGLU
   ((up + 1) * gate * sigmoid(1.702 gate), gate clamped above at `swiglu_limit`, up to
-  [-limit, limit]). The experts run the PyTorch reference (`FusedMoE` with
-  activation "swigluoai"), and so without CUDA graphs; the CPU's fused decode op (Llama
-  layers only) does not run these layers.
+  [-limit, limit]). The experts run the Triton fused-MoE kernel on CUDA and the PyTorch
+  reference on the CPU (`FusedMoE` with activation "swigluoai"); the CPU's fused decode op
+  (Llama layers only) does not run these layers.
 
 Checkpoints store the experts stacked per layer, as transformers' GptOssExperts holds them:
 `mlp.experts.gate_up_proj` [E, H, 2I] with gate and up interleaved on the last dim (gate at
@@ -96,9 +96,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     # Reads MXFP4 checkpoints (quantization_config quant_method "mxfp4"; `raylm.models.mxfp4`).
     supports_quantization = True
-    # The experts run the PyTorch reference, which finds each expert's tokens with a host
-    # sync: no decode step can be captured in a CUDA graph.
-    supports_cuda_graphs = False
 
     def __init__(self, config: Any) -> None:
         check_quantization_config(config)
