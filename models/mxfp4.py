@@ -34,14 +34,29 @@ def dequantize_mxfp4(blocks: Any, scales: Any, dtype: torch.dtype, name: str = "
     if blocks.dim() < 2 or blocks.shape[-1] != VALUES_PER_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"{name}: MXFP4 blocks must be [..., G, {VALUES_PER_BLOCK // 2}] over scales [..., G], got "
                          f"{tuple(blocks.shape)} and {tuple(scales.shape)}.")
+    groups = blocks.shape[-2]
+    block_rows, scale_rows = blocks.reshape(-1, groups, VALUES_PER_BLOCK // 2), scales.reshape(-1, groups)
+    out = torch.empty(block_rows.shape[0], groups * VALUES_PER_BLOCK, dtype=dtype, device=blocks.device)
+    # A few thousand rows at a time: the fp32 intermediates of a whole expert stack (gpt-oss-
+    # 120b's gate_up: 128 x 5760 x 2880 values) would take tens of GB.
+    for start in range(0, block_rows.shape[0], _ROWS_PER_CHUNK):
+        end = start + _ROWS_PER_CHUNK
+        out[start:end] = _dequantize_rows(block_rows[start:end], scale_rows[start:end])
+    return out.view(*blocks.shape[:-2], groups * VALUES_PER_BLOCK)
+
+
+_ROWS_PER_CHUNK = 4096
+
+
+def _dequantize_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [N, G, 16], scales [N, G] -> [N, G * 32] fp32."""
     table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
-    values = values.flatten(-2)  # [..., G, 32]: low nibble first
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)  # [N, G, 16, 2]
+    values = values.flatten(-2)  # [N, G, 32]: low nibble first
     # Every value is a few bits times a power of two: exact in fp32, as is the product with
     # 2 ** (scale - 127) wherever that is an fp32 normal number or zero.
     exponents = scales.to(torch.int32) - E8M0_BIAS
-    out = torch.ldexp(values, exponents.unsqueeze(-1).float())
-    return out.flatten(-2).to(dtype)
+    return torch.ldexp(values, exponents.unsqueeze(-1).float()).flatten(-2)
 
 
 def check_quantization_config(config: Any, model_name: str = "GptOssForCausalLM") -> None:

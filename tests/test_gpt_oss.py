@@ -244,11 +244,14 @@ def mxfp4_dirs(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     return mxfp4, dense, values
 
 
-def test_mxfp4_blocks_dequantize_to_the_values_their_codes_and_scales_stand_for():
-    from raylm.models.mxfp4 import dequantize_mxfp4
+def test_mxfp4_blocks_dequantize_to_the_values_their_codes_and_scales_stand_for(monkeypatch):
+    from raylm.models import mxfp4
 
     blocks, scales, values = _mxfp4_pair(torch.Generator().manual_seed(0), (3, 6, 64))
-    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), values)
+    assert torch.equal(mxfp4.dequantize_mxfp4(blocks, scales, torch.float32), values)
+    monkeypatch.setattr(mxfp4, "_ROWS_PER_CHUNK", 5)  # 18 rows in chunks of 5, the last short
+    assert torch.equal(mxfp4.dequantize_mxfp4(blocks, scales, torch.float32), values)
+    dequantize_mxfp4 = mxfp4.dequantize_mxfp4
     # One byte by hand: codes 0x3 (1.5, low nibble, first) and 0xA (-1.0), scale 2 ** (129 - 127).
     one = dequantize_mxfp4(torch.tensor([[0xA3] + [0] * 15], dtype=torch.uint8), torch.tensor([129], dtype=torch.uint8),
                            torch.float32)
