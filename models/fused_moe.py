@@ -12,8 +12,8 @@ rank's output is a partial sum, summed over the ranks by one all-reduce (here wi
 `reduce_results`, else by the caller).
 
 gpt-oss's experts (`activation="swigluoai"`, `has_bias`, routed by softmax over the top-k
-logits: `softmax_after_topk`) run the Triton kernel on CUDA, which takes both, and the
-PyTorch reference elsewhere: the native CPU op takes neither yet.
+logits: `softmax_after_topk`) run the Triton kernel on CUDA and the native CPU op's ATen-GEMM
+form (`dense_fused_moe`) on the CPU, which take both; the AVX-512 panels take neither.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ class FusedMoE(FusedMoEWeights):
         self.swiglu_limit = swiglu_limit
         self.swiglu_alpha = swiglu_alpha
         self.softmax_after_topk = softmax_after_topk
-        # Biases and the clamped SwiGLU: the Triton kernel or the reference, not the CPU op.
-        self.needs_reference = has_bias or activation != "silu"
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], router_logits [T, num_experts] -> [T, H]: each token's
@@ -65,7 +63,7 @@ class FusedMoE(FusedMoEWeights):
             from raylm.kernels import triton_fused_moe  # imports triton: GPU machines only
 
             return triton_fused_moe.fused_experts(*args, **options)
-        if x.device.type == "cpu" and not self.needs_reference:
-            return cpu_fused_moe.fused_experts(*args, packed=self.packed)
+        if x.device.type == "cpu":
+            return cpu_fused_moe.fused_experts(*args, packed=self.packed, **options)
         return torch_moe.fused_experts(*args, **options)
 

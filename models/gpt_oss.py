@@ -9,9 +9,9 @@ What differs from Llama:
 - every layer's MLP a Mixture of Experts: a router with bias (`mlp.router`) picks the top-k
   logits and softmaxes over those k; each expert has biases and a clamped SwiGLU
   ((up + 1) * gate * sigmoid(1.702 gate), gate clamped above at `swiglu_limit`, up to
-  [-limit, limit]). The experts run the Triton fused-MoE kernel on CUDA and the PyTorch
-  reference on the CPU (`FusedMoE` with activation "swigluoai"); the CPU's fused decode op
-  (Llama layers only) does not run these layers.
+  [-limit, limit]). The experts run the Triton fused-MoE kernel on CUDA and the native CPU
+  op's ATen-GEMM form on the CPU (`FusedMoE` with activation "swigluoai"); the CPU's fused
+  decode op (Llama layers only) does not run these layers.
 
 Checkpoints store the experts stacked per layer, as transformers' GptOssExperts holds them:
 `mlp.experts.gate_up_proj` [E, H, 2I] with gate and up interleaved on the last dim (gate at

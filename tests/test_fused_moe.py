@@ -110,6 +110,29 @@ def test_cpu_dense_fused_moe_matches_the_reference(shape, dtype):
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_cpu_fused_moe_with_gpt_oss_biases_and_clamped_swiglu_matches_the_reference(dtype, expert_parallel):
+    """The ATen-GEMM op with biases and the swigluoai activation (a limit that bites at this
+    scale), even when packed panels exist (they take neither), against the reference."""
+    if not cpu_fused_moe.library_loaded():
+        pytest.skip("the native library does not build here")
+    x, w13, w2, topk_weights, topk_ids = moe_case(33, 64, 48, 6, 2, dtype, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    b13, b2 = torch.randn(6, 96, generator=gen).to(dtype), torch.randn(6, 64, generator=gen).to(dtype)
+    expert_map = None
+    if expert_parallel:
+        expert_map, held = every_other_expert(6)
+        w13, w2, b13, b2 = (t[held].contiguous() for t in (w13, w2, b13, b2))
+    options = dict(activation="swigluoai", swiglu_limit=0.3)
+    out = cpu_fused_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_map,
+                                      packed=cpu_fused_moe.pack_experts(w13, w2), w13_bias=b13, w2_bias=b2, **options)
+    expected = torch_moe.fused_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, expert_map,
+                                       w13_bias=b13.float(), w2_bias=b2.float(), **options)
+    plain = torch_moe.fused_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, expert_map)
+    assert relative_error(out, expected) < TOLERANCE[dtype] < relative_error(plain, expected)
+
+
 @pytest.mark.parametrize("path", ["avx512", "dense"])
 def test_cpu_fused_moe_with_an_expert_map_sums_only_the_held_experts(path):
     """A rank holding experts 0, 2, 4, 6 of 8: its weights are those rows, and tokens routed
