@@ -190,9 +190,6 @@ class ModelRunner:
                 and self.parallel_config.pipeline_parallel_size == 1
                 # LoRA layers read each step's token slots, set on the host per step.
                 and self.lora_manager is None
-                # Models whose layers sync with the host (gpt-oss's experts on the PyTorch
-                # reference: a nonzero per expert) say so.
-                and getattr(self.model, "supports_cuda_graphs", True)
                 # Layers that attend otherwise (Gemma 2's soft cap runs the PyTorch
                 # reference, which reads lengths on the host) say so, or are not plain.
                 and all(getattr(layer, "cuda_graph_safe", type(layer) is Attention)

@@ -148,7 +148,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         from raylm.parallel.checkpoint_slice import read_weight
 
         full = read_weight(tensor)
-        target = f"{prefix}.{'w13' if kind.startswith('gate_up') else 'w2'}_{'bias' if kind.endswith('bias') else 'weight'}"
+        projection = "w13" if kind.startswith("gate_up") else "w2"
+        target = f"{prefix}.{projection}_{'bias' if kind.endswith('bias') else 'weight'}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {prefix}.{kind} maps to {target!r}, which the model lacks.")
         param = params[target]

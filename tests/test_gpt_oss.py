@@ -237,9 +237,8 @@ def mxfp4_dirs(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
             (mxfp4 / file.name).write_bytes(file.read_bytes())
     save_file(quantized, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((mxfp4 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                                         "model.layers.*.mlp.router",
-                                                                                         "model.embed_tokens", "lm_head"]}
+    unquantized = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": unquantized}
     (mxfp4 / "config.json").write_text(json.dumps(config))
     return mxfp4, dense, values
 

@@ -67,9 +67,9 @@ GPU_WINDOWED = [(4096, None, [1, 3000, 8192, 32768], [1, 2048, 300], [5000, 2048
                 (4096, 50.0, [1, 3000, 8192], [2048, 1], [2048, 8000])]
 DRY_WINDOWED = [(37, None, [1, 30, 130], [40, 1], [40, 90]), (37, 5.0, [1, 130], [23, 1], [60, 90])]
 # Layers with attention sinks (gpt-oss: alternating 128-token windows and full attention):
-# (window, decode contexts, decode split count or None, prefill query lengths, prefill contexts).
-GPU_SINKS = [(128, [1, 100, 3000], 1, [1, 500, 64], [1, 500, 4000]), (None, [1, 3000, 8192], 1, [2048, 1], [2048, 7000]),
-             (None, [8192], 8, [], [])]
+# (window, decode contexts, decode split count, prefill query lengths, prefill contexts).
+GPU_SINKS = [(128, [1, 100, 3000], 1, [1, 500, 64], [1, 500, 4000]),
+             (None, [1, 3000, 8192], 1, [2048, 1], [2048, 7000]), (None, [8192], 8, [], [])]
 DRY_SINKS = [(37, [1, 30, 130], 1, [40, 1], [40, 90]), (None, [200], 3, [23, 1], [60, 90])]
 DRY_PREFILL = [("whole prompts", [1, 23, 40], [1, 23, 40]),
                ("chunks behind context", [12, 30], [50, 37]),
