@@ -85,30 +85,32 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query row per sequence, query [B, Hq, D] (fp32 or bf16), over its seq_lens[b]
     cached tokens (the last sliding_window of them, when set) at block_tables[b] of k_cache,
-    v_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, CPU); returns [B, Hq, D] in the
-    query's dtype. A table that does not hold the tokens read is a ValueError. Needs the
-    kernel (see `is_available`)."""
+    v_cache [num_blocks, block_size, Hkv, D] (fp32, bf16 or fp8 read as fp8 * k_scale and
+    fp8 * v_scale; CPU); returns [B, Hq, D] in the query's dtype. A table that does not hold
+    the tokens read is a ValueError. Needs the kernel (see `is_available`)."""
     kernel = load_kernel()
     assert kernel is not None, "paged_decode_attention needs the native kernel; check is_available()"
     return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale, sliding_window or 0,
-                  logits_soft_cap or 0.0)
+                  logits_soft_cap or 0.0, k_scale, v_scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1, *,
-                            sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The reference's `paged_attention` contract for the sequences with at least
     min_query_len queries; the rows of the others, and of padding tokens, are zero.
-    k_cache, v_cache fp32 or bf16 on the CPU; returns [T, Hq, D] in the query's dtype.
-    Needs the prefill kernel (see `load_prefill_kernel`)."""
+    k_cache, v_cache fp32, bf16 or fp8 (with its scales) on the CPU; returns [T, Hq, D] in
+    the query's dtype. Needs the prefill kernel (see `load_prefill_kernel`)."""
     kernel = load_prefill_kernel()
     assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
     md = attn_metadata
     return kernel(query, k_cache, v_cache, _int32(md.block_tables), _int32(md.seq_lens), _int32(md.query_start_loc),
-                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0)
+                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0, k_scale, v_scale)
 
 
 def _int32(tensor: torch.Tensor) -> torch.Tensor:
