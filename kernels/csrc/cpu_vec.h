@@ -118,23 +118,21 @@ inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are
 }
 
 // fp8 -> fp32 through fp16, which F16C widens in hardware (fp16 subnormals included, DAZ or
-// not). E5M2 is the high byte of an fp16. E4M3's 7 exponent and mantissa bits, placed under
-// fp16's (a 5-bit exponent of bias 15 against 4 bits of bias 7), give value / 2^8 for normals
-// and subnormals alike: times 256, exact. Its NaN code 0x7F comes out 1.875 * 256 = 480,
-// beyond E4M3's largest finite 448, and is made NaN.
+// not). E5M2 is the high byte of an fp16. E4M3's bits, sign-extended to 16 and shifted left by
+// 7, put its sign at fp16's sign (and at bit 14, cleared) and its 7 exponent and mantissa bits
+// under fp16's (a 5-bit exponent of bias 15 against 4 bits of bias 7): value / 2^8 for normals
+// and subnormals alike, times 256 exact. The NaN code's 7 bits, all ones, carry into bit 14
+// when 0x80 is added: that bit, or-ed in, makes the fp16 exponent 31, a NaN.
 #if defined(__F16C__)
 inline __m256 fp8_to_fp32x8(__m128i bytes, fp8_e5m2) {
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
 }
 
 inline __m256 fp8_to_fp32x8(__m128i bytes, fp8_e4m3) {
-  const __m128i b = _mm_cvtepu8_epi16(bytes);
-  const __m128i half = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(static_cast<int16_t>(0x8000))),
-                                    _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3F80)));
-  const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
-  // All ones (a NaN) where |value| is 480.
-  const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), value), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
-  return _mm256_or_ps(value, nan);
+  const __m128i half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                                     _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m128i nan_bit = _mm_and_si128(_mm_add_epi16(half, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000));
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(half, nan_bit)), _mm256_set1_ps(256.0f));
 }
 
 template <typename fp8_t, std::enable_if_t<kIsFp8<fp8_t>, int> = 0>
@@ -230,13 +228,11 @@ inline vfloat vload(const fp8_e5m2* p) {
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
 }
 inline vfloat vload(const fp8_e4m3* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i half =
-      _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000))),
-                      _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3F80)));
-  const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(value), _mm512_set1_ps(480.0f), _CMP_EQ_OQ);
-  return _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  const __m256i half = _mm256_and_si256(
+      _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7),
+      _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i nan_bit = _mm256_and_si256(_mm256_add_epi16(half, _mm256_set1_epi16(0x80)), _mm256_set1_epi16(0x4000));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(half, nan_bit)), _mm512_set1_ps(256.0f));
 }
 inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 #if defined(__AVX512BF16__)
