@@ -8,12 +8,16 @@ backend's `paged_attention`:
 - ``bf16``: a bf16 cache (the reference for speed);
 - ``fp8_e4m3`` / ``fp8_e5m2``: fp8 caches read by the native kernels directly.
 
+``--prefill N`` times, instead, one prompt of N tokens per layer (`--batch` is then 1), the
+prefill kernel's path.
+
 The modes take turns within each repeat, in one process, so that a loaded machine slows
 them alike; the table gives each mode's median and best per-layer time over the repeats
 and its ratio to bf16's median. The last line printed is ``RESULT {json}``.
 
     python -m raylm.cluster.benchmarks.bench_cpu_fp8_attention
     python -m raylm.cluster.benchmarks.bench_cpu_fp8_attention --batch 64 --context 1024 --head-size 128
+    python -m raylm.cluster.benchmarks.bench_cpu_fp8_attention --prefill 512
 """
 
 from __future__ import annotations
@@ -34,16 +38,18 @@ from raylm.kernels.kv_cache_dtype import quantize
 FP8_MODES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def decode_step(batch: int, context: int, block_size: int, num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
-    """A decode-only step whose sequences hold shuffled blocks of a cache of num_blocks."""
+def attention_step(batch: int, context: int, query_len: int, block_size: int, num_blocks: int,
+                   gen: torch.Generator) -> AttentionMetadata:
+    """A step of `batch` sequences of `context` tokens, the last query_len of them queries
+    (1: decode), at shuffled blocks of a cache of num_blocks."""
     per_seq = -(-context // block_size)
     tables = torch.randperm(num_blocks, generator=gen)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
     return AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.int64),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(batch * query_len, dtype=torch.int64),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32) * query_len,
         seq_lens=torch.full((batch,), context, dtype=torch.int32),
-        block_tables=tables, max_query_len=1, max_seq_len=context,
-        query_lens_list=[1] * batch, seq_lens_list=[context] * batch)
+        block_tables=tables, max_query_len=query_len, max_seq_len=context,
+        query_lens_list=[query_len] * batch, seq_lens_list=[context] * batch)
 
 
 def layer_calls(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
@@ -52,8 +58,9 @@ def layer_calls(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     per_seq = -(-args.context // args.block_size)
     num_blocks = args.batch * per_seq + 8
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_size)
-    md = decode_step(args.batch, args.context, args.block_size, num_blocks, gen)
-    query = torch.randn(args.batch, args.num_heads, args.head_size, generator=gen).to(torch.bfloat16)
+    query_len = args.context if args.prefill else 1
+    md = attention_step(args.batch, args.context, query_len, args.block_size, num_blocks, gen)
+    query = torch.randn(args.batch * query_len, args.num_heads, args.head_size, generator=gen).to(torch.bfloat16)
     scale = 1.0 / math.sqrt(args.head_size)
     k_scale, v_scale = 0.05, 0.02  # not powers of two: fp8 * scale is not exact in bf16
     bf16_layers = [(torch.randn(shape, generator=gen).to(torch.bfloat16),
@@ -83,8 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=8, help="separate caches a step reads, one per layer")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--prefill", type=int, default=None, metavar="N", help="time a prompt of N tokens instead")
     parser.add_argument("--fp8-modes", nargs="+", choices=tuple(FP8_MODES), default=list(FP8_MODES))
     args = parser.parse_args(argv)
+    if args.prefill:
+        args.batch, args.context = 1, args.prefill
     if not cpu_attention.is_available():
         raise SystemExit("the native CPU attention kernel cannot be built here")
 
@@ -99,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
             per_layer_us[mode].append((time.perf_counter() - start) / args.layers * 1e6)
 
     base = statistics.median(per_layer_us["bf16"])
-    print(f"decode attention per layer: {args.batch} sequences x {args.context} tokens, heads "
+    what = f"prefill attention per layer: a prompt of {args.context}" if args.prefill else \
+        f"decode attention per layer: {args.batch} sequences x {args.context}"
+    print(f"{what} tokens, heads "
           f"{args.num_heads}/{args.num_kv_heads} x {args.head_size}, bf16 queries, {args.layers} layers' caches, "
           f"{torch.get_num_threads()} threads, {args.repeats} alternated repeats")
     print(f"{'cache':<10} {'median us':>10} {'best us':>10} {'x bf16':>8}")
