@@ -722,6 +722,16 @@ def test_prefill_and_extend_attention_over_an_fp8_cache(head_size, num_heads, nu
     assert_close(out, float64_attention(query, k32, v32, md, scale), dtype)
 
 
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+def test_windowed_soft_capped_prefill_over_an_fp8_cache(fp8):
+    query_lens, seq_lens = [200, 20, 3, 1], [200, 150, 21, 90]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        query_lens, seq_lens, 8, 2, 64, fp8, seed=5, sliding_window=70)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, 0.25, 1, 70, 3.0, k_scale, v_scale)
+    assert_close(out, float64_attention(query, k32, v32, md, 0.25, 70, 3.0), torch.float32)
+
+
 @pytest.mark.parametrize("op", ["decode", "prefill"])
 def test_the_kernels_refuse_an_fp8_scale_that_is_not_positive_and_finite(op):
     query, k_cache, v_cache, md, _, _ = fp8_cached_step([1, 1], [5, 9], 4, 2, 32, torch.float8_e4m3fn)

@@ -2,7 +2,7 @@
 // straight from the paged cache through the sequence's block table.
 //
 // A task computes all query heads of one sequence (or, with few sequences, the query heads
-// of one KV head), block by block, with an online softmax in fp32 (the cache is fp32 or bf16). On x86 with
+// of one KV head), block by block, with an online softmax in fp32 (the cache is fp32, bf16 or fp8). On x86 with
 // AVX2 and FMA, the two inner products are register-blocked: scores of 8 keys at a time
 // (8 accumulators, reduced together by one transposing horizontal sum), and the weighted
 // sum of values for two query heads at a time over 32 channels held in registers. Elsewhere
@@ -951,9 +951,9 @@ bool is_fp8(const at::Tensor& t) {
 // (kv_cache_dtype.dequantize): k_scale multiplies the scores, v_scale the outputs, so that the
 // loads stay a conversion (exact) and the scales cost a multiply a query and an output row;
 // the results differ from scaling every element by fp32 rounding only. Other caches ignore
-// the scales, as dequantize does. sliding_window > 0: each query attends to its last sliding_window positions, and the
-// blocks before that are not read; logits_soft_cap > 0: scores s become
-// logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off). A sequence whose table does
+// the scales, as dequantize does. sliding_window > 0: each query attends to its last
+// sliding_window positions, and the blocks before that are not read; logits_soft_cap > 0:
+// scores s become logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off). A sequence whose table does
 // not hold the tokens it reads in valid blocks is a ValueError, and nothing is computed.
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
