@@ -14,15 +14,21 @@ dequantizes to `weight.float() * scale` of its row or block.
   here (vLLM runs them through its own block kernel).
 - W8A16 everywhere else (the CPU has no fp8 arithmetic): the weight dequantized to the
   activations' dtype a chunk of output rows at a time, each chunk multiplied while it is in
-  the cache, so that no whole weight, and never the whole model, exists in 16 bits.
+  the cache, so that no whole weight, and never the whole model, exists in 16 bits. On the
+  CPU the chunks dequantize through the native 256-entry table of the fp8 KV cache
+  (`cpu_ops.dequantize_blocks`, fp32 and bf16), which ran ~6x faster than PyTorch's fp8 cast.
 
 `fp8_linear_reference` is the PyTorch reference both are checked against.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from raylm.kernels import cpu_ops
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -115,9 +121,14 @@ def _w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     # at decode sizes); fp16 takes them on the weight, where raw fp8 values (up to 448)
     # summed over many features could overflow it; blocks always do.
     scale_output = block_size is None and x.dtype != torch.float16
+    table = _fp8_table(x.dtype) if x.device.type == "cpu" and weight.is_contiguous() and cpu_ops.usable(x) else None
     parts = []
     for start in range(0, out_features, chunk_rows):
         rows = weight[start:start + chunk_rows]
+        if table is not None:
+            # The native table lookup, several times faster than PyTorch's fp8 cast.
+            ids = torch.arange(start, start + rows.shape[0])
+            rows = torch.ops.raylm.dequantize_blocks(weight.view(torch.uint8), ids, table)
         scale = weight_scale
         if block_size is not None:
             scale = weight_scale[start // block_size[0]:-(-(start + rows.shape[0]) // block_size[0])]
@@ -130,6 +141,12 @@ def _w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         parts.append(part)
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return out if bias is None else out + bias
+
+
+@functools.cache
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 float8_e4m3fn values, by bit pattern, in `dtype` (exact: e4m3 fits bf16 and fp32)."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(dtype)
 
 
 def _w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
