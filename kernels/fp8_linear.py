@@ -90,7 +90,13 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether `device` multiplies fp8 matrices: a CUDA GPU of compute capability 8.9 or up."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once (layers ask on every call)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -167,7 +173,7 @@ def _w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return out.reshape(*leading, -1)
     row_scale = weight_scale.float().reshape(1, -1).expand(1, weight.shape[0]).contiguous()
     token_scale = x_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
-    if torch.cuda.get_device_capability(x.device) >= (9, 0) and x.dtype == torch.bfloat16:
+    if _capability(x.device.index) >= (9, 0) and x.dtype == torch.bfloat16:
         out = torch._scaled_mm(x_q, weight_t, scale_a=token_scale, scale_b=row_scale, out_dtype=x.dtype)
     else:
         one = torch.ones((), dtype=torch.float32, device=x.device)

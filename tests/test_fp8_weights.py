@@ -119,6 +119,32 @@ def test_fp8_checkpoint_over_two_tensor_parallel_ray_workers_matches_hf(tmp_path
     llm.shutdown()
 
 
+def test_serve_flag_quantization_reaches_the_model_config(source):
+    from raylm.deploy import cli
+    from raylm.engine.arg_utils import EngineArgs
+
+    args = cli.build_parser().parse_args(["serve", str(source), "--quantization", "fp8"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().model_config.quantization == "fp8"
+
+
+@pytest.mark.cuda
+def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path, source):
+    # W8A8 (compute capability >= 8.9) rounds activations to fp8 too, W8A16 elsewhere: the
+    # sampled tokens' logprobs stay within a few hundredths of HF's on the dequantized weights.
+    from hf_reference import hf_log_softmax
+
+    quantized, reference, _ = checkpoint(tmp_path, source, "ct-channel")
+    llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        completion = output.outputs[0]
+        rows = hf_log_softmax(reference, prompt + completion.token_ids)[len(prompt) - 1:]
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert entry[token].logprob == pytest.approx(rows[step, token].item(), abs=0.05)
+    llm.shutdown()
+
+
 # ------------------------------------------------------------------ errors
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 INT4_COMPRESSED_TENSORS = {
