@@ -28,7 +28,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from raylm.engine import envs
 from raylm.kernels import cpu_ops
+from raylm.kernels.native_build import load_native_library
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -37,6 +39,11 @@ _MIN_SCALE = 1e-12
 # Elements of one dequantized chunk of a W8A16 weight (1 MiB in bf16): the chunk is written
 # and read straight back by the GEMM, so it should stay in the core's L2.
 _DEQUANT_CHUNK_ELEMENTS = 2**19
+# Tokens up to which the CPU takes the native FP8 kernel (decode batches); above, the
+# dequantized chunks go through oneDNN, whose GEMM wins once the weight is reused enough.
+NATIVE_MAX_ROWS = 32
+# None: not tried yet; else whether csrc/cpu_fp8_linear.cpp is built and allowed.
+_native_usable: bool | None = None
 
 
 def quantize_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +124,27 @@ def uses_w8a8(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int]
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
+def native_fp8_linear_usable() -> bool:
+    """Whether the native FP8 decode kernel (csrc/cpu_fp8_linear.cpp) is built here and not
+    switched off (RAYLM_TEST_DISABLE_KERNELS=fp8_linear)."""
+    global _native_usable
+    if _native_usable is None:
+        _native_usable = (not envs.kernel_switched_off("fp8_linear")
+                          and load_native_library("cpu_fp8_linear") is not None)
+    return _native_usable
+
+
 def _w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   block_size: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
     out_features, in_features = weight.shape
+    rows = x.numel() // in_features if in_features else 0
+    if (block_size is None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and 0 < rows <= NATIVE_MAX_ROWS and weight.is_contiguous() and native_fp8_linear_usable()):
+        # Decode batches: the weight streamed at one byte an element, widened in registers.
+        out = torch.ops.raylm.fp8_linear(x.reshape(rows, in_features).float().contiguous(), weight.view(torch.uint8),
+                                         weight_scale.float().reshape(-1).contiguous()).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], out_features)
+        return out if bias is None else out + bias
     chunk_rows = max(1, _DEQUANT_CHUNK_ELEMENTS // max(1, in_features))
     if block_size is not None:
         chunk_rows = max(block_size[0], chunk_rows - chunk_rows % block_size[0])

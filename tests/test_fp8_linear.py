@@ -31,6 +31,7 @@ def fp8_weight(scales: str, device: str = "cpu") -> tuple[torch.Tensor, torch.Te
 def test_cpu_w8a16_in_row_chunks_equals_the_dequantized_reference(monkeypatch, scales, dtype, tolerance):
     # Chunks of 32 rows (2560 elements / 80 columns; blocks keep whole 32-row blocks): three.
     monkeypatch.setattr(fp8_linear, "_DEQUANT_CHUNK_ELEMENTS", 2560)
+    monkeypatch.setattr(fp8_linear, "NATIVE_MAX_ROWS", 0)  # the native decode kernel: its own test
     weight, scale, block = fp8_weight(scales)
     x = torch.randn(7, IN, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(OUT)
@@ -38,6 +39,35 @@ def test_cpu_w8a16_in_row_chunks_equals_the_dequantized_reference(monkeypatch, s
     reference = fp8_linear_reference(x.to(dtype), weight, scale, block, None, bias.to(dtype))
     assert out.dtype == dtype and out.shape == (7, OUT)
     torch.testing.assert_close(out.float(), reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
+
+
+native = pytest.mark.skipif(not fp8_linear.native_fp8_linear_usable(), reason="native FP8 kernel not built here")
+
+
+@native
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("out_features,in_features", [(96, 80), (5, 17), (64, 256)])
+@pytest.mark.parametrize("scales", ["tensor", "rows"])
+def test_native_fp8_decode_kernel_equals_the_dequantized_reference(tokens, out_features, in_features, scales):
+    # Token blocks of 8 and output blocks of 3 with remainders, features not multiples of 16.
+    generator = torch.Generator().manual_seed(tokens)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    scale = torch.tensor(0.003) if scales == "tensor" else torch.rand(out_features, generator=generator) * 0.01
+    x = torch.randn(tokens, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    assert tokens <= fp8_linear.NATIVE_MAX_ROWS
+    out = apply_fp8_linear(x, weight, scale, None, None, bias)
+    reference = fp8_linear_reference(x, weight, scale, None, None, bias)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+@native
+def test_native_fp8_kernel_widens_every_e4m3_value_exactly_subnormals_included():
+    values = torch.arange(256, dtype=torch.uint8)
+    values[[0x7f, 0xff]] = 0  # the NaNs: never written by a quantizer
+    weight = values.view(FP8_DTYPE).reshape(1, 256)
+    out = torch.ops.raylm.fp8_linear(torch.eye(256), weight.view(torch.uint8), torch.ones(1))
+    assert torch.equal(out[:, 0], weight.float()[0])
 
 
 def test_quantize_per_tensor_scale_is_amax_over_448_and_round_trips_within_fp8_precision():
