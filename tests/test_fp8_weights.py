@@ -6,10 +6,12 @@ raised from config.json alone."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from fp8_checkpoints import quantize, write_config_only, write_fp8_checkpoint
 from hf_reference import assert_hf_greedy, assert_logprobs_match_hf
@@ -81,8 +83,6 @@ def test_compressed_tensors_fp8_checkpoint_matches_hf(tmp_path, source, layout):
 def test_online_fp8_quantizes_each_linear_weight_per_tensor_and_leaves_embeddings_and_lm_head(tmp_path, source):
     # The reference: each linear weight rounded by torch here, amax / 448 per tensor.
     reference = tmp_path / "rounded"
-    from safetensors.torch import load_file, save_file
-    import shutil
     shutil.copytree(source, reference)
     tensors = load_file(str(source / "model.safetensors"))
     rounded = {name: quantize(t, "tensor")[2] if name.endswith("_proj.weight") else t for name, t in tensors.items()}
