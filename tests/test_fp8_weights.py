@@ -72,9 +72,10 @@ def test_fp8_block_checkpoint_matches_hf(tmp_path, source):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor"])
+@pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "ct-block"])
 def test_compressed_tensors_fp8_checkpoint_matches_hf(tmp_path, source, layout):
-    quantized, reference, _ = checkpoint(tmp_path, source, layout, static=layout == "ct-tensor")
+    quantized, reference, _ = checkpoint(tmp_path, source, layout, static=layout == "ct-tensor",
+                                         block=(32, 16) if layout == "ct-block" else None)
     llm = LLM(model=str(quantized), quantization="compressed-tensors", **ENGINE)
     assert_matches_hf(reference, generate(llm))
     llm.shutdown()
@@ -181,3 +182,9 @@ def test_weight_block_size_that_splits_a_fused_shard_is_an_error_naming_the_laye
                                                             "weight_block_size": [48, 48]})
     with pytest.raises(ValueError, match=r"weight_block_size \[48, 48\] does not divide .*qkv_proj"):
         LLM(model=str(folder), **ENGINE)
+
+
+def test_enable_lora_with_fp8_weights_is_an_error(tmp_path, source):
+    folder = write_config_only(source, tmp_path / "model", {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(ValueError, match="enable_lora is not supported with FP8 weights"):
+        LLM(model=str(folder), enable_lora=True, **ENGINE)
