@@ -86,10 +86,10 @@ def test_cuda_w8a8_scaled_mm_equals_the_reference_with_activations_quantized_ali
     device = torch.device("cuda")
     if not fp8_linear.scaled_mm_supported(device):
         pytest.skip("fp8 GEMMs need compute capability 8.9 or up (W8A16 there)")
-    weight, scale, _ = fp8_weight(scales, "cuda")
+    weight, scale, _ = fp8_weight(scales)
     out_features, in_features = 128, 256  # multiples of 16, as _scaled_mm needs
-    weight = weight.repeat(2, 4)[:out_features, :in_features].contiguous()
-    scale = scale.repeat(2)[:out_features] if scale.dim() else scale
+    weight = weight.view(torch.uint8).repeat(2, 4)[:out_features, :in_features].contiguous().view(FP8_DTYPE)
+    weight, scale = weight.to(device), (scale.repeat(2)[:out_features] if scale.dim() else scale).to(device)
     x = torch.randn(5, in_features, device=device).to(dtype)
     input_scale = (x.float().abs().max() / 448 * 1.5).reshape(()) if static else None
     bias = torch.randn(out_features, device=device).to(dtype)

@@ -135,7 +135,7 @@ def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path
     from hf_reference import hf_log_softmax
 
     quantized, reference, _ = checkpoint(tmp_path, source, "ct-channel")
-    llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128)
+    llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
@@ -188,3 +188,18 @@ def test_enable_lora_with_fp8_weights_is_an_error(tmp_path, source):
     folder = write_config_only(source, tmp_path / "model", {"quant_method": "fp8", "activation_scheme": "dynamic"})
     with pytest.raises(ValueError, match="enable_lora is not supported with FP8 weights"):
         LLM(model=str(folder), enable_lora=True, **ENGINE)
+
+
+def test_ignore_list_matches_names_and_regexes_and_a_fused_layer_is_ignored_whole_or_not_at_all():
+    from raylm.models.quantization import QuantizationConfig
+    from raylm.parallel.fp8_linear_method import Fp8LinearScheme
+
+    config = QuantizationConfig("compressed-tensors", Fp8LinearScheme(True, "channel"),
+                                ("lm_head", "re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.up_proj"))
+    qkv = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    assert config.is_ignored("model.layers.1.self_attn.qkv_proj", qkv)
+    assert not config.is_ignored("model.layers.2.self_attn.qkv_proj", [n.replace(".1.", ".2.") for n in qkv])
+    assert config.is_ignored("lm_head", [])
+    with pytest.raises(ValueError, match="fused layer is quantized whole or not at all"):
+        config.is_ignored("model.layers.0.mlp.gate_up_proj",
+                          ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"])
