@@ -25,6 +25,7 @@ from raylm.engine.usage_context import UsageContext
 from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
+from raylm.models.quantization import QUANTIZATION_METHODS, get_quant_config
 from raylm.models.pipeline import check_pipeline_parallel
 from raylm.models.registry import default_runner_type
 from raylm.models.sliding_window import kv_cache_sliding_window
@@ -52,6 +53,14 @@ class EngineArgs(SettingsMixin):
         "and seed, 1234, per parameter: the same every run, and each tensor-parallel rank draws its own shard so), "
         "to measure speed without the weights; config.json and the tokenizer are still read from the folder. "
         "Its outputs are meaningless. vLLM's other formats (pt, gguf, ...) are not read.")})
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATION_METHODS, **_help(
+        "FP8 weights (vLLM's flag, docs/quantization.md): 'fp8' quantizes a 16/32-bit checkpoint's linear layers "
+        "(not the embeddings or the LM head) to float8_e4m3fn at load, one scale per tensor, or reads a checkpoint "
+        "whose config.json quantization_config has quant_method 'fp8' (per-tensor or block-wise); "
+        "'compressed-tensors' reads llm-compressor's FP8 checkpoints (per-tensor, per-channel or block-wise). "
+        "Default: what the checkpoint's quantization_config says, else none. GPUs of compute capability 8.9 and up "
+        "multiply in fp8 (W8A8, activations quantized per token or by the checkpoint's static scale); CPUs and older "
+        "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "
@@ -253,6 +262,10 @@ class EngineArgs(SettingsMixin):
         self.model = resolve_model_path(self.model)
         device_config = DeviceConfig.detect(self.device)
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
+        quant_config = get_quant_config(hf_config, self.quantization)  # errors before any weight is read
+        if quant_config is not None and self.enable_lora:
+            raise ValueError("enable_lora is not supported with FP8 weights (quantization "
+                             f"{quant_config.method!r}): LoRA layers read the base weight in 16/32 bits.")
         runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
         # A multi-modal config's context length is its language model's (vLLM's hf_text_config).
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -277,6 +290,7 @@ class EngineArgs(SettingsMixin):
             runner_type=runner_type,
             pooler_config=pooler_config,
             load_format=check_load_format(self.load_format),
+            quantization=None if quant_config is None else quant_config.method,
             enable_sleep_mode=self.enable_sleep_mode,
             limit_mm_per_prompt=check_limit_mm_per_prompt(self.limit_mm_per_prompt),
         )

@@ -817,3 +817,21 @@ def test_lora_bgmv_refuses_indices_out_of_range_before_touching_memory(bad):
     with pytest.raises(RuntimeError, match="raylm::lora_bgmv"):
         torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, offsets, slots, 16)
     assert torch.equal(out, base)
+
+
+def test_fp8_linear_widens_every_e4m3_value_and_multiplies_as_float64_does():
+    """csrc/cpu_fp8_linear.cpp: blocks of 8 tokens x 3 rows with remainders, features not a
+    multiple of 16, per-row scales; and every e4m3 value (subnormals included) widened exactly."""
+    if native_build.load_native_library("cpu_fp8_linear") is None:
+        pytest.skip("the FP8 kernel cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(7, 37, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(7, generator=generator)
+    x = torch.randn(11, 37, generator=generator)
+    out = torch.ops.raylm.fp8_linear(x, weight.view(torch.uint8), scale)
+    expected = x.double() @ (weight.double() * scale.double()[:, None]).T
+    assert_close(out, expected, torch.float32)
+    values = torch.arange(256, dtype=torch.uint8)
+    values[[0x7f, 0xff]] = 0  # the NaNs
+    widened = torch.ops.raylm.fp8_linear(torch.eye(256), values.reshape(1, 256), torch.ones(1))[:, 0]
+    assert torch.equal(widened, values.view(torch.float8_e4m3fn).float())
