@@ -17,8 +17,8 @@ dequantizes to `weight.float() * scale` of its row or block.
   `csrc/cpu_fp8_linear.cpp`, which widens the weight's bytes in registers; larger batches,
   and block-wise weights, dequantize a chunk of output rows at a time to the activations'
   dtype and multiply each chunk while it is in the cache. On the CPU the chunks go through
-  the native 256-entry table of the fp8 KV cache (`cpu_ops.dequantize_blocks`, fp32 and
-  bf16), which ran ~6x faster than PyTorch's fp8 cast. Against unquantized bf16 (packed GEMMs,
+  a native 256-entry table lookup (the `raylm::dequantize_blocks` op, fp32 and bf16),
+  which ran ~6x faster than PyTorch's fp8 cast. Against unquantized bf16 (packed GEMMs,
   fused decode) the ~100M Llama decoded at 0.46-0.48x the tokens/s with the native kernel and
   0.11-0.23x with chunks alone (docs/quantization.md).
 

@@ -955,6 +955,49 @@ at::Tensor zeros_on_huge_pages_op(at::IntArrayRef size, at::ScalarType dtype) {
   return zeros_on_huge_pages(size, at::TensorOptions().dtype(dtype));
 }
 
+// The rows `blocks` of an fp8 tensor (its bytes, [num_rows, ...]) in table's dtype (fp32 or
+// bf16), byte by byte through `table` (the 256 fp8 values, maybe times a scale): an FP8
+// weight's row chunks for the W8A16 GEMM of larger batches (kernels/fp8_linear.py).
+// One table load an element; PyTorch's fp8 -> fp32 cast took several times longer.
+template <typename out_t>
+void dequantize_rows(const uint8_t* src, const int64_t* ids, const out_t* lut, out_t* dst, int64_t n, int64_t row) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* s = src + ids[i] * row;
+      out_t* d = dst + i * row;
+      for (int64_t j = 0; j < row; ++j) d[j] = lut[s[j]];
+    }
+  });
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& cache, const at::Tensor& blocks, const at::Tensor& table) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kByte && cache.is_contiguous() && cache.dim() >= 1,
+              "raylm::dequantize_blocks: cache must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
+              "raylm::dequantize_blocks: blocks must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK((table.scalar_type() == at::kFloat || table.scalar_type() == at::kBFloat16) && table.numel() == 256 &&
+                  table.is_contiguous(),
+              "raylm::dequantize_blocks: table must hold 256 contiguous fp32 or bf16 values");
+  const int64_t num_blocks = cache.size(0), n = blocks.numel();
+  const int64_t row = num_blocks == 0 ? 0 : cache.numel() / num_blocks;
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < num_blocks, "raylm::dequantize_blocks: block ", ids[i],
+                      " is outside the cache's ", num_blocks, " blocks");
+  }
+  std::vector<int64_t> sizes = cache.sizes().vec();
+  sizes[0] = n;
+  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(table.scalar_type()));
+  const uint8_t* src = cache.data_ptr<uint8_t>();
+  if (table.scalar_type() == at::kFloat) {
+    dequantize_rows(src, ids, table.data_ptr<float>(), out.data_ptr<float>(), n, row);
+  } else {  // bf16 as its 16 bits: a copy, no conversion
+    dequantize_rows(src, ids, reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, row);
+  }
+  return out;
+}
+
 // fp32 lanes of cpu_vec.h's vfloat in this build: 16 (AVX-512), 8 (AVX2), 1 (portable).
 int64_t vector_width() { return kVecWidth; }
 
@@ -976,6 +1019,7 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos_sin_cache, int head_size, int rotary_dim) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("dequantize_blocks(Tensor cache, Tensor blocks, Tensor table) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
@@ -984,6 +1028,7 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("random_sample", &random_sample);
   m.impl("random_sample_truncated", &random_sample_truncated);
   m.impl("truncated_probs", &truncated_probs);
