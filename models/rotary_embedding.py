@@ -63,7 +63,8 @@ def rope_parameters_from_config(config: Any) -> dict[str, Any]:
         params = dict(params)
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
-        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+        theta = getattr(config, "rope_theta", None)  # a 0 is the config's (refused by get_rope)
+        params["rope_theta"] = 10000.0 if theta is None else theta
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
     params.pop("type", None)

@@ -226,3 +226,12 @@ def test_rope_settings_that_make_cos_sin_nan_or_break_the_kernels_are_errors_nam
     weights), divide by zero, or crash the rotary kernel at the first forward."""
     with pytest.raises(ValueError, match=message):
         get_rope(16, 64, rope)
+
+
+def test_a_zero_rope_theta_of_a_transformers_4_config_is_refused_not_replaced_by_the_default():
+    """transformers 4.x keeps rope_theta beside rope_scaling: a 0 there took the default base
+    (10000), where transformers' model makes NaN."""
+    params = rope_parameters_from_config(SimpleNamespace(rope_theta=0.0, rope_scaling=None))
+    with pytest.raises(ValueError, match="rope_theta must be a positive finite number, got 0.0"):
+        get_rope(16, 64, params)
+    assert rope_parameters_from_config(SimpleNamespace(rope_scaling=None))["rope_theta"] == 10000.0
