@@ -303,6 +303,47 @@ def test_processed_mm_features_the_vision_tower_cannot_fill_are_refused(llm, hf_
     assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (19,))
 
 
+def _edit_processor_config(model_dir: Path, path: Path, **image_processor) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, path)
+    config = json.loads((path / "processor_config.json").read_text())
+    for key, value in image_processor.items():
+        if key == "num_additional_image_tokens":
+            config[key] = value
+        else:
+            config["image_processor"][key] = value
+    (path / "processor_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(num_additional_image_tokens=2), "expands an image to 17 tokens, but its vision tower makes 16"),
+    (dict(size={"shortest_edge": 48}, crop_size={"height": 48, "width": 48}),
+     r"pixel_values of shape \(3, 48, 48\) an image, but its vision tower takes \(3, 32, 32\)"),
+])
+def test_a_processor_config_that_disagrees_with_the_model_fails_image_requests_alone(llava_dir, tmp_path, edit,
+                                                                                      match):
+    """A checkpoint whose processor_config.json expands an image to more tokens than the
+    vision tower makes, or makes pixels of another size, failed in the workers' encoder
+    (an AsyncLLMEngine's loop died with it, every request failing): each image request is
+    refused naming multi_modal_data, and text prompts are served."""
+    from raylm.engine import SamplingParams
+    from raylm.engine.sampling_params import ParameterError
+
+    llm = _llm(_edit_processor_config(llava_dir, tmp_path / "model", **edit))
+    try:
+        with pytest.raises(ParameterError, match=match) as error:
+            _generate(llm, [(PROMPT, (1,))])
+        assert error.value.param == "multi_modal_data"
+        (out,) = llm.generate("USER: no picture ASSISTANT:", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 2
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
 def test_placeholder_without_image_and_token_prompts_without_placeholders_are_refused(llm):
     from raylm.engine.sampling_params import ParameterError
 

@@ -151,7 +151,19 @@ class MultiModalProcessor:
         if per_image < 1 or expanded % len(images):
             raise ParameterError(f"The model's processor gave {expanded} image tokens for {len(images)} images.",
                                  "multi_modal_data")
-        return np.asarray(processed["pixel_values"], dtype=np.float32), per_image
+        pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
+        # A checkpoint whose processor_config.json disagrees with its config.json would have
+        # the workers fail on the images (which ends the engine for every request): refused
+        # here, request by request.
+        if self.pixel_values_shape is not None and pixel_values.shape[1:] != self.pixel_values_shape[1:]:
+            raise ParameterError(f"The model's processor makes pixel_values of shape {pixel_values.shape[1:]} an "
+                                 f"image, but its vision tower takes {self.pixel_values_shape[1:]}: the checkpoint's "
+                                 f"processor_config.json and config.json disagree.", "multi_modal_data")
+        if self.tokens_per_image is not None and per_image != self.tokens_per_image:
+            raise ParameterError(f"The model's processor expands an image to {per_image} tokens, but its vision tower "
+                                 f"makes {self.tokens_per_image} embeddings of one: the checkpoint's "
+                                 f"processor_config.json and config.json disagree.", "multi_modal_data")
+        return pixel_values, per_image
 
     def _expanded(self, token_ids: list[int], per_image: int) -> tuple[list[int], list[PlaceholderRange]]:
         """The ids with each placeholder token repeated per_image times, and where each image went."""
