@@ -255,6 +255,18 @@ def test_processed_mm_features_are_checked_against_the_prompt(llm):
     assert_engine_idle(llm.llm_engine)
 
 
+def test_processed_mm_features_outside_generate_are_refused_naming_mm_features(llm):
+    from raylm.engine.beam_search import BeamSearchParams
+    from raylm.engine.sampling_params import ParameterError
+
+    token_ids, features = llm.llm_engine.mm_processor.process(PROMPT, {"image": random_image(3)})
+    with pytest.raises(ParameterError, match="mm_features is supported by generate requests only") as error:
+        llm.beam_search([{"prompt_token_ids": token_ids, "mm_features": features}], BeamSearchParams(beam_width=2,
+                                                                                                     max_tokens=2))
+    assert error.value.param == "mm_features"
+    assert_engine_idle(llm.llm_engine)
+
+
 def _processed_attack(name: str, token_ids: list[int], feature, other_pixels, image_token_id: int):
     """A processed prompt (ids, mm_features) that passes the placeholder-run checks but is
     not what the processor makes of one image."""
