@@ -698,3 +698,30 @@ def test_a_phi3_adapter_on_its_fused_qkv_proj_and_gate_up_proj_equals_peft(tmp_p
     for adapter, got in zip((fused, qkv_only, None), tokens):
         assert_peft_greedy(base, adapter, prompt, got, MAX_TOKENS, f"phi3 under {adapter}")
     assert len({tuple(t) for t in tokens}) == 3
+
+
+@pytest.mark.parametrize("tp_size,num_kv_heads", [(1, 2), (2, 2), (4, 2), (4, 1)])
+def test_a_fused_projections_adapter_shards_as_its_slices_adapters_sharing_a_do(tp_size, num_kv_heads):
+    """(x A^T) [Bq; Bk; Bv]^T is the q, k and v adapters (A, Bq), (A, Bk), (A, Bv): every rank's
+    share of an adapter of the fused qkv_proj (gate_up_proj) equals its share of those, KV
+    heads replicated where ranks outnumber them."""
+    from raylm.kernels.lora_ops import LoRABatch
+    from raylm.parallel import MergedColumnParallelLinear, QKVParallelLinear, override_tensor_parallel
+    from raylm.parallel.lora_linear import ColumnParallelLinearWithLoRA
+
+    hidden, head_size, num_heads, intermediate, rank = 16, 4, 8, 12, 4
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rank, hidden, generator=generator)
+    bq, bk, bv = (torch.randn(n * head_size, rank, generator=generator) for n in (num_heads, num_kv_heads, num_kv_heads))
+    b_gate, b_up = torch.randn(intermediate, rank, generator=generator), torch.randn(intermediate, rank,
+                                                                                    generator=generator)
+    batch = LoRABatch(1, rank, torch.device("cpu"), torch.float32)
+    for tp_rank in range(tp_size):
+        with override_tensor_parallel(tp_rank, tp_size):
+            qkv = ColumnParallelLinearWithLoRA(QKVParallelLinear(hidden, head_size, num_heads, num_kv_heads), batch)
+            mlp = ColumnParallelLinearWithLoRA(MergedColumnParallelLinear(hidden, [intermediate] * 2), batch)
+        for layer, parts in ((qkv, {"q": bq, "k": bk, "v": bv}), (mlp, {0: b_gate, 1: b_up})):
+            fused_a, fused_b = layer.shard_adapter({None: a}, {None: torch.cat(list(parts.values()))}, 2.0)
+            split_a, split_b = layer.shard_adapter({s: a for s in parts}, parts, 2.0)
+            assert torch.equal(fused_a, split_a)
+            assert all(torch.equal(f, s) for f, s in zip(fused_b, split_b)) and len(fused_b) == len(split_b)
