@@ -712,7 +712,8 @@ def test_a_fused_projections_adapter_shards_as_its_slices_adapters_sharing_a_do(
     hidden, head_size, num_heads, intermediate, rank = 16, 4, 8, 12, 4
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(rank, hidden, generator=generator)
-    bq, bk, bv = (torch.randn(n * head_size, rank, generator=generator) for n in (num_heads, num_kv_heads, num_kv_heads))
+    bq, bk, bv = (torch.randn(n * head_size, rank, generator=generator)
+                  for n in (num_heads, num_kv_heads, num_kv_heads))
     b_gate, b_up = torch.randn(intermediate, rank, generator=generator), torch.randn(intermediate, rank,
                                                                                     generator=generator)
     batch = LoRABatch(1, rank, torch.device("cpu"), torch.float32)
