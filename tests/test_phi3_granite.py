@@ -235,3 +235,14 @@ def test_a_zero_rope_theta_of_a_transformers_4_config_is_refused_not_replaced_by
     with pytest.raises(ValueError, match="rope_theta must be a positive finite number, got 0.0"):
         get_rope(16, 64, params)
     assert rope_parameters_from_config(SimpleNamespace(rope_scaling=None))["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("arch", ["phi3-longrope", "phi4-mini", "granite", "granite-tied"])
+def test_forward_in_two_pipeline_stages_equals_hf(model_dirs, arch):
+    """pipeline_parallel_size covers Phi-3 and Granite (Llama's stages): the second stage's
+    tied LM head, Granite's logits scaling and embedding multiplier in the right stage."""
+    from stage_logits import logits_in_stages
+
+    prompt = random_prompts(1, seed=7, min_len=MIN_PROMPT, max_len=MIN_PROMPT + 10)[0]
+    logits = logits_in_stages(model_dirs[arch], prompt, pp_size=2)
+    assert (torch.log_softmax(logits, dim=-1) - hf_log_softmax(model_dirs[arch], prompt)).abs().max() < 1e-4
