@@ -125,7 +125,7 @@ class EngineArgs(SettingsMixin):
         "embedding, the last the final norm and LM head) and the KV cache of those layers only. With async "
         "scheduling up to pipeline_parallel_size + 1 micro-batches of the running requests are in flight, so "
         "that every stage works at once; without it one batch at a time. Llama-family models (Llama, Mistral, "
-        "Qwen2, Qwen3, their MoE variants, Gemma 2 and 3, OLMo 2)."))
+        "Qwen2, Qwen3, their MoE variants, Gemma 2 and 3, OLMo 2, Phi-3, Granite)."))
     enable_expert_parallel: bool = field(default=False, metadata=_help(
         "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
         "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
