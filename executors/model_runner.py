@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,7 +26,8 @@ from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeI
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.encoder_cache import EncoderCache, profile_num_images
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
-from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
+from raylm.executors.input_staging import (InputStaging, fill_block_tables, host_tensor, layout, layout_bytes,
+                                           to_device)
 from raylm.executors.penalty_state import PenaltyState
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
@@ -687,7 +689,7 @@ class ModelRunner:
         if self.staging is not None:
             return self._staged_tensors(host, output_rows)
         input_ids, positions, attn_metadata = self._tensors(host)
-        rows_tensor = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
+        rows_tensor = None if output_rows is None else host_tensor(output_rows, torch.long)
         return input_ids, positions, attn_metadata, rows_tensor, None
 
     def _host_inputs(self, requests: list[ScheduledRequest]) -> HostStep:
@@ -728,21 +730,21 @@ class ModelRunner:
 
     def _tensors(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's tensors made from its lists one by one (the CPU path)."""
+        assert self.device.type == "cpu", "other devices stage their inputs (_staged_tensors)"
         width = max(len(t) for t in host.block_tables)
-        padded_tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in host.block_tables]
-        device = self.device
+        block_tables = np.empty((len(host.block_tables), width), dtype=np.int32)
+        fill_block_tables(block_tables, host.block_tables)
         attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(host.slot_mapping, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(host.seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+            slot_mapping=host_tensor(host.slot_mapping, torch.long),
+            query_start_loc=host_tensor(host.query_start_loc, torch.int32),
+            seq_lens=host_tensor(host.seq_lens, torch.int32),
+            block_tables=torch.from_numpy(block_tables),
             max_query_len=max(host.query_lens),
             max_seq_len=max(host.seq_lens),
             query_lens_list=host.query_lens,
             seq_lens_list=host.seq_lens,
         )
-        return (torch.tensor(host.input_ids, dtype=torch.long, device=device),
-                torch.tensor(host.positions, dtype=torch.long, device=device), attn_metadata)
+        return host_tensor(host.input_ids, torch.long), host_tensor(host.positions, torch.long), attn_metadata
 
     def _max_step_input_bytes(self) -> int:
         """The largest step layout (`_staged_tensors`): a full token budget, every row an

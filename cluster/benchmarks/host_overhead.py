@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import io
 import json
 import pstats
@@ -80,6 +81,18 @@ class PhaseTimer:
             return result
 
         setattr(owner, name, timed)
+
+    def watch_gc(self) -> None:
+        """Also times Python's garbage collections ("gc", inside whichever phase ran them)."""
+        started: list[float] = []
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                self.current["gc"] += time.perf_counter() - started.pop()
+
+        gc.callbacks.append(callback)
 
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
         times, counts = dict(self.current), dict(self.counts)
@@ -127,6 +140,7 @@ def exclusive(times: dict[str, float]) -> dict[str, float]:
         "detokenization": t["detokenization"],
     }
     phases["other"] = t["loop"] - sum(phases.values())
+    phases["gc"] = t["gc"]
     return {name: value * 1e3 for name, value in phases.items()}
 
 
@@ -200,11 +214,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         modes = {
             "greedy": SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0),
             "temperature 0.8, top-p 0.95": SamplingParams(max_tokens=args.output_len, ignore_eos=True,
-                                                          temperature=0.8, top_p=0.95, seed=0),
+                                                          temperature=0.8, top_p=0.95),
         }
         llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         timer = PhaseTimer()
         instrument(llm, timer)
+        timer.watch_gc()
         steps: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         rates: dict[str, list[float]] = {mode: [] for mode in modes}
         for _ in range(args.runs):
@@ -234,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for phase in PHASES:
             print(f"  {phase:<20} {medians[phase]:8.3f}")
         print(f"  {'host (all but forward, logits)':<20} {host:8.3f}")
+        gc_ms = statistics.mean(step["gc"] for step in steps[mode])
+        print(f"  of which garbage collection (mean) {gc_ms:8.3f}")
         print(f"  tokens/s per run: {', '.join(f'{r:,.0f}' for r in rates[mode])}")
     if profile_text:
         print(profile_text)
