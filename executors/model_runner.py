@@ -124,6 +124,10 @@ class ModelRunner:
         self.penalty_state: PenaltyState | None = None
         # Each running request's sampling parameters, sent once per admission (step.py).
         self._sampling_params: dict[int, SamplingParams] = {}
+        # The running requests whose sampling keeps nothing between steps (no host history,
+        # no generator of their own): decided once per admission, from their parameters,
+        # so that a step's per-request passes skip them at the cost of a set lookup.
+        self._stateless: set[int] = set()
         # Rank 0: each running request's last sampled token; with async scheduling the next
         # step arrives before the driver has seen it, as a placeholder (step.py).
         self._last_sampled: dict[int, int] = {}
@@ -449,6 +453,7 @@ class ModelRunner:
         self._states.clear()
         self.penalty_state = None
         self._sampling_params.clear()
+        self._stateless.clear()
         self._last_sampled.clear()
         self._pending_samples.clear()
         if self.device.type == "cuda":
@@ -565,6 +570,7 @@ class ModelRunner:
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
             self._sampling_params.pop(req_id, None)
+            self._stateless.discard(req_id)
             self._last_sampled.pop(req_id, None)
             self._pending_samples.pop(req_id, None)
         if self.penalty_state is not None:
@@ -889,11 +895,17 @@ class ModelRunner:
         """Keeps the parameters a request's first step brings; fills them into its later
         steps, which arrive without them."""
         kept = self._sampling_params
+        on_device = self.penalty_state is not None
         for scheduled in requests:
-            if scheduled.sampling_params is None:
+            params = scheduled.sampling_params
+            if params is None:
                 scheduled.sampling_params = kept[scheduled.req_id]
+                continue
+            kept[scheduled.req_id] = params
+            if keeps_host_history(params, on_device) or _is_seeded(params):
+                self._stateless.discard(scheduled.req_id)
             else:
-                kept[scheduled.req_id] = scheduled.sampling_params
+                self._stateless.add(scheduled.req_id)
 
     def _update_states(self, requests: list[ScheduledRequest],
                        device_holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = ()) -> None:
@@ -908,10 +920,10 @@ class ModelRunner:
             if penalised:
                 holes = {requests[index].req_id: (tokens, row) for index, (tokens, row, _) in device_holes}
                 self.penalty_state.update(penalised, holes)
-        states = self._states
+        states, stateless = self._states, self._stateless
         on_device = self.penalty_state is not None
         for scheduled in requests:
-            if not keeps_host_history(scheduled.sampling_params, on_device):
+            if scheduled.req_id in stateless or not keeps_host_history(scheduled.sampling_params, on_device):
                 continue
             state = states.get(scheduled.req_id)
             if state is None:
@@ -928,19 +940,20 @@ class ModelRunner:
 
     def _sampling_metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
         """One row per sampled request."""
-        req_ids: list[int] = []
-        params_list = []
+        req_ids = [scheduled.req_id for scheduled in requests]
+        params_list = [scheduled.sampling_params for scheduled in requests]
+        if self._stateless.issuperset(req_ids):
+            # The usual batch: no row reads a history or draws from its own generator.
+            n = len(req_ids)
+            return self._with_penalty_rows(SamplingMetadata(req_ids, params_list, [None] * n, [0] * n, [None] * n))
         histories: list[TokenHistory | None] = []
         history_lens: list[int] = []
         generators: list[torch.Generator | None] = []
         states = self._states
         on_device = self.penalty_state is not None
-        for scheduled in requests:
-            params = scheduled.sampling_params
-            req_ids.append(scheduled.req_id)
-            params_list.append(params)
+        for scheduled, params in zip(requests, params_list):
             tracked = keeps_host_history(params, on_device)
-            seeded = params.seed is not None and not params.is_greedy
+            seeded = _is_seeded(params)
             if not (tracked or seeded):
                 # The common case: nothing remembered between steps.
                 histories.append(None)
@@ -956,12 +969,15 @@ class ModelRunner:
             histories.append(history)
             history_lens.append(history.num_tokens if history is not None else 0)
             generators.append(state.generator if seeded else None)
-        metadata = SamplingMetadata(req_ids, params_list, histories, history_lens, generators)
+        return self._with_penalty_rows(SamplingMetadata(req_ids, params_list, histories, history_lens, generators))
+
+    def _with_penalty_rows(self, metadata: SamplingMetadata) -> SamplingMetadata:
+        """The metadata, with each row's row of the penalty state where there is one."""
         state = self.penalty_state
         if state is not None:
             metadata.penalty_state = state
-            metadata.penalty_rows = [state.row_of(scheduled.req_id) if params.needs_penalties else -1
-                                     for scheduled, params in zip(requests, params_list)]
+            metadata.penalty_rows = [state.row_of(req_id) if params.needs_penalties else -1
+                                     for req_id, params in zip(metadata.req_ids, metadata.sampling_params)]
         return metadata
 
     def _verify(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
@@ -1006,6 +1022,11 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _is_seeded(params: SamplingParams) -> bool:
+    """Whether the request draws from a generator of its own."""
+    return params.seed is not None and not params.is_greedy
 
 
 def _grammar_rows(sampled: list[ScheduledRequest], constrained_req_ids: list[int]) -> list[int]:
