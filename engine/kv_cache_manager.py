@@ -124,10 +124,12 @@ class KVCacheManager:
         then; with a sliding window, the blocks it has passed are freed either way)."""
         first_new_token = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = first_new_token + num_new_tokens
-        # Blocks before the window of the first new token: no step reads them any more.
-        num_outside_window = self._num_blocks_outside_window(first_new_token)
-        if num_outside_window > self._num_null_blocks.get(request.request_id, 0):
-            self._free_blocks_outside_window(request.request_id, num_outside_window)
+        num_outside_window = 0
+        if self.sliding_window is not None:
+            # Blocks before the window of the first new token: no step reads them any more.
+            num_outside_window = self._num_blocks_outside_window(first_new_token)
+            if num_outside_window > self._num_null_blocks.get(request.request_id, 0):
+                self._free_blocks_outside_window(request.request_id, num_outside_window)
         if not new_computed_blocks and self._covers(request, total_tokens):
             return []  # a decode step inside its last block: most calls, on the driver's critical path
         new_computed_blocks = new_computed_blocks or []
