@@ -152,7 +152,7 @@ def to_device(data: Sequence, device: torch.device, dtype: torch.dtype | None = 
     says); PyTorch's pinned-memory cache keeps the buffer until the copy has left it. On
     the CPU, the tensor itself."""
     if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
+        return torch.tensor(data, dtype=dtype) if dtype is None else host_tensor(data, dtype)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
