@@ -6,8 +6,12 @@ here on the 5M bench Llama (`tests/bench_models.py`), whose forward is small: 25
 64 tokens, 128 out each, EOS ignored, through `LLM.generate` with the defaults a user gets
 (async scheduling on), greedy and with temperature and top-p sampling.
 
-Each phase is timed by wrapping the method that does it (a wrapper costs well under a
-microsecond, paid once a step or once a request where noted):
+Each phase is timed by wrapping the method that does it (a wrapper costs about a
+microsecond; the detokenizer's is paid once a token, the others once a step). The clock is
+the main thread's CPU time by default (`--clock cpu`): on a machine shared with other work
+it leaves out the time the process waits for a core, so runs compare; the forward's other
+threads are left out too, so its figure is the main thread's part (use `--clock wall` for
+elapsed time).
 
 - scheduler: `Scheduler.schedule`
 - input preparation: `ModelRunner.execute_model` less the phases below inside it
@@ -17,13 +21,14 @@ microsecond, paid once a step or once a request where noted):
 - sampling metadata: `ModelRunner._sampling_metadata`
 - sampler: the sampler (`Sampler.forward` / `launch`) and reading the tokens back
 - update: `EngineCore._update_from_output` (appending tokens, stops, freeing blocks)
-- detokenization: the incremental detokenizers' `step` (per token)
+- detokenization: the incremental detokenizers' `step`
 - output processing: `OutputProcessor.process_outputs` less detokenization
 - other: `LLMEngine.step` less all of the above, plus the generate loop around it
 
 Only the steady decode steps count: those whose batch is the full 256 decode rows and whose
 collected output has 256 requests. The medians per step are printed, one table per
-sampling mode, then tokens/s of each generate call (`--runs` calls each).
+sampling mode, with the mean time in garbage collection (already inside the phases), then
+tokens/s of each generate call (`--runs` calls each, the modes alternating; wall time).
 
     python -m raylm.cluster.benchmarks.host_overhead                 # builds the 5M Llama
     python -m raylm.cluster.benchmarks.host_overhead MODEL_DIR --runs 3 --profile
