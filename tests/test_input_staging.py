@@ -44,3 +44,4 @@ def test_host_tensor_equals_torch_tensor_of_the_list(dtype):
         expected = torch.tensor(data, dtype=dtype)
         assert made.dtype == expected.dtype and made.shape == expected.shape
         assert torch.equal(made, expected)
+
