@@ -940,18 +940,25 @@ class ModelRunner:
 
     def _sampling_metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
         """One row per sampled request."""
-        req_ids = [scheduled.req_id for scheduled in requests]
-        params_list = [scheduled.sampling_params for scheduled in requests]
-        if self._stateless.issuperset(req_ids):
-            # The usual batch: no row reads a history or draws from its own generator.
-            n = len(req_ids)
-            return self._with_penalty_rows(SamplingMetadata(req_ids, params_list, [None] * n, [0] * n, [None] * n))
+        req_ids: list[int] = []
+        params_list = []
         histories: list[TokenHistory | None] = []
         history_lens: list[int] = []
         generators: list[torch.Generator | None] = []
         states = self._states
         on_device = self.penalty_state is not None
-        for scheduled, params in zip(requests, params_list):
+        # The usual batch: no row reads a history or draws from its own generator (known
+        # since each request's admission), so its lists are made whole, with no pass below.
+        stateless = self._stateless.issuperset(scheduled.req_id for scheduled in requests)
+        if stateless:
+            n = len(requests)
+            req_ids = [scheduled.req_id for scheduled in requests]
+            params_list = [scheduled.sampling_params for scheduled in requests]
+            histories, history_lens, generators = [None] * n, [0] * n, [None] * n
+        for scheduled in () if stateless else requests:
+            params = scheduled.sampling_params
+            req_ids.append(scheduled.req_id)
+            params_list.append(params)
             tracked = keeps_host_history(params, on_device)
             seeded = _is_seeded(params)
             if not (tracked or seeded):
@@ -969,15 +976,12 @@ class ModelRunner:
             histories.append(history)
             history_lens.append(history.num_tokens if history is not None else 0)
             generators.append(state.generator if seeded else None)
-        return self._with_penalty_rows(SamplingMetadata(req_ids, params_list, histories, history_lens, generators))
-
-    def _with_penalty_rows(self, metadata: SamplingMetadata) -> SamplingMetadata:
-        """The metadata, with each row's row of the penalty state where there is one."""
+        metadata = SamplingMetadata(req_ids, params_list, histories, history_lens, generators)
         state = self.penalty_state
         if state is not None:
             metadata.penalty_state = state
-            metadata.penalty_rows = [state.row_of(req_id) if params.needs_penalties else -1
-                                     for req_id, params in zip(metadata.req_ids, metadata.sampling_params)]
+            metadata.penalty_rows = [state.row_of(scheduled.req_id) if params.needs_penalties else -1
+                                     for scheduled, params in zip(requests, params_list)]
         return metadata
 
     def _verify(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
