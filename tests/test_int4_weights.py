@@ -110,6 +110,15 @@ def test_awq_checkpoint_matches_hf(tmp_path, source):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_int4_qwen2_checkpoint_with_qkv_bias_matches_hf(tmp_path, method):
+    # Qwen2's q/k/v biases stay 16/32-bit tensors beside the packed weights (Qwen2.5-*-GPTQ/AWQ).
+    qwen2 = build_tiny_model(tmp_path / "qwen2", "qwen2", seed=17)
+    llm, tensors = run_checkpoint(tmp_path, qwen2, method)
+    assert tensors["model.layers.0.self_attn.k_proj.bias"].dtype == torch.float32
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("method,options", [("gptq", dict(desc_act=True)), ("awq", {})], ids=["gptq-desc-act", "awq"])
 def test_int4_checkpoint_over_two_tensor_parallel_ray_workers_matches_hf(tmp_path, source, ray_cluster, method,
                                                                          options):
