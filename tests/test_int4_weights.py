@@ -176,6 +176,19 @@ def test_enable_lora_with_awq_weights_is_an_error(tmp_path, source):
         LLM(model=str(folder), enable_lora=True, **ENGINE)
 
 
+def test_fused_outputs_with_different_g_idx_are_an_error_naming_the_layer(tmp_path, source):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "gptq"
+    write_int4_checkpoint(source, folder, tmp_path / "dequantized", "gptq", desc_act=True)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj have different g_idx"):
+        LLM(model=str(folder), **ENGINE)
+
+
 def test_tensor_parallel_size_that_cuts_a_group_is_an_error(tmp_path, source, ray_cluster):
     # o_proj's 64 input features over 2 ranks are 32 a rank: not whole groups of 64.
     folder = tmp_path / "awq"
