@@ -60,7 +60,9 @@ class EngineArgs(SettingsMixin):
         "'compressed-tensors' reads llm-compressor's FP8 checkpoints (per-tensor, per-channel or block-wise). "
         "Default: what the checkpoint's quantization_config says, else none. GPUs of compute capability 8.9 and up "
         "multiply in fp8 (W8A8, activations quantized per token or by the checkpoint's static scale); CPUs and older "
-        "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory.")})
+        "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory. "
+        "'gptq' and 'awq' read GPTQ (4 or 8-bit) and AWQ (4-bit GEMM) checkpoints, dequantized in chunks on CPU and "
+        "CUDA (no Marlin kernel); the weights stay packed.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "
@@ -264,7 +266,8 @@ class EngineArgs(SettingsMixin):
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
         quant_config = get_quant_config(hf_config, self.quantization)  # errors before any weight is read
         if quant_config is not None and self.enable_lora:
-            raise ValueError("enable_lora is not supported with FP8 weights (quantization "
+            kind = {"gptq": "GPTQ", "awq": "AWQ"}.get(quant_config.method, "FP8")
+            raise ValueError(f"enable_lora is not supported with {kind} weights (quantization "
                              f"{quant_config.method!r}): LoRA layers read the base weight in 16/32 bits.")
         runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
         # A multi-modal config's context length is its language model's (vLLM's hf_text_config).

@@ -1,5 +1,5 @@
-"""FP8 weight quantization (vLLM's `quantization` engine argument): which checkpoints raylm
-reads, and the model's linear layers turned into FP8 ones before the checkpoint loads.
+"""Weight quantization (vLLM's `quantization` engine argument): which checkpoints raylm
+reads, and the model's linear layers turned into quantized ones before the checkpoint loads.
 
 Three sources, as in vLLM (docs/quantization.md):
 - `quantization="fp8"` over a 16/32-bit checkpoint: every linear layer's weight quantized
@@ -12,8 +12,14 @@ Three sources, as in vLLM (docs/quantization.md):
   FP8 schemes): strategy "tensor", "channel" or "block", activations dynamic per token,
   static per tensor, or none (weight only), and its `ignore` list.
 
+and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of input features:
+- `quant_method: "gptq"` (AutoGPTQ / GPTQModel): `bits`, `group_size` (-1: one group),
+  `desc_act`, `sym`, `checkpoint_format` "gptq" (v1: zeros stored minus one) or "gptq_v2";
+- `quant_method: "awq"` (AutoAWQ, `version: "gemm"`), `zero_point: true`,
+  `modules_to_not_convert`.
+
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
-vLLM). Anything else (int4/int8 methods, AWQ, GPTQ, MoE experts) is an error naming what is
+vLLM). Anything else (other int4/int8 methods, MoE experts) is an error naming what is
 supported, raised from the config alone, before any weight is read.
 """
 
@@ -25,22 +31,25 @@ from typing import Any
 from torch import nn
 
 from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod, Fp8LinearScheme
+from raylm.parallel.int4_linear_method import Int4LinearMethod, Int4LinearScheme
 from raylm.parallel.linear import LinearBase
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 
 _SUPPORTED = ("raylm reads FP8 weights only: quantization='fp8' over a 16/32-bit checkpoint, or an FP8 checkpoint "
               "whose quantization_config has quant_method 'fp8' (per-tensor, or block-wise weight_block_size) or "
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
-              "activations dynamic per token, static per tensor, or none)")
+              "activations dynamic per token, static per tensor, or none); or GPTQ (quant_method 'gptq': bits 4 or "
+              "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
+              "4-bit, version 'gemm', zero_point) checkpoints")
 # hf_config attributes that count a MoE model's routed experts.
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 class QuantizationConfig:
-    """The FP8 scheme of a model's linear layers and the layers left unquantized."""
+    """The scheme (FP8, GPTQ or AWQ) of a model's linear layers and the layers left unquantized."""
 
-    def __init__(self, method: str, scheme: Fp8LinearScheme, ignore: tuple[str, ...] = ()) -> None:
+    def __init__(self, method: str, scheme: Fp8LinearScheme | Int4LinearScheme, ignore: tuple[str, ...] = ()) -> None:
         self.method = method  # one of QUANTIZATION_METHODS (vLLM's name of the method)
         self.scheme = scheme
         self.ignore = ignore  # module names, or "re:<pattern>" regular expressions
@@ -64,7 +73,7 @@ def _matches(name: str, entry: str) -> bool:
 
 
 def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationConfig | None:
-    """The model's FP8 configuration from the `quantization` argument and config.json's
+    """The model's quantization (FP8, GPTQ, AWQ) from the `quantization` argument and config.json's
     `quantization_config` (None: auto-detect from it), or None for an unquantized model.
     Raises ValueError for a method raylm does not read or a mismatch between the two."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
@@ -90,17 +99,22 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
         raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method {method!r} "
                          f"(config.json's quantization_config); pass quantization={method!r} or leave it unset "
                          f"(None) to auto-detect.")
-    _check_no_experts(hf_config)
+    _check_no_experts(hf_config, method)
     if method == "fp8":
         return _fp8_config(checkpoint)
+    if method == "gptq":
+        return _gptq_config(checkpoint)
+    if method == "awq":
+        return _awq_config(checkpoint)
     return _compressed_tensors_config(checkpoint)
 
 
-def _check_no_experts(hf_config: Any) -> None:
+def _check_no_experts(hf_config: Any, method: str = "fp8") -> None:
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     experts = next((getattr(text_config, a) for a in _EXPERT_COUNTS if getattr(text_config, a, None)), None)
     if experts:
-        raise ValueError(f"FP8 weights are not supported for MoE models ({experts} experts): raylm quantizes the "
+        kind = {"gptq": "GPTQ", "awq": "AWQ"}.get(method, "FP8")
+        raise ValueError(f"{kind} weights are not supported for MoE models ({experts} experts): raylm quantizes the "
                          f"linear layers of dense models only; {_SUPPORTED}.")
 
 
@@ -183,12 +197,59 @@ def _compressed_tensors_scheme(name: str, group: dict[str, Any], top_format: str
     return Fp8LinearScheme(True, strategy, block, activation_scheme, "weight_scale")
 
 
+def _gptq_config(config: dict[str, Any]) -> QuantizationConfig:
+    """quant_method "gptq" (vLLM's GPTQConfig): bits, group_size, desc_act, checkpoint_format.
+    sym only decides the stored zeros, which the checkpoint always carries."""
+    bits = config.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config (gptq) bits must be 4 or 8, got {bits!r}.")
+    group_size = _group_size(config.get("group_size"), "gptq")
+    desc_act = config.get("desc_act", False)
+    if not isinstance(desc_act, bool):
+        raise ValueError(f"quantization_config (gptq) desc_act must be true or false, got {desc_act!r}.")
+    # AutoGPTQ and GPTQModel's v1 format stores zero - 1 (AutoGPTQ's packing bug, kept for
+    # compatibility); GPTQModel's "gptq_v2" the zero itself.
+    fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config (gptq) checkpoint_format must be 'gptq' or 'gptq_v2', got {fmt!r}.")
+    if config.get("lm_head"):
+        raise ValueError("quantization_config (gptq) quantizes lm_head, which raylm keeps in the model's dtype.")
+    if config.get("dynamic"):
+        raise ValueError("quantization_config (gptq) has per-module 'dynamic' overrides, which raylm does not read.")
+    scheme = Int4LinearScheme("gptq", bits, group_size, desc_act, zero_offset=1 if fmt == "gptq" else 0)
+    return QuantizationConfig("gptq", scheme)
+
+
+def _awq_config(config: dict[str, Any]) -> QuantizationConfig:
+    """quant_method "awq" (vLLM's AWQConfig): AutoAWQ's GEMM layout only."""
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"quantization_config (awq) bits must be 4, got {bits!r}.")
+    group_size = _group_size(config.get("group_size", config.get("q_group_size")), "awq")
+    version = str(config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"quantization_config (awq) version must be 'gemm' (AutoAWQ's GEMM layout), got "
+                         f"{config.get('version')!r}; 'gemv', 'gemv_fast' and other layouts are not read.")
+    if config.get("zero_point", True) is not True:
+        raise ValueError(f"quantization_config (awq) zero_point must be true, got {config.get('zero_point')!r}.")
+    ignore = tuple(config.get("modules_to_not_convert") or ())
+    return QuantizationConfig("awq", Int4LinearScheme("awq", 4, group_size), ignore)
+
+
+def _group_size(group_size: Any, method: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise ValueError(f"quantization_config ({method}) group_size must be a positive integer or -1 (one group), "
+                         f"got {group_size!r}.")
+    return group_size
+
+
 def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
                        stacked_params_mapping: list[tuple[str, str, Any]]) -> None:
-    """Makes every linear layer of `model` that the config does not ignore an FP8 one
-    (`Fp8LinearMethod.create_weights`), before its checkpoint loads. A fused layer's
-    checkpoint names come from `stacked_params_mapping` (ours, checkpoint's, shard id)."""
-    method = Fp8LinearMethod(quant_config.scheme)
+    """Makes every linear layer of `model` that the config does not ignore a quantized one
+    (`Fp8LinearMethod` / `Int4LinearMethod.create_weights`), before its checkpoint loads. A
+    fused layer's checkpoint names come from `stacked_params_mapping` (ours, checkpoint's, shard id)."""
+    scheme = quant_config.scheme
+    method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
     for name, module in list(model.named_modules()):
         if not isinstance(module, LinearBase) or module.quant_method is not None:
             continue

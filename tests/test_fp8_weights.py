@@ -147,7 +147,7 @@ def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path
 
 
 # ------------------------------------------------------------------ errors
-AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+BITSANDBYTES = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 INT4_COMPRESSED_TENSORS = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
@@ -157,12 +157,12 @@ INT4_COMPRESSED_TENSORS = {
 
 
 @pytest.mark.parametrize("quantization_config,quantization,message", [
-    (AWQ, None, "quant_method 'awq'"),
+    (BITSANDBYTES, None, "quant_method 'bitsandbytes'"),
     (INT4_COMPRESSED_TENSORS, None, "format 'pack-quantized'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "compressed-tensors", "does not match"),
-    (None, "gptq", "quantization must be one of 'fp8', 'compressed-tensors'"),
+    (None, "bitsandbytes", "quantization must be one of 'fp8', 'compressed-tensors'"),
     (None, "compressed-tensors", "needs a checkpoint quantized so"),
-], ids=["awq", "int4-compressed-tensors", "mismatch", "unknown-argument", "compressed-tensors-without-config"])
+], ids=["bitsandbytes", "int4-compressed-tensors", "mismatch", "unknown-argument", "compressed-tensors-without-config"])
 def test_unsupported_quantization_is_an_error_naming_what_is_supported_before_any_weight_is_read(
         tmp_path, source, quantization_config, quantization, message):
     folder = write_config_only(source, tmp_path / "model", quantization_config)  # no weights to read
