@@ -25,6 +25,7 @@ from raylm.engine.usage_context import UsageContext
 from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
+from raylm.models.quantization import QUANTIZATION_METHODS, get_quant_config
 from raylm.models.pipeline import check_pipeline_parallel
 from raylm.models.registry import default_runner_type
 from raylm.models.sliding_window import kv_cache_sliding_window
@@ -52,6 +53,16 @@ class EngineArgs(SettingsMixin):
         "and seed, 1234, per parameter: the same every run, and each tensor-parallel rank draws its own shard so), "
         "to measure speed without the weights; config.json and the tokenizer are still read from the folder. "
         "Its outputs are meaningless. vLLM's other formats (pt, gguf, ...) are not read.")})
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATION_METHODS, **_help(
+        "FP8 weights (vLLM's flag, docs/quantization.md): 'fp8' quantizes a 16/32-bit checkpoint's linear layers "
+        "(not the embeddings or the LM head) to float8_e4m3fn at load, one scale per tensor, or reads a checkpoint "
+        "whose config.json quantization_config has quant_method 'fp8' (per-tensor or block-wise); "
+        "'compressed-tensors' reads llm-compressor's FP8 checkpoints (per-tensor, per-channel or block-wise). "
+        "Default: what the checkpoint's quantization_config says, else none. GPUs of compute capability 8.9 and up "
+        "multiply in fp8 (W8A8, activations quantized per token or by the checkpoint's static scale); CPUs and older "
+        "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory. "
+        "'gptq' and 'awq' read GPTQ (4 or 8-bit) and AWQ (4-bit GEMM) checkpoints, dequantized in chunks on CPU and "
+        "CUDA (no Marlin kernel); the weights stay packed.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "
@@ -116,7 +127,7 @@ class EngineArgs(SettingsMixin):
         "embedding, the last the final norm and LM head) and the KV cache of those layers only. With async "
         "scheduling up to pipeline_parallel_size + 1 micro-batches of the running requests are in flight, so "
         "that every stage works at once; without it one batch at a time. Llama-family models (Llama, Mistral, "
-        "Qwen2, Qwen3, their MoE variants, Gemma 2 and 3, OLMo 2)."))
+        "Qwen2, Qwen3, their MoE variants, Gemma 2 and 3, OLMo 2, Phi-3, Granite)."))
     enable_expert_parallel: bool = field(default=False, metadata=_help(
         "MoE models: place whole experts on the tensor-parallel workers (expert parallelism over the same "
         "workers, vLLM's flag) instead of sharding every expert's MLP across them. Each worker runs its experts "
@@ -253,6 +264,11 @@ class EngineArgs(SettingsMixin):
         self.model = resolve_model_path(self.model)
         device_config = DeviceConfig.detect(self.device)
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
+        quant_config = get_quant_config(hf_config, self.quantization)  # errors before any weight is read
+        if quant_config is not None and self.enable_lora:
+            kind = {"gptq": "GPTQ", "awq": "AWQ"}.get(quant_config.method, "FP8")
+            raise ValueError(f"enable_lora is not supported with {kind} weights (quantization "
+                             f"{quant_config.method!r}): LoRA layers read the base weight in 16/32 bits.")
         runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
         # A multi-modal config's context length is its language model's (vLLM's hf_text_config).
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -277,6 +293,7 @@ class EngineArgs(SettingsMixin):
             runner_type=runner_type,
             pooler_config=pooler_config,
             load_format=check_load_format(self.load_format),
+            quantization=None if quant_config is None else quant_config.method,
             enable_sleep_mode=self.enable_sleep_mode,
             limit_mm_per_prompt=check_limit_mm_per_prompt(self.limit_mm_per_prompt),
         )

@@ -244,8 +244,9 @@ class EngineCore:
             new_prompt_logprobs = prompt_logprobs.get(request.worker_id) if prompt_logprobs else None
             if tokens is None and new_prompt_logprobs is None:
                 continue  # a prefill chunk short of the prompt's end
-            output = EngineCoreOutput(request.request_id, [], [], new_prompt_logprobs=new_prompt_logprobs,
-                                      num_cached_tokens=request.num_cached_tokens)
+            # Positional (one call per request a step: keywords cost twice as much).
+            output = EngineCoreOutput(request.request_id, [], [], None, new_prompt_logprobs, None, None,
+                                      request.num_cached_tokens)
             was_preempted = request.status == RequestStatus.PREEMPTED
             structured = request.structured_output_request
             failed = False
@@ -328,13 +329,14 @@ class EngineCore:
         """vLLM's stop rules, in order: min_tokens holds back everything but length; then
         EOS, stop token ids, and the two length limits. Sets the request's status."""
         params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
         # all_stop_token_ids: the EOS ids (unless ignore_eos) and stop_token_ids, one set.
-        if token_id in params.all_stop_token_ids and request.num_output_tokens >= params.min_tokens:
+        if token_id in params.all_stop_token_ids and num_output_tokens >= params.min_tokens:
             request.status = RequestStatus.FINISHED_STOPPED
             is_eos = token_id in self.eos_token_ids and not params.ignore_eos
             request.stop_reason = None if is_eos else token_id
             return True
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         structured = request.structured_output_request
@@ -477,7 +479,10 @@ def _grammar_error(request: Request, token_id: int) -> Exception:
 
 def _tokens_by_request(outputs: list[SampledToken]) -> dict[int, list[SampledToken]]:
     """The step's tokens of each request, in order (several after a verification)."""
-    by_request: dict[int, list[SampledToken]] = {}
+    by_request = {token.req_id: [token] for token in outputs}
+    if len(by_request) == len(outputs):
+        return by_request  # one token each: no verification in the step
+    by_request = {}
     for token in outputs:
         tokens = by_request.get(token.req_id)
         if tokens is None:

@@ -46,6 +46,11 @@ class KVCacheManager:
         # Each request's block table: block p // block_size holds token p. Entries before the
         # window are `null_block`, which belongs to no pool and is never freed.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # get_block_ids' answers, kept while the request's blocks only grow: a decode step
+        # sends every running request's table, which changes once every block_size tokens.
+        # A cached list is never changed in place (steps already sent hold it): it is
+        # replaced when its length is stale, and dropped where blocks are freed or replaced.
+        self._block_ids: dict[str, list[int]] = {}
         self.null_block = KVCacheBlock(NULL_BLOCK_ID)
         # How many leading entries of each request's table are null_block.
         self._num_null_blocks: dict[str, int] = {}
@@ -105,7 +110,12 @@ class KVCacheManager:
             self.prefix_cache_hits += num_computed_tokens
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        """The request's block table (null entries included). The caller must not change it."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        ids = self._block_ids.get(request_id)
+        if ids is None or len(ids) != len(blocks):
+            ids = self._block_ids[request_id] = [block.block_id for block in blocks]
+        return ids
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
@@ -125,10 +135,12 @@ class KVCacheManager:
         then; with a sliding window, the blocks it has passed are freed either way)."""
         first_new_token = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = first_new_token + num_new_tokens
-        # Blocks before the window of the first new token: no step reads them any more.
-        num_outside_window = self._num_blocks_outside_window(first_new_token)
-        if num_outside_window > self._num_null_blocks.get(request.request_id, 0):
-            self._free_blocks_outside_window(request.request_id, num_outside_window)
+        num_outside_window = 0
+        if self.sliding_window is not None:
+            # Blocks before the window of the first new token: no step reads them any more.
+            num_outside_window = self._num_blocks_outside_window(first_new_token)
+            if num_outside_window > self._num_null_blocks.get(request.request_id, 0):
+                self._free_blocks_outside_window(request.request_id, num_outside_window)
         if not new_computed_blocks and self._covers(request, total_tokens):
             return []  # a decode step inside its last block: most calls, on the driver's critical path
         new_computed_blocks = new_computed_blocks or []
@@ -185,12 +197,14 @@ class KVCacheManager:
             return
         self.block_pool.free_blocks(reversed(held[start:end]))
         held[start:end] = [self.null_block] * (end - start)
+        self._block_ids.pop(request_id, None)
         self._num_null_blocks[request_id] = end
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks, last first (see `BlockPool.free_blocks`); a request
         holding none is left alone, so freeing twice is harmless."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         num_null = self._num_null_blocks.pop(request.request_id, 0)
         if blocks is not None:
@@ -211,6 +225,7 @@ class KVCacheManager:
             f"{request} would free a block the sliding window already freed")
         extra = blocks[keep:]
         del blocks[keep:]
+        self._block_ids.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(extra))
 
     def evict_cached_blocks(self, request: Request) -> None:

@@ -54,7 +54,10 @@ class LLM:
             and `score`), `pooler_config=None` (runner "pooling":
             {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": True}, or what the
             folder's sentence-transformers files say), `load_format="auto"` ("dummy": random
-            weights, no checkpoint read, to measure speed). An unknown argument is a TypeError
+            weights, no checkpoint read, to measure speed), `quantization=None` ("fp8": FP8
+            linear weights quantized at load; None reads an FP8 checkpoint's
+            quantization_config, "fp8" or "compressed-tensors"; docs/quantization.md). An
+            unknown argument is a TypeError
             naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the

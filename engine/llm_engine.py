@@ -248,8 +248,9 @@ class LLMEngine:
         if isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None
                                          or prompt.get("mm_features") is not None):
             # Only add_request (LLM.generate, the completions and chat routes) takes images.
-            raise ParameterError("multi_modal_data is supported by generate requests only (not by beam search, "
-                                 "pooling or tokenization).", "multi_modal_data")
+            key = "multi_modal_data" if prompt.get("multi_modal_data") is not None else "mm_features"
+            raise ParameterError(f"{key} is supported by generate requests only (not by beam search, pooling or "
+                                 f"tokenization).", key)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

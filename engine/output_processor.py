@@ -368,7 +368,8 @@ class OutputProcessor:
         if core_output.new_prompt_logprobs and parent.prompt_logprobs is not None:
             parent.prompt_logprobs.extend(self._logprob_dict(e, state.detokenizer is not None)
                                           for e in core_output.new_prompt_logprobs)
-        parent.metrics.num_cached_tokens = max(parent.metrics.num_cached_tokens, core_output.num_cached_tokens)
+        if core_output.num_cached_tokens > parent.metrics.num_cached_tokens:
+            parent.metrics.num_cached_tokens = core_output.num_cached_tokens
         stopped_by_string = False
         # The EOS that ends a request is not part of its text, as in vLLM, even with
         # skip_special_tokens=False (tool-call parsers keep special tokens in the text).

@@ -307,7 +307,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.sampling_type == SamplingType.GREEDY
+        # sampling_type's first test, without building the enum (read per row every step).
+        return self.temperature < _GREEDY_TEMPERATURE
 
     @property
     def needs_sampled_logprob(self) -> bool:

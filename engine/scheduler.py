@@ -247,15 +247,16 @@ class Scheduler:
         budget = self._schedule_running(scheduled, budget, out)
         if out.num_preempted == 0:
             self._schedule_waiting(scheduled, budget)
+        step_requests, scheduled_requests = out.step.requests, out.scheduled
         for request, num_new_tokens in scheduled:
             # A decode computes exactly the last sampled token (known, or a placeholder for
             # one in flight); anything else is prefill.
-            if request.num_computed_tokens + 1 < request.num_tokens or not (
+            if request.num_computed_tokens + 1 < len(request.all_token_ids) or not (
                     request.output_token_ids or request.num_output_placeholders):
                 out.num_prefill_tokens += num_new_tokens
-            out.step.requests.append(self._scheduled_request(request, num_new_tokens))
-            out.scheduled.append(request)
             out.num_batched_tokens += num_new_tokens + len(request.spec_token_ids)
+            step_requests.append(self._scheduled_request(request, num_new_tokens))
+            scheduled_requests.append(request)
         if scheduled or self._releases_images:
             # An empty step never reaches the workers: its ids ride along with the next one
             # (unless they hold images, `_releases_images`).
@@ -282,10 +283,12 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, out: SchedulerOutput) -> int:
         kv = self.kv_cache_manager
+        running, request_limit, waits_for_tokens_in_flight = \
+            self.running, self._step_request_limit, self.waits_for_tokens_in_flight
         index = 0
-        while index < len(self.running) and budget > 0 and len(scheduled) < self._step_request_limit:
-            request = self.running[index]
-            if self.waits_for_tokens_in_flight and request.num_output_placeholders:
+        while index < len(running) and budget > 0 and len(scheduled) < request_limit:
+            request = running[index]
+            if waits_for_tokens_in_flight and request.num_output_placeholders:
                 index += 1  # pipeline parallel: its token in flight must come back first
                 continue
             if request.num_output_placeholders and (request.spec_token_ids

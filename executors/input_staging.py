@@ -15,6 +15,7 @@ graph reads (`executors/cuda_graphs.py`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,11 +124,25 @@ class InputStaging:
 
 def fill_block_tables(array: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
     """Writes each table into a row of `array` [rows, width], zero-padded (block 0, which a
-    kernel never reads past a sequence's length)."""
-    for row, table in zip(array, tables):
-        n = len(table)
-        row[:n] = table
-        row[n:] = 0
+    kernel never reads past a sequence's length). One masked store of the concatenated
+    tables: a numpy assignment per row cost ~1.4 us, a third of a millisecond at batch 256."""
+    if not tables:
+        return
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    # The mask's true cells, in row-major order, are each row's first len(table) cells.
+    filled = np.arange(array.shape[1]) < lengths[:, None]
+    array[:len(tables)] = 0
+    array[:len(tables)][filled] = np.array(list(chain.from_iterable(tables)), dtype=array.dtype)
+
+
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of a host list (of numbers, or of equal-length lists), made through
+    numpy: `torch.tensor(list)` converts element by element, several times slower (~30 us
+    against ~4 us for 256 ints), and a step makes several such tensors."""
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None or not isinstance(values, list):
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=numpy_dtype))
 
 
 def to_device(data: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -137,7 +152,7 @@ def to_device(data: Sequence, device: torch.device, dtype: torch.dtype | None = 
     says); PyTorch's pinned-memory cache keeps the buffer until the copy has left it. On
     the CPU, the tensor itself."""
     if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
+        return torch.tensor(data, dtype=dtype) if dtype is None else host_tensor(data, dtype)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

@@ -44,8 +44,10 @@ import torch
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's names of the projections raylm's LoRA layers cover (fused into qkv_proj and
-# gate_up_proj by the model's stacked_params_mapping).
-PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# gate_up_proj by the model's stacked_params_mapping; Phi-3's checkpoints, and so its
+# adapters, name those fused projections themselves).
+PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                       "gate_up_proj")
 # Config fields that change what the adapter computes in ways raylm does not implement; each
 # is unused when empty or false (PEFT writes False, None, {} or [] for them).
 _UNSUPPORTED_FIELDS = ("use_dora", "fan_in_fan_out", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
@@ -365,7 +367,8 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     intermediate = hf_config.intermediate_size
     return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
             "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
+            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden),
+            "qkv_proj": (hidden, (heads + 2 * kv_heads) * head_dim), "gate_up_proj": (hidden, 2 * intermediate)}
 
 
 def _parse_tensor_name(what: str, name: str, num_layers: int) -> AdapterTensor:

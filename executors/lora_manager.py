@@ -41,8 +41,10 @@ from raylm.parallel.parallel_state import get_tensor_model_parallel_rank, get_te
 
 logger = logging.getLogger(__name__)
 
-# PEFT's names of what an adapter may target whose module keeps its name in raylm's models.
-_UNFUSED_TARGETS = ("o_proj", "down_proj")
+# PEFT's names of what an adapter may target whose module keeps its name in raylm's models:
+# o_proj and down_proj, and the fused projections of checkpoints that store them fused
+# (Phi-3's qkv_proj and gate_up_proj), whose adapter covers every slice of the layer.
+_UNFUSED_TARGETS = ("o_proj", "down_proj", "qkv_proj", "gate_up_proj")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -69,7 +71,8 @@ def describe_load_error(lora_request: LoRARequest, exc: BaseException, rank: int
 
 
 def peft_target_map(model: nn.Module) -> dict[str, tuple[str, SliceId]]:
-    """PEFT target name -> (raylm module name, slice id): q_proj -> (qkv_proj, "q"), ..."""
+    """PEFT target name -> (raylm module name, slice id): q_proj -> (qkv_proj, "q"), ...;
+    qkv_proj -> (qkv_proj, None): an adapter of the whole fused projection (Phi-3's)."""
     targets: dict[str, tuple[str, SliceId]] = {name: (name, None) for name in _UNFUSED_TARGETS}
     for param_suffix, checkpoint_suffix, shard_id in getattr(model, "stacked_params_mapping", []):
         targets[checkpoint_suffix.strip(".")] = (param_suffix.strip("."), shard_id)
@@ -115,7 +118,9 @@ def _mark_output_row_layers(model: nn.Module, layers: dict[str, BaseLinearWithLo
     if not indices:
         return
     last = max(indices.values())
-    attention_inputs = {peft_target_map(model)[target][0] for target in ("q_proj", "k_proj", "v_proj")}
+    targets = peft_target_map(model)
+    attention_inputs = {targets[target][0] for target in ("q_proj", "k_proj", "v_proj", "qkv_proj")
+                        if target in targets}
     for name, index in indices.items():
         if index == last and name.rsplit(".", 1)[-1] not in attention_inputs:
             layers[name].runs_on_output_rows = True
@@ -160,9 +165,11 @@ class WorkerLoRAManager:
         grouped: dict[str, tuple[dict[SliceId, torch.Tensor], dict[SliceId, torch.Tensor]]] = {}
         for module, tensors in modules.items():
             prefix, _, target = module.rpartition(".")
-            layer_leaf, slice_id = self._targets[target]
+            layer_leaf, slice_id = self._targets.get(target, (target, None))
             layer_name = f"{prefix}.{layer_leaf}" if prefix else layer_leaf
-            if layer_name not in self.layers:
+            # A slice's adapter (q_proj) where this model's checkpoint, and so its adapters,
+            # name the fused projection (Phi-3's qkv_proj) has no layer to go to either.
+            if layer_name not in self.layers or target not in self._targets:
                 raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_name!r} at {lora_request.lora_path!r}: "
                                        f"it adapts {module}, which this model does not have as a LoRA layer: "
                                        f"the adapter was made for another base model.")

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,7 +26,8 @@ from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeI
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.encoder_cache import EncoderCache, profile_num_images
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
-from raylm.executors.input_staging import InputStaging, fill_block_tables, layout, layout_bytes, to_device
+from raylm.executors.input_staging import (InputStaging, fill_block_tables, host_tensor, layout, layout_bytes,
+                                           to_device)
 from raylm.executors.allowed_token_masks import AllowedTokenMasks
 from raylm.executors.penalty_state import PenaltyState
 from raylm.executors.rejection_sampler import RejectionSampler
@@ -125,6 +127,10 @@ class ModelRunner:
         self._sampling_params: dict[int, SamplingParams] = {}
         # The sampling worker: running requests' allowed_token_ids on the device, as masks.
         self.allowed_token_masks = AllowedTokenMasks(self.device) if rank == 0 else None
+        # The running requests whose sampling keeps nothing between steps (no host history,
+        # no generator of their own): decided once per admission, from their parameters,
+        # so that a step's per-request passes skip them at the cost of a set lookup.
+        self._stateless: set[int] = set()
         # Rank 0: each running request's last sampled token; with async scheduling the next
         # step arrives before the driver has seen it, as a placeholder (step.py).
         self._last_sampled: dict[int, int] = {}
@@ -454,6 +460,7 @@ class ModelRunner:
         if self.allowed_token_masks is not None:
             self.allowed_token_masks.clear()
         self._sampling_params.clear()
+        self._stateless.clear()
         self._last_sampled.clear()
         self._pending_samples.clear()
         if self.device.type == "cuda":
@@ -570,6 +577,7 @@ class ModelRunner:
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
             self._sampling_params.pop(req_id, None)
+            self._stateless.discard(req_id)
             self._last_sampled.pop(req_id, None)
             self._pending_samples.pop(req_id, None)
         if self.penalty_state is not None:
@@ -697,7 +705,7 @@ class ModelRunner:
         if self.staging is not None:
             return self._staged_tensors(host, output_rows)
         input_ids, positions, attn_metadata = self._tensors(host)
-        rows_tensor = None if output_rows is None else torch.tensor(output_rows, dtype=torch.long)
+        rows_tensor = None if output_rows is None else host_tensor(output_rows, torch.long)
         return input_ids, positions, attn_metadata, rows_tensor, None
 
     def _host_inputs(self, requests: list[ScheduledRequest]) -> HostStep:
@@ -738,21 +746,21 @@ class ModelRunner:
 
     def _tensors(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's tensors made from its lists one by one (the CPU path)."""
+        assert self.device.type == "cpu", "other devices stage their inputs (_staged_tensors)"
         width = max(len(t) for t in host.block_tables)
-        padded_tables = [t if len(t) == width else t + [0] * (width - len(t)) for t in host.block_tables]
-        device = self.device
+        block_tables = np.empty((len(host.block_tables), width), dtype=np.int32)
+        fill_block_tables(block_tables, host.block_tables)
         attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(host.slot_mapping, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(host.seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+            slot_mapping=host_tensor(host.slot_mapping, torch.long),
+            query_start_loc=host_tensor(host.query_start_loc, torch.int32),
+            seq_lens=host_tensor(host.seq_lens, torch.int32),
+            block_tables=torch.from_numpy(block_tables),
             max_query_len=max(host.query_lens),
             max_seq_len=max(host.seq_lens),
             query_lens_list=host.query_lens,
             seq_lens_list=host.seq_lens,
         )
-        return (torch.tensor(host.input_ids, dtype=torch.long, device=device),
-                torch.tensor(host.positions, dtype=torch.long, device=device), attn_metadata)
+        return host_tensor(host.input_ids, torch.long), host_tensor(host.positions, torch.long), attn_metadata
 
     def _max_step_input_bytes(self) -> int:
         """The largest step layout (`_staged_tensors`): a full token budget, every row an
@@ -897,11 +905,17 @@ class ModelRunner:
         """Keeps the parameters a request's first step brings; fills them into its later
         steps, which arrive without them."""
         kept = self._sampling_params
+        on_device = self.penalty_state is not None
         for scheduled in requests:
-            if scheduled.sampling_params is None:
+            params = scheduled.sampling_params
+            if params is None:
                 scheduled.sampling_params = kept[scheduled.req_id]
+                continue
+            kept[scheduled.req_id] = params
+            if keeps_host_history(params, on_device) or _is_seeded(params):
+                self._stateless.discard(scheduled.req_id)
             else:
-                kept[scheduled.req_id] = scheduled.sampling_params
+                self._stateless.add(scheduled.req_id)
 
     def _update_states(self, requests: list[ScheduledRequest],
                        device_holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = ()) -> None:
@@ -916,10 +930,10 @@ class ModelRunner:
             if penalised:
                 holes = {requests[index].req_id: (tokens, row) for index, (tokens, row, _) in device_holes}
                 self.penalty_state.update(penalised, holes)
-        states = self._states
+        states, stateless = self._states, self._stateless
         on_device = self.penalty_state is not None
         for scheduled in requests:
-            if not keeps_host_history(scheduled.sampling_params, on_device):
+            if scheduled.req_id in stateless or not keeps_host_history(scheduled.sampling_params, on_device):
                 continue
             state = states.get(scheduled.req_id)
             if state is None:
@@ -943,12 +957,20 @@ class ModelRunner:
         generators: list[torch.Generator | None] = []
         states = self._states
         on_device = self.penalty_state is not None
-        for scheduled in requests:
+        # The usual batch: no row reads a history or draws from its own generator (known
+        # since each request's admission), so its lists are made whole, with no pass below.
+        stateless = self._stateless.issuperset(scheduled.req_id for scheduled in requests)
+        if stateless:
+            n = len(requests)
+            req_ids = [scheduled.req_id for scheduled in requests]
+            params_list = [scheduled.sampling_params for scheduled in requests]
+            histories, history_lens, generators = [None] * n, [0] * n, [None] * n
+        for scheduled in () if stateless else requests:
             params = scheduled.sampling_params
             req_ids.append(scheduled.req_id)
             params_list.append(params)
             tracked = keeps_host_history(params, on_device)
-            seeded = params.seed is not None and not params.is_greedy
+            seeded = _is_seeded(params)
             if not (tracked or seeded):
                 # The common case: nothing remembered between steps.
                 histories.append(None)
@@ -1015,6 +1037,11 @@ class ModelRunner:
             result[scheduled.req_id] = entries[offset:offset + count]
             offset += count
         return result
+
+
+def _is_seeded(params: SamplingParams) -> bool:
+    """Whether the request draws from a generator of its own."""
+    return params.seed is not None and not params.is_greedy
 
 
 def _grammar_rows(sampled: list[ScheduledRequest], constrained_req_ids: list[int]) -> list[int]:

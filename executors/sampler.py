@@ -31,7 +31,7 @@ import torch
 from raylm.engine.config import LOGPROBS_MODES
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import SampledToken, TokenLogprobs
-from raylm.executors.input_staging import to_device
+from raylm.executors.input_staging import host_tensor, to_device
 from raylm.executors.sampling_metadata import SamplingMetadata
 from raylm.kernels import cpu_ops
 
@@ -633,12 +633,12 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, rows: list[
 
 def _native_cuts(params: list[SamplingParams], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' top-k (V for none), top-p and min-p as the native CPU passes take them."""
-    return (torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=torch.long),
+    return (host_tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.long),
             # A top_p under fp32's smallest normal number (SamplingParams takes any p > 0) would
             # round to 0, which the native pass refuses; that small a p keeps the most likely
             # token alone either way.
-            torch.tensor([p.top_p for p in params], dtype=torch.float32).clamp_(min=torch.finfo(torch.float32).tiny),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32))
+            host_tensor([p.top_p for p in params], torch.float32).clamp_(min=torch.finfo(torch.float32).tiny),
+            host_tensor([p.min_p for p in params], torch.float32))
 
 
 def _truncates(params: SamplingParams, vocab_size: int) -> bool:

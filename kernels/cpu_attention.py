@@ -4,8 +4,8 @@ The PyTorch reference (`raylm.kernels.torch_attention`) gathers every decoding s
 whole context into a padded [B, Hkv, L, D] tensor each layer each step before two batched
 matmuls, and runs each prefilling sequence through its own gather and SDPA call. Two C++
 kernels, like vLLM's CPU backend, walk each sequence's block table instead, with an online
-softmax in fp32 over fp32 or bf16 queries and cache (outputs in the query's dtype). They are
-PyTorch operators, `torch.ops.raylm.paged_decode_attention` and `paged_prefill_attention`:
+softmax in fp32 over fp32 or bf16 queries and an fp32, bf16 or fp8 cache (outputs in the
+query's dtype). They are PyTorch operators, `torch.ops.raylm.paged_decode_attention` and `paged_prefill_attention`:
 
 - decode rows (query_len 1), `csrc/cpu_attention.cpp`: read every key and value row once;
   one task per sequence computes all its query heads block by block (one task per KV head
@@ -23,27 +23,27 @@ running maximum, on every ISA path).
 `paged_attention` keeps the reference's contract: padding rows are zero, decode rows of a
 mixed batch go to the decode kernel (which runs them about 1.6x faster than the prefill
 kernel would). `write_kv_cache` is the fused C++ copy of `cpu_ops`
-(the reference's where it cannot run). An fp8 cache (`kv_cache_dtype`): the blocks a step
-reads are dequantized to fp32 first (`cpu_ops.dequantize_blocks`, every layer every step),
-then the same kernels run; its writes go through the reference. The kernels are compiled at first use
+(the reference's where it cannot run). An fp8 cache (`kv_cache_dtype`, E4M3 or E5M2) is read
+by the kernels directly: each fp8 byte widened to fp32 in registers as it is loaded (exactly,
+`csrc/cpu_vec.h`), k_scale applied to the scores and v_scale to the outputs; its writes go
+through the reference, which quantizes. The kernels are compiled at first use
 (`raylm.kernels.native_build`); one that cannot be built is reported once and its rows fall
 back to the reference.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 
 from raylm.kernels import cpu_ops, torch_attention
 from raylm.kernels.attention_metadata import AttentionMetadata
-from raylm.kernels.kv_cache_dtype import dequantize, is_fp8
+from raylm.kernels.kv_cache_dtype import FP8_CACHE_DTYPES
 from raylm.kernels.native_build import load_native_library
 
 _DTYPES = (torch.float32, torch.bfloat16)
+_CACHE_DTYPES = (*_DTYPES, *FP8_CACHE_DTYPES)
 
 # None: not tried yet; False: the build failed (warned once); else the kernel's operator.
 _kernel = None
@@ -88,31 +88,34 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per sequence, query [B, Hq, D] (fp32 or bf16), over its seq_lens[b]
     cached tokens (the last sliding_window of them, when set) at block_tables[b] of k_cache,
-    v_cache [num_blocks, block_size, Hkv, D] (fp32 or bf16, CPU); returns [B, Hq, D] in the
-    query's dtype. sinks [Hq]: attention sinks (the reference's). A table that does not hold
+    v_cache [num_blocks, block_size, Hkv, D] (fp32, bf16 or fp8 read as fp8 * k_scale and
+    fp8 * v_scale; CPU); returns [B, Hq, D] in the query's dtype. sinks [Hq]: attention
+    sinks (the reference's). A table that does not hold
     the tokens read is a ValueError. Needs the kernel (see `is_available`)."""
     kernel = load_kernel()
     assert kernel is not None, "paged_decode_attention needs the native kernel; check is_available()"
     return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale, sliding_window or 0,
-                  logits_soft_cap or 0.0, _fp32(sinks))
+                  logits_soft_cap or 0.0, k_scale, v_scale, _fp32(sinks))
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1, *,
                             sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0,
                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract for the sequences with at least
     min_query_len queries; the rows of the others, and of padding tokens, are zero.
-    k_cache, v_cache fp32 or bf16 on the CPU; returns [T, Hq, D] in the query's dtype.
-    Needs the prefill kernel (see `load_prefill_kernel`)."""
+    k_cache, v_cache fp32, bf16 or fp8 (with its scales) on the CPU; returns [T, Hq, D] in
+    the query's dtype. Needs the prefill kernel (see `load_prefill_kernel`)."""
     kernel = load_prefill_kernel()
     assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
     md = attn_metadata
     return kernel(query, k_cache, v_cache, _int32(md.block_tables), _int32(md.seq_lens), _int32(md.query_start_loc),
-                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0, _fp32(sinks))
+                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0, k_scale, v_scale, _fp32(sinks))
 
 
 def _fp32(sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -129,18 +132,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
     on the native kernels: decode rows on the decode kernel, the other sequences' rows on
-    the prefill kernel. Falls back to the reference when the decode kernel is unavailable
-    or the query or cache is not an fp32/bf16 CPU tensor (an fp8 cache: the native kernels
-    read fp32 and bf16 only), and for prefill rows when only the prefill kernel is
-    unavailable. `sinks` (gpt-oss) go to every kernel."""
+    the prefill kernel; an fp8 cache read as fp8 * k_scale and fp8 * v_scale. Falls back to
+    the reference when the decode kernel is unavailable or the query is not an fp32/bf16 CPU
+    tensor or the cache an fp32/bf16/fp8 one, and for prefill rows when only the prefill
+    kernel is unavailable. `sinks` (gpt-oss) go to every kernel."""
     md = attn_metadata
     options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    if is_fp8(k_cache.dtype) and k_cache.device.type == "cpu" and query.dtype in _DTYPES and load_kernel() is not None:
-        md, k_cache, v_cache = _dequantized_step_blocks(md, k_cache, v_cache, k_scale, v_scale, query.dtype)
-    if (k_cache.device.type != "cpu" or k_cache.dtype not in _DTYPES or query.dtype not in _DTYPES
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in _CACHE_DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
         return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, k_scale=k_scale, v_scale=v_scale,
                                                **options)
+    options.update(k_scale=k_scale, v_scale=v_scale)
     num_tokens = query.shape[0]
     if md.max_query_len == 1 and md.num_seqs == num_tokens:
         return paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale, **options)
@@ -178,28 +180,4 @@ def _decode_rows(md: AttentionMetadata) -> _DecodeRows | None:
             plan = _DecodeRows(torch.tensor(rows), md.block_tables[index], md.seq_lens[index])
         md.__dict__["_cpu_decode_rows"] = plan
     return md.__dict__["_cpu_decode_rows"]
-
-
-def _dequantized_step_blocks(md: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
-                             v_scale: float, query_dtype: torch.dtype
-                             ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-    """An fp8 cache for the native kernels, which read fp32 and bf16 only: the blocks this
-    step's block tables name, dequantized (fp8 * scale, the reference's values exactly),
-    and the step renumbered onto them. In bf16 for bf16 queries when both scales are powers
-    of two (every fp8 value times one is exact in bf16: half the bytes to write and read),
-    else in fp32. Costs a conversion of every block the step reads, each layer each step,
-    and holds them for the layer's call (docs/quantized_kv_cache.md has the figures)."""
-    # The block list and renumbered tables are the same for every layer: once per step.
-    if "_cpu_fp8_blocks" not in md.__dict__:
-        blocks, tables = torch.unique(md.block_tables.long(), return_inverse=True)
-        md.__dict__["_cpu_fp8_blocks"] = (blocks, dataclasses.replace(md, block_tables=tables.to(torch.int32)))
-    blocks, step = md.__dict__["_cpu_fp8_blocks"]
-    if load_native_library("cpu_ops") is not None:  # an attention kernel's part, as the cache allocation
-        exact_in_bf16 = all(math.frexp(scale)[0] == 0.5 for scale in (k_scale, v_scale))
-        dtype = torch.bfloat16 if query_dtype == torch.bfloat16 and exact_in_bf16 else torch.float32
-        return (step, cpu_ops.dequantize_blocks(k_cache, blocks, k_scale, dtype),
-                cpu_ops.dequantize_blocks(v_cache, blocks, v_scale, dtype))
-    k = dequantize(k_cache.view(torch.uint8).index_select(0, blocks).view(k_cache.dtype), k_scale)
-    v = dequantize(v_cache.view(torch.uint8).index_select(0, blocks).view(v_cache.dtype), v_scale)
-    return step, k, v
 

@@ -140,6 +140,8 @@ class CpuFusedDecode:
                 return None
             tensors += norms
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if getattr(linear, "quant_method", None) is not None:
+                    return None  # FP8 weights: the layers' own GEMM dequantizes them
                 gated = linear.silu_and_mul_weight if linear is mlp.gate_up_proj else None
                 if gated is not None and gated.packed.dtype == dtype and gated.takes(num_tokens):
                     # The gate_up kernel that applies SiLU-and-mul itself (what MergedColumnParallelLinear.

@@ -92,16 +92,6 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     torch.ops.raylm.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.contiguous())
 
 
-def dequantize_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Blocks `blocks` (int64) of an fp8 cache [num_blocks, ...] times `scale`, in `dtype`
-    (fp32, or bf16: then each value is fp8 * scale rounded to bf16):
-    `kv_cache_dtype.dequantize` of cache[blocks], in one pass through a 256-entry table.
-    A block outside the cache is a ValueError."""
-    table = (torch.arange(256, dtype=torch.uint8).view(cache.dtype).float() * scale).to(dtype)
-    return torch.ops.raylm.dequantize_blocks(cache.view(torch.uint8), blocks.contiguous(), table)
-
-
 def random_sample(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of fp32 logits [N, V] (rows contiguous): the first token whose cumulative

@@ -12,6 +12,7 @@ to the whole context.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -36,7 +37,11 @@ class Gemma2Attention(LlamaAttention):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias)
-        self.attn = Attention(self.num_heads, self.head_size, float(config.query_pre_attn_scalar) ** -0.5,
+        scalar = config.query_pre_attn_scalar
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not 0 < scalar < math.inf:
+            raise ValueError(f"config.query_pre_attn_scalar must be a positive finite number (the attention "
+                             f"scale is its inverse square root), got {scalar!r}.")
+        self.attn = Attention(self.num_heads, self.head_size, float(scalar) ** -0.5,
                               self.num_kv_heads, sliding_window=sliding_window,
                               logits_soft_cap=getattr(config, "attn_logit_softcapping", None) or None)
 

@@ -35,13 +35,15 @@ def gemma3_rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
         by_type = {kind: dict(params.get(kind) or {}) for kind in (FULL, SLIDING)}
     else:
         full = dict(params) if isinstance(params, dict) else dict(getattr(config, "rope_scaling", None) or {})
-        if getattr(config, "rope_theta", None):
+        if getattr(config, "rope_theta", None) is not None:
             full.setdefault("rope_theta", config.rope_theta)
         local_theta = getattr(config, "rope_local_base_freq", None)
-        by_type = {FULL: full, SLIDING: {"rope_theta": local_theta} if local_theta else {}}
+        by_type = {FULL: full, SLIDING: {"rope_theta": local_theta} if local_theta is not None else {}}
     for kind, kind_params in by_type.items():
         kind_params["rope_type"] = kind_params.pop("type", None) or kind_params.get("rope_type") or "default"
-        kind_params["rope_theta"] = float(kind_params.get("rope_theta") or _DEFAULT_THETA[kind])
+        # Only a missing base takes the default: a 0 is the config's (refused by get_rope).
+        if kind_params.get("rope_theta") is None:
+            kind_params["rope_theta"] = _DEFAULT_THETA[kind]
     return by_type
 
 

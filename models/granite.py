@@ -6,6 +6,7 @@ softmax scale (in place of head_dim ** -0.5), and the logits divided by `logits_
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,17 @@ from raylm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from raylm.models.rmsnorm import norm_with_residual
 from raylm.models.rotary_embedding import RotaryEmbedding
 from raylm.parallel import VocabParallelEmbedding
+
+
+def config_number(config: Any, key: str, nonzero: bool = False) -> float:
+    """config.<key> as a float: a finite number (non-zero where the model divides by it), or
+    a ValueError naming the field (transformers' strict config only checks its type)."""
+    value = getattr(config, key)
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number) or (nonzero and number == 0):
+        allowed = "a finite non-zero number (the logits are divided by it)" if nonzero else "a finite number"
+        raise ValueError(f"config.{key} must be {allowed}, got {value!r}.")
+    return number
 
 
 class MultipliedVocabParallelEmbedding(VocabParallelEmbedding):
@@ -39,9 +51,9 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         super().__init__(config, rotary_emb, qkv_bias=bool(getattr(config, "attention_bias", False)),
                          sliding_window=sliding_window)
         attn = self.self_attn.attn
-        self.self_attn.attn = Attention(attn.num_heads, attn.head_size, float(config.attention_multiplier),
+        self.self_attn.attn = Attention(attn.num_heads, attn.head_size, config_number(config, "attention_multiplier"),
                                         attn.num_kv_heads, sliding_window=sliding_window)
-        self.residual_multiplier = float(config.residual_multiplier)
+        self.residual_multiplier = config_number(config, "residual_multiplier")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +69,7 @@ class GraniteModel(LlamaModel):
 
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
-        embedding = partial(MultipliedVocabParallelEmbedding, multiplier=float(config.embedding_multiplier))
+        embedding = partial(MultipliedVocabParallelEmbedding, multiplier=config_number(config, "embedding_multiplier"))
         self._build_modules(config, lambda rotary_emb, window: GraniteDecoderLayer(config, rotary_emb, window),
                             embedding_type=embedding)
 
@@ -66,8 +78,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
     """Llama's checkpoint names and loading over Granite's model; logits / logits_scaling."""
 
     def __init__(self, config: Any) -> None:
+        self.logits_scaling = config_number(config, "logits_scaling", nonzero=True)
         super().__init__(config)
-        self.logits_scaling = float(config.logits_scaling)
 
     def _init_model(self, config: Any) -> GraniteModel:
         return GraniteModel(config)

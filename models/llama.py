@@ -192,7 +192,7 @@ class LlamaModel(nn.Module):
             self.fused_decode.reset()  # it holds the layers' packed weights of the last load
         last = self.layers[-1].self_attn if len(self.layers) and self.is_last_stage else None
         if (isinstance(last, LlamaAttention) and type(last).forward is LlamaAttention.forward
-                and type(last.attn) is Attention):
+                and type(last.attn) is Attention and last.qkv_proj.quant_method is None):
             last.prepare_output_row_projections()  # its outputs are read at the output rows only
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

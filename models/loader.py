@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from raylm.models.mxfp4 import refuse_quantization_config
+from raylm.models.quantization import apply_quantization, get_quant_config
 from raylm.models.registry import resolve_model_class
 from raylm.models.rotary_embedding import max_model_len_context
 from raylm.models.weight_utils import initialize_dummy_weights, safetensors_weights_iterator
@@ -29,12 +30,21 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     """The model named by model_config.hf_config.architectures, with parameters in
     model_config.dtype on `device` (this rank's shards under tensor parallel), loaded from
     the safetensors files in model_config.model (load_format "dummy": random values, no
-    file read), in eval mode; for runner "pooling" without its LM head (models/adapters.py)."""
+    file read), in eval mode; for runner "pooling" without its LM head (models/adapters.py).
+    Linear layers hold FP8 weights where model_config.quantization or the checkpoint's
+    quantization_config says so (`models/quantization.py`)."""
     hf_config = model_config.hf_config
     model_class = resolve_model_class(getattr(hf_config, "architectures", None), model_config.runner_type)
+    # Both refuse a quantization_config they do not read before anything is built or read.
     refuse_quantization_config(hf_config, model_class)
+    quant_config = get_quant_config(hf_config, model_config.quantization)
     with _default_dtype(model_config.dtype), torch.device(device), max_model_len_context(model_config.max_model_len):
         model = model_class(hf_config)
+    if quant_config is not None:
+        # The linear layers' weights become FP8 parameters (and scales) before any is loaded.
+        apply_quantization(model, quant_config, getattr(model, "stacked_params_mapping", []))
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit weights it replaced were never filled: give them back
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model)
         for module in model.modules():

@@ -70,12 +70,18 @@ def check_quantization_config(config: Any, model_name: str = "GptOssForCausalLM"
         raise ValueError(f"quantization_config.quant_method must be 'mxfp4' for {model_name}, got {method!r}.")
 
 
+# The architectures whose model class reads MXFP4 checkpoints (`supports_quantization`).
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
+
+
 def refuse_quantization_config(config: Any, model_class: type) -> None:
-    """Models other than those that read quantized checkpoints (`supports_quantization`) refuse a
-    config with a `quantization_config`, rather than read its packed tensors as weights."""
+    """An MXFP4 checkpoint (quant_method "mxfp4") is read by model classes that read it
+    (`supports_quantization`) only: any other refuses it rather than read its packed tensors
+    as weights. Other quant_methods are `models/quantization.py`'s."""
     quantization = getattr(config, "quantization_config", None)
-    if quantization is not None and not getattr(model_class, "supports_quantization", False):
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    if method == "mxfp4" and not getattr(model_class, "supports_quantization", False):
         raise ValueError(f"config.json has quantization_config (quant_method {method!r}), which "
-                         f"{model_class.__name__} does not read; raylm reads quantized checkpoints of "
-                         f"GptOssForCausalLM (quant_method 'mxfp4') only.")
+                         f"{model_class.__name__} does not read; raylm reads MXFP4 checkpoints of "
+                         f"{', '.join(MXFP4_ARCHITECTURES)} only.")

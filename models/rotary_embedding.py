@@ -63,7 +63,8 @@ def rope_parameters_from_config(config: Any) -> dict[str, Any]:
         params = dict(params)
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
-        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+        theta = getattr(config, "rope_theta", None)  # a 0 is the config's (refused by get_rope)
+        params["rope_theta"] = 10000.0 if theta is None else theta
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
     params.pop("type", None)
@@ -84,7 +85,25 @@ def longrope_uses_long_factors(params: dict[str, Any], max_position: int) -> boo
         raise ValueError(f"rope_type 'longrope' needs rope_parameters {', '.join(missing)} (or "
                          f"config.original_max_position_embeddings); the config has none.")
     max_model_len = _max_model_len.get() or max_position
-    return max_model_len > int(params["original_max_position_embeddings"])
+    return max_model_len > _original_max_position(params)
+
+
+def _original_max_position(params: dict[str, Any]) -> int:
+    original = params["original_max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, (int, float)) or original < 1:
+        raise ValueError(f"rope_parameters original_max_position_embeddings must be a positive number of "
+                         f"positions, got {original!r}.")
+    return int(original)
+
+
+def _positive(params: dict[str, Any], key: str) -> float:
+    """params[key] as a float, which must be finite and above zero (a rotary base, a scaling
+    factor: zero or less makes cos and sin NaN or meaningless)."""
+    value = params.get(key)
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"rope_parameters {key} must be a positive finite number, got {value!r}.")
+    return number
 
 
 def _attention_factor(params: dict[str, Any], max_position: int) -> float:
@@ -97,25 +116,30 @@ def _attention_factor(params: dict[str, Any], max_position: int) -> float:
     if params["rope_type"] != "longrope":
         return 1.0
     if params.get("attention_factor") is not None:
-        return float(params["attention_factor"])
-    original = int(params["original_max_position_embeddings"])
+        return _positive(params, "attention_factor")
+    original = _original_max_position(params)
     factor = float(params.get("factor") or max_position / original)
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if factor <= 1.0:
+        return 1.0
+    if original < 2:
+        raise ValueError("rope_parameters original_max_position_embeddings must be at least 2 where LongRoPE's "
+                         "attention_factor is left to its default (it divides by the logarithm), got 1.")
+    return math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
-    base = float(params["rope_theta"])
+    base = _positive(params, "rope_theta")
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
         # Scaling positions by 1/factor is the same as scaling the frequencies.
-        return inv_freq / float(params["factor"])
+        return inv_freq / _positive(params, "factor")
     if rope_type == "llama3":
-        factor = float(params["factor"])
-        low_freq_factor = float(params["low_freq_factor"])
-        high_freq_factor = float(params["high_freq_factor"])
+        factor = _positive(params, "factor")
+        low_freq_factor = _positive(params, "low_freq_factor")
+        high_freq_factor = _positive(params, "high_freq_factor")
         old_context_len = float(params.get("original_max_position_embeddings") or max_position)
         low_freq_wavelen = old_context_len / low_freq_factor
         high_freq_wavelen = old_context_len / high_freq_factor
@@ -129,11 +153,13 @@ def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: 
         return torch.where(is_medium, smoothed, scaled)
     if rope_type == "longrope":
         key = "long_factor" if longrope_uses_long_factors(params, max_position) else "short_factor"
-        factors = torch.tensor(params[key], dtype=torch.float32)
-        if factors.shape != inv_freq.shape:
-            raise ValueError(f"rope_parameters {key} must hold rotary_dim / 2 = {inv_freq.numel()} numbers, got "
-                             f"{factors.numel()}.")
-        return inv_freq / factors
+        for name in ("short_factor", "long_factor"):  # both checked, whichever this engine uses
+            factors = params[name]
+            if not (isinstance(factors, (list, tuple)) and len(factors) == inv_freq.numel()
+                    and all(_is_positive_number(f) for f in factors)):
+                raise ValueError(f"rope_parameters {name} must hold rotary_dim / 2 = {inv_freq.numel()} positive "
+                                 f"finite numbers, got {factors!r}.")
+        return inv_freq / torch.tensor(params[key], dtype=torch.float32)
     if rope_type == "yarn":
         return _yarn_inverse_frequencies(rotary_dim, params, max_position)
     raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}.")
@@ -188,6 +214,11 @@ def _yarn_inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_posit
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     extrapolation = 1 - ramp
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -277,6 +308,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
-    partial = float(rope_parameters.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_size * partial)
+    partial = rope_parameters.get("partial_rotary_factor")
+    partial = 1.0 if partial is None else float(partial)
+    rotary_dim = int(head_size * partial)  # as transformers rounds it
+    # The kernels rotate pairs of a head's first rotary_dim dimensions (the rest pass through).
+    if not (2 <= rotary_dim <= head_size and rotary_dim % 2 == 0):
+        raise ValueError(f"partial_rotary_factor {partial} rotates {rotary_dim} of each head's {head_size} "
+                         f"dimensions; it must rotate an even number of them, at least 2 and at most head_dim.")
     return RotaryEmbedding(head_size, rotary_dim, max_position, rope_parameters)

@@ -33,6 +33,11 @@ def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, name: str) ->
     param_slice.copy_(read_weight(loaded))
 
 
+def _units(size: int, unit: int) -> int:
+    """How many units of `unit` rows (or columns) cover `size`; a last partial one counts."""
+    return -(-size // unit)
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -43,14 +48,23 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.packed_weight: torch.Tensor | None = None
         self.decode_weight: cpu_gemm.DecodeWeight | None = None
+        # vLLM's quant_method: set (`models/quantization.py`) when the weight is quantized;
+        # it then owns the weight's parameters, their processing after loading, and the GEMM.
+        self.quant_method = None
 
     def process_weights_after_loading(self) -> None:
         """Packs the loaded weight once for the CPU GEMM (`kernels/cpu_gemm.py`); called by
         the loader after the checkpoint is in. `weight` stays as loaded; weights loaded again
         later need this called again."""
+        if self.quant_method is not None:
+            self.packed_weight = self.decode_weight = None
+            self.quant_method.process_weights_after_loading(self)
+            return
         self.packed_weight, self.decode_weight = cpu_gemm.pack_weight_copies(self.weight)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         return cpu_gemm.linear(x, self.weight, self.packed_weight, bias, self.decode_weight)
 
 
@@ -104,9 +118,42 @@ class ColumnParallelLinear(LinearBase):
         self.bias = (_new_parameter(self.output_size_per_partition, dtype=params_dtype,
                                     weight_loader=self.weight_loader) if bias else None)
 
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        """This rank's rows of each fused output, in the order the weight holds them (vLLM's name)."""
+        return [size // self.tp_size for size in self.output_sizes]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        size = param.shape[0]
-        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
+        self.load_rows(param, loaded_weight, shard_id)
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None, unit: int = 1) -> None:
+        """Copies this rank's rows of checkpoint tensor `loaded` (output `shard_id` of a fused
+        layer; None: the whole layer's tensor, fused ones split per output) into `param`, in
+        units of `unit` rows: 1 for weights, biases and per-channel scales, the block's rows
+        for block-wise scales (whose one row covers `unit` weight rows)."""
+        shards = self.checkpoint_shards()
+        if shard_id is None and len(shards) > 1:
+            for sid, offset, size in shards:
+                self.load_rows(param, loaded.narrow(0, offset // unit, _units(size, unit)), sid, unit)
+            return
+        param_offset, size, source_start = self.shard_rows(shards[0][0] if shard_id is None else shard_id)
+        name = type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}")
+        _copy_checked(param.data.narrow(0, param_offset // unit, _units(size, unit)),
+                      loaded.narrow(0, source_start // unit, _units(size, unit)), name)
+
+    def checkpoint_shards(self) -> list[tuple[object, int, int]]:
+        """(shard id, first row, rows) of each output within a fused checkpoint tensor."""
+        return [(None, 0, self.output_size)]
+
+    def shard_rows(self, shard_id) -> tuple[int, int, int]:
+        """(first row in this rank's weight, rows, first row in the shard's checkpoint tensor)
+        of this rank's part of output `shard_id`."""
+        size = self.output_size_per_partition
+        return 0, size, self.tp_rank * size
+
+    def shard_index(self, shard_id) -> int:
+        """The position of output `shard_id` among the fused outputs."""
+        return 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x, self.bias)
@@ -132,7 +179,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def process_weights_after_loading(self) -> None:
         self.silu_and_mul_weight = None
-        if not self.silu_and_mul_follows:
+        if not self.silu_and_mul_follows or self.quant_method is not None:
             return super().process_weights_after_loading()
         self.packed_weight = cpu_gemm.maybe_pack_linear_weight(self.weight)
         self.silu_and_mul_weight = cpu_gemm.maybe_pack_silu_and_mul_weight(self.weight, self.packed_weight)
@@ -150,21 +197,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return None
         return weight.op(x, weight.packed, self.output_size_per_partition // 2)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
-        if shard_id is None:
-            # A checkpoint that already stores the fused tensor: split it back per output.
-            offset = 0
-            for index, size in enumerate(self.output_sizes):
-                self.weight_loader(param, loaded_weight.narrow(0, offset, size), index)
-                offset += size
-            return
-        if not 0 <= shard_id < len(self.output_sizes):
+    # weight_loader (ColumnParallelLinear's): a checkpoint that already stores the fused
+    # tensor (shard_id None) is split back per output.
+    def checkpoint_shards(self) -> list[tuple[object, int, int]]:
+        offsets = [sum(self.output_sizes[:index]) for index in range(len(self.output_sizes))]
+        return [(index, offset, size) for index, (offset, size) in enumerate(zip(offsets, self.output_sizes))]
+
+    def shard_index(self, shard_id) -> int:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id!r}.")
-        shard_size = self.output_sizes[shard_id] // self.tp_size
-        shard_offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _copy_checked(param.data.narrow(0, shard_offset, shard_size),
-                      loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size),
-                      f"{type(self).__name__} shard {shard_id}")
+        return shard_id
+
+    def shard_rows(self, shard_id) -> tuple[int, int, int]:
+        index = self.shard_index(shard_id)
+        shard_size = self.output_sizes[index] // self.tp_size
+        return sum(self.output_sizes[:index]) // self.tp_size, shard_size, self.tp_rank * shard_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -194,27 +241,26 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, q_size + 2 * kv_size, bias, False, params_dtype,
                          [q_size, kv_size, kv_size])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
+    # weight_loader (ColumnParallelLinear's): a fused checkpoint qkv tensor (shard_id None)
+    # is split into the full q, k, v first.
+    def checkpoint_shards(self) -> list[tuple[object, int, int]]:
+        total_kv = self.total_num_kv_heads * self.head_size
+        total_q = self.total_num_heads * self.head_size
+        return [("q", 0, total_q), ("k", total_q, total_kv), ("v", total_q + total_kv, total_kv)]
+
+    def shard_index(self, shard_id) -> int:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
+        return "qkv".index(shard_id)
+
+    def shard_rows(self, shard_id) -> tuple[int, int, int]:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
-        if shard_id is None:
-            # A fused checkpoint qkv tensor: split it into the full q, k, v first.
-            total_kv = self.total_num_kv_heads * self.head_size
-            total_q = self.total_num_heads * self.head_size
-            for sid, offset, size in (("q", 0, total_q), ("k", total_q, total_kv), ("v", total_q + total_kv, total_kv)):
-                self.weight_loader(param, loaded_weight.narrow(0, offset, size), sid)
-            return
-        if shard_id == "q":
-            param_offset, size, source_start = 0, q_size, self.tp_rank * q_size
-        elif shard_id in ("k", "v"):
-            param_offset = q_size if shard_id == "k" else q_size + kv_size
-            size = kv_size
-            # Replicas of one KV head sit on consecutive ranks.
-            source_start = (self.tp_rank // self.num_kv_head_replicas) * kv_size
-        else:
-            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
-        _copy_checked(param.data.narrow(0, param_offset, size), loaded_weight.narrow(0, source_start, size),
-                      f"{type(self).__name__} shard {shard_id}")
+        if self.shard_index(shard_id) == 0:
+            return 0, q_size, self.tp_rank * q_size
+        # Replicas of one KV head sit on consecutive ranks.
+        return (q_size if shard_id == "k" else q_size + kv_size, kv_size,
+                (self.tp_rank // self.num_kv_head_replicas) * kv_size)
 
 
 class RowParallelLinear(LinearBase):
@@ -237,8 +283,14 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # the bias is whole on every rank
             _copy_checked(param.data, loaded_weight, f"{type(self).__name__} bias")
             return
-        size = param.shape[1]
-        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size), type(self).__name__)
+        self.load_columns(param, loaded_weight)
+
+    def load_columns(self, param: nn.Parameter, loaded: torch.Tensor, unit: int = 1) -> None:
+        """Copies this rank's input columns of checkpoint tensor `loaded` into `param`, in
+        units of `unit` columns (a block-wise scale's column covers `unit` weight columns)."""
+        size = self.input_size_per_partition
+        _copy_checked(param.data, loaded.narrow(1, self.tp_rank * size // unit, _units(size, unit)),
+                      type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:

@@ -10,7 +10,9 @@ Sharding follows the base layer, so each rank holds only its share:
 - column parallel (qkv_proj, gate_up_proj): the input is whole on every rank, so A is whole
   too (it is small: rank x in); B is split by output features exactly as the base weight is
   (by heads for q/k/v, KV heads replicated where ranks outnumber them), which the base
-  layer's own `weight_loader` cuts;
+  layer's own `weight_loader` cuts. An adapter of the whole fused projection (Phi-3's
+  checkpoints and adapters name qkv_proj, gate_up_proj) gives every slice the same A and
+  is cut as the fused weight is;
 - row parallel (o_proj, down_proj): the input is split, so A is split by input features
   (again by the base `weight_loader`) and B is whole. Each rank adds the expand of its
   partial shrink to its partial output before the base layer's all-reduce, which sums them:
@@ -174,8 +176,14 @@ class ColumnParallelLinearWithLoRA(BaseLinearWithLoRA):
         dtype = self.lora_a.dtype
         a = torch.zeros(len(self.slice_ids), rank, self.lora_in_features, dtype=dtype)
         b = torch.zeros(self.base_layer.output_size_per_partition, rank, dtype=torch.float32)
+        if None in a_full and self.slice_ids != [None]:
+            # One adapter over the whole fused projection (Phi-3's qkv_proj, gate_up_proj):
+            # (x A^T) B^T with B the slices' B stacked, so every slice shares A, and B is cut
+            # as the loader cuts the fused checkpoint weight (shard_id None).
+            a.copy_(a_full[None].expand_as(a))
+            self.base_layer.weight_loader(b, b_full[None].float(), None)
         for index, slice_id in enumerate(self.slice_ids):
-            if slice_id not in a_full:
+            if slice_id not in a_full or (slice_id is None and len(self.slice_ids) > 1):
                 continue
             a[index].copy_(a_full[slice_id])
             # The base layer's loader cuts this rank's rows of B as it cuts the weight's.

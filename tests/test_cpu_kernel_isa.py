@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from raylm.engine import envs
 from raylm.kernels import cpu_attention, cpu_ops, native_build
+from raylm.kernels.kv_cache_dtype import dequantize, quantize
 from paged_steps import build_cached_step
 from penalty_reference import dense_penalties
 from test_cpu_attention import float64_attention
@@ -653,7 +654,7 @@ def test_decode_attention_with_sinks(head_size, block_size, window, soft_cap, dt
                                                     dtype=dtype, seed=head_size, sliding_window=window)
     sinks, scale = _sinks(8, head_size), 2.0 / math.sqrt(head_size)
     out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                                 window or 0, soft_cap or 0.0, sinks)
+                                                 window or 0, soft_cap or 0.0, sinks=sinks)
     assert_close(out, float64_attention(query, k_cache, v_cache, md, scale, window, soft_cap, sinks), dtype)
 
 
@@ -665,7 +666,7 @@ def test_prefill_attention_with_sinks(head_size, window, soft_cap, dtype):
                                                     seed=head_size + 3, sliding_window=window)
     sinks = _sinks(8, head_size + 1)
     out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                  md.query_start_loc, 0.25, 1, window or 0, soft_cap or 0.0, sinks)
+                                                  md.query_start_loc, 0.25, 1, window or 0, soft_cap or 0.0, sinks=sinks)
     assert_close(out, float64_attention(query, k_cache, v_cache, md, 0.25, window, soft_cap, sinks), dtype)
 
 
@@ -673,10 +674,150 @@ def test_sinks_of_another_head_count_are_a_value_error():
     query, k_cache, v_cache, md = build_cached_step([1, 3], [5, 9], 4, 2, 32, seed=1)
     with pytest.raises(ValueError, match=r"sinks must be one value per query head \[4\]"):
         torch.ops.raylm.paged_decode_attention(query[:1], k_cache, v_cache, md.block_tables[:1], md.seq_lens[:1],
-                                               0.2, 0, 0.0, torch.zeros(3))
+                                               0.2, 0, 0.0, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match=r"sinks must be one value per query head \[4\]"):
         torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                md.query_start_loc, 0.2, 1, 0, 0.0, torch.zeros(5))
+                                                md.query_start_loc, 0.2, 1, 0, 0.0, sinks=torch.zeros(5))
+
+
+# ---- fp8 caches, read by the kernels directly ----------------------------------------------
+
+FP8_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+# (k_scale, v_scale) per format: small enough that the largest keys and values (3 x randn,
+# beyond 6.7 and 9 or 5.7 and 8.6) saturate.
+FP8_SCALES = {torch.float8_e4m3fn: (0.015, 0.02), torch.float8_e5m2: (0.0001, 0.00015)}
+
+
+def fp8_cached_step(query_lens, seq_lens, num_heads, num_kv_heads, head_size, fp8, block_size=16, seed=0,
+                    sliding_window=None):
+    """build_cached_step with its K and V stored as an fp8 cache stores them (x / scale,
+    saturated; the NaN slots NaN codes); returns the query, the fp8 caches, the metadata,
+    the scales and the caches as the reference reads them (`dequantize`, fp32)."""
+    query, k, v, md = build_cached_step(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
+                                        seed=seed, sliding_window=sliding_window)
+    k_scale, v_scale = FP8_SCALES[fp8]
+    k_cache, v_cache = quantize(k * 3, fp8, k_scale), quantize(v * 3, fp8, v_scale)
+    return query, k_cache, v_cache, md, (k_scale, v_scale), (dequantize(k_cache, k_scale), dequantize(v_cache, v_scale))
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_size", [32, 40])
+def test_an_fp8_cache_reads_every_code_as_torch_converts_it(head_size, fp8):
+    """One-token sequences (a softmax weight of 1): each output row is its value row times
+    v_scale, exactly; the 256 codes spread over the rows, subnormals, infinities and NaNs
+    included, through decode (the AVX-512 path at 32, the AVX2 one at 40) and prefill."""
+    num_seqs = -(-256 // head_size)
+    values = torch.zeros(num_seqs * head_size, dtype=torch.uint8)
+    values[:256] = torch.arange(256, dtype=torch.uint8)
+    v_cache = torch.zeros(num_seqs, 4, 1, head_size, dtype=torch.uint8)
+    v_cache[:, 0, 0] = values.view(num_seqs, head_size)
+    v_cache = v_cache.view(fp8)
+    k_cache = torch.zeros_like(v_cache)
+    query = torch.randn(num_seqs, 1, head_size)
+    tables, lens = torch.arange(num_seqs, dtype=torch.int32)[:, None], torch.ones(num_seqs, dtype=torch.int32)
+    expected = v_cache[:, 0].float() * 0.5
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 0, 0.0, 3.0, 0.5)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, tables, lens, starts, 0.1, 1, 0, 0.0,
+                                                  3.0, 0.5)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
+def test_decode_attention_over_an_fp8_cache(head_size, num_heads, num_kv_heads, dtype, fp8):
+    """Against float64 attention over the dequantized cache (the reference's values):
+    scattered blocks of a NaN-poisoned cache, the scales applied."""
+    seq_lens = [1, 15, 16, 17, 100, 257]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_size, fp8, seed=head_size)
+    query = query.to(dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale, 0, 0.0,
+                                                 k_scale, v_scale)
+    assert_close(out, float64_attention(query, k32, v32, md, scale), dtype)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_size,block_size", [(32, 1), (40, 24), (64, 8), (128, 32)])
+def test_windowed_soft_capped_decode_over_an_fp8_cache_with_other_block_sizes(head_size, block_size, fp8):
+    # Blocks that are not a multiple of 4 or 8 keys take the one-key-at-a-time code.
+    seq_lens = [1, 7, 40, 101]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        [1] * len(seq_lens), seq_lens, 8, 2, head_size, fp8, block_size, seed=block_size, sliding_window=23)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, 0.3, 23, 3.0,
+                                                 k_scale, v_scale)
+    assert_close(out, float64_attention(query, k32, v32, md, 0.3, 23, 3.0), torch.float32)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(32, 8, 2), (64, 4, 4), (40, 8, 4), (36, 8, 4)])
+def test_prefill_and_extend_attention_over_an_fp8_cache(head_size, num_heads, num_kv_heads, dtype, fp8):
+    # A whole prompt, an extend after cached tokens, a short chunk mid-block.
+    query_lens, seq_lens = [70, 20, 3], [70, 150, 21]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_size, fp8, seed=head_size + 1)
+    query = query.to(dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, scale, 1, 0, 0.0, k_scale, v_scale)
+    assert_close(out, float64_attention(query, k32, v32, md, scale), dtype)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+def test_windowed_soft_capped_prefill_over_an_fp8_cache(fp8):
+    query_lens, seq_lens = [200, 20, 3, 1], [200, 150, 21, 90]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        query_lens, seq_lens, 8, 2, 64, fp8, seed=5, sliding_window=70)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, 0.25, 1, 70, 3.0, k_scale, v_scale)
+    assert_close(out, float64_attention(query, k32, v32, md, 0.25, 70, 3.0), torch.float32)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_the_kernels_refuse_an_fp8_scale_that_is_not_positive_and_finite(op):
+    query, k_cache, v_cache, md, _, _ = fp8_cached_step([1, 1], [5, 9], 4, 2, 32, torch.float8_e4m3fn)
+    for k_scale, v_scale in [(0.0, 1.0), (1.0, -2.0), (math.inf, 1.0), (1.0, math.nan)]:
+        with pytest.raises(ValueError, match=r"k_scale \(.*\) and v_scale \(.*\) must be positive and finite"):
+            if op == "decode":
+                torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, 0.2, 0,
+                                                       0.0, k_scale, v_scale)
+            else:
+                torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                        md.query_start_loc, 0.2, 1, 0, 0.0, k_scale, v_scale)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_size,block_size,window,soft_cap", [(64, 16, None, None), (40, 8, 23, 3.0),
+                                                                   (32, 1, None, None)])
+def test_decode_attention_over_an_fp8_cache_with_sinks(head_size, block_size, window, soft_cap, fp8):
+    """gpt-oss with kv_cache_dtype fp8: the sink joins the denominator against the same
+    running maximum as the scores (k_scale in them), the output is v_scale * acc / (sum +
+    sink term); the wide, block-by-block and one-key-at-a-time paths."""
+    seq_lens = [1, 15, 40, 101, 257]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        [1] * len(seq_lens), seq_lens, 8, 2, head_size, fp8, block_size, seed=head_size, sliding_window=window)
+    sinks, scale = _sinks(8, head_size), 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
+                                                 window or 0, soft_cap or 0.0, k_scale, v_scale, sinks)
+    assert_close(out, float64_attention(query, k32, v32, md, scale, window, soft_cap, sinks), torch.float32)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,window,soft_cap", [(64, None, None), (40, 7, 3.0)])
+def test_prefill_attention_over_an_fp8_cache_with_sinks(head_size, window, soft_cap, dtype, fp8):
+    query_lens, seq_lens = [70, 20, 3, 1], [70, 150, 21, 90]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        query_lens, seq_lens, 8, 2, head_size, fp8, seed=head_size + 3, sliding_window=window)
+    query, sinks, scale = query.to(dtype), _sinks(8, head_size + 1), 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, scale, 1, window or 0, soft_cap or 0.0,
+                                                  k_scale, v_scale, sinks)
+    assert_close(out, float64_attention(query, k32, v32, md, scale, window, soft_cap, sinks), dtype)
 
 
 def test_an_unknown_isa_is_an_error_naming_the_variable_and_the_choices(monkeypatch):
@@ -751,3 +892,21 @@ def test_lora_bgmv_refuses_indices_out_of_range_before_touching_memory(bad):
     with pytest.raises(RuntimeError, match="raylm::lora_bgmv"):
         torch.ops.raylm.lora_bgmv(out, x, lora_a, lora_b, offsets, slots, 16)
     assert torch.equal(out, base)
+
+
+def test_fp8_linear_widens_every_e4m3_value_and_multiplies_as_float64_does():
+    """csrc/cpu_fp8_linear.cpp: blocks of 8 tokens x 3 rows with remainders, features not a
+    multiple of 16, per-row scales; and every e4m3 value (subnormals included) widened exactly."""
+    if native_build.load_native_library("cpu_fp8_linear") is None:
+        pytest.skip("the FP8 kernel cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(7, 37, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(7, generator=generator)
+    x = torch.randn(11, 37, generator=generator)
+    out = torch.ops.raylm.fp8_linear(x, weight.view(torch.uint8), scale)
+    expected = x.double() @ (weight.double() * scale.double()[:, None]).T
+    assert_close(out, expected, torch.float32)
+    values = torch.arange(256, dtype=torch.uint8)
+    values[[0x7f, 0xff]] = 0  # the NaNs
+    widened = torch.ops.raylm.fp8_linear(torch.eye(256), values.reshape(1, 256), torch.ones(1))[:, 0]
+    assert torch.equal(widened, values.view(torch.float8_e4m3fn).float())

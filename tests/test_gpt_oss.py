@@ -288,3 +288,31 @@ def test_quantization_configs_other_than_gpt_oss_mxfp4_are_refused():
         refuse_quantization_config(mxfp4, LlamaForCausalLM)
     with pytest.raises(ValueError, match="quant_method must be 'mxfp4' for GptOssForCausalLM, got 'fp8'"):
         GptOssForCausalLM(SimpleNamespace(quantization_config={"quant_method": "fp8"}))
+
+
+def test_quantization_rule_mxfp4_for_gpt_oss_fp8_for_dense_models_only():
+    """The engine's check (`get_quant_config`, run before any weight is read): MXFP4 is
+    gpt-oss's (its model class dequantizes it, no linear layer is quantized), an FP8 gpt-oss
+    is refused as every FP8 MoE is, and an unknown method is refused by name."""
+    from types import SimpleNamespace
+
+    from raylm.models.quantization import get_quant_config
+
+    def config(architecture: str, quantization_config: dict | None, **fields) -> SimpleNamespace:
+        return SimpleNamespace(architectures=[architecture], quantization_config=quantization_config, **fields)
+
+    gpt_oss_mxfp4 = config("GptOssForCausalLM", {"quant_method": "mxfp4"}, num_local_experts=4)
+    assert get_quant_config(gpt_oss_mxfp4, None) is None
+    with pytest.raises(ValueError, match="quantization 'fp8' does not match the checkpoint's quant_method 'mxfp4'"):
+        get_quant_config(gpt_oss_mxfp4, "fp8")
+    with pytest.raises(ValueError, match="quant_method 'mxfp4'.*GptOssForCausalLM only, not architectures "
+                                         r"\['LlamaForCausalLM'\]"):
+        get_quant_config(config("LlamaForCausalLM", {"quant_method": "mxfp4"}), None)
+    with pytest.raises(ValueError, match=r"FP8 weights are not supported for MoE models \(4 experts\)"):
+        get_quant_config(config("GptOssForCausalLM", {"quant_method": "fp8"}, num_local_experts=4), None)
+    with pytest.raises(ValueError, match=r"FP8 weights are not supported for MoE models \(4 experts\)"):
+        get_quant_config(config("GptOssForCausalLM", None, num_local_experts=4), "fp8")
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'.*which raylm does not read"):
+        get_quant_config(config("GptOssForCausalLM", {"quant_method": "bitsandbytes"}, num_local_experts=4), None)
+    dense_fp8 = get_quant_config(config("LlamaForCausalLM", {"quant_method": "fp8"}), None)
+    assert dense_fp8 is not None and dense_fp8.method == "fp8"

@@ -118,30 +118,8 @@ def test_quantize_saturates_where_a_plain_e5m2_cast_gives_inf():
     assert torch.isinf(x.to(E5M2).float()[1])  # what saturation avoids
 
 
-@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_cpu_dequantize_blocks_equals_the_reference_and_rejects_blocks_outside_the_cache(fp8):
-    from raylm.kernels import cpu_ops
-    from raylm.kernels.native_build import load_native_library
-
-    if load_native_library("cpu_ops") is None:
-        pytest.skip("the native CPU library does not build here")
-    cache = quantize(torch.randn(6, 4, 2, 8) * 100, fp8, 0.5)
-    cache.view(torch.uint8)[2, 0, 0, 0] = 0x7F  # a NaN byte stays NaN
-    blocks = torch.tensor([5, 2, 2, 0])
-    out = cpu_ops.dequantize_blocks(cache, blocks, 0.5)
-    torch.testing.assert_close(out, dequantize(cache[blocks], 0.5), rtol=0, atol=0, equal_nan=True)
-    assert out.isnan().sum() == 2
-    with pytest.raises(ValueError, match="block 6 is outside the cache's 6 blocks"):
-        cpu_ops.dequantize_blocks(cache, torch.tensor([1, 6]), 1.0)
-    # bf16 out: exact for a power-of-two scale (what the CPU backend asks it for).
-    out = cpu_ops.dequantize_blocks(cache, blocks, 0.5, torch.bfloat16)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), dequantize(cache[blocks], 0.5), rtol=0, atol=0, equal_nan=True)
-
-
 # (cache format, query dtype, num_heads, num_kv_heads, query_lens, seq_lens, padding rows,
-# (k_scale, v_scale)): scales that saturate; powers of two with bf16 queries, which the
-# backend dequantizes to bf16 rather than fp32.
+# (k_scale, v_scale)): scales that saturate, and powers of two.
 CPU_CASES = [
     (E4M3, torch.float32, 8, 2, [1, 1, 1], [1, 40, 97], 2, (0.02, 0.05)),  # decode-only, GQA 4, padding
     (E5M2, torch.bfloat16, 4, 4, [1, 1], [17, 64], 0, (0.0002, 0.0005)),
@@ -186,8 +164,10 @@ def test_cpu_backend_writes_and_attends_over_an_fp8_cache_like_the_fp32_referenc
                                                dequantize(v_cache, v_scale), md, 0.1)
     packed = sum(query_lens)
     assert out.dtype == dtype and torch.equal(out[packed:], torch.zeros_like(out[packed:]))
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out[:packed].float(), expected[:packed], rtol=tolerance, atol=tolerance)
+    # fp32: the rounding of sums of values up to ~30 (12 x randn), the scales applied by the
+    # kernels to the scores and outputs, by the reference to each element.
+    rtol, atol = (1e-5, 5e-5) if dtype == torch.float32 else (1e-2, 1e-2)
+    torch.testing.assert_close(out[:packed].float(), expected[:packed], rtol=rtol, atol=atol)
 
 
 # ---- the engine against Hugging Face ---------------------------------------------------------

@@ -338,3 +338,46 @@ def test_check_invariants_catches_a_ref_count_that_disagrees_with_the_block_tabl
     kv.block_pool.blocks[0].ref_cnt += 1
     with pytest.raises(AssertionError, match="ref_cnt"):
         kv.check_invariants([a])
+
+
+# ------------------------------------------------------------------- block tables sent
+def _held_ids(kv: KVCacheManager, request_id: str) -> list[int]:
+    return [block.block_id for block in kv.req_to_blocks.get(request_id, ())]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_block_ids_follow_every_change_of_a_requests_blocks(sliding_window: int | None) -> None:
+    """get_block_ids keeps its answer between calls: a table cut back and grown again to
+    its old length, null entries of a sliding window, and a request freed and admitted
+    again must each show in the next answer."""
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK_SIZE, sliding_window=sliding_window)
+    request = make_request("a", range(100, 110))
+    assert admit(kv, request) == _held_ids(kv, "a")
+    # Speculative decoding: one token and 5 proposals take a fourth block...
+    request.append_output_token(7)
+    kv.allocate_slots(request, 6)
+    request.num_computed_tokens += 6
+    assert kv.get_block_ids("a") == _held_ids(kv, "a")
+    first_tables = _held_ids(kv, "a")
+    # ...all rejected: the block goes back, and the next step's proposals take another one
+    # (the table has its old length again, and another last block).
+    request.num_computed_tokens = 11
+    kv.free_blocks_beyond(request, 11)
+    kv.allocate_slots(request, 5)
+    request.num_computed_tokens += 5
+    assert len(_held_ids(kv, "a")) == 4 and _held_ids(kv, "a") != first_tables
+    assert kv.get_block_ids("a") == _held_ids(kv, "a")
+    # Plain decoding, asking every step: with a window, leading entries turn null blocks.
+    request.num_computed_tokens = 11
+    kv.free_blocks_beyond(request, 11)
+    for token in range(20):
+        request.append_output_token(token)
+        kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+        assert kv.get_block_ids("a") == _held_ids(kv, "a")
+    # Freed (a preemption) and admitted again under the same id.
+    kv.free(request)
+    assert kv.get_block_ids("a") == []
+    request.num_computed_tokens = 0
+    assert admit(kv, request) == _held_ids(kv, "a")
+    kv.check_invariants([request])

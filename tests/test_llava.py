@@ -242,13 +242,118 @@ def test_processed_mm_features_are_checked_against_the_prompt(llm):
     moved = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset + 1, 16))
     short = dataclasses.replace(feature, mm_position=PlaceholderRange(feature.mm_position.offset, 15))
     big = dataclasses.replace(feature, pixel_values=np.zeros((1, 3, 64, 64), np.float32))
-    for features, match in (([moved], "not a run of image placeholder tokens"), ([short], "no image of mm_features"),
+    for features, match in (([moved], "not a run of image placeholder tokens"), ([short], "makes 16 embeddings"),
                             ([big], r"shape \(1, 3, 64, 64\)"),
                             ([feature] * 3, "limit_mm_per_prompt"), (["pixels"], "list of MultiModalFeature")):
         with pytest.raises(ParameterError, match=match) as error:
             llm.generate({"prompt_token_ids": token_ids, "mm_features": features}, use_tqdm=False)
         assert error.value.param == "mm_features"
+    image_token_id = processor.image_token_id
+    with pytest.raises(ParameterError, match="no image of mm_features fills") as error:
+        llm.generate({"prompt_token_ids": token_ids + [image_token_id], "mm_features": [feature]}, use_tqdm=False)
+    assert error.value.param == "mm_features"
     assert_engine_idle(llm.llm_engine)
+
+
+def test_processed_mm_features_outside_generate_are_refused_naming_mm_features(llm):
+    from raylm.engine.beam_search import BeamSearchParams
+    from raylm.engine.sampling_params import ParameterError
+
+    token_ids, features = llm.llm_engine.mm_processor.process(PROMPT, {"image": random_image(3)})
+    with pytest.raises(ParameterError, match="mm_features is supported by generate requests only") as error:
+        llm.beam_search([{"prompt_token_ids": token_ids, "mm_features": features}], BeamSearchParams(beam_width=2,
+                                                                                                     max_tokens=2))
+    assert error.value.param == "mm_features"
+    assert_engine_idle(llm.llm_engine)
+
+
+def _processed_attack(name: str, token_ids: list[int], feature, other_pixels, image_token_id: int):
+    """A processed prompt (ids, mm_features) that passes the placeholder-run checks but is
+    not what the processor makes of one image."""
+    import dataclasses
+
+    from raylm.engine.multimodal.inputs import PlaceholderRange
+
+    offset = feature.mm_position.offset
+    if name == "one image on two images' tokens":
+        ids = token_ids[:offset] + [image_token_id] * 32 + token_ids[offset + 16:]
+        return ids, [dataclasses.replace(feature, mm_position=PlaceholderRange(offset, 32))]
+    if name == "one image's tokens cut into two images":
+        halves = [PlaceholderRange(offset, 8), PlaceholderRange(offset + 8, 8)]
+        return token_ids, [dataclasses.replace(feature, mm_position=half) for half in halves]
+    if name == "another image's identifier":
+        return token_ids, [dataclasses.replace(feature, pixel_values=other_pixels)]
+    if name == "a float offset":
+        return token_ids, [dataclasses.replace(feature, mm_position=PlaceholderRange(float(offset), 16))]
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("attack, match", [
+    ("one image on two images' tokens", "makes 16 embeddings"),
+    ("one image's tokens cut into two images", "makes 16 embeddings"),
+    ("another image's identifier", "content hash"),
+    ("a float offset", "integer offset and length"),
+])
+def test_processed_mm_features_the_vision_tower_cannot_fill_are_refused(llm, hf_greedy, attack, match):
+    """mm_features whose runs do not hold one image's embeddings each failed in the workers'
+    encoder (which kills an AsyncLLMEngine's loop for every request), and pixels under another
+    image's identifier were taken (the prefix cache would then serve their KV to prompts with
+    that image): each is refused naming mm_features, and the engine goes on serving."""
+    from raylm.engine import SamplingParams
+    from raylm.engine.sampling_params import ParameterError
+
+    processor = llm.llm_engine.mm_processor
+    token_ids, (feature,) = processor.process(PROMPT, {"image": random_image(19)})
+    other_pixels = processor.process(PROMPT, {"image": random_image(20)})[1][0].pixel_values
+    ids, features = _processed_attack(attack, token_ids, feature, other_pixels, processor.image_token_id)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with pytest.raises(ParameterError, match=match) as error:
+        llm.generate({"prompt_token_ids": ids, "mm_features": features}, params, use_tqdm=False)
+    assert error.value.param == "mm_features"
+    assert_engine_idle(llm.llm_engine)
+    (out,) = llm.generate({"prompt_token_ids": token_ids, "mm_features": [feature]}, params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(PROMPT, (19,))
+
+
+def _edit_processor_config(model_dir: Path, path: Path, **image_processor) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, path)
+    config = json.loads((path / "processor_config.json").read_text())
+    for key, value in image_processor.items():
+        if key == "num_additional_image_tokens":
+            config[key] = value
+        else:
+            config["image_processor"][key] = value
+    (path / "processor_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(num_additional_image_tokens=2), "expands an image to 17 tokens, but its vision tower makes 16"),
+    (dict(size={"shortest_edge": 48}, crop_size={"height": 48, "width": 48}),
+     r"pixel_values of shape \(3, 48, 48\) an image, but its vision tower takes \(3, 32, 32\)"),
+])
+def test_a_processor_config_that_disagrees_with_the_model_fails_image_requests_alone(llava_dir, tmp_path, edit,
+                                                                                      match):
+    """A checkpoint whose processor_config.json expands an image to more tokens than the
+    vision tower makes, or makes pixels of another size, failed in the workers' encoder
+    (an AsyncLLMEngine's loop died with it, every request failing): each image request is
+    refused naming multi_modal_data, and text prompts are served."""
+    from raylm.engine import SamplingParams
+    from raylm.engine.sampling_params import ParameterError
+
+    llm = _llm(_edit_processor_config(llava_dir, tmp_path / "model", **edit))
+    try:
+        with pytest.raises(ParameterError, match=match) as error:
+            _generate(llm, [(PROMPT, (1,))])
+        assert error.value.param == "multi_modal_data"
+        (out,) = llm.generate("USER: no picture ASSISTANT:", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 2
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
 
 
 def test_placeholder_without_image_and_token_prompts_without_placeholders_are_refused(llm):

@@ -190,8 +190,59 @@ def test_phi3_fused_checkpoint_tensors_load_per_rank_as_their_parts_do(tp_size, 
     ({"short_factor": [1.0] * 8, "original_max_position_embeddings": 32}, "long_factor"),
     ({"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}, "original_max_position_embeddings"),
     ({"short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 32},
-     "short_factor must hold rotary_dim / 2 = 8 numbers, got 6"),
+     r"short_factor must hold rotary_dim / 2 = 8 positive finite numbers, got \[1.0"),
 ])
 def test_longrope_settings_that_cannot_be_applied_are_errors_naming_the_field(rope, message):
     with pytest.raises(ValueError, match=message):
         get_rope(16, 32, {"rope_type": "longrope", "rope_theta": 10000.0, **rope})
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("rope, message", [
+    # Division by zero in the attention factor's default, sqrt(1 + ln(64 / orig) / ln(orig)).
+    ({**LONGROPE, "original_max_position_embeddings": 0}, "original_max_position_embeddings must be a positive"),
+    ({**LONGROPE, "original_max_position_embeddings": 1}, "original_max_position_embeddings must be at least 2"),
+    # Zero factors make inverse frequencies infinite, cos and sin NaN; the unused set is checked too.
+    ({**LONGROPE, "long_factor": [0.0] * 8}, "long_factor must hold rotary_dim / 2 = 8 positive finite"),
+    ({**LONGROPE, "short_factor": [1.0] * 7 + [-1.0]}, "short_factor must hold rotary_dim / 2 = 8 positive finite"),
+    # cos and sin times zero: no position information at all.
+    ({**LONGROPE, "attention_factor": 0.0}, "attention_factor must be a positive finite number, got 0.0"),
+    ({"rope_type": "default", "rope_theta": 0.0}, "rope_theta must be a positive finite number, got 0.0"),
+    ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 0}, "factor must be a positive finite number, got 0"),
+    # Rotary over an odd number of dimensions, or more than a head has: the kernels' shapes break.
+    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3125},
+     "partial_rotary_factor 0.3125 rotates 5 of each head's 16 dimensions"),
+    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.5},
+     "partial_rotary_factor 1.5 rotates 24 of each head's 16 dimensions"),
+    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.0},
+     "partial_rotary_factor 0.0 rotates 0 of each head's 16 dimensions"),
+])
+def test_rope_settings_that_make_cos_sin_nan_or_break_the_kernels_are_errors_naming_the_field(rope, message):
+    """Values transformers' config accepts (or only warns about) but that turn the rotary
+    table into NaN (the engine then failed every request at its first token, blaming the
+    weights), divide by zero, or crash the rotary kernel at the first forward."""
+    with pytest.raises(ValueError, match=message):
+        get_rope(16, 64, rope)
+
+
+def test_a_zero_rope_theta_of_a_transformers_4_config_is_refused_not_replaced_by_the_default():
+    """transformers 4.x keeps rope_theta beside rope_scaling: a 0 there took the default base
+    (10000), where transformers' model makes NaN."""
+    params = rope_parameters_from_config(SimpleNamespace(rope_theta=0.0, rope_scaling=None))
+    with pytest.raises(ValueError, match="rope_theta must be a positive finite number, got 0.0"):
+        get_rope(16, 64, params)
+    assert rope_parameters_from_config(SimpleNamespace(rope_scaling=None))["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("arch", ["phi3-longrope", "phi4-mini", "granite", "granite-tied"])
+def test_forward_in_two_pipeline_stages_equals_hf(model_dirs, arch):
+    """pipeline_parallel_size covers Phi-3 and Granite (Llama's stages): the second stage's
+    tied LM head, Granite's logits scaling and embedding multiplier in the right stage."""
+    from stage_logits import logits_in_stages
+
+    prompt = random_prompts(1, seed=7, min_len=MIN_PROMPT, max_len=MIN_PROMPT + 10)[0]
+    logits = logits_in_stages(model_dirs[arch], prompt, pp_size=2)
+    assert (torch.log_softmax(logits, dim=-1) - hf_log_softmax(model_dirs[arch], prompt)).abs().max() < 1e-4

@@ -75,7 +75,16 @@ def test_the_fma_peak_bounds_a_large_gemm_and_scales_with_the_loop():
     assert "vfmadd231ps" in basis and f"{torch.get_num_threads()} thread" in basis
     assert basis.endswith(torch.ops.raylm.cpu_peak_flops_instruction(torch.float32))
     packed = packed_gemm_available(torch.float32, "cpu")
-    gemm = 2 * 1024**3 / time_matmul(1024, 1024, 1024, torch.float32, "cpu", min_seconds=0.05, packed=packed)
+    # The GEMM and the peak timed in turns, each the best of its tries: on a loaded machine a
+    # peak measured in a slow spell once read 0.87x a GEMM timed after it (191 against 220
+    # GFLOP/s); both are fastest-call estimates, so the best of each is what compares.
+    gemm = 0.0
+    for _ in range(3):
+        gemm = max(gemm, 2 * 1024**3 / time_matmul(1024, 1024, 1024, torch.float32, "cpu", min_seconds=0.05,
+                                                   packed=packed))
+        flops_per_s = max(flops_per_s, fma_peak_flops(torch.float32, "cpu")[0])
+        if gemm <= flops_per_s:
+            break
     assert 0 < gemm <= flops_per_s * 1.1, (gemm, flops_per_s)  # 10% for a shared machine's noise
     # Interleaved, best of each: a neighbour's burst then slows both lengths alike, where
     # three of one length then three of the other once put a loaded machine's slow spell

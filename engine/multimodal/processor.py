@@ -76,6 +76,9 @@ class MultiModalProcessor:
         # processed prompts (`check_processed`) must match: the vision tower takes nothing else.
         image_size = getattr(getattr(hf_config, "vision_config", None), "image_size", None)
         self.pixel_values_shape = (1, 3, image_size, image_size) if isinstance(image_size, int) else None
+        # How many embeddings the vision tower makes of such pixels: each processed image's
+        # placeholder run must be that long, or the workers could not fill it.
+        self.tokens_per_image = image_feature_size(hf_config)
         self._trust_remote_code = trust_remote_code
         self._revision = revision
         self._hf_processor: Any = None
@@ -148,7 +151,19 @@ class MultiModalProcessor:
         if per_image < 1 or expanded % len(images):
             raise ParameterError(f"The model's processor gave {expanded} image tokens for {len(images)} images.",
                                  "multi_modal_data")
-        return np.asarray(processed["pixel_values"], dtype=np.float32), per_image
+        pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
+        # A checkpoint whose processor_config.json disagrees with its config.json would have
+        # the workers fail on the images (which ends the engine for every request): refused
+        # here, request by request.
+        if self.pixel_values_shape is not None and pixel_values.shape[1:] != self.pixel_values_shape[1:]:
+            raise ParameterError(f"The model's processor makes pixel_values of shape {pixel_values.shape[1:]} an "
+                                 f"image, but its vision tower takes {self.pixel_values_shape[1:]}: the checkpoint's "
+                                 f"processor_config.json and config.json disagree.", "multi_modal_data")
+        if self.tokens_per_image is not None and per_image != self.tokens_per_image:
+            raise ParameterError(f"The model's processor expands an image to {per_image} tokens, but its vision tower "
+                                 f"makes {self.tokens_per_image} embeddings of one: the checkpoint's "
+                                 f"processor_config.json and config.json disagree.", "multi_modal_data")
+        return pixel_values, per_image
 
     def _expanded(self, token_ids: list[int], per_image: int) -> tuple[list[int], list[PlaceholderRange]]:
         """The ids with each placeholder token repeated per_image times, and where each image went."""
@@ -181,26 +196,40 @@ class MultiModalProcessor:
     def check_processed(self, prompt_token_ids: Sequence[int], mm_features: Any) -> list[MultiModalFeature]:
         """`mm_features` of a prompt this engine's processor already processed (the chat
         route's, which needs the expanded ids to count the prompt), checked against the ids:
-        within limit_mm_per_prompt, each an image whose placeholder tokens, and only those,
-        are the image token, in order and apart."""
+        within limit_mm_per_prompt, each an image of the vision tower's pixel shape whose
+        identifier is its content hash and whose placeholder tokens (as many as the tower
+        makes embeddings), and only those, are the image token, in order and apart."""
         features = list(mm_features) if isinstance(mm_features, (list, tuple)) else None
         if features is None or not all(isinstance(f, MultiModalFeature) and f.modality == "image"
                                        and isinstance(f.pixel_values, np.ndarray) for f in features):
             raise ParameterError("mm_features must be a list of MultiModalFeature images made by the model's "
                                  "processor.", "mm_features")
+        limit = self.limits.get("image", 0)
+        if len(features) > limit:
+            raise ParameterError(f"The prompt has {len(features)} images, more than limit_mm_per_prompt allows "
+                                 f"({{'image': {limit}}}).", "mm_features")
         for feature in features:
             if feature.pixel_values.dtype != np.float32 or (
                     self.pixel_values_shape is not None and feature.pixel_values.shape != self.pixel_values_shape):
                 raise ParameterError(f"mm_features holds pixel_values of shape {feature.pixel_values.shape} "
                                      f"({feature.pixel_values.dtype}); the model's processor makes float32 "
                                      f"{self.pixel_values_shape}.", "mm_features")
-        limit = self.limits.get("image", 0)
-        if len(features) > limit:
-            raise ParameterError(f"The prompt has {len(features)} images, more than limit_mm_per_prompt allows "
-                                 f"({{'image': {limit}}}).", "mm_features")
+            if feature.identifier != feature_identifier(feature.modality, feature.pixel_values):
+                # The prefix cache keys the image's blocks on it: another image's would let
+                # these pixels' KV serve that image's prompts.
+                raise ParameterError("mm_features holds an identifier that is not the content hash of its "
+                                     "pixel_values (feature_identifier).", "mm_features")
         end = 0
         for feature in features:
             position = feature.mm_position
+            if not (isinstance(position, PlaceholderRange) and _is_int(position.offset)
+                    and _is_int(position.length)):
+                raise ParameterError(f"mm_features places an image at {position!r}; a PlaceholderRange of integer "
+                                     f"offset and length is expected.", "mm_features")
+            if self.tokens_per_image is not None and position.length != self.tokens_per_image:
+                raise ParameterError(f"mm_features places an image on {position.length} placeholder tokens; the "
+                                     f"model's vision tower makes {self.tokens_per_image} embeddings of an image.",
+                                     "mm_features")
             if position.offset < end or position.length < 1 or position.end > len(prompt_token_ids) or any(
                     prompt_token_ids[i] != self.image_token_id for i in range(position.offset, position.end)):
                 raise ParameterError(f"mm_features places an image at {position}, which is not a run of image "
@@ -233,6 +262,23 @@ class MultiModalProcessor:
                 raise ParameterError(f"multi_modal_data['image'] must be a PIL.Image.Image or a list of them, got "
                                      f"{type(image).__name__}.", "multi_modal_data")
         return images
+
+
+def image_feature_size(hf_config: Any) -> int | None:
+    """How many embeddings a LLaVA-style vision tower makes of one image: a CLIP patch grid of
+    (image_size / patch_size)^2, with the CLS embedding under the "full" feature strategy
+    (`models/llava.py`); None for a config that does not say."""
+    vision_config = getattr(hf_config, "vision_config", None)
+    image_size = getattr(vision_config, "image_size", None)
+    patch_size = getattr(vision_config, "patch_size", None)
+    if not (isinstance(image_size, int) and isinstance(patch_size, int) and patch_size > 0):
+        return None
+    keeps_cls = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
+    return (image_size // patch_size) ** 2 + int(keeps_cls)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:

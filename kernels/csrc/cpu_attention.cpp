@@ -2,7 +2,7 @@
 // straight from the paged cache through the sequence's block table.
 //
 // A task computes all query heads of one sequence (or, with few sequences, the query heads
-// of one KV head), block by block, with an online softmax in fp32 (the cache is fp32 or bf16). On x86 with
+// of one KV head), block by block, with an online softmax in fp32 (the cache is fp32, bf16 or fp8). On x86 with
 // AVX2 and FMA, the two inner products are register-blocked: scores of 8 keys at a time
 // (8 accumulators, reduced together by one transposing horizontal sum), and the weighted
 // sum of values for two query heads at a time over 32 channels held in registers. Elsewhere
@@ -24,7 +24,9 @@
 // 19-25 GB/s of the ~48 GB/s the two cores read.
 //
 // Queries and outputs are fp32 or bf16 (converted in the task's own copy of its queries and
-// when it writes its rows), the cache fp32 or bf16; everything is computed in fp32. The
+// when it writes its rows), the cache fp32, bf16 or fp8 (E4M3 or E5M2, widened to fp32 in
+// registers as it is loaded: cpu_vec.h; k_scale folded into the query's scale, v_scale into
+// the outputs'); everything is computed in fp32. The
 // kernel is the PyTorch operator torch.ops.raylm.paged_decode_attention (registered below).
 //
 // Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
@@ -65,6 +67,12 @@ inline void load16(const uint16_t* p, __m256& even, __m256& odd) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+template <typename fp8_t, std::enable_if_t<kIsFp8<fp8_t>, int> = 0>
+inline void load16(const fp8_t* p, __m256& first, __m256& second) {  // natural order
+  first = load8(p);
+  second = load8(p + 8);
 }
 
 // v[0:W] = the W * 8 channels at p, in kernel order (W even, or 1).
@@ -673,8 +681,9 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
   // score_block_quads takes fp32 caches, and bf16 ones with bf16 queries and AVX512-BF16;
   // q_by_lane holds its queries (arrange_by_lane), 4 * D for each tile of up to 4 heads of a
   // KV head's group: tile (h, g) at by_lane_tile(h, g).
+  // An fp8 cache takes score_block_wide: a key's 16 bytes are 16 channels, not a lane's 4.
 #if defined(__AVX512BF16__)
-  const bool quads = std::is_same_v<cache_t, float> || q_bf16 != nullptr;
+  const bool quads = std::is_same_v<cache_t, float> || (std::is_same_v<cache_t, uint16_t> && q_bf16 != nullptr);
 #else
   const bool quads = std::is_same_v<cache_t, float>;
 #endif
@@ -713,7 +722,10 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
         const cache_t* next_v = v_cache + own_next.offset + h * D;
         const int next_n = g == h * group ? own_next.n : 0;
         float* tile_scores = scores + g * seq_stride + score_index;
-        if (quads) {
+        if constexpr (kIsFp8<cache_t>) {
+          score_block_wide<D>(q + g * D, nullptr, scale, k_cache + rows.offset + h * D, token_stride, rows.n, heads,
+                              tile_scores, seq_stride, next_k, next_v, next_n);
+        } else if (quads) {
           const void* tile_q = std::is_same_v<cache_t, float>
                                    ? static_cast<const void*>(static_cast<const float*>(q_by_lane) + by_lane_tile(h, g))
                                    : static_cast<const void*>(static_cast<const uint16_t*>(q_by_lane) + by_lane_tile(h, g));
@@ -765,8 +777,11 @@ template <typename cache_t, int kHeadSize>
 void decode(const void* query, int64_t query_stride, const cache_t* k_cache, const cache_t* v_cache,
             const int32_t* block_tables, const int32_t* seq_lens, void* out, bool io_bf16, int64_t num_seqs,
             int64_t num_heads, int64_t num_kv_heads, int head_size, int64_t block_size, int64_t max_blocks, float scale,
-            int64_t window, float soft_cap, const float* sinks) {
+            int64_t window, float soft_cap, float k_scale, float v_scale, const float* sinks) {
   const int D = kHeadSize > 0 ? kHeadSize : head_size;
+  // An fp8 cache's k_scale scales the scores: folded into the query's scale, one multiply a
+  // query element rather than one a key element; v_scale, the outputs (see the op below).
+  scale *= k_scale;
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
@@ -895,9 +910,10 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
       }
       for (int g = 0; g < task_heads; ++g) {
         // A sink is one more term of the denominator, relative to the same maximum (exp of a
-        // sink far above every score is inf: the output is then 0, its limit).
+        // sink far above every score is inf: the output is then 0, its limit). The scores are
+        // already in k_scale's units (folded into scale), so the sink compares with them as is.
         const float sink_term = sinks == nullptr ? 0.0f : std::exp(sinks[first_kv_head * group + g] - running_max[g]);
-        const float inv = 1.0f / (running_sum[g] + sink_term);
+        const float inv = v_scale / (running_sum[g] + sink_term);
         const int64_t first = first_element + g * D;
         for (int d = 0; d < D; ++d) {
           const float value = acc[g * D + d] * inv;
@@ -916,10 +932,11 @@ template <typename cache_t>
 void dispatch_head_size(const void* query, int64_t query_stride, const cache_t* k, const cache_t* v,
                         const int32_t* tables, const int32_t* lens, void* out, bool io_bf16, int64_t B, int64_t Hq,
                         int64_t Hkv, int D, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                        float soft_cap, const float* sinks) {
+                        float soft_cap, float k_scale, float v_scale, const float* sinks) {
   auto run = [&](auto head_size) {
     decode<cache_t, decltype(head_size)::value>(query, query_stride, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D,
-                                                block_size, max_blocks, scale, window, soft_cap, sinks);
+                                                block_size, max_blocks, scale, window, soft_cap, k_scale, v_scale,
+                                                sinks);
   };
   switch (D) {
     case 32: return run(std::integral_constant<int, 32>{});
@@ -933,17 +950,25 @@ bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
-// query [B, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
-// bf16; block_tables [B, max_blocks] and seq_lens [B] int32; returns [B, Hq, D] in the query's
-// dtype. sliding_window > 0: each query attends to its last sliding_window positions, and the
-// blocks before that are not read; logits_soft_cap > 0: scores s become
-// logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off); sinks [Hq] fp32 (or None):
-// each query head's attention sink, an extra logit in its softmax's denominator. A sequence
-// whose table does not hold the tokens it reads in valid blocks is a ValueError, and nothing
-// is computed.
+bool is_fp8(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+// query [B, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32, bf16
+// or fp8 (e4m3fn, e5m2); block_tables [B, max_blocks] and seq_lens [B] int32; returns [B, Hq, D]
+// in the query's dtype. An fp8 cache is read as fp8 * k_scale and fp8 * v_scale
+// (kv_cache_dtype.dequantize): k_scale multiplies the scores, v_scale the outputs, so that the
+// loads stay a conversion (exact) and the scales cost a multiply a query and an output row;
+// the results differ from scaling every element by fp32 rounding only. Other caches ignore
+// the scales, as dequantize does. sliding_window > 0: each query attends to its last
+// sliding_window positions, and the blocks before that are not read; logits_soft_cap > 0:
+// scores s become logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off); sinks [Hq]
+// fp32 (or None): each query head's attention sink, an extra logit in its softmax's
+// denominator. A sequence whose table does not hold the tokens it reads in valid blocks is a
+// ValueError, and nothing is computed.
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t sliding_window, double logits_soft_cap,
+                                  int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale,
                                   const c10::optional<at::Tensor>& sinks_in) {
   // Rows may be strided (q, a column slice of the qkv projection): no copy.
   const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
@@ -955,8 +980,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
                   k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "raylm::paged_decode_attention takes query [B, Hq, D] and contiguous caches [num_blocks, block_size, "
               "Hkv, D] of one dtype");
-  TORCH_CHECK(is_float_or_bf16(query) && is_float_or_bf16(k_cache),
-              "raylm::paged_decode_attention takes fp32 or bf16 queries and caches");
+  TORCH_CHECK(is_float_or_bf16(query) && (is_float_or_bf16(k_cache) || is_fp8(k_cache)),
+              "raylm::paged_decode_attention takes fp32 or bf16 queries and fp32, bf16 or fp8 caches");
+  TORCH_CHECK_VALUE(std::isfinite(k_scale) && k_scale > 0.0 && std::isfinite(v_scale) && v_scale > 0.0,
+                    "raylm::paged_decode_attention: k_scale (", k_scale, ") and v_scale (", v_scale,
+                    ") must be positive and finite");
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
@@ -990,16 +1018,21 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   const bool io_bf16 = query.scalar_type() == at::kBFloat16;
   const int head_size = static_cast<int>(D);
-  if (k_cache.scalar_type() == at::kBFloat16) {
-    dispatch_head_size<uint16_t>(query.data_ptr(), query.stride(0), static_cast<const uint16_t*>(k_cache.data_ptr()),
-                                 static_cast<const uint16_t*>(v_cache.data_ptr()), tables, lens, out.data_ptr(),
-                                 io_bf16, B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale),
-                                 sliding_window, static_cast<float>(logits_soft_cap), sinks_data);
-  } else {
-    dispatch_head_size<float>(query.data_ptr(), query.stride(0), static_cast<const float*>(k_cache.data_ptr()),
-                              static_cast<const float*>(v_cache.data_ptr()), tables, lens, out.data_ptr(), io_bf16, B,
-                              Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale), sliding_window,
-                              static_cast<float>(logits_soft_cap), sinks_data);
+  const bool fp8 = is_fp8(k_cache);
+  const auto run = [&](auto element) {
+    using cache_t = decltype(element);
+    dispatch_head_size<cache_t>(query.data_ptr(), query.stride(0), static_cast<const cache_t*>(k_cache.data_ptr()),
+                                static_cast<const cache_t*>(v_cache.data_ptr()), tables, lens, out.data_ptr(), io_bf16,
+                                B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale),
+                                sliding_window, static_cast<float>(logits_soft_cap),
+                                fp8 ? static_cast<float>(k_scale) : 1.0f, fp8 ? static_cast<float>(v_scale) : 1.0f,
+                                sinks_data);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kBFloat16: run(uint16_t{}); break;
+    case at::kFloat8_e4m3fn: run(fp8_e4m3{}); break;
+    case at::kFloat8_e5m2: run(fp8_e5m2{}); break;
+    default: run(float{}); break;
   }
   return out;
 }
@@ -1008,7 +1041,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int sliding_window=0, float logits_soft_cap=0.0, Tensor? sinks=None) -> Tensor");
+        "Tensor seq_lens, float scale, int sliding_window=0, float logits_soft_cap=0.0, float k_scale=1.0, "
+        "float v_scale=1.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

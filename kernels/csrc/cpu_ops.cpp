@@ -955,9 +955,9 @@ at::Tensor zeros_on_huge_pages_op(at::IntArrayRef size, at::ScalarType dtype) {
   return zeros_on_huge_pages(size, at::TensorOptions().dtype(dtype));
 }
 
-// The blocks `blocks` of an fp8 KV cache (its bytes, [num_blocks, ...]) in table's dtype (fp32
-// or bf16), byte by byte through `table` (the 256 fp8 values times the layer's scale): what the
-// attention kernels, which read fp32 and bf16 caches, take instead (kernels/cpu_attention.py).
+// The rows `blocks` of an fp8 tensor (its bytes, [num_rows, ...]) in table's dtype (fp32 or
+// bf16), byte by byte through `table` (the 256 fp8 values, maybe times a scale): an FP8
+// weight's row chunks for the W8A16 GEMM of larger batches (kernels/fp8_linear.py).
 // One table load an element; PyTorch's fp8 -> fp32 cast took several times longer.
 template <typename out_t>
 void dequantize_rows(const uint8_t* src, const int64_t* ids, const out_t* lut, out_t* dst, int64_t n, int64_t row) {

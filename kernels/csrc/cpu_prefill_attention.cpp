@@ -28,7 +28,8 @@
 // in cache (see make_tasks).
 //
 // Queries and outputs are fp32 or bf16 (converted when a tile copies its queries and writes
-// its rows). The kernel is the PyTorch operator torch.ops.raylm.paged_prefill_attention
+// its rows); the cache fp32, bf16 or fp8 (E4M3 or E5M2, widened exactly as the chunk is copied;
+// k_scale folded into the queries' scale, v_scale into the outputs'). The kernel is the PyTorch operator torch.ops.raylm.paged_prefill_attention
 // (registered below).
 //
 // Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
@@ -267,6 +268,7 @@ struct Problem {
   float scale;
   int64_t window;  // > 0: each query attends to its last `window` positions
   float soft_cap;  // > 0: scores s become soft_cap * tanh(s / soft_cap)
+  float k_scale, v_scale;  // an fp8 cache's: they multiply the scores and the outputs (1 otherwise)
   const float* sinks;  // null, or [num_heads]: each head's attention sink (a logit with no value)
 };
 
@@ -309,7 +311,7 @@ class TileWorker {
     const int64_t stride = static_cast<int64_t>(row_vectors) * W;
 
     // Scores in log2 units, for exp2.
-    const float scale = p_.scale * 1.44269504088896341f;
+    const float scale = p_.scale * p_.k_scale * 1.44269504088896341f;
     // Rows are position-major: row i * group + g is position first_position + i, head g.
     std::fill(qt_.begin(), qt_.begin() + D * stride, 0.0f);
     for (int i = 0; i < positions; ++i) {
@@ -366,11 +368,11 @@ class TileWorker {
       for (int g = 0; g < group_; ++g) {
         const int r = i * group_ + g;
         // The sink joins the denominator relative to the row's maximum (log2 units, as the
-        // scores here).
+        // scores here; k_scale is in the scores already, not in the sink).
         const float sink_term = p_.sinks == nullptr
                                     ? 0.0f
                                     : std::exp2(p_.sinks[first_head + g] * 1.44269504088896341f - running_max_[r]);
-        const float inv = 1.0f / (running_sum_[r] + sink_term);
+        const float inv = p_.v_scale / (running_sum_[r] + sink_term);
         const int64_t first_element = ((first_token + i) * p_.num_heads + first_head + g) * D;
         if (p_.io_bf16) {
           uint16_t* dst = static_cast<uint16_t*>(p_.out) + first_element;
@@ -454,8 +456,13 @@ bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
-// query [T, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32 or
-// bf16; block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1] int32. Returns
+bool is_fp8(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+// query [T, Hq, D] fp32 or bf16; k_cache, v_cache [num_blocks, block_size, Hkv, D] fp32, bf16
+// or fp8 (e4m3fn, e5m2: read as fp8 * k_scale and fp8 * v_scale, the scales applied to the
+// scores and outputs as in paged_decode_attention; other caches ignore them); block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1] int32. Returns
 // [T, Hq, D] in the query's dtype: the rows of every sequence with at least min_query_len
 // queries, zeros in all other rows (other sequences', padding tokens'). sliding_window > 0:
 // each query attends to its last sliding_window positions, and the blocks before the first
@@ -467,7 +474,7 @@ bool is_float_or_bf16(const at::Tensor& t) {
 at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                    const at::Tensor& query_start_loc, double scale, int64_t min_query_len,
-                                   int64_t sliding_window, double logits_soft_cap,
+                                   int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale,
                                    const c10::optional<at::Tensor>& sinks_in) {
   // Rows may be strided (q, a column slice of the qkv projection): no copy.
   const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
@@ -479,8 +486,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
                   k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "raylm::paged_prefill_attention takes query [T, Hq, D] and contiguous caches [num_blocks, block_size, "
               "Hkv, D] of one dtype");
-  TORCH_CHECK(is_float_or_bf16(query) && is_float_or_bf16(k_cache),
-              "raylm::paged_prefill_attention takes fp32 or bf16 queries and caches");
+  TORCH_CHECK(is_float_or_bf16(query) && (is_float_or_bf16(k_cache) || is_fp8(k_cache)),
+              "raylm::paged_prefill_attention takes fp32 or bf16 queries and fp32, bf16 or fp8 caches");
+  TORCH_CHECK_VALUE(std::isfinite(k_scale) && k_scale > 0.0 && std::isfinite(v_scale) && v_scale > 0.0,
+                    "raylm::paged_prefill_attention: k_scale (", k_scale, ") and v_scale (", v_scale,
+                    ") must be positive and finite");
   const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
@@ -535,13 +545,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
   const Problem problem{query.data_ptr(), query.stride(0), tables, lens, starts, out.data_ptr(), query.scalar_type() == at::kBFloat16,
                         Hq, Hkv, block_size, max_blocks, static_cast<int>(D), static_cast<float>(scale),
                         sliding_window, static_cast<float>(logits_soft_cap),
+                        is_fp8(k_cache) ? static_cast<float>(k_scale) : 1.0f,
+                        is_fp8(k_cache) ? static_cast<float>(v_scale) : 1.0f,
                         sinks.defined() ? sinks.data_ptr<float>() : nullptr};
-  if (k_cache.scalar_type() == at::kBFloat16) {
-    prefill(problem, static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()),
+  const auto run = [&](auto element) {
+    using cache_t = decltype(element);
+    prefill(problem, static_cast<const cache_t*>(k_cache.data_ptr()), static_cast<const cache_t*>(v_cache.data_ptr()),
             S, min_query_len);
-  } else {
-    prefill(problem, static_cast<const float*>(k_cache.data_ptr()), static_cast<const float*>(v_cache.data_ptr()), S,
-            min_query_len);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kBFloat16: run(uint16_t{}); break;
+    case at::kFloat8_e4m3fn: run(fp8_e4m3{}); break;
+    case at::kFloat8_e5m2: run(fp8_e5m2{}); break;
+    default: run(float{}); break;
   }
   return out;
 }
@@ -551,7 +567,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, int min_query_len, int sliding_window=0, "
-        "float logits_soft_cap=0.0, Tensor? sinks=None) -> Tensor");
+        "float logits_soft_cap=0.0, float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -2,11 +2,14 @@
 // targets them (-march=native, narrowed by RAYLM_CPU_ISA: see native_build.py), scalar forms
 // for the fallbacks; and, at the end, `vfloat`, one vector type of whatever width the target
 // has, for kernels written once for all. bf16 tensors are `uint16_t` here: loads widen them
-// to fp32 with a shift, stores round to nearest even as PyTorch does.
+// to fp32 with a shift, stores round to nearest even as PyTorch does. fp8 KV caches are
+// `fp8_e4m3` / `fp8_e5m2`: loads widen them to fp32 exactly (see below).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -63,6 +66,38 @@ inline float exp2_nonpositive(float x) {
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
 
+// One byte of an fp8 KV cache, a type per format so that templates over the cache's element
+// pick the conversion: E4M3 as torch.float8_e4m3fn (bias 7, no infinities, 0x7F and 0xFF are
+// NaN, largest 448) and E5M2 as torch.float8_e5m2 (bias 15, the high byte of an fp16, with
+// its infinities and NaNs). Every fp8 value is an fp32 value, so each load is exact: the
+// subnormals included, without fp32 subnormals (which DAZ would flush, and which are slow
+// to multiply), NaN codes NaN, as PyTorch's conversions give them.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
+
+inline float to_float(fp8_e4m3 x) {
+  const uint32_t magnitude = x.bits & 0x7Fu, exponent = magnitude >> 3, mantissa = magnitude & 7u;
+  float value = exponent == 0 ? static_cast<float>(mantissa) * 0x1p-9f  // subnormal: m/8 * 2^-6
+                              : __builtin_bit_cast(float, (exponent + 120u) << 23 | mantissa << 20);
+  if (magnitude == 0x7Fu) value = std::numeric_limits<float>::quiet_NaN();
+  return x.bits & 0x80u ? -value : value;
+}
+
+inline float to_float(fp8_e5m2 x) {
+  const uint32_t magnitude = x.bits & 0x7Fu, exponent = magnitude >> 2, mantissa = magnitude & 3u;
+  float value = exponent == 0 ? static_cast<float>(mantissa) * 0x1p-16f  // subnormal: m/4 * 2^-14
+                              : __builtin_bit_cast(float, (exponent + 112u) << 23 | mantissa << 21);
+  if (exponent == 31) value = mantissa == 0 ? std::numeric_limits<float>::infinity()
+                                            : std::numeric_limits<float>::quiet_NaN();
+  return x.bits & 0x80u ? -value : value;
+}
+
 // fp32 -> bf16 bits, rounded to nearest even; any NaN becomes 0x7FC0 (c10::BFloat16's rule).
 inline uint16_t to_bf16(float x) {
   if (x != x) return 0x7FC0;
@@ -81,6 +116,36 @@ inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+
+// fp8 -> fp32 through fp16, which F16C widens in hardware (fp16 subnormals included, DAZ or
+// not). E5M2 is the high byte of an fp16. E4M3's bits, sign-extended to 16 and shifted left by
+// 7, put its sign at fp16's sign (and at bit 14, cleared) and its 7 exponent and mantissa bits
+// under fp16's (a 5-bit exponent of bias 15 against 4 bits of bias 7): value / 2^8 for normals
+// and subnormals alike, times 256 exact. The NaN code's 7 bits, all ones, carry into bit 14
+// when 0x80 is added: that bit, or-ed in, makes the fp16 exponent 31, a NaN.
+#if defined(__F16C__)
+inline __m256 fp8_to_fp32x8(__m128i bytes, fp8_e5m2) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
+
+inline __m256 fp8_to_fp32x8(__m128i bytes, fp8_e4m3) {
+  const __m128i half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                                     _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m128i nan_bit = _mm_and_si128(_mm_add_epi16(half, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000));
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(half, nan_bit)), _mm256_set1_ps(256.0f));
+}
+
+template <typename fp8_t, std::enable_if_t<kIsFp8<fp8_t>, int> = 0>
+inline __m256 load8(const fp8_t* p) {
+  return fp8_to_fp32x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), fp8_t{});
+}
+#else
+template <typename fp8_t, std::enable_if_t<kIsFp8<fp8_t>, int> = 0>
+inline __m256 load8(const fp8_t* p) {
+  return _mm256_setr_ps(to_float(p[0]), to_float(p[1]), to_float(p[2]), to_float(p[3]), to_float(p[4]),
+                        to_float(p[5]), to_float(p[6]), to_float(p[7]));
+}
+#endif
 
 // Lane j of the result is the sum of the 8 lanes of a[j].
 inline __m256 transpose_sum8(const __m256* a) {
@@ -158,6 +223,17 @@ inline vfloat vload(const uint16_t* p) {  // 16 bf16 -> 16 fp32
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// 16 fp8 -> 16 fp32, as load8 (AVX-512 implies F16C).
+inline vfloat vload(const fp8_e5m2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
+}
+inline vfloat vload(const fp8_e4m3* p) {
+  const __m256i half = _mm256_and_si256(
+      _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7),
+      _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i nan_bit = _mm256_and_si256(_mm256_add_epi16(half, _mm256_set1_epi16(0x80)), _mm256_set1_epi16(0x4000));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(half, nan_bit)), _mm512_set1_ps(256.0f));
+}
 inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 #if defined(__AVX512BF16__)
 // One instruction, rounding to nearest even like to_bf16 (it flushes fp32 subnormals, below
@@ -209,6 +285,8 @@ constexpr int kVecWidth = 8;
 using vfloat = __m256;
 inline vfloat vload(const float* p) { return load8(p); }
 inline vfloat vload(const uint16_t* p) { return load8(p); }
+inline vfloat vload(const fp8_e4m3* p) { return load8(p); }
+inline vfloat vload(const fp8_e5m2* p) { return load8(p); }
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
 inline void vstore(uint16_t* p, vfloat v) { store8(p, v); }
 inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
@@ -242,6 +320,8 @@ constexpr int kVecWidth = 1;
 using vfloat = float;
 inline vfloat vload(const float* p) { return *p; }
 inline vfloat vload(const uint16_t* p) { return to_float(*p); }
+inline vfloat vload(const fp8_e4m3* p) { return to_float(*p); }
+inline vfloat vload(const fp8_e5m2* p) { return to_float(*p); }
 inline void vstore(float* p, vfloat v) { *p = v; }
 inline void vstore(uint16_t* p, vfloat v) { *p = to_bf16(v); }
 inline vfloat vset1(float x) { return x; }

@@ -1,0 +1,280 @@
+"""Weight quantization (vLLM's `quantization` engine argument): which checkpoints raylm
+reads, and the model's linear layers turned into quantized ones before the checkpoint loads.
+
+Three sources, as in vLLM (docs/quantization.md):
+- `quantization="fp8"` over a 16/32-bit checkpoint: every linear layer's weight quantized
+  at load, one scale per tensor (amax / 448), activations quantized per token (on GPUs that
+  multiply in fp8);
+- a checkpoint whose config.json `quantization_config` has `quant_method: "fp8"`: per-tensor
+  `weight_scale` (with static `input_scale` under `activation_scheme: "static"`), or
+  block-wise `weight_scale_inv` under `weight_block_size` (DeepSeek-V3, Qwen3-FP8);
+- `quant_method: "compressed-tensors"` with FP8 weights (llm-compressor's FP8_DYNAMIC and
+  FP8 schemes): strategy "tensor", "channel" or "block", activations dynamic per token,
+  static per tensor, or none (weight only), and its `ignore` list.
+
+and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of input features:
+- `quant_method: "gptq"` (AutoGPTQ / GPTQModel): `bits`, `group_size` (-1: one group),
+  `desc_act`, `sym`, `checkpoint_format` "gptq" (v1: zeros stored minus one) or "gptq_v2";
+- `quant_method: "awq"` (AutoAWQ, `version: "gemm"`), `zero_point: true`,
+  `modules_to_not_convert`.
+
+Embeddings and the LM head are never quantized (they are no linear layers here, as in
+vLLM). Anything else (other int4/int8 methods, MoE experts) is an error naming what is
+supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
+(`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
+(`models/mxfp4.py`): no linear layer is quantized here for them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from raylm.models.mxfp4 import MXFP4_ARCHITECTURES
+from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod, Fp8LinearScheme
+from raylm.parallel.int4_linear_method import Int4LinearMethod, Int4LinearScheme
+from raylm.parallel.linear import LinearBase
+
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+
+_SUPPORTED = ("raylm reads FP8 weights only: quantization='fp8' over a 16/32-bit checkpoint, or an FP8 checkpoint "
+              "whose quantization_config has quant_method 'fp8' (per-tensor, or block-wise weight_block_size) or "
+              "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
+              "activations dynamic per token, static per tensor, or none); or GPTQ (quant_method 'gptq': bits 4 or "
+              "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
+              "4-bit, version 'gemm', zero_point) checkpoints; and gpt-oss's MXFP4 experts (quant_method 'mxfp4', "
+              f"{', '.join(MXFP4_ARCHITECTURES)} only)")
+# hf_config attributes that count a MoE model's routed experts.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+class QuantizationConfig:
+    """The scheme (FP8, GPTQ or AWQ) of a model's linear layers and the layers left unquantized."""
+
+    def __init__(self, method: str, scheme: Fp8LinearScheme | Int4LinearScheme, ignore: tuple[str, ...] = ()) -> None:
+        self.method = method  # one of QUANTIZATION_METHODS (vLLM's name of the method)
+        self.scheme = scheme
+        self.ignore = ignore  # module names, or "re:<pattern>" regular expressions
+
+    def is_ignored(self, module_name: str, shard_names: list[str]) -> bool:
+        """Whether the layer `module_name` stays unquantized; a fused layer is when all its
+        checkpoint shards (`shard_names`) are, and is an error when some are."""
+        names = shard_names or [module_name]
+        ignored = [any(_matches(name, entry) for entry in self.ignore) for name in names]
+        if any(ignored) and not all(ignored):
+            raise ValueError(f"quantization_config ignores {[n for n, i in zip(names, ignored) if i]} but not "
+                             f"{[n for n, i in zip(names, ignored) if not i]}, which raylm fuses into "
+                             f"{module_name}: a fused layer is quantized whole or not at all.")
+        return all(ignored)
+
+
+def _matches(name: str, entry: str) -> bool:
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return name == entry or name.endswith("." + entry)
+
+
+def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationConfig | None:
+    """The model's quantization (FP8, GPTQ, AWQ) from the `quantization` argument and config.json's
+    `quantization_config` (None: auto-detect from it), or None for an unquantized model.
+    Raises ValueError for a method raylm does not read or a mismatch between the two."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATION_METHODS))} or None "
+                         f"(auto-detect from config.json), got {quantization!r}; {_SUPPORTED}.")
+    checkpoint = getattr(hf_config, "quantization_config", None)
+    if checkpoint is not None and not isinstance(checkpoint, dict):
+        checkpoint = checkpoint.to_dict()
+    if checkpoint is None:
+        if quantization is None:
+            return None
+        if quantization != "fp8":
+            raise ValueError(f"quantization {quantization!r} needs a checkpoint quantized so (config.json's "
+                             f"quantization_config); this one has none. quantization='fp8' quantizes a 16/32-bit "
+                             f"checkpoint at load.")
+        _check_no_experts(hf_config)
+        return QuantizationConfig("fp8", Fp8LinearScheme(checkpoint_is_fp8=False, weight_strategy="tensor"))
+    method = checkpoint.get("quant_method")
+    if method == "mxfp4":
+        return _mxfp4_checkpoint(hf_config, quantization)
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"the checkpoint is quantized with quant_method {method!r} (config.json's "
+                         f"quantization_config), which raylm does not read; {_SUPPORTED}.")
+    if quantization is not None and quantization != method:
+        raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method {method!r} "
+                         f"(config.json's quantization_config); pass quantization={method!r} or leave it unset "
+                         f"(None) to auto-detect.")
+    _check_no_experts(hf_config, method)
+    if method == "fp8":
+        return _fp8_config(checkpoint)
+    if method == "gptq":
+        return _gptq_config(checkpoint)
+    if method == "awq":
+        return _awq_config(checkpoint)
+    return _compressed_tensors_config(checkpoint)
+
+
+def _mxfp4_checkpoint(hf_config: Any, quantization: str | None) -> None:
+    """gpt-oss's MXFP4 experts: its model class dequantizes them at load (`models/mxfp4.py`),
+    so no linear layer is quantized here (None); any other architecture refuses them."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not set(architectures) & set(MXFP4_ARCHITECTURES):
+        raise ValueError(f"the checkpoint is quantized with quant_method 'mxfp4' (config.json's quantization_config), "
+                         f"which raylm reads for {', '.join(MXFP4_ARCHITECTURES)} only, not architectures "
+                         f"{architectures}; {_SUPPORTED}.")
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method 'mxfp4' "
+                         f"(config.json's quantization_config); leave quantization unset (None) to read it.")
+    return None
+
+
+def _check_no_experts(hf_config: Any, method: str = "fp8") -> None:
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    experts = next((getattr(text_config, a) for a in _EXPERT_COUNTS if getattr(text_config, a, None)), None)
+    if experts:
+        kind = {"gptq": "GPTQ", "awq": "AWQ"}.get(method, "FP8")
+        raise ValueError(f"{kind} weights are not supported for MoE models ({experts} experts): raylm quantizes the "
+                         f"linear layers of dense models only; {_SUPPORTED}.")
+
+
+def _fp8_config(config: dict[str, Any]) -> QuantizationConfig:
+    """quant_method "fp8" (vLLM's Fp8Config): activation_scheme, weight_block_size, ignored_layers."""
+    activation_scheme = config.get("activation_scheme", "dynamic")
+    if activation_scheme not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config activation_scheme must be 'dynamic' or 'static', got "
+                         f"{activation_scheme!r}.")
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config fmt must be 'e4m3' (float8_e4m3fn weights), got {fmt!r}.")
+    block = config.get("weight_block_size")
+    ignore = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
+    if block is None:
+        scheme = Fp8LinearScheme(True, "tensor", None, activation_scheme, "weight_scale")
+    else:
+        if activation_scheme != "dynamic":
+            raise ValueError("quantization_config weight_block_size needs activation_scheme 'dynamic' (as vLLM), "
+                             f"got {activation_scheme!r}.")
+        scheme = Fp8LinearScheme(True, "block", _block_size(block, "weight_block_size"), activation_scheme,
+                                 "weight_scale_inv")
+    return QuantizationConfig("fp8", scheme, ignore)
+
+
+def _block_size(block: Any, field: str) -> tuple[int, int]:
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+        raise ValueError(f"quantization_config {field} must be two positive integers [rows, columns], got {block!r}.")
+    return int(block[0]), int(block[1])
+
+
+def _compressed_tensors_config(config: dict[str, Any]) -> QuantizationConfig:
+    """llm-compressor's compressed-tensors format, FP8 schemes only."""
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"quantization_config (compressed-tensors) has no config_groups; {_SUPPORTED}.")
+    schemes = {_compressed_tensors_scheme(name, group, config.get("format")) for name, group in groups.items()}
+    if len(schemes) != 1:
+        raise ValueError(f"quantization_config (compressed-tensors) has config_groups of different schemes "
+                         f"({sorted(groups)}); raylm reads one FP8 scheme for every Linear layer.")
+    return QuantizationConfig("compressed-tensors", schemes.pop(), tuple(config.get("ignore") or ()))
+
+
+def _compressed_tensors_scheme(name: str, group: dict[str, Any], top_format: str | None) -> Fp8LinearScheme:
+    where = f"quantization_config config_groups[{name!r}]"
+    targets = group.get("targets") or []
+    if "Linear" not in targets:
+        raise ValueError(f"{where} targets {targets!r}; raylm reads schemes that target 'Linear'. {_SUPPORTED}.")
+    fmt = group.get("format") or top_format
+    if fmt not in (None, "float-quantized"):
+        raise ValueError(f"{where} has format {fmt!r}; raylm reads 'float-quantized' (FP8) only. {_SUPPORTED}.")
+    weights = group.get("weights") or {}
+    if (weights.get("type") != "float" or weights.get("num_bits") != 8 or not weights.get("symmetric", True)
+            or weights.get("dynamic", False)):
+        raise ValueError(f"{where} weights are {weights.get('type')!r} {weights.get('num_bits')}-bit "
+                         f"(symmetric {weights.get('symmetric', True)}, dynamic {weights.get('dynamic', False)}); "
+                         f"{_SUPPORTED}.")
+    strategy = weights.get("strategy")
+    if strategy not in WEIGHT_STRATEGIES:
+        raise ValueError(f"{where} weights strategy must be one of {list(WEIGHT_STRATEGIES)}, got {strategy!r}.")
+    block = _block_size(weights.get("block_structure"), "weights block_structure") if strategy == "block" else None
+    if group.get("output_activations"):
+        raise ValueError(f"{where} quantizes output activations, which raylm does not; {_SUPPORTED}.")
+    activations = group.get("input_activations")
+    if activations is None:
+        activation_scheme = None
+    else:
+        kind = (activations.get("type"), activations.get("num_bits"), bool(activations.get("dynamic")),
+                activations.get("strategy"))
+        if kind == ("float", 8, True, "token"):
+            activation_scheme = "dynamic"
+        elif kind == ("float", 8, False, "tensor"):
+            activation_scheme = "static"
+        else:
+            raise ValueError(f"{where} input_activations are {kind[0]!r} {kind[1]}-bit, dynamic {kind[2]}, "
+                             f"strategy {kind[3]!r}; {_SUPPORTED}.")
+        if strategy == "block" and activation_scheme != "dynamic":
+            raise ValueError(f"{where}: block-wise weights need dynamic input activations.")
+    return Fp8LinearScheme(True, strategy, block, activation_scheme, "weight_scale")
+
+
+def _gptq_config(config: dict[str, Any]) -> QuantizationConfig:
+    """quant_method "gptq" (vLLM's GPTQConfig): bits, group_size, desc_act, checkpoint_format.
+    sym only decides the stored zeros, which the checkpoint always carries."""
+    bits = config.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config (gptq) bits must be 4 or 8, got {bits!r}.")
+    group_size = _group_size(config.get("group_size"), "gptq")
+    desc_act = config.get("desc_act", False)
+    if not isinstance(desc_act, bool):
+        raise ValueError(f"quantization_config (gptq) desc_act must be true or false, got {desc_act!r}.")
+    # AutoGPTQ and GPTQModel's v1 format stores zero - 1 (AutoGPTQ's packing bug, kept for
+    # compatibility); GPTQModel's "gptq_v2" the zero itself.
+    fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config (gptq) checkpoint_format must be 'gptq' or 'gptq_v2', got {fmt!r}.")
+    if config.get("lm_head"):
+        raise ValueError("quantization_config (gptq) quantizes lm_head, which raylm keeps in the model's dtype.")
+    if config.get("dynamic"):
+        raise ValueError("quantization_config (gptq) has per-module 'dynamic' overrides, which raylm does not read.")
+    scheme = Int4LinearScheme("gptq", bits, group_size, desc_act, zero_offset=1 if fmt == "gptq" else 0)
+    return QuantizationConfig("gptq", scheme)
+
+
+def _awq_config(config: dict[str, Any]) -> QuantizationConfig:
+    """quant_method "awq" (vLLM's AWQConfig): AutoAWQ's GEMM layout only."""
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"quantization_config (awq) bits must be 4, got {bits!r}.")
+    group_size = _group_size(config.get("group_size", config.get("q_group_size")), "awq")
+    version = str(config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"quantization_config (awq) version must be 'gemm' (AutoAWQ's GEMM layout), got "
+                         f"{config.get('version')!r}; 'gemv', 'gemv_fast' and other layouts are not read.")
+    if config.get("zero_point", True) is not True:
+        raise ValueError(f"quantization_config (awq) zero_point must be true, got {config.get('zero_point')!r}.")
+    ignore = tuple(config.get("modules_to_not_convert") or ())
+    return QuantizationConfig("awq", Int4LinearScheme("awq", 4, group_size), ignore)
+
+
+def _group_size(group_size: Any, method: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise ValueError(f"quantization_config ({method}) group_size must be a positive integer or -1 (one group), "
+                         f"got {group_size!r}.")
+    return group_size
+
+
+def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
+                       stacked_params_mapping: list[tuple[str, str, Any]]) -> None:
+    """Makes every linear layer of `model` that the config does not ignore a quantized one
+    (`Fp8LinearMethod` / `Int4LinearMethod.create_weights`), before its checkpoint loads. A
+    fused layer's checkpoint names come from `stacked_params_mapping` (ours, checkpoint's, shard id)."""
+    scheme = quant_config.scheme
+    method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LinearBase) or module.quant_method is not None:
+            continue
+        shard_names = [name[:-len(ours)] + theirs for ours, theirs, _ in stacked_params_mapping
+                       if name.endswith(ours)]
+        if quant_config.is_ignored(name, shard_names):
+            continue
+        method.create_weights(module, name)

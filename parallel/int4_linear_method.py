@@ -1,0 +1,167 @@
+"""`GPTQLinearMethod` / `AWQLinearMethod`: a parallel linear layer whose weight is GPTQ or AWQ
+packed integers (vLLM's quant_methods of those names; layouts in `kernels/int4_linear.py`).
+
+`create_weights` replaces a layer's weight by `qweight`, `qzeros`, `scales` (and GPTQ's
+`g_idx`), each with a `weight_loader` that cuts this rank's shard as vLLM does:
+- column-parallel layers (and each fused output of qkv / gate_up) cut output columns:
+  `qweight`, `qzeros` and `scales` along their last dimension (packed ones in whole int32s,
+  so every rank's share of every output is a multiple of the pack factor); `g_idx` whole;
+- row-parallel layers cut input rows: `qweight` along its input dimension, `scales` and
+  `qzeros` by whole groups (an input shard that is not whole groups is an error, as in
+  vLLM), `g_idx` by rows. Under desc_act the rank's rows refer to any group, so `scales`
+  and `qzeros` stay whole there (as vLLM does); with group_size -1 they are one group, whole.
+The weights stay packed; the GEMM dequantizes a chunk of output columns at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raylm.kernels.int4_linear import apply_int4_linear, pack_factor
+from raylm.parallel.checkpoint_slice import read_weight
+from raylm.parallel.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, _copy_checked
+
+
+@dataclass(frozen=True)
+class Int4LinearScheme:
+    """How a GPTQ or AWQ checkpoint stores its linear weights (parsed by `models/quantization.py`)."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group over all input features
+    desc_act: bool = False  # GPTQ's act-order: g_idx is read, not i // group_size
+    zero_offset: int = 0  # added to stored zeros: 1 for GPTQ's v1 checkpoint format
+
+
+class Int4LinearMethod:
+    """Creates, loads, processes and multiplies one layer's GPTQ or AWQ weight."""
+
+    def __init__(self, scheme: Int4LinearScheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: LinearBase, prefix: str) -> None:
+        """Replaces `layer.weight` (not yet loaded) by the packed parameters. `prefix` (the
+        layer's module name) names it in errors."""
+        scheme = self.scheme
+        out_rows, in_columns = layer.weight.shape
+        device = layer.weight.device
+        factor = pack_factor(scheme.bits)
+        _check_shapes(layer, prefix, scheme, factor)
+        row_parallel = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        full_in = layer.input_size
+        group_size = full_in if scheme.group_size == -1 else scheme.group_size
+        whole_groups = scheme.group_size == -1 or (scheme.desc_act and row_parallel)
+        groups = -(-(full_in if whole_groups or not row_parallel else in_columns) // group_size)
+        group_unit = None if whole_groups or not row_parallel else group_size
+        awq = scheme.method == "awq"
+        qweight_shape = (in_columns, out_rows // factor) if awq else (in_columns // factor, out_rows)
+        int32 = dict(dtype=torch.int32, device=device)
+        layer.qweight = _parameter(torch.empty(qweight_shape, **int32),
+                                   self._loader(layer, out_unit=factor if awq else 1, in_unit=1 if awq else factor))
+        layer.qzeros = _parameter(torch.empty(groups, out_rows // factor, **int32),
+                                  self._loader(layer, out_unit=factor, in_unit=group_unit))
+        # float32: fp16 and bf16 checkpoint scales both fit without rounding.
+        layer.scales = _parameter(torch.empty(groups, out_rows, dtype=torch.float32, device=device),
+                                  self._loader(layer, out_unit=1, in_unit=group_unit))
+        if not awq:
+            layer.g_idx = _parameter(torch.full((in_columns,), -1, **int32), self._g_idx_loader(layer, prefix))
+        # The 16/32-bit weight is never filled: drop it, keeping its shape for the layers
+        # that read it (a meta tensor holds no memory).
+        del layer._parameters["weight"]
+        layer.weight = torch.empty(out_rows, in_columns, device="meta")
+        layer.g_idx_runtime = None
+        layer.quant_method = self
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Each local input row's group: g_idx under desc_act, else row // group_size (as
+        vLLM, which reads g_idx only for act-order checkpoints)."""
+        scheme = self.scheme
+        in_columns = layer.weight.shape[1]
+        if scheme.desc_act:
+            layer.g_idx_runtime = layer.g_idx.detach().long()
+        else:
+            group_size = in_columns if scheme.group_size == -1 else scheme.group_size
+            layer.g_idx_runtime = torch.arange(in_columns, device=layer.scales.device) // group_size
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        scheme = self.scheme
+        return apply_int4_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx_runtime, scheme.bits,
+                                 scheme.method == "awq", scheme.zero_offset, bias)
+
+    # ------------------------------------------------------------ loaders
+    @staticmethod
+    def _loader(layer: LinearBase, out_unit: int, in_unit: int | None):
+        """A loader cutting a column-parallel layer's output columns (in units of `out_unit`
+        checkpoint columns per tensor column) or a row-parallel layer's input rows (one tensor
+        row per `in_unit` input features; None: whole)."""
+        def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+            if isinstance(layer, ColumnParallelLinear):
+                _load_output_columns(layer, param, loaded_weight, shard_id, out_unit)
+            elif isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and in_unit is not None:
+                size = layer.input_size_per_partition
+                _copy_checked(param.data, loaded_weight.narrow(0, layer.tp_rank * size // in_unit, size // in_unit),
+                              type(layer).__name__)
+            else:
+                _copy_checked(param.data, loaded_weight, type(layer).__name__)
+        return load
+
+    @staticmethod
+    def _g_idx_loader(layer: LinearBase, prefix: str):
+        def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+            if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+                size = layer.input_size_per_partition
+                loaded_weight = loaded_weight.narrow(0, layer.tp_rank * size, size)
+            loaded = read_weight(loaded_weight).to(torch.int32)
+            # Fused outputs share their input, so GPTQ gives them one act order: one g_idx.
+            if bool((param.data >= 0).any()) and not torch.equal(param.data, loaded.to(param.device)):
+                raise ValueError(f"the fused outputs of {prefix} have different g_idx in the checkpoint; raylm "
+                                 f"fuses them into one layer, which takes one act order for its input.")
+            _copy_checked(param.data, loaded, f"{type(layer).__name__} g_idx")
+        return load
+
+
+def _load_output_columns(layer: ColumnParallelLinear, param: torch.Tensor, loaded, shard_id, unit: int) -> None:
+    """`ColumnParallelLinear.load_rows` along the last dimension: this rank's output columns
+    of output `shard_id` (None: the whole, fused ones split per output), `unit` per column."""
+    shards = layer.checkpoint_shards()
+    last = loaded.dim() - 1
+    if shard_id is None and len(shards) > 1:
+        for sid, offset, size in shards:
+            _load_output_columns(layer, param, loaded.narrow(last, offset // unit, size // unit), sid, unit)
+        return
+    param_offset, size, source_start = layer.shard_rows(shards[0][0] if shard_id is None else shard_id)
+    name = type(layer).__name__ + ("" if shard_id is None else f" shard {shard_id}")
+    _copy_checked(param.data.narrow(last, param_offset // unit, size // unit),
+                  loaded.narrow(last, source_start // unit, size // unit), name)
+
+
+def _check_shapes(layer: LinearBase, prefix: str, scheme: Int4LinearScheme, factor: int) -> None:
+    """Every rank's share of every output packs whole int32s, and a row-parallel rank's
+    input rows are whole groups (vLLM's rule: else "too large tensor parallel size")."""
+    sizes = layer.output_partition_sizes if isinstance(layer, ColumnParallelLinear) else [layer.weight.shape[0]]
+    if any(size % factor for size in sizes):
+        raise ValueError(f"{prefix} has output shards of {sizes} features on each of {layer.tp_size} tensor-parallel "
+                         f"ranks; {scheme.method} {scheme.bits}-bit weights pack {factor} output features an int32, "
+                         f"so each must be a multiple of {factor}.")
+    in_columns = layer.weight.shape[1]
+    if scheme.method == "gptq" and in_columns % factor:
+        raise ValueError(f"{prefix} has {in_columns} input features on each rank; GPTQ {scheme.bits}-bit weights "
+                         f"pack {factor} input features an int32, so it must be a multiple of {factor}.")
+    if scheme.group_size != -1 and layer.input_size % scheme.group_size:
+        raise ValueError(f"{prefix} has {layer.input_size} input features, not a multiple of the checkpoint's "
+                         f"group_size {scheme.group_size}.")
+    if (isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and scheme.group_size != -1
+            and layer.input_size_per_partition % scheme.group_size):
+        raise ValueError(f"tensor_parallel_size {layer.tp_size} cuts {prefix}'s {layer.input_size} input features "
+                         f"into {layer.input_size_per_partition} a rank, not whole groups of the checkpoint's "
+                         f"group_size {scheme.group_size}: the input size is not aligned with the quantized weight "
+                         f"shape (as in vLLM); use a smaller tensor_parallel_size.")
+
+
+def _parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = weight_loader
+    return param

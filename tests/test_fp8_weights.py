@@ -1,0 +1,205 @@
+"""FP8 linear weights (`quantization`, docs/quantization.md): FP8 checkpoints in each layout
+vLLM reads, and a 16/32-bit checkpoint quantized at load, generate what Hugging Face
+generates on a plain fp32 checkpoint of the weights they stand for (fp8.float() * scale);
+in process and over two tensor-parallel Ray workers. What raylm does not read is an error
+raised from config.json alone."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8_checkpoints import quantize, write_config_only, write_fp8_checkpoint
+from hf_reference import assert_hf_greedy, assert_logprobs_match_hf
+from raylm.engine import LLM, SamplingParams
+from tiny_models import build_tiny_model, random_prompts
+
+PROMPTS = random_prompts(4, seed=3, min_len=6, max_len=24)
+ENGINE = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("fp8") / "llama", "llama", seed=11)
+
+
+def checkpoint(tmp_path: Path, source: Path, layout: str, **options) -> tuple[Path, Path, dict]:
+    quantized, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
+    tensors = write_fp8_checkpoint(source, quantized, dequantized, layout, **options)
+    return quantized, dequantized, tensors
+
+
+def generate(llm: LLM):
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=1, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def assert_matches_hf(reference: Path, outputs) -> None:
+    for prompt, output in zip(PROMPTS, outputs):
+        assert_hf_greedy(reference, prompt, output.outputs[0].token_ids)
+    assert_logprobs_match_hf(reference, PROMPTS, outputs, top_k=3)
+
+
+def driver_model(llm: LLM):
+    return llm.llm_engine.executor.driver_worker.model_runner.model
+
+
+def test_fp8_per_tensor_checkpoint_with_differing_qkv_scales_matches_hf(tmp_path, source):
+    # k_proj 8x larger: its scale differs from q_proj's and v_proj's, which qkv_proj fuses.
+    quantized, reference, tensors = checkpoint(tmp_path, source, "fp8-tensor", static=True,
+                                               weight_multipliers={"k_proj": 8.0})
+    prefix = "model.layers.0.self_attn."
+    scales = [tensors[prefix + f"{p}_proj.weight_scale"].item() for p in "qkv"]
+    assert scales[1] > 4 * max(scales[0], scales[2])
+    llm = LLM(model=str(quantized), **ENGINE)
+    assert_matches_hf(reference, generate(llm))
+    qkv = driver_model(llm).model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn
+    assert qkv.weight_scale.tolist() == pytest.approx(scales)  # one scale per shard, none requantized
+    assert qkv.input_scale_runtime.item() == max(tensors[prefix + f"{p}_proj.input_scale"].item() for p in "qkv")
+    llm.shutdown()
+
+
+def test_fp8_block_checkpoint_matches_hf(tmp_path, source):
+    quantized, reference, tensors = checkpoint(tmp_path, source, "fp8-block", block=(32, 32))
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 4)
+    llm = LLM(model=str(quantized), **ENGINE)
+    assert_matches_hf(reference, generate(llm))
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "ct-block"])
+def test_compressed_tensors_fp8_checkpoint_matches_hf(tmp_path, source, layout):
+    quantized, reference, _ = checkpoint(tmp_path, source, layout, static=layout == "ct-tensor",
+                                         block=(32, 16) if layout == "ct-block" else None)
+    llm = LLM(model=str(quantized), quantization="compressed-tensors", **ENGINE)
+    assert_matches_hf(reference, generate(llm))
+    llm.shutdown()
+
+
+def test_online_fp8_quantizes_each_linear_weight_per_tensor_and_leaves_embeddings_and_lm_head(tmp_path, source):
+    # The reference: each linear weight rounded by torch here, amax / 448 per tensor.
+    reference = tmp_path / "rounded"
+    shutil.copytree(source, reference)
+    tensors = load_file(str(source / "model.safetensors"))
+    rounded = {name: quantize(t, "tensor")[2] if name.endswith("_proj.weight") else t for name, t in tensors.items()}
+    save_file(rounded, str(reference / "model.safetensors"))
+    llm = LLM(model=str(source), quantization="fp8", **ENGINE)
+    assert_matches_hf(reference, generate(llm))
+    model = driver_model(llm)
+    assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    llm.shutdown()
+
+
+def test_fp8_linear_weights_take_half_the_bytes_of_bf16_ones(source):
+    def linear_bytes(llm: LLM) -> int:
+        return sum(p.numel() * p.element_size() for name, p in driver_model(llm).named_parameters()
+                   if name.endswith("_proj.weight"))
+
+    plain = LLM(model=str(source), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=16)
+    plain_bytes = linear_bytes(plain)
+    plain.shutdown()
+    fp8 = LLM(model=str(source), dtype="bfloat16", quantization="fp8", max_model_len=128, num_gpu_blocks_override=16)
+    assert linear_bytes(fp8) * 2 == plain_bytes
+    fp8.shutdown()
+
+
+@pytest.mark.parametrize("layout,block", [("ct-channel", None), ("fp8-block", (16, 32))])
+def test_fp8_checkpoint_over_two_tensor_parallel_ray_workers_matches_hf(tmp_path, source, ray_cluster, layout, block):
+    # Column-parallel layers cut channel scales and block rows with their weight's rows,
+    # row-parallel ones block columns with their input columns (16-row blocks: 2 per
+    # rank's k and v of 16 rows each).
+    quantized, reference, _ = checkpoint(tmp_path, source, layout, block=block)
+    llm = LLM(model=str(quantized), tensor_parallel_size=2, **ENGINE)
+    assert_matches_hf(reference, generate(llm))
+    llm.shutdown()
+
+
+def test_serve_flag_quantization_reaches_the_model_config(source):
+    from raylm.deploy import cli
+    from raylm.engine.arg_utils import EngineArgs
+
+    args = cli.build_parser().parse_args(["serve", str(source), "--quantization", "fp8"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().model_config.quantization == "fp8"
+
+
+@pytest.mark.cuda
+def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path, source):
+    # W8A8 (compute capability >= 8.9) rounds activations to fp8 too, W8A16 elsewhere: the
+    # sampled tokens' logprobs stay within a few hundredths of HF's on the dequantized weights.
+    from hf_reference import hf_log_softmax
+
+    quantized, reference, _ = checkpoint(tmp_path, source, "ct-channel")
+    llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        completion = output.outputs[0]
+        rows = hf_log_softmax(reference, prompt + completion.token_ids)[len(prompt) - 1:]
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert entry[token].logprob == pytest.approx(rows[step, token].item(), abs=0.05)
+    llm.shutdown()
+
+
+# ------------------------------------------------------------------ errors
+BITSANDBYTES = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+INT4_COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": 128, "dynamic": False}}},
+    "ignore": ["lm_head"]}
+
+
+@pytest.mark.parametrize("quantization_config,quantization,message", [
+    (BITSANDBYTES, None, "quant_method 'bitsandbytes'"),
+    (INT4_COMPRESSED_TENSORS, None, "format 'pack-quantized'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "compressed-tensors", "does not match"),
+    (None, "bitsandbytes", "quantization must be one of 'fp8', 'compressed-tensors'"),
+    (None, "compressed-tensors", "needs a checkpoint quantized so"),
+], ids=["bitsandbytes", "int4-compressed-tensors", "mismatch", "unknown-argument", "compressed-tensors-without-config"])
+def test_unsupported_quantization_is_an_error_naming_what_is_supported_before_any_weight_is_read(
+        tmp_path, source, quantization_config, quantization, message):
+    folder = write_config_only(source, tmp_path / "model", quantization_config)  # no weights to read
+    with pytest.raises(ValueError, match=message) as error:
+        LLM(model=str(folder), quantization=quantization, **ENGINE)
+    assert "fp8" in str(error.value)
+
+
+def test_fp8_weights_for_moe_experts_are_an_error(tmp_path, source):
+    folder = write_config_only(source, tmp_path / "model", None, num_local_experts=4)
+    with pytest.raises(ValueError, match="not supported for MoE models"):
+        LLM(model=str(folder), quantization="fp8", **ENGINE)
+
+
+def test_weight_block_size_that_splits_a_fused_shard_is_an_error_naming_the_layer(tmp_path, source):
+    folder = write_config_only(source, tmp_path / "model", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                            "weight_block_size": [48, 48]})
+    with pytest.raises(ValueError, match=r"weight_block_size \[48, 48\] does not divide .*qkv_proj"):
+        LLM(model=str(folder), **ENGINE)
+
+
+def test_enable_lora_with_fp8_weights_is_an_error(tmp_path, source):
+    folder = write_config_only(source, tmp_path / "model", {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(ValueError, match="enable_lora is not supported with FP8 weights"):
+        LLM(model=str(folder), enable_lora=True, **ENGINE)
+
+
+def test_ignore_list_matches_names_and_regexes_and_a_fused_layer_is_ignored_whole_or_not_at_all():
+    from raylm.models.quantization import QuantizationConfig
+    from raylm.parallel.fp8_linear_method import Fp8LinearScheme
+
+    config = QuantizationConfig("compressed-tensors", Fp8LinearScheme(True, "channel"),
+                                ("lm_head", "re:.*layers\\.1\\.self_attn\\.[qkv]_proj$", "model.layers.0.mlp.up_proj"))
+    qkv = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    assert config.is_ignored("model.layers.1.self_attn.qkv_proj", qkv)
+    assert not config.is_ignored("model.layers.2.self_attn.qkv_proj", [n.replace(".1.", ".2.") for n in qkv])
+    assert config.is_ignored("lm_head", [])
+    with pytest.raises(ValueError, match="fused layer is quantized whole or not at all"):
+        config.is_ignored("model.layers.0.mlp.gate_up_proj",
+                          ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"])
