@@ -386,11 +386,13 @@ class ModelRunner:
             # The kernel variants those two steps did not need (split-K decode and its
             # merges, every prefill tile size), so that no request waits for a compile.
             shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_size, layer.scale, layer.sliding_window,
-                       layer.logits_soft_cap): layer.kv_cache for layer in self._attention_layers()}
-            for (num_heads, num_kv_heads, head_size, scale, window, soft_cap), (k_cache, v_cache) in shapes.items():
+                       layer.logits_soft_cap, layer.sinks is not None): layer.kv_cache
+                      for layer in self._attention_layers()}
+            for (num_heads, num_kv_heads, head_size, scale, window, soft_cap, sinks), (k_cache, v_cache) in \
+                    shapes.items():
                 self.attn_backend.warm_up(num_heads, num_kv_heads, head_size, scale, k_cache, v_cache, max_len,
                                           sliding_window=window, logits_soft_cap=soft_cap,
-                                          query_dtype=self.model_config.dtype)
+                                          query_dtype=self.model_config.dtype, has_sinks=sinks)
         if self.uses_cuda_graphs:
             self.capture_decode_graphs()
 

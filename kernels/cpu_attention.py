@@ -16,7 +16,9 @@ query's dtype). They are PyTorch operators, `torch.ops.raylm.paged_decode_attent
   AVX2 microkernels (portable loops elsewhere), threads taking tiles from a shared counter.
 
 Both take the reference's sliding window (keys before a query's window are not read, from
-the window's first block on) and Gemma 2's soft cap.
+the window's first block on), Gemma 2's soft cap and gpt-oss's attention sinks (each head's
+sink joins the softmax's denominator when the output is normalised, relative to the same
+running maximum, on every ISA path).
 
 `paged_attention` keeps the reference's contract: padding rows are zero, decode rows of a
 mixed batch go to the decode kernel (which runs them about 1.6x faster than the prefill
@@ -86,22 +88,25 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per sequence, query [B, Hq, D] (fp32 or bf16), over its seq_lens[b]
     cached tokens (the last sliding_window of them, when set) at block_tables[b] of k_cache,
     v_cache [num_blocks, block_size, Hkv, D] (fp32, bf16 or fp8 read as fp8 * k_scale and
-    fp8 * v_scale; CPU); returns [B, Hq, D] in the query's dtype. A table that does not hold
+    fp8 * v_scale; CPU); returns [B, Hq, D] in the query's dtype. sinks [Hq]: attention
+    sinks (the reference's). A table that does not hold
     the tokens read is a ValueError. Needs the kernel (see `is_available`)."""
     kernel = load_kernel()
     assert kernel is not None, "paged_decode_attention needs the native kernel; check is_available()"
     return kernel(query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale, sliding_window or 0,
-                  logits_soft_cap or 0.0, k_scale, v_scale)
+                  logits_soft_cap or 0.0, k_scale, v_scale, _fp32(sinks))
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, min_query_len: int = 1, *,
                             sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract for the sequences with at least
     min_query_len queries; the rows of the others, and of padding tokens, are zero.
     k_cache, v_cache fp32, bf16 or fp8 (with its scales) on the CPU; returns [T, Hq, D] in
@@ -110,7 +115,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     assert kernel is not None, "paged_prefill_attention needs the native kernel; check load_prefill_kernel()"
     md = attn_metadata
     return kernel(query, k_cache, v_cache, _int32(md.block_tables), _int32(md.seq_lens), _int32(md.query_start_loc),
-                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0, k_scale, v_scale)
+                  scale, min_query_len, sliding_window or 0, logits_soft_cap or 0.0, k_scale, v_scale, _fp32(sinks))
+
+
+def _fp32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sinks is None else sinks.detach().float().contiguous()
 
 
 def _int32(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,15 +129,15 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `paged_attention` contract (see `raylm.kernels.torch_attention`),
     on the native kernels: decode rows on the decode kernel, the other sequences' rows on
     the prefill kernel; an fp8 cache read as fp8 * k_scale and fp8 * v_scale. Falls back to
     the reference when the decode kernel is unavailable or the query is not an fp32/bf16 CPU
     tensor or the cache an fp32/bf16/fp8 one, and for prefill rows when only the prefill
-    kernel is unavailable."""
+    kernel is unavailable. `sinks` (gpt-oss) go to every kernel."""
     md = attn_metadata
-    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if (k_cache.device.type != "cpu" or k_cache.dtype not in _CACHE_DTYPES or query.dtype not in _DTYPES
             or load_kernel() is None):
         return torch_attention.paged_attention(query, k_cache, v_cache, md, scale, k_scale=k_scale, v_scale=v_scale,

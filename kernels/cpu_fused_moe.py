@@ -5,8 +5,9 @@ Where the AVX-512 GEMM runs the weights' dtype (`cpu_gemm.avx512_linear_enabled`
 expert's gate_up and down are packed at load into that kernel's panels (`pack_experts`) and
 `avx512_fused_moe` runs the grouped GEMMs on them, SiLU-and-mul applied as the gate_up
 products are stored. Elsewhere `dense_fused_moe` groups the tokens the same way and runs
-ATen's GEMM on each expert's group, from C++. Without the native library the PyTorch
-reference runs (`torch_moe.fused_experts`).
+ATen's GEMM on each expert's group, from C++; it alone takes gpt-oss's expert biases and
+"swigluoai" activation. Without the native library the PyTorch reference runs
+(`torch_moe.fused_experts`).
 """
 
 from __future__ import annotations
@@ -62,11 +63,25 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
-                  packed: PackedExperts | None = None) -> torch.Tensor:
-    """`torch_moe.fused_experts`'s result for CPU tensors: on the packed panels where `packed`
-    is given in x's dtype, else on ATen's GEMM per expert group (both one native call), else
-    in PyTorch."""
+                  packed: PackedExperts | None = None, *, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, activation: str = "silu", swiglu_limit: float | None = None,
+                  swiglu_alpha: float = torch_moe.SWIGLUOAI_ALPHA) -> torch.Tensor:
+    """`torch_moe.fused_experts`'s result for CPU tensors (its biases and activation too): on
+    the packed panels where `packed` is given in x's dtype (no biases, SiLU), else on ATen's
+    GEMM per expert group (both one native call), else in PyTorch."""
     topk_weights = topk_weights.float()
+    gpt_oss = w13_bias is not None or w2_bias is not None or activation != "silu"
+    if gpt_oss:
+        if activation not in torch_moe.ACTIVATIONS or (activation == "swigluoai" and not swiglu_limit):
+            raise ValueError(f"MoE activation must be 'silu' or 'swigluoai' with a positive swiglu_limit, got "
+                             f"{activation!r} with {swiglu_limit!r}.")
+        if library_loaded() and not x.requires_grad:
+            return torch.ops.raylm.dense_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_bias, w2_bias,
+                                                   float(swiglu_limit) if activation == "swigluoai" else 0.0,
+                                                   float(swiglu_alpha))
+        return torch_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_map, w13_bias=w13_bias,
+                                       w2_bias=w2_bias, activation=activation, swiglu_limit=swiglu_limit,
+                                       swiglu_alpha=swiglu_alpha)
     if packed is not None and packed.w13.dtype == x.dtype and not x.requires_grad:
         return torch.ops.raylm.avx512_fused_moe(x, packed.w13, packed.w2, topk_weights, topk_ids, expert_map,
                                                 packed.intermediate_size)

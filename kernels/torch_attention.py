@@ -12,6 +12,9 @@ Two per-layer options every backend implements the same way:
   block of a window, the keys before it are masked.
 - `logits_soft_cap` c (Gemma 2): the scaled scores s become c * tanh(s / c) before the mask
   and the softmax.
+- `sinks` [Hq] (gpt-oss's learned attention sinks, vLLM's `sinks`): one more logit per query
+  head in the softmax's denominator, with no value: p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i)).
+  The weights of a row then sum to less than 1.
 
 An fp8 cache (`raylm.kernels.kv_cache_dtype`) stores key / k_scale and value / v_scale,
 saturated and rounded to its format (`quantize`), and is read back times the scale in fp32.
@@ -58,7 +61,7 @@ def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its context in the cache (the last
     `sliding_window` positions of it for each query, when set; see the module docstring).
     k_scale, v_scale: an fp8 cache's scales.
@@ -73,21 +76,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_tokens = query.shape[0]
     plan = _decode_plan(md, k_cache, sliding_window)
     if md.max_query_len == 1 and plan is not None and plan.rows is None and plan.batch == num_tokens:
-        return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap, k_scale, v_scale)
+        return _batched_decode(query, k_cache, v_cache, plan, scale, logits_soft_cap, k_scale, v_scale, sinks)
 
     out = paged_prefill_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if plan is not None:
         # Decoding sequences go through one batched call, also in mixed batches.
         rows = plan.rows if plan.rows is not None else slice(0, plan.batch)
-        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap, k_scale, v_scale)
+        out[rows] = _batched_decode(query[rows], k_cache, v_cache, plan, scale, logits_soft_cap, k_scale, v_scale,
+                                    sinks)
     return out
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             attn_metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` for the sequences with more than one query, one sequence at a time;
     the rows of the others (decoding sequences) and of padding tokens are zero."""
     md = attn_metadata
@@ -97,7 +101,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         if query_len > 1:
             out[start:start + query_len] = _prefill_one(query[start:start + query_len], k_cache, v_cache,
                                                         md.block_tables[i], seq_len, scale, logits_soft_cap,
-                                                        sliding_window, k_scale, v_scale)
+                                                        sliding_window, k_scale, v_scale, sinks)
         start += query_len
     return out
 
@@ -162,7 +166,7 @@ def _build_decode_plan(md: AttentionMetadata, num_kv_heads: int, block_size: int
 
 def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan,
                     scale: float, logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per sequence [B, Hq, D]: every sequence's context gathered into a
     padded [B, Hkv, max_seq_len, D] tensor, the tail masked, one batched matmul per side."""
     batch, num_heads, head_size = query.shape
@@ -175,14 +179,16 @@ def _batched_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     scores = torch.matmul(q, dequantize(key, k_scale).transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
     if logits_soft_cap is not None:
         scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
-    probs = scores.masked_fill_(plan.beyond_end, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill_(plan.beyond_end, float("-inf"))
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv_heads, -1, 1))
     out = torch.matmul(probs, dequantize(value, v_scale))  # [B, Hkv, G, D]
     return out.view(batch, num_heads, head_size).to(query.dtype)
 
 
 def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_len: int, scale: float, logits_soft_cap: float | None = None,
-                 sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                 sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's [Lq, Hq, D] queries over its seq_len cached tokens, causal with the
     queries aligned to the end of the context (chunked prefill reads earlier chunks). With a
     window, only the blocks from the first query's window on are read."""
@@ -199,16 +205,17 @@ def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = dequantize(key.transpose(0, 1).unsqueeze(0), k_scale)
     v = dequantize(value.transpose(0, 1).unsqueeze(0), v_scale)
     gqa = num_heads != key.shape[1]
-    if query_len == seq_len and logits_soft_cap is None and (sliding_window is None or sliding_window >= seq_len):
+    plain = logits_soft_cap is None and sinks is None
+    if query_len == seq_len and plain and (sliding_window is None or sliding_window >= seq_len):
         return (F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[0]
                 .transpose(0, 1).to(query.dtype))
     # SDPA's is_causal aligns to the top-left; with earlier context the diagonal shifts.
     mask = _causal_mask(torch.arange(first_query, seq_len, device=query.device),
                         torch.arange(first_key, seq_len, device=query.device), sliding_window)
-    if logits_soft_cap is None:
+    if plain:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:
-        out = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
+        out = _math_attention(q, k, v, mask, scale, logits_soft_cap, sinks)
     return out[0].transpose(0, 1).to(query.dtype)
 
 
@@ -222,35 +229,49 @@ def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
     return mask
 
 
-def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                           logits_soft_cap: float) -> torch.Tensor:
-    """SDPA's math with the scores capped (SDPA has no cap): q [1, Hq, Lq, D], k and v
-    [1, Hkv, L, D], mask [Lq, L] (True where a query may attend)."""
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(scores) over the last dim, in fp32; with `sinks` (broadcast against scores'
+    shape with the last dim 1) each row's denominator holds exp(sink) too, as if the sink were
+    one more key whose weight is then dropped (Hugging Face's gpt-oss concatenates it)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    logits_soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA's math with the scores capped and sinks in the softmax (SDPA has neither): q
+    [1, Hq, Lq, D], k and v [1, Hkv, L, D], mask [Lq, L] (True where a query may attend),
+    sinks [Hq]."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
-    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+    if logits_soft_cap is not None:
+        scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, -1, 1, 1))
     return torch.matmul(probs, v)
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
-                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over one whole sequence without a cache (the runner's profiling
     forward): query [T, Hq, D], key and value [T, Hkv, D] -> [T, Hq, D] in the query's
-    dtype, with paged_attention's window and soft cap."""
+    dtype, with paged_attention's window, soft cap and sinks."""
     num_tokens = query.shape[0]
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-    if sliding_window is None and logits_soft_cap is None:
+    if sliding_window is None and logits_soft_cap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out[0].transpose(0, 1)
     positions = torch.arange(num_tokens, device=query.device)
     mask = _causal_mask(positions, positions, sliding_window)
-    if logits_soft_cap is None:
+    if logits_soft_cap is None and sinks is None:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = _soft_capped_attention(q.float(), k.float(), v.float(), mask, scale, logits_soft_cap)
+        out = _math_attention(q.float(), k.float(), v.float(), mask, scale, logits_soft_cap, sinks)
     return out[0].transpose(0, 1).to(query.dtype)

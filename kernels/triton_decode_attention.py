@@ -14,7 +14,10 @@ program writes a partial output and its log-sum-exp, and a second kernel merges 
 A sliding-window layer's program reads its sequence's last SLIDING_WINDOW positions only
 (the partitions split that span): keys before it are never loaded, so the cost is bounded by
 the window whatever the context. SOFT_CAP (Gemma 2) caps the scores. Both are compile-time
-constants (0: off), so a layer without them runs the same code as before.
+constants (0: off), so a layer without them runs the same code as before. HAS_SINKS (gpt-oss's
+attention sinks, `sinks_ptr` [Hq] fp32): each head's sink is one more term of its softmax's
+denominator, added once: by the single-pass kernel when it normalises, or under split-K by
+the merge, over every partition's mass (the partitions themselves leave it out).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def complete_decode_tiles(dtype: torch.dtype, group: int, head_size: int, tiles:
 @triton.jit(do_not_specialize=["stride_bt", "stride_pl_seq", "stride_pl_head"])
 def _paged_decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache): the kernel works in base 2
     v_scale,  # an fp8 cache's value scale
     stride_qt, stride_qh,
@@ -104,6 +107,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0, KV_FP8: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -156,6 +160,10 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT_K:
+        # The sink's term, against the same maximum (base 2, as the scores).
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + tl.exp2(sink - m_i)
     out = acc / l_i[:, None]
     if KV_FP8:
         out = out * v_scale
@@ -173,12 +181,13 @@ def _paged_decode_kernel(
 
 @triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head"])
 def _merge_partitions_kernel(
-    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, sinks_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_ot, stride_oh,
     partition_size,
     HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLIDING_WINDOW: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # One program per (sequence, query head): rescale each partition's normalised output by
     # its share of the total softmax mass, 2^(lse_s - lse_total).
@@ -197,8 +206,15 @@ def _merge_partitions_kernel(
     s_mask = s < num_partitions
     lse = tl.load(partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + s, mask=s_mask,
                   other=-float("inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))
-    weight = weight / tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        # The sink's mass joins the total once, beside every partition's.
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        shift = tl.maximum(tl.max(lse, axis=0), sink)
+        weight = tl.exp2(lse - shift)
+        weight = weight / (tl.sum(weight, axis=0) + tl.exp2(sink - shift))
+    else:
+        weight = tl.exp2(lse - tl.max(lse, axis=0))
+        weight = weight / tl.sum(weight, axis=0)
     partial = tl.load(partial_out_ptr + seq * stride_po_seq + head * stride_po_head + s[:, None] * stride_po_split
                       + d[None, :], mask=s_mask[:, None] & (d[None, :] < HEAD_SIZE), other=0.0)
     out = tl.sum(partial * weight[:, None], axis=0)
@@ -246,7 +262,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            attn_metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, *, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None, tiles: dict | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode step (every query_len is 1): query [T, Hq, D] -> [T, Hq, D] in the query's dtype.
 
     Sequence i's query is row query_start_loc[i]; rows past the last sequence (padding) are
@@ -254,7 +270,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     dispatcher choose between the single-pass kernel (1) and split-K (more than 1).
     `sliding_window` and `logits_soft_cap` as in the reference (torch_attention). `tiles`
     (BLOCK_N, num_warps, num_stages) overrides decode_tiles' choice: for benchmarks that
-    compare tile shapes. k_scale, v_scale: an fp8 cache's scales (`kv_cache_dtype`).
+    compare tile shapes. k_scale, v_scale: an fp8 cache's scales (`kv_cache_dtype`). sinks
+    [Hq]: attention sinks, as in the reference.
     """
     md = attn_metadata
     num_tokens, num_heads, head_size = query.shape
@@ -282,7 +299,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     tiles = (decode_tiles(tile_dtype, group, head_size, on_gpu) if tiles is None
              else complete_decode_tiles(tile_dtype, group, head_size, tiles, on_gpu))
     common = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), KV_FP8=kv_fp8, **tiles)
+                  SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), KV_FP8=kv_fp8,
+                  HAS_SINKS=sinks is not None, **tiles)
+    sinks_arg = out if sinks is None else sinks.detach().float().contiguous()  # a pointer never read without sinks
     qk_scale = scale * math.log2(math.e) * (k_scale if kv_fp8 else 1.0)
     v_scale = float(v_scale) if kv_fp8 else 1.0
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -291,7 +310,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_splits == 1:
         _paged_decode_kernel[grid](
             query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            out, out, out, qk_scale, v_scale,
+            out, out, out, sinks_arg, qk_scale, v_scale,
             query.stride(0), query.stride(1), *cache_strides,
             md.block_tables.stride(0), out.stride(0), out.stride(1),
             0, 0, 0, 0, 0, partition_size, SPLIT_K=False, **common)
@@ -302,16 +321,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _paged_decode_kernel[grid](
         query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        out, partial_out, partial_lse, qk_scale, v_scale,
+        out, partial_out, partial_lse, sinks_arg, qk_scale, v_scale,
         query.stride(0), query.stride(1), *cache_strides,
         md.block_tables.stride(0), out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), partition_size, SPLIT_K=True, **common)
     _merge_partitions_kernel[(num_seqs, num_heads)](
-        partial_out, partial_lse, md.seq_lens, md.query_start_loc, out,
+        partial_out, partial_lse, md.seq_lens, md.query_start_loc, out, sinks_arg,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1), partition_size,
         HEAD_SIZE=head_size, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_S=merge_block_s(num_splits), SLIDING_WINDOW=sliding_window or 0, num_warps=4)
+        BLOCK_S=merge_block_s(num_splits), SLIDING_WINDOW=sliding_window or 0, HAS_SINKS=sinks is not None,
+        num_warps=4)
     return out

@@ -12,7 +12,9 @@ The alignment runs in PyTorch without reading anything back to the host: its buf
 sized for the worst case (each expert's run padded by up to BLOCK_M - 1 rows) and blocks
 past the real end (`num_tokens_post_padded`, on the device) return at once.
 
-Same contract as `torch_moe.fused_experts`. Under TRITON_INTERPRET (CPU tensors) low-
+Same contract as `torch_moe.fused_experts`, gpt-oss's expert biases (HAS_BIAS: each row
+block's expert's bias added to its products before the routing weight) and "swigluoai"
+activation (in PyTorch, as SiLU-and-mul) included. Under TRITON_INTERPRET (CPU tensors) low-
 precision inputs are widened to fp32 before each tl.dot, which the interpreter gets wrong.
 """
 
@@ -23,15 +25,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from raylm.kernels import torch_moe
+
 
 @triton.jit
 def _fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    bias_ptr,
     N, K, num_valid_tokens,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bias_e,
     TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr = False,
 ):
     # C[assignment, n] = A[row of assignment] . B[expert][n] (* routing weight), for the
     # BLOCK_M sorted assignments of row block pid_m, all of one expert.
@@ -61,6 +66,9 @@ def _fused_moe_kernel(
         acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
         acc = acc * weight[:, None]
@@ -106,7 +114,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
                   sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor,
-                  top_k: int, mul_routed_weight: bool, block_m: int) -> None:
+                  top_k: int, mul_routed_weight: bool, block_m: int, bias: torch.Tensor | None = None) -> None:
     num_valid = topk_weights.numel()
     n, k = b.shape[1], b.shape[2]
     # CPU means the interpreter, which gets low-precision dots wrong; fp32 weights need fp32
@@ -117,17 +125,25 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weight
     grid = (expert_ids.numel(), triton.cdiv(n, block_n))
     _fused_moe_kernel[grid](
         a, b, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        c if bias is None else bias,  # a pointer never read without HAS_BIAS
         n, k, num_valid,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        0 if bias is None else bias.stride(0),
         TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4,
+        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", HAS_BIAS=bias is not None, num_warps=4,
     )
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, *,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: str = "silu", swiglu_limit: float | None = None,
+                  swiglu_alpha: float = torch_moe.SWIGLUOAI_ALPHA) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] of x's dtype, topk_weights [T, k], topk_ids
-    [T, k] -> [T, H] in x's dtype: `torch_moe.fused_experts`'s result."""
+    [T, k] -> [T, H] in x's dtype: `torch_moe.fused_experts`'s result (biases [E, 2I] and
+    [E, H] and the activation as there)."""
+    if activation not in torch_moe.ACTIVATIONS:
+        raise ValueError(f"MoE activation must be one of {torch_moe.ACTIVATIONS}, got {activation!r}.")
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     intermediate = w2.shape[2]
@@ -141,10 +157,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     weights = topk_weights.float().contiguous()
     gate_up = torch.empty(num_tokens * top_k, 2 * intermediate, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, weights, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, False,
-                  block_m)
-    activation = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+                  block_m, w13_bias)
+    if activation == "silu":
+        hidden_states = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    else:
+        hidden_states = torch_moe.swigluoai_and_mul(gate_up, swiglu_limit, swiglu_alpha)
     # fp32, zeroed: rows of assignments to other ranks' experts stay zero in the sum.
     contributions = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _grouped_gemm(activation, w2, contributions, weights, sorted_token_ids, expert_ids, num_tokens_post_padded, 1,
-                  True, block_m)
+    _grouped_gemm(hidden_states, w2, contributions, weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                  1, True, block_m, w2_bias)
     return contributions.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

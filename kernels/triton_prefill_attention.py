@@ -140,7 +140,7 @@ def _attend_tiles(
 # step: left specialised, each new value divisible or not by 16 would compile again.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache): the kernel works in base 2
     v_scale,  # an fp8 cache's value scale
     num_kv_heads,
@@ -152,6 +152,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr = 0, SOFT_CAP: tl.constexpr = 0.0, KV_FP8: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # Axis 0 runs over (query block, KV head) with the heads fastest and the last query
     # blocks, whose causal rows read the most keys, first: the GPU starts the longest
@@ -208,6 +209,11 @@ def _paged_prefill_kernel(
         stride_vc_head, BLOCK_SIZE, BLOCK_N, DOT_FP32, DOT_PRECISION, SLIDING_WINDOW, SOFT_CAP,
         CAUSAL=True, MASK_D=True, KV_FP8=KV_FP8)
 
+    if HAS_SINKS:
+        # gpt-oss's sink: one more term of each row's denominator, against the same maximum
+        # (base 2). A row that saw no key (padding) gets inf, and 0 / inf is not stored.
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + tl.exp2(sink - m_i)
     if SLIDING_WINDOW > 0:
         # Padding rows (positions past the end) have seen no key at all: keep them out of 0 / 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -222,10 +228,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             attn_metadata: AttentionMetadata, scale: float,
                             out: torch.Tensor | None = None, *, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, tiles: dict | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its context in the cache (the last
-    `sliding_window` positions of it per query, when set; `logits_soft_cap` as in the
-    reference, torch_attention; k_scale, v_scale: an fp8 cache's). `tiles` (BLOCK_M, BLOCK_N,
+    `sliding_window` positions of it per query, when set; `logits_soft_cap` and `sinks` [Hq]
+    as in the reference, torch_attention; k_scale, v_scale: an fp8 cache's). `tiles` (BLOCK_M, BLOCK_N,
     num_warps, num_stages) overrides prefill_tiles' choice: for benchmarks that compare tile shapes.
 
     query [T, Hq, D] -> [T, Hq, D] in the query's dtype; rows past the last sequence
@@ -253,6 +259,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     grid = (triton.cdiv(md.max_query_len, tiles["BLOCK_Q"]) * num_kv_heads, md.num_seqs)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
+        out if sinks is None else sinks.detach().float().contiguous(),  # never read without sinks
         scale * math.log2(math.e) * (k_scale if kv_fp8 else 1.0), float(v_scale) if kv_fp8 else 1.0, num_kv_heads,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -260,5 +267,6 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         md.block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, **tiles,
         SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(logits_soft_cap or 0.0), KV_FP8=kv_fp8,
+        HAS_SINKS=sinks is not None,
     )
     return out

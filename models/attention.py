@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from raylm.kernels import torch_attention
-from raylm.kernels.backend import get_attention_backend
+from raylm.kernels.backend import SINKS_UNSUPPORTED, AttentionBackend, get_attention_backend
 from raylm.models.forward_context import get_forward_context, select_rows
 
 
@@ -24,10 +24,16 @@ class Attention(nn.Module):
 
     `k_scale`, `v_scale` (vLLM's per-layer names): an fp8 KV cache
     (`kv_cache_dtype`, `raylm.kernels.kv_cache_dtype`) stores k / k_scale and v / v_scale;
-    1.0 unless the checkpoint carries this layer's (`load_kv_scale`)."""
+    1.0 unless the checkpoint carries this layer's (`load_kv_scale`).
+
+    `has_sinks` (gpt-oss): the layer holds `sinks` [num_heads], one learned logit per query
+    head (this rank's heads of the checkpoint's [total heads]) that joins each softmax's
+    denominator with no value. Only backends with `supports_sinks` run such a layer; setting
+    another as `attn_backend` is an error."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 has_sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
@@ -44,9 +50,36 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.sinks: nn.Parameter | None = None
+        if has_sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
         # The machine's default (kernels/backend.py); the runner sets the engine's choice
         # (`attention_backend`) after building the model.
         self.attn_backend = get_attention_backend()
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        return self._attn_backend
+
+    @attn_backend.setter
+    def attn_backend(self, backend: AttentionBackend) -> None:
+        if self.sinks is not None and not backend.supports_sinks:
+            raise ValueError(SINKS_UNSUPPORTED.format(backend=backend.name))
+        self._attn_backend = backend
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """This rank's heads of the checkpoint's sinks [total num heads] (heads are split
+        over the tensor-parallel ranks in order, as QKVParallelLinear splits the queries)."""
+        from raylm.parallel import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from raylm.parallel.checkpoint_slice import read_weight
+
+        total = self.num_heads * get_tensor_model_parallel_world_size()
+        if tuple(loaded.shape) != (total,):
+            raise ValueError(f"checkpoint attention sinks have shape {tuple(loaded.shape)}, the model expects "
+                             f"({total},) (num_attention_heads).")
+        start = get_tensor_model_parallel_rank() * self.num_heads
+        param.data.copy_(read_weight(loaded.narrow(0, start, self.num_heads)))
 
     def load_kv_scale(self, name: str, loaded: torch.Tensor, tensor_name: str | None = None) -> None:
         """Takes a checkpoint's `k_scale` or `v_scale` of this layer (a scalar, or one value
@@ -89,7 +122,7 @@ class Attention(nn.Module):
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is None:
             out = torch_attention.causal_attention(q, k, v, self.scale, sliding_window=self.sliding_window,
-                                                   logits_soft_cap=self.logits_soft_cap)
+                                                   logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         else:
             assert self.kv_cache is not None, "attention metadata is set but this layer has no KV cache"
             k_cache, v_cache = self.kv_cache
@@ -122,7 +155,11 @@ class Attention(nn.Module):
         return self.attn_backend.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
                                                  sliding_window=self.sliding_window,
                                                  logits_soft_cap=self.logits_soft_cap, k_scale=self.k_scale,
-                                                 v_scale=self.v_scale)
+                                                 v_scale=self.v_scale, **self._sink_option())
+
+    def _sink_option(self) -> dict[str, torch.Tensor]:
+        # Backends without sinks never see the keyword (and refuse such layers up front).
+        return {} if self.sinks is None else {"sinks": self.sinks}
 
 
 # vLLM fp8 checkpoints' per-layer KV-cache scales, by name suffix: the attributes each sets

@@ -10,6 +10,10 @@ Its weights are `FusedMoEWeights` (`parallel/fused_moe_weights.py`): sharded per
 under tensor parallelism, whole experts per rank under expert parallelism. Either way this
 rank's output is a partial sum, summed over the ranks by one all-reduce (here with
 `reduce_results`, else by the caller).
+
+gpt-oss's experts (`activation="swigluoai"`, `has_bias`, routed by softmax over the top-k
+logits: `softmax_after_topk`) run the Triton kernel on CUDA and the native CPU op's ATen-GEMM
+form (`dense_fused_moe`) on the CPU, which take both; the AVX-512 panels take neither.
 """
 
 from __future__ import annotations
@@ -23,28 +27,43 @@ from raylm.parallel.fused_moe_weights import FusedMoEWeights
 
 class FusedMoE(FusedMoEWeights):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, reduce_results: bool = True, params_dtype: torch.dtype | None = None) -> None:
+                 renormalize: bool, reduce_results: bool = True, params_dtype: torch.dtype | None = None,
+                 has_bias: bool = False, activation: str = "silu", swiglu_limit: float | None = None,
+                 swiglu_alpha: float = torch_moe.SWIGLUOAI_ALPHA, softmax_after_topk: bool = False) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}.")
-        super().__init__(num_experts, hidden_size, intermediate_size, params_dtype)
+        if activation not in torch_moe.ACTIVATIONS:
+            raise ValueError(f"MoE activation must be one of {torch_moe.ACTIVATIONS}, got {activation!r}.")
+        super().__init__(num_experts, hidden_size, intermediate_size, params_dtype, has_bias=has_bias)
         self.top_k = top_k
         self.renormalize = renormalize
         self.reduce_results = reduce_results
+        self.activation = activation
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
+        self.softmax_after_topk = softmax_after_topk
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], router_logits [T, num_experts] -> [T, H]: each token's
         experts' outputs weighted by the router (this rank's partial sum unless
         reduce_results)."""
-        topk_weights, topk_ids = torch_moe.fused_topk(router_logits, self.top_k, self.renormalize)
+        if self.softmax_after_topk:
+            topk_weights, topk_ids = torch_moe.fused_topk_softmax_after(router_logits, self.top_k)
+        else:
+            topk_weights, topk_ids = torch_moe.fused_topk(router_logits, self.top_k, self.renormalize)
         out = self.fused_experts(hidden_states, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
     def fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map)
+        # Biases, activation: what every path but the CPU op takes (defaults: Mixtral's).
+        options = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.adds_w2_bias else None,
+                       activation=self.activation, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         if x.device.type == "cuda":
             from raylm.kernels import triton_fused_moe  # imports triton: GPU machines only
 
-            return triton_fused_moe.fused_experts(*args)
+            return triton_fused_moe.fused_experts(*args, **options)
         if x.device.type == "cpu":
-            return cpu_fused_moe.fused_experts(*args, packed=self.packed)
-        return torch_moe.fused_experts(*args)
+            return cpu_fused_moe.fused_experts(*args, packed=self.packed, **options)
+        return torch_moe.fused_experts(*args, **options)
+

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from raylm.models.mxfp4 import refuse_quantization_config
 from raylm.models.quantization import apply_quantization, get_quant_config
 from raylm.models.registry import resolve_model_class
 from raylm.models.rotary_embedding import max_model_len_context
@@ -34,9 +35,11 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     quantization_config says so (`models/quantization.py`)."""
     hf_config = model_config.hf_config
     model_class = resolve_model_class(getattr(hf_config, "architectures", None), model_config.runner_type)
+    # Both refuse a quantization_config they do not read before anything is built or read.
+    refuse_quantization_config(hf_config, model_class)
+    quant_config = get_quant_config(hf_config, model_config.quantization)
     with _default_dtype(model_config.dtype), torch.device(device), max_model_len_context(model_config.max_model_len):
         model = model_class(hf_config)
-    quant_config = get_quant_config(hf_config, model_config.quantization)
     if quant_config is not None:
         # The linear layers' weights become FP8 parameters (and scales) before any is loaded.
         apply_quantization(model, quant_config, getattr(model, "stacked_params_mapping", []))

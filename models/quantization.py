@@ -20,7 +20,9 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
 
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
 vLLM). Anything else (other int4/int8 methods, MoE experts) is an error naming what is
-supported, raised from the config alone, before any weight is read.
+supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
+(`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
+(`models/mxfp4.py`): no linear layer is quantized here for them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from torch import nn
 
+from raylm.models.mxfp4 import MXFP4_ARCHITECTURES
 from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod, Fp8LinearScheme
 from raylm.parallel.int4_linear_method import Int4LinearMethod, Int4LinearScheme
 from raylm.parallel.linear import LinearBase
@@ -41,7 +44,8 @@ _SUPPORTED = ("raylm reads FP8 weights only: quantization='fp8' over a 16/32-bit
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
               "activations dynamic per token, static per tensor, or none); or GPTQ (quant_method 'gptq': bits 4 or "
               "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
-              "4-bit, version 'gemm', zero_point) checkpoints")
+              "4-bit, version 'gemm', zero_point) checkpoints; and gpt-oss's MXFP4 experts (quant_method 'mxfp4', "
+              f"{', '.join(MXFP4_ARCHITECTURES)} only)")
 # hf_config attributes that count a MoE model's routed experts.
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -92,6 +96,8 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
         _check_no_experts(hf_config)
         return QuantizationConfig("fp8", Fp8LinearScheme(checkpoint_is_fp8=False, weight_strategy="tensor"))
     method = checkpoint.get("quant_method")
+    if method == "mxfp4":
+        return _mxfp4_checkpoint(hf_config, quantization)
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"the checkpoint is quantized with quant_method {method!r} (config.json's "
                          f"quantization_config), which raylm does not read; {_SUPPORTED}.")
@@ -107,6 +113,20 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
     if method == "awq":
         return _awq_config(checkpoint)
     return _compressed_tensors_config(checkpoint)
+
+
+def _mxfp4_checkpoint(hf_config: Any, quantization: str | None) -> None:
+    """gpt-oss's MXFP4 experts: its model class dequantizes them at load (`models/mxfp4.py`),
+    so no linear layer is quantized here (None); any other architecture refuses them."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not set(architectures) & set(MXFP4_ARCHITECTURES):
+        raise ValueError(f"the checkpoint is quantized with quant_method 'mxfp4' (config.json's quantization_config), "
+                         f"which raylm reads for {', '.join(MXFP4_ARCHITECTURES)} only, not architectures "
+                         f"{architectures}; {_SUPPORTED}.")
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method 'mxfp4' "
+                         f"(config.json's quantization_config); leave quantization unset (None) to read it.")
+    return None
 
 
 def _check_no_experts(hf_config: Any, method: str = "fp8") -> None:

@@ -19,6 +19,7 @@ from raylm.models.adapters import as_classification_model, as_embedding_model
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gemma3 import Gemma3ForCausalLM
 from raylm.models.gpt2 import GPT2LMHeadModel
+from raylm.models.gpt_oss import GptOssForCausalLM
 from raylm.models.granite import GraniteForCausalLM
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from raylm.models.llava import LlavaForConditionalGeneration
@@ -37,6 +38,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,

@@ -1,5 +1,5 @@
 """Rotary position embeddings (GPT-NeoX layout: the two halves of each head rotate
-together), with the Llama-3, linear and LongRoPE (Phi-3) frequency scalings.
+together), with the Llama-3, linear, LongRoPE (Phi-3) and YaRN (gpt-oss) frequency scalings.
 
 cos/sin for every position up to max_position are computed once in fp32 (as Hugging
 Face does), times the scaling's attention factor (LongRoPE's), and stored in the model
@@ -35,7 +35,7 @@ from raylm.models.rmsnorm import RMSNorm
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 # The engine's max_model_len while the loader builds a model (vLLM reads it from its
 # current config): LongRoPE picks its factor set by it. None: max_position_embeddings.
@@ -109,7 +109,10 @@ def _positive(params: dict[str, Any], key: str) -> float:
 def _attention_factor(params: dict[str, Any], max_position: int) -> float:
     """What cos and sin are multiplied by: 1 but for LongRoPE, whose `attention_factor`
     defaults, as transformers computes it, to sqrt(1 + ln(factor) / ln(original length))
-    with factor max_position_embeddings / original_max_position_embeddings unless given."""
+    with factor max_position_embeddings / original_max_position_embeddings unless given,
+    and YaRN (`_yarn_attention_factor`)."""
+    if params["rope_type"] == "yarn":
+        return _yarn_attention_factor(params, max_position)
     if params["rope_type"] != "longrope":
         return 1.0
     if params.get("attention_factor") is not None:
@@ -157,7 +160,60 @@ def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: 
                 raise ValueError(f"rope_parameters {name} must hold rotary_dim / 2 = {inv_freq.numel()} positive "
                                  f"finite numbers, got {factors!r}.")
         return inv_freq / torch.tensor(params[key], dtype=torch.float32)
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(rotary_dim, params, max_position)
     raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}.")
+
+
+def _yarn_factor(params: dict[str, Any], max_position: int) -> float:
+    """YaRN's `factor`, or where the config gives none max_position_embeddings over
+    original_max_position_embeddings (transformers' rule)."""
+    if params.get("original_max_position_embeddings") is None:
+        raise ValueError("rope_type 'yarn' needs rope_parameters original_max_position_embeddings; the config has "
+                         "none.")
+    factor = params.get("factor")
+    return float(factor) if factor is not None else max_position / int(params["original_max_position_embeddings"])
+
+
+def _yarn_attention_factor(params: dict[str, Any], max_position: int) -> float:
+    """YaRN's `attention_factor`, or as transformers infers it: 0.1 ln(factor) + 1 (each
+    term times `mscale` and `mscale_all_dim`, their ratio taken, where both are given)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(params, max_position)
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return float(mscale(float(params["mscale"])) / mscale(float(params["mscale_all_dim"])))
+    return mscale(1.0)
+
+
+def _yarn_inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn more than
+    beta_fast times over the original context are kept (extrapolated), those turning fewer
+    than beta_slow times are divided by `factor` (interpolated), with a linear ramp between
+    over the dimensions; `truncate` (default True) rounds the ramp's ends to whole dimensions."""
+    base = float(params["rope_theta"])
+    factor = _yarn_factor(params, max_position)
+    original = int(params["original_max_position_embeddings"])
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _is_positive_number(value: Any) -> bool:

@@ -17,6 +17,11 @@ expert's partial sum joins the same collective).
 `weight_loader(param, checkpoint_tensor, (expert_id, "w1" | "w2" | "w3"))` takes one
 expert's full checkpoint tensor and copies this rank's share; a tensor of an expert held by
 another rank is not read at all.
+
+With `has_bias` (gpt-oss) the experts carry biases too: w13_bias [E, 2 I_local] cut as w13's
+rows, w2_bias [E, H] whole on every rank that holds the expert (`bias_loader`, same shard ids,
+from each expert's [I] or [H] checkpoint bias). The down projection's bias belongs to the sum,
+so only one rank of a sharded expert adds it (`adds_w2_bias`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class FusedMoEWeights(nn.Module):
     (`process_weights_after_loading`), None where that kernel does not run."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None, has_bias: bool = False) -> None:
         super().__init__()
         tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         self.num_experts = num_experts
@@ -77,8 +82,51 @@ class FusedMoEWeights(nn.Module):
                                          weight_loader=self.weight_loader)
         self.w2_weight = _new_parameter(self.num_local_experts, hidden_size, size, dtype=params_dtype,
                                         weight_loader=self.weight_loader)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if has_bias:
+            self.w13_bias = _new_parameter(self.num_local_experts, 2 * size, dtype=params_dtype,
+                                           weight_loader=self.bias_loader)
+            self.w2_bias = _new_parameter(self.num_local_experts, hidden_size, dtype=params_dtype,
+                                          weight_loader=self.bias_loader)
         self.packed: cpu_fused_moe.PackedExperts | None = None
         self._loaded_shards: set[tuple[int, str]] = set()
+
+    @property
+    def expected_shards(self) -> tuple[str, ...]:
+        return EXPERT_SHARDS + (tuple(f"{shard}_bias" for shard in EXPERT_SHARDS) if self.w13_bias is not None else ())
+
+    @property
+    def adds_w2_bias(self) -> bool:
+        """Whether this rank's partial sum carries the down projection's bias: the first rank
+        of a sharded expert, every rank of whole ones (expert parallelism)."""
+        return self.moe_tp_rank == 0
+
+    def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """Copies this rank's share of expert `shard_id[0]`'s checkpoint bias of projection
+        shard_id[1] (w1: gate [I], w3: up [I], w2: down [H])."""
+        expert_id, shard = shard_id
+        if shard not in EXPERT_SHARDS:
+            raise ValueError(f"expert shard must be one of {EXPERT_SHARDS}, got {shard!r}.")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"checkpoint bias of expert {expert_id}: the layer has experts 0 to "
+                             f"{self.num_experts - 1} (num_experts = {self.num_experts}).")
+        full = (self.hidden_size,) if shard == "w2" else (self.intermediate_size,)
+        if tuple(loaded_weight.shape) != full:
+            raise ValueError(f"checkpoint bias of expert {expert_id} {shard} has shape {tuple(loaded_weight.shape)}, "
+                             f"the model expects {full}.")
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        size = self.intermediate_size_per_partition
+        name = f"{type(self).__name__} expert {expert_id} {shard} bias"
+        if shard == "w2":
+            _copy_checked(param.data[local], loaded_weight, name)
+        else:
+            offset = 0 if shard == "w1" else size
+            _copy_checked(param.data[local].narrow(0, offset, size),
+                          loaded_weight.narrow(0, self.moe_tp_rank * size, size), name)
+        self._loaded_shards.add((expert_id, f"{shard}_bias"))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """Copies this rank's share of expert `shard_id[0]`'s full checkpoint tensor for
@@ -111,15 +159,16 @@ class FusedMoEWeights(nn.Module):
         """load_format "dummy": every local expert holds values (random ones), none read from
         a checkpoint, so the completeness check below has nothing to find missing."""
         self._loaded_shards = {(self.first_expert + local, shard) for local in range(self.num_local_experts)
-                               for shard in EXPERT_SHARDS}
+                               for shard in self.expected_shards}
 
     def process_weights_after_loading(self) -> None:
         """Checks that every local expert was loaded whole, then packs the weights for the
         CPU kernel (the loader calls this once every weight is in)."""
         missing = sorted({(self.first_expert + local, shard) for local in range(self.num_local_experts)
-                          for shard in EXPERT_SHARDS} - self._loaded_shards)
+                          for shard in self.expected_shards} - self._loaded_shards)
         if missing:
             shown = ", ".join(f"expert {expert} {shard}" for expert, shard in missing[:6])
             raise ValueError(f"the checkpoint lacks {len(missing)} expert tensors of a MoE layer: {shown}"
                              f"{', ...' if len(missing) > 6 else ''}.")
-        self.packed = cpu_fused_moe.pack_experts(self.w13_weight, self.w2_weight)
+        # Experts with biases run the PyTorch reference (`FusedMoE`): nothing reads panels.
+        self.packed = cpu_fused_moe.pack_experts(self.w13_weight, self.w2_weight) if self.w13_bias is None else None

@@ -162,12 +162,13 @@ def test_failed_build_warns_once_and_falls_back_to_the_reference(monkeypatch, ca
 # ---- Prefill rows (query_len > 1): the prefill kernel ----
 
 
-def float64_attention(query, k_cache, v_cache, md, scale, sliding_window=None, soft_cap=None):
+def float64_attention(query, k_cache, v_cache, md, scale, sliding_window=None, soft_cap=None, sinks=None):
     """Causal paged attention computed directly in float64, sequence by sequence: an oracle
     independent of the reference's SDPA path. With a sliding window w the query at p sees
     keys p - w + 1 .. p, and only the keys of the first query's window are gathered (the
     blocks before it may be poisoned, as freed ones are); soft_cap c maps scores s to
-    c * tanh(s / c)."""
+    c * tanh(s / c); sinks [Hq] are one more logit per head in the softmax, with no value
+    (softmax over the scores and the sink, the sink's weight dropped)."""
     num_heads, block_size, num_kv_heads = query.shape[1], k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64)
     start = 0
@@ -185,7 +186,12 @@ def float64_attention(query, k_cache, v_cache, md, scale, sliding_window=None, s
         distance = torch.arange(seq_len - query_len, seq_len)[:, None] - key_positions[None, :]
         visible = (distance >= 0) & (distance < (sliding_window or seq_len + 1))
         scores.masked_fill_(~visible, float("-inf"))
-        out[start:start + query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink = sinks.double().view(-1, 1, 1).expand(num_heads, query_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, values)
         start += query_len
     return out
 

@@ -635,6 +635,51 @@ def test_attention_reads_query_rows_in_place_from_the_qkv_projection(dtype):
     assert torch.equal(prefill(q, *prefill_args), prefill(q.contiguous(), *prefill_args))
 
 
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """gpt-oss's attention sinks for a test: spread around 0, one far above every score (its
+    head's output near 0) and one far below (no effect)."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+    sinks[0], sinks[-1] = 30.0, -30.0
+    return sinks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,block_size,window,soft_cap", [(64, 16, None, None), (64, 16, 23, 3.0),
+                                                                   (40, 8, None, None), (32, 1, 23, None),
+                                                                   (128, 32, None, 3.0)])
+def test_decode_attention_with_sinks(head_size, block_size, window, soft_cap, dtype):
+    """The wide (head size a multiple of 16, blocks of 4s) and the block-by-block paths."""
+    seq_lens = [1, 15, 40, 101, 257]
+    query, k_cache, v_cache, md = build_cached_step([1] * len(seq_lens), seq_lens, 8, 2, head_size, block_size,
+                                                    dtype=dtype, seed=head_size, sliding_window=window)
+    sinks, scale = _sinks(8, head_size), 2.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
+                                                 window or 0, soft_cap or 0.0, sinks=sinks)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, scale, window, soft_cap, sinks), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,window,soft_cap", [(64, None, None), (64, 7, 3.0), (40, 70, None)])
+def test_prefill_attention_with_sinks(head_size, window, soft_cap, dtype):
+    query_lens, seq_lens = [70, 20, 3, 1], [70, 150, 21, 90]
+    query, k_cache, v_cache, md = build_cached_step(query_lens, seq_lens, 8, 2, head_size, dtype=dtype,
+                                                    seed=head_size + 3, sliding_window=window)
+    sinks = _sinks(8, head_size + 1)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, 0.25, 1, window or 0, soft_cap or 0.0, sinks=sinks)
+    assert_close(out, float64_attention(query, k_cache, v_cache, md, 0.25, window, soft_cap, sinks), dtype)
+
+
+def test_sinks_of_another_head_count_are_a_value_error():
+    query, k_cache, v_cache, md = build_cached_step([1, 3], [5, 9], 4, 2, 32, seed=1)
+    with pytest.raises(ValueError, match=r"sinks must be one value per query head \[4\]"):
+        torch.ops.raylm.paged_decode_attention(query[:1], k_cache, v_cache, md.block_tables[:1], md.seq_lens[:1],
+                                               0.2, 0, 0.0, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"sinks must be one value per query head \[4\]"):
+        torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                md.query_start_loc, 0.2, 1, 0, 0.0, sinks=torch.zeros(5))
+
+
 # ---- fp8 caches, read by the kernels directly ----------------------------------------------
 
 FP8_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -743,6 +788,36 @@ def test_the_kernels_refuse_an_fp8_scale_that_is_not_positive_and_finite(op):
             else:
                 torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
                                                         md.query_start_loc, 0.2, 1, 0, 0.0, k_scale, v_scale)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_size,block_size,window,soft_cap", [(64, 16, None, None), (40, 8, 23, 3.0),
+                                                                   (32, 1, None, None)])
+def test_decode_attention_over_an_fp8_cache_with_sinks(head_size, block_size, window, soft_cap, fp8):
+    """gpt-oss with kv_cache_dtype fp8: the sink joins the denominator against the same
+    running maximum as the scores (k_scale in them), the output is v_scale * acc / (sum +
+    sink term); the wide, block-by-block and one-key-at-a-time paths."""
+    seq_lens = [1, 15, 40, 101, 257]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        [1] * len(seq_lens), seq_lens, 8, 2, head_size, fp8, block_size, seed=head_size, sliding_window=window)
+    sinks, scale = _sinks(8, head_size), 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
+                                                 window or 0, soft_cap or 0.0, k_scale, v_scale, sinks)
+    assert_close(out, float64_attention(query, k32, v32, md, scale, window, soft_cap, sinks), torch.float32)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,window,soft_cap", [(64, None, None), (40, 7, 3.0)])
+def test_prefill_attention_over_an_fp8_cache_with_sinks(head_size, window, soft_cap, dtype, fp8):
+    query_lens, seq_lens = [70, 20, 3, 1], [70, 150, 21, 90]
+    query, k_cache, v_cache, md, (k_scale, v_scale), (k32, v32) = fp8_cached_step(
+        query_lens, seq_lens, 8, 2, head_size, fp8, seed=head_size + 3, sliding_window=window)
+    query, sinks, scale = query.to(dtype), _sinks(8, head_size + 1), 1.0 / math.sqrt(head_size)
+    out = torch.ops.raylm.paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                  md.query_start_loc, scale, 1, window or 0, soft_cap or 0.0,
+                                                  k_scale, v_scale, sinks)
+    assert_close(out, float64_attention(query, k32, v32, md, scale, window, soft_cap, sinks), dtype)
 
 
 def test_an_unknown_isa_is_an_error_naming_the_variable_and_the_choices(monkeypatch):

@@ -110,6 +110,29 @@ def test_cpu_dense_fused_moe_matches_the_reference(shape, dtype):
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_cpu_fused_moe_with_gpt_oss_biases_and_clamped_swiglu_matches_the_reference(dtype, expert_parallel):
+    """The ATen-GEMM op with biases and the swigluoai activation (a limit that bites at this
+    scale), even when packed panels exist (they take neither), against the reference."""
+    if not cpu_fused_moe.library_loaded():
+        pytest.skip("the native library does not build here")
+    x, w13, w2, topk_weights, topk_ids = moe_case(33, 64, 48, 6, 2, dtype, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    b13, b2 = torch.randn(6, 96, generator=gen).to(dtype), torch.randn(6, 64, generator=gen).to(dtype)
+    expert_map = None
+    if expert_parallel:
+        expert_map, held = every_other_expert(6)
+        w13, w2, b13, b2 = (t[held].contiguous() for t in (w13, w2, b13, b2))
+    options = dict(activation="swigluoai", swiglu_limit=0.3)
+    out = cpu_fused_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_map,
+                                      packed=cpu_fused_moe.pack_experts(w13, w2), w13_bias=b13, w2_bias=b2, **options)
+    expected = torch_moe.fused_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, expert_map,
+                                       w13_bias=b13.float(), w2_bias=b2.float(), **options)
+    plain = torch_moe.fused_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, expert_map)
+    assert relative_error(out, expected) < TOLERANCE[dtype] < relative_error(plain, expected)
+
+
 @pytest.mark.parametrize("path", ["avx512", "dense"])
 def test_cpu_fused_moe_with_an_expert_map_sums_only_the_held_experts(path):
     """A rank holding experts 0, 2, 4, 6 of 8: its weights are those rows, and tokens routed
@@ -164,6 +187,15 @@ TRITON_SCRIPT = textwrap.dedent("""
             expected_ep = torch_moe.fused_experts(x.float(), w13_held.float(), w2_held.float(), topk_weights,
                                                   topk_ids, expert_map)
             print("RESULT", str(dtype), tokens, relative_error(out, expected), relative_error(out_ep, expected_ep))
+            # gpt-oss's experts: biases and the clamped SwiGLU (clamps that bite at this scale).
+            gen = torch.Generator().manual_seed(tokens)
+            b13 = torch.randn(experts, 2 * intermediate, generator=gen).to(dtype)
+            b2 = torch.randn(experts, hidden, generator=gen).to(dtype)
+            oai = dict(activation="swigluoai", swiglu_limit=0.3)
+            out = triton_fused_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, w13_bias=b13, w2_bias=b2, **oai)
+            expected = torch_moe.fused_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
+                                               w13_bias=b13.float(), w2_bias=b2.float(), **oai)
+            print("RESULT", str(dtype), tokens, relative_error(out, expected), 0.0)
     """)
 
 
@@ -174,7 +206,7 @@ def test_triton_fused_moe_under_the_interpreter_matches_the_reference():
                             env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("RESULT")]
-    assert len(rows) == 6
+    assert len(rows) == 12
     for _, dtype, tokens, error, error_ep in rows:
         bound = 1e-5 if dtype == "torch.float32" else 3e-2
         assert float(error) < bound and float(error_ep) < bound, (dtype, tokens, error, error_ep)
@@ -204,10 +236,10 @@ from raylm.kernels.triton_fused_moe import _fused_moe_kernel
 
 for dtype, mul in (("bf16", False), ("fp16", True)):
     ptr = "*" + dtype
-    types = dict(a_ptr=ptr, b_ptr=ptr, c_ptr="*fp32" if mul else ptr, topk_weights_ptr="*fp32",
+    types = dict(a_ptr=ptr, b_ptr=ptr, c_ptr="*fp32" if mul else ptr, topk_weights_ptr="*fp32", bias_ptr=ptr,
                  sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32")
     constexprs = dict(TOP_K=1 if mul else 2, MUL_ROUTED_WEIGHT=mul, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
-                      DOT_FP32=False, DOT_PRECISION="tf32")
+                      DOT_FP32=False, DOT_PRECISION="tf32", HAS_BIAS=mul)  # the biased form too
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
                  for name in _fused_moe_kernel.arg_names}
     triton.compile(ASTSource(fn=_fused_moe_kernel, signature=signature, constexprs=constexprs),

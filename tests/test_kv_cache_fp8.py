@@ -170,6 +170,31 @@ def test_cpu_backend_writes_and_attends_over_an_fp8_cache_like_the_fp32_referenc
     torch.testing.assert_close(out[:packed].float(), expected[:packed], rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("fp8,scales", [(E4M3, (0.02, 0.05)), (E5M2, (0.0002, 0.0005))], ids=["e4m3", "e5m2"])
+def test_cpu_backend_with_attention_sinks_over_an_fp8_cache_matches_the_fp32_reference(fp8, scales):
+    """gpt-oss with kv_cache_dtype fp8: sinks and scales reach both native kernels through the
+    backend (prefill rows, decode rows between them, padding), and the reference over the
+    fp8 cache, as the fp32 reference over its dequantized values with the same sinks."""
+    k_scale, v_scale = scales
+    query_lens, seq_lens = [12, 1, 30, 1], [50, 70, 30, 9]
+    query, k32, v32, md = build_cached_step(query_lens, seq_lens, num_heads=8, num_kv_heads=2, head_size=32,
+                                            block_size=8, seed=3, padding_tokens=1)
+    k_cache, v_cache = quantize(k32 * 12, fp8, k_scale), quantize(v32 * 12, fp8, v_scale)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4)) * 2
+    sinks[0] = 30.0  # far above every score: its head's outputs near 0
+    expected = torch_attention.paged_attention(query, dequantize(k_cache, k_scale), dequantize(v_cache, v_scale), md,
+                                               0.1, sinks=sinks)
+    packed = sum(query_lens)
+    for backend in (cpu_attention, torch_attention):
+        out = backend.paged_attention(query, k_cache, v_cache, md, 0.1, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+        assert torch.equal(out[packed:], torch.zeros_like(out[packed:]))
+        torch.testing.assert_close(out[:packed], expected[:packed], rtol=1e-5, atol=5e-5)
+    # The sinks matter here: without them the outputs differ.
+    without = torch_attention.paged_attention(query, dequantize(k_cache, k_scale), dequantize(v_cache, v_scale), md,
+                                              0.1)
+    assert (without[:packed] - expected[:packed]).abs().max() > 1e-2
+
+
 # ---- the engine against Hugging Face ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

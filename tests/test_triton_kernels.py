@@ -57,6 +57,10 @@ def _heaviest_variants():
     for variant in launch_variants(torch.bfloat16, 2, 256, max_model_len=8192, sliding_window=4096, soft_cap=50.0):
         if variant.name in ("decode", "decode_split_k") or variant.name.startswith(("merge", "prefill")):
             yield pytest.param(variant, id=f"{variant.name}-windowed-softcap-bf16-d256-gqa2".replace(" ", ""))
+    # gpt-oss's layers (head size 64, 8 query heads per KV head, a 128-token window): with sinks.
+    for variant in launch_variants(torch.bfloat16, 8, 64, max_model_len=4096, sliding_window=128, sinks=True):
+        if variant.name in ("decode", "decode_split_k") or variant.name.startswith(("merge BLOCK_S=8", "prefill")):
+            yield pytest.param(variant, id=f"{variant.name}-sinks-windowed-bf16-d64-gqa8".replace(" ", ""))
 
 
 @pytest.mark.parametrize("variant", list(_heaviest_variants()))

@@ -541,3 +541,31 @@ def build_tiny_granite(path: Path, seed: int = 0, dtype: torch.dtype = torch.flo
                   residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)
     common.update(config_overrides)
     return save_random_model_with_random_norms(path, GraniteConfig(**common), seed, dtype)
+
+
+def build_tiny_gpt_oss(path: Path, vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       **config_overrides) -> Path:
+    """A tiny random GptOssForCausalLM: 3 layers alternating sliding (window 8, shorter than
+    test prompts) and full attention as gpt-oss does, 4 query heads to 2 KV heads of 16, top-2
+    of 5 experts (an odd count), YaRN rope (factor 4 over an original 64 positions, so the
+    ramp between kept and scaled frequencies falls inside the head). swiglu_limit 0.5, not
+    the released 7, so that the clamps bite on these small activations; sinks around 0 with
+    std 1 so that they take a real share of each softmax."""
+    from transformers import GptOssConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=5,
+                  num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  swiglu_limit=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                       beta_slow=1.0, truncate=False, original_max_position_embeddings=64))
+    common.update(config_overrides)
+    model = _random_model(path, GptOssConfig(**common), vocab_size, seed, dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            std = 1.0 if name.endswith("sinks") else 0.1 if "bias" in name else 0.08
+            param.normal_(0.0, std)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return Path(path)

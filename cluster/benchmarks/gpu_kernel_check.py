@@ -66,6 +66,11 @@ GPU_PREFILL = [("whole prompts", [1, 100, 1000, 2048], [1, 100, 1000, 2048]),
 GPU_WINDOWED = [(4096, None, [1, 3000, 8192, 32768], [1, 2048, 300], [5000, 2048, 9000]),
                 (4096, 50.0, [1, 3000, 8192], [2048, 1], [2048, 8000])]
 DRY_WINDOWED = [(37, None, [1, 30, 130], [40, 1], [40, 90]), (37, 5.0, [1, 130], [23, 1], [60, 90])]
+# Layers with attention sinks (gpt-oss: alternating 128-token windows and full attention):
+# (window, decode contexts, decode split count, prefill query lengths, prefill contexts).
+GPU_SINKS = [(128, [1, 100, 3000], 1, [1, 500, 64], [1, 500, 4000]),
+             (None, [1, 3000, 8192], 1, [2048, 1], [2048, 7000]), (None, [8192], 8, [], [])]
+DRY_SINKS = [(37, [1, 30, 130], 1, [40, 1], [40, 90]), (None, [200], 3, [23, 1], [60, 90])]
 DRY_PREFILL = [("whole prompts", [1, 23, 40], [1, 23, 40]),
                ("chunks behind context", [12, 30], [50, 37]),
                ("decode rows mixed in", [1, 17, 1, 9], [70, 17, 5, 90])]
@@ -119,8 +124,8 @@ def build_step(query_lens: list[int], seq_lens: list[int], num_heads: int, head_
 
 
 def reference_attention(step: PagedStep, scale: float, **layer) -> torch.Tensor:
-    """The PyTorch reference on fp32 copies of the same inputs (`layer`: a sliding window
-    and a soft cap, as the kernels take them)."""
+    """The PyTorch reference on fp32 copies of the same inputs (`layer`: a sliding window,
+    a soft cap and sinks, as the kernels take them)."""
     from raylm.kernels import torch_attention
 
     return torch_attention.paged_attention(step.query.float(), step.k_cache.float(), step.v_cache.float(),
@@ -220,6 +225,31 @@ def check_config(dtype: torch.dtype, head_size: int, group: int, device: torch.d
         record("prefill", f"{name}: {len(query_lens)} sequences, chunks up to {max(query_lens)}, contexts up to "
                f"{max(seq_lens)}", relative_error(out[:packed], expected[:packed]) if padding_zero else float("inf"))
         del step, out, expected
+
+    # Attention sinks: each head's sink a logit of its own in the softmax (split-K: added once,
+    # by the merge).
+    for window, decode_lens, num_splits, query_lens, seq_lens in (DRY_SINKS if dry_run else GPU_SINKS):
+        layer = dict(sliding_window=window, sinks=(torch.randn(num_heads, generator=generator) * 2).to(device))
+        what = "sinks" + (f", window {window}" if window else "")
+        cases = [("decode", [1] * len(decode_lens), decode_lens, num_splits)]
+        if query_lens:
+            cases.append(("prefill", query_lens, seq_lens, None))
+        for kernel, q_lens, s_lens, splits in cases:
+            step = build_step(q_lens, s_lens, num_heads, head_size, dtype, device, generator, padding_tokens=2)
+            out = torch.full_like(step.query, float("nan"))
+            if kernel == "decode":
+                triton_decode_attention.paged_decode_attention(step.query, step.k_cache, step.v_cache, step.metadata,
+                                                               scale, out=out, num_splits=splits, **layer)
+                kernel = "decode" if splits == 1 else "decode_split_k"
+            else:
+                triton_prefill_attention.paged_prefill_attention(step.query, step.k_cache, step.v_cache,
+                                                                 step.metadata, scale, out=out, **layer)
+            expected = reference_attention(step, scale, **layer)
+            packed = sum(q_lens)
+            padding_zero = bool((out[packed:] == 0).all())
+            record(kernel, f"{what}: contexts up to {max(s_lens)}" + (f", {splits} splits" if splits else ""),
+                   relative_error(out[:packed], expected[:packed]) if padding_zero else float("inf"))
+            del step, out, expected
     try:
         records += check_fp8_cache(dtype, head_size, group, device, dry_run, generator)
     except Exception as error:  # recorded as a failed check; the stage's other records stand
@@ -394,11 +424,11 @@ class Variant:
 
 def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_len: int = 8192,
                     sliding_window: int = 0, soft_cap: float = 0.0,
-                    kv_cache_dtype: torch.dtype | None = None) -> list[Variant]:
+                    kv_cache_dtype: torch.dtype | None = None, sinks: bool = False) -> list[Variant]:
     """The variants a run with this model dtype, GQA ratio and head size launches (the
     launchers' own tile choices): decode with and without split-K, each merge, each prefill
     BLOCK_M, the KV write; for a layer with this sliding window and soft cap (0: none), over
-    a cache of kv_cache_dtype (an fp8 dtype; None: the model's)."""
+    a cache of kv_cache_dtype (an fp8 dtype; None: the model's), with attention sinks or not."""
     from raylm.kernels import triton_decode_attention as decode
     from raylm.kernels import triton_prefill_attention as prefill
     from raylm.kernels.kv_cache_dtype import triton_fp8_format
@@ -408,7 +438,7 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
     cache_pointer = FP8_POINTERS.get(kv_cache_dtype)
     fp8 = triton_fp8_format(kv_cache_dtype or dtype)
     shape = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, BLOCK_SIZE=BLOCK_SIZE,
-                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap), KV_FP8=fp8["KV_FP8"])
+                 SLIDING_WINDOW=sliding_window, SOFT_CAP=float(soft_cap), KV_FP8=fp8["KV_FP8"], HAS_SINKS=sinks)
     variants = []
     tiles = decode.decode_tiles(dtype, group, head_size)
     warps, stages, max_registers = tiles.pop("num_warps"), tiles.pop("num_stages"), tiles.pop("maxnreg", None)
@@ -420,7 +450,7 @@ def launch_variants(dtype: torch.dtype, group: int, head_size: int, max_model_le
     for block_s in sorted({decode.merge_block_s(n) for n in decode.possible_split_counts(max_model_len)}):
         variants.append(Variant(f"merge BLOCK_S={block_s}", functions["merge"],
                                 dict(HEAD_SIZE=head_size, BLOCK_D=block_d, BLOCK_S=block_s,
-                                     SLIDING_WINDOW=sliding_window), 4, pointer))
+                                     SLIDING_WINDOW=sliding_window, HAS_SINKS=sinks), 4, pointer))
     for query_len in prefill.variant_query_lens(dtype, group, head_size).values():
         tiles = prefill.prefill_tiles(dtype, group, head_size, query_len)
         variants.append(prefill_variant(tiles, shape, pointer, cache_pointer))
@@ -520,7 +550,7 @@ def compile_variant(variant: Variant, capability: int = 90, aligned: bool = True
     cache_ptr = "*" + (variant.cache_pointer_dtype or variant.pointer_dtype)
     types = dict(query_ptr=ptr, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, out_ptr=ptr, key_ptr=ptr, value_ptr=ptr,
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_out_ptr="*fp32",
-                 partial_lse_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", k_scale="fp32", v_scale="fp32",
+                 partial_lse_ptr="*fp32", sinks_ptr="*fp32", slot_mapping_ptr="*i64", qk_scale="fp32", k_scale="fp32", v_scale="fp32",
                  x_ptr=ptr, residual_ptr=ptr,
                  weight_ptr=ptr, cos_sin_cache_ptr=ptr, positions_ptr="*i64", eps="fp32", q_norm_ptr=ptr,
                  k_norm_ptr=ptr)

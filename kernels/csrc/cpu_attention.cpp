@@ -572,9 +572,9 @@ void accumulate_values_wide(const float* probs, int64_t probs_stride, int count,
 // attention also rounds away; split into two bf16 parts to keep it, they were no faster than
 // widening the values.)
 
-// scores[0:n] = exp(scores[t] - max) in place; returns their sum. scores has room for n
-// rounded up to 16 (zeros are written past n).
-inline float softmax_in_place(float* scores, int64_t n) {
+// scores[0:n] = exp(scores[t] - max) in place; returns their sum and stores max in *max_out.
+// scores has room for n rounded up to 16 (zeros are written past n).
+inline float softmax_in_place(float* scores, int64_t n, float* max_out) {
   const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const auto lanes = [n](int64_t t) -> __mmask16 {
     return t + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
@@ -583,7 +583,8 @@ inline float softmax_in_place(float* scores, int64_t n) {
   for (int64_t t = 0; t < n; t += 16) {
     lane_max = _mm512_max_ps(lane_max, _mm512_mask_loadu_ps(minus_infinity, lanes(t), scores + t));
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(lane_max));
+  *max_out = _mm512_reduce_max_ps(lane_max);
+  const __m512 shift = _mm512_set1_ps(*max_out);
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   __m512 lane_sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
@@ -664,8 +665,8 @@ struct SequencePrefetch {
 
 // One task's sequence in two passes (see above) for its heads_per_task KV heads from
 // first_kv_head: scores of every block, a softmax per query head, then the values. Leaves
-// each query head's unnormalised output in acc (natural channel order) and its softmax sum in
-// running_sum. q, q_bf16: the task's queries (fp32 scaled, raw bf16), D apart. Keys from
+// each query head's unnormalised output in acc (natural channel order), its softmax sum in
+// running_sum and the maximum score that sum is relative to in running_max. q, q_bf16: the task's queries (fp32 scaled, raw bf16), D apart. Keys from
 // position `first` on (the window's start) count; the blocks before its block are not read,
 // and the tiles of 4 keys start at first rounded down to 4 (the few keys before first in that
 // tile are masked). soft_cap > 0 caps the scores (Gemma 2).
@@ -674,7 +675,8 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
                      const cache_t* v_cache, const int32_t* table, int64_t first, int64_t seq_len,
                      int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t first_kv_head,
                      int64_t heads_per_task, int group, float soft_cap, float* scores, int64_t seq_stride,
-                     float* acc, float* running_sum, SequencePrefetch<cache_t>& next, void* q_by_lane) {
+                     float* acc, float* running_sum, float* running_max, SequencePrefetch<cache_t>& next,
+                     void* q_by_lane) {
   const int task_heads = static_cast<int>(heads_per_task * group);
   // score_block_quads takes fp32 caches, and bf16 ones with bf16 queries and AVX512-BF16;
   // q_by_lane holds its queries (arrange_by_lane), 4 * D for each tile of up to 4 heads of a
@@ -741,7 +743,7 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
     float* head_scores = scores + g * seq_stride;
     if (soft_cap > 0.0f) soft_cap_in_place(head_scores, seq_len - base, soft_cap);
     std::fill(head_scores, head_scores + (first - base), -std::numeric_limits<float>::infinity());
-    running_sum[g] = softmax_in_place(head_scores, seq_len - base);
+    running_sum[g] = softmax_in_place(head_scores, seq_len - base, &running_max[g]);
   }
   // Pass 2: the values. Its reads hit the caches, so it is when the thread's next sequence
   // (`next`) is fetched, a share after each block of each KV head. Asked for a whole block at
@@ -769,12 +771,13 @@ void attend_two_pass(const float* q, const uint16_t* q_bf16, float scale, const 
 // query and out are fp32, or bf16 when io_bf16; query rows are query_stride apart, out's
 // contiguous.
 // window > 0: each query attends to its last `window` positions; soft_cap > 0: scores s become
-// soft_cap * tanh(s / soft_cap) (0 turns either off).
+// soft_cap * tanh(s / soft_cap) (0 turns either off). sinks (null: none): one logit per query
+// head [num_heads] that joins each softmax's denominator with no value (gpt-oss).
 template <typename cache_t, int kHeadSize>
 void decode(const void* query, int64_t query_stride, const cache_t* k_cache, const cache_t* v_cache,
             const int32_t* block_tables, const int32_t* seq_lens, void* out, bool io_bf16, int64_t num_seqs,
             int64_t num_heads, int64_t num_kv_heads, int head_size, int64_t block_size, int64_t max_blocks, float scale,
-            int64_t window, float soft_cap, float k_scale, float v_scale) {
+            int64_t window, float soft_cap, float k_scale, float v_scale, const float* sinks) {
   const int D = kHeadSize > 0 ? kHeadSize : head_size;
   // An fp8 cache's k_scale scales the scores: folded into the query's scale, one multiply a
   // query element rather than one a key element; v_scale, the outputs (see the op below).
@@ -851,7 +854,8 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
           attend_two_pass<kWideHeadSize ? kHeadSize : 16>(
               q.data(), raw_bf16_query ? q_bf16.data() : nullptr, scale, k_cache, v_cache, table, first, seq_len,
               block_size, block_stride, token_stride, first_kv_head, heads_per_task, group, soft_cap,
-              seq_scores.get(), seq_stride, acc.data(), running_sum.data(), next, q_by_lane.data());
+              seq_scores.get(), seq_stride, acc.data(), running_sum.data(), running_max.data(), next,
+              q_by_lane.data());
         }
       }
 #endif
@@ -905,7 +909,11 @@ void decode(const void* query, int64_t query_stride, const cache_t* k_cache, con
         }
       }
       for (int g = 0; g < task_heads; ++g) {
-        const float inv = v_scale / running_sum[g];
+        // A sink is one more term of the denominator, relative to the same maximum (exp of a
+        // sink far above every score is inf: the output is then 0, its limit). The scores are
+        // already in k_scale's units (folded into scale), so the sink compares with them as is.
+        const float sink_term = sinks == nullptr ? 0.0f : std::exp(sinks[first_kv_head * group + g] - running_max[g]);
+        const float inv = v_scale / (running_sum[g] + sink_term);
         const int64_t first = first_element + g * D;
         for (int d = 0; d < D; ++d) {
           const float value = acc[g * D + d] * inv;
@@ -924,10 +932,11 @@ template <typename cache_t>
 void dispatch_head_size(const void* query, int64_t query_stride, const cache_t* k, const cache_t* v,
                         const int32_t* tables, const int32_t* lens, void* out, bool io_bf16, int64_t B, int64_t Hq,
                         int64_t Hkv, int D, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                        float soft_cap, float k_scale, float v_scale) {
+                        float soft_cap, float k_scale, float v_scale, const float* sinks) {
   auto run = [&](auto head_size) {
     decode<cache_t, decltype(head_size)::value>(query, query_stride, k, v, tables, lens, out, io_bf16, B, Hq, Hkv, D,
-                                                block_size, max_blocks, scale, window, soft_cap, k_scale, v_scale);
+                                                block_size, max_blocks, scale, window, soft_cap, k_scale, v_scale,
+                                                sinks);
   };
   switch (D) {
     case 32: return run(std::integral_constant<int, 32>{});
@@ -953,11 +962,14 @@ bool is_fp8(const at::Tensor& t) {
 // the results differ from scaling every element by fp32 rounding only. Other caches ignore
 // the scales, as dequantize does. sliding_window > 0: each query attends to its last
 // sliding_window positions, and the blocks before that are not read; logits_soft_cap > 0:
-// scores s become logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off). A sequence whose table does
-// not hold the tokens it reads in valid blocks is a ValueError, and nothing is computed.
+// scores s become logits_soft_cap * tanh(s / logits_soft_cap) (0 turns either off); sinks [Hq]
+// fp32 (or None): each query head's attention sink, an extra logit in its softmax's
+// denominator. A sequence whose table does not hold the tokens it reads in valid blocks is a
+// ValueError, and nothing is computed.
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale) {
+                                  int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale,
+                                  const c10::optional<at::Tensor>& sinks_in) {
   // Rows may be strided (q, a column slice of the qkv projection): no copy.
   const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
   const at::Tensor query = rows_packed ? query_in : query_in.contiguous();
@@ -983,6 +995,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
               "raylm::paged_decode_attention takes contiguous int32 block_tables [B, max_blocks] and seq_lens [B]");
   TORCH_CHECK_VALUE(sliding_window >= 0 && logits_soft_cap >= 0.0, "raylm::paged_decode_attention: sliding_window (",
                     sliding_window, ") and logits_soft_cap (", logits_soft_cap, ") must be >= 0 (0: off)");
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(sinks.device().is_cpu() && sinks.dim() == 1 && sinks.size(0) == Hq,
+                      "raylm::paged_decode_attention: sinks must be one value per query head [", Hq, "], got ",
+                      sinks.sizes());
+  }
+  const float* sinks_data = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = static_cast<const int32_t*>(block_tables.data_ptr());
   const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
@@ -1005,7 +1025,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
                                 static_cast<const cache_t*>(v_cache.data_ptr()), tables, lens, out.data_ptr(), io_bf16,
                                 B, Hq, Hkv, head_size, block_size, max_blocks, static_cast<float>(scale),
                                 sliding_window, static_cast<float>(logits_soft_cap),
-                                fp8 ? static_cast<float>(k_scale) : 1.0f, fp8 ? static_cast<float>(v_scale) : 1.0f);
+                                fp8 ? static_cast<float>(k_scale) : 1.0f, fp8 ? static_cast<float>(v_scale) : 1.0f,
+                                sinks_data);
   };
   switch (k_cache.scalar_type()) {
     case at::kBFloat16: run(uint16_t{}); break;
@@ -1021,7 +1042,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int sliding_window=0, float logits_soft_cap=0.0, float k_scale=1.0, "
-        "float v_scale=1.0) -> Tensor");
+        "float v_scale=1.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

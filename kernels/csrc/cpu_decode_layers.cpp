@@ -127,14 +127,15 @@ struct Ops {
   c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>
       write_kv_cache = typed_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                      const at::Tensor&)>("raylm::write_kv_cache");
-  // (..., scale, sliding_window, logits_soft_cap, k_scale, v_scale): the caches here are the
-  // model's dtype, whose scales are 1.
+  // (..., scale, sliding_window, logits_soft_cap, k_scale, v_scale, sinks): the caches here are
+  // the model's dtype, whose scales are 1, and Llama layers have no sinks.
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double, int64_t, double, double, double)>
+                                      const at::Tensor&, double, int64_t, double, double, double,
+                                      const c10::optional<at::Tensor>&)>
       decode_attention =
           typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double, int64_t, double, double, double)>(
-              "raylm::paged_decode_attention");
+                              const at::Tensor&, double, int64_t, double, double, double,
+                              const c10::optional<at::Tensor>&)>("raylm::paged_decode_attention");
 };
 
 const Ops& ops() {
@@ -210,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor& v_cache = *slots[11];
     op.write_kv_cache.call(k, v, k_cache, v_cache, slot_mapping);
     at::Tensor attn = op.decode_attention.call(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                sliding_windows[layer], 0.0, 1.0, 1.0);
+                                                sliding_windows[layer], 0.0, 1.0, 1.0, c10::nullopt);
     const at::Tensor attn_rows = attn.reshape({T, q_size});
     hidden = linear(kinds[2], attn_rows, *slots[4], kinds[3], slots[5]);
     if (lora) add_lora(hidden, attn_rows, lora_layer + 4, kLoRASlices[1], *lora_token_slots, lora_rank);

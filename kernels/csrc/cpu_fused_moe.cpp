@@ -23,12 +23,18 @@
 //
 // Ops: torch.ops.raylm.avx512_fused_moe_available(dtype), avx512_fused_moe(x, w13_packed,
 // w2_packed, topk_weights, topk_ids, expert_map, intermediate_size), dense_fused_moe(x, w13,
-// w2, topk_weights, topk_ids, expert_map).
+// w2, topk_weights, topk_ids, expert_map, w13_bias=None, w2_bias=None, swiglu_limit=0,
+// swiglu_alpha=1.702). dense_fused_moe also runs gpt-oss's experts: biases w13_bias [E, 2I] and
+// w2_bias [E, H] added to each expert's products, and with swiglu_limit > 0 its clamped SwiGLU
+// ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above at the limit, up to
+// [-limit, limit]) in place of SiLU-and-mul.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/tensor.h>
@@ -253,7 +259,8 @@ at::Tensor avx512_fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const
 // of x's dtype, with ATen's GEMM per expert group: any dtype, any CPU.
 at::Tensor dense_fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                            const at::Tensor& topk_weights_in, const at::Tensor& topk_ids,
-                           const c10::optional<at::Tensor>& expert_map) {
+                           const c10::optional<at::Tensor>& expert_map, const c10::optional<at::Tensor>& w13_bias,
+                           const c10::optional<at::Tensor>& w2_bias, double swiglu_limit, double swiglu_alpha) {
   const char* op = "dense_fused_moe";
   check_routing(op, x_in, topk_weights_in, topk_ids);
   const int64_t hidden = x_in.size(1);
@@ -261,6 +268,13 @@ at::Tensor dense_fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const 
                   w2.size(1) == hidden && w13.size(1) == 2 * w2.size(2) && w13.scalar_type() == x_in.scalar_type() &&
                   w2.scalar_type() == x_in.scalar_type(),
               "raylm::", op, ": weights must be w13 [E, 2I, ", hidden, "] and w2 [E, ", hidden, ", I] of x's dtype");
+  TORCH_CHECK(!w13_bias.has_value() || (w13_bias->dim() == 2 && w13_bias->size(0) == w13.size(0) &&
+                                         w13_bias->size(1) == w13.size(1)),
+              "raylm::", op, ": w13_bias must be [E, 2I] as w13's rows");
+  TORCH_CHECK(!w2_bias.has_value() || (w2_bias->dim() == 2 && w2_bias->size(0) == w2.size(0) &&
+                                        w2_bias->size(1) == hidden),
+              "raylm::", op, ": w2_bias must be [E, ", hidden, "]");
+  TORCH_CHECK(swiglu_limit >= 0.0, "raylm::", op, ": swiglu_limit must be >= 0 (0: SiLU-and-mul)");
   const at::Tensor x = x_in.contiguous();
   const at::Tensor topk_weights = topk_weights_in.contiguous();
   const int64_t top_k = topk_ids.size(1), intermediate = w2.size(2);
@@ -278,9 +292,19 @@ at::Tensor dense_fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const 
   for (int64_t e = 0; e < w13.size(0); ++e) {
     if (groups.count(e) == 0) continue;
     const int64_t first = groups.offsets[e], rows = groups.count(e);
-    const at::Tensor gate_up = at::linear(xs.narrow(0, first, rows), w13[e]);
-    const at::Tensor activation = at::silu(gate_up.narrow(1, 0, intermediate)).mul_(gate_up.narrow(1, intermediate, intermediate));
-    contributions.narrow(0, first, rows).copy_(at::linear(activation, w2[e]).to(at::kFloat).mul_(row_weights.narrow(0, first, rows)));
+    const at::Tensor gate_up = w13_bias.has_value() ? at::linear(xs.narrow(0, first, rows), w13[e], (*w13_bias)[e])
+                                                    : at::linear(xs.narrow(0, first, rows), w13[e]);
+    const at::Tensor gate = gate_up.narrow(1, 0, intermediate), up = gate_up.narrow(1, intermediate, intermediate);
+    at::Tensor activation;
+    if (swiglu_limit > 0.0) {  // gpt-oss, in Hugging Face's order of operations
+      const at::Tensor clamped_gate = at::clamp(gate, c10::nullopt, swiglu_limit);
+      const at::Tensor glu = clamped_gate.mul(at::sigmoid(clamped_gate.mul(swiglu_alpha)));
+      activation = at::clamp(up, -swiglu_limit, swiglu_limit).add(1).mul(glu);
+    } else {
+      activation = at::silu(gate).mul_(up);
+    }
+    const at::Tensor down = w2_bias.has_value() ? at::linear(activation, w2[e], (*w2_bias)[e]) : at::linear(activation, w2[e]);
+    contributions.narrow(0, first, rows).copy_(down.to(at::kFloat).mul_(row_weights.narrow(0, first, rows)));
   }
   // Each token's k contributions summed in fp32, in k's order (zeros where none is here).
   at::Tensor by_assignment = at::zeros({x.size(0) * top_k, hidden}, contributions.options());
@@ -295,8 +319,8 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("avx512_fused_moe_available(ScalarType dtype) -> bool", &avx512_fused_moe_available);  // no tensors: one kernel
   m.def("avx512_fused_moe(Tensor x, Tensor w13_packed, Tensor w2_packed, Tensor topk_weights, Tensor topk_ids, "
         "Tensor? expert_map, int intermediate_size) -> Tensor");
-  m.def("dense_fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map) "
-        "-> Tensor");
+  m.def("dense_fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map, "
+        "Tensor? w13_bias=None, Tensor? w2_bias=None, float swiglu_limit=0.0, float swiglu_alpha=1.702) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {

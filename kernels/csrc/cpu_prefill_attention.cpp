@@ -269,6 +269,7 @@ struct Problem {
   int64_t window;  // > 0: each query attends to its last `window` positions
   float soft_cap;  // > 0: scores s become soft_cap * tanh(s / soft_cap)
   float k_scale, v_scale;  // an fp8 cache's: they multiply the scores and the outputs (1 otherwise)
+  const float* sinks;  // null, or [num_heads]: each head's attention sink (a logit with no value)
 };
 
 // The first position that any of a sequence's queries from first_position on attends to.
@@ -366,7 +367,12 @@ class TileWorker {
     for (int i = 0; i < positions; ++i) {
       for (int g = 0; g < group_; ++g) {
         const int r = i * group_ + g;
-        const float inv = p_.v_scale / running_sum_[r];
+        // The sink joins the denominator relative to the row's maximum (log2 units, as the
+        // scores here; k_scale is in the scores already, not in the sink).
+        const float sink_term = p_.sinks == nullptr
+                                    ? 0.0f
+                                    : std::exp2(p_.sinks[first_head + g] * 1.44269504088896341f - running_max_[r]);
+        const float inv = p_.v_scale / (running_sum_[r] + sink_term);
         const int64_t first_element = ((first_token + i) * p_.num_heads + first_head + g) * D;
         if (p_.io_bf16) {
           uint16_t* dst = static_cast<uint16_t*>(p_.out) + first_element;
@@ -460,14 +466,16 @@ bool is_fp8(const at::Tensor& t) {
 // [T, Hq, D] in the query's dtype: the rows of every sequence with at least min_query_len
 // queries, zeros in all other rows (other sequences', padding tokens'). sliding_window > 0:
 // each query attends to its last sliding_window positions, and the blocks before the first
-// query's window are not read; logits_soft_cap > 0 caps the scores (0 turns either off). A
+// query's window are not read; logits_soft_cap > 0 caps the scores (0 turns either off);
+// sinks [Hq] (or None): each query head's attention sink, one more logit in its softmax. A
 // sequence whose query rows or seq_len do not fit (rows outside 0..T, more queries than
 // seq_len, a block table too short or naming a block outside the cache where it is read) is a
 // ValueError, and nothing is computed.
 at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                    const at::Tensor& query_start_loc, double scale, int64_t min_query_len,
-                                   int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale) {
+                                   int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale,
+                                   const c10::optional<at::Tensor>& sinks_in) {
   // Rows may be strided (q, a column slice of the qkv projection): no copy.
   const bool rows_packed = query_in.dim() == 3 && query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2);
   const at::Tensor query = rows_packed ? query_in : query_in.contiguous();
@@ -496,6 +504,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
               "query_start_loc [S + 1]");
   TORCH_CHECK_VALUE(sliding_window >= 0 && logits_soft_cap >= 0.0, "raylm::paged_prefill_attention: sliding_window (",
                     sliding_window, ") and logits_soft_cap (", logits_soft_cap, ") must be >= 0 (0: off)");
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(sinks.device().is_cpu() && sinks.dim() == 1 && sinks.size(0) == Hq,
+                      "raylm::paged_prefill_attention: sinks must be one value per query head [", Hq, "], got ",
+                      sinks.sizes());
+  }
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = static_cast<const int32_t*>(block_tables.data_ptr());
   const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
@@ -531,7 +546,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
                         Hq, Hkv, block_size, max_blocks, static_cast<int>(D), static_cast<float>(scale),
                         sliding_window, static_cast<float>(logits_soft_cap),
                         is_fp8(k_cache) ? static_cast<float>(k_scale) : 1.0f,
-                        is_fp8(k_cache) ? static_cast<float>(v_scale) : 1.0f};
+                        is_fp8(k_cache) ? static_cast<float>(v_scale) : 1.0f,
+                        sinks.defined() ? sinks.data_ptr<float>() : nullptr};
   const auto run = [&](auto element) {
     using cache_t = decltype(element);
     prefill(problem, static_cast<const cache_t*>(k_cache.data_ptr()), static_cast<const cache_t*>(v_cache.data_ptr()),
@@ -551,7 +567,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, int min_query_len, int sliding_window=0, "
-        "float logits_soft_cap=0.0, float k_scale=1.0, float v_scale=1.0) -> Tensor");
+        "float logits_soft_cap=0.0, float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
