@@ -12,6 +12,7 @@ from raylm.models.quantization import apply_quantization, get_quant_config
 from raylm.models.registry import resolve_model_class
 from raylm.models.rotary_embedding import max_model_len_context
 from raylm.models.weight_utils import initialize_dummy_weights, safetensors_weights_iterator
+from raylm.parallel.checkpoint_slice import CheckpointSlice
 from raylm.kernels import cpu_gemm
 
 
@@ -51,7 +52,10 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
             if mark is not None:
                 mark()
     else:
-        loaded = model.load_weights(safetensors_weights_iterator(model_config.model))
+        weights = safetensors_weights_iterator(model_config.model)
+        if quant_config is None:
+            weights = _refusing_fp8_tensors(weights, model_config.model)
+        loaded = model.load_weights(weights)
         missing = sorted({name for name, _ in model.named_parameters()} - loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
@@ -67,6 +71,20 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
             if hook is not None:
                 hook()
     return model.eval()
+
+
+def _refusing_fp8_tensors(weights: Iterator[tuple[str, CheckpointSlice]], model: str
+                          ) -> Iterator[tuple[str, CheckpointSlice]]:
+    """The checkpoint's tensors, refusing an FP8 one: without a quantization config the model
+    holds 16/32-bit weights, and an FP8 tensor copied into one loses its scale (every value
+    off by it), which would serve garbage rather than fail."""
+    for name, weight in weights:
+        if weight.dtype_name.startswith("F8"):
+            raise ValueError(f"checkpoint tensor {name!r} in {model!r} is FP8 ({weight.dtype_name}) but the model "
+                             f"is not quantized: its config.json has no quantization_config, and quantization is "
+                             f"None; an FP8 checkpoint needs its quantization_config (quant_method 'fp8' or "
+                             f"'compressed-tensors').")
+        yield name, weight
 
 
 def release_model(model: nn.Module) -> None:

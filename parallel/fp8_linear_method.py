@@ -85,12 +85,20 @@ class Fp8LinearMethod:
                                            self._per_shard_loader(layer))
         layer.weight_scale_runtime = None
         layer.input_scale_runtime = None
+        layer.quant_prefix = prefix  # names the layer in errors found after loading
         layer.quant_method = self
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """The scales as the GEMM takes them: one number, one per row, or the block grid."""
         scheme = self.scheme
         scale = getattr(layer, scheme.scale_name).detach().float()
+        # A NaN, infinite or negative scale (a corrupt checkpoint, or NaN in a 16/32-bit
+        # weight quantized online) would make every output of the layer garbage, silently:
+        # refuse it while loading. A weight scale of 0 is a block (tensor) of zeros; an
+        # input scale divides the activations and must be positive.
+        _check_scale_values(layer, scheme.scale_name, scale, allow_zero=True)
+        if scheme.activation_scheme == "static":
+            _check_scale_values(layer, "input_scale", layer.input_scale.detach().float(), allow_zero=False)
         if scheme.weight_strategy == "tensor":
             if bool((scale == scale[0]).all()):
                 scale = scale[0].clone()
@@ -152,6 +160,15 @@ def _load_per_shard(layer: LinearBase, param: torch.Tensor, loaded: torch.Tensor
         param.data.fill_(value)
     else:
         param.data[layer.shard_index(shard_id)] = value
+
+
+def _check_scale_values(layer: LinearBase, name: str, scale: torch.Tensor, allow_zero: bool) -> None:
+    bad = ~torch.isfinite(scale) | (scale < 0 if allow_zero else scale <= 0)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        allowed = "finite and >= 0" if allow_zero else "finite and > 0"
+        raise ValueError(f"{getattr(layer, 'quant_prefix', type(layer).__name__)}.{name} holds "
+                         f"{scale[index].item()} at index {list(index)}: FP8 scales must be {allowed}.")
 
 
 def _check_whole_blocks(layer: LinearBase, prefix: str, block_size: tuple[int, int]) -> None:
