@@ -55,7 +55,15 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
         weights = safetensors_weights_iterator(model_config.model)
         if quant_config is None:
             weights = _refusing_fp8_tensors(weights, model_config.model)
-        loaded = model.load_weights(weights)
+        reading = _NameTracker(weights)
+        try:
+            loaded = model.load_weights(reading)
+        except (ValueError, IndexError) as error:
+            # A weight_loader knows its layer, not the checkpoint's name: add it.
+            if reading.current is None or reading.current in str(error):
+                raise
+            raise ValueError(f"loading checkpoint tensor {reading.current!r} of {model_config.model!r}: "
+                             f"{error}") from error
         missing = sorted({name for name, _ in model.named_parameters()} - loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
@@ -71,6 +79,20 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
             if hook is not None:
                 hook()
     return model.eval()
+
+
+class _NameTracker:
+    """The checkpoint's (name, tensor) pairs, remembering the name last handed out: the one
+    being loaded when a weight_loader raises."""
+
+    def __init__(self, weights: Iterator[tuple[str, CheckpointSlice]]) -> None:
+        self._weights = weights
+        self.current: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, CheckpointSlice]]:
+        for name, weight in self._weights:
+            self.current = name
+            yield name, weight
 
 
 def _refusing_fp8_tensors(weights: Iterator[tuple[str, CheckpointSlice]], model: str

@@ -236,3 +236,21 @@ def test_fp8_weights_without_a_quantization_config_are_an_error_naming_the_tenso
     _rewrite(quantized, lambda t: [t.pop(name) for name in [n for n in t if n.endswith("weight_scale")]])
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d+\..*\.weight' .* is FP8 \(F8_E4M3\)"):
         LLM(model=str(quantized), **ENGINE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.uint8], ids=["e5m2", "uint8"])
+def test_fp8_checkpoint_weight_of_another_dtype_is_an_error_naming_the_layer(tmp_path, source, dtype):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-tensor")
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite(quantized, lambda t: t.__setitem__(name, t[name].view(torch.uint8) if dtype == torch.uint8
+                                                 else t[name].float().to(dtype)))
+    with pytest.raises(ValueError, match=r"weight of model\.layers\.0\.mlp\.down_proj is (F8_E5M2|U8); .*float8_e4m3fn"):
+        LLM(model=str(quantized), **ENGINE)
+
+
+def test_fp8_block_scale_of_the_wrong_rank_is_an_error_naming_the_checkpoint_tensor(tmp_path, source):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-block", block=(16, 16))
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    _rewrite(quantized, lambda t: t.__setitem__(name, t[name].reshape(-1).contiguous()))
+    with pytest.raises(ValueError, match=r"loading checkpoint tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv'"):
+        LLM(model=str(quantized), **ENGINE)
