@@ -254,3 +254,12 @@ def test_fp8_block_scale_of_the_wrong_rank_is_an_error_naming_the_checkpoint_ten
     _rewrite(quantized, lambda t: t.__setitem__(name, t[name].reshape(-1).contiguous()))
     with pytest.raises(ValueError, match=r"loading checkpoint tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv'"):
         LLM(model=str(quantized), **ENGINE)
+
+
+def test_online_fp8_of_a_weight_holding_nan_is_an_error_naming_the_layer(tmp_path, source):
+    folder = tmp_path / "nan"
+    shutil.copytree(source, folder)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    _rewrite(folder, lambda t: t[name].__setitem__((3, 5), float("nan")))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.o_proj\.weight_scale holds nan"):
+        LLM(model=str(folder), quantization="fp8", **ENGINE)
