@@ -13,6 +13,7 @@ from raylm.models.quantization import apply_quantization, get_quant_config
 from raylm.models.registry import resolve_model_class
 from raylm.models.rotary_embedding import max_model_len_context
 from raylm.models.weight_utils import initialize_dummy_weights, safetensors_weights_iterator
+from raylm.parallel.checkpoint_slice import CheckpointSlice
 from raylm.kernels import cpu_gemm
 
 
@@ -54,7 +55,18 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
             if mark is not None:
                 mark()
     else:
-        loaded = model.load_weights(safetensors_weights_iterator(model_config.model))
+        weights = safetensors_weights_iterator(model_config.model)
+        if quant_config is None:
+            weights = _refusing_fp8_tensors(weights, model_config.model)
+        reading = _NameTracker(weights)
+        try:
+            loaded = model.load_weights(reading)
+        except (ValueError, IndexError) as error:
+            # A weight_loader knows its layer, not the checkpoint's name: add it.
+            if reading.current is None or reading.current in str(error):
+                raise
+            raise ValueError(f"loading checkpoint tensor {reading.current!r} of {model_config.model!r}: "
+                             f"{error}") from error
         missing = sorted({name for name, _ in model.named_parameters()} - loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_config.model!r} lacks parameters {missing}.")
@@ -70,6 +82,34 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
             if hook is not None:
                 hook()
     return model.eval()
+
+
+class _NameTracker:
+    """The checkpoint's (name, tensor) pairs, remembering the name last handed out: the one
+    being loaded when a weight_loader raises."""
+
+    def __init__(self, weights: Iterator[tuple[str, CheckpointSlice]]) -> None:
+        self._weights = weights
+        self.current: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, CheckpointSlice]]:
+        for name, weight in self._weights:
+            self.current = name
+            yield name, weight
+
+
+def _refusing_fp8_tensors(weights: Iterator[tuple[str, CheckpointSlice]], model: str
+                          ) -> Iterator[tuple[str, CheckpointSlice]]:
+    """The checkpoint's tensors, refusing an FP8 one: without a quantization config the model
+    holds 16/32-bit weights, and an FP8 tensor copied into one loses its scale (every value
+    off by it), which would serve garbage rather than fail."""
+    for name, weight in weights:
+        if weight.dtype_name.startswith("F8"):
+            raise ValueError(f"checkpoint tensor {name!r} in {model!r} is FP8 ({weight.dtype_name}) but the model "
+                             f"is not quantized: its config.json has no quantization_config, and quantization is "
+                             f"None; an FP8 checkpoint needs its quantization_config (quant_method 'fp8' or "
+                             f"'compressed-tensors').")
+        yield name, weight
 
 
 def release_model(model: nn.Module) -> None:

@@ -22,6 +22,12 @@ class CheckpointSlice:
         self.shape = torch.Size(shape)
         self._window = window if window is not None else tuple(slice(0, n) for n in shape)
 
+    @property
+    def dtype_name(self) -> str:
+        """The file's dtype of the tensor, as safetensors spells it ("BF16", "F8_E4M3"), read
+        from its header."""
+        return self._source.get_dtype()
+
     def dim(self) -> int:
         return len(self.shape)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from raylm.kernels.fp8_linear import FP8_DTYPE, apply_fp8_linear, quantize_per_tensor
-from raylm.parallel.checkpoint_slice import read_weight
+from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
 from raylm.parallel.linear import (ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear,
                                    _copy_checked)
 
@@ -63,7 +63,8 @@ class Fp8LinearMethod:
         out_rows, in_columns = layer.weight.shape
         device = layer.weight.device
         num_shards = len(layer.output_sizes) if isinstance(layer, ColumnParallelLinear) else 1
-        weight_loader = self._online_weight_loader(layer) if not scheme.checkpoint_is_fp8 else layer.weight_loader
+        weight_loader = (self._online_weight_loader(layer) if not scheme.checkpoint_is_fp8
+                         else self._fp8_weight_loader(layer, prefix))
         layer.weight = _parameter(torch.empty(out_rows, in_columns, dtype=FP8_DTYPE, device=device), weight_loader)
         if scheme.weight_strategy == "tensor":
             scale = torch.ones(num_shards, dtype=torch.float32, device=device)
@@ -85,12 +86,20 @@ class Fp8LinearMethod:
                                            self._per_shard_loader(layer))
         layer.weight_scale_runtime = None
         layer.input_scale_runtime = None
+        layer.quant_prefix = prefix  # names the layer in errors found after loading
         layer.quant_method = self
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """The scales as the GEMM takes them: one number, one per row, or the block grid."""
         scheme = self.scheme
         scale = getattr(layer, scheme.scale_name).detach().float()
+        # A NaN, infinite or negative scale (a corrupt checkpoint, or NaN in a 16/32-bit
+        # weight quantized online) would make every output of the layer garbage, silently:
+        # refuse it while loading. A weight scale of 0 is a block (tensor) of zeros; an
+        # input scale divides the activations and must be positive.
+        _check_scale_values(layer, scheme.scale_name, scale, allow_zero=True)
+        if scheme.activation_scheme == "static":
+            _check_scale_values(layer, "input_scale", layer.input_scale.detach().float(), allow_zero=False)
         if scheme.weight_strategy == "tensor":
             if bool((scale == scale[0]).all()):
                 scale = scale[0].clone()
@@ -114,6 +123,20 @@ class Fp8LinearMethod:
             weight, scale = quantize_per_tensor(read_weight(loaded_weight).to(param.device))
             layer.weight_loader(param, weight, shard_id)
             _load_per_shard(layer, getattr(layer, self.scheme.scale_name), scale, shard_id)
+        return load
+
+    @staticmethod
+    def _fp8_weight_loader(layer: LinearBase, prefix: str):
+        """The layer's own loader, for float8_e4m3fn checkpoint tensors only: a copy casts
+        by value, so bytes of another dtype (e5m2, a uint8 view) would load as garbage."""
+        def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+            dtype = (loaded_weight.dtype_name if isinstance(loaded_weight, CheckpointSlice)
+                     else str(loaded_weight.dtype).removeprefix("torch."))
+            if dtype not in ("F8_E4M3", "float8_e4m3fn"):
+                raise ValueError(f"the checkpoint's weight of {prefix}{'' if shard_id is None else f' ({shard_id})'} "
+                                 f"is {dtype}; an FP8 checkpoint's quantized weights must be float8_e4m3fn "
+                                 f"(F8_E4M3).")
+            layer.weight_loader(param, loaded_weight, shard_id)
         return load
 
     @staticmethod
@@ -152,6 +175,15 @@ def _load_per_shard(layer: LinearBase, param: torch.Tensor, loaded: torch.Tensor
         param.data.fill_(value)
     else:
         param.data[layer.shard_index(shard_id)] = value
+
+
+def _check_scale_values(layer: LinearBase, name: str, scale: torch.Tensor, allow_zero: bool) -> None:
+    bad = ~torch.isfinite(scale) | (scale < 0 if allow_zero else scale <= 0)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        allowed = "finite and >= 0" if allow_zero else "finite and > 0"
+        raise ValueError(f"{getattr(layer, 'quant_prefix', type(layer).__name__)}.{name} holds "
+                         f"{scale[index].item()} at index {list(index)}: FP8 scales must be {allowed}.")
 
 
 def _check_whole_blocks(layer: LinearBase, prefix: str, block_size: tuple[int, int]) -> None:

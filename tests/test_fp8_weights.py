@@ -6,6 +6,7 @@ raised from config.json alone."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -203,3 +204,63 @@ def test_ignore_list_matches_names_and_regexes_and_a_fused_layer_is_ignored_whol
     with pytest.raises(ValueError, match="fused layer is quantized whole or not at all"):
         config.is_ignored("model.layers.0.mlp.gate_up_proj",
                           ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"])
+
+
+def _rewrite(folder: Path, mutate) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    mutate(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.01], ids=["nan", "inf", "negative"])
+def test_fp8_weight_scale_that_is_not_finite_or_is_negative_is_an_error_naming_the_layer(tmp_path, source, value):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-tensor")
+    _rewrite(quantized, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight_scale", torch.tensor(value)))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight_scale holds .* finite"):
+        LLM(model=str(quantized), **ENGINE)
+
+
+def test_fp8_static_input_scale_of_zero_is_an_error_naming_the_layer(tmp_path, source):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-tensor", static=True)
+    _rewrite(quantized, lambda t: t.__setitem__("model.layers.1.mlp.down_proj.input_scale", torch.tensor(0.0)))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.input_scale holds 0\.0 .* > 0"):
+        LLM(model=str(quantized), **ENGINE)
+
+
+def test_fp8_weights_without_a_quantization_config_are_an_error_naming_the_tensor(tmp_path, source):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-tensor")
+    # Stripped of its config and scales, the checkpoint would load its FP8 values unscaled.
+    config = json.loads((quantized / "config.json").read_text())
+    del config["quantization_config"]
+    (quantized / "config.json").write_text(json.dumps(config))
+    _rewrite(quantized, lambda t: [t.pop(name) for name in [n for n in t if n.endswith("weight_scale")]])
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d+\..*\.weight' .* is FP8 \(F8_E4M3\)"):
+        LLM(model=str(quantized), **ENGINE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.uint8], ids=["e5m2", "uint8"])
+def test_fp8_checkpoint_weight_of_another_dtype_is_an_error_naming_the_layer(tmp_path, source, dtype):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-tensor")
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite(quantized, lambda t: t.__setitem__(name, t[name].view(torch.uint8) if dtype == torch.uint8
+                                                 else t[name].float().to(dtype)))
+    message = r"weight of model\.layers\.0\.mlp\.down_proj is (F8_E5M2|U8); .*float8_e4m3fn"
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(quantized), **ENGINE)
+
+
+def test_fp8_block_scale_of_the_wrong_rank_is_an_error_naming_the_checkpoint_tensor(tmp_path, source):
+    quantized, _, _ = checkpoint(tmp_path, source, "fp8-block", block=(16, 16))
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    _rewrite(quantized, lambda t: t.__setitem__(name, t[name].reshape(-1).contiguous()))
+    with pytest.raises(ValueError, match=rf"loading checkpoint tensor '{name}'"):
+        LLM(model=str(quantized), **ENGINE)
+
+
+def test_online_fp8_of_a_weight_holding_nan_is_an_error_naming_the_layer(tmp_path, source):
+    folder = tmp_path / "nan"
+    shutil.copytree(source, folder)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    _rewrite(folder, lambda t: t[name].__setitem__((3, 5), float("nan")))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.o_proj\.weight_scale holds nan"):
+        LLM(model=str(folder), quantization="fp8", **ENGINE)
