@@ -65,6 +65,25 @@ def kill_worker_at_step(llm: Any, rank: int, step: int = 3) -> WorkerKill:
     return kill
 
 
+def assert_greedy_twice_with_full_prefix_hits(llm: Any, prompts: list[list[int]], expected: list[list[int]],
+                                            max_tokens: int, block_size: int = 16) -> None:
+    """Greedy generation of prompts, twice, gives `expected` (HF's tokens) both times; the
+    second round finds every prompt's full blocks in the prefix cache (no block was freed
+    early), and the engine ends idle."""
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    hits = []
+    for _ in range(2):
+        before = kv.prefix_cache_hits
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [output.outputs[0].token_ids for output in outputs] == expected
+        hits.append(kv.prefix_cache_hits - before)
+    assert hits[1] == sum((len(p) - 1) // block_size * block_size for p in prompts)
+    assert_engine_idle(llm.llm_engine)
+
+
 def assert_engine_idle(engine: Any) -> None:
     """No request left anywhere, every KV block back in the pool (free, or free and
     cached), and the pool's bookkeeping consistent."""

@@ -67,6 +67,20 @@ def assert_hf_greedy(model_dir: Path, prompt_ids: list[int], tokens: list[int], 
     assert_greedy_up_to_near_ties(hf_logits_after(model_dir, prompt_ids, tokens), tokens, what)
 
 
+def assert_generation_matches_hf(llm, model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                                  top_k: int = 3) -> None:
+    """llm's greedy tokens for prompts are HF's up to near-ties, and their sampled, top-k and
+    prompt logprobs are HF's log-softmax (`assert_logprobs_match_hf`)."""
+    from raylm.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top_k, prompt_logprobs=1,
+                            ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert_hf_greedy(model_dir, prompt, output.outputs[0].token_ids)
+    assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=top_k)
+
+
 def assert_seeded_draws(model_dir: Path, prompt_ids: list[int], tokens: list[int], seed: int, sample_index: int,
                         temperature: float, device: str, top_k: int = 0, tolerance: float = 1e-4,
                         what: str = "") -> None:

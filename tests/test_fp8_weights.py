@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8_checkpoints import quantize, write_config_only, write_fp8_checkpoint
-from hf_reference import assert_hf_greedy, assert_logprobs_match_hf
+from hf_reference import assert_generation_matches_hf
 from raylm.engine import LLM, SamplingParams
 from tiny_models import build_tiny_model, random_prompts
 
+MAX_TOKENS = 8
 PROMPTS = random_prompts(4, seed=3, min_len=6, max_len=24)
 ENGINE = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
 
@@ -34,17 +35,6 @@ def checkpoint(tmp_path: Path, source: Path, layout: str, **options) -> tuple[Pa
     return quantized, dequantized, tensors
 
 
-def generate(llm: LLM):
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=1, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-
-
-def assert_matches_hf(reference: Path, outputs) -> None:
-    for prompt, output in zip(PROMPTS, outputs):
-        assert_hf_greedy(reference, prompt, output.outputs[0].token_ids)
-    assert_logprobs_match_hf(reference, PROMPTS, outputs, top_k=3)
-
-
 def driver_model(llm: LLM):
     return llm.llm_engine.executor.driver_worker.model_runner.model
 
@@ -57,7 +47,7 @@ def test_fp8_per_tensor_checkpoint_with_differing_qkv_scales_matches_hf(tmp_path
     scales = [tensors[prefix + f"{p}_proj.weight_scale"].item() for p in "qkv"]
     assert scales[1] > 4 * max(scales[0], scales[2])
     llm = LLM(model=str(quantized), **ENGINE)
-    assert_matches_hf(reference, generate(llm))
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     qkv = driver_model(llm).model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn
     assert qkv.weight_scale.tolist() == pytest.approx(scales)  # one scale per shard, none requantized
@@ -69,7 +59,7 @@ def test_fp8_block_checkpoint_matches_hf(tmp_path, source):
     quantized, reference, tensors = checkpoint(tmp_path, source, "fp8-block", block=(32, 32))
     assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 4)
     llm = LLM(model=str(quantized), **ENGINE)
-    assert_matches_hf(reference, generate(llm))
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     llm.shutdown()
 
 
@@ -78,7 +68,7 @@ def test_compressed_tensors_fp8_checkpoint_matches_hf(tmp_path, source, layout):
     quantized, reference, _ = checkpoint(tmp_path, source, layout, static=layout == "ct-tensor",
                                          block=(32, 16) if layout == "ct-block" else None)
     llm = LLM(model=str(quantized), quantization="compressed-tensors", **ENGINE)
-    assert_matches_hf(reference, generate(llm))
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     llm.shutdown()
 
 
@@ -90,7 +80,7 @@ def test_online_fp8_quantizes_each_linear_weight_per_tensor_and_leaves_embedding
     rounded = {name: quantize(t, "tensor")[2] if name.endswith("_proj.weight") else t for name, t in tensors.items()}
     save_file(rounded, str(reference / "model.safetensors"))
     llm = LLM(model=str(source), quantization="fp8", **ENGINE)
-    assert_matches_hf(reference, generate(llm))
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     model = driver_model(llm)
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
@@ -117,7 +107,7 @@ def test_fp8_checkpoint_over_two_tensor_parallel_ray_workers_matches_hf(tmp_path
     # rank's k and v of 16 rows each).
     quantized, reference, _ = checkpoint(tmp_path, source, layout, block=block)
     llm = LLM(model=str(quantized), tensor_parallel_size=2, **ENGINE)
-    assert_matches_hf(reference, generate(llm))
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     llm.shutdown()
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle
+from engine_checks import assert_greedy_twice_with_full_prefix_hits
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax, hf_model
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.config import load_hf_config
@@ -66,17 +66,8 @@ def test_windows_and_rotary_tables_follow_the_layer_types(llm, model_dir):
 def test_greedy_tokens_equal_hf_generate_with_chunks_and_prefix_hits(llm, model_dir):
     prompts = prompts_with_a_shared_prefix()
     expected = [hf_greedy(model_dir, prompt, MAX_TOKENS) for prompt in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    hits = []
-    for _ in range(2):  # the second round finds every prompt's full blocks in the cache
-        before = kv.prefix_cache_hits
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [output.outputs[0].token_ids for output in outputs] == expected
-        hits.append(kv.prefix_cache_hits - before)
     # No block is freed early (the global layer reads them all), so every full one hits.
-    assert hits[1] == sum((len(p) - 1) // 16 * 16 for p in prompts)
-    assert_engine_idle(llm.llm_engine)
+    assert_greedy_twice_with_full_prefix_hits(llm, prompts, expected, MAX_TOKENS)
 
 
 def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax(llm, model_dir):

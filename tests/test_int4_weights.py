@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from fp8_checkpoints import write_config_only
-from hf_reference import assert_hf_greedy, assert_logprobs_match_hf
+from hf_reference import assert_generation_matches_hf
 from int4_checkpoints import (AWQ_ORDER, awq_config, gptq_config, pack_columns, pack_gptq_rows,
                               write_int4_checkpoint)
 from raylm.engine import LLM, SamplingParams
 from raylm.kernels.int4_linear import apply_int4_linear, dequantize, unpack_columns, unpack_rows
 from tiny_models import build_tiny_model, random_prompts
 
+MAX_TOKENS = 6
 PROMPTS = random_prompts(3, seed=5, min_len=6, max_len=20)
 ENGINE = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
 
@@ -28,22 +29,11 @@ def source(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("int4") / "llama", "llama", seed=13)
 
 
-def generate(llm: LLM):
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=1, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-
-
-def assert_matches_hf(reference: Path, outputs) -> None:
-    for prompt, output in zip(PROMPTS, outputs):
-        assert_hf_greedy(reference, prompt, output.outputs[0].token_ids)
-    assert_logprobs_match_hf(reference, PROMPTS, outputs, top_k=3)
-
-
 def run_checkpoint(tmp_path: Path, source: Path, method: str, tp: int = 1, **options):
     quantized, reference = tmp_path / method, tmp_path / "dequantized"
     tensors = write_int4_checkpoint(source, quantized, reference, method, **options)
     llm = LLM(model=str(quantized), tensor_parallel_size=tp, **ENGINE)
-    assert_matches_hf(reference, generate(llm))
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     return llm, tensors
 
 

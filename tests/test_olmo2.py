@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_checks import assert_engine_idle, tensor_parallel_llm
+from engine_checks import assert_greedy_twice_with_full_prefix_hits, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax
 from raylm.engine import SamplingParams
 from stage_logits import logits_in_stages
@@ -45,16 +45,7 @@ def test_greedy_tokens_equal_hf_generate_with_chunks_and_prefix_hits(llm, model_
     prompts = random_prompts(8, seed=1, min_len=1, max_len=60)
     prompts += [prompts[1][:40] + tail for tail in random_prompts(2, seed=2, min_len=5, max_len=20)]
     expected = [hf_greedy(model_dir, prompt, MAX_TOKENS) for prompt in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    hits = []
-    for _ in range(2):  # the second round finds every prompt's full blocks in the cache
-        before = kv.prefix_cache_hits
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [output.outputs[0].token_ids for output in outputs] == expected
-        hits.append(kv.prefix_cache_hits - before)
-    assert hits[1] == sum((len(p) - 1) // 16 * 16 for p in prompts)
-    assert_engine_idle(llm.llm_engine)
+    assert_greedy_twice_with_full_prefix_hits(llm, prompts, expected, MAX_TOKENS)
 
 
 def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax(llm, model_dir):
