@@ -372,8 +372,8 @@ class LLMEngine:
         return failed
 
     def has_unfinished_requests(self) -> bool:
-        """Whether step() has work: requests, a batch in flight, or the workers' images of an
-        ended request to release (a step of their own)."""
+        """Whether step() has work: requests, a batch in flight, or the workers' state of an
+        ended request to release (images, allowed_token_ids masks: a step of their own)."""
         return (self.output_processor.has_unfinished_requests() or self.engine_core.has_step_in_flight()
                 or self.scheduler.has_worker_releases())
 

@@ -126,10 +126,12 @@ class Scheduler:
         # Worker ids of requests preempted since the last step that workers hold state for.
         self._preempted_worker_ids: list[int] = []
         self._on_workers: set[int] = set()
-        # A request that ended before its prefill passed its last image leaves the image with
-        # the workers (EncoderCache): its release goes out at once, in a step of its own if
-        # nothing else is scheduled, rather than ride with a next step that may never come.
-        self._releases_images = False
+        # Worker state that must not wait for a next step that may never come goes out at
+        # once, in a step of its own if nothing else is scheduled: the image of a request
+        # that ended before its prefill passed it (EncoderCache), and the [V] device mask of
+        # a request with allowed_token_ids (AllowedTokenMasks): an idle engine would
+        # otherwise hold up to max_num_seqs of each.
+        self._releases_now = False
         # Pipeline parallel (`pipeline_schedule.py`): requests wait for their tokens in
         # flight, and each step takes at most _step_request_limit requests.
         self.waits_for_tokens_in_flight = scheduler_config.pipeline_parallel_size > 1
@@ -190,8 +192,9 @@ class Scheduler:
         if request.worker_id in self._on_workers:
             self._on_workers.discard(request.worker_id)
             self._finished_worker_ids.append(request.worker_id)
-            if request.mm_features and request.num_computed_tokens < request.mm_features[-1].mm_position.end:
-                self._releases_images = True
+            if ((request.mm_features and request.num_computed_tokens < request.mm_features[-1].mm_position.end)
+                    or getattr(request.sampling_params, "allowed_token_ids", None) is not None):
+                self._releases_now = True
 
     def free_finished(self, requests: list[Request], preempted: bool = False) -> None:
         """Drops requests the engine core just finished from the running list (and, if
@@ -211,9 +214,9 @@ class Scheduler:
         return bool(self.requests)
 
     def has_worker_releases(self) -> bool:
-        """Whether the next schedule() sends a step only to release workers' images (a
-        request with images ended before its prefill passed them)."""
-        return self._releases_images
+        """Whether the next schedule() sends a step only to release workers' state (images
+        of a request that ended before its prefill passed them, allowed_token_ids masks)."""
+        return self._releases_now
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -257,12 +260,12 @@ class Scheduler:
             out.num_batched_tokens += num_new_tokens + len(request.spec_token_ids)
             step_requests.append(self._scheduled_request(request, num_new_tokens))
             scheduled_requests.append(request)
-        if scheduled or self._releases_images:
+        if scheduled or self._releases_now:
             # An empty step never reaches the workers: its ids ride along with the next one
-            # (unless they hold images, `_releases_images`).
+            # (unless they hold images or masks, `_releases_now`).
             out.step.finished_req_ids, self._finished_worker_ids = self._finished_worker_ids, []
             out.step.preempted_req_ids, self._preempted_worker_ids = self._preempted_worker_ids, []
-            self._releases_images = False
+            self._releases_now = False
         if scheduled:
             if self.lora_slots is not None:
                 out.step.lora_activations = self.lora_slots.take_activations()

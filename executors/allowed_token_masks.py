@@ -7,7 +7,8 @@ once, the first time one of its rows is sampled after it was admitted, and each 
 stacks the masks of its rows (a device copy) and sends their row indices. A request's mask
 is dropped when it finishes or is preempted (rebuilt when it is readmitted), like its
 penalty row (executors/penalty_state.py), so what the masks hold is bounded by the running
-requests: at most max_num_seqs x V bytes.
+requests: at most max_num_seqs x V bytes. The scheduler sends a masked request's release at
+once, in a step of its own if nothing else is scheduled, so an idle engine holds none.
 """
 
 from __future__ import annotations

@@ -73,14 +73,22 @@ class Int4LinearMethod:
         del layer._parameters["weight"]
         layer.weight = torch.empty(out_rows, in_columns, device="meta")
         layer.g_idx_runtime = None
+        layer.quant_prefix = prefix  # names the layer in errors found after loading
         layer.quant_method = self
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Each local input row's group: g_idx under desc_act, else row // group_size (as
-        vLLM, which reads g_idx only for act-order checkpoints)."""
+        vLLM, which reads g_idx only for act-order checkpoints). A scale that is NaN or
+        infinite, or a g_idx that names no group, is an error naming the layer: either would
+        make the layer's outputs garbage (or wrap to the last group) without a word. A scale
+        of 0 (an fp16 underflow of a tiny group) or below 0 is exact arithmetic and is kept:
+        GPTQ and AWQ writers only write positive scales, but (code - zero) * scale holds for any.
+        """
         scheme = self.scheme
         in_columns = layer.weight.shape[1]
+        _check_finite_scales(layer)
         if scheme.desc_act:
+            _check_g_idx_range(layer)
             layer.g_idx_runtime = layer.g_idx.detach().long()
         else:
             group_size = in_columns if scheme.group_size == -1 else scheme.group_size
@@ -136,6 +144,24 @@ def _load_output_columns(layer: ColumnParallelLinear, param: torch.Tensor, loade
     name = type(layer).__name__ + ("" if shard_id is None else f" shard {shard_id}")
     _copy_checked(param.data.narrow(last, param_offset // unit, size // unit),
                   loaded.narrow(last, source_start // unit, size // unit), name)
+
+
+def _check_finite_scales(layer: LinearBase) -> None:
+    bad = ~torch.isfinite(layer.scales.detach())
+    if bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{layer.quant_prefix}.scales holds {layer.scales[tuple(index)].item()} at index {index} "
+                         f"(group, output): GPTQ/AWQ scales must be finite.")
+
+
+def _check_g_idx_range(layer: LinearBase) -> None:
+    groups = layer.scales.shape[0]
+    g_idx = layer.g_idx.detach()
+    bad = (g_idx < 0) | (g_idx >= groups)
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{layer.quant_prefix}.g_idx holds {int(g_idx[index])} at index {index}: each input row's "
+                         f"group must be in [0, {groups}), the groups of its scales.")
 
 
 def _check_shapes(layer: LinearBase, prefix: str, scheme: Int4LinearScheme, factor: int) -> None:

@@ -78,3 +78,30 @@ def test_the_masks_read_nothing_back_and_later_steps_send_no_ids(gpu_path):  # n
         assert masks.num_built == 2 and len(masks) == 2
     masks.release([10, 11])
     assert len(masks) == 0
+
+
+def test_no_mask_is_held_once_masked_requests_finish_or_are_aborted_and_nothing_follows(llama_dir):
+    # The releases used to ride with the next step that schedules a request: an idle engine
+    # kept every finished request's [V] mask until one came.
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, max_num_seqs=8)
+    try:
+        engine = llm.llm_engine
+        masks = engine.executor.driver_worker.model_runner.allowed_token_masks
+        prompts = random_prompts(6, seed=3, min_len=5, max_len=12)
+        finishing = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, allowed_token_ids=ALLOWED)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], finishing, use_tqdm=False)
+        assert masks.num_built == 3 and len(masks) == 0
+
+        unending = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, allowed_token_ids=ALLOWED)
+        for i, prompt in enumerate(prompts[3:]):
+            engine.add_request(f"aborted-{i}", {"prompt_token_ids": prompt}, unending)
+        engine.step()
+        engine.step()
+        assert len(masks) == 3
+        engine.abort_request([f"aborted-{i}" for i in range(3)])
+        while engine.has_unfinished_requests():  # what any driving loop does
+            engine.step()
+        assert len(masks) == 0
+        assert_engine_idle(engine)
+    finally:
+        llm.shutdown()

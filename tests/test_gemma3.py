@@ -2,7 +2,8 @@
 same tiny random checkpoint, in fp32: three windowed layers of 20 tokens and one global
 (prompts of 150-300 tokens), the global layers' rope linearly scaled, per-head q/k norms,
 with chunked prefill (a 64-token budget) and prefix-cache hits, on the native CPU attention
-kernels and the PyTorch reference."""
+kernels and the PyTorch reference, in process and over two tensor-parallel Ray workers (each
+holding 2 of the 4 query heads and 1 of the 2 KV heads, with their per-head norms)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_checks import assert_greedy_twice_with_full_prefix_hits
+from engine_checks import assert_greedy_twice_with_full_prefix_hits, tensor_parallel_llm
 from hf_reference import assert_logprobs_match_hf, hf_greedy, hf_log_softmax, hf_model
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.config import load_hf_config
@@ -40,6 +41,12 @@ def llm(request, model_dir):
     assert {layer.self_attn.attn.attn_backend.name for layer in model.model.layers} == {request.param}
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_llm(request, model_dir):
+    with tensor_parallel_llm(request, model_dir, 2, attention_backend="cpu", **ENGINE_KWARGS) as llm:
+        yield llm
 
 
 def prompts_with_a_shared_prefix() -> list[list[int]]:
@@ -74,6 +81,19 @@ def test_sampled_top_and_prompt_logprobs_match_hf_log_softmax(llm, model_dir):
     prompts = random_prompts(2, seed=4, min_len=100, max_len=160)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=5, abs_tol=1e-4)
+
+
+def test_two_tensor_parallel_ray_workers_give_hf_greedy_tokens_with_chunks_and_prefix_hits(tp2_llm, model_dir):
+    prompts = prompts_with_a_shared_prefix()
+    expected = [hf_greedy(model_dir, prompt, MAX_TOKENS) for prompt in prompts]
+    assert_greedy_twice_with_full_prefix_hits(tp2_llm, prompts, expected, MAX_TOKENS)
+
+
+def test_two_tensor_parallel_ray_workers_give_hf_top_and_prompt_logprobs(tp2_llm, model_dir):
+    prompts = random_prompts(2, seed=4, min_len=100, max_len=160)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    outputs = tp2_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_logprobs_match_hf(model_dir, prompts, outputs, top_k=5, abs_tol=1e-4)
 
 

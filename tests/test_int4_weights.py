@@ -185,3 +185,59 @@ def test_tensor_parallel_size_that_cuts_a_group_is_an_error(tmp_path, source, ra
     write_int4_checkpoint(source, folder, tmp_path / "dequantized", "awq", group_size=64)
     with pytest.raises(Exception, match="not whole groups of the checkpoint's group_size 64"):
         LLM(model=str(folder), tensor_parallel_size=2, **ENGINE)
+
+
+def _rewrite(folder: Path, mutate) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    mutate(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def _set(tensors: dict, name: str, index: tuple, value: float) -> None:
+    tensors[name] = tensors[name].clone()
+    tensors[name][index] = value
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "-inf"])
+def test_int4_scale_that_is_not_finite_is_an_error_naming_the_layer_and_scales(tmp_path, source, method, value):
+    folder = tmp_path / method
+    write_int4_checkpoint(source, folder, tmp_path / "dequantized", method)
+    _rewrite(folder, lambda t: _set(t, "model.layers.1.mlp.down_proj.scales", (1, 3), value))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.scales holds -?(nan|inf) at index "
+                                         r"\[1, 3\] .*must be finite"):
+        LLM(model=str(folder), **ENGINE)
+
+
+def test_int4_scales_of_zero_and_below_zero_are_kept_as_the_arithmetic_they_state(tmp_path, source):
+    # GPTQ/AWQ writers write positive scales, but (code - zero) * scale is exact for any: a
+    # group of 0 (an fp16 underflow) and a negated group still generate HF's tokens.
+    quantized, reference = tmp_path / "gptq", tmp_path / "dequantized"
+    write_int4_checkpoint(source, quantized, reference, "gptq")
+    name = "model.layers.0.mlp.down_proj"
+
+    def scale_groups(tensors: dict, factors: list[float]) -> None:
+        tensors[name + ".scales"] = tensors[name + ".scales"].clone()
+        for group, factor in enumerate(factors):
+            tensors[name + ".scales"][group] *= factor
+
+    _rewrite(quantized, lambda t: scale_groups(t, [0.0, -1.0]))
+    # The dequantized weight [out, in]: group 0's input columns zeroed, group 1's negated.
+    _rewrite(reference, lambda t: t.__setitem__(name + ".weight", t[name + ".weight"].clone()
+                                                  * torch.tensor([0.0] * 32 + [-1.0] * 32 + [1.0] * 64)))
+    llm = LLM(model=str(quantized), **ENGINE)
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("bad", [-1, 4], ids=["negative", "past-the-groups"])
+def test_gptq_g_idx_outside_the_groups_is_an_error_naming_g_idx(tmp_path, source, bad):
+    # down_proj: 128 inputs in 4 groups of 32 under desc_act.
+    folder = tmp_path / "gptq"
+    write_int4_checkpoint(source, folder, tmp_path / "dequantized", "gptq", desc_act=True)
+    _rewrite(folder, lambda t: _set(t, "model.layers.1.mlp.down_proj.g_idx", (5,), bad))
+    with pytest.raises(ValueError, match=rf"model\.layers\.1\.mlp\.down_proj\.g_idx holds {bad} at index 5: .*"
+                                         r"\[0, 4\)"):
+        LLM(model=str(folder), **ENGINE)
