@@ -8,7 +8,11 @@ kernels, in the same order, called from C++, so the results are bitwise those of
 modules. Elsewhere (prefill and mixed steps, tensor parallelism, other attention backends or
 layer types, GPUs) `run` returns None and the modules run. With LoRA layers (enable_lora) the
 op adds each token's adapter term after each projection, as the LoRA layers do
-(`csrc/cpu_lora.cpp`).
+(`csrc/cpu_lora.cpp`). Models on these layers run it: Llama, Mistral, Qwen2, Phi-3 (partial
+rotary and LongRoPE live in the rotary table) and Granite (its attention_multiplier is the
+softmax scale, its residual_multiplier the op's); layers that compute more (Qwen3's and
+Gemma 3's per-head q/k norms, OLMo 2's post-norms, gpt-oss's sinks and experts) run their
+modules.
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
 layer's ~10 kernels runs with cold caches (25 us an op call instead of 2.4); in the ~100M
@@ -42,6 +46,8 @@ class _Shape:
     rotary_dim: int
     eps: float
     scale: float
+    # Each block's output times this before its residual add (Granite's; 1 for Llama).
+    residual_multiplier: float
     cos_sin_cache: torch.Tensor
     # Each layer's sliding window (0: none).
     sliding_windows: list[int]
@@ -57,7 +63,9 @@ class CpuFusedDecode:
     `is_plain_layer(layer)` says whether a layer is the plain Llama decoder layer this op
     computes (RMSNorms, rotary attention, SiLU-gated MLP, nothing more): the model knows its
     layer classes, this module knows none. Each layer's attention keeps its sliding window
-    (Mistral's); a soft-capped one is not such a layer."""
+    (Mistral's) and its softmax scale (Granite's attention_multiplier), the same in every
+    layer; a layer's `residual_multiplier` (Granite's, 1 where a layer has none) scales each
+    block's output before its residual add. A soft-capped attention is not such a layer."""
 
     def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> None:
         self.layers = layers
@@ -109,7 +117,8 @@ class CpuFusedDecode:
             hidden_states.contiguous(), positions.to(torch.int64).contiguous(),
             md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous(),
             md.seq_lens.to(torch.int32).contiguous(), shape.cos_sin_cache, tensors, ints, shape.num_heads,
-            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.sliding_windows,
+            shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.residual_multiplier,
+            shape.sliding_windows,
             *lora_args)
 
     def _check_layers(self) -> _Shape | bool:
@@ -183,6 +192,7 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
         return False
     first = layers[0].self_attn
     eps = layers[0].input_layernorm.eps
+    residual_multiplier = _residual_multiplier(layers[0])
     for layer in layers:
         attn = layer.self_attn
         if (not is_plain_layer(layer) or attn.attn.attn_backend.name != "cpu" or attn.o_proj.tp_size != 1
@@ -191,11 +201,17 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
         if (attn.rotary_emb is not first.rotary_emb or attn.attn.scale != first.attn.scale
                 or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,
                                                                            first.head_size)
-                or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}):
+                or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
+                or _residual_multiplier(layer) != residual_multiplier):
             return False
     rotary = first.rotary_emb
     if rotary.cos_sin_cache.dtype not in _DTYPES or not rotary.cos_sin_cache.is_contiguous():
         return False
     return _Shape(first.num_heads, first.num_kv_heads, first.head_size, rotary.rotary_dim, float(eps),
-                  float(first.attn.scale), rotary.cos_sin_cache,
+                  float(first.attn.scale), residual_multiplier, rotary.cos_sin_cache,
                   [layer.self_attn.attn.sliding_window or 0 for layer in layers])
+
+
+def _residual_multiplier(layer: nn.Module) -> float:
+    """What the layer multiplies each block's output by before its residual add."""
+    return float(getattr(layer, "residual_multiplier", 1.0))

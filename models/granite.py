@@ -2,6 +2,8 @@
 token embeddings times `embedding_multiplier`, each block's output (attention and MLP)
 times `residual_multiplier` before its residual add, `attention_multiplier` as the
 softmax scale (in place of head_dim ** -0.5), and the logits divided by `logits_scaling`.
+CPU decode steps run through the fused op of Llama's layers (`kernels/cpu_fused_decode.py`),
+which takes the attention's scale and the residual multiplier.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from torch import nn
 
 from raylm.models.attention import Attention
 from raylm.models.forward_context import select_rows
-from raylm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from raylm.kernels.cpu_fused_decode import CpuFusedDecode
+from raylm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, is_plain_llama_layer
 from raylm.models.rmsnorm import norm_with_residual
 from raylm.models.rotary_embedding import RotaryEmbedding
 from raylm.parallel import VocabParallelEmbedding
@@ -72,6 +75,8 @@ class GraniteModel(LlamaModel):
         embedding = partial(MultipliedVocabParallelEmbedding, multiplier=config_number(config, "embedding_multiplier"))
         self._build_modules(config, lambda rotary_emb, window: GraniteDecoderLayer(config, rotary_emb, window),
                             embedding_type=embedding)
+        self.fused_decode = CpuFusedDecode(self.stage_layers,
+                                           partial(is_plain_llama_layer, layer_class=GraniteDecoderLayer))
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

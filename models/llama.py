@@ -135,9 +135,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-def _is_plain_llama_layer(layer: nn.Module) -> bool:
-    """Whether a layer computes exactly what the fused CPU decode op does (subclasses may not)."""
-    if type(layer) is not LlamaDecoderLayer:
+def is_plain_llama_layer(layer: nn.Module, layer_class: type[nn.Module] = LlamaDecoderLayer) -> bool:
+    """Whether a layer computes exactly what the fused CPU decode op does: of exactly
+    `layer_class` (a subclass may compute otherwise; Granite's, whose only change the op
+    takes, names its own) over Llama's attention, MLP, norms and rotary."""
+    if type(layer) is not layer_class:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     return (type(attn) is LlamaAttention and type(mlp) is LlamaMLP and type(mlp.act_fn) is SiluAndMul
@@ -156,7 +158,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self._build_modules(config, lambda rotary_emb, window: LlamaDecoderLayer(config, rotary_emb, qkv_bias,
                                                                                  sliding_window=window))
-        self.fused_decode = CpuFusedDecode(self.stage_layers, _is_plain_llama_layer)
+        self.fused_decode = CpuFusedDecode(self.stage_layers, is_plain_llama_layer)
 
     def _build_modules(self, config: Any, make_layer: Callable[[RotaryEmbedding, int | None], nn.Module],
                        embedding_type: type[VocabParallelEmbedding] = VocabParallelEmbedding,

@@ -3,7 +3,9 @@ against the modules it stands in for, run on the same runner and weights: the sa
 in the same order, so tokens and logprobs must be bitwise equal; and against Hugging Face.
 
 The runner is driven by hand with test_model_runner.py's requests: one prefill step of three
-prompts, then decode steps, which are the ones the op takes.
+prompts, then decode steps, which are the ones the op takes. Besides Llama and Qwen2 (q/k/v
+biases), Granite (its attention_multiplier as the softmax scale, its residual_multiplier on
+each block's output) and Phi-3 (partial rotary, LongRoPE) run through the op.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from raylm.kernels import cpu_gemm
 from raylm.parallel.linear import LinearBase
 from tests.test_model_runner import PROMPTS, _decode, _engine_config, _loaded_runner, _prefill
 from tests.test_more_models_rmsnorm import qwen3_config
-from tests.tiny_models import build_tiny_model, save_random_model_with_random_norms
+from tests.tiny_models import build_tiny_granite, build_tiny_model, build_tiny_phi3, save_random_model_with_random_norms
 
 pytestmark = pytest.mark.skipif(
     not (cpu_ops.usable() and cpu_attention.is_available() and load_native_library("cpu_decode_layers")),
@@ -38,6 +40,8 @@ def model_dirs(tmp_path_factory):
     dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ("llama", "qwen2")}
     # Mistral v0.1's layout: every layer windowed, here to 5 of the prompts' 4-15 tokens.
     dirs["mistral_windowed"] = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=5)
+    dirs["granite"] = build_tiny_granite(tmp_path_factory.mktemp("granite"), seed=22)
+    dirs["phi3"] = build_tiny_phi3(tmp_path_factory.mktemp("phi3"), seed=20)  # rotary over 3/4 of a head, LongRoPE
     return dirs | {"qwen3": save_random_model_with_random_norms(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
 
 
@@ -95,7 +99,7 @@ def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
 
 @pytest.mark.parametrize("kernel", ["as_loaded", "unfused_gate_up", "onednn", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite"])
 def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, kernel, monkeypatch):
     runner = _runner(model_dirs[arch], dtype)
     with torch.no_grad():  # the checkpoints' norm weights are all ones: make each norm count
@@ -148,11 +152,12 @@ def test_a_decode_batch_whose_onednn_rows_are_padded_is_bitwise_the_modules(mode
     assert set(fused_rows) == set(module_rows) == {60, 20}
 
 
-def test_fused_decode_matches_hugging_face(model_dirs):
+@pytest.mark.parametrize("arch", ["llama", "granite"])
+def test_fused_decode_matches_hugging_face(model_dirs, arch):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]), dtype=torch.float32).eval()
-    tokens, logprobs, calls = _generate(_runner(model_dirs["llama"], torch.float32))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs[arch]), dtype=torch.float32).eval()
+    tokens, logprobs, calls = _generate(_runner(model_dirs[arch], torch.float32))
     assert calls == STEPS - 1
     for prompt, got_tokens, got_logprobs in zip(PROMPTS, tokens, logprobs):
         history = list(prompt)
@@ -162,6 +167,19 @@ def test_fused_decode_matches_hugging_face(model_dirs):
                 assert token == int(reference.argmax())
                 assert logprob == pytest.approx(float(reference[token]), abs=1e-4)
                 history.append(token)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_of_partial_rotary_longrope_layers_equals_the_modules_bitwise(model_dirs, dtype, monkeypatch):
+    # Phi-4-mini's rotary: 12 of each head's 16 dimensions, LongRoPE's long factors (the
+    # engine's 256 positions pass the original 32) and attention factor, all in the table.
+    runner = _runner(model_dirs["phi3"], dtype)
+    fused = _fused_decode(runner)
+    tokens, logprobs, calls = _generate(runner)
+    assert calls == STEPS - 1 and (fused._shape.rotary_dim, fused._shape.head_size) == (12, 16)
+    monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
+    fused.reset()
+    assert _generate(runner) == (tokens, logprobs, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

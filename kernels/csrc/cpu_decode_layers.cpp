@@ -18,7 +18,10 @@
 //   attn = paged_decode_attention(q, the layer's sliding window); hidden = linear(attn)
 //   residual += hidden; hidden = rms_norm(residual); hidden = linear(silu_and_mul(linear(hidden)))
 //   (the inner two as one avx512_linear_silu_mul where gate_up_proj has the gated copy)
-// and returns (hidden, residual) after the last layer.
+// and returns (hidden, residual) after the last layer. A residual_multiplier other than 1
+// (Granite's) scales each block's output, attention's and the MLP's, before its residual add,
+// as GraniteDecoderLayer does (`hidden * multiplier`: the same mul kernel, here in place on the
+// block's fresh output); at 1 the op multiplies nothing, so Llama's results are untouched.
 //
 // Per layer, `tensors` holds kTensorsPerLayer entries, in this order: input_layernorm weight,
 // post_attention_layernorm weight, then (weight, bias or None) for qkv_proj, o_proj,
@@ -166,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale,
-    at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& lora_token_slots,
+    double residual_multiplier, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& lora_token_slots,
     at::TensorList lora_tensors, int64_t lora_rank) {
   const int64_t num_layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
   const bool lora = lora_token_slots.has_value();
@@ -183,6 +186,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
   const Ops& op = ops();
   const int64_t T = hidden_in.size(0);
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
+  const bool scale_blocks = residual_multiplier != 1.0;
   at::Tensor hidden = hidden_in, residual;
   std::optional<at::Tensor> slots[kTensorsPerLayer];
   for (int64_t layer = 0; layer < num_layers; ++layer) {
@@ -215,6 +219,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor attn_rows = attn.reshape({T, q_size});
     hidden = linear(kinds[2], attn_rows, *slots[4], kinds[3], slots[5]);
     if (lora) add_lora(hidden, attn_rows, lora_layer + 4, kLoRASlices[1], *lora_token_slots, lora_rank);
+    if (scale_blocks) hidden.mul_(residual_multiplier);
     // MLP block.
     op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
     at::Tensor activation;
@@ -230,6 +235,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     }
     hidden = linear(kinds[6], activation, *slots[8], kinds[7], slots[9]);
     if (lora) add_lora(hidden, activation, lora_layer + 9, kLoRASlices[3], *lora_token_slots, lora_rank);
+    if (scale_blocks) hidden.mul_(residual_multiplier);
   }
   return {hidden, residual};
 }
@@ -239,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("llama_decode_layers(Tensor(a!) hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor cos_sin_cache, Tensor?[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-        "int head_size, int rotary_dim, float eps, float scale, int[] sliding_windows, "
+        "int head_size, int rotary_dim, float eps, float scale, float residual_multiplier, int[] sliding_windows, "
         "Tensor? lora_token_slots, Tensor[] lora_tensors, int lora_rank) -> (Tensor, Tensor)");
 }
 
