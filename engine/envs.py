@@ -183,6 +183,18 @@ def kernel_switched_off(kernel: str) -> bool:
     return kernel in VARIABLES["RAYLM_TEST_DISABLE_KERNELS"].value()
 
 
+def switch_off_kernels(kernels: frozenset[str] | set[str]) -> None:
+    """Sets RAYLM_TEST_DISABLE_KERNELS in this process to `kernels` (each one of
+    TEST_KERNEL_SWITCHES; empty clears it): a benchmark's A/B runs in one process."""
+    unknown = set(kernels) - set(TEST_KERNEL_SWITCHES)
+    assert not unknown, unknown
+    name = VARIABLES["RAYLM_TEST_DISABLE_KERNELS"].name
+    if kernels:
+        os.environ[name] = ",".join(sorted(kernels))
+    else:
+        os.environ.pop(name, None)
+
+
 def markdown() -> str:
     """docs/environment_variables.md: the public variables, from their definitions above."""
     lines = ["# Environment variables", "",

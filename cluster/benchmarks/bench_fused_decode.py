@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import tempfile
 import time
@@ -49,11 +48,9 @@ def build_model(path: Path, arch: str, seed: int = 0) -> Path:
 
 
 def fused_switched_off(off: bool) -> None:
-    variable = "RAYLM_TEST_DISABLE_KERNELS"
-    if off:
-        os.environ[variable] = "fused_decode"
-    else:
-        os.environ.pop(variable, None)
+    from raylm.engine import envs
+
+    envs.switch_off_kernels({"fused_decode"} if off else set())
 
 
 def main() -> None:
