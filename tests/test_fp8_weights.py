@@ -123,17 +123,13 @@ def test_serve_flag_quantization_reaches_the_model_config(source):
 def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path, source):
     # W8A8 (compute capability >= 8.9) rounds activations to fp8 too, W8A16 elsewhere: the
     # sampled tokens' logprobs stay within a few hundredths of HF's on the dequantized weights.
-    from hf_reference import hf_log_softmax
+    from hf_reference import assert_sampled_logprobs_near_hf
 
     quantized, reference, _ = checkpoint(tmp_path, source, "ct-channel")
     llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        completion = output.outputs[0]
-        rows = hf_log_softmax(reference, prompt + completion.token_ids)[len(prompt) - 1:]
-        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            assert entry[token].logprob == pytest.approx(rows[step, token].item(), abs=0.05)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs, abs_tol=0.05)
     llm.shutdown()
 
 

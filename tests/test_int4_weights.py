@@ -123,18 +123,14 @@ def test_int4_checkpoint_over_two_tensor_parallel_ray_workers_matches_hf(tmp_pat
 def test_int4_checkpoint_on_a_gpu_gives_hf_logprobs_within_bf16_rounding(tmp_path, source, method, options):
     # The same chunked dequantization on CUDA, in bf16: the sampled tokens' logprobs stay
     # within a few hundredths of HF's fp32 ones on the dequantized weights.
-    from hf_reference import hf_log_softmax
+    from hf_reference import assert_sampled_logprobs_near_hf
 
     quantized, reference = tmp_path / method, tmp_path / "dequantized"
     write_int4_checkpoint(source, quantized, reference, method, **options)
     llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        completion = output.outputs[0]
-        rows = hf_log_softmax(reference, prompt + completion.token_ids)[len(prompt) - 1:]
-        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            assert entry[token].logprob == pytest.approx(rows[step, token].item(), abs=0.05)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs, abs_tol=0.05)
     llm.shutdown()
 
 

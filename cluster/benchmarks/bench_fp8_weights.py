@@ -18,6 +18,25 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
+
+
+def alternating_generate_times(llms: dict, prompts: list, params, rounds: int,
+                               before: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Seconds of `generate(prompts, params)` per engine, the engines taking turns for
+    rounds + 1 rounds (the first warms up, kernels built and caches touched, and is dropped),
+    so a shared machine's slow spells fall on all of them alike. before(name) runs ahead of
+    each engine's turn (a switch the comparison flips)."""
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    for round_index in range(rounds + 1):
+        for name, llm in llms.items():
+            if before is not None:
+                before(name)
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            if round_index:
+                times[name].append(time.perf_counter() - start)
+    return times
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -46,15 +65,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(args.input_len)]}
                for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    times: dict[str, list[float]] = {name: [] for name in llms}
-    for _ in range(args.rounds + 1):  # the first round warms up (kernels built, caches touched): not counted
-        for name, llm in llms.items():
-            fp8_linear.NATIVE_MAX_ROWS = 0 if name == "fp8-chunks" else native_max_rows
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times[name].append(time.perf_counter() - start)
+    def before(name: str) -> None:
+        fp8_linear.NATIVE_MAX_ROWS = 0 if name == "fp8-chunks" else native_max_rows
+
+    times = alternating_generate_times(llms, prompts, params, args.rounds, before)
     fp8_linear.NATIVE_MAX_ROWS = native_max_rows
-    times = {name: seconds[1:] for name, seconds in times.items()}
     tokens = args.batch * args.output_len
     result = {name: tokens / statistics.median(seconds) for name, seconds in times.items()}
     for name, seconds in times.items():

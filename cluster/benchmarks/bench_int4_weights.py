@@ -26,7 +26,6 @@ import random
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -109,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine, alternating")
     args = parser.parse_args(argv)
 
+    from raylm.cluster.benchmarks.bench_fp8_weights import alternating_generate_times
     from raylm.engine import LLM, SamplingParams
 
     source = Path(args.model)
@@ -125,15 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         prompts = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(args.input_len)]}
                    for _ in range(args.batch)]
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        times: dict[str, list[float]] = {name: [] for name in llms}
-        for _ in range(args.rounds + 1):  # the first round warms up (kernels built, caches touched): not counted
-            for name, llm in llms.items():
-                start = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                times[name].append(time.perf_counter() - start)
+        times = alternating_generate_times(llms, prompts, params, args.rounds)
         for llm in llms.values():
             llm.shutdown()
-    times = {name: seconds[1:] for name, seconds in times.items()}
     tokens = args.batch * args.output_len
     result = {name: tokens / statistics.median(seconds) for name, seconds in times.items()}
     for name, seconds in times.items():
