@@ -180,3 +180,32 @@ def test_adapters_over_gptq_weights_on_two_tensor_parallel_ray_workers_equal_pef
     finally:
         llm.shutdown()
     assert_outputs_match_peft(reference, adapters, plan, outputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["ct-channel", "gptq-desc-act"])
+def test_an_adapter_over_quantized_weights_on_a_gpu_gives_hf_logprobs_within_bf16_rounding(tmp_path, source, kind):
+    """The Triton LoRA kernels after the FP8 (W8A8 where the GPU multiplies fp8) or GPTQ GEMM,
+    in bf16: sampled logprobs within a few hundredths of HF's fp32 ones on the dequantized
+    weights, the adapter merged into them by hand (the GPU image has no peft)."""
+    from hf_reference import assert_sampled_logprobs_near_hf
+    from lora_adapters import merge_lora_adapter, write_lora_adapter
+
+    if kind == "ct-channel":
+        model_dir, reference = tmp_path / kind, tmp_path / "dequantized"
+        write_fp8_checkpoint(source, model_dir, reference, kind)
+    else:
+        model_dir, reference, _ = quantized_model(tmp_path, source, kind)
+    adapter = write_lora_adapter(source, tmp_path / "adapter", rank=8, seed=4)
+    merged = merge_lora_adapter(reference, adapter, tmp_path / "merged")
+    llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", enable_lora=True, max_lora_rank=8,
+              max_model_len=128, max_num_seqs=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], params, use_tqdm=False,
+                               lora_request=[LoRARequest("adapter", 1, str(adapter))] * len(PROMPTS)
+                               + [None] * len(PROMPTS))
+    finally:
+        llm.shutdown()
+    assert_sampled_logprobs_near_hf(merged, PROMPTS, outputs[:len(PROMPTS)], abs_tol=0.05)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs[len(PROMPTS):], abs_tol=0.05)
