@@ -193,8 +193,9 @@ def bench_e2e(model: str, dtype: str, num_prompts: int, input_len: int, output_l
     plain.shutdown()
     lora.shutdown()
     tokens = num_prompts * output_len
-    result = {"model": model, "dtype": dtype, "quantization": quantization, "num_prompts": num_prompts, "input_len": input_len,
-              "output_len": output_len, "rank": rank, "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
+    result = {"model": model, "dtype": dtype, "quantization": quantization, "num_prompts": num_prompts,
+              "input_len": input_len, "output_len": output_len, "rank": rank,
+              "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
               "output_tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()}}
     best = {k: min(v) for k, v in times.items()}
     result["ratio_to_base_lora_off"] = {k: round(best["base, LoRA off"] / v, 3) for k, v in best.items()}
