@@ -265,10 +265,6 @@ class EngineArgs(SettingsMixin):
         device_config = DeviceConfig.detect(self.device)
         hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
         quant_config = get_quant_config(hf_config, self.quantization)  # errors before any weight is read
-        if quant_config is not None and self.enable_lora:
-            kind = {"gptq": "GPTQ", "awq": "AWQ"}.get(quant_config.method, "FP8")
-            raise ValueError(f"enable_lora is not supported with {kind} weights (quantization "
-                             f"{quant_config.method!r}): LoRA layers read the base weight in 16/32 bits.")
         runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
         # A multi-modal config's context length is its language model's (vLLM's hf_text_config).
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

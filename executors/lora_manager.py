@@ -127,10 +127,12 @@ def _mark_output_row_layers(model: nn.Module, layers: dict[str, BaseLinearWithLo
 
 
 class WorkerLoRAManager:
-    def __init__(self, model: nn.Module, lora_config: LoRAConfig, hf_config, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, lora_config: LoRAConfig, hf_config, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        """`dtype`: the model's (ModelConfig.dtype), in which the adapters' terms are computed;
+        not read off a parameter, which may be a quantized layer's FP8 or packed int32 weight."""
         self.lora_config = lora_config
         self.hf_config = hf_config
-        dtype = next(model.parameters()).dtype
         self.batch = LoRABatch(lora_config.max_loras, lora_config.max_lora_rank, device, dtype)
         self.layers = wrap_model(model, self.batch)
         self._targets = peft_target_map(model)

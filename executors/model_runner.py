@@ -170,7 +170,7 @@ class ModelRunner:
             from raylm.executors.lora_manager import WorkerLoRAManager
 
             self.lora_manager = WorkerLoRAManager(self.model, self.engine_config.lora_config,
-                                                  self.model_config.hf_config, self.device)
+                                                  self.model_config.hf_config, self.device, self.model_config.dtype)
         self.attn_backend = get_attention_backend(self.model_config.attention_backend)
         for layer in self._attention_layers():
             layer.attn_backend = self.attn_backend

@@ -4,7 +4,9 @@
 A wrapper holds its base layer (whose weights and kernels are unchanged) and the stacked
 weights of `max_loras` adapter slots (layout in `raylm.kernels.lora_ops`). Its output is the
 base layer's plus, for each token that runs under an adapter, that adapter's
-`scaling * (x A^T) B^T`.
+`scaling * (x A^T) B^T`. The base output comes from the base layer's own linear method, so a
+quantized base (FP8, GPTQ, AWQ: its `quant_method`) runs its quantized GEMM and the adapter's
+term is added in the model's 16/32-bit dtype, as vLLM serves LoRA over quantized models.
 
 Sharding follows the base layer, so each rank holds only its share:
 - column parallel (qkv_proj, gate_up_proj): the input is whole on every rank, so A is whole
@@ -50,7 +52,12 @@ class BaseLinearWithLoRA(nn.Module):
         self.lora_in_features = in_features
         self.output_offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         slots, rank = batch.max_loras, batch.max_rank
-        dtype, device = base_layer.weight.dtype, base_layer.weight.device
+        # A quantized base (FP8, GPTQ, AWQ) holds its weight in 8 bits or packed integers (a
+        # meta-tensor placeholder): the adapter's term is computed in the model's dtype, as
+        # vLLM computes it over quantized bases (QLoRA-style serving).
+        plain = base_layer.quant_method is None
+        dtype = base_layer.weight.dtype if plain else batch.dtype
+        device = base_layer.weight.device if plain else batch.device
         # Not parameters: the model's state_dict and checkpoint loading never see them.
         self.lora_a = torch.zeros(in_features, len(slice_ids) * slots * rank, dtype=dtype, device=device)
         self.lora_b = [torch.zeros(slots * rank, size, dtype=dtype, device=device) for size in out_sizes]
@@ -77,6 +84,13 @@ class BaseLinearWithLoRA(nn.Module):
     @property
     def decode_weight(self):
         return self.base_layer.decode_weight
+
+    @property
+    def quant_method(self):
+        """The base layer's quantized method (None for 16/32-bit weights): `forward` runs the
+        base's own GEMM through it, and the fused CPU decode op, which multiplies plain
+        weights only, leaves layers that have one to their modules."""
+        return self.base_layer.quant_method
 
     @property
     def tp_size(self) -> int:

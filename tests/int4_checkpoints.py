@@ -21,11 +21,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints store qkv_proj and gate_up_proj fused; each is quantized as one tensor.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Checkpoint names that share their input (and so GPTQ's act order): one g_idx per group.
 _SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in",
-               "up_proj": "mlp_in", "o_proj": "o_in", "down_proj": "down_in"}
+               "up_proj": "mlp_in", "o_proj": "o_in", "down_proj": "down_in", "qkv_proj": "attn_in",
+               "gate_up_proj": "mlp_in"}
 
 
 def quantize_groups(weight: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool,

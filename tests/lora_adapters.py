@@ -141,3 +141,12 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int],
             logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits
             tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt_ids):]
+
+
+def peft_log_softmax(base_dir: Path, adapter_dir: Path | None, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] log-softmax of peft's logits (the base model's for None) at
+    every position, one forward over the whole sequence."""
+    model = peft_model(str(base_dir), None if adapter_dir is None else str(adapter_dir))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)

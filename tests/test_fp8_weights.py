@@ -171,12 +171,6 @@ def test_weight_block_size_that_splits_a_fused_shard_is_an_error_naming_the_laye
         LLM(model=str(folder), **ENGINE)
 
 
-def test_enable_lora_with_fp8_weights_is_an_error(tmp_path, source):
-    folder = write_config_only(source, tmp_path / "model", {"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(ValueError, match="enable_lora is not supported with FP8 weights"):
-        LLM(model=str(folder), enable_lora=True, **ENGINE)
-
-
 def test_ignore_list_matches_names_and_regexes_and_a_fused_layer_is_ignored_whole_or_not_at_all():
     from raylm.models.quantization import QuantizationConfig
     from raylm.parallel.fp8_linear_method import Fp8LinearScheme

@@ -156,12 +156,6 @@ def test_gptq_weights_for_moe_models_are_an_error(tmp_path, source):
         LLM(model=str(folder), **ENGINE)
 
 
-def test_enable_lora_with_awq_weights_is_an_error(tmp_path, source):
-    folder = write_config_only(source, tmp_path / "model", awq_config(32))
-    with pytest.raises(ValueError, match="enable_lora is not supported with AWQ weights"):
-        LLM(model=str(folder), enable_lora=True, **ENGINE)
-
-
 def test_fused_outputs_with_different_g_idx_are_an_error_naming_the_layer(tmp_path, source):
     from safetensors.torch import load_file, save_file
 

@@ -18,6 +18,7 @@ Two parts:
 
     python -m raylm.cluster.benchmarks.bench_lora ops
     python -m raylm.cluster.benchmarks.bench_lora e2e MODEL_DIR --dtype float32 --repeats 3
+    python -m raylm.cluster.benchmarks.bench_lora e2e MODEL_DIR --quantization fp8   # adapters over FP8 weights
 
 The adapters are written in PEFT's format (adapter_config.json, adapter_model.safetensors)
 with random weights, next to nothing else: the benchmark needs neither peft nor the tests.
@@ -148,13 +149,16 @@ def write_peft_adapter(folder: Path, hf_config, rank: int, seed: int, dtype: tor
 
 
 def bench_e2e(model: str, dtype: str, num_prompts: int, input_len: int, output_len: int, num_adapters: int,
-              rank: int, repeats: int) -> dict:
+              rank: int, repeats: int, quantization: str | None = None) -> dict:
+    """`quantization`: both engines' (the `LLM` argument), so that the ratios are those of
+    adapters over quantized weights against the same quantized model alone."""
     from raylm.engine import LLM, LoRARequest, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
-    plain = LLM(model, dtype=dtype, max_model_len=input_len + output_len, max_num_seqs=num_prompts)
-    lora = LLM(model, dtype=dtype, max_model_len=input_len + output_len, max_num_seqs=num_prompts, enable_lora=True,
-               max_loras=num_adapters, max_lora_rank=rank)
+    common = dict(dtype=dtype, max_model_len=input_len + output_len, max_num_seqs=num_prompts,
+                  quantization=quantization)
+    plain = LLM(model, **common)
+    lora = LLM(model, **common, enable_lora=True, max_loras=num_adapters, max_lora_rank=rank)
     vocab = plain.llm_engine.model_config.vocab_size
     hf_config = plain.llm_engine.model_config.hf_config
     torch_dtype = plain.llm_engine.model_config.dtype
@@ -189,8 +193,9 @@ def bench_e2e(model: str, dtype: str, num_prompts: int, input_len: int, output_l
     plain.shutdown()
     lora.shutdown()
     tokens = num_prompts * output_len
-    result = {"model": model, "dtype": dtype, "num_prompts": num_prompts, "input_len": input_len,
-              "output_len": output_len, "rank": rank, "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
+    result = {"model": model, "dtype": dtype, "quantization": quantization, "num_prompts": num_prompts,
+              "input_len": input_len, "output_len": output_len, "rank": rank,
+              "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
               "output_tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()}}
     best = {k: min(v) for k, v in times.items()}
     result["ratio_to_base_lora_off"] = {k: round(best["base, LoRA off"] / v, 3) for k, v in best.items()}
@@ -221,13 +226,15 @@ def main(argv: list[str] | None = None) -> None:
     e2e.add_argument("--adapters", type=int, default=4)
     e2e.add_argument("--rank", type=int, default=16)
     e2e.add_argument("--repeats", type=int, default=3)
+    e2e.add_argument("--quantization", default=None, help="both engines' quantization (fp8 over a 16/32-bit model; "
+                                                          "None reads the checkpoint's)")
     args = parser.parse_args(argv)
     if args.part == "ops":
         for tokens in args.tokens:
             bench_ops(tokens, args.adapters, args.rank, getattr(torch, args.dtype), args.rounds)
     else:
         bench_e2e(args.model, args.dtype, args.num_prompts, args.input_len, args.output_len, args.adapters, args.rank,
-                  args.repeats)
+                  args.repeats, args.quantization)
 
 
 if __name__ == "__main__":

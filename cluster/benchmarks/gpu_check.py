@@ -39,7 +39,8 @@ DRY_TIMEOUTS = {"a": 240, "b": 300, "t": 240, "c": 300}
 CUDA_TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_engine_shutdown.py", "tests/test_sampler_host_reads.py",
                    "tests/test_step_host_reads.py", "tests/test_triton_elementwise.py", "tests/test_cuda_features.py",
                    "tests/test_sleep_mode_cuda.py", "tests/test_kv_cache_fp8.py", "tests/test_llava.py",
-                   "tests/test_fp8_linear.py", "tests/test_fp8_weights.py", "tests/test_int4_weights.py")
+                   "tests/test_fp8_linear.py", "tests/test_fp8_weights.py", "tests/test_int4_weights.py",
+                   "tests/test_lora_quantized.py")
 KERNEL_PARTS = 3
 RECORD_KEYS = ("device", "commit", "date", "kernels_pass", "hf_tokens_equal", "cuda_graphs", "tpot_bs1_ms", "floor_ms",
                "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s", "ttft_4k_ms",
