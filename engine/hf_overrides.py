@@ -53,7 +53,10 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -
     _check_read_keys(overrides)
     for key, value in overrides.items():
         current = getattr(hf_config, key, None)
-        if isinstance(value, dict) and _is_nested_config(current):
+        if _is_nested_config(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"hf_overrides[{key!r}] names a nested config: give a JSON object of its keys to "
+                                 f"merge into it, got {value!r}.")
             _merge(current, value, f"hf_overrides[{key!r}]")
         else:
             _check_kind(current, value, f"hf_overrides[{key!r}]")

@@ -197,6 +197,10 @@ def test_overrides_merge_into_nested_configs_and_replace_other_dicts():
     assert config.text_config.rope_scaling["factor"] == 4.0
     assert config.text_config.rope_scaling["rope_type"] == "linear"  # merged, not replaced
     assert config.custom_table == {"c": 3}
+    with pytest.raises(ValueError, match=r"hf_overrides\['text_config'\] names a nested config"):
+        apply_hf_overrides(config, {"text_config": 5})
+    with pytest.raises(ValueError, match=r"hf_overrides\['text_config'\]\['num_hidden_layers'\] must be an integer"):
+        apply_hf_overrides(config, {"text_config": {"num_hidden_layers": 2.5}})
 
 
 def test_hf_overrides_flag_takes_a_json_object():
