@@ -95,7 +95,7 @@ def as_classification_model(cls: type[CausalLM]) -> type[CausalLM]:
                 return super().load_weights(weights)
             rows: dict[int, torch.Tensor] = {}
             loaded = super().load_weights(self._taking_score_rows(weights, rows))
-            if len(rows) < len(self.score_from_tokens.token_ids):
+            if len(rows) < len(set(self.score_from_tokens.token_ids)):
                 raise ValueError(f"the checkpoint has no {self._score_rows_source()!r} to make the score head from "
                                  f"(classifier_from_token {list(self.score_from_tokens.tokens)!r}).")
             token_rows = torch.stack([rows[token_id] for token_id in self.score_from_tokens.token_ids])
