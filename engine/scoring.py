@@ -77,7 +77,7 @@ def cross_encoder_prompt(tokenizer: Any, hf_config: Any, text_1: str, text_2: st
                          score_template: str | None = None) -> dict[str, Any]:
     """The engine prompt of one pair (its token ids; the text is the two texts, or the
     score template's rendering of them)."""
-    if score_template is None:
+    if score_template is None or tokenizer is None:  # (without a tokenizer: cross_encoder_token_ids says so)
         text = text_1 + text_2
     else:
         text = render_score_template(tokenizer, score_template, text_1, text_2)
