@@ -251,7 +251,8 @@ def build_app(engine: AsyncLLMEngine, server_args: ServerArgs | None = None) -> 
     pooling = OpenAIServingPooling(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
                                    models=serving_models, response_budget=response_budget, request_logger=request_logger)
     scores = OpenAIServingScores(engine, model_names, tokenizer, limits=limits, model_aliases=aliases,
-                                 models=serving_models, response_budget=response_budget, request_logger=request_logger)
+                                 models=serving_models, response_budget=response_budget, request_logger=request_logger,
+                                 score_template=chat_template)
     tool_config = ToolCallConfig(server_args.enable_auto_tool_choice, server_args.tool_call_parser)
     reasoning_parser = get_reasoning_parser(server_args.reasoning_parser, tokenizer) \
         if server_args.reasoning_parser is not None else None

@@ -121,7 +121,9 @@ class ServerArgs(SettingsMixin):
         "key, several names are comma-separated."))
     chat_template: str | None = field(default=None, metadata=setting(
         "Chat template (a Jinja file or the template itself) instead of the tokenizer's; default: the "
-        "tokenizer's."))
+        "tokenizer's. For a cross-encoder it is also vLLM's score template: /score and /rerank render each pair "
+        "with it, as messages of roles 'query' and 'document' (e.g. examples/score_templates/qwen3_reranker.jinja "
+        "for Qwen3-Reranker); without it a pair is tokenized as is."))
     trust_request_chat_template: bool = field(default=False, metadata=setting(
         "Accept a chat_template sent with a chat request (off, as in vLLM: a template is code the server runs); "
         "it renders in a process of its own, within --max-chat-template-render-seconds and "

@@ -1,8 +1,9 @@
 """`POST /score` (`/v1/score`) and `/rerank` (`/v1/rerank`, `/v2/rerank`): vLLM's scoring
 routes over a cross-encoder (a sequence classifier with one label) or an embedding model.
 
-A cross-encoder reads each pair as one prompt (engine/scoring.py: the tokenizer's text
-pair, cut by truncate_prompt_tokens with the tokenizer's truncation) and scores it with its
+A cross-encoder reads each pair as one prompt (engine/scoring.py: the server's
+--chat-template as vLLM's score template where given, else the tokenizer's text pair; cut
+by truncate_prompt_tokens with the tokenizer's truncation) and scores it with its
 activated logit; an embedding model embeds each text once (cut as /v1/embeddings cuts it)
 and scores each pair with the cosine of its embeddings. /rerank scores the query against
 each document and answers the documents best first, the top_n of them (0: all), with
@@ -18,14 +19,25 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from raylm.deploy.chat_template import ChatTemplateError, ChatTemplateRenderer
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.protocol import (RerankDocument, RerankRequest, RerankResponse, RerankResult, RerankUsage,
                                    ScoreRequest, ScoreResponse, ScoreResponseData, UsageInfo, random_id)
 from raylm.deploy.serving_pooling import PoolingServing
-from raylm.engine.scoring import cross_encoder_token_ids, embedding_scores
+from raylm.engine.scoring import cross_encoder_token_ids, embedding_scores, score_template_messages
 
 
 class OpenAIServingScores(PoolingServing):
+    def __init__(self, *args: Any, score_template: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM's score template: the server's --chat-template, which renders a cross-encoder's
+        # pair (roles "query" and "document") into its prompt; None: the pair tokenized as is.
+        self.score_template = score_template
+        # Request texts are rendered within the bounds of the chat route's server template.
+        self.renderer = ChatTemplateRenderer(self.limits.prompt_chars(self.max_model_len),
+                                             self.limits.max_chat_template_steps,
+                                             self.limits.max_chat_template_render_seconds)
+
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> Response:
         texts_1, texts_2 = request.texts()
         model_name, scores, prompt_tokens = await self._score(request, texts_1, texts_2, ("text_1", "text_2"),
@@ -103,5 +115,15 @@ class OpenAIServingScores(PoolingServing):
                               param="text_1")
         hf_config: Any = self.engine.model_config.hf_config
         return [cross_encoder_token_ids(self.tokenizer, hf_config, text_1, text_2, truncate_prompt_tokens,
-                                        self.max_model_len)
+                                        self.max_model_len, self.score_template, self._render)
                 for text_1, text_2 in zip(texts_1, texts_2)]
+
+    def _render(self, text_1: str, text_2: str) -> str:
+        """A pair's prompt under the score template (a 400 naming text_1 when it fails)."""
+        assert self.score_template is not None
+        try:
+            return self.renderer.render(self.score_template, score_template_messages(text_1, text_2),
+                                        variables=dict(self.tokenizer.special_tokens_map))
+        except ChatTemplateError as exc:
+            raise OpenAIError(f"The score template (--chat-template) failed on this pair: {exc}",
+                              param="text_1") from None

@@ -20,6 +20,8 @@ from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICI
                                  check_load_format, default_max_num_batched_tokens, derive_max_model_len,
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
 from raylm.engine.generation_config import check_override_generation_config
+from raylm.engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
+from raylm.engine.tokenizer import get_tokenizer
 from raylm.engine.multimodal.processor import check_limit_mm_per_prompt
 from raylm.engine.usage_context import UsageContext
 from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
@@ -27,7 +29,8 @@ from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.quantization import QUANTIZATION_METHODS, get_quant_config
 from raylm.models.pipeline import check_pipeline_parallel
-from raylm.models.registry import default_runner_type
+from raylm.models.registry import default_runner_type, resolve_model_class
+from raylm.models.seq_cls_conversion import ScoreFromTokens, score_from_tokens
 from raylm.models.sliding_window import kv_cache_sliding_window
 
 _GiB = 1024**3
@@ -230,6 +233,14 @@ class EngineArgs(SettingsMixin):
         "Vision-language models: the most items of each modality one prompt may carry, as vLLM's flag (a JSON "
         "object on the command line), e.g. {\"image\": 2}; default one image, at most 16 (each image is a vision "
         "tower forward and its pixels travel with the request). Ignored for text-only models."))
+    hf_overrides: dict[str, Any] | None = field(default=None, metadata=_help(
+        "Keys written over the model's Hugging Face config after config.json is read, as vLLM's flag (a JSON "
+        "object on the command line): each replaces the attribute of its name or adds it; a dict naming a nested "
+        "config (a vision-language model's text_config) is merged into it. Values keep the kind the config holds "
+        "(a number stays a number, ...). What it is for: loading a checkpoint as another architecture, e.g. a "
+        "causal LM as a reranker, {\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true} for "
+        "Qwen3-Reranker (docs/serving.md, Classification, scoring and reranking). Default: none."))
     pooler_config: dict[str, Any] | None = field(default=None, metadata=_help(
         "runner 'pooling': how hidden states become the embedding, as vLLM's PoolerConfig (a JSON object on the "
         "command line): {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}; "
@@ -263,7 +274,7 @@ class EngineArgs(SettingsMixin):
         # name, means the bundled demo model's folder (for LLM, `raylm serve` and `raylm bench`).
         self.model = resolve_model_path(self.model)
         device_config = DeviceConfig.detect(self.device)
-        hf_config = load_hf_config(self.model, self.trust_remote_code, self.revision)
+        hf_config = self._hf_config(self.model)
         quant_config = get_quant_config(hf_config, self.quantization)  # errors before any weight is read
         runner_type, pooler_config = self._runner_and_pooler_config(hf_config)
         # A multi-modal config's context length is its language model's (vLLM's hf_text_config).
@@ -293,6 +304,8 @@ class EngineArgs(SettingsMixin):
             enable_sleep_mode=self.enable_sleep_mode,
             limit_mm_per_prompt=check_limit_mm_per_prompt(self.limit_mm_per_prompt),
         )
+        if model_config.pooling_task == "classify":
+            model_config.score_from_tokens = self._score_from_tokens(hf_config, model_config)
         enable_chunked_prefill, enable_prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
         if model_config.is_pooling:
             enable_chunked_prefill, enable_prefix_caching = self._pooling_scheduling(model_config.pooler_config)
@@ -375,9 +388,30 @@ class EngineArgs(SettingsMixin):
         if not self.enable_prefix_caching:
             return False
         model = resolve_model_path(self.model)
-        hf_config = load_hf_config(model, self.trust_remote_code, self.revision)
+        hf_config = self._hf_config(model)
         _, pooler_config = self._runner_and_pooler_config(hf_config, model)
         return pooler_config is None or pooler_config.supports_chunked_prefill
+
+    def _hf_config(self, model: str) -> Any:
+        """The model folder's config.json with hf_overrides written over it."""
+        hf_config = load_hf_config(model, self.trust_remote_code, self.revision)
+        apply_hf_overrides(hf_config, self.hf_overrides)
+        if "architectures" in parse_hf_overrides(self.hf_overrides):
+            # Checked here, before the workers would find it: the name is the user's, not the file's.
+            try:
+                resolve_model_class(hf_config.architectures, "pooling")
+            except ValueError as error:
+                raise ValueError(f"hf_overrides['architectures'] {hf_config.architectures!r} name no supported "
+                                 f"model: {str(error).split('; ', 1)[-1]}") from None
+        return hf_config
+
+    def _score_from_tokens(self, hf_config: Any, model_config: ModelConfig) -> ScoreFromTokens | None:
+        """A causal LM read as a sequence classifier (hf_overrides' classifier_from_token and
+        method, models/seq_cls_conversion.py): its tokens looked up in the tokenizer now, so
+        that a wrong one fails before any weight is read."""
+        architecture = next(arch for arch in hf_config.architectures if arch.endswith("ForSequenceClassification"))
+        return score_from_tokens(hf_config, architecture, lambda: get_tokenizer(
+            model_config.tokenizer, self.trust_remote_code, self.revision, self.tokenizer_mode))
 
     def _runner_and_pooler_config(self, hf_config: Any, model: str | None = None) -> tuple[str, PoolerConfig | None]:
         """The runner type and, for 'pooling', its PoolerConfig: pooler_config over the

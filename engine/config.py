@@ -245,6 +245,10 @@ class ModelConfig:
     enable_sleep_mode: bool = False
     # vLLM's limit_mm_per_prompt of a multi-modal model ({"image": n}; checked by EngineArgs).
     limit_mm_per_prompt: dict[str, int] | None = None
+    # A causal LM read as a sequence classifier: its score head made of LM-head rows
+    # (hf_overrides' classifier_from_token; models/seq_cls_conversion.py). None: the
+    # checkpoint's own score head, if any.
+    score_from_tokens: Any = None
 
     @property
     def hf_text_config(self) -> Any:

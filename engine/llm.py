@@ -147,28 +147,35 @@ class LLM:
 
     def score(self, data_1: PromptType | SequenceABC[PromptType], data_2: PromptType | SequenceABC[PromptType], /,
               *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """The score of each pair (vLLM's LLM.score): data_1 and data_2 are a text or a list
         of texts, paired 1-to-1, 1-to-N (the one text against each of the N) or N-to-N.
 
-        A cross-encoder (a sequence classifier with one label) reads each pair as one prompt,
+        A cross-encoder (a sequence classifier with one label) reads each pair as one prompt
+        and scores it with its activated logit. chat_template (vLLM's score template: the
+        Jinja text, e.g. examples/score_templates/qwen3_reranker.jinja's for Qwen3-Reranker)
+        renders the pair as messages of roles "query" (the data_1 text) and "document" (the
+        data_2 text) into the prompt the model was trained on; without one, the pair is
         tokenized as vLLM tokenizes it for a model without a score template (the tokenizer's
-        text pair, or with config.json's use_pad_token false the two texts joined), and
-        scores it with its activated logit; truncate_prompt_tokens k cuts each pair to k
-        tokens (the tokenizer's truncation; -1: max_model_len). An embedding model embeds
-        every text (as `embed`) and scores the cosine similarity of each pair's
-        embeddings. pooling_params: the cross-encoder's (use_activation) or the embeddings'."""
+        text pair, or with config.json's use_pad_token false the two texts joined).
+        truncate_prompt_tokens k cuts each prompt to k tokens (the tokenizer's truncation;
+        -1: max_model_len). An embedding model embeds every text (as `embed`) and scores the
+        cosine similarity of each pair's embeddings (chat_template plays no part).
+        pooling_params: the cross-encoder's (use_activation) or the embeddings'."""
         texts_1, texts_2 = _score_inputs(data_1, data_2)
         task = self._check_pooling_task("score")
         if task == "score":
-            return self._cross_encoding_score(texts_1, texts_2, truncate_prompt_tokens, use_tqdm, pooling_params)
+            return self._cross_encoding_score(texts_1, texts_2, truncate_prompt_tokens, use_tqdm, pooling_params,
+                                              chat_template)
         embeddings = self._run_pooling(texts_1 + texts_2, self._pooling_params_list(
             texts_1 + texts_2, pooling_params, truncate_prompt_tokens, "embed"), use_tqdm)
         return embedding_scores(embeddings[:len(texts_1)], embeddings[len(texts_1):], self.get_tokenizer())
 
     def _cross_encoding_score(self, texts_1: list[PromptType], texts_2: list[PromptType],
                               truncate_prompt_tokens: int | None, use_tqdm: bool,
-                              pooling_params: PoolingParams | None) -> list[ScoringRequestOutput]:
+                              pooling_params: PoolingParams | None,
+                              score_template: str | None) -> list[ScoringRequestOutput]:
         if len(texts_1) == 1:
             texts_1 = texts_1 * len(texts_2)
         if any(not isinstance(text, str) for text in texts_1 + texts_2):
@@ -177,7 +184,7 @@ class LLM:
         check_truncate_prompt_tokens(truncate_prompt_tokens)
         truncated_prompt([], truncate_prompt_tokens, model_config.max_model_len)  # within the context
         prompts = [cross_encoder_prompt(self.get_tokenizer(), model_config.hf_config, text_1, text_2,
-                                        truncate_prompt_tokens, model_config.max_model_len)
+                                        truncate_prompt_tokens, model_config.max_model_len, score_template)
                    for text_1, text_2 in zip(texts_1, texts_2)]
         params = self._pooling_params_list(prompts, pooling_params, None, "score")
         return [ScoringRequestOutput.from_base(output) for output in self._run_pooling(prompts, params, use_tqdm)]

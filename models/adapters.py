@@ -12,7 +12,8 @@ The classification model is the embedding model plus the `score` head of transfo
 `*ForSequenceClassification` (a linear layer hidden -> num_labels, no bias), replicated on
 every tensor-parallel rank (the final norm's output is whole on each): the pooling runner
 applies it to each prompt's pooled hidden state (`pooler_head`), which gives the logits HF
-computes at the prompt's last token.
+computes at the prompt's last token. Built with a `ScoreFromTokens`, it loads a causal LM's
+checkpoint instead and makes that head from rows of its LM head (models/seq_cls_conversion.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 
 from raylm.models.causal_lm import CausalLM
 from raylm.models.pipeline import PPMissingLayer
+from raylm.models.seq_cls_conversion import ScoreFromTokens
+from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.linear import ReplicatedLinear
 
 # Suffixes of generating architectures that a pooling class's name does without (vLLM's).
@@ -81,9 +84,38 @@ def as_classification_model(cls: type[CausalLM]) -> type[CausalLM]:
     config.num_labels outputs (no bias); loads those checkpoints (`model.*`, `score.weight`)."""
 
     class ModelForSequenceClassification(as_embedding_model(cls)):  # type: ignore[valid-type, misc]
-        def __init__(self, config: Any) -> None:
+        def __init__(self, config: Any, score_from_tokens: ScoreFromTokens | None = None) -> None:
             super().__init__(config)
             self.score = ReplicatedLinear(config.hidden_size, config.num_labels, bias=False)
+            # A causal LM's checkpoint read as this classifier: the head is made of its LM head's rows.
+            self.score_from_tokens = score_from_tokens
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            if self.score_from_tokens is None:
+                return super().load_weights(weights)
+            rows: dict[int, torch.Tensor] = {}
+            loaded = super().load_weights(self._taking_score_rows(weights, rows))
+            if len(rows) < len(set(self.score_from_tokens.token_ids)):
+                raise ValueError(f"the checkpoint has no {self._score_rows_source()!r} to make the score head from "
+                                 f"(classifier_from_token {list(self.score_from_tokens.tokens)!r}).")
+            token_rows = torch.stack([rows[token_id] for token_id in self.score_from_tokens.token_ids])
+            self.score.weight.weight_loader(self.score.weight, self.score_from_tokens.score_weight(token_rows))
+            return loaded | {"score.weight"}
+
+        def _score_rows_source(self) -> str:
+            """The checkpoint tensor (without the decoder's prefix) whose rows are the LM head's."""
+            return "embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+
+        def _taking_score_rows(self, weights: Iterable[tuple[str, torch.Tensor]], rows: dict[int, torch.Tensor]
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+            """The checkpoint's tensors, unchanged, keeping on the way the LM-head rows of
+            the score tokens (only those rows are read from the file)."""
+            source = self._score_rows_source()
+            for name, tensor in weights:
+                if name.removeprefix(self.base_model_prefix + ".") == source:
+                    for token_id in self.score_from_tokens.token_ids:
+                        rows[token_id] = read_weight(tensor[token_id:token_id + 1])[0]
+                yield name, tensor
 
         def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
             """[N, hidden] pooled float32 states -> [N, num_labels] float32 logits, computed

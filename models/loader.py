@@ -40,7 +40,9 @@ def get_model(model_config, device: torch.device | str) -> nn.Module:
     refuse_quantization_config(hf_config, model_class)
     quant_config = get_quant_config(hf_config, model_config.quantization)
     with _default_dtype(model_config.dtype), torch.device(device), max_model_len_context(model_config.max_model_len):
-        model = model_class(hf_config)
+        # A causal LM's checkpoint read as a sequence classifier builds its head from LM-head rows.
+        score_from_tokens = getattr(model_config, "score_from_tokens", None)
+        model = model_class(hf_config) if score_from_tokens is None else model_class(hf_config, score_from_tokens)
     if quant_config is not None:
         # The linear layers' weights become FP8 parameters (and scales) before any is loaded.
         apply_quantization(model, quant_config, getattr(model, "stacked_params_mapping", []))

@@ -569,3 +569,34 @@ def build_tiny_gpt_oss(path: Path, vocab_size: int = 512, seed: int = 0, dtype: 
             param.normal_(0.0, std)
     model.save_pretrained(str(path), safe_serialization=True)
     return Path(path)
+
+
+# What Qwen3-Reranker's tokenizer holds that the trained tiny one lacks: its answer tokens
+# ("yes", "no", whole tokens of the vocabulary) and the chat markers of its prompt.
+RERANKER_TOKENS = ["yes", "no"]
+RERANKER_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+
+
+def build_tiny_reranker(path: Path, arch: str = "qwen3", vocab_size: int = 512, seed: int = 0,
+                        **config_overrides) -> Path:
+    """A tiny random causal LM saved as an LLM reranker such as Qwen3-Reranker is: a
+    `*ForCausalLM` checkpoint (qwen3, llama, qwen2, mistral) whose tokenizer holds "yes" and
+    "no" as tokens and `<|im_start|>` / `<|im_end|>` as special tokens, all within
+    `vocab_size`. Norm weights are random too, so that the final norm matters to the logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, vocab_size - len(RERANKER_TOKENS) - len(RERANKER_SPECIAL_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens(RERANKER_TOKENS)
+    tokenizer.add_tokens(RERANKER_SPECIAL_TOKENS, special_tokens=True)
+    assert len(tokenizer) <= vocab_size, len(tokenizer)
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch, vocab_size, **config_overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path

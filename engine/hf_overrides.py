@@ -1,0 +1,128 @@
+"""`hf_overrides` (vLLM's engine argument): keys written over the model's Hugging Face config
+after config.json is read, before anything is built from it.
+
+As in vLLM, a key's value replaces the config's attribute of that name (a key the config
+lacks is added: `classifier_from_token`, `is_original_qwen3_reranker`, `method` are read
+by raylm although no config.json holds them), except that a dict whose key names a nested
+config (a vision-language model's `text_config`) is merged into it, recursively (dicts
+within it merged too). A dict-valued attribute of the top-level config (`rope_scaling`) is
+replaced whole, as vLLM replaces it.
+
+Values are checked before they are set, so that a wrong one fails here, naming the key,
+rather than deep inside the model's constructor: a key the config already holds must keep
+its kind (a number stays a number, an integer an integer, a flag a flag, a string a
+string, a list a list, a dict a dict; None is allowed, as for "no sliding window"), and the
+keys raylm reads itself must be what it reads (`architectures` a non-empty list of
+strings, `classifier_from_token` a non-empty list of strings, `is_original_qwen3_reranker`
+a flag, `method` a string).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Keys raylm reads that config.json rarely holds, and the kind each must be.
+_READ_KEYS: dict[str, tuple[type, str]] = {
+    "architectures": (list, "a non-empty list of architecture names"),
+    "classifier_from_token": (list, "a non-empty list of token strings"),
+    "is_original_qwen3_reranker": (bool, "true or false"),
+    "method": (str, "a string"),
+}
+
+
+def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    """hf_overrides as a dict: a dict, a JSON object string (the command line's), or None (none)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"hf_overrides must be a JSON object, got {value!r} ({error}).") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"hf_overrides must be a dict (a JSON object on the command line) of config keys, got "
+                         f"{value!r}.")
+    return value
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -> None:
+    """Writes `overrides` over `hf_config` in place (see the module's docstring); a
+    ValueError names the first key that cannot be applied, its value and what is allowed."""
+    overrides = parse_hf_overrides(overrides)
+    _check_read_keys(overrides)
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if _is_nested_config(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"hf_overrides[{key!r}] names a nested config: give a JSON object of its keys to "
+                                 f"merge into it, got {value!r}.")
+            _merge(current, value, f"hf_overrides[{key!r}]")
+        else:
+            _check_kind(current, value, f"hf_overrides[{key!r}]")
+            setattr(hf_config, key, value)
+
+
+def _is_nested_config(value: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
+
+
+def _merge(target: Any, updates: dict[str, Any], where: str) -> None:
+    """vLLM's nested update: a dict value merges into the dict or object it names, any other
+    value (or a dict where there is none) is set."""
+    if not all(isinstance(key, str) for key in updates):
+        raise ValueError(f"{where} must have string keys, got {list(updates)!r}.")
+    for key, value in updates.items():
+        current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+        if isinstance(value, dict) and (isinstance(current, dict) or hasattr(current, "__dict__")):
+            _merge(current, value, f"{where}[{key!r}]")
+            continue
+        _check_kind(current, value, f"{where}[{key!r}]")
+        if isinstance(target, dict):
+            target[key] = value
+        else:
+            setattr(target, key, value)
+
+
+def _check_read_keys(overrides: dict[str, Any]) -> None:
+    if not all(isinstance(key, str) for key in overrides):
+        raise ValueError(f"hf_overrides must have string keys (config attribute names), got {list(overrides)!r}.")
+    for key, (kind, allowed) in _READ_KEYS.items():
+        if key not in overrides:
+            continue
+        value = overrides[key]
+        valid = isinstance(value, kind) and (kind is not list or (value and all(isinstance(v, str) for v in value)))
+        if not valid:
+            raise ValueError(f"hf_overrides[{key!r}] must be {allowed}, got {value!r}.")
+
+
+def _check_kind(current: Any, value: Any, where: str) -> None:
+    """A value replacing `current` keeps its kind (None either way is allowed)."""
+    if current is None or value is None:
+        return
+    kind = _kind(current)
+    if kind is not None and _kind(value) != kind and not (kind == "number" and _kind(value) == "integer"):
+        raise ValueError(f"{where} must be {_KIND_NAMES[kind]}, as the model's config holds {current!r}; got "
+                         f"{value!r}.")
+
+
+_KIND_NAMES = {"flag": "true or false", "integer": "an integer", "number": "a number", "string": "a string",
+               "list": "a list", "dict": "a JSON object"}
+
+
+def _kind(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "flag"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    if isinstance(value, dict):
+        return "dict"
+    return None
