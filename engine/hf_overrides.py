@@ -10,7 +10,7 @@ replaced whole, as vLLM replaces it.
 
 Values are checked before they are set, so that a wrong one fails here, naming the key,
 rather than deep inside the model's constructor: a key the config already holds must keep
-its kind (a number stays a number, an integer an integer, a flag a flag, a string a
+its kind (a number stays a number, an integer an integer (a whole float is taken as one), a flag a flag, a string a
 string, a list a list, a dict a dict; None is allowed, as for "no sliding window"), and the
 keys raylm reads itself must be what it reads (`architectures` a non-empty list of
 strings, `classifier_from_token` a non-empty list of strings, `is_original_qwen3_reranker`
@@ -59,8 +59,7 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -
                                  f"merge into it, got {value!r}.")
             _merge(current, value, f"hf_overrides[{key!r}]")
         else:
-            _check_kind(current, value, f"hf_overrides[{key!r}]")
-            setattr(hf_config, key, value)
+            setattr(hf_config, key, _checked(current, value, f"hf_overrides[{key!r}]"))
 
 
 def _is_nested_config(value: Any) -> bool:
@@ -79,7 +78,7 @@ def _merge(target: Any, updates: dict[str, Any], where: str) -> None:
         if isinstance(value, dict) and (isinstance(current, dict) or hasattr(current, "__dict__")):
             _merge(current, value, f"{where}[{key!r}]")
             continue
-        _check_kind(current, value, f"{where}[{key!r}]")
+        value = _checked(current, value, f"{where}[{key!r}]")
         if isinstance(target, dict):
             target[key] = value
         else:
@@ -98,14 +97,19 @@ def _check_read_keys(overrides: dict[str, Any]) -> None:
             raise ValueError(f"hf_overrides[{key!r}] must be {allowed}, got {value!r}.")
 
 
-def _check_kind(current: Any, value: Any, where: str) -> None:
-    """A value replacing `current` keeps its kind (None either way is allowed)."""
+def _checked(current: Any, value: Any, where: str) -> Any:
+    """`value`, to replace `current`, once checked to keep its kind (None either way is
+    allowed). A whole float where the config holds an integer is taken as that integer:
+    JSON's `1e6` is a float, and some configs write `rope_theta: 1000000`."""
     if current is None or value is None:
-        return
+        return value
     kind = _kind(current)
+    if kind == "integer" and _kind(value) == "number" and value.is_integer():
+        return int(value)
     if kind is not None and _kind(value) != kind and not (kind == "number" and _kind(value) == "integer"):
         raise ValueError(f"{where} must be {_KIND_NAMES[kind]}, as the model's config holds {current!r}; got "
                          f"{value!r}.")
+    return value
 
 
 _KIND_NAMES = {"flag": "true or false", "integer": "an integer", "number": "a number", "string": "a string",

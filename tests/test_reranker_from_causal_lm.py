@@ -161,6 +161,7 @@ def test_rerank_over_http_returns_the_hf_scores_best_first(qwen3_reranker_dir):
 # ---------------------------------------------------------------- errors
 @pytest.mark.parametrize("overrides, message", [
     ({"num_hidden_layers": "2"}, "hf_overrides['num_hidden_layers'] must be an integer"),
+    ({"num_hidden_layers": 2.5}, "hf_overrides['num_hidden_layers'] must be an integer"),
     ({"rms_norm_eps": True}, "hf_overrides['rms_norm_eps'] must be a number"),
     ({"architectures": "Qwen3ForSequenceClassification"}, "hf_overrides['architectures'] must be a non-empty list"),
     ({"architectures": ["Qwen3ForTokenRanking"]}, "hf_overrides['architectures'] ['Qwen3ForTokenRanking'] name no"),
@@ -217,3 +218,16 @@ def test_hf_overrides_flag_takes_a_json_object():
     # Ray Serve's string keys (`serve run app hf_overrides='{...}'`) read it the same way.
     assert EngineArgs.from_values({"hf_overrides": '{"method": "no_post_processing"}'}).hf_overrides == {
         "method": "no_post_processing"}
+
+
+def test_a_whole_float_over_an_integer_field_is_that_integer():
+    """JSON's 1e6 is a float; a config holding `rope_theta: 1000000` (an int) takes it as 1000000."""
+    from transformers import LlamaConfig
+
+    from raylm.engine.hf_overrides import apply_hf_overrides
+
+    config = LlamaConfig(num_hidden_layers=2)
+    config.rope_theta = 10000
+    apply_hf_overrides(config, '{"rope_theta": 1e6, "num_hidden_layers": 3.0}')
+    assert config.rope_theta == 1000000 and type(config.rope_theta) is int
+    assert config.num_hidden_layers == 3 and type(config.num_hidden_layers) is int
