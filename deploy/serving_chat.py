@@ -176,6 +176,8 @@ class OpenAIServingChat(OpenAIServing):
         in_reasoning = self.reasoning_parser is not None and \
             self.reasoning_parser.starts_in_reasoning(text, request.chat_template_kwargs)
         reasoning_parser = self.reasoning_parser
+        if reasoning_parser is not None and tool_mode is not None and tool_mode.choice == "auto":
+            reasoning_parser = reasoning_parser.for_tool_parser(tool_mode.parser)
         if in_reasoning and structured_outputs is not None:
             structured_outputs = self._after_reasoning(structured_outputs)
             # The reasoning ends where the grammar starts: the content is what it constrained.
