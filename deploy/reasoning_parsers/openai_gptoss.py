@@ -10,14 +10,14 @@
   which that parser turns into `tool_calls`; otherwise calls and messages to other
   recipients (gpt-oss's built-in browser and python tools) are left out, as vLLM leaves them.
 
-The headers and end tokens are in neither part. Where the markers are single tokens of the
-tokenizer (they are gpt-oss's special tokens), the reply's token ids also tell how many
-tokens the reasoning took (usage's `reasoning_tokens`: the analysis bodies') and where it
-ends (what `include_reasoning: false` leaves out of token ids and logprobs: the reply's
-tokens up to the first message that is not analysis). A grammar cannot start after the
-reasoning here (the engine starts one after a single token, and the end of gpt-oss's
-reasoning is the header `<|channel|>final<|message|>`): a constrained request under this
-parser is answered 400.
+The headers and end tokens are in neither part. The reply's token ids, read by the same scan
+a token's text at a time, also tell how many tokens the reasoning took (usage's
+`reasoning_tokens`: the tokens of the analysis bodies) and where it ends (what
+`include_reasoning: false` leaves out of token ids and logprobs: the reply's tokens up to the
+end of the last message before the first that is content or a call). A grammar cannot
+start after the reasoning here (the engine starts one after a single token, and the end of
+gpt-oss's reasoning is the header `<|channel|>final<|message|>`): a constrained request under
+this parser is answered 400.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from raylm.deploy import harmony
 from raylm.deploy.harmony import HarmonyHeader, HarmonyScanner
-from raylm.deploy.reasoning_parsers.base import ReasoningParser, single_token_id
+from raylm.deploy.reasoning_parsers.base import ReasoningParser
 
 
 def message_kind(header: HarmonyHeader, keep_calls: bool) -> str:
@@ -47,15 +47,9 @@ class GptOssReasoningParser(ReasoningParser):
     # Whether calls to functions go on in the content, for the `openai` tool parser.
     keep_calls = False
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer)
-        self.marker_ids = {marker: single_token_id(tokenizer, marker)
-                           for marker in (harmony.START, harmony.CHANNEL, harmony.MESSAGE, harmony.END,
-                                          harmony.CALL, harmony.RETURN)}
-
     @property
     def tokens_tell_reasoning_end(self) -> bool:
-        return all(token_id is not None for token_id in self.marker_ids.values())
+        return self.tokenizer is not None
 
     def adjust_skip_special_tokens(self) -> bool | None:
         return False  # the markers are gpt-oss's special tokens: the scan reads them
@@ -76,46 +70,43 @@ class GptOssReasoningParser(ReasoningParser):
         return HarmonyReasoningStreamer(self, in_reasoning)
 
     # ------------------------------------------------------------- token ids
-    def _messages(self, token_ids: Sequence[int], in_reasoning: bool) -> list[tuple[str, int, int, int]]:
-        """The reply's messages by its token ids: (kind, first token, body start, body end);
-        the last may be open (its body up to the reply's end)."""
-        ids = self.marker_ids
-        ends = {ids[harmony.END], ids[harmony.CALL], ids[harmony.RETURN]}
-        messages = []
-        first, body = 0, None if in_reasoning else 0
-        kind = "reasoning" if in_reasoning else "content"
-        for index, token_id in enumerate(token_ids):
-            if body is None:
-                if token_id == ids[harmony.MESSAGE]:
-                    header = HarmonyHeader.parse(self.tokenizer.decode(token_ids[first:index],
-                                                                       skip_special_tokens=False))
-                    kind, body = message_kind(header, self.keep_calls), index + 1
-            elif token_id in ends or token_id == ids[harmony.START]:
-                messages.append((kind, first, body, index))
-                first, body = (index + 1 if token_id in ends else index), None
-        if body is not None:
-            messages.append((kind, first, body, len(token_ids)))
-        return messages
+    def _scan_tokens(self, token_ids: Sequence[int], in_reasoning: bool) -> tuple[int, int, int]:
+        """The reply's tokens read one at a time by the harmony scan: (span, reasoning tokens
+        in it, reasoning tokens in all). The span ends after the token that closed the last
+        message before the first that is content or a call (0 where the reply starts with
+        one; all the tokens where none comes); a token is the reasoning's where it adds to an
+        analysis body."""
+        scanner = HarmonyScanner()
+        texts = self.tokenizer.batch_decode([[token_id] for token_id in token_ids], skip_special_tokens=False)
+        span, span_reasoning, reasoning, kind, ended = 0, 0, 0, None, False
+        for index, text in enumerate(texts):
+            adds_reasoning = False
+            for event in scanner.feed(text, final=index == len(texts) - 1):
+                if event.kind == "open":
+                    kind = message_kind(event.header, self.keep_calls)
+                    ended = ended or kind in ("content", "call")
+                elif event.kind == "text":
+                    adds_reasoning = adds_reasoning or kind == "reasoning"
+                elif not ended:
+                    span = index + 1
+            reasoning += adds_reasoning
+            if not ended:
+                span_reasoning = reasoning
+        return (span if ended else len(token_ids)), span_reasoning, reasoning
 
     def reasoning_token_span(self, token_ids: list[int], in_reasoning: bool) -> tuple[int, int]:
-        """The reply's tokens before its first message that is content or a call (headers and
-        end tokens counted as tags), all of them while there is none."""
+        """The reply's tokens up to the end of the last message before its first that is
+        content or a call (headers and end tokens counted as tags), all while there is none."""
         if not in_reasoning or not self.tokens_tell_reasoning_end:
             return (len(token_ids), 0) if in_reasoning else (0, 0)
-        bodies = 0
-        for kind, first, body, end in self._messages(token_ids, in_reasoning):
-            if kind in ("content", "call"):
-                return first, first - bodies
-            if kind == "reasoning":
-                bodies += end - body
-        return len(token_ids), len(token_ids) - bodies
+        span, span_reasoning, _ = self._scan_tokens(token_ids, in_reasoning)
+        return span, span - span_reasoning
 
     def count_reasoning_tokens(self, token_ids: list[int], in_reasoning: bool) -> int:
         """The tokens of the reply's analysis bodies."""
         if not in_reasoning or not self.tokens_tell_reasoning_end:
             return 0
-        return sum(end - body for kind, _, body, end in self._messages(token_ids, in_reasoning)
-                   if kind == "reasoning")
+        return self._scan_tokens(token_ids, in_reasoning)[2]
 
 
 class HarmonyReasoningStreamer:
