@@ -26,8 +26,6 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from raylm.deploy.tool_parsers.base import held_back
-
 START = "<|start|>"
 CHANNEL = "<|channel|>"
 MESSAGE = "<|message|>"
@@ -85,8 +83,14 @@ class HarmonyEvent:
 
 
 def held_back_markers(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` could start one of `markers`."""
-    return max(held_back(text, marker) for marker in markers)
+    """How many characters at the end of `text` could start one of `markers` (they are held
+    back until the next text tells). tool_parsers.base.held_back for several markers; not
+    imported from there, which imports this module's readers."""
+    longest = min(max(len(marker) for marker in markers) - 1, len(text))
+    for length in range(longest, 0, -1):
+        if any(marker.startswith(text[-length:]) for marker in markers):
+            return length
+    return 0
 
 
 class HarmonyScanner:
