@@ -112,11 +112,14 @@ class HarmonyScanner:
     def feed(self, delta: str, final: bool) -> list[HarmonyEvent]:
         events: list[HarmonyEvent] = []
         text = self._pending + delta
+        # A header held from earlier deltas was searched already, up to a possible start of
+        # `<|message|>` at its end: a long header costs its own length once.
+        searched = max(len(self._pending) - len(MESSAGE) + 1, 0) if self.phase == "header" else 0
         self._pending = ""
         position = 0
         while position < len(text) or (final and self.phase == "body"):
             if self.phase == "header":
-                at = text.find(MESSAGE, position)
+                at = text.find(MESSAGE, max(position, searched))
                 if at == -1:
                     if not final:
                         self._pending = text[position:]
