@@ -2,8 +2,8 @@
 
 A gpt-oss reply is a run of messages, each a header and a body:
 
-    <|channel|>analysis<|message|>The user asks for Paris's weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|channel|>analysis<|message|>The user asks for Rome's weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>
 
 The prompt ends with `<|start|>assistant`, so the first header starts with `<|channel|>`;
 later ones repeat `<|start|>` and the role. The header names the channel (`analysis`: the

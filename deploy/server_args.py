@@ -137,7 +137,8 @@ class ServerArgs(SettingsMixin):
     tool_call_parser: str | None = field(default=None, metadata=setting(
         "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
         "llama3_json (Llama 3.1 / 3.2 JSON), mistral, openai (gpt-oss's harmony calls; it turns on --reasoning-parser "
-        "openai_gptoss), qwen3_coder or its alias qwen3_xml (Qwen3-Coder, Qwen3.5 XML calls); default: none.", choices=tuple(sorted(TOOL_PARSERS))))
+        "openai_gptoss), qwen3_coder or its alias qwen3_xml (Qwen3-Coder, Qwen3.5 XML calls); default: none.",
+        choices=tuple(sorted(TOOL_PARSERS))))
     reasoning_parser: str | None = field(default=None, metadata=setting(
         "The reasoning model's format: chat replies come split into `reasoning` (the thinking between <think> and "
         "</think>) and `content` (the answer after it), tool calls and structured outputs applying to the answer "

@@ -70,12 +70,12 @@ class GptOssReasoningParser(ReasoningParser):
         return HarmonyReasoningStreamer(self, in_reasoning)
 
     # ------------------------------------------------------------- token ids
-    def _scan_tokens(self, token_ids: Sequence[int], in_reasoning: bool) -> tuple[int, int, int]:
-        """The reply's tokens read one at a time by the harmony scan: (span, reasoning tokens
-        in it, reasoning tokens in all). The span ends after the token that closed the last
-        message before the first that is content or a call (0 where the reply starts with
-        one; all the tokens where none comes); a token is the reasoning's where it adds to an
-        analysis body."""
+    def _scan_tokens(self, token_ids: Sequence[int]) -> tuple[int, int, int]:
+        """A reply that starts with a header, its tokens read one at a time by the harmony
+        scan: (span, reasoning tokens in it, reasoning tokens in all). The span ends after the
+        token that closed the last message before the first that is content or a call (0
+        where the reply starts with one; all the tokens where none comes); a token is the
+        reasoning's where it adds to an analysis body."""
         scanner = HarmonyScanner()
         texts = self.tokenizer.batch_decode([[token_id] for token_id in token_ids], skip_special_tokens=False)
         span, span_reasoning, reasoning, kind, ended = 0, 0, 0, None, False
@@ -99,14 +99,14 @@ class GptOssReasoningParser(ReasoningParser):
         content or a call (headers and end tokens counted as tags), all while there is none."""
         if not in_reasoning or not self.tokens_tell_reasoning_end:
             return (len(token_ids), 0) if in_reasoning else (0, 0)
-        span, span_reasoning, _ = self._scan_tokens(token_ids, in_reasoning)
+        span, span_reasoning, _ = self._scan_tokens(token_ids)
         return span, span - span_reasoning
 
     def count_reasoning_tokens(self, token_ids: list[int], in_reasoning: bool) -> int:
         """The tokens of the reply's analysis bodies."""
         if not in_reasoning or not self.tokens_tell_reasoning_end:
             return 0
-        return self._scan_tokens(token_ids, in_reasoning)[2]
+        return self._scan_tokens(token_ids)[2]
 
 
 class HarmonyReasoningStreamer:
