@@ -190,15 +190,21 @@ def test_reasoning_effort_outside_the_choices_is_a_400_naming_it(server):
     assert_async_engine_idle(engine)
 
 
-def test_responses_route_gives_reasoning_message_and_function_call_items(server):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_responses_route_gives_reasoning_message_and_function_call_items(server, streamed):
     """/v1/responses runs the same split: a reasoning item, the preamble as output_text and a
-    function_call item with the arguments."""
+    function_call item with the arguments; streamed, the response.completed event holds them."""
     base_url, engine, _ = server
     tools = [{"type": "function", **TOOLS[0]["function"]}]
-    reply = httpx.post(f"{base_url}/v1/responses", json={"input": "Where?", "tools": tools, "temperature": 0},
-                       timeout=60)
+    reply = httpx.post(f"{base_url}/v1/responses", timeout=60,
+                       json={"input": "Where?", "tools": tools, "temperature": 0, "stream": streamed})
     assert reply.status_code == 200, reply.text
-    items = reply.json()["output"]
+    if streamed:
+        (completed,) = [json.loads(block.split("data: ", 1)[1]) for block in reply.text.split("\n\n")
+                        if block.startswith("event: response.completed")]
+        items = completed["response"]["output"]
+    else:
+        items = reply.json()["output"]
     assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
     assert items[0]["content"][0]["text"] == "".join(ANALYSIS)
     assert items[1]["content"][0]["text"] == PREAMBLE
