@@ -173,3 +173,62 @@ def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
     assert ServerArgs(enable_auto_tool_choice=True, tool_call_parser="openai").reasoning_parser == "openai_gptoss"
     with pytest.raises(ValueError, match="openai_gptoss"):
         ServerArgs(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="qwen3")
+
+
+# What mutations insert into the replies above: the markers, headers' words and text.
+MUTATION_PIECES = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
+                   "assistant", "analysis", "final", "commentary", " to=functions.g", " to=browser.open", "json",
+                   "<|", "|>", "<", "x", " ", "\n", '{"a": 1}']
+
+
+def test_mutated_replies_stream_as_they_split_whole(tokenizer):
+    """Replies with up to four random insertions (markers, header words, text), deletions or
+    cuts, streamed in random pieces: the deltas add up to the unstreamed split, with tools
+    and without."""
+    import random
+
+    rng = random.Random(7)
+    replies = [reply for reply, *_ in CASES.values()]
+    for _ in range(300):
+        text = rng.choice(replies)
+        for _ in range(rng.randint(1, 4)):
+            pos, op = rng.randint(0, len(text)), rng.random()
+            if op < 0.6:
+                text = text[:pos] + rng.choice(MUTATION_PIECES) + text[pos:]
+            elif op < 0.85:
+                text = text[:pos] + text[pos + rng.randint(1, 4):]
+            else:
+                text = text[:pos]
+        pieces, pos = [], 0
+        while pos < len(text):
+            size = rng.randint(0, 6)
+            pieces.append(text[pos:pos + size])
+            pos += size
+        pieces.append("")
+        with_tools = rng.random() < 0.7
+        assert _streamed(tokenizer, pieces, with_tools) == _unstreamed(tokenizer, text, with_tools), text
+        # The tool parser alone, on whatever text: its stream is its parse too.
+        assert _tool_parser_streamed(pieces) == _tool_parser_parsed(text), text
+
+
+def _tool_parser_parsed(text: str) -> tuple:
+    from raylm.deploy.tool_calls import parse_reply
+    from raylm.deploy.tool_parsers import get_tool_parser
+
+    parsed = parse_reply(get_tool_parser("openai"), text, "stop")
+    return parsed.content or None, [(call.name, call.arguments) for call in parsed.calls]
+
+
+def _tool_parser_streamed(pieces: list[str]) -> tuple:
+    from raylm.deploy.tool_calls import ToolCallStreamer
+    from raylm.deploy.tool_parsers import get_tool_parser
+
+    streamer, content, calls = ToolCallStreamer(get_tool_parser("openai")), "", []
+    for index, piece in enumerate(pieces):
+        content_delta, call_deltas = streamer.feed(piece, final=index == len(pieces) - 1)
+        content += content_delta or ""
+        for delta in call_deltas or ():
+            if "id" in delta:
+                calls.append([delta["function"]["name"], ""])
+            calls[delta["index"]][1] += delta["function"]["arguments"]
+    return content or None, [tuple(call) for call in calls]
