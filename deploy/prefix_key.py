@@ -187,6 +187,8 @@ class PrefixKeyer:
         if len(body["messages"]) > _MAX_KEYED_MESSAGES or len(body.get("tools") or ()) > _MAX_KEYED_TOOLS:
             return None  # past the default limits (the replica refuses it): not rendered on the key thread
         template_kwargs = body.get("chat_template_kwargs") or {}
+        if body.get("reasoning_effort") is not None:  # as ChatCompletionRequest folds it in
+            template_kwargs = {**template_kwargs, "reasoning_effort": body["reasoning_effort"]}
         self._limits.check_chat_template(None, template_kwargs)  # past the default limits: no key
         # As OpenAIServingChat.render does, with the request's own switches; the tools go
         # into the template (whatever tool_choice says), so they are part of the prefix.

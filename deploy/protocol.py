@@ -516,11 +516,17 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM's: under --reasoning-parser, whether the reply's reasoning is returned.
     include_reasoning: StrictBool = True
+    # OpenAI's and vLLM's: how hard a reasoning model thinks. As vLLM does, it reaches the
+    # chat template as `reasoning_effort` (gpt-oss's writes it into its system message),
+    # over chat_template_kwargs' own.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if not self.messages:
             raise ParameterError("messages must hold at least one message.", "messages")
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ParameterError("top_logprobs needs logprobs set to true.", "top_logprobs")

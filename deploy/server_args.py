@@ -138,12 +138,14 @@ class ServerArgs(SettingsMixin):
         "call tools, and --tool-call-parser finds the calls in its text (off, as in vLLM: such requests get 400)."))
     tool_call_parser: str | None = field(default=None, metadata=setting(
         "The model family's tool-call format, for --enable-auto-tool-choice: hermes (Hermes, Qwen 2.5 / 3), "
-        "llama3_json (Llama 3.1 / 3.2 JSON), mistral, qwen3_coder or its alias qwen3_xml (Qwen3-Coder, Qwen3.5 XML "
-        "calls); default: none.", choices=tuple(sorted(TOOL_PARSERS))))
+        "llama3_json (Llama 3.1 / 3.2 JSON), mistral, openai (gpt-oss's harmony calls; it turns on --reasoning-parser "
+        "openai_gptoss), qwen3_coder or its alias qwen3_xml (Qwen3-Coder, Qwen3.5 XML calls); default: none.",
+        choices=tuple(sorted(TOOL_PARSERS))))
     reasoning_parser: str | None = field(default=None, metadata=setting(
         "The reasoning model's format: chat replies come split into `reasoning` (the thinking between <think> and "
         "</think>) and `content` (the answer after it), tool calls and structured outputs applying to the answer "
-        "alone (docs/reasoning.md). deepseek_r1 (DeepSeek-R1, QwQ), qwen3 (Qwen3, whose thinking a request's "
+        "alone (docs/reasoning.md). deepseek_r1 (DeepSeek-R1, QwQ), openai_gptoss (gpt-oss's harmony channels: "
+        "analysis is the reasoning, final the content), qwen3 (Qwen3, whose thinking a request's "
         "chat_template_kwargs {\"enable_thinking\": false} turns off); default: none.",
         choices=tuple(sorted(REASONING_PARSERS))))
     return_tokens_as_token_ids: bool = field(default=False, metadata=setting(
@@ -236,6 +238,15 @@ class ServerArgs(SettingsMixin):
             self.served_model_name = [self.served_model_name]
         check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
         check_reasoning_parser(self.reasoning_parser)
+        if self.tool_call_parser == "openai":
+            # gpt-oss's calls reach the openai tool parser through the harmony split, which
+            # vLLM always makes for gpt-oss: it is on with the tool parser.
+            if self.reasoning_parser is None:
+                self.reasoning_parser = "openai_gptoss"
+            elif self.reasoning_parser != "openai_gptoss":
+                raise ValueError(f"tool_call_parser (--tool-call-parser) 'openai' reads gpt-oss's harmony replies, "
+                                 f"which need reasoning_parser (--reasoning-parser) 'openai_gptoss', not "
+                                 f"{self.reasoning_parser!r}.")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("Give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both.")
 

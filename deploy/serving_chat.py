@@ -176,6 +176,8 @@ class OpenAIServingChat(OpenAIServing):
         in_reasoning = self.reasoning_parser is not None and \
             self.reasoning_parser.starts_in_reasoning(text, request.chat_template_kwargs)
         reasoning_parser = self.reasoning_parser
+        if reasoning_parser is not None and tool_mode is not None and tool_mode.choice == "auto":
+            reasoning_parser = reasoning_parser.for_tool_parser(tool_mode.parser)
         if in_reasoning and structured_outputs is not None:
             structured_outputs = self._after_reasoning(structured_outputs)
             # The reasoning ends where the grammar starts: the content is what it constrained.
@@ -532,7 +534,8 @@ def template_message(message: ChatMessage, content_format: str = "string",
     vLLM passes it), and an assistant's tool calls
     (their arguments as objects, as Hugging Face templates expect, where they parse) and
     reasoning, or a tool answer's tool_call_id. The reasoning goes under both of its names,
-    as vLLM passes it: `reasoning`, and `reasoning_content`, which Qwen3's template reads."""
+    as vLLM passes it: `reasoning`, and `reasoning_content`, which Qwen3's template reads; and
+    as `thinking`, the field gpt-oss's template renders as an analysis message."""
     # Checks the parts either way: text parts only, or text and image_url parts for a
     # vision-language model (`image_placeholder`: its placeholder text).
     text = message.text(image_placeholder)
@@ -542,7 +545,7 @@ def template_message(message: ChatMessage, content_format: str = "string",
         entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     reasoning = message.reasoning_text()
     if reasoning is not None and message.role == "assistant":
-        entry["reasoning"] = entry["reasoning_content"] = reasoning
+        entry["reasoning"] = entry["reasoning_content"] = entry["thinking"] = reasoning
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     return entry

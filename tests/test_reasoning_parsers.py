@@ -15,6 +15,9 @@ import pytest
 from raylm.deploy.reasoning_parsers import REASONING_PARSERS, ReasoningSplit, get_reasoning_parser
 from raylm.deploy.server_args import ServerArgs
 
+# The parsers of <think> tags (openai_gptoss reads gpt-oss's harmony channels instead:
+# test_harmony_parsers.py).
+THINK_PARSERS = ["deepseek_r1", "qwen3"]
 # (reply, expected reasoning, expected content), for a reply that starts inside the reasoning.
 SPLITS = [
     # R1 (template opened <think>): the reply holds the end tag only.
@@ -38,16 +41,16 @@ SPLITS = [
 
 
 def test_registry_and_unknown_parser_name():
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "openai_gptoss", "qwen3"]
     with pytest.raises(ValueError, match=r"reasoning_parser \(--reasoning-parser\) 'deepseek' is not one of "
-                                         r"deepseek_r1, qwen3"):
+                                         r"deepseek_r1, openai_gptoss, qwen3"):
         ServerArgs(reasoning_parser="deepseek")
-    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'r1'"):
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, openai_gptoss, qwen3, got 'r1'"):
         ServerArgs.from_values({"reasoning_parser": "r1"})
     assert ServerArgs.from_values({"reasoning_parser": "qwen3"}).reasoning_parser == "qwen3"
 
 
-@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("name", THINK_PARSERS)
 @pytest.mark.parametrize("reply,reasoning,content", SPLITS)
 def test_split_of_a_whole_reply(name, reply, reasoning, content):
     parser = get_reasoning_parser(name, None)

@@ -59,7 +59,7 @@ def test_yaml_values_keep_their_types(llama_dir):
     ({"port": "9000"}, "'port' is not a server setting: Ray Serve's http_options set it"),
     ({"uvicorn_log_level": "info"}, "uvicorn's own"),
     ({"tool_call_parser": "hermes2"},
-     "tool_call_parser must be one of hermes, llama3_json, mistral, qwen3_coder, qwen3_xml, got 'hermes2'"),
+     "tool_call_parser must be one of hermes, llama3_json, mistral, openai, qwen3_coder, qwen3_xml, got 'hermes2'"),
     ({"enable_auto_tool_choice": "true"}, "enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser"),
     ({"max_grammar_compile_seconds": "0"}, "max_grammar_compile_seconds must be a positive number, got 0.0"),
 ])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -408,7 +409,7 @@ def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0, adde
     predecessor's embedding, scaled (random 64-dimensional embeddings are nearly
     orthogonal, so the successor's logit stands far above every other). Every piece must
     be one token, and no token may appear twice in the chain."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     Path(path).mkdir(parents=True, exist_ok=True)
     build_tokenizer(Path(path), 512)
@@ -416,14 +417,30 @@ def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0, adde
     tokenizer.add_tokens([*THINK_TAGS, *added_tokens])
     tokenizer.chat_template = REASONING_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
+    ids = _chain_token_ids(tokenizer, chain) + [tokenizer.eos_token_id]
+    return _save_chain_model(path, ids, len(tokenizer), seed)
+
+
+def _chain_token_ids(tokenizer, chain: list[str]) -> list[int]:
+    """The ids of the chain's pieces, each one token: an added token's own id (the model may
+    write one whose text the tokenizer would split, such as a piece holding special tokens'
+    text), else the one token the piece encodes to."""
     ids = []
+    added = tokenizer.get_added_vocab()
     for piece in chain:
-        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+        piece_ids = [added[piece]] if piece in added else tokenizer.encode(piece, add_special_tokens=False)
         assert len(piece_ids) == 1, f"{piece!r} is {len(piece_ids)} tokens"
         ids.extend(piece_ids)
-    ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _save_chain_model(path: Path, ids: list[int], vocab_size: int, seed: int, **config_overrides) -> Path:
+    """A tiny Llama whose greedy decoding follows `ids`, each token followed by the next (the
+    weights of build_tiny_reasoning_model, which says how)."""
+    from transformers import AutoModelForCausalLM
+
     assert len(set(ids)) == len(ids), f"a token appears twice in the chain {ids}"
-    config = _llama_like_config("llama", len(tokenizer))
+    config = _llama_like_config("llama", vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -441,6 +458,41 @@ def build_tiny_reasoning_model(path: Path, chain: list[str], seed: int = 0, adde
             head[following] = 4.0 * embeddings[current] / embeddings[current].norm()
     model.save_pretrained(str(path), safe_serialization=True)
     return Path(path)
+
+
+# ------------------------------------------------------------ gpt-oss's harmony format
+# gpt-oss's special tokens of the harmony format (<|end|> is already one of build_tokenizer's).
+HARMONY_SPECIAL_TOKENS = ("<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+GPT_OSS_CHAT_TEMPLATE = (Path(__file__).parent / "gpt_oss_chat_template.jinja").read_text()
+
+
+def build_harmony_tokenizer(path: Path, added_tokens: tuple[str, ...] = ()) -> Any:
+    """A gpt-oss-shaped tokenizer: the tiny BPE with the harmony markers as special tokens
+    (as gpt-oss's o200k_harmony has them), `<|return|>` its EOS as gpt-oss's is, and a copy
+    of gpt-oss's chat template; `added_tokens` as ordinary added tokens (pieces of text a
+    chain writes as one token). Saved to `path` and returned."""
+    from transformers import AutoTokenizer
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    build_tokenizer(Path(path), 512)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL_TOKENS), "eos_token": "<|return|>"},
+                                 replace_extra_special_tokens=False)
+    tokenizer.add_tokens(list(added_tokens))
+    tokenizer.chat_template = GPT_OSS_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def build_tiny_harmony_model(path: Path, chain: list[str], added_tokens: tuple[str, ...] = (), seed: int = 0
+                             ) -> Path:
+    """A tiny Llama with build_harmony_tokenizer's tokenizer whose greedy decoding follows
+    `chain` (as build_tiny_reasoning_model's does); `<|return|>` and `<|call|>` end a reply,
+    as gpt-oss's generation config says, so a chain ends with one of them."""
+    tokenizer = build_harmony_tokenizer(path, added_tokens)
+    stops = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    return _save_chain_model(path, _chain_token_ids(tokenizer, chain), len(tokenizer), seed, eos_token_id=stops,
+                             max_position_embeddings=1024)
 
 
 # ---- vision-language (LLaVA) ------------------------------------------------------------------

@@ -7,10 +7,11 @@ from typing import Any
 
 from raylm.deploy.reasoning_parsers.base import ReasoningParser, ReasoningSplit, ReasoningStreamer
 from raylm.deploy.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from raylm.deploy.reasoning_parsers.openai_gptoss import GptOssReasoningParser
 from raylm.deploy.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+    parser.name: parser for parser in (DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)}
 
 
 def check_reasoning_parser(name: str | None) -> None:

@@ -98,6 +98,17 @@ class ReasoningParser:
         reads), None to leave the request's setting."""
         return False if self.tags_are_special else None
 
+    @property
+    def tokens_tell_reasoning_end(self) -> bool:
+        """Whether the reply's token ids tell where its reasoning ends (`reasoning_token_span`):
+        here, where the end tag is one token."""
+        return self.end_token_id is not None
+
+    def for_tool_parser(self, tool_parser: Any) -> ReasoningParser:
+        """This parser for a reply whose content `tool_parser` reads (a format whose calls are
+        not in the content otherwise passes them on: openai_gptoss)."""
+        return self
+
     def streamer(self, in_reasoning: bool) -> ReasoningStreamer:
         return ReasoningStreamer(self, in_reasoning)
 
@@ -359,7 +370,7 @@ class ReasoningTokenFilter:
         reasoning's, with any held before that turn out not to be."""
         self._token_ids.extend(token_ids)
         self._entries.extend(entries)
-        if self.parser.end_token_id is None or not (reasoning_ended or final):
+        if not self.parser.tokens_tell_reasoning_end or not (reasoning_ended or final):
             return [], []
         span = self._span
         if span is None:

@@ -10,11 +10,12 @@ from raylm.deploy.tool_parsers.base import ParsedCall, ParsedToolOutput, ToolPar
 from raylm.deploy.tool_parsers.hermes import HermesToolParser
 from raylm.deploy.tool_parsers.llama3_json import Llama3JsonToolParser
 from raylm.deploy.tool_parsers.mistral import MistralToolParser
+from raylm.deploy.tool_parsers.openai import OpenAIToolParser
 from raylm.deploy.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                       Qwen3CoderToolParser)}
+                                       OpenAIToolParser, Qwen3CoderToolParser)}
 # vLLM's second name for the XML format of Qwen3-Coder and Qwen3.5.
 TOOL_PARSERS["qwen3_xml"] = Qwen3CoderToolParser
 

@@ -53,6 +53,9 @@ class ToolParser:
     """A model family's tool-call format (vLLM's `--tool-call-parser NAME`)."""
 
     name = ""
+    # Whether it reads gpt-oss's calls as the openai_gptoss reasoning parser passes them on
+    # in the content (the `openai` parser); other formats' calls are in the model's text.
+    reads_harmony_calls = False
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         # The request's tools, as the chat template is given them (a format whose values
