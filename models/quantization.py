@@ -107,6 +107,11 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
         raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method {method!r} "
                          f"(config.json's quantization_config); pass quantization={method!r} or leave it unset "
                          f"(None) to auto-detect.")
+    if set(getattr(hf_config, "architectures", None) or []) & set(MXFP4_ARCHITECTURES):
+        # Its stacked expert tensors have no FP8 layout raylm knows; its bf16 ones load into FusedMoE.
+        raise ValueError(f"gpt-oss checkpoints quantized with quant_method {method!r} are not read: "
+                         f"{', '.join(MXFP4_ARCHITECTURES)} reads MXFP4 (quant_method 'mxfp4') and 16/32-bit "
+                         f"checkpoints, which quantization='fp8' quantizes at load; {_SUPPORTED}.")
     if method in ("gptq", "awq"):
         _check_no_experts(hf_config, method)
     if method == "fp8":

@@ -24,7 +24,8 @@ from raylm.models.fused_moe import FusedMoE
 from raylm.parallel.fp8_linear_method import Fp8LinearScheme
 from raylm.parallel.fp8_moe_method import Fp8MoEMethod
 from raylm.parallel.parallel_state import override_tensor_parallel
-from tiny_models import build_tiny_mixtral, build_tiny_qwen2_moe, build_tiny_qwen3_moe, random_prompts
+from tiny_models import (build_tiny_gpt_oss, build_tiny_mixtral, build_tiny_qwen2_moe, build_tiny_qwen3_moe,
+                         random_prompts)
 
 MAX_TOKENS = 8
 PROMPTS = random_prompts(4, seed=5, min_len=6, max_len=24)
@@ -110,6 +111,33 @@ def test_online_fp8_quantizes_each_expert_tensor_per_tensor_and_leaves_the_route
     assert block.experts.w2_weight.dtype == torch.float8_e4m3fn and block.gate.weight.dtype == torch.float32
     expected = tensors["model.layers.0.mlp.experts.3.up_proj.weight"].abs().amax() / 448
     assert block.experts.w13_weight_scale[3, 1].item() == pytest.approx(expected.item())
+    llm.shutdown()
+
+
+def test_online_fp8_gpt_oss_quantizes_each_expert_projection_and_keeps_its_biases(tmp_path):
+    # gpt-oss stores its experts stacked: gate_up_proj [E, H, 2I] (gate the even columns, up
+    # the odd ones) and down_proj [E, I, H]; each expert's gate, up and down get a scale.
+    source = build_tiny_gpt_oss(tmp_path / "gpt_oss", seed=3)
+    reference = tmp_path / "rounded"
+    shutil.copytree(source, reference)
+
+    def rounded(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith("experts.gate_up_proj"):
+            tensor = tensor.clone()
+            for expert in tensor:
+                for columns in (slice(0, None, 2), slice(1, None, 2)):
+                    expert[:, columns] = quantize(expert[:, columns].t(), "tensor")[2].t()
+            return tensor
+        if name.endswith("experts.down_proj"):
+            return torch.stack([quantize(expert.t(), "tensor")[2].t() for expert in tensor]).contiguous()
+        return quantize(tensor, "tensor")[2] if is_linear_weight(name) else tensor
+
+    save_file({name: rounded(name, t) for name, t in load_file(str(source / "model.safetensors")).items()},
+              str(reference / "model.safetensors"))
+    llm = LLM(model=str(source), quantization="fp8", **ENGINE)
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
+    mlp = llm.llm_engine.executor.driver_worker.model_runner.model.model.layers[0].mlp
+    assert mlp.experts.w13_weight.dtype == torch.float8_e4m3fn and mlp.router.weight.dtype == torch.float32
     llm.shutdown()
 
 
