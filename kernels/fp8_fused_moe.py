@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from raylm.kernels import cpu_ops
-from raylm.kernels.fp8_linear import _fp8_table
+from raylm.kernels import cpu_fused_moe
 
 # Dequantized weight bytes per chunk: one expert of Qwen3-30B-A3B in bf16 is ~9 MiB, so a
 # chunk is one or two experts there, and every expert of a small model at once.
@@ -39,22 +38,24 @@ def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block_size: tu
                        experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight [E, R, C] fp8 -> its experts `experts` (local rows, int64) [n, R, C] in `dtype`:
     `weight.float() * scale` of each element's row (scale [E, R]) or block (scale [E, ceil(R / bn),
-    ceil(C / bk)] for block_size (bn, bk))."""
+    ceil(C / bk)] for block_size (bn, bk)), computed in fp32 and rounded to `dtype` once."""
     num_experts, rows, columns = weight.shape
-    if weight.device.type == "cpu" and weight.is_contiguous() and cpu_ops.usable(scale):
-        # The native 256-entry table lookup: several times faster than PyTorch's fp8 cast.
-        values = torch.ops.raylm.dequantize_blocks(weight.view(torch.uint8).view(num_experts, -1), experts,
-                                                   _fp8_table(torch.float32)).view(-1, rows, columns)
-    else:
-        values = weight[experts].float()
+    row_group, column_group = block_size if block_size is not None else (1, columns)
+    if (weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+            and cpu_fused_moe.library_loaded()):
+        # One native pass over the bytes (a table lookup, the scale, the rounding): PyTorch's
+        # fp8 cast and separate scaling took several times longer (docs/quantization.md).
+        grid = scale.float().reshape(num_experts, -(-rows // row_group), -(-columns // column_group)).contiguous()
+        return torch.ops.raylm.dequantize_fp8_experts(weight.view(torch.uint8), experts, grid, row_group,
+                                                      column_group, dtype)
+    # e4m3 values are exact in every float dtype; the in-place product with the fp32 scale
+    # is computed in fp32 and rounded once.
+    values = weight[experts].to(dtype)
     scale = scale[experts].float()
     if block_size is None:
-        values.mul_(scale.unsqueeze(-1))
-    else:
-        block_rows, block_columns = block_size
-        expanded = scale.repeat_interleave(block_rows, 1)[:, :rows].repeat_interleave(block_columns, 2)[:, :, :columns]
-        values.mul_(expanded)
-    return values.to(dtype)
+        return values.mul_(scale.unsqueeze(-1))
+    expanded = scale.repeat_interleave(row_group, 1)[:, :rows].repeat_interleave(column_group, 2)[:, :, :columns]
+    return values.mul_(expanded)
 
 
 def expert_chunks(experts: torch.Tensor, bytes_per_expert: int, chunk_bytes: int = DEQUANT_CHUNK_BYTES

@@ -207,10 +207,27 @@ def test_two_ranks_cut_the_scales_with_the_experts_and_their_partial_sums_add_up
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cuda
+def test_fp8_moe_checkpoint_on_a_gpu_gives_hf_logprobs_within_bf16_rounding(tmp_path, sources):
+    # On CUDA every local expert is dequantized in fixed chunks and run by the Triton kernel
+    # in bf16: the sampled tokens' logprobs stay within a few hundredths of HF's.
+    from hf_reference import assert_sampled_logprobs_near_hf
+    from raylm.engine import SamplingParams
+
+    quantized, reference, _ = checkpoint(tmp_path, sources["qwen3_moe"], "fp8-block", block=(16, 16))
+    llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs, abs_tol=0.05)
+    llm.shutdown()
+
+
 # ------------------------------------------------------------------ the kernel
+@pytest.mark.parametrize("every_expert", [False, True], ids=["routed-experts", "every-expert"])
 @pytest.mark.parametrize("block", [None, (16, 32)], ids=["per-row", "block"])
-def test_fp8_fused_experts_in_chunks_equal_the_reference_on_dequantized_weights(block):
-    # 6 experts, this rank holding experts 2-4 (expert parallelism), one expert per chunk.
+def test_fp8_fused_experts_in_chunks_equal_the_reference_on_dequantized_weights(block, every_expert):
+    # 6 experts, this rank holding experts 2-4 (expert parallelism), one expert per chunk:
+    # those some token is routed to (the CPU's choice), or all three (CUDA's).
     torch.manual_seed(0)
     hidden, intermediate, experts, first = 64, 48, 6, 2
     strategy = "block" if block else "channel"
@@ -224,7 +241,7 @@ def test_fp8_fused_experts_in_chunks_equal_the_reference_on_dequantized_weights(
     expert_map[first:first + 3] = torch.arange(3, dtype=torch.int32)
     x = torch.randn(9, hidden)
     topk_weights, topk_ids = torch_moe.fused_topk(torch.randn(9, experts), 2, renormalize=True)
-    routed = fp8_fused_moe.routed_local_experts(topk_ids, expert_map)
+    routed = torch.arange(3) if every_expert else fp8_fused_moe.routed_local_experts(topk_ids, expert_map)
     chunks = [(chunk, fp8_fused_moe.chunk_expert_map(experts, first, chunk))
               for chunk in fp8_fused_moe.expert_chunks(routed, bytes_per_expert=1, chunk_bytes=1)]
     assert len(chunks) == routed.numel() >= 2
