@@ -80,9 +80,9 @@ class Fp8MoEMethod:
             else:  # filled by the weight's loader, named by no checkpoint tensor
                 layer.register_buffer(name, scale, persistent=False)
             if scheme.activation_scheme == "static":
+                per_shard = torch.ones(experts, 2 if projection == "w13" else 1, dtype=torch.float32, device=device)
                 setattr(layer, f"{projection}_input_scale",
-                        _parameter(torch.ones(shape[:2] if projection == "w13" else (experts, 1), device=device),
-                                   self._scale_loader(layer, prefix, "input_scale")))
+                        _parameter(per_shard, self._scale_loader(layer, prefix, "input_scale")))
         layer.w13_scale_runtime = layer.w2_scale_runtime = None
         layer.quant_prefix = prefix
         layer.quant_method = self

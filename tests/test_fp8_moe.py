@@ -84,13 +84,15 @@ def test_qwen3_moe_fp8_block_checkpoint_matches_hf(tmp_path, sources):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen2_moe", "ct-channel"), ("mixtral", "ct-tensor")])
-def test_compressed_tensors_fp8_moe_checkpoint_matches_hf(tmp_path, sources, arch, layout):
+@pytest.mark.parametrize("arch,layout,static", [("qwen2_moe", "ct-channel", True), ("mixtral", "ct-tensor", False)])
+def test_compressed_tensors_fp8_moe_checkpoint_matches_hf(tmp_path, sources, arch, layout, static):
     # Qwen2-MoE's shared expert takes the dense FP8 path, its shared_expert_gate stays fp32.
-    quantized, reference, _ = checkpoint(tmp_path, sources[arch], layout)
+    quantized, reference, _ = checkpoint(tmp_path, sources[arch], layout, static=static)
     llm = LLM(model=str(quantized), **ENGINE)
     assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     block = sparse_blocks(llm)[0]
+    if static:  # one per expert and projection, read and checked (the experts compute W8A16)
+        assert block.experts.w13_input_scale.shape == (7, 2) and block.experts.w2_input_scale.shape == (7, 1)
     if arch == "qwen2_moe":
         assert block.shared_expert.gate_up_proj.weight.dtype == torch.float8_e4m3fn
         assert block.shared_expert_gate.weight.dtype == torch.float32
