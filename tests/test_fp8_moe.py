@@ -302,8 +302,8 @@ def test_weight_block_size_that_splits_the_expert_intermediate_size_is_an_error_
     # moe_intermediate_size 48: gate's rows end inside the second 32-row block.
     folder = write_config_only(sources["qwen3_moe"], tmp_path / "model",
                                {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]})
-    with pytest.raises(ValueError, match=r"weight_block_size \[32, 32\] does not divide .*model\.layers\.0\.mlp\.experts "
-                                         r"\(48 features"):
+    with pytest.raises(ValueError, match=r"weight_block_size \[32, 32\] does not divide .*"
+                                         r"model\.layers\.0\.mlp\.experts \(48 features"):
         LLM(model=str(folder), **ENGINE)
 
 

@@ -354,10 +354,12 @@ at::Tensor dequantize_fp8_experts(const at::Tensor& weight, const at::Tensor& ex
               "CPU tensor (the fp8 bytes)");
   TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 1 && experts.is_contiguous(),
               "raylm::dequantize_fp8_experts: experts must be a contiguous 1-D int64 tensor");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "raylm::dequantize_fp8_experts: dtype must be fp32 or bf16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "raylm::dequantize_fp8_experts: dtype must be fp32 or bf16");
   const int64_t num_experts = weight.size(0), rows = weight.size(1), columns = weight.size(2);
   TORCH_CHECK(row_group > 0 && column_group > 0, "raylm::dequantize_fp8_experts: groups must be positive");
-  const int64_t scale_rows = (rows + row_group - 1) / row_group, scale_columns = (columns + column_group - 1) / column_group;
+  const int64_t scale_rows = (rows + row_group - 1) / row_group;
+  const int64_t scale_columns = (columns + column_group - 1) / column_group;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 &&
                   scale.size(0) == num_experts && scale.size(1) == scale_rows && scale.size(2) == scale_columns,
               "raylm::dequantize_fp8_experts: scale must be a contiguous fp32 [E, ceil(R / row_group), "
