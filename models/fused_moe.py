@@ -6,6 +6,10 @@ experts' gated MLPs then run fused over the tokens routed to each (tokens groupe
 expert, grouped GEMMs): the Triton kernel on CUDA, the native CPU op on the CPU
 (`kernels/cpu_fused_moe.py`), the PyTorch reference elsewhere.
 
+FP8 experts (`quantization`, docs/quantization.md) are held by `Fp8MoEMethod`
+(`parallel/fp8_moe_method.py`), which dequantizes a chunk of them at a time and runs the
+same kernels on it (`run_experts`).
+
 Its weights are `FusedMoEWeights` (`parallel/fused_moe_weights.py`): sharded per expert
 under tensor parallelism, whole experts per rank under expert parallelism. Either way this
 rank's output is a partial sum, summed over the ranks by one all-reduce (here with

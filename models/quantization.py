@@ -20,10 +20,11 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
 
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
 vLLM). MoE experts take the FP8 sources above (`parallel/fp8_moe_method.py`), their routers
-stay unquantized. Anything else (other int4/int8 methods, GPTQ/AWQ experts) is an error
-naming what is supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
-(`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
-(`models/mxfp4.py`): no linear layer is quantized here for them.
+stay unquantized. Anything else (other int4/int8 methods, GPTQ/AWQ experts, FP8 checkpoints
+of gpt-oss) is an error naming what is supported, raised from the config alone, before any
+weight is read. gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`) are read by its model
+class, which dequantizes them at load (`models/mxfp4.py`): no linear layer is quantized here
+for them.
 """
 
 from __future__ import annotations
