@@ -58,14 +58,16 @@ class EngineArgs(SettingsMixin):
         "Its outputs are meaningless. vLLM's other formats (pt, gguf, ...) are not read.")})
     quantization: str | None = field(default=None, metadata={"choices": QUANTIZATION_METHODS, **_help(
         "FP8 weights (vLLM's flag, docs/quantization.md): 'fp8' quantizes a 16/32-bit checkpoint's linear layers "
-        "(not the embeddings or the LM head) to float8_e4m3fn at load, one scale per tensor, or reads a checkpoint "
+        "and MoE experts (not the embeddings, the LM head or MoE routers) to float8_e4m3fn at load, one scale per "
+        "tensor, or reads a checkpoint "
         "whose config.json quantization_config has quant_method 'fp8' (per-tensor or block-wise); "
         "'compressed-tensors' reads llm-compressor's FP8 checkpoints (per-tensor, per-channel or block-wise). "
         "Default: what the checkpoint's quantization_config says, else none. GPUs of compute capability 8.9 and up "
         "multiply in fp8 (W8A8, activations quantized per token or by the checkpoint's static scale); CPUs and older "
         "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory. "
-        "'gptq' and 'awq' read GPTQ (4 or 8-bit) and AWQ (4-bit GEMM) checkpoints, dequantized in chunks on CPU and "
-        "CUDA (no Marlin kernel); the weights stay packed.")})
+        "MoE experts dequantize a chunk of experts at a time on CPU and CUDA (no fp8 grouped GEMM). "
+        "'gptq' and 'awq' read GPTQ (4 or 8-bit) and AWQ (4-bit GEMM) checkpoints of dense models, dequantized in "
+        "chunks on CPU and CUDA (no Marlin kernel); the weights stay packed.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "

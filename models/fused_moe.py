@@ -6,6 +6,10 @@ experts' gated MLPs then run fused over the tokens routed to each (tokens groupe
 expert, grouped GEMMs): the Triton kernel on CUDA, the native CPU op on the CPU
 (`kernels/cpu_fused_moe.py`), the PyTorch reference elsewhere.
 
+FP8 experts (`quantization`, docs/quantization.md) are held by `Fp8MoEMethod`
+(`parallel/fp8_moe_method.py`), which dequantizes a chunk of them at a time and runs the
+same kernels on it (`run_experts`).
+
 Its weights are `FusedMoEWeights` (`parallel/fused_moe_weights.py`): sharded per expert
 under tensor parallelism, whole experts per rank under expert parallelism. Either way this
 rank's output is a partial sum, summed over the ranks by one all-reduce (here with
@@ -55,15 +59,25 @@ class FusedMoE(FusedMoEWeights):
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
     def fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map)
+        if self.quant_method is not None:  # FP8 experts: dequantized a chunk at a time into `run_experts`
+            return self.quant_method.apply(self, x, topk_weights, topk_ids)
+        return self.run_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map,
+                                self.w13_bias, self.w2_bias if self.adds_w2_bias else None, self.packed)
+
+    def run_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None, packed: cpu_fused_moe.PackedExperts | None = None
+                    ) -> torch.Tensor:
+        """The fused-experts kernel of x's device over these weights (this layer's, or a chunk
+        of them dequantized) with this layer's activation."""
+        args = (x, w13, w2, topk_weights, topk_ids, expert_map)
         # Biases, activation: what every path but the CPU op takes (defaults: Mixtral's).
-        options = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.adds_w2_bias else None,
-                       activation=self.activation, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+        options = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=self.activation,
+                       swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         if x.device.type == "cuda":
             from raylm.kernels import triton_fused_moe  # imports triton: GPU machines only
 
             return triton_fused_moe.fused_experts(*args, **options)
         if x.device.type == "cpu":
-            return cpu_fused_moe.fused_experts(*args, packed=self.packed, **options)
+            return cpu_fused_moe.fused_experts(*args, packed=packed, **options)
         return torch_moe.fused_experts(*args, **options)
-

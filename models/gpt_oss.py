@@ -57,6 +57,7 @@ class GptOssMLP(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}] (num_local_experts), got {top_k}.")
         self.router = ReplicatedLinear(config.hidden_size, num_experts, bias=True)
+        self.router.keep_unquantized = True  # as vLLM builds it: FP8 quantizes the experts, not the router
         self.experts = FusedMoE(num_experts, top_k, config.hidden_size, config.intermediate_size, renormalize=False,
                                 has_bias=True, activation="swigluoai", swiglu_limit=float(config.swiglu_limit),
                                 swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)), softmax_after_topk=True)

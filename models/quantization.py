@@ -19,10 +19,12 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
   `modules_to_not_convert`.
 
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
-vLLM). Anything else (other int4/int8 methods, MoE experts) is an error naming what is
-supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
-(`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
-(`models/mxfp4.py`): no linear layer is quantized here for them.
+vLLM). MoE experts take the FP8 sources above (`parallel/fp8_moe_method.py`), their routers
+stay unquantized. Anything else (other int4/int8 methods, GPTQ/AWQ experts, FP8 checkpoints
+of gpt-oss) is an error naming what is supported, raised from the config alone, before any
+weight is read. gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`) are read by its model
+class, which dequantizes them at load (`models/mxfp4.py`): no linear layer is quantized here
+for them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from torch import nn
 
 from raylm.models.mxfp4 import MXFP4_ARCHITECTURES
 from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod, Fp8LinearScheme
+from raylm.parallel.fp8_moe_method import Fp8MoEMethod
+from raylm.parallel.fused_moe_weights import FusedMoEWeights
 from raylm.parallel.int4_linear_method import Int4LinearMethod, Int4LinearScheme
 from raylm.parallel.linear import LinearBase
 
@@ -93,7 +97,6 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
             raise ValueError(f"quantization {quantization!r} needs a checkpoint quantized so (config.json's "
                              f"quantization_config); this one has none. quantization='fp8' quantizes a 16/32-bit "
                              f"checkpoint at load.")
-        _check_no_experts(hf_config)
         return QuantizationConfig("fp8", Fp8LinearScheme(checkpoint_is_fp8=False, weight_strategy="tensor"))
     method = checkpoint.get("quant_method")
     if method == "mxfp4":
@@ -105,7 +108,13 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
         raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method {method!r} "
                          f"(config.json's quantization_config); pass quantization={method!r} or leave it unset "
                          f"(None) to auto-detect.")
-    _check_no_experts(hf_config, method)
+    if set(getattr(hf_config, "architectures", None) or []) & set(MXFP4_ARCHITECTURES):
+        # Its stacked expert tensors have no FP8 layout raylm knows; its bf16 ones load into FusedMoE.
+        raise ValueError(f"gpt-oss checkpoints quantized with quant_method {method!r} are not read: "
+                         f"{', '.join(MXFP4_ARCHITECTURES)} reads MXFP4 (quant_method 'mxfp4') and 16/32-bit "
+                         f"checkpoints, which quantization='fp8' quantizes at load; {_SUPPORTED}.")
+    if method in ("gptq", "awq"):
+        _check_no_experts(hf_config, method)
     if method == "fp8":
         return _fp8_config(checkpoint)
     if method == "gptq":
@@ -129,13 +138,16 @@ def _mxfp4_checkpoint(hf_config: Any, quantization: str | None) -> None:
     return None
 
 
-def _check_no_experts(hf_config: Any, method: str = "fp8") -> None:
+def _check_no_experts(hf_config: Any, method: str) -> None:
+    """GPTQ and AWQ experts are not read (their MoE kernels are not ported): refused from the
+    config. FP8 experts are (`Fp8MoEMethod`)."""
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     experts = next((getattr(text_config, a) for a in _EXPERT_COUNTS if getattr(text_config, a, None)), None)
     if experts:
-        kind = {"gptq": "GPTQ", "awq": "AWQ"}.get(method, "FP8")
-        raise ValueError(f"{kind} weights are not supported for MoE models ({experts} experts): raylm quantizes the "
-                         f"linear layers of dense models only; {_SUPPORTED}.")
+        kind = {"gptq": "GPTQ", "awq": "AWQ"}[method]
+        raise ValueError(f"{kind} weights are not supported for MoE models ({experts} experts): raylm reads MoE "
+                         f"experts in FP8 only (quantization='fp8', or quant_method 'fp8' or 'compressed-tensors'), "
+                         f"and GPTQ/AWQ weights of dense models; {_SUPPORTED}.")
 
 
 def _fp8_config(config: dict[str, Any]) -> QuantizationConfig:
@@ -271,7 +283,12 @@ def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
     scheme = quant_config.scheme
     method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
     for name, module in list(model.named_modules()):
-        if not isinstance(module, LinearBase) or module.quant_method is not None:
+        if isinstance(module, FusedMoEWeights) and isinstance(scheme, Fp8LinearScheme):
+            if module.quant_method is None and not quant_config.is_ignored(name, []):
+                Fp8MoEMethod(scheme).create_weights(module, name)
+            continue
+        if (not isinstance(module, LinearBase) or module.quant_method is not None
+                or getattr(module, "keep_unquantized", False)):  # MoE routers
             continue
         shard_names = [name[:-len(ours)] + theirs for ours, theirs, _ in stacked_params_mapping
                        if name.endswith(ours)]

@@ -28,6 +28,8 @@ class SparseMoeBlock(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' for the MoE experts, got {hidden_act!r}.")
         self.gate = ReplicatedLinear(hidden_size, num_experts)
+        # Routers stay in the model's dtype under FP8 quantization, as vLLM builds them.
+        self.gate.keep_unquantized = True
         # The experts' partial sums join the shared expert's in one all-reduce.
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
                                 reduce_results=False)
@@ -37,6 +39,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
             self.shared_expert.down_proj.reduce_results = False
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+            self.shared_expert_gate.keep_unquantized = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H], summed over the tensor-parallel ranks."""
@@ -61,9 +64,11 @@ def moe_config(config: Any) -> dict[str, Any]:
     return dict(num_experts=num_experts, top_k=top_k)
 
 
-# A checkpoint tensor of one routed expert: `<prefix>.experts.<id>.<projection>.weight`.
+# A checkpoint tensor of one routed expert: `<prefix>.experts.<id>.<projection>.weight`, or
+# one of its FP8 scales (`weight_scale`, `weight_scale_inv`, `input_scale`).
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
-                            r"(?P<projection>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+                            r"(?P<projection>w1|w2|w3|gate_proj|up_proj|down_proj)\."
+                            r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
 # Checkpoint projection -> FusedMoEWeights shard (vLLM's w1/w2/w3: Mixtral's own names).
 _EXPERT_SHARD = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 
@@ -71,7 +76,8 @@ _EXPERT_SHARD = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2
 def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                               stacked_params_mapping: Iterable[tuple[str, str, Any]]) -> set[str]:
     """`load_stacked_weights`, with each routed expert's tensor sent to its FusedMoE's fused
-    parameter (w13_weight for gate/up, w2_weight for down) with shard id (expert, shard).
+    parameter (w13_weight for gate/up, w2_weight for down; FP8 scales likewise to
+    w13_<kind> and w2_<kind>) with shard id (expert, shard).
     Returns the names of the parameters loaded."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -83,7 +89,7 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
                 yield name, tensor
                 continue
             shard = _EXPERT_SHARD[match["projection"]]
-            target = f"{match['prefix']}.{'w2_weight' if shard == 'w2' else 'w13_weight'}"
+            target = f"{match['prefix']}.{'w2' if shard == 'w2' else 'w13'}_{match['kind']}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks.")
             params[target].weight_loader(params[target], tensor, (int(match["expert"]), shard))

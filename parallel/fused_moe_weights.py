@@ -90,11 +90,27 @@ class FusedMoEWeights(nn.Module):
             self.w2_bias = _new_parameter(self.num_local_experts, hidden_size, dtype=params_dtype,
                                           weight_loader=self.bias_loader)
         self.packed: cpu_fused_moe.PackedExperts | None = None
+        # `Fp8MoEMethod` (`models/quantization.py`) where the experts are FP8: it then owns
+        # their parameters, their processing after loading, and the computation.
+        self.quant_method = None
         self._loaded_shards: set[tuple[int, str]] = set()
 
     @property
     def expected_shards(self) -> tuple[str, ...]:
-        return EXPERT_SHARDS + (tuple(f"{shard}_bias" for shard in EXPERT_SHARDS) if self.w13_bias is not None else ())
+        scales = self.quant_method.scale_shards if self.quant_method is not None else ()
+        return (EXPERT_SHARDS + (tuple(f"{shard}_bias" for shard in EXPERT_SHARDS) if self.w13_bias is not None else ())
+                + scales)
+
+    def local_expert(self, expert_id: int, shard: str) -> int | None:
+        """The row of global expert `expert_id` in this rank's weights, None where another rank
+        holds it; an error for an id or shard the layer has not."""
+        if shard not in EXPERT_SHARDS:
+            raise ValueError(f"expert shard must be one of {EXPERT_SHARDS}, got {shard!r}.")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"checkpoint tensor of expert {expert_id}: the layer has experts 0 to "
+                             f"{self.num_experts - 1} (num_experts = {self.num_experts}).")
+        local = expert_id - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
 
     @property
     def adds_w2_bias(self) -> bool:
@@ -170,5 +186,9 @@ class FusedMoEWeights(nn.Module):
             shown = ", ".join(f"expert {expert} {shard}" for expert, shard in missing[:6])
             raise ValueError(f"the checkpoint lacks {len(missing)} expert tensors of a MoE layer: {shown}"
                              f"{', ...' if len(missing) > 6 else ''}.")
+        if self.quant_method is not None:  # FP8 experts are dequantized per call: no panels
+            self.packed = None
+            self.quant_method.process_weights_after_loading(self)
+            return
         # Experts with biases run the PyTorch reference (`FusedMoE`): nothing reads panels.
         self.packed = cpu_fused_moe.pack_experts(self.w13_weight, self.w2_weight) if self.w13_bias is None else None

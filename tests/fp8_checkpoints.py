@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def is_linear_weight(name: str) -> bool:

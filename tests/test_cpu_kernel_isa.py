@@ -910,3 +910,31 @@ def test_fp8_linear_widens_every_e4m3_value_and_multiplies_as_float64_does():
     values[[0x7f, 0xff]] = 0  # the NaNs
     widened = torch.ops.raylm.fp8_linear(torch.eye(256), values.reshape(1, 256), torch.ones(1))[:, 0]
     assert torch.equal(widened, values.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)], ids=["per-row", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_experts_dequantize_every_e4m3_value_times_its_scale_rounded_once(dtype, block):
+    """csrc/cpu_fused_moe.cpp's dequantize_fp8_experts (FP8 MoE experts): every e4m3 code
+    (NaNs and subnormals included) of the chosen experts times its row's or block's scale,
+    exactly PyTorch's fp32 product rounded once to the dtype; 70 columns leave a tail for every
+    vector width, 40 rows a partial last block."""
+    from raylm.kernels import cpu_fused_moe, fp8_fused_moe
+
+    if not cpu_fused_moe.library_loaded():
+        pytest.skip("the fused MoE kernel cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    experts, rows, columns = 4, 40, 70
+    codes = torch.randint(0, 256, (experts, rows, columns), dtype=torch.uint8, generator=generator)
+    codes[1].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    weight = codes.view(torch.float8_e4m3fn)
+    grid = (experts, rows) if block is None else (experts, 3, 3)
+    scale = torch.rand(grid, generator=generator) + 0.01
+    chosen = torch.tensor([1, 3, 0])
+    out = fp8_fused_moe.dequantize_experts(weight, scale, block, chosen, dtype)
+    expanded = (scale[chosen, :, None] if block is None else
+                scale[chosen].repeat_interleave(16, 1)[:, :rows].repeat_interleave(32, 2)[:, :, :columns])
+    expected = (weight[chosen].float() * expanded).to(dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())

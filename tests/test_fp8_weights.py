@@ -1,7 +1,7 @@
 """FP8 linear weights (`quantization`, docs/quantization.md): FP8 checkpoints in each layout
 vLLM reads, and a 16/32-bit checkpoint quantized at load, generate what Hugging Face
 generates on a plain fp32 checkpoint of the weights they stand for (fp8.float() * scale);
-in process and over two tensor-parallel Ray workers. What raylm does not read is an error
+in process and over two tensor-parallel Ray workers (MoE experts: tests/test_fp8_moe.py). What raylm does not read is an error
 raised from config.json alone."""
 
 from __future__ import annotations
@@ -156,12 +156,6 @@ def test_unsupported_quantization_is_an_error_naming_what_is_supported_before_an
     with pytest.raises(ValueError, match=message) as error:
         LLM(model=str(folder), quantization=quantization, **ENGINE)
     assert "fp8" in str(error.value)
-
-
-def test_fp8_weights_for_moe_experts_are_an_error(tmp_path, source):
-    folder = write_config_only(source, tmp_path / "model", None, num_local_experts=4)
-    with pytest.raises(ValueError, match="not supported for MoE models"):
-        LLM(model=str(folder), quantization="fp8", **ENGINE)
 
 
 def test_weight_block_size_that_splits_a_fused_shard_is_an_error_naming_the_layer(tmp_path, source):

@@ -290,10 +290,11 @@ def test_quantization_configs_other_than_gpt_oss_mxfp4_are_refused():
         GptOssForCausalLM(SimpleNamespace(quantization_config={"quant_method": "fp8"}))
 
 
-def test_quantization_rule_mxfp4_for_gpt_oss_fp8_for_dense_models_only():
+def test_quantization_rule_mxfp4_or_online_fp8_for_gpt_oss():
     """The engine's check (`get_quant_config`, run before any weight is read): MXFP4 is
-    gpt-oss's (its model class dequantizes it, no linear layer is quantized), an FP8 gpt-oss
-    is refused as every FP8 MoE is, and an unknown method is refused by name."""
+    gpt-oss's (its model class dequantizes it, no linear layer is quantized), online fp8
+    quantizes its 16/32-bit checkpoint (tests/test_fp8_moe.py), an FP8 gpt-oss checkpoint is
+    refused, and an unknown method is refused by name."""
     from types import SimpleNamespace
 
     from raylm.models.quantization import get_quant_config
@@ -308,10 +309,10 @@ def test_quantization_rule_mxfp4_for_gpt_oss_fp8_for_dense_models_only():
     with pytest.raises(ValueError, match="quant_method 'mxfp4'.*GptOssForCausalLM only, not architectures "
                                          r"\['LlamaForCausalLM'\]"):
         get_quant_config(config("LlamaForCausalLM", {"quant_method": "mxfp4"}), None)
-    with pytest.raises(ValueError, match=r"FP8 weights are not supported for MoE models \(4 experts\)"):
+    with pytest.raises(ValueError, match=r"gpt-oss checkpoints quantized with quant_method 'fp8' are not read"):
         get_quant_config(config("GptOssForCausalLM", {"quant_method": "fp8"}, num_local_experts=4), None)
-    with pytest.raises(ValueError, match=r"FP8 weights are not supported for MoE models \(4 experts\)"):
-        get_quant_config(config("GptOssForCausalLM", None, num_local_experts=4), "fp8")
+    online = get_quant_config(config("GptOssForCausalLM", None, num_local_experts=4), "fp8")
+    assert online is not None and not online.scheme.checkpoint_is_fp8
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes'.*which raylm does not read"):
         get_quant_config(config("GptOssForCausalLM", {"quant_method": "bitsandbytes"}, num_local_experts=4), None)
     dense_fp8 = get_quant_config(config("LlamaForCausalLM", {"quant_method": "fp8"}), None)

@@ -9,7 +9,8 @@ row chunks as it multiplies (W8A16, `kernels/fp8_linear.py`).
     python -m raylm.cluster.benchmarks.bench_fp8_weights MODEL_DIR [--dtype bfloat16] [--rounds 3]
 
 MODEL_DIR: a Llama folder, e.g. the 5M or ~100M bench Llama (docs/performance.md says how
-to write them).
+to write them), or a MoE model (Mixtral, Qwen2/3-MoE: FP8 experts, `kernels/fp8_fused_moe.py`);
+prompts draw token ids below 4000, so its vocabulary must be larger.
 """
 
 from __future__ import annotations

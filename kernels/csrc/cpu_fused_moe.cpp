@@ -28,6 +28,12 @@
 // w2_bias [E, H] added to each expert's products, and with swiglu_limit > 0 its clamped SwiGLU
 // ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above at the limit, up to
 // [-limit, limit]) in place of SiLU-and-mul.
+//
+// dequantize_fp8_experts(weight, experts, scale, row_group, column_group, dtype): FP8 experts
+// (kernels/fp8_fused_moe.py) widened for those kernels, one pass over the bytes: element
+// (r, c) of expert e is fp8(weight[e, r, c]) * scale[e, r / row_group, c / column_group],
+// computed in fp32 and rounded once to fp32 or bf16 (per-row scales: groups of 1 row and
+// every column; block scales: the block's rows and columns).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,6 +52,7 @@
 #include <vector>
 
 #include "cpu_gemm_avx512_panels.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -313,6 +320,68 @@ at::Tensor dense_fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const 
   return out;
 }
 
+template <typename out_t>
+void dequantize_fp8_rows(const uint8_t* codes, const int64_t* experts, const float* scale, out_t* out, int64_t n,
+                         int64_t rows, int64_t columns, int64_t scale_rows, int64_t scale_columns, int64_t row_group,
+                         int64_t column_group) {
+  float lut[256];  // every e4m3 code's value, exact in fp32
+  for (int code = 0; code < 256; ++code) lut[code] = raylm::to_float(raylm::fp8_e4m3{static_cast<uint8_t>(code)});
+  at::parallel_for(0, n * rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t i = index / rows, r = index % rows, e = experts[i];
+      const uint8_t* src = codes + (e * rows + r) * columns;
+      const float* row_scale = scale + (e * scale_rows + r / row_group) * scale_columns;
+      out_t* dst = out + index * columns;
+      for (int64_t g = 0; g < scale_columns; ++g) {
+        const float s = row_scale[g];
+        const raylm::vfloat vs = raylm::vset1(s);
+        const int64_t stop = std::min(columns, (g + 1) * column_group);
+        int64_t c = g * column_group;
+        // Widened in registers (exactly, NaN codes NaN), as the fp8 KV cache's loads are.
+        for (; c + raylm::kVecWidth <= stop; c += raylm::kVecWidth) {
+          raylm::vstore(dst + c, raylm::vmul(raylm::vload(reinterpret_cast<const raylm::fp8_e4m3*>(src + c)), vs));
+        }
+        for (; c < stop; ++c) raylm::store_scalar(dst + c, lut[src[c]] * s);
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_fp8_experts(const at::Tensor& weight, const at::Tensor& experts, const at::Tensor& scale,
+                                  int64_t row_group, int64_t column_group, at::ScalarType dtype) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 3 &&
+                  weight.is_contiguous(), "raylm::dequantize_fp8_experts: weight must be a contiguous uint8 [E, R, C] "
+              "CPU tensor (the fp8 bytes)");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 1 && experts.is_contiguous(),
+              "raylm::dequantize_fp8_experts: experts must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "raylm::dequantize_fp8_experts: dtype must be fp32 or bf16");
+  const int64_t num_experts = weight.size(0), rows = weight.size(1), columns = weight.size(2);
+  TORCH_CHECK(row_group > 0 && column_group > 0, "raylm::dequantize_fp8_experts: groups must be positive");
+  const int64_t scale_rows = (rows + row_group - 1) / row_group;
+  const int64_t scale_columns = (columns + column_group - 1) / column_group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 &&
+                  scale.size(0) == num_experts && scale.size(1) == scale_rows && scale.size(2) == scale_columns,
+              "raylm::dequantize_fp8_experts: scale must be a contiguous fp32 [E, ceil(R / row_group), "
+              "ceil(C / column_group)] tensor");
+  const int64_t n = experts.numel();
+  const int64_t* ids = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < num_experts, "raylm::dequantize_fp8_experts: expert ", ids[i],
+                      " is outside the weight's ", num_experts, " experts");
+  }
+  at::Tensor out = at::empty({n, rows, columns}, weight.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_fp8_rows(weight.data_ptr<uint8_t>(), ids, scale.data_ptr<float>(), out.data_ptr<float>(), n, rows,
+                        columns, scale_rows, scale_columns, row_group, column_group);
+  } else {
+    dequantize_fp8_rows(weight.data_ptr<uint8_t>(), ids, scale.data_ptr<float>(),
+                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, rows, columns, scale_rows,
+                        scale_columns, row_group, column_group);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
@@ -321,9 +390,12 @@ TORCH_LIBRARY_FRAGMENT(raylm, m) {
         "Tensor? expert_map, int intermediate_size) -> Tensor");
   m.def("dense_fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? expert_map, "
         "Tensor? w13_bias=None, Tensor? w2_bias=None, float swiglu_limit=0.0, float swiglu_alpha=1.702) -> Tensor");
+  m.def("dequantize_fp8_experts(Tensor weight, Tensor experts, Tensor scale, int row_group, int column_group, "
+        "ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("avx512_fused_moe", &avx512_fused_moe);
   m.impl("dense_fused_moe", &dense_fused_moe);
+  m.impl("dequantize_fp8_experts", &dequantize_fp8_experts);
 }
