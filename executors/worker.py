@@ -250,8 +250,12 @@ class Worker:
         """Per parameter of this rank's model (its shard): shape, sum, min and max, in
         float64 (what a load check compares; a NaN or inf shows in all three)."""
         model = self.model_runner.model
-        return {name: (tuple(p.shape), *(float(v) for v in (p.double().sum(), p.min(), p.max())))
-                for name, p in model.named_parameters() if p.numel()}
+        stats = {}
+        for name, p in model.named_parameters():
+            if p.numel():
+                values = p.double()  # fp8 and integer weights have no min/max of their own
+                stats[name] = (tuple(p.shape), float(values.sum()), float(values.min()), float(values.max()))
+        return stats
 
     def shutdown(self) -> None:
         """Frees the model, its KV cache and CUDA graphs and leaves the tensor-parallel

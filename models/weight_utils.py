@@ -42,8 +42,10 @@ def initialize_dummy_weights(model: torch.nn.Module, low: float = DUMMY_WEIGHT_L
     """Gives every floating-point parameter of `model` (this rank's shards) random values
     uniform in [low, high), what load_format="dummy" loads instead of a checkpoint.
     Buffers (rotary tables, scales computed from the config) keep their values: they come
-    from the config, not the checkpoint."""
-    for param in model.parameters():
+    from the config, not the checkpoint. A quantized checkpoint's scale parameters (FP8's
+    `weight_scale`, `weight_scale_inv`, `input_scale`) take the magnitude of their draw: the
+    loader refuses a scale that is not positive, as a real checkpoint's never is."""
+    for name, param in model.named_parameters():
         if not param.is_floating_point():
             continue
         generator = torch.Generator(device=param.device).manual_seed(seed)
@@ -52,6 +54,8 @@ def initialize_dummy_weights(model: torch.nn.Module, low: float = DUMMY_WEIGHT_L
                         .uniform_(low, high, generator=generator))
         else:
             param.uniform_(low, high, generator=generator)
+        if "scale" in name.rsplit(".", 1)[-1]:
+            param.abs_().clamp_min_(torch.finfo(param.dtype).tiny)
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:

@@ -157,3 +157,31 @@ def test_tp2_dummy_moe_ranks_each_draw_their_shard_and_generate(request, weightl
             assert (per_rank[0][w2][0][0], per_rank[1][w2][0][0]) == (4, 3)
         tokens = greedy(llm, max_tokens=5)
         assert [len(t) for t in tokens] == [5, 5]
+
+
+@pytest.mark.parametrize("quantization_config", [
+    {"quant_method": "fp8", "activation_scheme": "static", "fmt": "e4m3"},
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 16]},
+], ids=["per-tensor static", "block-wise"])
+def test_a_dummy_fp8_checkpoint_draws_positive_scales_and_generates(llama_dir, tmp_path, quantization_config):
+    """An FP8 checkpoint's scales drawn as the recipe says would be negative half the time,
+    which the loader refuses of a real checkpoint: they take their draw's magnitude."""
+    from fp8_checkpoints import write_config_only
+
+    from raylm.engine import LLM
+
+    folder = write_config_only(llama_dir, tmp_path / "fp8", quantization_config)
+    llm = LLM(model=str(folder), load_format="dummy", max_model_len=64, num_gpu_blocks_override=32)
+    try:
+        (stats,) = llm.llm_engine.executor.collective_rpc("parameter_stats")
+        scales = {name: s for name, s in stats.items() if "scale" in name.rsplit(".", 1)[-1]}
+        assert scales
+        for name, (shape, total, smallest, largest) in scales.items():
+            drawn = torch.empty(shape).uniform_(LOW, HIGH, generator=torch.Generator().manual_seed(SEED))
+            assert smallest > 0 and largest < HIGH, (name, smallest, largest)
+            assert total == pytest.approx(float(drawn.abs().double().sum()), rel=1e-6), name
+        tokens = greedy(llm, max_tokens=5)
+        assert [len(t) for t in tokens] == [5, 5]
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
