@@ -910,3 +910,18 @@ def test_fp8_linear_widens_every_e4m3_value_and_multiplies_as_float64_does():
     values[[0x7f, 0xff]] = 0  # the NaNs
     widened = torch.ops.raylm.fp8_linear(torch.eye(256), values.reshape(1, 256), torch.ones(1))[:, 0]
     assert torch.equal(widened, values.view(torch.float8_e4m3fn).float())
+
+
+def test_int4_linear_multiplies_gptq_and_awq_codes_as_float64_does():
+    """csrc/cpu_int4_linear.cpp: 4-bit AWQ with act-order-free groups of 32 and 8-bit GPTQ with
+    act order, 40 output columns (a partial block of 32), 1 to 2 tokens from the codes in
+    registers and 5 from the widened tile; the reference is (code - zero) * scale in float64."""
+    from test_int4_linear import int4_layer, native_product
+
+    if native_build.load_native_library("cpu_int4_linear") is None:
+        pytest.skip("the int4 kernel cannot be built here")
+    for layout, group_size, desc_act, bits in [("awq", 32, False, 4), ("gptq", 64, True, 8)]:
+        packed, zero_offset, weight = int4_layer(layout, 128, 40, group_size, desc_act, bits)
+        for tokens in (1, 2, 5):
+            x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(tokens))
+            assert_close(native_product(x, layout, packed, zero_offset, bits), x.double() @ weight, torch.float32)
