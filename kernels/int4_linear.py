@@ -3,9 +3,9 @@ ever holding the weight in 16 or 32 bits, in one of two ways:
 - on the CPU, `csrc/cpu_int4_linear.cpp`, over a copy repacked at load (`repack_for_cpu`)
   into one layout for GPTQ and AWQ: the codes are widened in registers and the zeros folded
   in once per group (see the kernel's comment). It serves every batch size: on a 2-core AMD
-  EPYC (AVX2) it ran the ~100M Llama's projections 4-10x faster than the chunked path below
-  at 1 to 512 tokens, and at 128 and 512 tokens within 10% of oneDNN's fp32 GEMM over the
-  dequantized weight (docs/quantization.md);
+  EPYC (AVX2) it ran the ~100M Llama's projections faster than the chunked path below at
+  every size from 1 to 512 tokens (3.5x at 512), and at 128 and 512 tokens at 0.91-0.94x
+  the speed of oneDNN's fp32 GEMM over the dequantized weight (docs/quantization.md);
 - elsewhere (CUDA, or where the native library is not built), the codes unpacked and
   dequantized a chunk of output columns at a time as the GEMM runs (no Marlin or exllama
   kernel).
