@@ -2,8 +2,8 @@
 `kernels/int4_linear.repack_for_cpu`) against a PyTorch reference of the weight the codes
 stand for, (code - zero) * scale of each element's group, multiplied in float64: every
 checkpoint layout (GPTQ v1 and v2 zeros, AWQ's nibble order, 8-bit GPTQ), group sizes -1,
-32 and 128, act order, shapes that fill no block of 32 columns, and 1 to 40 tokens (the
-kernel widens codes in registers for few tokens and into a tile for more)."""
+32 and 128, act order, shapes that fill no block of 32 columns, and 1 to 300 tokens (the
+kernel widens codes in registers for few tokens, into a tile for more, in slabs of 256)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def native_product(x: torch.Tensor, layout: str, packed, zero_offset: int, bits:
     return apply_int4_linear(x, *packed, bits, layout == "awq", zero_offset, cpu_weight=cpu_weight)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7, 40, 300])  # 300: two slabs of 256
 @pytest.mark.parametrize("layout,in_features,out_features,group_size,desc_act,bits", LAYOUTS)
 def test_native_int4_kernel_equals_the_dequantized_weight_product(layout, in_features, out_features, group_size,
                                                                    desc_act, bits, tokens):

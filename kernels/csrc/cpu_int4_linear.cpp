@@ -15,9 +15,9 @@
 // shift, a mask, an int -> float conversion and one FMA per token for each vector of codes.
 //
 // Vectors run along the output columns (kLanes of vfloat, cpu_vec.h: 16 with AVX-512, 8 with
-// AVX2 + FMA, 1 in the scalar fallback). Up to kTokenTile tokens widen the codes straight into
-// registers; more tokens widen a chunk once into an L1 tile of floats and multiply it by
-// kTokenTile tokens at a time, so the widening is paid once per chunk, not once per token.
+// AVX2 + FMA, 1 in the scalar fallback). Up to kWordsTokens tokens widen the codes straight
+// into registers; more tokens widen a chunk once into an L1 tile of floats and multiply it by
+// kTileTokens tokens at a time, so the widening is paid once per chunk, not once per token.
 //
 // Built by raylm/kernels/native_build.py with -O3 -march=native -fopenmp (or a narrower ISA).
 
@@ -48,18 +48,24 @@ using raylm::vsub;
 
 constexpr int kBlockColumns = 32;  // python: int4_linear.BLOCK_COLUMNS
 constexpr int kChunkRows = 128;    // python: int4_linear.CHUNK_ROWS (a tile of 16 KiB)
+constexpr int kSlabTokens = 256;
 constexpr int kLanes = raylm::kVecWidth;
 constexpr int kVectors = kBlockColumns / kLanes;
 static_assert(kBlockColumns % kLanes == 0, "a column block is whole vectors");
 
-// Tokens multiplied together: the accumulators (kTokenTile x kVectors vectors) plus the
-// widened codes must fit the registers (32 zmm; 16 ymm with AVX2, which has 4 vectors a block).
+// Tokens multiplied together: the accumulators (tokens x kVectors vectors) plus the codes or
+// widened weights must fit the registers (32 zmm; 16 ymm with AVX2, which has 4 vectors a
+// block). Up to kWordsTokens tokens widen the codes in registers; more go through the tile,
+// kTileTokens at a time.
 #if RAYLM_AVX512
-constexpr int kTokenTile = 6;
+constexpr int kWordsTokens = 6;
+constexpr int kTileTokens = 6;
 #elif RAYLM_AVX2
-constexpr int kTokenTile = 2;
+constexpr int kWordsTokens = 2;
+constexpr int kTileTokens = 3;
 #else
-constexpr int kTokenTile = 2;
+constexpr int kWordsTokens = 2;
+constexpr int kTileTokens = 2;
 #endif
 
 // kLanes packed words (one per column) and their codes at one bit offset, as floats.
@@ -186,8 +192,8 @@ void int4_linear_blocks(const float* x, int64_t T, int64_t K, const int32_t* wei
                         const int32_t* chunk_groups, int64_t chunks, const float* xsum, int64_t blocks, int64_t N,
                         float* out) {
   constexpr int pack = 32 / kBits;
-  constexpr auto from_words = words_table<kBits>(std::make_integer_sequence<int, kTokenTile>{});
-  constexpr auto from_tile = tile_table(std::make_integer_sequence<int, kTokenTile>{});
+  constexpr auto from_words = words_table<kBits>(std::make_integer_sequence<int, kWordsTokens>{});
+  constexpr auto from_tile = tile_table(std::make_integer_sequence<int, kTileTokens>{});
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tile[kChunkRows * kBlockColumns];
     std::vector<float> sums(T * kBlockColumns);
@@ -199,13 +205,13 @@ void int4_linear_blocks(const float* x, int64_t T, int64_t K, const int32_t* wei
         const int32_t* words = block_words + (start / pack) * kBlockColumns;
         const int64_t at = (b * groups + chunk_groups[c]) * kBlockColumns;
         const float *scale = scales + at, *zero_scale = zero_scales + at;
-        if (T <= kTokenTile) {
+        if (T <= kWordsTokens) {
           from_words[T - 1](x + start, K, words, rows, scale, zero_scale, xsum + c, chunks, sums.data());
           continue;
         }
         widen_chunk<kBits>(words, rows, tile);
-        for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
-          const int tokens = static_cast<int>(std::min<int64_t>(kTokenTile, T - t0));
+        for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
+          const int tokens = static_cast<int>(std::min<int64_t>(kTileTokens, T - t0));
           from_tile[tokens - 1](x + t0 * K + start, K, tile, rows, scale, zero_scale, xsum + t0 * chunks + c, chunks,
                                 sums.data() + t0 * kBlockColumns);
         }
@@ -262,8 +268,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       xsum[t * chunks + c] = sum;
     }
   auto run = bits == 4 ? &int4_linear_blocks<4> : &int4_linear_blocks<8>;
-  run(xs, T, K, weight.data_ptr<int32_t>(), scales.data_ptr<float>(), zero_scales.data_ptr<float>(), groups, starts,
-      chunk_group, chunks, xsum.data(), blocks, out_features, out.data_ptr<float>());
+  // Slabs of kSlabTokens tokens: every column block reads the slab's x again, which then
+  // stays in L2 (x [2048, 1024] read whole by each block ran a prefill GEMM ~1.6x slower).
+  for (int64_t t0 = 0; t0 < T; t0 += kSlabTokens) {
+    const int64_t tokens = std::min<int64_t>(kSlabTokens, T - t0);
+    run(xs + t0 * K, tokens, K, weight.data_ptr<int32_t>(), scales.data_ptr<float>(), zero_scales.data_ptr<float>(),
+        groups, starts, chunk_group, chunks, xsum.data() + t0 * chunks, blocks, out_features,
+        out.data_ptr<float>() + t0 * out_features);
+  }
   return out;
 }
 
