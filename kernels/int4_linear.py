@@ -127,7 +127,7 @@ class CpuInt4Weight:
 
 
 def native_int4_linear_usable() -> bool:
-    """Whether the native GPTQ/AWQ decode kernel (csrc/cpu_int4_linear.cpp) is built here and
+    """Whether the native GPTQ/AWQ GEMM (csrc/cpu_int4_linear.cpp) is built here and
     not switched off (RAYLM_TEST_DISABLE_KERNELS=int4_linear)."""
     global _native_usable
     if _native_usable is None:
