@@ -50,6 +50,7 @@ TEST_KERNEL_SWITCHES = {
     "lora_kernel": "the native CPU LoRA kernel (kernels/lora_ops.py): the batched masked GEMMs",
     "triton_elementwise": "the fused Triton pointwise ops on CUDA (kernels/triton_elementwise.py): PyTorch's ops run",
     "fp8_linear": "the native FP8 decode GEMM (kernels/fp8_linear.py): weights dequantized in chunks, then F.linear",
+    "int4_linear": "the native CPU GPTQ/AWQ GEMM (kernels/int4_linear.py): codes dequantized in column chunks",
 }
 
 

@@ -10,7 +10,10 @@ packed integers (vLLM's quant_methods of those names; layouts in `kernels/int4_l
   `qzeros` by whole groups (an input shard that is not whole groups is an error, as in
   vLLM), `g_idx` by rows. Under desc_act the rank's rows refer to any group, so `scales`
   and `qzeros` stay whole there (as vLLM does); with group_size -1 they are one group, whole.
-The weights stay packed; the GEMM dequantizes a chunk of output columns at a time.
+The weights stay packed. On the CPU, `process_weights_after_loading` also repacks each layer
+into the native kernel's layout (`kernels/int4_linear.repack_for_cpu`; the loaded tensors stay
+as they are, the targets of later weight loads and the GEMM of larger batches); elsewhere the
+GEMM dequantizes a chunk of output columns at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raylm.kernels.int4_linear import apply_int4_linear, pack_factor
+from raylm.kernels.int4_linear import apply_int4_linear, native_int4_linear_usable, pack_factor, repack_for_cpu
 from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, _copy_checked
 
@@ -73,6 +76,7 @@ class Int4LinearMethod:
         del layer._parameters["weight"]
         layer.weight = torch.empty(out_rows, in_columns, device="meta")
         layer.g_idx_runtime = None
+        layer.cpu_int4_weight = None
         layer.quant_prefix = prefix  # names the layer in errors found after loading
         layer.quant_method = self
 
@@ -93,11 +97,16 @@ class Int4LinearMethod:
         else:
             group_size = in_columns if scheme.group_size == -1 else scheme.group_size
             layer.g_idx_runtime = torch.arange(in_columns, device=layer.scales.device) // group_size
+        layer.cpu_int4_weight = None
+        if layer.qweight.device.type == "cpu" and native_int4_linear_usable():
+            layer.cpu_int4_weight = repack_for_cpu(layer.qweight.detach(), layer.qzeros.detach(),
+                                                   layer.scales.detach(), layer.g_idx_runtime, scheme.bits,
+                                                   scheme.method == "awq", scheme.zero_offset)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scheme = self.scheme
         return apply_int4_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx_runtime, scheme.bits,
-                                 scheme.method == "awq", scheme.zero_offset, bias)
+                                 scheme.method == "awq", scheme.zero_offset, bias, layer.cpu_int4_weight)
 
     # ------------------------------------------------------------ loaders
     @staticmethod

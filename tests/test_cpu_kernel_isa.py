@@ -938,3 +938,22 @@ def test_fp8_experts_dequantize_every_e4m3_value_times_its_scale_rounded_once(dt
     assert out.dtype == dtype
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+
+
+def test_int4_linear_multiplies_gptq_and_awq_codes_as_float64_does():
+    """csrc/cpu_int4_linear.cpp: 4-bit AWQ with act-order-free groups of 32 and 8-bit GPTQ with
+    act order, 40 output columns (a partial block of 32), 1 to 2 tokens from the codes in
+    registers and 5 from the widened tile; the reference is (code - zero) * scale in float64.
+    The kernel folds each group's zero in as zero * scale * sum(x) (fp32 rounding of sums
+    as large as the layer's largest output), so the tolerance is relative to that output."""
+    from test_int4_linear import int4_layer, native_product
+
+    if native_build.load_native_library("cpu_int4_linear") is None:
+        pytest.skip("the int4 kernel cannot be built here")
+    for layout, group_size, desc_act, bits in [("awq", 32, False, 4), ("gptq", 64, True, 8)]:
+        packed, zero_offset, weight = int4_layer(layout, 128, 40, group_size, desc_act, bits)
+        for tokens in (1, 2, 5):
+            x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(tokens))
+            expected = x.double() @ weight
+            torch.testing.assert_close(native_product(x, layout, packed, zero_offset, bits).double(), expected,
+                                       rtol=1e-5, atol=1e-5 * expected.abs().max().item())

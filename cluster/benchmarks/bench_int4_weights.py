@@ -7,8 +7,9 @@ not depend on how the codes were chosen) into a temporary folder. The three engi
 one process and generate the same greedy batch in alternating rounds (unquantized, gptq,
 awq, unquantized, ...), so a noisy neighbour slows them alike; the median output tokens/s of
 each and their ratios are printed. Prompts are short and outputs long, so the time is decode
-steps. Every engine computes in `--dtype`; the int4 ones dequantize a chunk of output columns
-at a time as they multiply (`kernels/int4_linear.py`).
+steps. Every engine computes in `--dtype`; on the CPU the int4 ones multiply the packed codes
+with the native kernel (`kernels/int4_linear.py`; RAYLM_TEST_DISABLE_KERNELS=int4_linear gives
+the chunked dequantization instead).
 
     python -m raylm.cluster.benchmarks.bench_int4_weights MODEL_DIR [--dtype bfloat16] [--rounds 3]
 
