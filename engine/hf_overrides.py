@@ -30,6 +30,16 @@ _READ_KEYS: dict[str, tuple[type, str]] = {
     "method": (str, "a string"),
 }
 
+# The model's shape: each must stay a positive integer, or the model's constructor fails
+# far from the key (a negative dimension, a division by zero) or allocates nothing sensible.
+_SIZE_KEYS = frozenset({"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                        "num_hidden_layers", "vocab_size", "max_position_embeddings", "head_dim"})
+
+# Nested configs that transformers' get_text_config() and raylm's multi-modal models read
+# as config objects: a dict set where the model has none would be read as one and fail.
+_NESTED_CONFIG_KEYS = frozenset({"text_config", "vision_config", "audio_config", "decoder", "encoder",
+                                 "language_config"})
+
 
 def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
     """hf_overrides as a dict: a dict, a JSON object string (the command line's), or None (none)."""
@@ -58,6 +68,10 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -
                 raise ValueError(f"hf_overrides[{key!r}] names a nested config: give a JSON object of its keys to "
                                  f"merge into it, got {value!r}.")
             _merge(current, value, f"hf_overrides[{key!r}]")
+        elif key in _NESTED_CONFIG_KEYS and current is None:
+            raise ValueError(f"hf_overrides[{key!r}] names a nested config the model's config "
+                             f"({type(hf_config).__name__}) does not have: give its keys at the top level of "
+                             f"hf_overrides, got {value!r}.")
         else:
             setattr(hf_config, key, _checked(current, value, f"hf_overrides[{key!r}]"))
 
@@ -99,17 +113,34 @@ def _check_read_keys(overrides: dict[str, Any]) -> None:
 
 def _checked(current: Any, value: Any, where: str) -> Any:
     """`value`, to replace `current`, once checked to keep its kind (None either way is
-    allowed). A whole float where the config holds an integer is taken as that integer:
-    JSON's `1e6` is a float, and some configs write `rope_theta: 1000000`."""
+    allowed) and, for a size of the model, to be a positive integer. A whole float where the
+    config holds an integer is taken as that integer (JSON's `1e6` is a float, and some
+    configs write `rope_theta: 1000000`); an integer where it holds a float as that float
+    (transformers' configs type-check their float fields)."""
+    value = _kept_kind(current, value, where)
+    key = where.rsplit("[", 1)[-1].strip("]'\"")
+    if key in _SIZE_KEYS and value is not None and not _is_positive_integer(value):
+        raise ValueError(f"{where} must be a positive integer (a size of the model), got {value!r}.")
+    return value
+
+
+def _kept_kind(current: Any, value: Any, where: str) -> Any:
     if current is None or value is None:
         return value
     kind = _kind(current)
     if kind == "integer" and _kind(value) == "number" and value.is_integer():
         return int(value)
-    if kind is not None and _kind(value) != kind and not (kind == "number" and _kind(value) == "integer"):
+    if kind == "number" and _kind(value) == "integer":
+        return float(value)
+    if kind is not None and _kind(value) != kind:
         raise ValueError(f"{where} must be {_KIND_NAMES[kind]}, as the model's config holds {current!r}; got "
                          f"{value!r}.")
     return value
+
+
+def _is_positive_integer(value: Any) -> bool:
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return whole and not isinstance(value, bool) and value >= 1
 
 
 _KIND_NAMES = {"flag": "true or false", "integer": "an integer", "number": "a number", "string": "a string",
