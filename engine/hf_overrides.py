@@ -14,7 +14,10 @@ its kind (a number stays a number, an integer an integer (a whole float is taken
 string, a list a list, a dict a dict; None is allowed, as for "no sliding window"), and the
 keys raylm reads itself must be what it reads (`architectures` a non-empty list of
 strings, `classifier_from_token` a non-empty list of strings, `is_original_qwen3_reranker`
-a flag, `method` a string).
+a flag, `method` a string). The model's sizes (hidden_size, num_hidden_layers,
+max_position_embeddings, ...) must be positive integers; a key must be a setting (not a
+private attribute or a method of the config class); and a nested config key
+(`text_config`) the model's config lacks is refused rather than set as a plain dict.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -
     overrides = parse_hf_overrides(overrides)
     _check_read_keys(overrides)
     for key, value in overrides.items():
+        _check_attribute_name(hf_config, key, f"hf_overrides[{key!r}]")
         current = getattr(hf_config, key, None)
         if _is_nested_config(current):
             if not isinstance(value, dict):
@@ -88,6 +92,8 @@ def _merge(target: Any, updates: dict[str, Any], where: str) -> None:
     if not all(isinstance(key, str) for key in updates):
         raise ValueError(f"{where} must have string keys, got {list(updates)!r}.")
     for key, value in updates.items():
+        if not isinstance(target, dict):
+            _check_attribute_name(target, key, f"{where}[{key!r}]")
         current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
         if isinstance(value, dict) and (isinstance(current, dict) or hasattr(current, "__dict__")):
             _merge(current, value, f"{where}[{key!r}]")
@@ -97,6 +103,23 @@ def _merge(target: Any, updates: dict[str, Any], where: str) -> None:
             target[key] = value
         else:
             setattr(target, key, value)
+
+
+def _check_attribute_name(config: Any, key: str, where: str) -> None:
+    """A key is a config setting: not a private or dunder attribute (`__dict__` would replace
+    every setting at once, `__class__` the config's type), nor one of the config class's
+    methods or read-only properties (`to_dict`, `get_text_config`), which transformers and
+    raylm call. A property with a setter (transformers' `num_labels`) is a setting."""
+    declared = getattr(type(config), key, None)
+    if key.startswith("_"):
+        what = "a private attribute"
+    elif isinstance(declared, property):
+        what = "a read-only property" if declared.fset is None else None
+    else:
+        what = "a method" if callable(declared) else None
+    if what is not None:
+        raise ValueError(f"{where} names {what} of the model's config ({type(config).__name__}), not a setting: "
+                         f"give config.json keys.")
 
 
 def _check_read_keys(overrides: dict[str, Any]) -> None:

@@ -181,6 +181,10 @@ def test_rerank_over_http_returns_the_hf_scores_best_first(qwen3_reranker_dir):
     ({"head_dim": 0}, "hf_overrides['head_dim'] must be a positive integer"),
     # A nested config the model lacks would be read as a config object (AttributeError).
     ({"text_config": {"hidden_size": 8}}, "hf_overrides['text_config'] names a nested config the model's config"),
+    # Not settings: `__dict__` replaced every setting at once (and the engine started), a
+    # method's name shadowed what transformers calls (a TypeError far from the key).
+    ({"__dict__": {"vocab_size": 8}}, "hf_overrides['__dict__'] names a private attribute of the model's config"),
+    ({"get_text_config": "x"}, "hf_overrides['get_text_config'] names a method of the model's config"),
 ])
 def test_bad_overrides_fail_at_start_naming_the_key(qwen3_reranker_dir, overrides, message):
     from raylm.engine import EngineArgs
