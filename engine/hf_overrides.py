@@ -144,6 +144,8 @@ def _checked(current: Any, value: Any, where: str) -> Any:
     key = where.rsplit("[", 1)[-1].strip("]'\"")
     if key in _SIZE_KEYS and value is not None and not _is_positive_integer(value):
         raise ValueError(f"{where} must be a positive integer (a size of the model), got {value!r}.")
+    if key in _SIZE_KEYS and isinstance(value, float):
+        return int(value)  # JSON's 1e6 where the config had no value to keep the kind of
     return value
 
 

@@ -256,6 +256,10 @@ def test_an_integer_over_a_float_field_is_that_float():
     config = LlamaConfig(rms_norm_eps=1e-6)
     apply_hf_overrides(config, '{"rms_norm_eps": 0}')
     assert config.rms_norm_eps == 0.0 and isinstance(config.rms_norm_eps, float)
+    # A size the config leaves unset (head_dim None) given as JSON's 1.6e1 is the integer 16.
+    config.head_dim = None
+    apply_hf_overrides(config, '{"head_dim": 1.6e1}')
+    assert config.head_dim == 16 and type(config.head_dim) is int
 
 
 def test_a_huge_max_position_embeddings_override_builds_a_rotary_table_of_max_model_len(qwen3_reranker_dir):
