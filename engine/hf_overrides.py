@@ -14,7 +14,10 @@ its kind (a number stays a number, an integer an integer (a whole float is taken
 string, a list a list, a dict a dict; None is allowed, as for "no sliding window"), and the
 keys raylm reads itself must be what it reads (`architectures` a non-empty list of
 strings, `classifier_from_token` a non-empty list of strings, `is_original_qwen3_reranker`
-a flag, `method` a string).
+a flag, `method` a string). The model's sizes (hidden_size, num_hidden_layers,
+max_position_embeddings, ...) must be positive integers; a key must be a setting (not a
+private attribute or a method of the config class); and a nested config key
+(`text_config`) the model's config lacks is refused rather than set as a plain dict.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ _READ_KEYS: dict[str, tuple[type, str]] = {
     "is_original_qwen3_reranker": (bool, "true or false"),
     "method": (str, "a string"),
 }
+
+# The model's shape: each must stay a positive integer, or the model's constructor fails
+# far from the key (a negative dimension, a division by zero) or allocates nothing sensible.
+_SIZE_KEYS = frozenset({"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                        "num_hidden_layers", "vocab_size", "max_position_embeddings", "head_dim"})
+
+# Nested configs that transformers' get_text_config() and raylm's multi-modal models read
+# as config objects: a dict set where the model has none would be read as one and fail.
+_NESTED_CONFIG_KEYS = frozenset({"text_config", "vision_config", "audio_config", "decoder", "encoder",
+                                 "language_config"})
 
 
 def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -52,12 +65,17 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -
     overrides = parse_hf_overrides(overrides)
     _check_read_keys(overrides)
     for key, value in overrides.items():
+        _check_attribute_name(hf_config, key, f"hf_overrides[{key!r}]")
         current = getattr(hf_config, key, None)
         if _is_nested_config(current):
             if not isinstance(value, dict):
                 raise ValueError(f"hf_overrides[{key!r}] names a nested config: give a JSON object of its keys to "
                                  f"merge into it, got {value!r}.")
             _merge(current, value, f"hf_overrides[{key!r}]")
+        elif key in _NESTED_CONFIG_KEYS and current is None:
+            raise ValueError(f"hf_overrides[{key!r}] names a nested config the model's config "
+                             f"({type(hf_config).__name__}) does not have: give its keys at the top level of "
+                             f"hf_overrides, got {value!r}.")
         else:
             setattr(hf_config, key, _checked(current, value, f"hf_overrides[{key!r}]"))
 
@@ -74,6 +92,8 @@ def _merge(target: Any, updates: dict[str, Any], where: str) -> None:
     if not all(isinstance(key, str) for key in updates):
         raise ValueError(f"{where} must have string keys, got {list(updates)!r}.")
     for key, value in updates.items():
+        if not isinstance(target, dict):
+            _check_attribute_name(target, key, f"{where}[{key!r}]")
         current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
         if isinstance(value, dict) and (isinstance(current, dict) or hasattr(current, "__dict__")):
             _merge(current, value, f"{where}[{key!r}]")
@@ -83,6 +103,23 @@ def _merge(target: Any, updates: dict[str, Any], where: str) -> None:
             target[key] = value
         else:
             setattr(target, key, value)
+
+
+def _check_attribute_name(config: Any, key: str, where: str) -> None:
+    """A key is a config setting: not a private or dunder attribute (`__dict__` would replace
+    every setting at once, `__class__` the config's type), nor one of the config class's
+    methods or read-only properties (`to_dict`, `get_text_config`), which transformers and
+    raylm call. A property with a setter (transformers' `num_labels`) is a setting."""
+    declared = getattr(type(config), key, None)
+    if key.startswith("_"):
+        what = "a private attribute"
+    elif isinstance(declared, property):
+        what = "a read-only property" if declared.fset is None else None
+    else:
+        what = "a method" if callable(declared) else None
+    if what is not None:
+        raise ValueError(f"{where} names {what} of the model's config ({type(config).__name__}), not a setting: "
+                         f"give config.json keys.")
 
 
 def _check_read_keys(overrides: dict[str, Any]) -> None:
@@ -99,17 +136,36 @@ def _check_read_keys(overrides: dict[str, Any]) -> None:
 
 def _checked(current: Any, value: Any, where: str) -> Any:
     """`value`, to replace `current`, once checked to keep its kind (None either way is
-    allowed). A whole float where the config holds an integer is taken as that integer:
-    JSON's `1e6` is a float, and some configs write `rope_theta: 1000000`."""
+    allowed) and, for a size of the model, to be a positive integer. A whole float where the
+    config holds an integer is taken as that integer (JSON's `1e6` is a float, and some
+    configs write `rope_theta: 1000000`); an integer where it holds a float as that float
+    (transformers' configs type-check their float fields)."""
+    value = _kept_kind(current, value, where)
+    key = where.rsplit("[", 1)[-1].strip("]'\"")
+    if key in _SIZE_KEYS and value is not None and not _is_positive_integer(value):
+        raise ValueError(f"{where} must be a positive integer (a size of the model), got {value!r}.")
+    if key in _SIZE_KEYS and isinstance(value, float):
+        return int(value)  # JSON's 1e6 where the config had no value to keep the kind of
+    return value
+
+
+def _kept_kind(current: Any, value: Any, where: str) -> Any:
     if current is None or value is None:
         return value
     kind = _kind(current)
     if kind == "integer" and _kind(value) == "number" and value.is_integer():
         return int(value)
-    if kind is not None and _kind(value) != kind and not (kind == "number" and _kind(value) == "integer"):
+    if kind == "number" and _kind(value) == "integer":
+        return float(value)
+    if kind is not None and _kind(value) != kind:
         raise ValueError(f"{where} must be {_KIND_NAMES[kind]}, as the model's config holds {current!r}; got "
                          f"{value!r}.")
     return value
+
+
+def _is_positive_integer(value: Any) -> bool:
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return whole and not isinstance(value, bool) and value >= 1
 
 
 _KIND_NAMES = {"flag": "true or false", "integer": "an integer", "number": "a number", "string": "a string",

@@ -43,10 +43,10 @@ from raylm.parallel.linear import LinearBase
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 
-_SUPPORTED = ("raylm reads FP8 weights only: quantization='fp8' over a 16/32-bit checkpoint, or an FP8 checkpoint "
+_SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit checkpoint, or an FP8 checkpoint "
               "whose quantization_config has quant_method 'fp8' (per-tensor, or block-wise weight_block_size) or "
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
-              "activations dynamic per token, static per tensor, or none); or GPTQ (quant_method 'gptq': bits 4 or "
+              "activations dynamic per token, static per tensor, or none)); GPTQ (quant_method 'gptq': bits 4 or "
               "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
               "4-bit, version 'gemm', zero_point) checkpoints; and gpt-oss's MXFP4 experts (quant_method 'mxfp4', "
               f"{', '.join(MXFP4_ARCHITECTURES)} only)")

@@ -228,8 +228,12 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position = max_position
         inv_freq = _inverse_frequencies(rotary_dim, rope_parameters, max_position)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # [max_position, rotary_dim]: cos of every frequency, then sin.
+        # No position reaches max_model_len (the scheduler stops requests, drafts and dummy
+        # runs there): a table past it is memory for nothing, GBs where max_position_embeddings
+        # is huge (hf_overrides' 1e12 would ask for terabytes).
+        table_len = min(max_position, _max_model_len.get() or max_position)
+        freqs = torch.arange(table_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # [table_len, rotary_dim]: cos of every frequency, then sin.
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * _attention_factor(rope_parameters, max_position)
         cache = cache.to(torch.get_default_dtype())
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -172,6 +172,19 @@ def test_rerank_over_http_returns_the_hf_scores_best_first(qwen3_reranker_dir):
     ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
       "method": "from_3_way_softmax"}, "method must be one of from_2_way_softmax, no_post_processing"),
     ('{"architectures": ["Qwen3ForSequenceClassification"', "hf_overrides must be a JSON object"),
+    # Sizes that pass the kind check but would fail deep in the constructor (a negative
+    # dimension, a division by zero) or make nothing.
+    ({"hidden_size": -64}, "hf_overrides['hidden_size'] must be a positive integer (a size of the model), got -64"),
+    ({"num_hidden_layers": 0}, "hf_overrides['num_hidden_layers'] must be a positive integer"),
+    ({"num_attention_heads": 0}, "hf_overrides['num_attention_heads'] must be a positive integer"),
+    ({"max_position_embeddings": -1.0}, "hf_overrides['max_position_embeddings'] must be a positive integer"),
+    ({"head_dim": 0}, "hf_overrides['head_dim'] must be a positive integer"),
+    # A nested config the model lacks would be read as a config object (AttributeError).
+    ({"text_config": {"hidden_size": 8}}, "hf_overrides['text_config'] names a nested config the model's config"),
+    # Not settings: `__dict__` replaced every setting at once (and the engine started), a
+    # method's name shadowed what transformers calls (a TypeError far from the key).
+    ({"__dict__": {"vocab_size": 8}}, "hf_overrides['__dict__'] names a private attribute of the model's config"),
+    ({"get_text_config": "x"}, "hf_overrides['get_text_config'] names a method of the model's config"),
 ])
 def test_bad_overrides_fail_at_start_naming_the_key(qwen3_reranker_dir, overrides, message):
     from raylm.engine import EngineArgs
@@ -231,3 +244,35 @@ def test_a_whole_float_over_an_integer_field_is_that_integer():
     apply_hf_overrides(config, '{"rope_theta": 1e6, "num_hidden_layers": 3.0}')
     assert config.rope_theta == 1000000 and type(config.rope_theta) is int
     assert config.num_hidden_layers == 3 and type(config.num_hidden_layers) is int
+
+
+def test_an_integer_over_a_float_field_is_that_float():
+    """transformers' configs type-check float fields: rms_norm_eps 0 (JSON's integer) must
+    reach the config as 0.0, not fail in its validator."""
+    from transformers import LlamaConfig
+
+    from raylm.engine.hf_overrides import apply_hf_overrides
+
+    config = LlamaConfig(rms_norm_eps=1e-6)
+    apply_hf_overrides(config, '{"rms_norm_eps": 0}')
+    assert config.rms_norm_eps == 0.0 and isinstance(config.rms_norm_eps, float)
+    # A size the config leaves unset (head_dim None) given as JSON's 1.6e1 is the integer 16.
+    config.head_dim = None
+    apply_hf_overrides(config, '{"head_dim": 1.6e1}')
+    assert config.head_dim == 16 and type(config.head_dim) is int
+
+
+def test_a_huge_max_position_embeddings_override_builds_a_rotary_table_of_max_model_len(qwen3_reranker_dir):
+    """max_position_embeddings 1e12 with max_model_len 256 used to ask for a 4 TB rotary
+    table; the table now stops at max_model_len and generation still matches HF's greedy
+    on the same weights (default RoPE does not read max_position_embeddings)."""
+    from hf_reference import assert_hf_greedy
+    from raylm.engine.sampling_params import SamplingParams
+
+    llm = make_llm(qwen3_reranker_dir, runner="generate", hf_overrides={"max_position_embeddings": 1e12})
+    try:
+        prompt = [5, 17, 42, 99, 3]
+        tokens = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].token_ids
+        assert_hf_greedy(qwen3_reranker_dir, prompt, list(tokens), "max_position_embeddings 1e12")
+    finally:
+        llm.shutdown()
