@@ -51,6 +51,8 @@ class _Shape:
     cos_sin_cache: torch.Tensor
     # Each layer's sliding window (0: none).
     sliding_windows: list[int]
+    # Each layer's attention normalises q and k per head before the rotary (Qwen3's).
+    qk_norms: bool
 
 
 class CpuFusedDecode:
@@ -67,9 +69,11 @@ class CpuFusedDecode:
     layer; a layer's `residual_multiplier` (Granite's, 1 where a layer has none) scales each
     block's output before its residual add. A soft-capped attention is not such a layer."""
 
-    def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> None:
+    def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool],
+                 qk_norms: bool = False) -> None:
         self.layers = layers
         self.is_plain_layer = is_plain_layer
+        self.qk_norms = qk_norms
         self._shape: _Shape | None | bool = None  # None: not checked yet; False: cannot run
         self._args: dict[tuple[int, torch.dtype], tuple[list, list[int]] | None] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -124,8 +128,8 @@ class CpuFusedDecode:
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
         native CPU kernels, or the kernels cannot be built."""
-        self._shape = (_shape_of(self.layers, self.is_plain_layer) if not envs.kernel_switched_off("fused_decode")
-                       else False)
+        self._shape = (_shape_of(self.layers, self.is_plain_layer, self.qk_norms)
+                       if not envs.kernel_switched_off("fused_decode") else False)
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
             attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
@@ -163,6 +167,10 @@ class CpuFusedDecode:
                 tensors += (weight, linear.bias)
                 ints += (kind, linear.weight.shape[0])
             tensors += kv_cache
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self._shape.qk_norms else (None, None)
+            if self._shape.qk_norms and not (cpu_ops.usable(*qk_norms) and all(w.is_contiguous() for w in qk_norms)):
+                return None
+            tensors += qk_norms
         return tensors, ints
 
 
@@ -184,7 +192,7 @@ def _lora_tensors(layers: nn.ModuleList) -> list[torch.Tensor] | None:
     return tensors
 
 
-def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> _Shape | bool:
+def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool], qk_norms: bool) -> _Shape | bool:
     if len(layers) == 0 or not (cpu_ops.usable() and cpu_attention.is_available()
                                 and load_native_library("cpu_decode_layers") is not None):
         return False
@@ -202,14 +210,22 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
                 or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,
                                                                            first.head_size)
                 or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
-                or _residual_multiplier(layer) != residual_multiplier):
+                or _residual_multiplier(layer) != residual_multiplier
+                or (qk_norms and not _has_per_head_qk_norms(attn, eps))):
             return False
     rotary = first.rotary_emb
     if rotary.cos_sin_cache.dtype not in _DTYPES or not rotary.cos_sin_cache.is_contiguous():
         return False
     return _Shape(first.num_heads, first.num_kv_heads, first.head_size, rotary.rotary_dim, float(eps),
                   float(first.attn.scale), residual_multiplier, rotary.cos_sin_cache,
-                  [layer.self_attn.attn.sliding_window or 0 for layer in layers])
+                  [layer.self_attn.attn.sliding_window or 0 for layer in layers], qk_norms)
+
+
+def _has_per_head_qk_norms(attn: nn.Module, eps: float) -> bool:
+    """Whether attn's q_norm and k_norm (RMSNorms, as the model's `is_plain_layer` checks) are
+    over each head, of the op's eps."""
+    norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+    return all(norm is not None and norm.weight.shape == (attn.head_size,) and norm.eps == eps for norm in norms)
 
 
 def _residual_multiplier(layer: nn.Module) -> float:
