@@ -5,8 +5,9 @@ in the same order, so tokens and logprobs must be bitwise equal; and against Hug
 The runner is driven by hand with test_model_runner.py's requests: one prefill step of three
 prompts, then decode steps, which are the ones the op takes. Besides Llama and Qwen2 (q/k/v
 biases), Granite (its attention_multiplier as the softmax scale, its residual_multiplier on
-each block's output), Phi-3 (partial rotary, LongRoPE) and Qwen3 (its per-head q/k norms)
-run through the op; Qwen3-MoE runs its modules.
+each block's output), Phi-3 (partial rotary, LongRoPE), Qwen3 (its per-head q/k norms) and
+OLMo 2 (post-norms, q/k norms over the whole projections) run through the op; Qwen3-MoE
+runs its modules.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from raylm.parallel.linear import LinearBase
 from tests.hf_reference import assert_hf_greedy
 from tests.test_model_runner import PROMPTS, _decode, _engine_config, _loaded_runner, _prefill
 from tests.test_more_models_rmsnorm import qwen3_config
-from tests.tiny_models import (build_tiny_granite, build_tiny_model, build_tiny_phi3, build_tiny_qwen3_moe,
-                               random_prompts, save_random_model_with_random_norms)
+from tests.tiny_models import (build_tiny_granite, build_tiny_model, build_tiny_olmo2, build_tiny_phi3,
+                               build_tiny_qwen3_moe, random_prompts, save_random_model_with_random_norms)
 
 pytestmark = pytest.mark.skipif(
     not (cpu_ops.usable() and cpu_attention.is_available() and load_native_library("cpu_decode_layers")),
@@ -46,8 +47,10 @@ def model_dirs(tmp_path_factory):
     dirs["mistral_windowed"] = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=5)
     dirs["granite"] = build_tiny_granite(tmp_path_factory.mktemp("granite"), seed=22)
     dirs["phi3"] = build_tiny_phi3(tmp_path_factory.mktemp("phi3"), seed=20)  # rotary over 3/4 of a head, LongRoPE
+    dirs["qwen3"] = save_random_model_with_random_norms(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)
     dirs["qwen3_moe"] = build_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"), seed=23)
-    return dirs | {"qwen3": save_random_model_with_random_norms(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
+    dirs["olmo2"] = build_tiny_olmo2(tmp_path_factory.mktemp("olmo2"), seed=24)  # q_norm over 4 heads, k_norm 1
+    return dirs
 
 
 def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:
@@ -104,7 +107,7 @@ def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
 
 @pytest.mark.parametrize("kernel", ["as_loaded", "unfused_gate_up", "onednn", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite", "qwen3", "olmo2"])
 def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, kernel, monkeypatch):
     runner = _runner(model_dirs[arch], dtype)
     with torch.no_grad():  # the checkpoints' norm weights are all ones: make each norm count
@@ -157,7 +160,7 @@ def test_a_decode_batch_whose_onednn_rows_are_padded_is_bitwise_the_modules(mode
     assert set(fused_rows) == set(module_rows) == {60, 20}
 
 
-@pytest.mark.parametrize("arch", ["llama", "granite", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "qwen3", "olmo2"])
 def test_fused_decode_matches_hugging_face(model_dirs, arch):
     from transformers import AutoModelForCausalLM
 

@@ -24,10 +24,19 @@
 // block's fresh output); at 1 the op multiplies nothing, so Llama's results are untouched.
 // A layer given q and k norm weights (Qwen3's q_norm and k_norm) normalises q and k before the
 // rotary, as Qwen3Attention does: rms_norm over rows of the weight's length (each head: the
-// weight is [head_size]), into new tensors, then the rotary on each of the two.
+// weight is [head_size]; OLMo 2's whole projection: [q_size] and [kv_size]), into new tensors,
+// then the rotary on each of the two.
+// With post_norms (OLMo 2's layout) no norm precedes a block; each block's output is normalised
+// before its residual add, as Olmo2DecoderLayer computes:
+//   hidden = hidden + residual (not in layer 0); residual = hidden; attention block on hidden;
+//   hidden = residual + rms_norm(attention output); residual = hidden;
+//   hidden = rms_norm(MLP block on hidden)
+// (the adds are PyTorch's, out of place, as the layer's `+`), and the two norm weights are the
+// post-attention and post-feedforward norms'.
 //
 // Per layer, `tensors` holds kTensorsPerLayer entries, in this order: input_layernorm weight,
-// post_attention_layernorm weight, then (weight, bias or None) for qkv_proj, o_proj,
+// post_attention_layernorm weight (with post_norms: post_attention_layernorm and
+// post_feedforward_layernorm weights), then (weight, bias or None) for qkv_proj, o_proj,
 // gate_up_proj and down_proj, then k_cache and v_cache, then the q and k norm weights (both
 // None: no q/k norms). `ints` holds, per layer, the kernel
 // (LinearKind) and out_features of each of the four linears (for kAvx512SiluMul, the d of
@@ -179,8 +188,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale,
-    double residual_multiplier, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& lora_token_slots,
-    at::TensorList lora_tensors, int64_t lora_rank) {
+    double residual_multiplier, bool post_norms, at::IntArrayRef sliding_windows,
+    const std::optional<at::Tensor>& lora_token_slots, at::TensorList lora_tensors, int64_t lora_rank) {
   const int64_t num_layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
   const bool lora = lora_token_slots.has_value();
   TORCH_CHECK(!lora || static_cast<int64_t>(lora_tensors.size()) == num_layers * kLoRATensorsPerLayer,
@@ -209,7 +218,10 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     TORCH_CHECK(slots[12].has_value() == slots[13].has_value(),
                 "raylm::llama_decode_layers: a layer's q and k norm weights are both given or both None");
     // Attention block.
-    if (layer == 0) {
+    if (post_norms) {
+      if (layer > 0) hidden = hidden + residual;
+      residual = hidden;
+    } else if (layer == 0) {
       residual = hidden;
       hidden = op.rms_norm.call(hidden, *slots[0], eps);
     } else {
@@ -241,7 +253,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     if (lora) add_lora(hidden, attn_rows, lora_layer + 4, kLoRASlices[1], *lora_token_slots, lora_rank);
     if (scale_blocks) hidden.mul_(residual_multiplier);
     // MLP block.
-    op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
+    if (post_norms) {
+      hidden = residual + op.rms_norm.call(hidden, *slots[0], eps);
+      residual = hidden;
+    } else {
+      op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
+    }
     at::Tensor activation;
     if (kinds[4] == kAvx512SiluMul) {
       TORCH_CHECK(!lora, "raylm::llama_decode_layers: gate_up_proj's gated kernel cannot take a LoRA term");
@@ -256,6 +273,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     hidden = linear(kinds[6], activation, *slots[8], kinds[7], slots[9]);
     if (lora) add_lora(hidden, activation, lora_layer + 9, kLoRASlices[3], *lora_token_slots, lora_rank);
     if (scale_blocks) hidden.mul_(residual_multiplier);
+    if (post_norms) hidden = op.rms_norm.call(hidden, *slots[1], eps);
   }
   return {hidden, residual};
 }
@@ -265,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("llama_decode_layers(Tensor(a!) hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor cos_sin_cache, Tensor?[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-        "int head_size, int rotary_dim, float eps, float scale, float residual_multiplier, int[] sliding_windows, "
+        "int head_size, int rotary_dim, float eps, float scale, float residual_multiplier, bool post_norms, "
+        "int[] sliding_windows, "
         "Tensor? lora_token_slots, Tensor[] lora_tensors, int lora_rank) -> (Tensor, Tensor)");
 }
 
