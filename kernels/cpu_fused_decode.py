@@ -9,9 +9,12 @@ modules. Elsewhere (prefill and mixed steps, tensor parallelism, other attention
 layer types, GPUs) `run` returns None and the modules run. With LoRA layers (enable_lora) the
 op adds each token's adapter term after each projection, as the LoRA layers do
 (`csrc/cpu_lora.cpp`). Models on these layers run it: Llama, Mistral, Qwen2, Phi-3 (partial
-rotary and LongRoPE live in the rotary table) and Granite (its attention_multiplier is the
-softmax scale, its residual_multiplier the op's); layers that compute more (Qwen3's and
-Gemma 3's per-head q/k norms, OLMo 2's post-norms, gpt-oss's sinks and experts) run their
+rotary and LongRoPE live in the rotary table), Granite (its attention_multiplier is the
+softmax scale, its residual_multiplier the op's), Qwen3 (`qk_norms`: its per-head q/k
+RMSNorms before the rotary) and OLMo 2 (`post_norms`: each block's output normalised before
+its residual add, no norm before; its q/k norms over the whole projections); layers that
+compute otherwise (Gemma 2 and 3's (1 + weight) norms and soft caps, gpt-oss's sinks, the
+MoE models' experts: Qwen3-MoE's attention is Qwen3's, its sparse MLPs are not) run their
 modules.
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
@@ -70,7 +73,13 @@ class CpuFusedDecode:
     layer classes, this module knows none. Each layer's attention keeps its sliding window
     (Mistral's) and its softmax scale (Granite's attention_multiplier), the same in every
     layer; a layer's `residual_multiplier` (Granite's, 1 where a layer has none) scales each
-    block's output before its residual add. A soft-capped attention is not such a layer."""
+    block's output before its residual add. A soft-capped attention is not such a layer.
+
+    `qk_norms`: each layer's attention normalises q and k with its `q_norm` and `k_norm`
+    (RMSNorms of the layers' eps, over each head or over the whole projection) before the
+    rotary, as Qwen3's and OLMo 2's attention do. `post_norms`: the layers are OLMo 2's, whose
+    `post_attention_layernorm` and `post_feedforward_layernorm` normalise each block's output
+    before its residual add (and no norm precedes a block)."""
 
     def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool],
                  qk_norms: bool = False, post_norms: bool = False) -> None:

@@ -22,10 +22,10 @@
 // (Granite's) scales each block's output, attention's and the MLP's, before its residual add,
 // as GraniteDecoderLayer does (`hidden * multiplier`: the same mul kernel, here in place on the
 // block's fresh output); at 1 the op multiplies nothing, so Llama's results are untouched.
-// A layer given q and k norm weights (Qwen3's q_norm and k_norm) normalises q and k before the
-// rotary, as Qwen3Attention does: rms_norm over rows of the weight's length (each head: the
-// weight is [head_size]; OLMo 2's whole projection: [q_size] and [kv_size]), into new tensors,
-// then the rotary on each of the two.
+// A layer given q and k norm weights (Qwen3's and OLMo 2's q_norm and k_norm) normalises q and
+// k before the rotary, as their attention does: rms_norm over rows of the weight's length
+// (Qwen3's [head_size]: each head; OLMo 2's [q_size] and [kv_size]: the whole projection), into
+// new tensors, then the rotary on each of the two.
 // With post_norms (OLMo 2's layout) no norm precedes a block; each block's output is normalised
 // before its residual add, as Olmo2DecoderLayer computes:
 //   hidden = hidden + residual (not in layer 0); residual = hidden; attention block on hidden;
