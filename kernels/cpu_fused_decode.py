@@ -9,9 +9,12 @@ modules. Elsewhere (prefill and mixed steps, tensor parallelism, other attention
 layer types, GPUs) `run` returns None and the modules run. With LoRA layers (enable_lora) the
 op adds each token's adapter term after each projection, as the LoRA layers do
 (`csrc/cpu_lora.cpp`). Models on these layers run it: Llama, Mistral, Qwen2, Phi-3 (partial
-rotary and LongRoPE live in the rotary table) and Granite (its attention_multiplier is the
-softmax scale, its residual_multiplier the op's); layers that compute more (Qwen3's and
-Gemma 3's per-head q/k norms, OLMo 2's post-norms, gpt-oss's sinks and experts) run their
+rotary and LongRoPE live in the rotary table), Granite (its attention_multiplier is the
+softmax scale, its residual_multiplier the op's), Qwen3 (`qk_norms`: its per-head q/k
+RMSNorms before the rotary) and OLMo 2 (`post_norms`: each block's output normalised before
+its residual add, no norm before; its q/k norms over the whole projections); layers that
+compute otherwise (Gemma 2 and 3's (1 + weight) norms and soft caps, gpt-oss's sinks, the
+MoE models' experts: Qwen3-MoE's attention is Qwen3's, its sparse MLPs are not) run their
 modules.
 
 Why: a decode step streams every layer's weights through the caches, so the Python between a
@@ -51,6 +54,11 @@ class _Shape:
     cos_sin_cache: torch.Tensor
     # Each layer's sliding window (0: none).
     sliding_windows: list[int]
+    # Each layer's attention normalises q and k before the rotary (Qwen3's per head, OLMo 2's
+    # over the whole projection).
+    qk_norms: bool
+    # Each block's output is normalised before its residual add, its input not (OLMo 2's).
+    post_norms: bool
 
 
 class CpuFusedDecode:
@@ -65,11 +73,20 @@ class CpuFusedDecode:
     layer classes, this module knows none. Each layer's attention keeps its sliding window
     (Mistral's) and its softmax scale (Granite's attention_multiplier), the same in every
     layer; a layer's `residual_multiplier` (Granite's, 1 where a layer has none) scales each
-    block's output before its residual add. A soft-capped attention is not such a layer."""
+    block's output before its residual add. A soft-capped attention is not such a layer.
 
-    def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> None:
+    `qk_norms`: each layer's attention normalises q and k with its `q_norm` and `k_norm`
+    (RMSNorms of the layers' eps, over each head or over the whole projection) before the
+    rotary, as Qwen3's and OLMo 2's attention do. `post_norms`: the layers are OLMo 2's, whose
+    `post_attention_layernorm` and `post_feedforward_layernorm` normalise each block's output
+    before its residual add (and no norm precedes a block)."""
+
+    def __init__(self, layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool],
+                 qk_norms: bool = False, post_norms: bool = False) -> None:
         self.layers = layers
         self.is_plain_layer = is_plain_layer
+        self.qk_norms = qk_norms
+        self.post_norms = post_norms
         self._shape: _Shape | None | bool = None  # None: not checked yet; False: cannot run
         self._args: dict[tuple[int, torch.dtype], tuple[list, list[int]] | None] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -118,14 +135,14 @@ class CpuFusedDecode:
             md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous(),
             md.seq_lens.to(torch.int32).contiguous(), shape.cos_sin_cache, tensors, ints, shape.num_heads,
             shape.num_kv_heads, shape.head_size, shape.rotary_dim, shape.eps, shape.scale, shape.residual_multiplier,
-            shape.sliding_windows,
+            shape.post_norms, shape.sliding_windows,
             *lora_args)
 
     def _check_layers(self) -> _Shape | bool:
         """What the layers share, or False where one is not the plain Llama layer on the
         native CPU kernels, or the kernels cannot be built."""
-        self._shape = (_shape_of(self.layers, self.is_plain_layer) if not envs.kernel_switched_off("fused_decode")
-                       else False)
+        self._shape = (_shape_of(self.layers, self.is_plain_layer, self.qk_norms, self.post_norms)
+                       if not envs.kernel_switched_off("fused_decode") else False)
         if self._shape:
             self._first_attention = self.layers[0].self_attn.attn
             attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
@@ -143,7 +160,7 @@ class CpuFusedDecode:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             kv_cache = attn.attn.kv_cache
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            norms = tuple(norm.weight for norm in _block_norms(layer, self._shape.post_norms))
             if (kv_cache is None or any(c.dtype != dtype or not c.is_contiguous() for c in kv_cache)
                     or not cpu_ops.usable(*norms) or not all(w.is_contiguous() for w in norms)):
                 return None
@@ -163,6 +180,10 @@ class CpuFusedDecode:
                 tensors += (weight, linear.bias)
                 ints += (kind, linear.weight.shape[0])
             tensors += kv_cache
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self._shape.qk_norms else (None, None)
+            if self._shape.qk_norms and not (cpu_ops.usable(*qk_norms) and all(w.is_contiguous() for w in qk_norms)):
+                return None
+            tensors += qk_norms
         return tensors, ints
 
 
@@ -184,14 +205,15 @@ def _lora_tensors(layers: nn.ModuleList) -> list[torch.Tensor] | None:
     return tensors
 
 
-def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]) -> _Shape | bool:
+def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool], qk_norms: bool,
+              post_norms: bool) -> _Shape | bool:
     if len(layers) == 0 or not (cpu_ops.usable() and cpu_attention.is_available()
                                 and load_native_library("cpu_decode_layers") is not None):
         return False
     if not is_plain_layer(layers[0]):
         return False
     first = layers[0].self_attn
-    eps = layers[0].input_layernorm.eps
+    eps = _block_norms(layers[0], post_norms)[0].eps
     residual_multiplier = _residual_multiplier(layers[0])
     for layer in layers:
         attn = layer.self_attn
@@ -201,15 +223,33 @@ def _shape_of(layers: nn.ModuleList, is_plain_layer: Callable[[nn.Module], bool]
         if (attn.rotary_emb is not first.rotary_emb or attn.attn.scale != first.attn.scale
                 or (attn.num_heads, attn.num_kv_heads, attn.head_size) != (first.num_heads, first.num_kv_heads,
                                                                            first.head_size)
-                or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
-                or _residual_multiplier(layer) != residual_multiplier):
+                or {norm.eps for norm in _block_norms(layer, post_norms)} != {eps}
+                or _residual_multiplier(layer) != residual_multiplier
+                or (qk_norms and not _has_qk_norms(attn, eps))):
             return False
     rotary = first.rotary_emb
     if rotary.cos_sin_cache.dtype not in _DTYPES or not rotary.cos_sin_cache.is_contiguous():
         return False
     return _Shape(first.num_heads, first.num_kv_heads, first.head_size, rotary.rotary_dim, float(eps),
                   float(first.attn.scale), residual_multiplier, rotary.cos_sin_cache,
-                  [layer.self_attn.attn.sliding_window or 0 for layer in layers])
+                  [layer.self_attn.attn.sliding_window or 0 for layer in layers], qk_norms, post_norms)
+
+
+def _block_norms(layer: nn.Module, post_norms: bool) -> tuple[nn.Module, nn.Module]:
+    """The layer's two RMSNorms the op takes: of each block's input (Llama's), or with
+    post_norms of each block's output (OLMo 2's)."""
+    if post_norms:
+        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
+def _has_qk_norms(attn: nn.Module, eps: float) -> bool:
+    """Whether attn's q_norm and k_norm (RMSNorms, as the model's `is_plain_layer` checks) are
+    of the op's eps and over each head or over the whole projection: the op normalises rows of
+    the weight's length."""
+    norms = ((getattr(attn, "q_norm", None), attn.q_size), (getattr(attn, "k_norm", None), attn.kv_size))
+    return all(norm is not None and norm.eps == eps and norm.weight.dim() == 1
+               and norm.weight.shape[0] in (attn.head_size, size) for norm, size in norms)
 
 
 def _residual_multiplier(layer: nn.Module) -> float:

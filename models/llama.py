@@ -135,14 +135,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-def is_plain_llama_layer(layer: nn.Module, layer_class: type[nn.Module] = LlamaDecoderLayer) -> bool:
+def is_plain_llama_layer(layer: nn.Module, layer_class: type[nn.Module] = LlamaDecoderLayer,
+                         attention_class: type[nn.Module] = LlamaAttention) -> bool:
     """Whether a layer computes exactly what the fused CPU decode op does: of exactly
     `layer_class` (a subclass may compute otherwise; Granite's, whose only change the op
-    takes, names its own) over Llama's attention, MLP, norms and rotary."""
+    takes, names its own) over exactly `attention_class` (Qwen3's, whose q/k norms the op
+    takes), Llama's MLP, norms and rotary."""
     if type(layer) is not layer_class:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    return (type(attn) is LlamaAttention and type(mlp) is LlamaMLP and type(mlp.act_fn) is SiluAndMul
+    return (type(attn) is attention_class and type(mlp) is LlamaMLP and type(mlp.act_fn) is SiluAndMul
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and type(attn.rotary_emb) is RotaryEmbedding)
 

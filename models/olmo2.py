@@ -7,6 +7,10 @@ is normalised before its residual add (`post_attention_layernorm`,
 heads together (q_norm of num_heads * head_dim, k_norm of num_kv_heads * head_dim), before
 rotary. Under tensor parallelism a rank holds some of the heads, so the mean square of
 those norms is summed over the ranks (one all-reduce for q and k together).
+
+CPU decode steps on one rank run through the fused op of Llama's layers
+(`kernels/cpu_fused_decode.py`) in its post-norm layout, with the q/k norms over the whole
+projections.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylm.kernels.cpu_fused_decode import CpuFusedDecode
+from raylm.models.activation import SiluAndMul
 from raylm.models.forward_context import select_rows
 from raylm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from raylm.models.rmsnorm import RMSNorm
@@ -108,6 +114,20 @@ class Olmo2Model(LlamaModel):
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
         self._build_modules(config, lambda rotary_emb, window: Olmo2DecoderLayer(config, rotary_emb, window))
+        self.fused_decode = CpuFusedDecode(self.stage_layers, is_plain_olmo2_layer, qk_norms=True, post_norms=True)
+
+
+def is_plain_olmo2_layer(layer: nn.Module) -> bool:
+    """Whether a layer computes exactly what the fused CPU decode op does in its post-norm
+    layout with whole-projection q/k norms (the op checks the tensor-parallel size is 1, where
+    ShardedRMSNorm is a plain RMSNorm of the rank's whole projection)."""
+    if type(layer) is not Olmo2DecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    return (type(attn) is Olmo2Attention and type(attn.q_norm) is ShardedRMSNorm
+            and type(attn.k_norm) is ShardedRMSNorm and type(attn.rotary_emb) is RotaryEmbedding
+            and type(mlp) is LlamaMLP and type(mlp.act_fn) is SiluAndMul
+            and type(layer.post_attention_layernorm) is RMSNorm and type(layer.post_feedforward_layernorm) is RMSNorm)
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

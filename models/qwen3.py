@@ -1,13 +1,20 @@
 """Qwen3: Llama with an RMSNorm over each head of q and k before rotary (q_norm, k_norm),
-`head_dim` free of hidden_size / num_heads, and no qkv bias unless `attention_bias`."""
+`head_dim` free of hidden_size / num_heads, and no qkv bias unless `attention_bias`.
+
+CPU decode steps run through the fused op of Llama's layers (`kernels/cpu_fused_decode.py`),
+which applies the q/k norms as this attention does; Qwen3-MoE's sparse layers are not its
+layers, so that model runs its modules.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
-from raylm.models.llama import LlamaAttention, LlamaForCausalLM
+from raylm.kernels.cpu_fused_decode import CpuFusedDecode
+from raylm.models.llama import LlamaAttention, LlamaForCausalLM, is_plain_llama_layer
 from raylm.models.rmsnorm import RMSNorm
 from raylm.models.rotary_embedding import RotaryEmbedding
 
@@ -41,3 +48,11 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         # most. The rest of the layer (MLP, norms, residual order) is Llama's.
         for layer in self.model.stage_layers:
             layer.self_attn = Qwen3Attention(config, layer.self_attn.rotary_emb, layer.self_attn.attn.sliding_window)
+        self.model.fused_decode = CpuFusedDecode(self.model.stage_layers, is_plain_qwen3_layer, qk_norms=True)
+
+
+def is_plain_qwen3_layer(layer: nn.Module) -> bool:
+    """Whether a layer is Llama's over Qwen3's attention with plain RMSNorms for q and k:
+    what the fused CPU decode op computes with its q/k norms."""
+    return (is_plain_llama_layer(layer, attention_class=Qwen3Attention)
+            and type(layer.self_attn.q_norm) is RMSNorm and type(layer.self_attn.k_norm) is RMSNorm)

@@ -5,7 +5,9 @@ in the same order, so tokens and logprobs must be bitwise equal; and against Hug
 The runner is driven by hand with test_model_runner.py's requests: one prefill step of three
 prompts, then decode steps, which are the ones the op takes. Besides Llama and Qwen2 (q/k/v
 biases), Granite (its attention_multiplier as the softmax scale, its residual_multiplier on
-each block's output) and Phi-3 (partial rotary, LongRoPE) run through the op.
+each block's output), Phi-3 (partial rotary, LongRoPE), Qwen3 (its per-head q/k norms) and
+OLMo 2 (post-norms, q/k norms over the whole projections) run through the op; Qwen3-MoE
+runs its modules.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from raylm.engine import LLM
 from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import ExecuteModelRequest
 from raylm.executors.model_runner import ModelRunner
@@ -22,9 +25,11 @@ from raylm.kernels.native_build import load_native_library
 from raylm.kernels import cpu_fused_decode
 from raylm.kernels import cpu_gemm
 from raylm.parallel.linear import LinearBase
+from tests.hf_reference import assert_hf_greedy
 from tests.test_model_runner import PROMPTS, _decode, _engine_config, _loaded_runner, _prefill
 from tests.test_more_models_rmsnorm import qwen3_config
-from tests.tiny_models import build_tiny_granite, build_tiny_model, build_tiny_phi3, save_random_model_with_random_norms
+from tests.tiny_models import (build_tiny_granite, build_tiny_model, build_tiny_olmo2, build_tiny_phi3,
+                               build_tiny_qwen3_moe, random_prompts, save_random_model_with_random_norms)
 
 pytestmark = pytest.mark.skipif(
     not (cpu_ops.usable() and cpu_attention.is_available() and load_native_library("cpu_decode_layers")),
@@ -42,7 +47,10 @@ def model_dirs(tmp_path_factory):
     dirs["mistral_windowed"] = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=5)
     dirs["granite"] = build_tiny_granite(tmp_path_factory.mktemp("granite"), seed=22)
     dirs["phi3"] = build_tiny_phi3(tmp_path_factory.mktemp("phi3"), seed=20)  # rotary over 3/4 of a head, LongRoPE
-    return dirs | {"qwen3": save_random_model_with_random_norms(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)}
+    dirs["qwen3"] = save_random_model_with_random_norms(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=0)
+    dirs["qwen3_moe"] = build_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"), seed=23)
+    dirs["olmo2"] = build_tiny_olmo2(tmp_path_factory.mktemp("olmo2"), seed=24)  # q_norm over 4 heads, k_norm 1
+    return dirs
 
 
 def _runner(model_dir, dtype: torch.dtype) -> ModelRunner:
@@ -97,9 +105,15 @@ def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
     return runner.model.model.fused_decode
 
 
-@pytest.mark.parametrize("kernel", ["as_loaded", "unfused_gate_up", "onednn", "dense"])
+# Every linear kernel under the Llama layers; the layers with q/k norms or post-norms (which
+# change nothing in how the linears run) under the loaded kernels and the plain GEMM.
+KERNEL_CASES = ([(arch, kernel) for arch in ("llama", "qwen2", "granite")
+                 for kernel in ("as_loaded", "unfused_gate_up", "onednn", "dense")]
+                + [(arch, kernel) for arch in ("qwen3", "olmo2") for kernel in ("as_loaded", "dense")])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite"])
+@pytest.mark.parametrize(("arch", "kernel"), KERNEL_CASES)
 def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, kernel, monkeypatch):
     runner = _runner(model_dirs[arch], dtype)
     with torch.no_grad():  # the checkpoints' norm weights are all ones: make each norm count
@@ -152,7 +166,7 @@ def test_a_decode_batch_whose_onednn_rows_are_padded_is_bitwise_the_modules(mode
     assert set(fused_rows) == set(module_rows) == {60, 20}
 
 
-@pytest.mark.parametrize("arch", ["llama", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "qwen3", "olmo2"])
 def test_fused_decode_matches_hugging_face(model_dirs, arch):
     from transformers import AutoModelForCausalLM
 
@@ -203,9 +217,24 @@ def test_fused_decode_of_sliding_window_layers_equals_the_modules_bitwise(model_
             assert logits.argmax(-1).tolist() == got
 
 
-def test_layers_other_than_llamas_run_their_modules(model_dirs):
-    # Qwen3's attention normalises q and k per head before the rotary: not the op's layer.
-    runner = _runner(model_dirs["qwen3"], torch.float32)
+def test_qwen3_moe_layers_run_their_modules(model_dirs):
+    # Qwen3's attention, but two of the three layers' MLPs are experts: not the op's layers.
+    runner = _runner(model_dirs["qwen3_moe"], torch.float32)
     tokens, _, calls = _generate(runner)
-    assert calls == 0 and all(len(t) == STEPS for t in tokens)
-    assert _fused_decode(runner)._shape is False
+    assert calls == 0 and _fused_decode(runner)._shape is False
+    for prompt, got in zip(PROMPTS, tokens):
+        assert_hf_greedy(model_dirs["qwen3_moe"], prompt, got)
+
+
+def test_qwen3_through_the_engine_runs_the_fused_op_and_gives_hf_greedy_tokens(model_dirs):
+    llm = LLM(model=str(model_dirs["qwen3"]), dtype="float32", max_model_len=128, max_num_seqs=8)
+    fused = llm.llm_engine.executor.driver_worker.model_runner.model.model.fused_decode
+    prompts = random_prompts(5, seed=3, min_len=2, max_len=30)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    assert fused._shape and fused._shape.qk_norms
+    assert sum(event.count for event in prof.key_averages() if event.key == FUSED_OP) >= 9  # each decode step
+    for prompt, output in zip(prompts, outputs):
+        assert_hf_greedy(model_dirs["qwen3"], prompt, output.outputs[0].token_ids)

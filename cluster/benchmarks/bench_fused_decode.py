@@ -2,8 +2,10 @@
 decoder layers' modules, on one engine in one process, alternating run by run.
 
 The model is random, of the ~100M benchmark Llama's shape (hidden 1024, 8 layers, 16 query
-and 4 KV heads, intermediate 2816, vocab 4096), as a Llama or as a Granite with Granite
-3.x's multipliers. Each run generates `--output-len` tokens greedily (EOS ignored) for
+and 4 KV heads, intermediate 2816, vocab 4096), as a Llama, as a Granite with Granite
+3.x's multipliers, as a Qwen3 (heads of 128, Qwen3's head_dim, so ~120M; q/k norms per head)
+or as an OLMo 2 (post-norms, q/k norms over the whole projections); the last two with random
+norm weights. Each run generates `--output-len` tokens greedily (EOS ignored) for
 `--batch-size` prompts of `--input-len` random tokens; the modules run when
 RAYLM_TEST_DISABLE_KERNELS names fused_decode (set and cleared between runs; the op's cache
 is reset each time). Tokens/s counts the decode tokens (all but each sequence's first) over
@@ -30,17 +32,27 @@ import torch
 SHAPE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
              tie_word_embeddings=False)
+# Every Qwen3 model's head_dim (Qwen3-0.6B's hidden size is 1024 too, with 16 query heads).
+QWEN3_HEAD_DIM = 128
 # Granite 3.x 2B's multipliers (its config.json), attention_multiplier included.
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                            logits_scaling=8.0)
 
 
 def build_model(path: Path, arch: str, seed: int = 0) -> Path:
-    from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     if arch == "granite":
         model = GraniteForCausalLM(GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS))
+    elif arch in ("qwen3", "olmo2"):
+        model = (Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=QWEN3_HEAD_DIM)) if arch == "qwen3"
+                 else Olmo2ForCausalLM(Olmo2Config(**SHAPE)))
+        with torch.no_grad():  # the norms are initialised to ones: make each of them count
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(1.0, 0.2)
     else:
         model = LlamaForCausalLM(LlamaConfig(**SHAPE))
     model.save_pretrained(str(path), safe_serialization=True)
@@ -55,7 +67,7 @@ def fused_switched_off(off: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=("granite", "llama"), default="granite")
+    parser.add_argument("--arch", choices=("granite", "llama", "qwen3", "olmo2"), default="granite")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=16)

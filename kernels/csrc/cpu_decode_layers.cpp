@@ -22,10 +22,23 @@
 // (Granite's) scales each block's output, attention's and the MLP's, before its residual add,
 // as GraniteDecoderLayer does (`hidden * multiplier`: the same mul kernel, here in place on the
 // block's fresh output); at 1 the op multiplies nothing, so Llama's results are untouched.
+// A layer given q and k norm weights (Qwen3's and OLMo 2's q_norm and k_norm) normalises q and
+// k before the rotary, as their attention does: rms_norm over rows of the weight's length
+// (Qwen3's [head_size]: each head; OLMo 2's [q_size] and [kv_size]: the whole projection), into
+// new tensors, then the rotary on each of the two.
+// With post_norms (OLMo 2's layout) no norm precedes a block; each block's output is normalised
+// before its residual add, as Olmo2DecoderLayer computes:
+//   hidden = hidden + residual (not in layer 0); residual = hidden; attention block on hidden;
+//   hidden = residual + rms_norm(attention output); residual = hidden;
+//   hidden = rms_norm(MLP block on hidden)
+// (the adds are PyTorch's, out of place, as the layer's `+`), and the two norm weights are the
+// post-attention and post-feedforward norms'.
 //
 // Per layer, `tensors` holds kTensorsPerLayer entries, in this order: input_layernorm weight,
-// post_attention_layernorm weight, then (weight, bias or None) for qkv_proj, o_proj,
-// gate_up_proj and down_proj, then k_cache and v_cache. `ints` holds, per layer, the kernel
+// post_attention_layernorm weight (with post_norms: post_attention_layernorm and
+// post_feedforward_layernorm weights), then (weight, bias or None) for qkv_proj, o_proj,
+// gate_up_proj and down_proj, then k_cache and v_cache, then the q and k norm weights (both
+// None: no q/k norms). `ints` holds, per layer, the kernel
 // (LinearKind) and out_features of each of the four linears (for kAvx512SiluMul, the d of
 // its [T, d] output). `sliding_windows` holds each layer's window (0: none). The caller chooses each linear's
 // kernel and weight copy for this batch size exactly as parallel/cpu_gemm.linear would.
@@ -58,7 +71,7 @@ namespace {
 // kernel on its gated copy, whose output is silu(gate) * up.
 enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx512SiluMul = 4 };
 
-constexpr int64_t kTensorsPerLayer = 12;
+constexpr int64_t kTensorsPerLayer = 14;
 constexpr int64_t kIntsPerLayer = 8;
 // qkv_proj: a, b_q, b_k, b_v; o_proj: a, b; gate_up_proj: a, b_gate, b_up; down_proj: a, b.
 constexpr int64_t kLoRATensorsPerLayer = 11;
@@ -146,6 +159,12 @@ const Ops& ops() {
   return instance;
 }
 
+// x [T, n] normalised over rows of the weight's length (Qwen3Attention's
+// `q_norm(q.reshape(-1, head_size)).view(-1, q_size)`), in a new [T, n] tensor.
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ops().rms_norm.call(x.reshape({-1, weight.size(0)}), weight, eps).view({x.size(0), x.size(1)});
+}
+
 using LoRABgmv = void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList, at::IntArrayRef,
                       const at::Tensor&, int64_t);
 
@@ -169,8 +188,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim, double eps, double scale,
-    double residual_multiplier, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& lora_token_slots,
-    at::TensorList lora_tensors, int64_t lora_rank) {
+    double residual_multiplier, bool post_norms, at::IntArrayRef sliding_windows,
+    const std::optional<at::Tensor>& lora_token_slots, at::TensorList lora_tensors, int64_t lora_rank) {
   const int64_t num_layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
   const bool lora = lora_token_slots.has_value();
   TORCH_CHECK(!lora || static_cast<int64_t>(lora_tensors.size()) == num_layers * kLoRATensorsPerLayer,
@@ -196,8 +215,13 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     for (int64_t i : {0, 1, 2, 4, 6, 8, 10, 11}) {
       TORCH_CHECK(slots[i].has_value(), "raylm::llama_decode_layers: tensors[", t0 + i, "] must not be None");
     }
+    TORCH_CHECK(slots[12].has_value() == slots[13].has_value(),
+                "raylm::llama_decode_layers: a layer's q and k norm weights are both given or both None");
     // Attention block.
-    if (layer == 0) {
+    if (post_norms) {
+      if (layer > 0) hidden = hidden + residual;
+      residual = hidden;
+    } else if (layer == 0) {
       residual = hidden;
       hidden = op.rms_norm.call(hidden, *slots[0], eps);
     } else {
@@ -206,10 +230,18 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor* lora_layer = lora ? lora_tensors.data() + layer * kLoRATensorsPerLayer : nullptr;
     at::Tensor qkv = linear(kinds[0], hidden, *slots[2], kinds[1], slots[3]);
     if (lora) add_lora(qkv, hidden, lora_layer, kLoRASlices[0], *lora_token_slots, lora_rank);
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size);
-    op.rotary.call(qk, positions, cos_sin_cache, head_size, rotary_dim);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_size});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_size});
+    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+    if (slots[12].has_value()) {
+      q = norm_rows(q, *slots[12], eps);
+      k = norm_rows(k, *slots[13], eps);
+      op.rotary.call(q, positions, cos_sin_cache, head_size, rotary_dim);
+      op.rotary.call(k, positions, cos_sin_cache, head_size, rotary_dim);
+    } else {
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size);  // one call for both
+      op.rotary.call(qk, positions, cos_sin_cache, head_size, rotary_dim);
+    }
+    q = q.view({T, num_heads, head_size});
+    k = k.view({T, num_kv_heads, head_size});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_size});
     at::Tensor& k_cache = *slots[10];
     at::Tensor& v_cache = *slots[11];
@@ -221,7 +253,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     if (lora) add_lora(hidden, attn_rows, lora_layer + 4, kLoRASlices[1], *lora_token_slots, lora_rank);
     if (scale_blocks) hidden.mul_(residual_multiplier);
     // MLP block.
-    op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
+    if (post_norms) {
+      hidden = residual + op.rms_norm.call(hidden, *slots[0], eps);
+      residual = hidden;
+    } else {
+      op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
+    }
     at::Tensor activation;
     if (kinds[4] == kAvx512SiluMul) {
       TORCH_CHECK(!lora, "raylm::llama_decode_layers: gate_up_proj's gated kernel cannot take a LoRA term");
@@ -236,6 +273,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     hidden = linear(kinds[6], activation, *slots[8], kinds[7], slots[9]);
     if (lora) add_lora(hidden, activation, lora_layer + 9, kLoRASlices[3], *lora_token_slots, lora_rank);
     if (scale_blocks) hidden.mul_(residual_multiplier);
+    if (post_norms) hidden = op.rms_norm.call(hidden, *slots[1], eps);
   }
   return {hidden, residual};
 }
@@ -245,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("llama_decode_layers(Tensor(a!) hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor cos_sin_cache, Tensor?[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-        "int head_size, int rotary_dim, float eps, float scale, float residual_multiplier, int[] sliding_windows, "
+        "int head_size, int rotary_dim, float eps, float scale, float residual_multiplier, bool post_norms, "
+        "int[] sliding_windows, "
         "Tensor? lora_token_slots, Tensor[] lora_tensors, int lora_rank) -> (Tensor, Tensor)");
 }
 
