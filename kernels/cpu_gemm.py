@@ -105,6 +105,10 @@ AVX512_MAX_ROWS = 256
 _fp32_silu_and_mul_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
+# Tokens up to which the AVX2 kernel (CPUs without AVX-512) is taken, as AVX512_MAX_ROWS.
+AVX2_MAX_ROWS = 256
+# dtype -> whether the AVX2 kernel is built for it here (filled at first use).
+_avx2_usable: dict[torch.dtype, bool] = {}
 
 # oneDNN GEMMs run at a few row counts (see `onednn_rows` and the module's docstring): exact
 # up to ONEDNN_EXACT_ROWS, then ONEDNN_ROWS_PER_DOUBLING counts per doubling.
@@ -116,7 +120,7 @@ _pad_onednn_rows = True
 # The kernels `linear` chooses among, numbered for the callers that run it from C++ (the fused
 # decode op: csrc/cpu_decode_layers.cpp's LinearKind); LINEAR_AVX512_SILU_MUL is the AVX-512
 # kernel on a gated gate_up weight, whose output is already silu(gate) * up.
-LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE, LINEAR_AVX512_SILU_MUL = 0, 1, 2, 3, 4
+LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE, LINEAR_AVX512_SILU_MUL, LINEAR_AVX2 = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -285,19 +289,50 @@ def avx512_linear_enabled(dtype: torch.dtype) -> bool:
     return _avx512_usable[dtype]
 
 
+def avx2_linear_built(dtype: torch.dtype) -> bool:
+    """Whether the AVX2 kernel (`csrc/cpu_gemm_avx2.cpp`) is built for dtype here: fp32 or bf16
+    (widened to fp32 in registers) wherever the build has AVX2 + FMA, AVX-512 builds included
+    (so that their tests run it)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype not in _avx2_usable:
+        _avx2_usable[dtype] = (native_build.load_native_library("cpu_gemm_avx2") is not None
+                               and bool(torch.ops.raylm.avx2_linear_available(dtype)))
+    return _avx2_usable[dtype]
+
+
+@functools.cache
+def _avx512_built() -> bool:
+    """Whether the AVX-512 kernel is built here (for fp32: the build has AVX-512), switches aside."""
+    return (native_build.load_native_library("cpu_gemm_avx512") is not None
+            and bool(torch.ops.raylm.avx512_linear_available(torch.float32)))
+
+
+def avx2_linear_enabled(dtype: torch.dtype) -> bool:
+    """Whether layers take the AVX2 kernel for dtype: where it is built and the build has no
+    AVX-512 (CPUs with AVX-512 keep their kernels, in either dtype), and neither switch is off."""
+    if not packed_linear_enabled() or envs.kernel_switched_off("avx2_linear"):
+        return False
+    return avx2_linear_built(dtype) and not _avx512_built()
+
+
 def pack_streaming_weight(weight: torch.Tensor) -> DecodeWeight | None:
-    """The weight packed for the streaming decode kernel this machine runs in its dtype, with
-    no timing: AMX for bf16 where the CPU has it, else the AVX-512 kernel (bf16 or fp32);
-    None for a weight off the CPU or where neither runs. A snapshot, as pack_linear_weight's."""
+    """The weight packed for the widest streaming decode kernel this machine runs in its dtype,
+    with no timing: AMX for bf16 where the CPU has it, else the AVX-512 kernel (bf16 or fp32),
+    else the AVX2 one (fp32, or bf16 widened to fp32: CPUs without AVX-512); None for a weight
+    off the CPU or where none runs. A snapshot, as pack_linear_weight's."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     amx = maybe_pack_amx_weight(weight)
     if amx is not None:
         return DecodeWeight(amx, torch.ops.raylm.amx_linear, AMX_MAX_ROWS, LINEAR_AMX)
-    if not avx512_linear_enabled(weight.dtype):
-        return None
-    return DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
-                        AVX512_MAX_ROWS, LINEAR_AVX512)
+    if avx512_linear_enabled(weight.dtype):
+        return DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
+                            AVX512_MAX_ROWS, LINEAR_AVX512)
+    if avx2_linear_enabled(weight.dtype):
+        return DecodeWeight(torch.ops.raylm.avx2_pack_weight(weight.detach()), torch.ops.raylm.avx2_linear,
+                            AVX2_MAX_ROWS, LINEAR_AVX2)
+    return None
 
 
 def pack_weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, DecodeWeight | None]:

@@ -87,7 +87,8 @@ def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
                 module.silu_and_mul_weight = None
             if kernel == "dense":
                 module.packed_weight = None
-    every = {cpu_gemm.LINEAR_AVX512, cpu_gemm.LINEAR_AMX, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
+    every = {cpu_gemm.LINEAR_AVX512, cpu_gemm.LINEAR_AVX2, cpu_gemm.LINEAR_AMX, cpu_gemm.LINEAR_ONEDNN,
+             cpu_gemm.LINEAR_DENSE}
     return {"onednn": {cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE},  # fp32 may time oneDNN slower
             "dense": {cpu_gemm.LINEAR_DENSE},
             "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL})
