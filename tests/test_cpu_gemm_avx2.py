@@ -110,11 +110,12 @@ def test_half_precision_is_refused():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [3, cpu_gemm.AVX2_MAX_ROWS, cpu_gemm.AVX2_MAX_ROWS + 1])
+@pytest.mark.parametrize("tokens", [3, cpu_gemm.AVX2_MAX_ROWS, cpu_gemm.AVX2_MAX_ROWS + 1, 1000])
 def test_the_layer_gemm_takes_the_avx2_kernel_up_to_its_row_limit(dtype, tokens):
-    """Where layers take the AVX2 kernel (a build without AVX-512), cpu_gemm.linear runs it up
-    to its row limit (for fp32, at the probe sizes the timing at load allowed; bf16 always)
-    and oneDNN or F.linear above; the result equals float64's either way."""
+    """Where layers take the AVX2 kernel (a build without AVX-512), cpu_gemm.linear runs it for
+    fp32 up to its row limit, at the probe sizes the timing at load allowed, and oneDNN or
+    F.linear elsewhere; for bf16 (no native bf16 on such CPUs) at every row count. The result
+    equals float64's either way."""
     if not cpu_gemm.avx2_linear_enabled(dtype):
         pytest.skip("layers do not take the AVX2 kernel here (an AVX-512 build, or none)")
     gen = torch.Generator().manual_seed(tokens)
@@ -127,13 +128,14 @@ def test_the_layer_gemm_takes_the_avx2_kernel_up_to_its_row_limit(dtype, tokens)
         assert decode is not None and not decode.slower_at
     if decode is not None:
         assert decode.op is torch.ops.raylm.avx2_linear and decode.kind == cpu_gemm.LINEAR_AVX2
-        assert decode.max_rows == cpu_gemm.AVX2_MAX_ROWS
+        expected_max_rows = cpu_gemm.AVX2_MAX_ROWS if dtype == torch.float32 else cpu_gemm.AVX2_BF16_MAX_ROWS
+        assert decode.max_rows == expected_max_rows
     y = cpu_gemm.linear(x, w, packed, b, decode)
     assert_matches_float64(y, x, w, b)
     if decode is not None and decode.takes(tokens):  # the layer ran exactly the decode kernel
         assert torch.equal(y, decode.op(x, decode.packed, 48, b))
     else:
-        assert tokens > cpu_gemm.AVX2_MAX_ROWS or dtype == torch.float32
+        assert dtype == torch.float32
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch):
