@@ -121,6 +121,8 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
         assert gate_up_kinds <= {cpu_gemm.LINEAR_AVX512_SILU_MUL, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
         if dtype == torch.bfloat16:  # bf16 takes the streaming kernel without timing it
             assert gate_up_kinds == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
+    if kernel == "as_loaded" and cpu_gemm.avx2_linear_enabled(dtype) and dtype == torch.bfloat16:
+        assert used == {cpu_gemm.LINEAR_AVX2}  # without AVX-512, bf16 streams every linear through it
 
     monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()
