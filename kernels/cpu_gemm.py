@@ -24,7 +24,19 @@ generate the bf16 decode GEMMs went from 3.97 to 3.50 s (the floor at the cores'
 peak: 3.34 s). bf16 takes it wherever it is built; fp32 where it timed faster at load
 (`fp32_decode_slower_at`, per probe size of rows).
 
-Both streaming kernels pack their copy onto 2 MiB transparent huge pages where the kernel
+CPUs with AVX2 + FMA and no AVX-512 (AMD EPYC up to Zen 3, many cloud parts) get the
+same kind of copy from `csrc/cpu_gemm_avx2.cpp`: 16-column panels, a 6-row micro-kernel of
+12 ymm accumulators, fp32 weights, and bf16 weights widened to fp32 in registers (half the
+bytes to stream). On one core of a 2-core Zen 3 EPYC (weights cold, thread CPU time: the
+machine was shared) it ran the ~100M Llama's projections 1.2-1.6x faster than oneDNN in
+fp32 at 16-64 rows and level with `F.linear` at 1 row; its bf16 form ran 5-8x faster than
+`F.linear` in bf16 (which widens in software) at 16-1024 rows, and 1.3-1.7x faster than
+its own fp32 form at 1 row, where a decode step waits on memory. fp32 takes it up to
+`AVX2_MAX_ROWS` tokens where it timed faster at load (as the AVX-512 kernel), bf16 at every
+row count (`AVX2_BF16_MAX_ROWS`). AVX-512 builds compile it too (so their tests run it), but
+their layers keep the AVX-512 kernels (`avx2_linear_enabled`).
+
+The streaming kernels pack their copy onto 2 MiB transparent huge pages where the kernel
 allows it (`csrc/huge_pages.h`): a decode step reads every weight once, and with 4 KiB pages
 each page of it is a TLB miss; in that generate the bf16 decode GEMMs went from 3.74-3.81 to
 3.69-3.70 s. `RAYLM_CPU_HUGE_PAGES=0` keeps them on ordinary pages.
@@ -55,13 +67,14 @@ is not padded.
 
 For tests and comparisons, RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) turns the packed
 kernels off: "packed_linear" all of them (every layer then calls `F.linear`), "amx_linear" only the AMX
-kernel, "avx512_linear" only the AVX-512 one.
+kernel, "avx512_linear" only the AVX-512 one, "avx2_linear" only the AVX2 one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -105,6 +118,14 @@ AVX512_MAX_ROWS = 256
 _fp32_silu_and_mul_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
 _avx512_usable: dict[torch.dtype, bool] = {}
+# Tokens up to which the AVX2 kernel (CPUs without AVX-512) is taken for fp32, as AVX512_MAX_ROWS.
+AVX2_MAX_ROWS = 256
+# bf16 takes it at any number of tokens: without AVX-512 there is no native bf16, and the
+# alternative, F.linear in bf16, ran the ~100M Llama's projections at ~9-10 GFLOP/s on one core
+# of a Zen 3 EPYC where this kernel ran 50-75 at 16-1024 rows (oneDNN in fp32: 55-70).
+AVX2_BF16_MAX_ROWS = sys.maxsize
+# dtype -> whether the AVX2 kernel is built for it here (filled at first use).
+_avx2_usable: dict[torch.dtype, bool] = {}
 
 # oneDNN GEMMs run at a few row counts (see `onednn_rows` and the module's docstring): exact
 # up to ONEDNN_EXACT_ROWS, then ONEDNN_ROWS_PER_DOUBLING counts per doubling.
@@ -116,7 +137,7 @@ _pad_onednn_rows = True
 # The kernels `linear` chooses among, numbered for the callers that run it from C++ (the fused
 # decode op: csrc/cpu_decode_layers.cpp's LinearKind); LINEAR_AVX512_SILU_MUL is the AVX-512
 # kernel on a gated gate_up weight, whose output is already silu(gate) * up.
-LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE, LINEAR_AVX512_SILU_MUL = 0, 1, 2, 3, 4
+LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE, LINEAR_AVX512_SILU_MUL, LINEAR_AVX2 = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -285,19 +306,51 @@ def avx512_linear_enabled(dtype: torch.dtype) -> bool:
     return _avx512_usable[dtype]
 
 
+def avx2_linear_built(dtype: torch.dtype) -> bool:
+    """Whether the AVX2 kernel (`csrc/cpu_gemm_avx2.cpp`) is built for dtype here: fp32 or bf16
+    (widened to fp32 in registers) wherever the build has AVX2 + FMA, AVX-512 builds included
+    (so that their tests run it)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype not in _avx2_usable:
+        _avx2_usable[dtype] = (native_build.load_native_library("cpu_gemm_avx2") is not None
+                               and bool(torch.ops.raylm.avx2_linear_available(dtype)))
+    return _avx2_usable[dtype]
+
+
+@functools.cache
+def _avx512_built() -> bool:
+    """Whether the AVX-512 kernel is built here (for fp32: the build has AVX-512), switches aside."""
+    return (native_build.load_native_library("cpu_gemm_avx512") is not None
+            and bool(torch.ops.raylm.avx512_linear_available(torch.float32)))
+
+
+def avx2_linear_enabled(dtype: torch.dtype) -> bool:
+    """Whether layers take the AVX2 kernel for dtype: where it is built and the build has no
+    AVX-512 (CPUs with AVX-512 keep their kernels, in either dtype), and neither switch is off."""
+    if not packed_linear_enabled() or envs.kernel_switched_off("avx2_linear"):
+        return False
+    return avx2_linear_built(dtype) and not _avx512_built()
+
+
 def pack_streaming_weight(weight: torch.Tensor) -> DecodeWeight | None:
-    """The weight packed for the streaming decode kernel this machine runs in its dtype, with
-    no timing: AMX for bf16 where the CPU has it, else the AVX-512 kernel (bf16 or fp32);
-    None for a weight off the CPU or where neither runs. A snapshot, as pack_linear_weight's."""
+    """The weight packed for the widest streaming decode kernel this machine runs in its dtype,
+    with no timing: AMX for bf16 where the CPU has it, else the AVX-512 kernel (bf16 or fp32),
+    else the AVX2 one (fp32, or bf16 widened to fp32: CPUs without AVX-512); None for a weight
+    off the CPU or where none runs. A snapshot, as pack_linear_weight's."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     amx = maybe_pack_amx_weight(weight)
     if amx is not None:
         return DecodeWeight(amx, torch.ops.raylm.amx_linear, AMX_MAX_ROWS, LINEAR_AMX)
-    if not avx512_linear_enabled(weight.dtype):
-        return None
-    return DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
-                        AVX512_MAX_ROWS, LINEAR_AVX512)
+    if avx512_linear_enabled(weight.dtype):
+        return DecodeWeight(torch.ops.raylm.avx512_pack_weight(weight.detach()), torch.ops.raylm.avx512_linear,
+                            AVX512_MAX_ROWS, LINEAR_AVX512)
+    if avx2_linear_enabled(weight.dtype):
+        max_rows = AVX2_BF16_MAX_ROWS if weight.dtype == torch.bfloat16 else AVX2_MAX_ROWS
+        return DecodeWeight(torch.ops.raylm.avx2_pack_weight(weight.detach()), torch.ops.raylm.avx2_linear,
+                            max_rows, LINEAR_AVX2)
+    return None
 
 
 def pack_weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, DecodeWeight | None]:

@@ -95,7 +95,8 @@ def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
                 module.silu_and_mul_weight = None
             if kernel == "dense":
                 module.packed_weight = None
-    every = {cpu_gemm.LINEAR_AVX512, cpu_gemm.LINEAR_AMX, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
+    every = {cpu_gemm.LINEAR_AVX512, cpu_gemm.LINEAR_AVX2, cpu_gemm.LINEAR_AMX, cpu_gemm.LINEAR_ONEDNN,
+             cpu_gemm.LINEAR_DENSE}
     return {"onednn": {cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE},  # fp32 may time oneDNN slower
             "dense": {cpu_gemm.LINEAR_DENSE},
             "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL})
@@ -134,6 +135,8 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
         assert gate_up_kinds <= {cpu_gemm.LINEAR_AVX512_SILU_MUL, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
         if dtype == torch.bfloat16:  # bf16 takes the streaming kernel without timing it
             assert gate_up_kinds == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
+    if kernel == "as_loaded" and cpu_gemm.avx2_linear_enabled(dtype) and dtype == torch.bfloat16:
+        assert used == {cpu_gemm.LINEAR_AVX2}  # without AVX-512, bf16 streams every linear through it
 
     monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()

@@ -83,7 +83,7 @@ def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
 
 
 def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
-    """fp32 with AVX-512, bf16 with AVX512-BF16 too; the AVX2 and scalar builds keep oneDNN
+    """fp32 with AVX-512, bf16 with AVX512-BF16 too; the AVX2 and scalar builds do without
     (the kernel itself is tested in test_cpu_gemm_avx512, which this file's narrower runs
     do not repeat: only the full build has both dtypes)."""
     from raylm.kernels import cpu_gemm
@@ -98,6 +98,31 @@ def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
         x, w = torch.randn(9, 70, generator=gen), torch.randn(67, 70, generator=gen)
         y = torch.ops.raylm.avx512_linear(x, torch.ops.raylm.avx512_pack_weight(w), 67, None)
         assert_close(y, x.double() @ w.double().T, torch.float32)
+
+
+def test_layers_take_the_avx2_gemm_only_where_the_build_has_avx2_and_not_avx512():
+    """Decode GEMMs stream through the widest kernel built: AMX or AVX-512 where the build has
+    AVX-512, the AVX2 one (fp32 and bf16) where it has AVX2 + FMA only, none in the scalar
+    build; the AVX2 kernel computes the product in every build that has it."""
+    from raylm.kernels import cpu_gemm
+
+    flags = native_build._cpu_flags().split()
+    isa = envs.RAYLM_CPU_ISA or ("avx512" if "avx512f" in flags else "native")
+    has_avx512 = "avx512f" in flags and isa in ("avx512", "avx512_no_bf16")
+    has_avx2 = {"avx2", "fma"} <= set(flags) and isa != "scalar"
+    for dtype in DTYPES:
+        assert cpu_gemm.avx2_linear_built(dtype) == has_avx2
+        assert cpu_gemm.avx2_linear_enabled(dtype) == (has_avx2 and not has_avx512)
+        decode = cpu_gemm.pack_streaming_weight(torch.randn(40, 24).to(dtype))
+        if has_avx2 and not has_avx512:
+            assert decode is not None and decode.kind == cpu_gemm.LINEAR_AVX2
+        else:
+            assert decode is None or decode.kind != cpu_gemm.LINEAR_AVX2
+        if has_avx2:
+            gen = torch.Generator().manual_seed(0)
+            x, w = torch.randn(9, 70, generator=gen).to(dtype), torch.randn(67, 70, generator=gen).to(dtype)
+            y = torch.ops.raylm.avx2_linear(x, torch.ops.raylm.avx2_pack_weight(w), 67, None)
+            assert_close(y, x.double() @ w.double().T, dtype)
 
 
 # Widths with and without a tail past the last whole vector (16 or 8 lanes).

@@ -69,7 +69,7 @@ namespace {
 
 // parallel/cpu_gemm.py's LINEAR_* constants. kAvx512SiluMul is gate_up_proj only: the AVX-512
 // kernel on its gated copy, whose output is silu(gate) * up.
-enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx512SiluMul = 4 };
+enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx512SiluMul = 4, kAvx2 = 5 };
 
 constexpr int64_t kTensorsPerLayer = 14;
 constexpr int64_t kIntsPerLayer = 8;
@@ -106,6 +106,10 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, i
     }
     case kAmx: {
       static const auto op = typed_op<StreamingLinear>("raylm::amx_linear");
+      return op.call(x, weight, out_features, bias);
+    }
+    case kAvx2: {
+      static const auto op = typed_op<StreamingLinear>("raylm::avx2_linear");
       return op.call(x, weight, out_features, bias);
     }
     case kOneDnn: {
