@@ -31,6 +31,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/accumulate.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -163,7 +164,7 @@ at::Tensor run_linear(const char* op, const at::Tensor& x_in, const at::Tensor& 
   std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
   out_sizes.back() = N;
   at::Tensor out = at::empty(out_sizes, x_in.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t M = x_in.numel() / std::max<int64_t>(K, 1);
+  const int64_t M = c10::multiply_integers(x_in.sizes().begin(), x_in.sizes().end() - 1);  // K may be 0
   if (M == 0 || N == 0) return out;
   if (K == 0) {  // every product is zero
     out.zero_();
