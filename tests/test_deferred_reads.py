@@ -68,6 +68,42 @@ def _generate(llama_dir, params: list[SamplingParams]) -> list:
         llm.shutdown()
 
 
+def _assert_same_outputs(got: list, expected: list) -> None:
+    """The same tokens, finish reasons, logprob keys and ranks; logprob values equal up to
+    float rounding. Deferred steps batch rows differently (the tiny Llama's run here took one
+    step more, and one step of 3 rows where steps one at a time had 5), and on the CPU the
+    fp32 kernel a batch size takes is timed at load (cpu_gemm): on an AVX2 EPYC one row ran
+    on MKL and two on the AVX2 kernel, which round the same row a few ulps apart."""
+    assert len(got) == len(expected)
+    for got_request, expected_request in zip(got, expected):
+        *got_completions, got_prompt_logprobs = got_request
+        *expected_completions, expected_prompt_logprobs = expected_request
+        assert len(got_completions) == len(expected_completions)
+        for (tokens, cumulative, logprobs, reason), (want_tokens, want_cumulative, want_logprobs, want_reason) in zip(
+                got_completions, expected_completions):
+            assert (tokens, reason) == (want_tokens, want_reason)
+            assert (cumulative is None) == (want_cumulative is None)
+            if want_cumulative is not None:
+                assert cumulative == pytest.approx(want_cumulative, rel=1e-6, abs=1e-5)
+            _assert_close_logprobs(logprobs, want_logprobs)
+        _assert_close_logprobs(got_prompt_logprobs, expected_prompt_logprobs)
+
+
+def _assert_close_logprobs(got, expected) -> None:
+    if expected is None:
+        assert got is None
+        return
+    assert len(got) == len(expected)
+    for got_position, expected_position in zip(got, expected):
+        if expected_position is None:
+            assert got_position is None
+            continue
+        assert {t: (lp.rank, lp.decoded_token) for t, lp in got_position.items()} == \
+            {t: (lp.rank, lp.decoded_token) for t, lp in expected_position.items()}
+        for token, logprob in expected_position.items():
+            assert got_position[token].logprob == pytest.approx(logprob.logprob, rel=1e-6, abs=1e-5)
+
+
 def _assert_penalty_rows_come_back(llm: LLM) -> None:
     """Every penalty row is free once the workers hear of the last requests' end (the ids
     ride along with the next step: one plain request is run for it)."""
@@ -110,7 +146,7 @@ def test_deferred_reads_give_the_outputs_of_steps_run_one_at_a_time(llama_dir, m
     got, free_after, preemptions = _generate(llama_dir, params)
     assert holes_filled_on_device[0] > (30 if params is NO_HISTORY else 0)
     assert preemptions > 0  # 24 blocks are too few for the batch: recomputed requests too
-    assert got == expected
+    _assert_same_outputs(got, expected)
     assert free_after == free_expected
 
 
@@ -174,7 +210,7 @@ def test_penalised_requests_under_deferred_reads_give_the_host_historys_outputs_
     assert preemptions > 0  # recomputed requests rebuild their rows
     assert forced_collects[0] == 0
     assert holes_filled_on_device[0] > 30  # penalised decodes too took their tokens on the device
-    assert got == expected
+    _assert_same_outputs(got, expected)
     assert free_after == free_expected
 
 
