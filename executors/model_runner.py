@@ -34,6 +34,7 @@ from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, keeps_host_history,
                                                sibling_generator)
+from raylm.executors.cpu_malloc import release_freed_memory
 from raylm.executors.sleep_mode import SleepingWeights
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
@@ -184,6 +185,8 @@ class ModelRunner:
             self.penalty_state = PenaltyState(self.scheduler_config.max_num_seqs, self.model_config.vocab_size,
                                               self.device)
         self._processed_weight_loads = num_weight_loads(self.model)  # get_model ran the hooks
+        if self.device.type == "cpu":
+            release_freed_memory()  # loading's temporaries are not a step's working set
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -558,6 +561,8 @@ class ModelRunner:
         notices that from the model's weight-load count)."""
         _run_weight_hooks(self.model)
         self._processed_weight_loads = num_weight_loads(self.model)
+        if self.device.type == "cpu":
+            release_freed_memory()
 
     # ---- one step ----------------------------------------------------------------------
 

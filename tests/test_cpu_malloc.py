@@ -87,3 +87,36 @@ def test_a_step_thread_reuses_its_freed_activations_without_page_faults():
 def test_the_user_can_turn_it_off():
     assert run_probe(RAYLM_CPU_MALLOC_TUNING="0")["tuned"] is False
     assert run_probe(MALLOC_ARENA_MAX="4")["tuned"] is False
+
+
+_RELEASE_PROBE = textwrap.dedent("""
+    import json
+    from pathlib import Path
+    import torch
+    from raylm.executors.cpu_malloc import keep_freed_memory, release_freed_memory
+
+    def resident_mib():
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    tuned = keep_freed_memory()
+    temporaries = [torch.ones(24 << 20, dtype=torch.uint8) for _ in range(10)]  # 240 MiB, as a load's
+    kept = torch.ones(1 << 20, dtype=torch.uint8)  # allocated last: the heap's top stays in use
+    del temporaries
+    before = resident_mib()
+    released = release_freed_memory()
+    print(json.dumps({"tuned": tuned, "released": released, "before": before, "after": resident_mib()}))
+""")
+
+
+def test_the_memory_a_load_freed_goes_back_to_the_system_under_the_tuned_settings():
+    # Tuned, glibc keeps up to 1 GiB of free heap (no trimming): the 240 MiB freed stay
+    # resident until release_freed_memory, which the model runner calls after loading.
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                   "LD_PRELOAD")}
+    result = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], env={**environment, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=120, check=True)
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["tuned"] and probe["released"], probe
+    assert probe["before"] - probe["after"] > 200, probe
