@@ -17,8 +17,8 @@ library is not glibc.
 
 Loading is not a step: its temporaries (checkpoint tensors read, the CPU kernels' repacking,
 a GPTQ/AWQ layer's loaded tensors freed once repacked) are freed when it ends, and
-`release_freed_memory` gives their pages back then (they were 170 MiB of a ~100M GPTQ
-Llama's 612 MiB resident set); the steps' working set then faults in once, as before.
+`release_freed_memory` gives their pages back then (on a ~100M GPTQ Llama, 168 of the
+603 MiB resident after loading); the steps' working set then faults in once, as before.
 """
 
 from __future__ import annotations
