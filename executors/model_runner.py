@@ -22,6 +22,7 @@ from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
                                ScheduledRequest, TokenLogprobs)
 from raylm.executors import prompt_logprobs
+from raylm.executors.cpu_malloc import release_freed_memory
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.encoder_cache import EncoderCache, profile_num_images
@@ -34,7 +35,6 @@ from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, keeps_host_history,
                                                sibling_generator)
-from raylm.executors.cpu_malloc import release_freed_memory
 from raylm.executors.sleep_mode import SleepingWeights
 from raylm.executors.token_history import TokenHistory
 from raylm.kernels import cpu_ops
