@@ -260,3 +260,53 @@ def test_images_on_cuda_equal_hf_there(model_dir, hf):
         assert_engine_idle(llm.llm_engine)
     finally:
         llm.shutdown()
+
+
+def test_chat_completions_with_an_image_url_equal_hf(model_dir, hf):
+    """/v1/chat/completions with a data-URL image part: the route renders `<start_of_image>`
+    through the chat template, expands it as Gemma3Processor does, and the reply's tokens and
+    logprobs are HF's on the prompt its processor's chat template renders."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from raylm.deploy.api_server import build_app
+    from raylm.deploy.server_args import ServerArgs
+    from raylm.engine import AsyncLLMEngine, EngineArgs
+
+    processor, _ = hf
+    image = random_image(7)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = {"model": "m", "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True,
+            "logprobs": True, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}]}
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), dtype="float32", max_model_len=128, max_num_batched_tokens=BUDGET,
+        num_gpu_blocks_override=64, disable_log_stats=True))
+    app = build_app(engine, ServerArgs(served_model_name=["m"]))
+
+    async def send() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            return await client.post("/v1/chat/completions", json=body)
+
+    try:
+        reply = asyncio.run(send())
+        assert reply.status_code == 200, reply.text
+        assert_engine_idle(engine.engine)
+    finally:
+        engine.shutdown()
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is this?"}]}], add_generation_prompt=True)
+    inputs = dict(processor(text=text, images=[image], return_tensors="pt", add_special_tokens=False))
+    assert reply.json()["prompt_token_ids"] == inputs["input_ids"][0].tolist()
+    tokens, logprobs = _hf_reference(hf, inputs)
+    choice = reply.json()["choices"][0]
+    assert choice["token_ids"] == tokens
+    start = inputs["input_ids"].shape[1] - 1
+    for position, entry in enumerate(choice["logprobs"]["content"]):
+        assert entry["logprob"] == pytest.approx(logprobs[start + position, tokens[position]].item(), abs=1e-4)
