@@ -44,17 +44,6 @@ class StepImages:
     spans: list[ImageSpan] | None = None
 
 
-def _add_span(spans: list[ImageSpan], span: ImageSpan) -> None:
-    """Appends an image's span; one right after the previous one's end (images side by side
-    in a prompt whose placeholders have no text between) joins it, as Hugging Face's
-    token_type_ids make one block of each run of image tokens."""
-    previous = spans[-1] if spans else None
-    if previous is not None and previous.end == span.start and previous.row + previous.num_rows == span.row:
-        spans[-1] = ImageSpan(previous.row, previous.query_start, previous.start, span.end)
-    else:
-        spans.append(span)
-
-
 class EncoderCache:
     def __init__(self) -> None:
         self._features: dict[int, list[MultiModalFeature]] = {}
@@ -105,7 +94,7 @@ class EncoderCache:
                     pieces.append(embeddings[span[0] - offset:span[1] - offset])
                     rows.extend(range(row + span[0] - start, row + span[1] - start))
                     if bidirectional:
-                        _add_span(spans, ImageSpan(row + span[0] - start, span[0], offset, feature.mm_position.end))
+                        spans.append(ImageSpan(row + span[0] - start, span[0], offset, feature.mm_position.end))
                     if span[1] == feature.mm_position.end:
                         # Its last slice is taken: only a recompute after preemption, which
                         # encodes again, could need it.

@@ -192,6 +192,21 @@ def test_chat_and_token_prompts_expand_images_as_the_processor(llm, hf):
     assert_engine_idle(llm.llm_engine)
 
 
+def test_images_side_by_side_are_refused(llm):
+    """HF makes one bidirectional block of two images' tokens with nothing between; the engine
+    attends per image, so such a token prompt is refused naming the field (Gemma3Processor
+    never writes one)."""
+    from raylm.engine.sampling_params import ParameterError
+
+    image_token_id = llm.llm_engine.model_config.hf_config.image_token_index
+    token_ids = [5] + [image_token_id] * (2 * TOKENS_PER_IMAGE) + [6]
+    with pytest.raises(ParameterError, match="two images' tokens side by side at 5") as error:
+        llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": [random_image(1), random_image(2)]}},
+                     use_tqdm=False)
+    assert error.value.param == "multi_modal_data"
+    assert_engine_idle(llm.llm_engine)
+
+
 def test_both_checkpoint_layouts_load_the_same_weights(model_dir):
     """transformers' module tree (model.language_model.*, model.vision_tower.*,
     model.multi_modal_projector.*) and Google's checkpoints' layout (language_model.model.*,

@@ -155,11 +155,26 @@ class MultiModalProcessor:
             token_ids, ranges = self._expanded(token_ids, per_image)
         else:
             ranges = self._expanded_ranges(token_ids, per_image, len(images))
+        self._check_apart(ranges, "multi_modal_data")
         features = []
         for index, position in enumerate(ranges):
             pixels = np.ascontiguousarray(pixel_values[index:index + 1])
             features.append(MultiModalFeature("image", pixels, position, feature_identifier("image", pixels)))
         return token_ids, features
+
+    def _check_apart(self, ranges: list[PlaceholderRange], field: str) -> None:
+        """Gemma 3's images must have a token between them: Hugging Face makes one
+        bidirectional block of each run of image tokens, so two images side by side would
+        attend to each other, which the engine's per-image blocks (and the prefix cache's
+        per-image keys) do not do. Its processor always puts `<end_of_image>` and
+        `<start_of_image>` between."""
+        if self.placeholder_token_id == self.image_token_id:
+            return
+        for previous, position in zip(ranges, ranges[1:]):
+            if previous.end == position.offset:
+                raise ParameterError(f"The prompt holds two images' tokens side by side at {position.offset}; this "
+                                     f"model's images must be apart, as its processor writes them (one "
+                                     f"<start_of_image> per image).", field)
 
     def _process_images(self, images: list[Any]) -> tuple[np.ndarray, int]:
         """The images' pixel_values (one row each) and how many tokens one image takes, by
@@ -292,6 +307,7 @@ class MultiModalProcessor:
                 raise ParameterError(f"mm_features places an image at {position}, which is not a run of image "
                                      f"placeholder tokens of the prompt after the previous image.", "mm_features")
             end = position.end
+        self._check_apart([feature.mm_position for feature in features], "mm_features")
         if sum(f.mm_position.length for f in features) != list(prompt_token_ids).count(self.image_token_id):
             raise ParameterError("The prompt holds image placeholder tokens that no image of mm_features fills.",
                                  "mm_features")
