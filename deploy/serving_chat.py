@@ -225,10 +225,11 @@ class OpenAIServingChat(OpenAIServing):
 
     @functools.cached_property
     def image_placeholder(self) -> str | None:
-        """The text of the model's image placeholder ("<image>" for LLaVA), None for a text-only model."""
+        """The text of the model's image placeholder ("<image>" for LLaVA, "<start_of_image>" for
+        Gemma 3), None for a text-only model."""
         if self.mm_processor is None:
             return None
-        return self.tokenizer.convert_ids_to_tokens(self.mm_processor.image_token_id)
+        return self.tokenizer.convert_ids_to_tokens(self.mm_processor.placeholder_token_id)
 
     def _images(self, messages: list[ChatMessage]) -> list[Any]:
         """The images of the messages' image_url parts, in order, decoded from their data URLs

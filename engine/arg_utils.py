@@ -22,7 +22,7 @@ from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICI
 from raylm.engine.generation_config import check_override_generation_config
 from raylm.engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from raylm.engine.tokenizer import get_tokenizer
-from raylm.engine.multimodal.processor import check_limit_mm_per_prompt
+from raylm.engine.multimodal.processor import check_limit_mm_per_prompt, image_feature_size
 from raylm.engine.usage_context import UsageContext
 from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
@@ -367,6 +367,7 @@ class EngineArgs(SettingsMixin):
             async_scheduling=self.async_scheduling,
             pipeline_parallel_size=self.pipeline_parallel_size,
             policy=self.scheduling_policy,
+            disable_chunked_mm_input=model_config.has_bidirectional_image_attention,
         )
         lora_config = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                        else None)
@@ -381,6 +382,7 @@ class EngineArgs(SettingsMixin):
             _check_pooling_features(lora_config, speculative_config, parallel_config)
         if model_config.is_multimodal:
             _check_multimodal_features(model_config, lora_config, speculative_config)
+            _check_whole_image_budget(model_config, scheduler_config)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             speculative_config, lora_config)
 
@@ -566,3 +568,14 @@ def _check_multimodal_features(model_config: ModelConfig, lora_config: LoRAConfi
             raise ValueError(f"{name} is not supported for the vision-language model {architecture} yet: "
                              f"multi-modal models run without pipeline parallelism, LoRA or speculative "
                              f"decoding.")
+
+
+def _check_whole_image_budget(model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:
+    """Under disable_chunked_mm_input (Gemma 3) an image's tokens go into one step whole: the
+    step's budget must hold one image."""
+    tokens_per_image = image_feature_size(model_config.hf_config)
+    if (scheduler_config.disable_chunked_mm_input and tokens_per_image is not None
+            and scheduler_config.max_num_batched_tokens < tokens_per_image):
+        raise ValueError(f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be at least the "
+                         f"{tokens_per_image} tokens of one image for {model_config.hf_config.architectures[0]}, "
+                         f"whose image tokens attend to each other both ways and so are computed in one step.")

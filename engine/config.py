@@ -263,6 +263,12 @@ class ModelConfig:
         return is_multimodal_model(getattr(self.hf_config, "architectures", None))
 
     @property
+    def has_bidirectional_image_attention(self) -> bool:
+        """Whether the tokens of one image attend to each other both ways (Gemma 3)."""
+        from raylm.models.registry import has_bidirectional_image_attention
+        return has_bidirectional_image_attention(getattr(self.hf_config, "architectures", None))
+
+    @property
     def is_pooling(self) -> bool:
         return self.runner_type == "pooling"
 
@@ -468,6 +474,11 @@ class SchedulerConfig:
     # the latest admitted; "priority" orders both by (priority, arrival_time), lowest first
     # (engine/scheduler.py).
     policy: str = "fcfs"
+    # vLLM's disable_chunked_mm_input: a prompt chunk never ends inside an image's placeholder
+    # tokens (it stops before the image, or takes the rest of it whole). Set for the models
+    # whose image tokens attend to each other both ways (Gemma 3), which need every key of an
+    # image cached when its queries attend.
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:

@@ -305,6 +305,10 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                                  budget)
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
+            num_new_tokens = self._keep_images_whole(request, request.num_computed_tokens, num_new_tokens)
+            if num_new_tokens == 0:
+                index += 1  # the rest of an image does not fit this step's budget
+                continue
             drafts: list[int] = []
             if self.drafter is not None and num_new_tokens == 1 and (request.output_token_ids
                                                                       or request.num_output_placeholders):
@@ -384,6 +388,9 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break
                 num_new_tokens = budget
+            num_new_tokens = self._keep_images_whole(request, num_computed_tokens, num_new_tokens)
+            if num_new_tokens == 0:
+                break  # the rest of an image does not fit this step's budget
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, num_computed_tokens) is None:
                 break
             self.waiting.popleft()
@@ -398,6 +405,19 @@ class Scheduler:
             scheduled.append((request, num_new_tokens))
             budget -= num_new_tokens
         self.waiting.extendleft(reversed(skipped))
+
+    def _keep_images_whole(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """num_new_tokens, or fewer so that the chunk does not end inside an image under
+        disable_chunked_mm_input: it stops before the image, or, begun inside the image (a
+        prefix-cache hit), is 0 unless it takes the image's rest whole."""
+        if not self.scheduler_config.disable_chunked_mm_input:
+            return num_new_tokens
+        end = num_computed_tokens + num_new_tokens
+        for feature in request.mm_features:
+            position = feature.mm_position
+            if position.offset < end < position.end:
+                return max(0, position.offset - num_computed_tokens)
+        return num_new_tokens
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a request waiting for its grammar may be scheduled now. One whose grammar

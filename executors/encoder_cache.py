@@ -11,11 +11,14 @@ the right slice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from raylm.engine.multimodal.inputs import MultiModalFeature
 from raylm.engine.step import ScheduledRequest
+from raylm.kernels.image_attention import ImageSpan
 
 
 def profile_num_images(tokens_per_image: int, image_limit: int, max_num_seqs: int,
@@ -29,6 +32,16 @@ def profile_num_images(tokens_per_image: int, image_limit: int, max_num_seqs: in
     encoder_budget = max(max_num_batched_tokens, tokens_per_image)
     by_budget = -(-encoder_budget // tokens_per_image)
     return max(1, min(by_budget, max_num_seqs * image_limit))
+
+
+@dataclass
+class StepImages:
+    """A step's image inputs: the rows that hold image placeholders [rows], their embeddings
+    [rows, hidden], and (Gemma 3) the images whose tokens attend to each other both ways."""
+
+    rows: torch.Tensor
+    embeddings: torch.Tensor
+    spans: list[ImageSpan] | None = None
 
 
 class EncoderCache:
@@ -55,11 +68,14 @@ class EncoderCache:
                     self._embeddings.pop((req_id, index), None)
 
     def step_embeddings(self, model: nn.Module, requests: list[ScheduledRequest], device: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's rows that hold image placeholders and their embeddings ([rows], [rows,
-        hidden]), in the step's row order; None when no chunk of the step reaches an image."""
+                        ) -> StepImages | None:
+        """The step's rows that hold image placeholders and their embeddings, in the step's row
+        order, and for a model whose image tokens attend to each other both ways, the step's
+        image spans; None when no chunk of the step reaches an image."""
         rows: list[int] = []
         pieces: list[torch.Tensor] = []
+        spans: list[ImageSpan] = []
+        bidirectional = getattr(model, "bidirectional_image_attention", False)
         row = 0
         for scheduled in requests:
             if scheduled.mm_features is not None:
@@ -77,6 +93,8 @@ class EncoderCache:
                     offset = feature.mm_position.offset
                     pieces.append(embeddings[span[0] - offset:span[1] - offset])
                     rows.extend(range(row + span[0] - start, row + span[1] - start))
+                    if bidirectional:
+                        spans.append(ImageSpan(row + span[0] - start, span[0], offset, feature.mm_position.end))
                     if span[1] == feature.mm_position.end:
                         # Its last slice is taken: only a recompute after preemption, which
                         # encodes again, could need it.
@@ -88,7 +106,7 @@ class EncoderCache:
             row += len(scheduled.token_ids) + len(scheduled.spec_token_ids or ())
         if not rows:
             return None
-        return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(pieces)
+        return StepImages(torch.tensor(rows, dtype=torch.long, device=device), torch.cat(pieces), spans or None)
 
     def _encode(self, model: nn.Module, req_id: int, index: int, feature: MultiModalFeature,
                 device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ from raylm.executors import prompt_logprobs
 from raylm.executors.cpu_malloc import release_freed_memory
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
-from raylm.executors.encoder_cache import EncoderCache, profile_num_images
+from raylm.executors.encoder_cache import EncoderCache, StepImages, profile_num_images
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import (InputStaging, fill_block_tables, host_tensor, layout, layout_bytes,
                                            to_device)
@@ -672,7 +672,7 @@ class ModelRunner:
     def _run_model(self, host: HostStep, rows: list[int] | None,
                    intermediate_tensors: IntermediateTensors | None = None,
                    holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = (),
-                   mm_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                   mm_embeddings: StepImages | None = None
                    ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states of `rows`, in that order: a decode graph's replay where
         one is captured for the batch, else an eager forward. rows None: a pipeline stage
@@ -693,11 +693,11 @@ class ModelRunner:
         if holes:
             _fill_holes(input_ids, holes)
         stage_input = () if intermediate_tensors is None else (intermediate_tensors,)
-        with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata):
+        image_spans = mm_embeddings.spans if mm_embeddings is not None else None
+        with set_forward_context(attn_metadata, rows_tensor, output_rows, rows_metadata, image_spans):
             if mm_embeddings is not None:
                 inputs_embeds = self.model.get_input_embeddings(input_ids)
-                mm_rows, embeddings = mm_embeddings
-                inputs_embeds[mm_rows] = embeddings.to(inputs_embeds.dtype)
+                inputs_embeds[mm_embeddings.rows] = mm_embeddings.embeddings.to(inputs_embeds.dtype)
                 return self.model(input_ids, positions, *stage_input, inputs_embeds=inputs_embeds)
             return self.model(input_ids, positions, *stage_input)
 

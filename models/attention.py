@@ -8,6 +8,7 @@ from torch import nn
 
 from raylm.kernels import torch_attention
 from raylm.kernels.backend import SINKS_UNSUPPORTED, AttentionBackend, get_attention_backend
+from raylm.kernels.image_attention import attend_image_spans
 from raylm.models.forward_context import get_forward_context, select_rows
 
 
@@ -130,6 +131,11 @@ class Attention(nn.Module):
                 self.attn_backend.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping,
                                                  k_scale=self.k_scale, v_scale=self.v_scale)
             out = self._paged_attention(q, attn_metadata)
+            image_spans = get_forward_context().image_spans
+            if image_spans:
+                attend_image_spans(out, q, k_cache, v_cache, attn_metadata, image_spans, self.scale,
+                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                   k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
         # The kernels attend for every query row; the last layer's is 1 / num_layers of them.
         return select_rows(out.reshape(num_tokens, self.num_heads * self.head_size), output_rows)
 

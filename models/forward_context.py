@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raylm.kernels.attention_metadata import AttentionMetadata
+from raylm.kernels.image_attention import ImageSpan
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ForwardContext:
     # output_rows as a Python list, so that no layer reads the tensor back (on a GPU that
     # would wait for every kernel queued before it).
     output_rows_list: list[int] | None = None
+    # The step's images whose tokens attend to each other both ways (Gemma 3's
+    # `bidirectional_image_attention`; `kernels/image_attention.py`); None: all causal.
+    image_spans: list[ImageSpan] | None = None
     # attn_metadata.for_rows(output_rows), when the runner built it with the step's inputs.
     _output_rows_metadata: AttentionMetadata | None = field(default=None, repr=False)
 
@@ -52,10 +56,12 @@ def get_forward_context() -> ForwardContext:
 @contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata | None, output_rows: torch.Tensor | None = None,
                         output_rows_list: list[int] | None = None,
-                        output_rows_metadata: AttentionMetadata | None = None) -> Iterator[ForwardContext]:
+                        output_rows_metadata: AttentionMetadata | None = None,
+                        image_spans: list[ImageSpan] | None = None) -> Iterator[ForwardContext]:
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata, output_rows, output_rows_list, output_rows_metadata)
+    _forward_context = ForwardContext(attn_metadata, output_rows, output_rows_list, image_spans,
+                                      output_rows_metadata)
     try:
         yield _forward_context
     finally:

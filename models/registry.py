@@ -18,6 +18,7 @@ from torch import nn
 from raylm.models.adapters import as_classification_model, as_embedding_model
 from raylm.models.gemma2 import Gemma2ForCausalLM
 from raylm.models.gemma3 import Gemma3ForCausalLM
+from raylm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from raylm.models.gpt2 import GPT2LMHeadModel
 from raylm.models.gpt_oss import GptOssForCausalLM
 from raylm.models.granite import GraniteForCausalLM
@@ -48,6 +49,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     # Vision-language (images with the prompt: engine/multimodal/).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
@@ -125,6 +127,13 @@ def is_multimodal_model(architectures: list[str] | None) -> bool:
     """Whether the first registered name of `architectures` takes images (`supports_multimodal`)."""
     name = next((arch for arch in architectures or [] if arch in _MODELS), None)
     return name is not None and getattr(_MODELS[name], "supports_multimodal", False)
+
+
+def has_bidirectional_image_attention(architectures: list[str] | None) -> bool:
+    """Whether the first registered name of `architectures` lets the tokens of one image attend
+    to each other both ways (`bidirectional_image_attention`: Gemma 3)."""
+    name = next((arch for arch in architectures or [] if arch in _MODELS), None)
+    return name is not None and getattr(_MODELS[name], "bidirectional_image_attention", False)
 
 
 def supported_architectures() -> list[str]:

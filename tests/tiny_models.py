@@ -542,6 +542,54 @@ def build_tiny_llava(path: Path, seed: int = 0, image_size: int = 32, patch_size
     return Path(path)
 
 
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def build_tiny_gemma3_vl(path: Path, seed: int = 0, sliding_window: int = 12) -> Path:
+    """A tiny random Gemma3ForConditionalGeneration: a SigLIP tower of (32/8)^2 = 16 patches
+    (2 layers, no pooling head, as released), average-pooled to mm_tokens_per_image = 4 image
+    tokens; the text model as `build_tiny_gemma3`'s (4 layers, the third global, the others
+    windowed to `sliding_window`, shorter than an image-bearing prompt); Gemma3Processor over the
+    tiny tokenizer plus `<start_of_image>`, `<end_of_image>` and `<image_soft_token>`, with a
+    Gemma-shaped chat template. Weights random (norms too, around Gemma's 1 + w)."""
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
+                              Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig)
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    build_tokenizer(Path(path), 512)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    text_config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, query_pre_attn_scalar=24, sliding_window=sliding_window,
+        sliding_window_pattern=3, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0})
+    vision_config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=32, patch_size=8, vision_use_head=False)
+    config = Gemma3Config(text_config=text_config, vision_config=vision_config, mm_tokens_per_image=4,
+                          boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                          image_token_index=tokenizer.image_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.3 if "norm" in name else 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA3_CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return Path(path)
+
+
 def random_image(seed: int, size: tuple[int, int] = (48, 40)):
     """A PIL RGB image of random pixels (width, height)."""
     import numpy as np

@@ -72,6 +72,12 @@ class MultiModalProcessor:
         self.model = model
         self.limits = limits
         self.image_token_id = image_token_id(hf_config)
+        # The token a prompt writes once per image: LLaVA's is the image token itself, repeated
+        # in place; Gemma 3's is `<start_of_image>` (boi_token_index), which its processor
+        # replaces with its `full_image_sequence` ("\n\n<start_of_image>", the image tokens,
+        # "<end_of_image>\n\n").
+        boi_token_id = getattr(hf_config, "boi_token_index", None)
+        self.placeholder_token_id = boi_token_id if isinstance(boi_token_id, int) else self.image_token_id
         # One processed image's pixel_values (LLaVA: [1, 3, image_size, image_size]), which
         # processed prompts (`check_processed`) must match: the vision tower takes nothing else.
         image_size = getattr(getattr(hf_config, "vision_config", None), "image_size", None)
@@ -101,6 +107,17 @@ class MultiModalProcessor:
     def process(self, prompt: str, multi_modal_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
         """The text prompt's token ids (the tokenizer's special tokens added) with each image
         placeholder expanded, and one feature per image (`process_tokens`)."""
+        full_image_sequence = getattr(self.hf_processor, "full_image_sequence", None)
+        if full_image_sequence is not None:
+            # Gemma 3: expanded in the text, then tokenized whole, as its processor does (the
+            # newlines around each image tokenize with the text beside them).
+            placeholder = self.hf_processor.tokenizer.convert_ids_to_tokens(self.placeholder_token_id)
+            images = self._images(multi_modal_data)
+            if prompt.count(placeholder) != len(images):
+                raise ParameterError(f"The prompt must hold one image placeholder ({placeholder}) per image of "
+                                     f"multi_modal_data: {len(images)} images, {prompt.count(placeholder)} "
+                                     f"placeholders in the prompt.", "multi_modal_data")
+            prompt = prompt.replace(placeholder, full_image_sequence)
         return self.process_tokens(self.hf_processor.tokenizer.encode(prompt), multi_modal_data)
 
     def process_tokens(self, prompt_token_ids: Sequence[int], multi_modal_data: Any
@@ -117,23 +134,47 @@ class MultiModalProcessor:
         anything else, or anything the engine cannot take."""
         images = self._images(multi_modal_data)
         token_ids = [int(t) for t in prompt_token_ids]
-        placeholders = token_ids.count(self.image_token_id)
-        if placeholders != len(images) and (not images or not placeholders or placeholders % len(images)):
+        image_tokens = token_ids.count(self.image_token_id)
+        if self.placeholder_token_id == self.image_token_id:
+            placeholders, expands = image_tokens, image_tokens == len(images)
+        else:  # Gemma 3: its image tokens are there already, or one `<start_of_image>` per image
+            expands = image_tokens == 0
+            placeholders = token_ids.count(self.placeholder_token_id) if expands else image_tokens
+        if (expands and placeholders != len(images)) or (
+                not expands and (not images or not placeholders or placeholders % len(images))):
             raise ParameterError(f"The prompt must hold one image placeholder per image of multi_modal_data: "
                                  f"{len(images)} images, {placeholders} placeholders in the prompt.",
                                  "multi_modal_data")
         if not images:
             return token_ids, []
         pixel_values, per_image = self._process_images(images)
-        if placeholders == len(images):
+        as_text = self._expanded_as_text(token_ids) if expands else None
+        if as_text is not None:
+            token_ids, ranges = as_text, self._expanded_ranges(as_text, per_image, len(images))
+        elif expands:
             token_ids, ranges = self._expanded(token_ids, per_image)
         else:
             ranges = self._expanded_ranges(token_ids, per_image, len(images))
+        self._check_apart(ranges, "multi_modal_data")
         features = []
         for index, position in enumerate(ranges):
             pixels = np.ascontiguousarray(pixel_values[index:index + 1])
             features.append(MultiModalFeature("image", pixels, position, feature_identifier("image", pixels)))
         return token_ids, features
+
+    def _check_apart(self, ranges: list[PlaceholderRange], field: str) -> None:
+        """Gemma 3's images must have a token between them: Hugging Face makes one
+        bidirectional block of each run of image tokens, so two images side by side would
+        attend to each other, which the engine's per-image blocks (and the prefix cache's
+        per-image keys) do not do. Its processor always puts `<end_of_image>` and
+        `<start_of_image>` between."""
+        if self.placeholder_token_id == self.image_token_id:
+            return
+        for previous, position in zip(ranges, ranges[1:]):
+            if previous.end == position.offset:
+                raise ParameterError(f"The prompt holds two images' tokens side by side at {position.offset}; this "
+                                     f"model's images must be apart, as its processor writes them (one "
+                                     f"<start_of_image> per image).", field)
 
     def _process_images(self, images: list[Any]) -> tuple[np.ndarray, int]:
         """The images' pixel_values (one row each) and how many tokens one image takes, by
@@ -166,16 +207,47 @@ class MultiModalProcessor:
         return pixel_values, per_image
 
     def _expanded(self, token_ids: list[int], per_image: int) -> tuple[list[int], list[PlaceholderRange]]:
-        """The ids with each placeholder token repeated per_image times, and where each image went."""
+        """The ids with each placeholder token replaced by an image's ids, and where each
+        image's tokens went."""
+        image_ids, lead = self._image_ids(per_image)
         expanded_ids: list[int] = []
         ranges: list[PlaceholderRange] = []
         for token in token_ids:
-            if token == self.image_token_id:
-                ranges.append(PlaceholderRange(len(expanded_ids), per_image))
-                expanded_ids.extend([token] * per_image)
+            if token == self.placeholder_token_id:
+                ranges.append(PlaceholderRange(len(expanded_ids) + lead, per_image))
+                expanded_ids.extend(image_ids)
             else:
                 expanded_ids.append(token)
         return expanded_ids, ranges
+
+    def _expanded_as_text(self, token_ids: list[int]) -> list[int] | None:
+        """Gemma 3's token prompt expanded as its processor expands text: the ids' text with
+        each placeholder replaced by full_image_sequence, tokenized again, where the ids are
+        what their text tokenizes to (a chat prompt's are), so that the newlines around each
+        image tokenize with their neighbours as in Hugging Face's; None for LLaVA, or ids that
+        are not their text's tokens (expanded token by token then, as vLLM does)."""
+        full_image_sequence = getattr(self.hf_processor, "full_image_sequence", None)
+        if full_image_sequence is None:
+            return None
+        tokenizer = self.hf_processor.tokenizer
+        text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if tokenizer.encode(text, add_special_tokens=False) != token_ids:
+            return None
+        placeholder = tokenizer.convert_ids_to_tokens(self.placeholder_token_id)
+        return tokenizer.encode(text.replace(placeholder, full_image_sequence), add_special_tokens=False)
+
+    def _image_ids(self, per_image: int) -> tuple[list[int], int]:
+        """The ids one placeholder token becomes, and where the image's tokens start in them:
+        LLaVA's image token per_image times; Gemma 3's full_image_sequence tokenized alone, as
+        vLLM replaces token prompts' placeholders (a text prompt expands in its text, `process`)."""
+        if self.placeholder_token_id == self.image_token_id:
+            return [self.image_token_id] * per_image, 0
+        tokenizer = self.hf_processor.tokenizer
+        image_ids = tokenizer.encode(self.hf_processor.full_image_sequence, add_special_tokens=False)
+        lead = image_ids.index(self.image_token_id)
+        assert image_ids[lead:lead + per_image] == [self.image_token_id] * per_image == [
+            t for t in image_ids if t == self.image_token_id], "full_image_sequence holds one run of image tokens"
+        return image_ids, lead
 
     def _expanded_ranges(self, token_ids: list[int], per_image: int, num_images: int) -> list[PlaceholderRange]:
         """Where each image's tokens sit in ids that hold them already expanded: every run of
@@ -235,6 +307,7 @@ class MultiModalProcessor:
                 raise ParameterError(f"mm_features places an image at {position}, which is not a run of image "
                                      f"placeholder tokens of the prompt after the previous image.", "mm_features")
             end = position.end
+        self._check_apart([feature.mm_position for feature in features], "mm_features")
         if sum(f.mm_position.length for f in features) != list(prompt_token_ids).count(self.image_token_id):
             raise ParameterError("The prompt holds image placeholder tokens that no image of mm_features fills.",
                                  "mm_features")
@@ -268,6 +341,9 @@ def image_feature_size(hf_config: Any) -> int | None:
     """How many embeddings a LLaVA-style vision tower makes of one image: a CLIP patch grid of
     (image_size / patch_size)^2, with the CLS embedding under the "full" feature strategy
     (`models/llava.py`); None for a config that does not say."""
+    mm_tokens_per_image = getattr(hf_config, "mm_tokens_per_image", None)
+    if isinstance(mm_tokens_per_image, int):
+        return mm_tokens_per_image  # Gemma 3: the patch grid average-pooled to this many
     vision_config = getattr(hf_config, "vision_config", None)
     image_size = getattr(vision_config, "image_size", None)
     patch_size = getattr(vision_config, "patch_size", None)
