@@ -353,15 +353,20 @@ def test_an_overloaded_best_replica_is_bypassed(served):
 def test_metrics_show_decisions_and_each_replicas_reported_counters(served):
     url = served
     _complete(url, _prefix(30) + [1])
-    time.sleep(1.0)  # a report period or three
-    text = httpx.get(url + "/metrics", timeout=30).text
+    reports = {replica: float(r["prefix_cache_hits"]) for replica, r in _reports().items()}
+
+    def router_view() -> tuple[str, dict[str, float]]:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return text, {replica: float(value) for replica, value in
+                      re.findall(r'raylm:router_replica_prefix_cache_hits_total\{replica="(\w+)"\} (\S+)', text)}
+
+    # The router's view becomes what the replicas say (no request runs after the one above)
+    # at their next report: a period (0.3 s here) after the request, or later on a loaded
+    # machine, where Serve's poll of the replicas waits for a core too.
+    text, reported = _wait_for(lambda: (view := router_view())[1] == reports and view,
+                               "the router to show the replicas' counters")
     assert "raylm:prefix_cache_hits_total" in text  # an engine replica's own metrics come first
-    reported = {replica: float(value) for replica, value in
-                re.findall(r'raylm:router_replica_prefix_cache_hits_total\{replica="(\w+)"\} (\S+)', text)}
-    reports = _reports()
-    assert set(reported) == set(reports)
-    # The router's view equals what the replicas say (no request ran since the last report).
-    assert reported == {replica: float(r["prefix_cache_hits"]) for replica, r in reports.items()}
+    assert set(reported) == set(reports) and reports
     assert sum(_decisions(url).values()) > 0
 
 

@@ -115,9 +115,19 @@ def finish_request(held: tuple[http.client.HTTPConnection, bytes]) -> tuple[int,
     return response.status, response.read()
 
 
+def wait_until_both_are_in_flight(base_url: str) -> None:
+    """Returns once the server refuses a cheap request (GET /v1/models counts as one in
+    flight): the held requests count from when the server has read their headers, which on
+    a loaded machine can take longer than a fixed wait. Within 3 s: their bodies have 4."""
+    deadline = time.monotonic() + 3.0
+    while httpx.get(base_url + "/v1/models", headers=AUTH, timeout=30).status_code != 429:
+        assert time.monotonic() < deadline, "the two held requests were not both in flight within 3 s"
+        time.sleep(0.05)
+
+
 def test_past_max_concurrent_requests_a_request_gets_429_at_once_and_later_ones_succeed(guarded):
     held = [held_request(guarded, COMPLETION) for _ in range(2)]
-    time.sleep(0.5)  # both admitted: the server waits for their bodies
+    wait_until_both_are_in_flight(guarded)  # the server waits for their bodies
     start = time.monotonic()
     refused = httpx.post(guarded + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)
     assert time.monotonic() - start < 1.0
@@ -137,7 +147,7 @@ def test_a_body_that_stops_arriving_gets_408_and_frees_its_place(guarded):
     # flight for as long as they liked: all other requests were 429s (90 s in the red-team
     # run, until the clients let go).
     held = [held_request(guarded, COMPLETION) for _ in range(2)]
-    time.sleep(0.5)
+    wait_until_both_are_in_flight(guarded)
     assert_error(httpx.post(guarded + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=30), 429,
                  "RateLimitError")
     start = time.monotonic()
