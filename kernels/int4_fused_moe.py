@@ -9,34 +9,75 @@ up's outputs are fused along `out` (w13), as the unquantized experts' rows are.
 
 An element dequantizes to `(code - zero) * scale` of its input row's group and its output
 column, computed in fp32 and rounded to the activations' dtype once: what the dense layers
-compute (`int4_linear.dequantize`).
+compute (`int4_linear.dequantize`). Without act order the groups are runs of `group_size`
+rows, so zeros and scales broadcast over each run; under desc_act each row's are gathered.
+GPTQ's codes are unpacked straight into the [out, in] layout the kernels take (the packed
+tensor, an eighth of the codes' bytes at 4 bits, is the one transposed).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from raylm.kernels.int4_linear import unpack_columns, unpack_rows
+from raylm.kernels.int4_linear import AWQ_PACK_ORDER
+
+
+@functools.cache
+def _column_shifts(bits: int, awq: bool, device: torch.device) -> torch.Tensor:
+    """The shift of each of an int32's columns: code k holds column k, or AWQ_PACK_ORDER[k]."""
+    positions = [AWQ_PACK_ORDER.index(column) for column in range(8)] if awq else list(range(32 // bits))
+    return torch.tensor(positions, dtype=torch.int32, device=device) * bits
+
+
+def _unpack_last(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
+    """[..., c] int32 -> [..., c * pack] codes, element j of each int32's run from its code."""
+    codes = (packed.unsqueeze(-1) >> _column_shifts(bits, awq, packed.device)).bitwise_and_((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)
 
 
 def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-                            experts: torch.Tensor, bits: int, awq: bool, zero_offset: int,
-                            dtype: torch.dtype) -> torch.Tensor:
+                            experts: torch.Tensor, bits: int, awq: bool, zero_offset: int, dtype: torch.dtype,
+                            group_size: int | None = None) -> torch.Tensor:
     """Local experts `experts` (int64) of one stacked projection as [n, out, in] in `dtype`
-    (the fused-experts kernels' w13 / w2 layout). `g_idx` [E, in] int64; `zero_offset` is
-    added to the stored zeros (1 for GPTQ's v1 format)."""
-    n = experts.numel()
-    packed = qweight[experts]
-    # Rows of the packed tensors are independent: unpack the experts' rows as one 2-D tensor.
-    if awq:
-        codes = unpack_columns(packed.reshape(-1, packed.shape[-1]), bits, awq_order=True).reshape(n, packed.shape[1], -1)
+    (the fused-experts kernels' w13 / w2 layout). `g_idx` [E, in] int64 gives each input row's
+    group; `group_size` (None under desc_act) says they are runs of that many rows, in order.
+    `zero_offset` is added to the stored zeros (1 for GPTQ's v1 format)."""
+    n, out_features = experts.numel(), scales.shape[-1]
+    zeros = _unpack_last(qzeros[experts], bits, awq)[..., :out_features] + zero_offset  # [n, G, out]
+    group_scales = scales[experts].float()
+    if awq:  # [n, in, out]
+        codes = _unpack_last(qweight[experts], bits, awq=True)
+        layout_out_last = True
+    else:  # the packed rows transposed, then unpacked along the input: [n, out, in]
+        codes = _unpack_last(qweight[experts].transpose(1, 2).contiguous(), bits, awq=False)
+        zeros, group_scales = zeros.transpose(1, 2), group_scales.transpose(1, 2)  # [n, out, G]
+        layout_out_last = False
+    in_features = codes.shape[1] if layout_out_last else codes.shape[2]
+    if group_size is not None:
+        # Runs of group_size rows: each group's zero and scale broadcast over its run.
+        groups = -(-in_features // group_size)
+        if groups * group_size != in_features:  # a last partial group: pad, compute, cut
+            group_size = None
+    if group_size is not None:
+        if layout_out_last:
+            values = codes.view(n, groups, group_size, out_features).float()
+            values.sub_(zeros.unsqueeze(2)).mul_(group_scales.unsqueeze(2))
+            weight = values.view(n, in_features, out_features)
+        else:
+            values = codes.view(n, out_features, groups, group_size).float()
+            values.sub_(zeros.unsqueeze(-1)).mul_(group_scales.unsqueeze(-1))
+            weight = values.view(n, out_features, in_features)
     else:
-        codes = unpack_rows(packed.reshape(-1, packed.shape[-1]), bits).reshape(n, -1, packed.shape[-1])
-    zeros = qzeros[experts]
-    zeros = unpack_columns(zeros.reshape(-1, zeros.shape[-1]), bits, awq_order=awq).reshape(n, zeros.shape[1], -1)
-    out_features = scales.shape[-1]
-    # Each input row's group's zero and scale (g_idx may be any order under desc_act).
-    rows = g_idx[experts].unsqueeze(-1).expand(-1, -1, out_features)
-    zero_of_row = zeros[..., :out_features].gather(1, rows) + zero_offset
-    weight = (codes - zero_of_row).float().mul_(scales[experts].float().gather(1, rows))
-    return weight.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+        rows = g_idx[experts]  # [n, in]: any order under desc_act
+        if layout_out_last:
+            index = rows.unsqueeze(-1).expand(-1, -1, out_features)
+            weight = codes.float().sub_(zeros.gather(1, index)).mul_(group_scales.gather(1, index))
+        else:
+            index = rows.unsqueeze(1).expand(-1, out_features, -1)
+            weight = codes.float().sub_(zeros.gather(2, index)).mul_(group_scales.gather(2, index))
+    if layout_out_last:
+        weight = weight.transpose(1, 2)
+    return weight.to(dtype, memory_format=torch.contiguous_format)
+

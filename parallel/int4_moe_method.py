@@ -142,10 +142,15 @@ class Int4MoEMethod(DequantizedMoEMethod):
     def dequantize_chunk(self, layer: FusedMoEWeights, experts: torch.Tensor, dtype: torch.dtype
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         scheme = self.scheme
-        return tuple(dequantize_int4_experts(getattr(layer, f"{p}_qweight"), getattr(layer, f"{p}_qzeros"),
-                                             getattr(layer, f"{p}_scales"), getattr(layer, f"{p}_g_idx_runtime"),
-                                             experts, scheme.bits, self.awq, scheme.zero_offset, dtype)
-                     for p in ("w13", "w2"))
+        chunk = []
+        for projection, in_features in (("w13", layer.hidden_size), ("w2", layer.intermediate_size_per_partition)):
+            # Runs of group_size rows in order (one run with group_size -1), unless act order.
+            group_size = None if scheme.desc_act else in_features if scheme.group_size == -1 else scheme.group_size
+            chunk.append(dequantize_int4_experts(
+                getattr(layer, f"{projection}_qweight"), getattr(layer, f"{projection}_qzeros"),
+                getattr(layer, f"{projection}_scales"), getattr(layer, f"{projection}_g_idx_runtime"), experts,
+                scheme.bits, self.awq, scheme.zero_offset, dtype, group_size))
+        return chunk[0], chunk[1]
 
     # ------------------------------------------------------------ loading
     def _loader(self, layer: FusedMoEWeights, prefix: str, kind: str):
