@@ -37,13 +37,13 @@ def _unpack_last(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], -1)
 
 
-def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-                            experts: torch.Tensor, bits: int, awq: bool, zero_offset: int, dtype: torch.dtype,
-                            group_size: int | None = None) -> torch.Tensor:
+def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                            g_idx: torch.Tensor | None, experts: torch.Tensor, bits: int, awq: bool, zero_offset: int,
+                            dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
     """Local experts `experts` (int64) of one stacked projection as [n, out, in] in `dtype`
-    (the fused-experts kernels' w13 / w2 layout). `g_idx` [E, in] int64 gives each input row's
-    group; `group_size` (None under desc_act) says they are runs of that many rows, in order.
-    `zero_offset` is added to the stored zeros (1 for GPTQ's v1 format)."""
+    (the fused-experts kernels' w13 / w2 layout). Each input row's group: `g_idx` [E, in]
+    (under desc_act; `group_size` None), else row // `group_size`. `zero_offset` is added to
+    the stored zeros (1 for GPTQ's v1 format)."""
     n, out_features = experts.numel(), scales.shape[-1]
     zeros = _unpack_last(qzeros[experts], bits, awq)[..., :out_features] + zero_offset  # [n, G, out]
     group_scales = scales[experts].float()
@@ -55,12 +55,12 @@ def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales:
         zeros, group_scales = zeros.transpose(1, 2), group_scales.transpose(1, 2)  # [n, out, G]
         layout_out_last = False
     in_features = codes.shape[1] if layout_out_last else codes.shape[2]
+    if group_size is not None and in_features % group_size:  # a last partial group: gathered
+        g_idx = (torch.arange(in_features, device=codes.device) // group_size).expand(qweight.shape[0], -1)
+        group_size = None
     if group_size is not None:
         # Runs of group_size rows: each group's zero and scale broadcast over its run.
-        groups = -(-in_features // group_size)
-        if groups * group_size != in_features:  # a last partial group: pad, compute, cut
-            group_size = None
-    if group_size is not None:
+        groups = in_features // group_size
         if layout_out_last:
             values = codes.view(n, groups, group_size, out_features).float()
             values.sub_(zeros.unsqueeze(2)).mul_(group_scales.unsqueeze(2))
@@ -70,7 +70,7 @@ def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales:
             values.sub_(zeros.unsqueeze(-1)).mul_(group_scales.unsqueeze(-1))
             weight = values.view(n, out_features, in_features)
     else:
-        rows = g_idx[experts]  # [n, in]: any order under desc_act
+        rows = g_idx[experts].long()  # [n, in]: any order under desc_act
         if layout_out_last:
             index = rows.unsqueeze(-1).expand(-1, -1, out_features)
             weight = codes.float().sub_(zeros.gather(1, index)).mul_(group_scales.gather(1, index))

@@ -120,22 +120,16 @@ class Int4MoEMethod(DequantizedMoEMethod):
         layer.quant_method = self
 
     def process_weights_after_loading(self, layer: FusedMoEWeights) -> None:
-        """Each local input row's group ([E, in] int64): g_idx under desc_act (checked to name a
-        group), else row // group_size, as vLLM reads them. Scales must be finite: a NaN or an
-        infinity would make the expert's output garbage without a word."""
+        """Checks the scales (finite: a NaN or an infinity would make the expert's output
+        garbage without a word) and, under desc_act, that every g_idx names a group; without
+        desc_act g_idx is not read (groups are runs of group_size rows, as vLLM reads them)."""
         for projection in ("w13", "w2"):
             scales = getattr(layer, f"{projection}_scales").detach()
             _check_finite(layer, projection, scales)
-            groups, in_features = scales.shape[1], (layer.hidden_size if projection == "w13"
-                                                   else layer.intermediate_size_per_partition)
+            runtime = None
             if self.scheme.desc_act:
-                g_idx = getattr(layer, f"{projection}_g_idx").detach()
-                _check_g_idx(layer, projection, g_idx, groups)
-                runtime = g_idx.long()
-            else:
-                full_in = layer.hidden_size if projection == "w13" else layer.intermediate_size
-                rows = torch.arange(in_features, device=scales.device) // self._group_size(full_in)
-                runtime = rows.expand(layer.num_local_experts, -1).contiguous()
+                runtime = getattr(layer, f"{projection}_g_idx").detach()
+                _check_g_idx(layer, projection, runtime, scales.shape[1])
             setattr(layer, f"{projection}_g_idx_runtime", runtime)
         self.reset_chunks(layer)
 

@@ -56,6 +56,19 @@ def sparse_blocks(llm: LLM) -> list:
     return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
 
 
+def assert_about_a_quarter_of_bf16_bytes(experts: FusedMoE) -> None:
+    # 4-bit codes are a quarter of bf16's bytes (E * 3 * H * I * 2, by hand); zeros, fp32
+    # scales of groups of 128 and g_idx add under 3% (hidden and moe intermediate size 256).
+    def size(name: str) -> int:
+        tensor = getattr(experts, name)
+        return tensor.numel() * tensor.element_size()
+
+    bf16_bytes = experts.num_experts * 3 * experts.hidden_size * experts.intermediate_size * 2
+    assert (size("w13_qweight") + size("w2_qweight")) * 4 == bf16_bytes
+    total = sum(size(f"{p}_{kind}") for p in ("w13", "w2") for kind in ("qweight", "qzeros", "scales", "g_idx"))
+    assert 0.25 < total / bf16_bytes < 0.28
+
+
 # ------------------------------------------------------------------ against HF
 def test_mixtral_gptq_experts_match_hf_on_the_dequantized_weights_not_the_original_ones(tmp_path, sources):
     quantized, reference, tensors = checkpoint(tmp_path, sources["mixtral"], "gptq")  # 4-bit, group 32, v1
@@ -88,31 +101,11 @@ def test_int4_moe_checkpoint_matches_hf(tmp_path, sources, arch, method, options
         assert not torch.equal(g_idx, torch.sort(g_idx).values)
         assert not torch.equal(g_idx, tensors["model.layers.0.mlp.experts.2.up_proj.g_idx"])
         assert torch.equal(block.experts.w13_g_idx[3], g_idx)
+        assert_about_a_quarter_of_bf16_bytes(block.experts)
     if arch == "qwen2_moe":  # the shared expert takes the dense path, its gate stays fp32
         assert block.shared_expert.gate_up_proj.qweight.dtype == torch.int32
         assert block.shared_expert_gate.weight.dtype == torch.float32
     llm.shutdown()
-
-
-def test_int4_experts_take_about_a_quarter_of_the_bytes_of_bf16_ones(tmp_path, sources):
-    # 4-bit codes are a quarter of bf16's bytes; zeros, fp32 scales of groups of 128 and
-    # g_idx add under 3% (hidden and moe intermediate size 256).
-    quantized, _, _ = checkpoint(tmp_path, sources["qwen3_moe_256"], "gptq", group_size=128)
-
-    def expert_bytes(llm: LLM, names: tuple[str, ...]) -> int:
-        return sum(getattr(block.experts, name).numel() * getattr(block.experts, name).element_size()
-                   for block in sparse_blocks(llm) for name in names)
-
-    plain = LLM(model=str(sources["qwen3_moe_256"]), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=16)
-    plain_bytes = expert_bytes(plain, ("w13_weight", "w2_weight"))
-    plain.shutdown()
-    gptq = LLM(model=str(quantized), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=16)
-    codes = expert_bytes(gptq, ("w13_qweight", "w2_qweight"))
-    total = expert_bytes(gptq, tuple(f"{p}_{kind}" for p in ("w13", "w2")
-                                     for kind in ("qweight", "qzeros", "scales", "g_idx")))
-    gptq.shutdown()
-    assert codes * 4 == plain_bytes
-    assert 0.25 < total / plain_bytes < 0.28
 
 
 def test_int4_moe_over_two_tensor_parallel_ray_workers_matches_hf(request, tmp_path, sources):
