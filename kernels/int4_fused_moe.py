@@ -18,6 +18,7 @@ tensor, an eighth of the codes' bytes at 4 bits, is the one transposed).
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -32,7 +33,17 @@ def _column_shifts(bits: int, awq: bool, device: torch.device) -> torch.Tensor:
 
 
 def _unpack_last(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
-    """[..., c] int32 -> [..., c * pack] codes, element j of each int32's run from its code."""
+    """[..., c] int32 (contiguous) -> [..., c * pack] codes, element j of each int32's run
+    from its code."""
+    if not awq and packed.device.type == "cpu":
+        # Code k sits in bits [k * bits, (k + 1) * bits), so on a little-endian CPU byte j of
+        # an int32 is code j (8 bits), or codes 2j and 2j + 1 (4 bits): byte ops read a
+        # quarter of the int32 shifts' bytes (~1.5x faster on a 2-core AVX2 EPYC).
+        if bits == 8 and sys.byteorder == "little":
+            return packed.view(torch.uint8)
+        if bits == 4 and sys.byteorder == "little":
+            byte = packed.view(torch.uint8)
+            return torch.stack([byte & 15, byte >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
     codes = (packed.unsqueeze(-1) >> _column_shifts(bits, awq, packed.device)).bitwise_and_((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1)
 
@@ -45,7 +56,7 @@ def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     (under desc_act; `group_size` None), else row // `group_size`. `zero_offset` is added to
     the stored zeros (1 for GPTQ's v1 format)."""
     n, out_features = experts.numel(), scales.shape[-1]
-    zeros = _unpack_last(qzeros[experts], bits, awq)[..., :out_features] + zero_offset  # [n, G, out]
+    zeros = _unpack_last(qzeros[experts], bits, awq)[..., :out_features].float() + zero_offset  # [n, G, out]
     group_scales = scales[experts].float()
     if awq:  # [n, in, out]
         codes = _unpack_last(qweight[experts], bits, awq=True)

@@ -79,8 +79,8 @@ class Int4MoEMethod(DequantizedMoEMethod):
         size = layer.intermediate_size_per_partition if local else layer.intermediate_size
         if shard == "w2":
             in_features, out_features = size, hidden
-            full_in = layer.intermediate_size
-            groups = -(-(full_in if self._w2_scales_whole(layer) or not local else size) // self._group_size(full_in))
+            grouped = layer.intermediate_size if not local or self._w2_scales_whole(layer) else size
+            groups = -(-grouped // self._group_size(layer.intermediate_size))
         else:
             in_features, out_features = hidden, size
             groups = -(-hidden // self._group_size(hidden))
