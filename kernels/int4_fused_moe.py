@@ -11,8 +11,8 @@ An element dequantizes to `(code - zero) * scale` of its input row's group and i
 column, computed in fp32 and rounded to the activations' dtype once: what the dense layers
 compute (`int4_linear.dequantize`). Without act order the groups are runs of `group_size`
 rows, so zeros and scales broadcast over each run; under desc_act each row's are gathered.
-GPTQ's codes are unpacked straight into the [out, in] layout the kernels take (the packed
-tensor, an eighth of the codes' bytes at 4 bits, is the one transposed).
+The codes are brought into the [out, in] layout the kernels take while they are small (GPTQ's
+packed tensor, AWQ's codes as bytes), so every fp32 pass runs over contiguous memory.
 """
 
 from __future__ import annotations
@@ -26,25 +26,30 @@ from raylm.kernels.int4_linear import AWQ_PACK_ORDER
 
 
 @functools.cache
-def _column_shifts(bits: int, awq: bool, device: torch.device) -> torch.Tensor:
-    """The shift of each of an int32's columns: code k holds column k, or AWQ_PACK_ORDER[k]."""
+def _column_positions(bits: int, awq: bool, device: torch.device) -> torch.Tensor:
+    """The code position of each of an int32's columns: k for column k, or, in AWQ's order,
+    the k with AWQ_PACK_ORDER[k] == column."""
     positions = [AWQ_PACK_ORDER.index(column) for column in range(8)] if awq else list(range(32 // bits))
-    return torch.tensor(positions, dtype=torch.int32, device=device) * bits
+    return torch.tensor(positions, dtype=torch.int32, device=device)
 
 
 def _unpack_last(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
-    """[..., c] int32 (contiguous) -> [..., c * pack] codes, element j of each int32's run
+    """[..., c] int32 (contiguous) -> [..., c * pack] codes, column j of each int32's run
     from its code."""
-    if not awq and packed.device.type == "cpu":
+    if packed.device.type == "cpu" and sys.byteorder == "little" and not (awq and bits != 4):
         # Code k sits in bits [k * bits, (k + 1) * bits), so on a little-endian CPU byte j of
         # an int32 is code j (8 bits), or codes 2j and 2j + 1 (4 bits): byte ops read a
-        # quarter of the int32 shifts' bytes (~1.5x faster on a 2-core AVX2 EPYC).
-        if bits == 8 and sys.byteorder == "little":
-            return packed.view(torch.uint8)
-        if bits == 4 and sys.byteorder == "little":
-            byte = packed.view(torch.uint8)
-            return torch.stack([byte & 15, byte >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
-    codes = (packed.unsqueeze(-1) >> _column_shifts(bits, awq, packed.device)).bitwise_and_((1 << bits) - 1)
+        # quarter of the bytes of int32 shifts.
+        byte = packed.view(torch.uint8)
+        if bits == 8:
+            return byte
+        codes = torch.stack([byte & 15, byte >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+        if awq:  # AWQ's interleaved columns back in order: a pass over bytes, not floats
+            codes = codes.view(*packed.shape, 8).index_select(-1, _column_positions(4, True, packed.device).long())
+            codes = codes.reshape(*packed.shape[:-1], -1)
+        return codes
+    shifts = _column_positions(bits, awq, packed.device) * bits
+    codes = (packed.unsqueeze(-1) >> shifts).bitwise_and_((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1)
 
 
@@ -56,39 +61,21 @@ def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     (under desc_act; `group_size` None), else row // `group_size`. `zero_offset` is added to
     the stored zeros (1 for GPTQ's v1 format)."""
     n, out_features = experts.numel(), scales.shape[-1]
-    zeros = _unpack_last(qzeros[experts], bits, awq)[..., :out_features].float() + zero_offset  # [n, G, out]
-    group_scales = scales[experts].float()
-    if awq:  # [n, in, out]
-        codes = _unpack_last(qweight[experts], bits, awq=True)
-        layout_out_last = True
-    else:  # the packed rows transposed, then unpacked along the input: [n, out, in]
+    if awq:  # codes [n, in, out], transposed as bytes
+        codes = _unpack_last(qweight[experts], bits, awq=True).transpose(1, 2).contiguous()
+    else:  # the packed rows transposed, then unpacked along the input
         codes = _unpack_last(qweight[experts].transpose(1, 2).contiguous(), bits, awq=False)
-        zeros, group_scales = zeros.transpose(1, 2), group_scales.transpose(1, 2)  # [n, out, G]
-        layout_out_last = False
-    in_features = codes.shape[1] if layout_out_last else codes.shape[2]
+    in_features = codes.shape[2]  # codes: [n, out, in]
+    zeros = _unpack_last(qzeros[experts], bits, awq)[..., :out_features].float().add_(zero_offset)
+    zeros, group_scales = zeros.transpose(1, 2), scales[experts].float().transpose(1, 2)  # [n, out, G]
     if group_size is not None and in_features % group_size:  # a last partial group: gathered
         g_idx = (torch.arange(in_features, device=codes.device) // group_size).expand(qweight.shape[0], -1)
         group_size = None
     if group_size is not None:
         # Runs of group_size rows: each group's zero and scale broadcast over its run.
-        groups = in_features // group_size
-        if layout_out_last:
-            values = codes.view(n, groups, group_size, out_features).float()
-            values.sub_(zeros.unsqueeze(2)).mul_(group_scales.unsqueeze(2))
-            weight = values.view(n, in_features, out_features)
-        else:
-            values = codes.view(n, out_features, groups, group_size).float()
-            values.sub_(zeros.unsqueeze(-1)).mul_(group_scales.unsqueeze(-1))
-            weight = values.view(n, out_features, in_features)
+        values = codes.view(n, out_features, in_features // group_size, group_size).float()
+        weight = values.sub_(zeros.unsqueeze(-1)).mul_(group_scales.unsqueeze(-1)).view(n, out_features, in_features)
     else:
-        rows = g_idx[experts].long()  # [n, in]: any order under desc_act
-        if layout_out_last:
-            index = rows.unsqueeze(-1).expand(-1, -1, out_features)
-            weight = codes.float().sub_(zeros.gather(1, index)).mul_(group_scales.gather(1, index))
-        else:
-            index = rows.unsqueeze(1).expand(-1, out_features, -1)
-            weight = codes.float().sub_(zeros.gather(2, index)).mul_(group_scales.gather(2, index))
-    if layout_out_last:
-        weight = weight.transpose(1, 2)
-    return weight.to(dtype, memory_format=torch.contiguous_format)
-
+        index = g_idx[experts].long().unsqueeze(1).expand(-1, out_features, -1)  # any order under desc_act
+        weight = codes.float().sub_(zeros.gather(2, index)).mul_(group_scales.gather(2, index))
+    return weight.to(dtype)

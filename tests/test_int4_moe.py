@@ -248,3 +248,13 @@ def test_expert_checkpoint_tensor_error_names_the_tensor(tmp_path, sources):
     with pytest.raises(ValueError, match=rf"'{name}'.*expert 4 down_proj \(w2\) qzeros has shape \(3, 4\); .*"
                                          r"expects \(3, 8\)"):
         LLM(model=str(quantized), **ENGINE)
+
+
+@pytest.mark.parametrize("bits,awq", [(4, False), (8, False), (4, True)], ids=["gptq-4-bit", "gptq-8-bit", "awq"])
+def test_byte_unpacking_gives_the_codes_of_the_int32_shifts_that_cuda_runs(monkeypatch, bits, awq):
+    from raylm.kernels import int4_fused_moe
+
+    packed = torch.randint(-2**31, 2**31 - 1, (3, 5, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(4))
+    by_bytes = int4_fused_moe._unpack_last(packed, bits, awq).long()
+    monkeypatch.setattr(int4_fused_moe.sys, "byteorder", "big")  # the path of CUDA and big-endian CPUs
+    assert torch.equal(by_bytes, int4_fused_moe._unpack_last(packed, bits, awq).long())
