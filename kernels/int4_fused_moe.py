@@ -75,7 +75,10 @@ def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales:
         # Runs of group_size rows: each group's zero and scale broadcast over its run.
         values = codes.view(n, out_features, in_features // group_size, group_size).float()
         weight = values.sub_(zeros.unsqueeze(-1)).mul_(group_scales.unsqueeze(-1)).view(n, out_features, in_features)
-    else:
-        index = g_idx[experts].long().unsqueeze(1).expand(-1, out_features, -1)  # any order under desc_act
-        weight = codes.float().sub_(zeros.gather(2, index)).mul_(group_scales.gather(2, index))
+    else:  # each row's group, in any order under desc_act: one expert at a time (index_select
+        # over a row index, not a gather over an index of every element)
+        rows = g_idx[experts].long()
+        weight = codes.float()
+        for i in range(n):
+            weight[i].sub_(zeros[i].index_select(1, rows[i])).mul_(group_scales[i].index_select(1, rows[i]))
     return weight.to(dtype)
