@@ -21,10 +21,10 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
 vLLM). MoE experts take every source above: FP8 (`parallel/fp8_moe_method.py`), GPTQ and
 AWQ (`parallel/int4_moe_method.py`); their routers stay unquantized. Anything else (other
-int4/int8 methods, FP8, GPTQ or AWQ checkpoints of gpt-oss) is an error naming what is supported, raised from the config alone, before any
-weight is read. gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`) are read by its model
-class, which dequantizes them at load (`models/mxfp4.py`): no linear layer is quantized here
-for them.
+int4/int8 methods, FP8, GPTQ or AWQ checkpoints of gpt-oss) is an error naming what is
+supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
+(`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
+(`models/mxfp4.py`): no linear layer is quantized here for them.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ _SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit chec
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
               "activations dynamic per token, static per tensor, or none)); GPTQ (quant_method 'gptq': bits 4 or "
               "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
-              "4-bit, version 'gemm', zero_point) checkpoints, of dense and MoE models; and gpt-oss's MXFP4 experts (quant_method 'mxfp4', "
-              f"{', '.join(MXFP4_ARCHITECTURES)} only)")
+              "4-bit, version 'gemm', zero_point) checkpoints, of dense and MoE models; and gpt-oss's MXFP4 experts "
+              f"(quant_method 'mxfp4', {', '.join(MXFP4_ARCHITECTURES)} only)")
 
 
 class QuantizationConfig:
