@@ -14,6 +14,11 @@ no trimming below 1 GiB of free heap. The process keeps its peak working set, as
 with tcmalloc (which vLLM's CPU backend preloads). Skipped where the user has chosen
 (MALLOC_* variables, an allocator in LD_PRELOAD, RAYLM_CPU_MALLOC_TUNING=0) and where the C
 library is not glibc.
+
+Loading is not a step: its temporaries (checkpoint tensors read, the CPU kernels' repacking,
+a GPTQ/AWQ layer's loaded tensors freed once repacked) are freed when it ends, and
+`release_freed_memory` gives their pages back then (on a ~100M GPTQ Llama, 168 of the
+603 MiB resident after loading); the steps' working set then faults in once, as before.
 """
 
 from __future__ import annotations
@@ -65,3 +70,17 @@ def keep_freed_memory() -> bool:
     if not _tuned:
         logger.warning("glibc refused the malloc settings for CPU inference; steps may page-fault their activations.")
     return _tuned
+
+
+def release_freed_memory() -> bool:
+    """Gives the heap's free pages back to the system (glibc's `malloc_trim`), after loading
+    weights; True where it released any. A no-op where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    return malloc_trim(0) == 1

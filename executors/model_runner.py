@@ -22,6 +22,7 @@ from raylm.engine.sampling_params import SamplingParams
 from raylm.engine.step import (PLACEHOLDER_TOKEN_ID, ExecuteModelRequest, SampledToken, SamplerOutput,
                                ScheduledRequest, TokenLogprobs)
 from raylm.executors import prompt_logprobs
+from raylm.executors.cpu_malloc import release_freed_memory
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.encoder_cache import EncoderCache, profile_num_images
@@ -184,6 +185,8 @@ class ModelRunner:
             self.penalty_state = PenaltyState(self.scheduler_config.max_num_seqs, self.model_config.vocab_size,
                                               self.device)
         self._processed_weight_loads = num_weight_loads(self.model)  # get_model ran the hooks
+        if self.device.type == "cpu":
+            release_freed_memory()  # loading's temporaries are not a step's working set
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -558,6 +561,8 @@ class ModelRunner:
         notices that from the model's weight-load count)."""
         _run_weight_hooks(self.model)
         self._processed_weight_loads = num_weight_loads(self.model)
+        if self.device.type == "cpu":
+            release_freed_memory()
 
     # ---- one step ----------------------------------------------------------------------
 

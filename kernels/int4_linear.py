@@ -78,6 +78,25 @@ def unpack_columns(packed: torch.Tensor, bits: int, awq_order: bool = False) -> 
     return codes.reshape(packed.shape[0], -1)
 
 
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[r * pack_factor, c] codes -> [r, c] int32 (GPTQ's qweight); the inverse of `unpack_rows`."""
+    grouped = codes.to(torch.int32).reshape(-1, pack_factor(bits), codes.shape[1])
+    packed = torch.zeros(grouped.shape[0], codes.shape[1], dtype=torch.int32, device=codes.device)
+    for k in range(pack_factor(bits)):  # int32 shifts wrap: the top code lands in the sign bit, as packed
+        packed |= grouped[:, k] << (bits * k)
+    return packed
+
+
+def pack_columns(codes: torch.Tensor, bits: int, awq_order: bool = False) -> torch.Tensor:
+    """[r, c * pack_factor] codes -> [r, c] int32; the inverse of `unpack_columns` (with
+    `awq_order`, code k of an int32 holds column AWQ_PACK_ORDER[k] of its eight)."""
+    grouped = codes.to(torch.int32).reshape(codes.shape[0], -1, pack_factor(bits))
+    packed = torch.zeros(grouped.shape[:2], dtype=torch.int32, device=codes.device)
+    for k in range(pack_factor(bits)):
+        packed |= grouped[:, :, AWQ_PACK_ORDER[k] if awq_order else k] << (bits * k)
+    return packed
+
+
 def dequantize_columns(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                        start: int, end: int, bits: int, awq: bool, zero_offset: int,
                        dtype: torch.dtype) -> torch.Tensor:
@@ -123,6 +142,7 @@ class CpuInt4Weight:
     chunk_groups: torch.Tensor  # [chunks] int32
     source_rows: torch.Tensor | None  # [rows] int64
     bits: int
+    in_features: int
     out_features: int
 
 
@@ -177,12 +197,44 @@ def repack_for_cpu(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
         weight=_by_column_block(words), scales=_by_column_block(scales), zero_scales=_by_column_block(zero_scales),
         chunk_starts=torch.tensor(chunk_starts, dtype=torch.int32),
         chunk_groups=torch.tensor(chunk_groups, dtype=torch.int32), source_rows=source_rows, bits=bits,
-        out_features=out_features)
+        in_features=in_features, out_features=out_features)
+
+
+def unpack_cpu_weight(weight: CpuInt4Weight, awq: bool,
+                      zero_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checkpoint's tensors back from the copy `repack_for_cpu` made of them: (qweight,
+    qzeros, fp32 scales, g_idx: each input row's group), in the GPTQ or AWQ layout. Codes,
+    scales and groups come back exactly; each zero as zero * scale / scale rounded, exact
+    for any finite non-zero scale, and stored 0 where the scale is 0 (a group whose elements
+    are all 0, whatever its zero), the one thing the copy does not keep."""
+    bits, out_features = weight.bits, weight.out_features
+    codes = unpack_rows(_from_column_blocks(weight.weight), bits)[:, :out_features]
+    group_of_row = torch.repeat_interleave(weight.chunk_groups.long(), weight.chunk_starts.diff().long())
+    if weight.source_rows is None:
+        by_input, g_idx = codes, group_of_row
+    else:  # undo the sort by group, dropping the padding rows (source row in_features)
+        real = weight.source_rows < weight.in_features
+        rows = weight.source_rows[real]
+        by_input = codes.new_empty(weight.in_features, out_features)
+        by_input[rows] = codes[real]
+        g_idx = group_of_row.new_empty(weight.in_features)
+        g_idx[rows] = group_of_row[real]
+    scales = _from_column_blocks(weight.scales)[:, :out_features].contiguous()
+    zero_scales = _from_column_blocks(weight.zero_scales)[:, :out_features]
+    zeros = torch.where(scales != 0, torch.round(zero_scales / scales), zero_offset).to(torch.int32) - zero_offset
+    qweight = pack_columns(by_input, bits, awq_order=True) if awq else pack_rows(by_input, bits)
+    qzeros = pack_columns(zeros & ((1 << bits) - 1), bits, awq_order=awq)
+    return qweight, qzeros, scales, g_idx.to(torch.int32)
 
 
 def _by_column_block(t: torch.Tensor) -> torch.Tensor:
     """[rows, blocks * 32] -> [blocks, rows, 32], each block's rows contiguous."""
     return t.reshape(t.shape[0], -1, BLOCK_COLUMNS).transpose(0, 1).contiguous()
+
+
+def _from_column_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[blocks, rows, 32] -> [rows, blocks * 32]; the inverse of `_by_column_block`."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
 
 
 def native_int4_linear(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:
@@ -200,12 +252,13 @@ def apply_int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
     """`F.linear(x, dequantized weight, bias)` in x's dtype: the native kernel over
     `cpu_weight` (the repacked copy, where the layer has one) on the CPU, else dequantizing
     a chunk of output columns at a time and multiplying it while it is in the cache: never
-    the whole weight in 16 bits."""
-    in_features, out_features = g_idx.shape[0], scales.shape[1]
+    the whole weight in 16 bits. With `cpu_weight` on the CPU the other tensors are not read
+    (a layer frees them once it has that copy)."""
     if cpu_weight is not None and x.device.type == "cpu":
-        out = native_int4_linear(x.reshape(-1, in_features), cpu_weight).to(x.dtype)
-        out = out.reshape(*x.shape[:-1], out_features)
+        out = native_int4_linear(x.reshape(-1, cpu_weight.in_features), cpu_weight).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], cpu_weight.out_features)
         return out if bias is None else out + bias
+    in_features, out_features = g_idx.shape[0], scales.shape[1]
     factor = pack_factor(bits)
     chunk = max(factor, _DEQUANT_CHUNK_ELEMENTS // max(1, in_features))
     chunk -= chunk % factor

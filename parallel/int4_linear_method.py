@@ -10,10 +10,14 @@ packed integers (vLLM's quant_methods of those names; layouts in `kernels/int4_l
   `qzeros` by whole groups (an input shard that is not whole groups is an error, as in
   vLLM), `g_idx` by rows. Under desc_act the rank's rows refer to any group, so `scales`
   and `qzeros` stay whole there (as vLLM does); with group_size -1 they are one group, whole.
-The weights stay packed. On the CPU, `process_weights_after_loading` also repacks each layer
-into the native kernel's layout (`kernels/int4_linear.repack_for_cpu`; the loaded tensors stay
-as they are, the targets of later weight loads and the GEMM of larger batches); elsewhere the
-GEMM dequantizes a chunk of output columns at a time.
+The weights stay packed. On the CPU, `process_weights_after_loading` repacks each layer into
+the native kernel's layout (`kernels/int4_linear.repack_for_cpu`) and frees the loaded
+tensors (the parameters stay, empty), so the layer holds its codes once, as vLLM's layers do;
+elsewhere (CUDA, no native kernel) the loaded tensors are kept and the GEMM dequantizes a
+chunk of output columns at a time. A weight load into a layer whose tensors were freed (a
+reload after sleep, an RLHF `load_weights`, of the whole checkpoint or of some tensors) first
+gives them back from the repacked copy (`unpack_cpu_weight`: the checkpoint's bits), and the
+next `process_weights_after_loading` repacks and frees them again.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raylm.kernels.int4_linear import apply_int4_linear, native_int4_linear_usable, pack_factor, repack_for_cpu
+from raylm.kernels.int4_linear import (apply_int4_linear, native_int4_linear_usable, pack_factor, repack_for_cpu,
+                                      unpack_cpu_weight)
 from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, _copy_checked
 
@@ -87,21 +92,49 @@ class Int4LinearMethod:
         make the layer's outputs garbage (or wrap to the last group) without a word. A scale
         of 0 (an fp16 underflow of a tiny group) or below 0 is exact arithmetic and is kept:
         GPTQ and AWQ writers only write positive scales, but (code - zero) * scale holds for any.
+        On the CPU with the native kernel: the repacked copy, and the loaded tensors freed.
         """
         scheme = self.scheme
-        in_columns = layer.weight.shape[1]
+        if _loaded_tensors_freed(layer):
+            return  # nothing loaded since they were repacked: the copy stands
         _check_finite_scales(layer)
         if scheme.desc_act:
             _check_g_idx_range(layer)
-            layer.g_idx_runtime = layer.g_idx.detach().long()
-        else:
-            group_size = in_columns if scheme.group_size == -1 else scheme.group_size
-            layer.g_idx_runtime = torch.arange(in_columns, device=layer.scales.device) // group_size
+        layer.g_idx_runtime = self._group_of_rows(layer)
         layer.cpu_int4_weight = None
         if layer.qweight.device.type == "cpu" and native_int4_linear_usable():
             layer.cpu_int4_weight = repack_for_cpu(layer.qweight.detach(), layer.qzeros.detach(),
                                                    layer.scales.detach(), layer.g_idx_runtime, scheme.bits,
                                                    scheme.method == "awq", scheme.zero_offset)
+            # The kernel reads only its copy: keeping the loaded tensors too would double the
+            # codes' bytes (half of bf16's rather than a quarter).
+            for param in _loaded_parameters(layer):
+                param.data = param.data.new_empty(0)
+            layer.g_idx_runtime = None
+
+    def restore_loaded_tensors(self, layer: LinearBase) -> None:
+        """Gives back the loaded tensors that `process_weights_after_loading` freed, from the
+        repacked copy (which it drops: the next processing makes it again), before a weight
+        load writes some or all of them. A g_idx that is not read (no desc_act) comes back as
+        not loaded (-1), as `create_weights` makes it."""
+        if not _loaded_tensors_freed(layer):
+            return
+        scheme = self.scheme
+        qweight, qzeros, scales, g_idx = unpack_cpu_weight(layer.cpu_int4_weight, scheme.method == "awq",
+                                                           scheme.zero_offset)
+        layer.qweight.data, layer.qzeros.data, layer.scales.data = qweight, qzeros, scales
+        if scheme.method != "awq":
+            layer.g_idx.data = g_idx if scheme.desc_act else torch.full_like(g_idx, -1)
+        layer.g_idx_runtime = self._group_of_rows(layer)
+        layer.cpu_int4_weight = None
+
+    def _group_of_rows(self, layer: LinearBase) -> torch.Tensor:
+        """Each local input row's group (what the chunked GEMM reads as g_idx)."""
+        if self.scheme.desc_act:
+            return layer.g_idx.detach().long()
+        in_columns = layer.weight.shape[1]
+        group_size = in_columns if self.scheme.group_size == -1 else self.scheme.group_size
+        return torch.arange(in_columns, device=layer.scales.device) // group_size
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scheme = self.scheme
@@ -109,12 +142,12 @@ class Int4LinearMethod:
                                  scheme.method == "awq", scheme.zero_offset, bias, layer.cpu_int4_weight)
 
     # ------------------------------------------------------------ loaders
-    @staticmethod
-    def _loader(layer: LinearBase, out_unit: int, in_unit: int | None):
+    def _loader(self, layer: LinearBase, out_unit: int, in_unit: int | None):
         """A loader cutting a column-parallel layer's output columns (in units of `out_unit`
         checkpoint columns per tensor column) or a row-parallel layer's input rows (one tensor
         row per `in_unit` input features; None: whole)."""
         def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+            self.restore_loaded_tensors(layer)
             if isinstance(layer, ColumnParallelLinear):
                 _load_output_columns(layer, param, loaded_weight, shard_id, out_unit)
             elif isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and in_unit is not None:
@@ -125,9 +158,9 @@ class Int4LinearMethod:
                 _copy_checked(param.data, loaded_weight, type(layer).__name__)
         return load
 
-    @staticmethod
-    def _g_idx_loader(layer: LinearBase, prefix: str):
+    def _g_idx_loader(self, layer: LinearBase, prefix: str):
         def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+            self.restore_loaded_tensors(layer)
             if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
                 size = layer.input_size_per_partition
                 loaded_weight = loaded_weight.narrow(0, layer.tp_rank * size, size)
@@ -153,6 +186,16 @@ def _load_output_columns(layer: ColumnParallelLinear, param: torch.Tensor, loade
     name = type(layer).__name__ + ("" if shard_id is None else f" shard {shard_id}")
     _copy_checked(param.data.narrow(last, param_offset // unit, size // unit),
                   loaded.narrow(last, source_start // unit, size // unit), name)
+
+
+def _loaded_parameters(layer: LinearBase) -> list[nn.Parameter]:
+    """The tensors in the checkpoint's layout, which weight loads write."""
+    return [layer.qweight, layer.qzeros, layer.scales] + ([layer.g_idx] if hasattr(layer, "g_idx") else [])
+
+
+def _loaded_tensors_freed(layer: LinearBase) -> bool:
+    """Whether the loaded tensors were freed, the repacked copy standing for them."""
+    return layer.cpu_int4_weight is not None and layer.qweight.numel() == 0
 
 
 def _check_finite_scales(layer: LinearBase) -> None:

@@ -146,3 +146,15 @@ def write_int4_checkpoint(source: Path, quantized: Path, dequantized: Path, meth
         if conf is not None:
             (folder / "config.json").write_text(json.dumps(conf, indent=2))
     return out_tensors
+
+
+def held_tensor_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of every tensor a linear layer holds: its parameters, tensor attributes and the
+    fields of its CPU kernel's repacked copy (`cpu_int4_weight`), each storage counted once."""
+    tensors = [value for value in vars(layer).values() if isinstance(value, torch.Tensor)]
+    tensors += list(layer.parameters())
+    packed = getattr(layer, "cpu_int4_weight", None)
+    if packed is not None:
+        tensors += [value for value in vars(packed).values() if isinstance(value, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
+    return sum(storages.values())

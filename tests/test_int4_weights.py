@@ -13,10 +13,12 @@ import torch
 
 from fp8_checkpoints import write_config_only
 from hf_reference import assert_generation_matches_hf
-from int4_checkpoints import (AWQ_ORDER, awq_config, gptq_config, pack_columns, pack_gptq_rows,
+from int4_checkpoints import (AWQ_ORDER, awq_config, gptq_config, held_tensor_bytes, pack_columns, pack_gptq_rows,
                               write_int4_checkpoint)
 from raylm.engine import LLM, SamplingParams
-from raylm.kernels.int4_linear import apply_int4_linear, dequantize, unpack_columns, unpack_rows
+from raylm.executors.model_runner import ModelRunner
+from raylm.kernels.int4_linear import (apply_int4_linear, dequantize, native_int4_linear_usable, unpack_columns,
+                                       unpack_rows)
 from tiny_models import build_tiny_model, random_prompts
 
 MAX_TOKENS = 6
@@ -97,6 +99,42 @@ def test_gptq_8_bit_and_one_group_checkpoint_matches_hf(tmp_path, source):
 def test_awq_checkpoint_matches_hf(tmp_path, source):
     llm, tensors = run_checkpoint(tmp_path, source, "awq")
     assert tensors["model.layers.0.mlp.down_proj.qweight"].shape == (128, 8)
+    llm.shutdown()
+
+
+@pytest.mark.skipif(not native_int4_linear_usable(), reason="the native int4 kernel is not built here")
+def test_cpu_int4_layers_hold_their_codes_once_and_a_level_2_sleep_and_reload_gives_hf_again(tmp_path, source,
+                                                                                            monkeypatch):
+    # The GPU's sleep path walked on the CPU: level 2 frees the parameters and wakes them as
+    # zeros; reload_weights gives the freed int4 tensors back, then repacks and frees them.
+    monkeypatch.setattr(ModelRunner, "sleep_offload_devices", ("cuda", "cpu"))
+    quantized, reference = tmp_path / "gptq", tmp_path / "dequantized"
+    write_int4_checkpoint(source, quantized, reference, "gptq", desc_act=True)
+    llm = LLM(model=str(quantized), enable_sleep_mode=True, **ENGINE)
+    layers = [module for module in llm.llm_engine.executor.driver_worker.model_runner.model.modules()
+              if hasattr(module, "cpu_int4_weight")]
+    assert len(layers) == 8  # qkv, o, gate_up, down in each of 2 layers
+
+    def assert_codes_held_once() -> None:
+        for layer in layers:
+            out_features, in_features = layer.weight.shape
+            groups = in_features // 32
+            # By hand: the 4-bit codes, fp32 scale and zero * scale per group and output, one
+            # chunk of 32 rows per group (starts and groups, int32), each row's source row
+            # (int64, act order); the loaded qweight (another in * out / 2 bytes) is gone.
+            expected = (in_features * out_features // 2 + 2 * groups * out_features * 4 + (2 * groups + 1) * 4
+                        + in_features * 8)
+            assert held_tensor_bytes(layer) == expected, layer.quant_prefix
+            assert layer.qweight.numel() == layer.qzeros.numel() == layer.scales.numel() == 0
+
+    assert_codes_held_once()
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert_codes_held_once()
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     llm.shutdown()
 
 
