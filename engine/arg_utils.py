@@ -66,9 +66,9 @@ class EngineArgs(SettingsMixin):
         "multiply in fp8 (W8A8, activations quantized per token or by the checkpoint's static scale); CPUs and older "
         "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory. "
         "MoE experts dequantize a chunk of experts at a time on CPU and CUDA (no fp8 grouped GEMM). "
-        "'gptq' and 'awq' read GPTQ (4 or 8-bit) and AWQ (4-bit GEMM) checkpoints of dense models; the weights stay "
+        "'gptq' and 'awq' read GPTQ (4 or 8-bit) and AWQ (4-bit GEMM) checkpoints, dense and MoE; the weights stay "
         "packed: CPUs multiply them with a native kernel over a repacked copy, CUDA dequantizes them in chunks (no "
-        "Marlin kernel).")})
+        "Marlin kernel); MoE experts dequantize a chunk of experts at a time, as FP8 ones do.")})
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto' uses the fast tokenizer, 'slow' the "
                                                                "Python one."))
     skip_tokenizer_init: bool = field(default=False, metadata=_help("Load no tokenizer: prompts must be token "

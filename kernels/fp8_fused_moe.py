@@ -7,31 +7,19 @@ An expert's w13 [2I, H] and w2 [H, I] dequantize as the dense FP8 layers' weight
 (`[E, rows]`: per-tensor scales spread over their shard's rows, or per-channel ones) or
 block (`[E, ceil(rows / bn), ceil(columns / bk)]`).
 
-Which experts: on the CPU only those some token is routed to (a decode step touches few of
-them), found from the router's choice; on CUDA all local experts, in chunks of fixed size,
-so that nothing waits for the GPU and the same kernels are launched every step. There is
-no fp8 grouped GEMM: vLLM's fp8 MoE kernels (W8A8 Triton/CUTLASS) are not ported, so on a
-GPU this saves memory, not time.
-
-Each chunk's output is a partial sum over its experts (the others are masked by an
-`expert_map` of -1); chunks add up in fp32.
+There is no fp8 grouped GEMM: vLLM's fp8 MoE kernels (W8A8 Triton/CUTLASS) are not ported, so
+on a GPU this saves memory, not time. The chunking (which experts, how many at a time) is
+`kernels/dequantized_moe.py`'s, shared with GPTQ and AWQ experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from raylm.kernels import cpu_fused_moe
-
-# Dequantized weight bytes per chunk: one expert of Qwen3-30B-A3B in bf16 is ~9 MiB, so a
-# chunk is one or two experts there, and every expert of a small model at once.
-DEQUANT_CHUNK_BYTES = 16 * 2**20
-
-# run(x, w13, w2, topk_weights, topk_ids, expert_map, w13_bias, w2_bias) -> [T, H]: the
-# layer's unquantized fused-experts kernel.
-ExpertsKernel = Callable[..., torch.Tensor]
+# The chunking, shared with GPTQ/AWQ experts (and read from here by older callers).
+from raylm.kernels.dequantized_moe import (DEQUANT_CHUNK_BYTES, ExpertsKernel, chunk_expert_map,  # noqa: F401
+                                           chunked_fused_experts, expert_chunks, routed_local_experts)
 
 
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None,
@@ -58,44 +46,14 @@ def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block_size: tu
     return values.mul_(expanded)
 
 
-def expert_chunks(experts: torch.Tensor, bytes_per_expert: int, chunk_bytes: int = DEQUANT_CHUNK_BYTES
-                  ) -> list[torch.Tensor]:
-    """`experts` (local ids) split into chunks of at most chunk_bytes of dequantized weights,
-    one expert at least."""
-    per_chunk = max(1, chunk_bytes // max(1, bytes_per_expert))
-    return list(experts.split(per_chunk))
-
-
-def chunk_expert_map(num_experts: int, first_expert: int, chunk: torch.Tensor) -> torch.Tensor:
-    """[num_experts] int32: the global id of each local expert in `chunk` -> its row in the
-    chunk's dequantized weights, every other expert -1 (its tokens add nothing)."""
-    expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=chunk.device)
-    expert_map[chunk + first_expert] = torch.arange(chunk.numel(), dtype=torch.int32, device=chunk.device)
-    return expert_map
-
-
-def routed_local_experts(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """The local expert rows (int64, ascending) that some token of `topk_ids` is routed to."""
-    local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
-    routed = torch.unique(local)
-    return routed[routed >= 0]
-
-
 def fp8_fused_experts(run: ExpertsKernel, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       chunks: list[tuple[torch.Tensor, torch.Tensor]], w13: torch.Tensor, w13_scale: torch.Tensor,
                       w2: torch.Tensor, w2_scale: torch.Tensor, block_size: tuple[int, int] | None,
                       w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' output [T, H] in x's dtype: for each (local experts, expert_map) of
     `chunks`, those experts dequantized and run by `run`, the partial sums added in fp32."""
-    if not chunks:  # no token routed to a local expert (expert parallelism)
-        return torch.zeros_like(x)
-    total: torch.Tensor | None = None
-    for experts, expert_map in chunks:
-        out = run(x, dequantize_experts(w13, w13_scale, block_size, experts, x.dtype),
-                  dequantize_experts(w2, w2_scale, block_size, experts, x.dtype), topk_weights, topk_ids,
-                  expert_map, None if w13_bias is None else w13_bias[experts],
-                  None if w2_bias is None else w2_bias[experts])
-        if len(chunks) == 1:
-            return out
-        total = out.float() if total is None else total.add_(out)
-    return total.to(x.dtype)
+    def dequantize(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_experts(w13, w13_scale, block_size, experts, x.dtype),
+                dequantize_experts(w2, w2_scale, block_size, experts, x.dtype))
+
+    return chunked_fused_experts(run, x, topk_weights, topk_ids, chunks, dequantize, w13_bias, w2_bias)

@@ -6,9 +6,9 @@ experts' gated MLPs then run fused over the tokens routed to each (tokens groupe
 expert, grouped GEMMs): the Triton kernel on CUDA, the native CPU op on the CPU
 (`kernels/cpu_fused_moe.py`), the PyTorch reference elsewhere.
 
-FP8 experts (`quantization`, docs/quantization.md) are held by `Fp8MoEMethod`
-(`parallel/fp8_moe_method.py`), which dequantizes a chunk of them at a time and runs the
-same kernels on it (`run_experts`).
+FP8, GPTQ and AWQ experts (`quantization`, docs/quantization.md) are held by `Fp8MoEMethod`
+or `Int4MoEMethod` (`parallel/fp8_moe_method.py`, `parallel/int4_moe_method.py`), which
+dequantize a chunk of them at a time and run the same kernels on it (`run_experts`).
 
 Its weights are `FusedMoEWeights` (`parallel/fused_moe_weights.py`): sharded per expert
 under tensor parallelism, whole experts per rank under expert parallelism. Either way this
@@ -59,7 +59,7 @@ class FusedMoE(FusedMoEWeights):
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
     def fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:  # FP8 experts: dequantized a chunk at a time into `run_experts`
+        if self.quant_method is not None:  # quantized experts: dequantized a chunk at a time into `run_experts`
             return self.quant_method.apply(self, x, topk_weights, topk_ids)
         return self.run_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map,
                                 self.w13_bias, self.w2_bias if self.adds_w2_bias else None, self.packed)

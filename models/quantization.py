@@ -19,12 +19,12 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
   `modules_to_not_convert`.
 
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
-vLLM). MoE experts take the FP8 sources above (`parallel/fp8_moe_method.py`), their routers
-stay unquantized. Anything else (other int4/int8 methods, GPTQ/AWQ experts, FP8 checkpoints
-of gpt-oss) is an error naming what is supported, raised from the config alone, before any
-weight is read. gpt-oss's MXFP4 experts (`quant_method: "mxfp4"`) are read by its model
-class, which dequantizes them at load (`models/mxfp4.py`): no linear layer is quantized here
-for them.
+vLLM). MoE experts take every source above: FP8 (`parallel/fp8_moe_method.py`), GPTQ and
+AWQ (`parallel/int4_moe_method.py`); their routers stay unquantized. Anything else (other
+int4/int8 methods, FP8, GPTQ or AWQ checkpoints of gpt-oss) is an error naming what is
+supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
+(`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
+(`models/mxfp4.py`): no linear layer is quantized here for them.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod,
 from raylm.parallel.fp8_moe_method import Fp8MoEMethod
 from raylm.parallel.fused_moe_weights import FusedMoEWeights
 from raylm.parallel.int4_linear_method import Int4LinearMethod, Int4LinearScheme
+from raylm.parallel.int4_moe_method import Int4MoEMethod
 from raylm.parallel.linear import LinearBase
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
@@ -48,10 +49,8 @@ _SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit chec
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
               "activations dynamic per token, static per tensor, or none)); GPTQ (quant_method 'gptq': bits 4 or "
               "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
-              "4-bit, version 'gemm', zero_point) checkpoints; and gpt-oss's MXFP4 experts (quant_method 'mxfp4', "
-              f"{', '.join(MXFP4_ARCHITECTURES)} only)")
-# hf_config attributes that count a MoE model's routed experts.
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+              "4-bit, version 'gemm', zero_point) checkpoints, of dense and MoE models; and gpt-oss's MXFP4 experts "
+              f"(quant_method 'mxfp4', {', '.join(MXFP4_ARCHITECTURES)} only)")
 
 
 class QuantizationConfig:
@@ -113,8 +112,6 @@ def get_quant_config(hf_config: Any, quantization: str | None) -> QuantizationCo
         raise ValueError(f"gpt-oss checkpoints quantized with quant_method {method!r} are not read: "
                          f"{', '.join(MXFP4_ARCHITECTURES)} reads MXFP4 (quant_method 'mxfp4') and 16/32-bit "
                          f"checkpoints, which quantization='fp8' quantizes at load; {_SUPPORTED}.")
-    if method in ("gptq", "awq"):
-        _check_no_experts(hf_config, method)
     if method == "fp8":
         return _fp8_config(checkpoint)
     if method == "gptq":
@@ -136,18 +133,6 @@ def _mxfp4_checkpoint(hf_config: Any, quantization: str | None) -> None:
         raise ValueError(f"quantization {quantization!r} does not match the checkpoint's quant_method 'mxfp4' "
                          f"(config.json's quantization_config); leave quantization unset (None) to read it.")
     return None
-
-
-def _check_no_experts(hf_config: Any, method: str) -> None:
-    """GPTQ and AWQ experts are not read (their MoE kernels are not ported): refused from the
-    config. FP8 experts are (`Fp8MoEMethod`)."""
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    experts = next((getattr(text_config, a) for a in _EXPERT_COUNTS if getattr(text_config, a, None)), None)
-    if experts:
-        kind = {"gptq": "GPTQ", "awq": "AWQ"}[method]
-        raise ValueError(f"{kind} weights are not supported for MoE models ({experts} experts): raylm reads MoE "
-                         f"experts in FP8 only (quantization='fp8', or quant_method 'fp8' or 'compressed-tensors'), "
-                         f"and GPTQ/AWQ weights of dense models; {_SUPPORTED}.")
 
 
 def _fp8_config(config: dict[str, Any]) -> QuantizationConfig:
@@ -278,14 +263,16 @@ def _group_size(group_size: Any, method: str) -> int:
 def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
                        stacked_params_mapping: list[tuple[str, str, Any]]) -> None:
     """Makes every linear layer of `model` that the config does not ignore a quantized one
-    (`Fp8LinearMethod` / `Int4LinearMethod.create_weights`), before its checkpoint loads. A
+    (`Fp8LinearMethod` / `Int4LinearMethod.create_weights`), and every MoE layer's experts
+    (`Fp8MoEMethod` / `Int4MoEMethod`), before its checkpoint loads. A
     fused layer's checkpoint names come from `stacked_params_mapping` (ours, checkpoint's, shard id)."""
     scheme = quant_config.scheme
     method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
     for name, module in list(model.named_modules()):
-        if isinstance(module, FusedMoEWeights) and isinstance(scheme, Fp8LinearScheme):
+        if isinstance(module, FusedMoEWeights):
             if module.quant_method is None and not quant_config.is_ignored(name, []):
-                Fp8MoEMethod(scheme).create_weights(module, name)
+                moe_method = Int4MoEMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8MoEMethod(scheme)
+                moe_method.create_weights(module, name)
             continue
         if (not isinstance(module, LinearBase) or module.quant_method is not None
                 or getattr(module, "keep_unquantized", False)):  # MoE routers

@@ -64,11 +64,12 @@ def moe_config(config: Any) -> dict[str, Any]:
     return dict(num_experts=num_experts, top_k=top_k)
 
 
-# A checkpoint tensor of one routed expert: `<prefix>.experts.<id>.<projection>.weight`, or
-# one of its FP8 scales (`weight_scale`, `weight_scale_inv`, `input_scale`).
+# A checkpoint tensor of one routed expert: `<prefix>.experts.<id>.<projection>.weight`, one
+# of its FP8 scales (`weight_scale`, `weight_scale_inv`, `input_scale`), or its GPTQ/AWQ
+# tensors (`qweight`, `qzeros`, `scales`, `g_idx`).
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
                             r"(?P<projection>w1|w2|w3|gate_proj|up_proj|down_proj)\."
-                            r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
+                            r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx)$")
 # Checkpoint projection -> FusedMoEWeights shard (vLLM's w1/w2/w3: Mixtral's own names).
 _EXPERT_SHARD = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 
@@ -76,8 +77,8 @@ _EXPERT_SHARD = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2
 def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                               stacked_params_mapping: Iterable[tuple[str, str, Any]]) -> set[str]:
     """`load_stacked_weights`, with each routed expert's tensor sent to its FusedMoE's fused
-    parameter (w13_weight for gate/up, w2_weight for down; FP8 scales likewise to
-    w13_<kind> and w2_<kind>) with shard id (expert, shard).
+    parameter (w13_weight for gate/up, w2_weight for down; FP8 scales and GPTQ/AWQ tensors
+    likewise to w13_<kind> and w2_<kind>) with shard id (expert, shard).
     Returns the names of the parameters loaded."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()

@@ -21,7 +21,8 @@ Online (`quantization="fp8"`): each expert's checkpoint tensor is quantized as i
 one scale per tensor (amax / 448), into per-tensor scale buffers.
 
 Every scale is checked as it loads, so an error names the checkpoint tensor: weight scales
-finite and >= 0, input scales finite and > 0. The computation is `kernels/fp8_fused_moe.py`.
+finite and >= 0, input scales finite and > 0. The computation is `DequantizedMoEMethod.apply` over
+`kernels/fp8_fused_moe.py`'s dequantization.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raylm.kernels.fp8_fused_moe import chunk_expert_map, expert_chunks, fp8_fused_experts, routed_local_experts
+from raylm.kernels.fp8_fused_moe import dequantize_experts
 from raylm.kernels.fp8_linear import FP8_DTYPE, quantize_per_tensor
 from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
+from raylm.parallel.dequantized_moe_method import DequantizedMoEMethod
 from raylm.parallel.fp8_linear_method import Fp8LinearScheme
 from raylm.parallel.fused_moe_weights import FusedMoEWeights
 
 
-class Fp8MoEMethod:
+class Fp8MoEMethod(DequantizedMoEMethod):
     """Creates, loads, processes and runs one MoE layer's FP8 experts."""
 
     def __init__(self, scheme: Fp8LinearScheme) -> None:
@@ -100,31 +102,13 @@ class Fp8MoEMethod:
             w13_scale, w2_scale = w13_scale.squeeze(-1), w2_scale.squeeze(-1)
         layer.w13_scale_runtime = w13_scale.contiguous()
         layer.w2_scale_runtime = w2_scale.contiguous()
-        layer.fp8_gpu_chunks = None
+        self.reset_chunks(layer)
 
-    def apply(self, layer: FusedMoEWeights, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts' output [T, H] (this rank's partial sum), as `FusedMoE.run_experts` computes
-        it on the dequantized weights."""
-        bytes_per_expert = (layer.w13_weight[0].numel() + layer.w2_weight[0].numel()) * x.element_size()
-        if x.device.type == "cuda":
-            # Every local expert, in the same chunks every step: nothing waits on the GPU's
-            # routing, and a CUDA graph replays the same launches.
-            if layer.fp8_gpu_chunks is None:
-                every = torch.arange(layer.num_local_experts, device=x.device)
-                layer.fp8_gpu_chunks = self._with_maps(layer, expert_chunks(every, bytes_per_expert))
-            chunks = layer.fp8_gpu_chunks
-        else:
-            chunks = self._with_maps(layer, expert_chunks(routed_local_experts(topk_ids, layer.expert_map),
-                                                          bytes_per_expert))
-        return fp8_fused_experts(layer.run_experts, x, topk_weights, topk_ids, chunks, layer.w13_weight,
-                                 layer.w13_scale_runtime, layer.w2_weight, layer.w2_scale_runtime,
-                                 self.scheme.block_size, layer.w13_bias,
-                                 layer.w2_bias if layer.adds_w2_bias else None)
-
-    @staticmethod
-    def _with_maps(layer: FusedMoEWeights, chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(chunk, chunk_expert_map(layer.num_experts, layer.first_expert, chunk)) for chunk in chunks]
+    def dequantize_chunk(self, layer: FusedMoEWeights, experts: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        block_size = self.scheme.block_size
+        return (dequantize_experts(layer.w13_weight, layer.w13_scale_runtime, block_size, experts, dtype),
+                dequantize_experts(layer.w2_weight, layer.w2_scale_runtime, block_size, experts, dtype))
 
     # ------------------------------------------------------------ loaders
     def _online_weight_loader(self, layer: FusedMoEWeights, prefix: str):

@@ -90,8 +90,9 @@ class FusedMoEWeights(nn.Module):
             self.w2_bias = _new_parameter(self.num_local_experts, hidden_size, dtype=params_dtype,
                                           weight_loader=self.bias_loader)
         self.packed: cpu_fused_moe.PackedExperts | None = None
-        # `Fp8MoEMethod` (`models/quantization.py`) where the experts are FP8: it then owns
-        # their parameters, their processing after loading, and the computation.
+        # `Fp8MoEMethod` / `Int4MoEMethod` (`models/quantization.py`) where the experts are
+        # quantized: it then owns their parameters, their processing after loading, and the
+        # computation.
         self.quant_method = None
         self._loaded_shards: set[tuple[int, str]] = set()
 
@@ -186,7 +187,7 @@ class FusedMoEWeights(nn.Module):
             shown = ", ".join(f"expert {expert} {shard}" for expert, shard in missing[:6])
             raise ValueError(f"the checkpoint lacks {len(missing)} expert tensors of a MoE layer: {shown}"
                              f"{', ...' if len(missing) > 6 else ''}.")
-        if self.quant_method is not None:  # FP8 experts are dequantized per call: no panels
+        if self.quant_method is not None:  # quantized experts are dequantized per call: no panels
             self.packed = None
             self.quant_method.process_weights_after_loading(self)
             return

@@ -22,13 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 # Phi-3's checkpoints store qkv_proj and gate_up_proj fused; each is quantized as one tensor.
+# Mixtral's experts are w1 (gate), w3 (up), w2 (down); MoE routers (`gate`) are never quantized.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                "gate_up_proj")
+                "gate_up_proj", "w1", "w2", "w3")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Checkpoint names that share their input (and so GPTQ's act order): one g_idx per group.
 _SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in",
                "up_proj": "mlp_in", "o_proj": "o_in", "down_proj": "down_in", "qkv_proj": "attn_in",
-               "gate_up_proj": "mlp_in"}
+               "gate_up_proj": "mlp_in", "w1": "mlp_in", "w3": "mlp_in", "w2": "down_in"}
 
 
 def quantize_groups(weight: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool,
@@ -117,8 +118,9 @@ def write_int4_checkpoint(source: Path, quantized: Path, dequantized: Path, meth
         groups = in_features // size
         g_idx = torch.arange(in_features) // size
         if desc_act:
-            # One act order per input (as GPTQ's Hessian is of the input), shuffled groups.
-            key = (prefix.rsplit(".", 2)[0], _SAME_INPUT[linear])
+            # One act order per input (as GPTQ's Hessian is of the input), shuffled groups:
+            # per module (attention, MLP, each expert).
+            key = (prefix.rsplit(".", 1)[0], _SAME_INPUT[linear])
             if key not in orders:
                 orders[key] = g_idx[torch.randperm(in_features, generator=generator)]
             g_idx = orders[key]

@@ -306,10 +306,3 @@ def test_weight_block_size_that_splits_the_expert_intermediate_size_is_an_error_
                                          r"model\.layers\.0\.mlp\.experts \(48 features"):
         LLM(model=str(folder), **ENGINE)
 
-
-def test_gptq_moe_checkpoint_is_an_error_naming_what_is_supported(tmp_path, sources):
-    folder = write_config_only(sources["mixtral"], tmp_path / "model",
-                               {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False})
-    with pytest.raises(ValueError, match=r"GPTQ weights are not supported for MoE models \(7 experts\): raylm reads "
-                                         r"MoE experts in FP8 only"):
-        LLM(model=str(folder), **ENGINE)

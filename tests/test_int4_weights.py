@@ -187,13 +187,6 @@ def test_unsupported_gptq_or_awq_config_is_an_error_before_any_weight_is_read(tm
         LLM(model=str(folder), **ENGINE)
 
 
-def test_gptq_weights_for_moe_models_are_an_error(tmp_path, source):
-    folder = write_config_only(source, tmp_path / "model", gptq_config(4, 32, True, False, "gptq"),
-                               num_local_experts=4)
-    with pytest.raises(ValueError, match="GPTQ weights are not supported for MoE models"):
-        LLM(model=str(folder), **ENGINE)
-
-
 def test_fused_outputs_with_different_g_idx_are_an_error_naming_the_layer(tmp_path, source):
     from safetensors.torch import load_file, save_file
 

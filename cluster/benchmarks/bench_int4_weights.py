@@ -14,8 +14,11 @@ the chunked dequantization instead).
     python -m raylm.cluster.benchmarks.bench_int4_weights MODEL_DIR [--dtype bfloat16] [--rounds 3]
 
 MODEL_DIR: a Llama folder, e.g. the 5M or ~100M bench Llama (docs/performance.md says how
-to write them). `--group-size` (default 128) falls to the largest power of two dividing every
-layer's input when 128 does not (the 5M Llama's MLP of 688: 16).
+to write them), or a MoE model (Mixtral, Qwen2/3-MoE: GPTQ/AWQ experts, dequantized a chunk
+at a time into the fused MoE kernel, `parallel/int4_moe_method.py`; routers stay
+unquantized); prompts draw token ids below 4000, so its vocabulary must be larger.
+`--group-size` (default 128) falls to the largest power of two dividing every layer's input
+when 128 does not (the 5M Llama's MLP of 688: 16).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts: w1 (gate), w3 (up), w2 (down); Qwen's experts take the MLP's names.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 BITS = 4
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column AWQ_PACK_ORDER[k] of each eight in nibble k
 
@@ -91,7 +95,8 @@ def write_int4_checkpoint(source: Path, target: Path, method: str, group_size: i
 
 
 def _group_size(config: dict, wanted: int) -> int:
-    inputs = math.gcd(config["hidden_size"], config["intermediate_size"])
+    sizes = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+    inputs = math.gcd(*(config[name] for name in sizes if config.get(name)))
     size = wanted
     while inputs % size:
         size //= 2
