@@ -70,24 +70,41 @@ void column_groups(const PackedExperts& w, int64_t e, int64_t n, float* zeros, f
   }
 }
 
-// The zero and scale of the kLanes inputs from k0 in one column: broadcast where the vector
-// lies in one run of group_size rows, else each lane's group.
-inline void lane_groups(const PackedExperts& w, int64_t e, int64_t k0, const float* zeros, const float* scales,
-                        vfloat& zero, vfloat& scale) {
-  if (w.g_idx == nullptr && k0 / w.group_size == (k0 + kLanes - 1) / w.group_size) {
-    zero = vset1(zeros[k0 / w.group_size]);
-    scale = vset1(scales[k0 / w.group_size]);
-    return;
+// The groups of the vectors of kLanes inputs of a row, front to back: without desc_act runs
+// of group_size rows, followed without a division per vector.
+class LaneGroups {
+ public:
+  LaneGroups(const PackedExperts& w, int64_t e) : w_(w), e_(e), next_run_(w.group_size) {}
+
+  // The zero and scale of inputs [k0, k0 + kLanes) of one column (k0 only grows): broadcast
+  // where the vector lies in one run, else each lane's group.
+  void at(int64_t k0, const float* zeros, const float* scales, vfloat& zero, vfloat& scale) {
+    if (w_.g_idx == nullptr) {
+      while (k0 >= next_run_) {
+        ++run_;
+        next_run_ += w_.group_size;
+      }
+      if (k0 + kLanes <= next_run_) {
+        zero = vset1(zeros[run_]);
+        scale = vset1(scales[run_]);
+        return;
+      }
+    }
+    alignas(64) float lane_zeros[kLanes], lane_scales[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t g = w_.group_of(e_, k0 + l);
+      lane_zeros[l] = zeros[g];
+      lane_scales[l] = scales[g];
+    }
+    zero = vload(lane_zeros);
+    scale = vload(lane_scales);
   }
-  alignas(64) float lane_zeros[kLanes], lane_scales[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    const int64_t g = w.group_of(e, k0 + l);
-    lane_zeros[l] = zeros[g];
-    lane_scales[l] = scales[g];
-  }
-  zero = vload(lane_zeros);
-  scale = vload(lane_scales);
-}
+
+ private:
+  const PackedExperts& w_;
+  const int64_t e_;
+  int64_t run_ = 0, next_run_;
+};
 
 inline int32_t code_of(const PackedExperts& w, int64_t e, int64_t n, int64_t k) {
   uint32_t word;
@@ -128,12 +145,12 @@ void gptq_row(const PackedExperts& w, int64_t e, int64_t n, float* zeros, float*
       shifts[l] = (l % pack) * w.bits;
     }
     const vwords lane_offsets = load_words(offsets), lane_shifts = load_words(shifts);
-    const int32_t* column = w.qweight + e * (w.in / pack) * w.out + n;
-    for (; k0 + kLanes <= w.in; k0 += kLanes) {
-      const int32_t* words = column + (k0 / pack) * w.out;
+    const int32_t* words = w.qweight + e * (w.in / pack) * w.out + n;
+    LaneGroups groups(w, e);
+    for (; k0 + kLanes <= w.in; k0 += kLanes, words += (kLanes / pack) * w.out) {
       const vwords packed = kLanes == pack ? broadcast_word(*words) : gather_words(words, lane_offsets);
       vfloat zero, scale;
-      lane_groups(w, e, k0, zeros, scales, zero, scale);
+      groups.at(k0, zeros, scales, zero, scale);
       vstore(dst + k0, vmul(vsub(codes_shifted(packed, lane_shifts, w.mask()), zero), scale));
     }
   }
@@ -150,14 +167,15 @@ void awq_rows(const PackedExperts& w, int64_t e, int64_t c, float* zeros, float*
     alignas(64) int32_t offsets[kLanes];
     for (int l = 0; l < kLanes; ++l) offsets[l] = static_cast<int32_t>(l * (w.out / 8));
     const vwords lane_offsets = load_words(offsets);
-    const int32_t* column = w.qweight + e * w.in * (w.out / 8) + c;
-    for (; k0 + kLanes <= w.in; k0 += kLanes) {
-      const vwords packed = gather_words(column + k0 * (w.out / 8), lane_offsets);
+    const int32_t* words = w.qweight + e * w.in * (w.out / 8) + c;
+    LaneGroups groups(w, e);
+    for (; k0 + kLanes <= w.in; k0 += kLanes, words += kLanes * (w.out / 8)) {
+      const vwords packed = gather_words(words, lane_offsets);
       for_each_code<8>([&](auto nibble) {
         constexpr int i = decltype(nibble)::value;
         const int j = kAwqColumnAtNibble[i];
         vfloat zero, scale;
-        lane_groups(w, e, k0, zeros + j * w.groups, scales + j * w.groups, zero, scale);
+        groups.at(k0, zeros + j * w.groups, scales + j * w.groups, zero, scale);
         vstore(out_rows + j * w.in + k0, vmul(vsub(codes_at<4 * i, 15>(packed), zero), scale));
       });
     }
