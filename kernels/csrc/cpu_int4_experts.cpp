@@ -27,6 +27,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -70,41 +71,47 @@ void column_groups(const PackedExperts& w, int64_t e, int64_t n, float* zeros, f
   }
 }
 
-// The groups of the vectors of kLanes inputs of a row, front to back: without desc_act runs
-// of group_size rows, followed without a division per vector.
-class LaneGroups {
- public:
-  LaneGroups(const PackedExperts& w, int64_t e) : w_(w), e_(e), next_run_(w.group_size) {}
+// The groups of one vector of kLanes inputs: all in run `run` of group_size rows, or each
+// lane's own (`lanes`: under desc_act, or a vector across two runs).
+struct VectorGroups {
+  bool one_run;
+  int64_t run;
+  vwords lanes;
 
-  // The zero and scale of inputs [k0, k0 + kLanes) of one column (k0 only grows): broadcast
-  // where the vector lies in one run, else each lane's group.
-  void at(int64_t k0, const float* zeros, const float* scales, vfloat& zero, vfloat& scale) {
-    if (w_.g_idx == nullptr) {
-      while (k0 >= next_run_) {
-        ++run_;
-        next_run_ += w_.group_size;
-      }
-      if (k0 + kLanes <= next_run_) {
-        zero = vset1(zeros[run_]);
-        scale = vset1(scales[run_]);
-        return;
-      }
+  // The lanes' zero and scale from a column's [groups] zeros and scales.
+  void of(const float* zeros, const float* scales, vfloat& zero, vfloat& scale) const {
+    if (one_run) {
+      zero = vset1(zeros[run]);
+      scale = vset1(scales[run]);
+    } else {
+      zero = gather_floats(zeros, lanes);
+      scale = gather_floats(scales, lanes);
     }
-    alignas(64) float lane_zeros[kLanes], lane_scales[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t g = w_.group_of(e_, k0 + l);
-      lane_zeros[l] = zeros[g];
-      lane_scales[l] = scales[g];
-    }
-    zero = vload(lane_zeros);
-    scale = vload(lane_scales);
   }
-
- private:
-  const PackedExperts& w_;
-  const int64_t e_;
-  int64_t run_ = 0, next_run_;
 };
+
+// Calls f(k0, groups) for the whole vectors of a row's inputs, k0 = 0, kLanes, ..., the runs
+// of group_size rows followed without a division per vector (row_groups: the expert's g_idx
+// row under desc_act, else nullptr); returns where the vectors end.
+template <typename F>
+int64_t for_each_vector(const PackedExperts& w, const int32_t* row_groups, F&& f) {
+  int64_t k0 = 0;
+  if (row_groups != nullptr) {
+    for (; k0 + kLanes <= w.in; k0 += kLanes) f(k0, VectorGroups{false, 0, load_words(row_groups + k0)});
+    return k0;
+  }
+  for (int64_t run = 0, start = 0; k0 + kLanes <= w.in; ++run, start += w.group_size) {
+    const int64_t stop = std::min(start + w.group_size, w.in);
+    for (; k0 + kLanes <= stop; k0 += kLanes) f(k0, VectorGroups{true, run, vwords{}});
+    if (k0 < stop && k0 + kLanes <= w.in) {  // across runs
+      alignas(64) int32_t lanes[kLanes];
+      for (int l = 0; l < kLanes; ++l) lanes[l] = static_cast<int32_t>((k0 + l) / w.group_size);
+      f(k0, VectorGroups{false, 0, load_words(lanes)});
+      k0 += kLanes;
+    }
+  }
+  return k0;
+}
 
 inline int32_t code_of(const PackedExperts& w, int64_t e, int64_t n, int64_t k) {
   uint32_t word;
@@ -133,26 +140,26 @@ void scalar_tail(const PackedExperts& w, int64_t e, int64_t n, int64_t k0, const
 constexpr bool kVectorCodes = kLanes > 1;
 
 // Row n of GPTQ expert e into dst [in].
-template <typename out_t>
+template <int kBits, typename out_t>
 void gptq_row(const PackedExperts& w, int64_t e, int64_t n, float* zeros, float* scales, out_t* dst) {
+  constexpr int pack = 32 / kBits;
   column_groups(w, e, n, zeros, scales);
-  const int pack = w.pack();
   int64_t k0 = 0;
-  if (kVectorCodes && kLanes % pack == 0) {
+  if constexpr (kVectorCodes && kLanes % pack == 0) {
     alignas(64) int32_t offsets[kLanes], shifts[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       offsets[l] = static_cast<int32_t>((l / pack) * w.out);
-      shifts[l] = (l % pack) * w.bits;
+      shifts[l] = (l % pack) * kBits;
     }
     const vwords lane_offsets = load_words(offsets), lane_shifts = load_words(shifts);
-    const int32_t* words = w.qweight + e * (w.in / pack) * w.out + n;
-    LaneGroups groups(w, e);
-    for (; k0 + kLanes <= w.in; k0 += kLanes, words += (kLanes / pack) * w.out) {
+    const int32_t* column = w.qweight + e * (w.in / pack) * w.out + n;
+    k0 = for_each_vector(w, w.g_idx == nullptr ? nullptr : w.g_idx + e * w.in, [&](int64_t k, VectorGroups groups) {
+      const int32_t* words = column + (k / pack) * w.out;
       const vwords packed = kLanes == pack ? broadcast_word(*words) : gather_words(words, lane_offsets);
       vfloat zero, scale;
-      groups.at(k0, zeros, scales, zero, scale);
-      vstore(dst + k0, vmul(vsub(codes_shifted(packed, lane_shifts, w.mask()), zero), scale));
-    }
+      groups.of(zeros, scales, zero, scale);
+      vstore(dst + k, vmul(vsub(codes_shifted(packed, lane_shifts, (1 << kBits) - 1), zero), scale));
+    });
   }
   scalar_tail(w, e, n, k0, zeros, scales, dst);
 }
@@ -163,22 +170,21 @@ template <typename out_t>
 void awq_rows(const PackedExperts& w, int64_t e, int64_t c, float* zeros, float* scales, out_t* out_rows) {
   for (int j = 0; j < 8; ++j) column_groups(w, e, 8 * c + j, zeros + j * w.groups, scales + j * w.groups);
   int64_t k0 = 0;
-  if (kVectorCodes) {
+  if constexpr (kVectorCodes) {
     alignas(64) int32_t offsets[kLanes];
     for (int l = 0; l < kLanes; ++l) offsets[l] = static_cast<int32_t>(l * (w.out / 8));
     const vwords lane_offsets = load_words(offsets);
-    const int32_t* words = w.qweight + e * w.in * (w.out / 8) + c;
-    LaneGroups groups(w, e);
-    for (; k0 + kLanes <= w.in; k0 += kLanes, words += kLanes * (w.out / 8)) {
-      const vwords packed = gather_words(words, lane_offsets);
+    const int32_t* column = w.qweight + e * w.in * (w.out / 8) + c;
+    k0 = for_each_vector(w, w.g_idx == nullptr ? nullptr : w.g_idx + e * w.in, [&](int64_t k, VectorGroups groups) {
+      const vwords packed = gather_words(column + k * (w.out / 8), lane_offsets);
       for_each_code<8>([&](auto nibble) {
         constexpr int i = decltype(nibble)::value;
-        const int j = kAwqColumnAtNibble[i];
+        constexpr int j = kAwqColumnAtNibble[i];
         vfloat zero, scale;
-        groups.at(k0, zeros + j * w.groups, scales + j * w.groups, zero, scale);
-        vstore(out_rows + j * w.in + k0, vmul(vsub(codes_at<4 * i, 15>(packed), zero), scale));
+        groups.of(zeros + j * w.groups, scales + j * w.groups, zero, scale);
+        vstore(out_rows + j * w.in + k, vmul(vsub(codes_at<4 * i, 15>(packed), zero), scale));
       });
-    }
+    });
   }
   for (int j = 0; j < 8; ++j)
     scalar_tail(w, e, 8 * c + j, k0, zeros + j * w.groups, scales + j * w.groups, out_rows + j * w.in);
@@ -195,8 +201,10 @@ void dequantize_experts(const PackedExperts& w, const int64_t* experts, int64_t 
       out_t* dst = out + (i * w.out + unit * rows_per_unit) * w.in;
       if (w.awq) {
         awq_rows(w, experts[i], unit, zeros.data(), scales.data(), dst);
+      } else if (w.bits == 4) {
+        gptq_row<4>(w, experts[i], unit, zeros.data(), scales.data(), dst);
       } else {
-        gptq_row(w, experts[i], unit, zeros.data(), scales.data(), dst);
+        gptq_row<8>(w, experts[i], unit, zeros.data(), scales.data(), dst);
       }
     }
   });

@@ -19,9 +19,10 @@ namespace raylm::int4 {
 #if RAYLM_AVX512
 using vwords = __m512i;
 inline vwords load_words(const int32_t* p) { return _mm512_loadu_si512(p); }
-// Lane l: base[offsets[l]].
+// Lane l: base[offsets[l]] (gather_words, gather_floats).
 inline vwords gather_words(const int32_t* base, vwords offsets) { return _mm512_i32gather_epi32(offsets, base, 4); }
 inline vwords broadcast_word(int32_t w) { return _mm512_set1_epi32(w); }
+inline vfloat gather_floats(const float* base, vwords offsets) { return _mm512_i32gather_ps(offsets, base, 4); }
 template <int kShift, int kMask>
 inline vfloat codes_at(vwords w) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, kShift), _mm512_set1_epi32(kMask)));
@@ -34,6 +35,7 @@ using vwords = __m256i;
 inline vwords load_words(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vwords gather_words(const int32_t* base, vwords offsets) { return _mm256_i32gather_epi32(base, offsets, 4); }
 inline vwords broadcast_word(int32_t w) { return _mm256_set1_epi32(w); }
+inline vfloat gather_floats(const float* base, vwords offsets) { return _mm256_i32gather_ps(base, offsets, 4); }
 template <int kShift, int kMask>
 inline vfloat codes_at(vwords w) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, kShift), _mm256_set1_epi32(kMask)));
@@ -48,6 +50,7 @@ inline vwords gather_words(const int32_t* base, vwords offsets) {
   return static_cast<uint32_t>(base[static_cast<int32_t>(offsets)]);
 }
 inline vwords broadcast_word(int32_t w) { return static_cast<uint32_t>(w); }
+inline vfloat gather_floats(const float* base, vwords offsets) { return base[static_cast<int32_t>(offsets)]; }
 template <int kShift, int kMask>
 inline vfloat codes_at(vwords w) {
   return static_cast<float>((w >> kShift) & kMask);
