@@ -989,7 +989,8 @@ def test_int4_linear_multiplies_gptq_and_awq_codes_as_float64_does():
 # a tail past the last whole vector of every width, 72 a tail of AVX-512's 16.
 INT4_EXPERT_CASES = [("gptq", 4, 128, False, 1, 256, 48), ("gptq", 8, 32, False, 0, 76, 40),
                      ("gptq", 4, -1, False, 1, 72, 24), ("gptq", 4, 32, True, 1, 96, 16),
-                     ("gptq", 8, 16, True, 0, 64, 8), ("awq", 4, 32, False, 0, 75, 40), ("awq", 4, -1, False, 0, 64, 16)]
+                     ("gptq", 8, 16, True, 0, 64, 8), ("awq", 4, 32, False, 0, 75, 40),
+                     ("awq", 4, -1, False, 0, 64, 16)]
 
 
 @pytest.mark.parametrize("method,bits,group_size,desc_act,zero_offset,in_features,out_features", INT4_EXPERT_CASES,
@@ -1012,7 +1013,8 @@ def test_int4_experts_dequantize_bit_for_bit_as_the_pytorch_fallback(
                else words(experts, in_features // pack, out_features))
     qzeros = words(experts, groups, out_features // pack)
     scales = torch.randn(experts, groups, out_features, generator=generator) * 0.01
-    g_idx = torch.randint(0, groups, (experts, in_features), dtype=torch.int32, generator=generator) if desc_act else None
+    g_idx = (torch.randint(0, groups, (experts, in_features), dtype=torch.int32, generator=generator) if desc_act
+             else None)
     rows_per_group = None if desc_act else in_features if group_size == -1 else group_size
     chosen = torch.tensor([2, 0])
     for dtype in DTYPES:

@@ -15,7 +15,9 @@
 // row's vector takes its codes from kVecWidth / pack words of that column (one word for
 // 4 bits with AVX2: broadcast, each lane its own shift); an AWQ word column holds 8 output
 // rows, so its vector of kVecWidth words (one per input, gathered) gives all 8 rows' codes.
-// The scalar build (and inputs past the last whole vector) widen one code at a time.
+// A vector within one run of group_size rows takes the run's zero and scale (broadcast, once
+// per run); under desc_act (or across two runs) each lane's are gathered. The scalar build
+// (and inputs past the last whole vector) widen one code at a time.
 //
 // Op: torch.ops.raylm.dequantize_int4_experts(qweight, qzeros, scales, g_idx, experts, bits,
 // awq, zero_offset, group_size, dtype) -> [n, out, in].
