@@ -80,7 +80,7 @@ def _generate(runner: ModelRunner, onednn_rows: list[int] | None = None
 def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
     """Takes the layers' streaming copies away ("onednn") or every packed copy ("dense"), so
     `cpu_gemm.linear` and the fused op both take that kernel, or only gate_up's gated copy
-    ("unfused_gate_up": the AVX-512 kernel's plain copy instead, then silu_and_mul); returns
+    ("unfused_gate_up": the streaming kernel's plain copy instead, then silu_and_mul); returns
     the LINEAR_* kinds the decoder layers' linears may take."""
     for module in model.modules():
         if isinstance(module, LinearBase):
@@ -99,7 +99,8 @@ def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
              cpu_gemm.LINEAR_DENSE}
     return {"onednn": {cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE},  # fp32 may time oneDNN slower
             "dense": {cpu_gemm.LINEAR_DENSE},
-            "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL})
+            "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL,
+                                                            cpu_gemm.LINEAR_AVX2_SILU_MUL})
 
 
 def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
@@ -135,8 +136,13 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
         assert gate_up_kinds <= {cpu_gemm.LINEAR_AVX512_SILU_MUL, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
         if dtype == torch.bfloat16:  # bf16 takes the streaming kernel without timing it
             assert gate_up_kinds == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
-    if kernel == "as_loaded" and cpu_gemm.avx2_linear_enabled(dtype) and dtype == torch.bfloat16:
-        assert used == {cpu_gemm.LINEAR_AVX2}  # without AVX-512, bf16 streams every linear through it
+    if kernel == "as_loaded" and cpu_gemm.avx2_linear_enabled(dtype):
+        # without AVX-512, gate_up_proj takes the AVX2 gated kernel wherever it takes the AVX2 one
+        gate_up_kinds = {ints[4] for _, ints in fused._args.values()}
+        assert gate_up_kinds <= {cpu_gemm.LINEAR_AVX2_SILU_MUL, cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE}
+        if dtype == torch.bfloat16:  # bf16 streams every linear through it, gate_up gated
+            assert used == {cpu_gemm.LINEAR_AVX2, cpu_gemm.LINEAR_AVX2_SILU_MUL}
+            assert gate_up_kinds == {cpu_gemm.LINEAR_AVX2_SILU_MUL}
 
     monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()

@@ -84,7 +84,7 @@ def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
 
 def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
     """fp32 with AVX-512, bf16 with AVX512-BF16 too; the AVX2 and scalar builds do without
-    (the kernel itself is tested in test_cpu_gemm_avx512, which this file's narrower runs
+    (the kernel itself is tested in test_cpu_gemm_streaming, which this file's narrower runs
     do not repeat: only the full build has both dtypes)."""
     from raylm.kernels import cpu_gemm
 
