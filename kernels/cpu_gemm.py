@@ -395,7 +395,7 @@ def maybe_pack_silu_and_mul_weight(weight: torch.Tensor, packed_weight: torch.Te
             or envs.kernel_switched_off("silu_and_mul_linear")
             or (weight.dtype == torch.bfloat16 and amx_linear_enabled())):  # AMX streams bf16 there
         return None
-    kernel = _gated_kernel(weight.dtype)
+    kernel = gated_kernel(weight.dtype)
     if kernel is None:
         return None
     shape = (weight.shape[0], weight.shape[1])
@@ -409,10 +409,13 @@ def maybe_pack_silu_and_mul_weight(weight: torch.Tensor, packed_weight: torch.Te
     return None if slower_at == _ALL_PROBE_SIZES else dataclasses.replace(gated, slower_at=slower_at)
 
 
-def _gated_kernel(dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor],
-                                              int, int] | None:
-    """(pack, op, max_rows, kind) of the gated kernel for the streaming kernel layers take in
-    dtype here (AVX-512, else AVX2), or None where they take neither."""
+# A gated gate_up kernel: (pack, op, max_rows, LINEAR_* kind).
+GatedKernel = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], int, int]
+
+
+def gated_kernel(dtype: torch.dtype) -> GatedKernel | None:
+    """The gated form of the streaming kernel layers take in dtype here (AVX-512, else AVX2),
+    or None where they take neither."""
     if avx512_linear_enabled(dtype):
         return (torch.ops.raylm.avx512_pack_gated_weight, torch.ops.raylm.avx512_linear_silu_mul, AVX512_MAX_ROWS,
                 LINEAR_AVX512_SILU_MUL)
