@@ -33,9 +33,9 @@ fp32 at 16-64 rows and level with `F.linear` at 1 row; its bf16 form ran 5-8x fa
 `F.linear` in bf16 (which widens in software) at 16-1024 rows, and 1.3-1.7x faster than
 its own fp32 form at 1 row, where a decode step waits on memory. fp32 takes it up to
 `AVX2_MAX_ROWS` tokens where it timed faster at load (as the AVX-512 kernel), bf16 at every
-row count (`AVX2_BF16_MAX_ROWS`). Its gated form serves the gate_up projections as the AVX-512
-one's does (`maybe_pack_silu_and_mul_weight`). AVX-512 builds compile it too (so their tests run it), but
-their layers keep the AVX-512 kernels (`avx2_linear_enabled`).
+row count (`AVX2_BF16_MAX_ROWS`); its gated form serves the gate_up projections as the
+AVX-512 kernel's does (`maybe_pack_silu_and_mul_weight`). AVX-512 builds compile it too (so
+their tests run it), but their layers keep the AVX-512 kernels (`avx2_linear_enabled`).
 
 The streaming kernels pack their copy onto 2 MiB transparent huge pages where the kernel
 allows it (`csrc/huge_pages.h`): a decode step reads every weight once, and with 4 KiB pages

@@ -278,8 +278,8 @@ at::Tensor pack_panels(const char* op, const at::Tensor& weight, int64_t n_panel
   const int64_t K = weight.dim() == 2 ? weight.size(1) : 0;
   return op_shell::pack_panels(op, weight, kDtypes, kPanelN, packed_sizes(n_panels), source_row,
                                [=](int64_t p, int64_t j, int64_t k) {
-                                 const int64_t at_step = bf16 ? position_in_step<uint16_t>(j) : position_in_step<float>(j);
-                                 return (p * K + k) * kPanelN + at_step;
+                                 const int64_t at = bf16 ? position_in_step<uint16_t>(j) : position_in_step<float>(j);
+                                 return (p * K + k) * kPanelN + at;
                                });
 }
 

@@ -57,7 +57,9 @@ at::Tensor pack_panels(const char* op, const at::Tensor& weight_in, const Kernel
       for (int64_t j = 0; j < panel_columns; ++j) {
         const int64_t n = source_row(p, j);
         if (n < 0) continue;
-        for (int64_t k = 0; k < K; ++k) std::memcpy(out + offset(p, j, k) * element, w + (n * K + k) * element, element);
+        for (int64_t k = 0; k < K; ++k) {
+          std::memcpy(out + offset(p, j, k) * element, w + (n * K + k) * element, element);
+        }
       }
     }
   });
