@@ -47,6 +47,8 @@ TEST_KERNEL_SWITCHES = {
     "amx_linear": "the AMX decode GEMM only (kernels/cpu_gemm.py)",
     "avx512_linear": "the AVX-512 decode GEMM only (kernels/cpu_gemm.py)",
     "avx2_linear": "the AVX2 decode GEMM only (kernels/cpu_gemm.py)",
+    "silu_and_mul_linear": ("the gate_up GEMMs with SiLU-and-mul in their epilogue (kernels/cpu_gemm.py): the "
+                            "streaming kernel, then silu_and_mul"),
     "shm_comm": "the shared-memory tensor-parallel collectives (parallel/shm_communicator.py): gloo",
     "lora_kernel": "the native CPU LoRA kernel (kernels/lora_ops.py): the batched masked GEMMs",
     "triton_elementwise": "the fused Triton pointwise ops on CUDA (kernels/triton_elementwise.py): PyTorch's ops run",

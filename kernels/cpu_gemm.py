@@ -33,8 +33,9 @@ fp32 at 16-64 rows and level with `F.linear` at 1 row; its bf16 form ran 5-8x fa
 `F.linear` in bf16 (which widens in software) at 16-1024 rows, and 1.3-1.7x faster than
 its own fp32 form at 1 row, where a decode step waits on memory. fp32 takes it up to
 `AVX2_MAX_ROWS` tokens where it timed faster at load (as the AVX-512 kernel), bf16 at every
-row count (`AVX2_BF16_MAX_ROWS`). AVX-512 builds compile it too (so their tests run it), but
-their layers keep the AVX-512 kernels (`avx2_linear_enabled`).
+row count (`AVX2_BF16_MAX_ROWS`); its gated form serves the gate_up projections as the
+AVX-512 kernel's does (`maybe_pack_silu_and_mul_weight`). AVX-512 builds compile it too (so
+their tests run it), but their layers keep the AVX-512 kernels (`avx2_linear_enabled`).
 
 The streaming kernels pack their copy onto 2 MiB transparent huge pages where the kernel
 allows it (`csrc/huge_pages.h`): a decode step reads every weight once, and with 4 KiB pages
@@ -67,7 +68,8 @@ is not padded.
 
 For tests and comparisons, RAYLM_TEST_DISABLE_KERNELS (engine/envs.py) turns the packed
 kernels off: "packed_linear" all of them (every layer then calls `F.linear`), "amx_linear" only the AMX
-kernel, "avx512_linear" only the AVX-512 one, "avx2_linear" only the AVX2 one.
+kernel, "avx512_linear" only the AVX-512 one, "avx2_linear" only the AVX2 one; "silu_and_mul_linear"
+only the gated copies (gate_up projections then take the streaming kernel and silu_and_mul).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ _amx_usable: bool | None = None
 # cold) on a Zen 4 EPYC, at 2048 3-4% slower.
 AVX512_MAX_ROWS = 256
 # (out_features, in_features) of a timed fp32 gate_up shape -> the probe sizes at which the
-# gated AVX-512 kernel (SiLU-and-mul in its epilogue) timed slower than the GEMM and then
+# gated AVX-512 or AVX2 kernel (SiLU-and-mul in its epilogue) timed slower than the GEMM and then
 # silu_and_mul.
 _fp32_silu_and_mul_slower_at: dict[tuple[int, int], frozenset[int]] = {}
 # dtype -> whether the AVX-512 kernel is built for it here (filled at first use).
@@ -135,9 +137,11 @@ ONEDNN_ROWS_PER_DOUBLING = 8
 _pad_onednn_rows = True
 
 # The kernels `linear` chooses among, numbered for the callers that run it from C++ (the fused
-# decode op: csrc/cpu_decode_layers.cpp's LinearKind); LINEAR_AVX512_SILU_MUL is the AVX-512
-# kernel on a gated gate_up weight, whose output is already silu(gate) * up.
+# decode op: csrc/cpu_decode_layers.cpp's LinearKind); LINEAR_AVX512_SILU_MUL and
+# LINEAR_AVX2_SILU_MUL are the AVX-512 and AVX2 kernels on a gated gate_up weight, whose output
+# is already silu(gate) * up.
 LINEAR_AVX512, LINEAR_AMX, LINEAR_ONEDNN, LINEAR_DENSE, LINEAR_AVX512_SILU_MUL, LINEAR_AVX2 = 0, 1, 2, 3, 4, 5
+LINEAR_AVX2_SILU_MUL = 6
 
 
 @dataclass(frozen=True)
@@ -377,29 +381,49 @@ def maybe_pack_decode_weight(weight: torch.Tensor, packed_weight: torch.Tensor |
 def maybe_pack_silu_and_mul_weight(weight: torch.Tensor, packed_weight: torch.Tensor | None = None
                                    ) -> DecodeWeight | None:
     """For a gate_up weight [2d, in_features] (gate rows, then up rows) that SiLU-and-mul
-    follows, where decode batches would take the AVX-512 kernel: the weight packed for
-    `avx512_linear_silu_mul`, which returns silu(gate) * up [.., d] from the products still
-    in registers, bit for bit what that kernel and `silu_and_mul` give, without writing the
-    [.., 2d] projection out and reading it back (the ~100M Llama's generate on a Zen 4 EPYC:
-    fp32 15.37 -> 15.09 s, bf16 8.05 -> 7.95 s). bf16 takes it always, as the streaming
-    kernels; fp32 for the batches at whose probe size it timed faster than what runs without
-    it, oneDNN (`packed_weight`) or `F.linear` and then silu_and_mul
-    (`fp32_silu_and_mul_slower_at`). None elsewhere (AMX, no AVX-512, an odd row count, fp32
-    slower at every probe size): the caller keeps the two steps. A snapshot, as
-    pack_linear_weight's."""
+    follows, where decode batches would take the AVX-512 or the AVX2 kernel: the weight packed
+    for `avx512_linear_silu_mul` / `avx2_linear_silu_mul`, which return silu(gate) * up [.., d]
+    from the products still in registers, bit for bit what that kernel and `silu_and_mul`
+    give, without writing the [.., 2d] projection out and reading it back (the ~100M Llama's
+    generate on a Zen 4 EPYC: fp32 15.37 -> 15.09 s, bf16 8.05 -> 7.95 s; the AVX2 figures
+    are in docs/performance.md). bf16 takes it always, as the streaming kernels; fp32 for the
+    batches at whose probe size it timed faster than what runs without it, oneDNN
+    (`packed_weight`) or `F.linear` and then silu_and_mul (`fp32_silu_and_mul_slower_at`).
+    None elsewhere (AMX, no AVX2 kernel either, an odd row count, fp32 slower at every probe
+    size): the caller keeps the two steps. A snapshot, as pack_linear_weight's."""
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 2
-            or not avx512_linear_enabled(weight.dtype)
+            or envs.kernel_switched_off("silu_and_mul_linear")
             or (weight.dtype == torch.bfloat16 and amx_linear_enabled())):  # AMX streams bf16 there
+        return None
+    kernel = gated_kernel(weight.dtype)
+    if kernel is None:
         return None
     shape = (weight.shape[0], weight.shape[1])
     if weight.dtype == torch.float32 and _fp32_silu_and_mul_slower_at.get(shape) == _ALL_PROBE_SIZES:
         return None  # timed slower at this shape already: no copy to pack and drop per layer
-    gated = DecodeWeight(torch.ops.raylm.avx512_pack_gated_weight(weight.detach()),
-                         torch.ops.raylm.avx512_linear_silu_mul, AVX512_MAX_ROWS, LINEAR_AVX512_SILU_MUL)
+    pack, op, max_rows, kind = kernel
+    gated = DecodeWeight(pack(weight.detach()), op, max_rows, kind)
     if weight.dtype != torch.float32:
         return gated
     slower_at = fp32_silu_and_mul_slower_at(weight, packed_weight, gated)
     return None if slower_at == _ALL_PROBE_SIZES else dataclasses.replace(gated, slower_at=slower_at)
+
+
+# A gated gate_up kernel: (pack, op, max_rows, LINEAR_* kind).
+GatedKernel = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], int, int]
+
+
+def gated_kernel(dtype: torch.dtype) -> GatedKernel | None:
+    """The gated form of the streaming kernel layers take in dtype here (AVX-512, else AVX2),
+    or None where they take neither."""
+    if avx512_linear_enabled(dtype):
+        return (torch.ops.raylm.avx512_pack_gated_weight, torch.ops.raylm.avx512_linear_silu_mul, AVX512_MAX_ROWS,
+                LINEAR_AVX512_SILU_MUL)
+    if avx2_linear_enabled(dtype):
+        max_rows = AVX2_BF16_MAX_ROWS if dtype == torch.bfloat16 else AVX2_MAX_ROWS
+        return (torch.ops.raylm.avx2_pack_gated_weight, torch.ops.raylm.avx2_linear_silu_mul, max_rows,
+                LINEAR_AVX2_SILU_MUL)
+    return None
 
 
 # Every probe size: a streaming copy slower at all of them is not kept.
@@ -410,7 +434,7 @@ def fp32_silu_and_mul_slower_at(weight: torch.Tensor, packed_weight: torch.Tenso
                                 gated: DecodeWeight) -> frozenset[int]:
     """The probe sizes at which the gated kernel is slower than the GEMM `linear` takes
     without a streaming copy followed by silu_and_mul (fp32; timed once per shape). Timed
-    against the plain AVX-512 kernel instead, the choice turned on noise: on a Zen 4 EPYC
+    against the plain streaming kernel instead, the choice turned on noise: on a Zen 4 EPYC
     that kernel and oneDNN were within a few percent at the ~100M Llama's gate_up (64 rows,
     weights cold), and some loads gave the layer to oneDNN, without the fused activation."""
     shape = (weight.shape[0], weight.shape[1])

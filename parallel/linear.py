@@ -166,8 +166,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     shard_id is the index of the projection a checkpoint tensor belongs to.
 
     A gate_up projection that SiLU-and-mul always follows says so (`silu_and_mul_follows`):
-    on a CPU with the AVX-512 kernel it then packs, in place of a streaming copy, one for the
-    kernel that applies the activation as it stores the products
+    on a CPU with the AVX-512 or the AVX2 kernel it then packs, in place of a streaming copy, one
+    for the kernel that applies the activation as it stores the products
     (`cpu_gemm.maybe_pack_silu_and_mul_weight`), and `silu_and_mul(x)` runs it."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, gather_output: bool = False,

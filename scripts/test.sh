@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
-# The test suite; with no arguments, the whole `tests` folder (what CI runs). Arguments go
-# to pytest and pick what runs: `./scripts/test.sh tests/test_bench_job.py`, `-k tp2`, ...
-# (with no test path among them, pytest takes pyproject's testpaths: `tests`).
-set -euo pipefail
+# The test suite. With no arguments (what CI runs): the whole `tests` folder in two parts,
+# first every test not marked `serial` on two pytest-xdist workers (whole files per worker:
+# module fixtures such as a running server stay in one process), then the `serial` ones
+# (they assert wall-clock time or machine speed) alone. The tests run one OpenMP thread
+# each, so on CI's 2 cores two workers take about half the time of one.
+# With arguments, they go to one plain pytest and pick what runs:
+# `./scripts/test.sh tests/test_bench_job.py`, `-k tp2`, ... (with no test path among them,
+# pytest takes pyproject's testpaths: `tests`).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# A hung test fails after 600 s; after an hour pytest stops starting tests and prints its
-# summary, so even a run with several hangs ends with the names of what failed (CI's own
-# limit would cut it off with none). The 30 slowest tests are listed at the end, so that a CI
-# log says where the suite's time goes on that machine.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -rfE --timeout 600 --session-timeout 3600 --durations=30 \
-  --durations-min=5 "$@"
+# A hung test fails after 600 s; after an hour (for the whole run) pytest stops starting
+# tests and prints its summary, so even a run with several hangs ends with the names of what
+# failed (CI's own limit would cut it off with none). The 30 slowest tests are listed at the
+# end, so that a CI log says where the suite's time goes on that machine.
+PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -rfE --timeout 600 --durations=30 --durations-min=5)
+
+if [ $# -gt 0 ]; then
+  exec "${PYTEST[@]}" --session-timeout 3600 "$@"
+fi
+
+START=$SECONDS
+"${PYTEST[@]}" --session-timeout 3300 -n 2 --dist loadfile -m "not serial"
+parallel_status=$?
+echo "parallel part: exit status $parallel_status after $((SECONDS - START)) s"
+"${PYTEST[@]}" --session-timeout 600 -m serial
+serial_status=$?
+echo "serial part: exit status $serial_status; the whole suite took $((SECONDS - START)) s"
+if [ "$parallel_status" -ne 0 ]; then
+  exit "$parallel_status"
+fi
+exit "$serial_status"

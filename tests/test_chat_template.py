@@ -136,6 +136,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_hostile_template_stops_at_a_bound_at_once(renderer, case):
     template, message = HOSTILE[case]
@@ -162,6 +163,7 @@ COSTLY_STEPS = "{% for i in range(80) %}{% set x = messages[0].content|list|sort
 LONG_CONTENT = [{"role": "user", "content": "ab" * 50_000}]
 
 
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 def test_a_render_with_few_costly_steps_stops_at_its_deadline():
     """The steps and sizes stay far within their bounds; the time limit stops it."""
     timed = ChatTemplateRenderer(MAX_CHARS, MAX_STEPS, timeout_s=0.5)
@@ -206,6 +208,7 @@ def test_the_sandbox_renders_as_the_renderer(tokenizer, renderer, sandbox):
                                                                          variables)
 
 
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 def test_a_render_past_the_deadline_is_stopped_there_and_the_next_renders(sandbox):
     # The worker stops SLOW at the time it was given, and renders the next one.
     render(sandbox, "{{ 1 }}")
@@ -220,6 +223,7 @@ def test_a_render_past_the_deadline_is_stopped_there_and_the_next_renders(sandbo
     assert threading.active_count() <= threads + 1
 
 
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 def test_a_worker_that_does_not_answer_by_the_deadline_is_killed(sandbox):
     """A worker held past the deadline (here stopped by SIGSTOP, as one long C-level call
     would hold it) is killed then, and the next render starts a fresh one."""
@@ -290,6 +294,7 @@ def test_the_sandbox_reports_the_templates_own_errors(sandbox):
 
 
 # ------------------------------------------------------------------- closing the sandbox
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 def test_close_kills_every_worker_and_a_render_after_it_fails_at_once():
     sandbox = ChatTemplateSandbox(MAX_CHARS, MAX_STEPS, timeout_s=30.0)
     assert render(sandbox, "{{ 1 }}") == "1"

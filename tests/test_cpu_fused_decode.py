@@ -83,7 +83,7 @@ def _generate(runner: ModelRunner, onednn_rows: list[int] | None = None
 def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
     """Takes the layers' streaming copies away ("onednn") or every packed copy ("dense"), so
     `cpu_gemm.linear` and the fused op both take that kernel, or only gate_up's gated copy
-    ("unfused_gate_up": the AVX-512 kernel's plain copy instead, then silu_and_mul); returns
+    ("unfused_gate_up": the streaming kernel's plain copy instead, then silu_and_mul); returns
     the LINEAR_* kinds the decoder layers' linears may take."""
     for module in model.modules():
         if isinstance(module, LinearBase):
@@ -102,7 +102,8 @@ def _force_linear_kernel(model: torch.nn.Module, kernel: str) -> set[int]:
              cpu_gemm.LINEAR_DENSE}
     return {"onednn": {cpu_gemm.LINEAR_ONEDNN, cpu_gemm.LINEAR_DENSE},  # fp32 may time oneDNN slower
             "dense": {cpu_gemm.LINEAR_DENSE},
-            "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL})
+            "unfused_gate_up": every}.get(kernel, every | {cpu_gemm.LINEAR_AVX512_SILU_MUL,
+                                                            cpu_gemm.LINEAR_AVX2_SILU_MUL})
 
 
 def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
@@ -110,10 +111,10 @@ def _fused_decode(runner: ModelRunner) -> cpu_fused_decode.CpuFusedDecode:
 
 
 def _seed_gated_kernel_faster(model_dir, monkeypatch) -> tuple[int, int]:
-    """Has the fp32 gate_up shape of the model in `model_dir` timed as if the gated AVX-512
-    kernel were faster at every probe size; returns that shape. The timing at load is the
-    machine's: where the gated kernel timed slower at all of them, gate_up keeps no gated
-    copy and takes the plain AVX-512 kernel (an outcome this test then would not show)."""
+    """Has the fp32 gate_up shape of the model in `model_dir` timed as if the gated kernel
+    (AVX-512 or AVX2) were faster at every probe size; returns that shape. The timing at load
+    is the machine's: where the gated kernel timed slower at all of them, gate_up keeps no
+    gated copy and takes the plain streaming kernel (an outcome this test then would not show)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     shape = (2 * config["intermediate_size"], config["hidden_size"])
     monkeypatch.setitem(cpu_gemm._fp32_silu_and_mul_slower_at, shape, frozenset())
@@ -149,8 +150,11 @@ def test_fused_decode_steps_equal_the_modules_bitwise(model_dirs, arch, dtype, k
             dtype == torch.bfloat16 and cpu_gemm.amx_linear_enabled()):
         # gate_up_proj takes the gated kernel: bf16 always, fp32 where it timed faster (seeded)
         assert {ints[4] for _, ints in fused._args.values()} == {cpu_gemm.LINEAR_AVX512_SILU_MUL}
-    if kernel == "as_loaded" and cpu_gemm.avx2_linear_enabled(dtype) and dtype == torch.bfloat16:
-        assert used == {cpu_gemm.LINEAR_AVX2}  # without AVX-512, bf16 streams every linear through it
+    if kernel == "as_loaded" and cpu_gemm.avx2_linear_enabled(dtype):
+        # Without AVX-512 the AVX2 gated kernel, under the same rule (fp32 seeded faster)
+        assert {ints[4] for _, ints in fused._args.values()} == {cpu_gemm.LINEAR_AVX2_SILU_MUL}
+        if dtype == torch.bfloat16:  # bf16 streams every linear through the AVX2 kernels
+            assert used == {cpu_gemm.LINEAR_AVX2, cpu_gemm.LINEAR_AVX2_SILU_MUL}
 
     monkeypatch.setenv("RAYLM_TEST_DISABLE_KERNELS", "fused_decode")
     fused.reset()

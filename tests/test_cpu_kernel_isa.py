@@ -84,7 +84,7 @@ def test_the_amx_gemm_is_built_only_for_the_full_isa_of_an_amx_cpu():
 
 def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
     """fp32 with AVX-512, bf16 with AVX512-BF16 too; the AVX2 and scalar builds do without
-    (the kernel itself is tested in test_cpu_gemm_avx512, which this file's narrower runs
+    (the kernel itself is tested in test_cpu_gemm_streaming, which this file's narrower runs
     do not repeat: only the full build has both dtypes)."""
     from raylm.kernels import cpu_gemm
 
@@ -103,7 +103,9 @@ def test_the_avx512_gemm_is_built_for_the_dtypes_the_isa_has():
 def test_layers_take_the_avx2_gemm_only_where_the_build_has_avx2_and_not_avx512():
     """Decode GEMMs stream through the widest kernel built: AMX or AVX-512 where the build has
     AVX-512, the AVX2 one (fp32 and bf16) where it has AVX2 + FMA only, none in the scalar
-    build; the AVX2 kernel computes the product in every build that has it."""
+    build, and gate_up projections through the same kernel's gated form; the AVX2 kernel
+    computes the product in every build that has it, and its gated form what it and
+    silu_and_mul give, bit for bit (silu_and_mul's vectors are 16 lanes in AVX-512 builds)."""
     from raylm.kernels import cpu_gemm
 
     flags = native_build._cpu_flags().split()
@@ -123,6 +125,17 @@ def test_layers_take_the_avx2_gemm_only_where_the_build_has_avx2_and_not_avx512(
             x, w = torch.randn(9, 70, generator=gen).to(dtype), torch.randn(67, 70, generator=gen).to(dtype)
             y = torch.ops.raylm.avx2_linear(x, torch.ops.raylm.avx2_pack_weight(w), 67, None)
             assert_close(y, x.double() @ w.double().T, dtype)
+        gated = cpu_gemm.gated_kernel(dtype)
+        if has_avx2 and not has_avx512:
+            assert gated is not None and gated[3] == cpu_gemm.LINEAR_AVX2_SILU_MUL
+        else:
+            assert gated is None or gated[3] != cpu_gemm.LINEAR_AVX2_SILU_MUL
+        if has_avx2:  # d = 37: whole vectors and a tail, in either vector width
+            gate_up = torch.randn(74, 70, generator=gen).to(dtype) / 8
+            y = torch.ops.raylm.avx2_linear_silu_mul(x, torch.ops.raylm.avx2_pack_gated_weight(gate_up), 37)
+            pair = torch.ops.raylm.silu_and_mul(
+                torch.ops.raylm.avx2_linear(x, torch.ops.raylm.avx2_pack_weight(gate_up), 74, None))
+            assert torch.equal(y, pair)
 
 
 # Widths with and without a tail past the last whole vector (16 or 8 lanes).
@@ -869,6 +882,8 @@ def test_narrower_isa_passes(isa):
     if isa == "avx512_no_bf16" and "avx512_bf16" not in native_build._cpu_flags().split():
         pytest.skip("this process's own build has no AVX512-BF16 either")
     env = {**os.environ, "RAYLM_CPU_ISA": isa}
+    # Every library of this ISA first, compiled side by side (the tests would build them one by one).
+    subprocess.run([sys.executable, "-m", "raylm.kernels.native_build"], env=env, capture_output=True, timeout=600)
     result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
                              "-k", "not narrower_isa"], env=env, cwd=Path(__file__).parent.parent,
                             capture_output=True, text=True, timeout=600)

@@ -444,6 +444,7 @@ def test_a_chat_past_the_default_message_limit_is_not_rendered_for_a_key(llama_d
     assert key(limit + 1) is None
 
 
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 def test_the_router_renders_no_request_template_and_keys_the_servers_as_transformers(llama_dir):
     """A request's own template is code: the key thread never runs it (the request goes
     without a key), nor a template over chat_template_kwargs past the default limits. The

@@ -125,6 +125,7 @@ def wait_until_both_are_in_flight(base_url: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
 def test_past_max_concurrent_requests_a_request_gets_429_at_once_and_later_ones_succeed(guarded):
     held = [held_request(guarded, COMPLETION) for _ in range(2)]
     wait_until_both_are_in_flight(guarded)  # the server waits for their bodies

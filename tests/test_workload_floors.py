@@ -13,6 +13,9 @@ from raylm.cluster.benchmarks.workload_floors import (copy_bandwidth, fma_peak_f
                                                       prefill_batches, time_matmul, weight_bytes_per_step,
                                                       weight_bytes_read, workload_matmuls)
 
+# Every test here times the machine: alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=100)
 

@@ -301,7 +301,9 @@ def test_llm_with_triton_backend_matches_hf_greedy_tokens(kernels, llama_dir):
     from raylm.engine import LLM, SamplingParams
 
     prompts = [[5, 17, 300, 42], [9] * 19, list(range(4, 40))]
-    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=8, attention_backend="triton")
+    # A small budget: the warm-up's full-budget prefill step runs interpreted too.
+    llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+              attention_backend="triton")
     try:
         layers = llm.llm_engine.executor.driver_worker.model_runner._attention_layers()
         backends = {getattr(getattr(layer, "attn_backend", None), "name", None) for layer in layers}

@@ -105,7 +105,8 @@ def test_llm_on_the_triton_backend_generates_hf_greedy_tokens_for_gpt_oss(kernel
 
     model_dir = build_tiny_gpt_oss(tmp_path / "gpt_oss", seed=3)
     prompts = [[5, 17, 33, 2, 9, 101, 44, 12, 60, 7, 88, 3], [250, 11]]  # the first past the window of 8
-    llm = LLM(model=str(model_dir), dtype="float32", attention_backend="triton", max_model_len=64, max_num_seqs=4)
+    llm = LLM(model=str(model_dir), dtype="float32", attention_backend="triton", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=64)  # the warm-up's full-budget prefill runs interpreted too
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

@@ -17,7 +17,8 @@
 //   qkv = linear(hidden); rotary on q and k (in place); write k, v to the layer's cache slots;
 //   attn = paged_decode_attention(q, the layer's sliding window); hidden = linear(attn)
 //   residual += hidden; hidden = rms_norm(residual); hidden = linear(silu_and_mul(linear(hidden)))
-//   (the inner two as one avx512_linear_silu_mul where gate_up_proj has the gated copy)
+//   (the inner two as one avx512_linear_silu_mul or avx2_linear_silu_mul where gate_up_proj
+//   has the gated copy)
 // and returns (hidden, residual) after the last layer. A residual_multiplier other than 1
 // (Granite's) scales each block's output, attention's and the MLP's, before its residual add,
 // as GraniteDecoderLayer does (`hidden * multiplier`: the same mul kernel, here in place on the
@@ -39,8 +40,8 @@
 // post_feedforward_layernorm weights), then (weight, bias or None) for qkv_proj, o_proj,
 // gate_up_proj and down_proj, then k_cache and v_cache, then the q and k norm weights (both
 // None: no q/k norms). `ints` holds, per layer, the kernel
-// (LinearKind) and out_features of each of the four linears (for kAvx512SiluMul, the d of
-// its [T, d] output). `sliding_windows` holds each layer's window (0: none). The caller chooses each linear's
+// (LinearKind) and out_features of each of the four linears (for kAvx512SiluMul and
+// kAvx2SiluMul, the d of its [T, d] output). `sliding_windows` holds each layer's window (0: none). The caller chooses each linear's
 // kernel and weight copy for this batch size exactly as parallel/cpu_gemm.linear would.
 //
 // With LoRA (`lora_token_slots` given: each token's adapter slot, -1 for the base model), each
@@ -67,9 +68,11 @@
 
 namespace {
 
-// parallel/cpu_gemm.py's LINEAR_* constants. kAvx512SiluMul is gate_up_proj only: the AVX-512
-// kernel on its gated copy, whose output is silu(gate) * up.
-enum LinearKind : int64_t { kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx512SiluMul = 4, kAvx2 = 5 };
+// parallel/cpu_gemm.py's LINEAR_* constants. kAvx512SiluMul and kAvx2SiluMul are gate_up_proj
+// only: the AVX-512 or AVX2 kernel on its gated copy, whose output is silu(gate) * up.
+enum LinearKind : int64_t {
+  kAvx512 = 0, kAmx = 1, kOneDnn = 2, kDense = 3, kAvx512SiluMul = 4, kAvx2 = 5, kAvx2SiluMul = 6
+};
 
 constexpr int64_t kTensorsPerLayer = 14;
 constexpr int64_t kIntsPerLayer = 8;
@@ -133,6 +136,18 @@ at::Tensor linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, i
     default:
       TORCH_CHECK(false, "raylm::llama_decode_layers: unknown linear kernel ", kind);
   }
+}
+
+// silu(x Wg^T) * (x Wu^T) by the gated kernel `kind` (kAvx512SiluMul or kAvx2SiluMul), each
+// op looked up at its first use: a process has the library of the one its layers took.
+at::Tensor gated_linear(int64_t kind, const at::Tensor& x, const at::Tensor& weight, int64_t d) {
+  using GatedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+  if (kind == kAvx512SiluMul) {
+    static const auto op = typed_op<GatedLinear>("raylm::avx512_linear_silu_mul");
+    return op.call(x, weight, d);
+  }
+  static const auto op = typed_op<GatedLinear>("raylm::avx2_linear_silu_mul");
+  return op.call(x, weight, d);
 }
 
 struct Ops {
@@ -264,11 +279,9 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
       op.fused_add_rms_norm.call(hidden, residual, *slots[1], eps);
     }
     at::Tensor activation;
-    if (kinds[4] == kAvx512SiluMul) {
+    if (kinds[4] == kAvx512SiluMul || kinds[4] == kAvx2SiluMul) {
       TORCH_CHECK(!lora, "raylm::llama_decode_layers: gate_up_proj's gated kernel cannot take a LoRA term");
-      static const auto gated = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>(
-          "raylm::avx512_linear_silu_mul");
-      activation = gated.call(hidden, *slots[6], kinds[5]);
+      activation = gated_linear(kinds[4], hidden, *slots[6], kinds[5]);
     } else {
       at::Tensor gate_up = linear(kinds[4], hidden, *slots[6], kinds[5], slots[7]);
       if (lora) add_lora(gate_up, hidden, lora_layer + 6, kLoRASlices[2], *lora_token_slots, lora_rank);

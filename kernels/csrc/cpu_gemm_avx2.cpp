@@ -23,8 +23,16 @@
 // the broadcast x: 15 of the 16. Activations are fp32 inside (bf16 rows are widened once per
 // call); partial sums across blocks stay in a small per-thread buffer.
 //
+// Gated form (a gate_up projection that SiLU-and-mul follows): avx2_pack_gated_weight puts
+// 8 gate columns and the 8 up columns of the same outputs in each panel, so the micro-kernel's
+// tile holds both (in bf16 one lane holds an output's gate and up weights), and
+// avx2_linear_silu_mul stores silu(gate) * up from the panel's accumulators, never writing the
+// [.., 2d] projection out; bit for bit what avx2_linear and silu_and_mul give.
+//
 // Ops: torch.ops.raylm.avx2_linear_available(dtype), avx2_pack_weight(weight),
-// avx2_linear(x, packed_weight, out_features, bias). Where the build has no AVX2 + FMA
+// avx2_linear(x, packed_weight, out_features, bias), avx2_pack_gated_weight(weight),
+// avx2_linear_silu_mul(x, packed_weight, d); their argument checks and packing loop are
+// cpu_gemm_op_shell.h's, shared with the AVX-512 kernel. Where the build has no AVX2 + FMA
 // (RAYLM_CPU_ISA=scalar) avx2_linear_available is False and callers keep oneDNN or F.linear.
 // AVX-512 builds compile it too (AVX-512 CPUs have AVX2), so their tests run it; cpu_gemm.py
 // takes the AVX-512 kernel there.
@@ -33,19 +41,17 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_gemm_op_shell.h"
 #include "cpu_vec.h"
-#include "huge_pages.h"
 
 namespace {
 
@@ -185,19 +191,69 @@ void multiply_panel(const float* x, int64_t x_stride, int64_t M, int64_t K, cons
   }
 }
 
-// The whole GEMM for x [M, K] fp32 (rows x_stride apart, K contiguous) into out [M, N].
+// The gated epilogue (avx2_linear_silu_mul): a panel's 16 columns are 8 gate columns then the
+// 8 up columns of the same outputs, and out[0:cols] = silu(gate) * up for the outputs
+// [n0, n0 + cols) of a row. Each half is first stored in out's dtype as avx2_linear's
+// store_row would (plus its zero bias: -0 + 0 is +0), and silu_and_mul's (cpu_ops.cpp) own
+// formulas follow: vsilu over the row's vector part (its first `vector_end` outputs, whole
+// vectors of kVecWidth: 8 lanes, or 16 in an AVX-512 build), its scalar formula past it. vsilu
+// works lane by lane, so 8 outputs in a vector of 16 get the lanes silu_and_mul's vector gives
+// them: the pair's result bit for bit, in every build.
 template <typename W>
+inline void store8_as(W* out, __m256 v) {
+  if constexpr (std::is_same_v<W, float>) {
+    _mm256_storeu_ps(out, v);
+  } else {
+    store8(out, v);
+  }
+}
+
+template <typename W>
+void store_silu_mul_row(const float* c, int64_t n0, int64_t cols, int64_t vector_end, W* out) {
+  constexpr int64_t kHalf = kPanelN / 2;
+  const __m256 zero = _mm256_setzero_ps();
+  W gate[kVecWidth] = {}, up[kVecWidth] = {};  // as stored; lanes past 8 (AVX-512 builds) zero
+  store8_as(gate, _mm256_add_ps(_mm256_loadu_ps(c), zero));
+  store8_as(up, _mm256_add_ps(_mm256_loadu_ps(c + kHalf), zero));
+  if (kVecWidth == kHalf && cols == kHalf && n0 + kHalf <= vector_end) {  // AVX2 builds, all but a row's tail
+    vstore(out, vmul(vsilu(vload(gate)), vload(up)));
+    return;
+  }
+  W vector_result[kVecWidth];
+  vstore(vector_result, vmul(vsilu(vload(gate)), vload(up)));
+  for (int64_t j = 0; j < cols; ++j) {
+    if (n0 + j < vector_end) {
+      out[j] = vector_result[j];
+    } else {
+      const float g = to_float(gate[j]);
+      store_scalar(out + j, g / (1.0f + std::exp(-g)) * to_float(up[j]));
+    }
+  }
+}
+
+// The whole GEMM for x [M, K] fp32 (rows x_stride apart, K contiguous) into out [M, N]; with
+// kSiluMul, N is d, the packed weight is gated (avx2_pack_gated_weight: ceil(d / 8) panels)
+// and out [M, d] gets silu(gate) * up.
+template <typename W, bool kSiluMul = false>
 void linear_panels(const float* x, int64_t x_stride, int64_t M, int64_t K, const W* packed, int64_t N,
                    const float* bias, W* out) {
   const int64_t panel_elements = K * kPanelN;
-  const int64_t n_panels = round_up(N, kPanelN) / kPanelN;
+  const int64_t panel_outputs = kSiluMul ? kPanelN / 2 : kPanelN;
+  const int64_t n_panels = round_up(N, panel_outputs) / panel_outputs;
+  const int64_t vector_end = N / kVecWidth * kVecWidth;  // silu_and_mul's vector part of a row
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(M * kPanelN);
     for (int64_t p = begin; p < end; ++p) {
       const W* panel = packed + p * panel_elements;
       multiply_panel<W>(x, x_stride, M, K, panel, p + 1 == end ? nullptr : panel + panel_elements, c.data());
-      const int64_t n0 = p * kPanelN, cols = std::min(kPanelN, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_row(c.data() + m * kPanelN, bias + n0, cols, out + m * N + n0);
+      const int64_t n0 = p * panel_outputs, cols = std::min(panel_outputs, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        if constexpr (kSiluMul) {
+          store_silu_mul_row(c.data() + m * kPanelN, n0, cols, vector_end, out + m * N + n0);
+        } else {
+          store_row(c.data() + m * kPanelN, bias + n0, cols, out + m * N + n0);
+        }
+      }
     }
   });
 }
@@ -207,84 +263,86 @@ bool avx2_linear_available(at::ScalarType dtype) {
   return RAYLM_AVX2 && (dtype == at::kFloat || dtype == at::kBFloat16);
 }
 
-void check_dtype(const char* op, at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "raylm::", op, " takes fp32 or bf16, not ", dtype);
-  TORCH_CHECK(avx2_linear_available(dtype), "raylm::", op, ": this build has no AVX2 + FMA kernel");
+constexpr op_shell::KernelDtypes kDtypes{&avx2_linear_available, "this build has no AVX2 + FMA kernel for "};
+
+// The packed sizes for K: [n_panels, K, 16] in the weight's dtype.
+auto packed_sizes(int64_t n_panels) {
+  return [n_panels](int64_t K, at::ScalarType) { return std::array<int64_t, 3>{n_panels, K, kPanelN}; };
+}
+
+// weight [*, K] -> n_panels panels as described at the top, column j of panel p holding weight
+// row source_row(p, j) (zeros where that is negative).
+template <typename SourceRow>
+at::Tensor pack_panels(const char* op, const at::Tensor& weight, int64_t n_panels, SourceRow source_row) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const int64_t K = weight.dim() == 2 ? weight.size(1) : 0;
+  return op_shell::pack_panels(op, weight, kDtypes, kPanelN, packed_sizes(n_panels), source_row,
+                               [=](int64_t p, int64_t j, int64_t k) {
+                                 const int64_t at = bf16 ? position_in_step<uint16_t>(j) : position_in_step<float>(j);
+                                 return (p * K + k) * kPanelN + at;
+                               });
 }
 
 // w [N, K] -> the panels described at the top, [n_panels, K, 16] in the weight's dtype.
-at::Tensor avx2_pack_weight(const at::Tensor& weight_in) {
-  TORCH_CHECK(weight_in.device().is_cpu() && weight_in.dim() == 2,
-              "raylm::avx2_pack_weight takes a 2-D CPU weight [out_features, in_features]");
-  check_dtype("avx2_pack_weight", weight_in.scalar_type());
-  const at::Tensor weight = weight_in.contiguous();
-  const int64_t N = weight.size(0), K = weight.size(1), n_panels = round_up(N, kPanelN) / kPanelN;
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  const int64_t element = weight.element_size();
-  at::Tensor packed = zeros_on_huge_pages({n_panels, K, kPanelN}, weight.options());
-  const char* w = static_cast<const char*>(weight.data_ptr());
-  char* out = static_cast<char*>(packed.data_ptr());
-  at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t j = 0; j < kPanelN && p * kPanelN + j < N; ++j) {
-        const int64_t n = p * kPanelN + j;
-        const int64_t at_step = bf16 ? position_in_step<uint16_t>(j) : position_in_step<float>(j);
-        for (int64_t k = 0; k < K; ++k) {
-          std::memcpy(out + ((p * K + k) * kPanelN + at_step) * element, w + (n * K + k) * element, element);
-        }
-      }
-    }
+at::Tensor avx2_pack_weight(const at::Tensor& weight) {
+  const int64_t N = weight.dim() == 2 ? weight.size(0) : 0;
+  return pack_panels("avx2_pack_weight", weight, round_up(N, kPanelN) / kPanelN,
+                     [N](int64_t p, int64_t j) { return p * kPanelN + j < N ? p * kPanelN + j : -1; });
+}
+
+// w [2d, K], gate_proj's d rows then up_proj's (a gate_up projection) -> ceil(d / 8) panels,
+// panel p holding gate rows [8 p, 8 p + 8) in its first 8 columns and the up rows of the same
+// outputs in its last 8 (in bf16, one lane holds an output's gate and up weights), so that
+// one micro-kernel tile holds both, for avx2_linear_silu_mul.
+at::Tensor avx2_pack_gated_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0,
+              "raylm::avx2_pack_gated_weight takes a weight [2d, in_features] (gate rows, then up rows)");
+  const int64_t d = weight.size(0) / 2, half = kPanelN / 2;
+  return pack_panels("avx2_pack_gated_weight", weight, round_up(d, half) / half, [d, half](int64_t p, int64_t j) {
+    const int64_t output = p * half + j % half;
+    return output < d ? output + (j < half ? 0 : d) : -1;
   });
-  return packed;
+}
+
+// The GEMM of x [..., K] by a packed weight of n_panels panels into out [..., N] (N outputs:
+// the weight's rows, or with kSiluMul the gated weight's d), checking what the op was given.
+template <bool kSiluMul>
+at::Tensor run_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                      int64_t n_panels, const c10::optional<at::Tensor>& bias) {
+  return op_shell::run_linear(
+      op, kDtypes, x_in, packed, N, n_panels * kPanelN, bias, packed_sizes(n_panels),
+      [&](at::Tensor x, const float* bias_f32, at::Tensor& out) {
+#if RAYLM_AVX2
+        // fp32 rows: bf16 activations are widened once here (exactly), not per panel in the
+        // inner loop.
+        const bool bf16 = x.scalar_type() == at::kBFloat16;
+        if (bf16) x = x.to(at::kFloat);
+        const int64_t M = x.size(0), K = x.size(1);
+        const float* rows = static_cast<const float*>(x.data_ptr());
+        if (bf16) {
+          linear_panels<uint16_t, kSiluMul>(rows, x.stride(0), M, K, static_cast<const uint16_t*>(packed.data_ptr()),
+                                            N, bias_f32, static_cast<uint16_t*>(out.data_ptr()));
+        } else {
+          linear_panels<float, kSiluMul>(rows, x.stride(0), M, K, static_cast<const float*>(packed.data_ptr()), N,
+                                         bias_f32, static_cast<float*>(out.data_ptr()));
+        }
+#endif
+      });
 }
 
 // x [..., K] fp32 or bf16, packed from avx2_pack_weight of W [N, K] of x's dtype, bias [N]
 // fp32 or x's dtype or None: returns x W^T + bias [..., N] in x's dtype.
-at::Tensor avx2_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const c10::optional<at::Tensor>& bias) {
-  constexpr const char* op = "avx2_linear";
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1, "raylm::", op, " takes CPU activations [..., K]");
-  const at::ScalarType dtype = x_in.scalar_type();
-  check_dtype(op, dtype);
-  const int64_t K = x_in.size(-1), n_panels = round_up(std::max<int64_t>(N, 0), kPanelN) / kPanelN;
-  TORCH_CHECK(N >= 0 && packed.scalar_type() == dtype && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == n_panels && packed.size(1) == K && packed.size(2) == kPanelN,
-              "raylm::", op, ": the packed weight does not match K = ", K, ", N = ", N, " and ", dtype);
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() &&
-                                    (bias->scalar_type() == dtype || bias->scalar_type() == at::kFloat)),
-              "raylm::", op, ": bias must be [N] fp32 or of x's dtype");
-  std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
-  out_sizes.back() = N;
-  at::Tensor out = at::empty(out_sizes, x_in.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t M = c10::multiply_integers(x_in.sizes().begin(), x_in.sizes().end() - 1);  // K may be 0
-  if (M == 0 || N == 0) return out;
-  if (K == 0) {  // every product is zero
-    out.zero_();
-    out.add_(bias.has_value() ? *bias : at::zeros({N}, out.options()));
-    return out;
-  }
-#if RAYLM_AVX2
-  // fp32 rows with K contiguous: bf16 activations are widened once here (exactly), not per
-  // panel in the inner loop.
-  at::Tensor x = x_in.reshape({M, K});
-  if (dtype == at::kBFloat16) x = x.to(at::kFloat);
-  if (x.stride(1) != 1) x = x.contiguous();
-  // The bias in fp32, padded to whole panels (zeros without one).
-  std::vector<float> bias_f32(n_panels * kPanelN, 0.0f);
-  if (bias.has_value()) {
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    std::memcpy(bias_f32.data(), b.data_ptr(), N * sizeof(float));
-  }
-  const float* rows = static_cast<const float*>(x.data_ptr());
-  if (dtype == at::kBFloat16) {
-    linear_panels<uint16_t>(rows, x.stride(0), M, K, static_cast<const uint16_t*>(packed.data_ptr()), N,
-                            bias_f32.data(), static_cast<uint16_t*>(out.data_ptr()));
-  } else {
-    linear_panels<float>(rows, x.stride(0), M, K, static_cast<const float*>(packed.data_ptr()), N, bias_f32.data(),
-                         static_cast<float*>(out.data_ptr()));
-  }
-#endif
-  return out;
+  return run_linear<false>("avx2_linear", x, packed, N, round_up(std::max<int64_t>(N, 0), kPanelN) / kPanelN, bias);
+}
+
+// x [..., K] fp32 or bf16, packed from avx2_pack_gated_weight of a gate_up weight [2d, K]:
+// returns silu(x Wg^T) * (x Wu^T) [..., d] in x's dtype, what avx2_linear and then
+// silu_and_mul give (bit for bit), in one pass that never writes the [..., 2d] projection out.
+at::Tensor avx2_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t d) {
+  return run_linear<true>("avx2_linear_silu_mul", x, packed, d,
+                          round_up(std::max<int64_t>(d, 0), kPanelN / 2) / (kPanelN / 2), c10::nullopt);
 }
 
 }  // namespace
@@ -292,10 +350,14 @@ at::Tensor avx2_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 TORCH_LIBRARY_FRAGMENT(raylm, m) {
   m.def("avx2_linear_available(ScalarType dtype) -> bool", &avx2_linear_available);  // no tensors: one kernel
   m.def("avx2_pack_weight(Tensor weight) -> Tensor");
+  m.def("avx2_pack_gated_weight(Tensor weight) -> Tensor");
   m.def("avx2_linear(Tensor x, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("avx2_linear_silu_mul(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("avx2_pack_weight", &avx2_pack_weight);
+  m.impl("avx2_pack_gated_weight", &avx2_pack_gated_weight);
   m.impl("avx2_linear", &avx2_linear);
+  m.impl("avx2_linear_silu_mul", &avx2_linear_silu_mul);
 }

@@ -31,18 +31,16 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/accumulate.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cpu_gemm_avx512_panels.h"
-#include "huge_pages.h"
+#include "cpu_gemm_op_shell.h"
 
 namespace {
 
@@ -88,41 +86,29 @@ bool avx512_linear_available(at::ScalarType dtype) {
   return false;
 }
 
-void check_dtype(const char* op, at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "raylm::", op, " takes fp32 or bf16, not ", dtype);
-  TORCH_CHECK(avx512_linear_available(dtype), "raylm::", op, ": this build or CPU has no AVX-512 kernel for ", dtype);
+constexpr op_shell::KernelDtypes kDtypes{&avx512_linear_available, "this build or CPU has no AVX-512 kernel for "};
+
+// The packed sizes for K: [n_panels, steps, 256 bytes of the dtype].
+auto packed_sizes(int64_t n_panels) {
+  return [n_panels](int64_t K, at::ScalarType dtype) {
+    const bool bf16 = dtype == at::kBFloat16;
+    return std::array<int64_t, 3>{n_panels, steps_of(K, bf16), kStepBytes / (bf16 ? 2 : 4)};
+  };
 }
 
 // weight [*, K] -> n_panels panels as described at the top, [n_panels, steps, 256 bytes] in
 // the weight's dtype, column j of panel p holding weight row source_row(p, j) (zeros where
 // that is negative).
 template <typename SourceRow>
-at::Tensor pack_panels(const char* op, const at::Tensor& weight_in, int64_t n_panels, SourceRow source_row) {
-  TORCH_CHECK(weight_in.device().is_cpu() && weight_in.dim() == 2,
-              "raylm::", op, " takes a 2-D CPU weight [out_features, in_features]");
-  check_dtype(op, weight_in.scalar_type());
-  const at::Tensor weight = weight_in.contiguous();
+at::Tensor pack_panels(const char* op, const at::Tensor& weight, int64_t n_panels, SourceRow source_row) {
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  const int64_t K = weight.size(1), steps = steps_of(K, bf16);
-  const int64_t element = weight.element_size(), step_elements = kStepBytes / element;
-  at::Tensor packed = zeros_on_huge_pages({n_panels, steps, step_elements}, weight.options());
-  const char* w = static_cast<const char*>(weight.data_ptr());
-  char* out = static_cast<char*>(packed.data_ptr());
-  const int64_t k_per_step = bf16 ? 2 : 1;
-  at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t j = 0; j < kPanelN; ++j) {
-        const int64_t n = source_row(p, j);
-        if (n < 0) continue;
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t s = k / k_per_step, h = k % k_per_step;
-          std::memcpy(out + ((p * steps + s) * step_elements + j * k_per_step + h) * element,
-                      w + (n * K + k) * element, element);
-        }
-      }
-    }
-  });
-  return packed;
+  const int64_t K = weight.dim() == 2 ? weight.size(1) : 0, steps = steps_of(K, bf16);
+  const int64_t k_per_step = bf16 ? 2 : 1, step_elements = kStepBytes / (bf16 ? 2 : 4);
+  return op_shell::pack_panels(op, weight, kDtypes, kPanelN, packed_sizes(n_panels), source_row,
+                               [=](int64_t p, int64_t j, int64_t k) {
+                                 const int64_t s = k / k_per_step, h = k % k_per_step;
+                                 return (p * steps + s) * step_elements + j * k_per_step + h;
+                               });
 }
 
 // w [N, K] -> the panels described at the top.
@@ -150,56 +136,32 @@ at::Tensor avx512_pack_gated_weight(const at::Tensor& weight) {
 template <bool kSiluMul>
 at::Tensor run_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
                       int64_t n_panels, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1, "raylm::", op, " takes CPU activations [..., K]");
-  const at::ScalarType dtype = x_in.scalar_type();
-  check_dtype(op, dtype);
-  const bool bf16 = dtype == at::kBFloat16;
-  const int64_t K = x_in.size(-1), steps = steps_of(K, bf16);
-  TORCH_CHECK(N >= 0 && packed.scalar_type() == dtype && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == n_panels && packed.size(1) == steps && packed.size(2) == kStepBytes / x_in.element_size(),
-              "raylm::", op, ": the packed weight does not match K = ", K, ", N = ", N, " and ", dtype);
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() &&
-                                    (bias->scalar_type() == dtype || bias->scalar_type() == at::kFloat)),
-              "raylm::", op, ": bias must be [N] fp32 or of x's dtype");
-  std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
-  out_sizes.back() = N;
-  at::Tensor out = at::empty(out_sizes, x_in.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t M = c10::multiply_integers(x_in.sizes().begin(), x_in.sizes().end() - 1);  // K may be 0
-  if (M == 0 || N == 0) return out;
-  if (K == 0) {  // every product is zero
-    out.zero_();
-    if constexpr (!kSiluMul) out.add_(bias.has_value() ? *bias : at::zeros({N}, out.options()));
-    return out;
-  }
+  return op_shell::run_linear(
+      op, kDtypes, x_in, packed, N, n_panels * kPanelN, bias, packed_sizes(n_panels),
+      [&](at::Tensor x, const float* bias_f32, at::Tensor& out) {
 #if RAYLM_AVX512_FP32
-  // Rows with K contiguous; bf16 rows of odd K are copied with a zero appended, so the
-  // kernel's last k pair reads a zero against the packed weight's zero.
-  at::Tensor x = x_in.reshape({M, K});
-  if (x.stride(1) != 1) x = x.contiguous();
-  if (bf16 && K % 2 == 1) {
-    at::Tensor padded = at::zeros({M, K + 1}, x.options());
-    padded.narrow(1, 0, K).copy_(x);
-    x = padded;
-  }
-  // The bias in fp32, padded to whole panels (zeros without one).
-  std::vector<float> bias_f32(n_panels * kPanelN, 0.0f);
-  if (bias.has_value()) {
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    std::memcpy(bias_f32.data(), b.data_ptr(), N * sizeof(float));
-  }
-  if (bf16) {
+        const int64_t M = x.size(0), K = x.size(1);
+        const bool bf16 = x.scalar_type() == at::kBFloat16;
+        // bf16 rows of odd K are copied with a zero appended, so the kernel's last k pair
+        // reads a zero against the packed weight's zero.
+        if (bf16 && K % 2 == 1) {
+          at::Tensor padded = at::zeros({M, K + 1}, x.options());
+          padded.narrow(1, 0, K).copy_(x);
+          x = padded;
+        }
+        if (bf16) {
 #if RAYLM_AVX512_BF16
-    linear_panels<uint16_t, kSiluMul>(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K,
-                                      static_cast<const uint16_t*>(packed.data_ptr()), N, bias_f32.data(),
-                                      static_cast<uint16_t*>(out.data_ptr()));
+          linear_panels<uint16_t, kSiluMul>(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K,
+                                            static_cast<const uint16_t*>(packed.data_ptr()), N, bias_f32,
+                                            static_cast<uint16_t*>(out.data_ptr()));
 #endif
-  } else {
-    linear_panels<float, kSiluMul>(static_cast<const float*>(x.data_ptr()), x.stride(0), M, K,
-                                   static_cast<const float*>(packed.data_ptr()), N, bias_f32.data(),
-                                   static_cast<float*>(out.data_ptr()));
-  }
+        } else {
+          linear_panels<float, kSiluMul>(static_cast<const float*>(x.data_ptr()), x.stride(0), M, K,
+                                         static_cast<const float*>(packed.data_ptr()), N, bias_f32,
+                                         static_cast<float*>(out.data_ptr()));
+        }
 #endif
-  return out;
+      });
 }
 
 // x [..., K] fp32 or bf16, packed from avx512_pack_weight of W [N, K] of x's dtype, bias [N]
