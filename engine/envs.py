@@ -54,6 +54,8 @@ TEST_KERNEL_SWITCHES = {
     "triton_elementwise": "the fused Triton pointwise ops on CUDA (kernels/triton_elementwise.py): PyTorch's ops run",
     "fp8_linear": "the native FP8 decode GEMM (kernels/fp8_linear.py): weights dequantized in chunks, then F.linear",
     "int4_linear": "the native CPU GPTQ/AWQ GEMM (kernels/int4_linear.py): codes dequantized in column chunks",
+    "int4_experts": ("the native CPU dequantization of GPTQ/AWQ MoE experts (kernels/int4_fused_moe.py): "
+                     "PyTorch's"),
 }
 
 

@@ -11,7 +11,10 @@ An element dequantizes to `(code - zero) * scale` of its input row's group and i
 column, computed in fp32 and rounded to the activations' dtype once: what the dense layers
 compute (`int4_linear.dequantize`). Without act order the groups are runs of `group_size`
 rows, so zeros and scales broadcast over each run; under desc_act each row's are gathered.
-The codes are brought into the [out, in] layout the kernels take while they are small (GPTQ's
+On the CPU `csrc/cpu_int4_experts.cpp` does all of it in one native pass (the codes widened in
+registers, each output element written once), bit for bit as the PyTorch code below, which
+runs elsewhere (CUDA, no native build, `RAYLM_TEST_DISABLE_KERNELS=int4_experts`): there the
+codes are brought into the [out, in] layout the kernels take while they are small (GPTQ's
 packed tensor, AWQ's codes as bytes), so every fp32 pass runs over contiguous memory.
 """
 
@@ -22,7 +25,9 @@ import sys
 
 import torch
 
+from raylm.engine import envs
 from raylm.kernels.int4_linear import AWQ_PACK_ORDER
+from raylm.kernels.native_build import load_native_library
 
 
 @functools.cache
@@ -53,6 +58,13 @@ def _unpack_last(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], -1)
 
 
+def _native_runs(qweight: torch.Tensor, dtype: torch.dtype, bits: int, awq: bool) -> bool:
+    """Whether `csrc/cpu_int4_experts.cpp` dequantizes these experts: CPU tensors, an fp32 or
+    bf16 result, a format it reads (AWQ is 4 bits), the library built, its switch on."""
+    return (qweight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and (bits == 4 or not awq)
+            and not envs.kernel_switched_off("int4_experts") and load_native_library("cpu_int4_experts") is not None)
+
+
 def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                             g_idx: torch.Tensor | None, experts: torch.Tensor, bits: int, awq: bool, zero_offset: int,
                             dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
@@ -60,6 +72,9 @@ def dequantize_int4_experts(qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     (the fused-experts kernels' w13 / w2 layout). Each input row's group: `g_idx` [E, in]
     (under desc_act; `group_size` None), else row // `group_size`. `zero_offset` is added to
     the stored zeros (1 for GPTQ's v1 format)."""
+    if _native_runs(qweight, dtype, bits, awq):
+        return torch.ops.raylm.dequantize_int4_experts(qweight, qzeros, scales, g_idx if group_size is None else None,
+                                                       experts, bits, awq, zero_offset, group_size or 0, dtype)
     n, out_features = experts.numel(), scales.shape[-1]
     if awq:  # codes [n, in, out], transposed as bytes
         codes = _unpack_last(qweight[experts], bits, awq=True).transpose(1, 2).contiguous()

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).parent / "csrc"
 # What serving uses, built by `python -m raylm.kernels.native_build` (scripts/setup.sh).
 LIBRARY_NAMES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention", "cpu_gemm_amx", "cpu_gemm_avx512", "cpu_gemm_avx2",
-                 "cpu_decode_layers", "cpu_fused_moe", "shm_comm", "cpu_lora", "cpu_fp8_linear", "cpu_int4_linear")
+                 "cpu_decode_layers", "cpu_fused_moe", "shm_comm", "cpu_lora", "cpu_fp8_linear", "cpu_int4_linear",
+                 "cpu_int4_experts")
 # Built at first use only: the FMA-peak loop of the benchmarks' floors (workload_floors.py).
 BENCHMARK_LIBRARY_NAMES = ("cpu_peak_flops",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

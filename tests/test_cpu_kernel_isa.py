@@ -997,3 +997,50 @@ def test_int4_linear_multiplies_gptq_and_awq_codes_as_float64_does():
             expected = x.double() @ weight
             torch.testing.assert_close(native_product(x, layout, packed, zero_offset, bits).double(), expected,
                                        rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+# (method, bits, group_size (-1: one group), desc_act, zero_offset, in, out): GPTQ v1 (zeros
+# stored minus 1) and v2, 4 and 8 bits, AWQ; 76 and 75 inputs leave a partial last group and
+# a tail past the last whole vector of every width, 72 a tail of AVX-512's 16.
+INT4_EXPERT_CASES = [("gptq", 4, 128, False, 1, 256, 48), ("gptq", 8, 32, False, 0, 76, 40),
+                     ("gptq", 4, -1, False, 1, 72, 24), ("gptq", 4, 32, True, 1, 96, 16),
+                     ("gptq", 8, 16, True, 0, 64, 8), ("awq", 4, 32, False, 0, 75, 40),
+                     ("awq", 4, -1, False, 0, 64, 16)]
+
+
+@pytest.mark.parametrize("method,bits,group_size,desc_act,zero_offset,in_features,out_features", INT4_EXPERT_CASES,
+                         ids=["gptq-v1-g128", "gptq-v2-8-bit-g32-partial", "gptq-one-group", "gptq-desc-act",
+                              "gptq-8-bit-desc-act", "awq-g32-partial", "awq-one-group"])
+def test_int4_experts_dequantize_bit_for_bit_as_the_pytorch_fallback(
+        monkeypatch, method, bits, group_size, desc_act, zero_offset, in_features, out_features):
+    """csrc/cpu_int4_experts.cpp (GPTQ/AWQ MoE experts): the chosen experts' [out, in] weights,
+    every bit of random packed codes and zeros, equal to kernels/int4_fused_moe.py's PyTorch
+    dequantization (its kernel switch off) in fp32 and bf16."""
+    from raylm.kernels import int4_fused_moe
+
+    if native_build.load_native_library("cpu_int4_experts") is None:
+        pytest.skip("the int4 experts kernel cannot be built here")
+    generator = torch.Generator().manual_seed(bits + in_features)
+    experts, pack, awq = 3, 32 // bits, method == "awq"
+    groups = 1 if group_size == -1 else -(-in_features // group_size)
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=generator)
+    qweight = (words(experts, in_features, out_features // 8) if awq
+               else words(experts, in_features // pack, out_features))
+    qzeros = words(experts, groups, out_features // pack)
+    scales = torch.randn(experts, groups, out_features, generator=generator) * 0.01
+    g_idx = (torch.randint(0, groups, (experts, in_features), dtype=torch.int32, generator=generator) if desc_act
+             else None)
+    rows_per_group = None if desc_act else in_features if group_size == -1 else group_size
+    chosen = torch.tensor([2, 0])
+    for dtype in DTYPES:
+        native = torch.ops.raylm.dequantize_int4_experts(qweight, qzeros, scales, g_idx, chosen, bits, awq, zero_offset,
+                                                         rows_per_group or 0, dtype)
+        assert native.dtype == dtype and native.shape == (2, out_features, in_features)
+        assert torch.equal(int4_fused_moe.dequantize_int4_experts(qweight, qzeros, scales, g_idx, chosen, bits, awq,
+                                                                  zero_offset, dtype, rows_per_group), native)
+        with monkeypatch.context() as switched:
+            switched.setenv("RAYLM_TEST_DISABLE_KERNELS", "int4_experts")
+            assert not int4_fused_moe._native_runs(qweight, dtype, bits, awq)
+            fallback = int4_fused_moe.dequantize_int4_experts(qweight, qzeros, scales, g_idx, chosen, bits, awq,
+                                                              zero_offset, dtype, rows_per_group)
+        assert torch.equal(native, fallback)

@@ -28,7 +28,7 @@ PACKAGES = ("engine", "executors", "kernels", "parallel", "models", "deploy", "c
     ("RAYLM_TEST_DISABLE_KERNELS", "fused_ops,flash",
      "RAYLM_TEST_DISABLE_KERNELS must be a comma-separated list of fused_ops, fused_decode, packed_linear, "
      "amx_linear, avx512_linear, avx2_linear, silu_and_mul_linear, shm_comm, lora_kernel, triton_elementwise, "
-     "fp8_linear, int4_linear, got 'fused_ops,flash'."),
+     "fp8_linear, int4_linear, int4_experts, got 'fused_ops,flash'."),
 ])
 def test_a_value_not_allowed_is_an_error_naming_the_variable_the_value_and_the_choices(monkeypatch, name, value,
                                                                                           message):

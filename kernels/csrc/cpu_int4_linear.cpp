@@ -30,11 +30,11 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
+#include "int4_codes.h"
 
 namespace {
 
@@ -45,6 +45,10 @@ using raylm::vmul;
 using raylm::vset1;
 using raylm::vstore;
 using raylm::vsub;
+using raylm::int4::codes_at;
+using raylm::int4::for_each_code;
+using raylm::int4::load_words;
+using raylm::int4::vwords;
 
 constexpr int kBlockColumns = 32;  // python: int4_linear.BLOCK_COLUMNS
 constexpr int kChunkRows = 128;    // python: int4_linear.CHUNK_ROWS (a tile of 16 KiB)
@@ -67,40 +71,6 @@ constexpr int kTileTokens = 3;
 constexpr int kWordsTokens = 2;
 constexpr int kTileTokens = 2;
 #endif
-
-// kLanes packed words (one per column) and their codes at one bit offset, as floats.
-#if RAYLM_AVX512
-using vwords = __m512i;
-inline vwords load_words(const int32_t* p) { return _mm512_loadu_si512(p); }
-template <int kShift, int kMask>
-inline vfloat codes_at(vwords w) {
-  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, kShift), _mm512_set1_epi32(kMask)));
-}
-#elif RAYLM_AVX2
-using vwords = __m256i;
-inline vwords load_words(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-template <int kShift, int kMask>
-inline vfloat codes_at(vwords w) {
-  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, kShift), _mm256_set1_epi32(kMask)));
-}
-#else
-using vwords = uint32_t;
-inline vwords load_words(const int32_t* p) { return static_cast<uint32_t>(*p); }
-template <int kShift, int kMask>
-inline vfloat codes_at(vwords w) {
-  return static_cast<float>((w >> kShift) & kMask);
-}
-#endif
-
-// Calls f(std::integral_constant<int, 0>), ..., f(std::integral_constant<int, N - 1>): the
-// code index as a compile-time constant, so every shift is an immediate.
-template <int N, typename F, int I = 0>
-inline void for_each_code(F&& f) {
-  if constexpr (I < N) {
-    f(std::integral_constant<int, I>{});
-    for_each_code<N, F, I + 1>(std::forward<F>(f));
-  }
-}
 
 // One chunk's contribution for TR tokens: sums[t][:] += s * acc[t] - zs * xsum[t].
 template <int TR>
