@@ -57,11 +57,8 @@ def keep_freed_memory() -> bool:
         return False
     if any(name in os.environ.get("LD_PRELOAD", "") for name in _PRELOADED_ALLOCATORS):
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -75,12 +72,19 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Gives the heap's free pages back to the system (glibc's `malloc_trim`), after loading
     weights; True where it released any. A no-op where the C library is not glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _glibc_function("malloc_trim")
+    if malloc_trim is None:
         return False
     malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim.restype = ctypes.c_int
     return malloc_trim(0) == 1
+
+
+def _glibc_function(name: str):
+    """glibc's function `name` through ctypes; None where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
