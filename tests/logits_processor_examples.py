@@ -14,16 +14,21 @@ from raylm.engine.sampling_params import SamplingParams
 
 
 class DummyLogitsProcessor(LogitsProcessor):
-    """vLLM's docs' example: masks every token but `target_token` in the requests that set it."""
+    """vLLM's docs' example: masks every token but `target_token` in the requests that set it.
+    One line added: an added request without a target clears its index, which a request
+    removed in the same update may have held (vLLM gives removed indices to added requests
+    first; raylm does only when the batch has no other free row)."""
+
+    target_key = "target_token"  # the extra_args key read
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.req_info: dict[int, int] = {}
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        target = (sampling_params.extra_args or {}).get("target_token")
+        target = (sampling_params.extra_args or {}).get(cls.target_key)
         if target is not None and not (isinstance(target, int) and target >= 0):
-            raise ValueError(f"target_token must be a non-negative integer, got {target!r}")
+            raise ValueError(f"{cls.target_key} must be a non-negative integer, got {target!r}")
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -32,8 +37,10 @@ class DummyLogitsProcessor(LogitsProcessor):
         if not batch_update:
             return
         for index, params, _, _ in batch_update.added:
-            if params.extra_args and (target_token := params.extra_args.get("target_token")) is not None:
+            if params.extra_args and (target_token := params.extra_args.get(self.target_key)) is not None:
                 self.req_info[index] = target_token
+            else:
+                self.req_info.pop(index, None)
         if self.req_info:
             for index in batch_update.removed:
                 self.req_info.pop(index, None)
@@ -57,9 +64,11 @@ class DummyLogitsProcessor(LogitsProcessor):
 
 
 class ArgmaxInvariantDummy(DummyLogitsProcessor):
-    """The same masking declared argmax-invariant (wrongly, on purpose): the sampler must
-    run it only for batches with a random row, after greedy rows took their argmax."""
+    """The same masking, of extra_args["late_target"], declared argmax-invariant (wrongly, on
+    purpose): the sampler must run it only for batches with a random row, after greedy rows
+    took their argmax."""
 
+    target_key = "late_target"
     applied = 0  # calls to apply, in this process
 
     def is_argmax_invariant(self) -> bool:
