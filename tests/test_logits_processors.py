@@ -20,7 +20,7 @@ import torch
 
 from engine_checks import assert_engine_idle, tensor_parallel_llm
 from hf_reference import cached_hf_greedy
-from logits_processor_examples import ArgmaxInvariantDummy, DummyLogitsProcessor, RaisingLogitsProcessor
+from logits_processor_examples import ArgmaxInvariantDummy, DummyLogitsProcessor
 from raylm.engine import LLM, EngineArgs, SamplingParams
 from raylm.engine.logits_processor import process_dict_updates
 from raylm.engine.step import ScheduledRequest
@@ -166,7 +166,8 @@ def test_server_flag_loads_a_processor_by_name_and_vllm_xargs_reach_it(llama_dir
     tests_dir = str(Path(__file__).parent)
     env = server_env({"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])})
     args = [str(llama_dir), "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "128",
-            "--logits-processors", "logits_processor_examples:DummyLogitsProcessor"]
+            "--logits-processors", "logits_processor_examples:DummyLogitsProcessor",
+            "logits_processor_examples.RaisingLogitsProcessor"]
     with running_server(args, tmp_path / "server.log", env) as (_, base_url):
         body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 5, "temperature": 0, "return_token_ids": True}
         forced = httpx.post(f"{base_url}/v1/completions", json=body | {"vllm_xargs": {"target_token": 67}}, timeout=60)
@@ -176,11 +177,17 @@ def test_server_flag_loads_a_processor_by_name_and_vllm_xargs_reach_it(llama_dir
             "return_token_ids": True, "vllm_xargs": {"target_token": 68}})
         refused = httpx.post(f"{base_url}/v1/completions", json=body | {"vllm_xargs": {"target_token": -1}},
                              timeout=60)
+        failed = httpx.post(f"{base_url}/v1/completions", json=body | {"vllm_xargs": {"explode": 1}}, timeout=60)
+        after = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
     assert forced.json()["choices"][0]["token_ids"] == [67] * 5, forced.text
     assert plain.json()["choices"][0]["token_ids"] == cached_hf_greedy(llama_dir, tuple(prompts[0]), 5)
     assert chat.json()["choices"][0]["token_ids"] == [68] * 3, chat.text
     assert refused.status_code == 400, refused.text
     assert "target_token must be a non-negative integer, got -1" in refused.json()["error"]["message"]
+    # A 5xx body names no internals (deploy/errors.py): the server's log has the message.
+    assert failed.status_code == 500, failed.text
+    assert "RaisingLogitsProcessor raised in apply: KeyError: 'boom'" in (tmp_path / "server.log").read_text()
+    assert after.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
 
 
 def test_engine_start_refuses_what_it_cannot_run(llama_dir):
