@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from raylm.engine.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from raylm.engine.logits_processor_classes import LogitsProcessorClass
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID, ScheduledRequest
+
+if TYPE_CHECKING:
+    from raylm.engine.config import EngineConfig
 
 
 class LogitsProcessorError(RuntimeError):
@@ -39,7 +43,7 @@ class _RequestTokens:
 class LogitsProcessors:
     """The loaded processors (one instance of each class), split as the sampler runs them."""
 
-    def __init__(self, classes: Iterable[LogitsProcessorClass], engine_config, device: torch.device,
+    def __init__(self, classes: Iterable[LogitsProcessorClass], engine_config: EngineConfig, device: torch.device,
                  is_pin_memory: bool) -> None:
         self.processors: list[tuple[str, LogitsProcessor]] = []
         for entry in classes:
