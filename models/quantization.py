@@ -256,12 +256,15 @@ def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
     """Makes every linear layer of `model` that the config quantizes a quantized one
     (`Fp8LinearMethod` / `Int4LinearMethod.create_weights`), and every MoE layer's experts
     (`Fp8MoEMethod` / `Int4MoEMethod`), before its checkpoint loads, each with its own scheme
-    (`QuantizationConfig.scheme_for`). A fused layer's checkpoint names come from
+    (`QuantizationConfig.scheme_for`). The config names modules as the checkpoint does
+    (`CausalLM.checkpoint_module_name`); a fused layer's parts come from
     `stacked_params_mapping` (ours, checkpoint's, shard id)."""
+    checkpoint_name = getattr(model, "checkpoint_module_name", None) or (lambda name: name)
     for name, module in list(model.named_modules()):
+        theirs = checkpoint_name(name)
         if isinstance(module, FusedMoEWeights):
             # Experts are matched by the layer's own name (`...mlp.experts`), as vLLM does.
-            scheme = quant_config.scheme_for(name, []) if module.quant_method is None else None
+            scheme = quant_config.scheme_for(theirs, []) if module.quant_method is None else None
             if scheme is not None:
                 moe_method = Int4MoEMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8MoEMethod(scheme)
                 moe_method.create_weights(module, name)
@@ -269,9 +272,8 @@ def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
         if (not isinstance(module, LinearBase) or module.quant_method is not None
                 or getattr(module, "keep_unquantized", False)):  # MoE routers
             continue
-        shard_names = [name[:-len(ours)] + theirs for ours, theirs, _ in stacked_params_mapping
-                       if name.endswith(ours)]
-        scheme = quant_config.scheme_for(name, shard_names)
+        part_names = [theirs[:-len(ours)] + part for ours, part, _ in stacked_params_mapping if theirs.endswith(ours)]
+        scheme = quant_config.scheme_for(theirs, part_names)
         if scheme is None:
             continue
         method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)

@@ -19,7 +19,7 @@ from hf_reference import assert_generation_matches_hf, hf_log_softmax
 from int4_checkpoints import gptq_config, write_int4_checkpoint
 from raylm.engine import LLM, SamplingParams
 from raylm.models.quantization import get_quant_config
-from tiny_models import build_tiny_model, build_tiny_qwen3_moe, random_prompts
+from tiny_models import build_tiny_mixtral, build_tiny_model, build_tiny_qwen3_moe, random_prompts
 
 MAX_TOKENS = 6
 PROMPTS = random_prompts(3, seed=11, min_len=6, max_len=20)
@@ -106,24 +106,36 @@ def test_gptq_modules_in_block_to_quantize_leaves_the_others_plain(tmp_path, sou
     assert_each_module_choice_matters(tmp_path, source, plan, reference, sequences)
 
 
-def test_gptq_dynamic_rules_choose_each_moe_layers_experts_by_its_name(tmp_path):
-    # Qwen3-MoE: layers 0 and 2 are sparse (5 experts of 48 features), layer 1 dense. As in
-    # vLLM a rule matches the experts module's name: layer 0's are 8-bit with one group,
-    # layer 2's plain weights; the rest 4-bit in groups of 16.
-    source = build_tiny_qwen3_moe(tmp_path / "qwen3_moe", seed=23)
-    experts = {i: [f"{LAYER.format(i)}.mlp.experts.{e}.{p}" for e in range(5)
-                   for p in ("gate_proj", "up_proj", "down_proj")] for i in (0, 2)}
-    plan = {**{name: dict(bits=8, group_size=-1) for name in experts[0]}, **{name: None for name in experts[2]}}
-    dynamic = {r"+:model\.layers\.0\.mlp\.experts": {"bits": 8, "group_size": -1},
-               r"-:model\.layers\.2\.mlp\.experts": {}}
+# (builder, the sparse layers, the checkpoint's name of the MoE block, its expert projections,
+# experts, the group size that divides every input): Qwen3-MoE's layer 1 is dense; Mixtral's
+# block is raylm's `mlp` (renamed at load), but its checkpoint's rules name `block_sparse_moe`.
+MOE_MODELS = {
+    "qwen3_moe": (lambda path: build_tiny_qwen3_moe(path, seed=23), (0, 2), "mlp",
+                  ("gate_proj", "up_proj", "down_proj"), 5, 16),
+    "mixtral": (lambda path: build_tiny_mixtral(path, seed=29), (0, 1), "block_sparse_moe", ("w1", "w2", "w3"), 7, 32),
+}
+
+
+@pytest.mark.parametrize("arch", MOE_MODELS)
+def test_gptq_dynamic_rules_choose_each_moe_layers_experts_by_its_checkpoint_name(tmp_path, arch):
+    # As in vLLM a rule matches the experts module's name: the first sparse layer's experts
+    # are 8-bit with one group, the second's plain weights; the rest 4-bit.
+    build, (first, second), block, projections, count, group_size = MOE_MODELS[arch]
+    source = build(tmp_path / arch)
+    experts = {i: [f"{LAYER.format(i)}.{block}.experts.{e}.{p}" for e in range(count) for p in projections]
+               for i in (first, second)}
+    plan = {**{name: dict(bits=8, group_size=-1) for name in experts[first]},
+            **{name: None for name in experts[second]}}
+    dynamic = {rf"+:model\.layers\.{first}\.{block}\.experts": {"bits": 8, "group_size": -1},
+               rf"-:model\.layers\.{second}\.{block}\.experts": {}}
     quantized, reference = tmp_path / "gptq", tmp_path / "dequantized"
-    write_int4_checkpoint(source, quantized, reference, "gptq", group_size=16, module_options=plan,
+    write_int4_checkpoint(source, quantized, reference, "gptq", group_size=group_size, module_options=plan,
                           config_extra={"dynamic": dynamic})
     llm = LLM(model=str(quantized), **ENGINE)
     assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
     layers = model_of(llm).model.layers
-    assert layers[0].mlp.experts.quant_method.scheme.bits == 8
-    assert "w13_weight" in dict(layers[2].mlp.experts.named_parameters())
+    assert layers[first].mlp.experts.quant_method.scheme.bits == 8
+    assert "w13_weight" in dict(layers[second].mlp.experts.named_parameters())
     llm.shutdown()
 
 
