@@ -39,6 +39,12 @@ class CausalLM(nn.Module):
         the parameters it loaded."""
         return load_stacked_weights(self, self._checkpoint_tensors(weights), self.stacked_params_mapping)
 
+    def checkpoint_module_name(self, name: str) -> str:
+        """The checkpoint's name of our module `name`, which quantization configs (ignore
+        lists, GPTQ's `dynamic` rules) are written against: the same unless
+        `_checkpoint_tensors` renames."""
+        return name
+
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors that this model holds; subclasses rename and skip more."""

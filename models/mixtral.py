@@ -5,6 +5,7 @@ the chosen experts."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -32,3 +33,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in super()._checkpoint_tensors(weights):
             yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+
+    def checkpoint_module_name(self, name: str) -> str:
+        return re.sub(r"\.mlp(?=\.|$)", ".block_sparse_moe", name)

@@ -14,7 +14,8 @@ Three sources, as in vLLM (docs/quantization.md):
 
 and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of input features:
 - `quant_method: "gptq"` (AutoGPTQ / GPTQModel): `bits`, `group_size` (-1: one group),
-  `desc_act`, `sym`, `checkpoint_format` "gptq" (v1: zeros stored minus one) or "gptq_v2";
+  `desc_act`, `sym`, `checkpoint_format` "gptq" (v1: zeros stored minus one) or "gptq_v2",
+  and per module `dynamic` and `modules_in_block_to_quantize` (`models/gptq_config.py`);
 - `quant_method: "awq"` (AutoAWQ, `version: "gemm"`), `zero_point: true`,
   `modules_to_not_convert`.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 from torch import nn
 
+from raylm.models.gptq_config import GptqLayerRules, check_group_size, parse_gptq_config
 from raylm.models.mxfp4 import MXFP4_ARCHITECTURES
 from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod, Fp8LinearScheme
 from raylm.parallel.fp8_moe_method import Fp8MoEMethod
@@ -48,7 +50,8 @@ _SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit chec
               "whose quantization_config has quant_method 'fp8' (per-tensor, or block-wise weight_block_size) or "
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
               "activations dynamic per token, static per tensor, or none)); GPTQ (quant_method 'gptq': bits 4 or "
-              "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2') and AWQ (quant_method 'awq': "
+              "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2', per-module dynamic and "
+              "modules_in_block_to_quantize) and AWQ (quant_method 'awq': "
               "4-bit, version 'gemm', zero_point) checkpoints, of dense and MoE models; and gpt-oss's MXFP4 experts "
               f"(quant_method 'mxfp4', {', '.join(MXFP4_ARCHITECTURES)} only)")
 
@@ -56,10 +59,22 @@ _SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit chec
 class QuantizationConfig:
     """The scheme (FP8, GPTQ or AWQ) of a model's linear layers and the layers left unquantized."""
 
-    def __init__(self, method: str, scheme: Fp8LinearScheme | Int4LinearScheme, ignore: tuple[str, ...] = ()) -> None:
+    def __init__(self, method: str, scheme: Fp8LinearScheme | Int4LinearScheme, ignore: tuple[str, ...] = (),
+                 layer_rules: GptqLayerRules | None = None) -> None:
         self.method = method  # one of QUANTIZATION_METHODS (vLLM's name of the method)
-        self.scheme = scheme
+        self.scheme = scheme  # every quantized layer's, unless layer_rules choose another
         self.ignore = ignore  # module names, or "re:<pattern>" regular expressions
+        self.layer_rules = layer_rules  # GPTQ's dynamic and modules_in_block_to_quantize
+
+    def scheme_for(self, module_name: str, shard_names: list[str]) -> Fp8LinearScheme | Int4LinearScheme | None:
+        """The scheme of layer `module_name` (None: it stays unquantized), whose checkpoint
+        names are `shard_names` (a fused layer's; empty: its own). Raises ValueError when
+        the parts of a fused layer are not quantized alike."""
+        if self.is_ignored(module_name, shard_names):
+            return None
+        if self.layer_rules is None:
+            return self.scheme
+        return self.layer_rules.scheme_for(module_name, shard_names)
 
     def is_ignored(self, module_name: str, shard_names: list[str]) -> bool:
         """Whether the layer `module_name` stays unquantized; a fused layer is when all its
@@ -215,26 +230,9 @@ def _compressed_tensors_scheme(name: str, group: dict[str, Any], top_format: str
 
 
 def _gptq_config(config: dict[str, Any]) -> QuantizationConfig:
-    """quant_method "gptq" (vLLM's GPTQConfig): bits, group_size, desc_act, checkpoint_format.
-    sym only decides the stored zeros, which the checkpoint always carries."""
-    bits = config.get("bits")
-    if bits not in (4, 8):
-        raise ValueError(f"quantization_config (gptq) bits must be 4 or 8, got {bits!r}.")
-    group_size = _group_size(config.get("group_size"), "gptq")
-    desc_act = config.get("desc_act", False)
-    if not isinstance(desc_act, bool):
-        raise ValueError(f"quantization_config (gptq) desc_act must be true or false, got {desc_act!r}.")
-    # AutoGPTQ and GPTQModel's v1 format stores zero - 1 (AutoGPTQ's packing bug, kept for
-    # compatibility); GPTQModel's "gptq_v2" the zero itself.
-    fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ValueError(f"quantization_config (gptq) checkpoint_format must be 'gptq' or 'gptq_v2', got {fmt!r}.")
-    if config.get("lm_head"):
-        raise ValueError("quantization_config (gptq) quantizes lm_head, which raylm keeps in the model's dtype.")
-    if config.get("dynamic"):
-        raise ValueError("quantization_config (gptq) has per-module 'dynamic' overrides, which raylm does not read.")
-    scheme = Int4LinearScheme("gptq", bits, group_size, desc_act, zero_offset=1 if fmt == "gptq" else 0)
-    return QuantizationConfig("gptq", scheme)
+    """quant_method "gptq" (vLLM's GPTQConfig), with its per-module rules (`models/gptq_config.py`)."""
+    scheme, layer_rules = parse_gptq_config(config)
+    return QuantizationConfig("gptq", scheme, layer_rules=layer_rules)
 
 
 def _awq_config(config: dict[str, Any]) -> QuantizationConfig:
@@ -242,7 +240,7 @@ def _awq_config(config: dict[str, Any]) -> QuantizationConfig:
     bits = config.get("bits", config.get("w_bit"))
     if bits != 4:
         raise ValueError(f"quantization_config (awq) bits must be 4, got {bits!r}.")
-    group_size = _group_size(config.get("group_size", config.get("q_group_size")), "awq")
+    group_size = check_group_size(config.get("group_size", config.get("q_group_size")), "quantization_config (awq)")
     version = str(config.get("version", "gemm")).lower()
     if version != "gemm":
         raise ValueError(f"quantization_config (awq) version must be 'gemm' (AutoAWQ's GEMM layout), got "
@@ -253,32 +251,30 @@ def _awq_config(config: dict[str, Any]) -> QuantizationConfig:
     return QuantizationConfig("awq", Int4LinearScheme("awq", 4, group_size), ignore)
 
 
-def _group_size(group_size: Any, method: str) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
-        raise ValueError(f"quantization_config ({method}) group_size must be a positive integer or -1 (one group), "
-                         f"got {group_size!r}.")
-    return group_size
-
-
 def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
                        stacked_params_mapping: list[tuple[str, str, Any]]) -> None:
-    """Makes every linear layer of `model` that the config does not ignore a quantized one
+    """Makes every linear layer of `model` that the config quantizes a quantized one
     (`Fp8LinearMethod` / `Int4LinearMethod.create_weights`), and every MoE layer's experts
-    (`Fp8MoEMethod` / `Int4MoEMethod`), before its checkpoint loads. A
-    fused layer's checkpoint names come from `stacked_params_mapping` (ours, checkpoint's, shard id)."""
-    scheme = quant_config.scheme
-    method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
+    (`Fp8MoEMethod` / `Int4MoEMethod`), before its checkpoint loads, each with its own scheme
+    (`QuantizationConfig.scheme_for`). The config names modules as the checkpoint does
+    (`CausalLM.checkpoint_module_name`); a fused layer's parts come from
+    `stacked_params_mapping` (ours, checkpoint's, shard id)."""
+    checkpoint_name = getattr(model, "checkpoint_module_name", None) or (lambda name: name)
     for name, module in list(model.named_modules()):
+        theirs = checkpoint_name(name)
         if isinstance(module, FusedMoEWeights):
-            if module.quant_method is None and not quant_config.is_ignored(name, []):
+            # Experts are matched by the layer's own name (`...mlp.experts`), as vLLM does.
+            scheme = quant_config.scheme_for(theirs, []) if module.quant_method is None else None
+            if scheme is not None:
                 moe_method = Int4MoEMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8MoEMethod(scheme)
                 moe_method.create_weights(module, name)
             continue
         if (not isinstance(module, LinearBase) or module.quant_method is not None
                 or getattr(module, "keep_unquantized", False)):  # MoE routers
             continue
-        shard_names = [name[:-len(ours)] + theirs for ours, theirs, _ in stacked_params_mapping
-                       if name.endswith(ours)]
-        if quant_config.is_ignored(name, shard_names):
+        part_names = [theirs[:-len(ours)] + part for ours, part, _ in stacked_params_mapping if theirs.endswith(ours)]
+        scheme = quant_config.scheme_for(theirs, part_names)
+        if scheme is None:
             continue
+        method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
         method.create_weights(module, name)

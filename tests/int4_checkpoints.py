@@ -100,19 +100,28 @@ def awq_config(group_size: int) -> dict:
 
 def write_int4_checkpoint(source: Path, quantized: Path, dequantized: Path, method: str, bits: int = 4,
                           group_size: int = 32, sym: bool = False, desc_act: bool = False,
-                          checkpoint_format: str = "gptq", seed: int = 0) -> dict[str, torch.Tensor]:
+                          checkpoint_format: str = "gptq", seed: int = 0,
+                          module_options: dict[str, dict | None] | None = None,
+                          config_extra: dict | None = None) -> dict[str, torch.Tensor]:
     """Writes the GPTQ or AWQ checkpoint of `source`'s linear layers into `quantized` and the
-    fp32 weights they stand for into `dequantized`; returns the quantized tensors."""
+    fp32 weights they stand for into `dequantized`; returns the quantized tensors.
+    `module_options` (checkpoint module name -> bits / group_size / desc_act for it, or None:
+    left a plain `.weight`) writes modules other than the rest (what GPTQModel's `dynamic`
+    and `modules_in_block_to_quantize` describe, which `config_extra` adds to the config)."""
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(str(source / "model.safetensors"))
     out_tensors, reference = {}, {}
     orders: dict[tuple[str, str], torch.Tensor] = {}
+    defaults = dict(bits=bits, group_size=group_size, desc_act=desc_act)
     for name, tensor in tensors.items():
         linear = next((n for n in LINEAR_NAMES if name.endswith(f".{n}.weight")), None)
-        if linear is None:
+        prefix = name[:-len(".weight")]
+        options = (module_options or {}).get(prefix, {})
+        if linear is None or options is None:
             out_tensors[name] = reference[name] = tensor
             continue
-        prefix = name[:-len(".weight")]
+        options = {**defaults, **options}
+        bits, group_size, desc_act = options["bits"], options["group_size"], options["desc_act"]
         in_features = tensor.shape[1]
         size = in_features if group_size == -1 else group_size
         groups = in_features // size
@@ -138,8 +147,10 @@ def write_int4_checkpoint(source: Path, quantized: Path, dequantized: Path, meth
             out_tensors[prefix + ".qzeros"] = pack_columns(zeros, 4, AWQ_ORDER)
         out_tensors[prefix + ".scales"] = scales
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = (gptq_config(bits, group_size, sym, desc_act, checkpoint_format)
-                                     if method == "gptq" else awq_config(group_size))
+    config["quantization_config"] = {**(gptq_config(defaults["bits"], defaults["group_size"], sym,
+                                                    defaults["desc_act"], checkpoint_format)
+                                        if method == "gptq" else awq_config(defaults["group_size"])),
+                                     **(config_extra or {})}
     for folder, weights, conf in ((quantized, out_tensors, config), (dequantized, reference, None)):
         shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
