@@ -12,8 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
-                      field_validator, model_validator)
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, field_validator, model_validator)
 
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MIN_PRIORITY
 from raylm.engine.sampling_params import ParameterError, RequestOutputKind, SamplingParams, truncated_prompt
@@ -204,6 +204,10 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
+# One value of vllm_xargs (JSON true/false is not one: lax parsing would read it as 1 / 0).
+_XArg = StrictStr | StrictInt | StrictFloat
+
+
 class _SamplingFields(StructuredOutputFields):
     """Sampling fields shared by completions and chat (OpenAI's and vLLM's extras), and the
     output-constraint fields (deploy/structured_outputs.py)."""
@@ -253,6 +257,9 @@ class _SamplingFields(StructuredOutputFields):
     # value but 0 is a 400 under fcfs (OpenAIServing.check_priority). A JSON integer only
     # (not true, 1.0 or "1"), within a 32-bit signed range.
     priority: StrictInt = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    # vLLM's custom arguments: strings, numbers or lists of them, handed to the engine's
+    # custom logits processors as SamplingParams.extra_args (docs/logits_processors.md).
+    vllm_xargs: dict[str, _XArg | list[_XArg]] | None = None
 
     def with_cache_salt(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """The engine's prompt dict, with this request's cache_salt when it has one."""
@@ -336,6 +343,7 @@ class _SamplingFields(StructuredOutputFields):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             detokenize=self.detokenize,
+            extra_args=self.vllm_xargs,
             **beam_search,
         )
 

@@ -21,6 +21,7 @@ from raylm.engine.config import (LOAD_FORMATS, LOGPROBS_MODES, SCHEDULING_POLICI
                                  load_hf_config, resolve_dtype, sentence_transformers_pooling, visible_gpu)
 from raylm.engine.generation_config import check_override_generation_config
 from raylm.engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
+from raylm.engine.logits_processor_classes import resolve_logits_processors
 from raylm.engine.tokenizer import get_tokenizer
 from raylm.engine.multimodal.processor import check_limit_mm_per_prompt, image_feature_size
 from raylm.engine.usage_context import UsageContext
@@ -200,6 +201,12 @@ class EngineArgs(SettingsMixin):
         "bad_words, logit_bias, min_tokens and the penalties and, for rows that sample (temperature > 0), "
         "temperature, min_p, top_k and top_p (the tokens they cut at -inf). Prompt logprobs stay raw log-softmax. "
         "Not with a draft model (speculative_config's model).")})
+    logits_processors: list[str] | None = field(default=None, metadata=_help(
+        "Custom logits processors, as vLLM v1's: classes subclassing raylm.engine.logits_processor.LogitsProcessor "
+        "(vLLM's interface, ported by changing its import), named 'package.module:Class' or 'package.module.Class' "
+        "(LLM also takes the classes themselves). The worker that samples builds one of each at start and runs "
+        "them on every step's batch; requests pass them settings in SamplingParams.extra_args (the server's "
+        "vllm_xargs). Default: none. Not with speculative decoding or pooling models (docs/logits_processors.md)."))
     enable_lora: bool = field(default=False, metadata=_help(
         "Serve LoRA adapters (PEFT format) over the base model: requests name an adapter (LoRARequest, or the "
         "server's model name), and one batch mixes the base model and up to max_loras adapters. Not with "
@@ -306,6 +313,7 @@ class EngineArgs(SettingsMixin):
             quantization=None if quant_config is None else quant_config.method,
             enable_sleep_mode=self.enable_sleep_mode,
             limit_mm_per_prompt=check_limit_mm_per_prompt(self.limit_mm_per_prompt),
+            logits_processors=resolve_logits_processors(self.logits_processors),
         )
         if model_config.pooling_task == "classify":
             model_config.score_from_tokens = self._score_from_tokens(hf_config, model_config)
@@ -327,6 +335,7 @@ class EngineArgs(SettingsMixin):
         if parallel_config.pipeline_parallel_size > 1:
             check_pipeline_parallel(hf_config, parallel_config.pipeline_parallel_size)
         speculative_config = _speculative_config(self.speculative_config, model_config, parallel_config)
+        _check_logits_processors(model_config, speculative_config)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode (--logprobs-mode) must be one of {', '.join(LOGPROBS_MODES)}, got "
                              f"{self.logprobs_mode!r}.")
@@ -498,6 +507,22 @@ def _check_pooling_features(lora_config: LoRAConfig | None, speculative_config: 
     if parallel_config.pipeline_parallel_size > 1:
         raise ValueError(f"runner='pooling' is not supported with pipeline_parallel_size "
                          f"{parallel_config.pipeline_parallel_size} (yet): use tensor_parallel_size.")
+
+
+def _check_logits_processors(model_config: ModelConfig, speculative_config: SpeculativeConfig | None) -> None:
+    """Custom logits processors index one logits row per request: a verification's rows
+    (several a request) and a pooling model's (no logits) have no such batch. vLLM refuses
+    both too."""
+    names = [entry.name for entry in model_config.logits_processors]
+    if not names:
+        return
+    if speculative_config is not None:
+        raise ValueError(f"logits_processors ({', '.join(names)}) are not supported with speculative decoding "
+                         f"(speculative_config): a verification scores several rows per request. Turn one of the "
+                         f"two off.")
+    if model_config.is_pooling:
+        raise ValueError(f"logits_processors ({', '.join(names)}) are not supported by pooling models (runner "
+                         f"'pooling'), which sample no tokens.")
 
 
 def _check_lora_with_speculative(lora_config: LoRAConfig | None, speculative_config: SpeculativeConfig | None) -> None:

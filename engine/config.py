@@ -249,6 +249,9 @@ class ModelConfig:
     # (hf_overrides' classifier_from_token; models/seq_cls_conversion.py). None: the
     # checkpoint's own score head, if any.
     score_from_tokens: Any = None
+    # vLLM's logits_processors, resolved (engine/logits_processor_classes.py): the custom
+    # logits processors the sampling worker builds and runs (executors/logits_processors.py).
+    logits_processors: tuple = ()
 
     @property
     def hf_text_config(self) -> Any:

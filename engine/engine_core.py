@@ -71,7 +71,8 @@ class EngineCore:
         self.structured_output_manager = structured_output_manager
         self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config,
                                    speculative_config=engine_config.speculative_config,
-                                   structured_output_manager=structured_output_manager, lora_slots=lora_slots)
+                                   structured_output_manager=structured_output_manager, lora_slots=lora_slots,
+                                   sends_all_context=bool(engine_config.model_config.logits_processors))
         # Requests the core ended on an error (a grammar that did not compile, a token the
         # grammar refused), with the error, until pop_failed_requests() takes them.
         self._failed_requests: dict[str, BaseException] = {}
@@ -229,6 +230,7 @@ class EngineCore:
         if sampler_output.lora_failures:
             self._fail_requests_of_unreadable_loras(sampler_output.lora_failures)
         sampled = _tokens_by_request(sampler_output.outputs)
+        request_errors = sampler_output.request_errors
         prompt_logprobs = sampler_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -252,7 +254,9 @@ class EngineCore:
             failed = False
             for token in tokens or ():
                 error = None
-                if token.logits_not_finite:
+                if request_errors and request.worker_id in request_errors:
+                    error = RuntimeError(request_errors[request.worker_id])
+                elif token.logits_not_finite:
                     error = _not_finite_error(request)
                 elif structured is not None and not structured.accept_token(token.token_id):
                     # The bitmask allows only what the grammar accepts, unless the grammar came

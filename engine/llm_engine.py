@@ -300,6 +300,12 @@ class LLMEngine:
                                      f"max_logprobs, --max-logprobs{beams}), got {value}.", name)
             if value > vocab_size:
                 raise ParameterError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.", name)
+        for entry in self.model_config.logits_processors:
+            try:
+                entry.cls.validate_params(params)
+            except ValueError as error:  # the processor's refusal: the request's own mistake
+                raise ParameterError(f"extra_args: the logits processor {entry.name} refused the request's "
+                                     f"parameters: {error}", "extra_args") from error
 
     def _with_engine_defaults(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """The engine's private copy of the request's parameters, with what depends on the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from raylm.engine import envs
 from raylm.engine.beam_search import MAX_LENGTH_PENALTY
@@ -105,6 +106,9 @@ class SamplingParams:
             keeps the last max_model_len; None keeps the whole prompt. At most max_model_len.
         detokenize: False returns token ids only: the text is "" (and logprob entries carry
             no decoded token); stop strings need True.
+        extra_args: vLLM's custom arguments: a dict, string keys, that raylm itself does not
+            read; the engine's custom logits processors (`logits_processors`) find their
+            per-request settings there (the server's `vllm_xargs`). None: none.
     """
 
     n: int = 1
@@ -137,6 +141,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine from bad_words (`update_from_tokenizer`): the banned token sequences.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled by the engine: EOS plus stop_token_ids, the tokens that min_tokens holds back.
@@ -201,6 +206,9 @@ class SamplingParams:
         self._verify_token_masks()
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check(isinstance(self.detokenize, bool), "detokenize", self.detokenize, "must be a boolean")
+        _check(self.extra_args is None or (isinstance(self.extra_args, dict)
+                                           and all(isinstance(key, str) for key in self.extra_args)),
+               "extra_args", self.extra_args, "must be a dict with string keys, or None")
         if not self.detokenize:
             # vLLM's rule: stop strings are matched in the text, which is not made.
             _check(not self.stop, "stop", self.stop, "needs detokenize=True (stop strings are matched in the text)")

@@ -102,12 +102,16 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  speculative_config: SpeculativeConfig | None = None,
                  structured_output_manager: StructuredOutputManager | None = None,
-                 lora_slots: LoRASlots | None = None) -> None:
+                 lora_slots: LoRASlots | None = None, sends_all_context: bool = False) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_gpu_blocks < 1:
             raise ValueError(f"cache_config.num_gpu_blocks must be set to at least 1 before building the "
                              f"scheduler, got {cache_config.num_gpu_blocks}.")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        # Every (re)admitted request's first step carries its tokens before the step (the
+        # engine's custom logits processors read every request's tokens), not only those
+        # of requests whose sampling reads their history.
+        self.sends_all_context = sends_all_context
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_gpu_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, cache_config.sliding_window)
@@ -457,7 +461,7 @@ class Scheduler:
             scheduled.mm_features = request.mm_features
         if request.pooling_params is not None and request.pooling_params.pools_every_token:
             scheduled.pools_every_token = True
-        if request.resumed and start and needs_token_history(params):
+        if request.resumed and start and (self.sends_all_context or needs_token_history(params)):
             scheduled.context_token_ids = request.all_token_ids[:start]
         if params.prompt_logprobs is not None:
             # Row p scores prompt token p + 1: rows up to the second-to-last prompt token.

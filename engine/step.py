@@ -138,6 +138,9 @@ class SamplerOutput:
     # fails those requests (requests of the same id under another digest, which an adapter
     # removed and added again with other files has, hold another slot and go on).
     lora_failures: dict[tuple[int, Any], tuple[str, str]] = field(default_factory=dict)
+    # req_id -> why the request failed in this step (a custom logits processor raised): its
+    # token is a placeholder and the engine ends the request with this message.
+    request_errors: dict[int, str] | None = None
     # Pooling runner: req_id -> the pooled final hidden state (float32, CPU) of each request
     # whose prompt ended in this step (see executors/pooling_model_runner.py).
     pooler_output: dict[int, Any] | None = None

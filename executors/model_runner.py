@@ -32,6 +32,7 @@ from raylm.executors.input_staging import (InputStaging, fill_block_tables, host
 from raylm.executors.allowed_token_masks import AllowedTokenMasks
 from raylm.executors.penalty_state import PenaltyState
 from raylm.executors.rejection_sampler import RejectionSampler
+from raylm.executors.logits_processors import LogitsProcessorError, LogitsProcessors
 from raylm.executors.sampler import PendingSample, Sampler
 from raylm.executors.sampling_metadata import (RequestSamplingState, SamplingMetadata, keeps_host_history,
                                                sibling_generator)
@@ -162,6 +163,12 @@ class ModelRunner:
         # After a level-2 sleep freed the weights: the model's weight-load count then, until
         # weights are loaded again (a step before that reads zeros and is warned about).
         self._weight_loads_at_discard: int | None = None
+        # The sampling worker: the engine's custom logits processors (engine/logits_processor.py),
+        # built once here, and the token lists and batch rows they read.
+        self.logits_processors: LogitsProcessors | None = None
+        if self.model_config.logits_processors and rank == 0 and self.is_last_stage:
+            self.logits_processors = LogitsProcessors(self.model_config.logits_processors, engine_config,
+                                                      self.device, self.device.type == "cuda")
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -579,6 +586,8 @@ class ModelRunner:
         next step may be run first, and takes those tokens from the device (the GPU then
         never waits for the host between steps). Steps that need a pending token on the
         host (`needs_collected_tokens`) must wait for its collect()."""
+        if self.logits_processors is not None:
+            self.logits_processors.forget(req.finished_req_ids)
         for req_id in req.finished_req_ids:
             self._states.pop(req_id, None)
             self._sampling_params.pop(req_id, None)
@@ -607,6 +616,8 @@ class ModelRunner:
         self._fill_sampling_params(req.requests)
         device_holes = self._fill_placeholders(req.requests)
         self._update_states(req.requests, device_holes)
+        if self.logits_processors is not None:
+            self.logits_processors.track(req.requests)
         draft_probs = None
         if self.draft_runner is not None:
             # Fills the proposal placeholders of spec_token_ids; rank 0 gets the
@@ -657,12 +668,20 @@ class ModelRunner:
             apply_grammar_bitmask(logits, req.grammar_bitmask, _grammar_rows(sampled, req.structured_output_req_ids))
         # The drawn tokens come back as the next step's token_ids, which is when
         # _update_states appends them to the histories.
-        if any(scheduled.spec_token_ids for scheduled in sampled):
-            output.outputs = self._verify(logits, sampled, draft_probs)
-        elif defer_read and self.draft_runner is None:
-            return self.sampler.launch(logits, self._sampling_metadata(sampled))
-        else:
-            output.outputs = self.sampler(logits, self._sampling_metadata(sampled))
+        try:
+            if self.logits_processors is not None:
+                self.logits_processors.update_state(sampled)
+            if any(scheduled.spec_token_ids for scheduled in sampled):
+                output.outputs = self._verify(logits, sampled, draft_probs)
+            elif defer_read and self.draft_runner is None:
+                return self.sampler.launch(logits, self._sampling_metadata(sampled))
+            else:
+                output.outputs = self.sampler(logits, self._sampling_metadata(sampled))
+        except LogitsProcessorError as error:
+            # The processor saw the whole batch: every request of the step fails (token 0
+            # stands in for theirs, as for a row of logits that were not finite).
+            output.outputs = [SampledToken(scheduled.req_id, 0, None) for scheduled in sampled]
+            output.request_errors = {scheduled.req_id: str(error) for scheduled in sampled}
         last, pending_samples = self._last_sampled, self._pending_samples
         for token in output.outputs:
             last[token.req_id] = token.token_id
@@ -874,7 +893,8 @@ class ModelRunner:
         stands in there)."""
         if not self._pending_samples:
             return False
-        if self.draft_runner is not None:
+        if self.draft_runner is not None or self.logits_processors is not None:
+            # Custom logits processors read every output token on the host.
             return True
         for scheduled in req.requests:
             if scheduled.req_id not in self._pending_samples or scheduled.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
@@ -992,7 +1012,8 @@ class ModelRunner:
             history_lens.append(history.num_tokens if history is not None else 0)
             generators.append(state.generator if seeded else None)
         metadata = SamplingMetadata(req_ids, params_list, histories, history_lens, generators,
-                                    allowed_token_masks=self.allowed_token_masks)
+                                    allowed_token_masks=self.allowed_token_masks,
+                                    logits_processors=self.logits_processors)
         state = self.penalty_state
         if state is not None:
             metadata.penalty_state = state

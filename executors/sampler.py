@@ -2,10 +2,11 @@
 
 Order of operations (vLLM's): allowed_token_ids (every other token masked), bad_words (the
 last token of a bad word whose other tokens end the output so far masked), logit_bias,
-min_tokens (stop tokens masked), penalties
+min_tokens (stop tokens masked), custom logits processors that may change the argmax
+(engine/logits_processor.py), penalties
 (repetition on prompt+output tokens, frequency/presence on output tokens); then greedy
-rows take the argmax and random rows apply temperature, min-p, top-k and top-p (vLLM v1's
-order: top-p is over the mass min-p and top-k leave) and draw
+rows take the argmax and random rows apply temperature, min-p, (custom argmax-invariant
+processors,) top-k and top-p (vLLM v1's order: top-p is over the mass min-p and top-k leave) and draw
 from the softmax (by inverse CDF: one uniform draw a row; on the CPU native passes that cut
 top-k and top-p by a radix select, with no sort of the vocabulary). Seeded rows
 draw with their own generator, so a request's tokens do not depend on what else is in the
@@ -24,6 +25,8 @@ one read at the end (`read_back`); host lists reach the device through pinned me
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -340,8 +343,8 @@ def _unpack(flat: list, tensors: list[torch.Tensor]) -> list[list[int] | list[fl
 
 
 def process_logits_(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages | None = None) -> torch.Tensor:
-    """allowed_token_ids, bad_words, logit_bias, min_tokens and penalties, the sampler's
-    first stage, applied to the logits
+    """allowed_token_ids, bad_words, logit_bias, min_tokens, the custom logits processors
+    that may change the argmax, and penalties, the sampler's first stage, applied to the logits
     in place (no copy: a caller that needs the raw values reads them first, as `Sampler`
     does its raw logprobs); returns them. What the rejection sampler and the draft model
     draw from, as the sampler does. rows: the batch's `_RowStages`, if already known."""
@@ -354,6 +357,10 @@ def process_logits_(logits: torch.Tensor, metadata: SamplingMetadata, rows: _Row
         _apply_logit_bias(logits, metadata, rows.bias)
     if rows.min_tokens:
         _apply_min_tokens(logits, metadata, rows.min_tokens)
+    if metadata.logits_processors is not None:
+        # vLLM v1's place for custom processors that may change the argmax: after its
+        # built-in min_tokens and logit_bias ones, before the penalties.
+        logits = metadata.logits_processors.apply_non_argmax_invariant(logits)
     if rows.penalty:
         _apply_penalties(logits, metadata, rows.penalty, logits.shape[1])
     return logits
@@ -366,6 +373,9 @@ def _draw(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages) ->
     num_rows = logits.shape[0]
     if not rows.random:
         return greedy_tokens(logits)
+    processors = metadata.logits_processors
+    if processors is not None and processors.argmax_invariant:
+        return _draw_through_argmax_invariant(logits, metadata, rows)
     if len(rows.random) == num_rows:
         return _sample_random(logits, metadata, rows.random)
     sampled = torch.empty(num_rows, dtype=torch.long, device=logits.device)
@@ -373,6 +383,36 @@ def _draw(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages) ->
     sampled[idx] = greedy_tokens(logits, idx)
     idx = to_device(rows.random, logits.device)
     sampled[idx] = _sample_random(logits, metadata, rows.random, idx)
+    return sampled
+
+
+def _draw_through_argmax_invariant(logits: torch.Tensor, metadata: SamplingMetadata, rows: _RowStages) -> torch.Tensor:
+    """`_draw` with custom argmax-invariant processors, in vLLM v1's order: greedy rows take
+    their argmax first; the random rows are divided by their temperature and cut by min_p
+    (in place), the processors run on the whole batch, and the random rows are drawn at
+    temperature 1 without min_p (top-k and top-p still cut them)."""
+    device = logits.device
+    sampled = torch.empty(logits.shape[0], dtype=torch.long, device=device)
+    if rows.greedy:
+        greedy_idx = to_device(rows.greedy, device)
+        sampled[greedy_idx] = greedy_tokens(logits, greedy_idx)
+    random_idx = to_device(rows.random, device)
+    params = [metadata.sampling_params[i] for i in rows.random]
+    scaled = logits[random_idx] / to_device([p.temperature for p in params], device, logits.dtype).unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = scaled.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * to_device([p.min_p for p in params], device,
+                                                                 probs.dtype).unsqueeze(1)
+        scaled.masked_fill_(probs < threshold, _NEG_INF)
+    logits[random_idx] = scaled
+    logits = metadata.logits_processors.apply_argmax_invariant(logits)
+    drawn_params = list(metadata.sampling_params)
+    for i, p in zip(rows.random, params):
+        p = copy.copy(p)  # the request's own stays as it is
+        p.temperature, p.min_p = 1.0, 0.0
+        drawn_params[i] = p
+    drawn = dataclasses.replace(metadata, sampling_params=drawn_params)
+    sampled[random_idx] = _sample_random(logits, drawn, rows.random, random_idx)
     return sampled
 
 

@@ -13,6 +13,7 @@ from raylm.executors.token_history import TokenHistory
 
 if TYPE_CHECKING:
     from raylm.executors.allowed_token_masks import AllowedTokenMasks
+    from raylm.executors.logits_processors import LogitsProcessors
     from raylm.executors.penalty_state import PenaltyState
 
 # Golden-ratio increment (splitmix64): spreads sibling seeds far apart in seed space.
@@ -83,6 +84,8 @@ class SamplingMetadata:
     which the state does not hold. ``output_suffix`` (a draft model's proposals so far, on
     the device) follows either. ``allowed_token_masks``: where the worker keeps the running
     requests' allowed_token_ids on the device (None: they go from the params each step).
+    ``logits_processors``: the worker's custom logits processors, their batch brought to
+    these rows (`LogitsProcessors.update_state`); None when the engine has none.
     """
 
     req_ids: list[int]
@@ -95,6 +98,7 @@ class SamplingMetadata:
     penalty_rows: list[int] | None = None
     proposals: list[list[int]] | None = None
     allowed_token_masks: AllowedTokenMasks | None = None
+    logits_processors: LogitsProcessors | None = None
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
