@@ -14,7 +14,6 @@ when its queries attend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,8 +21,8 @@ from torch import nn
 
 from raylm.models.gemma3 import Gemma3ForCausalLM
 from raylm.models.rmsnorm import GemmaRMSNorm
-from raylm.models.vision_tower import load_vision_language_weights, vision_tower_config
-from raylm.parallel.pipeline import IntermediateTensors
+from raylm.models.vision_tower import VisionLanguageModel, vision_tower_config
+
 
 class Gemma3MultiModalProjector(nn.Module):
     """SigLIP patch features [N, patches, vision_hidden] -> [N, mm_tokens_per_image, text_hidden]:
@@ -52,14 +51,14 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(vision_outputs)
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
     """One image -> mm_tokens_per_image image tokens (between `<start_of_image>` and
     `<end_of_image>`), each replaced by its projected pooled feature."""
 
-    supports_multimodal = True
-    supports_pipeline_parallel = False
     # The tokens of one image attend to each other both ways (see the module docstring).
     bidirectional_image_attention = True
+    # The SigLIP pooling head: Gemma 3 reads the last hidden state (see __init__).
+    unused_tower_prefixes = ("head.",)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -81,24 +80,3 @@ class Gemma3ForConditionalGeneration(nn.Module):
         pixel_values = pixel_values.to(self.multi_modal_projector.mm_input_projection_weight.dtype)
         hidden = self.vision_tower(pixel_values=pixel_values, return_dict=True).last_hidden_state
         return self.multi_modal_projector(hidden)
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The decoder's (scaled) token embeddings of input_ids, image tokens included (to be
-        overwritten: the image features are not scaled, as in Hugging Face's)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
-    # ---- the decoder -----------------------------------------------------------------------
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The text model's tensors go through its own loader (stacked q/k/v, gate/up, tied
-        head); the vision tower's and the projector's are copied as they are."""
-        # The pooling head (head.*) is weights that nothing reads (see __init__).
-        return load_vision_language_weights(self, weights, unused_tower_prefixes=("head.",))

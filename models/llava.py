@@ -11,15 +11,13 @@ holds part of an image's placeholders takes the matching part of its features.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from raylm.models.vision_tower import load_vision_language_weights, vision_tower_config
-from raylm.parallel.pipeline import IntermediateTensors
+from raylm.models.vision_tower import VisionLanguageModel, vision_tower_config
 
 # The decoders a LLaVA checkpoint's text_config may name (its model_type).
 _LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -43,12 +41,9 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(image_features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """The LLaVA-1.5 family: one image -> (patches, less CLS under the "default" strategy)
     placeholder tokens, each replaced by its projected patch feature."""
-
-    supports_multimodal = True
-    supports_pipeline_parallel = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -84,22 +79,3 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drops_cls:
             selected = [hidden[:, 1:] for hidden in selected]
         return self.multi_modal_projector(torch.cat(selected, dim=-1))
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The decoder's token embeddings of input_ids (placeholders included, to be overwritten)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
-    # ---- the decoder -----------------------------------------------------------------------
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The decoder's tensors go through its own loader (stacked q/k/v, gate/up); the vision
-        tower's and the projector's are copied as they are."""
-        return load_vision_language_weights(self, weights)

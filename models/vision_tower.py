@@ -1,7 +1,8 @@
 """What the vision-language models (LLaVA, `models/llava.py`; Gemma 3 with images,
 `models/gemma3_mm.py`) share around the transformers vision tower each runs as it is: the
-tower's config checked and rebuilt from the checkpoint's `vision_config`, and the checkpoint's
-tensors sorted between the decoder's loader and the tower's and projector's parameters.
+tower's config checked and rebuilt from the checkpoint's `vision_config`, the checkpoint's
+tensors sorted between the decoder's loader and the tower's and projector's parameters, and
+the decoder half of the model interface (`VisionLanguageModel`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from raylm.models.weight_utils import default_weight_loader
+from raylm.parallel.pipeline import IntermediateTensors
 
 # Checkpoint name prefixes -> ours. Saves before transformers 4.52 (and what 5.x still writes
 # in its legacy layout, and Google's Gemma 3 checkpoints) hold language_model.model.* /
@@ -25,6 +27,36 @@ _CHECKPOINT_PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
+
+
+class VisionLanguageModel(nn.Module):
+    """A vision tower (`vision_tower`), a projector (`multi_modal_projector`) and a raylm decoder
+    (`language_model`) whose image tokens take the projected features as input embeddings.
+    A subclass builds the three and answers `get_multimodal_embeddings(pixel_values)`; the
+    decoder's half of vLLM V1's multi-modal interface is here."""
+
+    supports_multimodal = True
+    supports_pipeline_parallel = False
+    # The tower's tensors a checkpoint may hold that nothing reads (skipped at load).
+    unused_tower_prefixes: tuple[str, ...] = ()
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's token embeddings of input_ids (scaled where its own are, as Gemma's),
+        image tokens included: the runner overwrites those rows with the image features (not
+        scaled, as in Hugging Face's)."""
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """See `load_vision_language_weights`."""
+        return load_vision_language_weights(self, weights, self.unused_tower_prefixes)
 
 
 def vision_tower_config(config: Any, architecture: str, tower: str, config_class: type) -> Any:
