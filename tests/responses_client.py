@@ -1,6 +1,8 @@
-"""An in-process app (raylm.deploy.api_server.build_app) driven over ASGI by httpx, as the
-Responses API tests (test_responses_api.py, test_responses_logprobs.py) drive it: bodies and
-stream events parsed with the `openai` package's types (a test-only dependency)."""
+"""What the Responses API tests (test_responses_api.py, test_responses_logprobs.py) share: the
+tiny model whose weights write a known chain (`<think>Ray places</think>` then a Hermes tool
+call to pick_city), and an in-process app (raylm.deploy.api_server.build_app) driven over
+ASGI by httpx, bodies and stream events parsed with the `openai` package's types (a
+test-only dependency)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,24 @@ import json
 from collections.abc import Coroutine
 from typing import Any
 
+from pathlib import Path
+
 import httpx
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from tiny_models import build_tiny_reasoning_model
+
 EVENTS = TypeAdapter(ResponseStreamEvent)
+# The tool call the model writes, in the two pieces its added tokens hold, and the whole chain.
+CALL = ('{"name": "pick_city", ', '"arguments": {"city": "Paris"}}')
+CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "<tool_call>", *CALL, "</tool_call>"]
+QUESTION = "Where do workers go?"
+
+
+def build_pick_city_model(path: Path) -> Path:
+    """The tiny reasoning model that answers any prompt with CHAIN."""
+    return build_tiny_reasoning_model(path, CHAIN, added_tokens=("<tool_call>", "</tool_call>", *CALL))
 
 
 class AsgiClient:

@@ -1,6 +1,6 @@
 """`POST /v1/responses` (OpenAI's Responses API) on a real in-process server: the engine and
 the FastAPI app in this process, driven over ASGI by httpx. The model is the tiny one whose
-weights write a known chain (tests/tiny_models.py): `<think>Ray places</think>` then a
+weights write a known chain (tests/responses_client.py): `<think>Ray places</think>` then a
 Hermes tool call to pick_city. References: Hugging Face's greedy tokens through
 transformers' apply_chat_template, the /v1/chat/completions route on the same messages, and
 the `openai` package's Response and stream event types (a test-only dependency), which
@@ -19,8 +19,7 @@ from openai.types.responses import Response
 
 from engine_checks import assert_async_engine_idle
 from hf_reference import hf_greedy
-from responses_client import EVENTS, AsgiClient
-from tiny_models import build_tiny_reasoning_model
+from responses_client import EVENTS, QUESTION, AsgiClient, build_pick_city_model
 
 from raylm.deploy.api_server import build_app
 from raylm.deploy.server_args import ServerArgs
@@ -28,13 +27,10 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncLLMEngine
 
 REASONING = "Ray places"
-CALL = ('{"name": "pick_city", ', '"arguments": {"city": "Paris"}}')
-CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "<tool_call>", *CALL, "</tool_call>"]
 TOOL = {"type": "function", "name": "pick_city", "description": "Picks a city.",
         "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}
 CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
 INSTRUCTIONS = "Answer in one word."
-QUESTION = "Where do workers go?"
 # A template that writes out every part of a message, so that the prompt shows where each
 # input item went: roles, content, reasoning, tool calls and the tool answers' call ids.
 HISTORY_TEMPLATE = (
@@ -49,8 +45,7 @@ HISTORY_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_reasoning_model(tmp_path_factory.mktemp("responses"), CHAIN,
-                                      added_tokens=("<tool_call>", "</tool_call>", *CALL))
+    return build_pick_city_model(tmp_path_factory.mktemp("responses"))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 /v1/chat/completions route's logprobs for the same conversation on the same engine
 (logprobs true, the same top_logprobs); the `openai` package's Response and stream event
 types parse every body and event. The model is the tiny one whose weights write a known
-chain (tests/tiny_models.py), so that a reply's tokens and their text are known."""
+chain (tests/responses_client.py), so that a reply's tokens and their text are known."""
 
 from __future__ import annotations
 
@@ -12,24 +12,19 @@ from pathlib import Path
 import pytest
 
 from engine_checks import assert_async_engine_idle
-from responses_client import AsgiClient
-from tiny_models import build_tiny_reasoning_model
+from responses_client import QUESTION, AsgiClient, build_pick_city_model
 
 from raylm.deploy.api_server import build_app
 from raylm.deploy.server_args import ServerArgs
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncLLMEngine
 
-CALL = ('{"name": "pick_city", ', '"arguments": {"city": "Paris"}}')
-CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "<tool_call>", *CALL, "</tool_call>"]
-QUESTION = "Where do workers go?"
 INCLUDE = ["message.output_text.logprobs"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_reasoning_model(tmp_path_factory.mktemp("responses_logprobs"), CHAIN,
-                                      added_tokens=("<tool_call>", "</tool_call>", *CALL))
+    return build_pick_city_model(tmp_path_factory.mktemp("responses_logprobs"))
 
 
 @pytest.fixture(scope="module")
