@@ -14,7 +14,6 @@ when its queries attend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,19 +21,7 @@ from torch import nn
 
 from raylm.models.gemma3 import Gemma3ForCausalLM
 from raylm.models.rmsnorm import GemmaRMSNorm
-from raylm.models.weight_utils import default_weight_loader
-from raylm.parallel.pipeline import IntermediateTensors
-
-# Checkpoint name prefixes -> ours. Google's checkpoints (and what transformers 5 still writes)
-# hold language_model.model.* / vision_tower.vision_model.* / multi_modal_projector.*; the
-# module tree of transformers >= 4.52 names model.language_model.* / model.vision_tower.* /
-# model.multi_modal_projector.* / lm_head.*.
-_CHECKPOINT_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
+from raylm.models.vision_tower import VisionLanguageModel, vision_tower_config
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -64,28 +51,21 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(vision_outputs)
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
     """One image -> mm_tokens_per_image image tokens (between `<start_of_image>` and
     `<end_of_image>`), each replaced by its projected pooled feature."""
 
-    supports_multimodal = True
-    supports_pipeline_parallel = False
     # The tokens of one image attend to each other both ways (see the module docstring).
     bidirectional_image_attention = True
+    # The SigLIP pooling head: Gemma 3 reads the last hidden state (see __init__).
+    unused_tower_prefixes = ("head.",)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         from transformers import SiglipVisionConfig, SiglipVisionModel
 
         self.config = config
-        vision_config = config.vision_config
-        kind = getattr(vision_config, "model_type", type(vision_config).__name__)
-        if kind != "siglip_vision_model":
-            raise ValueError(f"Gemma3ForConditionalGeneration: raylm runs SigLIP vision towers; this checkpoint's "
-                             f"vision_config is {kind!r}.")
-        if not isinstance(vision_config, SiglipVisionConfig):
-            # Ray workers get the config as a plain snapshot (executors/ray_worker.py).
-            vision_config = SiglipVisionConfig.from_dict(vision_config.to_dict())
+        vision_config = vision_tower_config(config, type(self).__name__, "SigLIP", SiglipVisionConfig)
         # Gemma 3 reads the last hidden state, never the pooling head (released configs set
         # vision_use_head False; a head would be weights that nothing reads).
         vision_config.vision_use_head = False
@@ -100,54 +80,3 @@ class Gemma3ForConditionalGeneration(nn.Module):
         pixel_values = pixel_values.to(self.multi_modal_projector.mm_input_projection_weight.dtype)
         hidden = self.vision_tower(pixel_values=pixel_values, return_dict=True).last_hidden_state
         return self.multi_modal_projector(hidden)
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The decoder's (scaled) token embeddings of input_ids, image tokens included (to be
-        overwritten: the image features are not scaled, as in Hugging Face's)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
-    # ---- the decoder -----------------------------------------------------------------------
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The text model's tensors go through its own loader (stacked q/k/v, gate/up, tied
-        head); the vision tower's and the projector's are copied as they are."""
-        own = dict(self.named_parameters())
-        # transformers before 5 nests SiglipVisionModel's modules under vision_model.
-        tower_prefix = "vision_model." if any(n.startswith("vision_tower.vision_model.") for n in own) else ""
-        loaded: set[str] = set()
-
-        def language_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _our_name(name)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                    continue
-                if name.startswith("vision_tower."):
-                    rest = name.removeprefix("vision_tower.").removeprefix("vision_model.")
-                    if rest.endswith("position_ids") or rest.startswith("head."):
-                        continue  # a buffer older checkpoints saved; the unused pooling head
-                    name = "vision_tower." + tower_prefix + rest
-                if name not in own:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                                     f"Gemma3ForConditionalGeneration.")
-                default_weight_loader(own[name], tensor)
-                loaded.add(name)
-
-        loaded |= {"language_model." + name for name in self.language_model.load_weights(language_tensors())}
-        self.num_weight_loads = self.__dict__.get("num_weight_loads", 0) + 1
-        return loaded
-
-
-def _our_name(name: str) -> str:
-    for theirs, ours in _CHECKPOINT_PREFIXES:
-        if name.startswith(theirs):
-            return ours + name.removeprefix(theirs)
-    return name

@@ -11,15 +11,13 @@ holds part of an image's placeholders takes the matching part of its features.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from raylm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from raylm.models.weight_utils import default_weight_loader
-from raylm.parallel.pipeline import IntermediateTensors
+from raylm.models.vision_tower import VisionLanguageModel, vision_tower_config
 
 # The decoders a LLaVA checkpoint's text_config may name (its model_type).
 _LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -27,17 +25,6 @@ _LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
 }
-
-# Checkpoint name prefixes -> ours: transformers' saves before 4.52 (and 5.x's legacy layout)
-# put the decoder under language_model.model / language_model.lm_head; later ones under
-# model.language_model / lm_head.
-_CHECKPOINT_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
-
 
 class LlavaMultiModalProjector(nn.Module):
     """Vision features [..., vision_hidden * layers] -> the decoder's hidden size (linear, act, linear)."""
@@ -54,26 +41,16 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(image_features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """The LLaVA-1.5 family: one image -> (patches, less CLS under the "default" strategy)
     placeholder tokens, each replaced by its projected patch feature."""
-
-    supports_multimodal = True
-    supports_pipeline_parallel = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         from transformers import CLIPVisionConfig, CLIPVisionModel
 
         self.config = config
-        vision_config = config.vision_config
-        kind = getattr(vision_config, "model_type", type(vision_config).__name__)
-        if kind != "clip_vision_model":
-            raise ValueError(f"LlavaForConditionalGeneration: raylm runs CLIP vision towers; this checkpoint's "
-                             f"vision_config is {kind!r}.")
-        if not isinstance(vision_config, CLIPVisionConfig):
-            # Ray workers get the config as a plain snapshot (executors/ray_worker.py).
-            vision_config = CLIPVisionConfig.from_dict(vision_config.to_dict())
+        vision_config = vision_tower_config(config, type(self).__name__, "CLIP", CLIPVisionConfig)
         text_config = config.text_config
         language_model_class = _LANGUAGE_MODELS.get(text_config.model_type)
         if language_model_class is None:
@@ -102,52 +79,3 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drops_cls:
             selected = [hidden[:, 1:] for hidden in selected]
         return self.multi_modal_projector(torch.cat(selected, dim=-1))
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The decoder's token embeddings of input_ids (placeholders included, to be overwritten)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
-    # ---- the decoder -----------------------------------------------------------------------
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The decoder's tensors go through its own loader (stacked q/k/v, gate/up); the vision
-        tower's and the projector's are copied as they are."""
-        own = dict(self.named_parameters())
-        tower_prefix = "vision_model." if any(n.startswith("vision_tower.vision_model.") for n in own) else ""
-        loaded: set[str] = set()
-
-        def language_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _our_name(name)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                    continue
-                if name.startswith("vision_tower."):
-                    rest = name.removeprefix("vision_tower.").removeprefix("vision_model.")
-                    if rest.endswith("position_ids"):
-                        continue  # a buffer older checkpoints saved
-                    name = "vision_tower." + tower_prefix + rest
-                if name not in own:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                                     f"LlavaForConditionalGeneration.")
-                default_weight_loader(own[name], tensor)
-                loaded.add(name)
-
-        loaded |= {"language_model." + name for name in self.language_model.load_weights(language_tensors())}
-        self.num_weight_loads = self.__dict__.get("num_weight_loads", 0) + 1
-        return loaded
-
-
-def _our_name(name: str) -> str:
-    for theirs, ours in _CHECKPOINT_PREFIXES:
-        if name.startswith(theirs):
-            return ours + name.removeprefix(theirs)
-    return name

@@ -999,6 +999,70 @@ def test_int4_linear_multiplies_gptq_and_awq_codes_as_float64_does():
                                        rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+def _int4_linear_arguments() -> dict:
+    """Arguments int4_linear takes: a 4-bit GPTQ layer of 64 inputs (2 groups of 32) and 40
+    outputs as repack_for_cpu leaves it, and 2 tokens."""
+    from test_int4_linear import int4_layer
+
+    from raylm.kernels.int4_linear import repack_for_cpu
+
+    packed, zero_offset, _ = int4_layer("gptq", 64, 40, 32)
+    weight = repack_for_cpu(*packed, 4, False, zero_offset)
+    return dict(x=torch.randn(2, weight.weight.shape[1] * 8), weight=weight.weight, scales=weight.scales,
+                zero_scales=weight.zero_scales, chunk_starts=weight.chunk_starts, chunk_groups=weight.chunk_groups,
+                bits=4, out_features=40)
+
+
+def _int4_experts_arguments() -> dict:
+    """Arguments dequantize_int4_experts takes: 3 GPTQ 4-bit experts of 64 inputs (2 groups of
+    32, each row's group in g_idx) and 16 outputs, experts 2 and 0 chosen."""
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32)
+    return dict(qweight=words(3, 8, 16), qzeros=words(3, 2, 2), scales=torch.rand(3, 2, 16),
+                g_idx=torch.arange(64, dtype=torch.int32).repeat(3, 1) // 32, experts=torch.tensor([2, 0]), bits=4,
+                awq=False, zero_offset=1, group_size=0, dtype=torch.float32)
+
+
+def _with_group(g_idx: torch.Tensor, expert: int, row: int, group: int) -> torch.Tensor:
+    g_idx = g_idx.clone()
+    g_idx[expert, row] = group
+    return g_idx
+
+
+# (op, the arguments changed, the error, its message): each check of csrc/int4_checks.h once.
+INT4_REFUSALS = [
+    ("int4_linear", lambda a: dict(bits=6), RuntimeError, r"raylm::int4_linear: bits must be 4 or 8, got 6"),
+    ("int4_linear", lambda a: dict(x=a["x"].t().contiguous().t()), RuntimeError,
+     r"raylm::int4_linear: x must be a contiguous \[T, K\] Float CPU tensor, got a non-contiguous \[2, 64\]"),
+    ("int4_linear", lambda a: dict(zero_scales=a["zero_scales"][:, :1].contiguous()), RuntimeError,
+     r"zero_scales must be a contiguous \[blocks, groups, 32\] Float CPU tensor, got \[2, 1, 32\] Float"),
+    ("int4_linear", lambda a: dict(chunk_groups=torch.full_like(a["chunk_groups"], 2)), ValueError,
+     r"raylm::int4_linear: chunk_groups\[0\] = 2 is outside 0 to 1"),
+    ("dequantize_int4_experts", lambda a: dict(bits=8, awq=True), RuntimeError,
+     r"raylm::dequantize_int4_experts: bits must be 4 for AWQ, got 8"),
+    ("dequantize_int4_experts", lambda a: dict(qzeros=a["qzeros"].long()), RuntimeError,
+     r"qzeros must be a contiguous \[E, groups, out / pack\] Int CPU tensor, got \[3, 2, 2\] Long"),
+    ("dequantize_int4_experts", lambda a: dict(experts=torch.tensor([0, 3])), ValueError,
+     r"raylm::dequantize_int4_experts: experts\[1\] = 3 is outside 0 to 2"),
+    ("dequantize_int4_experts", lambda a: dict(g_idx=_with_group(a["g_idx"], 2, 5, 9)), ValueError,
+     r"raylm::dequantize_int4_experts: g_idx\[2, 5\] = 9 is outside 0 to 1"),
+]
+
+
+@pytest.mark.parametrize("op,change,error,message", INT4_REFUSALS,
+                         ids=["linear-bits", "linear-strided-x", "linear-zero-scales-groups", "linear-chunk-group",
+                              "experts-awq-8-bit", "experts-int64-qzeros", "experts-id", "experts-g-idx"])
+def test_int4_ops_refuse_arguments_outside_their_layout_naming_op_argument_and_value(op, change, error, message):
+    """csrc/int4_checks.h: a kernel never reads outside its tensors; the valid arguments run."""
+    library = "cpu_int4_linear" if op == "int4_linear" else "cpu_int4_experts"
+    if native_build.load_native_library(library) is None:
+        pytest.skip(f"{library} cannot be built here")
+    arguments = _int4_linear_arguments() if op == "int4_linear" else _int4_experts_arguments()
+    run = getattr(torch.ops.raylm, op)
+    run(**arguments)
+    with pytest.raises(error, match=message):
+        run(**{**arguments, **change(arguments)})
+
+
 # (method, bits, group_size (-1: one group), desc_act, zero_offset, in, out): GPTQ v1 (zeros
 # stored minus 1) and v2, 4 and 8 bits, AWQ; 76 and 75 inputs leave a partial last group and
 # a tail past the last whole vector of every width, 72 a tail of AVX-512's 16.

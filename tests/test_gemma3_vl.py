@@ -14,6 +14,8 @@ import torch
 
 from engine_checks import assert_engine_idle
 from tiny_models import build_tiny_gemma3_vl, random_image
+from vision_language_helpers import (hf_image_inputs, hf_processor_and_model, image_prompt, module_tree_name,
+                                     png_data_url)
 
 MAX_TOKENS = 6
 TOKENS_PER_IMAGE = 4
@@ -33,11 +35,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf(model_dir: Path):
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    model = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    return processor, model
+    return hf_processor_and_model(model_dir, "Gemma3ForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +49,7 @@ def llm(model_dir: Path):
 
 
 def _hf_inputs(hf, prompt: str, seeds: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    processor, _ = hf
-    images = [random_image(seed) for seed in seeds] or None
-    return dict(processor(text=prompt, images=images, return_tensors="pt"))
+    return hf_image_inputs(hf[0], prompt, seeds)
 
 
 def _hf_reference(hf, inputs: dict[str, torch.Tensor], bidirectional: bool = True) -> tuple[list[int], torch.Tensor]:
@@ -110,8 +106,7 @@ def test_images_attend_both_ways_and_equal_hf(llm, hf):
     """One image, and two in one prompt, batched with text; the image tokens' bidirectional
     attention changes HF's logprobs (so a causal engine would fail this)."""
     items = [(ONE_IMAGE, (1,)), (TWO_IMAGES, (2, 3)), (TEXT, ())]
-    prompts = [{"prompt": prompt, "multi_modal_data": {"image": [random_image(s) for s in seeds]}} if seeds
-               else {"prompt": prompt} for prompt, seeds in items]
+    prompts = [image_prompt(prompt, seeds) if seeds else {"prompt": prompt} for prompt, seeds in items]
     outs = _generate(llm, prompts)
     image_token_id = llm.llm_engine.model_config.hf_config.image_token_index
     for out, (prompt, seeds) in zip(outs, items):
@@ -223,13 +218,6 @@ def test_both_checkpoint_layouts_load_the_same_weights(model_dir):
     tensors = load_file(str(model_dir / "model.safetensors"))
     assert any(name.startswith("language_model.model.") for name in tensors)  # the layout saved
 
-    def module_tree_name(name: str) -> str:
-        if name.startswith("language_model.model."):
-            return "model.language_model." + name.removeprefix("language_model.model.")
-        if name.startswith("vision_tower."):
-            return "model.vision_tower.vision_model." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
-        return "model." + name
-
     config = load_hf_config(str(model_dir))
     loaded = []
     for names in (lambda name: name, module_tree_name):
@@ -257,19 +245,14 @@ def test_budget_below_one_image_is_refused(model_dir):
 def test_images_on_cuda_equal_hf_there(model_dir, hf):
     """On a GPU (stage t of scripts/gpu_check.sh): the image rows recomputed over the Triton
     backend's paged cache, decode steps replaying CUDA graphs."""
-    from transformers import Gemma3ForConditionalGeneration
-
     from raylm.engine import LLM
 
-    processor, _ = hf
-    cuda_hf = (processor, Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-               .to("cuda").eval())
+    cuda_hf = hf_processor_and_model(model_dir, "Gemma3ForConditionalGeneration", device="cuda")
     items = [(ONE_IMAGE, (40,)), (TWO_IMAGES, (41, 42))]
     llm = LLM(str(model_dir), dtype="float32", device="cuda", max_model_len=128, max_num_batched_tokens=BUDGET,
               limit_mm_per_prompt={"image": 2})
     try:
-        outs = _generate(llm, [{"prompt": prompt, "multi_modal_data": {"image": [random_image(s) for s in seeds]}}
-                               for prompt, seeds in items])
+        outs = _generate(llm, [image_prompt(prompt, seeds) for prompt, seeds in items])
         for out, (prompt, seeds) in zip(outs, items):
             inputs = {key: value.to("cuda") for key, value in _hf_inputs(hf, prompt, seeds).items()}
             tokens, logprobs = _hf_reference(cuda_hf, inputs)
@@ -285,8 +268,6 @@ def test_chat_completions_with_an_image_url_equal_hf(model_dir, hf):
     through the chat template, expands it as Gemma3Processor does, and the reply's tokens and
     logprobs are HF's on the prompt its processor's chat template renders."""
     import asyncio
-    import base64
-    import io
 
     import httpx
 
@@ -296,9 +277,7 @@ def test_chat_completions_with_an_image_url_equal_hf(model_dir, hf):
 
     processor, _ = hf
     image = random_image(7)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = png_data_url(image)
     body = {"model": "m", "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True,
             "logprobs": True, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}]}

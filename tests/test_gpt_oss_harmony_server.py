@@ -13,6 +13,7 @@ import json
 import httpx
 import pytest
 
+from chat_replies import message_parts, streamed_parts
 from engine_checks import assert_async_engine_idle
 from server_process import InProcessServer
 from tiny_models import build_tiny_harmony_model
@@ -63,27 +64,12 @@ def _chat(base_url: str, **fields) -> httpx.Response:
 
 def _message(base_url: str, **fields) -> tuple:
     """(reasoning, content, [(name, arguments)], finish_reason) of the unstreamed reply."""
-    choice = _chat(base_url, **fields).json()["choices"][0]
-    message = choice["message"]
-    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
-    return message.get("reasoning"), message["content"], calls, choice["finish_reason"]
+    return message_parts(_chat(base_url, **fields).json())
 
 
 def _streamed(base_url: str, **fields) -> tuple:
     """The same, from the stream's deltas."""
-    reasoning, content, calls, finish = "", "", [], None
-    for line in _chat(base_url, stream=True, **fields).text.splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                delta = choice["delta"]
-                reasoning += delta.get("reasoning") or ""
-                content += delta.get("content") or ""
-                finish = choice["finish_reason"] or finish
-                for call in delta.get("tool_calls") or ():
-                    if "id" in call:
-                        calls.append([call["function"]["name"], ""])
-                    calls[call["index"]][1] += call["function"].get("arguments") or ""
-    return reasoning or None, content or None, [tuple(c) for c in calls], finish
+    return streamed_parts(_chat(base_url, stream=True, **fields).text)[0]
 
 
 def test_analysis_is_reasoning_preamble_content_and_the_call_a_tool_call(server):

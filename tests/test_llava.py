@@ -9,10 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine_checks import assert_engine_idle
 from tiny_models import build_tiny_llava, build_tiny_model, random_image
+from vision_language_helpers import (hf_greedy_tokens, hf_image_inputs, hf_processor_and_model, image_prompt,
+                                     module_tree_name, png_data_url)
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 # 6 tokens before the image's 16 and fewer than 10 after: a prefix-cache hit is one 16-token
@@ -30,18 +31,12 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_greedy(llava_dir: Path):
     """HF's greedy continuation of (prompt, images), memoised."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(str(llava_dir))
-    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
+    processor, model = hf_processor_and_model(llava_dir, "LlavaForConditionalGeneration")
     memo: dict = {}
 
     def greedy(prompt: str, seeds: tuple[int, ...]) -> list[int]:
         if (prompt, seeds) not in memo:
-            inputs = processor(text=prompt, images=[random_image(s) for s in seeds], return_tensors="pt")
-            with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-            memo[prompt, seeds] = out[0, inputs["input_ids"].shape[1]:].tolist()
+            memo[prompt, seeds] = hf_greedy_tokens(model, hf_image_inputs(processor, prompt, seeds), MAX_TOKENS)
         return memo[prompt, seeds]
 
     return greedy
@@ -64,9 +59,7 @@ def _generate(llm, items: list[tuple[str, tuple[int, ...]]]) -> list:
     from raylm.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [{"prompt": prompt, "multi_modal_data": {"image": [random_image(s) for s in seeds]}}
-               for prompt, seeds in items]
-    return llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate([image_prompt(prompt, seeds) for prompt, seeds in items], params, use_tqdm=False)
 
 
 def _runner(llm):
@@ -444,17 +437,12 @@ def test_cuda_profile_peak_grows_with_the_images_it_holds(llava_dir):
 def test_images_on_cuda_equal_hf_there_with_decode_graphs(llava_dir):
     """On a GPU (stage t of scripts/gpu_check.sh): the vision tower and the merged embeddings on
     the device, prefill chunks cutting the images eagerly, decode steps replaying CUDA graphs."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(str(llava_dir))
-    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).to("cuda").eval()
+    processor, model = hf_processor_and_model(llava_dir, "LlavaForConditionalGeneration", device="cuda")
     items = [(PROMPT, (40,)), (TWO_IMAGES, (41, 42)), (SHORT_PROMPT, (43,))]
     expected = []
     for prompt, seeds in items:
-        inputs = processor(text=prompt, images=[random_image(s) for s in seeds], return_tensors="pt").to("cuda")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+        inputs = {key: value.to("cuda") for key, value in hf_image_inputs(processor, prompt, seeds).items()}
+        expected.append(hf_greedy_tokens(model, inputs, MAX_TOKENS))
     llm = _llm(llava_dir, device="cuda", max_num_batched_tokens=12, limit_mm_per_prompt={"image": 2})
     try:
         outs = _generate(llm, items)
@@ -492,30 +480,19 @@ def test_tensor_parallel_over_ray_equals_hf(llava_dir, hf_greedy, ray_cluster):
 def test_llm_chat_takes_image_pil_and_data_url_parts_as_vllm(llm, llava_dir):
     """LLM.chat renders image parts where the template puts the placeholder; the reply equals
     HF's on the prompt its processor's chat template renders."""
-    import base64
-    import io
-
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
     from raylm.engine import SamplingParams
 
     first, second = random_image(17), random_image(18)
-    buffer = io.BytesIO()
-    second.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": first},
-                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "image_url", "image_url": {"url": png_data_url(second)}},
                                              {"type": "text", "text": "Same?"}]}]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     (out,) = llm.chat(messages, params, use_tqdm=False)
-    processor = AutoProcessor.from_pretrained(str(llava_dir))
-    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir), dtype=torch.float32).eval()
+    processor, model = hf_processor_and_model(llava_dir, "LlavaForConditionalGeneration")
     prompt = processor.apply_chat_template([{"role": "user", "content": [
         {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]}], add_generation_prompt=True)
-    inputs = processor(text=prompt, images=[first, second], return_tensors="pt")
-    with torch.no_grad():
-        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    assert list(out.outputs[0].token_ids) == expected[0, inputs["input_ids"].shape[1]:].tolist()
+    inputs = dict(processor(text=prompt, images=[first, second], return_tensors="pt"))
+    assert list(out.outputs[0].token_ids) == hf_greedy_tokens(model, inputs, MAX_TOKENS)
     assert_engine_idle(llm.llm_engine)
 
 
@@ -527,20 +504,11 @@ def test_checkpoints_in_transformers_other_layout_load_the_same(llava_dir, hf_gr
 
     from safetensors.torch import load_file, save_file
 
-    def renamed(name: str) -> str:
-        if name.startswith("language_model.model."):
-            return "model.language_model." + name.removeprefix("language_model.model.")
-        if name.startswith("language_model.lm_head."):
-            return name.removeprefix("language_model.")
-        if name.startswith("vision_tower."):
-            return "model.vision_tower.vision_model." + name.removeprefix("vision_tower.")
-        return "model." + name
-
     other = tmp_path / "other_layout"
     shutil.copytree(llava_dir, other)
     tensors = load_file(str(llava_dir / "model.safetensors"))
     assert any(name.startswith("language_model.model.") for name in tensors)  # the layout this test renames
-    save_file({renamed(name): tensor for name, tensor in tensors.items()}, str(other / "model.safetensors"),
+    save_file({module_tree_name(name): tensor for name, tensor in tensors.items()}, str(other / "model.safetensors"),
               metadata={"format": "pt"})
     llm = _llm(other)
     try:

@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 
+from chat_replies import message_parts, streamed_parts
 from engine_checks import assert_async_engine_idle
 from server_process import InProcessServer
 from tiny_models import build_tiny_reasoning_model
@@ -60,28 +61,12 @@ def _chat(base_url: str, **fields) -> httpx.Response:
 
 def _message(base_url: str, **fields) -> tuple:
     """(reasoning, content, [(name, arguments)], finish_reason) of the unstreamed reply."""
-    choice = _chat(base_url, **fields).json()["choices"][0]
-    message = choice["message"]
-    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
-    return message.get("reasoning"), message["content"], calls, choice["finish_reason"]
+    return message_parts(_chat(base_url, **fields).json())
 
 
 def _streamed(base_url: str, **fields) -> tuple[tuple, list[dict]]:
     """The same, from the stream's deltas, and the chunks' choices."""
-    reasoning, content, calls, finish, choices = "", "", [], None, []
-    for line in _chat(base_url, stream=True, **fields).text.splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                choices.append(choice)
-                delta = choice["delta"]
-                reasoning += delta.get("reasoning") or ""
-                content += delta.get("content") or ""
-                finish = choice["finish_reason"] or finish
-                for call in delta.get("tool_calls") or ():
-                    if "id" in call:
-                        calls.append([call["function"]["name"], ""])
-                    calls[call["index"]][1] += call["function"].get("arguments") or ""
-    return (reasoning or None, content or None, [tuple(c) for c in calls], finish), choices
+    return streamed_parts(_chat(base_url, stream=True, **fields).text)
 
 
 @pytest.mark.parametrize("days_type, days", [("integer", 3), ("string", "3")])

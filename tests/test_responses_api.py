@@ -1,6 +1,6 @@
 """`POST /v1/responses` (OpenAI's Responses API) on a real in-process server: the engine and
 the FastAPI app in this process, driven over ASGI by httpx. The model is the tiny one whose
-weights write a known chain (tests/tiny_models.py): `<think>Ray places</think>` then a
+weights write a known chain (tests/responses_client.py): `<think>Ray places</think>` then a
 Hermes tool call to pick_city. References: Hugging Face's greedy tokens through
 transformers' apply_chat_template, the /v1/chat/completions route on the same messages, and
 the `openai` package's Response and stream event types (a test-only dependency), which
@@ -8,7 +8,6 @@ parse every body and event."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from pathlib import Path
@@ -16,12 +15,11 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from openai.types.responses import Response
 
 from engine_checks import assert_async_engine_idle
 from hf_reference import hf_greedy
-from tiny_models import build_tiny_reasoning_model
+from responses_client import EVENTS, QUESTION, AsgiClient, build_pick_city_model
 
 from raylm.deploy.api_server import build_app
 from raylm.deploy.server_args import ServerArgs
@@ -29,13 +27,10 @@ from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncLLMEngine
 
 REASONING = "Ray places"
-CALL = ('{"name": "pick_city", ', '"arguments": {"city": "Paris"}}')
-CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "<tool_call>", *CALL, "</tool_call>"]
 TOOL = {"type": "function", "name": "pick_city", "description": "Picks a city.",
         "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}
 CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
 INSTRUCTIONS = "Answer in one word."
-QUESTION = "Where do workers go?"
 # A template that writes out every part of a message, so that the prompt shows where each
 # input item went: roles, content, reasoning, tool calls and the tool answers' call ids.
 HISTORY_TEMPLATE = (
@@ -46,13 +41,11 @@ HISTORY_TEMPLATE = (
     "{% endfor %}{% if m.tool_call_id is defined %}[for {{ m.tool_call_id }}]{% endif %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     "{% if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{% endif %}")
-EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_reasoning_model(tmp_path_factory.mktemp("responses"), CHAIN,
-                                      added_tokens=("<tool_call>", "</tool_call>", *CALL))
+    return build_pick_city_model(tmp_path_factory.mktemp("responses"))
 
 
 @pytest.fixture(scope="module")
@@ -75,44 +68,15 @@ def apps(engine):
             "history": build_app(engine, ServerArgs(chat_template=HISTORY_TEMPLATE, enable_log_requests=True))}
 
 
-# The engine's output loop belongs to the event loop it first ran on: every request of the
-# module runs on this one, as a server's requests all run on uvicorn's.
-_RUNNER = asyncio.Runner()
+# Every request of the module runs on this client's one event loop (see AsgiClient).
+CLIENT = AsgiClient()
+post, respond, stream = CLIENT.post, CLIENT.respond, CLIENT.stream
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _close_runner():
+def _close_client():
     yield
-    _RUNNER.close()
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    async def send() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await client.post(path, json=body)
-
-    return _RUNNER.run(send())
-
-
-def respond(app, **body) -> Response:
-    reply = post(app, "/v1/responses", {"temperature": 0, **body})
-    assert reply.status_code == 200, reply.text
-    return Response.model_validate(reply.json())
-
-
-def stream(app, **body) -> list:
-    """The stream's events, each parsed with the openai package's event types."""
-    reply = post(app, "/v1/responses", {"temperature": 0, "stream": True, **body})
-    assert reply.status_code == 200, reply.text
-    lines = reply.text.split("\n\n")
-    events = []
-    for block in filter(None, lines):
-        kind, data = block.split("\n")
-        event = EVENTS.validate_python(json.loads(data.removeprefix("data: ")))
-        assert kind == f"event: {event.type}"
-        events.append(event)
-    return events
+    CLIENT.close()
 
 
 def hf_reply(model_dir: Path, messages: list[dict], max_new_tokens: int = 16) -> tuple[list[int], str]:
@@ -280,7 +244,7 @@ def test_openai_clients_stream_helper_rebuilds_the_unstreamed_response(apps, mod
                 final = await events.get_final_response()
         return created, final
 
-    created, final = _RUNNER.run(both())
+    created, final = CLIENT.run(both())
     assert items(final) == items(created)
     assert final.output_text == created.output_text
 
@@ -383,7 +347,7 @@ def test_a_failure_after_the_stream_began_is_an_error_event():
         events = ResponseEventStream(ResponsesRequest(input="x"), "resp_1", 0, "m")
         return [chunk async for chunk in events.translate(chat_chunks())]
 
-    events = [EVENTS.validate_python(json.loads(block.split("\ndata: ")[1])) for block in _RUNNER.run(translated())]
+    events = [EVENTS.validate_python(json.loads(block.split("\ndata: ")[1])) for block in CLIENT.run(translated())]
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
                                         "response.content_part.added", "response.output_text.delta", "error"]
     assert (events[-1].message, events[-1].param) == ("The prompt is bad.", "input")

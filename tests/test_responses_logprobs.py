@@ -3,38 +3,28 @@
 /v1/chat/completions route's logprobs for the same conversation on the same engine
 (logprobs true, the same top_logprobs); the `openai` package's Response and stream event
 types parse every body and event. The model is the tiny one whose weights write a known
-chain (tests/tiny_models.py), so that a reply's tokens and their text are known."""
+chain (tests/responses_client.py), so that a reply's tokens and their text are known."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
 
-import httpx
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
 
 from engine_checks import assert_async_engine_idle
-from tiny_models import build_tiny_reasoning_model
+from responses_client import QUESTION, AsgiClient, build_pick_city_model
 
 from raylm.deploy.api_server import build_app
 from raylm.deploy.server_args import ServerArgs
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.async_llm_engine import AsyncLLMEngine
 
-CALL = ('{"name": "pick_city", ', '"arguments": {"city": "Paris"}}')
-CHAIN = ["\n", "<think>", "Ray", " places", "</think>", "<tool_call>", *CALL, "</tool_call>"]
-QUESTION = "Where do workers go?"
 INCLUDE = ["message.output_text.logprobs"]
-EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_reasoning_model(tmp_path_factory.mktemp("responses_logprobs"), CHAIN,
-                                      added_tokens=("<tool_call>", "</tool_call>", *CALL))
+    return build_pick_city_model(tmp_path_factory.mktemp("responses_logprobs"))
 
 
 @pytest.fixture(scope="module")
@@ -50,41 +40,15 @@ def app(engine):
     return build_app(engine, ServerArgs())
 
 
-# Every request of the module runs on this one event loop, as a server's run on uvicorn's.
-_RUNNER = asyncio.Runner()
+# Every request of the module runs on this client's one event loop (see AsgiClient).
+CLIENT = AsgiClient()
+post, respond, stream = CLIENT.post, CLIENT.respond, CLIENT.stream
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _close_runner():
+def _close_client():
     yield
-    _RUNNER.close()
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    async def send() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await client.post(path, json=body)
-
-    return _RUNNER.run(send())
-
-
-def respond(app, **body) -> Response:
-    reply = post(app, "/v1/responses", {"temperature": 0, **body})
-    assert reply.status_code == 200, reply.text
-    return Response.model_validate(reply.json())
-
-
-def stream(app, **body) -> list:
-    reply = post(app, "/v1/responses", {"temperature": 0, "stream": True, **body})
-    assert reply.status_code == 200, reply.text
-    events = []
-    for block in filter(None, reply.text.split("\n\n")):
-        kind, data = block.split("\n")
-        event = EVENTS.validate_python(json.loads(data.removeprefix("data: ")))
-        assert kind == f"event: {event.type}"
-        events.append(event)
-    return events
+    CLIENT.close()
 
 
 def chat_logprobs(app, top_logprobs: int, max_tokens: int) -> list[dict]:

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "int4_checks.h"
 #include "int4_codes.h"
 
 namespace {
@@ -216,46 +217,34 @@ at::Tensor dequantize_int4_experts(const at::Tensor& qweight, const at::Tensor& 
                                    const c10::optional<at::Tensor>& g_idx, const at::Tensor& experts, int64_t bits,
                                    bool awq, int64_t zero_offset, int64_t group_size, at::ScalarType dtype) {
   constexpr const char* op = "raylm::dequantize_int4_experts";
-  TORCH_CHECK(bits == 4 || (bits == 8 && !awq), op, ": bits must be 4, or 8 for GPTQ, got ", bits);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be fp32 or bf16");
-  const int64_t pack = 32 / bits;
-  for (const at::Tensor* t : {&qweight, &qzeros})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt && t->dim() == 3 && t->is_contiguous(), op,
-                ": qweight and qzeros must be contiguous 3-D int32 CPU tensors");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous(), op,
-              ": scales must be a contiguous [E, groups, out] fp32 tensor");
-  const int64_t num_experts = qweight.size(0), groups = scales.size(1), out_features = scales.size(2);
-  const int64_t in_features = awq ? qweight.size(1) : qweight.size(1) * pack;
-  TORCH_CHECK(out_features % pack == 0 && qweight.size(2) == (awq ? out_features / 8 : out_features), op,
-              ": qweight must be GPTQ's [E, in / pack, out] or AWQ's [E, in, out / 8], out (", out_features,
-              ") a multiple of ", pack);
-  TORCH_CHECK(scales.size(0) == num_experts && qzeros.size(0) == num_experts && qzeros.size(1) == groups &&
-                  qzeros.size(2) == out_features / pack && groups > 0,
-              op, ": qzeros must be [E, groups, out / pack] as scales [E, groups, out]");
-  const int32_t* g_idx_data = nullptr;
-  if (g_idx.has_value()) {
-    TORCH_CHECK(g_idx->scalar_type() == at::kInt && g_idx->is_contiguous() && g_idx->dim() == 2 &&
-                    g_idx->size(0) == num_experts && g_idx->size(1) == in_features,
-                op, ": g_idx must be a contiguous [E, in] int32 tensor");
-    g_idx_data = g_idx->data_ptr<int32_t>();
+  const int64_t pack = checked_codes_per_word(op, bits, awq);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be fp32 or bf16, got ", dtype);
+  check_tensor(op, "scales", scales, at::kFloat, {kAnySize, kAnySize, kAnySize}, "[E, groups, out]");
+  const int64_t num_experts = scales.size(0), groups = scales.size(1), out_features = scales.size(2);
+  TORCH_CHECK(groups > 0 && out_features % pack == 0, op, ": scales [E, groups, out] must have groups > 0 and out a "
+              "multiple of ", pack, ", got ", scales.sizes());
+  if (awq) {
+    check_tensor(op, "qweight", qweight, at::kInt, {num_experts, kAnySize, out_features / 8}, "AWQ [E, in, out / 8]");
   } else {
-    TORCH_CHECK(group_size > 0 && (in_features + group_size - 1) / group_size == groups, op,
-                ": without g_idx, group_size must give the scales' ", groups, " groups of ", in_features, " rows");
+    check_tensor(op, "qweight", qweight, at::kInt, {num_experts, kAnySize, out_features}, "GPTQ [E, in / pack, out]");
   }
-  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 1 && experts.is_contiguous(), op,
-              ": experts must be a contiguous 1-D int64 tensor");
+  const int64_t in_features = awq ? qweight.size(1) : qweight.size(1) * pack;
+  check_tensor(op, "qzeros", qzeros, at::kInt, {num_experts, groups, out_features / pack}, "[E, groups, out / pack]");
+  check_tensor(op, "experts", experts, at::kLong, {kAnySize}, "[n]");
   const int64_t n = experts.numel();
   const int64_t* ids = experts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK_VALUE(ids[i] >= 0 && ids[i] < num_experts, op, ": expert ", ids[i], " is outside the ", num_experts,
-                      " experts");
-  if (g_idx_data != nullptr) {  // an out-of-range group would read outside the scales
+  check_indices(op, "experts", ids, n, num_experts);
+  const int32_t* g_idx_data = nullptr;
+  if (g_idx.has_value()) {
+    check_tensor(op, "g_idx", *g_idx, at::kInt, {num_experts, in_features}, "[E, in]");
+    g_idx_data = g_idx->data_ptr<int32_t>();
+    // Only the chosen experts' rows are read: an out-of-range group would read outside the scales.
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t k = 0; k < in_features; ++k) {
-        const int32_t g = g_idx_data[ids[i] * in_features + k];
-        TORCH_CHECK_VALUE(g >= 0 && g < groups, op, ": g_idx[", ids[i], ", ", k, "] = ", g, " is not one of the ",
-                          groups, " groups");
-      }
+      check_indices(op, "g_idx", g_idx_data + ids[i] * in_features, in_features, groups, ids[i]);
+  } else {
+    TORCH_CHECK(group_size > 0 && (in_features + group_size - 1) / group_size == groups, op,
+                ": without g_idx, group_size must give the scales' ", groups, " groups of ", in_features,
+                " rows, got ", group_size);
   }
   const PackedExperts w{qweight.data_ptr<int32_t>(), qzeros.data_ptr<int32_t>(), scales.data_ptr<float>(),
                         g_idx_data, in_features, out_features, groups, group_size, static_cast<int>(bits),

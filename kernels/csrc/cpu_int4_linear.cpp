@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "int4_checks.h"
 #include "int4_codes.h"
 
 namespace {
@@ -45,8 +46,12 @@ using raylm::vmul;
 using raylm::vset1;
 using raylm::vstore;
 using raylm::vsub;
+using raylm::int4::check_indices;
+using raylm::int4::check_tensor;
+using raylm::int4::checked_codes_per_word;
 using raylm::int4::codes_at;
 using raylm::int4::for_each_code;
+using raylm::int4::kAnySize;
 using raylm::int4::load_words;
 using raylm::int4::vwords;
 
@@ -199,32 +204,30 @@ void int4_linear_blocks(const float* x, int64_t T, int64_t K, const int32_t* wei
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& zero_scales, const at::Tensor& chunk_starts, const at::Tensor& chunk_groups,
                        int64_t bits, int64_t out_features) {
-  TORCH_CHECK(bits == 4 || bits == 8, "raylm::int4_linear: bits must be 4 or 8, got ", bits);
-  const int64_t pack = 32 / bits;
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "raylm::int4_linear: x must be a contiguous 2-D fp32 CPU tensor");
+  constexpr const char* op = "raylm::int4_linear";
+  const int64_t pack = checked_codes_per_word(op, bits, /*awq=*/false);  // AWQ's codes come repacked as GPTQ's
+  check_tensor(op, "x", x, at::kFloat, {kAnySize, kAnySize}, "[T, K]");
   const int64_t T = x.size(0), K = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kInt && weight.dim() == 3 && weight.is_contiguous() &&
-                  weight.size(1) * pack == K && weight.size(2) == kBlockColumns,
-              "raylm::int4_linear: weight must be a contiguous [blocks, K / (32 / bits), 32] int32 tensor");
+  TORCH_CHECK(K % pack == 0, op, ": x's K (", K, ", the repacked inputs) must be whole words of ", pack, " codes");
+  check_tensor(op, "weight", weight, at::kInt, {kAnySize, K / pack, kBlockColumns}, "[blocks, K / (32 / bits), 32]");
   const int64_t blocks = weight.size(0);
-  TORCH_CHECK(out_features > (blocks - 1) * kBlockColumns && out_features <= blocks * kBlockColumns,
-              "raylm::int4_linear: out_features must fill the last block of 32 columns");
-  for (const at::Tensor* t : {&scales, &zero_scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous() && t->size(0) == blocks &&
-                    t->size(2) == kBlockColumns && t->sizes() == scales.sizes(),
-                "raylm::int4_linear: scales and zero_scales must be contiguous [blocks, groups, 32] fp32 tensors");
-  const int64_t groups = scales.size(1), chunks = chunk_groups.numel();
-  TORCH_CHECK(chunk_starts.scalar_type() == at::kInt && chunk_groups.scalar_type() == at::kInt &&
-                  chunk_starts.is_contiguous() && chunk_groups.is_contiguous() && chunk_starts.numel() == chunks + 1,
-              "raylm::int4_linear: chunk_starts [chunks + 1] and chunk_groups [chunks] must be contiguous int32");
+  TORCH_CHECK(out_features > (blocks - 1) * kBlockColumns && out_features <= blocks * kBlockColumns, op,
+              ": out_features (", out_features, ") must fill the last of the ", blocks, " blocks of 32 columns");
+  check_tensor(op, "scales", scales, at::kFloat, {blocks, kAnySize, kBlockColumns}, "[blocks, groups, 32]");
+  const int64_t groups = scales.size(1);
+  check_tensor(op, "zero_scales", zero_scales, at::kFloat, {blocks, groups, kBlockColumns}, "[blocks, groups, 32]");
+  check_tensor(op, "chunk_groups", chunk_groups, at::kInt, {kAnySize}, "[chunks]");
+  const int64_t chunks = chunk_groups.numel();
+  check_tensor(op, "chunk_starts", chunk_starts, at::kInt, {chunks + 1}, "[chunks + 1]");
   const int32_t* starts = chunk_starts.data_ptr<int32_t>();
   const int32_t* chunk_group = chunk_groups.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[chunks] == K, "raylm::int4_linear: the chunks must cover K");
+  check_indices(op, "chunk_groups", chunk_group, chunks, groups);
+  TORCH_CHECK(starts[0] == 0 && starts[chunks] == K, op, ": the chunks must cover K (", K, "), got rows ", starts[0],
+              " to ", starts[chunks]);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t rows = starts[c + 1] - starts[c];
-    TORCH_CHECK(rows > 0 && rows <= kChunkRows && rows % pack == 0 && chunk_group[c] >= 0 && chunk_group[c] < groups,
-                "raylm::int4_linear: chunk ", c, " must be 1 to ", kChunkRows, " rows, whole words, of a group");
+    TORCH_CHECK(rows > 0 && rows <= kChunkRows && rows % pack == 0, op, ": chunk ", c, " must be 1 to ", kChunkRows,
+                " rows in whole words of ", pack, " codes, got ", rows);
   }
   at::Tensor out = at::empty({T, out_features}, x.options());
   if (T == 0) return out;
