@@ -23,11 +23,14 @@ the ops are registered by name, so tests of other ISAs run in a subprocess.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import multiprocessing
 import os
 import platform
+import subprocess
+import sysconfig
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -59,8 +62,13 @@ _ISA_FLAGS = {
 }
 assert tuple(_ISA_FLAGS) == envs.CPU_ISAS
 
+# csrc/ header compiled once per flag set (`_precompiled_header`) and read first by every library.
+PRECOMPILED_HEADER = "torch_headers.h"
+
 # name -> the loaded library's path, or None when its build failed (warned once).
 _libraries: dict[str, str | None] = {}
+# precompiled header's cache key -> its path, or None when it could not be compiled (warned once).
+_precompiled: dict[str, Path | None] = {}
 
 
 def load_native_library(name: str) -> str | None:
@@ -130,6 +138,11 @@ def build_all() -> dict[str, str | None]:
     Each library is one translation unit, so they compile side by side, one process per core
     (a fresh machine's setup: the compiles are most of its time), and are loaded here after."""
     unbuilt = [name for name in LIBRARY_NAMES if name not in _libraries and not _is_built(name)]
+    if unbuilt:
+        try:
+            _precompiled_header()  # once, before the workers that all read it
+        except ValueError:  # RAYLM_CPU_ISA this CPU cannot run: each library's load reports it
+            pass
     workers = min(len(unbuilt), os.cpu_count() or 1)
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -173,6 +186,9 @@ def _build(name: str) -> str:
             partial = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
             partial.write_text(text)
             partial.replace(path)  # atomic: concurrent workers never compile half a file
+    header = _precompiled_header()
+    if header is not None:
+        cflags = [*cflags, "-include", str(header)]
     start = time.perf_counter()
     with _exclusive_build(build_dir):
         # Copies of the flag lists: torch's load() appends to the lists it is given, which
@@ -184,6 +200,73 @@ def _build(name: str) -> str:
     path = str(build_dir / f"{module_name}.so")
     logger.info("Native CPU library %r ready in %.1f s (%s).", name, time.perf_counter() - start, build_dir)
     return path
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")  # what torch's cpp_extension compiles with
+
+
+def _torch_cflags() -> list[str]:
+    """The flags torch's cpp_extension puts before ours (torch 2.13, Linux), less the
+    library's own name and folder: a precompiled header is only used with the flags it was
+    compiled with (GCC checks them and reads the header's text otherwise)."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [*include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
+    return ["-DTORCH_API_INCLUDE_EXTENSION_H", *(f for path in includes for f in ("-isystem", path)),
+            "-fPIC", "-std=c++20"]
+
+
+def _precompiled_header() -> Path | None:
+    """csrc/torch_headers.h compiled (`.gch`) for this torch, compiler and RAYLM_CPU_ISA into
+    the build cache, and its path for `-include`; None where the compiler is not GCC or the
+    compile fails (the libraries then parse the headers themselves: slower, the same code).
+    Parsing torch's headers is ~8 s of CPU a library; with the precompiled form ~1 s."""
+    version = _gcc_version()
+    if version is None:
+        return None
+    text = (CSRC_DIR / PRECOMPILED_HEADER).read_text()
+    flags = [*_torch_cflags(), *compile_flags()]
+    key = hashlib.sha256("\n".join([text, version, " ".join(flags), torch.__version__, str(Path(torch.__file__).parent),
+                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    if key not in _precompiled:
+        _precompiled[key] = _compile_header(text, flags, _build_dir(f"raylm_pch_{key}"))
+    return _precompiled[key]
+
+
+@functools.cache
+def _gcc_version() -> str | None:
+    """`c++ --version` where the compiler is GCC (whose .gch format this uses), else None."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return version if "Free Software Foundation" in version else None
+
+
+def _compile_header(text: str, flags: list[str], build_dir: Path) -> Path | None:
+    header, compiled = build_dir / PRECOMPILED_HEADER, build_dir / f"{PRECOMPILED_HEADER}.gch"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_build(build_dir):
+        if compiled.exists():
+            return header
+        for leftover in build_dir.glob("*.tmp"):  # of a compile that was killed
+            leftover.unlink(missing_ok=True)
+        header.write_text(text)
+        partial = build_dir / f"{compiled.name}.{os.getpid()}.tmp"
+        start = time.perf_counter()
+        done = subprocess.run([_compiler(), *flags, "-x", "c++-header", str(header), "-o", str(partial)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            logger.warning("Precompiling %s failed; each native library parses it instead: %s", PRECOMPILED_HEADER,
+                           done.stderr.strip()[-2000:])
+            partial.unlink(missing_ok=True)
+            return None
+        partial.replace(compiled)  # atomic: a reader sees the whole file or none
+        logger.info("Precompiled %s in %.1f s (%s).", PRECOMPILED_HEADER, time.perf_counter() - start, build_dir)
+    return header
 
 
 if __name__ == "__main__":

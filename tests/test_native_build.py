@@ -48,7 +48,7 @@ def test_a_load_after_a_builder_was_killed_mid_build_finishes(tmp_path):
     builder = _python(tmp_path, LOAD_CPU_OPS)
     # torch's baton appears when the compile starts; kill the whole process group (the
     # compiler too) while it is there, as a timeout would.
-    baton = _wait_for("raylm/torch_extensions/raylm_cpu_ops_*/lock", tmp_path, timeout_s=120)
+    baton = _wait_for("raylm/torch_extensions/raylm_cpu_ops_*/lock", tmp_path, timeout_s=300)
     os.killpg(builder.pid, signal.SIGKILL)
     builder.wait(timeout=30)
     assert baton.exists(), "the killed build should have left torch's lock behind"
@@ -105,3 +105,26 @@ def test_the_build_key_names_the_torch_installation(monkeypatch):
     assert native_build.build_key("cpu_ops") == key
     monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
     assert native_build.build_key("cpu_ops") != key
+
+
+def test_a_library_compiles_against_the_precompiled_torch_headers():
+    """Parsing torch's headers was most of each library's build (~8 s of CPU of 10-20 s); they
+    are precompiled once per flag set. GCC silently parses the text when the flags differ from
+    the precompiled header's, so this reruns a library's own compile command (torch's
+    build.ninja) with -H, which marks a precompiled header that was used with '!'."""
+    import shlex
+    import shutil
+
+    import torch
+    from raylm.kernels import native_build
+    if not cpu_ops.usable(torch.zeros(1)) or native_build._gcc_version() is None:
+        pytest.skip("the native CPU kernels are not built with GCC here")
+    library = Path(native_build.load_native_library("cpu_ops"))
+    ninja = (library.parent / "build.ninja").read_text()
+    cflags = next(line.split("=", 1)[1] for line in ninja.splitlines() if line.startswith("cflags ="))
+    compiler = next(line.split("=", 1)[1].strip() for line in ninja.splitlines() if line.startswith("cxx ="))
+    done = subprocess.run([shutil.which(compiler) or compiler, *shlex.split(cflags), "-H", "-fsyntax-only",
+                           str(library.parent / "cpu_ops.cpp")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    used = [line for line in done.stderr.splitlines() if line.startswith("! ")]
+    assert used and used[0].endswith(f"{native_build.PRECOMPILED_HEADER}.gch"), done.stderr[:2000]
