@@ -93,7 +93,7 @@ def max_payload_bytes(hidden_size: int, max_rows: int) -> int:
 
 
 def load_prompt_embeds(data: Any, hidden_size: int, max_rows: int, dtype: "torch.dtype",
-                       param: str = PROMPT_EMBEDS_KEY) -> "torch.Tensor":
+                       param: str = PROMPT_EMBEDS_KEY, truncate_prompt_tokens: int | None = None) -> "torch.Tensor":
     """The tensor of a base64 string of `torch.save(tensor)` (the server's `prompt_embeds`),
     checked as `check_prompt_embeds` checks it. Loaded without trusting the payload: its size
     is bounded (`max_payload_bytes`) before it is decoded; it must be torch's zip format
@@ -120,10 +120,11 @@ def load_prompt_embeds(data: Any, hidden_size: int, max_rows: int, dtype: "torch
     try:
         value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - the unpickler's refusals have many types
-        raise ParameterError(f"{param} could not be loaded as a tensor by torch.load(weights_only=True): "
-                             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+        # (torch's own message advises weights_only=False: not a client's business.)
+        raise ParameterError(f"{param} could not be loaded by torch.load(weights_only=True) "
+                             f"({type(error).__name__}): the payload must hold a tensor and nothing else.",
                              param) from None
-    return check_prompt_embeds(value, hidden_size, max_rows, dtype, param)
+    return check_prompt_embeds(value, hidden_size, max_rows, dtype, param, truncate_prompt_tokens)
 
 
 def _check_zip_members(raw: bytes, limit: int, param: str) -> None:
