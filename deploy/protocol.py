@@ -379,8 +379,8 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         prompt = self.prompt
-        if prompt is None:
-            return []
+        if prompt is None or (prompt == "" and self.prompt_embeds is not None):
+            return []  # vLLM's clients send prompt="" beside prompt_embeds (OpenAI's SDK requires a prompt)
         if isinstance(prompt, str):
             return [prompt]
         if all(isinstance(p, int) for p in prompt):
