@@ -114,6 +114,25 @@ def test_repetition_penalty_counts_generated_tokens_only(llm, hf):
     assert list(out.outputs[0].token_ids) == hf_generate(hf, embeds, repetition_penalty=3.0)[0]
 
 
+def test_n_samples_share_the_embeddings_prompt(llm, hf):
+    """n children share one prompt (its blocks through the prefix cache): each sampled token's
+    logprob is HF's on the embeddings followed by the child's earlier tokens."""
+    from raylm.engine import SamplingParams
+
+    embeds = noisy_embeds(hf, random_prompts(1, seed=9, min_len=36, max_len=36)[0], seed=9)
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    (out,) = llm.generate({"prompt_embeds": embeds[None]}, params, use_tqdm=False)  # [1, len, hidden] too
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for completion in out.outputs:
+        tokens = list(completion.token_ids)
+        with torch.no_grad():
+            inputs = torch.cat([embeds, hf.get_input_embeddings()(torch.tensor(tokens))])
+            rows = torch.log_softmax(hf(inputs_embeds=inputs[None]).logits[0].float(), dim=-1)
+        for step, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
+            assert entry[token].logprob == pytest.approx(rows[len(embeds) - 1 + step, token].item(), abs=1e-4)
+    assert_engine_idle(llm.llm_engine)
+
+
 def test_prefix_cache_shares_blocks_between_equal_embeddings_only(llm, hf):
     llm.reset_prefix_cache()
     ids = random_prompts(1, seed=7, min_len=40, max_len=40)[0]
