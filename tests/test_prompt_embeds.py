@@ -19,7 +19,7 @@ import torch
 
 from engine_checks import assert_async_engine_idle, assert_engine_idle, tensor_parallel_llm
 from server_process import InProcessServer
-from tiny_models import build_tiny_model, random_prompts
+from tiny_models import build_tiny_granite, build_tiny_model, build_tiny_opt, random_prompts
 
 HIDDEN = 64  # build_tiny_model's hidden size
 MAX_TOKENS = 8
@@ -302,3 +302,33 @@ def test_pickle_payloads_never_run(tmp_path):
         with pytest.raises(ValueError, match="prompt_embeds"):
             load_prompt_embeds(payload, HIDDEN, 64, torch.float32)
     assert not marker.exists()
+
+
+def test_granite_multiplies_given_embeddings_as_hf_does(tmp_path):
+    """Hugging Face's Granite multiplies inputs_embeds by embedding_multiplier (4 here) as it
+    does its table's rows: so does the engine."""
+    from transformers import AutoModelForCausalLM
+
+    from raylm.engine import LLM
+
+    granite_dir = build_tiny_granite(tmp_path / "granite", seed=2)
+    granite = AutoModelForCausalLM.from_pretrained(str(granite_dir), dtype=torch.float32).eval()
+    embeds = noisy_embeds(granite, random_prompts(1, seed=19, min_len=12, max_len=12)[0], seed=19, scale=0.05)
+    llm = LLM(str(granite_dir), dtype="float32", max_model_len=64, enable_prompt_embeds=True)
+    try:
+        (out,) = llm.generate({"prompt_embeds": embeds}, greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert list(out.outputs[0].token_ids) == hf_generate(granite, embeds)[0]
+
+
+def test_engines_that_cannot_feed_embeddings_refuse_the_flag(tmp_path, model_dir):
+    from raylm.engine import EngineArgs
+
+    opt_dir = build_tiny_opt(tmp_path / "opt")
+    with pytest.raises(ValueError, match="enable_prompt_embeds is not supported for OPTForCausalLM"):
+        EngineArgs(model=str(opt_dir), enable_prompt_embeds=True).create_engine_config()
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    for kwargs, name in [(dict(speculative_config=ngram), "speculative_config"), (dict(runner="pooling"), "pooling")]:
+        with pytest.raises(ValueError, match=f"enable_prompt_embeds is not supported with .*{name}"):
+            EngineArgs(model=str(model_dir), enable_prompt_embeds=True, **kwargs).create_engine_config()
