@@ -106,12 +106,42 @@ def test_greedy_tokens_and_logprobs_equal_hf_in_a_batch_mixed_with_token_prompts
     assert_engine_idle(llm.llm_engine)
 
 
-def test_repetition_penalty_counts_generated_tokens_only(llm, hf):
+def assert_repetition_penalty_ignores_the_prompt(llm, hf, seed: int) -> None:
     """An embeddings prompt has no tokens: the penalty reads the output alone, as HF's
-    generate(inputs_embeds=...) applies it (its input_ids are empty)."""
-    embeds = noisy_embeds(hf, random_prompts(1, seed=5, min_len=20, max_len=20)[0], seed=5)
+    generate(inputs_embeds=...) applies it (its input_ids are empty). And the placeholder id 0
+    is no prompt token: allowed only 0 and a token x whose logit lies between 0's penalised
+    and raw logits, the first step draws 0 (x if 0 were penalised as a prompt token)."""
+    embeds = noisy_embeds(hf, random_prompts(1, seed=seed, min_len=20, max_len=20)[0], seed=seed)
     (out,) = llm.generate({"prompt_embeds": embeds}, greedy(repetition_penalty=3.0), use_tqdm=False)
     assert list(out.outputs[0].token_ids) == hf_generate(hf, embeds, repetition_penalty=3.0)[0]
+    with torch.no_grad():
+        logits = hf(inputs_embeds=embeds[None]).logits[0, -1]
+    raw = logits[0].item()
+    penalised = raw / 3.0 if raw > 0 else raw * 3.0
+    between = ((logits > penalised) & (logits < raw)).nonzero().flatten().tolist()
+    assert between, "no token between the placeholder's penalised and raw logits"
+    (out,) = llm.generate({"prompt_embeds": embeds}, greedy(repetition_penalty=3.0, allowed_token_ids=[0, between[0]]),
+                          use_tqdm=False)
+    assert out.outputs[0].token_ids[0] == 0
+
+
+def test_repetition_penalty_counts_generated_tokens_only(llm, hf):
+    """On the CPU's host histories."""
+    assert_repetition_penalty_ignores_the_prompt(llm, hf, seed=5)
+
+
+def test_repetition_penalty_on_the_devices_penalty_state_counts_generated_tokens_only(model_dir, hf, monkeypatch):
+    """The same through the GPU's path (`PenaltyState` rows), walked on the CPU."""
+    from raylm.engine import LLM
+    from raylm.executors.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "penalty_state_devices", ("cuda", "cpu"))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, enable_prompt_embeds=True)
+    try:
+        assert llm.llm_engine.executor.driver_worker.model_runner.penalty_state is not None
+        assert_repetition_penalty_ignores_the_prompt(llm, hf, seed=6)
+    finally:
+        llm.shutdown()
 
 
 def test_n_samples_share_the_embeddings_prompt(llm, hf):
