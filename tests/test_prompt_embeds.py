@@ -196,8 +196,18 @@ def test_chunked_prefill_and_preemption_recompute_from_the_kept_embeddings(model
         for out, e in zip(outs, embeds):
             assert list(out.outputs[0].token_ids) == hf_generate(hf, e)[0]
         assert llm.llm_engine.scheduler.num_preemptions > 0
-        assert len(llm.llm_engine.executor.driver_worker.model_runner.prompt_embeds) == 0
-        assert_engine_idle(llm.llm_engine)
+        runner = llm.llm_engine.executor.driver_worker.model_runner
+        assert len(runner.prompt_embeds) == 0
+        # A request aborted inside its prompt: the workers drop its embeddings at once.
+        engine = llm.llm_engine
+        engine.add_request("cut", {"prompt_embeds": embeds[0]}, greedy())
+        engine.step()
+        assert len(runner.prompt_embeds) == 1
+        engine.abort_request("cut")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert len(runner.prompt_embeds) == 0 and not runner.prompt_embeds.embeds_req_ids
+        assert_engine_idle(engine)
     finally:
         llm.shutdown()
 
