@@ -145,6 +145,8 @@ class PrefixKeyer:
     def _completion_key(self, body: dict[str, Any]) -> PrefixKey | None:
         if body.get("truncate_prompt_tokens") is not None:
             return None  # the prompt's last tokens run: its leading blocks are never prefilled
+        if body.get("prompt_embeds") is not None:
+            return None  # its first prompt is embeddings, whose blocks no token key names
         prompt = body["prompt"]
         # A request of several prompts goes where its first prompt's prefix is.
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

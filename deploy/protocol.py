@@ -355,7 +355,11 @@ _VLLM_SAMPLING_DEFAULTS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p
 # ------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
     # JSON integers only: lax parsing reads `true` as token id 1 and "5" as 5.
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # At least one of prompt and prompt_embeds (vLLM's: base64 of torch.save(tensor [num_tokens,
+    # hidden_size]), one string or a list; the server's --enable-prompt-embeds). Embeddings
+    # prompts come first in the choices, then the text or token-id ones, as in vLLM.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -370,8 +374,12 @@ class CompletionRequest(_SamplingFields):
     def _check_completion(self) -> "CompletionRequest":
         if self.suffix is not None:
             raise ParameterError("suffix is not supported.", "suffix")
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ParameterError("Give prompt or prompt_embeds (or both).", "prompt")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ParameterError("prompt must not be an empty list.", "prompt")
+        if isinstance(self.prompt_embeds, list) and not self.prompt_embeds:
+            raise ParameterError("prompt_embeds must not be an empty list.", "prompt_embeds")
         if self.logprobs is not None and self.logprobs < 0:
             raise ParameterError(f"logprobs must be non-negative, got {self.logprobs}.", "logprobs")
         return self
@@ -379,11 +387,18 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         prompt = self.prompt
+        if prompt is None or (prompt == "" and self.prompt_embeds is not None):
+            return []  # vLLM's clients send prompt="" beside prompt_embeds (OpenAI's SDK requires a prompt)
         if isinstance(prompt, str):
             return [prompt]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
+
+    def prompt_embeds_payloads(self) -> list[str]:
+        """The prompt_embeds field as a list of base64 payloads."""
+        embeds = self.prompt_embeds
+        return [] if embeds is None else [embeds] if isinstance(embeds, str) else list(embeds)
 
     def to_sampling_params(self, default_max_tokens: int, model_defaults: dict[str, Any] | None = None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:

@@ -1,4 +1,5 @@
-"""`POST /v1/completions`: text or token-id prompts (one or many), streamed or not."""
+"""`POST /v1/completions`: text or token-id prompts (one or many), or prompt embeddings under
+--enable-prompt-embeds, streamed or not."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from raylm.deploy.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, m
                                          sse_error, token_id_placeholder)
 from raylm.engine.beam_search import beams_to_keep
 from raylm.engine.outputs import Logprob, RequestOutput
+from raylm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, PROMPT_EMBEDS_KEY, load_prompt_embeds
 from raylm.engine.sampling_params import MAX_N_SEQUENCES
 
 
@@ -26,8 +28,11 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = self.check_model(request.model)
         self.check_priority(request)
         requested = request.prompts()
-        self.check_limits(request, requested)
+        payloads = request.prompt_embeds_payloads()
+        self.check_limits(request, requested, len(payloads))
         structured_outputs = self.structured_outputs(request)
+        # Embeddings prompts first, then the others, as vLLM orders the choices.
+        embeds_list = await self.off_loop(self._load_prompt_embeds, payloads, request.truncate_prompt_tokens)
         token_ids_list = await self.off_loop(self._tokenize_all, requested, request.add_special_tokens)
         truncated = [request.truncated(token_ids, self.max_model_len) for token_ids in token_ids_list]
         # A truncated prompt's text is no longer its tokens': echo decodes the tokens kept.
@@ -36,7 +41,12 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids_list = truncated
         build = functools.partial(request.to_sampling_params, structured_outputs=structured_outputs)
         prompts, params = [], []
-        for prompt, token_ids in zip(requested, token_ids_list):
+        for embeds in embeds_list:
+            params.append(self.sampling_params(build, len(embeds), request.max_tokens))
+            prompts.append(request.with_cache_salt({PROMPT_EMBEDS_KEY: embeds}))
+        # The placeholder ids stand for each embeddings prompt's length (response-size checks).
+        token_ids_list = [[PLACEHOLDER_TOKEN_ID] * len(embeds) for embeds in embeds_list] + token_ids_list
+        for prompt, token_ids in zip(requested, token_ids_list[len(embeds_list):]):
             params.append(self.sampling_params(build, len(token_ids), request.max_tokens))
             prompts.append(request.with_cache_salt({"prompt": prompt, "prompt_token_ids": token_ids}
                                                    if isinstance(prompt, str) else {"prompt_token_ids": token_ids}))
@@ -63,10 +73,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[index] = output
             return JSONResponse(self._response(request, request_id, created, model_name, finals).model_dump())
 
-    def check_limits(self, request: CompletionRequest, prompts: list[str | list[int]]) -> None:
-        """Every size the request asks for, before anything is tokenized or allocated."""
-        num_prompts = len(prompts)
-        self.limits.check_num_prompts(num_prompts)
+    def check_limits(self, request: CompletionRequest, prompts: list[str | list[int]],
+                     num_prompt_embeds: int = 0) -> None:
+        """Every size the request asks for, before anything is tokenized, decoded or allocated."""
+        if num_prompt_embeds:
+            self.check_prompt_embeds_request(request)
+        num_prompts = len(prompts) + num_prompt_embeds
+        self.limits.check_num_prompts(num_prompts, "prompt" if prompts else PROMPT_EMBEDS_KEY)
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.limits.check_prompt_chars(len(prompt), self.max_model_len)
@@ -87,6 +100,31 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise OpenAIError(f"best_of (the beam width) must be at most {max_logprobs // per_beam} with "
                                   f"use_beam_search: each step asks for {per_beam} x best_of logprobs and the "
                                   f"server's --max-logprobs is {max_logprobs}; got {width}.", param="best_of")
+
+    def check_prompt_embeds_request(self, request: CompletionRequest) -> None:
+        """vLLM's rules for prompt_embeds: only under --enable-prompt-embeds, and without what
+        needs the prompt's tokens (echo, prompt_logprobs) or a beam search."""
+        if not self.engine.model_config.enable_prompt_embeds:
+            raise OpenAIError("prompt_embeds need the server to be started with --enable-prompt-embeds.",
+                              param=PROMPT_EMBEDS_KEY)
+        refused = [(request.echo, "echo", "echo is not supported with prompt_embeds: the prompt has no text."),
+                   (request.prompt_logprobs is not None, "prompt_logprobs",
+                    "prompt_logprobs is not supported with prompt_embeds: the prompt has no tokens to score."),
+                   (request.use_beam_search, "use_beam_search",
+                    "use_beam_search is not supported with prompt_embeds.")]
+        for is_set, param, message in refused:
+            if is_set:
+                raise OpenAIError(message, param=param)
+
+    def _load_prompt_embeds(self, payloads: list[str], truncate_prompt_tokens: int | None) -> list[Any]:
+        """Each payload's tensor, loaded safely and checked (`load_prompt_embeds`), on the
+        tokenizer thread; a bad one is a 400 naming prompt_embeds."""
+        config = self.engine.model_config
+        try:
+            return [load_prompt_embeds(payload, config.hidden_size, config.max_model_len, config.dtype,
+                                       truncate_prompt_tokens=truncate_prompt_tokens) for payload in payloads]
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=getattr(exc, "param", None) or PROMPT_EMBEDS_KEY) from None
 
     def _tokenize_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
         """Each prompt's token ids (on the tokenizer thread)."""

@@ -14,6 +14,7 @@ from raylm.engine.outputs import (ClassificationOutput, ClassificationRequestOut
                                   PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                                   ScoringRequestOutput)
 from raylm.engine.pooling_params import PoolingParams  # noqa: E402
+from raylm.engine.prompt_embeds import EmbedsPrompt  # noqa: E402
 from raylm.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from raylm.engine.structured_output.params import StructuredOutputsParams  # noqa: E402
 
@@ -30,7 +31,7 @@ __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams",
            "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
            "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
-           "ScoringRequestOutput"]
+           "ScoringRequestOutput", "EmbedsPrompt"]
 
 
 def __getattr__(name: str):

@@ -243,6 +243,13 @@ class EngineArgs(SettingsMixin):
         "Vision-language models: the most items of each modality one prompt may carry, as vLLM's flag (a JSON "
         "object on the command line), e.g. {\"image\": 2}; default one image, at most 16 (each image is a vision "
         "tower forward and its pixels travel with the request). Ignored for text-only models."))
+    enable_prompt_embeds: bool = field(default=False, metadata=_help(
+        "Accept prompts given as embeddings instead of token ids, as vLLM's flag: LLM.generate's "
+        "{\"prompt_embeds\": tensor [num_tokens, hidden_size]}, the completions route's `prompt_embeds` (base64 "
+        "of torch.save(tensor)). The model reads them in place of its embedding table's rows at the prompt's "
+        "positions. Off, such prompts are refused (400 on the server): the embeddings reach the model's layers "
+        "unchecked but for shape and finiteness. Causal LMs of the Llama family (not pooling, vision-language, "
+        "speculative decoding or pipeline_parallel_size above 1); docs/prompt_embeds.md."))
     hf_overrides: dict[str, Any] | None = field(default=None, metadata=_help(
         "Keys written over the model's Hugging Face config after config.json is read, as vLLM's flag (a JSON "
         "object on the command line): each replaces the attribute of its name or adds it; a dict naming a nested "
@@ -314,6 +321,7 @@ class EngineArgs(SettingsMixin):
             enable_sleep_mode=self.enable_sleep_mode,
             limit_mm_per_prompt=check_limit_mm_per_prompt(self.limit_mm_per_prompt),
             logits_processors=resolve_logits_processors(self.logits_processors),
+            enable_prompt_embeds=self.enable_prompt_embeds,
         )
         if model_config.pooling_task == "classify":
             model_config.score_from_tokens = self._score_from_tokens(hf_config, model_config)
@@ -389,6 +397,8 @@ class EngineArgs(SettingsMixin):
                              f"adapters, or turn LoRA off.")
         if model_config.is_pooling:
             _check_pooling_features(lora_config, speculative_config, parallel_config)
+        if model_config.enable_prompt_embeds:
+            _check_prompt_embeds_features(model_config, parallel_config, speculative_config)
         if model_config.is_multimodal:
             _check_multimodal_features(model_config, lora_config, speculative_config)
             _check_whole_image_budget(model_config, scheduler_config)
@@ -593,6 +603,29 @@ def _check_multimodal_features(model_config: ModelConfig, lora_config: LoRAConfi
             raise ValueError(f"{name} is not supported for the vision-language model {architecture} yet: "
                              f"multi-modal models run without pipeline parallelism, LoRA or speculative "
                              f"decoding.")
+
+
+def _check_prompt_embeds_features(model_config: ModelConfig, parallel_config: ParallelConfig,
+                                  speculative_config: Any) -> None:
+    """enable_prompt_embeds needs a model whose decoder takes given embeddings
+    (`supports_prompt_embeds`: the Llama family), generating, on one pipeline stage, without
+    speculative decoding: a draft model or n-gram proposer would see the prompt's placeholder
+    ids, and the stages after the first are not wired to the embeddings."""
+    architecture = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
+    refused = [(model_config.is_pooling, "runner 'pooling'"),
+               (model_config.is_multimodal, f"the vision-language model {architecture}"),
+               (speculative_config is not None, "speculative_config"),
+               (parallel_config.pipeline_parallel_size > 1,
+                f"pipeline_parallel_size {parallel_config.pipeline_parallel_size}")]
+    for is_set, name in refused:
+        if is_set:
+            raise ValueError(f"enable_prompt_embeds is not supported with {name}: prompt embeddings run on "
+                             f"generating Llama-family models, without speculative decoding or pipeline "
+                             f"parallelism (docs/prompt_embeds.md).")
+    model_class = resolve_model_class(getattr(model_config.hf_config, "architectures", None))
+    if not getattr(model_class, "supports_prompt_embeds", False):
+        raise ValueError(f"enable_prompt_embeds is not supported for {architecture}: its decoder takes token ids "
+                         f"only (prompt embeddings run on Llama-family models: docs/prompt_embeds.md).")
 
 
 def _check_whole_image_budget(model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:

@@ -245,6 +245,8 @@ class ModelConfig:
     enable_sleep_mode: bool = False
     # vLLM's limit_mm_per_prompt of a multi-modal model ({"image": n}; checked by EngineArgs).
     limit_mm_per_prompt: dict[str, int] | None = None
+    # vLLM's flag: prompts may be given as embeddings [num_tokens, hidden_size] (engine/prompt_embeds.py).
+    enable_prompt_embeds: bool = False
     # A causal LM read as a sequence classifier: its score head made of LM-head rows
     # (hf_overrides' classifier_from_token; models/seq_cls_conversion.py). None: the
     # checkpoint's own score head, if any.
@@ -294,6 +296,10 @@ class ModelConfig:
             return ("classify", "token_classify", "score") if getattr(self.hf_config, "num_labels", 0) == 1 \
                 else ("classify", "token_classify")
         return () if task is None else ("embed",)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_text_config.hidden_size
 
     @property
     def vocab_size(self) -> int:

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from raylm.engine.block_pool import BlockPool, KVCacheBlock, first_block_extra_key, hash_block_tokens
+from raylm.engine.prompt_embeds import prompt_embeds_digest
 from raylm.engine.request import Request
 
 # Stands in a block table for a block every layer's window has passed (freed, or never taken
@@ -252,13 +253,13 @@ class KVCacheManager:
         tokens = request.all_token_ids
         size = self.block_size
         for index in range(len(hashes), len(tokens) // size):
+            start, end = index * size, (index + 1) * size
+            extra_key = _mm_extra_key(request, start, end) + _prompt_embeds_extra_key(request, start, end)
             if index:
-                hashes.append(hash_block_tokens(hashes[index - 1], tokens[index * size:(index + 1) * size],
-                                                _mm_extra_key(request, index * size, (index + 1) * size)))
+                hashes.append(hash_block_tokens(hashes[index - 1], tokens[start:end], extra_key))
             else:
                 # The salt and the adapter go into the first block; every later hash chains on it.
-                hashes.append(hash_block_tokens(None, tokens[:size],
-                                                _first_block_extra_key(request) + _mm_extra_key(request, 0, size)))
+                hashes.append(hash_block_tokens(None, tokens[:size], _first_block_extra_key(request) + extra_key))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int) -> None:
         already = self._num_cached_blocks.get(request.request_id, 0)
@@ -333,6 +334,22 @@ def _mm_extra_key(request: Request, start: int, end: int) -> bytes:
         return b""
     identifiers = [feature.identifier for feature in request.mm_features if feature.overlap(start, end) is not None]
     return b"\xfe" + hashlib.sha256(b"".join(identifiers)).digest() if identifiers else b""
+
+
+def _prompt_embeds_extra_key(request: Request, start: int, end: int) -> bytes:
+    """What an embeddings prompt's rows in [start, end) add to the block's extra key: the
+    block's placeholder ids say nothing of its KV, its embeddings do, so the block is hashed
+    with their content (vLLM hashes the embeddings too, rather than not caching them). Two
+    requests with the same embeddings share the block (the n samples of one request, a
+    prompt sent again); no token prompt, whose keys never hold this part, can take it or
+    give it. Empty past the prompt (later blocks chain on it through their parent); else a
+    0xfd byte (in no UTF-8 salt) and the rows' SHA-256, a fixed 33 bytes at the key's end.
+    A model takes images or prompt embeddings, never both (EngineArgs), so this never sits
+    beside `_mm_extra_key`'s part."""
+    embeds = request.prompt_embeds
+    if embeds is None or start >= request.num_prompt_tokens:
+        return b""
+    return b"\xfd" + prompt_embeds_digest(embeds, start, min(end, request.num_prompt_tokens))
 
 
 def _pools_every_token(request: Request) -> bool:

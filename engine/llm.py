@@ -56,8 +56,9 @@ class LLM:
             folder's sentence-transformers files say), `load_format="auto"` ("dummy": random
             weights, no checkpoint read, to measure speed), `quantization=None` ("fp8": FP8
             linear weights quantized at load; None reads an FP8 checkpoint's
-            quantization_config, "fp8" or "compressed-tensors"; docs/quantization.md). An
-            unknown argument is a TypeError
+            quantization_config, "fp8" or "compressed-tensors"; docs/quantization.md),
+            `enable_prompt_embeds=False` (True: `generate` takes {"prompt_embeds": tensor};
+            docs/prompt_embeds.md). An unknown argument is a TypeError
             naming it.
 
     Loading logs its stages (tokenizer, weights, KV cache) at INFO to stderr unless the
@@ -87,7 +88,9 @@ class LLM:
         """Generates completions for prompts, returned in prompt order.
 
         prompts: a string, a list of token ids, a dict with "prompt" or
-        "prompt_token_ids", or a list of any of these. sampling_params: one for all
+        "prompt_token_ids", with enable_prompt_embeds vLLM's EmbedsPrompt
+        {"prompt_embeds": tensor [num_tokens, hidden_size]} (docs/prompt_embeds.md),
+        or a list of any of these. sampling_params: one for all
         prompts or one per prompt; default `get_default_sampling_params()`.
         lora_request: the LoRA adapter to run every prompt under, or a list with one per
         prompt (None: the base model); needs enable_lora. One batch mixes them; prompts of

@@ -18,6 +18,8 @@ from raylm.engine.multimodal.inputs import MultiModalFeature
 from raylm.engine.multimodal.processor import MultiModalProcessor
 from raylm.engine.output_processor import OutputProcessor, ParentRequest
 from raylm.engine.outputs import RequestOutput
+from raylm.engine.prompt_embeds import (PLACEHOLDER_TOKEN_ID, PROMPT_EMBEDS_KEY, check_prompt_embeds,
+                                        is_embeds_prompt)
 from raylm.engine.request import MAX_CACHE_SALT_CHARS, Request, check_priority
 from raylm.engine.pooling_activation import pooling_activations
 from raylm.engine.pooling_params import PoolingParams
@@ -39,7 +41,8 @@ LORA_WORKER_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
 # requests of the same salt); for a vision-language model, {"prompt": str, "multi_modal_data":
 # {"image": PIL.Image or a list of them}}, one "<image>" placeholder in the text per image; or,
 # processed already by the model's processor (the chat route's), {"prompt_token_ids": expanded
-# ids, "mm_features": [MultiModalFeature, ...]} (vLLM V1's processed request carries mm_features).
+# ids, "mm_features": [MultiModalFeature, ...]} (vLLM V1's processed request carries mm_features);
+# or, with enable_prompt_embeds, vLLM's EmbedsPrompt {"prompt_embeds": tensor [num_tokens, hidden]}.
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -151,7 +154,12 @@ class LLMEngine:
         params = self.get_default_sampling_params() if params is None else params
         lora_digest = self._check_lora_request(lora_request)
         cache_salt = cache_salt_of(prompt)
-        prompt_text, prompt_token_ids, mm_features = self._process_prompt(prompt)
+        prompt_embeds = None
+        if is_embeds_prompt(prompt):
+            prompt_embeds = self._process_embeds_prompt(prompt, params)
+            prompt_text, prompt_token_ids, mm_features = None, [PLACEHOLDER_TOKEN_ID] * len(prompt_embeds), []
+        else:
+            prompt_text, prompt_token_ids, mm_features = self._process_prompt(prompt)
         if mm_features and params.truncate_prompt_tokens is not None:
             raise ParameterError("truncate_prompt_tokens is not supported with images (it could cut an image's "
                                  "placeholder tokens).", "truncate_prompt_tokens")
@@ -159,7 +167,8 @@ class LLMEngine:
         self._validate_request(prompt_token_ids, params)
         params = self._with_engine_defaults(params, len(prompt_token_ids))
         arrival_time = arrival_time or time.time()
-        parent = ParentRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time)
+        parent = ParentRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time,
+                               prompt_is_embeds=prompt_embeds is not None)
         child_ids = self.output_processor.add_request(parent, params)
         # The prompt's logprobs are the parent's, the same for every sample: the first child
         # scores them, the others read the prompt's KV from the prefix cache.
@@ -171,7 +180,8 @@ class LLMEngine:
             self.engine_core.add_request(Request(child_id, prompt_token_ids, sibling_params if index else params,
                                                  arrival_time, sample_index=index, priority=priority,
                                                  cache_salt=cache_salt, lora_request=lora_request,
-                                                 lora_digest=lora_digest, mm_features=mm_features))
+                                                 lora_digest=lora_digest, mm_features=mm_features,
+                                                 prompt_embeds=prompt_embeds))
         self.num_prompt_tokens_total += len(prompt_token_ids)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
@@ -205,6 +215,25 @@ class LLMEngine:
         self.engine_core.add_request(Request(child_id, prompt_token_ids, step_params, arrival_time, priority=priority,
                                              cache_salt=cache_salt, pooling_params=params))
         self.num_prompt_tokens_total += len(prompt_token_ids)
+
+    def _process_embeds_prompt(self, prompt: dict[str, Any], params: SamplingParams) -> Any:
+        """The embeddings of an EmbedsPrompt ({"prompt_embeds": tensor}, with an optional
+        "cache_salt"), checked (`check_prompt_embeds`, truncate_prompt_tokens applied) before
+        anything is allocated for the request. Needs enable_prompt_embeds. Prompt logprobs
+        need the prompt's tokens, which such a prompt does not have: refused, as by vLLM."""
+        if not self.model_config.enable_prompt_embeds:
+            raise ParameterError("prompt_embeds were given, but this engine was not started with "
+                                 "enable_prompt_embeds=True (--enable-prompt-embeds).", PROMPT_EMBEDS_KEY)
+        others = sorted(set(prompt) - {PROMPT_EMBEDS_KEY, "cache_salt"})
+        if others:
+            raise ParameterError(f"A prompt with prompt_embeds takes only 'cache_salt' beside them, got "
+                                 f"{', '.join(map(repr, others))}.", PROMPT_EMBEDS_KEY)
+        if params.prompt_logprobs is not None:
+            raise ParameterError("prompt_logprobs is not supported with prompt_embeds: the prompt has no tokens to "
+                                 "score.", "prompt_logprobs")
+        return check_prompt_embeds(prompt[PROMPT_EMBEDS_KEY], self.model_config.hidden_size,
+                                   self.model_config.max_model_len, self.model_config.dtype,
+                                   truncate_prompt_tokens=params.truncate_prompt_tokens)
 
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """The prompt's text and token ids, and for a vision-language model the images of its
@@ -245,6 +274,9 @@ class LLMEngine:
         return text, prompt_token_ids, mm_features
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if is_embeds_prompt(prompt):
+            raise ParameterError("prompt_embeds are supported by generate requests only (not by beam search, "
+                                 "pooling or tokenization).", PROMPT_EMBEDS_KEY)
         if isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None
                                          or prompt.get("mm_features") is not None):
             # Only add_request (LLM.generate, the completions and chat routes) takes images.

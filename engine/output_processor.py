@@ -189,10 +189,12 @@ class ParentRequest:
     """The caller's request: one or more samples under one request id."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float) -> None:
+                 arrival_time: float, prompt_is_embeds: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        # An embeddings prompt: prompt_token_ids are placeholders, no context for the detokenizer.
+        self.prompt_is_embeds = prompt_is_embeds
         self.n = params.n
         self.best_of = params.best_of
         self.want_prompt_logprobs = params.prompt_logprobs is not None
@@ -268,7 +270,8 @@ class OutputProcessor:
         serial = next(self._serials)
         for index in range(parent.best_of):
             child_id = parent.child_request_id(index, serial)
-            state = RequestState(child_id, index, params, self.tokenizer, parent.prompt_token_ids, parent)
+            context = [] if parent.prompt_is_embeds else parent.prompt_token_ids
+            state = RequestState(child_id, index, params, self.tokenizer, context, parent)
             parent.children.append(state)
             self.request_states[child_id] = state
         return [child.request_id for child in parent.children]

@@ -146,6 +146,11 @@ class Request:
     # The images of a multi-modal prompt, in the order of their placeholder tokens (their
     # content hashes go into the hashes of the blocks that hold those tokens).
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # An embeddings prompt (enable_prompt_embeds): the given embeddings, a CPU tensor
+    # [num_prompt_tokens, hidden_size] of the model's dtype, kept until the request ends (a
+    # preempted request sends them to the workers again); prompt_token_ids then holds
+    # placeholders. Their content goes into the hashes of the blocks that hold them.
+    prompt_embeds: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

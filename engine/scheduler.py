@@ -132,7 +132,8 @@ class Scheduler:
         self._on_workers: set[int] = set()
         # Worker state that must not wait for a next step that may never come goes out at
         # once, in a step of its own if nothing else is scheduled: the image of a request
-        # that ended before its prefill passed it (EncoderCache), and the [V] device mask of
+        # that ended before its prefill passed it (EncoderCache), likewise the embeddings of an
+        # embeddings prompt (PromptEmbedsCache), and the [V] device mask of
         # a request with allowed_token_ids (AllowedTokenMasks): an idle engine would
         # otherwise hold up to max_num_seqs of each.
         self._releases_now = False
@@ -197,6 +198,7 @@ class Scheduler:
             self._on_workers.discard(request.worker_id)
             self._finished_worker_ids.append(request.worker_id)
             if ((request.mm_features and request.num_computed_tokens < request.mm_features[-1].mm_position.end)
+                    or (request.prompt_embeds is not None and request.num_computed_tokens < request.num_prompt_tokens)
                     or getattr(request.sampling_params, "allowed_token_ids", None) is not None):
                 self._releases_now = True
 
@@ -459,6 +461,8 @@ class Scheduler:
             request.num_output_placeholders += 1
         if request.resumed and request.mm_features:
             scheduled.mm_features = request.mm_features
+        if request.resumed and request.prompt_embeds is not None:
+            scheduled.prompt_embeds = request.prompt_embeds
         if request.pooling_params is not None and request.pooling_params.pools_every_token:
             scheduled.pools_every_token = True
         if request.resumed and start and (self.sends_all_context or needs_token_history(params)):

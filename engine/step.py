@@ -70,6 +70,11 @@ class ScheduledRequest:
     # first step since it was (re)admitted, like sampling_params; the workers keep them and
     # compute each image's embeddings once, when a chunk first reaches its placeholders.
     mm_features: list[MultiModalFeature] | None = None
+    # An embeddings prompt (enable_prompt_embeds): its embeddings, a CPU tensor [num_prompt_tokens,
+    # hidden_size] of the model's dtype, sent in every first step since the request was
+    # (re)admitted, like sampling_params; the workers feed its rows at the prompt positions in
+    # place of token_ids' placeholders, and treat its prompt tokens as unknown to penalties.
+    prompt_embeds: Any = None
     # A pooling request that pools every prompt token (token_classify): the workers return
     # the head's output at each row of every chunk, not one pooled vector at the prompt's end.
     pools_every_token: bool = False

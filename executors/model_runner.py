@@ -31,6 +31,7 @@ from raylm.executors.input_staging import (InputStaging, fill_block_tables, host
                                            to_device)
 from raylm.executors.allowed_token_masks import AllowedTokenMasks
 from raylm.executors.penalty_state import PenaltyState
+from raylm.executors.prompt_embeds_cache import PromptEmbedsCache, StepPromptEmbeds
 from raylm.executors.rejection_sampler import RejectionSampler
 from raylm.executors.logits_processors import LogitsProcessorError, LogitsProcessors
 from raylm.executors.sampler import PendingSample, Sampler
@@ -122,6 +123,9 @@ class ModelRunner:
         # Multi-modal models: the running requests' images and their embeddings.
         self.encoder_cache = EncoderCache()
         self.is_multimodal = self.model_config.is_multimodal
+        # enable_prompt_embeds: the running embeddings prompts' embeddings.
+        self.prompt_embeds: PromptEmbedsCache | None = (PromptEmbedsCache() if self.model_config.enable_prompt_embeds
+                                                        else None)
         # The sampling worker on a device in penalty_state_devices: penalised requests' rows
         # of penalty state, allocated in load_model (before the KV cache is sized).
         self.penalty_state: PenaltyState | None = None
@@ -466,6 +470,8 @@ class ModelRunner:
             self.staging.release()
             self.staging = None
         self._states.clear()
+        if self.prompt_embeds is not None:
+            self.prompt_embeds = PromptEmbedsCache()
         self.penalty_state = None
         if self.allowed_token_masks is not None:
             self.allowed_token_masks.clear()
@@ -605,6 +611,9 @@ class ModelRunner:
             self.draft_runner.finish(req.finished_req_ids)
         self.encoder_cache.release(req.finished_req_ids)
         self.encoder_cache.release(req.preempted_req_ids)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.release(req.finished_req_ids)
+            self.prompt_embeds.release(req.preempted_req_ids)
         if not req.requests:
             return SamplerOutput() if self.rank == 0 and self.is_last_stage else None
         if self._processed_weight_loads != num_weight_loads(self.model):
@@ -614,6 +623,9 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("The engine is asleep (LLM.sleep): wake it up (LLM.wake_up) before running steps.")
         self._fill_sampling_params(req.requests)
+        # Before _update_states: it asks which requests' prompts are embeddings.
+        prompt_embeds = (self.prompt_embeds.step_embeddings(req.requests, self.device)
+                         if self.prompt_embeds is not None else None)
         device_holes = self._fill_placeholders(req.requests)
         self._update_states(req.requests, device_holes)
         if self.logits_processors is not None:
@@ -637,7 +649,7 @@ class ModelRunner:
             self.lora_manager.prepare_step(req.requests, req.lora_activations,
                                            step_output_rows(rows, len(host.input_ids)))
             lora_failures = self.lora_manager.step_failures
-        selected = self._run_model(host, rows, intermediate_tensors, holes, mm_embeddings)
+        selected = self._run_model(host, rows, intermediate_tensors, holes, mm_embeddings, prompt_embeds)
         if not rows:
             return SamplerOutput(lora_failures=lora_failures) if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"
@@ -691,16 +703,18 @@ class ModelRunner:
     def _run_model(self, host: HostStep, rows: list[int] | None,
                    intermediate_tensors: IntermediateTensors | None = None,
                    holes: list[tuple[int, tuple[torch.Tensor, int, int]]] = (),
-                   mm_embeddings: StepImages | None = None
+                   mm_embeddings: StepImages | None = None, prompt_embeds: StepPromptEmbeds | None = None
                    ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states of `rows`, in that order: a decode graph's replay where
         one is captured for the batch, else an eager forward. rows None: a pipeline stage
         before the last, which hands every row on. holes: input rows whose token is taken
         on the device from a step not read yet (`_fill_placeholders`). mm_embeddings: the
-        input rows that hold image placeholders and their image embeddings (`EncoderCache`)."""
+        input rows that hold image placeholders and their image embeddings (`EncoderCache`).
+        prompt_embeds: the input rows of embeddings prompts and their given embeddings
+        (`PromptEmbedsCache`)."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(len(host.input_ids)) if graphs is not None else None
-        if (batch_size is not None and mm_embeddings is None and host.is_decode_only
+        if (batch_size is not None and mm_embeddings is None and prompt_embeds is None and host.is_decode_only
                 and rows == list(range(len(host.input_ids)))):
             graphs.inputs.write(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                 host.block_tables, batch_size)
@@ -717,6 +731,13 @@ class ModelRunner:
             if mm_embeddings is not None:
                 inputs_embeds = self.model.get_input_embeddings(input_ids)
                 inputs_embeds[mm_embeddings.rows] = mm_embeddings.embeddings.to(inputs_embeds.dtype)
+                return self.model(input_ids, positions, *stage_input, inputs_embeds=inputs_embeds)
+            if prompt_embeds is not None:
+                # The table's rows for every input (the placeholders' included), then the given
+                # embeddings over the embeddings prompts' rows, as images are merged.
+                inputs_embeds = self.model.get_input_embeddings(input_ids)
+                given = self.model.prompt_embeds_as_inputs(prompt_embeds.embeddings.to(inputs_embeds.dtype))
+                inputs_embeds[prompt_embeds.rows] = given
                 return self.model(input_ids, positions, *stage_input, inputs_embeds=inputs_embeds)
             return self.model(input_ids, positions, *stage_input)
 
@@ -954,24 +975,37 @@ class ModelRunner:
             penalised = [scheduled for scheduled in requests if scheduled.sampling_params.needs_penalties]
             if penalised:
                 holes = {requests[index].req_id: (tokens, row) for index, (tokens, row, _) in device_holes}
-                self.penalty_state.update(penalised, holes)
+                self.penalty_state.update(penalised, holes, self._unknown_prompt_req_ids())
         states, stateless = self._states, self._stateless
         on_device = self.penalty_state is not None
+        unknown_prompts = self._unknown_prompt_req_ids()
         for scheduled in requests:
             if scheduled.req_id in stateless or not keeps_host_history(scheduled.sampling_params, on_device):
                 continue
             state = states.get(scheduled.req_id)
             if state is None:
                 state = states[scheduled.req_id] = RequestSamplingState()
+            # An embeddings prompt's tokens are unknown: its history holds its output only.
+            unknown_prompt = scheduled.req_id in unknown_prompts
             if scheduled.resumed or state.history is None:
                 # (Re)admitted: rebuild the whole history (the prompt written once); a kept
                 # generator continues its stream, so a recomputed request does not replay
                 # its draws.
-                state.history = TokenHistory((scheduled.context_token_ids or []) + scheduled.token_ids,
-                                             scheduled.num_prompt_tokens)
+                tokens = (scheduled.context_token_ids or []) + scheduled.token_ids
+                state.history = (TokenHistory(tokens[scheduled.num_prompt_tokens:], 0) if unknown_prompt
+                                 else TokenHistory(tokens, scheduled.num_prompt_tokens))
                 continue
-            num_prompt = scheduled.num_prompt_tokens - scheduled.num_computed_tokens
-            state.history.extend(scheduled.token_ids, min(max(num_prompt, 0), len(scheduled.token_ids)))
+            num_prompt = min(max(scheduled.num_prompt_tokens - scheduled.num_computed_tokens, 0),
+                             len(scheduled.token_ids))
+            if unknown_prompt:
+                state.history.extend(scheduled.token_ids[num_prompt:])
+            else:
+                state.history.extend(scheduled.token_ids, num_prompt)
+
+    def _unknown_prompt_req_ids(self) -> set[int] | frozenset[int]:
+        """The requests whose prompt tokens penalties do not see: embeddings prompts, whose
+        placeholder ids are no tokens (the repetition penalty then reads their output only)."""
+        return self.prompt_embeds.embeds_req_ids if self.prompt_embeds is not None else frozenset()
 
     def _sampling_metadata(self, requests: list[ScheduledRequest]) -> SamplingMetadata:
         """One row per sampled request."""

@@ -82,13 +82,15 @@ class PenaltyState:
                 self._free_rows.append(row.index)
 
     def update(self, requests: list[ScheduledRequest],
-               holes: dict[int, tuple[torch.Tensor, int]] | None = None) -> None:
+               holes: dict[int, tuple[torch.Tensor, int]] | None = None,
+               unknown_prompt_req_ids: set[int] | frozenset[int] = frozenset()) -> None:
         """Brings the rows of the step's penalised `requests` up to the step's tokens, before
         the step samples: a (re)admitted request's row is rebuilt from `context_token_ids`
         and `token_ids`; otherwise the step's tokens are added (a prompt chunk, the token the
         last step drew, the tokens a recomputed request replays), which start where the row's
         end. `holes`: req_id -> (token tensor on the device, row in it) for a last token the
-        host has not read yet: it is counted from there."""
+        host has not read yet: it is counted from there. `unknown_prompt_req_ids`: requests
+        whose prompt tokens are unknown (embeddings prompts): their prompt masks stay empty."""
         holes = holes or {}
         vocab = self.vocab_size
         reset: list[int] = []
@@ -119,7 +121,8 @@ class PenaltyState:
                 entry[2].append(hole[1])
                 tokens = tokens[:-1]
             num_prompt = max(0, scheduled.num_prompt_tokens - start)  # tokens[:num_prompt] are the prompt's
-            prompt_entries.extend(base + token for token in tokens[:num_prompt])
+            if req_id not in unknown_prompt_req_ids:
+                prompt_entries.extend(base + token for token in tokens[:num_prompt])
             output_entries.extend(base + token for token in tokens[num_prompt:])
         device = self.device
         if reset:

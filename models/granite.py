@@ -89,6 +89,11 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def _init_model(self, config: Any) -> GraniteModel:
         return GraniteModel(config)
 
+    def prompt_embeds_as_inputs(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        """Hugging Face multiplies given inputs_embeds by embedding_multiplier as it does its
+        table's rows (which our embedding module multiplies itself)."""
+        return prompt_embeds * self.model.embed_tokens.multiplier
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] fp32 logits divided by logits_scaling; None on ranks other than 0."""
         logits = super().compute_logits(hidden_states)

@@ -235,6 +235,8 @@ class LlamaForCausalLM(CausalLM):
     default_qkv_bias = False
     # Splits into pipeline stages (`models/pipeline.py`); so do its subclasses.
     supports_pipeline_parallel = True
+    # Takes given embeddings for its input rows (enable_prompt_embeds); so do its subclasses.
+    supports_prompt_embeds = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -256,11 +258,23 @@ class LlamaForCausalLM(CausalLM):
         return LlamaModel(config, qkv_bias=qkv_bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden] (only the rows
         ForwardContext.output_rows when it is set). A pipeline stage after the first starts
-        from the previous stage's `intermediate_tensors`; one before the last returns its own."""
-        return self.model(input_ids, positions, intermediate_tensors)
+        from the previous stage's `intermediate_tensors`; one before the last returns its own.
+        inputs_embeds [T, hidden] (prompt embeddings merged into `get_input_embeddings`'
+        rows): the first layer's input in place of input_ids' embeddings."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows of input_ids, as the first layer takes them."""
+        return self.model.embed_tokens(input_ids)
+
+    def prompt_embeds_as_inputs(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        """Given prompt embeddings (Hugging Face's `inputs_embeds`: what its embedding table
+        returns) as `get_input_embeddings` returns rows: the same here; Granite multiplies."""
+        return prompt_embeds
 
     def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
                             ) -> Iterator[tuple[str, torch.Tensor]]:
