@@ -363,7 +363,7 @@ class ToolCallStreamer:
 
 def harmony_forced_call_mode(mode: ToolMode) -> ToolMode:
     """A forced call ("required" or a named function) as gpt-oss writes calls: a harmony
-    message to `functions.NAME` after any analysis messages, which a structural tag
+    message to `functions.NAME` after an analysis message, which a structural tag
     constrains (`harmony.forced_call_structural_tag`) and the `openai` tool parser reads,
     rather than vLLM's JSON answer in a final message."""
     functions = [(tool["function"]["name"], tool["function"].get("parameters") or {"type": "object", "properties": {}})
