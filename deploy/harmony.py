@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -147,3 +147,24 @@ class HarmonyScanner:
                 self.phase = "header"
             return events
         return events
+
+
+def forced_call_structural_tag(functions: list[tuple[str, dict[str, Any]]], max_whitespace: int | None
+                               ) -> dict[str, Any]:
+    """An xgrammar structural tag for a reply that must call one of `functions` ((name,
+    parameters schema) pairs): an analysis message (optional), its body free text, then
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` and JSON valid
+    against NAME's parameters, which an end-of-sequence token (`<|call|>`) closes: xgrammar
+    takes the stop tokens only as the grammar's end, never as a tag's text. The reply starts
+    with a header (the prompt ends with `<|start|>assistant`), each later one with
+    `<|start|>assistant`. One analysis message, not any number: the call must follow the
+    reasoning's end (a model that wrote analysis message after analysis message would never
+    have to call)."""
+    analysis = {"type": "tag", "begin": f"{CHANNEL}analysis{MESSAGE}", "content": {"type": "any_text"},
+                "end": f"{END}{START}assistant"}
+    calls = [{"type": "tag", "begin": f"{CHANNEL}commentary to={FUNCTIONS}{name} {CONSTRAIN}json{MESSAGE}",
+              "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": max_whitespace},
+              "end": ""} for name, parameters in functions]
+    call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    return {"type": "structural_tag",
+            "format": {"type": "sequence", "elements": [{"type": "optional", "content": analysis}, call]}}

@@ -176,9 +176,16 @@ class OpenAIServingChat(OpenAIServing):
         in_reasoning = self.reasoning_parser is not None and \
             self.reasoning_parser.starts_in_reasoning(text, request.chat_template_kwargs)
         reasoning_parser = self.reasoning_parser
-        if reasoning_parser is not None and tool_mode is not None and tool_mode.choice == "auto":
+        if in_reasoning and tool_mode is not None and tool_mode.constraint is not None:
+            # A forced call in the format's own messages (gpt-oss's harmony call), whose
+            # grammar covers the whole reply, the reasoning's free text included.
+            tool_mode = reasoning_parser.forced_call_tool_mode(tool_mode)
+            structured_outputs = tool_mode.constraint
+        if reasoning_parser is not None and tool_mode is not None \
+                and (tool_mode.choice == "auto" or tool_mode.constrains_whole_reply):
             reasoning_parser = reasoning_parser.for_tool_parser(tool_mode.parser)
-        if in_reasoning and structured_outputs is not None:
+        if in_reasoning and structured_outputs is not None \
+                and not (tool_mode is not None and tool_mode.constrains_whole_reply):
             structured_outputs = self._after_reasoning(structured_outputs)
             # The reasoning ends where the grammar starts: the content is what it constrained.
             reasoning_parser = reasoning_parser.for_constrained_answer()
@@ -336,15 +343,17 @@ class OpenAIServingChat(OpenAIServing):
     def _after_reasoning(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
         """The constraint applied from the token after the reasoning's end (vLLM's structured
         outputs under a reasoning parser): the thinking is free, the answer constrained."""
-        end_token_id = self.reasoning_parser.end_token_id
-        if end_token_id is None:
+        end_token_ids = self.reasoning_parser.reasoning_end_token_ids()
+        if end_token_ids is None:
             raise OpenAIError(f"{constraint.source} cannot be combined with --reasoning-parser "
                               f"{self.reasoning_parser.name} on this model: its tokenizer has no single token for "
                               f"{self.reasoning_parser.end_tag!r}, so the engine cannot tell where the reasoning "
                               f"ends and the constraint starts.", param=constraint.source)
         _, implicit_end_token_id = self.reasoning_parser.grammar_start_token_ids()
-        return dataclasses.replace(constraint, reasoning_end_token_id=end_token_id,
-                                   reasoning_implicit_end_token_id=implicit_end_token_id)
+        # One token keeps the field (and the grammar cache's key) it always had.
+        end = dict(reasoning_end_token_id=end_token_ids[0]) if len(end_token_ids) == 1 \
+            else dict(reasoning_end_token_ids=end_token_ids)
+        return dataclasses.replace(constraint, **end, reasoning_implicit_end_token_id=implicit_end_token_id)
 
     def _constraint(self, request: ChatCompletionRequest, tool_mode: ToolMode | None) -> StructuredOutputsParams | None:
         """The output's constraint: the request's own, or the one tool_choice sets."""

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylm.deploy import harmony
 from raylm.deploy.errors import OpenAIError
 from raylm.deploy.limits import RequestLimits
 from raylm.deploy.protocol import ChatCompletionToolsParam, FunctionCall, ToolCall
@@ -32,7 +33,8 @@ from raylm.deploy.structured_outputs import json_depth
 from raylm.deploy.tool_parsers import ParsedCall, ParsedToolOutput, ToolParser, check_tool_settings, get_tool_parser
 from raylm.deploy.tool_parsers.base import scan_call_array, skip_whitespace
 from raylm.deploy.tool_parsers.incremental import CallArrayScan, CallView, IncrementalParse, ParseView, TextLog
-from raylm.engine.structured_output.params import StructuredOutputsError, StructuredOutputsParams
+from raylm.engine.structured_output.params import (DEFAULT_MAX_WHITESPACE, StructuredOutputsError,
+                                                   StructuredOutputsParams)
 
 
 # ------------------------------------------------------------------ the setup
@@ -58,6 +60,9 @@ class ToolMode:
     constraint: StructuredOutputsParams | None = None
     # What the template renders: the tools as dicts.
     tools: list[dict[str, Any]] = field(default_factory=list)
+    # Whether the constraint covers the whole reply, the reasoning too (gpt-oss's forced
+    # harmony call: `harmony_forced_call_mode`), rather than the answer after the reasoning.
+    constrains_whole_reply: bool = False
 
     def finish_reason(self, tools_called: bool, engine_reason: str | None) -> str | None:
         """"tool_calls" for calls the model made on its own or was required to, once it
@@ -354,3 +359,21 @@ class ToolCallStreamer:
         while self._settled < min(len(completed), len(sent)) and \
                 sent[self._settled] == completed[self._settled].arguments_length(0):
             self._settled += 1
+
+
+def harmony_forced_call_mode(mode: ToolMode) -> ToolMode:
+    """A forced call ("required" or a named function) as gpt-oss writes calls: a harmony
+    message to `functions.NAME` after an analysis message, which a structural tag
+    constrains (`harmony.forced_call_structural_tag`) and the `openai` tool parser reads,
+    rather than vLLM's JSON answer in a final message."""
+    functions = [(tool["function"]["name"], tool["function"].get("parameters") or {"type": "object", "properties": {}})
+                 for tool in mode.tools]
+    if mode.choice == "named":
+        functions = [function for function in functions if function[0] == mode.parser.function_name]
+    tag = harmony.forced_call_structural_tag(functions, DEFAULT_MAX_WHITESPACE)
+    try:
+        constraint = StructuredOutputsParams(structural_tag=tag, source="tool_choice")
+    except StructuredOutputsError as exc:
+        raise OpenAIError(str(exc), param="tools") from None
+    return ToolMode(mode.choice, parser=get_tool_parser("openai", mode.tools), constraint=constraint,
+                    tools=mode.tools, constrains_whole_reply=True)

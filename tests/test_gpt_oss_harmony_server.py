@@ -155,19 +155,6 @@ def test_prompt_renders_tools_earlier_reasoning_tool_results_and_effort_as_gpt_o
     assert_async_engine_idle(engine)
 
 
-@pytest.mark.parametrize("fields", [{"response_format": {"type": "json_object"}},
-                                    {"tools": TOOLS, "tool_choice": "required"}])
-def test_a_constrained_request_is_a_400_naming_the_reasoning_parser(server, fields):
-    """Not done: the engine starts a grammar after one token, and gpt-oss's reasoning ends
-    with a header of several; the request is refused, the server serving on."""
-    base_url, engine, _ = server
-    reply = _post(base_url, **fields)
-    assert reply.status_code == 400, reply.text
-    assert "openai_gptoss" in reply.json()["error"]["message"]
-    assert _message(base_url, tools=TOOLS)[3] == "tool_calls"
-    assert_async_engine_idle(engine)
-
-
 def test_reasoning_effort_outside_the_choices_is_a_400_naming_it(server):
     base_url, engine, _ = server
     reply = _post(base_url, reasoning_effort="extreme")

@@ -132,6 +132,29 @@ def test_without_a_tool_parser_calls_are_left_out_of_the_content(tokenizer):
         assert _streamed(tokenizer, [reply[:cut], reply[cut:]], with_tools=False) == expected
 
 
+def test_a_constrained_answer_is_the_final_message_after_the_header_tokens(tokenizer):
+    """Under structured outputs the grammar starts after the header's tokens as the tokenizer
+    spells them, and the content is the final message alone (the preamble before it is not
+    what the grammar constrained), streamed cut anywhere or whole; a parser without the
+    markers as tokens has no such end."""
+    from raylm.deploy.reasoning_parsers import get_reasoning_parser
+
+    parser = get_reasoning_parser("openai_gptoss", tokenizer)
+    assert parser.reasoning_end_token_ids() == tokenizer.encode("<|channel|>final<|message|>",
+                                                                add_special_tokens=False)
+    assert get_reasoning_parser("openai_gptoss", None).reasoning_end_token_ids() is None
+    constrained = parser.for_constrained_answer()
+    reply = CASES["preamble then a call with <|constrain|>json"][0].split("<|start|>assistant<|channel|>commentary to")[0] \
+        + '<|start|>assistant<|channel|>final<|message|>{"ok": true}<|return|>'
+    split = constrained.split(reply, True, tokenizer.encode(reply, add_special_tokens=False))
+    assert (split.reasoning, split.content) == ("Need weather.", '{"ok": true}')
+    assert parser.split(reply, True).content == 'Checking.\n{"ok": true}'
+    for cut in range(len(reply) + 1):
+        streamer = constrained.streamer(True)
+        parts = [streamer.feed(reply[:cut], False), streamer.feed(reply[cut:], True)]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == ("Need weather.", '{"ok": true}')
+
+
 def test_a_prompt_that_opened_the_final_message_makes_the_reply_content(tokenizer):
     from raylm.deploy.reasoning_parsers import get_reasoning_parser
 

@@ -265,7 +265,10 @@ def test_unknown_parser_name_is_a_startup_error_naming_the_choices(capsys):
 
 def test_offline_grammar_starts_after_the_reasoning_end_token(model_dir):
     """The engine's side, without the server: `reasoning_end_token_id` lets the chain run
-    free up to </think>, then the regex holds; without it the regex holds from the start."""
+    free up to </think>, then the regex holds; without it the regex holds from the start. A
+    multi-token end (`reasoning_end_token_ids`, " places</think>") ends the reasoning where
+    the output writes its tokens in a row; tokens of it written apart ("Ray", then later
+    </think>) do not, and the chain runs on unconstrained."""
     from transformers import AutoTokenizer
 
     from raylm.engine import LLM, SamplingParams
@@ -274,15 +277,24 @@ def test_offline_grammar_starts_after_the_reasoning_end_token(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     end_id = tokenizer.convert_tokens_to_ids("</think>")
     prompt = tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    places_id, ray_id = (tokenizer.encode(piece, add_special_tokens=False)[-1] for piece in (" places", "Ray"))
     llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4)
     try:
-        gated, plain = llm.generate([prompt, prompt], [
+        gated, plain, gated_by_two, never_ended = llm.generate([prompt] * 4, [
             SamplingParams(temperature=0, max_tokens=16,
                            structured_outputs=StructuredOutputsParams(regex="(yes|no)", reasoning_end_token_id=end_id)),
-            SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(yes|no)"))])
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(yes|no)")),
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+                regex="(yes|no)", reasoning_end_token_ids=[places_id, end_id])),
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+                regex="(yes|no)", reasoning_end_token_ids=[ray_id, end_id]))])
         assert gated.outputs[0].text in ("<think>Ray places</think>yes", "<think>Ray places</think>no")
         assert plain.outputs[0].text in ("yes", "no")
+        assert gated_by_two.outputs[0].text == gated.outputs[0].text
+        assert never_ended.outputs[0].text.startswith("<think>Ray places</think>The quick fox")
     finally:
         llm.shutdown()
     with pytest.raises(StructuredOutputsError, match="reasoning_end_token_id must be a token id"):
         StructuredOutputsParams(regex="a", reasoning_end_token_id=-1)
+    with pytest.raises(StructuredOutputsError, match="reasoning_end_token_ids must be a non-empty list"):
+        StructuredOutputsParams(regex="a", reasoning_end_token_ids=[])

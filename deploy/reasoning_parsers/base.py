@@ -145,6 +145,19 @@ class ReasoningParser:
         grammar can wait for the reasoning's end) and the implicit end tag's (None without one)."""
         return self.end_token_id, self.implicit_end_token_id if self.implicit_end_tag is not None else None
 
+    def reasoning_end_token_ids(self) -> list[int] | None:
+        """The tokens whose run in the reply ends its reasoning for the engine (the grammar of
+        a constrained answer starts after them: `StructuredOutputsParams.reasoning_end_token_ids`):
+        here the end tag's one token; None where it is not one token.
+        """
+        return None if self.end_token_id is None else [self.end_token_id]
+
+    def forced_call_tool_mode(self, tool_mode: Any) -> Any:
+        """The tool mode of a request whose tool_choice forces a call ("required" or a named
+        function), for this format: here the mode as it is (its grammar constrains the answer
+        after the reasoning)."""
+        return tool_mode
+
     def implicit_end_at(self, after: str, final: bool) -> bool | None:
         """Whether `implicit_end_tag`, followed by `after` (the text up to the reply's end),
         ends the reasoning: True, False, or None while `after` is too short to tell."""

@@ -14,10 +14,15 @@ The headers and end tokens are in neither part. The reply's token ids, read by t
 a token's text at a time, also tell how many tokens the reasoning took (usage's
 `reasoning_tokens`: the tokens of the analysis bodies) and where it ends (what
 `include_reasoning: false` leaves out of token ids and logprobs: the reply's tokens up to the
-end of the last message before the first that is content or a call). A grammar cannot
-start after the reasoning here (the engine starts one after a single token, and the end of
-gpt-oss's reasoning is the header `<|channel|>final<|message|>`): a constrained request under
-this parser is answered 400.
+end of the last message before the first that is content or a call).
+
+A constrained answer (structured outputs) is the final message's body: the engine starts its
+grammar after the reply's tokens write the header `<|channel|>final<|message|>` (as the
+tokenizer spells it: `reasoning_end_token_ids`), the analysis before it free, as vLLM's
+gpt-oss parser's `is_reasoning_end` waits for that header; preambles are then left out of
+the content, which is what the grammar constrained. A forced call (tool_choice "required" or
+a named function) is a harmony message to the function, whose structural tag covers the
+whole reply (`forced_call_tool_mode`).
 """
 
 from __future__ import annotations
@@ -28,24 +33,28 @@ from typing import Any
 
 from raylm.deploy import harmony
 from raylm.deploy.harmony import HarmonyHeader, HarmonyScanner
-from raylm.deploy.reasoning_parsers.base import ReasoningParser
+from raylm.deploy.reasoning_parsers.base import ReasoningParser, single_token_id
 
 
-def message_kind(header: HarmonyHeader, keep_calls: bool) -> str:
+def message_kind(header: HarmonyHeader, keep_calls: bool, final_only: bool = False) -> str:
     """What a message's body is: "reasoning", "content", "call" (passed on to the tool
-    parser) or "hidden"."""
+    parser) or "hidden" (a preamble too, where only the final channel is content: `final_only`)."""
     if header.recipient is not None:
         return "call" if keep_calls and header.function_name is not None else "hidden"
-    return "reasoning" if header.channel == "analysis" else "content"
+    if header.channel == "analysis":
+        return "reasoning"
+    return "hidden" if final_only and header.channel != "final" else "content"
 
 
 class GptOssReasoningParser(ReasoningParser):
     name = "openai_gptoss"
     start_tag = harmony.CHANNEL + "analysis" + harmony.MESSAGE
-    # What ends the reasoning, for the error that a constrained request gets (not one token).
+    # The header after which a constrained answer's grammar starts (several tokens).
     end_tag = harmony.CHANNEL + "final" + harmony.MESSAGE
     # Whether calls to functions go on in the content, for the `openai` tool parser.
     keep_calls = False
+    # Whether only final messages are content (a constrained answer: preambles are left out).
+    final_only = False
 
     @property
     def tokens_tell_reasoning_end(self) -> bool:
@@ -66,6 +75,26 @@ class GptOssReasoningParser(ReasoningParser):
         variant.keep_calls = True
         return variant
 
+    def reasoning_end_token_ids(self) -> list[int] | None:
+        """The final channel's header as the tokenizer spells it, where the markers are tokens
+        of its own (gpt-oss's special tokens); None otherwise."""
+        if self.tokenizer is None or None in (single_token_id(self.tokenizer, marker)
+                                              for marker in (harmony.CHANNEL, harmony.MESSAGE)):
+            return None
+        return list(self.tokenizer.encode(self.end_tag, add_special_tokens=False))
+
+    def for_constrained_answer(self) -> GptOssReasoningParser:
+        variant = copy.copy(self)
+        variant.final_only = True
+        return variant
+
+    def forced_call_tool_mode(self, tool_mode: Any) -> Any:
+        """The call as gpt-oss writes one, a message to `functions.NAME` that a structural tag
+        constrains from the reply's first token (tool_calls.harmony_forced_call_mode)."""
+        from raylm.deploy.tool_calls import harmony_forced_call_mode
+
+        return harmony_forced_call_mode(tool_mode)
+
     def streamer(self, in_reasoning: bool) -> HarmonyReasoningStreamer:
         return HarmonyReasoningStreamer(self, in_reasoning)
 
@@ -83,7 +112,7 @@ class GptOssReasoningParser(ReasoningParser):
             adds_reasoning = False
             for event in scanner.feed(text, final=index == len(texts) - 1):
                 if event.kind == "open":
-                    kind = message_kind(event.header, self.keep_calls)
+                    kind = message_kind(event.header, self.keep_calls, self.final_only)
                     ended = ended or kind in ("content", "call")
                 elif event.kind == "text":
                     adds_reasoning = adds_reasoning or kind == "reasoning"
@@ -137,7 +166,7 @@ class HarmonyReasoningStreamer:
         return "".join(parts["reasoning"]), "".join(parts["content"])
 
     def _open(self, header: HarmonyHeader, parts: dict[str, list[str]]) -> None:
-        self._kind = message_kind(header, self.parser.keep_calls)
+        self._kind = message_kind(header, self.parser.keep_calls, self.parser.final_only)
         if self._kind in ("content", "call"):
             self.reasoning_ended = True
         if self._kind in self._opened:

@@ -71,7 +71,11 @@ class StructuredOutputsParams:
         reasoning_implicit_end_token_id: A second token that ends the reasoning where it
             comes before ``reasoning_end_token_id`` (Qwen3.5's ``<tool_call>`` written in
             unclosed thinking, as vLLM's Qwen3 parser ends it); the constraint holds from the
-            token after it. Only with ``reasoning_end_token_id``.
+            token after it. Only with ``reasoning_end_token_id`` or ``reasoning_end_token_ids``.
+        reasoning_end_token_ids: The tokens that end the reasoning where its end is several
+            (gpt-oss's header ``<|channel|>final<|message|>``): the constraint holds from the
+            token after the output first writes them in this order. Instead of
+            ``reasoning_end_token_id`` (one token is a sequence of one).
     """
 
     json: str | dict[str, Any] | None = None
@@ -87,6 +91,7 @@ class StructuredOutputsParams:
     source: str = field(default="structured_outputs", compare=False, repr=False)
     reasoning_end_token_id: int | None = None
     reasoning_implicit_end_token_id: int | None = None
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -115,9 +120,19 @@ class StructuredOutputsParams:
             if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < 0):
                 raise StructuredOutputsError(f"{self.source}: {name} must be a token id (an integer >= 0) or None, "
                                              f"got {end!r}.", self.source)
-        if self.reasoning_implicit_end_token_id is not None and self.reasoning_end_token_id is None:
+        if self.reasoning_end_token_ids is not None:
+            ids = self.reasoning_end_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(end, int) and not isinstance(end, bool) and end >= 0 for end in ids):
+                raise StructuredOutputsError(f"{self.source}: reasoning_end_token_ids must be a non-empty list of "
+                                             f"token ids (integers >= 0) or None, got {ids!r}.", self.source)
+            if self.reasoning_end_token_id is not None:
+                raise StructuredOutputsError(f"{self.source}: give reasoning_end_token_id or reasoning_end_token_ids, "
+                                             f"not both.", self.source)
+            self.reasoning_end_token_ids = list(ids)
+        if self.reasoning_implicit_end_token_id is not None and self.reasoning_end_sequence is None:
             raise StructuredOutputsError(f"{self.source}: reasoning_implicit_end_token_id needs "
-                                         f"reasoning_end_token_id.", self.source)
+                                         f"reasoning_end_token_id or reasoning_end_token_ids.", self.source)
         if self.max_whitespace is not None and (not isinstance(self.max_whitespace, int)
                                                 or isinstance(self.max_whitespace, bool) or self.max_whitespace < 1):
             raise StructuredOutputsError(f"{self.source}: max_whitespace must be a positive integer or None, got "
@@ -146,6 +161,14 @@ class StructuredOutputsParams:
         except (TypeError, ValueError, RecursionError) as exc:
             raise StructuredOutputsError(f"{self.source}: the {self.kind} is not JSON the grammar compiler can read "
                                          f"({type(exc).__name__}: {exc}).", self.source) from None
+
+    @property
+    def reasoning_end_sequence(self) -> tuple[int, ...] | None:
+        """The tokens whose run in the output ends the reasoning (one or several); None where
+        the constraint holds from the first output token."""
+        if self.reasoning_end_token_ids is not None:
+            return tuple(self.reasoning_end_token_ids)
+        return None if self.reasoning_end_token_id is None else (self.reasoning_end_token_id,)
 
     @property
     def kind(self) -> str:

@@ -5,14 +5,16 @@ advances it with each token it appends, and the scheduler asks it for the next t
 bitmask when the request is sampled. It follows the output tokens alone, which recompute
 after a preemption keeps, so a preempted request resumes with its matcher as it was.
 
-Under a reasoning parser (`params.reasoning_end_token_id`) the matcher starts after the
-token that ends the reasoning (that one, or `reasoning_implicit_end_token_id` where it comes
-first): until then every token is allowed and none advances it, as in vLLM, so that the
-grammar constrains the answer and not the thinking before it.
+Under a reasoning parser (`params.reasoning_end_sequence`) the matcher starts after the
+tokens that end the reasoning (one token, `</think>`, or several in a row, gpt-oss's header
+`<|channel|>final<|message|>`; or `reasoning_implicit_end_token_id` where it comes first):
+until then every token is allowed and none advances it, as in vLLM, so that the grammar
+constrains the answer and not the thinking before it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,10 @@ class StructuredOutputRequest:
         # ("grammar"), or none of allowed_token_ids ("allowed_token_ids"); None otherwise.
         self.dead_end: str | None = None
         # False while the output is still reasoning: the grammar does not apply yet.
-        self.reasoning_ended = params.reasoning_end_token_id is None
+        self._end_sequence = params.reasoning_end_sequence
+        self.reasoning_ended = self._end_sequence is None
+        # The reasoning's last tokens, as many as the end sequence has: it ends when they are it.
+        self._recent: deque[int] = deque(maxlen=len(self._end_sequence or ()))
 
     @property
     def is_ready(self) -> bool:
@@ -67,10 +72,13 @@ class StructuredOutputRequest:
     def accept_token(self, token_id: int) -> bool:
         """Advances the matcher over a sampled token; False if the grammar does not allow it.
         A token of the reasoning is not the grammar's: it is accepted as it is, and the
-        reasoning's end token starts the grammar with the next one."""
+        reasoning's end (its last token) starts the grammar with the next one."""
         if not self.reasoning_ended:
-            self.reasoning_ended = token_id in (self.params.reasoning_end_token_id,
-                                                self.params.reasoning_implicit_end_token_id)
+            self._recent.append(token_id)
+            self.reasoning_ended = token_id == self.params.reasoning_implicit_end_token_id \
+                or tuple(self._recent) == self._end_sequence
+            if self.reasoning_ended:
+                self._recent.clear()
             return True
         return self.matcher.accept_token(token_id)
 
