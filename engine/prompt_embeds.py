@@ -79,6 +79,10 @@ def check_prompt_embeds(value: Any, hidden_size: int, max_rows: int, dtype: "tor
         raise ParameterError(f"{param} holds {value.shape[0]} token embeddings, more than the model's context "
                              f"length (max_model_len = {max_rows}).", param)
     embeds = value.detach().to(device="cpu", dtype=dtype).contiguous()
+    if embeds.untyped_storage().nbytes() > embeds.numel() * embeds.element_size():
+        # A view of a larger storage (the rows truncate_prompt_tokens kept, a slice a payload
+        # was saved from): the engine keeps, and sends its workers, these rows alone.
+        embeds = embeds.clone()
     # After the cast: a float32 value past float16's range becomes inf there.
     if not bool(torch.isfinite(embeds).all()):
         raise ParameterError(f"{param} holds values that are not finite in the model's dtype {dtype} (NaN, inf, or "
@@ -124,7 +128,23 @@ def load_prompt_embeds(data: Any, hidden_size: int, max_rows: int, dtype: "torch
         raise ParameterError(f"{param} could not be loaded by torch.load(weights_only=True) "
                              f"({type(error).__name__}): the payload must hold a tensor and nothing else.",
                              param) from None
+    _check_no_expanded_view(value, param)
     return check_prompt_embeds(value, hidden_size, max_rows, dtype, param, truncate_prompt_tokens)
+
+
+def _check_no_expanded_view(value: Any, param: str) -> None:
+    """A loaded tensor's elements may not outnumber its storage's: a stride-0 (expanded) or
+    overlapping view of a few bytes sent would be made dense, max_model_len x hidden_size
+    values, by `check_prompt_embeds`, so that a request of many tiny payloads could ask for
+    far more memory than it sent. Within the storage, the dense copy is at most the payload."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return  # check_prompt_embeds names the problem
+    if value.numel() * value.element_size() > value.untyped_storage().nbytes():
+        raise ParameterError(f"{param}'s tensor {list(value.shape)} is an expanded or overlapping view of "
+                             f"{value.untyped_storage().nbytes()} bytes of data (strides {list(value.stride())}); "
+                             f"send a dense tensor (tensor.contiguous()).", param)
 
 
 def _check_zip_members(raw: bytes, limit: int, param: str) -> None:

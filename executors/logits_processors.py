@@ -180,13 +180,30 @@ def _apply(processors: list[tuple[str, LogitsProcessor]], logits: torch.Tensor) 
             result = processor.apply(logits)
         except Exception as raised:
             raise _error(name, "apply", raised) from raised
-        if not isinstance(result, torch.Tensor) or result.shape != logits.shape:
-            shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-            raise LogitsProcessorError(f"The logits processor {name}'s apply returned {shape}, not the logits' "
-                                       f"shape {tuple(logits.shape)}.")
         if result is not logits:
-            logits.copy_(result)  # the sampler's later stages hold `logits`
+            _check_result(name, result, logits)
+            try:
+                logits.copy_(result)  # the sampler's later stages hold `logits`
+            except Exception as raised:  # a device the logits' cannot read from, say
+                raise _error(name, "apply (copying its result into the logits)", raised) from raised
     return logits
+
+
+def _check_result(name: str, result: object, logits: torch.Tensor) -> None:
+    """`apply`'s result must be a dense floating-point tensor of the logits' shape (any float
+    dtype, any device with data): copied into the logits, anything else (a sparse, meta,
+    quantized, complex or integer tensor) would fail the copy or lose its meaning."""
+    if not isinstance(result, torch.Tensor):
+        what = type(result).__name__
+    elif result.shape != logits.shape:
+        what = f"shape {tuple(result.shape)}"
+    elif result.layout != torch.strided or result.is_quantized or result.is_meta or not result.is_floating_point():
+        what = f"a {result.layout} tensor of dtype {result.dtype} on {result.device}"
+    else:
+        return
+    raise LogitsProcessorError(f"The logits processor {name}'s apply returned {what}, not a dense floating-point "
+                               f"tensor of the logits' shape {tuple(logits.shape)} (change the logits in place "
+                               f"and return them, or return new ones).")
 
 
 def _error(name: str, method: str, raised: Exception) -> LogitsProcessorError:

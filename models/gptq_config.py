@@ -20,10 +20,10 @@ packed tensor), else an error naming the layer and each part's choice.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from raylm.models.module_patterns import Pattern, compile_module_pattern, matches_module
 from raylm.parallel.int4_linear_method import Int4LinearScheme
 
 _WHERE = "quantization_config (gptq)"
@@ -53,7 +53,7 @@ class DynamicRule:
     """One entry of `dynamic`: the modules its pattern matches skip quantization or take its scheme."""
 
     key: str  # as config.json spells it: names the rule in errors
-    pattern: re.Pattern[str]
+    pattern: Pattern
     scheme: Int4LinearScheme | None  # None: "-:", the module is a plain unquantized layer
 
 
@@ -103,7 +103,8 @@ class GptqLayerRules:
         return _Choice(rule.scheme, f"dynamic rule '{rule.key}'")
 
     def _first_rule(self, name: str) -> DynamicRule | None:
-        return next((rule for rule in self.dynamic if rule.pattern.match(name)), None)
+        return next((rule for rule in self.dynamic
+                     if matches_module(rule.pattern, name, f"{_WHERE} dynamic['{rule.key}']")), None)
 
     def _in_block(self, name: str) -> bool:
         """Whether an entry of modules_in_block_to_quantize names module `name` (whole names
@@ -154,10 +155,7 @@ def _dynamic_rules(dynamic: Any, base: Int4LinearScheme) -> tuple[DynamicRule, .
         where = f"{_WHERE} dynamic['{key}']"  # as written, unescaped
         skip = key.startswith("-:")
         text = key[2:] if key.startswith(("-:", "+:")) else key
-        try:
-            pattern = re.compile(text)
-        except re.error as error:
-            raise ValueError(f"{where}: '{text}' is not a regular expression ({error}).") from None
+        pattern = compile_module_pattern(text, where)
         if not isinstance(overrides, dict):
             raise ValueError(f"{where} must map to a mapping of overrides (bits, group_size, desc_act, sym), got "
                              f"{overrides!r}.")

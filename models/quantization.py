@@ -30,12 +30,13 @@ supported, raised from the config alone, before any weight is read. gpt-oss's MX
 
 from __future__ import annotations
 
-import re
+import functools
 from typing import Any
 
 from torch import nn
 
 from raylm.models.gptq_config import GptqLayerRules, check_group_size, parse_gptq_config
+from raylm.models.module_patterns import Pattern, compile_module_pattern, matches_module
 from raylm.models.mxfp4 import MXFP4_ARCHITECTURES
 from raylm.parallel.fp8_linear_method import WEIGHT_STRATEGIES, Fp8LinearMethod, Fp8LinearScheme
 from raylm.parallel.fp8_moe_method import Fp8MoEMethod
@@ -90,7 +91,8 @@ class QuantizationConfig:
 
 def _matches(name: str, entry: str) -> bool:
     if entry.startswith("re:"):
-        return re.match(entry[3:], name) is not None
+        where = f"quantization_config's ignore-list entry '{entry}'"
+        return matches_module(_ignore_pattern(entry[3:], where), name, where)
     return name == entry or name.endswith("." + entry)
 
 
@@ -278,3 +280,9 @@ def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
             continue
         method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
         method.create_weights(module, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _ignore_pattern(text: str, where: str) -> Pattern:
+    """An ignore entry's pattern, compiled once (every layer of the model asks)."""
+    return compile_module_pattern(text, where)

@@ -9,6 +9,8 @@ problem."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,3 +191,31 @@ def test_modules_in_block_to_quantize_names_experts_one_by_one_and_fused_layers_
     assert rules.scheme_for("model.layers.3.mlp.shared_expert.down_proj", []) is not None
     assert rules.scheme_for("model.layers.3.mlp.down_proj", []) is None
     assert rules.scheme_for("model.layers.3.self_attn.o_proj", []) is None
+
+
+def _fp8_config(ignored_layers: list[str]) -> SimpleNamespace:
+    return SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config=dict(
+        quant_method="fp8", activation_scheme="dynamic", ignored_layers=ignored_layers))
+
+
+@pytest.mark.parametrize("config", [
+    _config(dynamic={r"-:([\w.]+)+Z": {}}), _fp8_config([r"re:([\w.]+)+Z"]),
+], ids=["gptq-dynamic", "fp8-ignored-layers"])
+def test_a_catastrophically_backtracking_pattern_cannot_hang_the_load(config):
+    """`([\\w.]+)+Z` against a 32-character module name backtracks 2**32 ways in Python's `re`
+    (0.4 s at 22 characters, doubling with each one: minutes a layer); the load decides it
+    at once, as the pattern means (no match: the layer stays quantized)."""
+    # In a child process: a match in `re` holds the GIL, so only a process can be timed out.
+    script = ("import sys, types; from raylm.models.quantization import get_quant_config; "
+              "config = types.SimpleNamespace(architectures=['LlamaForCausalLM'], quantization_config=eval(sys.argv[1])); "
+              "print(get_quant_config(config, None).scheme_for('model.layers.31.self_attn.o_proj', []) is not None)")
+    done = subprocess.run([sys.executable, "-c", script, repr(config.quantization_config)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stderr
+
+
+def test_an_ignore_entry_that_is_not_a_regular_expression_is_an_error_naming_it():
+    quant = get_quant_config(_fp8_config(["re:.*(down_proj"]), None)
+    with pytest.raises(ValueError, match=r"ignore-list entry 're:\.\*\(down_proj': '\.\*\(down_proj' is not a regular "
+                                         r"expression"):
+        quant.scheme_for("model.layers.0.mlp.down_proj", [])
