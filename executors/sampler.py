@@ -89,6 +89,8 @@ class Sampler:
         scored_values = _raw_logprobs(logits, rows) if mode == "raw_logprobs" else \
             _scored_logits(logits, rows) if mode == "raw_logits" else None
         logits = process_logits_(logits, metadata, rows)
+        if metadata.logits_processors is not None:
+            not_finite = _flag_rows_a_processor_made_nan(not_finite, logits)
         if scored_values is None and rows.scored:
             scored_values = _processed_values(logits, metadata, rows, log_softmax=mode == "processed_logprobs")
         sampled = _draw(logits, metadata, rows)
@@ -136,6 +138,16 @@ def _guard_not_finite(logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.
     if bool(not_finite.any()):
         return not_finite, logits.masked_fill(not_finite.unsqueeze(1), 0.0)
     return None, logits
+
+
+def _flag_rows_a_processor_made_nan(not_finite: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
+    """A custom logits processor may write NaN (its own bug) after the guard: such a row's
+    request fails as a row of NaN from the model does, where greedy would take the NaN's
+    index as a token (random rows' native draw refuses NaN by itself)."""
+    nan_rows = torch.isnan(logits).any(dim=1)
+    if _reads_back_for_free(logits.device) and not bool(nan_rows.any()):
+        return not_finite
+    return nan_rows if not_finite is None else not_finite | nan_rows
 
 
 def _flag_undrawable(not_finite: torch.Tensor | None, sampled: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

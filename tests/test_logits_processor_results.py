@@ -59,3 +59,23 @@ def test_a_float_result_of_another_dtype_is_copied_into_the_logits():
     assert result is logits and result.dtype == torch.float32
     assert result[0].tolist() == [1.0, -2.0, 4.0, 0.0, 2.0, 6.0, -4.0, 0.5]
 
+
+
+def test_a_row_a_processor_makes_nan_fails_its_request_alone():
+    """Greedy would take a NaN's index as the token; the row is flagged as the model's own NaN
+    rows are (its request fails), and the other rows keep their argmax."""
+    from raylm.engine.sampling_params import SamplingParams
+    from raylm.executors.sampler import Sampler
+    from raylm.executors.sampling_metadata import SamplingMetadata
+
+    def nan_in_row_1(logits: torch.Tensor) -> torch.Tensor:
+        logits[1, 3] = float("nan")
+        return logits
+
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    expected = logits.argmax(dim=-1).tolist()
+    metadata = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * 3)
+    metadata.logits_processors = _returning(nan_in_row_1)
+    tokens = Sampler()(logits.clone(), metadata)
+    assert [t.logits_not_finite for t in tokens] == [False, True, False]
+    assert [tokens[0].token_id, tokens[2].token_id] == [expected[0], expected[2]]
