@@ -457,9 +457,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _start_compile_worker(manager: Any) -> None:
-    """Starts the grammar compile worker and waits until it is ready (xgrammar imported, the
-    vocabulary indexed: 1-3 s), so that no constrained request spends its compile deadline
-    on it. One that does not start fails the constrained requests alone."""
+    """Starts the grammar compile worker (an engine built for the server started it while its
+    model loaded) and waits until it is ready (xgrammar imported, the vocabulary indexed:
+    1-3 s), so that no constrained request spends its compile deadline on it. One that does
+    not start fails the constrained requests alone."""
     started = time.perf_counter()
     try:
         manager.start_warm_up().result(timeout=COMPILE_WORKER_START_S)

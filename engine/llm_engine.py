@@ -55,7 +55,12 @@ class LLMEngine:
     the new tokens into text and `RequestOutput`s and finds stop strings.
     """
 
-    def __init__(self, engine_config: EngineConfig, log_stats: bool = True) -> None:
+    def __init__(self, engine_config: EngineConfig, log_stats: bool = True,
+                 start_grammar_compile_worker: bool = False) -> None:
+        """`start_grammar_compile_worker`: start the grammar compile worker process now,
+        before the model loads (a server does: its import of xgrammar and index of the
+        vocabulary, seconds of CPU, then overlap the load instead of following it); else
+        it starts on the first constrained request."""
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         start = time.perf_counter()
@@ -75,8 +80,15 @@ class LLMEngine:
         # Grammars for structured outputs are built over the tokenizer's vocabulary.
         self.structured_output_manager = None if self.tokenizer is None else StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats,
-                                      structured_output_manager=self.structured_output_manager)
+        if start_grammar_compile_worker and self.structured_output_manager is not None:
+            self.structured_output_manager.start_warm_up()  # not waited for here (build_app waits)
+        try:
+            self.engine_core = EngineCore(engine_config, self.eos_token_ids, log_stats=log_stats,
+                                          structured_output_manager=self.structured_output_manager)
+        except BaseException:
+            if self.structured_output_manager is not None:
+                self.structured_output_manager.shutdown()  # ends a compile worker started above
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self._overlap_output_processing = (self.engine_core.runs_steps_asynchronously
                                            and not engine_config.scheduler_config.disable_async_output_proc)
@@ -97,7 +109,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
                          usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(usage_context), log_stats=not engine_args.disable_log_stats)
+        return cls(engine_args.create_engine_config(usage_context), log_stats=not engine_args.disable_log_stats,
+                   start_grammar_compile_worker=usage_context == UsageContext.OPENAI_API_SERVER)
 
     @property
     def scheduler(self) -> Any:

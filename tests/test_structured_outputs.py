@@ -34,6 +34,7 @@ from raylm.engine.structured_output.compile_worker import CompileWorker
 from raylm.engine.structured_output.compile_worker_process import (MAX_GRAMMAR_JSON_BYTES, FrameReader,
                                                                    compile_result)
 from raylm.engine.structured_output.manager import StructuredOutputManager
+from raylm.engine.usage_context import UsageContext
 
 ENGINE_KWARGS = dict(max_model_len=256, num_gpu_blocks_override=256, disable_log_stats=True)
 
@@ -833,3 +834,38 @@ def test_shutdown_ends_the_compile_worker_and_its_processes(llama_dir: Path) -> 
     assert future.cancelled()
     assert not wait_gone(processes, timeout=2.0)
     assert not [pid for pid in children(os.getpid()) if pid in processes]
+
+
+def _compile_workers_below_us() -> list[int]:
+    return [pid for pid, command in descendants(os.getpid()).items() if "compile_worker_process" in command]
+
+
+def test_a_servers_engine_starts_its_compile_worker_with_the_model_load_and_a_failed_load_ends_it(
+        llama_dir: Path) -> None:
+    # Offline, the worker starts on the first constrained request.
+    offline = _engine(llama_dir)
+    try:
+        assert offline.structured_output_manager.compile_worker.num_starts == 0
+    finally:
+        offline.shutdown()
+    # For a server, it starts before the model loads (xgrammar's import overlaps the load);
+    # the server's wait for it (build_app) joins that start instead of making another.
+    args = EngineArgs(model=str(llama_dir), **ENGINE_KWARGS)
+    served = LLMEngine.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+    try:
+        worker = served.structured_output_manager.compile_worker
+        deadline = time.monotonic() + SETTLE_S
+        while worker.num_starts == 0:  # started by nobody but the engine
+            assert time.monotonic() < deadline, "the server's engine did not start its compile worker"
+            time.sleep(0.05)
+        pid = served.structured_output_manager.start_warm_up().result(timeout=SETTLE_S)
+        assert worker.num_starts == 1 and worker.pid == pid
+        served.compile_structured_outputs(StructuredOutputsParams(regex="[0-9]{4}"), timeout_s=SETTLE_S)
+    finally:
+        served.shutdown()
+    # A load that fails after the worker started leaves no worker behind.
+    too_small = EngineArgs(model=str(llama_dir), **{**ENGINE_KWARGS, "num_gpu_blocks_override": 2})
+    others = set(_compile_workers_below_us())  # the module's other engines' workers
+    with pytest.raises(ValueError, match="The KV cache holds 2 blocks"):
+        LLMEngine.from_engine_args(too_small, usage_context=UsageContext.OPENAI_API_SERVER)
+    assert not wait_gone(sorted(set(_compile_workers_below_us()) - others), timeout=SETTLE_S)
