@@ -166,9 +166,13 @@ def build_key(name: str) -> str:
     patched) never share, and never rewrite, each other's build folders."""
     headers = sorted(CSRC_DIR.glob("*.h"))
     parts = [(CSRC_DIR / f"{name}.cpp").read_text(), *(h.read_text() for h in headers),
-             " ".join(compile_flags() + _LDFLAGS), torch.__version__, str(Path(torch.__file__).parent),
-             platform.machine(), _cpu_flags()]
+             " ".join(compile_flags() + _LDFLAGS), *_installation()]
     return f"raylm_{name}_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _installation() -> list[str]:
+    """What every build in the cache also depends on: torch (version and path) and the CPU."""
+    return [torch.__version__, str(Path(torch.__file__).parent), platform.machine(), _cpu_flags()]
 
 
 def _build(name: str) -> str:
@@ -227,8 +231,7 @@ def _precompiled_header() -> Path | None:
         return None
     text = (CSRC_DIR / PRECOMPILED_HEADER).read_text()
     flags = [*_torch_cflags(), *compile_flags()]
-    key = hashlib.sha256("\n".join([text, version, " ".join(flags), torch.__version__, str(Path(torch.__file__).parent),
-                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([text, version, " ".join(flags), *_installation()]).encode()).hexdigest()[:16]
     if key not in _precompiled:
         _precompiled[key] = _compile_header(text, flags, _build_dir(f"raylm_pch_{key}"))
     return _precompiled[key]

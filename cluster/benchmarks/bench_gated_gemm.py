@@ -45,8 +45,6 @@ def _thread_seconds(call: Callable[[], object], evict: torch.Tensor) -> float:
 
 
 def per_call(dtype: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
-    from raylm.kernels import cpu_gemm
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
