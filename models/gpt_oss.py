@@ -59,8 +59,11 @@ class GptOssMLP(nn.Module):
         self.router = ReplicatedLinear(config.hidden_size, num_experts, bias=True)
         self.router.keep_unquantized = True  # as vLLM builds it: FP8 quantizes the experts, not the router
         self.experts = FusedMoE(num_experts, top_k, config.hidden_size, config.intermediate_size, renormalize=False,
-                                has_bias=True, activation="swigluoai", swiglu_limit=float(config.swiglu_limit),
-                                swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)), softmax_after_topk=True)
+                                has_bias=True, activation="swigluoai", softmax_after_topk=True,
+                                # transformers releases before these config fields fixed the
+                                # clamp at 7.0 and alpha at 1.702 in the experts' code.
+                                swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)),
+                                swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H], summed over the tensor-parallel ranks."""

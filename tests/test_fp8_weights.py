@@ -121,15 +121,19 @@ def test_serve_flag_quantization_reaches_the_model_config(source):
 
 @pytest.mark.cuda
 def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path, source):
-    # W8A8 (compute capability >= 8.9) rounds activations to fp8 too, W8A16 elsewhere: the
-    # sampled tokens' logprobs stay within a few hundredths of HF's on the dequantized weights.
+    # W8A8 (compute capability >= 8.9) rounds activations to fp8 too (W8A16 elsewhere). On this
+    # tiny random model that alone moves a sampled logprob up to ~0.1 from HF's fp32 one on
+    # the dequantized weights (the W8A8 path run on the CPU's torch._scaled_mm: mean 0.03,
+    # max 0.10; W8A16 in bf16 0.017 at most), so the bound is on the mean, with a loose one per
+    # token; a wrong scale or layout moves them by whole units (the GEMM itself is checked
+    # exactly against its reference in test_fp8_linear).
     from hf_reference import assert_sampled_logprobs_near_hf
 
     quantized, reference, _ = checkpoint(tmp_path, source, "ct-channel")
     llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs, abs_tol=0.05)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs, abs_tol=0.25, mean_abs_tol=0.06)
     llm.shutdown()
 
 

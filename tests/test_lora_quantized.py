@@ -186,7 +186,7 @@ def test_adapters_over_gptq_weights_on_two_tensor_parallel_ray_workers_equal_pef
 @pytest.mark.parametrize("kind", ["ct-channel", "gptq-desc-act"])
 def test_an_adapter_over_quantized_weights_on_a_gpu_gives_hf_logprobs_within_bf16_rounding(tmp_path, source, kind):
     """The Triton LoRA kernels after the FP8 (W8A8 where the GPU multiplies fp8) or GPTQ GEMM,
-    in bf16: sampled logprobs within a few hundredths of HF's fp32 ones on the dequantized
+    in bf16: sampled logprobs near HF's fp32 ones (see the tolerances) on the dequantized
     weights, the adapter merged into them by hand (the GPU image has no peft)."""
     from hf_reference import assert_sampled_logprobs_near_hf
     from lora_adapters import merge_lora_adapter, write_lora_adapter
@@ -207,5 +207,8 @@ def test_an_adapter_over_quantized_weights_on_a_gpu_gives_hf_logprobs_within_bf1
                                + [None] * len(PROMPTS))
     finally:
         llm.shutdown()
-    assert_sampled_logprobs_near_hf(merged, PROMPTS, outputs[:len(PROMPTS)], abs_tol=0.05)
-    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs[len(PROMPTS):], abs_tol=0.05)
+    # W8A8's fp8 activations move single logprobs by up to ~0.1 here (test_fp8_weights' GPU
+    # test says how that was measured): the FP8 base is held to the mean, loosely per token.
+    tolerances = dict(abs_tol=0.25, mean_abs_tol=0.06) if kind == "ct-channel" else dict(abs_tol=0.05)
+    assert_sampled_logprobs_near_hf(merged, PROMPTS, outputs[:len(PROMPTS)], **tolerances)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs[len(PROMPTS):], **tolerances)
