@@ -184,6 +184,37 @@ def test_prefix_cache_shares_blocks_between_equal_embeddings_only(llm, hf):
     assert_engine_idle(llm.llm_engine)
 
 
+def test_a_lora_adapter_applies_to_embeddings_prompts(tmp_path, model_dir, hf):
+    """An adapter's terms run on the rows of given embeddings as on a token prompt's: one batch
+    mixes the adapter and the base model over two embeddings prompts, against HF on the
+    adapter merged into the weights by hand (the embedding table is not adapted, so the
+    same embeddings feed both)."""
+    from transformers import AutoModelForCausalLM
+
+    from lora_adapters import merge_lora_adapter, write_lora_adapter
+    from raylm.engine import LLM, LoRARequest
+
+    adapter = write_lora_adapter(model_dir, tmp_path / "adapter", rank=8, seed=7, std=0.2)
+    merged = AutoModelForCausalLM.from_pretrained(str(merge_lora_adapter(model_dir, adapter, tmp_path / "merged")),
+                                                  dtype=torch.float32).eval()
+    embeds = [noisy_embeds(hf, p, seed=20 + i) for i, p in enumerate(random_prompts(2, seed=8, min_len=6, max_len=30))]
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, enable_prompt_embeds=True, enable_lora=True,
+              max_lora_rank=8)
+    try:
+        outs = llm.generate([{"prompt_embeds": e} for e in embeds * 2], greedy(logprobs=1), use_tqdm=False,
+                            lora_request=[LoRARequest("adapter", 1, str(adapter))] * 2 + [None] * 2)
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()
+    for out, (reference, embed) in zip(outs, [(merged, e) for e in embeds] + [(hf, e) for e in embeds]):
+        tokens, logprobs = hf_generate(reference, embed)
+        assert list(out.outputs[0].token_ids) == tokens
+        for step, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            assert entry[token].logprob == pytest.approx(logprobs[step, token].item(), abs=1e-4)
+    # The adapter matters: the merged model continues the first prompt otherwise than the base.
+    assert hf_generate(merged, embeds[0])[0] != hf_generate(hf, embeds[0])[0]
+
+
 def test_chunked_prefill_and_preemption_recompute_from_the_kept_embeddings(model_dir, hf):
     from raylm.engine import LLM
 
