@@ -79,9 +79,13 @@ def check_prompt_embeds(value: Any, hidden_size: int, max_rows: int, dtype: "tor
         raise ParameterError(f"{param} holds {value.shape[0]} token embeddings, more than the model's context "
                              f"length (max_model_len = {max_rows}).", param)
     embeds = value.detach().to(device="cpu", dtype=dtype).contiguous()
-    if embeds.untyped_storage().nbytes() > embeds.numel() * embeds.element_size():
+    if (embeds.untyped_storage().nbytes() > embeds.numel() * embeds.element_size()
+            or embeds.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()):
         # A view of a larger storage (the rows truncate_prompt_tokens kept, a slice a payload
-        # was saved from): the engine keeps, and sends its workers, these rows alone.
+        # was saved from): the engine keeps, and sends its workers, these rows alone. Or the
+        # caller's own tensor: its later writes (an async caller reusing a buffer while the
+        # request runs) must not reach the rows a preemption recomputes from or the prefix
+        # cache's hash of them.
         embeds = embeds.clone()
     # After the cast: a float32 value past float16's range becomes inf there.
     if not bool(torch.isfinite(embeds).all()):

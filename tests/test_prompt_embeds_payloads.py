@@ -111,3 +111,16 @@ def test_shared_storage_between_two_tensors_is_not_a_tensor():
     shared = torch.randn(4, HIDDEN)
     with pytest.raises(ParameterError, match="prompt_embeds"):
         _load(_saved((shared, shared[1:])))
+
+
+@pytest.mark.parametrize("shape", [(5, HIDDEN), (1, 5, HIDDEN)], ids=["2-d", "batch-of-one"])
+def test_the_engine_keeps_its_own_copy_of_a_callers_tensor(shape):
+    """A tensor already of the model's dtype, dense and on the CPU is copied all the same: the
+    caller's later writes to it never reach the rows the engine runs (and hashes) again."""
+    from raylm.engine.prompt_embeds import check_prompt_embeds
+
+    value = torch.randn(shape)
+    before = value.clone()
+    kept = check_prompt_embeds(value, HIDDEN, MAX_ROWS, torch.float32)
+    value.fill_(7.0)
+    assert torch.equal(kept, before.reshape(5, HIDDEN))
