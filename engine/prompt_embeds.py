@@ -152,6 +152,12 @@ def _check_no_expanded_view(value: Any, param: str) -> None:
 
 
 def _check_zip_members(raw: bytes, limit: int, param: str) -> None:
+    directory_bytes = _central_directory_bytes(raw)
+    if directory_bytes is not None and directory_bytes > _MAX_CENTRAL_DIRECTORY_BYTES:
+        # zipfile parses the directory entry by entry in Python: 160k empty members, a few
+        # MB sent, cost seconds of the server's CPU before any other check could refuse them.
+        raise ParameterError(f"{param}: the payload's zip directory takes {directory_bytes} bytes, more than "
+                             f"{_MAX_CENTRAL_DIRECTORY_BYTES}; torch.save of one tensor writes 7 members.", param)
     try:
         members = zipfile.ZipFile(io.BytesIO(raw)).infolist()
     except (zipfile.BadZipFile, ValueError, EOFError):
@@ -171,3 +177,32 @@ def prompt_embeds_digest(embeds: "torch.Tensor", start: int, end: int) -> bytes:
 
     rows = embeds[start:end]
     return hashlib.sha256(rows.contiguous().view(torch.uint8).numpy().tobytes()).digest()
+
+
+# The central directory torch.save writes for one tensor is ~460 bytes (7 members).
+_MAX_CENTRAL_DIRECTORY_BYTES = 4096
+_END_RECORD = b"PK\x05\x06"  # a zip's end of central directory record (22 bytes + comment)
+_ZIP64_LOCATOR = b"PK\x06\x07"  # 20 bytes, just before the end record in a zip64 file
+_ZIP64_END_RECORD = b"PK\x06\x06"
+
+
+def _central_directory_bytes(raw: bytes) -> int | None:
+    """The size of the central directory a zip's end record declares (its zip64 record's for
+    a zip64 file), found where zipfile finds it; None when there is no end record (zipfile
+    then refuses the payload). Read before zipfile parses the directory, which it walks by
+    this size, whatever count of entries the record claims."""
+    end = raw.rfind(_END_RECORD, max(0, len(raw) - 22 - 65535))
+    if end < 0 or end + 22 > len(raw):
+        return None
+    size = int.from_bytes(raw[end + 12:end + 16], "little")
+    if size != 0xFFFFFFFF:
+        return size
+    # zip64: the size is in the zip64 end record, which a locator before this one points to.
+    # Without them zipfile walks whatever directory bytes follow, so the size stays "too big".
+    locator = end - 20
+    if locator < 0 or raw[locator:locator + 4] != _ZIP64_LOCATOR:
+        return size
+    record = int.from_bytes(raw[locator + 8:locator + 16], "little")
+    if raw[record:record + 4] != _ZIP64_END_RECORD:
+        return size
+    return int.from_bytes(raw[record + 40:record + 48], "little")
