@@ -63,7 +63,7 @@ class EngineArgs(SettingsMixin):
         "tensor, or reads a checkpoint "
         "whose config.json quantization_config has quant_method 'fp8' (per-tensor or block-wise); "
         "'compressed-tensors' reads llm-compressor's FP8 checkpoints (per-tensor, per-channel or block-wise) "
-        "and its W4A16 / W8A16 integer ones (format 'pack-quantized', dense layers), read as GPTQ weights. "
+        "and its W4A16 / W8A16 integer ones (format 'pack-quantized', dense and MoE), read as GPTQ weights. "
         "Default: what the checkpoint's quantization_config says, else none. GPUs of compute capability 8.9 and up "
         "multiply in fp8 (W8A8, activations quantized per token or by the checkpoint's static scale); CPUs and older "
         "GPUs dequantize each layer's weight in chunks as they multiply (W8A16). Weights stay in fp8 in memory. "

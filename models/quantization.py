@@ -26,8 +26,8 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
 
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
 vLLM). MoE experts take every source above: FP8 (`parallel/fp8_moe_method.py`), GPTQ and
-AWQ (`parallel/int4_moe_method.py`), not compressed-tensors' integer schemes (an error); their
-routers stay unquantized. Anything else (other
+AWQ and compressed-tensors' integer schemes (`parallel/int4_moe_method.py`); their routers stay
+unquantized. Anything else (other
 int4/int8 methods, FP8, GPTQ or AWQ checkpoints of gpt-oss) is an error naming what is
 supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
 (`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
@@ -58,7 +58,7 @@ _SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit chec
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
               "activations dynamic per token, static per tensor, or none)); compressed-tensors integer weights "
               "(format 'pack-quantized': type 'int', num_bits 4 or 8, strategy 'group' or 'channel', symmetric or "
-              "not, actorder 'group' or 'weight', input_activations null; dense layers only); GPTQ (quant_method 'gptq': bits 4 or "
+              "not, actorder 'group' or 'weight', input_activations null); GPTQ (quant_method 'gptq': bits 4 or "
               "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2', per-module dynamic and "
               "modules_in_block_to_quantize) and AWQ (quant_method 'awq': "
               "4-bit, version 'gemm', zero_point) checkpoints, of dense and MoE models; and gpt-oss's MXFP4 experts "
@@ -324,7 +324,6 @@ def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
             # Experts are matched by the layer's own name (`...mlp.experts`), as vLLM does.
             scheme = quant_config.scheme_for(theirs, []) if module.quant_method is None else None
             if scheme is not None:
-                _refuse_compressed_tensors_int_experts(scheme, theirs)
                 moe_method = Int4MoEMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8MoEMethod(scheme)
                 moe_method.create_weights(module, name)
             continue
@@ -337,13 +336,6 @@ def apply_quantization(model: nn.Module, quant_config: QuantizationConfig,
             continue
         method = Int4LinearMethod(scheme) if isinstance(scheme, Int4LinearScheme) else Fp8LinearMethod(scheme)
         method.create_weights(module, name)
-
-
-def _refuse_compressed_tensors_int_experts(scheme: Fp8LinearScheme | Int4LinearScheme, experts: str) -> None:
-    if isinstance(scheme, Int4LinearScheme) and scheme.method == "compressed-tensors":
-        raise ValueError(f"{experts}: MoE experts in compressed-tensors' format 'pack-quantized' are not read (raylm "
-                         f"reads that format for dense Linear layers, and MoE experts quantized with GPTQ, AWQ or "
-                         f"FP8).")
 
 
 @functools.lru_cache(maxsize=256)

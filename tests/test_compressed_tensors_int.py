@@ -2,7 +2,8 @@
 "pack-quantized"`: llm-compressor's W4A16 and W8A16; docs/quantization.md): checkpoints packed
 here in that format's order generate what Hugging Face generates on a plain fp32 checkpoint
 of the weights they stand for ((code - zero) * scale, from the codes), in process and over
-two tensor-parallel Ray workers; a wrong tensor in the same checkpoint no longer does. What
+two tensor-parallel Ray workers, dense (Llama) and MoE (Mixtral's experts); a wrong tensor
+in the same checkpoint no longer does. What
 raylm does not read is an error raised from config.json alone.
 
 The format, as compressed-tensors' PackedQuantizationCompressor writes it: `weight_packed`
@@ -34,7 +35,7 @@ PROMPTS = random_prompts(3, seed=5, min_len=6, max_len=20)
 ENGINE = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
 # Inputs that share one act order (GPTQ's Hessian is of the layer's input).
 _SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
-               "up_proj": "mlp", "down_proj": "down"}
+               "up_proj": "mlp", "down_proj": "down", "w1": "mlp", "w3": "mlp", "w2": "down"}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def write_pack_quantized_checkpoint(source: Path, quantized: Path, dequantized: 
         size = in_features if strategy == "channel" else group_size
         g_idx = torch.arange(in_features) // size
         if actorder == "group":  # groups shuffled over the input features, one order per input
-            key = (prefix.rsplit(".", 2)[0], _SAME_INPUT[linear])
+            key = (prefix.rsplit(".", 1)[0], _SAME_INPUT[linear])  # per module (attention, MLP, expert)
             orders.setdefault(key, g_idx[torch.randperm(in_features, generator=generator)])
             g_idx = orders[key]
         # codes and zeros in [0, 2^bits): the signed ones plus 2^(bits - 1), as they are stored
@@ -156,6 +157,22 @@ def test_pack_quantized_checkpoint_over_two_tensor_parallel_ray_workers_matches_
     llm.shutdown()
 
 
+@pytest.mark.cuda
+def test_pack_quantized_checkpoint_on_a_gpu_gives_hf_logprobs_within_bf16_rounding(tmp_path, source):
+    # CUDA's chunked dequantization of the converted tensors, in bf16: the sampled tokens'
+    # logprobs stay within a few hundredths of HF's fp32 ones on the dequantized weights.
+    from hf_reference import assert_sampled_logprobs_near_hf
+    from raylm.engine import SamplingParams
+
+    quantized, reference = tmp_path / "ct", tmp_path / "dequantized"
+    write_pack_quantized_checkpoint(source, quantized, reference, bits=4, symmetric=False, actorder="group")
+    llm = LLM(model=str(quantized), dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_sampled_logprobs_near_hf(reference, PROMPTS, outputs, abs_tol=0.05)
+    llm.shutdown()
+
+
 # ------------------------------------------------------------------ errors
 def _group(**changes) -> dict:
     config = pack_quantized_config()
@@ -186,9 +203,14 @@ def test_unsupported_pack_quantized_config_is_an_error_before_any_weight_is_read
         LLM(model=str(folder), **ENGINE)
 
 
-def test_pack_quantized_moe_experts_are_an_error_naming_the_experts(tmp_path):
+@pytest.mark.parametrize("options", [dict(bits=4, symmetric=False, actorder="group"), dict(bits=8, symmetric=True)],
+                         ids=["w4-asym-actorder-group", "w8-sym"])
+def test_pack_quantized_mixtral_experts_match_hf(tmp_path, options):
+    # The experts (w1/w3 fused into w13, w2) read as GPTQ's, after the same conversion.
     mixtral = build_tiny_mixtral(tmp_path / "mixtral", seed=3)
-    folder = write_config_only(mixtral, tmp_path / "model", pack_quantized_config())
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.block_sparse_moe\.experts: MoE experts in "
-                                         r"compressed-tensors' format 'pack-quantized' are not read"):
-        LLM(model=str(folder), **ENGINE)
+    quantized, reference = tmp_path / "ct", tmp_path / "dequantized"
+    tensors = write_pack_quantized_checkpoint(mixtral, quantized, reference, **options)
+    assert "model.layers.0.block_sparse_moe.experts.1.w2.weight_packed" in tensors
+    llm = LLM(model=str(quantized), **ENGINE)
+    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
+    llm.shutdown()
