@@ -56,15 +56,17 @@ def pack_quantized_config(bits: int = 4, strategy: str = "group", group_size: in
 
 def write_pack_quantized_checkpoint(source: Path, quantized: Path, dequantized: Path, bits: int = 4,
                                     strategy: str = "group", group_size: int = 32, symmetric: bool = True,
-                                    actorder: str | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+                                    actorder: str | None = None, unquantized: tuple[str, ...] = (),
+                                    seed: int = 0) -> dict[str, torch.Tensor]:
     """Writes the pack-quantized checkpoint of `source`'s linear layers into `quantized` and the
-    fp32 weights they stand for into `dequantized`; returns the quantized tensors."""
+    fp32 weights they stand for into `dequantized`; returns the quantized tensors. The modules
+    named in `unquantized` stay plain `.weight`s, on the config's ignore list."""
     generator = torch.Generator().manual_seed(seed)
     orders: dict[tuple[str, str], torch.Tensor] = {}
     tensors, reference = {}, {}
     for name, tensor in load_file(str(source / "model.safetensors")).items():
         linear = next((n for n in LINEAR_NAMES if name.endswith(f".{n}.weight")), None)
-        if linear is None:
+        if linear is None or name[:-len(".weight")] in unquantized:
             tensors[name] = reference[name] = tensor
             continue
         prefix = name[:-len(".weight")]
@@ -88,6 +90,7 @@ def write_pack_quantized_checkpoint(source: Path, quantized: Path, dequantized: 
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = pack_quantized_config(bits, strategy, group_size if strategy == "group" else None,
                                                           symmetric, actorder)
+    config["quantization_config"]["ignore"] += list(unquantized)
     for folder, weights, conf in ((quantized, tensors, config), (dequantized, reference, None)):
         shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
@@ -119,7 +122,8 @@ CASES = {
                      "model.layers.0.mlp.down_proj.weight_packed", _nibbles_reversed),
     "w4-group-asym-actorder-weight": (dict(bits=4, symmetric=False, actorder="weight"),
                                       "model.layers.0.mlp.down_proj.weight_zero_point", _zero_points_plus_one),
-    "w8-channel-sym": (dict(bits=8, strategy="channel"),
+    # with one layer left unquantized by the ignore list
+    "w8-channel-sym-ignore": (dict(bits=8, strategy="channel", unquantized=("model.layers.1.mlp.down_proj",)),
                        "model.layers.0.mlp.down_proj.weight_scale", lambda scale: scale.flip(0)),
     "w4-group-actorder-group": (dict(bits=4, symmetric=False, actorder="group"),
                                 "model.layers.0.mlp.down_proj.weight_g_idx", lambda g_idx: g_idx.sort().values),
@@ -133,8 +137,10 @@ def test_pack_quantized_checkpoint_matches_hf_and_a_wrong_tensor_does_not(tmp_pa
     tensors = write_pack_quantized_checkpoint(source, quantized, reference, **options)
     llm = LLM(model=str(quantized), **ENGINE)
     assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
-    down = llm.llm_engine.executor.driver_worker.model_runner.model.model.layers[0].mlp.down_proj
+    layers = llm.llm_engine.executor.driver_worker.model_runner.model.model.layers
+    down = layers[0].mlp.down_proj
     assert down.weight_packed.dtype == torch.int32 and "weight" not in dict(down.named_parameters())
+    assert (layers[1].mlp.down_proj.quant_method is None) == bool(options.get("unquantized"))
     llm.shutdown()
 
     wrong = make_wrong(tensors[wrong_name])
