@@ -238,8 +238,9 @@ class ModelConfig:
     # One of LOAD_FORMATS (vLLM keeps it in its LoadConfig; here the loader reads it with
     # the rest of the model's settings, and a draft model gets the target's).
     load_format: str = "auto"
-    # vLLM's quantization: "fp8" or "compressed-tensors" (FP8 linear weights), "gptq" or
-    # "awq" (packed integer ones; `models/quantization.py`); None reads config.json's quantization_config, if any.
+    # vLLM's quantization: "fp8" or "compressed-tensors" (FP8 linear weights; compressed-tensors'
+    # W4A16/W8A16 too), "gptq" or "awq" (packed integer ones; `models/quantization.py`); None
+    # reads config.json's quantization_config, if any.
     quantization: str | None = None
     # vLLM's flag: LLM.sleep / wake_up may free the KV cache and the weights (docs/sleep_mode.md).
     enable_sleep_mode: bool = False

@@ -56,7 +56,8 @@ class LLM:
             folder's sentence-transformers files say), `load_format="auto"` ("dummy": random
             weights, no checkpoint read, to measure speed), `quantization=None` ("fp8": FP8
             linear weights quantized at load; None reads an FP8 checkpoint's
-            quantization_config, "fp8" or "compressed-tensors"; docs/quantization.md),
+            quantization_config: "fp8", "compressed-tensors" (FP8, W4A16, W8A16), "gptq",
+            "awq"; docs/quantization.md),
             `enable_prompt_embeds=False` (True: `generate` takes {"prompt_embeds": tensor};
             docs/prompt_embeds.md). An unknown argument is a TypeError
             naming it.

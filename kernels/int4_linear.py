@@ -97,6 +97,20 @@ def pack_columns(codes: torch.Tensor, bits: int, awq_order: bool = False) -> tor
     return packed
 
 
+def compressed_tensors_packed_to_gptq(weight_packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' `weight_packed` [out, in / pack_factor] (pack-quantized: code j of
+    int32 c is input column c * pack_factor + j, each stored plus 2^(bits - 1)) as GPTQ's
+    qweight [in / pack_factor, out] of the same codes, which read with a zero of 2^(bits - 1)
+    (or the unpacked `weight_zero_point`, stored with the same offset) give the same weight."""
+    return pack_rows(unpack_columns(weight_packed, bits).t(), bits)
+
+
+def compressed_tensors_zero_point_to_gptq(weight_zero_point: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' `weight_zero_point` [out / pack_factor, groups] (packed along the
+    outputs, each stored plus 2^(bits - 1)) as GPTQ's qzeros [groups, out / pack_factor]."""
+    return pack_columns(unpack_rows(weight_zero_point, bits).t(), bits)
+
+
 def dequantize_columns(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                        start: int, end: int, bits: int, awq: bool, zero_offset: int,
                        dtype: torch.dtype) -> torch.Tensor:

@@ -17,11 +17,17 @@ and 4-bit (GPTQ also 8-bit) integer weights with a scale and zero per group of i
   `desc_act`, `sym`, `checkpoint_format` "gptq" (v1: zeros stored minus one) or "gptq_v2",
   and per module `dynamic` and `modules_in_block_to_quantize` (`models/gptq_config.py`);
 - `quant_method: "awq"` (AutoAWQ, `version: "gemm"`), `zero_point: true`,
-  `modules_to_not_convert`.
+  `modules_to_not_convert`;
+- `quant_method: "compressed-tensors"` with `format: "pack-quantized"` (llm-compressor's
+  W4A16 and W8A16 schemes): `type: "int"`, 4 or 8 bits, strategy "group" or "channel",
+  symmetric or not (`weight_zero_point`), actorder "group" (`weight_g_idx`) or "weight",
+  weights only (`input_activations: null`); read through the GPTQ machinery
+  (`parallel/int4_linear_method.py` turns its tensors into GPTQ's layout as they load).
 
 Embeddings and the LM head are never quantized (they are no linear layers here, as in
 vLLM). MoE experts take every source above: FP8 (`parallel/fp8_moe_method.py`), GPTQ and
-AWQ (`parallel/int4_moe_method.py`); their routers stay unquantized. Anything else (other
+AWQ and compressed-tensors' integer schemes (`parallel/int4_moe_method.py`); their routers stay
+unquantized. Anything else (other
 int4/int8 methods, FP8, GPTQ or AWQ checkpoints of gpt-oss) is an error naming what is
 supported, raised from the config alone, before any weight is read. gpt-oss's MXFP4 experts
 (`quant_method: "mxfp4"`) are read by its model class, which dequantizes them at load
@@ -50,7 +56,9 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 _SUPPORTED = ("raylm reads FP8 weights (quantization='fp8' over a 16/32-bit checkpoint, or an FP8 checkpoint "
               "whose quantization_config has quant_method 'fp8' (per-tensor, or block-wise weight_block_size) or "
               "'compressed-tensors' (float 8-bit weights, strategy 'tensor', 'channel' or 'block'; input "
-              "activations dynamic per token, static per tensor, or none)); GPTQ (quant_method 'gptq': bits 4 or "
+              "activations dynamic per token, static per tensor, or none)); compressed-tensors integer weights "
+              "(format 'pack-quantized': type 'int', num_bits 4 or 8, strategy 'group' or 'channel', symmetric or "
+              "not, actorder 'group' or 'weight', input_activations null); GPTQ (quant_method 'gptq': bits 4 or "
               "8, any group_size, desc_act, checkpoint_format 'gptq' or 'gptq_v2', per-module dynamic and "
               "modules_in_block_to_quantize) and AWQ (quant_method 'awq': "
               "4-bit, version 'gemm', zero_point) checkpoints, of dense and MoE models; and gpt-oss's MXFP4 experts "
@@ -182,25 +190,30 @@ def _block_size(block: Any, field: str) -> tuple[int, int]:
 
 
 def _compressed_tensors_config(config: dict[str, Any]) -> QuantizationConfig:
-    """llm-compressor's compressed-tensors format, FP8 schemes only."""
+    """llm-compressor's compressed-tensors format: FP8 schemes, and integer weights packed
+    in int32s (W4A16 / W8A16, `pack-quantized`)."""
     groups = config.get("config_groups") or {}
     if not groups:
         raise ValueError(f"quantization_config (compressed-tensors) has no config_groups; {_SUPPORTED}.")
     schemes = {_compressed_tensors_scheme(name, group, config.get("format")) for name, group in groups.items()}
     if len(schemes) != 1:
         raise ValueError(f"quantization_config (compressed-tensors) has config_groups of different schemes "
-                         f"({sorted(groups)}); raylm reads one FP8 scheme for every Linear layer.")
+                         f"({sorted(groups)}); raylm reads one scheme for every Linear layer.")
     return QuantizationConfig("compressed-tensors", schemes.pop(), tuple(config.get("ignore") or ()))
 
 
-def _compressed_tensors_scheme(name: str, group: dict[str, Any], top_format: str | None) -> Fp8LinearScheme:
+def _compressed_tensors_scheme(name: str, group: dict[str, Any],
+                               top_format: str | None) -> Fp8LinearScheme | Int4LinearScheme:
     where = f"quantization_config config_groups[{name!r}]"
     targets = group.get("targets") or []
     if "Linear" not in targets:
         raise ValueError(f"{where} targets {targets!r}; raylm reads schemes that target 'Linear'. {_SUPPORTED}.")
     fmt = group.get("format") or top_format
+    if fmt == "pack-quantized":
+        return _pack_quantized_scheme(where, group)
     if fmt not in (None, "float-quantized"):
-        raise ValueError(f"{where} has format {fmt!r}; raylm reads 'float-quantized' (FP8) only. {_SUPPORTED}.")
+        raise ValueError(f"{where} has format {fmt!r}; raylm reads 'float-quantized' (FP8) and 'pack-quantized' "
+                         f"(integer weights, 16/32-bit activations). {_SUPPORTED}.")
     weights = group.get("weights") or {}
     if (weights.get("type") != "float" or weights.get("num_bits") != 8 or not weights.get("symmetric", True)
             or weights.get("dynamic", False)):
@@ -229,6 +242,49 @@ def _compressed_tensors_scheme(name: str, group: dict[str, Any], top_format: str
         if strategy == "block" and activation_scheme != "dynamic":
             raise ValueError(f"{where}: block-wise weights need dynamic input activations.")
     return Fp8LinearScheme(True, strategy, block, activation_scheme, "weight_scale")
+
+
+# compressed-tensors' ActivationOrdering: "group" stores each input feature's group
+# (`weight_g_idx`, GPTQ's desc_act); "weight" quantized in act order but kept the groups
+# contiguous (no g_idx, as vLLM reads it); older configs wrote true for "group".
+_ACTORDERS = {None: False, False: False, "static": False, "weight": False, "group": True, True: True}
+
+
+def _pack_quantized_scheme(where: str, group: dict[str, Any]) -> Int4LinearScheme:
+    """A `pack-quantized` group (W4A16 / W8A16) as the GPTQ scheme its tensors turn into."""
+    weights = group.get("weights") or {}
+    kind, bits = weights.get("type"), weights.get("num_bits")
+    if kind != "int":
+        raise ValueError(f"{where} has format 'pack-quantized' with weights type {kind!r}; that format packs "
+                         f"integer weights (type 'int').")
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"{where} weights num_bits must be 4 or 8 for format 'pack-quantized', got {bits!r}.")
+    if weights.get("dynamic", False):
+        raise ValueError(f"{where} weights are dynamic; format 'pack-quantized' stores static weight scales.")
+    strategy = weights.get("strategy")
+    if strategy == "group":
+        group_size = check_group_size(weights.get("group_size"), f"{where} weights")
+    elif strategy == "channel":
+        group_size = -1  # one scale (and zero) per output row: one group over all input features
+    else:
+        raise ValueError(f"{where} weights strategy must be 'group' or 'channel' for format 'pack-quantized', got "
+                         f"{strategy!r}.")
+    symmetric = weights.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"{where} weights symmetric must be true or false, got {symmetric!r}.")
+    actorder = weights.get("actorder")
+    if actorder not in _ACTORDERS:
+        raise ValueError(f"{where} weights actorder must be 'group', 'weight', 'static' or null, got {actorder!r}.")
+    if _ACTORDERS[actorder] and strategy != "group":
+        raise ValueError(f"{where} weights actorder {actorder!r} needs strategy 'group', got {strategy!r}.")
+    if group.get("input_activations") is not None:
+        raise ValueError(f"{where} quantizes input activations ({group.get('input_activations')!r}); raylm reads "
+                         f"format 'pack-quantized' weight-only (input_activations null: W4A16, W8A16), not W8A8 "
+                         f"or W4A8 integer schemes.")
+    if group.get("output_activations"):
+        raise ValueError(f"{where} quantizes output activations, which raylm does not; {_SUPPORTED}.")
+    return Int4LinearScheme("compressed-tensors", bits, group_size, desc_act=_ACTORDERS[actorder],
+                            has_zero_point=not symmetric)
 
 
 def _gptq_config(config: dict[str, Any]) -> QuantizationConfig:

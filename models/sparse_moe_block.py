@@ -65,11 +65,13 @@ def moe_config(config: Any) -> dict[str, Any]:
 
 
 # A checkpoint tensor of one routed expert: `<prefix>.experts.<id>.<projection>.weight`, one
-# of its FP8 scales (`weight_scale`, `weight_scale_inv`, `input_scale`), or its GPTQ/AWQ
-# tensors (`qweight`, `qzeros`, `scales`, `g_idx`).
+# of its FP8 scales (`weight_scale`, `weight_scale_inv`, `input_scale`), its GPTQ/AWQ
+# tensors (`qweight`, `qzeros`, `scales`, `g_idx`) or its compressed-tensors integer ones
+# (`weight_packed`, `weight_zero_point`, `weight_g_idx`, `weight_scale`; `weight_shape`).
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
                             r"(?P<projection>w1|w2|w3|gate_proj|up_proj|down_proj)\."
-                            r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx)$")
+                            r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|"
+                            r"weight_packed|weight_zero_point|weight_g_idx|weight_shape)$")
 # Checkpoint projection -> FusedMoEWeights shard (vLLM's w1/w2/w3: Mixtral's own names).
 _EXPERT_SHARD = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 
@@ -90,6 +92,8 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
                 yield name, tensor
                 continue
             shard = _EXPERT_SHARD[match["projection"]]
+            if match["kind"] == "weight_shape":
+                continue  # the unpacked [out, in]: weight_packed's shape, checked as it loads, says it
             target = f"{match['prefix']}.{'w2' if shard == 'w2' else 'w13'}_{match['kind']}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks.")

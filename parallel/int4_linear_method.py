@@ -1,5 +1,13 @@
 """`GPTQLinearMethod` / `AWQLinearMethod`: a parallel linear layer whose weight is GPTQ or AWQ
-packed integers (vLLM's quant_methods of those names; layouts in `kernels/int4_linear.py`).
+packed integers (vLLM's quant_methods of those names; layouts in `kernels/int4_linear.py`),
+or compressed-tensors' `pack-quantized` integers (vLLM's CompressedTensorsWNA16).
+
+compressed-tensors' tensors keep their checkpoint names (`weight_packed`, `weight_scale`,
+`weight_zero_point`, `weight_g_idx`, `weight_shape`) but are held in GPTQ's layout: each
+loader turns the checkpoint tensor into it (`compressed_tensors_*_to_gptq`, scales
+transposed) before cutting the rank's shard as below, so that everything after (the checks,
+the CPU repack, the chunked GEMM) is GPTQ's with zero_offset 0. Symmetric weights store no
+zero point: their codes are offset by 2^(bits - 1), which a constant zero buffer holds.
 
 `create_weights` replaces a layer's weight by `qweight`, `qzeros`, `scales` (and GPTQ's
 `g_idx`), each with a `weight_loader` that cuts this rank's shard as vLLM does:
@@ -27,21 +35,39 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raylm.kernels.int4_linear import (apply_int4_linear, native_int4_linear_usable, pack_factor, repack_for_cpu,
-                                      unpack_cpu_weight)
+from raylm.kernels.int4_linear import (apply_int4_linear, compressed_tensors_packed_to_gptq,
+                                      compressed_tensors_zero_point_to_gptq, native_int4_linear_usable, pack_columns,
+                                      pack_factor, repack_for_cpu, unpack_cpu_weight)
 from raylm.parallel.checkpoint_slice import read_weight
 from raylm.parallel.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, _copy_checked
 
 
 @dataclass(frozen=True)
 class Int4LinearScheme:
-    """How a GPTQ or AWQ checkpoint stores its linear weights (parsed by `models/quantization.py`)."""
+    """How a GPTQ, AWQ or compressed-tensors (pack-quantized) checkpoint stores its linear
+    weights (parsed by `models/quantization.py`)."""
 
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int  # -1: one group over all input features
     desc_act: bool = False  # GPTQ's act-order: g_idx is read, not i // group_size
     zero_offset: int = 0  # added to stored zeros: 1 for GPTQ's v1 checkpoint format
+    # False: compressed-tensors' symmetric weights, which store no zero point (2^(bits - 1)).
+    has_zero_point: bool = True
+
+
+@dataclass(frozen=True)
+class _TensorNames:
+    """The layer's attribute (and checkpoint) names of its packed tensors."""
+
+    qweight: str
+    qzeros: str
+    scales: str
+    g_idx: str
+
+
+_GPTQ_NAMES = _TensorNames("qweight", "qzeros", "scales", "g_idx")
+_COMPRESSED_TENSORS_NAMES = _TensorNames("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")
 
 
 class Int4LinearMethod:
@@ -65,17 +91,34 @@ class Int4LinearMethod:
         groups = -(-(full_in if whole_groups or not row_parallel else in_columns) // group_size)
         group_unit = None if whole_groups or not row_parallel else group_size
         awq = scheme.method == "awq"
+        compressed = scheme.method == "compressed-tensors"
+        names = _COMPRESSED_TENSORS_NAMES if compressed else _GPTQ_NAMES
         qweight_shape = (in_columns, out_rows // factor) if awq else (in_columns // factor, out_rows)
         int32 = dict(dtype=torch.int32, device=device)
-        layer.qweight = _parameter(torch.empty(qweight_shape, **int32),
-                                   self._loader(layer, out_unit=factor if awq else 1, in_unit=1 if awq else factor))
-        layer.qzeros = _parameter(torch.empty(groups, out_rows // factor, **int32),
-                                  self._loader(layer, out_unit=factor, in_unit=group_unit))
+        qweight_loader = self._loader(layer, out_unit=factor if awq else 1, in_unit=1 if awq else factor)
+        qzeros_loader = self._loader(layer, out_unit=factor, in_unit=group_unit)
+        scales_loader = self._loader(layer, out_unit=1, in_unit=group_unit)
+        if compressed:
+            bits = scheme.bits
+            qweight_loader = _converting(qweight_loader, lambda t: compressed_tensors_packed_to_gptq(t, bits))
+            qzeros_loader = _converting(qzeros_loader, lambda t: compressed_tensors_zero_point_to_gptq(t, bits))
+            scales_loader = _converting(scales_loader, lambda t: t.t())
+        layer.int4_names = names
+        setattr(layer, names.qweight, _parameter(torch.empty(qweight_shape, **int32), qweight_loader))
+        if scheme.has_zero_point:
+            setattr(layer, names.qzeros, _parameter(torch.empty(groups, out_rows // factor, **int32), qzeros_loader))
+        else:  # not in the checkpoint: every code's zero is the offset it is stored with
+            offset = torch.full((groups, out_rows), 1 << (scheme.bits - 1), **int32)
+            layer.register_buffer(names.qzeros, pack_columns(offset, scheme.bits), persistent=False)
         # float32: fp16 and bf16 checkpoint scales both fit without rounding.
-        layer.scales = _parameter(torch.empty(groups, out_rows, dtype=torch.float32, device=device),
-                                  self._loader(layer, out_unit=1, in_unit=group_unit))
-        if not awq:
-            layer.g_idx = _parameter(torch.full((in_columns,), -1, **int32), self._g_idx_loader(layer, prefix))
+        setattr(layer, names.scales, _parameter(torch.empty(groups, out_rows, dtype=torch.float32, device=device),
+                                                scales_loader))
+        if not awq and (scheme.desc_act or not compressed):  # compressed-tensors stores g_idx under actorder only
+            setattr(layer, names.g_idx, _parameter(torch.full((in_columns,), -1, **int32),
+                                                   self._g_idx_loader(layer, prefix)))
+        if compressed:
+            layer.weight_shape = _parameter(torch.zeros(2, dtype=torch.int64, device=device),
+                                            _weight_shape_loader(layer, prefix))
         # The 16/32-bit weight is never filled: drop it, keeping its shape for the layers
         # that read it (a meta tensor holds no memory).
         del layer._parameters["weight"]
@@ -102,10 +145,11 @@ class Int4LinearMethod:
             _check_g_idx_range(layer)
         layer.g_idx_runtime = self._group_of_rows(layer)
         layer.cpu_int4_weight = None
-        if layer.qweight.device.type == "cpu" and native_int4_linear_usable():
-            layer.cpu_int4_weight = repack_for_cpu(layer.qweight.detach(), layer.qzeros.detach(),
-                                                   layer.scales.detach(), layer.g_idx_runtime, scheme.bits,
-                                                   scheme.method == "awq", scheme.zero_offset)
+        qweight, qzeros, scales = _packed(layer)
+        if qweight.device.type == "cpu" and native_int4_linear_usable():
+            layer.cpu_int4_weight = repack_for_cpu(qweight.detach(), qzeros.detach(), scales.detach(),
+                                                   layer.g_idx_runtime, scheme.bits, scheme.method == "awq",
+                                                   scheme.zero_offset)
             # The kernel reads only its copy: keeping the loaded tensors too would double the
             # codes' bytes (half of bf16's rather than a quarter).
             for param in _loaded_parameters(layer):
@@ -122,24 +166,25 @@ class Int4LinearMethod:
         scheme = self.scheme
         qweight, qzeros, scales, g_idx = unpack_cpu_weight(layer.cpu_int4_weight, scheme.method == "awq",
                                                            scheme.zero_offset)
-        layer.qweight.data, layer.qzeros.data, layer.scales.data = qweight, qzeros, scales
-        if scheme.method != "awq":
-            layer.g_idx.data = g_idx if scheme.desc_act else torch.full_like(g_idx, -1)
+        for tensor, loaded in zip(_packed(layer), (qweight, qzeros, scales)):
+            tensor.data = loaded
+        if _g_idx(layer) is not None:
+            _g_idx(layer).data = g_idx if scheme.desc_act else torch.full_like(g_idx, -1)
         layer.g_idx_runtime = self._group_of_rows(layer)
         layer.cpu_int4_weight = None
 
     def _group_of_rows(self, layer: LinearBase) -> torch.Tensor:
         """Each local input row's group (what the chunked GEMM reads as g_idx)."""
         if self.scheme.desc_act:
-            return layer.g_idx.detach().long()
+            return _g_idx(layer).detach().long()
         in_columns = layer.weight.shape[1]
         group_size = in_columns if self.scheme.group_size == -1 else self.scheme.group_size
-        return torch.arange(in_columns, device=layer.scales.device) // group_size
+        return torch.arange(in_columns, device=_packed(layer)[2].device) // group_size
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scheme = self.scheme
-        return apply_int4_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx_runtime, scheme.bits,
-                                 scheme.method == "awq", scheme.zero_offset, bias, layer.cpu_int4_weight)
+        return apply_int4_linear(x, *_packed(layer), layer.g_idx_runtime, scheme.bits, scheme.method == "awq",
+                                 scheme.zero_offset, bias, layer.cpu_int4_weight)
 
     # ------------------------------------------------------------ loaders
     def _loader(self, layer: LinearBase, out_unit: int, in_unit: int | None):
@@ -188,32 +233,47 @@ def _load_output_columns(layer: ColumnParallelLinear, param: torch.Tensor, loade
                   loaded.narrow(last, source_start // unit, size // unit), name)
 
 
-def _loaded_parameters(layer: LinearBase) -> list[nn.Parameter]:
-    """The tensors in the checkpoint's layout, which weight loads write."""
-    return [layer.qweight, layer.qzeros, layer.scales] + ([layer.g_idx] if hasattr(layer, "g_idx") else [])
+def _packed(layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's (qweight, qzeros, scales) in the GPTQ or AWQ layout, whatever their names."""
+    names = layer.int4_names
+    return getattr(layer, names.qweight), getattr(layer, names.qzeros), getattr(layer, names.scales)
+
+
+def _g_idx(layer: LinearBase) -> nn.Parameter | None:
+    """The checkpoint's g_idx parameter (None: AWQ's and compressed-tensors' without actorder)."""
+    return getattr(layer, layer.int4_names.g_idx, None)
+
+
+def _loaded_parameters(layer: LinearBase) -> list[torch.Tensor]:
+    """The tensors in the checkpoint's layout, which weight loads write (and a symmetric
+    compressed-tensors layer's zero buffer, which the repacked copy holds too)."""
+    return list(_packed(layer)) + ([_g_idx(layer)] if _g_idx(layer) is not None else [])
 
 
 def _loaded_tensors_freed(layer: LinearBase) -> bool:
     """Whether the loaded tensors were freed, the repacked copy standing for them."""
-    return layer.cpu_int4_weight is not None and layer.qweight.numel() == 0
+    return layer.cpu_int4_weight is not None and _packed(layer)[0].numel() == 0
 
 
 def _check_finite_scales(layer: LinearBase) -> None:
-    bad = ~torch.isfinite(layer.scales.detach())
+    scales = _packed(layer)[2].detach()
+    bad = ~torch.isfinite(scales)
     if bool(bad.any()):
         index = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"{layer.quant_prefix}.scales holds {layer.scales[tuple(index)].item()} at index {index} "
-                         f"(group, output): GPTQ/AWQ scales must be finite.")
+        # compressed-tensors' weight_scale is [output, group] in the checkpoint.
+        where = "(group, output)" if layer.int4_names is _GPTQ_NAMES else "(group, output) of its transpose"
+        raise ValueError(f"{layer.quant_prefix}.{layer.int4_names.scales} holds {scales[tuple(index)].item()} at "
+                         f"index {index} {where}: GPTQ/AWQ/compressed-tensors scales must be finite.")
 
 
 def _check_g_idx_range(layer: LinearBase) -> None:
-    groups = layer.scales.shape[0]
-    g_idx = layer.g_idx.detach()
+    groups = _packed(layer)[2].shape[0]
+    g_idx = _g_idx(layer).detach()
     bad = (g_idx < 0) | (g_idx >= groups)
     if bool(bad.any()):
         index = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{layer.quant_prefix}.g_idx holds {int(g_idx[index])} at index {index}: each input row's "
-                         f"group must be in [0, {groups}), the groups of its scales.")
+        raise ValueError(f"{layer.quant_prefix}.{layer.int4_names.g_idx} holds {int(g_idx[index])} at index {index}: "
+                         f"each input row's group must be in [0, {groups}), the groups of its scales.")
 
 
 def _check_shapes(layer: LinearBase, prefix: str, scheme: Int4LinearScheme, factor: int) -> None:
@@ -225,9 +285,9 @@ def _check_shapes(layer: LinearBase, prefix: str, scheme: Int4LinearScheme, fact
                          f"ranks; {scheme.method} {scheme.bits}-bit weights pack {factor} output features an int32, "
                          f"so each must be a multiple of {factor}.")
     in_columns = layer.weight.shape[1]
-    if scheme.method == "gptq" and in_columns % factor:
-        raise ValueError(f"{prefix} has {in_columns} input features on each rank; GPTQ {scheme.bits}-bit weights "
-                         f"pack {factor} input features an int32, so it must be a multiple of {factor}.")
+    if scheme.method != "awq" and in_columns % factor:
+        raise ValueError(f"{prefix} has {in_columns} input features on each rank; {scheme.method} {scheme.bits}-bit "
+                         f"weights pack {factor} input features an int32, so it must be a multiple of {factor}.")
     if scheme.group_size != -1 and layer.input_size % scheme.group_size:
         raise ValueError(f"{prefix} has {layer.input_size} input features, not a multiple of the checkpoint's "
                          f"group_size {scheme.group_size}.")
@@ -237,6 +297,25 @@ def _check_shapes(layer: LinearBase, prefix: str, scheme: Int4LinearScheme, fact
                          f"into {layer.input_size_per_partition} a rank, not whole groups of the checkpoint's "
                          f"group_size {scheme.group_size}: the input size is not aligned with the quantized weight "
                          f"shape (as in vLLM); use a smaller tensor_parallel_size.")
+
+
+def _converting(loader, convert):
+    """`loader` handed the checkpoint tensor (read whole) in the layout `convert` makes of it."""
+    def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+        loader(param, convert(read_weight(loaded_weight)), shard_id)
+    return load
+
+
+def _weight_shape_loader(layer: LinearBase, prefix: str):
+    """compressed-tensors' `weight_shape` [out, in] of the (unpacked) checkpoint weight: its
+    input features checked against the layer's (a fused layer's parts share them)."""
+    def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+        shape = [int(n) for n in read_weight(loaded_weight).reshape(-1).tolist()]
+        if len(shape) != 2 or shape[1] != layer.input_size:
+            raise ValueError(f"{prefix}.weight_shape is {shape}; the layer takes {layer.input_size} input features "
+                             f"([out, {layer.input_size}]).")
+        param.data.copy_(torch.tensor(shape, dtype=param.dtype))
+    return load
 
 
 def _parameter(data: torch.Tensor, weight_loader) -> nn.Parameter:

@@ -24,6 +24,13 @@ layers, and with group_size -1: one group); under
 expert parallelism whole experts. Gate and up share their input, so they must share one act
 order (`g_idx`), as the dense fused gate_up does.
 
+compressed-tensors' `pack-quantized` experts (W4A16 / W8A16) are held as GPTQ's, under their
+checkpoint names (`w13_weight_packed`, `w13_weight_zero_point`, `w13_weight_scale`,
+`w13_weight_g_idx`, and w2's): each loader first turns the expert's checkpoint tensor into
+GPTQ's layout (`compressed_tensors_*_to_gptq`, scales transposed), then checks and cuts it as
+GPTQ's; symmetric ones hold a constant zero buffer (2^(bits - 1)), and g_idx exists under
+actorder "group" only.
+
 Scales are held in float32 (fp16 and bf16 checkpoint scales fit without rounding). Every
 tensor is checked as it loads (dtype, shape) and the scales and g_idx after loading, each
 error naming the layer, the expert and the projection. The computation is
@@ -36,13 +43,17 @@ import torch
 from torch import nn
 
 from raylm.kernels.int4_fused_moe import dequantize_int4_experts
-from raylm.kernels.int4_linear import pack_factor
+from raylm.kernels.int4_linear import (compressed_tensors_packed_to_gptq, compressed_tensors_zero_point_to_gptq,
+                                      pack_columns, pack_factor)
 from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
 from raylm.parallel.dequantized_moe_method import DequantizedMoEMethod
 from raylm.parallel.fused_moe_weights import FusedMoEWeights
 from raylm.parallel.int4_linear_method import Int4LinearScheme
 
 _INTEGER_KINDS = ("qweight", "qzeros", "g_idx")
+# Each GPTQ tensor kind's name in a compressed-tensors checkpoint (and on the layer).
+_COMPRESSED_TENSORS_NAMES = {"qweight": "weight_packed", "qzeros": "weight_zero_point", "scales": "weight_scale",
+                             "g_idx": "weight_g_idx"}
 _PROJECTION_NAMES = {"w1": "gate_proj (w1)", "w3": "up_proj (w3)", "w2": "down_proj (w2)"}
 
 
@@ -57,10 +68,20 @@ class Int4MoEMethod(DequantizedMoEMethod):
         return self.scheme.method == "awq"
 
     @property
+    def compressed(self) -> bool:
+        return self.scheme.method == "compressed-tensors"
+
+    def name(self, kind: str) -> str:
+        """The layer's (and checkpoint's) name of GPTQ tensor kind `kind`."""
+        return _COMPRESSED_TENSORS_NAMES[kind] if self.compressed else kind
+
+    @property
     def scale_shards(self) -> tuple[str, ...]:
         """The (expert, shard) entries every local expert's checkpoint must fill besides its
-        qweight (`FusedMoEWeights.expected_shards`): g_idx only where desc_act reads it."""
-        kinds = ("qzeros", "scales") + (("g_idx",) if self.scheme.desc_act else ())
+        qweight (`FusedMoEWeights.expected_shards`): g_idx only where desc_act reads it,
+        zeros only where the checkpoint stores them."""
+        kinds = (("qzeros",) if self.scheme.has_zero_point else ()) + ("scales",)
+        kinds += ("g_idx",) if self.scheme.desc_act else ()
         return tuple(f"{shard}_{kind}" for kind in kinds for shard in ("w1", "w2", "w3"))
 
     # ------------------------------------------------------------ shapes
@@ -87,7 +108,7 @@ class Int4MoEMethod(DequantizedMoEMethod):
         shapes = {"qweight": (in_features, out_features // factor) if self.awq else (in_features // factor,
                                                                                      out_features),
                   "qzeros": (groups, out_features // factor), "scales": (groups, out_features)}
-        if not self.awq:
+        if not self.awq and (self.scheme.desc_act or not self.compressed):
             shapes["g_idx"] = (in_features,)
         return shapes
 
@@ -100,6 +121,14 @@ class Int4MoEMethod(DequantizedMoEMethod):
             for kind, shape in self._shapes(layer, shard, local=True).items():
                 if projection == "w13" and kind != "g_idx":  # gate's outputs, then up's
                     shape = shape[:-1] + (2 * shape[-1],)
+                name = f"{projection}_{self.name(kind)}"
+                if kind == "qzeros" and not self.scheme.has_zero_point:
+                    # compressed-tensors' symmetric codes: their zero is the offset they are stored with
+                    offset = torch.full((experts * shape[0], shape[1] * pack_factor(self.scheme.bits)),
+                                        1 << (self.scheme.bits - 1), dtype=torch.int32, device=device)
+                    layer.register_buffer(name, pack_columns(offset, self.scheme.bits).reshape(experts, *shape),
+                                          persistent=False)
+                    continue
                 if kind == "scales":
                     data = torch.empty(experts, *shape, dtype=torch.float32, device=device)
                 elif kind == "g_idx":
@@ -108,7 +137,7 @@ class Int4MoEMethod(DequantizedMoEMethod):
                     data = torch.empty(experts, *shape, dtype=torch.int32, device=device)
                 param = nn.Parameter(data, requires_grad=False)
                 param.weight_loader = self._loader(layer, prefix, kind)
-                setattr(layer, f"{projection}_{kind}", param)
+                setattr(layer, name, param)
         # The 16/32-bit weights are never filled: dropped, their shapes kept (meta tensors hold
         # no memory).
         for name in ("w13_weight", "w2_weight"):
@@ -124,11 +153,11 @@ class Int4MoEMethod(DequantizedMoEMethod):
         garbage without a word) and, under desc_act, that every g_idx names a group; without
         desc_act g_idx is not read (groups are runs of group_size rows, as vLLM reads them)."""
         for projection in ("w13", "w2"):
-            scales = getattr(layer, f"{projection}_scales").detach()
+            scales = getattr(layer, f"{projection}_{self.name('scales')}").detach()
             _check_finite(layer, projection, scales)
             runtime = None
             if self.scheme.desc_act:
-                runtime = getattr(layer, f"{projection}_g_idx").detach()
+                runtime = getattr(layer, f"{projection}_{self.name('g_idx')}").detach()
                 _check_g_idx(layer, projection, runtime, scales.shape[1])
             setattr(layer, f"{projection}_g_idx_runtime", runtime)
         self.reset_chunks(layer)
@@ -141,8 +170,8 @@ class Int4MoEMethod(DequantizedMoEMethod):
             # Runs of group_size rows in order (one run with group_size -1), unless act order.
             group_size = None if scheme.desc_act else in_features if scheme.group_size == -1 else scheme.group_size
             chunk.append(dequantize_int4_experts(
-                getattr(layer, f"{projection}_qweight"), getattr(layer, f"{projection}_qzeros"),
-                getattr(layer, f"{projection}_scales"), getattr(layer, f"{projection}_g_idx_runtime"), experts,
+                *(getattr(layer, f"{projection}_{self.name(kind)}") for kind in ("qweight", "qzeros", "scales")),
+                getattr(layer, f"{projection}_g_idx_runtime"), experts,
                 scheme.bits, self.awq, scheme.zero_offset, dtype, group_size))
         return chunk[0], chunk[1]
 
@@ -156,8 +185,10 @@ class Int4MoEMethod(DequantizedMoEMethod):
         def load(param: nn.Parameter, loaded_weight, shard_id: tuple[int, str]) -> None:
             expert_id, shard = shard_id
             local = layer.local_expert(expert_id, shard)
-            where = f"{prefix} expert {expert_id} {_PROJECTION_NAMES[shard]} {kind}"
+            where = f"{prefix} expert {expert_id} {_PROJECTION_NAMES[shard]} {self.name(kind)}"
             _check_dtype(where, kind, loaded_weight)
+            if self.compressed:  # into GPTQ's layout, whole (then checked and cut as GPTQ's)
+                loaded_weight = _compressed_tensors_to_gptq(read_weight(loaded_weight), kind, self.scheme.bits)
             full = self._shapes(layer, shard, local=False)[kind]
             if tuple(loaded_weight.shape) != full:
                 raise ValueError(f"{where} has shape {tuple(loaded_weight.shape)}; the model's "
@@ -202,6 +233,14 @@ class Int4MoEMethod(DequantizedMoEMethod):
             return loaded.narrow(0, rank * size // group, size // group)
         unit = factor if kind == "qweight" and not self.awq else 1
         return loaded.narrow(0, rank * size // unit, size // unit)
+
+
+def _compressed_tensors_to_gptq(loaded: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
+    if kind == "qweight":
+        return compressed_tensors_packed_to_gptq(loaded, bits)
+    if kind == "qzeros":
+        return compressed_tensors_zero_point_to_gptq(loaded, bits)
+    return loaded.t() if kind == "scales" else loaded
 
 
 def _check_dtype(where: str, kind: str, loaded) -> None:

@@ -139,21 +139,24 @@ def test_fp8_checkpoint_on_a_gpu_gives_hf_logprobs_within_w8a8_rounding(tmp_path
 
 # ------------------------------------------------------------------ errors
 BITSANDBYTES = {"quant_method": "bitsandbytes", "load_in_4bit": True}
-INT4_COMPRESSED_TENSORS = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                              "group_size": 128, "dynamic": False}}},
+# W8A8 integers (int8 weights and activations): compressed-tensors' 'int-quantized' format.
+W8A8_INT_COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors", "format": "int-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"],
+                                  "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                        "strategy": "token", "dynamic": True},
+                                  "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                              "group_size": None, "dynamic": False}}},
     "ignore": ["lm_head"]}
 
 
 @pytest.mark.parametrize("quantization_config,quantization,message", [
     (BITSANDBYTES, None, "quant_method 'bitsandbytes'"),
-    (INT4_COMPRESSED_TENSORS, None, "format 'pack-quantized'"),
+    (W8A8_INT_COMPRESSED_TENSORS, None, "format 'int-quantized'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "compressed-tensors", "does not match"),
     (None, "bitsandbytes", "quantization must be one of 'fp8', 'compressed-tensors'"),
     (None, "compressed-tensors", "needs a checkpoint quantized so"),
-], ids=["bitsandbytes", "int4-compressed-tensors", "mismatch", "unknown-argument", "compressed-tensors-without-config"])
+], ids=["bitsandbytes", "w8a8-int-compressed-tensors", "mismatch", "unknown-argument", "compressed-tensors-without-config"])
 def test_unsupported_quantization_is_an_error_naming_what_is_supported_before_any_weight_is_read(
         tmp_path, source, quantization_config, quantization, message):
     folder = write_config_only(source, tmp_path / "model", quantization_config)  # no weights to read
