@@ -273,7 +273,7 @@ def _pack_quantized_scheme(where: str, group: dict[str, Any]) -> Int4LinearSchem
     if not isinstance(symmetric, bool):
         raise ValueError(f"{where} weights symmetric must be true or false, got {symmetric!r}.")
     actorder = weights.get("actorder")
-    if actorder not in _ACTORDERS:
+    if not isinstance(actorder, (str, bool, type(None))) or actorder not in _ACTORDERS:  # a list is unhashable
         raise ValueError(f"{where} weights actorder must be 'group', 'weight', 'static' or null, got {actorder!r}.")
     if _ACTORDERS[actorder] and strategy != "group":
         raise ValueError(f"{where} weights actorder {actorder!r} needs strategy 'group', got {strategy!r}.")

@@ -199,9 +199,11 @@ def _group(**changes) -> dict:
                                "strategy": "token"}), "not W8A8"),
     (_group(strategy="channel", group_size=None, actorder="group"), "actorder 'group' needs strategy 'group'"),
     (_group(group_size=0), "group_size must be a positive integer or -1"),
+    (_group(actorder=["group"]), "actorder must be 'group', 'weight', 'static' or null, got \\['group'\\]"),
     ({**_group(), "format": "int-quantized", "config_groups": {"group_0": {
         **_group()["config_groups"]["group_0"], "format": None}}}, "format 'int-quantized'"),
-], ids=["3-bit", "strategy-tensor", "type-float", "w8a8-int", "actorder-channel", "group-size-0", "int-quantized"])
+], ids=["3-bit", "strategy-tensor", "type-float", "w8a8-int", "actorder-channel", "group-size-0", "actorder-list",
+    "int-quantized"])
 def test_unsupported_pack_quantized_config_is_an_error_before_any_weight_is_read(tmp_path, source,
                                                                                  quantization_config, message):
     folder = write_config_only(source, tmp_path / "model", quantization_config)  # no weights to read
