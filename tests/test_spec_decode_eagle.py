@@ -202,11 +202,26 @@ def test_greedy_tokens_equal_hf_and_proposals_equal_the_reference_head(k, llama_
     reference = ReferenceHead(head_dir, llama_dir)
     for req_id, length, proposals in seen:
         assert reference.propose(tokens[req_id][:length], len(proposals)) == proposals, (req_id, length)
-    print(engine.scheduler.drafter.stats)
     # The accept path ran, and so did the reject path.
     stats = engine.scheduler.drafter.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     assert_engine_idle(engine)
+
+
+def test_greedy_tokens_equal_hf_when_prompts_hit_cached_blocks(llama_dir, head_dir):
+    """With prefix caching the head reads the KV its cached blocks hold (possibly stale at
+    their last positions): proposals may differ from the reference, the tokens may not."""
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, block_size=8,
+              speculative_config=_eagle(head_dir, 3, adaptive=False))
+    shared = random_prompts(1, seed=7, min_len=40, max_len=40)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for suffix in ([5, 6], [5, 6], [9]):
+        prompt = shared + suffix
+        got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        want = hf_greedy(llama_dir, prompt, 12)
+        assert got[:len(want)] == want
+    assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
+    assert_engine_idle(llm.llm_engine)
 
 
 def test_seeded_sampling_keeps_the_targets_distribution(llama_dir, head_dir):
