@@ -220,6 +220,7 @@ def test_greedy_tokens_equal_hf_when_prompts_hit_cached_blocks(llama_dir, head_d
         got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
         want = hf_greedy(llama_dir, prompt, 12)
         assert got[:len(want)] == want
+    assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits >= 2 * 40
     assert llm.llm_engine.scheduler.drafter.stats.num_accepted_tokens > 0
     assert_engine_idle(llm.llm_engine)
 
