@@ -188,8 +188,9 @@ class EngineArgs(SettingsMixin):
         "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
         "to propose the tokens that followed the request's last n..m tokens earlier in its prompt and output, "
         "or {\"model\": DIR, \"num_speculative_tokens\": k} for a smaller draft model with the same "
-        "vocabulary. The target model verifies the k proposals in one step; outputs follow its distribution "
-        "exactly. Also: disable_by_batch_size, adaptive, draft_token_cost (docs/speculative_decoding.md). "
+        "vocabulary, or {\"method\": \"eagle\", \"model\": DIR, \"num_speculative_tokens\": k} for an EAGLE-1 "
+        "head over a Llama-family target. The target model verifies the k proposals in one step; outputs "
+        "follow its distribution exactly. Also: disable_by_batch_size, adaptive, draft_token_cost (docs/speculative_decoding.md). "
         "Default: off. Not with pipeline_parallel_size above 1."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "

@@ -25,6 +25,7 @@ from torch import nn
 
 from raylm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from raylm.models.rotary_embedding import get_rope, rope_parameters_from_config
+from raylm.models.sliding_window import layer_sliding_windows
 from raylm.models.weight_utils import load_stacked_weights
 
 
@@ -42,8 +43,11 @@ class EagleLlamaForCausalLM(nn.Module):
         head_size = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         rotary_emb = get_rope(head_size, config.max_position_embeddings, rope_parameters_from_config(config))
         qkv_bias = bool(getattr(config, "attention_bias", False))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias)
-                                    for _ in range(config.num_hidden_layers))
+        # Windows as the head's config gives them: the engine frees KV blocks by the windows
+        # of the target's and the head's layers together (`EngineArgs`).
+        windows = layer_sliding_windows(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, qkv_bias, sliding_window=windows[i])
+                                    for i in range(config.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()
         # The target's modules, not registered as ours: they load and sleep with the target.
         self.__dict__["target"] = target
