@@ -190,8 +190,8 @@ class EngineArgs(SettingsMixin):
         "or {\"model\": DIR, \"num_speculative_tokens\": k} for a smaller draft model with the same "
         "vocabulary, or {\"method\": \"eagle\", \"model\": DIR, \"num_speculative_tokens\": k} for an EAGLE-1 "
         "head over a Llama-family target. The target model verifies the k proposals in one step; outputs "
-        "follow its distribution exactly. Also: disable_by_batch_size, adaptive, draft_token_cost (docs/speculative_decoding.md). "
-        "Default: off. Not with pipeline_parallel_size above 1."))
+        "follow its distribution exactly. Also: disable_by_batch_size, adaptive, draft_token_cost "
+        "(docs/speculative_decoding.md). Default: off. Not with pipeline_parallel_size above 1."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
@@ -567,7 +567,7 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
     draft_path = resolve_model_path(config.model)
     hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
     if config.is_eagle:
-        _check_eagle_head(config.model, hf_config, model_config, parallel_config)
+        _check_eagle_head(config.model, hf_config, model_config)
     if hf_config.vocab_size != model_config.vocab_size:
         raise ValueError(f"speculative_config model {config.model!r} has a vocabulary of {hf_config.vocab_size} "
                          f"tokens, the target model {model_config.vocab_size}: a draft model must share the "
@@ -596,11 +596,12 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
 EAGLE_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-def _check_eagle_head(head: str, hf_config: Any, model_config: ModelConfig, parallel_config: ParallelConfig) -> None:
+def _check_eagle_head(head: str, hf_config: Any, model_config: ModelConfig) -> None:
     """An EAGLE head must fit its target: a Llama-family target (the head reads its final
-    hidden states and shares its embedding and LM head), the same hidden size, and one
-    worker (the head is not sharded yet). Its config's `architectures` becomes plain
-    Llama's: the head's own layers are Llama decoder layers."""
+    hidden states and shares its embedding and LM head) and the same hidden size (its
+    attention heads divisible by tensor_parallel_size: checked as for a draft model). Its
+    config's `architectures` becomes plain Llama's: the head's own layers are Llama
+    decoder layers."""
     target = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
     if target not in EAGLE_TARGET_ARCHITECTURES:
         raise ValueError(f"speculative_config method 'eagle' needs a Llama-family target "
@@ -614,10 +615,6 @@ def _check_eagle_head(head: str, hf_config: Any, model_config: ModelConfig, para
         raise ValueError(f"speculative_config model {head!r} has hidden_size {hf_config.hidden_size}, the target "
                          f"{model_config.hf_config.hidden_size}: an EAGLE head reads the target's hidden states, "
                          f"so it must be trained for this target.")
-    if parallel_config.tensor_parallel_size > 1:
-        raise ValueError(f"speculative_config method 'eagle' is not supported with tensor_parallel_size "
-                         f"{parallel_config.tensor_parallel_size} yet: use tensor_parallel_size 1, or a draft "
-                         f"model or 'ngram' proposals.")
     hf_config.architectures = ["LlamaForCausalLM"]
 
 
