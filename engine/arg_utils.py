@@ -564,8 +564,11 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
     config = build_speculative_config(raw)
     if not config.uses_draft_model:
         return config
-    draft_path = resolve_model_path(config.model)
-    hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
+    try:
+        draft_path = resolve_model_path(config.model)
+        hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
+    except ValueError as error:
+        raise ValueError(f"speculative_config {error}") from None
     if config.is_eagle:
         _check_eagle_head(config.model, hf_config, model_config)
     if hf_config.vocab_size != model_config.vocab_size:

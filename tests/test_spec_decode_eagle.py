@@ -263,5 +263,10 @@ def test_errors_name_the_mismatch(llama_dir, head_dir, tmp_path):
     (wide / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
     with pytest.raises(ValueError, match="hidden_size 128, the target 64"):
         LLM(model=str(llama_dir), speculative_config=_eagle(wide, 2))
+    (wide / "config.json").write_text(json.dumps({**config, "architectures": ["MixtralForCausalLM"]}))
+    with pytest.raises(ValueError, match="is a MixtralForCausalLM, not an EAGLE-1 head"):
+        LLM(model=str(llama_dir), speculative_config=_eagle(wide, 2))
+    with pytest.raises(ValueError, match="speculative_config model must be a local .*no_such_head' is not a folder"):
+        LLM(model=str(llama_dir), speculative_config=_eagle(tmp_path / "no_such_head", 2))
     with pytest.raises(ValueError, match="needs a Llama-family target"):
         LLM(model=str(build_tiny_opt(tmp_path / "opt")), speculative_config=_eagle(head_dir, 2))
