@@ -159,9 +159,9 @@ def _eagle(head_dir: Path, k: int, **extra) -> dict:
     return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k, **extra}
 
 
-def _record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(the request's tokens so far, its proposals) of every request that proposed, as the
-    engine's EAGLE runner filled them."""
+def _record_proposals(llm: LLM) -> list[tuple[int, int, list[int]]]:
+    """(worker request id, how many of its tokens the proposals follow, the proposals) of
+    every request that proposed, as the engine's EAGLE runner filled them."""
     runner = llm.llm_engine.executor.driver_worker.model_runner
     eagle = runner.draft_runner
     seen: list[tuple[int, int, list[int]]] = []
@@ -180,11 +180,12 @@ def _record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_tokens_equal_hf_and_proposals_equal_the_reference_head(k, llama_dir, head_dir):
     prompts = random_prompts(6, seed=k, min_len=5, max_len=40)
+    assert max(map(len, prompts)) > 24, "no prompt is chunked"
     max_tokens = [24 - i for i in range(len(prompts))]
     # 10 blocks of 16 for 6 requests of up to 64 tokens: they preempt each other; a budget
-    # of 32 tokens chunks the longer prompts.
+    # of 24 tokens chunks the longer prompts.
     llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
-              max_num_batched_tokens=32, enable_chunked_prefill=True, enable_prefix_caching=False,
+              max_num_batched_tokens=24, enable_chunked_prefill=True, enable_prefix_caching=False,
               speculative_config=_eagle(head_dir, k, adaptive=False, disable_by_batch_size=None))
     seen = _record_proposals(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
