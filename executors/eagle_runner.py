@@ -58,6 +58,10 @@ class _HeadState:
 class EagleRunner(DraftModelRunner):
     """`DraftModelRunner`'s interface (cache, sleep, finish, propose) over an EAGLE head."""
 
+    # Most rows of one catch-up forward; None: max_num_batched_tokens. (Tests lower it to
+    # split catch-ups that would not need it.)
+    catch_up_rows: int | None = None
+
     def load_model(self, target: nn.Module) -> None:
         config = self.model_config
         with _default_dtype(config.dtype), torch.device(self.device), max_model_len_context(config.max_model_len):
@@ -98,10 +102,9 @@ class EagleRunner(DraftModelRunner):
             if scheduled.req_id not in index_of:
                 scheduled.spec_token_ids = [scheduled.token_ids[-1]] * len(scheduled.spec_token_ids)
         requests = [s for s in requests if s.req_id in index_of]
-        read = [index_of[s.req_id] for s in requests]
         if not inputs:
             return None
-        logits, hidden = self._forward(inputs, read, runner, None, torch.cat(hiddens))
+        logits, hidden = self._catch_up(inputs, hiddens, [index_of[s.req_id] for s in requests], runner)
         if not requests:
             return None
 
@@ -138,6 +141,44 @@ class EagleRunner(DraftModelRunner):
         if self.rank != 0:
             return None
         return {scheduled.req_id: torch.stack(rows) for scheduled, rows in zip(requests, probs) if rows}
+
+    def _catch_up(self, inputs: list[ScheduledRequest], hiddens: list[torch.Tensor], read: list[int], runner
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The catch-up forwards: the logits and head hidden states of the last row of each
+        input in `read`, in that order. Each forward takes at most max_num_batched_tokens
+        rows (what the CUDA path's staging buffer holds): a request's rows are those of
+        one earlier step, but requests skipped by the last step bring older steps' rows."""
+        limit = self.catch_up_rows or runner.scheduler_config.max_num_batched_tokens
+        groups: list[list[int]] = [[]]
+        rows = 0
+        for index, scheduled in enumerate(inputs):
+            if groups[-1] and rows + len(scheduled.token_ids) > limit:
+                groups.append([])
+                rows = 0
+            groups[-1].append(index)
+            rows += len(scheduled.token_ids)
+        if len(groups) == 1:
+            return self._forward(inputs, read, runner, None, torch.cat(hiddens))
+        group_of = {index: (g, group.index(index)) for g, group in enumerate(groups) for index in group}
+        logits_parts: list[torch.Tensor] = []
+        hidden_parts: list[torch.Tensor] = []
+        order: list[int] = []
+        for g, group in enumerate(groups):
+            group_read = [index for index in read if group_of[index][0] == g]
+            logits, hidden = self._forward([inputs[i] for i in group], [group_of[i][1] for i in group_read], runner,
+                                           None, torch.cat([hiddens[i] for i in group]))
+            order.extend(group_read)
+            hidden_parts.append(hidden)
+            if logits is not None:
+                logits_parts.append(logits)
+        if not read:
+            return None, hiddens[0][:0]
+        # The groups' rows back in the order of `read`.
+        position = {index: n for n, index in enumerate(order)}
+        back = to_device([position[index] for index in read], hiddens[0].device)
+        hidden = torch.cat(hidden_parts).index_select(0, back)
+        logits = torch.cat(logits_parts).index_select(0, back) if logits_parts else None
+        return logits, hidden
 
     def _catch_up_input(self, scheduled: ScheduledRequest) -> tuple[ScheduledRequest, torch.Tensor] | None:
         """The head's input over the request's positions verified since its last catch-up
