@@ -26,7 +26,8 @@ from raylm.engine.tokenizer import get_tokenizer
 from raylm.engine.multimodal.processor import check_limit_mm_per_prompt, image_feature_size
 from raylm.engine.usage_context import UsageContext
 from raylm.kernels.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
-from raylm.engine.spec_decode.config import SpeculativeConfig, build_speculative_config, parse_speculative_config
+from raylm.engine.spec_decode.config import (EAGLE_HEAD_ARCHITECTURES, SpeculativeConfig, build_speculative_config,
+                                             parse_speculative_config)
 from raylm.models.bundled import DEMO_MODEL_NAME, resolve_model_path
 from raylm.models.quantization import QUANTIZATION_METHODS, get_quant_config
 from raylm.models.pipeline import check_pipeline_parallel
@@ -188,9 +189,10 @@ class EngineArgs(SettingsMixin):
         "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
         "to propose the tokens that followed the request's last n..m tokens earlier in its prompt and output, "
         "or {\"model\": DIR, \"num_speculative_tokens\": k} for a smaller draft model with the same "
-        "vocabulary. The target model verifies the k proposals in one step; outputs follow its distribution "
-        "exactly. Also: disable_by_batch_size, adaptive, draft_token_cost (docs/speculative_decoding.md). "
-        "Default: off. Not with pipeline_parallel_size above 1."))
+        "vocabulary, or {\"method\": \"eagle\", \"model\": DIR, \"num_speculative_tokens\": k} for an EAGLE-1 "
+        "head over a Llama-family target. The target model verifies the k proposals in one step; outputs "
+        "follow its distribution exactly. Also: disable_by_batch_size, adaptive, draft_token_cost "
+        "(docs/speculative_decoding.md). Default: off. Not with pipeline_parallel_size above 1."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt_logprobs; chat: top_logprobs) one request may ask for, as vLLM's flag; -1 "
         "allows up to the vocabulary size. Beam search asks for 2 x beam_width of them per step (more for models "
@@ -563,8 +565,13 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
     config = build_speculative_config(raw)
     if not config.uses_draft_model:
         return config
-    draft_path = resolve_model_path(config.model)
-    hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
+    try:
+        draft_path = resolve_model_path(config.model)
+        hf_config = load_hf_config(draft_path, model_config.trust_remote_code)
+    except ValueError as error:
+        raise ValueError(f"speculative_config {error}") from None
+    if config.is_eagle:
+        _check_eagle_head(config.model, hf_config, model_config)
     if hf_config.vocab_size != model_config.vocab_size:
         raise ValueError(f"speculative_config model {config.model!r} has a vocabulary of {hf_config.vocab_size} "
                          f"tokens, the target model {model_config.vocab_size}: a draft model must share the "
@@ -586,6 +593,33 @@ def _speculative_config(value: dict[str, Any] | str | None, model_config: ModelC
                          f"sharded like the target.")
     config.draft_model_config = draft_config
     return config
+
+
+# Targets whose final hidden states an EAGLE-1 head of Llama layers reads (raylm runs them
+# all through `LlamaForCausalLM`'s forward).
+EAGLE_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _check_eagle_head(head: str, hf_config: Any, model_config: ModelConfig) -> None:
+    """An EAGLE head must fit its target: a Llama-family target (the head reads its final
+    hidden states and shares its embedding and LM head) and the same hidden size (its
+    attention heads divisible by tensor_parallel_size: checked as for a draft model). Its
+    config's `architectures` becomes plain Llama's: the head's own layers are Llama
+    decoder layers."""
+    target = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
+    if target not in EAGLE_TARGET_ARCHITECTURES:
+        raise ValueError(f"speculative_config method 'eagle' needs a Llama-family target "
+                         f"({', '.join(EAGLE_TARGET_ARCHITECTURES)}); the model is {target}. Use method 'ngram' "
+                         f"or a draft model with it.")
+    architectures = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    if architectures[0] not in EAGLE_HEAD_ARCHITECTURES:
+        raise ValueError(f"speculative_config model {head!r} is a {architectures[0]}, not an EAGLE-1 head "
+                         f"({', '.join(EAGLE_HEAD_ARCHITECTURES)}).")
+    if hf_config.hidden_size != model_config.hf_config.hidden_size:
+        raise ValueError(f"speculative_config model {head!r} has hidden_size {hf_config.hidden_size}, the target "
+                         f"{model_config.hf_config.hidden_size}: an EAGLE head reads the target's hidden states, "
+                         f"so it must be trained for this target.")
+    hf_config.architectures = ["LlamaForCausalLM"]
 
 
 def _check_multimodal_features(model_config: ModelConfig, lora_config: LoRAConfig | None,

@@ -64,7 +64,9 @@ class DraftModelRunner:
         self.model = None
         self._states: dict[int, _DraftState] = {}
 
-    def load_model(self) -> None:
+    def load_model(self, target: torch.nn.Module) -> None:
+        """Loads the draft from its own checkpoint (`target`: unused here, `EagleRunner`
+        shares its modules)."""
         self.model = get_model(self.model_config, self.device)
         backend = get_attention_backend(self.model_config.attention_backend)
         for layer in self._attention_layers():

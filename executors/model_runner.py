@@ -25,6 +25,7 @@ from raylm.executors import prompt_logprobs
 from raylm.executors.cpu_malloc import release_freed_memory
 from raylm.executors.cuda_graphs import DecodeGraphInputs, DecodeGraphs, DecodeInputs, capture_sizes, decode_layout
 from raylm.executors.draft_model_runner import DraftModelRunner
+from raylm.executors.eagle_runner import EagleRunner
 from raylm.executors.encoder_cache import EncoderCache, StepImages, profile_num_images
 from raylm.executors.grammar_bitmask import apply_grammar_bitmask
 from raylm.executors.input_staging import (InputStaging, fill_block_tables, host_tensor, layout, layout_bytes,
@@ -116,9 +117,11 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         # Speculative decoding with a draft model: it runs beside the target on every rank.
         speculative_config = engine_config.speculative_config
-        self.draft_runner: DraftModelRunner | None = (
-            DraftModelRunner(engine_config, rank, self.device)
-            if speculative_config is not None and speculative_config.uses_draft_model else None)
+        # An EAGLE head runs the same way over the target's hidden states (`EagleRunner`).
+        self.draft_runner: DraftModelRunner | None = None
+        if speculative_config is not None and speculative_config.uses_draft_model:
+            runner_class = EagleRunner if speculative_config.is_eagle else DraftModelRunner
+            self.draft_runner = runner_class(engine_config, rank, self.device)
         self._states: dict[int, RequestSamplingState] = {}
         # Multi-modal models: the running requests' images and their embeddings.
         self.encoder_cache = EncoderCache()
@@ -187,7 +190,7 @@ class ModelRunner:
         for layer in self._attention_layers():
             layer.attn_backend = self.attn_backend
         if self.draft_runner is not None:
-            self.draft_runner.load_model()
+            self.draft_runner.load_model(self.model)
         if self.device.type == "cuda":
             self.staging = InputStaging(self.device, self._max_step_input_bytes())
         if self.rank == 0 and self.is_last_stage and self.device.type in self.penalty_state_devices:
@@ -649,7 +652,14 @@ class ModelRunner:
             self.lora_manager.prepare_step(req.requests, req.lora_activations,
                                            step_output_rows(rows, len(host.input_ids)))
             lora_failures = self.lora_manager.step_failures
-        selected = self._run_model(host, rows, intermediate_tensors, holes, mm_embeddings, prompt_embeds)
+        if isinstance(self.draft_runner, EagleRunner):
+            # The EAGLE head's next catch-up reads the final hidden state of every row.
+            every_row = self._run_model(host, list(range(len(host.input_ids))), intermediate_tensors, holes,
+                                        mm_embeddings, prompt_embeds)
+            self.draft_runner.record(req.requests, host.last_rows, every_row)
+            selected = every_row.index_select(0, to_device(rows, every_row.device)) if rows else every_row[:0]
+        else:
+            selected = self._run_model(host, rows, intermediate_tensors, holes, mm_embeddings, prompt_embeds)
         if not rows:
             return SamplerOutput(lora_failures=lora_failures) if self.rank == 0 else None
         assert selected.shape[0] == len(rows), "the model must return the forward context's output rows"

@@ -10,6 +10,7 @@ import pytest
 from engine_checks import assert_engine_idle
 from hf_reference import hf_greedy
 from test_spec_decode import _prompts, draft_dirs  # noqa: F401 - the module fixture
+from test_spec_decode_eagle import head_dir  # noqa: F401 - the module fixture
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.step import PLACEHOLDER_TOKEN_ID
 
@@ -19,12 +20,13 @@ CONFIGS = {
     "ngram": lambda drafts: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                              "prompt_lookup_min": 1},
     "draft": lambda drafts: {"model": str(drafts["good"]), "num_speculative_tokens": 3},
+    "eagle": lambda drafts: {"method": "eagle", "model": str(drafts["eagle"]), "num_speculative_tokens": 3},
 }
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
-def test_greedy_tokens_equal_hf_at_tp2_with_async_scheduling(method, ray_cluster, llama_dir, draft_dirs):
-    llm = LLM(model=str(llama_dir), **COMMON, speculative_config=CONFIGS[method](draft_dirs))
+def test_greedy_tokens_equal_hf_at_tp2_with_async_scheduling(method, ray_cluster, llama_dir, draft_dirs, head_dir):
+    llm = LLM(model=str(llama_dir), **COMMON, speculative_config=CONFIGS[method]({**draft_dirs, "eagle": head_dir}))
     core = llm.llm_engine.engine_core
     assert core.async_scheduling
     seen = {"pipelined": 0, "verifications": 0}

@@ -108,6 +108,27 @@ def first_layers_draft(model_dir: str, out_dir: Path, num_layers: int = 1) -> Pa
     return out_dir
 
 
+def first_layer_eagle_head(model_dir: str, out_dir: Path) -> Path:
+    """An untrained stand-in EAGLE head for the model: its first decoder layer (without
+    the input norm, as EAGLE heads have none) behind an fc that passes the next token's
+    embedding through and ignores the target's hidden state. It proposes about what a
+    one-layer model would; a trained head does much better."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle"])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    hidden = config["hidden_size"]
+    head = {name.removeprefix("model."): t for name, t in weights.items()
+            if name.startswith("model.layers.0.") and "input_layernorm" not in name}
+    head["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(
+        weights["model.embed_tokens.weight"].dtype)
+    save_file(head, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def measure_speed(llms: dict[str, object], prompts: list[list[int]], batch_size: int, max_tokens: int,
                   repeats: int) -> list[SpeedRow]:
     from raylm.engine import SamplingParams
@@ -211,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", default="ngram,ngram-always,ngram-fixed,draft",
                         help="speculative configurations to compare with plain decoding: ngram (the defaults), "
                              "ngram-always (no batch-size cut-off), ngram-fixed (no adaptive lengths either), "
-                             "draft (the demo model's first two layers as a draft model)")
+                             "draft (the demo model's first two layers as a draft model), eagle (an untrained "
+                             "stand-in EAGLE head: the demo model's first layer, fed the next token's embedding)")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--cost-batch-sizes", default="1,8,32,64")
     parser.add_argument("--cost-ks", default="0,1,2,4,8")
@@ -229,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="bench_spec_decode_"))
     draft_dir = first_layers_draft(model, workdir / "draft", num_layers=2)
     draft = {"model": str(draft_dir), "num_speculative_tokens": 2}
+    eagle_dir = first_layer_eagle_head(model, workdir / "eagle")
     configs = {
         # The defaults: adaptive lengths, off beyond disable_by_batch_size running requests.
         "ngram": {**NGRAM},
@@ -236,9 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
         "ngram-always": {**NGRAM, "disable_by_batch_size": None},
         "ngram-fixed": {**NGRAM, "disable_by_batch_size": None, "adaptive": False},
         "draft": {**draft, "disable_by_batch_size": None},
+        "eagle": {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": 2,
+                  "disable_by_batch_size": None},
     }
     names = {"ngram": "ngram k=4", "ngram-always": "ngram k=4 always", "ngram-fixed": "ngram k=4 fixed",
-             "draft": "draft 2-layer k=2"}
+             "draft": "draft 2-layer k=2", "eagle": "eagle stand-in k=2"}
     chosen = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(chosen) - set(configs))
     if unknown:

@@ -8,6 +8,9 @@ Two methods propose tokens for the target model to verify in one forward:
 - ``{"model": DIR, "num_speculative_tokens": k}`` (method "draft_model"): a smaller model
   with the same vocabulary runs on the workers beside the target, with its own KV cache
   under the same block ids, and proposes k tokens autoregressively.
+- ``{"method": "eagle", "model": DIR, "num_speculative_tokens": k}``: an EAGLE-1 head (one
+  or a few decoder layers over the target's hidden states, `models/llama_eagle.py`) for a
+  Llama-family target, run on the workers like a draft model (`executors/eagle_runner.py`).
 
 raylm's own keys (not in vLLM): ``adaptive`` (per-request draft lengths from each
 request's acceptance rate) and ``draft_token_cost`` (what one proposed token costs in a
@@ -38,7 +41,10 @@ DEFAULT_DRAFT_TOKEN_COST = 0.1
 # at 64; beyond 32 running requests speculation is off unless asked for.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
+# The `architectures` EAGLE-1 head checkpoints carry: the original repository's heads say
+# plain LlamaForCausalLM (or nothing); vLLM's converted ones LlamaForCausalLMEagle.
+EAGLE_HEAD_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "LlamaForCausalLM")
 
 
 @dataclass
@@ -59,7 +65,12 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Whether a model on the workers proposes (a draft model or an EAGLE head)."""
+        return self.method in ("draft_model", "eagle")
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.method == "eagle"
 
 
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
@@ -114,11 +125,11 @@ def build_speculative_config(raw: dict[str, Any]) -> SpeculativeConfig:
             raise ValueError(f"speculative_config model must be left out with method 'ngram', got {model!r}.")
     else:
         if not isinstance(model, str) or not model:
-            raise ValueError(f"speculative_config method 'draft_model' needs 'model', the draft model's folder; "
-                             f"got {model!r}.")
+            what = "the EAGLE head's" if method == "eagle" else "the draft model's"
+            raise ValueError(f"speculative_config method {method!r} needs 'model', {what} folder; got {model!r}.")
         for key in ("prompt_lookup_max", "prompt_lookup_min"):
             if raw.get(key) is not None:
-                raise ValueError(f"speculative_config {key} applies to method 'ngram' only, not 'draft_model'.")
+                raise ValueError(f"speculative_config {key} applies to method 'ngram' only, not {method!r}.")
         config.model = model
     batch = raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
