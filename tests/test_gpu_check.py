@@ -195,3 +195,14 @@ def test_sweeps_time_their_candidates_in_turns():
     a_ms, b_ms = interleaved_ms([first, second], torch.device("cpu"), repeats=3, warmup=1)
     assert calls == ["a", "b"] * 4
     assert a_ms < 1.5 < b_ms  # the slow warm-up call of `first` is not counted
+
+
+def test_stage_t_runs_every_file_with_cuda_tests():
+    """A `cuda`-marked test runs only where stage t collects its file; the Triton kernels'
+    native test repeats stage a at small sizes and stays out."""
+    from raylm.cluster.benchmarks.gpu_check import CUDA_TEST_FILES
+
+    tests = Path(__file__).parent
+    marked = {f"tests/{path.name}" for path in tests.glob("test_*.py")
+              if path.name != Path(__file__).name and "pytest.mark.cuda" in path.read_text()}
+    assert marked - {"tests/test_triton_kernels.py"} == set(CUDA_TEST_FILES)

@@ -275,3 +275,24 @@ def test_errors_name_the_mismatch(llama_dir, head_dir, tmp_path):
         LLM(model=str(llama_dir), speculative_config=_eagle(tmp_path / "no_such_head", 2))
     with pytest.raises(ValueError, match="needs a Llama-family target"):
         LLM(model=str(build_tiny_opt(tmp_path / "opt")), speculative_config=_eagle(head_dir, 2))
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_greedy_tokens_equal_hf_with_cuda_graphs(llama_dir, head_dir):
+    """The target's decode graphs beside the eager head: HF's greedy tokens in fp32 (up to
+    near-ties: the GPU sums in other orders), proposals accepted and rejected."""
+    from hf_reference import assert_hf_greedy
+
+    prompts = random_prompts(4, seed=11, min_len=5, max_len=40)
+    llm = LLM(model=str(llama_dir), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
+              speculative_config=_eagle(head_dir, 3, adaptive=False))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, output in zip(prompts, outputs):
+            assert_hf_greedy(llama_dir, prompt, list(output.outputs[0].token_ids), what="eagle on cuda")
+        stats = llm.llm_engine.scheduler.drafter.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        assert_engine_idle(llm.llm_engine)
+    finally:
+        llm.shutdown()

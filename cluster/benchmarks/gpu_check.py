@@ -40,7 +40,9 @@ CUDA_TEST_FILES = ("tests/test_cuda_graphs.py", "tests/test_engine_shutdown.py",
                    "tests/test_step_host_reads.py", "tests/test_triton_elementwise.py", "tests/test_cuda_features.py",
                    "tests/test_sleep_mode_cuda.py", "tests/test_kv_cache_fp8.py", "tests/test_llava.py",
                    "tests/test_fp8_linear.py", "tests/test_fp8_weights.py", "tests/test_int4_weights.py",
-                   "tests/test_lora_quantized.py")
+                   "tests/test_lora_quantized.py", "tests/test_fp8_moe.py", "tests/test_int4_moe.py",
+                   "tests/test_gemma3_vl.py", "tests/test_compressed_tensors_int.py",
+                   "tests/test_spec_decode_eagle.py")
 KERNEL_PARTS = 3
 RECORD_KEYS = ("device", "commit", "date", "kernels_pass", "hf_tokens_equal", "cuda_graphs", "tpot_bs1_ms", "floor_ms",
                "tpot_over_floor", "throughput_tok_s", "hf_throughput_tok_s", "ttft_4k_ms",
