@@ -48,9 +48,8 @@ from raylm.kernels.int4_linear import (compressed_tensors_packed_to_gptq, compre
 from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
 from raylm.parallel.dequantized_moe_method import DequantizedMoEMethod
 from raylm.parallel.fused_moe_weights import FusedMoEWeights
-from raylm.parallel.int4_linear_method import Int4LinearScheme
+from raylm.parallel.int4_linear_method import Int4LinearScheme, check_int4_dtype
 
-_INTEGER_KINDS = ("qweight", "qzeros", "g_idx")
 # Each GPTQ tensor kind's name in a compressed-tensors checkpoint (and on the layer).
 _COMPRESSED_TENSORS_NAMES = {"qweight": "weight_packed", "qzeros": "weight_zero_point", "scales": "weight_scale",
                              "g_idx": "weight_g_idx"}
@@ -186,7 +185,7 @@ class Int4MoEMethod(DequantizedMoEMethod):
             expert_id, shard = shard_id
             local = layer.local_expert(expert_id, shard)
             where = f"{prefix} expert {expert_id} {_PROJECTION_NAMES[shard]} {self.name(kind)}"
-            _check_dtype(where, kind, loaded_weight)
+            check_int4_dtype(where, kind, loaded_weight)
             if self.compressed:  # into GPTQ's layout, whole (then checked and cut as GPTQ's)
                 loaded_weight = _compressed_tensors_to_gptq(read_weight(loaded_weight), kind, self.scheme.bits)
             full = self._shapes(layer, shard, local=False)[kind]
@@ -241,17 +240,6 @@ def _compressed_tensors_to_gptq(loaded: torch.Tensor, kind: str, bits: int) -> t
     if kind == "qzeros":
         return compressed_tensors_zero_point_to_gptq(loaded, bits)
     return loaded.t() if kind == "scales" else loaded
-
-
-def _check_dtype(where: str, kind: str, loaded) -> None:
-    dtype = (loaded.dtype_name if isinstance(loaded, CheckpointSlice) else str(loaded.dtype).removeprefix("torch."))
-    if kind in _INTEGER_KINDS:
-        allowed = ("I32", "int32")
-    else:
-        allowed = ("F16", "BF16", "F32", "float16", "bfloat16", "float32")
-    if dtype not in allowed:
-        what = "int32" if kind in _INTEGER_KINDS else "float16, bfloat16 or float32"
-        raise ValueError(f"{where} is {dtype}; GPTQ/AWQ {kind} tensors must be {what}.")
 
 
 def _expert_and_projection(layer: FusedMoEWeights, projection: str, local: int, column: int) -> str:
