@@ -234,6 +234,25 @@ class Int4MoEMethod(DequantizedMoEMethod):
         return loaded.narrow(0, rank * size // unit, size // unit)
 
 
+def check_expert_weight_shape(layer: nn.Module, name: str, expert_id: int, shard: str, loaded) -> None:
+    """compressed-tensors' `weight_shape` [out, in] of expert `expert_id`'s projection `shard`
+    (checkpoint tensor `name`), checked against the layer: nothing reads it (weight_packed's
+    checked shape says the same), but one of another shape, or of an expert the layer has not,
+    says the checkpoint is not the model's and must not pass without a word."""
+    method = getattr(layer, "quant_method", None)
+    if not isinstance(method, Int4MoEMethod) or not method.compressed:
+        raise ValueError(f"checkpoint tensor {name!r} is a compressed-tensors weight_shape, but the model reads "
+                         f"that MoE layer's experts as {'unquantized' if method is None else 'another format'}.")
+    layer.local_expert(expert_id, shard)  # an expert id the layer has not is an error
+    check_int4_dtype(name, "weight_shape", loaded)
+    loaded = read_weight(loaded)
+    expected = [layer.hidden_size, layer.intermediate_size]
+    expected = expected if shard == "w2" else expected[::-1]
+    if loaded.dim() != 1 or loaded.tolist() != expected:
+        raise ValueError(f"{name} is {loaded.tolist()} (shape {tuple(loaded.shape)}); expert {expert_id} "
+                         f"{_PROJECTION_NAMES[shard]} is [out, in] = {expected}, a 1-D tensor of those two integers.")
+
+
 def _compressed_tensors_to_gptq(loaded: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     if kind == "qweight":
         return compressed_tensors_packed_to_gptq(loaded, bits)

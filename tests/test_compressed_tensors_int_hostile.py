@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from test_compressed_tensors_int import ENGINE, pack_quantized_config, write_pack_quantized_checkpoint
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_mixtral, build_tiny_model
 from raylm.engine import LLM
 from raylm.models.quantization import get_quant_config
 
@@ -118,3 +118,32 @@ def _with(group_changes: dict | None = None, weights_changes: dict | None = None
 def test_quantization_config_value_of_a_wrong_json_type_is_an_error_naming_the_field(quantization_config, message):
     with pytest.raises(ValueError, match=message):
         get_quant_config(SimpleNamespace(quantization_config=quantization_config), None)
+
+
+EXPERTS = "model.layers.0.block_sparse_moe.experts"
+
+
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("ct_int_hostile_moe")
+    mixtral = build_tiny_mixtral(root / "mixtral", seed=3)
+    return root / "ct", write_pack_quantized_checkpoint(mixtral, root / "ct", root / "ref", bits=8)
+
+
+# An expert's weight_shape was skipped unread: one of another shape, or of an expert the
+# layer has not (7 experts), passed without a word.
+@pytest.mark.parametrize("name,value,message", [
+    (f"{EXPERTS}.1.w1.weight_shape", torch.tensor([96, 32]),
+     r"experts.1.w1.weight_shape is \[96, 32\] .* expert 1 gate_proj \(w1\) is \[out, in\] = \[96, 64\]"),
+    (f"{EXPERTS}.1.w2.weight_shape", torch.tensor([64.0, 96.0]),
+     r"experts.1.w2.weight_shape is F32; .* must be int32, int64"),
+    (f"{EXPERTS}.99.w2.weight_shape", torch.tensor([64, 96]),
+     r"experts.99.w2.weight_shape'.*expert 99: the layer has experts 0 to 6"),
+], ids=["wrong-shape", "float", "expert-out-of-range"])
+def test_hostile_expert_weight_shape_is_an_error_naming_it(tmp_path, mixtral_checkpoint, name, value, message):
+    folder, tensors = mixtral_checkpoint
+    hostile = tmp_path / "hostile"
+    shutil.copytree(folder, hostile, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({**{k: t.contiguous() for k, t in tensors.items()}, name: value}, str(hostile / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(hostile), **ENGINE)
