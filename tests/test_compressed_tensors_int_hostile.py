@@ -85,6 +85,25 @@ def test_hostile_pack_quantized_tensor_is_an_error_naming_it(tmp_path, checkpoin
         LLM(model=str(hostile), **ENGINE)
 
 
+@pytest.mark.parametrize("tensor_name,tensor", [
+    (f"{DOWN}.weight_zero_point", torch.full((8, 4), 0x88888888 - (1 << 32), dtype=torch.int32)),
+    (f"{DOWN}.weight_g_idx", torch.arange(128, dtype=torch.int32) // 32),
+], ids=["zero-point", "g-idx"])
+def test_tensor_a_symmetric_config_without_actorder_has_no_place_for_is_an_error(tmp_path, checkpoints, tensor_name,
+                                                                                  tensor):
+    # As vLLM (CompressedTensorsWNA16 registers weight_zero_point only when not symmetric and
+    # weight_g_idx only under actorder "group"; its loader refuses a tensor with no parameter):
+    # config and tensors disagree, so neither is trusted. compressed-tensors has written no
+    # zero point for symmetric schemes since 2024 (even one of the offset, as here).
+    folder, tensors = checkpoints["sym"]
+    hostile = tmp_path / "hostile"
+    shutil.copytree(folder, hostile, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({**{k: t.contiguous() for k, t in tensors.items()}, tensor_name: tensor},
+              str(hostile / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{tensor_name}' matches no parameter"):
+        LLM(model=str(hostile), **ENGINE)
+
+
 def test_untouched_checkpoint_of_the_hostile_cases_loads(checkpoints):
     # The cases above fail by their change alone: the same checkpoints load as they are.
     for folder, _ in checkpoints.values():
