@@ -78,10 +78,11 @@ class Int4MoEMethod(DequantizedMoEMethod):
     def scale_shards(self) -> tuple[str, ...]:
         """The (expert, shard) entries every local expert's checkpoint must fill besides its
         qweight (`FusedMoEWeights.expected_shards`): g_idx only where desc_act reads it,
-        zeros only where the checkpoint stores them."""
+        zeros only where the checkpoint stores them. Named as the checkpoint names them (a
+        missing compressed-tensors zero point is `w2_weight_zero_point`, not `w2_qzeros`)."""
         kinds = (("qzeros",) if self.scheme.has_zero_point else ()) + ("scales",)
         kinds += ("g_idx",) if self.scheme.desc_act else ()
-        return tuple(f"{shard}_{kind}" for kind in kinds for shard in ("w1", "w2", "w3"))
+        return tuple(f"{shard}_{self.name(kind)}" for kind in kinds for shard in ("w1", "w2", "w3"))
 
     # ------------------------------------------------------------ shapes
     def _group_size(self, in_features: int) -> int:
@@ -211,7 +212,7 @@ class Int4MoEMethod(DequantizedMoEMethod):
                                      f"the checkpoint; raylm fuses them into w13, which takes one act order for "
                                      f"their shared input.")
             target.copy_(value)
-            layer._loaded_shards.add((expert_id, shard if kind == "qweight" else f"{shard}_{kind}"))
+            layer._loaded_shards.add((expert_id, shard if kind == "qweight" else f"{shard}_{self.name(kind)}"))
         return load
 
     def _cut(self, layer: FusedMoEWeights, loaded, shard: str, kind: str, factor: int):

@@ -166,3 +166,15 @@ def test_hostile_expert_weight_shape_is_an_error_naming_it(tmp_path, mixtral_che
     save_file({**{k: t.contiguous() for k, t in tensors.items()}, name: value}, str(hostile / "model.safetensors"))
     with pytest.raises(ValueError, match=message):
         LLM(model=str(hostile), **ENGINE)
+
+
+def test_missing_expert_zero_point_is_named_as_the_checkpoint_names_it(tmp_path, mixtral_checkpoint):
+    # The missing tensor was named by GPTQ's kind (`w2_qzeros`), which a compressed-tensors
+    # checkpoint has not; the asymmetric writer's zero points are `weight_zero_point`.
+    folder, tensors = mixtral_checkpoint
+    asymmetric = write_pack_quantized_checkpoint(folder.parent / "mixtral", tmp_path / "ct", tmp_path / "ref", bits=8,
+                                                 symmetric=False)
+    del asymmetric[f"{EXPERTS}.2.w2.weight_zero_point"]
+    save_file({k: t.contiguous() for k, t in asymmetric.items()}, str(tmp_path / "ct" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 1 expert tensors of a MoE layer: expert 2 w2_weight_zero_point\."):
+        LLM(model=str(tmp_path / "ct"), **ENGINE)
