@@ -37,7 +37,8 @@ def check_group_size(group_size: Any, where: str) -> int:
 
 
 def _bits(bits: Any, where: str) -> int:
-    if isinstance(bits, bool) or bits not in (4, 8):
+    # 4.0 == 4 in Python, but a float width breaks the packing arithmetic (shifts) later.
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
         raise ValueError(f"{where} bits must be 4 or 8, got {bits!r}.")
     return bits
 

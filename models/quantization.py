@@ -170,7 +170,7 @@ def _fp8_config(config: dict[str, Any]) -> QuantizationConfig:
     if fmt != "e4m3":
         raise ValueError(f"quantization_config fmt must be 'e4m3' (float8_e4m3fn weights), got {fmt!r}.")
     block = config.get("weight_block_size")
-    ignore = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
+    ignore = _ignore_list(config, "ignored_layers", "modules_to_not_convert")
     if block is None:
         scheme = Fp8LinearScheme(True, "tensor", None, activation_scheme, "weight_scale")
     else:
@@ -195,19 +195,39 @@ def _compressed_tensors_config(config: dict[str, Any]) -> QuantizationConfig:
     groups = config.get("config_groups") or {}
     if not groups:
         raise ValueError(f"quantization_config (compressed-tensors) has no config_groups; {_SUPPORTED}.")
+    # config.json is the user's download: a list or a null where an object belongs is named
+    # here, not an AttributeError from `.get` below.
+    if not isinstance(groups, dict) or not all(isinstance(group, dict) for group in groups.values()):
+        raise ValueError(f"quantization_config (compressed-tensors) config_groups must be an object of scheme "
+                         f"objects ({{name: {{targets, weights, ...}}}}), got {groups!r}.")
     schemes = {_compressed_tensors_scheme(name, group, config.get("format")) for name, group in groups.items()}
     if len(schemes) != 1:
         raise ValueError(f"quantization_config (compressed-tensors) has config_groups of different schemes "
                          f"({sorted(groups)}); raylm reads one scheme for every Linear layer.")
-    return QuantizationConfig("compressed-tensors", schemes.pop(), tuple(config.get("ignore") or ()))
+    return QuantizationConfig("compressed-tensors", schemes.pop(), _ignore_list(config, "ignore"))
+
+
+def _ignore_list(config: dict[str, Any], *fields: str) -> tuple[str, ...]:
+    """The module names (or "re:" patterns) of the first of `fields` that config.json sets, a
+    list of strings: a bare string would be read as its characters (and so ignore nothing),
+    and a number or null would fail in the matching with an AttributeError."""
+    field = next((f for f in fields if config.get(f)), fields[0])
+    entries = config.get(field) or []
+    if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
+        raise ValueError(f"quantization_config {field} must be a list of module names or 're:' patterns (strings), "
+                         f"got {entries!r}.")
+    return tuple(entries)
 
 
 def _compressed_tensors_scheme(name: str, group: dict[str, Any],
                                top_format: str | None) -> Fp8LinearScheme | Int4LinearScheme:
     where = f"quantization_config config_groups[{name!r}]"
     targets = group.get("targets") or []
-    if "Linear" not in targets:
+    if not isinstance(targets, list) or "Linear" not in targets:  # a string would match any that contains it
         raise ValueError(f"{where} targets {targets!r}; raylm reads schemes that target 'Linear'. {_SUPPORTED}.")
+    if not isinstance(group.get("weights") or {}, dict):
+        raise ValueError(f"{where} weights must be an object (type, num_bits, strategy, ...), got "
+                         f"{group.get('weights')!r}.")
     fmt = group.get("format") or top_format
     if fmt == "pack-quantized":
         return _pack_quantized_scheme(where, group)
@@ -257,7 +277,8 @@ def _pack_quantized_scheme(where: str, group: dict[str, Any]) -> Int4LinearSchem
     if kind != "int":
         raise ValueError(f"{where} has format 'pack-quantized' with weights type {kind!r}; that format packs "
                          f"integer weights (type 'int').")
-    if isinstance(bits, bool) or bits not in (4, 8):
+    # 4.0 == 4 in Python, but a float width breaks the packing arithmetic (shifts) later.
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
         raise ValueError(f"{where} weights num_bits must be 4 or 8 for format 'pack-quantized', got {bits!r}.")
     if weights.get("dynamic", False):
         raise ValueError(f"{where} weights are dynamic; format 'pack-quantized' stores static weight scales.")
@@ -305,7 +326,7 @@ def _awq_config(config: dict[str, Any]) -> QuantizationConfig:
                          f"{config.get('version')!r}; 'gemv', 'gemv_fast' and other layouts are not read.")
     if config.get("zero_point", True) is not True:
         raise ValueError(f"quantization_config (awq) zero_point must be true, got {config.get('zero_point')!r}.")
-    ignore = tuple(config.get("modules_to_not_convert") or ())
+    ignore = _ignore_list(config, "modules_to_not_convert")
     return QuantizationConfig("awq", Int4LinearScheme("awq", 4, group_size), ignore)
 
 

@@ -19,6 +19,7 @@ from raylm.models.llama import LlamaMLP
 from raylm.models.weight_utils import load_stacked_weights
 from raylm.parallel import ReplicatedLinear
 from raylm.parallel.communication import tensor_model_parallel_all_reduce
+from raylm.parallel.int4_moe_method import check_expert_weight_shape
 
 
 class SparseMoeBlock(nn.Module):
@@ -92,8 +93,10 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
                 yield name, tensor
                 continue
             shard = _EXPERT_SHARD[match["projection"]]
-            if match["kind"] == "weight_shape":
-                continue  # the unpacked [out, in]: weight_packed's shape, checked as it loads, says it
+            if match["kind"] == "weight_shape":  # the unpacked [out, in]: checked, not held
+                check_expert_weight_shape(model.get_submodule(match["prefix"]), name, int(match["expert"]), shard,
+                                          tensor)
+                continue
             target = f"{match['prefix']}.{'w2' if shard == 'w2' else 'w13'}_{match['kind']}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks.")

@@ -38,7 +38,7 @@ from torch import nn
 from raylm.kernels.int4_linear import (apply_int4_linear, compressed_tensors_packed_to_gptq,
                                       compressed_tensors_zero_point_to_gptq, native_int4_linear_usable, pack_columns,
                                       pack_factor, repack_for_cpu, unpack_cpu_weight)
-from raylm.parallel.checkpoint_slice import read_weight
+from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
 from raylm.parallel.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, _copy_checked
 
 
@@ -103,6 +103,12 @@ class Int4LinearMethod:
             qweight_loader = _converting(qweight_loader, lambda t: compressed_tensors_packed_to_gptq(t, bits))
             qzeros_loader = _converting(qzeros_loader, lambda t: compressed_tensors_zero_point_to_gptq(t, bits))
             scales_loader = _converting(scales_loader, lambda t: t.t())
+        # Checked before any conversion or copy: a copy into the int32 / float32 parameter would
+        # cast a float, uint8 or int64 tensor without a word (garbage codes), and the unpacking
+        # shifts of a float one fail with a bare NotImplementedError.
+        qweight_loader = _dtype_checked(qweight_loader, f"{prefix}.{names.qweight}", "qweight")
+        qzeros_loader = _dtype_checked(qzeros_loader, f"{prefix}.{names.qzeros}", "qzeros")
+        scales_loader = _dtype_checked(scales_loader, f"{prefix}.{names.scales}", "scales")
         layer.int4_names = names
         setattr(layer, names.qweight, _parameter(torch.empty(qweight_shape, **int32), qweight_loader))
         if scheme.has_zero_point:
@@ -114,8 +120,8 @@ class Int4LinearMethod:
         setattr(layer, names.scales, _parameter(torch.empty(groups, out_rows, dtype=torch.float32, device=device),
                                                 scales_loader))
         if not awq and (scheme.desc_act or not compressed):  # compressed-tensors stores g_idx under actorder only
-            setattr(layer, names.g_idx, _parameter(torch.full((in_columns,), -1, **int32),
-                                                   self._g_idx_loader(layer, prefix)))
+            setattr(layer, names.g_idx, _parameter(torch.full((in_columns,), -1, **int32), _dtype_checked(
+                self._g_idx_loader(layer, prefix), f"{prefix}.{names.g_idx}", "g_idx")))
         if compressed:
             layer.weight_shape = _parameter(torch.zeros(2, dtype=torch.int64, device=device),
                                             _weight_shape_loader(layer, prefix))
@@ -229,8 +235,22 @@ def _load_output_columns(layer: ColumnParallelLinear, param: torch.Tensor, loade
         return
     param_offset, size, source_start = layer.shard_rows(shards[0][0] if shard_id is None else shard_id)
     name = type(layer).__name__ + ("" if shard_id is None else f" shard {shard_id}")
+    # The whole output's tensor, not just this rank's columns of it: `narrow` alone would take
+    # the first columns of a longer tensor (a wrong checkpoint) without a word.
+    full = _output_size(layer, shard_id) // unit
+    if loaded.shape[last] != full:
+        raise ValueError(f"checkpoint tensor for {name} has {loaded.shape[last]} output columns (shape "
+                         f"{tuple(loaded.shape)}), the model expects {full}.")
     _copy_checked(param.data.narrow(last, param_offset // unit, size // unit),
                   loaded.narrow(last, source_start // unit, size // unit), name)
+
+
+def _output_size(layer: LinearBase, shard_id) -> int:
+    """The checkpoint's output features of output `shard_id` of a column-parallel layer
+    (None: all of them, fused or not)."""
+    if shard_id is None:
+        return layer.output_size
+    return next(size for sid, _, size in layer.checkpoint_shards() if sid == shard_id)
 
 
 def _packed(layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,15 +326,46 @@ def _converting(loader, convert):
     return load
 
 
-def _weight_shape_loader(layer: LinearBase, prefix: str):
-    """compressed-tensors' `weight_shape` [out, in] of the (unpacked) checkpoint weight: its
-    input features checked against the layer's (a fused layer's parts share them)."""
+# Each kind's dtypes, as safetensors' header and torch spell them.
+_INTEGER_DTYPES = ("I32", "int32")
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "float16", "bfloat16", "float32")
+_DTYPES = {"qweight": _INTEGER_DTYPES, "qzeros": _INTEGER_DTYPES, "g_idx": _INTEGER_DTYPES, "scales": _FLOAT_DTYPES,
+           "weight_shape": ("I64", "I32", "int64", "int32")}
+
+
+def check_int4_dtype(where: str, kind: str, loaded) -> None:
+    """A GPTQ/AWQ/compressed-tensors tensor of kind `kind` (named `where` in the error) has a
+    dtype its format writes: int32 codes, zeros and g_idx, 16/32-bit float scales."""
+    dtype = loaded.dtype_name if isinstance(loaded, CheckpointSlice) else str(loaded.dtype).removeprefix("torch.")
+    allowed = _DTYPES[kind]
+    if dtype not in allowed:
+        names = ", ".join(sorted({d for d in allowed if d.islower()}))
+        raise ValueError(f"{where} is {dtype}; GPTQ/AWQ/compressed-tensors {kind} tensors must be {names}.")
+
+
+def _dtype_checked(loader, where: str, kind: str):
+    """`loader`, after checking its checkpoint tensor's dtype (`check_int4_dtype`)."""
     def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
-        shape = [int(n) for n in read_weight(loaded_weight).reshape(-1).tolist()]
-        if len(shape) != 2 or shape[1] != layer.input_size:
-            raise ValueError(f"{prefix}.weight_shape is {shape}; the layer takes {layer.input_size} input features "
-                             f"([out, {layer.input_size}]).")
-        param.data.copy_(torch.tensor(shape, dtype=param.dtype))
+        check_int4_dtype(where, kind, loaded_weight)
+        loader(param, loaded_weight, shard_id)
+    return load
+
+
+def _weight_shape_loader(layer: LinearBase, prefix: str):
+    """compressed-tensors' `weight_shape` [out, in] of the (unpacked) checkpoint weight, checked
+    against the layer's (a fused layer's part: that output's features). The tensors' shapes
+    are checked as they load too; a weight_shape that disagrees says the checkpoint is not
+    what its config says (vLLM ignores it; HF's decompressor unpacks to it)."""
+    def load(param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+        check_int4_dtype(f"{prefix}.weight_shape", "weight_shape", loaded_weight)
+        loaded = read_weight(loaded_weight)
+        out = layer.output_size if not isinstance(layer, ColumnParallelLinear) else _output_size(layer, shard_id)
+        expected = [out, layer.input_size]
+        if loaded.dim() != 1 or loaded.tolist() != expected:
+            part = "" if shard_id is None else f" (output {shard_id!r} of the fused layer)"
+            raise ValueError(f"{prefix}.weight_shape is {loaded.tolist()} (shape {tuple(loaded.shape)}); the "
+                             f"layer{part} is [out, in] = {expected}, a 1-D tensor of those two integers.")
+        param.data.copy_(loaded.to(param.dtype))
     return load
 
 

@@ -48,9 +48,8 @@ from raylm.kernels.int4_linear import (compressed_tensors_packed_to_gptq, compre
 from raylm.parallel.checkpoint_slice import CheckpointSlice, read_weight
 from raylm.parallel.dequantized_moe_method import DequantizedMoEMethod
 from raylm.parallel.fused_moe_weights import FusedMoEWeights
-from raylm.parallel.int4_linear_method import Int4LinearScheme
+from raylm.parallel.int4_linear_method import Int4LinearScheme, check_int4_dtype
 
-_INTEGER_KINDS = ("qweight", "qzeros", "g_idx")
 # Each GPTQ tensor kind's name in a compressed-tensors checkpoint (and on the layer).
 _COMPRESSED_TENSORS_NAMES = {"qweight": "weight_packed", "qzeros": "weight_zero_point", "scales": "weight_scale",
                              "g_idx": "weight_g_idx"}
@@ -79,10 +78,11 @@ class Int4MoEMethod(DequantizedMoEMethod):
     def scale_shards(self) -> tuple[str, ...]:
         """The (expert, shard) entries every local expert's checkpoint must fill besides its
         qweight (`FusedMoEWeights.expected_shards`): g_idx only where desc_act reads it,
-        zeros only where the checkpoint stores them."""
+        zeros only where the checkpoint stores them. Named as the checkpoint names them (a
+        missing compressed-tensors zero point is `w2_weight_zero_point`, not `w2_qzeros`)."""
         kinds = (("qzeros",) if self.scheme.has_zero_point else ()) + ("scales",)
         kinds += ("g_idx",) if self.scheme.desc_act else ()
-        return tuple(f"{shard}_{kind}" for kind in kinds for shard in ("w1", "w2", "w3"))
+        return tuple(f"{shard}_{self.name(kind)}" for kind in kinds for shard in ("w1", "w2", "w3"))
 
     # ------------------------------------------------------------ shapes
     def _group_size(self, in_features: int) -> int:
@@ -186,7 +186,7 @@ class Int4MoEMethod(DequantizedMoEMethod):
             expert_id, shard = shard_id
             local = layer.local_expert(expert_id, shard)
             where = f"{prefix} expert {expert_id} {_PROJECTION_NAMES[shard]} {self.name(kind)}"
-            _check_dtype(where, kind, loaded_weight)
+            check_int4_dtype(where, kind, loaded_weight)
             if self.compressed:  # into GPTQ's layout, whole (then checked and cut as GPTQ's)
                 loaded_weight = _compressed_tensors_to_gptq(read_weight(loaded_weight), kind, self.scheme.bits)
             full = self._shapes(layer, shard, local=False)[kind]
@@ -212,7 +212,7 @@ class Int4MoEMethod(DequantizedMoEMethod):
                                      f"the checkpoint; raylm fuses them into w13, which takes one act order for "
                                      f"their shared input.")
             target.copy_(value)
-            layer._loaded_shards.add((expert_id, shard if kind == "qweight" else f"{shard}_{kind}"))
+            layer._loaded_shards.add((expert_id, shard if kind == "qweight" else f"{shard}_{self.name(kind)}"))
         return load
 
     def _cut(self, layer: FusedMoEWeights, loaded, shard: str, kind: str, factor: int):
@@ -235,23 +235,31 @@ class Int4MoEMethod(DequantizedMoEMethod):
         return loaded.narrow(0, rank * size // unit, size // unit)
 
 
+def check_expert_weight_shape(layer: nn.Module, name: str, expert_id: int, shard: str, loaded) -> None:
+    """compressed-tensors' `weight_shape` [out, in] of expert `expert_id`'s projection `shard`
+    (checkpoint tensor `name`), checked against the layer: nothing reads it (weight_packed's
+    checked shape says the same), but one of another shape, or of an expert the layer has not,
+    says the checkpoint is not the model's and must not pass without a word."""
+    method = getattr(layer, "quant_method", None)
+    if not isinstance(method, Int4MoEMethod) or not method.compressed:
+        raise ValueError(f"checkpoint tensor {name!r} is a compressed-tensors weight_shape, but the model reads "
+                         f"that MoE layer's experts as {'unquantized' if method is None else 'another format'}.")
+    layer.local_expert(expert_id, shard)  # an expert id the layer has not is an error
+    check_int4_dtype(name, "weight_shape", loaded)
+    loaded = read_weight(loaded)
+    expected = [layer.hidden_size, layer.intermediate_size]
+    expected = expected if shard == "w2" else expected[::-1]
+    if loaded.dim() != 1 or loaded.tolist() != expected:
+        raise ValueError(f"{name} is {loaded.tolist()} (shape {tuple(loaded.shape)}); expert {expert_id} "
+                         f"{_PROJECTION_NAMES[shard]} is [out, in] = {expected}, a 1-D tensor of those two integers.")
+
+
 def _compressed_tensors_to_gptq(loaded: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     if kind == "qweight":
         return compressed_tensors_packed_to_gptq(loaded, bits)
     if kind == "qzeros":
         return compressed_tensors_zero_point_to_gptq(loaded, bits)
     return loaded.t() if kind == "scales" else loaded
-
-
-def _check_dtype(where: str, kind: str, loaded) -> None:
-    dtype = (loaded.dtype_name if isinstance(loaded, CheckpointSlice) else str(loaded.dtype).removeprefix("torch."))
-    if kind in _INTEGER_KINDS:
-        allowed = ("I32", "int32")
-    else:
-        allowed = ("F16", "BF16", "F32", "float16", "bfloat16", "float32")
-    if dtype not in allowed:
-        what = "int32" if kind in _INTEGER_KINDS else "float16, bfloat16 or float32"
-        raise ValueError(f"{where} is {dtype}; GPTQ/AWQ {kind} tensors must be {what}.")
 
 
 def _expert_and_projection(layer: FusedMoEWeights, projection: str, local: int, column: int) -> str:

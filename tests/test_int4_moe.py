@@ -215,7 +215,7 @@ def _set(tensors: dict, key: tuple, kind: str, value: torch.Tensor) -> None:
     (lambda t: _set(t, (3, "w3"), "scales", t[3, "w3"]["scales"][:1]),
      r"experts expert 3 up_proj \(w3\) scales has shape \(1, 64\); .* expects \(2, 64\)"),
     (lambda t: _set(t, (1, "w2"), "qweight", t[1, "w2"]["qweight"].float()),
-     r"experts expert 1 down_proj \(w2\) qweight is float32; GPTQ/AWQ qweight tensors must be int32"),
+     r"experts expert 1 down_proj \(w2\) qweight is float32; GPTQ/AWQ/compressed-tensors qweight tensors must be int32"),
     (lambda t: _set(t, (2, "w3"), "g_idx", t[2, "w3"]["g_idx"].flip(0)),
      r"experts expert 2: gate_proj and up_proj have different g_idx"),
     (lambda t: t[4, "w1"]["scales"].__setitem__((1, 5), float("nan")),
