@@ -13,6 +13,13 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton 3.9 warns unless its (unchanged) FP-fusion default is stated, as scripts/gpu_check.sh does.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Ray starts its workers at niceness 15, below the pytest processes (0). On CI's 2 cores a
+# CPU-bound test in the other xdist worker then takes nearly all of a core from them, and a
+# tensor- or pipeline-parallel step, which needs every rank to run, crawls (a tp2 generate beside
+# one busy loop: 0.3 s alone, 10-15 s; pp2 through the compiled graph 11.5 s; with niceness 0
+# 0.6 and 0.75 s). Every Ray this run starts (the session cluster, the `ray start` clusters,
+# the servers' own) reads it from the environment.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
