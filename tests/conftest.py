@@ -13,6 +13,15 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton 3.9 warns unless its (unchanged) FP-fusion default is stated, as scripts/gpu_check.sh does.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Ray starts its workers at niceness 15, below the pytest processes (0). On CI's 2 cores a
+# CPU-bound test in the other xdist worker then takes nearly all of a core from them, and a
+# tensor- or pipeline-parallel step, which needs every rank to run, crawls: a pp2 generate
+# through the compiled graph beside one busy loop took 11.5 s at 15, 0.75 s at 0, 0.7 s at 5.
+# 5, not 0: two Ray-heavy files side by side were slower at 0 (102-139 s at 15, 143-152 s at
+# 0, 117-122 s at 5 on a shared, loaded machine), probably because Ray's own processes (raylet,
+# GCS, at 0) then lose their lead in starting actors. Every Ray this run starts (the session
+# cluster, the `ray start` clusters, the servers' own) reads it from the environment.
+os.environ.setdefault("RAY_worker_niceness", "5")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
