@@ -82,17 +82,21 @@ def assert_generation_matches_hf(llm, model_dir: Path, prompts: list[list[int]],
 
 
 def assert_sampled_logprobs_near_hf(model_dir: Path, prompts: list[list[int]], outputs, abs_tol: float,
-                                    mean_abs_tol: float | None = None) -> None:
+                                    mean_abs_tol: float | None = None,
+                                    steps_to_check: list[int] | None = None) -> None:
     """Each sampled token's logprob in outputs (one completion per prompt, logprobs >= 0)
     within abs_tol of HF's log-softmax at its position, and (mean_abs_tol) their mean
     distance within mean_abs_tol: a loose check for low-precision runs (bf16 on a GPU)
-    where tokens may part at near-ties."""
+    where tokens may part at near-ties. steps_to_check: how many leading steps of each
+    prompt's completion are compared (all by default)."""
     distances = []
-    for prompt, output in zip(prompts, outputs):
+    for index, (prompt, output) in enumerate(zip(prompts, outputs)):
         completion = output.outputs[0]
         rows = hf_log_softmax(model_dir, prompt + completion.token_ids)[len(prompt) - 1:]
+        steps = len(completion.token_ids) if steps_to_check is None else steps_to_check[index]
         distances += [abs(entry[token].logprob - rows[step, token].item())
-                      for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs))]
+                      for step, (token, entry) in enumerate(zip(completion.token_ids[:steps], completion.logprobs))]
+    assert distances, "no sampled logprob to compare"
     rounded = [round(distance, 4) for distance in distances]
     assert max(distances) <= abs_tol, f"a sampled logprob lies {max(distances):.4f} from HF's: {rounded}"
     if mean_abs_tol is not None:
@@ -190,3 +194,29 @@ def hf_classifier_logits(model_dir: Path, prompt_ids: list[int]) -> torch.Tensor
     at the last token)."""
     with torch.no_grad():
         return hf_classifier(str(model_dir))(torch.tensor([prompt_ids])).logits[0].float()
+
+
+def first_routing_near_tie(model_dir: Path, token_ids: list[int], top_k: int, margin: float) -> int:
+    """The first position at which some MoE layer of HF's model ranks its top_k-th and next
+    experts within `margin` of each other (router logits, fp32), len(token_ids) if none: a
+    lower-precision run may route that token to the other expert, and from there on its
+    logprobs are not HF's to within rounding."""
+    model = hf_model(str(model_dir))
+    gaps: list[torch.Tensor] = []
+
+    def record(module, args, output) -> None:
+        logits = (output[0] if isinstance(output, tuple) else output).reshape(len(token_ids), -1).float()
+        top = logits.topk(top_k + 1, dim=-1).values
+        gaps.append(top[:, top_k - 1] - top[:, top_k])
+
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert gates, "no MoE router in the model"
+    handles = [gate.register_forward_hook(record) for gate in gates]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    near = (torch.stack(gaps).min(dim=0).values < margin).nonzero()
+    return int(near[0]) if len(near) else len(token_ids)
