@@ -329,13 +329,15 @@ def _converting(loader, convert):
 # Each kind's dtypes, as safetensors' header and torch spell them.
 _INTEGER_DTYPES = ("I32", "int32")
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "float16", "bfloat16", "float32")
-_DTYPES = {"qweight": _INTEGER_DTYPES, "qzeros": _INTEGER_DTYPES, "g_idx": _INTEGER_DTYPES, "scales": _FLOAT_DTYPES,
-           "weight_shape": ("I64", "I32", "int64", "int32")}
+# g_idx holds group numbers, range-checked after loading: an int64 one (some exporters write
+# them so) casts exactly, unlike packed codes, whose bytes a cast would reinterpret.
+_DTYPES = {"qweight": _INTEGER_DTYPES, "qzeros": _INTEGER_DTYPES, "g_idx": ("I64", "I32", "int64", "int32"),
+           "scales": _FLOAT_DTYPES, "weight_shape": ("I64", "I32", "int64", "int32")}
 
 
 def check_int4_dtype(where: str, kind: str, loaded) -> None:
     """A GPTQ/AWQ/compressed-tensors tensor of kind `kind` (named `where` in the error) has a
-    dtype its format writes: int32 codes, zeros and g_idx, 16/32-bit float scales."""
+    dtype its format writes: int32 codes and zeros, int32/int64 g_idx, 16/32-bit float scales."""
     dtype = loaded.dtype_name if isinstance(loaded, CheckpointSlice) else str(loaded.dtype).removeprefix("torch.")
     allowed = _DTYPES[kind]
     if dtype not in allowed:

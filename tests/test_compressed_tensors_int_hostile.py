@@ -53,7 +53,7 @@ HOSTILE_TENSORS = {
     "scale-int32": ("sym", _changed(f"{DOWN}.weight_scale", lambda t: (t.float() * 1000).int()),
                     rf"{DOWN}.weight_scale is I32; .* scales tensors must be bfloat16, float16, float32"),
     "g-idx-float32": ("asym", _changed(f"{DOWN}.weight_g_idx", lambda t: t.float() + 0.5),
-                      rf"{DOWN}.weight_g_idx is F32; .* g_idx tensors must be int32"),
+                      rf"{DOWN}.weight_g_idx is F32; .* g_idx tensors must be int32, int64"),
     # weight_shape's output count (and its dtype, rank) were not read at all
     "weight-shape-more-outputs": ("sym", _changed(f"{DOWN}.weight_shape", lambda t: t * torch.tensor([2, 1])),
                                   rf"{DOWN}.weight_shape is \[128, 128\] .* \[out, in\] = \[64, 128\]"),
