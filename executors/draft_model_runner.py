@@ -117,6 +117,18 @@ class DraftModelRunner:
             return None
 
         requests = [req.requests[i] for i in proposing]
+        distributions = self._draw_proposals(requests, logits, runner)
+        for scheduled in requests:
+            self._states[scheduled.req_id].proposed = scheduled.spec_token_ids
+        return distributions
+
+    def _draw_proposals(self, requests: list[ScheduledRequest], logits: torch.Tensor | None, runner,
+                        carry: torch.Tensor | None = None) -> dict[int, torch.Tensor] | None:
+        """Draws each request's proposals one step at a time, the first from `logits`, each
+        next from `_proposal_forward` over the last drawn (with `carry`, one row per request
+        still proposing, which the EAGLE head feeds back as its hidden states), and fills their
+        `spec_token_ids`. Returns, on rank 0, req_id -> [j, V] distributions of the proposals
+        drawn at random (greedy requests' are one-hot and absent); None elsewhere."""
         counts = [len(scheduled.spec_token_ids) for scheduled in requests]
         base = runner._sampling_metadata(requests) if self.rank == 0 else None
         # The proposals stay on the device until the last is drawn: step i's tokens, of the
@@ -138,21 +150,31 @@ class DraftModelRunner:
             if history is not None:
                 history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
                 history = history if keep is None else history.index_select(0, keep)
+            if keep is not None:
+                tokens = tokens.index_select(0, keep)
+                carry = None if carry is None else carry.index_select(0, keep)
             active = [active[index] for index in still]
             # The next proposal of each request still short of its count: feed the last one.
             step_inputs = [ScheduledRequest(req_id=requests[j].req_id, token_ids=[0],
-                                            num_computed_tokens=self._states[requests[j].req_id].num_computed + step,
+                                            num_computed_tokens=self._proposal_position(requests[j], step),
                                             block_table=requests[j].block_table, num_prompt_tokens=0,
                                             sampling_params=None)
                            for j in active]
-            logits = self._forward(step_inputs, list(range(len(step_inputs))), runner,
-                                   input_ids=tokens if keep is None else tokens.index_select(0, keep))
+            logits, carry = self._proposal_forward(step_inputs, runner, tokens, carry)
         for scheduled, proposed in zip(requests, _read_proposals(drawn, counts)):
             scheduled.spec_token_ids = proposed
-            self._states[scheduled.req_id].proposed = proposed
         if self.rank != 0:
             return None
         return {scheduled.req_id: torch.stack(rows) for scheduled, rows in zip(requests, probs) if rows}
+
+    def _proposal_position(self, scheduled: ScheduledRequest, step: int) -> int:
+        """The position of the proposal drawn at `step`: after what the draft has computed."""
+        return self._states[scheduled.req_id].num_computed + step
+
+    def _proposal_forward(self, step_inputs: list[ScheduledRequest], runner, tokens: torch.Tensor,
+                          carry: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The next proposals' logits, the last drawn `tokens` as input (the draft carries nothing)."""
+        return self._forward(step_inputs, list(range(len(step_inputs))), runner, input_ids=tokens), None
 
     def _catch_up(self, scheduled: ScheduledRequest) -> ScheduledRequest:
         """The request's draft input this step: the accepted proposals the draft's KV lacks,

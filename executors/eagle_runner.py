@@ -28,16 +28,14 @@ lowers the acceptance rate, never the output (the target verifies every proposal
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from raylm.engine.step import ExecuteModelRequest, ScheduledRequest
-from raylm.executors.draft_model_runner import DraftModelRunner, _read_proposals, _rows_after
+from raylm.executors.draft_model_runner import DraftModelRunner
 from raylm.executors.input_staging import to_device
-from raylm.executors.sampling_metadata import needs_token_history
 from raylm.kernels.backend import get_attention_backend
 from raylm.models.forward_context import set_forward_context
 from raylm.models.llama_eagle import EagleLlamaForCausalLM
@@ -108,39 +106,17 @@ class EagleRunner(DraftModelRunner):
         if not requests:
             return None
 
-        counts = [len(scheduled.spec_token_ids) for scheduled in requests]
-        base = runner._sampling_metadata(requests) if self.rank == 0 else None
-        drawn: list[torch.Tensor] = []
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        history = (torch.zeros(len(requests), 0, dtype=torch.long, device=self.device)
-                   if base is not None and any(map(needs_token_history, base.sampling_params)) else None)
-        for step in itertools.count():
-            tokens = self._draw(logits, None if base is None else _rows_after(base, active, history), active, probs)
-            drawn.append(tokens)
-            still = [index for index, j in enumerate(active) if counts[j] > step + 1]
-            if not still:
-                break
-            keep = None if len(still) == len(active) else to_device(still, self.device)
-            if history is not None:
-                history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
-                history = history if keep is None else history.index_select(0, keep)
-            active = [active[index] for index in still]
-            # Proposal step + 2 sits at position c + step + 1: the head reads the last
-            # proposal at position c + step with its own hidden state from that row.
-            step_inputs = [ScheduledRequest(req_id=requests[j].req_id, token_ids=[0],
-                                            num_computed_tokens=requests[j].num_computed_tokens + step,
-                                            block_table=requests[j].block_table, num_prompt_tokens=0,
-                                            sampling_params=None)
-                           for j in active]
-            if keep is not None:
-                tokens, hidden = tokens.index_select(0, keep), hidden.index_select(0, keep)
-            logits, hidden = self._forward(step_inputs, list(range(len(step_inputs))), runner, tokens, hidden)
-        for scheduled, proposed in zip(requests, _read_proposals(drawn, counts)):
-            scheduled.spec_token_ids = proposed
-        if self.rank != 0:
-            return None
-        return {scheduled.req_id: torch.stack(rows) for scheduled, rows in zip(requests, probs) if rows}
+        return self._draw_proposals(requests, logits, runner, carry=hidden)
+
+    def _proposal_position(self, scheduled: ScheduledRequest, step: int) -> int:
+        # Proposal step + 2 sits at position c + step + 1: the head reads the last proposal
+        # at position c + step with its own hidden state from that row.
+        return scheduled.num_computed_tokens + step
+
+    def _proposal_forward(self, step_inputs: list[ScheduledRequest], runner, tokens: torch.Tensor,
+                          carry: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The head's next logits and hidden states from the last proposals and its own hidden states."""
+        return self._forward(step_inputs, list(range(len(step_inputs))), runner, tokens, carry)
 
     def _catch_up(self, inputs: list[ScheduledRequest], hiddens: list[torch.Tensor], read: list[int], runner
                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
