@@ -27,7 +27,7 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "gate_up_proj", "w1", "w2", "w3")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Checkpoint names that share their input (and so GPTQ's act order): one g_idx per group.
-_SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in",
+SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in",
                "up_proj": "mlp_in", "o_proj": "o_in", "down_proj": "down_in", "qkv_proj": "attn_in",
                "gate_up_proj": "mlp_in", "w1": "mlp_in", "w3": "mlp_in", "w2": "down_in"}
 
@@ -129,7 +129,7 @@ def write_int4_checkpoint(source: Path, quantized: Path, dequantized: Path, meth
         if desc_act:
             # One act order per input (as GPTQ's Hessian is of the input), shuffled groups:
             # per module (attention, MLP, each expert).
-            key = (prefix.rsplit(".", 1)[0], _SAME_INPUT[linear])
+            key = (prefix.rsplit(".", 1)[0], SAME_INPUT[linear])
             if key not in orders:
                 orders[key] = g_idx[torch.randperm(in_features, generator=generator)]
             g_idx = orders[key]
@@ -151,12 +151,19 @@ def write_int4_checkpoint(source: Path, quantized: Path, dequantized: Path, meth
                                                     defaults["desc_act"], checkpoint_format)
                                         if method == "gptq" else awq_config(defaults["group_size"])),
                                      **(config_extra or {})}
-    for folder, weights, conf in ((quantized, out_tensors, config), (dequantized, reference, None)):
+    write_checkpoint_pair(source, (quantized, out_tensors, config), (dequantized, reference))
+    return out_tensors
+
+
+def write_checkpoint_pair(source: Path, quantized: tuple[Path, dict[str, torch.Tensor], dict],
+                          dequantized: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """Writes a quantized checkpoint (folder, tensors, config.json's content) and its fp32
+    reference (folder, tensors; `source`'s config), each with `source`'s other files."""
+    for folder, weights, config in (quantized, (*dequantized, None)):
         shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-        if conf is not None:
-            (folder / "config.json").write_text(json.dumps(conf, indent=2))
-    return out_tensors
+        if config is not None:
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def held_tensor_bytes(layer: torch.nn.Module) -> int:

@@ -17,7 +17,6 @@ outputs with the same offset; `weight_g_idx` int32 [in] (actorder "group" only);
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,16 +25,14 @@ from safetensors.torch import load_file, save_file
 
 from fp8_checkpoints import write_config_only
 from hf_reference import assert_generation_matches_hf
-from int4_checkpoints import LINEAR_NAMES, dequantize_codes, pack_columns, quantize_groups
+from int4_checkpoints import (LINEAR_NAMES, SAME_INPUT, dequantize_codes, pack_columns, quantize_groups,
+                              write_checkpoint_pair)
 from raylm.engine import LLM
 from tiny_models import build_tiny_mixtral, build_tiny_model, random_prompts
 
 MAX_TOKENS = 6
 PROMPTS = random_prompts(3, seed=5, min_len=6, max_len=20)
 ENGINE = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
-# Inputs that share one act order (GPTQ's Hessian is of the layer's input).
-_SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
-               "up_proj": "mlp", "down_proj": "down", "w1": "mlp", "w3": "mlp", "w2": "down"}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +71,7 @@ def write_pack_quantized_checkpoint(source: Path, quantized: Path, dequantized: 
         size = in_features if strategy == "channel" else group_size
         g_idx = torch.arange(in_features) // size
         if actorder == "group":  # groups shuffled over the input features, one order per input
-            key = (prefix.rsplit(".", 1)[0], _SAME_INPUT[linear])  # per module (attention, MLP, expert)
+            key = (prefix.rsplit(".", 1)[0], SAME_INPUT[linear])  # per module (attention, MLP, expert)
             orders.setdefault(key, g_idx[torch.randperm(in_features, generator=generator)])
             g_idx = orders[key]
         # codes and zeros in [0, 2^bits): the signed ones plus 2^(bits - 1), as they are stored
@@ -91,11 +88,7 @@ def write_pack_quantized_checkpoint(source: Path, quantized: Path, dequantized: 
     config["quantization_config"] = pack_quantized_config(bits, strategy, group_size if strategy == "group" else None,
                                                           symmetric, actorder)
     config["quantization_config"]["ignore"] += list(unquantized)
-    for folder, weights, conf in ((quantized, tensors, config), (dequantized, reference, None)):
-        shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-        if conf is not None:
-            (folder / "config.json").write_text(json.dumps(conf, indent=2))
+    write_checkpoint_pair(source, (quantized, tensors, config), (dequantized, reference))
     return tensors
 
 
