@@ -88,6 +88,12 @@ class DraftModelRunner:
         for layer in self._attention_layers():
             layer.kv_cache = (zeroed_cache(shape), zeroed_cache(shape))
 
+    def profile_held_state(self, num_tokens: int) -> torch.Tensor | None:
+        """What this runner holds from one step to the next for a step of num_tokens rows,
+        allocated so that the target's profile run counts it; a draft model keeps nothing
+        outside its KV cache (sized with the target's blocks)."""
+        return None
+
     def release_memory(self) -> None:
         """Drops the draft's KV cache and model (`ModelRunner.release_memory`)."""
         if self.model is not None:

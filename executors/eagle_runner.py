@@ -77,6 +77,12 @@ class EagleRunner(DraftModelRunner):
         for layer in self._attention_layers():
             layer.attn_backend = backend
 
+    def profile_held_state(self, num_tokens: int) -> torch.Tensor:
+        # `record` keeps the target's final hidden state of every row of a step until the
+        # head's catch-up in the next step, whose forward is the target's peak.
+        config = self.model_config
+        return torch.empty(num_tokens, config.hf_config.hidden_size, dtype=config.dtype, device=self.device)
+
     # ---- one step -------------------------------------------------------------------------
 
     def propose(self, req: ExecuteModelRequest, runner) -> dict[int, torch.Tensor] | None:

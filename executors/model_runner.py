@@ -239,7 +239,8 @@ class ModelRunner:
     def profile_run(self) -> int:
         """Bytes a forward over a full token budget (CUDA), without a KV cache, allocates
         at its peak beyond what was allocated before it (the weights), its logits over a
-        full batch and a chunk of prompt rows' logprobs included."""
+        full batch, a chunk of prompt rows' logprobs and an EAGLE head's kept hidden states
+        included."""
         num_tokens = self._profile_num_tokens()
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         # Positions stay within the context length the rotary tables cover.
@@ -251,13 +252,15 @@ class ModelRunner:
         # A vision-language model's step first runs its vision tower on its images, one at a
         # time, and holds their embeddings (EncoderCache): vLLM's worst case, measured too.
         image_embeddings = self._profile_image_embeddings() if self.is_multimodal else None
+        # An EAGLE head's kept hidden states (`DraftModelRunner.profile_held_state`).
+        held_state = self.draft_runner.profile_held_state(num_tokens) if self.draft_runner is not None else None
         with set_forward_context(None):
             hidden = self.model(input_ids, positions, *self._stage_inputs(num_tokens))
         if self.is_last_stage:
             self._profile_outputs(hidden, num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del hidden, input_ids, positions, image_embeddings
+        del hidden, input_ids, positions, image_embeddings, held_state
         torch.cuda.empty_cache()
         return peak
 

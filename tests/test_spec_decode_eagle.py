@@ -294,5 +294,16 @@ def test_on_a_gpu_greedy_tokens_equal_hf_with_cuda_graphs(llama_dir, head_dir):
         stats = llm.llm_engine.scheduler.drafter.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
         assert_engine_idle(llm.llm_engine)
+        # The KV sizing's profile counts the target's hidden states the head keeps between
+        # steps: one row per token of a full step.
+        runner = llm.llm_engine.executor.driver_worker.model_runner
+        with_head = runner.profile_run()
+        head, runner.draft_runner = runner.draft_runner, None
+        try:
+            without_head = runner.profile_run()
+        finally:
+            runner.draft_runner = head
+        kept = runner._profile_num_tokens() * runner.model_config.hf_config.hidden_size * 4
+        assert with_head - without_head >= kept, (with_head, without_head, kept)
     finally:
         llm.shutdown()
