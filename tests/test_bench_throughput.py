@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from raylm.cluster.benchmarks.bench_throughput import (add_cli_args, load_dataset, resolve_args, run, sample_random_prompts,
-                                                       start_llm)
+from raylm.cluster.benchmarks.bench_throughput import (add_cli_args, load_dataset, resolve_args, run,
+                                                       sample_random_prompts, start_llm)
 from raylm.cluster.benchmarks.hf_reference import hf_generate_batched, hf_generate_one, load_hf_model
 
 NUM_PROMPTS = 4

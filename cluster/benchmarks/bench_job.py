@@ -240,7 +240,8 @@ def run(job: argparse.Namespace, passthrough: list[str]) -> dict:
         ray.init(address=address) if address else ray.init(address="local", include_dashboard=False)
 
     start = time.time()
-    points = [point for pp in job.pp_sizes for tp in job.tp_sizes for point in layout_points(job, passthrough, tp, pp)]
+    points = [point for pp in job.pp_sizes for tp in job.tp_sizes
+              for point in layout_points(job, passthrough, tp, pp)]
     machine = points[0].pop("_machine") if points else machine_info()
     for p in points:
         p.pop("_machine", None)
