@@ -3,8 +3,9 @@
 The cluster (`ray.cluster_utils.Cluster`: a head and a second node on one address, one
 CPU each) lives in a child process, this file run as a script, because the test session
 already holds a Ray of its own. The job sweeps tensor parallel 2 at pipeline-parallel sizes 1
-and 2 with half a CPU per worker bundle: under PACK (`--ray-span-nodes`) the 2 workers of
-PP 1 share a node, and the 4 of PP 2 take both, one stage a node.
+and 2, batch sizes 1 and 2 on one engine per layout, with half a CPU per worker bundle: under
+PACK (`--ray-span-nodes`) the 2 workers of PP 1 share a node, and the 4 of PP 2 take both,
+one stage a node.
 Token authentication is on, as on a `ray up` cluster: the child sets RAY_AUTH_MODE=token
 and one RAY_AUTH_TOKEN that the cluster's processes and the JobSubmissionClient share.
 The cluster takes free ports: the job runs while Ray's default ports are held, as they
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -139,8 +141,17 @@ def test_job_reports_tp2_throughput_for_every_pp_and_batch_size_on_two_nodes(job
     for point in report["throughput"]:
         assert point["settings"]["engine_args"]["ray_span_nodes"] is True
         assert point["settings"]["num_prompts"] == point["batch_size"]
+        assert point["settings"]["max_num_seqs"] == max(BATCH_SIZES)  # the layout's one engine takes every batch
         assert point["output_tokens_per_s"] > 0
     assert report["model"]["architectures"] and report["machine"]["python"]
+
+
+def test_job_starts_one_engine_per_layout_not_per_batch_size(job_run):
+    # Each engine start logs its workers (P x T of them) once, in the driver: one TP2 engine
+    # at PP 1, then one at PP 2, each timing every batch size.
+    started = re.findall(r"Ray executor: (\d+) workers on", job_run["logs"])
+    assert [int(n) for n in started] == [2 * pp for pp in PP_SIZES]
+    assert job_run["logs"].count("Workers ready, model loaded in") == len(PP_SIZES)
 
 
 def test_job_writes_the_throughput_plot_as_png(job_run):

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from raylm.cluster.benchmarks.bench_throughput import add_cli_args, load_dataset, run, sample_random_prompts
+from raylm.cluster.benchmarks.bench_throughput import (add_cli_args, load_dataset, resolve_args, run,
+                                                       sample_random_prompts, start_llm)
 from raylm.cluster.benchmarks.hf_reference import hf_generate_batched, hf_generate_one, load_hf_model
 
 NUM_PROMPTS = 4
@@ -148,3 +149,17 @@ def test_compare_hf_report_counts_num_prompts_times_output_len_tokens_for_every_
     assert report["ratios"]["raylm_over_hf_batched_output_tokens_per_s"] == pytest.approx(
         results["raylm"]["output_tokens_per_s"] / results["hf_batched"]["output_tokens_per_s"])
     assert report["settings"]["engine_args"] == {"max_num_seqs": 2}
+
+
+def test_a_given_llm_runs_the_workload_like_hf_and_stays_up_for_the_next(model_dir):
+    args = resolve_args(parse(model_dir, "--compare-hf", "--num-prompts", "2", "--input-len", str(INPUT_LEN),
+                              "--output-len", str(OUTPUT_LEN), "--hf-sequential-prompts", "2",
+                              "--max-num-seqs", str(NUM_PROMPTS), "--output-json", ""))
+    with start_llm(args) as llm:
+        first = run(args, llm)
+        args.num_prompts = NUM_PROMPTS
+        second = run(args, llm)  # the same engine, still up: no second start
+    for report, num_prompts in ((first, 2), (second, NUM_PROMPTS)):
+        assert report["results"]["raylm"]["output_tokens"] == num_prompts * OUTPUT_LEN
+        assert report["raylm_hf_sequential_token_agreement"] == 1.0  # greedy, as unpadded HF generate
+        assert report["settings"]["engine_args"] == {"max_num_seqs": NUM_PROMPTS}

@@ -9,9 +9,14 @@ driver runs on the head node and the workers land wherever the placement group p
         --tp-sizes 1,2,4,8 --pp-sizes 1,2 --batch-sizes 8,32,128 --serve --request-rates 1,4,16,inf \\
         --out /tmp/raylm-bench -- --ray-span-nodes
 
-Each throughput point is one `bench_throughput.run` (prompts = batch size, max_num_seqs =
-batch size) at one tensor-parallel size T and pipeline-parallel size P (P x T workers; with
-`--ray-span-nodes` the stages fill the nodes in order, one tensor-parallel group per node).
+The job starts one engine (`LLM`) per layout, a tensor-parallel size T and pipeline-parallel
+size P (P x T workers; with `--ray-span-nodes` the stages fill the nodes in order, one
+tensor-parallel group per node), with max_num_seqs = the largest batch size, and times every
+batch size on it: each throughput point is one `bench_throughput.run` on that engine (prompts
+= batch size, submitted at once, so they run as one batch; the prefix cache emptied first and
+bench_throughput's short warm-up run, as on a fresh engine), and each point's settings say the
+engine's max_num_seqs. The engine is shut down, its placement group released, before the next
+layout's starts: a layout costs one engine start however many batch sizes it measures.
 Flags after ``--`` go to the throughput benchmark as they are (engine flags such as ``--ray-span-nodes``, ``--num-gpu-blocks-override``, ``--dtype``; see
 ``raylm bench throughput --help``). The serving sweep runs `bench_serving.run` once per
 request rate against ``--base-url``, or against a Serve deployment this job starts
@@ -31,6 +36,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylm.engine import LLM
 
 SUMMARY_PREFIX = "RAYLM_BENCH_SUMMARY "
 RESULT_FILE = "bench_result.json"
@@ -42,22 +51,42 @@ LATENCY_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"
 
 # ---------------------------------------------------------------------------- sweeps
 
-def throughput_point(job: argparse.Namespace, passthrough: list[str], tp: int, batch_size: int,
-                     pp: int = 1) -> dict:
-    """One offline throughput run through `bench_throughput.run` at this TP, PP and batch size."""
+def throughput_args(job: argparse.Namespace, passthrough: list[str], tp: int, pp: int,
+                    batch_size: int) -> argparse.Namespace:
+    """`bench_throughput`'s flags for one point: ``batch_size`` prompts on the layout's engine,
+    whose max_num_seqs is the sweep's largest batch size (the same for every point of it)."""
     from raylm.cluster.benchmarks import bench_throughput
 
     argv = [job.model, "--num-prompts", str(batch_size), "--input-len", str(job.input_len),
             "--output-len", str(job.output_len), "--num-iters", str(job.num_iters), "--output-json", "",
             *passthrough, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-            "--max-num-seqs", str(batch_size)]
+            "--max-num-seqs", str(max(job.batch_sizes))]
     if tp * pp > 1 and "--distributed-executor-backend" not in passthrough:
         argv += ["--distributed-executor-backend", "ray"]
     args = bench_throughput.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
-    report = bench_throughput.run(args)
+    return bench_throughput.resolve_args(args)
+
+
+def layout_points(job: argparse.Namespace, passthrough: list[str], tp: int, pp: int) -> list[dict]:
+    """Every batch size of the sweep on one engine of this TP and PP size, started once and
+    shut down before the next layout's (whose workers need its placement group's CPUs/GPUs)."""
+    from raylm.cluster.benchmarks import bench_throughput
+
+    with bench_throughput.start_llm(throughput_args(job, passthrough, tp, pp, max(job.batch_sizes))) as llm:
+        return [throughput_point(job, passthrough, tp, bs, pp, llm) for bs in job.batch_sizes]
+
+
+def throughput_point(job: argparse.Namespace, passthrough: list[str], tp: int, batch_size: int,
+                     pp: int, llm: LLM) -> dict:
+    """One offline throughput run through `bench_throughput.run` at this TP, PP and batch size,
+    on the layout's engine ``llm``: the batch's prompts at once, so they run as one batch."""
+    from raylm.cluster.benchmarks import bench_throughput
+
+    report = bench_throughput.run(throughput_args(job, passthrough, tp, pp, batch_size), llm)
     figures = report["results"]["raylm"]
+    settings = dict(report["settings"], max_num_seqs=llm.llm_engine.engine_config.scheduler_config.max_num_seqs)
     return dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, batch_size=batch_size,
-                settings=report["settings"],
+                settings=settings,
                 elapsed_s=figures["elapsed_s"], requests_per_s=figures["requests_per_s"],
                 output_tokens_per_s=figures["output_tokens_per_s"],
                 total_tokens_per_s=figures["total_tokens_per_s"],
@@ -211,8 +240,8 @@ def run(job: argparse.Namespace, passthrough: list[str]) -> dict:
         ray.init(address=address) if address else ray.init(address="local", include_dashboard=False)
 
     start = time.time()
-    points = [throughput_point(job, passthrough, tp, bs, pp)
-              for pp in job.pp_sizes for tp in job.tp_sizes for bs in job.batch_sizes]
+    points = [point for pp in job.pp_sizes for tp in job.tp_sizes
+              for point in layout_points(job, passthrough, tp, pp)]
     machine = points[0].pop("_machine") if points else machine_info()
     for p in points:
         p.pop("_machine", None)
@@ -278,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp-sizes", type=_int_list, default=[1],
                         help="pipeline-parallel sizes, e.g. 1,2 (default 1); every one with every TP size")
     parser.add_argument("--batch-sizes", type=_int_list, default=[8],
-                        help="requests per offline run, also max_num_seqs, e.g. 8,32 (default 8)")
+                        help="requests per offline run, e.g. 8,32 (default 8); the largest is every "
+                             "engine's max_num_seqs")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     parser.add_argument("--num-iters", type=int, default=1, help="timed runs per point; the fastest counts (default 1)")

@@ -26,9 +26,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from raylm.engine import LLM
 
 # EngineArgs fields the benchmark defines itself: the model is positional, the seed also
 # draws the prompts, and dtype defaults to float32 on CPU rather than "auto".
@@ -185,11 +189,42 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, seed=args.seed, **engine_overrides(args))
 
 
-def bench_raylm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[ThroughputResult, list[list[int]]]:
-    """Times one `llm.generate` over all prompts; returns the result and the tokens."""
-    from raylm.engine import LLM, SamplingParams
+def start_llm(args: argparse.Namespace) -> LLM:
+    """The `LLM` these flags describe (`engine_kwargs`), for `run` or `bench_raylm` to time;
+    its caller shuts it down. `resolve_args` must have run on ``args``."""
+    from raylm.engine import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    return LLM(**engine_kwargs(args))
+
+
+def bench_raylm(args: argparse.Namespace, prompts: list[list[int]],
+                llm: LLM | None = None) -> tuple[ThroughputResult, list[list[int]]]:
+    """Times one `llm.generate` over all prompts; returns the result and the tokens.
+
+    Without ``llm`` it starts the engine the flags describe and shuts it down after. A given
+    ``llm`` (one `start_llm` built, e.g. with a larger max_num_seqs, so several workloads
+    share one start) stays up; its prefix cache is emptied first, so this run finds the cache
+    a fresh engine would."""
+    own_llm = llm is None
+    if own_llm:
+        llm = start_llm(args)
+    elif not llm.reset_prefix_cache():
+        raise RuntimeError("the given LLM still has requests holding KV blocks; it must be idle to be timed")
+    try:
+        return time_generate(llm, args, prompts)
+    finally:
+        if own_llm:
+            llm.shutdown()
+            del llm
+            gc.collect()
+
+
+def time_generate(llm: LLM, args: argparse.Namespace,
+                  prompts: list[list[int]]) -> tuple[ThroughputResult, list[list[int]]]:
+    """A short warm-up, then ``args.num_iters`` timed `generate` calls of all prompts at once;
+    the fastest counts."""
+    from raylm.engine import SamplingParams
+
     requests = [{"prompt_token_ids": p} for p in prompts]
     cuts = dict(top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     warmup = SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, temperature=args.temperature, **cuts)
@@ -212,11 +247,6 @@ def bench_raylm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[Thr
         measured_requests=len(prompts),
         all_elapsed_s=times,
     )
-    shutdown = getattr(llm, "shutdown", None)
-    if callable(shutdown):
-        shutdown()
-    del llm
-    gc.collect()
     return result, tokens
 
 
@@ -334,17 +364,28 @@ def token_agreement(reference: list[list[int]], tokens: list[list[int]]) -> floa
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan")
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Runs the benchmark the parsed flags describe; prints it and returns the report."""
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills in what the flags leave to the benchmark, in place: the dtype (`default_dtype`)
+    and the model folder (a bundled model's short name, or none, resolved to its path)."""
+    from raylm.models.bundled import resolve_model_path
+
     if args.dtype is None:
         args.dtype = default_dtype()
+    args.model = resolve_model_path(args.model)
+    return args
+
+
+def run(args: argparse.Namespace, llm: LLM | None = None) -> dict:
+    """Runs the benchmark the parsed flags describe; prints it and returns the report.
+
+    ``llm``: an engine already up (`start_llm` of these flags, `max_num_seqs` at least
+    ``--num-prompts`` for the prompts to run as one batch) that raylm's run uses instead of
+    starting its own, and leaves up; the report's engine_args are still the flags'."""
+    resolve_args(args)
     compare_hf = args.compare_hf or args.hf_only
     if compare_hf and args.temperature != 0.0:
         # The HF baselines are greedy; sampling would compare different work.
         raise ValueError(f"temperature is {args.temperature}; --compare-hf and --hf-only need 0 (greedy)")
-    from raylm.models.bundled import resolve_model_path
-
-    args.model = resolve_model_path(args.model)
     model_config = read_model_config(args.model)
     if args.peer == "vllm":
         from raylm.cluster.benchmarks.vllm_peer import peer_command
@@ -372,7 +413,7 @@ def run(args: argparse.Namespace) -> dict:
     results: list[ThroughputResult] = []
     raylm_tokens = None
     if not args.hf_only:
-        raylm_result, raylm_tokens = bench_raylm(args, prompts)
+        raylm_result, raylm_tokens = bench_raylm(args, prompts, llm)
         results.append(raylm_result)
     hf_sequential_tokens = None
     if compare_hf:
