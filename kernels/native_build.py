@@ -132,12 +132,17 @@ def _exclusive_build(build_dir: Path) -> Iterator[None]:
         yield
 
 
-def build_all() -> dict[str, str | None]:
-    """Builds (or finds built) every native library for this CPU and RAYLM_CPU_ISA, so the
-    first request or test does not pay for the compiler; name -> path, None where it failed.
-    Each library is one translation unit, so they compile side by side, one process per core
-    (a fresh machine's setup: the compiles are most of its time), and are loaded here after."""
-    unbuilt = [name for name in LIBRARY_NAMES if name not in _libraries and not _is_built(name)]
+def build_all(names: tuple[str, ...] = LIBRARY_NAMES) -> dict[str, str | None]:
+    """Builds (or finds built) the native libraries `names` (by default every one serving
+    uses) for this CPU and RAYLM_CPU_ISA, so the first request or test does not pay for the
+    compiler; name -> path, None where it failed. Each library is one translation unit, so
+    they compile side by side, one process per core (a fresh machine's setup: the compiles
+    are most of its time), and are loaded here after."""
+    unknown = sorted(set(names) - set(LIBRARY_NAMES) - set(BENCHMARK_LIBRARY_NAMES))
+    if unknown:
+        raise ValueError(f"Unknown native libraries {unknown}; the libraries are "
+                         f"{', '.join(LIBRARY_NAMES + BENCHMARK_LIBRARY_NAMES)}.")
+    unbuilt = [name for name in names if name not in _libraries and not _is_built(name)]
     if unbuilt:
         try:
             _precompiled_header()  # once, before the workers that all read it
@@ -147,7 +152,7 @@ def build_all() -> dict[str, str | None]:
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(load_native_library, unbuilt))  # a failure is reported again by the load below
-    return {name: load_native_library(name) for name in LIBRARY_NAMES}
+    return {name: load_native_library(name) for name in names}
 
 
 def _build_dir(module_name: str) -> Path:
@@ -273,8 +278,11 @@ def _compile_header(text: str, flags: list[str], build_dir: Path) -> Path | None
 
 
 if __name__ == "__main__":
-    # `python -m raylm.kernels.native_build`: what scripts/setup.sh runs after installing.
+    # `python -m raylm.kernels.native_build [NAME ...]`: every library serving uses (what
+    # scripts/setup.sh runs after installing), or only those named.
+    import sys
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = build_all()
+    built = build_all(tuple(sys.argv[1:]) or LIBRARY_NAMES)
     for library, path in built.items():
         print(f"{library}: {path or 'NOT BUILT (PyTorch ops will be used)'}")
