@@ -2,7 +2,7 @@
 PyTorch reference of cluster/benchmarks/gpu_elementwise_check.py, on the CPU under Triton's
 interpreter: RMSNorm plain and with the residual add (Llama's weight and Gemma's 1 + weight),
 SiLU-and-mul, the rotary embedding in place (queries and keys as one tensor and as two,
-partial rotary dimensions, GQA); bf16, fp16 and fp32; 1 to 3 rows (one row
+partial rotary dimensions, GQA); bf16, fp16 and fp32; 1 to 19 rows (one row
 a program: the GPU check, stage a, runs prefill sizes).
 
 Not collected by the suite: `tests/test_triton_elementwise.py` runs this file in a pytest
