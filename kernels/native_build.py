@@ -62,6 +62,14 @@ _ISA_FLAGS = {
 }
 assert tuple(_ISA_FLAGS) == envs.CPU_ISAS
 
+# Libraries all of whose kernels need an instruction set: the compiler macros their sources'
+# #if tests (RAYLM_AMX in cpu_gemm_amx.cpp; RAYLM_AVX512_FP32, cpu_vec.h's RAYLM_AVX512). Where
+# the flags do not target it (an AVX2 CPU, a narrower RAYLM_CPU_ISA) their ops would only say
+# they are unavailable, which a library not built says as well (cpu_gemm.py's checks), so
+# they are not compiled there: ~6 s of CPU each, most of it torch's registration templates.
+_TARGET_MACROS = {"cpu_gemm_amx": ("__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__", "__x86_64__", "__linux__"),
+                  "cpu_gemm_avx512": ("__AVX512F__", "__AVX2__", "__FMA__")}
+
 # csrc/ header compiled once per flag set (`_precompiled_header`) and read first by every library.
 PRECOMPILED_HEADER = "torch_headers.h"
 
@@ -77,7 +85,7 @@ def load_native_library(name: str) -> str | None:
     built here, after one warning."""
     if name not in _libraries:
         try:
-            _libraries[name] = _build(name)
+            _libraries[name] = _build(name) if _flags_target(name) else None
         except Exception as error:  # no compiler, no ninja, a compile error: keep serving
             logger.warning("The native CPU library %r could not be built (%s: %s); using PyTorch ops instead.",
                            name, type(error).__name__, str(error).strip()[-2000:])
@@ -132,12 +140,17 @@ def _exclusive_build(build_dir: Path) -> Iterator[None]:
         yield
 
 
-def build_all() -> dict[str, str | None]:
-    """Builds (or finds built) every native library for this CPU and RAYLM_CPU_ISA, so the
-    first request or test does not pay for the compiler; name -> path, None where it failed.
-    Each library is one translation unit, so they compile side by side, one process per core
-    (a fresh machine's setup: the compiles are most of its time), and are loaded here after."""
-    unbuilt = [name for name in LIBRARY_NAMES if name not in _libraries and not _is_built(name)]
+def build_all(names: tuple[str, ...] = LIBRARY_NAMES) -> dict[str, str | None]:
+    """Builds (or finds built) the native libraries `names` (by default every one serving
+    uses) for this CPU and RAYLM_CPU_ISA, so the first request or test does not pay for the
+    compiler; name -> path, None where it failed. Each library is one translation unit, so
+    they compile side by side, one process per core (a fresh machine's setup: the compiles
+    are most of its time), and are loaded here after."""
+    unknown = sorted(set(names) - set(LIBRARY_NAMES) - set(BENCHMARK_LIBRARY_NAMES))
+    if unknown:
+        raise ValueError(f"Unknown native libraries {unknown}; the libraries are "
+                         f"{', '.join(LIBRARY_NAMES + BENCHMARK_LIBRARY_NAMES)}.")
+    unbuilt = [name for name in names if name not in _libraries and not _is_built(name) and _flags_target(name)]
     if unbuilt:
         try:
             _precompiled_header()  # once, before the workers that all read it
@@ -147,7 +160,35 @@ def build_all() -> dict[str, str | None]:
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(load_native_library, unbuilt))  # a failure is reported again by the load below
-    return {name: load_native_library(name) for name in LIBRARY_NAMES}
+    return {name: load_native_library(name) for name in names}
+
+
+def _flags_target(name: str) -> bool:
+    """Whether the compiler, with compile_flags(), targets what library `name` needs
+    (_TARGET_MACROS); True where it needs nothing, or the flags or the compiler cannot be
+    asked (the build then reports why)."""
+    if name not in _TARGET_MACROS:
+        return True
+    try:
+        defined = _compiler_macros(tuple(compile_flags()))
+    except (ValueError, OSError, subprocess.SubprocessError):
+        return True
+    if defined is None:
+        return True
+    missing = [macro for macro in _TARGET_MACROS[name] if macro not in defined]
+    if missing:
+        logger.info("Native CPU library %r not built: these flags do not target %s.", name, ", ".join(missing))
+    return not missing
+
+
+@functools.cache
+def _compiler_macros(flags: tuple[str, ...]) -> frozenset[str] | None:
+    """The macros the compiler predefines with `flags` (`-dM -E`), None where it cannot say."""
+    done = subprocess.run([_compiler(), *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0:
+        return None
+    return frozenset(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
 
 
 def _build_dir(module_name: str) -> Path:
@@ -273,8 +314,11 @@ def _compile_header(text: str, flags: list[str], build_dir: Path) -> Path | None
 
 
 if __name__ == "__main__":
-    # `python -m raylm.kernels.native_build`: what scripts/setup.sh runs after installing.
+    # `python -m raylm.kernels.native_build [NAME ...]`: every library serving uses (what
+    # scripts/setup.sh runs after installing), or only those named.
+    import sys
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = build_all()
+    built = build_all(tuple(sys.argv[1:]) or LIBRARY_NAMES)
     for library, path in built.items():
         print(f"{library}: {path or 'NOT BUILT (PyTorch ops will be used)'}")

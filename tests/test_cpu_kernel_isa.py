@@ -4,7 +4,10 @@ set this CPU can run.
 In this process the tests run the default build (-march=native). `test_narrower_isa_passes`
 reruns this file in a subprocess per narrower path of cpu_vec.h (RAYLM_CPU_ISA=avx512_no_bf16,
 avx2, scalar), each a separate library, so a machine with AVX-512 also tests the code that
-other machines run. Tolerances: fp32 outputs to fp32 rounding; bf16 outputs to one bf16
+other machines run. The reruns build only the libraries this file loads (ISA_LIBRARIES) and
+leave out the cases marked `same_isa_path`: cases whose instructions other cases already run
+on that ISA (see the marker's uses), so each kernel, vector tail and dtype conversion still
+runs once per ISA. Tolerances: fp32 outputs to fp32 rounding; bf16 outputs to one bf16
 rounding (2^-8 relative) of a result computed in fp32.
 """
 
@@ -28,6 +31,24 @@ from penalty_reference import dense_penalties
 from test_cpu_attention import float64_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
+# What the narrower-ISA reruns leave out (test_narrower_isa_passes): a case that runs the same
+# instructions as another one of its test on every ISA, only loop counts or a combination of
+# code paths the other cases run one by one differing.
+SAME_ISA_PATH = pytest.mark.same_isa_path
+# The native libraries this file loads: what a narrower ISA's rerun builds first.
+ISA_LIBRARIES = ("cpu_ops", "cpu_attention", "cpu_prefill_attention", "cpu_gemm_amx", "cpu_gemm_avx512",
+                 "cpu_gemm_avx2", "cpu_fused_moe", "cpu_lora", "cpu_fp8_linear", "cpu_int4_linear", "cpu_int4_experts",
+                 "cpu_peak_flops")
+
+
+def query_and_cache_dtypes(cache_dtypes: list[torch.dtype], cache_ids: list[str]) -> list:
+    """Every (query dtype, cache dtype) pair; the attention kernels load and store the query's
+    dtype by one runtime branch and load the cache's by another (a template), so the pairs
+    (DTYPES[i], cache_dtypes[i]) run each of both once and the others are `same_isa_path`."""
+    return [pytest.param(dtype, cache_dtype, id=f"{dtype_id}-{cache_id}",
+                         marks=() if i == j else SAME_ISA_PATH)
+            for i, (dtype, dtype_id) in enumerate(zip(DTYPES, ["fp32", "bf16"]))
+            for j, (cache_dtype, cache_id) in enumerate(zip(cache_dtypes, cache_ids))]
 # (rtol, atol) of an output in this dtype against float64.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -8, 1e-5)}
 
@@ -333,7 +354,8 @@ def float64_truncated(logits: torch.Tensor, temperature: float, top_k: int, top_
     return probs / probs.sum(), margin
 
 
-@pytest.mark.parametrize("vocab", [4096, 1003, 37])
+# 1003 and 37: whole vectors and a tail at every width (1003: more rows of the cut's histogram).
+@pytest.mark.parametrize("vocab", [4096, pytest.param(1003, marks=SAME_ISA_PATH), 37])
 def test_random_sample_truncated_draws_from_what_a_sort_keeps(vocab):
     # Every row cuts differently (k from 1 to past V, p, min-p, each on or off), with masked
     # tokens and runs of equal logits; the token drawn must be one the float64 sort keeps
@@ -595,8 +617,7 @@ def test_draws_of_a_row_index_list_are_the_draws_of_the_gathered_rows(truncated)
         cpu_ops.random_sample(logits, temperatures, uniforms, torch.tensor([0, 1]))
 
 
-@pytest.mark.parametrize("cache_dtype", DTYPES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,cache_dtype", query_and_cache_dtypes(DTYPES, ["fp32_cache", "bf16_cache"]))
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
 def test_decode_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtype):
     seq_lens = [1, 15, 16, 17, 100, 257]
@@ -620,8 +641,7 @@ def test_decode_attention_with_other_block_sizes(head_size, dtype, block_size):
     assert_close(out, float64_attention(query, k_cache, v_cache, md, 0.3), dtype)
 
 
-@pytest.mark.parametrize("cache_dtype", DTYPES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,cache_dtype", query_and_cache_dtypes(DTYPES, ["fp32_cache", "bf16_cache"]))
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
 def test_prefill_attention(head_size, num_heads, num_kv_heads, dtype, cache_dtype):
     # A whole prompt, an extend after cached tokens, a short chunk mid-block.
@@ -762,8 +782,7 @@ def test_an_fp8_cache_reads_every_code_as_torch_converts_it(head_size, fp8):
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,fp8", query_and_cache_dtypes(FP8_FORMATS, ["e4m3", "e5m2"]))
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", ATTENTION_SHAPES)
 def test_decode_attention_over_an_fp8_cache(head_size, num_heads, num_kv_heads, dtype, fp8):
     """Against float64 attention over the dequantized cache (the reference's values):
@@ -790,8 +809,7 @@ def test_windowed_soft_capped_decode_over_an_fp8_cache_with_other_block_sizes(he
     assert_close(out, float64_attention(query, k32, v32, md, 0.3, 23, 3.0), torch.float32)
 
 
-@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,fp8", query_and_cache_dtypes(FP8_FORMATS, ["e4m3", "e5m2"]))
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(32, 8, 2), (64, 4, 4), (40, 8, 4), (36, 8, 4)])
 def test_prefill_and_extend_attention_over_an_fp8_cache(head_size, num_heads, num_kv_heads, dtype, fp8):
     # A whole prompt, an extend after cached tokens, a short chunk mid-block.
@@ -882,10 +900,12 @@ def test_narrower_isa_passes(isa):
     if isa == "avx512_no_bf16" and "avx512_bf16" not in native_build._cpu_flags().split():
         pytest.skip("this process's own build has no AVX512-BF16 either")
     env = {**os.environ, "RAYLM_CPU_ISA": isa}
-    # Every library of this ISA first, compiled side by side (the tests would build them one by one).
-    subprocess.run([sys.executable, "-m", "raylm.kernels.native_build"], env=env, capture_output=True, timeout=600)
+    # This file's libraries of this ISA first, compiled side by side (the tests would build them one by one).
+    subprocess.run([sys.executable, "-m", "raylm.kernels.native_build", *ISA_LIBRARIES], env=env, capture_output=True,
+                   timeout=600)
     result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
-                             "-k", "not narrower_isa"], env=env, cwd=Path(__file__).parent.parent,
+                             "-k", "not narrower_isa", "-m", "not same_isa_path"], env=env,
+                            cwd=Path(__file__).parent.parent,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]

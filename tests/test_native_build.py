@@ -140,3 +140,28 @@ def test_a_library_compiles_against_the_precompiled_torch_headers():
     assert done.returncode == 0, done.stderr[-3000:]
     used = [line for line in done.stderr.splitlines() if line.startswith("! ")]
     assert used and used[0].endswith(f"{native_build.PRECOMPILED_HEADER}.gch"), done.stderr[:2000]
+
+
+# An AVX-512 CPU's flags (compiled only, never run here) narrowed as each RAYLM_CPU_ISA does.
+@pytest.mark.parametrize("isa", ["avx512", "avx512_no_bf16", "avx2", "scalar"])
+def test_the_avx512_gemm_is_skipped_exactly_where_its_source_compiles_no_kernel(isa, monkeypatch, tmp_path):
+    """native_build leaves cpu_gemm_avx512 unbuilt where the flags do not target its kernels;
+    the reference is its own #if (RAYLM_AVX512_FP32 of cpu_gemm_avx512_panels.h), preprocessed
+    with the same flags; and an unbuilt library loads as None without a compile."""
+    from raylm.kernels import native_build
+    if native_build._gcc_version() is None:
+        pytest.skip("needs GCC")
+    flags = ["-O3", "-march=sapphirerapids", "-fopenmp", *native_build._ISA_FLAGS[isa][0]]
+    monkeypatch.setattr(native_build, "compile_flags", lambda: list(flags))
+    probe = tmp_path / "probe.cpp"
+    probe.write_text('#include "cpu_gemm_avx512_panels.h"\nint kernels_compiled = RAYLM_AVX512_FP32;\n')
+    done = subprocess.run([native_build._compiler(), *flags, "-std=c++20", "-I", str(native_build.CSRC_DIR), "-E",
+                           str(probe)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled = "int kernels_compiled = 1;" in done.stdout
+    assert compiled == (isa in ("avx512", "avx512_no_bf16"))
+    assert native_build._flags_target("cpu_gemm_avx512") == compiled
+    if not compiled:
+        monkeypatch.setattr(native_build, "_libraries", {})
+        monkeypatch.setattr(native_build, "_build", lambda name: pytest.fail(f"{name} was compiled"))
+        assert native_build.load_native_library("cpu_gemm_avx512") is None

@@ -44,7 +44,8 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     (torch.float32, 3, 130)])
 def test_decode_with_sinks_matches_reference_the_sink_entering_a_split_softmax_once(kernels, dtype, num_splits,
                                                                                       window):
-    seq_lens = [300, 1, 40, 257]
+    # Three 64-token partitions and a part of one (split-K 3), a window of 130 inside them.
+    seq_lens = [200, 1, 40, 150]
     query, k_cache, v_cache, md = build_step([1] * 4, seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
                                              block_size=16, dtype=dtype, seed=num_splits, sliding_window=window)
     sinks = sinks_for(8, num_splits)
@@ -105,8 +106,8 @@ def test_llm_on_the_triton_backend_generates_hf_greedy_tokens_for_gpt_oss(kernel
 
     model_dir = build_tiny_gpt_oss(tmp_path / "gpt_oss", seed=3)
     prompts = [[5, 17, 33, 2, 9, 101, 44, 12, 60, 7, 88, 3], [250, 11]]  # the first past the window of 8
-    llm = LLM(model=str(model_dir), dtype="float32", attention_backend="triton", max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=64)  # the warm-up's full-budget prefill runs interpreted too
+    llm = LLM(model=str(model_dir), dtype="float32", attention_backend="triton", max_model_len=32, max_num_seqs=4,
+              max_num_batched_tokens=32)  # the warm-up's full-budget prefill runs interpreted too
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

@@ -331,7 +331,7 @@ def interleaved_ms(fns: list[Callable[[], object]], device: torch.device, repeat
 def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], device: torch.device,
                            alternatives: list[tuple[int, int, int, int | None, int | None]],
                            copy_bytes_s: float | None = None, use_triton: bool | None = None,
-                           repeats: int = 10) -> dict:
+                           repeats: int = 10, warmup: int = 1) -> dict:
     """The decode kernel alone at each (batch, context) case, with decode_tiles' choice and
     the dispatcher's split count, and each alternative (BLOCK_N, num_warps, num_stages,
     split count or None, register cap or None), timed in turns: K/V bytes read per second
@@ -390,7 +390,7 @@ def decode_attention_sweep(shape: Shape, cases: tuple[tuple[int, int], ...], dev
             rows.append(dict(tiles=tiles, num_splits=splits, rel_diff_from_chosen=difference))
         per_call = LAUNCHES_PER_GRAPH if device.type == "cuda" else 1
         timed = [row for row in rows if "error" not in row]
-        for row, ms in zip(timed, interleaved_ms(timers, device, repeats)):
+        for row, ms in zip(timed, interleaved_ms(timers, device, repeats, warmup)):
             bytes_per_s = kv_bytes / (ms / per_call / 1e3)
             row.update(ms=ms / per_call, bytes_per_s=bytes_per_s,
                        fraction_of_copy=bytes_per_s / copy_bytes_s if copy_bytes_s else None)
