@@ -62,11 +62,20 @@ def leaked_worker_actors(before: dict[str, WorkerActor]) -> tuple[list[WorkerAct
     return ended_by_gc, still_alive
 
 
-def kill_workers(actors: list[WorkerActor]) -> None:
-    """Kills leaked workers (their processes: every node of the tests' clusters is on this
-    machine) so that they do not slow the modules after the one that leaked them."""
+def end_workers(actors: list[WorkerActor]) -> None:
+    """Ends leaked workers so that they do not slow the modules after the one that leaked
+    them: shuts down the executors still holding them (a failed test's traceback, which
+    pytest keeps, holds its engine), then kills the processes of any left (every node of
+    the tests' clusters is on this machine)."""
+    from raylm.executors.ray_distributed_executor import RayDistributedExecutor
+
+    leaked = {actor.actor_id for actor in actors}
+    for executor in [obj for obj in gc.get_objects() if isinstance(obj, RayDistributedExecutor)]:
+        if any(worker._actor_id.hex() in leaked for worker in executor.workers):
+            executor.shutdown()
+    still_alive = live_worker_actors()
     for actor in actors:
-        if actor.pid > 0:
+        if actor.actor_id in still_alive and actor.pid > 0:
             try:
                 os.kill(actor.pid, signal.SIGKILL)
             except ProcessLookupError:
