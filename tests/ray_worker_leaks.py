@@ -9,11 +9,9 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
-
-import ray
-from ray._private import state as ray_state
 
 WORKER_CLASS_NAME = "RayWorkerWrapper"
 # Every state but DEAD: a worker still being created or restarted holds its bundle too.
@@ -32,6 +30,12 @@ class WorkerActor:
 def live_worker_actors() -> dict[str, WorkerActor]:
     """The engine's worker actors not yet dead, by actor id; none when Ray is not running
     in this process."""
+    # A module that never imported Ray started none: do not pay for importing it here.
+    if "ray" not in sys.modules:
+        return {}
+    import ray
+    from ray._private import state as ray_state
+
     if not ray.is_initialized():
         return {}
     actors = {}
