@@ -64,6 +64,18 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = _executor_class(engine_config)(engine_config)
         logger.info("Workers ready, model loaded in %.1f s.", time.perf_counter() - start)
+        # The workers run from here on: a failure before the engine is whole (a KV cache too
+        # small, a compiled graph that does not build, an interrupt) must end them, or
+        # they live on, held by the traceback, until the garbage collector frees it.
+        self.lora_loader = None
+        try:
+            self._finish_init(engine_config, structured_output_manager, log_stats)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _finish_init(self, engine_config: EngineConfig, structured_output_manager: StructuredOutputManager | None,
+                     log_stats: bool) -> None:
         start = time.perf_counter()
         self._initialize_kv_caches()
         logger.info("KV cache allocated and model warmed up in %.1f s.", time.perf_counter() - start)

@@ -107,3 +107,26 @@ def holes_filled_on_device(monkeypatch):
 
     monkeypatch.setattr(model_runner_module, "_fill_holes", counting)
     return count
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_ray_workers():
+    """Errors the module whose tests leave engine worker actors (`RayWorkerWrapper`) alive
+    in this process's Ray: an LLM nobody shut down keeps its workers until the session's
+    Ray ends (or, freed only by its finalizer, until the garbage collector happens to run),
+    and they take CPU from every test after it. The leaked workers are ended."""
+    from ray_worker_leaks import end_workers, leaked_worker_actors, live_worker_actors
+
+    before = live_worker_actors()
+    yield
+    ended_by_gc, still_alive = leaked_worker_actors(before)
+    end_workers(still_alive)
+    problems = []
+    if still_alive:
+        problems.append(f"{len(still_alive)} still alive after gc.collect() (pids {[a.pid for a in still_alive]}, "
+                        "ended now): an LLM still referenced, or a shutdown that left its workers")
+    if ended_by_gc:
+        problems.append(f"{len(ended_by_gc)} ended only by gc.collect() (pids {[a.pid for a in ended_by_gc]}): "
+                        "an LLM left to the garbage collector instead of shut down")
+    if problems:
+        pytest.fail("This module left Ray engine workers behind: " + "; ".join(problems) + ".", pytrace=False)

@@ -4,6 +4,7 @@ for `/health`, and a stop that never leaves the process behind."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,7 +88,10 @@ def _launch(args: list[str], log: Path | None,
     env = server_env(env)
     output = open(log, "w") if log is not None else subprocess.DEVNULL
     try:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+        # Its own process group: the processes of its private Ray (raylet, agents, workers)
+        # join it, so a stop that must kill can take them all (killed alone, the server
+        # leaves Ray's dashboard and runtime-env agents running, orphaned).
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     finally:
         if log is not None:
             output.close()
@@ -100,8 +104,16 @@ def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            kill_process_group(process)
+
+
+def kill_process_group(process: subprocess.Popen) -> None:
+    """Kills a server started by `start_server` and every process of its group (its Ray)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 @contextmanager

@@ -151,9 +151,8 @@ def test_pack_quantized_checkpoint_over_two_tensor_parallel_ray_workers_matches_
     # order: a rank's input rows refer to any group).
     quantized, reference = tmp_path / "ct", tmp_path / "dequantized"
     write_pack_quantized_checkpoint(source, quantized, reference, bits=4, symmetric=False, actorder="group")
-    llm = LLM(model=str(quantized), tensor_parallel_size=2, **ENGINE)
-    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
-    llm.shutdown()
+    with LLM(model=str(quantized), tensor_parallel_size=2, **ENGINE) as llm:  # shut down even when it fails
+        assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.cuda

@@ -106,9 +106,8 @@ def test_fp8_checkpoint_over_two_tensor_parallel_ray_workers_matches_hf(tmp_path
     # row-parallel ones block columns with their input columns (16-row blocks: 2 per
     # rank's k and v of 16 rows each).
     quantized, reference, _ = checkpoint(tmp_path, source, layout, block=block)
-    llm = LLM(model=str(quantized), tensor_parallel_size=2, **ENGINE)
-    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
-    llm.shutdown()
+    with LLM(model=str(quantized), tensor_parallel_size=2, **ENGINE) as llm:  # shut down even when it fails
+        assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
 
 
 def test_serve_flag_quantization_reaches_the_model_config(source):

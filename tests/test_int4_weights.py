@@ -35,7 +35,11 @@ def run_checkpoint(tmp_path: Path, source: Path, method: str, tp: int = 1, **opt
     quantized, reference = tmp_path / method, tmp_path / "dequantized"
     tensors = write_int4_checkpoint(source, quantized, reference, method, **options)
     llm = LLM(model=str(quantized), tensor_parallel_size=tp, **ENGINE)
-    assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
+    try:
+        assert_generation_matches_hf(llm, reference, PROMPTS, MAX_TOKENS)
+    except BaseException:
+        llm.shutdown()  # the failure's traceback would keep the workers alive
+        raise
     return llm, tensors
 
 

@@ -156,11 +156,10 @@ def test_without_async_scheduling_one_batch_at_a_time_gives_the_same_tokens(pp_l
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     pipelined = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                use_tqdm=False)]
-    stepwise_llm = LLM(model=str(model_dir), pipeline_parallel_size=pp, async_scheduling=False, **ENGINE)
-    seen = _watch_steps(stepwise_llm)
-    stepwise = [o.outputs[0].token_ids for o in stepwise_llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                        params, use_tqdm=False)]
-    stepwise_llm.shutdown()
+    with LLM(model=str(model_dir), pipeline_parallel_size=pp, async_scheduling=False, **ENGINE) as stepwise_llm:
+        seen = _watch_steps(stepwise_llm)
+        stepwise = [o.outputs[0].token_ids for o in stepwise_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                            params, use_tqdm=False)]
     assert stepwise == pipelined
     assert seen["max_in_flight"] == 1
 

@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayActorError, RayChannelError
 
 from engine_checks import kill_worker_at_step
+from ray_worker_leaks import live_worker_actors
 from raylm.engine import LLM, SamplingParams
 from raylm.engine.arg_utils import EngineArgs
 from raylm.executors.worker import Worker
@@ -118,6 +119,27 @@ def test_a_new_llm_runs_after_a_failure_and_a_collected_one_leaves_nothing_runni
     assert placement_group_state(group) == "REMOVED"
     if compiled:
         assert graph_is_torn_down(graph)
+
+
+def live_placement_groups() -> set[str]:
+    return {group_id for group_id, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
+
+
+def test_an_llm_whose_construction_fails_after_its_workers_loaded_leaves_no_worker_or_placement_group(ray_cluster,
+                                                                                                       llama_dir):
+    # The KV cache check fails once both workers hold the model. The error's traceback
+    # (kept here, as pytest keeps a failed test's) holds the half-built engine: its
+    # workers must end with the failure, not when the garbage collector frees it.
+    workers_before, groups_before = set(live_worker_actors()), live_placement_groups()
+    with pytest.raises(ValueError, match=r"The KV cache holds 2 blocks .* fewer than the 8 blocks") as excinfo:
+        LLM(model=str(llama_dir), dtype="float32", tensor_parallel_size=2, max_model_len=128, block_size=16,
+            num_gpu_blocks_override=2)
+    deadline = time.monotonic() + 10  # ray.kill returns before the actor is dead
+    while set(live_worker_actors()) - workers_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(live_worker_actors()) - workers_before == set()
+    assert live_placement_groups() - groups_before == set()
+    assert excinfo.traceback  # still held
 
 
 def test_a_worker_that_raises_in_a_compiled_step_is_named_with_its_exception(ray_cluster, llama_dir):
