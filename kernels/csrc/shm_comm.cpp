@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -49,6 +50,12 @@ constexpr int64_t kHeaderBytes = kMaxRanks * kCacheLine;
 // usually arrives within them; on a machine with fewer cores than processes, yielding is
 // what lets the peer run at all.
 constexpr int kSpinsBeforeYield = 256;
+// A rank still waiting after this long has a peer that is stuck, dead or descheduled (a
+// peer's share of a step arrives in microseconds to milliseconds): it then sleeps between
+// polls instead of yielding, so that a rank waiting out worker_timeout_s for a peer that
+// never comes does not hold a core for all of it.
+constexpr std::chrono::milliseconds kYieldFor{20};
+constexpr std::chrono::microseconds kSleepBetweenPolls{500};
 
 static_assert(sizeof(std::atomic<int64_t>) == 8 && std::atomic<int64_t>::is_always_lock_free,
               "arrival counters must be lock-free 8-byte atomics to live in shared memory");
@@ -76,22 +83,30 @@ void check_segment(const at::Tensor& segment, int64_t rank, int64_t world_size, 
 // Waits until every rank has arrived at `seq`; raises naming the late ranks after timeout_s.
 void wait_for_all(uint8_t* segment, int64_t world_size, int64_t seq, double timeout_s, int64_t self) {
   using clock = std::chrono::steady_clock;
-  clock::time_point deadline{};
+  clock::time_point deadline{}, waiting_since{};
   bool deadline_set = false;
   for (int64_t r = 0; r < world_size; ++r) {
     std::atomic<int64_t>* counter = arrival(segment, r);
     int spins = 0;
+    bool sleeping = false;
     while (counter->load(std::memory_order_acquire) < seq) {
       if (++spins < kSpinsBeforeYield) {
         RAYLM_CPU_RELAX();
         continue;
       }
-      sched_yield();
-      if ((spins & 255) != 0) continue;
+      if (sleeping) {
+        std::this_thread::sleep_for(kSleepBetweenPolls);
+      } else {
+        sched_yield();
+        if ((spins & 255) != 0) continue;
+      }
       const auto now = clock::now();
       if (!deadline_set) {
+        waiting_since = now;
         deadline = now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
         deadline_set = true;
+      } else if (!sleeping && now - waiting_since > kYieldFor) {
+        sleeping = true;
       } else if (now > deadline) {
         std::string late;
         for (int64_t q = 0; q < world_size; ++q) {
