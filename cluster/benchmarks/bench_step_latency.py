@@ -58,6 +58,12 @@ class StepLatency:
     startup_s: float
 
 
+# The three ways a Ray configuration runs its steps: (row label, compiled graph, async scheduling).
+RAY_STEP_PATHS = {"graph-async": ("graph, async scheduling", True, True),
+                  "graph": ("graph, step at a time", True, False),
+                  "actor-calls": ("actor calls", False, False)}
+
+
 def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     """A random Llama with the test models' shape; no tokenizer (token-id prompts)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> list[StepLatency]:
     parser.add_argument("--num-steps", type=int, default=50, help="Timed decode steps per configuration.")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--tp-sizes", default="2", help="Ray tensor-parallel sizes beyond 1, comma-separated.")
+    parser.add_argument("--tp-paths", default=",".join(RAY_STEP_PATHS),
+                        help="Which ways to run the --tp-sizes configurations, comma-separated (N=1 runs all).")
     parser.add_argument("--max-model-len", type=int, default=128)
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV-cache blocks (enough for the batch).")
     parser.add_argument("--dtype", default="float32")
@@ -236,14 +244,18 @@ def main(argv: list[str] | None = None) -> list[StepLatency]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
+    tp_paths = [path for path in args.tp_paths.split(",") if path]
+    if set(tp_paths) - set(RAY_STEP_PATHS):
+        parser.error(f"--tp-paths takes a comma-separated subset of {','.join(RAY_STEP_PATHS)}, got {args.tp_paths!r}")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))
         configs = [("in process", 1, None, True, False)]
         for n in [1] + [int(x) for x in args.tp_sizes.split(",") if x]:
-            configs += [(f"ray N={n} graph, async scheduling", n, "ray", True, True),
-                        (f"ray N={n} graph, step at a time", n, "ray", True, False),
-                        (f"ray N={n} actor calls", n, "ray", False, False)]
+            # N=1 runs every path: the reference of each larger size's "each worker beyond one".
+            configs += [(f"ray N={n} {label}", n, "ray", compiled, pipelined)
+                        for path, (label, compiled, pipelined) in RAY_STEP_PATHS.items()
+                        if n == 1 or path in tp_paths]
         results = [measure(name, model_dir, args, n, backend, compiled, pipelined)
                    for name, n, backend, compiled, pipelined in configs]
     print_table(results)

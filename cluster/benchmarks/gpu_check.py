@@ -2,7 +2,7 @@
 its own timeout, merged into one JSON record and a short summary.
 
 - a: the Triton kernels compiled natively against the fp32 PyTorch reference
-  (`gpu_kernel_check`, three processes over the configurations);
+  (`gpu_kernel_check`, three processes over the configurations; one in a dry run);
 - b: greedy tokens against Hugging Face on tiny models of every architecture
   (`gpu_model_check`);
 - c: speed on a Llama-3-8B shape against the device's ceilings (`gpu_speed_check`);
@@ -105,8 +105,10 @@ def stage_jobs(stage: str, work: Path, dry_run: bool) -> list[Job]:
     if stage == "a":
         # The interpreter must be on before the kernels are decorated: in the environment.
         env = {"TRITON_INTERPRET": "1"} if dry_run else {}
-        return [Job("a", ["raylm.cluster.benchmarks.gpu_kernel_check", "--part", f"{i}/{KERNEL_PARTS}", *dry],
-                    work / f"a{i}.json", env) for i in range(KERNEL_PARTS)]
+        # The dry run's kernels are cheap next to a process's imports (torch): one process.
+        parts = 1 if dry_run else KERNEL_PARTS
+        return [Job("a", ["raylm.cluster.benchmarks.gpu_kernel_check", "--part", f"{i}/{parts}", *dry],
+                    work / f"a{i}.json", env) for i in range(parts)]
     if stage == "t":
         # pytest's JUnit XML names each test's outcome and seconds (`cuda_test_results`).
         return [Job("t", ["pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", f"--junitxml={work / 't.xml'}",
