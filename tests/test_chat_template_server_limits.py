@@ -62,7 +62,9 @@ def test_a_burst_of_slow_request_templates_is_refused_past_the_queue_and_the_res
         error = reply.json()["error"]
         assert reply.status_code == 429 and reply.headers["Retry-After"] == "1"
         assert error["type"] == "RateLimitError" and error["param"] == "chat_template" and error["code"] == 429
-        assert took < 1.0  # at once, not after the renders before it
+        # At once, not after the renders before it (each takes RENDER_SECONDS to be cut off;
+        # a refusal took 1.008 s on CI's loaded 2 cores).
+        assert took < RENDER_SECONDS
     admitted = [(reply, took) for reply, took in answers if (reply, took) not in refused]
     for reply, took in admitted:
         # Out of time rendering (400, the template's doing), or, having waited, before a
