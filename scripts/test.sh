@@ -2,8 +2,9 @@
 # The test suite. With no arguments (what CI runs): the whole `tests` folder in two parts,
 # first every test not marked `serial` on two pytest-xdist workers (whole files per worker:
 # module fixtures such as a running server stay in one process), then the `serial` ones
-# (they assert wall-clock time or machine speed) alone. The tests run one OpenMP thread
-# each, so on CI's 2 cores two workers take about half the time of one.
+# (they assert wall-clock time or machine speed, or crawl beside other tests) alone. The
+# tests run one OpenMP thread each, so on CI's 2 cores two workers take about half the time
+# of one.
 # With arguments, they go to one plain pytest and pick what runs:
 # `./scripts/test.sh tests/test_bench_job.py`, `-k tp2`, ... (with no test path among them,
 # pytest takes pyproject's testpaths: `tests`).

@@ -13,6 +13,9 @@ import pytest
 from raylm.cluster.benchmarks.bench_step_latency import main
 
 
+# Alone (scripts/test.sh's serial part): its Ray workers step in lockstep, and beside another test
+# on CI's 2 cores it took 260 s against 26 s alone.
+@pytest.mark.serial
 def test_every_configuration_runs_on_the_path_it_names(ray_cluster, llama_dir, capsys):
     # N=2 on one path only: a configuration's time is almost all its workers' start (a fresh
     # process importing torch), and the other two paths at N=2 run the same benchmark code as
