@@ -157,10 +157,12 @@ def test_the_step_bound_counts_loop_iterations_calls_and_range_items(renderer):
 
 
 # Few steps, each much work on request content within the size bounds: every iteration
-# sorts the 100,000 characters of the user's message (some 20-60 ms on a loaded 2-core
-# machine), 4 steps and operations an iteration, so 80 iterations take 2-5 s.
-COSTLY_STEPS = "{% for i in range(80) %}{% set x = messages[0].content|list|sort|join %}{% endfor %}done"
-LONG_CONTENT = [{"role": "user", "content": "ab" * 50_000}]
+# sorts the 20,000 characters of the user's message with Jinja's `sort` filter (some 50 ms
+# on an idle 2-core machine, 100 ms loaded; 100,000 characters took 0.27-0.5 s, a deadline
+# overshoot of that much), 4-5 steps and operations an iteration, so the clock is read at
+# least once an iteration and 400 iterations would take 20 s or more.
+COSTLY_STEPS = "{% for i in range(400) %}{% set x = messages[0].content|list|sort|join %}{% endfor %}done"
+LONG_CONTENT = [{"role": "user", "content": "ab" * 10_000}]
 
 
 @pytest.mark.serial  # wall-clock deadline: alone, after the parallel part (scripts/test.sh)
@@ -170,9 +172,9 @@ def test_a_render_with_few_costly_steps_stops_at_its_deadline():
     started = time.monotonic()
     with pytest.raises(ChatTemplateTimeoutError, match="did not render within 0.5 s"):
         timed.render(COSTLY_STEPS, LONG_CONTENT)
-    # The clock is read every CLOCK_EVERY_OPS operations: an iteration of some 20-150 ms at worst.
+    # The clock is read every CLOCK_EVERY_OPS operations: at least once an iteration of some 50-150 ms.
     assert time.monotonic() - started < 0.5 + 0.5
-    assert timed.render("{{ messages[0].content|length }}", LONG_CONTENT) == "100000"  # the next renders
+    assert timed.render("{{ messages[0].content|length }}", LONG_CONTENT) == "20000"  # the next renders
 
 
 def test_invalid_jinja_is_a_template_error_naming_the_line(renderer):
