@@ -11,6 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Bytecode for what changed since setup (the suite starts hundreds of processes that import
+# raylm; see scripts/compile_bytecode.sh).
+./scripts/compile_bytecode.sh
 # A hung test fails after 600 s; after an hour (for the whole run) pytest stops starting
 # tests and prints its summary, so even a run with several hangs ends with the names of what
 # failed (CI's own limit would cut it off with none). The 30 slowest tests are listed at the

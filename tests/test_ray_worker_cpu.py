@@ -12,6 +12,11 @@ import pytest
 from raylm.engine import LLM
 from raylm.executors.worker import share_of_cores
 
+# Alone, after the parallel part (scripts/test.sh): these engines take every core of the
+# machine (their workers' threads), and beside another test file one hung for 500-1,400 s
+# inside Ray's compiled-graph set-up on CI's 2 cores, twice; alone the file takes some 40 s.
+pytestmark = pytest.mark.serial
+
 
 def machine_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))

@@ -55,12 +55,16 @@ def references(tiny_model_dirs, greedy_prompts):
     return of
 
 
-# (tensor_parallel_size, scheduler mode, steps through the compiled graph), for each model;
-# the actor-call path stays covered by one mode.
-TP_MODES = [(2, "default", True), (4, "default", True), (2, "no-cache-no-chunk", False)]
-# One Ray worker is the control path alone (no sharding, no collective), the same whatever
-# the model: llama shows it. Each model's own code on Ray workers is its tp2 and tp4 cases'.
-TP_CASES = [("llama", 1, "default", True)] + [(arch, *mode) for arch in ARCHS for mode in TP_MODES]
+# (architecture, tensor_parallel_size, scheduler mode, steps through the compiled graph).
+# Every model at tp2 on the compiled graph: each model's own sharding on Ray workers. At tp4
+# the 2 KV heads are replicated, two ranks a head: llama's plain projections and qwen2's
+# biased ones (its bias is replicated with its head); mistral shares llama's layers. The
+# actor-call path and the no-cache, no-chunk scheduler run on one model: they are the
+# executor's and the scheduler's, the same for every model.
+TP_CASES = [("llama", 1, "default", True),
+            *[(arch, 2, "default", True) for arch in ARCHS],
+            ("llama", 4, "default", True), ("qwen2", 4, "default", True),
+            ("llama", 2, "no-cache-no-chunk", False)]
 
 
 @pytest.fixture(scope="module", params=TP_CASES,
