@@ -28,7 +28,7 @@ START=$SECONDS
 "${PYTEST[@]}" --session-timeout 3300 -n 2 --dist loadfile -m "not serial"
 parallel_status=$?
 echo "parallel part: exit status $parallel_status after $((SECONDS - START)) s"
-"${PYTEST[@]}" --session-timeout 600 -m serial
+"${PYTEST[@]}" --session-timeout 900 -m serial
 serial_status=$?
 echo "serial part: exit status $serial_status; the whole suite took $((SECONDS - START)) s"
 if [ "$parallel_status" -ne 0 ]; then

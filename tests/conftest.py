@@ -67,7 +67,7 @@ def ray_cluster():
 # whole files to two pytest-xdist workers in collection order: these start first, so that
 # no long file starts last and keeps one worker busy while the other idles.
 SLOW_FILES = ("test_pipeline_parallel.py", "test_tensor_parallel.py", "test_cpu_kernel_isa.py", "test_native_build.py",
-              "test_server_lifecycle.py", "test_bench_job.py", "test_prefix_router.py", "test_gpu_check.py",
+              "test_server_lifecycle.py", "test_prefix_router.py", "test_gpu_check.py",
               "test_fuzz_server.py", "test_serve_app.py", "test_serve_config.py",
               "test_triton_kernels.py", "test_embeddings.py", "test_serve_pipeline.py", "test_async_scheduling.py",
               "test_api_server.py", "test_lora_serve_app.py", "test_structured_outputs_server.py")
