@@ -18,7 +18,8 @@ PIP_CHATTER = "Collecting torch==2.13.0\n  Downloading torch-2.13.0-cp311-none-l
 
 def setup_sh_with_fake_python(tmp_path: Path, python_script: str) -> subprocess.CompletedProcess:
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    for script in ("setup.sh", "compile_bytecode.sh"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts" / script)
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\n" + python_script)
@@ -37,6 +38,7 @@ def test_setup_sh_prints_one_line_per_step_and_hides_pip_output(tmp_path):
         "installing torch==2.13.0 (CPU) and triton==3.9.0 ... done (Ns)",
         "installing raylm[test] (editable) ... done (Ns)",
         "building the native CPU kernels ... done (Ns)",
+        "compiling raylm's bytecode ... done (Ns)",
         "ready in Ns: .venv/bin/raylm serve, ./scripts/test.sh",
     ]
 
