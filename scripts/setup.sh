@@ -44,6 +44,6 @@ step "installing raylm[test] (editable)" .venv/bin/python -m pip install -e ".[t
 step "building the native CPU kernels" .venv/bin/python -m raylm.kernels.native_build
 # Bytecode for raylm's own modules, written once: where PYTHONDONTWRITEBYTECODE is set (as
 # on CI's image), every process would otherwise compile them again from source as it imports
-# them, some 1.2 s of CPU for each server, Ray worker or subprocess that loads the server stack.
+# them: some 1.2 s of CPU for each server or subprocess that loads the server stack.
 step "compiling raylm's bytecode" ./scripts/compile_bytecode.sh
 echo "ready in $((SECONDS - START))s: .venv/bin/raylm serve, ./scripts/test.sh"

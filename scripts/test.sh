@@ -16,8 +16,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ./scripts/compile_bytecode.sh
 # A hung test fails after 600 s (300 s in the parallel part, below); after an hour (for the
 # whole run) pytest stops starting tests and prints its summary, so even a run with several
-# hangs ends with the names of what failed (CI's own limit would cut it off with none). The 30 slowest tests are listed at the
-# end, so that a CI log says where the suite's time goes on that machine.
+# hangs ends with the names of what failed (CI's own limit would cut it off with none). The
+# 30 slowest tests are listed at the end, so that a CI log says where the suite's time goes
+# on that machine.
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -rfE --timeout 600 --durations=30 --durations-min=5)
 
 if [ $# -gt 0 ]; then

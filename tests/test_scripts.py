@@ -104,3 +104,14 @@ def test_test_sh_with_options_only_selects_within_the_tests_folder(tmp_path):
 def test_test_sh_runs_pytest_on_one_thread_with_a_600_s_test_and_3600_s_session_timeout(tmp_path):
     proc = run_test_sh(small_repository_with_test_sh(tmp_path), "tests/test_a.py")
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_compile_bytecode_writes_raylms_bytecode_even_where_python_would_not(tmp_path):
+    """CI's image sets PYTHONDONTWRITEBYTECODE: the script must write the bytecode anyway."""
+    import importlib.util
+    source = ROOT / "engine" / "sampling_params.py"
+    compiled = Path(importlib.util.cache_from_source(str(source)))
+    compiled.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    subprocess.run([str(ROOT / "scripts" / "compile_bytecode.sh")], check=True, env=env, timeout=120)
+    assert compiled.is_file() and compiled.stat().st_mtime >= source.stat().st_mtime
